@@ -1,0 +1,126 @@
+"""
+Listen and dial addresses (C{[HOST:]PORT}, IPv6 as C{[addr]:port}) and a
+service that listens on one.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Any
+
+from twisted.application.service import Service
+from twisted.internet.endpoints import TCP4ServerEndpoint, TCP6ServerEndpoint
+from twisted.python.failure import Failure
+
+
+class AddressError(ValueError):
+    pass
+
+
+def parse_address(spec: str, default_host: str, default_port: int | None = None) -> tuple[str, int]:
+    """
+    Split C{spec} into a host and a port.
+
+    C{"7443"} is a port on C{default_host}; C{"0.0.0.0:7443"},
+    C{"[::1]:7443"} and C{"name:7443"} name both.
+
+    @raise AddressError: the port is not a number in 0..65535, or an IPv6
+        address is not bracketed.
+    """
+    spec = spec.strip()
+    if not spec:
+        if default_port is None:
+            raise AddressError("empty address")
+        return default_host, default_port
+    host, port_s = default_host, spec
+    if spec.startswith("["):
+        end = spec.find("]")
+        if end < 0:
+            raise AddressError(f"{spec!r}: unclosed '[' around an IPv6 address")
+        host = spec[1:end]
+        rest = spec[end + 1 :]
+        if not rest.startswith(":"):
+            raise AddressError(f"{spec!r}: expected [ADDRESS]:PORT")
+        port_s = rest[1:]
+    elif ":" in spec:
+        if spec.count(":") > 1:
+            raise AddressError(f"{spec!r}: write an IPv6 address as [ADDRESS]:PORT")
+        host, port_s = spec.rsplit(":", 1)
+    try:
+        port = int(port_s)
+    except ValueError:
+        raise AddressError(f"{spec!r}: port {port_s!r} is not a number") from None
+    if not 0 <= port <= 65535:
+        raise AddressError(f"{spec!r}: port {port} is out of range")
+    if not host:
+        host = default_host
+    return host, port
+
+
+def is_loopback(host: str) -> bool:
+    """
+    Whether C{host} is a loopback address (or C{localhost}).
+    """
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def is_ipv6(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).version == 6
+    except ValueError:
+        return False
+
+
+def server_endpoint(reactor: Any, host: str, port: int, backlog: int = 1024) -> Any:
+    """
+    A TCP server endpoint on C{host}:C{port}.
+    """
+    if is_ipv6(host):
+        return TCP6ServerEndpoint(reactor, port, backlog=backlog, interface=host)
+    return TCP4ServerEndpoint(reactor, port, backlog=backlog, interface=host)
+
+
+def format_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if is_ipv6(host) else f"{host}:{port}"
+
+
+class ListenerService(Service):
+    """
+    Listens on an endpoint while running and keeps the C{IListeningPort}
+    (C{port}) so callers can read the bound address.
+
+    A synchronous endpoint's failure to listen (address in use, say) is
+    raised from C{startService}, which makes twistd exit with it.
+    """
+
+    def __init__(self, endpoint: Any, factory: Any):
+        self.endpoint = endpoint
+        self.factory = factory
+        self.port: Any = None
+
+    def startService(self) -> None:
+        super().startService()
+        result: list[Any] = []
+        self.endpoint.listen(self.factory).addBoth(result.append)
+        if not result:
+            raise RuntimeError("the listening endpoint did not answer synchronously")
+        if isinstance(result[0], Failure):
+            self.running = False
+            result[0].raiseException()
+        self.port = result[0]
+
+    def stopService(self) -> Any:
+        super().stopService()
+        port, self.port = self.port, None
+        if port is not None:
+            return port.stopListening()
+        return None
+
+    def address(self) -> tuple[str, int]:
+        addr = self.port.getHost()
+        return addr.host, addr.port

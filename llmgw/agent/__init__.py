@@ -1,0 +1,1 @@
+"""The node agent: stream client, GPU discovery, supervisor of shard processes."""

@@ -1,0 +1,231 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class AgentMessage(_message.Message):
+    __slots__ = ("register", "heartbeat", "shard")
+    REGISTER_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    register: Register
+    heartbeat: Heartbeat
+    shard: ShardStatus
+    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., shard: _Optional[_Union[ShardStatus, _Mapping]] = ...) -> None: ...
+
+class ControlMessage(_message.Message):
+    __slots__ = ("ack", "start", "stop", "drain")
+    ACK_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_FIELD_NUMBER: _ClassVar[int]
+    ack: Ack
+    start: StartShard
+    stop: StopShard
+    drain: DrainShard
+    def __init__(self, ack: _Optional[_Union[Ack, _Mapping]] = ..., start: _Optional[_Union[StartShard, _Mapping]] = ..., stop: _Optional[_Union[StopShard, _Mapping]] = ..., drain: _Optional[_Union[DrainShard, _Mapping]] = ...) -> None: ...
+
+class Register(_message.Message):
+    __slots__ = ("protocol_version", "node_id", "agent_version", "gpus", "fabrics", "running_shards", "certificate_not_after")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    FABRICS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    CERTIFICATE_NOT_AFTER_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    node_id: str
+    agent_version: str
+    gpus: _containers.RepeatedCompositeFieldContainer[GPU]
+    fabrics: _containers.RepeatedCompositeFieldContainer[Fabric]
+    running_shards: _containers.RepeatedCompositeFieldContainer[RunningShard]
+    certificate_not_after: int
+    def __init__(self, protocol_version: _Optional[int] = ..., node_id: _Optional[str] = ..., agent_version: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[GPU, _Mapping]]] = ..., fabrics: _Optional[_Iterable[_Union[Fabric, _Mapping]]] = ..., running_shards: _Optional[_Iterable[_Union[RunningShard, _Mapping]]] = ..., certificate_not_after: _Optional[int] = ...) -> None: ...
+
+class GPU(_message.Message):
+    __slots__ = ("index", "uuid", "name", "memory_total_mb", "memory_used_mb", "problems")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    UUID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TOTAL_MB_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_USED_MB_FIELD_NUMBER: _ClassVar[int]
+    PROBLEMS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    uuid: str
+    name: str
+    memory_total_mb: int
+    memory_used_mb: int
+    problems: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., memory_total_mb: _Optional[int] = ..., memory_used_mb: _Optional[int] = ..., problems: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Fabric(_message.Message):
+    __slots__ = ("name", "address")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    address: str
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+
+class RunningShard(_message.Message):
+    __slots__ = ("shard_id", "replica_id", "model", "profile", "rank", "gpu_indices", "port", "state", "world_size", "epoch")
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    GPU_INDICES_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    shard_id: str
+    replica_id: str
+    model: str
+    profile: str
+    rank: int
+    gpu_indices: _containers.RepeatedScalarFieldContainer[int]
+    port: int
+    state: ShardStatus.State
+    world_size: int
+    epoch: int
+    def __init__(self, shard_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., model: _Optional[str] = ..., profile: _Optional[str] = ..., rank: _Optional[int] = ..., gpu_indices: _Optional[_Iterable[int]] = ..., port: _Optional[int] = ..., state: _Optional[_Union[ShardStatus.State, str]] = ..., world_size: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class Heartbeat(_message.Message):
+    __slots__ = ("gpu_memory_used_mb", "new_problems", "new_gpu_problems")
+    GPU_MEMORY_USED_MB_FIELD_NUMBER: _ClassVar[int]
+    NEW_PROBLEMS_FIELD_NUMBER: _ClassVar[int]
+    NEW_GPU_PROBLEMS_FIELD_NUMBER: _ClassVar[int]
+    gpu_memory_used_mb: _containers.RepeatedScalarFieldContainer[int]
+    new_problems: _containers.RepeatedScalarFieldContainer[str]
+    new_gpu_problems: _containers.RepeatedCompositeFieldContainer[GPUProblem]
+    def __init__(self, gpu_memory_used_mb: _Optional[_Iterable[int]] = ..., new_problems: _Optional[_Iterable[str]] = ..., new_gpu_problems: _Optional[_Iterable[_Union[GPUProblem, _Mapping]]] = ...) -> None: ...
+
+class GPUProblem(_message.Message):
+    __slots__ = ("gpu_index", "problem")
+    GPU_INDEX_FIELD_NUMBER: _ClassVar[int]
+    PROBLEM_FIELD_NUMBER: _ClassVar[int]
+    gpu_index: int
+    problem: str
+    def __init__(self, gpu_index: _Optional[int] = ..., problem: _Optional[str] = ...) -> None: ...
+
+class ShardStatus(_message.Message):
+    __slots__ = ("replica_id", "shard_id", "state", "error", "exit_code", "last_output", "signal")
+    class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        STATE_UNSPECIFIED: _ClassVar[ShardStatus.State]
+        STATE_STARTING: _ClassVar[ShardStatus.State]
+        STATE_READY: _ClassVar[ShardStatus.State]
+        STATE_DRAINING: _ClassVar[ShardStatus.State]
+        STATE_STOPPED: _ClassVar[ShardStatus.State]
+        STATE_FAILED: _ClassVar[ShardStatus.State]
+    STATE_UNSPECIFIED: ShardStatus.State
+    STATE_STARTING: ShardStatus.State
+    STATE_READY: ShardStatus.State
+    STATE_DRAINING: ShardStatus.State
+    STATE_STOPPED: ShardStatus.State
+    STATE_FAILED: ShardStatus.State
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    LAST_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    SIGNAL_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    shard_id: str
+    state: ShardStatus.State
+    error: str
+    exit_code: int
+    last_output: str
+    signal: int
+    def __init__(self, replica_id: _Optional[str] = ..., shard_id: _Optional[str] = ..., state: _Optional[_Union[ShardStatus.State, str]] = ..., error: _Optional[str] = ..., exit_code: _Optional[int] = ..., last_output: _Optional[str] = ..., signal: _Optional[int] = ...) -> None: ...
+
+class Ack(_message.Message):
+    __slots__ = ("message_id", "ok", "code", "error")
+    class Code(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        CODE_UNSPECIFIED: _ClassVar[Ack.Code]
+        CODE_INVALID_ARGUMENT: _ClassVar[Ack.Code]
+        CODE_UNAUTHENTICATED: _ClassVar[Ack.Code]
+        CODE_PERMISSION_DENIED: _ClassVar[Ack.Code]
+        CODE_FAILED_PRECONDITION: _ClassVar[Ack.Code]
+        CODE_RESOURCE_EXHAUSTED: _ClassVar[Ack.Code]
+    CODE_UNSPECIFIED: Ack.Code
+    CODE_INVALID_ARGUMENT: Ack.Code
+    CODE_UNAUTHENTICATED: Ack.Code
+    CODE_PERMISSION_DENIED: Ack.Code
+    CODE_FAILED_PRECONDITION: Ack.Code
+    CODE_RESOURCE_EXHAUSTED: Ack.Code
+    MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    message_id: str
+    ok: bool
+    code: Ack.Code
+    error: str
+    def __init__(self, message_id: _Optional[str] = ..., ok: _Optional[bool] = ..., code: _Optional[_Union[Ack.Code, str]] = ..., error: _Optional[str] = ...) -> None: ...
+
+class StartShard(_message.Message):
+    __slots__ = ("shard_id", "replica_id", "model", "profile", "rank", "world_size", "leader_address", "argv", "env", "gpu_indices", "port", "health_path", "startup_timeout_s", "stop_grace_s", "epoch", "drain_timeout_s")
+    class EnvEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LEADER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ARGV_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    GPU_INDICES_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_PATH_FIELD_NUMBER: _ClassVar[int]
+    STARTUP_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    STOP_GRACE_S_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    shard_id: str
+    replica_id: str
+    model: str
+    profile: str
+    rank: int
+    world_size: int
+    leader_address: str
+    argv: _containers.RepeatedScalarFieldContainer[str]
+    env: _containers.ScalarMap[str, str]
+    gpu_indices: _containers.RepeatedScalarFieldContainer[int]
+    port: int
+    health_path: str
+    startup_timeout_s: int
+    stop_grace_s: int
+    epoch: int
+    drain_timeout_s: int
+    def __init__(self, shard_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., model: _Optional[str] = ..., profile: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., leader_address: _Optional[str] = ..., argv: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., gpu_indices: _Optional[_Iterable[int]] = ..., port: _Optional[int] = ..., health_path: _Optional[str] = ..., startup_timeout_s: _Optional[int] = ..., stop_grace_s: _Optional[int] = ..., epoch: _Optional[int] = ..., drain_timeout_s: _Optional[int] = ...) -> None: ...
+
+class StopShard(_message.Message):
+    __slots__ = ("shard_id", "epoch")
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    shard_id: str
+    epoch: int
+    def __init__(self, shard_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class DrainShard(_message.Message):
+    __slots__ = ("shard_id", "epoch")
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    shard_id: str
+    epoch: int
+    def __init__(self, shard_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...

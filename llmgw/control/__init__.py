@@ -1,0 +1,1 @@
+"""The control plane: agent service, inventory, catalog, placement, reconciler, admin API."""

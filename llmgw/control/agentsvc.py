@@ -1,0 +1,666 @@
+"""
+The control plane's side of the agent stream (DESIGN §5).
+
+One L{AgentStreamProtocol} per connection; one L{AgentService} factory that
+holds the map of registered streams and is the reconciler's dispatcher (it is
+the only thing that can deliver a command to a node).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable
+from typing import Any
+
+from OpenSSL import SSL
+from twisted.internet.interfaces import (
+    IDelayedCall,
+    IHandshakeListener,
+    IPushProducer,
+    IReactorTime,
+)
+from twisted.internet.protocol import ServerFactory
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from zope.interface import implementer
+
+from llmgw.api.v1 import agent_pb2 as pb
+from llmgw.control.interfaces import (
+    IDispatcher,
+    IStatusSink,
+    NotConnected,
+    NotKeepingUp,
+    ReportedShard,
+    ShardCommand,
+    ShardReport,
+)
+from llmgw.control.inventory import GPUInfo, Inventory, Node
+from llmgw.tlsconf.options import IdentityError, peer_node_id
+from llmgw.wire import (
+    DEFAULT_MAX_FRAME,
+    PROTOCOL_VERSION,
+    InvalidNodeId,
+    MessageStream,
+    ack,
+    state_name,
+    validate_node_id,
+)
+
+Code = pb.Ack
+
+#: Commands that may wait behind a paused transport before the dispatcher
+#: says the node is not keeping up (DESIGN §5).
+MAX_PENDING_COMMANDS = 64
+HANDSHAKE_TIMEOUT = 10.0
+REGISTER_TIMEOUT = 10.0
+#: A refused peer gets this long to read its Ack before the connection is aborted.
+REFUSAL_LINGER = 5.0
+
+
+def node_from_register(reg: pb.Register, address: str, now: float) -> Node:
+    """
+    The inventory record for a C{Register}.
+    """
+    return Node(
+        id=reg.node_id,
+        gpus=[
+            GPUInfo(
+                index=g.index,
+                uuid=g.uuid,
+                name=g.name,
+                memory_total_mb=g.memory_total_mb,
+                memory_used_mb=g.memory_used_mb,
+                problems=list(g.problems),
+            )
+            for g in reg.gpus
+        ],
+        fabrics={f.name: f.address for f in reg.fabrics},
+        agent_version=reg.agent_version,
+        address=address,
+        last_seen=now,
+        registered_at=now,
+        certificate_not_after=float(reg.certificate_not_after),
+    )
+
+
+def reported_shards(node_id: str, shards: Iterable[pb.RunningShard]) -> list[ReportedShard]:
+    return [
+        ReportedShard(
+            node_id=node_id,
+            shard_id=s.shard_id,
+            replica_id=s.replica_id,
+            model=s.model,
+            profile=s.profile,
+            rank=s.rank,
+            gpu_indices=tuple(s.gpu_indices),
+            port=s.port,
+            state=state_name(s.state),
+            world_size=s.world_size or 1,
+        )
+        for s in shards
+    ]
+
+
+def start_message(cmd: ShardCommand, epoch: int) -> pb.ControlMessage:
+    return pb.ControlMessage(
+        start=pb.StartShard(
+            shard_id=cmd.shard_id,
+            replica_id=cmd.replica_id,
+            model=cmd.model,
+            profile=cmd.profile,
+            rank=cmd.rank,
+            world_size=cmd.world_size,
+            leader_address=cmd.leader_address,
+            argv=list(cmd.argv),
+            env=dict(cmd.env),
+            gpu_indices=list(cmd.gpu_indices),
+            port=cmd.port,
+            health_path=cmd.health_path,
+            startup_timeout_s=cmd.startup_timeout_s,
+            stop_grace_s=cmd.stop_grace_s,
+            drain_timeout_s=cmd.drain_timeout_s,
+            epoch=epoch,
+        )
+    )
+
+
+def _validate_register(reg: pb.Register) -> str | None:
+    """
+    What is wrong with a C{Register}'s content, or C{None}.
+    """
+    indices = [g.index for g in reg.gpus]
+    if len(set(indices)) != len(indices):
+        return f"GPU indices repeat: {sorted(indices)}"
+    shard_ids = [s.shard_id for s in reg.running_shards]
+    if any(not s for s in shard_ids):
+        return "a running shard has no shard_id"
+    if len(set(shard_ids)) != len(shard_ids):
+        return "running shard ids repeat"
+    return None
+
+
+@implementer(IHandshakeListener, IPushProducer)
+class AgentStreamProtocol(MessageStream[pb.AgentMessage]):
+    """
+    One agent's stream, from TCP accept to close.
+
+    It speaks for exactly one node once registered: the node its verified
+    certificate names.
+    """
+
+    incoming = pb.AgentMessage
+    log = Logger()
+
+    node_id: str | None = None
+    #: The node id the client certificate proves, once the handshake is done.
+    identity: str | None = None
+    identity_error: str | None = None
+
+    def __init__(self, factory: AgentService):
+        self.factory = factory
+        self.MAX_LENGTH = factory.max_frame
+        self._paused = False
+        self._pending: collections.deque[pb.ControlMessage] = collections.deque()
+        self._timer: IDelayedCall | None = None
+        self._reported_running: set[str] = set()
+        self._producing = False
+        self._closing = False
+
+    # -- connection lifetime ------------------------------------------------
+
+    def connectionMade(self) -> None:
+        self.factory.opened(self)
+        if self.factory.tls:
+            # For TLS this runs at TCP accept, before the handshake.
+            self._set_timer(self.factory.handshake_timeout, self._handshake_expired)
+        else:
+            self._start_streaming()
+
+    def handshakeCompleted(self) -> None:
+        cert = self.transport.getPeerCertificate()
+        if cert is None:
+            self.identity_error = "the agent presented no client certificate"
+        else:
+            try:
+                self.identity = peer_node_id(cert.to_cryptography())
+            except IdentityError as e:
+                self.identity_error = str(e)
+        self._start_streaming()
+
+    def _start_streaming(self) -> None:
+        if not self._producing:
+            self.transport.registerProducer(self, True)
+            self._producing = True
+        self._set_timer(self.factory.register_timeout, self._register_expired)
+
+    def connectionLost(self, reason: Failure = Failure(ConnectionError())) -> None:  # noqa: B008
+        self._cancel_timer()
+        self._pending.clear()
+        self.factory.closed(self)
+        if self.node_id is not None:
+            self.factory.detach(self.node_id, self)
+            self.log.info(
+                "agent stream for {node} closed: {reason}",
+                node=self.node_id,
+                reason=reason.getErrorMessage(),
+            )
+
+    def _set_timer(self, seconds: float, fn: Any) -> None:
+        self._cancel_timer()
+        self._timer = self.factory.clock.callLater(seconds, fn)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None and self._timer.active():
+            self._timer.cancel()
+        self._timer = None
+
+    def _handshake_expired(self) -> None:
+        self._timer = None
+        self.log.warn(
+            "aborting connection from {peer}: TLS handshake not done within {timeout}s",
+            peer=self.peer_name(),
+            timeout=self.factory.handshake_timeout,
+        )
+        self.factory.count_registration("handshake_timeout")
+        self.transport.abortConnection()
+
+    def _register_expired(self) -> None:
+        self._timer = None
+        self.log.warn(
+            "closing connection from {peer}: no Register within {timeout}s",
+            peer=self.peer_name(),
+            timeout=self.factory.register_timeout,
+        )
+        self.factory.count_registration("register_timeout")
+        self.transport.abortConnection()
+
+    def _silence_expired(self) -> None:
+        self._timer = None
+        self.log.warn(
+            "closing the stream of {node} ({peer}): silent for {timeout}s "
+            "(the node's state is left to expiry)",
+            node=self.node_id,
+            peer=self.peer_name(),
+            timeout=self.factory.silence_timeout,
+        )
+        self.transport.abortConnection()
+
+    def abort(self) -> None:
+        self._closing = True
+        self.transport.abortConnection()
+
+    # -- inbound ------------------------------------------------------------
+
+    def peer_name(self) -> str:
+        peer = self.transport.getPeer() if self.transport else None
+        host = getattr(peer, "host", "?")
+        port = getattr(peer, "port", "?")
+        who = f"{host}:{port}"
+        if self.identity:
+            who += f" (certificate {self.identity})"
+        return who
+
+    def frame_refused(self, reason: str) -> None:
+        self._refuse(Code.CODE_INVALID_ARGUMENT, reason, message_id="frame")
+
+    def message_received(self, msg: pb.AgentMessage) -> None:
+        if self._closing:
+            return
+        kind = msg.WhichOneof("msg")
+        if self.node_id is None:
+            if kind != "register":
+                self._refuse(
+                    Code.CODE_INVALID_ARGUMENT,
+                    f"the first message must be a Register, not a {kind}",
+                )
+                return
+            self._register(msg.register)
+            return
+        # Any message at all proves the node is alive.
+        self._set_timer(self.factory.silence_timeout, self._silence_expired)
+        self.factory.inventory.touch(self.node_id, self.factory.clock.seconds())
+        if kind == "heartbeat":
+            self._heartbeat(msg.heartbeat)
+        elif kind == "shard":
+            self._shard_status(msg.shard)
+        elif kind == "register":
+            self._reregister(msg.register)
+
+    def _refuse(self, code: int, error: str, message_id: str = "register") -> None:
+        """
+        Tell the peer what was wrong, log it with who sent it, and close.
+        """
+        self.log.warn(
+            "refusing agent stream from {peer} (node {node}): {error}",
+            peer=self.peer_name(),
+            node=self.node_id or "unregistered",
+            error=error,
+            code=pb.Ack.Code.Name(code),
+        )
+        if self.node_id is None:
+            self.factory.count_registration(pb.Ack.Code.Name(code).removeprefix("CODE_").lower())
+        self._closing = True
+        self._cancel_timer()
+        self.send_message(ack(message_id, ok=False, code=code, error=error))
+        self.transport.loseConnection()
+        # A peer that never reads its refusal must not hold the socket.
+        self._timer = self.factory.clock.callLater(REFUSAL_LINGER, self.transport.abortConnection)
+
+    def _check_identity(self, claimed: str) -> tuple[int, str] | None:
+        if self.identity is not None:
+            if self.identity != claimed:
+                return (
+                    Code.CODE_PERMISSION_DENIED,
+                    f"certificate authorizes node {self.identity!r}, not {claimed!r}",
+                )
+            return None
+        if self.factory.require_identity:
+            why = self.identity_error or "no verified client certificate"
+            return Code.CODE_UNAUTHENTICATED, f"no verified node identity: {why}"
+        return None
+
+    def _register(self, reg: pb.Register) -> None:
+        if reg.protocol_version != PROTOCOL_VERSION:
+            self._refuse(
+                Code.CODE_FAILED_PRECONDITION,
+                f"protocol version {reg.protocol_version} is not supported "
+                f"(this control plane speaks {PROTOCOL_VERSION})",
+            )
+            return
+        try:
+            validate_node_id(reg.node_id)
+        except InvalidNodeId as e:
+            self._refuse(Code.CODE_INVALID_ARGUMENT, str(e))
+            return
+        refusal = self._check_identity(reg.node_id)
+        if refusal is not None:
+            self._refuse(*refusal)
+            return
+        problem = _validate_register(reg)
+        if problem is not None:
+            self._refuse(Code.CODE_INVALID_ARGUMENT, problem)
+            return
+        if not self.factory.admit(reg.node_id):
+            self._refuse(
+                Code.CODE_RESOURCE_EXHAUSTED,
+                f"this control plane holds its maximum of {self.factory.max_nodes} agents",
+            )
+            return
+
+        node_id = reg.node_id
+        now = self.factory.clock.seconds()
+        host = getattr(self.transport.getPeer(), "host", "")
+        self.factory.inventory.upsert(node_from_register(reg, host, now))
+        self.node_id = node_id
+        self.factory.attach(node_id, self)
+        self.factory.count_registration("ok")
+        self.log.info(
+            "agent {node} registered from {peer}: {gpus} GPUs, fabrics {fabrics}, "
+            "{running} running shards, agent version {version}",
+            node=node_id,
+            peer=self.peer_name(),
+            gpus=len(reg.gpus),
+            fabrics=",".join(f.name for f in reg.fabrics) or "none",
+            running=len(reg.running_shards),
+            version=reg.agent_version,
+        )
+        self.send_message(ack("register"))
+        self._set_timer(self.factory.silence_timeout, self._silence_expired)
+
+        # Adoption comes before any other command, so the reconciler never
+        # concludes the node is empty and places duplicates (DESIGN §6.5).
+        shards = reported_shards(node_id, reg.running_shards)
+        self._reported_running = {s.shard_id for s in shards}
+        if shards:
+            unclaimed = self.factory.sink.adopt(node_id, shards)
+            for shard in unclaimed:
+                self.log.warn(
+                    "stopping shard {shard} on {node}: nothing in the catalog claims it "
+                    "(model {model}, profile {profile})",
+                    node=node_id,
+                    shard=shard.shard_id,
+                    model=shard.model,
+                    profile=shard.profile,
+                )
+                self.send_command(
+                    pb.ControlMessage(
+                        stop=pb.StopShard(shard_id=shard.shard_id, epoch=self.factory.epoch)
+                    ),
+                    force=True,
+                )
+        self.factory.sink.node_registered(node_id)
+
+    def _reregister(self, reg: pb.Register) -> None:
+        # The node's hardware changed (a GPU fell off, say): take the new view.
+        if reg.node_id != self.node_id:
+            self._refuse(
+                Code.CODE_PERMISSION_DENIED,
+                f"this stream speaks for node {self.node_id!r}, not {reg.node_id!r}",
+            )
+            return
+        problem = _validate_register(reg)
+        if reg.protocol_version != PROTOCOL_VERSION:
+            problem = f"protocol version changed to {reg.protocol_version}"
+        if problem is not None:
+            self._refuse(Code.CODE_INVALID_ARGUMENT, problem)
+            return
+        now = self.factory.clock.seconds()
+        host = getattr(self.transport.getPeer(), "host", "")
+        self.factory.inventory.upsert(node_from_register(reg, host, now))
+        self._reported_running |= {s.shard_id for s in reg.running_shards}
+        self.log.info(
+            "agent {node} registered again on its live stream: {gpus} GPUs",
+            node=self.node_id,
+            gpus=len(reg.gpus),
+        )
+        self.send_message(ack("register"))
+        self.factory.sink.node_registered(self.node_id)
+
+    def _heartbeat(self, hb: pb.Heartbeat) -> None:
+        assert self.node_id is not None
+        problems = [(p.gpu_index, p.problem) for p in hb.new_gpu_problems]
+        attributed = {p for _, p in problems}
+        # Unattributed problems go to the first GPU: keeping one GPU out of
+        # placement is the conservative reading.
+        problems += [(-1, p) for p in hb.new_problems if p not in attributed]
+        for index, text in problems:
+            self.log.warn(
+                "node {node} reports a GPU problem on GPU {gpu}: {problem}",
+                node=self.node_id,
+                gpu=index if index >= 0 else "?",
+                problem=text,
+            )
+        self.factory.inventory.apply_heartbeat(
+            self.node_id, list(hb.gpu_memory_used_mb), problems
+        )
+
+    def _shard_status(self, st: pb.ShardStatus) -> None:
+        assert self.node_id is not None
+        owner = self.factory.sink.shard_node(st.shard_id)
+        if owner != self.node_id and st.shard_id not in self._reported_running:
+            self.log.warn(
+                "refusing a status for shard {shard} from node {node}: that shard "
+                "belongs to {owner}",
+                node=self.node_id,
+                shard=st.shard_id,
+                owner=owner or "no node this control plane knows",
+            )
+            self.send_message(
+                ack(
+                    f"shard:{st.shard_id}",
+                    ok=False,
+                    code=Code.CODE_PERMISSION_DENIED,
+                    error=f"shard {st.shard_id!r} is not on node {self.node_id!r}",
+                )
+            )
+            return
+        report = ShardReport(
+            node_id=self.node_id,
+            replica_id=st.replica_id,
+            shard_id=st.shard_id,
+            state=state_name(st.state),
+            error=st.error,
+            exit_code=st.exit_code,
+            signal=st.signal,
+            last_output=st.last_output,
+        )
+        if st.state == pb.ShardStatus.STATE_FAILED:
+            self.log.error(
+                "shard {shard} of replica {replica} failed on {node}: {error} "
+                "(exit code {exit_code}, signal {signal}); last output:\n{last_output}",
+                node=self.node_id,
+                shard=st.shard_id,
+                replica=st.replica_id,
+                error=st.error,
+                exit_code=st.exit_code,
+                signal=st.signal,
+                last_output=st.last_output,
+            )
+        else:
+            self.log.debug(
+                "shard {shard} on {node} is {state}",
+                node=self.node_id,
+                shard=st.shard_id,
+                state=report.state,
+            )
+        self.factory.sink.on_shard_status(report)
+
+    # -- outbound -----------------------------------------------------------
+
+    def send_command(self, msg: pb.ControlMessage, force: bool = False) -> None:
+        """
+        Write a command, or queue it while the transport is paused.
+
+        @param force: queue even past the bound (adoption's stops, which must
+            not be lost to a slow start).
+        @raise NotKeepingUp: the queue is full.
+        @raise NotConnected: the stream is closing.
+        """
+        if self._closing or self.transport is None or self.transport.disconnecting:
+            raise NotConnected(f"node {self.node_id}: stream is closing")
+        if self._paused or self._pending:
+            if len(self._pending) >= self.factory.max_pending and not force:
+                raise NotKeepingUp(
+                    f"node {self.node_id} is not keeping up: {len(self._pending)} "
+                    "commands already wait for it to read"
+                )
+            self._pending.append(msg)
+            return
+        self.send_message(msg)
+
+    # IPushProducer: the transport tells us when its buffer is over its limit.
+
+    def pauseProducing(self) -> None:
+        self._paused = True
+
+    def resumeProducing(self) -> None:
+        self._paused = False
+        while self._pending and not self._paused:
+            self.send_message(self._pending.popleft())
+
+    def stopProducing(self) -> None:
+        self._pending.clear()
+
+
+@implementer(IDispatcher)
+class AgentService(ServerFactory):
+    """
+    Builds a protocol per connection, holds the registered streams by node,
+    and delivers the reconciler's commands.
+    """
+
+    log = Logger()
+    protocol = AgentStreamProtocol  # type: ignore[assignment]
+    noisy = False
+
+    def __init__(
+        self,
+        inventory: Inventory,
+        sink: IStatusSink,
+        clock: IReactorTime,
+        epoch: int,
+        tls: bool = True,
+        require_identity: bool = True,
+        max_frame: int = DEFAULT_MAX_FRAME,
+        heartbeat_interval: float = 5.0,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT,
+        register_timeout: float = REGISTER_TIMEOUT,
+        max_pending: int = MAX_PENDING_COMMANDS,
+        max_nodes: int = 0,
+    ):
+        self.inventory = inventory
+        self.sink = sink
+        self.clock = clock
+        self.epoch = epoch
+        self.tls = tls
+        self.require_identity = require_identity
+        self.max_frame = max_frame
+        self.silence_timeout = 3 * heartbeat_interval
+        self.handshake_timeout = handshake_timeout
+        self.register_timeout = register_timeout
+        self.max_pending = max_pending
+        #: 0 means no limit on registered nodes.
+        self.max_nodes = max_nodes
+        self._conns: dict[str, AgentStreamProtocol] = {}
+        self._open: set[AgentStreamProtocol] = set()
+        self.registrations: collections.Counter[str] = collections.Counter()
+        self.dispatch_refusals: collections.Counter[str] = collections.Counter()
+
+    def buildProtocol(self, addr: Any) -> AgentStreamProtocol:
+        return AgentStreamProtocol(self)
+
+    # -- connection map -----------------------------------------------------
+
+    def opened(self, proto: AgentStreamProtocol) -> None:
+        self._open.add(proto)
+
+    def closed(self, proto: AgentStreamProtocol) -> None:
+        self._open.discard(proto)
+
+    def open_connections(self) -> int:
+        """
+        Connections accepted and not yet closed, registered or not.
+        """
+        return len(self._open)
+
+    def admit(self, node_id: str) -> bool:
+        return not self.max_nodes or node_id in self._conns or len(self._conns) < self.max_nodes
+
+    def attach(self, node_id: str, proto: AgentStreamProtocol) -> None:
+        """
+        Make C{proto} the stream for C{node_id}. A stream already there is
+        the dead one by definition: it is aborted, not closed gracefully,
+        which would wait on a peer that may be gone.
+        """
+        old = self._conns.get(node_id)
+        self._conns[node_id] = proto
+        if old is not None and old is not proto:
+            self.log.warn(
+                "node {node} connected again from {peer} while its old stream was "
+                "open; the new stream wins",
+                node=node_id,
+                peer=proto.peer_name(),
+            )
+            old.abort()
+
+    def detach(self, node_id: str, proto: AgentStreamProtocol) -> None:
+        # The old stream's connectionLost can arrive after the new one
+        # registered: remove only what is still ours. Losing a stream is not
+        # losing the node; expiry judges silence (DESIGN §6.3).
+        if self._conns.get(node_id) is proto:
+            del self._conns[node_id]
+
+    def stream(self, node_id: str) -> AgentStreamProtocol | None:
+        return self._conns.get(node_id)
+
+    def count_registration(self, outcome: str) -> None:
+        self.registrations[outcome] += 1
+
+    def close_streams(self, node_ids: Iterable[str], reason: str) -> int:
+        """
+        Abort the streams of C{node_ids}; returns how many were open.
+        """
+        n = 0
+        for node_id in list(node_ids):
+            proto = self._conns.get(node_id)
+            if proto is not None:
+                self.log.warn("closing the stream of {node}: {reason}", node=node_id, reason=reason)
+                proto.abort()
+                n += 1
+        return n
+
+    # -- IDispatcher --------------------------------------------------------
+
+    def connected_nodes(self) -> list[str]:
+        return sorted(self._conns)
+
+    def is_connected(self, node_id: str) -> bool:
+        return node_id in self._conns
+
+    def _send(self, node_id: str, msg: pb.ControlMessage) -> None:
+        proto = self._conns.get(node_id)
+        if proto is None:
+            self.dispatch_refusals["not_connected"] += 1
+            raise NotConnected(f"no agent stream is open for node {node_id}")
+        try:
+            proto.send_command(msg)
+        except NotKeepingUp:
+            self.dispatch_refusals["not_keeping_up"] += 1
+            raise
+        except NotConnected:
+            self.dispatch_refusals["not_connected"] += 1
+            raise
+        except SSL.Error as e:
+            self.dispatch_refusals["not_connected"] += 1
+            raise NotConnected(f"node {node_id}: {e}") from e
+
+    def start_shard(self, command: ShardCommand) -> None:
+        self._send(command.node_id, start_message(command, self.epoch))
+
+    def stop_shard(self, node_id: str, shard_id: str) -> None:
+        self._send(node_id, pb.ControlMessage(stop=pb.StopShard(shard_id=shard_id, epoch=self.epoch)))
+
+    def drain_shard(self, node_id: str, shard_id: str) -> None:
+        self._send(
+            node_id, pb.ControlMessage(drain=pb.DrainShard(shard_id=shard_id, epoch=self.epoch))
+        )

@@ -1,0 +1,189 @@
+"""
+The seams between the agent service, the reconciler and the gateway.
+
+Each side is tested against a fake of the other through these interfaces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from zope.interface import Interface
+
+
+class NotConnected(Exception):
+    """
+    No agent stream is open for the node.
+    """
+
+
+class NotKeepingUp(Exception):
+    """
+    The node's stream has too many commands waiting behind a transport that
+    is not being read; more would only hide a broken node.
+    """
+
+
+@dataclass(frozen=True)
+class ShardCommand:
+    """
+    Everything an agent needs to start one shard without asking back.
+    """
+
+    node_id: str
+    shard_id: str
+    replica_id: str
+    model: str
+    profile: str
+    argv: tuple[str, ...]
+    gpu_indices: tuple[int, ...]
+    port: int
+    rank: int = 0
+    world_size: int = 1
+    leader_address: str = ""
+    env: dict[str, str] = field(default_factory=dict)
+    health_path: str = "/health"
+    startup_timeout_s: int = 600
+    stop_grace_s: int = 30
+    drain_timeout_s: int = 60
+
+
+@dataclass(frozen=True)
+class ReportedShard:
+    """
+    A shard an agent says it is running (from C{Register.running_shards}).
+    """
+
+    node_id: str
+    shard_id: str
+    replica_id: str
+    model: str
+    profile: str
+    rank: int
+    gpu_indices: tuple[int, ...]
+    port: int
+    state: str
+    world_size: int = 1
+
+
+@dataclass(frozen=True)
+class ShardReport:
+    """
+    A shard transition an agent reported (from C{ShardStatus}).
+
+    C{state} is one of C{starting}, C{ready}, C{draining}, C{stopped},
+    C{failed}.
+    """
+
+    node_id: str
+    replica_id: str
+    shard_id: str
+    state: str
+    error: str = ""
+    exit_code: int = 0
+    signal: int = 0
+    last_output: str = ""
+
+
+class IDispatcher(Interface):
+    """
+    Delivers commands to agents. The agent service implements it.
+    """
+
+    def start_shard(command: ShardCommand) -> None:
+        """
+        Send a C{StartShard} to C{command.node_id}.
+
+        @raise NotConnected: no stream is open for the node.
+        @raise NotKeepingUp: the node is too far behind.
+        """
+
+    def stop_shard(node_id: str, shard_id: str) -> None:
+        """
+        Send a C{StopShard}. Raises like L{start_shard}.
+        """
+
+    def drain_shard(node_id: str, shard_id: str) -> None:
+        """
+        Send a C{DrainShard}. Raises like L{start_shard}.
+        """
+
+    def connected_nodes() -> list[str]:
+        """
+        The ids of the nodes with an open, registered stream, sorted.
+        """
+
+
+class IStatusSink(Interface):
+    """
+    Receives what agents report. The reconciler implements it.
+    """
+
+    def adopt(node_id: str, shards: list[ReportedShard]) -> list[ReportedShard]:
+        """
+        Claim the shards a node reports running; return those nothing claims
+        (the caller stops them).
+        """
+
+    def on_shard_status(report: ShardReport) -> None:
+        """
+        A shard changed state.
+        """
+
+    def shard_node(shard_id: str) -> str | None:
+        """
+        The node the control plane placed or adopted C{shard_id} on, or
+        C{None} if it knows no such shard.
+        """
+
+    def node_registered(node_id: str) -> None:
+        """
+        A node registered (or registered again) and is in the inventory.
+        """
+
+
+@dataclass(frozen=True)
+class Route:
+    """
+    One ready replica the gateway may send a model's requests to.
+    """
+
+    replica_id: str
+    model: str
+    address: str  # host:port of the leader shard
+    draining: bool = False
+
+
+class IRoutingTable(Interface):
+    """
+    What the gateway routes by. The reconciler (in process) or a poll of the
+    admin API (a standalone gateway) provides it.
+    """
+
+    def routes(model: str) -> list[Route]:
+        """
+        The ready replicas of C{model}; draining ones are marked.
+        """
+
+    def models() -> list[str]:
+        """
+        Every model that has at least one ready replica, sorted.
+        """
+
+    def knows_model(model: str) -> bool:
+        """
+        Whether C{model} is in the catalog at all (unknown models get 404,
+        known ones without a ready replica 503).
+        """
+
+
+class IInFlight(Interface):
+    """
+    The gateway's count of requests in flight per replica, which lets the
+    reconciler stop a draining replica as soon as it is idle.
+    """
+
+    def in_flight(replica_id: str) -> int:
+        """
+        Requests now being proxied to C{replica_id}.
+        """

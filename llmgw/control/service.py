@@ -1,0 +1,162 @@
+"""
+``twistd llmgw control``: the control plane as one C{MultiService}.
+
+L{ControlPlane} can be embedded in another Twisted application without
+twistd: build it, then C{setServiceParent} it.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from twisted.application.service import MultiService
+from twisted.logger import Logger
+from twisted.protocols.tls import TLSMemoryBIOFactory
+from twisted.python import usage
+
+from llmgw.addresses import (
+    AddressError,
+    ListenerService,
+    is_loopback,
+    parse_address,
+    server_endpoint,
+)
+from llmgw.control.agentsvc import AgentService
+from llmgw.control.interfaces import IStatusSink
+from llmgw.control.inventory import Inventory
+from llmgw.tlsconf.options import ServerTLS, TLSConfigError, server_files
+from llmgw.wire import DEFAULT_MAX_FRAME
+
+DEFAULT_AGENT_PORT = 7443
+
+
+class Options(usage.Options):
+    optParameters = [
+        ["certs", None, "certs", "directory with ca.pem, server.pem and server.key"],
+        ["agents", None, str(DEFAULT_AGENT_PORT), "[HOST:]PORT for the agent stream (IPv6 as [addr]:port)"],
+        ["max-frame", None, str(DEFAULT_MAX_FRAME), "largest agent frame accepted, in bytes"],
+        ["heartbeat-interval", None, "5", "agents' heartbeat interval in seconds; 3 silent intervals close a stream"],
+        ["backlog", None, "1024", "listen backlog of the agent port"],
+    ]
+    optFlags = [
+        ["insecure", None, "plain TCP without TLS or identity: development only, loopback only"],
+    ]
+
+    def postOptions(self) -> None:
+        try:
+            host, port = parse_address(self["agents"], "0.0.0.0" if not self["insecure"] else "127.0.0.1")
+        except AddressError as e:
+            raise usage.UsageError(f"--agents: {e}") from e
+        self["agents_host"], self["agents_port"] = host, port
+        if self["insecure"] and not is_loopback(host):
+            raise usage.UsageError(
+                f"--insecure serves the agent stream without TLS and is refused on {host}: "
+                "use a loopback address such as 127.0.0.1"
+            )
+        for name in ("max-frame", "backlog"):
+            try:
+                self[name] = int(self[name])
+            except ValueError:
+                raise usage.UsageError(f"--{name} must be an integer") from None
+            if self[name] <= 0:
+                raise usage.UsageError(f"--{name} must be positive")
+        try:
+            self["heartbeat-interval"] = float(self["heartbeat-interval"])
+        except ValueError:
+            raise usage.UsageError("--heartbeat-interval must be a number of seconds") from None
+        if self["heartbeat-interval"] <= 0:
+            raise usage.UsageError("--heartbeat-interval must be positive")
+        if not self["insecure"]:
+            try:
+                self["tls"] = server_files(Path(self["certs"]))
+            except TLSConfigError as e:
+                raise usage.UsageError(
+                    f"{e}. Make certificates with `llmgw ctl cert init` and "
+                    "`llmgw ctl cert server --host ...`, or pass --certs DIR"
+                ) from e
+
+
+def new_epoch() -> int:
+    """
+    This control plane's epoch: milliseconds since 1970 at start, so a
+    later start has a larger epoch than any earlier one on a sane clock.
+    """
+    return int(time.time() * 1000)
+
+
+class ControlPlane(MultiService):
+    """
+    The control plane's parts. C{inventory}, C{sink} and C{agents} (the
+    agent service, which is the dispatcher) are attributes other parts use.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        reactor: Any,
+        sink: IStatusSink,
+        tls: ServerTLS | None,
+        agents_host: str,
+        agents_port: int,
+        max_frame: int = DEFAULT_MAX_FRAME,
+        heartbeat_interval: float = 5.0,
+        backlog: int = 1024,
+        inventory: Inventory | None = None,
+    ):
+        super().__init__()
+        self.reactor = reactor
+        self.inventory = inventory if inventory is not None else Inventory()
+        self.sink = sink
+        self.tls = tls
+        self.epoch = new_epoch()
+        self.agents = AgentService(
+            self.inventory,
+            sink,
+            clock=reactor,
+            epoch=self.epoch,
+            tls=tls is not None,
+            require_identity=tls is not None,
+            max_frame=max_frame,
+            heartbeat_interval=heartbeat_interval,
+        )
+        factory: Any = self.agents
+        if tls is not None:
+            factory = TLSMemoryBIOFactory(tls, False, self.agents)
+        endpoint = server_endpoint(reactor, agents_host, agents_port, backlog=backlog)
+        self.agent_listener = ListenerService(endpoint, factory)
+        self.agent_listener.setName("agent-listener")
+        self.agent_listener.setServiceParent(self)
+        self.agents_address = (agents_host, agents_port)
+
+    def startService(self) -> None:
+        self.log.info(
+            "control plane starting (epoch {epoch}); agent stream on {host}:{port} {mode}",
+            epoch=self.epoch,
+            host=self.agents_address[0],
+            port=self.agents_address[1],
+            mode="with mutual TLS" if self.tls else "WITHOUT TLS (development mode)",
+        )
+        super().startService()
+
+
+def makeService(options: Options, reactor: Any = None) -> ControlPlane:
+    if reactor is None:
+        from twisted.internet import reactor as _reactor
+
+        reactor = _reactor
+    from llmgw.testing.sinks import RecordingSink
+
+    tls = ServerTLS(options["tls"]) if not options["insecure"] else None
+    return ControlPlane(
+        reactor,
+        sink=RecordingSink(),
+        tls=tls,
+        agents_host=options["agents_host"],
+        agents_port=options["agents_port"],
+        max_frame=options["max-frame"],
+        heartbeat_interval=options["heartbeat-interval"],
+        backlog=options["backlog"],
+    )

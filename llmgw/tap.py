@@ -1,0 +1,43 @@
+"""
+``twistd llmgw``: one Options with a sub-command per process kind.
+
+Each sub-command lives in its own module, which defines ``Options`` (a
+``twisted.python.usage.Options``) and ``makeService(options, reactor=None)``
+returning an ``IService``. They are imported only when chosen, so a missing
+optional dependency of one kind does not break the others.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from twisted.application.service import IService
+from twisted.python import usage
+
+#: sub-command name -> (module, one-line description)
+KINDS: dict[str, tuple[str, str]] = {
+    "control": ("llmgw.control.service", "the control plane: agent stream, reconciler, APIs"),
+}
+
+
+def _options_for(module: str) -> Callable[[], usage.Options]:
+    def make() -> usage.Options:
+        return importlib.import_module(module).Options()
+
+    return make
+
+
+class Options(usage.Options):
+    synopsis = "[options] {" + "|".join(KINDS) + "} [options]"
+    subCommands = [[name, None, _options_for(mod), doc] for name, (mod, doc) in KINDS.items()]
+
+    def postOptions(self) -> None:
+        if self.subCommand is None:
+            raise usage.UsageError("choose one of: " + ", ".join(KINDS))
+
+
+def makeService(options: Options, reactor: Any = None) -> IService:
+    module = importlib.import_module(KINDS[options.subCommand][0])
+    return module.makeService(options.subOptions, reactor=reactor)  # type: ignore[no-any-return]

@@ -1,0 +1,1 @@
+"""Fakes and helpers that llmgw's tests (and other people's) reuse."""

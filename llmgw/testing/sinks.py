@@ -1,0 +1,46 @@
+"""
+A status sink that records everything and claims every adopted shard.
+
+Tests use it as a fake reconciler; a control plane without a catalog uses
+it too, so that nothing an agent runs is stopped by accident.
+"""
+
+from __future__ import annotations
+
+from zope.interface import implementer
+
+from llmgw.control.interfaces import IStatusSink, ReportedShard, ShardReport
+
+
+@implementer(IStatusSink)
+class RecordingSink:
+    def __init__(self, claim: bool = True) -> None:
+        #: Whether adopted shards are claimed (C{True}) or all handed back.
+        self.claim = claim
+        self.adopted: list[tuple[str, list[ReportedShard]]] = []
+        self.statuses: list[ShardReport] = []
+        self.registered: list[str] = []
+        self.owners: dict[str, str] = {}
+
+    def adopt(self, node_id: str, shards: list[ReportedShard]) -> list[ReportedShard]:
+        self.adopted.append((node_id, list(shards)))
+        if not self.claim:
+            return list(shards)
+        for s in shards:
+            self.owners[s.shard_id] = node_id
+        return []
+
+    def on_shard_status(self, report: ShardReport) -> None:
+        self.statuses.append(report)
+
+    def shard_node(self, shard_id: str) -> str | None:
+        return self.owners.get(shard_id)
+
+    def node_registered(self, node_id: str) -> None:
+        self.registered.append(node_id)
+
+    def place(self, shard_id: str, node_id: str) -> None:
+        """
+        Record that the control plane put C{shard_id} on C{node_id}.
+        """
+        self.owners[shard_id] = node_id

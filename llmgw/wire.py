@@ -1,0 +1,157 @@
+"""
+Framing and message helpers shared by both ends of the agent stream.
+
+Every frame is a 4-byte unsigned big-endian length and then that many bytes
+of protobuf: an C{AgentMessage} from an agent, a C{ControlMessage} from the
+control plane (DESIGN §3).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Generic, TypeVar
+
+from google.protobuf.message import DecodeError, Message
+from twisted.logger import Logger
+from twisted.protocols.basic import Int32StringReceiver
+
+from llmgw.api.v1 import agent_pb2 as pb
+
+PROTOCOL_VERSION = 1
+
+#: The largest frame either end accepts unless configured otherwise.
+DEFAULT_MAX_FRAME = 4 * 1024 * 1024
+
+# DNS-label-like: lowercase letters, digits, "-" and ".", starting and ending
+# with a letter or digit, 63 characters at most (DESIGN §4).
+_NODE_ID = re.compile(r"^[a-z0-9](?:[a-z0-9.-]{0,61}[a-z0-9])?$")
+
+
+class InvalidNodeId(ValueError):
+    """
+    A node id is outside the grammar of DESIGN §4.
+    """
+
+
+def validate_node_id(node_id: str) -> str:
+    """
+    Return C{node_id} when it is a valid node id.
+
+    @raise InvalidNodeId: it is empty, too long, or has characters other than
+        lowercase letters, digits, C{-} and C{.}.
+    """
+    if not node_id:
+        raise InvalidNodeId("node id is empty")
+    if len(node_id) > 63:
+        raise InvalidNodeId(f"node id {node_id[:70]!r} is longer than 63 characters")
+    if not _NODE_ID.match(node_id):
+        raise InvalidNodeId(
+            f"node id {node_id!r} must be lowercase letters, digits, '-' and '.', "
+            "starting and ending with a letter or digit"
+        )
+    return node_id
+
+
+class FrameError(ValueError):
+    """
+    A frame could not be decoded into the message it should hold.
+    """
+
+
+M = TypeVar("M", bound=Message)
+
+
+def decode(message_class: type[M], data: bytes) -> M:
+    """
+    Parse one frame's payload.
+
+    @raise FrameError: the bytes are not a valid C{message_class}, or the
+        message's oneof is empty.
+    """
+    msg = message_class()
+    try:
+        msg.ParseFromString(data)
+    except (DecodeError, ValueError, RuntimeError) as e:
+        raise FrameError(f"undecodable {message_class.__name__} ({len(data)} bytes): {e}") from e
+    if msg.WhichOneof("msg") is None:
+        raise FrameError(f"empty or unknown {message_class.__name__} ({len(data)} bytes)")
+    return msg
+
+
+class MessageStream(Int32StringReceiver, Generic[M]):
+    """
+    A length-prefixed protobuf stream with an explicit frame limit.
+
+    Subclasses set C{incoming} to the message class the peer sends and
+    implement L{message_received} and L{frame_refused}.
+    """
+
+    log = Logger()
+    incoming: type[M]
+    MAX_LENGTH = DEFAULT_MAX_FRAME
+
+    def peer_name(self) -> str:
+        """
+        Who is at the other end, for log lines.
+        """
+        return str(self.transport.getPeer()) if self.transport else "?"
+
+    def lengthLimitExceeded(self, length: int) -> None:
+        # Int32StringReceiver checks the prefix before buffering, so an
+        # oversized frame is refused on its first four bytes.
+        self.log.warn(
+            "closing stream from {peer}: frame of {length} bytes is over the "
+            "{limit} byte limit",
+            peer=self.peer_name(),
+            length=length,
+            limit=self.MAX_LENGTH,
+        )
+        self.transport.abortConnection()
+
+    def stringReceived(self, data: bytes) -> None:
+        # Frames already buffered are still delivered after loseConnection().
+        if self.transport is None or self.transport.disconnecting:
+            return
+        try:
+            msg = decode(self.incoming, data)
+        except FrameError as e:
+            self.frame_refused(str(e))
+            return
+        self.message_received(msg)
+
+    def send_message(self, msg: Message) -> None:
+        """
+        Serialize and write one frame.
+        """
+        self.sendString(msg.SerializeToString())
+
+    def message_received(self, msg: M) -> None:
+        raise NotImplementedError
+
+    def frame_refused(self, reason: str) -> None:
+        raise NotImplementedError
+
+
+def ack(message_id: str, ok: bool = True, code: int = 0, error: str = "") -> pb.ControlMessage:
+    """
+    Build an C{Ack} control message.
+    """
+    return pb.ControlMessage(ack=pb.Ack(message_id=message_id, ok=ok, code=code, error=error))
+
+
+STATE_NAMES = {
+    pb.ShardStatus.STATE_UNSPECIFIED: "unspecified",
+    pb.ShardStatus.STATE_STARTING: "starting",
+    pb.ShardStatus.STATE_READY: "ready",
+    pb.ShardStatus.STATE_DRAINING: "draining",
+    pb.ShardStatus.STATE_STOPPED: "stopped",
+    pb.ShardStatus.STATE_FAILED: "failed",
+}
+STATE_VALUES = {name: value for value, name in STATE_NAMES.items()}
+
+
+def state_name(state: int) -> str:
+    """
+    The lowercase name used in logs and the admin API for a wire state.
+    """
+    return STATE_NAMES.get(state, f"unknown({state})")  # type: ignore[call-overload]
