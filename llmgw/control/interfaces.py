@@ -187,3 +187,98 @@ class IInFlight(Interface):
         """
         Requests now being proxied to C{replica_id}.
         """
+
+
+class AdminError(Exception):
+    """
+    An admin request was refused. C{status} is the HTTP status the admin API
+    answers with (400 malformed, 404 unknown, 409 conflict).
+    """
+
+    status = 400
+
+
+class UnknownNode(AdminError):
+    status = 404
+
+
+class UnknownDeployment(AdminError):
+    status = 404
+
+
+class IFleetAdmin(Interface):
+    """
+    What the admin API and C{llmgw ctl} see and do. The reconciler
+    implements it. Every view is plain JSON-able data, and times are seconds
+    since 1970 (wall clock) so an operator can read them.
+    """
+
+    def status() -> dict:  # type: ignore[type-arg]
+        """
+        Summary: counts of nodes, deployments and replicas by state, whether
+        replacements are frozen and why, the epoch, the catalog's path.
+        """
+
+    def nodes() -> list[dict]:  # type: ignore[type-arg]
+        """
+        Each node: C{id}, C{state} (C{ready}, C{suspect}, C{lost}),
+        C{connected}, C{cordoned}, C{draining}, C{last_seen}, C{gpus} (index,
+        name, memory_total_mb, memory_used_mb, problems), C{fabrics} (name to
+        address), C{shards} (shard ids).
+        """
+
+    def deployments() -> list[dict]:  # type: ignore[type-arg]
+        """
+        Each deployment: C{model}, C{profile}, C{desired}, C{ready},
+        C{backoff_until} (or C{None}), C{last_failure} (C{None} or a dict
+        with node, replica, shard, exit_code, signal, error, last_output,
+        time).
+        """
+
+    def replicas() -> list[dict]:  # type: ignore[type-arg]
+        """
+        Each replica: C{id}, C{model}, C{profile}, C{state}, C{draining},
+        C{shards} (each C{id}, C{node}, C{rank}, C{state}, C{address} as
+        C{host:port}).
+        """
+
+    def events(since: float = 0.0) -> list[dict]:  # type: ignore[type-arg]
+        """
+        Events newer than C{since}, oldest first: C{time}, C{kind}, C{node},
+        C{replica}, C{shard}, C{reason}, and for failures C{exit_code},
+        C{signal}, C{last_output}.
+        """
+
+    def cordon(node_id: str) -> None:
+        """
+        @raise UnknownNode: no such node.
+        """
+
+    def uncordon(node_id: str) -> None:
+        """
+        @raise UnknownNode: no such node.
+        """
+
+    def drain_node(node_id: str) -> None:
+        """
+        Cordon the node and move its replicas off it, make-before-break.
+
+        @raise UnknownNode: no such node.
+        """
+
+    def scale(model: str, replicas: int) -> None:
+        """
+        Set the desired replica count of C{model}'s deployment; kept across
+        restarts.
+
+        @raise UnknownDeployment: no deployment serves C{model}.
+        @raise AdminError: C{replicas} is negative.
+        """
+
+    def reload_catalog() -> dict:  # type: ignore[type-arg]
+        """
+        Re-read the catalog file; returns a summary of what changed.
+
+        @raise AdminError: the new catalog is refused (the message names the
+            entry and field); the running one stays.
+        """
