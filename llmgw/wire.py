@@ -96,6 +96,13 @@ class MessageStream(Int32StringReceiver, Generic[M]):
         """
         return str(self.transport.getPeer()) if self.transport else "?"
 
+    def dataReceived(self, data: bytes) -> None:
+        # After an abort, whatever still arrives in the same read is dropped
+        # rather than appended to the receive buffer.
+        if self.transport is None or self.transport.disconnecting:
+            return
+        super().dataReceived(data)
+
     def lengthLimitExceeded(self, length: int) -> None:
         # Int32StringReceiver checks the prefix before buffering, so an
         # oversized frame is refused on its first four bytes.

@@ -54,7 +54,8 @@ def _fail(err: TextIO, message: str) -> int:
     return 1
 
 
-def cmd_init(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+def cmd_init(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    out, err = out or sys.stdout, err or sys.stderr
     try:
         ca = CertificateAuthority.init(args.dir, force=args.force)
     except CAError as e:
@@ -70,7 +71,8 @@ def _positive_days(args: argparse.Namespace, err: TextIO) -> bool:
     return True
 
 
-def cmd_server(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+def cmd_server(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    out, err = out or sys.stdout, err or sys.stderr
     if not _positive_days(args, err):
         return 1
     try:
@@ -82,7 +84,8 @@ def cmd_server(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO =
     return 0
 
 
-def cmd_agent(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+def cmd_agent(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    out, err = out or sys.stdout, err or sys.stderr
     if not _positive_days(args, err):
         return 1
     try:
@@ -94,7 +97,8 @@ def cmd_agent(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = 
     return 0
 
 
-def cmd_show(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+def cmd_show(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    out, err = out or sys.stdout, err or sys.stderr
     try:
         info = describe(args.file, Path(args.dir))
     except CAError as e:
