@@ -21,6 +21,9 @@ from twisted.trial.unittest import SynchronousTestCase
 from llmgw.api.v1 import agent_pb2 as pb
 from llmgw.control.agentsvc import AgentService
 from llmgw.control.inventory import Inventory
+from llmgw.testing.pki import issue_raw, make_pki
+from llmgw.testing.sinks import RecordingSink
+from llmgw.testing.stream import RecordingAgent, register
 from llmgw.tlsconf.ca import CertificateAuthority
 from llmgw.tlsconf.options import (
     AgentClientTLS,
@@ -32,9 +35,6 @@ from llmgw.tlsconf.options import (
     server_files,
     verify_server_identity,
 )
-from llmgw.testing.pki import issue_raw, make_pki
-from llmgw.testing.sinks import RecordingSink
-from llmgw.testing.stream import RecordingAgent, register
 
 
 class FileTests(SynchronousTestCase):
@@ -71,7 +71,7 @@ class FileTests(SynchronousTestCase):
         """
         An expired certificate is refused with its expiry date.
         """
-        past = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(days=2)
+        past = datetime.datetime.now(datetime.UTC) - datetime.timedelta(days=2)
         cert, key = issue_raw(self.ca, "old", "node-a", not_before=past,
                               not_after=past + datetime.timedelta(days=1))
         with self.assertRaises(TLSConfigError) as e:

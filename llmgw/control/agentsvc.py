@@ -302,6 +302,11 @@ class AgentStreamProtocol(MessageStream[pb.AgentMessage]):
         self._closing = True
         self._cancel_timer()
         self.send_message(ack(message_id, ok=False, code=code, error=error))
+        # A transport with a registered producer waits for it to unregister
+        # before it closes.
+        if self._producing:
+            self.transport.unregisterProducer()
+            self._producing = False
         self.transport.loseConnection()
         # A peer that never reads its refusal must not hold the socket.
         self._timer = self.factory.clock.callLater(REFUSAL_LINGER, self.transport.abortConnection)

@@ -44,7 +44,7 @@ def issue_raw(
     names), for tests of what the verifiers refuse. Returns the cert and key
     paths.
     """
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     key = ec.generate_private_key(ec.SECP256R1())
     builder = (
         x509.CertificateBuilder()

@@ -101,7 +101,8 @@ class RecordingAgent(Int32StringReceiver):
 
     def __init__(self) -> None:
         self.received: list[pb.ControlMessage] = []
-        self.lost: Deferred[Failure] = Deferred()
+        #: Fires with None when the connection ends; C{reason} says how.
+        self.lost: Deferred[None] = Deferred()
         self.made: Deferred[RecordingAgent] = Deferred()
         self._waiters: list[tuple[int, Deferred[list[pb.ControlMessage]]]] = []
         self.reason: Failure | None = None
@@ -137,4 +138,4 @@ class RecordingAgent(Int32StringReceiver):
         waiters, self._waiters = self._waiters, []
         for _, d in waiters:
             d.errback(reason)
-        self.lost.callback(reason)
+        self.lost.callback(None)
