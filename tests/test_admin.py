@@ -4,7 +4,6 @@ Tests for L{llmgw.control.admin}: the admin API against a fake fleet.
 
 from __future__ import annotations
 
-import collections
 import json
 from typing import Any
 
@@ -27,41 +26,11 @@ from llmgw.control.admin import (
 )
 from llmgw.control.interfaces import AdminError
 from llmgw.control.metrics import make_registry, register_control_metrics
-from llmgw.testing.fleet import FakeFleet
+from llmgw.testing.fleet import FakeAgents, FakeFleet, sample_fleet
 from llmgw.testing.sinks import RecordingSink
 
 BASE = "http://127.0.0.1:7480"
 JSON = {"Content-Type": ["application/json"]}
-
-
-class FakeAgents:
-    """
-    The parts of the agent service the admin API and metrics read.
-    """
-
-    def __init__(self, nodes: list[str] | None = None) -> None:
-        self.nodes = nodes or []
-        self.registrations: collections.Counter[str] = collections.Counter()
-        self.dispatch_refusals: collections.Counter[str] = collections.Counter()
-
-    def connected_nodes(self) -> list[str]:
-        return sorted(self.nodes)
-
-    def open_connections(self) -> int:
-        return len(self.nodes)
-
-
-def sample_fleet() -> FakeFleet:
-    fleet = FakeFleet()
-    fleet.add_node("gpu-1", shards=["r1-s0"])
-    fleet.add_node("gpu-2", state="suspect", connected=False)
-    fleet.add_deployment("demo", desired=2, ready=1)
-    fleet.add_deployment("org/big", profile="fake-2node", desired=1)
-    fleet.add_replica("r1", "demo", [("gpu-1", "10.0.0.1:8000")])
-    fleet.add_event(100.0, "placed", "demo needs 2 replicas, has 0", node="gpu-1", replica="r1")
-    fleet.add_event(200.0, "shard_failed", "exited with 1", node="gpu-2", replica="r2",
-                    shard="r2-s0", exit_code=1, signal=0, last_output="boom")
-    return fleet
 
 
 class AdminTestCase(SynchronousTestCase):

@@ -163,3 +163,38 @@ class FakeFleet:
             "last_pass_seconds": self.last_pass_seconds,
             "replacements_frozen": self.frozen,
         }
+
+
+class FakeAgents:
+    """
+    The parts of the agent service (L{llmgw.control.agentsvc.AgentService})
+    that the admin API and the metrics read.
+    """
+
+    def __init__(self, nodes: list[str] | None = None) -> None:
+        self.nodes = nodes or []
+        self.registrations: collections.Counter[str] = collections.Counter()
+        self.dispatch_refusals: collections.Counter[str] = collections.Counter()
+
+    def connected_nodes(self) -> list[str]:
+        return sorted(self.nodes)
+
+    def open_connections(self) -> int:
+        return len(self.nodes)
+
+
+def sample_fleet() -> FakeFleet:
+    """
+    A small fleet: two nodes (one suspect), two deployments (one with a
+    slash in its model name), one replica, two events.
+    """
+    fleet = FakeFleet()
+    fleet.add_node("gpu-1", shards=["r1-s0"])
+    fleet.add_node("gpu-2", state="suspect", connected=False)
+    fleet.add_deployment("demo", desired=2, ready=1)
+    fleet.add_deployment("org/big", profile="fake-2node", desired=1)
+    fleet.add_replica("r1", "demo", [("gpu-1", "10.0.0.1:8000")])
+    fleet.add_event(100.0, "placed", "demo needs 2 replicas, has 0", node="gpu-1", replica="r1")
+    fleet.add_event(200.0, "shard_failed", "exited with 1", node="gpu-2", replica="r2",
+                    shard="r2-s0", exit_code=1, signal=0, last_output="boom")
+    return fleet
