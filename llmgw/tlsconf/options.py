@@ -84,7 +84,7 @@ def load_cert_file(path: Path | str, what: str = "certificate") -> x509.Certific
         cert = x509.load_pem_x509_certificate(_read(path, what))
     except ValueError as e:
         raise TLSConfigError(f"{what} {path} is not a PEM certificate: {e}") from e
-    now = datetime.datetime.now(datetime.UTC)
+    now = datetime.datetime.now(datetime.timezone.utc)
     if cert.not_valid_after_utc < now:
         raise TLSConfigError(
             f"{what} {path} expired on {cert.not_valid_after_utc.isoformat()}"
