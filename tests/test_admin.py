@@ -41,8 +41,8 @@ class AdminTestCase(SynchronousTestCase):
         register_control_metrics(self.registry, self.agents, lambda: self.fleet)
         self.resource = AdminResource(self.fleet, self.registry, self.agents)
         self.logged: list[dict[str, Any]] = []
-        self.resource.log = Logger(observer=self.logged.append)
-        self.treq = StubTreq(self.resource)
+        self.resource.log = Logger(observer=self.logged.append)  # type: ignore[arg-type]
+        self.treq: Any = StubTreq(self.resource)
 
     def call(self, method: str, path: str, body: Any = None, headers: Any = None,
              raw: bytes | None = None) -> tuple[int, Any, Any]:
@@ -304,7 +304,8 @@ class ActionTests(AdminTestCase):
         A fleet method that returns a Deferred is answered when it fires.
         """
         d: Deferred[dict[str, Any]] = Deferred()
-        self.fleet.reload_catalog = lambda: d  # type: ignore[method-assign]
+        fleet: Any = self.fleet
+        fleet.reload_catalog = lambda: d
         response = self.treq.request("POST", BASE + "/api/v1/catalog/reload", headers=JSON)
         self.treq.flush()
         self.assertNoResult(response)
