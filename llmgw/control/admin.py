@@ -94,6 +94,15 @@ def client_address(request: Any) -> str:
     return format_address(host, addr.port)
 
 
+def _printable(raw: bytes) -> str:
+    """
+    C{raw} (a method or URI a client sent) safe for a log line: control
+    characters escaped.
+    """
+    text = raw.decode("latin-1")
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def _json_default(value: Any) -> Any:
     if isinstance(value, set | frozenset):
         return sorted(value)
@@ -191,8 +200,8 @@ class AdminResource(Resource):
         except Exception:
             self.log.failure(
                 "admin API: {method} {uri} from {client} failed",
-                method=request.method,
-                uri=request.uri,
+                method=_printable(request.method),
+                uri=_printable(request.uri),
                 client=client_address(request),
             )
             return self._error(request, 500, "internal error in the control plane (logged there)")
@@ -392,8 +401,8 @@ class AdminResource(Resource):
             self.log.failure(
                 "admin API: {method} {uri} from {client} failed",
                 failure=f,
-                method=request.method,
-                uri=request.uri,
+                method=_printable(request.method),
+                uri=_printable(request.uri),
                 client=client_address(request),
             )
             return self._error_body(request, 500, "internal error in the control plane (logged there)")
@@ -424,8 +433,8 @@ class AdminResource(Resource):
     def _log_refusal(self, request: Any, status: int, reason: str) -> None:
         self.log.info(
             "admin API: refused {method} {uri} from {client} with {status}: {reason}",
-            method=request.method,
-            uri=request.uri,
+            method=_printable(request.method),
+            uri=_printable(request.uri),
             client=client_address(request),
             status=status,
             reason=reason,
