@@ -19,13 +19,16 @@ from twisted.python import usage
 from llmgw.addresses import (
     AddressError,
     ListenerService,
+    format_address,
     is_loopback,
     parse_address,
     server_endpoint,
 )
+from llmgw.control.admin import DEFAULT_ADMIN_HOST, DEFAULT_ADMIN_PORT, admin_service
 from llmgw.control.agentsvc import AgentService
-from llmgw.control.interfaces import IStatusSink
+from llmgw.control.interfaces import IFleetAdmin, IStatusSink
 from llmgw.control.inventory import Inventory
+from llmgw.control.metrics import make_registry, register_control_metrics
 from llmgw.tlsconf.options import ServerTLS, TLSConfigError, server_files
 from llmgw.wire import DEFAULT_MAX_FRAME
 
@@ -39,6 +42,8 @@ class Options(usage.Options):
         ["max-frame", None, str(DEFAULT_MAX_FRAME), "largest agent frame accepted, in bytes"],
         ["heartbeat-interval", None, "5", "agents' heartbeat interval in seconds; 3 silent intervals close a stream"],
         ["backlog", None, "1024", "listen backlog of the agent port"],
+        ["admin", None, f"{DEFAULT_ADMIN_HOST}:{DEFAULT_ADMIN_PORT}",
+         "[HOST:]PORT for the admin API and /metrics (no authentication: keep it on loopback), or 'off'"],
     ]
     optFlags = [
         ["insecure", None, "plain TCP without TLS or identity: development only, loopback only"],
@@ -50,6 +55,12 @@ class Options(usage.Options):
         except AddressError as e:
             raise usage.UsageError(f"--agents: {e}") from e
         self["agents_host"], self["agents_port"] = host, port
+        self["admin_address"] = None
+        if self["admin"].strip().lower() != "off":
+            try:
+                self["admin_address"] = parse_address(self["admin"], DEFAULT_ADMIN_HOST)
+            except AddressError as e:
+                raise usage.UsageError(f"--admin: {e}") from e
         if self["insecure"] and not is_loopback(host):
             raise usage.UsageError(
                 f"--insecure serves the agent stream without TLS and is refused on {host}: "
@@ -105,6 +116,8 @@ class ControlPlane(MultiService):
         heartbeat_interval: float = 5.0,
         backlog: int = 1024,
         inventory: Inventory | None = None,
+        fleet: IFleetAdmin | None = None,
+        admin_address: tuple[str, int] | None = None,
     ):
         super().__init__()
         self.reactor = reactor
@@ -130,6 +143,25 @@ class ControlPlane(MultiService):
         self.agent_listener.setName("agent-listener")
         self.agent_listener.setServiceParent(self)
         self.agents_address = (agents_host, agents_port)
+        # Admin API and metrics: the registry is this control plane's own;
+        # other parts (the gateway) add their metrics to it.
+        self.fleet = fleet
+        self.admin_address = admin_address
+        self.admin_listener: ListenerService | None = None
+        self.registry = make_registry()
+        self.metrics = register_control_metrics(self.registry, self.agents, lambda: self.fleet)
+        self._attach_admin()
+
+    def _attach_admin(self) -> None:
+        """
+        Add the admin API's listener once there is a fleet to administer
+        and an address to serve it on.
+        """
+        if self.admin_listener is not None or self.fleet is None or self.admin_address is None:
+            return
+        host, port = self.admin_address
+        self.admin_listener = admin_service(self.reactor, host, port, self.fleet, self.registry, self.agents)
+        self.admin_listener.setServiceParent(self)
 
     def startService(self) -> None:
         self.log.info(
@@ -139,7 +171,13 @@ class ControlPlane(MultiService):
             port=self.agents_address[1],
             mode="with mutual TLS" if self.tls else "WITHOUT TLS (development mode)",
         )
+        self._attach_admin()
+        if self.admin_address is not None and self.admin_listener is None:
+            self.log.warn("no reconciler is running: the admin API and /metrics are not served")
         super().startService()
+        if self.admin_listener is not None and self.admin_listener.port is not None:
+            host, port = self.admin_listener.address()
+            self.log.info("admin API and /metrics on http://{address}", address=format_address(host, port))
 
 
 def makeService(options: Options, reactor: Any = None) -> ControlPlane:
@@ -159,4 +197,5 @@ def makeService(options: Options, reactor: Any = None) -> ControlPlane:
         max_frame=options["max-frame"],
         heartbeat_interval=options["heartbeat-interval"],
         backlog=options["backlog"],
+        admin_address=options["admin_address"],
     )
