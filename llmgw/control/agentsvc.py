@@ -210,6 +210,13 @@ class AgentStreamProtocol(MessageStream[pb.AgentMessage]):
         if self.rate is not None:
             self.rate.stop()
         self.factory.closed(self)
+        if self.identity is None and self.identity_error is None and reason.check(SSL.Error):
+            # The handshake failed: a revoked, expired or foreign certificate.
+            self.log.warn(
+                "TLS handshake from {peer} failed: {reason}",
+                peer=self.peer_name(),
+                reason=reason.getErrorMessage(),
+            )
         if self.node_id is not None:
             self.factory.detach(self.node_id, self)
             self.log.info(

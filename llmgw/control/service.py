@@ -156,7 +156,7 @@ class ControlPlane(MultiService):
         )
         factory: Any = self.agents
         if tls is not None:
-            factory = TLSMemoryBIOFactory(tls, False, self.agents)
+            factory = TLSMemoryBIOFactory(tls, False, self.agents, clock=reactor)
         # Below TLS: a socket over a cap is closed before any handshake.
         self.limiter = ConnectionLimiter(
             factory, reactor, self.limits.max_connections, self.limits.max_per_address

@@ -1,0 +1,135 @@
+"""
+Test tools for TLS: a CA directory with a server and node certificates made
+at run time, a minimal registering agent (a test client, not the agent
+process), and in-memory mutual-TLS connections.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from twisted.internet.address import IPv4Address
+from twisted.internet.interfaces import IReactorTime
+from twisted.internet.protocol import ClientFactory
+from twisted.protocols.tls import TLSMemoryBIOFactory
+from twisted.python.failure import Failure
+from twisted.test import iosim
+
+from llmgw.api.v1 import agent_pb2 as pb
+from llmgw.tlsconf.ca import CertificateAuthority
+from llmgw.tlsconf.options import AgentClientTLS, agent_files
+from llmgw.wire import PROTOCOL_VERSION, MessageStream
+
+
+def make_pki(
+    directory: Path | str, nodes: Iterable[str] = ("node-a",), host: str = "127.0.0.1"
+) -> CertificateAuthority:
+    """
+    A CA in C{directory} with a server certificate for C{host} and an agent
+    certificate for each of C{nodes}.
+    """
+    ca = CertificateAuthority.init(directory)
+    ca.issue_server([host])
+    for node in nodes:
+        ca.issue_agent(node)
+    return ca
+
+
+class RegisteringAgent(MessageStream[pb.ControlMessage]):
+    """
+    A minimal agent for tests: sends a C{Register} for C{node_id} as soon as
+    it is connected (TLS holds it until the handshake is done) and records
+    what the control plane sends back.
+    """
+
+    incoming = pb.ControlMessage
+
+    def __init__(self, node_id: str, certificate_not_after: int = 0):
+        self.node_id = node_id
+        self.certificate_not_after = certificate_not_after
+        self.received: list[pb.ControlMessage] = []
+        self.lost: Failure | None = None
+        self.connected = False
+
+    def connectionMade(self) -> None:
+        self.connected = True
+        self.send_message(
+            pb.AgentMessage(
+                register=pb.Register(
+                    protocol_version=PROTOCOL_VERSION,
+                    node_id=self.node_id,
+                    agent_version="test",
+                    certificate_not_after=self.certificate_not_after,
+                )
+            )
+        )
+
+    def heartbeat(self) -> None:
+        self.send_message(pb.AgentMessage(heartbeat=pb.Heartbeat()))
+
+    def message_received(self, msg: pb.ControlMessage) -> None:
+        self.received.append(msg)
+
+    def frame_refused(self, reason: str) -> None:
+        self.transport.abortConnection()
+
+    def connectionLost(self, reason: Failure = Failure(ConnectionError())) -> None:  # noqa: B008
+        self.connected = False
+        self.lost = reason
+
+    @property
+    def registered(self) -> bool:
+        return any(m.WhichOneof("msg") == "ack" and m.ack.message_id == "register" and m.ack.ok
+                   for m in self.received)
+
+
+class AgentFactory(ClientFactory):
+    def __init__(self, node_id: str, certificate_not_after: int = 0):
+        self.node_id = node_id
+        self.certificate_not_after = certificate_not_after
+        self.protocols: list[RegisteringAgent] = []
+
+    def buildProtocol(self, addr: Any) -> RegisteringAgent:
+        p = RegisteringAgent(self.node_id, self.certificate_not_after)
+        p.factory = self
+        self.protocols.append(p)
+        return p
+
+
+def agent_tls(certs: Path | str, node_id: str, host: str = "127.0.0.1") -> AgentClientTLS:
+    return AgentClientTLS(host, agent_files(certs, node_id))
+
+
+def connect_in_memory(
+    server_factory: Any,
+    client_tls: AgentClientTLS,
+    node_id: str,
+    clock: IReactorTime,
+    peer: str = "127.0.0.1",
+    port: int = 40000,
+    certificate_not_after: int = 0,
+) -> tuple[RegisteringAgent, Any, iosim.IOPump]:
+    """
+    Connect a L{RegisteringAgent} over mutual TLS to C{server_factory} (the
+    control plane's listening factory) through C{iosim}, and pump until
+    quiet. Returns the agent, the server-side protocol (C{None} when the
+    factory refused the connection) and the pump.
+    """
+    agent = AgentFactory(node_id, certificate_not_after)
+    client_factory = TLSMemoryBIOFactory(client_tls, True, agent, clock=clock)
+    server: list[Any] = []
+
+    def make_server() -> Any:
+        proto = server_factory.buildProtocol(IPv4Address("TCP", peer, port))
+        server.append(proto)
+        return proto
+
+    client, _, pump = iosim.connectedServerAndClient(
+        make_server,
+        lambda: client_factory.buildProtocol(None),
+        clock=clock,  # type: ignore[arg-type]
+    )
+    pump.flush()
+    return agent.protocols[0], server[0], pump
