@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from twisted.internet.address import IPv4Address
+from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.protocol import ClientFactory
 from twisted.protocols.tls import TLSMemoryBIOFactory
@@ -52,6 +53,10 @@ class RegisteringAgent(MessageStream[pb.ControlMessage]):
         self.received: list[pb.ControlMessage] = []
         self.lost: Failure | None = None
         self.connected = False
+        #: Fires with the register Ack (ok or not).
+        self.acked: Deferred[pb.Ack] = Deferred()
+        #: Fires when the connection is gone.
+        self.closed: Deferred[None] = Deferred()
 
     def connectionMade(self) -> None:
         self.connected = True
@@ -71,6 +76,8 @@ class RegisteringAgent(MessageStream[pb.ControlMessage]):
 
     def message_received(self, msg: pb.ControlMessage) -> None:
         self.received.append(msg)
+        if msg.WhichOneof("msg") == "ack" and msg.ack.message_id == "register" and not self.acked.called:
+            self.acked.callback(msg.ack)
 
     def frame_refused(self, reason: str) -> None:
         self.transport.abortConnection()
@@ -78,6 +85,8 @@ class RegisteringAgent(MessageStream[pb.ControlMessage]):
     def connectionLost(self, reason: Failure = Failure(ConnectionError())) -> None:  # noqa: B008
         self.connected = False
         self.lost = reason
+        if not self.closed.called:
+            self.closed.callback(None)
 
     @property
     def registered(self) -> bool:
