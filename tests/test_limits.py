@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import resource
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -223,7 +224,7 @@ class AgentRateLimitTests(SynchronousTestCase):
         assert wrapper is not None
         tcp = StringTransport(peerAddress=A)
         wrapper.makeConnection(tcp)
-        stream = wrapper.wrappedProtocol.wrappedProtocol
+        stream = wrapper.wrappedProtocol.wrappedProtocol  # type: ignore[attr-defined]
         pause_reading(stream)
         self.assertEqual(tcp.producerState, "paused")
 
@@ -257,7 +258,7 @@ class RawClient(Protocol):
     def connectionMade(self) -> None:
         self.open = True
         if self.greeting:
-            self.transport.write(self.greeting)
+            self.transport.write(self.greeting)  # type: ignore[union-attr]
         self.made.callback(None)
 
     def dataReceived(self, data: bytes) -> None:
@@ -274,15 +275,14 @@ class RawFactory(ClientFactory):
     def __init__(self, greeting: bytes = b"") -> None:
         self.greeting = greeting
         self.clients: list[RawClient] = []
+        self.on_client: Callable[[RawClient], None] | None = None
 
     def buildProtocol(self, addr: Any) -> RawClient:
         p = RawClient(self.greeting)
         self.clients.append(p)
-        self.on_client(p)
+        if self.on_client is not None:
+            self.on_client(p)
         return p
-
-    def on_client(self, client: RawClient) -> None:
-        pass
 
 
 def within(d: defer.Deferred[Any], seconds: float) -> defer.Deferred[Any]:
@@ -313,12 +313,12 @@ class AgentPortIntegrationTests(TestCase):
         return cp
 
     def dial(self, factory: RawFactory) -> Any:
-        factory.on_client = lambda c: self.closings.append(c.closed)  # type: ignore[method-assign]
+        factory.on_client = lambda c: self.closings.append(c.closed)
         connector = reactor.connectTCP("127.0.0.1", self.port, factory, timeout=5)
         self.connectors.append(connector)
         return connector
 
-    def tearDown(self) -> defer.Deferred[Any]:
+    def tearDown(self) -> defer.Deferred[Any]:  # type: ignore[override]
         # Close every client socket and wait until each is gone, so the
         # reactor is clean whatever the test did.
         for c in self.connectors:

@@ -21,9 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from twisted.internet.error import ConnectionDone
 from twisted.internet.interfaces import IAddress, IDelayedCall, IReactorTime
 from twisted.logger import Logger
 from twisted.protocols.policies import ProtocolWrapper, WrappingFactory
+from twisted.python.failure import Failure
 
 #: Defaults sized for a fleet of 10,000 nodes: one stream each, plus room for
 #: a reconnect storm in which old streams linger until their silence timeout.
@@ -63,7 +65,7 @@ class _Counted(ProtocolWrapper):
 
     host = ""
 
-    def connectionLost(self, reason: Any) -> None:
+    def connectionLost(self, reason: Failure = Failure(ConnectionDone())) -> None:  # noqa: B008
         try:
             super().connectionLost(reason)
         finally:
@@ -115,7 +117,7 @@ class ConnectionLimiter(WrappingFactory):
         inner = self.wrappedFactory.buildProtocol(addr)
         if inner is None:
             return None
-        proto = self.protocol(self, inner)
+        proto = self.protocol(self, inner)  # type: ignore[arg-type]
         proto.host = host
         self.total += 1
         self.per_address[host] += 1

@@ -267,7 +267,7 @@ class TrustService(Service):
     # -- expiry -------------------------------------------------------------
 
     def _agent_expiries(self) -> Iterable[tuple[str, float]]:
-        for node_id in self.inventory.ids():
+        for node_id in self.inventory.ids():  # type: ignore[attr-defined]
             node = self.inventory.peek(node_id)
             if node is not None:
                 yield node_id, node.certificate_not_after

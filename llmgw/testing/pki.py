@@ -80,7 +80,7 @@ class RegisteringAgent(MessageStream[pb.ControlMessage]):
             self.acked.callback(msg.ack)
 
     def frame_refused(self, reason: str) -> None:
-        self.transport.abortConnection()
+        self.transport.abortConnection()  # type: ignore[union-attr]
 
     def connectionLost(self, reason: Failure = Failure(ConnectionError())) -> None:  # noqa: B008
         self.connected = False

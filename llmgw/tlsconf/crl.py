@@ -314,19 +314,16 @@ def revoke(
                 "that serial is the CA's own certificate; a CA cannot revoke itself "
                 "(make a new CA with `llmgw ctl cert init --force` instead)"
             )
-        rec = by_serial.get(serial)
-        if rec is None:
+        found = by_serial.get(serial)
+        if found is None:
             raise CRLError(
                 f"the CA in {ca.directory} has no record of issuing serial {serial:x} "
                 f"(see {ca.directory / 'issued.jsonl'})"
             )
-        targets[serial] = str(rec.get("subject", ""))
+        targets[serial] = str(found.get("subject", ""))
     if not targets:
         raise CRLError("name a node id or a --serial to revoke")
-    try:
-        state = read_state(ca)
-    except CRLError:
-        raise
+    state = read_state(ca)
     known = state.serials()
     newly: list[tuple[int, str]] = []
     already: list[int] = []
