@@ -30,6 +30,7 @@ from llmgw.control.limits import (
     ConnectionLimiter,
     LimitsConfig,
     MessageRate,
+    ensure_fd_limit,
     pause_reading,
 )
 from llmgw.control.service import ControlPlane
@@ -136,6 +137,22 @@ class ConnectionLimiterTests(SynchronousTestCase):
         self.assertGreater(LimitsConfig().message_rate * 5, 10)
 
 
+class FileLimitTests(SynchronousTestCase):
+    def test_fd_limit(self) -> None:
+        """
+        A need within the current limit is met silently; one past the hard
+        limit is reported, saying how to fix it.
+        """
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        self.addCleanup(resource.setrlimit, resource.RLIMIT_NOFILE, (soft, hard))
+        self.assertIsNone(ensure_fd_limit(min(soft, 64)))
+        if hard == resource.RLIM_INFINITY:
+            raise SkipTest("no hard open-file limit to exceed")
+        problem = ensure_fd_limit(hard + 1)
+        assert problem is not None
+        self.assertIn("--max-connections", problem)
+
+
 class MessageRateTests(SynchronousTestCase):
     def test_pause_and_resume(self) -> None:
         """
@@ -198,7 +215,11 @@ class AgentRateLimitTests(SynchronousTestCase):
         status = pb.AgentMessage(shard=pb.ShardStatus(
             shard_id="s1", replica_id="r1", state=pb.ShardStatus.STATE_READY,
         ))
-        proto.dataReceived(frame(register) + frame(status) * 10)
+        with capturedLogs() as events:
+            proto.dataReceived(frame(register) + frame(status) * 10)
+        warned = [e for e in events if "over its rate" in e["log_format"]]
+        self.assertEqual(len(warned), 1)
+        self.assertIn("10.0.0.1", warned[0]["peer"])
         self.assertEqual(len(self.sink.statuses), 2)
         self.assertEqual(transport.producerState, "paused")
         self.clock.advance(0.5)

@@ -173,7 +173,7 @@ class AgentStreamProtocol(MessageStream[pb.AgentMessage]):
         if factory.message_rate > 0:
             self.rate = MessageRate(
                 factory.clock, factory.message_rate, factory.message_burst,
-                lambda: pause_reading(self), lambda: resume_reading(self),
+                lambda: pause_reading(self), lambda: resume_reading(self), self.peer_name,
             )
 
     # -- connection lifetime ------------------------------------------------

@@ -17,6 +17,7 @@ the agent wait.
 from __future__ import annotations
 
 import collections
+import resource
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,9 @@ DEFAULT_MESSAGE_RATE = 20.0
 DEFAULT_MESSAGE_BURST = 200
 #: Refusals are logged at most this often (a flood must not flood the log).
 REFUSAL_LOG_INTERVAL = 10.0
+#: Open files the control plane needs beyond its agent connections (logs,
+#: the admin API, the gateway's upstream connections).
+FD_HEADROOM = 1024
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,13 @@ class ConnectionLimiter(WrappingFactory):
         self._last_log = -REFUSAL_LOG_INTERVAL
         self._unlogged = 0
 
+    def startFactory(self) -> None:
+        super().startFactory()
+        if self.max_connections:
+            problem = ensure_fd_limit(self.max_connections + FD_HEADROOM)
+            if problem:
+                self.log.warn("{problem}", problem=problem)
+
     def buildProtocol(self, addr: IAddress) -> _Counted | None:  # type: ignore[override]
         host = _host(addr)
         cause = None
@@ -156,12 +167,38 @@ class ConnectionLimiter(WrappingFactory):
         self._unlogged = 0
 
 
+def ensure_fd_limit(needed: int) -> str | None:
+    """
+    Raise this process's soft open-file limit towards C{needed} (never past
+    the hard limit). Returns what is still wrong, or C{None}.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return None
+    target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    if target > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    if soft >= needed:
+        return None
+    return (
+        f"the open-file limit is {soft}, below the {needed} that --max-connections "
+        f"needs with headroom; connections past it fail at accept: raise it "
+        f"(ulimit -n, systemd LimitNOFILE=) or lower --max-connections"
+    )
+
+
 class MessageRate:
     """
     A token bucket for one agent's messages: C{rate} per second, C{burst}
     at most. When it runs dry it calls C{pause()} and, once a token is back,
     C{resume()}.
     """
+
+    log = Logger()
 
     def __init__(
         self,
@@ -170,8 +207,10 @@ class MessageRate:
         burst: int,
         pause: Callable[[], None],
         resume: Callable[[], None],
+        who: Callable[[], str] | None = None,
     ):
         self.clock = clock
+        self._who = who
         self.rate = rate
         self.burst = max(1, burst)
         self._pause = pause
@@ -196,8 +235,16 @@ class MessageRate:
         self._tokens -= 1
         if self._tokens < 1 and self._wake is None:
             self.pauses += 1
+            wait = (1 - self._tokens) / self.rate
+            if self.pauses == 1 or self.pauses % 1000 == 0:
+                self.log.warn(
+                    "{peer} sends over its rate of {rate} messages/s (burst {burst}): "
+                    "not reading it for {wait:.2f}s ({pauses} pauses so far)",
+                    peer=self._who() if self._who else "an agent",
+                    rate=self.rate, burst=self.burst, wait=wait, pauses=self.pauses,
+                )
             self._pause()
-            self._wake = self.clock.callLater((1 - self._tokens) / self.rate, self._refilled)
+            self._wake = self.clock.callLater(wait, self._refilled)
 
     def _refilled(self) -> None:
         self._wake = None
