@@ -16,9 +16,10 @@ from twisted.internet import defer, reactor, task
 from twisted.internet.address import IPv4Address
 from twisted.internet.protocol import ClientFactory, Protocol, ServerFactory
 from twisted.internet.task import Clock
-from twisted.internet.testing import StringTransport
+from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.logger import capturedLogs
 from twisted.protocols.tls import TLSMemoryBIOFactory
+from twisted.python import usage
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SkipTest, SynchronousTestCase, TestCase
 
@@ -26,6 +27,7 @@ from llmgw.api.v1 import agent_pb2 as pb
 from llmgw.control.agentsvc import AgentService
 from llmgw.control.inventory import Inventory
 from llmgw.control.limits import (
+    DEFAULT_MAX_CONNECTIONS,
     REFUSAL_LOG_INTERVAL,
     ConnectionLimiter,
     LimitsConfig,
@@ -33,7 +35,7 @@ from llmgw.control.limits import (
     ensure_fd_limit,
     pause_reading,
 )
-from llmgw.control.service import ControlPlane
+from llmgw.control.service import ControlPlane, Options, makeService
 from llmgw.testing.pki import AgentFactory, agent_tls, make_pki
 from llmgw.testing.sinks import RecordingSink
 from llmgw.tlsconf.options import ServerTLS, server_files
@@ -135,6 +137,31 @@ class ConnectionLimiterTests(SynchronousTestCase):
         """
         self.assertGreaterEqual(LimitsConfig().max_connections, 10_000 * 1.25)
         self.assertGreater(LimitsConfig().message_rate * 5, 10)
+
+
+class OptionsTests(SynchronousTestCase):
+    def test_limit_options(self) -> None:
+        """
+        The limits are options of C{twistd llmgw control}, checked and
+        handed to the control plane; a negative or non-numeric one is
+        refused naming the option.
+        """
+        opts = Options()
+        opts.parseOptions([
+            "--insecure", "--agents", "127.0.0.1:0", "--max-connections", "100",
+            "--max-connections-per-address", "5", "--agent-message-rate", "2.5",
+            "--agent-message-burst", "7",
+        ])
+        self.assertEqual(opts["limits"], LimitsConfig(100, 5, 2.5, 7))
+        cp = makeService(opts, reactor=MemoryReactorClock())
+        self.assertEqual(cp.limiter.max_per_address, 5)
+        self.assertEqual(cp.agents.message_rate, 2.5)
+        for bad in (["--max-connections", "-1"], ["--agent-message-rate", "fast"]):
+            e = self.assertRaises(
+                usage.UsageError, Options().parseOptions, ["--insecure", "--agents", "127.0.0.1:0", *bad]
+            )
+            self.assertIn(bad[0], str(e))
+        self.assertEqual(Options()["max-connections"], str(DEFAULT_MAX_CONNECTIONS))
 
 
 class FileLimitTests(SynchronousTestCase):

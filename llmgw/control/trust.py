@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from cryptography import x509
+from OpenSSL import SSL
 from twisted.application.service import Service
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
@@ -230,7 +231,7 @@ class TrustService(Service):
         try:
             files = self.tls.files.reread()
             self.tls.reload(files)
-        except (TLSConfigError, ValueError, TypeError) as e:
+        except (TLSConfigError, SSL.Error, ValueError, TypeError) as e:
             self.reloads["refused"] += 1
             self.last_reload_error = str(e)
             self.log.error(
