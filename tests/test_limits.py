@@ -410,7 +410,9 @@ class AgentPortIntegrationTests(TestCase):
         """
         500 idle TCP sockets to the agent port do not stop a real agent from
         registering over mutual TLS meanwhile, and every one of them is
-        closed by the handshake deadline; the agent's stream stays.
+        closed by the handshake deadline; 20 connections that finish the
+        handshake and then say nothing are closed by the Register deadline;
+        the agent's stream stays.
         """
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         want = 1500
@@ -422,7 +424,15 @@ class AgentPortIntegrationTests(TestCase):
         cp = self.control_plane(LimitsConfig(max_connections=1000, max_per_address=1000))
         deadline = 2.0
         cp.agents.handshake_timeout = deadline
+        cp.agents.register_timeout = deadline
         flood = RawFactory()
+        silent = RawFactory()
+        silent.on_client = lambda c: self.closings.append(c.closed)
+        for _ in range(20):
+            self.connectors.append(reactor.connectTCP(
+                "127.0.0.1", self.port,
+                TLSMemoryBIOFactory(agent_tls(self.certs, "node-a"), True, silent), timeout=5,
+            ))
         started = time.monotonic()
         for _ in range(500):
             self.dial(flood)
@@ -442,9 +452,13 @@ class AgentPortIntegrationTests(TestCase):
         self.assertTrue(ack.ok)
         still_open = sum(c.open for c in flood.clients)
         self.assertEqual(still_open, 500, "the agent registered while the flood was held")
-        yield within(defer.gatherResults([c.closed for c in flood.clients]), deadline + 5)
+        yield within(
+            defer.gatherResults([c.closed for c in flood.clients + silent.clients]), deadline + 5
+        )
         elapsed = time.monotonic() - started
         self.assertLess(elapsed, deadline + 5)
+        self.assertEqual(len(silent.clients), 20)
         self.assertEqual(cp.agents.registrations["handshake_timeout"], 500)
+        self.assertEqual(cp.agents.registrations["register_timeout"], 20)
         self.assertEqual(cp.agents.connected_nodes(), ["node-a"])
         self.assertTrue(agent.protocols[0].connected)
