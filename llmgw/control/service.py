@@ -28,8 +28,8 @@ from llmgw.control.admin import DEFAULT_ADMIN_HOST, DEFAULT_ADMIN_PORT, admin_se
 from llmgw.control.agentsvc import AgentService
 from llmgw.control.interfaces import IFleetAdmin, IStatusSink
 from llmgw.control.inventory import Inventory
-from llmgw.control.metrics import make_registry, register_control_metrics
 from llmgw.control.limits import ConnectionLimiter, LimitsConfig
+from llmgw.control.metrics import make_registry, register_control_metrics
 from llmgw.control.trust import TrustService
 from llmgw.tlsconf.options import ServerTLS, TLSConfigError, server_files
 from llmgw.wire import DEFAULT_MAX_FRAME
