@@ -526,3 +526,49 @@ class ServiceTests(SynchronousTestCase):
         self.assertIsNot(cp.registry, cp2.registry)
         self.assertEqual(cp2.registry.get_sample_value("llmgw_nodes", {"state": "ready"}), 1)
         self.assertEqual(cp.registry.get_sample_value("llmgw_nodes", {"state": "ready"}), 0)
+
+
+class FakeControl:
+    """
+    Answers C{reload_tls()} with whatever the test sets.
+    """
+
+    def __init__(self, result: dict[str, Any]) -> None:
+        self.result = result
+        self.calls = 0
+
+    def reload_tls(self) -> dict[str, Any]:
+        self.calls += 1
+        return self.result
+
+
+class TLSReloadTests(AdminTestCase):
+    def test_reload(self) -> None:
+        """
+        POST /api/v1/tls/reload re-reads the control plane's TLS files and
+        answers what the reload did.
+        """
+        control = FakeControl({"ok": True, "closed": ["node-x"]})
+        self.treq = StubTreq(AdminResource(self.fleet, self.registry, self.agents, control=control))
+        code, body, _ = self.call("POST", "/api/v1/tls/reload")
+        self.assertEqual((code, body["closed"]), (200, ["node-x"]))
+        self.assertEqual(control.calls, 1)
+
+    def test_reload_refused(self) -> None:
+        """
+        A refused reload (a bad file) is a 409 with the reason; the running
+        files stay.
+        """
+        control = FakeControl({"ok": False, "error": "server.pem is not a PEM certificate"})
+        self.treq = StubTreq(AdminResource(self.fleet, self.registry, self.agents, control=control))
+        self.assertRefused(self.call("POST", "/api/v1/tls/reload"), 409, "server.pem")
+
+    def test_get_not_allowed(self) -> None:
+        """
+        The reload is a POST only.
+        """
+        control = FakeControl({"ok": True})
+        self.treq = StubTreq(AdminResource(self.fleet, self.registry, self.agents, control=control))
+        code, _, _ = self.call("GET", "/api/v1/tls/reload")
+        self.assertEqual(code, 405)
+        self.assertEqual(control.calls, 0)

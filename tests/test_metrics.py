@@ -205,3 +205,37 @@ class RegistryTests(SynchronousTestCase):
         self.assertEqual(b.get_sample_value("llmgw_agents_connected"), 2)
         self.assertEqual(a.get_sample_value("llmgw_gateway_requests_total", {"model": "demo"}), 1)
         self.assertIsNone(b.get_sample_value("llmgw_gateway_requests_total", {"model": "demo"}))
+
+
+class TLSMetricsTests(SynchronousTestCase):
+    def test_expiry(self) -> None:
+        """
+        Expiry dates of the CA, server certificate, CRL and the earliest agent
+        certificate are gauges; agents expiring within 30 days are counted.
+        """
+        now = 1_800_000_000.0
+        snap = {
+            "ca_not_after": now + 3650 * 86400,
+            "server_not_after": now + 365 * 86400,
+            "crl_next_update": None,
+            "earliest_agent_not_after": now + 86400,
+            "agents_not_after": {"a": now + 86400, "b": now + 100 * 86400},
+        }
+        registry = make_registry()
+        registry.register(ControlCollector(FakeAgents([]), None, lambda: snap, clock=lambda: now))
+        families = scrape(registry)
+        expiry = by_label(families["llmgw_tls_expiry_timestamp_seconds"], "certificate")
+        self.assertEqual(expiry, {
+            "ca": now + 3650 * 86400, "server": now + 365 * 86400,
+            "earliest_agent": now + 86400,
+        })
+        soon = families["llmgw_agent_certificates_expiring_soon"].samples[0].value
+        self.assertEqual(soon, 1)
+
+    def test_no_tls(self) -> None:
+        """
+        Without TLS there are no expiry metrics.
+        """
+        registry = make_registry()
+        registry.register(ControlCollector(FakeAgents([]), None, lambda: {}))
+        self.assertNotIn("llmgw_tls_expiry_timestamp_seconds", scrape(registry))

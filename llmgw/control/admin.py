@@ -66,6 +66,7 @@ ENDPOINTS = [
     "POST /api/v1/nodes/{id}/drain",
     'POST /api/v1/deployments/{model}/scale {"replicas": N}',
     "POST /api/v1/catalog/reload",
+    "POST /api/v1/tls/reload",
     "GET /metrics",
 ]
 
@@ -178,12 +179,16 @@ class AdminResource(Resource):
         registry: CollectorRegistry,
         agents: Any = None,
         max_body: int = MAX_BODY,
+        control: Any = None,
     ):
         super().__init__()
         self.fleet = fleet
         self.registry = registry
         self.agents = agents
         self.max_body = max_body
+        #: Anything with C{reload_tls()} (the control plane), for
+        #: C{POST /api/v1/tls/reload}.
+        self.control = control
 
     # -- dispatch -------------------------------------------------------------
 
@@ -267,6 +272,10 @@ class AdminResource(Resource):
             only("POST")
             self._body(request)
             return self._reload, (request,)
+        if rest == ["tls", "reload"] and self.control is not None:
+            only("POST")
+            self._body(request)
+            return self._reload_tls, (request,)
         raise Refused(404, f"no such endpoint: {'/' + '/'.join(path)}")
 
     # -- input ------------------------------------------------------------------
@@ -365,6 +374,19 @@ class AdminResource(Resource):
             return {"ok": True, "changes": changes}
 
         return maybeDeferred(self.fleet.reload_catalog).addCallback(done)
+
+    def _reload_tls(self, request: Any) -> dict[str, Any]:
+        result = self.control.reload_tls()
+        self.log.info(
+            "admin API: TLS reload asked by {client}: {result}",
+            client=client_address(request),
+            result=result,
+        )
+        if not result.get("ok"):
+            refused = AdminError(str(result.get("error") or "TLS reload refused"))
+            refused.status = 409
+            raise refused
+        return dict(result)
 
     def _metrics(self, request: Any) -> bytes:
         accept = (request.getHeader(b"accept") or b"").decode("latin-1")
@@ -469,11 +491,14 @@ def admin_site(
     agents: Any = None,
     reactor: Any = None,
     timeout: float = IDLE_TIMEOUT,
+    control: Any = None,
 ) -> AdminSite:
     """
     The admin API's C{Site}.
     """
-    site = AdminSite(AdminResource(fleet, registry, agents), timeout=timeout, reactor=reactor)
+    site = AdminSite(
+        AdminResource(fleet, registry, agents, control=control), timeout=timeout, reactor=reactor
+    )
     return site
 
 
@@ -484,6 +509,7 @@ def admin_service(
     fleet: IFleetAdmin,
     registry: CollectorRegistry,
     agents: Any = None,
+    control: Any = None,
 ) -> ListenerService:
     """
     A service that serves the admin API on C{host}:C{port} while running.
@@ -495,7 +521,10 @@ def admin_service(
             "drain nodes; keep it on loopback or behind an authenticating proxy",
             address=format_address(host, port),
         )
-    svc = ListenerService(server_endpoint(reactor, host, port), admin_site(fleet, registry, agents, reactor))
+    svc = ListenerService(
+        server_endpoint(reactor, host, port),
+        admin_site(fleet, registry, agents, reactor, control=control),
+    )
     svc.setName("admin-listener")
     return svc
 

@@ -28,6 +28,7 @@ optional, a missing one leaves its metric out::
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -85,13 +86,55 @@ class ControlCollector(Collector):
 
     log = Logger()
 
-    def __init__(self, agents: Any, fleet: Callable[[], Any] | None = None):
+    def __init__(
+        self,
+        agents: Any,
+        fleet: Callable[[], Any] | None = None,
+        tls: Callable[[], dict[str, Any]] | None = None,
+        clock: Callable[[], float] = time.time,
+    ):
         self.agents = agents
         self.fleet = fleet if fleet is not None else (lambda: None)
+        self.tls = tls
+        self.clock = clock
 
     def collect(self) -> Iterable[Metric]:
         yield from self._agent_metrics()
         yield from self._fleet_metrics()
+        yield from self._tls_metrics()
+
+    def _tls_metrics(self) -> Iterable[Metric]:
+        if self.tls is None:
+            return
+        try:
+            snap = self.tls()
+        except Exception:
+            self.log.failure("metrics: reading TLS expiry failed; left out of this scrape")
+            return
+        if not snap:
+            return
+        expiry = GaugeMetricFamily(
+            "llmgw_tls_expiry_timestamp_seconds",
+            "When each certificate (or the CRL's next update) stops being valid, Unix seconds.",
+            labels=["certificate"],
+        )
+        for label, key in (
+            ("ca", "ca_not_after"),
+            ("server", "server_not_after"),
+            ("crl_next_update", "crl_next_update"),
+            ("earliest_agent", "earliest_agent_not_after"),
+        ):
+            value = _number(snap.get(key))
+            if value is not None:
+                expiry.add_metric([label], value)
+        yield expiry
+        agents = snap.get("agents_not_after") or {}
+        soon = self.clock() + 30 * 86400
+        yield GaugeMetricFamily(
+            "llmgw_agent_certificates_expiring_soon",
+            "Connected agents whose certificate expires within 30 days.",
+            value=sum(1 for t in agents.values() if t < soon),
+        )
 
     def _agent_metrics(self) -> Iterable[Metric]:
         agents = self.agents
@@ -192,12 +235,15 @@ class ControlCollector(Collector):
 
 
 def register_control_metrics(
-    registry: CollectorRegistry, agents: Any, fleet: Callable[[], Any] | None = None
+    registry: CollectorRegistry,
+    agents: Any,
+    fleet: Callable[[], Any] | None = None,
+    tls: Callable[[], dict[str, Any]] | None = None,
 ) -> ControlCollector:
     """
-    Register a L{ControlCollector} for C{agents} and C{fleet} on C{registry}
-    and return it.
+    Register a L{ControlCollector} for C{agents}, C{fleet} and the TLS
+    expiry snapshot C{tls} on C{registry} and return it.
     """
-    collector = ControlCollector(agents, fleet)
+    collector = ControlCollector(agents, fleet, tls)
     registry.register(collector)
     return collector

@@ -189,7 +189,9 @@ class ControlPlane(MultiService):
         self.admin_address = admin_address
         self.admin_listener: ListenerService | None = None
         self.registry = make_registry()
-        self.metrics = register_control_metrics(self.registry, self.agents, lambda: self.fleet)
+        self.metrics = register_control_metrics(
+            self.registry, self.agents, lambda: self.fleet, self.tls_expiry_snapshot
+        )
         self._attach_admin()
 
     def _attach_admin(self) -> None:
@@ -200,7 +202,9 @@ class ControlPlane(MultiService):
         if self.admin_listener is not None or self.fleet is None or self.admin_address is None:
             return
         host, port = self.admin_address
-        self.admin_listener = admin_service(self.reactor, host, port, self.fleet, self.registry, self.agents)
+        self.admin_listener = admin_service(
+            self.reactor, host, port, self.fleet, self.registry, self.agents, control=self
+        )
         self.admin_listener.setServiceParent(self)
 
     def startService(self) -> None:
