@@ -77,6 +77,9 @@ class Harness:
         self.supervisor = Supervisor(self.clock, self.spawner, None, gpu_indices=[0, 1],
                                      ops=FakeOps(), prober=self.prober, python="/py",
                                      base_env={})
+        # Started, as in the agent (Service.running must not shadow anything).
+        self.supervisor.startService()
+        case.addCleanup(self.supervisor.stopService)
         self.source = SimulatedGPUs(2, 81920, salt=node_id)
         self.monitor = GPUMonitor(self.source, self.clock, interval=5)
         self.config = AgentConfig(node_id=node_id, control="127.0.0.1:7443",
@@ -340,6 +343,7 @@ class BackoffTests(SynchronousTestCase):
         never registers does not reset it; a registered one does.
         """
         h = Harness(self)
+        h.supervisor.stopService()  # only the reconnect timer on the clock
         endpoint = FakeEndpoint(h.clock)
         service = make_client_service(h.core, endpoint)
         service.startService()
@@ -430,7 +434,7 @@ class InMemoryTLSTests(SynchronousTestCase):
         agent, server, pump, service = self.connect(h)
         pump.flush()
         self.assertTrue(self.successResultOf(agent.registered))
-        self.assertEqual(h.spawner.processes and len(h.supervisor.running()), 1)
+        self.assertEqual(h.spawner.processes and len(h.supervisor.live_shards()), 1)
         shard = h.supervisor.get("s1")
         assert shard is not None
         self.assertTrue(shard.stopping)

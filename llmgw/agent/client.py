@@ -366,7 +366,7 @@ class AgentCore(Factory):
             agent_version=self.config.agent_version,
             gpus=gpus,
             fabrics=[pb.Fabric(name=n, address=a) for n, a in sorted(self.config.fabrics.items())],
-            running_shards=[running_shard(s) for s in self.supervisor.running()],
+            running_shards=[running_shard(s) for s in self.supervisor.live_shards()],
             certificate_not_after=self.config.certificate_not_after,
         )
 
@@ -402,7 +402,7 @@ class AgentCore(Factory):
             "registered with the control plane at {control} as {node}: {gpus} GPUs, "
             "{running} running shards",
             control=self.config.control, node=self.config.node_id,
-            gpus=len(self.monitor.gpus()), running=len(self.supervisor.running()),
+            gpus=len(self.monitor.gpus()), running=len(self.supervisor.live_shards()),
         )
         while self._queued and self.proto is proto:
             proto.send_status(self._queued.popleft())

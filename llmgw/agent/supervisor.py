@@ -343,7 +343,7 @@ class Supervisor(Service):
     def add_listener(self, fn: Callable[[Shard], None]) -> None:
         self._listeners.append(fn)
 
-    def running(self) -> list[Shard]:
+    def live_shards(self) -> list[Shard]:
         """
         The shards in starting, ready or draining, oldest first.
         """
@@ -447,7 +447,7 @@ class Supervisor(Service):
             if missing:
                 have = ",".join(map(str, sorted(self.gpu_indices))) or "none"
                 return f"GPU {','.join(map(str, missing))} does not exist on this node (it has {have})"
-        for other in self.running():
+        for other in self.live_shards():
             if other.spec.port == spec.port:
                 return f"port {spec.port} is in use by shard {other.shard_id}"
             shared = sorted(set(other.spec.gpu_indices) & set(spec.gpu_indices))
