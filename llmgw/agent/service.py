@@ -155,7 +155,7 @@ class NodeAgent(MultiService):
         self.monitor.setServiceParent(self)
         self.supervisor = Supervisor(
             reactor,
-            reactor.spawnProcess,
+            lambda *a, **kw: reactor.spawnProcess(*a, **kw),
             state,
             gpu_indices=[g.index for g in self.monitor.gpus()],
             prober=HttpProber(reactor),
