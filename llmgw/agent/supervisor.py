@@ -140,8 +140,13 @@ class HttpProber:
 
         self.reactor = reactor
         self.timeout = timeout
+        class QuietPool(HTTPConnectionPool):
+            # Not a "Starting factory" log line per probe.
+            class _factory(HTTPConnectionPool._factory):  # type: ignore[name-defined]
+                noisy = False
+
         self.agent = Agent(reactor, connectTimeout=timeout,
-                           pool=HTTPConnectionPool(reactor, persistent=False))
+                           pool=QuietPool(reactor, persistent=False))
 
     def probe(self, url: str) -> defer.Deferred[None]:
         from twisted.web.client import readBody
