@@ -33,11 +33,12 @@ from typing import Any
 from OpenSSL import SSL
 from twisted.application.internet import ClientService, backoffPolicy
 from twisted.internet import defer
-from twisted.internet.interfaces import IDelayedCall
+from twisted.internet.interfaces import IDelayedCall, IStreamClientEndpoint
 from twisted.internet.protocol import Factory
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
+from zope.interface import implementer
 
 import llmgw
 from llmgw.agent.gpus import GPUMonitor
@@ -159,7 +160,7 @@ class AgentStreamClient(MessageStream[pb.ControlMessage]):
         self._ack_timer = None
         self.log.warn("no Register Ack from the control plane at {control} within {timeout}s; "
                       "reconnecting", control=self.peer_name(), timeout=REGISTER_ACK_TIMEOUT)
-        self.transport.abortConnection()
+        self.transport.abortConnection()  # type: ignore[union-attr]
 
     def connectionLost(self, reason: Failure = Failure(ConnectionError())) -> None:  # noqa: B008
         if self._ack_timer is not None and self._ack_timer.active():
@@ -215,7 +216,7 @@ class AgentStreamClient(MessageStream[pb.ControlMessage]):
             return
         config = ack.code in CONFIG_REFUSALS
         self._refusal = (f"the control plane refused this agent ({code}): {ack.error}", config)
-        self.transport.loseConnection()
+        self.transport.loseConnection()  # type: ignore[union-attr]
 
     def _registered(self) -> None:
         self.is_registered = True
@@ -434,6 +435,7 @@ def make_client_service(core: AgentCore, endpoint: Any) -> ClientService:
     return service
 
 
+@implementer(IStreamClientEndpoint)
 class _LoggingEndpoint:
     """
     An endpoint that logs why a connection attempt failed before any

@@ -142,16 +142,16 @@ class HttpProber:
         self.timeout = timeout
         class QuietPool(HTTPConnectionPool):
             # Not a "Starting factory" log line per probe.
-            class _factory(HTTPConnectionPool._factory):  # type: ignore[name-defined]
+            class _factory(HTTPConnectionPool._factory):  # type: ignore[valid-type,misc]
                 noisy = False
 
         self.agent = Agent(reactor, connectTimeout=timeout,
                            pool=QuietPool(reactor, persistent=False))
 
-    def probe(self, url: str) -> defer.Deferred[None]:
+    def probe(self, url: str) -> defer.Deferred[Any]:
         from twisted.web.client import readBody
 
-        d = self.agent.request(b"GET", url.encode())
+        d: defer.Deferred[Any] = self.agent.request(b"GET", url.encode())
 
         def check(response: Any) -> Any:
             body = readBody(response)
@@ -164,7 +164,7 @@ class HttpProber:
 
         d.addCallback(check)
         d.addTimeout(self.timeout, self.reactor)
-        return d  # type: ignore[no-any-return]
+        return d
 
 
 class LogTail:
@@ -708,7 +708,7 @@ class Supervisor(Service):
                 shard=spec.shard_id, replica=spec.replica_id, pid=record.pid, state=state,
             )
             probes.append(self._first_probe(shard))
-        d = defer.gatherResults(probes, consumeErrors=True)
+        d: defer.Deferred[Any] = defer.gatherResults(probes, consumeErrors=True)
         d.addCallback(lambda _: adopted)
         return d
 
