@@ -169,6 +169,10 @@ class AgentStreamClient(MessageStream[pb.ControlMessage]):
         if self._heartbeat is not None and self._heartbeat.running:
             self._heartbeat.stop()
         self.core.detach(self)
+        if self.is_registered and self.core.stopping:
+            self.log.info("stream to the control plane at {control} closed: the agent is "
+                          "stopping; its shards keep running", control=self.peer_name())
+            return
         if self.is_registered:
             self.log.warn("stream to the control plane at {control} closed: {reason}; shards keep "
                           "running, reconnecting", control=self.peer_name(),
@@ -278,6 +282,8 @@ class AgentCore(Factory):
         self._queued: collections.deque[pb.ShardStatus] = collections.deque(
             maxlen=MAX_QUEUED_STATUSES
         )
+        #: Set while the agent shuts down: a closing stream is expected then.
+        self.stopping = False
         #: Registrations that were acknowledged, for tests and metrics.
         self.registrations = 0
         supervisor.add_listener(self.shard_changed)

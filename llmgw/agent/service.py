@@ -201,6 +201,7 @@ class NodeAgent(MultiService):
         super().startService()
 
     def stopService(self) -> Any:
+        self.core.stopping = True
         d = super().stopService()
 
         def unlock(result: Any) -> Any:
