@@ -19,6 +19,7 @@ from twisted.python import usage
 #: sub-command name -> (module, one-line description)
 KINDS: dict[str, tuple[str, str]] = {
     "control": ("llmgw.control.service", "the control plane: agent stream, reconciler, APIs"),
+    "agent": ("llmgw.agent.service", "the node agent: GPU discovery and shard supervisor"),
 }
 
 

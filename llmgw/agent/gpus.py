@@ -493,7 +493,7 @@ class GPUMonitor(Service):
         """
         self._new = []
 
-    def refresh(self) -> defer.Deferred[None]:
+    def refresh(self) -> defer.Deferred[Any]:
         """
         Poll the source once. A failed poll is logged; the loop goes on. A
         poll still running when the next is due is not overlapped.
@@ -501,7 +501,7 @@ class GPUMonitor(Service):
         if self._polling:
             return defer.succeed(None)
         self._polling = True
-        d = defer.maybeDeferred(self.source.poll)
+        d: defer.Deferred[Any] = defer.maybeDeferred(self.source.poll)
         d.addCallback(self.apply)
         d.addErrback(lambda f: self.log.failure("polling {source} failed", f,
                                                 source=self.source.describe()))

@@ -368,7 +368,12 @@ class FakeModelApp:
         if not delay:
             return data
         call = self.clock.callLater(delay, _finish_with, request, data)
-        request.notifyFinish().addErrback(lambda _: call.active() and call.cancel())
+
+        def gone(_: Any) -> None:
+            if call.active():
+                call.cancel()
+
+        request.notifyFinish().addErrback(gone)
         return server.NOT_DONE_YET
 
     def embeddings(self, request: Any, body: dict[str, Any]) -> bytes:
