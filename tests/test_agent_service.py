@@ -6,6 +6,7 @@ start-up errors that name the file and the reason.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from cryptography.x509.oid import ExtendedKeyUsageOID
 from twisted.internet.testing import MemoryReactorClock
@@ -13,6 +14,7 @@ from twisted.python import usage
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw import tap
+from llmgw.agent.gpus import discover
 from llmgw.agent.service import NodeAgent, Options, makeService
 from llmgw.testing.pki import make_pki
 
@@ -139,3 +141,77 @@ class OptionsTests(SynchronousTestCase):
         self.assertEqual(len(reactor.tcpClients), 1)
         self.assertEqual(reactor.tcpClients[0][:2], ("127.0.0.1", 7443))
         self.assertTrue(makeService)
+
+
+class CertificateReloadTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        import signal
+
+        self.dir = Path(self.mktemp())
+        self.ca = make_pki(self.dir, nodes=["node-1", "node-2"], server_hosts=["127.0.0.1"])
+        original = signal.getsignal(signal.SIGHUP)
+        self.addCleanup(signal.signal, signal.SIGHUP, original)
+
+    def agent(self, handle_sighup: bool = False) -> NodeAgent:
+        o = tap.Options()
+        o.parseOptions(["agent", "--control", "127.0.0.1:7443", "--certs", str(self.dir),
+                        "--node", "node-1", "--gpus", "sim:1x1GiB", "--state-dir", self.mktemp()])
+        svc = NodeAgent(
+            self.reactor, tls=o.subOptions["tls"], node_id="node-1", control_host="127.0.0.1",
+            control_port=7443, state=o.subOptions["state"],
+            gpu_source=discover(o.subOptions["gpu_spec"], self.reactor, salt="node-1"),
+            handle_sighup=handle_sighup,
+        )
+        svc.startService()
+        self.addCleanup(svc.stopService)
+        return svc
+
+    def setup_reactor(self) -> None:
+        class ThreadCallReactor(MemoryReactorClock):
+            def __init__(self) -> None:
+                super().__init__()
+                self.thread_calls: list[Any] = []
+
+            def callFromThread(self, f: Any, *a: Any, **kw: Any) -> None:
+                self.thread_calls.append((f, a, kw))
+
+        self.reactor = ThreadCallReactor()
+
+    def test_reload_renewed(self) -> None:
+        """
+        A renewed certificate is taken for the next connection and its new
+        expiry goes out in the next Register.
+        """
+        self.setup_reactor()
+        svc = self.agent()
+        renewed = self.ca.issue_agent("node-1", days=400)
+        self.assertTrue(svc.reload_certificate())
+        self.assertEqual(svc.client_tls.files.cert.serial_number, renewed.certificate.serial_number)
+        self.assertEqual(svc.core.config.certificate_not_after,
+                         int(renewed.certificate.not_valid_after_utc.timestamp()))
+
+    def test_reload_refuses_bad_files(self) -> None:
+        """
+        A half-written certificate is refused and the running one stays.
+        """
+        self.setup_reactor()
+        svc = self.agent()
+        before = svc.client_tls.files.cert.serial_number
+        (self.dir / "agent-node-1.pem").write_text("-----BEGIN CERTIFICATE-----\nMIIB")
+        self.assertFalse(svc.reload_certificate())
+        self.assertEqual(svc.client_tls.files.cert.serial_number, before)
+
+    def test_sighup(self) -> None:
+        """
+        SIGHUP reloads the certificate on the reactor's next turn.
+        """
+        import os
+        import signal
+
+        self.setup_reactor()
+        svc = self.agent(handle_sighup=True)
+        renewed = self.ca.issue_agent("node-1", days=200)
+        os.kill(os.getpid(), signal.SIGHUP)
+        [(f, a, kw)] = self.reactor.thread_calls
+        f(*a, **kw)
+        self.assertEqual(svc.client_tls.files.cert.serial_number, renewed.certificate.serial_number)

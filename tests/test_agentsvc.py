@@ -539,3 +539,16 @@ class DispatcherTests(SynchronousTestCase):
         proto.handshakeCompleted()
         self.assertIs(transport.producer, proto)
         self.assertTrue(transport.streaming)
+
+
+class CloseAllTests(SynchronousTestCase):
+    def test_close_all(self) -> None:
+        """
+        close_all aborts registered and unregistered connections alike.
+        """
+        h = Harness(self)
+        _, registered = h.registered("node-a")
+        _, pending = h.connect("node-b")
+        self.assertEqual(h.service.close_all("stopping"), 2)
+        self.assertTrue(registered.aborted)
+        self.assertTrue(pending.aborted)

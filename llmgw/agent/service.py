@@ -25,6 +25,7 @@ from llmgw.agent.client import AgentConfig, AgentCore, make_client_service
 from llmgw.agent.gpus import GPUMonitor, GPUSpecError, discover, parse_gpu_spec
 from llmgw.agent.state import StateDir, StateDirError
 from llmgw.agent.supervisor import HttpProber, Supervisor
+from llmgw.signals import SighupHandler, owns_signals
 from llmgw.tlsconf.options import (
     AgentClientTLS,
     IdentityError,
@@ -144,6 +145,7 @@ class NodeAgent(MultiService):
         gpu_source: Any,
         fabrics: dict[str, str] | None = None,
         heartbeat: float = 5.0,
+        handle_sighup: bool | None = None,
     ):
         super().__init__()
         self.reactor = reactor
@@ -175,8 +177,11 @@ class NodeAgent(MultiService):
             reactor,
             epoch_file=state.path / "epoch",
         )
+        self.client_tls = AgentClientTLS(control_host, tls)
+        self.handle_sighup = owns_signals(reactor) if handle_sighup is None else handle_sighup
+        self._sighup = SighupHandler(reactor, self.reload_certificate, "this node's certificate")
         endpoint = wrapClientTLS(
-            AgentClientTLS(control_host, tls),
+            self.client_tls,
             HostnameEndpoint(reactor, control_host, control_port, timeout=10),
         )
         self.client = make_client_service(self.core, endpoint)
@@ -195,12 +200,40 @@ class NodeAgent(MultiService):
             node=self.node_id, control=self.control, gpus=self.monitor.source.describe(),
             state=str(self.state.path),
         )
+        if self.handle_sighup:
+            self._sighup.install()
         # Re-adopt before dialling, so the first Register lists what still runs.
         self.supervisor.recover()
         self.core.newest_epoch = max(self.core.newest_epoch, self.core._load_epoch())
         super().startService()
 
+    def reload_certificate(self) -> bool:
+        """
+        Read this node's certificate, key and CA again (after a renewal) and
+        present them from the next connection on; the open stream carries on.
+        Bad, half-written or mismatched files, or a certificate for another
+        node, are refused and the running ones stay.
+
+        @return: whether the new files were taken.
+        """
+        try:
+            files = self.client_tls.reload()
+        except TLSConfigError as e:
+            self.log.error("certificate reload refused, the running certificate stays: {error}",
+                           error=str(e))
+            return False
+        self.tls = files
+        self.core.config.certificate_not_after = int(files.cert.not_valid_after_utc.timestamp())
+        self.log.info(
+            "certificate reloaded from {path}: serial {serial}, valid until {when}; "
+            "used from the next connection",
+            path=str(files.cert_path), serial=format(files.cert.serial_number, "x"),
+            when=files.cert.not_valid_after_utc.isoformat(),
+        )
+        return True
+
     def stopService(self) -> Any:
+        self._sighup.uninstall()
         self.core.stopping = True
         d = super().stopService()
 

@@ -680,6 +680,19 @@ class AgentService(ServerFactory):
             closed.append(who)
         return sorted(closed)
 
+    def close_all(self, reason: str) -> int:
+        """
+        Abort every open connection, registered or not (the control plane is
+        stopping); returns how many there were.
+        """
+        streams = list(self._open)
+        if streams:
+            self.log.info("closing {count} agent connections: {reason}", count=len(streams),
+                          reason=reason)
+        for proto in streams:
+            proto.abort()
+        return len(streams)
+
     # -- IDispatcher --------------------------------------------------------
 
     def connected_nodes(self) -> list[str]:

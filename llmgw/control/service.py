@@ -223,6 +223,13 @@ class ControlPlane(MultiService):
             host, port = self.admin_listener.address()
             self.log.info("admin API and /metrics on http://{address}", address=format_address(host, port))
 
+    def stopService(self) -> Any:
+        # Stop listening first, then drop the streams still open: an embedded
+        # control plane that stops must not keep speaking for the fleet.
+        d = super().stopService()
+        self.agents.close_all("the control plane is stopping")
+        return d
+
     def reload_tls(self) -> dict[str, Any]:
         """
         Re-read the agent port's certificate, key, CA and CRL (SIGHUP does

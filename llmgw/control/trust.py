@@ -9,9 +9,6 @@ metrics).
 from __future__ import annotations
 
 import datetime
-import signal
-import sys
-import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -24,6 +21,7 @@ from twisted.logger import Logger
 
 from llmgw.control.agentsvc import AgentService
 from llmgw.control.inventory import Inventory
+from llmgw.signals import SighupHandler, owns_signals
 from llmgw.tlsconf.crl import crl_number, revoked_serials
 from llmgw.tlsconf.options import ServerTLS, TLSConfigError, TLSFiles
 
@@ -164,14 +162,14 @@ class TrustService(Service):
         self.agents = agents
         self.inventory = inventory
         if handle_sighup is None:
-            # Only a real, running reactor may own a process-wide signal.
-            handle_sighup = sys.modules.get("twisted.internet.reactor") is reactor
+            handle_sighup = owns_signals(reactor)
         self.handle_sighup = handle_sighup
         self.check_interval = check_interval
         self.reloads = {"ok": 0, "refused": 0}
         self.last_reload_error: str | None = None
-        self._previous_sighup: Any = None
-        self._sighup_installed = False
+        self._sighup = SighupHandler(
+            reactor, self.reload_tls, "the agent port's TLS certificate, key, CA and CRL"
+        )
         self._loop: LoopingCall | None = None
 
     # -- lifetime -----------------------------------------------------------
@@ -179,7 +177,7 @@ class TrustService(Service):
     def startService(self) -> None:
         super().startService()
         if self.handle_sighup:
-            self._install_sighup()
+            self._sighup.install()
         self._loop = LoopingCall(self._periodic_check)
         self._loop.clock = self.reactor
         self._loop.start(self.check_interval, now=True)
@@ -189,30 +187,7 @@ class TrustService(Service):
         if self._loop is not None and self._loop.running:
             self._loop.stop()
         self._loop = None
-        if self._sighup_installed:
-            signal.signal(signal.SIGHUP, self._previous_sighup)
-            self._sighup_installed = False
-
-    def _install_sighup(self) -> None:
-        if not hasattr(signal, "SIGHUP") or threading.current_thread() is not threading.main_thread():
-            self.log.warn("not reloading TLS on SIGHUP: no SIGHUP here, or not the main thread")
-            return
-        self._previous_sighup = signal.getsignal(signal.SIGHUP)
-        signal.signal(signal.SIGHUP, self._on_sighup)
-        self._sighup_installed = True
-
-    def _on_sighup(self, signum: int, frame: Any) -> None:
-        # A signal handler may interrupt the reactor anywhere: do the work
-        # on the reactor's next turn. Other SIGHUP users (a catalog reload)
-        # installed before us still get the signal.
-        self.reactor.callFromThread(self._sighup_reload)  # type: ignore[attr-defined]
-        previous = self._previous_sighup
-        if callable(previous):
-            previous(signum, frame)
-
-    def _sighup_reload(self) -> None:
-        self.log.info("SIGHUP: reloading the agent port's TLS certificate, key, CA and CRL")
-        self.reload_tls()
+        self._sighup.uninstall()
 
     # -- reload -------------------------------------------------------------
 
