@@ -19,6 +19,7 @@ from twisted.python import usage
 #: sub-command name -> (module, one-line description)
 KINDS: dict[str, tuple[str, str]] = {
     "control": ("llmgw.control.service", "the control plane: agent stream, reconciler, APIs"),
+    "gateway": ("llmgw.gateway.service", "a gateway in its own process, following a control plane"),
 }
 
 
