@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import treq
 from twisted.internet import reactor as global_reactor
 from twisted.internet.defer import Deferred, DeferredList, succeed
 from twisted.internet.interfaces import IPushProducer
@@ -19,7 +20,6 @@ from twisted.web.client import Agent, HTTPConnectionPool
 from twisted.web.resource import Resource
 from zope.interface import implementer
 
-import treq
 from llmgw.control.interfaces import Route
 from llmgw.gateway.follower import RoutingSnapshot
 from llmgw.gateway.proxy import Gateway, GatewayConfig

@@ -11,8 +11,8 @@ from typing import Any
 import treq
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred, DeferredList, inlineCallbacks
-from twisted.internet.protocol import Protocol
 from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
+from twisted.internet.protocol import Protocol
 from twisted.logger import globalLogPublisher
 from twisted.trial.unittest import TestCase
 

@@ -168,12 +168,12 @@ class FollowerTable:
     ):
         self.clock = clock
         self.admin_url = admin_url.rstrip("/")
+        self._pool: Any = None
         if http is None:
             from twisted.web.client import Agent, HTTPConnectionPool
 
-            http = treq.client.HTTPClient(
-                Agent(clock, pool=HTTPConnectionPool(clock, persistent=True))
-            )
+            self._pool = HTTPConnectionPool(clock, persistent=True)
+            http = treq.client.HTTPClient(Agent(clock, pool=self._pool))
         self.http = http
         self.timeout = timeout
         self.snapshot = RoutingSnapshot()
@@ -206,6 +206,14 @@ class FollowerTable:
         if self.last_success is None:
             return 0.0
         return float(self.clock.seconds() - self.last_success)
+
+    def close(self) -> Deferred[None] | None:
+        """
+        Close the connections this table keeps to the admin API.
+        """
+        if self._pool is None:
+            return None
+        return self._pool.closeCachedConnections()  # type: ignore[no-any-return]
 
     # polling
 
@@ -319,4 +327,4 @@ class FollowerService(Service):
         loop, self._loop = self._loop, None
         if loop is not None and loop.running:
             loop.stop()
-        return None
+        return self.table.close()
