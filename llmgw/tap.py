@@ -40,5 +40,6 @@ class Options(usage.Options):
 
 
 def makeService(options: Options, reactor: Any = None) -> IService:
+    assert options.subCommand is not None
     module = importlib.import_module(KINDS[options.subCommand][0])
     return module.makeService(options.subOptions, reactor=reactor)  # type: ignore[no-any-return]
