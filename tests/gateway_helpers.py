@@ -24,6 +24,7 @@ from llmgw.control.interfaces import Route
 from llmgw.gateway.follower import RoutingSnapshot
 from llmgw.gateway.proxy import Gateway, GatewayConfig
 from llmgw.gateway.resource import GatewayResource, GatewaySite
+from llmgw.testing.fakemodel import FakeModelConfig, make_resource
 
 
 class TrackingFactory(WrappingFactory):
@@ -247,6 +248,27 @@ class FakeReplica(Resource):
         return d
 
 
+class FakeModelServer:
+    """
+    The project's fake model server (L{llmgw.testing.fakemodel}) on a
+    loopback port, with connections the test can close.
+    """
+
+    def __init__(self, config: FakeModelConfig):
+        site = server.Site(make_resource(config, global_reactor))
+        site.log = lambda r: None  # type: ignore[method-assign]
+        self.factory = TrackingFactory(site)
+        self.port = global_reactor.listenTCP(0, self.factory, interface="127.0.0.1")
+
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port.getHost().port}"
+
+    def stop(self) -> Deferred[Any]:
+        d = self.factory.close_all()
+        d.addCallback(lambda _: self.port.stopListening())
+        return d
+
+
 def dead_address() -> str:
     """
     A loopback address where nothing listens (a port just released).
@@ -265,7 +287,7 @@ class Harness:
 
     def __init__(self, testcase: Any, config: GatewayConfig | None = None, keys: Any = None):
         self.testcase = testcase
-        self.replicas: dict[str, FakeReplica] = {}
+        self.replicas: dict[str, Any] = {}
         self.route_list: list[Route] = []
         self.known: set[str] = set()
         self.table = RoutingSnapshot()
@@ -298,6 +320,12 @@ class Harness:
         self.replicas[replica_id] = r
         self.add_route(replica_id, model, r.address(), draining)
         return r
+
+    def fakemodel(self, replica_id: str, model: str = "demo", **config: Any) -> FakeModelServer:
+        f = FakeModelServer(FakeModelConfig(model=model, **config))
+        self.replicas[replica_id] = f
+        self.add_route(replica_id, model, f.address())
+        return f
 
     def add_route(self, replica_id: str, model: str, address: str, draining: bool = False) -> None:
         self.route_list.append(Route(replica_id, model, address, draining))
