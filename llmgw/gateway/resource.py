@@ -185,6 +185,8 @@ class GatewayRequest(server.Request):
 
     too_large = False
     on_lost: Any = None
+    content: Any
+    channel: Any
     _received = 0
 
     def _limit(self) -> int:
@@ -229,6 +231,8 @@ class GatewayRequest(server.Request):
 
 
 class _Channel(http.HTTPChannel):
+    transport: Any
+
     def connectionMade(self) -> None:
         super().connectionMade()
         try:
@@ -244,7 +248,7 @@ class GatewaySite(server.Site):
     request, and refusals are logged with who sent them).
     """
 
-    protocol = _Channel
+    protocol = _Channel  # type: ignore[assignment]
     displayTracebacks = False
     noisy = False
 

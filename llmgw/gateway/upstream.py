@@ -69,6 +69,7 @@ class UpstreamConnection(Protocol):
     """
 
     log = Logger()
+    transport: Any
 
     def __init__(self, pool: UpstreamPool | None, address: str):
         self.pool = pool
@@ -85,7 +86,7 @@ class UpstreamConnection(Protocol):
     def connectionMade(self) -> None:
         self.connected_ = True
         try:
-            self.transport.setTcpNoDelay(True)  # type: ignore[attr-defined]
+            self.transport.setTcpNoDelay(True)
         except AttributeError:
             pass
 
@@ -114,13 +115,13 @@ class UpstreamConnection(Protocol):
         self._keep_alive = False
         if self.connected_:
             self.connected_ = False
-            self.transport.abortConnection()  # type: ignore[attr-defined]
+            self.transport.abortConnection()
 
     def pause(self) -> None:
-        self.transport.pauseProducing()  # type: ignore[attr-defined]
+        self.transport.pauseProducing()
 
     def resume(self) -> None:
-        self.transport.resumeProducing()  # type: ignore[attr-defined]
+        self.transport.resumeProducing()
 
     # Protocol
 
