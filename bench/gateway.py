@@ -1,0 +1,365 @@
+"""
+Gateway overhead benchmark: the fake model server called directly, through
+the gateway, and through a bare twisted.web reverse proxy (the baseline),
+in one run. Prints JSON.
+
+    python bench/gateway.py [--duration 5] [--rate 500] [--quick]
+
+Every party is its own process on this machine: the fake model server
+(C{python -m llmgw.testing.fakemodel}), the gateway (one process, a static
+routing table to the fake), the bare proxy, and the load generators: C{wrk}
+for closed-loop throughput at 1, 50 and 200 connections, and an open-loop
+generator (this file, C{openloop} mode) that sends at a fixed rate and
+measures each request from the moment it was due, so that queueing in the
+generator cannot hide latency. The gateway's added latency is its p50/p99
+minus the direct call's.
+
+A second, smaller section repeats the throughput runs against a minimal
+upstream (a few lines of twisted.web.http) to show the gateway's own
+ceiling when the model server is not the bottleneck.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "bench"
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}]}
+STREAM = dict(CHAT, stream=True)
+
+
+# -- processes served by this file -------------------------------------------
+
+
+def serve_gateway(port: int, upstream: str) -> None:
+    from twisted.internet import reactor
+
+    from llmgw.control.interfaces import Route
+    from llmgw.gateway.follower import RoutingSnapshot
+    from llmgw.gateway.service import GatewayService
+
+    table = RoutingSnapshot([Route("r1", MODEL, upstream)], [MODEL])
+    GatewayService(reactor, table, "127.0.0.1", port).startService()
+    reactor.run()
+
+
+def serve_bare(port: int, upstream: str) -> None:
+    # The baseline: a reverse proxy in a few lines of twisted.web.
+    from twisted.internet import reactor
+    from twisted.web import proxy, server
+
+    host, up_port = upstream.rsplit(":", 1)
+    site = server.Site(proxy.ReverseProxyResource(host, int(up_port), b""))
+    site.log = lambda request: None  # type: ignore[method-assign]
+    reactor.listenTCP(port, site, interface="127.0.0.1", backlog=1024)
+    reactor.run()
+
+
+def serve_fast(port: int) -> None:
+    # A minimal upstream: the same JSON for every request, no routing.
+    from twisted.internet import reactor
+    from twisted.web import http
+
+    body = json.dumps(
+        {"id": "x", "object": "chat.completion", "model": MODEL,
+         "choices": [{"index": 0, "message": {"role": "assistant", "content": "hello"},
+                      "finish_reason": "stop"}]}
+    ).encode()
+
+    class Req(http.Request):
+        def process(self) -> None:
+            self.setHeader(b"content-type", b"application/json")
+            self.setHeader(b"content-length", b"%d" % len(body))
+            self.write(body)
+            self.finish()
+
+    class Factory(http.HTTPFactory):
+        def buildProtocol(self, addr: Any) -> Any:
+            p = http.HTTPChannel()
+            p.requestFactory = Req
+            p.factory = self
+            return p
+
+    f = Factory()
+    f.log = lambda request: None  # type: ignore[method-assign]
+    reactor.listenTCP(port, f, interface="127.0.0.1", backlog=1024)
+    reactor.run()
+
+
+def openloop(address: str, path: str, body: bytes, rate: float, duration: float, warmup: float) -> None:
+    """
+    Send C{rate} requests a second for C{warmup + duration} seconds over
+    kept-alive connections (opened as needed); print latency and time to
+    first byte of those due after the warm-up, from their due time.
+    """
+    from twisted.internet import reactor
+
+    from llmgw.gateway.upstream import UpstreamPool
+
+    pool = UpstreamPool(reactor, connect_timeout=5, max_idle=1024)
+    head = (
+        b"POST " + path.encode() + b" HTTP/1.1\r\nHost: " + address.encode()
+        + b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+    ) + body
+    clock = time.perf_counter
+    total = int(rate * (warmup + duration))
+    t0 = clock() + 0.2
+    results: list[tuple[float, float]] = []
+    state = {"sent": 0, "done": 0, "errors": 0}
+
+    class Call:
+        def __init__(self, due: float, measured: bool):
+            self.due = due
+            self.measured = measured
+            self.ttfb = 0.0
+
+        def response_started(self, status: int, reason: bytes, headers: Any) -> None:
+            self.ttfb = clock() - self.due
+            if status != 200:
+                state["errors"] += 1
+
+        def response_data(self, data: bytes) -> None:
+            pass
+
+        def response_finished(self) -> None:
+            if self.measured:
+                results.append((self.ttfb, clock() - self.due))
+            self._end()
+
+        def response_failed(self, reason: Any, started: bool) -> None:
+            state["errors"] += 1
+            self._end()
+
+        def _end(self) -> None:
+            state["done"] += 1
+            if state["done"] == total:
+                reactor.stop()
+
+    def launch(call: Call) -> None:
+        conn = pool.take(address)
+        if conn is not None:
+            conn.send(head, call)
+            return
+        d = pool.connect(address)
+        d.addCallbacks(lambda c: c.send(head, call), lambda f: call.response_failed(f, False))
+
+    def tick() -> None:
+        now = clock()
+        while state["sent"] < total:
+            due = t0 + state["sent"] / rate
+            if due > now:
+                reactor.callLater(max(0.0, due - clock()), tick)
+                return
+            launch(Call(due, due - t0 >= warmup))
+            state["sent"] += 1
+
+    reactor.callLater(0.2, tick)
+    reactor.callLater(warmup + duration + 30, reactor.stop)
+    reactor.run()
+    ttfb = sorted(r[0] for r in results)
+    lat = sorted(r[1] for r in results)
+    print(json.dumps({
+        "requests": len(results), "errors": state["errors"],
+        "p50_ms": _pct(lat, 50), "p99_ms": _pct(lat, 99),
+        "ttfb_p50_ms": _pct(ttfb, 50), "ttfb_p99_ms": _pct(ttfb, 99),
+    }))
+
+
+def _pct(values: list[float], p: float) -> float | None:
+    if not values:
+        return None
+    i = min(len(values) - 1, max(0, int(round(p / 100 * len(values))) - 1))
+    return round(values[i] * 1000, 3)
+
+
+# -- the orchestrator ----------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_port(port: int, timeout: float = 15.0) -> None:
+    end = time.time() + timeout
+    while time.time() < end:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on port {port} after {timeout} s")
+
+
+class Procs:
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.env = dict(os.environ, PYTHONPATH=str(ROOT))
+
+    def start(self, *args: str) -> subprocess.Popen[bytes]:
+        p = subprocess.Popen([sys.executable, *args], env=self.env, cwd=ROOT,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.procs.append(p)
+        return p
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def wrk(url: str, body: dict[str, Any], connections: int, duration: float) -> dict[str, Any]:
+    script = Path(os.environ.get("TMPDIR", "/tmp")) / f"llmgw-bench-{os.getpid()}.lua"
+    script.write_text(
+        'wrk.method = "POST"\n'
+        f"wrk.body = {json.dumps(json.dumps(body))}\n"
+        'wrk.headers["Content-Type"] = "application/json"\n'
+    )
+    out = subprocess.run(
+        ["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(duration))}s", "--latency", "-s", str(script), url],
+        capture_output=True, text=True, timeout=duration + 60,
+    ).stdout
+    script.unlink()
+    rps = re.search(r"Requests/sec:\s+([\d.]+)", out)
+    non2xx = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
+    errors = re.search(r"Socket errors: (.*)", out)
+    p50 = re.search(r"\s50%\s+([\d.]+)(us|ms|s)", out)
+    p99 = re.search(r"\s99%\s+([\d.]+)(us|ms|s)", out)
+
+    def ms(m: Any) -> float | None:
+        if not m:
+            return None
+        return round(float(m.group(1)) * {"us": 0.001, "ms": 1, "s": 1000}[m.group(2)], 3)
+
+    return {
+        "rps": float(rps.group(1)) if rps else None,
+        "p50_ms": ms(p50), "p99_ms": ms(p99),
+        "non_2xx": int(non2xx.group(1)) if non2xx else 0,
+        "socket_errors": errors.group(1).strip() if errors else "",
+    }
+
+
+def run_openloop(address: str, body: dict[str, Any], rate: float, duration: float) -> dict[str, Any]:
+    out = subprocess.run(
+        [sys.executable, __file__, "openloop", address, "/v1/chat/completions",
+         json.dumps(body), str(rate), str(duration), "1.0"],
+        capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        timeout=duration + 60,
+    )
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    if not lines:
+        return {"error": out.stderr[-500:]}
+    return json.loads(lines[-1])  # type: ignore[no-any-return]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--duration", type=float, default=5.0, help="seconds per closed-loop run")
+    ap.add_argument("--rate", type=float, default=500.0, help="open-loop requests per second")
+    ap.add_argument("--quick", action="store_true", help="1 s runs (a smoke test of the script)")
+    args = ap.parse_args()
+    if shutil.which("wrk") is None:
+        sys.exit("bench/gateway.py needs wrk (apt-get install wrk)")
+    duration = 1.0 if args.quick else args.duration
+    procs = Procs()
+    try:
+        fm, gw, bare = free_port(), free_port(), free_port()
+        procs.start("-m", "llmgw.testing.fakemodel", "--port", str(fm), "--model", MODEL)
+        wait_port(fm)
+        upstream = f"127.0.0.1:{fm}"
+        procs.start(__file__, "serve-gateway", str(gw), upstream)
+        procs.start(__file__, "serve-bare", str(bare), upstream)
+        wait_port(gw)
+        wait_port(bare)
+        targets = {"direct": fm, "gateway": gw, "bare_proxy": bare}
+        result: dict[str, Any] = {
+            "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
+            "upstream": "llmgw.testing.fakemodel (16-word replies, unpaced)",
+            "closed_loop": {}, "open_loop": {},
+        }
+        for name, port in targets.items():
+            url = f"http://127.0.0.1:{port}/v1/chat/completions"
+            wrk(url, CHAT, 50, 1.0)  # warm up connections and code paths
+            for mode, body in (("non_streaming", CHAT), ("streaming", STREAM)):
+                runs = result["closed_loop"].setdefault(mode, {}).setdefault(name, {})
+                for c in (1, 50, 200):
+                    runs[f"c{c}"] = wrk(url, body, c, duration)
+        for name, port in targets.items():
+            for mode, body in (("non_streaming", CHAT), ("streaming", STREAM)):
+                result["open_loop"].setdefault(mode, {})[name] = run_openloop(
+                    f"127.0.0.1:{port}", body, args.rate, duration
+                )
+        result["open_loop"]["rate_rps"] = args.rate
+        procs.stop()
+
+        # The gateway's own ceiling, against an upstream that is not the bottleneck.
+        procs = Procs()
+        fast, gw2 = free_port(), free_port()
+        procs.start(__file__, "serve-fast", str(fast))
+        wait_port(fast)
+        procs.start(__file__, "serve-gateway", str(gw2), f"127.0.0.1:{fast}")
+        wait_port(gw2)
+        fast_runs: dict[str, Any] = {}
+        for name, port in (("direct", fast), ("gateway", gw2)):
+            url = f"http://127.0.0.1:{port}/v1/chat/completions"
+            wrk(url, CHAT, 50, 1.0)
+            fast_runs[name] = {f"c{c}": wrk(url, CHAT, c, duration) for c in (50, 200)}
+        result["minimal_upstream_non_streaming"] = fast_runs
+
+        summary: dict[str, Any] = {}
+        ns = result["closed_loop"]["non_streaming"]
+        best = {n: max(r["rps"] or 0 for r in ns[n].values()) for n in ns}
+        summary["non_streaming_best_rps"] = best
+        summary["gateway_vs_direct"] = round(best["gateway"] / best["direct"], 3) if best["direct"] else None
+        summary["bare_proxy_vs_direct"] = round(best["bare_proxy"] / best["direct"], 3) if best["direct"] else None
+        summary["gateway_vs_bare_proxy"] = round(best["gateway"] / best["bare_proxy"], 2) if best["bare_proxy"] else None
+        gw_fast = max(r["rps"] or 0 for r in fast_runs["gateway"].values())
+        summary["gateway_best_rps_minimal_upstream"] = gw_fast
+        for mode in ("non_streaming", "streaming"):
+            ol = result["open_loop"][mode]
+            d, g = ol["direct"], ol["gateway"]
+            if d.get("p50_ms") is not None and g.get("p50_ms") is not None:
+                summary[f"{mode}_added_p50_ms"] = round(g["p50_ms"] - d["p50_ms"], 3)
+                summary[f"{mode}_added_p99_ms"] = round(g["p99_ms"] - d["p99_ms"], 3)
+                summary[f"{mode}_added_ttfb_p50_ms"] = round(g["ttfb_p50_ms"] - d["ttfb_p50_ms"], 3)
+        summary["bar"] = {
+            "3000_rps_through_gateway": max(best["gateway"], gw_fast) >= 3000,
+            "3000_rps_through_gateway_with_fakemodel": best["gateway"] >= 3000,
+            "added_p50_under_1ms": (summary.get("non_streaming_added_p50_ms") or 99) < 1,
+            "added_p99_under_5ms": (summary.get("non_streaming_added_p99_ms") or 99) < 5,
+            "better_than_bare_proxy": best["gateway"] > best["bare_proxy"],
+        }
+        result["summary"] = summary
+        print(json.dumps(result, indent=2))
+    finally:
+        procs.stop()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "serve-gateway":
+        serve_gateway(int(sys.argv[2]), sys.argv[3])
+    elif len(sys.argv) > 1 and sys.argv[1] == "serve-bare":
+        serve_bare(int(sys.argv[2]), sys.argv[3])
+    elif len(sys.argv) > 1 and sys.argv[1] == "serve-fast":
+        serve_fast(int(sys.argv[2]))
+    elif len(sys.argv) > 1 and sys.argv[1] == "openloop":
+        a = sys.argv[2:]
+        openloop(a[0], a[1], a[2].encode(), float(a[3]), float(a[4]), float(a[5]))
+    else:
+        main()

@@ -1,0 +1,121 @@
+"""
+OpenAI-shaped error responses.
+
+Every refusal the gateway makes is a JSON body C{{"error": {"message",
+"type", "code", "param"}}} with the matching HTTP status, so that OpenAI's
+own clients raise their usual exception classes for it.
+"""
+
+from __future__ import annotations
+
+import json
+
+
+class GatewayError(Exception):
+    """
+    A request the gateway refuses or cannot complete.
+
+    C{status} is the HTTP status, C{type} and C{code} go into the body, and
+    C{headers} are extra response headers (C{Retry-After}, say).
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+        headers: dict[bytes, bytes] | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> bytes:
+        return error_body(self.message, self.type, self.code)
+
+
+def error_body(message: str, type: str, code: str | None, param: str | None = None) -> bytes:
+    """
+    The JSON body of an OpenAI-style error.
+    """
+    return json.dumps(
+        {"error": {"message": message, "type": type, "code": code, "param": param}}
+    ).encode()
+
+
+def bad_request(message: str, code: str = "invalid_request") -> GatewayError:
+    return GatewayError(400, message, "invalid_request_error", code)
+
+
+def unauthorized(message: str) -> GatewayError:
+    return GatewayError(
+        401,
+        message,
+        "invalid_request_error",
+        "invalid_api_key",
+        {b"WWW-Authenticate": b'Bearer realm="llmgw"'},
+    )
+
+
+def not_found(message: str, code: str = "not_found") -> GatewayError:
+    return GatewayError(404, message, "invalid_request_error", code)
+
+
+def model_not_found(model: str) -> GatewayError:
+    return GatewayError(
+        404,
+        f"The model {model!r} does not exist: no deployment serves it",
+        "invalid_request_error",
+        "model_not_found",
+    )
+
+
+def method_not_allowed(method: str, path: str, allowed: bytes) -> GatewayError:
+    return GatewayError(
+        405,
+        f"{method} is not allowed on {path}",
+        "invalid_request_error",
+        "method_not_allowed",
+        {b"Allow": allowed},
+    )
+
+
+def too_large(limit: int) -> GatewayError:
+    return GatewayError(
+        413,
+        f"The request body is larger than this gateway's limit of {limit} bytes",
+        "invalid_request_error",
+        "request_too_large",
+    )
+
+
+def no_ready_replica(model: str, retry_after: int) -> GatewayError:
+    return GatewayError(
+        503,
+        f"No ready replica of {model!r} can take the request now; retry later",
+        "server_error",
+        "no_ready_replica",
+        {b"Retry-After": b"%d" % retry_after},
+    )
+
+
+def upstream_failed(model: str, reason: str) -> GatewayError:
+    return GatewayError(
+        502,
+        f"The replicas of {model!r} failed: {reason}",
+        "server_error",
+        "upstream_error",
+    )
+
+
+def upstream_timeout(model: str, reason: str) -> GatewayError:
+    return GatewayError(
+        504,
+        f"The replicas of {model!r} did not answer in time: {reason}",
+        "server_error",
+        "upstream_timeout",
+    )

@@ -1,0 +1,134 @@
+"""
+API keys: who may call the gateway.
+
+A keys file is either one key per line (blank lines and C{#} comments
+skipped; a key is then named by its line number), or, when its name ends in
+C{.toml}, a table of names to keys::
+
+    [keys]
+    alice = "sk-..."
+    batch-jobs = "sk-..."
+
+Keys are compared by their SHA-256 digest and only names ever reach a log.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+import tomllib
+from pathlib import Path
+
+from twisted.logger import Logger
+
+log = Logger()
+
+MIN_KEY_LENGTH = 8
+
+
+class KeysError(ValueError):
+    """
+    A keys file cannot be used; the message says where and why (never the
+    key itself).
+    """
+
+
+class KeyRing:
+    """
+    The keys the gateway accepts, by name.
+    """
+
+    def __init__(self, keys: dict[str, str]):
+        self._by_digest: dict[bytes, str] = {}
+        for name, key in keys.items():
+            digest = hashlib.sha256(key.encode()).digest()
+            if digest in self._by_digest:
+                raise KeysError(f"keys {self._by_digest[digest]!r} and {name!r} are the same key")
+            self._by_digest[digest] = name
+
+    def __len__(self) -> int:
+        return len(self._by_digest)
+
+    def names(self) -> list[str]:
+        return sorted(self._by_digest.values())
+
+    def authenticate(self, authorization: bytes | None) -> str | None:
+        """
+        The name of the key in an C{Authorization: Bearer KEY} header value,
+        or C{None} when the header is missing, malformed or holds no key of
+        this ring.
+        """
+        if not authorization:
+            return None
+        scheme, _, token = authorization.strip().partition(b" ")
+        if scheme.lower() != b"bearer":
+            return None
+        token = token.strip()
+        if not token:
+            return None
+        return self._by_digest.get(hashlib.sha256(token).digest())
+
+
+def parse_keys(text: str, toml: bool, source: str = "keys file") -> KeyRing:
+    """
+    Read keys from C{text}.
+
+    @raise KeysError: the text holds no key, a malformed entry, a key that
+        is too short or has spaces in it, or the same key twice.
+    """
+    keys: dict[str, str] = {}
+    if toml:
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise KeysError(f"{source}: not valid TOML: {e}") from None
+        table = data.get("keys", data)
+        if not isinstance(table, dict):
+            raise KeysError(f"{source}: [keys] must be a table of name = \"key\"")
+        for name, key in table.items():
+            if not isinstance(key, str):
+                raise KeysError(f"{source}: key {name!r} must be a string")
+            keys[name] = key
+    else:
+        for number, line in enumerate(text.splitlines(), 1):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            keys[f"line {number}"] = line
+    if not keys:
+        raise KeysError(f"{source}: holds no key")
+    for name, key in keys.items():
+        if len(key) < MIN_KEY_LENGTH:
+            raise KeysError(f"{source}: key {name!r} is shorter than {MIN_KEY_LENGTH} characters")
+        if any(c.isspace() for c in key):
+            raise KeysError(f"{source}: key {name!r} contains white space")
+    try:
+        return KeyRing(keys)
+    except KeysError as e:
+        raise KeysError(f"{source}: {e}") from None
+
+
+def load_keys(path: Path) -> KeyRing:
+    """
+    Read a keys file (TOML when its name ends in C{.toml}).
+
+    A file that others than its owner may read is used, with a warning.
+
+    @raise KeysError: the file cannot be read or holds no usable key.
+    """
+    try:
+        text = path.read_text()
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        raise KeysError(f"{path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise KeysError(f"{path}: not UTF-8 text") from None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        log.warn(
+            "keys file {path} is readable by others than its owner (mode {mode:o}); "
+            "chmod 600 it",
+            path=str(path),
+            mode=stat.S_IMODE(mode),
+        )
+    return parse_keys(text, toml=path.suffix == ".toml", source=str(path))

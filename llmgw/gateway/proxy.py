@@ -1,0 +1,452 @@
+"""
+The streaming proxy: one L{ProxyCall} per request, and the L{Gateway} that
+holds what calls share (routing table, router, connection pool, metrics).
+
+A call sends the client's body unchanged to the leader shard of the replica
+the router picks, and passes the response through as it arrives: headers as
+soon as they come, each piece of the body as soon as it is read. It is the
+downstream request's streaming producer, so a client that reads slowly
+pauses the replica's connection instead of growing a buffer; a client that
+goes away aborts the replica's connection, which cancels the generation.
+
+A connection failure before any byte of the response went to the client is
+retried: on a fresh connection to the same replica when a kept-alive one
+turned out to be closed, else on another replica, up to C{max_tries}
+replicas. Timeouts: connect, first byte, and idle between bytes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.error import TimeoutError as ConnectTimeout
+from twisted.internet.interfaces import IDelayedCall, IPushProducer
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from zope.interface import implementer
+
+from llmgw.control.interfaces import IInFlight, IRoutingTable, Route
+from llmgw.gateway import errors
+from llmgw.gateway.keys import KeyRing
+from llmgw.gateway.metrics import GatewayMetrics
+from llmgw.gateway.router import Router
+from llmgw.gateway.upstream import UpstreamConnection, UpstreamPool
+
+#: Request headers that are the gateway's business, not the replica's.
+_DROP_REQUEST = frozenset(
+    {
+        b"connection", b"keep-alive", b"proxy-authorization", b"proxy-connection", b"te",
+        b"trailer", b"transfer-encoding", b"upgrade", b"host", b"content-length",
+        b"authorization", b"expect",
+    }
+)
+#: Response headers the gateway writes itself.
+_DROP_RESPONSE = frozenset(
+    {
+        b"connection", b"keep-alive", b"proxy-authenticate", b"trailer", b"transfer-encoding",
+        b"upgrade", b"date", b"server",
+    }
+)
+
+
+@dataclass
+class GatewayConfig:
+    """
+    The gateway's tunables; times in seconds.
+    """
+
+    max_body: int = 8 * 1024 * 1024
+    connect_timeout: float = 5.0
+    first_byte_timeout: float = 300.0
+    idle_timeout: float = 120.0
+    max_tries: int = 3
+    failure_threshold: int = 3
+    cooldown: float = 10.0
+    retry_after: int = 5
+    max_idle_connections: int = 256
+
+
+@implementer(IInFlight)
+class Gateway:
+    """
+    What every request shares. C{keys} is C{None} when no API keys are
+    configured (every caller is accepted).
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        reactor: Any,
+        table: IRoutingTable,
+        config: GatewayConfig | None = None,
+        registry: CollectorRegistry | None = None,
+        keys: KeyRing | None = None,
+    ):
+        self.reactor = reactor
+        self.table = table
+        self.config = config = config if config is not None else GatewayConfig()
+        self.keys = keys
+        self.router = Router(reactor, config.failure_threshold, config.cooldown)
+        self.pool = UpstreamPool(reactor, config.connect_timeout, config.max_idle_connections)
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.metrics = GatewayMetrics(self.registry, self.router.snapshot)
+
+    def in_flight(self, replica_id: str) -> int:
+        return self.router.in_flight(replica_id)
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+def forwarded_head(request: Any, body_length: int) -> bytes:
+    """
+    The request line and the headers to forward, up to (not including) the
+    C{Host} header, which depends on the replica.
+    """
+    parts = [request.method, b" ", request.uri, b" HTTP/1.1\r\n"]
+    for name, values in request.requestHeaders.getAllRawHeaders():
+        if name.lower() in _DROP_REQUEST:
+            continue
+        for value in values:
+            parts += [name, b": ", value, b"\r\n"]
+    peer = request.getClientAddress()
+    host = getattr(peer, "host", None)
+    if host:
+        parts += [b"X-Forwarded-For: ", host.encode(), b"\r\n"]
+    parts += [b"Content-Length: %d\r\n" % body_length]
+    return b"".join(parts)
+
+
+@implementer(IPushProducer)
+class ProxyCall:
+    """
+    One client request on its way to a replica and back.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        gateway: Gateway,
+        request: Any,
+        model: str,
+        path_label: str,
+        body: bytes,
+        routes: list[Route],
+        started: float,
+    ):
+        self.gw = gateway
+        self.request = request
+        self.model = model
+        self.path_label = path_label
+        self.body = body
+        self.routes = routes
+        self.started = started
+        self.head = forwarded_head(request, len(body))
+        self.route: Route | None = None
+        self.tried: set[str] = set()
+        self.conn: UpstreamConnection | None = None
+        self.connecting: Deferred[UpstreamConnection] | None = None
+        self.timer: IDelayedCall | None = None
+        self.counted = False
+        self.sent_headers = False
+        self.done = False
+        self.paused = False
+        self.fresh_retry_used = False
+        self.last_error = ""
+        self.last_was_timeout = False
+        self.reused = False
+        self.status = 0
+
+    # the call's course
+
+    def start(self) -> None:
+        self.request.on_lost = self._client_gone
+        self._attempt(None)
+
+    def _attempt(self, same: Route | None) -> None:
+        if same is None:
+            route = self.gw.router.pick(self.routes, self.tried)
+            if route is None:
+                self._give_up()
+                return
+            self.tried.add(route.replica_id)
+            conn = self.gw.pool.take(route.address)
+        else:
+            route, conn = same, None
+        self.route = route
+        self.gw.router.begin(route.replica_id)
+        self.counted = True
+        if conn is not None:
+            self._send(conn, reused=True)
+            return
+        try:
+            d = self.gw.pool.connect(route.address)
+        except ValueError as e:
+            self._connect_failed(Failure(e))
+            return
+        self.connecting = d
+        d.addCallbacks(self._connected, self._connect_failed)
+
+    def _connected(self, conn: UpstreamConnection) -> None:
+        self.connecting = None
+        if self.done:
+            conn.abort()
+            return
+        self._send(conn, reused=False)
+
+    def _connect_failed(self, reason: Failure) -> None:
+        self.connecting = None
+        if self.done or reason.check(CancelledError):
+            return
+        assert self.route is not None
+        timeout = bool(reason.check(ConnectTimeout))
+        self._replica_failed(
+            f"cannot connect to {self.route.address}: {reason.getErrorMessage()}",
+            timeout,
+            "connect_timeout" if timeout else "connect",
+        )
+
+    def _send(self, conn: UpstreamConnection, reused: bool) -> None:
+        assert self.route is not None
+        self.conn = conn
+        self.reused = reused
+        conn.send(
+            b"".join((self.head, b"Host: ", self.route.address.encode(), b"\r\n\r\n", self.body)),
+            self,
+        )
+        if self.conn is conn:
+            self.timer = self.gw.reactor.callLater(self.gw.config.first_byte_timeout, self._timed_out)
+
+    # ResponseHandler
+
+    def response_started(self, status: int, reason: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+        if self.done:
+            return
+        assert self.route is not None
+        self.gw.router.succeeded(self.route.replica_id)
+        if self.timer is not None:
+            self.timer.reset(self.gw.config.idle_timeout)
+        request = self.request
+        request.setResponseCode(status, reason or None)
+        set_header = request.responseHeaders.addRawHeader
+        for name, value in headers:
+            if name not in _DROP_RESPONSE:
+                set_header(name, value)
+        self.status = status
+        self.sent_headers = True
+        request.registerProducer(self, True)
+        request.write(b"")
+        self.gw.metrics.first_byte(self.model, time.monotonic() - self.started)
+
+    def response_data(self, data: bytes) -> None:
+        if self.done:
+            return
+        if self.timer is not None:
+            self.timer.reset(self.gw.config.idle_timeout)
+        self.request.write(data)
+
+    def response_finished(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.conn = None
+        self._cancel_timer()
+        self._end_attempt()
+        request = self.request
+        request.on_lost = None
+        request.unregisterProducer()
+        request.finish()
+        self._record(self.status)
+
+    def response_failed(self, reason: Failure, started: bool) -> None:
+        if self.done:
+            return
+        self.conn = None
+        self._cancel_timer()
+        route = self.route
+        assert route is not None
+        if self.sent_headers:
+            self.log.warn(
+                "replica {replica} ({address}) of {model} broke off a response: {reason}",
+                replica=route.replica_id,
+                address=route.address,
+                model=self.model,
+                reason=reason.getErrorMessage(),
+            )
+            self.gw.router.failed(route.replica_id)
+            self._abort_client(502)
+            return
+        if self.reused and not started and not self.fresh_retry_used:
+            # A kept-alive connection the replica had closed: not the
+            # replica's fault; once more on a fresh connection.
+            self.fresh_retry_used = True
+            self._end_attempt()
+            self.gw.metrics.retries.labels(self.model, "stale_connection").inc()
+            self._attempt(route)
+            return
+        self._replica_failed(
+            f"{route.address} closed the connection before answering: {reason.getErrorMessage()}",
+            False,
+            "reset",
+        )
+
+    # IPushProducer (downstream flow control)
+
+    def pauseProducing(self) -> None:
+        self.paused = True
+        if self.conn is not None:
+            self.conn.pause()
+
+    def resumeProducing(self) -> None:
+        self.paused = False
+        if self.conn is not None:
+            self.conn.resume()
+
+    def stopProducing(self) -> None:
+        self._client_gone(Failure(CancelledError("the client connection is closing")))
+
+    # endings
+
+    def _replica_failed(self, message: str, timeout: bool, reason: str) -> None:
+        route = self.route
+        assert route is not None
+        self._end_attempt()
+        self.last_error = message
+        self.last_was_timeout = timeout
+        if self.gw.router.failed(route.replica_id):
+            self.gw.metrics.cooldowns.labels(route.replica_id).inc()
+            self.log.warn(
+                "replica {replica} ({address}) of {model} failed {n} times in a row: "
+                "out of rotation for {cooldown} s",
+                replica=route.replica_id,
+                address=route.address,
+                model=self.model,
+                n=self.gw.router.failure_threshold,
+                cooldown=self.gw.router.cooldown,
+            )
+        if len(self.tried) < self.gw.config.max_tries:
+            self.gw.metrics.retries.labels(self.model, reason).inc()
+            self.log.info(
+                "{model} request: {message}; trying another replica",
+                model=self.model,
+                message=message,
+            )
+            self._attempt(None)
+            return
+        self._give_up()
+
+    def _give_up(self) -> None:
+        if not self.tried:
+            self._refuse(errors.no_ready_replica(self.model, self.gw.config.retry_after))
+            return
+        if self.last_was_timeout:
+            err = errors.upstream_timeout(self.model, self.last_error)
+        else:
+            err = errors.upstream_failed(self.model, self.last_error)
+        self.log.warn(
+            "{model} request failed after {tries} replica(s): {message}",
+            model=self.model,
+            tries=len(self.tried),
+            message=self.last_error,
+        )
+        self._refuse(err)
+
+    def _timed_out(self) -> None:
+        self.timer = None
+        if self.done:
+            return
+        route = self.route
+        assert route is not None
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            conn.abort()
+        if self.sent_headers:
+            self.log.warn(
+                "replica {replica} ({address}) of {model} sent nothing for {idle} s "
+                "in the middle of a response; giving up on it",
+                replica=route.replica_id,
+                address=route.address,
+                model=self.model,
+                idle=self.gw.config.idle_timeout,
+            )
+            self._abort_client(504)
+            return
+        self.gw.router.failed(route.replica_id)
+        self._end_attempt()
+        message = (
+            f"{route.address} sent no response within {self.gw.config.first_byte_timeout} s"
+        )
+        self.log.warn("{model} request: {message}", model=self.model, message=message)
+        # No retry: the replica may still be working on it; a second one
+        # would only double the load.
+        self._refuse(errors.upstream_timeout(self.model, message))
+
+    def _refuse(self, err: errors.GatewayError) -> None:
+        self.done = True
+        request = self.request
+        request.on_lost = None
+        send_error(request, err)
+        self._record(err.status)
+
+    def _abort_client(self, status: int) -> None:
+        self.done = True
+        self._end_attempt()
+        request = self.request
+        request.on_lost = None
+        request.unregisterProducer()
+        # Closing without the last chunk tells the client the response is
+        # incomplete.
+        request.loseConnection()
+        self._record(status)
+
+    def _client_gone(self, reason: Failure) -> None:
+        if self.done:
+            return
+        self.done = True
+        self._cancel_timer()
+        if self.connecting is not None:
+            d, self.connecting = self.connecting, None
+            d.cancel()
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            conn.abort()
+        self._end_attempt()
+        self.gw.metrics.client_disconnects.labels(self.model).inc()
+        self._record(499)
+
+    def _end_attempt(self) -> None:
+        if self.counted:
+            self.counted = False
+            assert self.route is not None
+            self.gw.router.end(self.route.replica_id)
+
+    def _cancel_timer(self) -> None:
+        if self.timer is not None:
+            timer, self.timer = self.timer, None
+            timer.cancel()
+
+    def _record(self, status: int) -> None:
+        m = self.gw.metrics
+        m.count(self.model, self.path_label, status)
+        m.observe(self.model, time.monotonic() - self.started)
+
+
+def send_error(request: Any, err: errors.GatewayError) -> None:
+    """
+    Answer C{request} with C{err}'s status and JSON body.
+    """
+    body = err.body()
+    request.setResponseCode(err.status)
+    headers = request.responseHeaders
+    headers.setRawHeaders(b"Content-Type", [b"application/json"])
+    headers.setRawHeaders(b"Content-Length", [b"%d" % len(body)])
+    for name, value in err.headers.items():
+        headers.setRawHeaders(name, [value])
+    request.write(body)
+    request.finish()

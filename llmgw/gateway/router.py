@@ -1,0 +1,137 @@
+"""
+Which replica takes a request: pure decisions over plain data and a clock.
+
+L{Router} keeps the gateway's count of requests in flight per replica (the
+L{IInFlight} the reconciler reads to stop an idle draining replica) and a
+circuit breaker: a replica whose connections fail C{failure_threshold}
+times in a row is left out of rotation for C{cooldown} seconds, before the
+control plane has noticed anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+
+from twisted.internet.interfaces import IReactorTime
+from zope.interface import implementer
+
+from llmgw.control.interfaces import IInFlight, Route
+
+
+@implementer(IInFlight)
+class Router:
+    def __init__(self, clock: IReactorTime, failure_threshold: int = 3, cooldown: float = 10.0):
+        if failure_threshold < 1:
+            raise ValueError("failure_threshold must be at least 1")
+        self.clock = clock
+        self.failure_threshold = failure_threshold
+        self.cooldown = cooldown
+        self._in_flight: dict[str, int] = {}
+        self._failures: dict[str, int] = {}
+        self._cool_until: dict[str, float] = {}
+        self._turn = 0
+
+    # IInFlight
+
+    def in_flight(self, replica_id: str) -> int:
+        return self._in_flight.get(replica_id, 0)
+
+    def snapshot(self) -> dict[str, int]:
+        """
+        Requests in flight per replica, for replicas with any.
+        """
+        return dict(self._in_flight)
+
+    def begin(self, replica_id: str) -> None:
+        """
+        A request was sent (or is being sent) to C{replica_id}.
+        """
+        self._in_flight[replica_id] = self._in_flight.get(replica_id, 0) + 1
+
+    def end(self, replica_id: str) -> None:
+        """
+        A request to C{replica_id} is over, however it ended.
+        """
+        n = self._in_flight.get(replica_id, 0) - 1
+        if n > 0:
+            self._in_flight[replica_id] = n
+        else:
+            self._in_flight.pop(replica_id, None)
+
+    # circuit breaker
+
+    def failed(self, replica_id: str) -> bool:
+        """
+        A connection to C{replica_id} failed (refused, reset before an
+        answer, timed out). Returns whether this put it in a cool-down.
+        """
+        n = self._failures.get(replica_id, 0) + 1
+        self._failures[replica_id] = n
+        if n >= self.failure_threshold and replica_id not in self._cool_until:
+            self._cool_until[replica_id] = self.clock.seconds() + self.cooldown
+            return True
+        return False
+
+    def succeeded(self, replica_id: str) -> None:
+        """
+        C{replica_id} answered; its run of failures is over.
+        """
+        if self._failures:
+            self._failures.pop(replica_id, None)
+
+    def cooling(self, replica_id: str) -> bool:
+        """
+        Whether C{replica_id} is out of rotation now. When its cool-down
+        ends it is back, on probation: one more failure sends it back.
+        """
+        until = self._cool_until.get(replica_id)
+        if until is None:
+            return False
+        if self.clock.seconds() < until:
+            return True
+        del self._cool_until[replica_id]
+        self._failures[replica_id] = self.failure_threshold - 1
+        return False
+
+    def cooling_replicas(self) -> list[str]:
+        return sorted(r for r in list(self._cool_until) if self.cooling(r))
+
+    def forget(self, keep: Collection[str]) -> None:
+        """
+        Drop breaker state of replicas not in C{keep} (gone from the table).
+        """
+        for d in (self._failures, self._cool_until):
+            for r in [r for r in d if r not in keep]:
+                del d[r]
+
+    # the decision
+
+    def pick(self, routes: Sequence[Route], exclude: Collection[str] = ()) -> Route | None:
+        """
+        The route with the fewest requests in flight among those not
+        draining, not cooling down and not in C{exclude}; C{None} if there
+        is none. Ties go round the candidates in turn, so equal replicas
+        share the load.
+        """
+        n = len(routes)
+        if n == 0:
+            return None
+        in_flight = self._in_flight
+        cool = self._cool_until
+        start = self._turn % n
+        self._turn += 1
+        best: Route | None = None
+        best_load = 0
+        for i in range(n):
+            route = routes[(start + i) % n]
+            rid = route.replica_id
+            if route.draining or (exclude and rid in exclude):
+                continue
+            if cool and rid in cool and self.cooling(rid):
+                continue
+            load = in_flight.get(rid, 0)
+            if best is None or load < best_load:
+                best, best_load = route, load
+                if load == 0:
+                    break
+        return best

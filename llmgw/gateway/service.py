@@ -1,0 +1,222 @@
+"""
+``twistd llmgw gateway``: the gateway in its own process, following the
+control plane's routing table; and L{GatewayService}, the same front for
+the control plane to embed with its own routing table.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.twisted import MetricsResource
+from twisted.application.service import MultiService
+from twisted.logger import Logger
+from twisted.python import usage
+from twisted.web.resource import Resource
+from twisted.web.server import Site
+from zope.interface import implementer
+
+from llmgw.addresses import (
+    AddressError,
+    ListenerService,
+    format_address,
+    is_loopback,
+    parse_address,
+    server_endpoint,
+)
+from llmgw.control.interfaces import IInFlight, IRoutingTable
+from llmgw.gateway.follower import FollowerService, FollowerTable, RoutingSnapshot
+from llmgw.gateway.keys import KeyRing, KeysError, load_keys
+from llmgw.gateway.proxy import Gateway, GatewayConfig
+from llmgw.gateway.resource import GatewayResource, GatewaySite
+
+DEFAULT_GATEWAY = "127.0.0.1:8000"
+DEFAULT_METRICS = "127.0.0.1:7481"
+DEFAULT_CONTROL_ADMIN = "http://127.0.0.1:7480"
+
+
+@implementer(IInFlight)
+class GatewayService(MultiService):
+    """
+    The gateway's HTTP front on C{host}:C{port}, routing by C{table}.
+
+    C{gateway} (the shared state, an L{IInFlight}) and C{listener} (whose
+    C{address()} is the bound address once running) are attributes; the
+    gateway's metrics go into C{registry} (a new one when not given).
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        reactor: Any,
+        table: IRoutingTable,
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        config: GatewayConfig | None = None,
+        keys: KeyRing | None = None,
+        registry: CollectorRegistry | None = None,
+        backlog: int = 1024,
+    ):
+        super().__init__()
+        self.reactor = reactor
+        self.gateway = Gateway(reactor, table, config, registry, keys)
+        self.registry = self.gateway.registry
+        self.site = GatewaySite(GatewayResource(self.gateway), reactor=reactor)
+        self.listener = ListenerService(server_endpoint(reactor, host, port, backlog), self.site)
+        self.listener.setName("gateway-listener")
+        self.listener.setServiceParent(self)
+        self.host, self.port = host, port
+
+    def in_flight(self, replica_id: str) -> int:
+        return self.gateway.in_flight(replica_id)
+
+    def startService(self) -> None:
+        super().startService()
+        host, port = self.listener.address()
+        self.log.info(
+            "gateway listening on {address}{exposed}; API keys {keys}",
+            address=format_address(host, port),
+            exposed="" if is_loopback(host) else " (reachable from other machines)",
+            keys=f"required ({len(self.gateway.keys)} configured)" if self.gateway.keys else "not required",
+        )
+
+    def stopService(self) -> Any:
+        d = super().stopService()
+        self.gateway.close()
+        return d
+
+
+def _positive(options: usage.Options, name: str, kind: type = float) -> None:
+    try:
+        options[name] = kind(options[name])
+    except ValueError:
+        raise usage.UsageError(f"--{name} must be a {'number' if kind is float else 'whole number'}") from None
+    if options[name] <= 0:
+        raise usage.UsageError(f"--{name} must be positive")
+
+
+class Options(usage.Options):
+    optParameters = [
+        ["listen", None, DEFAULT_GATEWAY,
+         "[HOST:]PORT the gateway serves on; loopback by default, 0.0.0.0:8000 exposes it"],
+        ["control-admin", None, DEFAULT_CONTROL_ADMIN, "the control plane's admin API to follow"],
+        ["poll-interval", None, "2", "seconds between polls of the admin API"],
+        ["metrics", None, DEFAULT_METRICS, "[HOST:]PORT for /metrics (Prometheus), or 'off'"],
+        ["keys", None, None, "API keys file (one per line, or TOML [keys] name = \"key\")"],
+        ["max-body", None, str(GatewayConfig.max_body), "largest request body accepted, in bytes"],
+        ["connect-timeout", None, str(GatewayConfig.connect_timeout), "seconds to connect to a replica"],
+        ["first-byte-timeout", None, str(GatewayConfig.first_byte_timeout),
+         "seconds a replica may take before the first byte of its answer"],
+        ["idle-timeout", None, str(GatewayConfig.idle_timeout),
+         "seconds a replica may stay silent in the middle of an answer"],
+        ["max-tries", None, str(GatewayConfig.max_tries), "replicas tried when connections fail"],
+        ["failure-threshold", None, str(GatewayConfig.failure_threshold),
+         "failures in a row that take a replica out of rotation"],
+        ["cooldown", None, str(GatewayConfig.cooldown), "seconds a failing replica stays out of rotation"],
+        ["backlog", None, "1024", "listen backlog"],
+    ]
+
+    def postOptions(self) -> None:
+        try:
+            self["listen_host"], self["listen_port"] = parse_address(self["listen"], "127.0.0.1")
+        except AddressError as e:
+            raise usage.UsageError(f"--listen: {e}") from e
+        if self["metrics"] in ("off", "none", ""):
+            self["metrics_address"] = None
+        else:
+            try:
+                self["metrics_address"] = parse_address(self["metrics"], "127.0.0.1")
+            except AddressError as e:
+                raise usage.UsageError(f"--metrics: {e}") from e
+        url = self["control-admin"]
+        if not url.startswith(("http://", "https://")):
+            raise usage.UsageError(f"--control-admin: {url!r} is not an http:// or https:// URL")
+        for name in ("poll-interval", "connect-timeout", "first-byte-timeout", "idle-timeout", "cooldown"):
+            _positive(self, name)
+        for name in ("max-body", "max-tries", "failure-threshold", "backlog"):
+            _positive(self, name, int)
+        self["keyring"] = None
+        if self["keys"]:
+            try:
+                self["keyring"] = load_keys(Path(self["keys"]))
+            except KeysError as e:
+                raise usage.UsageError(f"--keys: {e}") from e
+
+    def config(self) -> GatewayConfig:
+        return GatewayConfig(
+            max_body=self["max-body"],
+            connect_timeout=self["connect-timeout"],
+            first_byte_timeout=self["first-byte-timeout"],
+            idle_timeout=self["idle-timeout"],
+            max_tries=self["max-tries"],
+            failure_threshold=self["failure-threshold"],
+            cooldown=self["cooldown"],
+        )
+
+
+class StandaloneGateway(MultiService):
+    """
+    A gateway following a control plane: C{table} (the L{FollowerTable}),
+    C{follower} (its poll loop), C{front} (the L{GatewayService}) and, when
+    asked for, C{metrics_listener}.
+    """
+
+    def __init__(
+        self,
+        reactor: Any,
+        admin_url: str,
+        host: str,
+        port: int,
+        config: GatewayConfig | None = None,
+        keys: KeyRing | None = None,
+        poll_interval: float = 2.0,
+        metrics_address: tuple[str, int] | None = None,
+        backlog: int = 1024,
+        http: Any = None,
+    ):
+        super().__init__()
+        self.registry = CollectorRegistry()
+        self.table = FollowerTable(reactor, admin_url, http=http, registry=self.registry)
+        self.follower = FollowerService(self.table, poll_interval)
+        self.follower.setServiceParent(self)
+        self.front = GatewayService(
+            reactor, self.table, host, port, config, keys, self.registry, backlog
+        )
+        self.front.setServiceParent(self)
+        router = self.front.gateway.router
+
+        def forget_gone(snapshot: RoutingSnapshot) -> None:
+            router.forget(snapshot.replica_ids())
+
+        self.table.listeners.append(forget_gone)
+        self.metrics_listener: ListenerService | None = None
+        if metrics_address is not None:
+            root = Resource()
+            root.putChild(b"metrics", MetricsResource(registry=self.registry))
+            site = Site(root, reactor=reactor)
+            site.log = lambda request: None  # type: ignore[method-assign]
+            self.metrics_listener = ListenerService(
+                server_endpoint(reactor, metrics_address[0], metrics_address[1]), site
+            )
+            self.metrics_listener.setServiceParent(self)
+
+
+def makeService(options: Options, reactor: Any = None) -> StandaloneGateway:
+    if reactor is None:
+        from twisted.internet import reactor as _reactor
+
+        reactor = _reactor
+    return StandaloneGateway(
+        reactor,
+        options["control-admin"],
+        options["listen_host"],
+        options["listen_port"],
+        config=options.config(),
+        keys=options["keyring"],
+        poll_interval=options["poll-interval"],
+        metrics_address=options["metrics_address"],
+        backlog=options["backlog"],
+    )

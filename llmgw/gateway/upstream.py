@@ -1,0 +1,423 @@
+"""
+A lean HTTP/1.1 client for talking to replicas, with persistent connections.
+
+Twisted's C{Agent} is general and costs more per request than the rest of
+the gateway together; replicas speak plain HTTP/1.1 on a private address,
+so this client does only that: one request at a time per connection, a
+response body framed by C{Content-Length}, chunked encoding or the end of
+the connection, handed over as it arrives (chunked framing removed), and
+the connection kept for the next request when the response allows it.
+
+L{UpstreamConnection} reports to a L{ResponseHandler}; L{UpstreamPool}
+keeps idle connections per address.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from typing import Protocol as TypingProtocol
+
+from twisted.internet.defer import Deferred
+from twisted.internet.endpoints import (
+    HostnameEndpoint,
+    TCP4ClientEndpoint,
+    TCP6ClientEndpoint,
+    connectProtocol,
+)
+from twisted.internet.protocol import Protocol
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from llmgw.addresses import AddressError, is_ipv6, parse_address
+
+#: The most a response's status line and headers may take.
+MAX_HEAD = 64 * 1024
+#: The most a chunk-size line may take.
+MAX_CHUNK_LINE = 1024
+
+_HEAD, _LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_CRLF, _TRAILER, _UNTIL_CLOSE, _DONE = range(8)
+
+
+class UpstreamProtocolError(Exception):
+    """
+    The replica's answer is not HTTP/1.1 this client can read.
+    """
+
+
+class ResponseHandler(TypingProtocol):
+    """
+    What an L{UpstreamConnection} reports a response to.
+
+    After C{response_finished} or C{response_failed} nothing more is
+    reported. C{started} tells whether any byte of the response arrived.
+    """
+
+    def response_started(self, status: int, reason: bytes, headers: list[tuple[bytes, bytes]]) -> None: ...
+
+    def response_data(self, data: bytes) -> None: ...
+
+    def response_finished(self) -> None: ...
+
+    def response_failed(self, reason: Failure, started: bool) -> None: ...
+
+
+class UpstreamConnection(Protocol):
+    """
+    One connection to a replica. Call L{send} with a whole request when it
+    is idle; L{abort} to give up on the response (the connection is closed,
+    never reused).
+    """
+
+    log = Logger()
+    transport: Any
+
+    def __init__(self, pool: UpstreamPool | None, address: str):
+        self.pool = pool
+        self.address = address
+        self.handler: ResponseHandler | None = None
+        self.connected_ = False
+        self.requests = 0
+        self._state = _DONE
+        self._buf = b""
+        self._remaining = 0
+        self._started = False
+        self._keep_alive = True
+
+    def connectionMade(self) -> None:
+        self.connected_ = True
+        try:
+            self.transport.setTcpNoDelay(True)
+        except AttributeError:
+            pass
+
+    # API
+
+    def send(self, data: bytes, handler: ResponseHandler) -> None:
+        """
+        Write a complete request (head and body) and report its response to
+        C{handler}.
+        """
+        assert self.handler is None, "one request at a time"
+        self.handler = handler
+        self.requests += 1
+        self._state = _HEAD
+        self._buf = b""
+        self._started = False
+        self._keep_alive = True
+        self.transport.write(data)
+
+    def abort(self) -> None:
+        """
+        Drop the response in progress and the connection; the handler hears
+        nothing more.
+        """
+        self.handler = None
+        self._keep_alive = False
+        if self.connected_:
+            self.connected_ = False
+            self.transport.abortConnection()
+
+    def pause(self) -> None:
+        self.transport.pauseProducing()
+
+    def resume(self) -> None:
+        self.transport.resumeProducing()
+
+    # Protocol
+
+    def dataReceived(self, data: bytes) -> None:
+        if self.handler is None:
+            # Bytes with no request outstanding: the stream is out of step.
+            self.log.warn(
+                "replica {address} sent {n} bytes with no request outstanding; closing",
+                address=self.address,
+                n=len(data),
+            )
+            self.abort()
+            return
+        self._started = True
+        try:
+            self._parse(data)
+        except UpstreamProtocolError as e:
+            self._fail(Failure(e))
+
+    def connectionLost(self, reason: Failure = None) -> None:  # type: ignore[assignment]
+        self.connected_ = False
+        if self.pool is not None:
+            self.pool.lost(self)
+        handler = self.handler
+        if handler is None:
+            return
+        if self._state == _UNTIL_CLOSE:
+            self.handler = None
+            handler.response_finished()
+            return
+        self.handler = None
+        handler.response_failed(reason, self._started)
+
+    # parsing
+
+    def _fail(self, reason: Failure) -> None:
+        handler = self.handler
+        started = self._started
+        self.abort()
+        if handler is not None:
+            handler.response_failed(reason, started)
+
+    def _parse(self, data: bytes) -> None:
+        if self._state == _HEAD:
+            buf = self._buf + data if self._buf else data
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                if len(buf) > MAX_HEAD:
+                    raise UpstreamProtocolError(f"response head over {MAX_HEAD} bytes")
+                self._buf = buf
+                return
+            self._buf = b""
+            rest = buf[end + 4 :]
+            if not self._head(buf[:end]):
+                # An interim 1xx response: the real one follows.
+                if rest:
+                    self._parse(rest)
+                return
+            if self.handler is None:
+                return
+            data = rest
+            if not data and self._state not in (_DONE, _UNTIL_CLOSE):
+                return
+        state = self._state
+        if state == _LENGTH:
+            n = len(data)
+            if n < self._remaining:
+                self._remaining -= n
+                self.handler.response_data(data)  # type: ignore[union-attr]
+                return
+            if n > self._remaining:
+                # More than the response holds: the connection is out of step.
+                self._keep_alive = False
+                data = data[: self._remaining]
+            self._remaining = 0
+            if data:
+                self.handler.response_data(data)  # type: ignore[union-attr]
+            self._complete()
+        elif state == _UNTIL_CLOSE:
+            if data:
+                self.handler.response_data(data)  # type: ignore[union-attr]
+        elif state == _DONE:
+            if data:
+                self._keep_alive = False
+            self._complete()
+        else:
+            self._chunked(data)
+
+    def _head(self, head: bytes) -> bool:
+        """
+        Parse the status line and headers; report them unless the response
+        is an interim one (returns C{False} then).
+        """
+        lines = head.split(b"\r\n")
+        parts = lines[0].split(b" ", 2)
+        if len(parts) < 2 or not parts[0].startswith(b"HTTP/1."):
+            raise UpstreamProtocolError(f"bad status line {lines[0][:80]!r}")
+        try:
+            status = int(parts[1])
+        except ValueError:
+            raise UpstreamProtocolError(f"bad status line {lines[0][:80]!r}") from None
+        if 100 <= status < 200:
+            return False
+        reason = parts[2] if len(parts) > 2 else b""
+        headers: list[tuple[bytes, bytes]] = []
+        length: int | None = None
+        chunked = False
+        keep_alive = parts[0] == b"HTTP/1.1"
+        for line in lines[1:]:
+            name, sep, value = line.partition(b":")
+            if not sep:
+                raise UpstreamProtocolError(f"bad header line {line[:80]!r}")
+            name = name.strip().lower()
+            value = value.strip()
+            if name == b"content-length":
+                try:
+                    length = int(value)
+                except ValueError:
+                    raise UpstreamProtocolError(f"bad Content-Length {value[:40]!r}") from None
+                if length < 0:
+                    raise UpstreamProtocolError(f"bad Content-Length {value[:40]!r}")
+            elif name == b"transfer-encoding":
+                chunked = value.lower().endswith(b"chunked")
+            elif name == b"connection":
+                tokens = value.lower()
+                if b"close" in tokens:
+                    keep_alive = False
+                elif b"keep-alive" in tokens:
+                    keep_alive = True
+            headers.append((name, value))
+        self._keep_alive = keep_alive
+        if status in (204, 304):
+            self._state = _DONE
+        elif chunked:
+            self._state = _CHUNK_SIZE
+        elif length is not None:
+            self._remaining = length
+            self._state = _LENGTH if length else _DONE
+        else:
+            self._keep_alive = False
+            self._state = _UNTIL_CLOSE
+        self.handler.response_started(status, reason, headers)  # type: ignore[union-attr]
+        return True
+
+    def _chunked(self, data: bytes) -> None:
+        buf = self._buf + data if self._buf else data
+        pos = 0
+        end = len(buf)
+        out: list[bytes] = []
+        state = self._state
+        remaining = self._remaining
+        done = False
+        while pos < end:
+            if state == _CHUNK_SIZE:
+                eol = buf.find(b"\r\n", pos)
+                if eol < 0:
+                    if end - pos > MAX_CHUNK_LINE:
+                        raise UpstreamProtocolError("chunk-size line too long")
+                    break
+                line = buf[pos:eol].split(b";", 1)[0].strip()
+                try:
+                    remaining = int(line, 16)
+                except ValueError:
+                    raise UpstreamProtocolError(f"bad chunk size {line[:20]!r}") from None
+                if remaining < 0:
+                    raise UpstreamProtocolError(f"bad chunk size {line[:20]!r}")
+                pos = eol + 2
+                state = _TRAILER if remaining == 0 else _CHUNK_DATA
+            elif state == _CHUNK_DATA:
+                take = min(remaining, end - pos)
+                out.append(buf[pos : pos + take])
+                pos += take
+                remaining -= take
+                if remaining:
+                    break
+                state = _CHUNK_CRLF
+            elif state == _CHUNK_CRLF:
+                if end - pos < 2:
+                    break
+                if buf[pos : pos + 2] != b"\r\n":
+                    raise UpstreamProtocolError("chunk data not followed by CRLF")
+                pos += 2
+                state = _CHUNK_SIZE
+            else:  # _TRAILER
+                eol = buf.find(b"\r\n", pos)
+                if eol < 0:
+                    if end - pos > MAX_HEAD:
+                        raise UpstreamProtocolError("trailer too long")
+                    break
+                if eol == pos:
+                    pos += 2
+                    done = True
+                    break
+                pos = eol + 2
+        self._state = state
+        self._remaining = remaining
+        self._buf = buf[pos:] if pos < end else b""
+        if out:
+            self.handler.response_data(out[0] if len(out) == 1 else b"".join(out))  # type: ignore[union-attr]
+        if done:
+            if self._buf:
+                self._keep_alive = False
+            self._complete()
+
+    def _complete(self) -> None:
+        handler = self.handler
+        if handler is None:
+            return
+        self.handler = None
+        self._state = _DONE
+        if self._keep_alive and self.connected_ and self.pool is not None:
+            self.pool.release(self)
+        elif self.connected_:
+            self.connected_ = False
+            self.transport.loseConnection()
+        handler.response_finished()
+
+
+class UpstreamPool:
+    """
+    Idle connections per replica address, and new ones on demand.
+
+    L{take} returns an idle connection (the most recently used) or C{None};
+    L{connect} makes a new one within C{connect_timeout}. At most
+    C{max_idle} connections per address are kept idle; more are closed.
+    """
+
+    log = Logger()
+
+    def __init__(self, reactor: Any, connect_timeout: float = 5.0, max_idle: int = 256):
+        self.reactor = reactor
+        self.connect_timeout = connect_timeout
+        self.max_idle = max_idle
+        self._idle: dict[str, list[UpstreamConnection]] = {}
+        self._endpoints: dict[str, Any] = {}
+        self._closing = False
+
+    def take(self, address: str) -> UpstreamConnection | None:
+        idle = self._idle.get(address)
+        while idle:
+            conn = idle.pop()
+            if conn.connected_:
+                return conn
+        return None
+
+    def connect(self, address: str) -> Deferred[UpstreamConnection]:
+        """
+        A new connection to C{address} (C{host:port}).
+
+        @raise AddressError: the address cannot be parsed.
+        """
+        endpoint = self._endpoints.get(address)
+        if endpoint is None:
+            endpoint = self._endpoints[address] = self._endpoint(address)
+        return connectProtocol(endpoint, UpstreamConnection(self, address))
+
+    def _endpoint(self, address: str) -> Any:
+        host, port = parse_address(address, "")
+        if not host:
+            raise AddressError(f"{address!r}: no host")
+        if is_ipv6(host):
+            return TCP6ClientEndpoint(self.reactor, host, port, timeout=self.connect_timeout)
+        if host.replace(".", "").isdigit():
+            return TCP4ClientEndpoint(self.reactor, host, port, timeout=self.connect_timeout)
+        return HostnameEndpoint(self.reactor, host.encode("idna"), port, timeout=self.connect_timeout)
+
+    def release(self, conn: UpstreamConnection) -> None:
+        """
+        C{conn} finished a response and may serve another.
+        """
+        idle = self._idle.get(conn.address)
+        if idle is None:
+            idle = self._idle[conn.address] = []
+        if self._closing or len(idle) >= self.max_idle:
+            conn.connected_ = False
+            conn.transport.loseConnection()
+            return
+        idle.append(conn)
+
+    def lost(self, conn: UpstreamConnection) -> None:
+        idle = self._idle.get(conn.address)
+        if idle and conn in idle:
+            idle.remove(conn)
+
+    def idle_count(self, address: str | None = None) -> int:
+        if address is not None:
+            return len(self._idle.get(address, ()))
+        return sum(len(v) for v in self._idle.values())
+
+    def close(self) -> None:
+        """
+        Close every idle connection and keep none from now on.
+        """
+        self._closing = True
+        for idle in self._idle.values():
+            for conn in list(idle):
+                conn.connected_ = False
+                conn.transport.loseConnection()
+        self._idle.clear()

@@ -1,0 +1,202 @@
+"""
+``twistd llmgw gateway``: options, the embeddable service, and a standalone
+gateway that keeps serving after its control plane is killed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from twisted.internet import reactor
+from twisted.internet.defer import Deferred, inlineCallbacks
+from twisted.internet.protocol import ProcessProtocol
+from twisted.internet.task import deferLater
+from twisted.python import usage
+from twisted.trial.unittest import SynchronousTestCase, TestCase
+
+from llmgw import tap
+from llmgw.gateway.service import GatewayService, Options, StandaloneGateway
+from tests.gateway_helpers import FakeReplica, Harness
+
+ADMIN_SCRIPT = r"""
+import json, sys
+from twisted.internet import reactor
+from twisted.web import resource, server
+replicas, deployments = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+class Admin(resource.Resource):
+    isLeaf = True
+    def render_GET(self, request):
+        data = {b"/api/v1/replicas": replicas, b"/api/v1/deployments": deployments}.get(request.path)
+        request.setHeader(b"content-type", b"application/json")
+        return json.dumps(data).encode()
+port = reactor.listenTCP(0, server.Site(Admin()), interface="127.0.0.1")
+print(port.getHost().port, flush=True)
+reactor.run()
+"""
+
+
+class OptionsTests(SynchronousTestCase):
+    def test_defaults(self) -> None:
+        """
+        By default the gateway listens on loopback port 8000, follows the
+        control plane's admin API on loopback, and serves metrics on loopback.
+        """
+        o = Options()
+        o.parseOptions([])
+        self.assertEqual((o["listen_host"], o["listen_port"]), ("127.0.0.1", 8000))
+        self.assertEqual(o["control-admin"], "http://127.0.0.1:7480")
+        self.assertEqual(o["metrics_address"], ("127.0.0.1", 7481))
+        self.assertIsNone(o["keyring"])
+        self.assertEqual(o.config().max_tries, 3)
+
+    def test_values_checked(self) -> None:
+        """
+        Bad addresses, URLs, numbers and keys files are refused with the
+        option named.
+        """
+        for argv, name in [
+            (["--listen", "[::1"], "--listen"),
+            (["--control-admin", "cp:7480"], "--control-admin"),
+            (["--connect-timeout", "soon"], "--connect-timeout"),
+            (["--max-tries", "0"], "--max-tries"),
+            (["--keys", "/nonexistent/keys"], "--keys"),
+        ]:
+            e = self.assertRaises(usage.UsageError, Options().parseOptions, argv)
+            self.assertIn(name, str(e))
+
+    def test_keys_and_metrics_off(self) -> None:
+        """
+        A keys file is loaded at start; C{--metrics off} serves no metrics.
+        """
+        p = Path(self.mktemp())
+        p.write_text("sk-test-key-1\n")
+        os.chmod(p, 0o600)
+        o = Options()
+        o.parseOptions(["--keys", str(p), "--metrics", "off", "--listen", "0.0.0.0:9000"])
+        self.assertEqual(len(o["keyring"]), 1)
+        self.assertIsNone(o["metrics_address"])
+        self.assertEqual(o["listen_host"], "0.0.0.0")
+
+    def test_tap(self) -> None:
+        """
+        C{twistd llmgw gateway} builds a standalone gateway.
+        """
+        o = tap.Options()
+        o.parseOptions(["gateway", "--listen", "0", "--metrics", "off"])
+        svc = tap.makeService(o, reactor=reactor)
+        self.assertIsInstance(svc, StandaloneGateway)
+
+
+class EmbeddedTests(TestCase):
+    timeout = 10
+
+    @inlineCallbacks
+    def test_embedded_service(self) -> Any:
+        """
+        L{GatewayService} serves a routing table on its own listener while
+        running, reports in-flight counts, and closes its listener on stop.
+        """
+        h = Harness(self)  # for its replica, table and client
+        h.replica("r1")
+        svc = GatewayService(reactor, h, "127.0.0.1", 0)
+        svc.startService()
+        host, port = svc.listener.address()
+        response = yield h.http.post(
+            f"http://{host}:{port}/v1/chat/completions",
+            data=json.dumps({"model": "demo"}).encode(),
+        )
+        self.assertEqual(response.code, 200)
+        yield response.content()
+        self.assertEqual(svc.in_flight("r1"), 0)
+        yield h.pool.closeCachedConnections()
+        yield svc.stopService()
+        self.assertIsNone(svc.listener.port)
+
+
+class _Admin(ProcessProtocol):
+    def __init__(self) -> None:
+        self.port: Deferred[int] = Deferred()
+        self.ended: Deferred[None] = Deferred()
+        self.out = b""
+
+    def outReceived(self, data: bytes) -> None:
+        self.out += data
+        if b"\n" in self.out and not self.port.called:
+            self.port.callback(int(self.out.split(b"\n")[0]))
+
+    def processEnded(self, reason: Any) -> None:
+        self.ended.callback(None)
+        if not self.port.called:
+            self.port.errback(reason)
+
+
+class StandaloneTests(TestCase):
+    timeout = 20
+
+    @inlineCallbacks
+    def test_keeps_serving_after_control_plane_killed(self) -> Any:
+        """
+        A standalone gateway follows a control plane's admin API (a real
+        process); when that process is killed the gateway keeps routing to
+        the replicas it last knew, and its metrics say the control plane is
+        unreachable.
+        """
+        replica = FakeReplica("r1")
+        replica.listen()
+        self.addCleanup(replica.stop)
+        replicas = [
+            {
+                "id": "r1", "model": "demo", "profile": "p", "state": "ready", "draining": False,
+                "shards": [{"id": "s0", "node": "n1", "rank": 0, "state": "ready", "address": replica.address()}],
+            }
+        ]
+        admin = _Admin()
+        proc = reactor.spawnProcess(
+            admin,
+            sys.executable,
+            [sys.executable, "-c", ADMIN_SCRIPT, json.dumps(replicas), json.dumps([{"model": "demo"}])],
+            env={"PYTHONPATH": os.pathsep.join(sys.path)},
+        )
+
+        def kill() -> Any:
+            if admin.ended.called:
+                return None
+            proc.signalProcess(signal.SIGKILL)
+            return admin.ended
+
+        self.addCleanup(kill)
+        admin_port = yield admin.port
+        gw = StandaloneGateway(
+            reactor, f"http://127.0.0.1:{admin_port}", "127.0.0.1", 0, poll_interval=0.1,
+        )
+        h = Harness(self)
+        gw.startService()
+        self.addCleanup(gw.stopService)
+        host, port = gw.front.listener.address()
+        url = f"http://{host}:{port}/v1/chat/completions"
+
+        @inlineCallbacks
+        def chat() -> Any:
+            response = yield h.http.post(url, data=json.dumps({"model": "demo"}).encode())
+            body = yield response.json()
+            return response.code, body
+
+        while not gw.table.loaded:
+            yield deferLater(reactor, 0.05, lambda: None)
+        code, body = yield chat()
+        self.assertEqual((code, body["choices"][0]["message"]["content"]), (200, "r1"))
+
+        yield kill()
+        failures = gw.registry.get_sample_value("llmgw_gateway_control_poll_failures_total")
+        while gw.registry.get_sample_value("llmgw_gateway_control_poll_failures_total") < failures + 2:
+            yield deferLater(reactor, 0.05, lambda: None)
+        self.assertEqual(gw.registry.get_sample_value("llmgw_gateway_control_plane_reachable"), 0)
+        for _ in range(3):
+            code, body = yield chat()
+            self.assertEqual((code, body["choices"][0]["message"]["content"]), (200, "r1"))
+        yield h.pool.closeCachedConnections()
