@@ -141,7 +141,7 @@ class PlacementTests(SynchronousTestCase):
         placer = Placer(nodes, {}, PortBook())
         for i in range(1000):
             self.assertIsNotNone(placer.place(Request(f"d{i % 10}")))
-        self.assertLess(placer.scanned, 1000 * 150)
+        self.assertLess(placer.scanned, 1000 * 5)
 
 
 class PortBookTests(SynchronousTestCase):

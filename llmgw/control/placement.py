@@ -17,15 +17,16 @@ then answers one replica at a time:
   - ties broken by node id, so the same inputs give the same answer;
   - ports from a per-host range (L{PortBook}), never one in use there.
 
-Nodes are kept in sorted lists (all nodes, and one per fabric) keyed by
-(free GPUs, free memory, id); a placement updates only the nodes it used, so
-placing R replicas over N nodes costs about R times the nodes scanned past,
+A deployment's candidates are heaps by how many of its shards a node holds,
+each ordered by (free GPUs, free memory, id), built once per pass; placing R
+replicas of D deployments over N nodes costs about D times N plus R log N,
 not R times N.
 """
 
 from __future__ import annotations
 
 import bisect
+import heapq
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -140,6 +141,12 @@ class Placer:
     """
     One reconcile pass's placement state.
 
+    Candidates for a group (a deployment) are kept in heaps by tier (how
+    many of the group's shards a node holds), each ordered by the node's
+    best-fit key, built the first time the group places in the pass. A node
+    whose key changed since it was pushed is re-pushed when it comes up, so
+    a placement costs a few heap operations, not a scan of the fleet.
+
     @param nodes: the nodes that may take work.
     @param spread: for each group, shards of that group already on each node.
     @param ports: the port book; a successful placement takes its ports.
@@ -153,24 +160,20 @@ class Placer:
     ):
         self._nodes: dict[str, NodeCapacity] = {}
         self._keys: dict[str, tuple[int, int, str]] = {}
-        # "" holds every node; the other lists one fabric each.
-        self._orders: dict[str, list[tuple[int, int, str]]] = {"": []}
+        self._by_fabric: dict[str, list[str]] = {}
         for node in nodes:
             if not node.free:
                 continue
             self._nodes[node.id] = node
-            key = _key(node)
-            self._keys[node.id] = key
-            self._orders[""].append(key)
+            self._keys[node.id] = _key(node)
             for fabric in node.fabrics:
-                self._orders.setdefault(fabric, []).append(key)
-        for order in self._orders.values():
-            order.sort()
+                self._by_fabric.setdefault(fabric, []).append(node.id)
         self._spread = spread
         self._extra: dict[str, dict[str, int]] = {}
         self._owned: set[str] = set()
+        self._groups: dict[tuple[str, str, int, int], dict[int, list[tuple[int, int, str]]]] = {}
         self.ports = ports
-        #: Nodes scanned past, for the benchmark and tests of its cost.
+        #: Candidates looked at, for the benchmark and tests of its cost.
         self.scanned = 0
 
     def __len__(self) -> int:
@@ -189,48 +192,71 @@ class Placer:
             return None
         return node.free[i : i + req.gpus_per_shard]
 
+    def _tiers(self, req: Request) -> dict[int, list[tuple[int, int, str]]]:
+        fabric = req.fabric if req.shards > 1 else ""
+        gkey = (req.group, fabric, req.gpus_per_shard, req.gpu_memory_mb)
+        tiers = self._groups.get(gkey)
+        if tiers is None:
+            tiers = {}
+            ids = self._by_fabric.get(fabric, ()) if fabric else self._nodes
+            for node_id in ids:
+                node = self._nodes.get(node_id)
+                # Nodes only lose GPUs during a pass: no fit now, none later.
+                if node is None or self._fit(node, req) is None:
+                    continue
+                tiers.setdefault(self._count(req.group, node_id), []).append(self._keys[node_id])
+            for heap in tiers.values():
+                heapq.heapify(heap)
+            self._groups[gkey] = tiers
+        return tiers
+
     def place(self, req: Request) -> list[Slot] | None:
         """
         Place one replica: its slots by rank, or C{None} when it does not
         fit (then nothing is taken).
         """
-        order = self._orders.get(req.fabric if req.shards > 1 else "", [])
         if req.shards > 1 and not req.fabric:
             return None
-        fresh: list[tuple[str, list[tuple[int, int]]]] = []
-        others: list[tuple[int, int, str, list[tuple[int, int]]]] = []
-        for pos, (_, _, node_id) in enumerate(order):
-            self.scanned += 1
-            gpus = self._fit(self._nodes[node_id], req)
-            if gpus is None:
-                continue
-            count = self._count(req.group, node_id)
-            if count == 0:
-                fresh.append((node_id, gpus))
-                if len(fresh) == req.shards:
-                    break
-            else:
-                others.append((count, pos, node_id, gpus))
-        chosen = fresh
-        if len(chosen) < req.shards:
-            others.sort(key=lambda t: (t[0], t[1]))
-            chosen = chosen + [(n, g) for _, _, n, g in others[: req.shards - len(chosen)]]
-        if len(chosen) < req.shards:
-            return None
+        tiers = self._tiers(req)
+        chosen: list[tuple[str, list[tuple[int, int]], int]] = []
+        for tier in sorted(tiers):
+            heap = tiers[tier]
+            while heap and len(chosen) < req.shards:
+                key = heapq.heappop(heap)
+                self.scanned += 1
+                node_id = key[2]
+                current = self._keys.get(node_id)
+                if current is None:
+                    continue
+                if current != key:
+                    heapq.heappush(heap, current)
+                    continue
+                gpus = self._fit(self._nodes[node_id], req)
+                if gpus is not None:
+                    chosen.append((node_id, gpus, tier))
+            if len(chosen) == req.shards:
+                break
         slots: list[Slot] = []
-        try:
-            for rank, (node_id, gpus) in enumerate(chosen):
-                host = self._nodes[node_id].host
-                port = self.ports.allocate(host)
-                slots.append(Slot(node_id, rank, tuple(sorted(i for _, i in gpus)), port, host))
-        except NoPortFree:
-            for s in slots:
-                self.ports.release(s.host, s.port)
+        if len(chosen) == req.shards:
+            try:
+                for rank, (node_id, gpus, _) in enumerate(chosen):
+                    host = self._nodes[node_id].host
+                    port = self.ports.allocate(host)
+                    slots.append(Slot(node_id, rank, tuple(sorted(i for _, i in gpus)), port, host))
+            except NoPortFree:
+                for s in slots:
+                    self.ports.release(s.host, s.port)
+                slots = []
+        if not slots:
+            for node_id, _, tier in chosen:
+                heapq.heappush(tiers[tier], self._keys[node_id])
             return None
-        for (node_id, gpus), _slot in zip(chosen, slots, strict=True):
+        extra = self._extra.setdefault(req.group, {})
+        for node_id, gpus, tier in chosen:
             self._take(node_id, gpus)
-            extra = self._extra.setdefault(req.group, {})
             extra[node_id] = extra.get(node_id, 0) + 1
+            if node_id in self._keys:
+                heapq.heappush(tiers.setdefault(tier + 1, []), self._keys[node_id])
         return slots
 
     def _take(self, node_id: str, gpus: list[tuple[int, int]]) -> None:
@@ -240,19 +266,12 @@ class Placer:
             node = NodeCapacity(node.id, node.host, node.fabrics, list(node.free))
             self._nodes[node_id] = node
             self._owned.add(node_id)
-        old = self._keys[node_id]
         for g in gpus:
             node.free.remove(g)
-        lists = [self._orders[""]] + [self._orders[f] for f in node.fabrics]
-        for order in lists:
-            del order[bisect.bisect_left(order, old)]
         if not node.free:
             del self._nodes[node_id], self._keys[node_id]
-            return
-        new = _key(node)
-        self._keys[node_id] = new
-        for order in lists:
-            bisect.insort(order, new)
+        else:
+            self._keys[node_id] = _key(node)
 
 
 def place_all(

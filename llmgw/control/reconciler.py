@@ -38,7 +38,6 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from zope.interface import implementer
 
-from llmgw.addresses import format_address
 from llmgw.control.backoff import Backoff
 from llmgw.control.catalog import (
     Catalog,
@@ -101,6 +100,11 @@ SERVING = frozenset({READY, DRAINING})
 ACTIVE, DRAINING_PHASE, STOPPING = "active", "draining", "stopping"
 
 _SLUG = re.compile(r"[^A-Za-z0-9.]+")
+
+
+def format_address(host: str, port: int) -> str:
+    # Cheaper than parsing the address: only IPv6 literals hold a colon.
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _base36(n: int) -> str:
