@@ -33,7 +33,7 @@ from llmgw.control.catalog import ScaleState, parse_catalog
 from llmgw.control.interfaces import ShardReport
 from llmgw.control.inventory import Inventory
 from llmgw.control.reconciler import Reconciler
-from llmgw.testing.fleet import FakeDispatcher, sim_fleet
+from llmgw.testing.simfleet import FakeDispatcher, sim_fleet
 
 PROFILE = """
 [ports]

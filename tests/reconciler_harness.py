@@ -15,7 +15,7 @@ from llmgw.control.catalog import Catalog, ScaleState, parse_catalog
 from llmgw.control.interfaces import ReportedShard, ShardCommand, ShardReport
 from llmgw.control.inventory import Inventory
 from llmgw.control.reconciler import Reconciler
-from llmgw.testing.fleet import FakeDispatcher, sim_fleet
+from llmgw.testing.simfleet import FakeDispatcher, sim_fleet
 
 ONE_GPU = """
 [profiles.one]
