@@ -19,6 +19,7 @@ from twisted.python import usage
 #: sub-command name -> (module, one-line description)
 KINDS: dict[str, tuple[str, str]] = {
     "control": ("llmgw.control.service", "the control plane: agent stream, reconciler, APIs"),
+    "agent": ("llmgw.agent.service", "the node agent: GPU discovery and shard supervisor"),
 }
 
 
@@ -39,5 +40,6 @@ class Options(usage.Options):
 
 
 def makeService(options: Options, reactor: Any = None) -> IService:
+    assert options.subCommand is not None
     module = importlib.import_module(KINDS[options.subCommand][0])
     return module.makeService(options.subOptions, reactor=reactor)  # type: ignore[no-any-return]

@@ -9,7 +9,7 @@ control plane (DESIGN §3).
 from __future__ import annotations
 
 import re
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from google.protobuf.message import DecodeError, Message
 from twisted.logger import Logger
@@ -89,12 +89,22 @@ class MessageStream(Int32StringReceiver, Generic[M]):
     log = Logger()
     incoming: type[M]
     MAX_LENGTH = DEFAULT_MAX_FRAME
+    # A TCP or TLS transport: ITransport does not declare the methods we use
+    # (abortConnection, registerProducer, getPeerCertificate, disconnecting).
+    transport: Any
 
     def peer_name(self) -> str:
         """
         Who is at the other end, for log lines.
         """
         return str(self.transport.getPeer()) if self.transport else "?"
+
+    def dataReceived(self, data: bytes) -> None:
+        # After an abort, whatever still arrives in the same read is dropped
+        # rather than appended to the receive buffer.
+        if self.transport is None or self.transport.disconnecting:
+            return
+        super().dataReceived(data)
 
     def lengthLimitExceeded(self, length: int) -> None:
         # Int32StringReceiver checks the prefix before buffering, so an
@@ -136,7 +146,9 @@ def ack(message_id: str, ok: bool = True, code: int = 0, error: str = "") -> pb.
     """
     Build an C{Ack} control message.
     """
-    return pb.ControlMessage(ack=pb.Ack(message_id=message_id, ok=ok, code=code, error=error))
+    return pb.ControlMessage(
+        ack=pb.Ack(message_id=message_id, ok=ok, code=code, error=error)  # type: ignore[arg-type]
+    )
 
 
 STATE_NAMES = {

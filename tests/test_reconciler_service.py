@@ -135,7 +135,7 @@ class ReloadOnHangupTests(SynchronousTestCase):
         old = signal.signal(signal.SIGHUP, lambda s, f: earlier.append(s))
         self.addCleanup(signal.signal, signal.SIGHUP, old)
         reactor = FakeReactor()
-        svc = ReloadOnHangup(reactor, rec)
+        svc = ReloadOnHangup(reactor, rec, handle_sighup=True)
         svc.startService()
         path.write_text(Path(EXAMPLE).read_text().replace('model = "demo"', 'model = "other"'))
         signal.getsignal(signal.SIGHUP)(signal.SIGHUP, None)  # type: ignore[operator]
@@ -145,4 +145,4 @@ class ReloadOnHangupTests(SynchronousTestCase):
         svc.reload()
         self.assertTrue(rec.knows_model("other"))
         svc.stopService()
-        self.assertNotEqual(signal.getsignal(signal.SIGHUP), svc._on_signal)
+        self.assertNotEqual(signal.getsignal(signal.SIGHUP), svc._sighup._on_signal)

@@ -35,6 +35,7 @@ from llmgw.control.interfaces import (
     ShardReport,
 )
 from llmgw.control.inventory import GPUInfo, Inventory, Node
+from llmgw.control.limits import MessageRate, pause_reading, resume_reading
 from llmgw.tlsconf.options import IdentityError, peer_node_id
 from llmgw.wire import (
     DEFAULT_MAX_FRAME,
@@ -155,6 +156,9 @@ class AgentStreamProtocol(MessageStream[pb.AgentMessage]):
     #: The node id the client certificate proves, once the handshake is done.
     identity: str | None = None
     identity_error: str | None = None
+    #: The client certificate's serial number, once the handshake is done
+    #: (so a CRL loaded later can find the streams it revokes).
+    certificate_serial: int | None = None
 
     def __init__(self, factory: AgentService):
         self.factory = factory
@@ -165,6 +169,12 @@ class AgentStreamProtocol(MessageStream[pb.AgentMessage]):
         self._reported_running: set[str] = set()
         self._producing = False
         self._closing = False
+        self.rate: MessageRate | None = None
+        if factory.message_rate > 0:
+            self.rate = MessageRate(
+                factory.clock, factory.message_rate, factory.message_burst,
+                lambda: pause_reading(self), lambda: resume_reading(self), self.peer_name,
+            )
 
     # -- connection lifetime ------------------------------------------------
 
@@ -181,6 +191,7 @@ class AgentStreamProtocol(MessageStream[pb.AgentMessage]):
         if cert is None:
             self.identity_error = "the agent presented no client certificate"
         else:
+            self.certificate_serial = cert.get_serial_number()
             try:
                 self.identity = peer_node_id(cert.to_cryptography())
             except IdentityError as e:
@@ -196,7 +207,16 @@ class AgentStreamProtocol(MessageStream[pb.AgentMessage]):
     def connectionLost(self, reason: Failure = Failure(ConnectionError())) -> None:  # noqa: B008
         self._cancel_timer()
         self._pending.clear()
+        if self.rate is not None:
+            self.rate.stop()
         self.factory.closed(self)
+        if self.identity is None and self.identity_error is None and reason.check(SSL.Error):
+            # The handshake failed: a revoked, expired or foreign certificate.
+            self.log.warn(
+                "TLS handshake from {peer} failed: {reason}",
+                peer=self.peer_name(),
+                reason=reason.getErrorMessage(),
+            )
         if self.node_id is not None:
             self.factory.detach(self.node_id, self)
             self.log.info(
@@ -266,6 +286,9 @@ class AgentStreamProtocol(MessageStream[pb.AgentMessage]):
     def message_received(self, msg: pb.AgentMessage) -> None:
         if self._closing:
             return
+        if self.rate is not None:
+            # Over its rate, the agent is not read until the bucket refills.
+            self.rate.taken()
         kind = msg.WhichOneof("msg")
         if self.node_id is None:
             if kind != "register":
@@ -302,6 +325,11 @@ class AgentStreamProtocol(MessageStream[pb.AgentMessage]):
         self._closing = True
         self._cancel_timer()
         self.send_message(ack(message_id, ok=False, code=code, error=error))
+        # A transport with a registered producer waits for it to unregister
+        # before it closes.
+        if self._producing:
+            self.transport.unregisterProducer()
+            self._producing = False
         self.transport.loseConnection()
         # A peer that never reads its refusal must not hold the socket.
         self._timer = self.factory.clock.callLater(REFUSAL_LINGER, self.transport.abortConnection)
@@ -550,6 +578,8 @@ class AgentService(ServerFactory):
         register_timeout: float = REGISTER_TIMEOUT,
         max_pending: int = MAX_PENDING_COMMANDS,
         max_nodes: int = 0,
+        message_rate: float = 0.0,
+        message_burst: int = 1,
     ):
         self.inventory = inventory
         self.sink = sink
@@ -564,6 +594,10 @@ class AgentService(ServerFactory):
         self.max_pending = max_pending
         #: 0 means no limit on registered nodes.
         self.max_nodes = max_nodes
+        #: Messages per second one agent may send (0: no limit), and the
+        #: burst above it (see L{llmgw.control.limits.MessageRate}).
+        self.message_rate = message_rate
+        self.message_burst = message_burst
         self._conns: dict[str, AgentStreamProtocol] = {}
         self._open: set[AgentStreamProtocol] = set()
         self.registrations: collections.Counter[str] = collections.Counter()
@@ -631,6 +665,36 @@ class AgentService(ServerFactory):
                 proto.abort()
                 n += 1
         return n
+
+    def close_revoked(self, serials: frozenset[int], reason: str) -> list[str]:
+        """
+        Abort every open connection whose client certificate has one of
+        C{serials}, registered or not; returns who they were. TLS checks a
+        certificate only at the handshake, so a CRL must do this itself.
+        """
+        closed = []
+        for proto in [p for p in self._open if p.certificate_serial in serials]:
+            who = proto.node_id or proto.identity or proto.peer_name()
+            self.log.warn(
+                "closing the stream of {node} ({peer}): {reason}",
+                node=who, peer=proto.peer_name(), reason=reason,
+            )
+            proto.abort()
+            closed.append(who)
+        return sorted(closed)
+
+    def close_all(self, reason: str) -> int:
+        """
+        Abort every open connection, registered or not (the control plane is
+        stopping); returns how many there were.
+        """
+        streams = list(self._open)
+        if streams:
+            self.log.info("closing {count} agent connections: {reason}", count=len(streams),
+                          reason=reason)
+        for proto in streams:
+            proto.abort()
+        return len(streams)
 
     # -- IDispatcher --------------------------------------------------------
 

@@ -10,6 +10,7 @@ by looking only at what changed.
 
 from __future__ import annotations
 
+import builtins
 import copy
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -103,9 +104,9 @@ class Inventory:
                 changed = True
         by_index = {g.index: g for g in node.gpus}
         for index, text in problems:
-            gpu = by_index.get(index) or (node.gpus[0] if node.gpus else None)
-            if gpu is not None and text not in gpu.problems:
-                gpu.problems.append(text)
+            target = by_index.get(index) or (node.gpus[0] if node.gpus else None)
+            if target is not None and text not in target.problems:
+                target.problems.append(text)
                 changed = True
         if changed:
             self._bump(node)
@@ -131,7 +132,7 @@ class Inventory:
         """
         return [copy.deepcopy(self._nodes[k]) for k in sorted(self._nodes)]
 
-    def ids(self) -> list[str]:
+    def ids(self) -> builtins.list[str]:
         return sorted(self._nodes)
 
     def __contains__(self, node_id: object) -> bool:

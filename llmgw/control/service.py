@@ -7,7 +7,6 @@ twistd: build it, then C{setServiceParent} it.
 
 from __future__ import annotations
 
-import signal
 import time
 import tomllib
 from pathlib import Path
@@ -21,15 +20,21 @@ from twisted.python import usage
 from llmgw.addresses import (
     AddressError,
     ListenerService,
+    format_address,
     is_loopback,
     parse_address,
     server_endpoint,
 )
+from llmgw.control.admin import DEFAULT_ADMIN_HOST, DEFAULT_ADMIN_PORT, admin_service
 from llmgw.control.agentsvc import AgentService
 from llmgw.control.catalog import EMPTY, CatalogError, load_catalog
-from llmgw.control.interfaces import AdminError, IStatusSink
+from llmgw.control.interfaces import AdminError, IFleetAdmin, IStatusSink
 from llmgw.control.inventory import Inventory
+from llmgw.control.limits import ConnectionLimiter, LimitsConfig
+from llmgw.control.metrics import make_registry, register_control_metrics
 from llmgw.control.reconciler import Reconciler
+from llmgw.control.trust import TrustService
+from llmgw.signals import SighupHandler, owns_signals
 from llmgw.tlsconf.options import ServerTLS, TLSConfigError, server_files
 from llmgw.wire import DEFAULT_MAX_FRAME
 
@@ -43,6 +48,12 @@ class Options(usage.Options):
         ["max-frame", None, str(DEFAULT_MAX_FRAME), "largest agent frame accepted, in bytes"],
         ["heartbeat-interval", None, "5", "agents' heartbeat interval in seconds; 3 silent intervals close a stream"],
         ["backlog", None, "1024", "listen backlog of the agent port"],
+        ["admin", None, f"{DEFAULT_ADMIN_HOST}:{DEFAULT_ADMIN_PORT}",
+         "[HOST:]PORT for the admin API and /metrics (no authentication: keep it on loopback), or 'off'"],
+        ["max-connections", None, str(LimitsConfig.max_connections), "most connections on the agent port (0: no cap)"],
+        ["max-connections-per-address", None, str(LimitsConfig.max_per_address), "most agent-port connections from one source address (0: no cap)"],
+        ["agent-message-rate", None, str(LimitsConfig.message_rate), "messages per second one agent may send before it is not read (0: no limit)"],
+        ["agent-message-burst", None, str(LimitsConfig.message_burst), "messages one agent may send at once above its rate"],
         ["catalog", None, None, "catalog TOML (profiles and deployments), reloaded on SIGHUP; "
          "without one nothing is placed and every shard agents report is stopped"],
         ["pass-interval", None, "1", "seconds between reconcile passes"],
@@ -117,6 +128,12 @@ class Options(usage.Options):
         except AddressError as e:
             raise usage.UsageError(f"--agents: {e}") from e
         self["agents_host"], self["agents_port"] = host, port
+        self["admin_address"] = None
+        if self["admin"].strip().lower() != "off":
+            try:
+                self["admin_address"] = parse_address(self["admin"], DEFAULT_ADMIN_HOST)
+            except AddressError as e:
+                raise usage.UsageError(f"--admin: {e}") from e
         if self["insecure"] and not is_loopback(host):
             raise usage.UsageError(
                 f"--insecure serves the agent stream without TLS and is refused on {host}: "
@@ -129,6 +146,7 @@ class Options(usage.Options):
                 raise usage.UsageError(f"--{name} must be an integer") from None
             if self[name] <= 0:
                 raise usage.UsageError(f"--{name} must be positive")
+        self["limits"] = _limits(self)
         try:
             self["heartbeat-interval"] = float(self["heartbeat-interval"])
         except ValueError:
@@ -143,6 +161,26 @@ class Options(usage.Options):
                     f"{e}. Make certificates with `llmgw ctl cert init` and "
                     "`llmgw ctl cert server --host ...`, or pass --certs DIR"
                 ) from e
+
+
+def _limits(options: usage.Options) -> LimitsConfig:
+    values: dict[str, float] = {}
+    for name, kind in (
+        ("max-connections", int), ("max-connections-per-address", int),
+        ("agent-message-rate", float), ("agent-message-burst", int),
+    ):
+        try:
+            values[name] = kind(options[name])
+        except ValueError:
+            raise usage.UsageError(f"--{name} must be a number, not {options[name]!r}") from None
+        if values[name] < 0:
+            raise usage.UsageError(f"--{name} must not be negative")
+    return LimitsConfig(
+        max_connections=int(values["max-connections"]),
+        max_per_address=int(values["max-connections-per-address"]),
+        message_rate=values["agent-message-rate"],
+        message_burst=max(1, int(values["agent-message-burst"])),
+    )
 
 
 def new_epoch() -> int:
@@ -175,6 +213,10 @@ class ControlPlane(MultiService):
         heartbeat_interval: float = 5.0,
         backlog: int = 1024,
         inventory: Inventory | None = None,
+        fleet: IFleetAdmin | None = None,
+        admin_address: tuple[str, int] | None = None,
+        limits: LimitsConfig | None = None,
+        handle_sighup: bool | None = None,
     ):
         super().__init__()
         self.reactor = reactor
@@ -182,6 +224,7 @@ class ControlPlane(MultiService):
         self.sink = sink
         self.tls = tls
         self.epoch = new_epoch()
+        self.limits = limits if limits is not None else LimitsConfig()
         self.agents = AgentService(
             self.inventory,
             sink,
@@ -191,15 +234,48 @@ class ControlPlane(MultiService):
             require_identity=tls is not None,
             max_frame=max_frame,
             heartbeat_interval=heartbeat_interval,
+            message_rate=self.limits.message_rate,
+            message_burst=self.limits.message_burst,
         )
         factory: Any = self.agents
         if tls is not None:
-            factory = TLSMemoryBIOFactory(tls, False, self.agents)
+            factory = TLSMemoryBIOFactory(tls, False, self.agents, clock=reactor)
+        # Below TLS: a socket over a cap is closed before any handshake.
+        self.limiter = ConnectionLimiter(
+            factory, reactor, self.limits.max_connections, self.limits.max_per_address
+        )
+        self.trust: TrustService | None = None
+        if tls is not None:
+            self.trust = TrustService(reactor, tls, self.agents, self.inventory, handle_sighup)
+            self.trust.setServiceParent(self)
         endpoint = server_endpoint(reactor, agents_host, agents_port, backlog=backlog)
-        self.agent_listener = ListenerService(endpoint, factory)
+        self.agent_listener = ListenerService(endpoint, self.limiter)
         self.agent_listener.setName("agent-listener")
         self.agent_listener.setServiceParent(self)
         self.agents_address = (agents_host, agents_port)
+        # Admin API and metrics: the registry is this control plane's own;
+        # other parts (the gateway) add their metrics to it.
+        self.fleet = fleet
+        self.admin_address = admin_address
+        self.admin_listener: ListenerService | None = None
+        self.registry = make_registry()
+        self.metrics = register_control_metrics(
+            self.registry, self.agents, lambda: self.fleet, self.tls_expiry_snapshot
+        )
+        self._attach_admin()
+
+    def _attach_admin(self) -> None:
+        """
+        Add the admin API's listener once there is a fleet to administer
+        and an address to serve it on.
+        """
+        if self.admin_listener is not None or self.fleet is None or self.admin_address is None:
+            return
+        host, port = self.admin_address
+        self.admin_listener = admin_service(
+            self.reactor, host, port, self.fleet, self.registry, self.agents, control=self
+        )
+        self.admin_listener.setServiceParent(self)
 
     def startService(self) -> None:
         self.log.info(
@@ -209,7 +285,37 @@ class ControlPlane(MultiService):
             port=self.agents_address[1],
             mode="with mutual TLS" if self.tls else "WITHOUT TLS (development mode)",
         )
+        self._attach_admin()
+        if self.admin_address is not None and self.admin_listener is None:
+            self.log.warn("no reconciler is running: the admin API and /metrics are not served")
         super().startService()
+        if self.admin_listener is not None and self.admin_listener.port is not None:
+            host, port = self.admin_listener.address()
+            self.log.info("admin API and /metrics on http://{address}", address=format_address(host, port))
+
+    def stopService(self) -> Any:
+        # Stop listening first, then drop the streams still open: an embedded
+        # control plane that stops must not keep speaking for the fleet.
+        d = super().stopService()
+        self.agents.close_all("the control plane is stopping")
+        return d
+
+    def reload_tls(self) -> dict[str, Any]:
+        """
+        Re-read the agent port's certificate, key, CA and CRL (SIGHUP does
+        this; so may the admin API). See L{TrustService.reload_tls}.
+        """
+        if self.trust is None:
+            return {"ok": False, "error": "the agent port runs without TLS", "closed": []}
+        return self.trust.reload_tls()
+
+    def tls_expiry_snapshot(self) -> dict[str, Any]:
+        """
+        Expiry dates of the CA, server certificate, CRL and agents'
+        certificates, for metrics; keys in L{TrustService.expiry_snapshot}.
+        Empty without TLS.
+        """
+        return self.trust.expiry_snapshot() if self.trust is not None else {}
 
 
 def makeService(options: Options, reactor: Any = None) -> ControlPlane:
@@ -238,6 +344,9 @@ def makeService(options: Options, reactor: Any = None) -> ControlPlane:
         max_frame=options["max-frame"],
         heartbeat_interval=options["heartbeat-interval"],
         backlog=options["backlog"],
+        admin_address=options["admin_address"],
+        limits=options["limits"],
+        fleet=reconciler,
     )
     reconciler.attach(cp.agents, epoch=cp.epoch)
     reconciler.setName("reconciler")
@@ -254,38 +363,27 @@ def makeService(options: Options, reactor: Any = None) -> ControlPlane:
 
 class ReloadOnHangup(Service):
     """
-    Reloads the catalog on SIGHUP. A handler installed before is still
-    called, so other parts may reload on the same signal.
+    Reloads the catalog on SIGHUP while running, beside any other part that
+    reloads its own files on the same signal. Only when C{reactor} is the
+    process's own (tests and embedders pass their own reactors).
     """
 
     log = Logger()
 
-    def __init__(self, reactor: Any, reconciler: Reconciler):
-        self.reactor = reactor
+    def __init__(self, reactor: Any, reconciler: Reconciler, handle_sighup: bool | None = None):
         self.reconciler = reconciler
-        self._previous: Any = None
-        self._installed = False
+        self.handle_sighup = owns_signals(reactor) if handle_sighup is None else handle_sighup
+        self._sighup = SighupHandler(reactor, self.reload, "the catalog")
 
     def startService(self) -> None:
         super().startService()
-        try:
-            self._previous = signal.signal(signal.SIGHUP, self._on_signal)
-            self._installed = True
-        except ValueError:
-            # Not the main thread (embedded): no signals here.
-            self.log.info("not reloading the catalog on SIGHUP: not in the main thread")
+        if self.handle_sighup:
+            self._sighup.install()
 
     def stopService(self) -> Any:
         super().stopService()
-        if self._installed and signal.getsignal(signal.SIGHUP) == self._on_signal:
-            signal.signal(signal.SIGHUP, self._previous or signal.SIG_DFL)
-        self._installed = False
+        self._sighup.uninstall()
         return None
-
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        self.reactor.callFromThread(self.reload)
-        if callable(self._previous):
-            self._previous(signum, frame)
 
     def reload(self) -> None:
         try:

@@ -15,6 +15,18 @@ from llmgw.tlsconf.ca import (
     CAError,
     CertificateAuthority,
     describe,
+    load_certificate,
+)
+from llmgw.tlsconf.crl import (
+    CRL_FILE,
+    DEFAULT_CRL_DAYS,
+    REASONS,
+    CRLError,
+    crl_number,
+    describe_crl,
+    parse_serial,
+    renew,
+    revoke,
 )
 
 
@@ -48,13 +60,30 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_show)
 
+    p = with_dir(csub.add_parser(
+        "revoke",
+        help="revoke a node's certificates (or one serial) and re-sign DIR/crl.pem",
+    ))
+    p.add_argument("node_id", metavar="NODE_ID", nargs="?", help="revoke every certificate issued to this node")
+    p.add_argument("--serial", action="append", default=[], help="a serial in hex, as `show` prints it (repeatable)")
+    p.add_argument("--reason", default="unspecified", help=f"one of {', '.join(REASONS)}")
+    p.add_argument("--days", type=int, default=DEFAULT_CRL_DAYS, help="the CRL's next-update, in days (default 30)")
+    p.set_defaults(func=cmd_revoke)
+
+    p = with_dir(csub.add_parser("crl", help="show DIR/crl.pem, or re-sign it with --renew"))
+    p.add_argument("--renew", action="store_true", help="re-sign the CRL with a new next-update")
+    p.add_argument("--days", type=int, default=DEFAULT_CRL_DAYS, help="the CRL's next-update, in days (default 30)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_crl)
+
 
 def _fail(err: TextIO, message: str) -> int:
     err.write(f"llmgw ctl cert: {message}\n")
     return 1
 
 
-def cmd_init(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+def cmd_init(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    out, err = out or sys.stdout, err or sys.stderr
     try:
         ca = CertificateAuthority.init(args.dir, force=args.force)
     except CAError as e:
@@ -70,7 +99,8 @@ def _positive_days(args: argparse.Namespace, err: TextIO) -> bool:
     return True
 
 
-def cmd_server(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+def cmd_server(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    out, err = out or sys.stdout, err or sys.stderr
     if not _positive_days(args, err):
         return 1
     try:
@@ -82,7 +112,8 @@ def cmd_server(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO =
     return 0
 
 
-def cmd_agent(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+def cmd_agent(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    out, err = out or sys.stdout, err or sys.stderr
     if not _positive_days(args, err):
         return 1
     try:
@@ -94,7 +125,8 @@ def cmd_agent(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = 
     return 0
 
 
-def cmd_show(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+def cmd_show(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    out, err = out or sys.stdout, err or sys.stderr
     try:
         info = describe(args.file, Path(args.dir))
     except CAError as e:
@@ -118,6 +150,103 @@ def cmd_show(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = s
             {True: "yes", False: "NO", None: "unknown"}[chains]  # type: ignore[index]
             + f" ({info.get('ca')})",
         ),
+    ]
+    crl = _crl_row(Path(args.dir), str(info["serial"]))
+    if crl is not None:
+        rows.append(("CRL", crl))
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        out.write(f"{k:<{width}}  {v}\n")
+    return 0
+
+
+def _crl_row(ca_dir: Path, serial: str) -> str | None:
+    """
+    The CRL's next-update and whether it lists C{serial}, for C{show}.
+    """
+    path = ca_dir / CRL_FILE
+    if not path.exists():
+        return None
+    try:
+        ca = load_certificate(ca_dir / "ca.pem")
+    except CAError:
+        ca = None
+    try:
+        crl = describe_crl(path, ca)
+    except CRLError as e:
+        return f"unreadable: {e}"
+    listed = any(r["serial"] == serial for r in crl["revoked"])  # type: ignore[attr-defined]
+    text = (
+        f"{path} number {crl['number']}, next update {crl['next_update']} "
+        f"({crl['next_update_in_days']} days left)"
+    )
+    if crl.get("valid") is False:
+        text += f"; REFUSED: {crl['problem']}"
+    return text + ("; this certificate is REVOKED" if listed else "; not revoked")
+
+
+def cmd_revoke(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+    if not _positive_days(args, err):
+        return 1
+    if not args.node_id and not args.serial:
+        return _fail(err, "name a NODE_ID or give --serial S")
+    try:
+        serials = [parse_serial(s) for s in args.serial]
+        ca = CertificateAuthority.load(args.dir)
+        result = revoke(ca, node_id=args.node_id, serials=serials, reason=args.reason, days=args.days)
+    except (CAError, CRLError) as e:
+        return _fail(err, str(e))
+    for serial, subject in result.revoked:
+        out.write(f"revoked serial {serial:x} ({subject})\n")
+    for serial in result.already:
+        out.write(f"serial {serial:x} was already revoked\n")
+    nu = result.crl.next_update_utc
+    out.write(
+        f"{result.crl_path} signed: CRL number {crl_number(result.crl)}, "
+        f"next update {nu.isoformat() if nu else '?'}; "
+        "send the control plane SIGHUP to load it and close the revoked streams\n"
+    )
+    return 0
+
+
+def cmd_crl(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+    path = Path(args.dir) / CRL_FILE
+    if args.renew:
+        if not _positive_days(args, err):
+            return 1
+        try:
+            ca = CertificateAuthority.load(args.dir)
+            crl = renew(ca, days=args.days)
+        except (CAError, CRLError) as e:
+            return _fail(err, str(e))
+        nu = crl.next_update_utc
+        out.write(
+            f"{path} re-signed: CRL number {crl_number(crl)}, next update "
+            f"{nu.isoformat() if nu else '?'}; send the control plane SIGHUP to load it\n"
+        )
+        return 0
+    try:
+        ca_cert = load_certificate(Path(args.dir) / "ca.pem")
+    except CAError:
+        ca_cert = None
+    try:
+        info = describe_crl(path, ca_cert)
+    except CRLError as e:
+        return _fail(err, f"{e} (make one with `llmgw ctl cert crl --renew`)")
+    if args.json:
+        out.write(json.dumps(info, indent=2) + "\n")
+        return 0
+    revoked = info["revoked"]
+    rows = [
+        ("file", info["file"]),
+        ("issuer", info["issuer"]),
+        ("number", info["number"]),
+        ("issued", info["last_update"]),
+        ("next update", f"{info['next_update']} ({info['next_update_in_days']} days left)"),
+        ("revoked", ", ".join(r["serial"] for r in revoked) or "(none)"),  # type: ignore[attr-defined]
+        ("valid", {True: "yes", False: f"NO: {info.get('problem')}", None: "unknown (no ca.pem)"}[
+            info.get("valid")  # type: ignore[index]
+        ]),
     ]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:

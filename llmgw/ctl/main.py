@@ -11,7 +11,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from llmgw.ctl import cert
+from llmgw.ctl import cert, fleet
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     ctl = top.add_parser("ctl", help="operator commands")
     sub = ctl.add_subparsers(dest="ctl_command", required=True, metavar="COMMAND")
     cert.add_parser(sub)
+    fleet.add_parsers(sub)
     return parser
 
 

@@ -48,7 +48,7 @@ class CAError(Exception):
 
 
 def _now() -> datetime.datetime:
-    return datetime.datetime.now(datetime.timezone.utc)
+    return datetime.datetime.now(datetime.UTC)
 
 
 def write_private(path: Path, data: bytes) -> None:

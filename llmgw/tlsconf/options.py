@@ -18,7 +18,7 @@ from typing import Any
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-from OpenSSL import SSL
+from OpenSSL import SSL, crypto
 from service_identity import CertificateError, VerificationError
 from service_identity.cryptography import (
     verify_certificate_hostname,
@@ -33,6 +33,7 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from llmgw.tlsconf.ca import CAError, subject_alt_names
+from llmgw.tlsconf.crl import CRLError, load_crl
 from llmgw.wire import InvalidNodeId, validate_node_id
 
 
@@ -84,7 +85,7 @@ def load_cert_file(path: Path | str, what: str = "certificate") -> x509.Certific
         cert = x509.load_pem_x509_certificate(_read(path, what))
     except ValueError as e:
         raise TLSConfigError(f"{what} {path} is not a PEM certificate: {e}") from e
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     if cert.not_valid_after_utc < now:
         raise TLSConfigError(
             f"{what} {path} expired on {cert.not_valid_after_utc.isoformat()}"
@@ -107,7 +108,8 @@ def load_key_file(path: Path | str) -> Any:
 @dataclass(frozen=True)
 class TLSFiles:
     """
-    A certificate, its key and the CA root, loaded and checked together.
+    A certificate, its key and the CA root, loaded and checked together;
+    and the CA's CRL where C{crl_path} is given and the file exists.
     """
 
     ca: x509.Certificate
@@ -116,12 +118,19 @@ class TLSFiles:
     ca_path: Path
     cert_path: Path
     key_path: Path
+    crl_path: Path | None = None
+    crl: x509.CertificateRevocationList | None = None
 
     @classmethod
-    def load(cls, ca_path: Path | str, cert_path: Path | str, key_path: Path | str) -> TLSFiles:
+    def load(
+        cls, ca_path: Path | str, cert_path: Path | str, key_path: Path | str,
+        crl_path: Path | str | None = None,
+    ) -> TLSFiles:
         """
         @raise TLSConfigError: a file is unreadable, expired, the key does not
-            match the certificate, or the certificate is not from the CA.
+            match the certificate, the certificate is not from the CA, or the
+            CRL (when C{crl_path} exists) does not parse, is not the CA's, or
+            has expired.
         """
         ca_path, cert_path, key_path = Path(ca_path), Path(cert_path), Path(key_path)
         ca = load_cert_file(ca_path, "CA certificate")
@@ -138,7 +147,32 @@ class TLSFiles:
             issued = False
         if not issued:
             raise TLSConfigError(f"certificate {cert_path} was not issued by the CA in {ca_path}")
-        return cls(ca, cert, key, ca_path, cert_path, key_path)
+        crl = None
+        if crl_path is not None:
+            crl_path = Path(crl_path)
+            if crl_path.exists():
+                try:
+                    crl = load_crl(crl_path, ca)
+                except CRLError as e:
+                    raise TLSConfigError(str(e)) from e
+        return cls(ca, cert, key, ca_path, cert_path, key_path, crl_path, crl)
+
+    def reread(self) -> TLSFiles:
+        """
+        Load the same files again (after a rotation).
+
+        A CRL that was loaded and has since disappeared is refused rather
+        than taken as "nothing is revoked": a half-done copy must not
+        re-admit a revoked node.
+
+        @raise TLSConfigError: as L{load}.
+        """
+        if self.crl is not None and self.crl_path is not None and not self.crl_path.exists():
+            raise TLSConfigError(
+                f"CRL {self.crl_path} was loaded before and is gone now; restore it "
+                "(revocation stays in force until the control plane restarts without it)"
+            )
+        return TLSFiles.load(self.ca_path, self.cert_path, self.key_path, self.crl_path)
 
     def twisted_ca(self) -> ssl.Certificate:
         return ssl.Certificate.loadPEM(self.ca.public_bytes(serialization.Encoding.PEM))
@@ -155,8 +189,9 @@ class TLSFiles:
 
     def context(self) -> SSL.Context:
         """
-        An OpenSSL context presenting this certificate and trusting only the
-        CA, TLS 1.2 at least. Peers must present a certificate.
+        A new OpenSSL context presenting this certificate and trusting only
+        the CA, TLS 1.2 at least. Peers must present a certificate; with a
+        CRL, a peer certificate it lists fails the handshake.
         """
         priv = self.twisted_private()
         opts = ssl.CertificateOptions(
@@ -165,16 +200,23 @@ class TLSFiles:
             trustRoot=self.twisted_ca(),
             raiseMinimumTo=ssl.TLSVersion.TLSv1_2,
         )
-        return opts.getContext()
+        ctx = opts.getContext()
+        if self.crl is not None:
+            store = ctx.get_cert_store()
+            assert store is not None
+            store.add_crl(self.crl)
+            # CRL_CHECK checks the leaf, which is all our one-level CA has.
+            store.set_flags(crypto.X509StoreFlags.CRL_CHECK)
+        return ctx
 
 
 def server_files(certs_dir: Path | str) -> TLSFiles:
     """
     The control plane's files in C{certs_dir}: C{ca.pem}, C{server.pem},
-    C{server.key}.
+    C{server.key}, and C{crl.pem} when it exists.
     """
     d = Path(certs_dir)
-    return TLSFiles.load(d / "ca.pem", d / "server.pem", d / "server.key")
+    return TLSFiles.load(d / "ca.pem", d / "server.pem", d / "server.key", d / "crl.pem")
 
 
 @implementer(IOpenSSLServerConnectionCreator)
@@ -252,6 +294,11 @@ def verify_server_identity(cert: x509.Certificate, host: str) -> None:
         raise ServerIdentityError(host, sans) from None
 
 
+def _common_name(cert: x509.Certificate) -> str | None:
+    cns = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    return str(cns[0].value) if len(cns) == 1 else None
+
+
 def _is_ip(host: str) -> bool:
     try:
         ipaddress.ip_address(host)
@@ -274,11 +321,37 @@ class AgentClientTLS:
     def __init__(self, host: str, files: TLSFiles):
         self.host = host.strip("[]")
         self.files = files
-        self._context = files.context()
-        self._context.set_info_callback(self._info)
+        self._context = self._make_context(files)
         #: The last verification failure, for callers that want it without a
         #: connection.
         self.last_error: ServerIdentityError | None = None
+
+    def _make_context(self, files: TLSFiles) -> SSL.Context:
+        context = files.context()
+        context.set_info_callback(self._info)
+        return context
+
+    def reload(self, files: TLSFiles | None = None) -> TLSFiles:
+        """
+        Use C{files} (by default: the same paths read again, after a renewal)
+        for every new connection; a connection already open keeps its own.
+
+        A certificate for another node is refused: the node id is the
+        agent's identity, and changing it takes a restart.
+
+        @raise TLSConfigError: the files are refused; the running ones stay.
+        """
+        if files is None:
+            files = self.files.reread()
+        old, new = _common_name(self.files.cert), _common_name(files.cert)
+        if old != new:
+            raise TLSConfigError(
+                f"the new certificate {files.cert_path} is for {new!r}, but this agent "
+                f"runs as {old!r}; restart the agent to change its identity"
+            )
+        context = self._make_context(files)
+        self.files, self._context = files, context
+        return files
 
     def clientConnectionForTLS(self, tlsProtocol: Any) -> SSL.Connection:
         conn = SSL.Connection(self._context, None)

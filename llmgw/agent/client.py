@@ -1,0 +1,466 @@
+"""
+The agent's end of the agent stream (DESIGN §3, §5, §7).
+
+L{AgentCore} is the factory and holds what outlives a connection: the
+supervisor, the GPU monitor, the newest control-plane epoch seen, and
+whether the last refusal was a configuration error. L{AgentStreamClient} is
+one connection: it sends C{Register} as soon as it is connected, waits for
+the C{Ack}, then sends heartbeats on a C{LoopingCall} and a C{ShardStatus}
+on every shard transition, and carries out C{StartShard}, C{StopShard} and
+C{DrainShard}.
+
+L{make_client_service} dials through a C{ClientService} whose retry
+policy counts failures itself: the backoff (jittered, capped at 30 s)
+resets only once a Register was acknowledged, not when TCP or TLS connects.
+(C{prepareConnection} cannot do this: in Twisted 26.10 a connection lost
+while it is pending hits C{NoTransition} in C{ClientService}'s state
+machine.) A configuration
+error (the control plane refused this node's identity or protocol version;
+its certificate does not name the dialled address; the handshake was
+refused) is logged loudly and retried only at the longest backoff.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from OpenSSL import SSL
+from twisted.application.internet import ClientService, backoffPolicy
+from twisted.internet import defer
+from twisted.internet.interfaces import IDelayedCall, IStreamClientEndpoint
+from twisted.internet.protocol import Factory
+from twisted.internet.task import LoopingCall
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from zope.interface import implementer
+
+import llmgw
+from llmgw.agent.gpus import GPUMonitor
+from llmgw.agent.state import ShardSpec
+from llmgw.agent.supervisor import FAILED, STOPPED, Shard, Supervisor
+from llmgw.api.v1 import agent_pb2 as pb
+from llmgw.tlsconf.options import ServerIdentityError
+from llmgw.wire import PROTOCOL_VERSION, STATE_VALUES, MessageStream
+
+Code = pb.Ack
+
+#: Refusals that no retry can cure without an operator (DESIGN §3).
+CONFIG_REFUSALS = {
+    Code.CODE_UNAUTHENTICATED,
+    Code.CODE_PERMISSION_DENIED,
+    Code.CODE_FAILED_PRECONDITION,
+}
+MAX_BACKOFF = 30.0
+INITIAL_BACKOFF = 1.0
+#: How long a connected stream may wait for its Register Ack.
+REGISTER_ACK_TIMEOUT = 30.0
+#: Final statuses (stopped, failed) kept while no stream is open.
+MAX_QUEUED_STATUSES = 64
+
+
+@dataclass
+class AgentConfig:
+    """
+    Who this agent is and how it talks.
+    """
+
+    node_id: str
+    control: str = ""
+    fabrics: dict[str, str] = field(default_factory=dict)
+    heartbeat_interval: float = 5.0
+    agent_version: str = llmgw.__version__
+    #: Seconds since 1970 when the agent's certificate lapses (0: unknown).
+    certificate_not_after: int = 0
+
+
+def shard_status(shard: Shard) -> pb.ShardStatus:
+    return pb.ShardStatus(
+        replica_id=shard.spec.replica_id,
+        shard_id=shard.shard_id,
+        state=STATE_VALUES[shard.state],  # type: ignore[arg-type]
+        error=shard.error,
+        exit_code=shard.exit_code,
+        signal=shard.signal,
+        last_output=shard.last_output() if shard.state == FAILED else "",
+    )
+
+
+def running_shard(shard: Shard) -> pb.RunningShard:
+    s = shard.spec
+    return pb.RunningShard(
+        shard_id=s.shard_id,
+        replica_id=s.replica_id,
+        model=s.model,
+        profile=s.profile,
+        rank=s.rank,
+        gpu_indices=list(s.gpu_indices),
+        port=s.port,
+        state=STATE_VALUES[shard.state],  # type: ignore[arg-type]
+        world_size=s.world_size,
+        epoch=s.epoch,
+    )
+
+
+def describe_failure(failure: Failure) -> tuple[str, bool]:
+    """
+    What a lost connection before registration means: a sentence for the
+    log, and whether it is a configuration error.
+    """
+    e = failure.value
+    if isinstance(e, ServerIdentityError):
+        return str(e), True
+    if isinstance(e, SSL.Error):
+        text = str(e)
+        if "alert" in text or "certificate" in text:
+            # Under TLS 1.3 a refused client certificate arrives as an alert on
+            # the first read, after the client thought the handshake done.
+            return (
+                f"the TLS handshake was refused ({text}): the control plane does not "
+                "accept this node's certificate, or its own is not from our CA", True,
+            )
+        return f"TLS error: {text}", False
+    return failure.getErrorMessage() or type(e).__name__, False
+
+
+class AgentStreamClient(MessageStream[pb.ControlMessage]):
+    """
+    One connection to the control plane.
+    """
+
+    incoming = pb.ControlMessage
+    log = Logger()
+
+    def __init__(self, core: AgentCore):
+        self.core = core
+        #: Fires with True once the Register is acknowledged, or False when
+        #: the stream closes before that.
+        self.registered: defer.Deferred[bool] = defer.Deferred()
+        self.is_registered = False
+        self._heartbeat: LoopingCall | None = None
+        self._ack_timer: IDelayedCall | None = None
+        self._refusal: tuple[str, bool] | None = None
+
+    def peer_name(self) -> str:
+        return self.core.config.control or super().peer_name()
+
+    def connectionMade(self) -> None:
+        # Under TLS this is TCP connect; the Register waits in the TLS layer
+        # until the handshake is done.
+        self.core.attach(self)
+        self.send_message(pb.AgentMessage(register=self.core.register_message()))
+        self._ack_timer = self.core.clock.callLater(REGISTER_ACK_TIMEOUT, self._ack_expired)
+
+    def _ack_expired(self) -> None:
+        self._ack_timer = None
+        self.log.warn("no Register Ack from the control plane at {control} within {timeout}s; "
+                      "reconnecting", control=self.peer_name(), timeout=REGISTER_ACK_TIMEOUT)
+        self.transport.abortConnection()  # type: ignore[union-attr]
+
+    def connectionLost(self, reason: Failure = Failure(ConnectionError())) -> None:  # noqa: B008
+        if self._ack_timer is not None and self._ack_timer.active():
+            self._ack_timer.cancel()
+        self._ack_timer = None
+        if self._heartbeat is not None and self._heartbeat.running:
+            self._heartbeat.stop()
+        self.core.detach(self)
+        if self.is_registered and self.core.stopping:
+            self.log.info("stream to the control plane at {control} closed: the agent is "
+                          "stopping; its shards keep running", control=self.peer_name())
+            return
+        if self.is_registered:
+            self.log.warn("stream to the control plane at {control} closed: {reason}; shards keep "
+                          "running, reconnecting", control=self.peer_name(),
+                          reason=reason.getErrorMessage())
+            return
+        if self._refusal is not None:
+            why, config = self._refusal
+        else:
+            why, config = describe_failure(reason)
+        self.core.connection_failed(why, config)
+        self.registered.callback(False)
+
+    # -- inbound --------------------------------------------------------------
+
+    def frame_refused(self, reason: str) -> None:
+        self.log.warn("ignoring a frame from the control plane at {control}: {reason}",
+                      control=self.peer_name(), reason=reason)
+
+    def message_received(self, msg: pb.ControlMessage) -> None:
+        kind = msg.WhichOneof("msg")
+        if kind == "ack":
+            self._ack(msg.ack)
+        elif kind == "start":
+            if self.core.accept_epoch("StartShard", msg.start.shard_id, msg.start.epoch):
+                self.core.supervisor.start(ShardSpec.from_message(msg.start))
+        elif kind == "stop":
+            if self.core.accept_epoch("StopShard", msg.stop.shard_id, msg.stop.epoch):
+                self.core.supervisor.stop(msg.stop.shard_id)
+        elif kind == "drain":
+            if self.core.accept_epoch("DrainShard", msg.drain.shard_id, msg.drain.epoch):
+                self.core.supervisor.drain(msg.drain.shard_id)
+
+    def _ack(self, ack: pb.Ack) -> None:
+        if ack.ok:
+            if ack.message_id == "register" and not self.is_registered:
+                self._registered()
+            else:
+                self.log.debug("control plane acknowledged {id}", id=ack.message_id)
+            return
+        code = pb.Ack.Code.Name(ack.code)
+        if ack.message_id.startswith("shard:"):
+            self.log.warn("the control plane refused our status for shard {shard}: {error} "
+                          "({code})", shard=ack.message_id[len("shard:"):], error=ack.error,
+                          code=code)
+            return
+        config = ack.code in CONFIG_REFUSALS
+        self._refusal = (f"the control plane refused this agent ({code}): {ack.error}", config)
+        self.transport.loseConnection()  # type: ignore[union-attr]
+
+    def _registered(self) -> None:
+        self.is_registered = True
+        if self._ack_timer is not None and self._ack_timer.active():
+            self._ack_timer.cancel()
+        self._ack_timer = None
+        self._heartbeat = LoopingCall(self.send_heartbeat)
+        self._heartbeat.clock = self.core.clock
+        self._heartbeat.start(self.core.config.heartbeat_interval, now=False)
+        self.core.registered(self)
+        self.registered.callback(True)
+
+    # -- outbound --------------------------------------------------------------
+
+    def send_heartbeat(self) -> None:
+        try:
+            self.send_message(pb.AgentMessage(heartbeat=self.core.heartbeat_message()))
+        except Exception:
+            self.log.failure("sending a heartbeat failed")
+
+    def send_status(self, status: pb.ShardStatus) -> None:
+        self.send_message(pb.AgentMessage(shard=status))
+
+
+class AgentCore(Factory):
+    """
+    The agent's state that outlives connections, and the factory of
+    L{AgentStreamClient}s.
+    """
+
+    log = Logger()
+    noisy = False
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        supervisor: Supervisor,
+        monitor: GPUMonitor,
+        clock: Any,
+        epoch_file: Path | None = None,
+        max_backoff: float = MAX_BACKOFF,
+        jitter: Callable[[], float] = random.random,
+    ):
+        self.config = config
+        self.supervisor = supervisor
+        self.monitor = monitor
+        self.clock = clock
+        self.epoch_file = epoch_file
+        self.max_backoff = max_backoff
+        self.jitter = jitter
+        self._policy = backoffPolicy(INITIAL_BACKOFF, max_backoff, 2.0, jitter)
+        self.newest_epoch = self._load_epoch()
+        self.proto: AgentStreamClient | None = None
+        self.config_error: str | None = None
+        #: Why the last connection attempt failed, if it did.
+        self.last_failure: str | None = None
+        #: Connection attempts that failed since the last acknowledged Register.
+        self.failures = 0
+        self._queued: collections.deque[pb.ShardStatus] = collections.deque(
+            maxlen=MAX_QUEUED_STATUSES
+        )
+        #: Set while the agent shuts down: a closing stream is expected then.
+        self.stopping = False
+        #: Registrations that were acknowledged, for tests and metrics.
+        self.registrations = 0
+        supervisor.add_listener(self.shard_changed)
+
+    def buildProtocol(self, addr: Any) -> AgentStreamClient:
+        return AgentStreamClient(self)
+
+    # -- backoff -----------------------------------------------------------------
+
+    def retry_delay(self, attempt: int) -> float:
+        """
+        The delay before reconnect attempt C{attempt}: exponential with
+        jitter, capped; always the cap after a configuration error.
+        """
+        if self.config_error is not None:
+            return self.max_backoff + self.jitter()
+        # ClientService's own count resets when TCP connects; ours only when
+        # a Register is acknowledged. A registered stream that closed counts 1.
+        return self._policy(max(self.failures, 1) - 1)
+
+    def connection_failed(self, why: str, config: bool) -> None:
+        self.failures += 1
+        self.last_failure = why
+        if config:
+            self.config_error = why
+            self.log.critical(
+                "CONFIGURATION ERROR connecting to the control plane at {control}: {why}. "
+                "Retrying every {delay}s until it is fixed.",
+                control=self.config.control, why=why, delay=self.max_backoff,
+            )
+        else:
+            self.log.warn("connection to the control plane at {control} failed before "
+                          "registering: {why}", control=self.config.control, why=why)
+
+    # -- epochs --------------------------------------------------------------------
+
+    def _load_epoch(self) -> int:
+        newest = max((s.spec.epoch for s in self.supervisor.shards.values()), default=0)
+        if self.epoch_file is not None:
+            try:
+                newest = max(newest, int(self.epoch_file.read_text().strip() or 0))
+            except (OSError, ValueError):
+                pass
+        return newest
+
+    def accept_epoch(self, what: str, shard_id: str, epoch: int) -> bool:
+        """
+        Whether a command from C{epoch} may run: not older than the newest
+        epoch seen (DESIGN §5). A newer epoch becomes the newest.
+        """
+        if epoch < self.newest_epoch:
+            self.log.warn(
+                "refusing {what} for shard {shard} from control plane epoch {epoch}: a newer "
+                "control plane (epoch {newest}) has spoken since",
+                what=what, shard=shard_id, epoch=epoch, newest=self.newest_epoch,
+            )
+            return False
+        if epoch > self.newest_epoch:
+            self.newest_epoch = epoch
+            self._save_epoch()
+        return True
+
+    def _save_epoch(self) -> None:
+        if self.epoch_file is None:
+            return
+        tmp = self.epoch_file.with_name(f".{self.epoch_file.name}.tmp")
+        try:
+            tmp.write_text(f"{self.newest_epoch}\n")
+            os.replace(tmp, self.epoch_file)
+        except OSError:
+            self.log.failure("could not record the control plane epoch in {path}",
+                             path=str(self.epoch_file))
+
+    # -- messages ------------------------------------------------------------------
+
+    def register_message(self) -> pb.Register:
+        gpus = [
+            pb.GPU(index=g.index, uuid=g.uuid, name=g.name, memory_total_mb=g.memory_total_mb,
+                   memory_used_mb=g.memory_used_mb, problems=list(g.problems))
+            for g in self.monitor.gpus()
+        ]
+        # The Register carries every problem; none is new after it.
+        self.monitor.forget_new_problems()
+        return pb.Register(
+            protocol_version=PROTOCOL_VERSION,
+            node_id=self.config.node_id,
+            agent_version=self.config.agent_version,
+            gpus=gpus,
+            fabrics=[pb.Fabric(name=n, address=a) for n, a in sorted(self.config.fabrics.items())],
+            running_shards=[running_shard(s) for s in self.supervisor.live_shards()],
+            certificate_not_after=self.config.certificate_not_after,
+        )
+
+    def heartbeat_message(self) -> pb.Heartbeat:
+        problems = self.monitor.take_new_problems()
+        return pb.Heartbeat(
+            gpu_memory_used_mb=self.monitor.memory_used(),
+            new_problems=[p.problem for p in problems],
+            new_gpu_problems=[
+                pb.GPUProblem(gpu_index=p.gpu_index, problem=p.problem)
+                for p in problems if p.gpu_index >= 0
+            ],
+        )
+
+    # -- connection map ----------------------------------------------------------------
+
+    def attach(self, proto: AgentStreamClient) -> None:
+        self.proto = proto
+
+    def detach(self, proto: AgentStreamClient) -> None:
+        if self.proto is proto:
+            self.proto = None
+
+    def registered(self, proto: AgentStreamClient) -> None:
+        self.registrations += 1
+        self.failures = 0
+        self.last_failure = None
+        if self.config_error is not None:
+            self.log.info("the configuration error is resolved: registered with the control "
+                          "plane at {control}", control=self.config.control)
+        self.config_error = None
+        self.log.info(
+            "registered with the control plane at {control} as {node}: {gpus} GPUs, "
+            "{running} running shards",
+            control=self.config.control, node=self.config.node_id,
+            gpus=len(self.monitor.gpus()), running=len(self.supervisor.live_shards()),
+        )
+        while self._queued and self.proto is proto:
+            proto.send_status(self._queued.popleft())
+
+    def shard_changed(self, shard: Shard) -> None:
+        """
+        A shard transition: send it now, or keep a final one for the next
+        stream (live states travel in the next Register anyway).
+        """
+        status = shard_status(shard)
+        if self.proto is not None and self.proto.transport is not None:
+            self.proto.send_status(status)
+        elif shard.state in (STOPPED, FAILED):
+            self._queued.append(status)
+
+
+def make_client_service(core: AgentCore, endpoint: Any) -> ClientService:
+    """
+    Dial C{endpoint} forever, with L{AgentCore.retry_delay} between
+    attempts.
+    """
+    service = ClientService(
+        _LoggingEndpoint(endpoint, core),
+        core,
+        retryPolicy=core.retry_delay,
+        clock=core.clock,
+    )
+    service.setName("agent-stream")
+    return service
+
+
+@implementer(IStreamClientEndpoint)
+class _LoggingEndpoint:
+    """
+    An endpoint that logs why a connection attempt failed before any
+    protocol existed (refused, unreachable, timed out).
+    """
+
+    def __init__(self, endpoint: Any, core: AgentCore):
+        self.endpoint = endpoint
+        self.core = core
+
+    def connect(self, factory: Any) -> defer.Deferred[Any]:
+        d = self.endpoint.connect(factory)
+
+        def failed(f: Failure) -> Failure:
+            if not f.check(defer.CancelledError):
+                self.core.connection_failed(f"cannot connect: {f.getErrorMessage()}", False)
+            return f
+
+        return d.addErrback(failed)  # type: ignore[no-any-return]
+
+    def __repr__(self) -> str:
+        return f"<control plane {self.core.config.control}>"

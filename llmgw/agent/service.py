@@ -1,0 +1,266 @@
+"""
+``twistd llmgw agent``: the node agent as one C{MultiService}.
+
+    twistd -n llmgw agent --control cp.example:7443 --certs certs --node gpu-07 \\
+        [--gpus auto|sim:2x80GiB] [--fabric ib0=10.1.0.7 ...] \\
+        [--state-dir agent-state] [--heartbeat 5]
+
+L{NodeAgent} can be embedded in another Twisted application without twistd:
+build it, then C{setServiceParent} it.
+"""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+from typing import Any
+
+from twisted.application.service import MultiService
+from twisted.internet.endpoints import HostnameEndpoint, wrapClientTLS
+from twisted.logger import Logger
+from twisted.python import usage
+
+from llmgw.addresses import AddressError, format_address, parse_address
+from llmgw.agent.client import AgentConfig, AgentCore, make_client_service
+from llmgw.agent.gpus import GPUMonitor, GPUSpecError, discover, parse_gpu_spec
+from llmgw.agent.state import StateDir, StateDirError
+from llmgw.agent.supervisor import HttpProber, Supervisor
+from llmgw.signals import SighupHandler, owns_signals
+from llmgw.tlsconf.options import (
+    AgentClientTLS,
+    IdentityError,
+    TLSConfigError,
+    TLSFiles,
+    agent_files,
+    peer_node_id,
+)
+
+DEFAULT_CONTROL_PORT = 7443
+#: The agent warns at start when its certificate lapses sooner than this.
+CERT_WARN_DAYS = 14
+
+
+class Options(usage.Options):
+    synopsis = "--control HOST:PORT (--certs DIR --node ID | --ca F --cert F --key F) [options]"
+    optParameters = [
+        ["control", None, None, "HOST[:PORT] of the control plane (default port 7443); "
+         "its certificate must name HOST"],
+        ["certs", None, None, "directory with ca.pem and agent-NODE.pem/.key (with --node)"],
+        ["node", None, None, "node id, to find its files in --certs (must be the certificate's CN)"],
+        ["ca", None, None, "the CA certificate (PEM)"],
+        ["cert", None, None, "this node's certificate (PEM); its common name is the node id"],
+        ["key", None, None, "this node's private key (PEM)"],
+        ["gpus", None, "auto", "auto, nvml, nvidia-smi, none, or sim:COUNTxSIZE (e.g. sim:2x80GiB)"],
+        ["state-dir", None, "agent-state", "where shard records and logs are kept"],
+        ["heartbeat", None, "5", "seconds between heartbeats"],
+    ]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self["fabrics"] = {}
+
+    def opt_fabric(self, value: str) -> None:
+        """
+        NAME[=ADDRESS] of an interconnect this node is on (repeatable).
+        """
+        name, _, address = value.partition("=")
+        name = name.strip()
+        if not name:
+            raise usage.UsageError(f"--fabric {value!r}: give NAME or NAME=ADDRESS")
+        if name in self["fabrics"]:
+            raise usage.UsageError(f"--fabric {name} is given twice")
+        self["fabrics"][name] = address.strip()
+
+    def postOptions(self) -> None:
+        if not self["control"]:
+            raise usage.UsageError("--control HOST:PORT is required: the control plane to dial")
+        spec = self["control"].strip()
+        if ":" not in spec or (spec.startswith("[") and spec.endswith("]")):
+            spec = f"{spec}:{DEFAULT_CONTROL_PORT}"
+        try:
+            host, port = parse_address(spec, "")
+        except AddressError as e:
+            raise usage.UsageError(f"--control: {e}") from e
+        if not host or not port:
+            raise usage.UsageError(f"--control {self['control']!r}: give HOST:PORT")
+        self["control_host"], self["control_port"] = host, port
+
+        try:
+            self["heartbeat"] = float(self["heartbeat"])
+        except ValueError:
+            raise usage.UsageError("--heartbeat must be a number of seconds") from None
+        if not 0 < self["heartbeat"] <= 3600:
+            raise usage.UsageError("--heartbeat must be between 0 and 3600 seconds")
+
+        try:
+            self["gpu_spec"] = parse_gpu_spec(self["gpus"])
+        except GPUSpecError as e:
+            raise usage.UsageError(str(e)) from e
+
+        files = [self["ca"], self["cert"], self["key"]]
+        if any(files) and not all(files):
+            raise usage.UsageError("--ca, --cert and --key go together: give all three")
+        if not all(files) and not (self["certs"] and self["node"]):
+            raise usage.UsageError(
+                "give --certs DIR --node ID, or --ca FILE --cert FILE --key FILE"
+            )
+        try:
+            tls: TLSFiles = agent_files(self["certs"], self["node"], self["ca"], self["cert"],
+                                        self["key"])
+        except TLSConfigError as e:
+            raise usage.UsageError(str(e)) from e
+        try:
+            node_id = peer_node_id(tls.cert)
+        except IdentityError as e:
+            raise usage.UsageError(f"certificate {tls.cert_path}: {e}") from e
+        if self["node"] and self["node"] != node_id:
+            raise usage.UsageError(
+                f"--node {self['node']} does not match certificate {tls.cert_path}, "
+                f"which is for node {node_id!r}"
+            )
+        self["tls"], self["node_id"] = tls, node_id
+
+        try:
+            self["state"] = StateDir(Path(self["state-dir"]))
+        except StateDirError as e:
+            raise usage.UsageError(str(e)) from e
+
+
+class NodeAgent(MultiService):
+    """
+    The agent's parts: C{monitor} (GPUs), C{supervisor} (shards), C{core}
+    (the stream's state) and the C{ClientService} that dials.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        reactor: Any,
+        tls: TLSFiles,
+        node_id: str,
+        control_host: str,
+        control_port: int,
+        state: StateDir,
+        gpu_source: Any,
+        fabrics: dict[str, str] | None = None,
+        heartbeat: float = 5.0,
+        handle_sighup: bool | None = None,
+    ):
+        super().__init__()
+        self.reactor = reactor
+        self.tls = tls
+        self.state = state
+        self.node_id = node_id
+        self.control = format_address(control_host, control_port)
+        self.monitor = GPUMonitor(gpu_source, reactor, interval=heartbeat)
+        self.monitor.setServiceParent(self)
+        self.supervisor = Supervisor(
+            reactor,
+            lambda *a, **kw: reactor.spawnProcess(*a, **kw),
+            state,
+            gpu_indices=[g.index for g in self.monitor.gpus()],
+            prober=HttpProber(reactor),
+        )
+        self.supervisor.setServiceParent(self)
+        not_after = tls.cert.not_valid_after_utc
+        self.core = AgentCore(
+            AgentConfig(
+                node_id=node_id,
+                control=self.control,
+                fabrics=dict(fabrics or {}),
+                heartbeat_interval=heartbeat,
+                certificate_not_after=int(not_after.timestamp()),
+            ),
+            self.supervisor,
+            self.monitor,
+            reactor,
+            epoch_file=state.path / "epoch",
+        )
+        self.client_tls = AgentClientTLS(control_host, tls)
+        self.handle_sighup = owns_signals(reactor) if handle_sighup is None else handle_sighup
+        self._sighup = SighupHandler(reactor, self.reload_certificate, "this node's certificate")
+        endpoint = wrapClientTLS(
+            self.client_tls,
+            HostnameEndpoint(reactor, control_host, control_port, timeout=10),
+        )
+        self.client = make_client_service(self.core, endpoint)
+        self.client.setServiceParent(self)
+
+    def startService(self) -> None:
+        self.state.lock()
+        not_after = self.tls.cert.not_valid_after_utc
+        left = not_after - datetime.datetime.now(datetime.UTC)
+        if left < datetime.timedelta(days=CERT_WARN_DAYS):
+            self.log.warn("this node's certificate {path} expires on {when}: renew it with "
+                          "`llmgw ctl cert agent {node}`", path=str(self.tls.cert_path),
+                          when=not_after.isoformat(), node=self.node_id)
+        self.log.info(
+            "agent {node} starting: control plane {control}, {gpus}, state in {state}",
+            node=self.node_id, control=self.control, gpus=self.monitor.source.describe(),
+            state=str(self.state.path),
+        )
+        if self.handle_sighup:
+            self._sighup.install()
+        # Re-adopt before dialling, so the first Register lists what still runs.
+        self.supervisor.recover()
+        self.core.newest_epoch = max(self.core.newest_epoch, self.core._load_epoch())
+        super().startService()
+
+    def reload_certificate(self) -> bool:
+        """
+        Read this node's certificate, key and CA again (after a renewal) and
+        present them from the next connection on; the open stream carries on.
+        Bad, half-written or mismatched files, or a certificate for another
+        node, are refused and the running ones stay.
+
+        @return: whether the new files were taken.
+        """
+        try:
+            files = self.client_tls.reload()
+        except TLSConfigError as e:
+            self.log.error("certificate reload refused, the running certificate stays: {error}",
+                           error=str(e))
+            return False
+        self.tls = files
+        self.core.config.certificate_not_after = int(files.cert.not_valid_after_utc.timestamp())
+        self.log.info(
+            "certificate reloaded from {path}: serial {serial}, valid until {when}; "
+            "used from the next connection",
+            path=str(files.cert_path), serial=format(files.cert.serial_number, "x"),
+            when=files.cert.not_valid_after_utc.isoformat(),
+        )
+        return True
+
+    def stopService(self) -> Any:
+        self._sighup.uninstall()
+        self.core.stopping = True
+        d = super().stopService()
+
+        def unlock(result: Any) -> Any:
+            self.state.unlock()
+            return result
+
+        return d.addBoth(unlock)
+
+
+def makeService(options: Options, reactor: Any = None) -> NodeAgent:
+    if reactor is None:
+        from twisted.internet import reactor as _reactor
+
+        reactor = _reactor
+    try:
+        source = discover(options["gpu_spec"], reactor, salt=options["node_id"])
+    except GPUSpecError as e:
+        raise usage.UsageError(str(e)) from e
+    return NodeAgent(
+        reactor,
+        tls=options["tls"],
+        node_id=options["node_id"],
+        control_host=options["control_host"],
+        control_port=options["control_port"],
+        state=options["state"],
+        gpu_source=source,
+        fabrics=options["fabrics"],
+        heartbeat=options["heartbeat"],
+    )

@@ -1,0 +1,249 @@
+"""
+The control plane's Prometheus metrics (DESIGN §11).
+
+Nothing on a hot path counts anything for Prometheus: L{ControlCollector}
+reads the agent service's counters and the reconciler's
+C{metrics_snapshot()} when C{/metrics} is scraped.
+
+Each control plane has its own C{CollectorRegistry} (L{make_registry}), not
+the process-global one, so that several control planes in one process (and
+the tests) do not collide. Other parts (the gateway) register their own
+collectors or metrics on the same registry; the admin API serves it.
+
+The reconciler's C{metrics_snapshot()} returns a dict; every key is
+optional, a missing one leaves its metric out::
+
+    {
+        "nodes": {"ready": 9, "suspect": 1, "lost": 0},       # now, by state
+        "shards": {"ready": 18, "starting": 2},               # now, by state
+        "replicas": {"ready": 9, "starting": 1},              # now, by state
+        "events": {"placed": 12, "shard_failed": 1},          # since start, by kind
+        "last_pass_seconds": 0.0042,                          # or None before the first pass
+        "passes": 1234,                                       # passes since start
+        "pass_seconds_total": 5.2,                            # their summed duration
+        "replacements_frozen": False,
+    }
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+from twisted.logger import Logger
+
+#: States that always have a sample (zero when empty), so that a dashboard's
+#: series do not vanish when a state empties.
+NODE_STATES = ("ready", "suspect", "lost")
+SHARD_STATES = ("pending", "starting", "ready", "draining", "stopped", "failed")
+REPLICA_STATES = SHARD_STATES
+
+
+def make_registry() -> CollectorRegistry:
+    """
+    A fresh registry for one control plane.
+    """
+    return CollectorRegistry(auto_describe=False)
+
+
+def _counts(value: Any) -> dict[str, float]:
+    """
+    A C{{label: count}} mapping from a snapshot entry, dropping what is not
+    a finite number (a broken entry must not break the scrape).
+    """
+    if not isinstance(value, Mapping):
+        return {}
+    out: dict[str, float] = {}
+    for k, v in value.items():
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+            continue
+        out[str(k)] = float(v)
+    return out
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+class ControlCollector(Collector):
+    """
+    The control plane's metrics, read at scrape time.
+
+    @param agents: the agent service (C{registrations}, C{dispatch_refusals},
+        C{connected_nodes()}, C{open_connections()}).
+    @param fleet: returns the reconciler (anything with
+        C{metrics_snapshot()}) or C{None}; called at each scrape, so a
+        reconciler attached after this collector is seen.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        agents: Any,
+        fleet: Callable[[], Any] | None = None,
+        tls: Callable[[], dict[str, Any]] | None = None,
+        clock: Callable[[], float] = time.time,
+    ):
+        self.agents = agents
+        self.fleet = fleet if fleet is not None else (lambda: None)
+        self.tls = tls
+        self.clock = clock
+
+    def collect(self) -> Iterable[Metric]:
+        yield from self._agent_metrics()
+        yield from self._fleet_metrics()
+        yield from self._tls_metrics()
+
+    def _tls_metrics(self) -> Iterable[Metric]:
+        if self.tls is None:
+            return
+        try:
+            snap = self.tls()
+        except Exception:
+            self.log.failure("metrics: reading TLS expiry failed; left out of this scrape")
+            return
+        if not snap:
+            return
+        expiry = GaugeMetricFamily(
+            "llmgw_tls_expiry_timestamp_seconds",
+            "When each certificate (or the CRL's next update) stops being valid, Unix seconds.",
+            labels=["certificate"],
+        )
+        for label, key in (
+            ("ca", "ca_not_after"),
+            ("server", "server_not_after"),
+            ("crl_next_update", "crl_next_update"),
+            ("earliest_agent", "earliest_agent_not_after"),
+        ):
+            value = _number(snap.get(key))
+            if value is not None:
+                expiry.add_metric([label], value)
+        yield expiry
+        agents = snap.get("agents_not_after") or {}
+        soon = self.clock() + 30 * 86400
+        yield GaugeMetricFamily(
+            "llmgw_agent_certificates_expiring_soon",
+            "Connected agents whose certificate expires within 30 days.",
+            value=sum(1 for t in agents.values() if t < soon),
+        )
+
+    def _agent_metrics(self) -> Iterable[Metric]:
+        agents = self.agents
+        yield GaugeMetricFamily(
+            "llmgw_agents_connected",
+            "Nodes with an open, registered agent stream.",
+            value=len(agents.connected_nodes()),
+        )
+        open_connections = getattr(agents, "open_connections", None)
+        if open_connections is not None:
+            yield GaugeMetricFamily(
+                "llmgw_agent_connections_open",
+                "Agent connections accepted and not yet closed, registered or not.",
+                value=open_connections(),
+            )
+        regs = CounterMetricFamily(
+            "llmgw_agent_registrations",
+            "Agent registrations by outcome (ok, or why one was refused).",
+            labels=["outcome"],
+        )
+        for outcome, n in sorted(agents.registrations.items()):
+            regs.add_metric([outcome], n)
+        yield regs
+        refusals = CounterMetricFamily(
+            "llmgw_dispatch_refusals",
+            "Commands the agent service could not deliver, by reason.",
+            labels=["reason"],
+        )
+        for reason, n in sorted(agents.dispatch_refusals.items()):
+            refusals.add_metric([reason], n)
+        yield refusals
+
+    def _fleet_metrics(self) -> Iterable[Metric]:
+        fleet = self.fleet()
+        snapshot_fn = getattr(fleet, "metrics_snapshot", None)
+        if snapshot_fn is None:
+            return
+        try:
+            snap = snapshot_fn()
+        except Exception:
+            # A scrape must not fail because the reconciler's view did;
+            # the agent metrics still go out.
+            self.log.failure("the reconciler's metrics snapshot failed; fleet metrics left out")
+            return
+        if not isinstance(snap, Mapping):
+            self.log.error(
+                "the reconciler's metrics snapshot is a {kind}, not a mapping; fleet metrics left out",
+                kind=type(snap).__name__,
+            )
+            return
+        for key, name, doc, always in (
+            ("nodes", "llmgw_nodes", "Nodes by state (ready, suspect, lost).", NODE_STATES),
+            ("shards", "llmgw_shards", "Shards by state.", SHARD_STATES),
+            ("replicas", "llmgw_replicas", "Replicas by state (a replica's state is its worst shard's).", REPLICA_STATES),
+        ):
+            if key not in snap:
+                continue
+            counts = dict.fromkeys(always, 0.0)
+            counts.update(_counts(snap[key]))
+            g = GaugeMetricFamily(name, doc, labels=["state"])
+            for state, n in sorted(counts.items()):
+                g.add_metric([state], n)
+            yield g
+        if "events" in snap:
+            ev = CounterMetricFamily(
+                "llmgw_events", "Reconciler events since start, by kind.", labels=["kind"]
+            )
+            for kind, n in sorted(_counts(snap["events"]).items()):
+                ev.add_metric([kind], n)
+            yield ev
+        last = _number(snap.get("last_pass_seconds"))
+        if last is not None:
+            yield GaugeMetricFamily(
+                "llmgw_reconcile_last_pass_seconds",
+                "How long the last reconcile pass held the reactor, in seconds.",
+                value=last,
+            )
+        passes = _number(snap.get("passes"))
+        total = _number(snap.get("pass_seconds_total"))
+        if passes is not None and total is not None:
+            yield SummaryMetricFamily(
+                "llmgw_reconcile_pass_seconds",
+                "Reconcile passes since start and the time they took, in seconds.",
+                count_value=int(passes),
+                sum_value=total,
+            )
+        elif passes is not None:
+            yield CounterMetricFamily(
+                "llmgw_reconcile_passes", "Reconcile passes since start.", value=passes
+            )
+        frozen = snap.get("replacements_frozen")
+        if isinstance(frozen, bool):
+            yield GaugeMetricFamily(
+                "llmgw_replacements_frozen",
+                "1 while replacements are frozen because too many nodes are suspect at once.",
+                value=1.0 if frozen else 0.0,
+            )
+
+
+def register_control_metrics(
+    registry: CollectorRegistry,
+    agents: Any,
+    fleet: Callable[[], Any] | None = None,
+    tls: Callable[[], dict[str, Any]] | None = None,
+) -> ControlCollector:
+    """
+    Register a L{ControlCollector} for C{agents}, C{fleet} and the TLS
+    expiry snapshot C{tls} on C{registry} and return it.
+    """
+    collector = ControlCollector(agents, fleet, tls)
+    registry.register(collector)
+    return collector

@@ -1,0 +1,549 @@
+"""
+``llmgw ctl status|nodes|replicas|events|cordon|uncordon|drain|scale|reload``:
+the operator's view of the admin API (DESIGN §9).
+
+Each command makes one or two requests to the control plane's admin API
+(C{--admin URL}, default C{$LLMGW_ADMIN} or C{http://127.0.0.1:7480}) and
+prints a table, or the API's JSON with C{--json}.
+
+Exit codes, for scripts:
+
+  - 0: done;
+  - 1: the control plane refused the request (a 4xx answer: unknown node or
+    model, bad value, refused catalog); the reason is on stderr;
+  - 2: usage error (bad arguments; nothing was sent);
+  - 3: the control plane cannot be reached (refused connection, timeout,
+    DNS failure);
+  - 4: the control plane answered but failed (a 5xx answer, or an answer
+    that is not the admin API's JSON).
+
+This is a plain blocking client (C{urllib}, no reactor): it runs once and
+exits. It ignores C{http_proxy} and friends, because the admin API is
+normally on loopback, and a proxy would see (or fake) the fleet's state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import http.client
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO
+from urllib.parse import quote, urlsplit
+
+from llmgw.wire import InvalidNodeId, validate_node_id
+
+DEFAULT_ADMIN_URL = "http://127.0.0.1:7480"
+ADMIN_ENV = "LLMGW_ADMIN"
+DEFAULT_TIMEOUT = 10.0
+#: Largest answer read from the admin API, in bytes.
+MAX_ANSWER = 128 * 1024 * 1024
+
+EXIT_OK = 0
+EXIT_REFUSED = 1
+EXIT_USAGE = 2
+EXIT_UNREACHABLE = 3
+EXIT_SERVER = 4
+
+#: C{http(method, url, body, timeout) -> (status, body)}; raises
+#: L{Unreachable} when no answer comes.
+HTTPFunction = Callable[[str, str, bytes | None, float], tuple[int, bytes]]
+
+
+class Unreachable(Exception):
+    """
+    No HTTP answer came from the control plane.
+    """
+
+
+class CtlError(Exception):
+    """
+    A command ends with C{exit_code}; C{message} goes to stderr and C{body}
+    (if any) is what C{--json} prints.
+    """
+
+    def __init__(self, exit_code: int, message: str, body: Any = None):
+        super().__init__(message)
+        self.exit_code = exit_code
+        self.message = message
+        self.body = body
+
+
+def urllib_http(method: str, url: str, body: bytes | None, timeout: float) -> tuple[int, bytes]:
+    """
+    One request with C{urllib}, without proxies or redirects.
+
+    @raise Unreachable: no HTTP answer (connection refused, timeout, ...).
+    """
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirect())
+    request = urllib.request.Request(
+        url,
+        data=body,
+        method=method,
+        headers={
+            "Content-Type": "application/json",
+            "Accept": "application/json",
+            "User-Agent": "llmgw-ctl",
+        },
+    )
+    try:
+        with opener.open(request, timeout=timeout) as response:
+            return response.status, response.read(MAX_ANSWER)
+    except urllib.error.HTTPError as e:
+        try:
+            return e.code, e.read(MAX_ANSWER)
+        finally:
+            e.close()
+    except urllib.error.URLError as e:
+        raise Unreachable(str(e.reason)) from e
+    except (OSError, http.client.HTTPException) as e:
+        raise Unreachable(str(e) or type(e).__name__) from e
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+class AdminClient:
+    """
+    The admin API over an L{HTTPFunction}.
+    """
+
+    def __init__(self, base_url: str, http: HTTPFunction = urllib_http, timeout: float = DEFAULT_TIMEOUT):
+        self.base_url = base_url.rstrip("/")
+        self.http = http
+        self.timeout = timeout
+
+    def get(self, path: str) -> Any:
+        return self._call("GET", path, None)
+
+    def post(self, path: str, body: Any = None) -> Any:
+        return self._call("POST", path, json.dumps(body if body is not None else {}).encode())
+
+    def _call(self, method: str, path: str, body: bytes | None) -> Any:
+        url = self.base_url + path
+        try:
+            status, raw = self.http(method, url, body, self.timeout)
+        except Unreachable as e:
+            raise CtlError(
+                EXIT_UNREACHABLE,
+                f"cannot reach the control plane at {self.base_url}: {e}",
+                {"error": f"cannot reach the control plane: {e}", "status": None},
+            ) from None
+        try:
+            answer = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            answer = None
+        if 200 <= status < 300:
+            if answer is None:
+                raise CtlError(
+                    EXIT_SERVER,
+                    f"{method} {url} answered {status} with something that is not JSON: "
+                    "is --admin the control plane's admin API?",
+                    {"error": "the answer is not JSON", "status": status},
+                )
+            return answer
+        reason = answer.get("error") if isinstance(answer, dict) else None
+        if not isinstance(reason, str):
+            reason = _clean(raw[:200].decode("utf-8", "replace")) or "(no reason given)"
+        body_out = answer if isinstance(answer, dict) else {"error": reason, "status": status}
+        if 400 <= status < 500:
+            raise CtlError(EXIT_REFUSED, f"the control plane refused: {reason} (HTTP {status})", body_out)
+        raise CtlError(EXIT_SERVER, f"the control plane failed: {reason} (HTTP {status})", body_out)
+
+
+# -- argument types -------------------------------------------------------------------
+
+
+def admin_url(value: str) -> str:
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an http:// or https:// URL with a host")
+    try:
+        parts.port  # noqa: B018 (checks the port is a number)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{value!r}: {e}") from None
+    return value
+
+
+def node_id(value: str) -> str:
+    try:
+        return validate_node_id(value)
+    except InvalidNodeId as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def replica_count(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{n}: the replica count must not be negative")
+    return n
+
+
+def positive_seconds(value: str) -> float:
+    try:
+        n = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds") from None
+    if not n > 0:
+        raise argparse.ArgumentTypeError("must be more than 0 seconds")
+    return n
+
+
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def since_spec(value: str) -> str:
+    """
+    C{--since}: seconds since 1970, or a duration ago (C{90s}, C{10m},
+    C{2h}, C{1d}). Checked here, resolved against the clock by
+    L{resolve_since}.
+    """
+    resolve_since(value, 0.0)
+    return value
+
+
+def resolve_since(value: str, now: float) -> float:
+    v = value.strip()
+    try:
+        if v and v[-1] in _UNITS:
+            n = float(v[:-1])
+            if n < 0 or n != n or n == float("inf"):
+                raise ValueError
+            return now - n * _UNITS[v[-1]]
+        n = float(v)
+        if n != n or n in (float("inf"), float("-inf")):
+            raise ValueError
+        return n
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: give seconds since 1970, or a duration ago such as 90s, 10m, 2h, 1d"
+        ) from None
+
+
+# -- parsers --------------------------------------------------------------------------
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--admin",
+        type=admin_url,
+        default=os.environ.get(ADMIN_ENV) or DEFAULT_ADMIN_URL,
+        metavar="URL",
+        help=f"the control plane's admin API (default ${ADMIN_ENV} or {DEFAULT_ADMIN_URL})",
+    )
+    common.add_argument("--json", action="store_true", help="print the API's JSON instead of a table")
+    common.add_argument(
+        "--timeout", type=positive_seconds, default=DEFAULT_TIMEOUT, metavar="SECONDS",
+        help=f"give up on the control plane after this long (default {DEFAULT_TIMEOUT:g})",
+    )
+
+    def add(name: str, help: str, func: Callable[..., int]) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, parents=[common], description=help + ".",
+                           epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.set_defaults(func=func)
+        return p
+
+    add("status", "summary of the fleet and each deployment", cmd_status)
+    add("nodes", "nodes: state, GPUs, shards, last heard from", cmd_nodes)
+    p = add("replicas", "replicas: state, address, shards", cmd_replicas)
+    p.add_argument("--model", help="only this model's replicas")
+    p = add("events", "the reconciler's recent decisions, oldest first", cmd_events)
+    p.add_argument("--since", type=since_spec, metavar="WHEN",
+                   help="seconds since 1970, or a duration ago (90s, 10m, 2h, 1d)")
+    p.add_argument("--limit", type=int, metavar="N", help="only the last N events")
+    for name, help in (
+        ("cordon", "keep new placements off a node"),
+        ("uncordon", "let placements onto a node again"),
+        ("drain", "cordon a node and move its replicas off it, make-before-break"),
+    ):
+        p = add(name, help, cmd_node_action)
+        p.add_argument("node", type=node_id, metavar="NODE")
+    p = add("scale", "set a deployment's desired replica count (kept across restarts)", cmd_scale)
+    p.add_argument("model", metavar="MODEL")
+    p.add_argument("replicas", type=replica_count, metavar="REPLICAS")
+    add("reload", "re-read the catalog file (a refused catalog leaves the running one)", cmd_reload)
+
+
+EXIT_CODES_HELP = """exit codes:
+  0  done
+  1  the control plane refused the request (the reason is printed)
+  2  usage error (nothing was sent)
+  3  the control plane cannot be reached
+  4  the control plane answered with a failure, or not with the admin API's JSON"""
+
+
+# -- running ----------------------------------------------------------------------------
+
+
+def _run(
+    args: argparse.Namespace,
+    out: TextIO | None,
+    err: TextIO | None,
+    http: HTTPFunction | None,
+    body: Callable[[AdminClient], tuple[Any, Callable[[], str]]],
+) -> int:
+    """
+    Run one command: C{body(client)} returns the JSON to print with
+    C{--json} and a function rendering the table otherwise.
+    """
+    out = out if out is not None else sys.stdout
+    err = err if err is not None else sys.stderr
+    client = AdminClient(args.admin, http if http is not None else urllib_http, args.timeout)
+    try:
+        answer, render = body(client)
+        text = json.dumps(answer, indent=2) + "\n" if args.json else render()
+    except CtlError as e:
+        err.write(f"llmgw ctl {args.ctl_command}: {e.message}\n")
+        if args.json and e.body is not None:
+            out.write(json.dumps(e.body, indent=2) + "\n")
+        return e.exit_code
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
+        # The answer is JSON but not the shape this ctl knows.
+        err.write(
+            f"llmgw ctl {args.ctl_command}: unexpected answer from {args.admin} "
+            f"({type(e).__name__}: {e}); try --json\n"
+        )
+        return EXIT_SERVER
+    out.write(text)
+    return EXIT_OK
+
+
+def cmd_status(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None,
+               http: HTTPFunction | None = None, now: float | None = None) -> int:
+    def body(client: AdminClient) -> tuple[Any, Callable[[], str]]:
+        status = client.get("/api/v1/status")
+        deployments = client.get("/api/v1/deployments")["deployments"]
+        t = now if now is not None else time.time()
+        return {"status": status, "deployments": deployments}, lambda: render_status(
+            args.admin, status, deployments, t
+        )
+
+    return _run(args, out, err, http, body)
+
+
+def cmd_nodes(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None,
+              http: HTTPFunction | None = None, now: float | None = None) -> int:
+    def body(client: AdminClient) -> tuple[Any, Callable[[], str]]:
+        answer = client.get("/api/v1/nodes")
+        t = now if now is not None else time.time()
+        return answer, lambda: render_nodes(answer["nodes"], t)
+
+    return _run(args, out, err, http, body)
+
+
+def cmd_replicas(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None,
+                 http: HTTPFunction | None = None, now: float | None = None) -> int:
+    def body(client: AdminClient) -> tuple[Any, Callable[[], str]]:
+        answer = client.get("/api/v1/replicas")
+        if args.model is not None:
+            answer = {**answer, "replicas": [r for r in answer["replicas"] if r.get("model") == args.model]}
+        return answer, lambda: render_replicas(answer["replicas"])
+
+    return _run(args, out, err, http, body)
+
+
+def cmd_events(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None,
+               http: HTTPFunction | None = None, now: float | None = None) -> int:
+    def body(client: AdminClient) -> tuple[Any, Callable[[], str]]:
+        t = now if now is not None else time.time()
+        path = "/api/v1/events"
+        if args.since is not None:
+            path += f"?since={resolve_since(args.since, t)!r}"
+        answer = client.get(path)
+        if args.limit is not None:
+            answer = {**answer, "events": answer["events"][-args.limit:] if args.limit > 0 else []}
+        return answer, lambda: render_events(answer["events"])
+
+    return _run(args, out, err, http, body)
+
+
+def cmd_node_action(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None,
+                    http: HTTPFunction | None = None, now: float | None = None) -> int:
+    action = args.ctl_command
+    done = {"cordon": "cordoned", "uncordon": "uncordoned", "drain": "draining"}[action]
+
+    def body(client: AdminClient) -> tuple[Any, Callable[[], str]]:
+        answer = client.post(f"/api/v1/nodes/{quote(args.node, safe='')}/{action}")
+        return answer, lambda: f"node {args.node} {done}\n"
+
+    return _run(args, out, err, http, body)
+
+
+def cmd_scale(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None,
+              http: HTTPFunction | None = None, now: float | None = None) -> int:
+    def body(client: AdminClient) -> tuple[Any, Callable[[], str]]:
+        answer = client.post(f"/api/v1/deployments/{quote(args.model, safe='')}/scale",
+                             {"replicas": args.replicas})
+        return answer, lambda: f"{args.model}: desired replicas set to {args.replicas}\n"
+
+    return _run(args, out, err, http, body)
+
+
+def cmd_reload(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None,
+               http: HTTPFunction | None = None, now: float | None = None) -> int:
+    def body(client: AdminClient) -> tuple[Any, Callable[[], str]]:
+        answer = client.post("/api/v1/catalog/reload")
+        return answer, lambda: "catalog reloaded: " + _value(answer.get("changes")) + "\n"
+
+    return _run(args, out, err, http, body)
+
+
+# -- rendering ----------------------------------------------------------------------------
+
+
+def _clean(text: str) -> str:
+    """
+    C{text} on one line with control characters escaped: what reaches the
+    terminal from a node or a model process cannot move the cursor or
+    change colours.
+    """
+    text = text.replace("\r\n", " ").replace("\n", " ").replace("\t", " ")
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def _value(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, dict):
+        return " ".join(f"{_clean(str(k))}={_value(x)}" for k, x in v.items()) or "-"
+    if isinstance(v, list | tuple):
+        return ", ".join(_value(x) for x in v) or "-"
+    return _clean(str(v))
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """
+    Left-aligned columns two spaces apart; the last column is not padded.
+    """
+    cells = [[_value(c) if not isinstance(c, str) else _clean(c) for c in row] for row in rows]
+    widths = [len(h) for h in headers]
+    for row in cells:
+        for i, c in enumerate(row):
+            widths[i] = max(widths[i], len(c))
+    lines = []
+    for row in [list(headers), *cells]:
+        parts = [c.ljust(widths[i]) for i, c in enumerate(row[:-1])] + [row[-1]]
+        lines.append("  ".join(parts).rstrip())
+    return "\n".join(lines) + "\n"
+
+
+def ago(when: Any, now: float) -> str:
+    if not isinstance(when, int | float) or isinstance(when, bool) or when <= 0:
+        return "-"
+    d = now - when
+    if d < 0:
+        return "in " + _duration(-d)
+    return _duration(d) + " ago"
+
+
+def _duration(d: float) -> str:
+    if d < 120:
+        return f"{d:.0f}s"
+    if d < 7200:
+        return f"{d / 60:.0f}m"
+    if d < 172800:
+        return f"{d / 3600:.0f}h"
+    return f"{d / 86400:.0f}d"
+
+
+def clock_time(when: Any) -> str:
+    if not isinstance(when, int | float) or isinstance(when, bool):
+        return "-"
+    return datetime.datetime.fromtimestamp(when).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def render_status(admin: str, status: dict[str, Any], deployments: list[dict[str, Any]], now: float) -> str:
+    lines = [f"control plane  {admin}"]
+    if status.get("replacements_frozen"):
+        reason = status.get("frozen_reason") or status.get("frozen_because") or ""
+        lines.append("WARNING        replacements are FROZEN" + (f": {_clean(str(reason))}" if reason else ""))
+    skip = {"frozen_reason", "frozen_because"}
+    width = max([len(k) for k in status if k not in skip] + [13])
+    for key, value in status.items():
+        if key in skip:
+            continue
+        lines.append(f"{_clean(key).ljust(width)}  {_value(value)}")
+    rows = []
+    for d in deployments:
+        failure = d.get("last_failure")
+        if isinstance(failure, dict):
+            what = failure.get("error") or (
+                f"exit {failure.get('exit_code')}" if failure.get("exit_code") else
+                f"signal {failure.get('signal')}" if failure.get("signal") else "failed"
+            )
+            failure_text = f"{ago(failure.get('time'), now)} on {failure.get('node') or '?'}: {what}"
+        else:
+            failure_text = "-"
+        backoff = d.get("backoff_until")
+        backoff_text = ago(backoff, now) if isinstance(backoff, int | float) and backoff > now else "-"
+        rows.append([d["model"], d.get("profile"), d.get("desired"), d.get("ready"), backoff_text, failure_text])
+    lines.append("")
+    if rows:
+        lines.append(table(["MODEL", "PROFILE", "DESIRED", "READY", "BACKOFF", "LAST FAILURE"], rows).rstrip("\n"))
+    else:
+        lines.append("no deployments")
+    return "\n".join(lines) + "\n"
+
+
+def render_nodes(nodes: list[dict[str, Any]], now: float) -> str:
+    if not nodes:
+        return "no nodes\n"
+    rows = []
+    for n in nodes:
+        gpus = n.get("gpus") or []
+        total = sum(g.get("memory_total_mb", 0) for g in gpus)
+        used = sum(g.get("memory_used_mb", 0) for g in gpus)
+        problems = [f"gpu{g.get('index')}: {', '.join(map(str, g['problems']))}" for g in gpus if g.get("problems")]
+        sched = "draining" if n.get("draining") else "cordoned" if n.get("cordoned") else "ok"
+        rows.append([
+            n["id"], n.get("state"), bool(n.get("connected")), sched, len(gpus),
+            f"{(total - used) / 1024:.0f}/{total / 1024:.0f} GiB", len(n.get("shards") or []),
+            ago(n.get("last_seen"), now), "; ".join(problems) or "-",
+        ])
+    return table(["NODE", "STATE", "CONNECTED", "SCHEDULING", "GPUS", "MEM FREE", "SHARDS", "LAST SEEN", "PROBLEMS"], rows)
+
+
+def render_replicas(replicas: list[dict[str, Any]]) -> str:
+    if not replicas:
+        return "no replicas\n"
+    rows = []
+    for r in replicas:
+        shards = sorted(r.get("shards") or [], key=lambda s: s.get("rank", 0))
+        leader = shards[0].get("address") if shards else None
+        state = str(r.get("state")) + (" (draining)" if r.get("draining") else "")
+        rows.append([
+            r["id"], r.get("model"), r.get("profile"), state, leader or "-",
+            " ".join(f"{s.get('node')}/{s.get('rank')}:{s.get('state')}" for s in shards) or "-",
+        ])
+    return table(["REPLICA", "MODEL", "PROFILE", "STATE", "ADDRESS", "SHARDS (NODE/RANK:STATE)"], rows)
+
+
+def render_events(events: list[dict[str, Any]]) -> str:
+    if not events:
+        return "no events\n"
+    rows = []
+    for e in events:
+        reason = str(e.get("reason") or "")
+        if e.get("exit_code"):
+            reason += f" (exit {e['exit_code']})"
+        elif e.get("signal"):
+            reason += f" (signal {e['signal']})"
+        rows.append([
+            clock_time(e.get("time")), e.get("kind"), e.get("node") or "-",
+            e.get("replica") or "-", e.get("shard") or "-", reason,
+        ])
+    return table(["TIME", "KIND", "NODE", "REPLICA", "SHARD", "REASON"], rows)

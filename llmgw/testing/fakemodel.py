@@ -1,0 +1,598 @@
+"""
+A fake model server: a test tool, not an inference engine.
+
+It speaks enough of the OpenAI HTTP API (the shapes vLLM, SGLang and
+llama.cpp's server answer with) for the supervisor, the gateway and the
+benchmarks to run their real paths without a GPU::
+
+    python -m llmgw.testing.fakemodel --port 8001 --model tiny \\
+        [--host 127.0.0.1] [--startup-delay 2] [--tokens-per-second 50] \\
+        [--tokens 16] [--fail-health] [--exit-after 30 [--exit-code 3]] \\
+        [--ignore-term]
+
+Without C{--port} it listens on C{$LLMGW_PORT}, which is what the agent sets
+for a shard.
+
+Endpoints:
+
+    GET  /health                200 once up; 503 during --startup-delay or
+                                with --fail-health
+    GET  /v1/models             the one model it serves
+    POST /v1/chat/completions   OpenAI chat completion, streaming or not
+    POST /v1/completions        OpenAI text completion, streaming or not
+    POST /v1/embeddings         deterministic embeddings
+
+A request for another model gets 404 (as vLLM answers), a malformed body
+400, and anything before the start-up delay has passed 503; errors are
+OpenAI-shaped JSON. Every response carries C{X-Fakemodel-Instance} (by
+default C{HOST:PORT}) so a test can tell which server answered.
+
+Replies are deterministic: C{--tokens} words (fewer with C{max_tokens}),
+streamed as server-sent events paced at C{--tokens-per-second} (0: as fast
+as possible).
+
+In-process use: L{make_resource} returns the C{Resource} for a
+L{FakeModelConfig} and a clock, and L{listen} serves it on a reactor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+import sys
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.logger import Logger
+from twisted.web import server
+from twisted.web.resource import Resource
+
+DEFAULT_MODEL = "fake-model"
+DEFAULT_TOKENS = 16
+EMBEDDING_DIMENSIONS = 8
+#: Requests larger than this are refused: the fake has no use for big bodies.
+MAX_BODY = 4 * 1024 * 1024
+
+_WORDS = ["This", " is", " a", " reply", " from", " the", " fake", " model", "."]
+
+
+@dataclass
+class FakeModelConfig:
+    """
+    How a fake model server behaves.
+    """
+
+    model: str = DEFAULT_MODEL
+    #: Seconds after start during which /health (and every API call) is 503.
+    startup_delay: float = 0.0
+    #: Pace of generated tokens; 0 sends them all at once.
+    tokens_per_second: float = 0.0
+    #: Words in a full reply.
+    tokens: int = DEFAULT_TOKENS
+    fail_health: bool = False
+    #: Who answered, in the X-Fakemodel-Instance header.
+    instance: str = ""
+
+
+class _Error(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.code = code
+        self.param = param
+
+
+def error_body(message: str, type_: str = "invalid_request_error",
+               code: str | None = None, param: str | None = None) -> bytes:
+    """
+    An OpenAI-shaped error document.
+    """
+    return json.dumps(
+        {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    ).encode()
+
+
+def reply_words(n: int) -> list[str]:
+    """
+    The first C{n} words of every fake reply.
+    """
+    words = [_WORDS[i % len(_WORDS)] for i in range(n)]
+    # Sentences after the first start with a space, like every other word.
+    return [" " + w if i and not i % len(_WORDS) else w for i, w in enumerate(words)]
+
+
+def embedding(text: str, dimensions: int) -> list[float]:
+    """
+    A deterministic unit-ish vector for C{text}.
+    """
+    digest = b""
+    counter = 0
+    while len(digest) < dimensions:
+        digest += hashlib.sha256(f"{counter}:{text}".encode()).digest()
+        counter += 1
+    return [round(b / 127.5 - 1.0, 6) for b in digest[:dimensions]]
+
+
+def _count_words(value: Any) -> int:
+    if isinstance(value, str):
+        return len(value.split())
+    if isinstance(value, list):
+        return sum(_count_words(v) for v in value)
+    if isinstance(value, dict):
+        return _count_words(value.get("content", "")) + _count_words(value.get("text", ""))
+    return 0
+
+
+class _Base(Resource):
+    isLeaf = True
+
+    def __init__(self, app: FakeModelApp):
+        super().__init__()
+        self.app = app
+
+    def render(self, request: Any) -> Any:
+        request.setHeader(b"x-fakemodel-instance", self.app.config.instance.encode())
+        try:
+            return super().render(request)
+        except _Error as e:
+            return self.app.fail(request, e)
+
+
+class _Health(_Base):
+    def render_GET(self, request: Any) -> bytes:
+        request.setHeader(b"content-type", b"application/json")
+        if self.app.config.fail_health:
+            request.setResponseCode(503)
+            return b'{"status": "failing"}'
+        if not self.app.up():
+            request.setResponseCode(503)
+            return b'{"status": "starting"}'
+        return b'{"status": "ok"}'
+
+
+class _Models(_Base):
+    def render_GET(self, request: Any) -> bytes:
+        self.app.require_up()
+        request.setHeader(b"content-type", b"application/json")
+        return json.dumps(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.app.config.model,
+                        "object": "model",
+                        "created": self.app.created,
+                        "owned_by": "llmgw-fakemodel",
+                    }
+                ],
+            }
+        ).encode()
+
+
+class _Generate(_Base):
+    kind = "chat"
+
+    def render_POST(self, request: Any) -> Any:
+        self.app.require_up()
+        body = self.app.parse_body(request)
+        if self.kind == "embeddings":
+            return self.app.embeddings(request, body)
+        return self.app.generate(request, body, self.kind)
+
+
+class _Chat(_Generate):
+    kind = "chat"
+
+
+class _Completions(_Generate):
+    kind = "completions"
+
+
+class _Embeddings(_Generate):
+    kind = "embeddings"
+
+
+class _NotFound(_Base):
+    def render(self, request: Any) -> Any:
+        request.setHeader(b"x-fakemodel-instance", self.app.config.instance.encode())
+        path = request.path.decode("utf-8", "replace")
+        return self.app.fail(
+            request, _Error(404, f"no route for {path}", code="not_found")
+        )
+
+
+class _Dir(Resource):
+    """
+    A path segment whose unknown children answer with an OpenAI-shaped 404.
+    """
+
+    def __init__(self, missing: Resource):
+        super().__init__()
+        self.missing = missing
+
+    def getChild(self, path: bytes, request: Any) -> Resource:
+        return self.missing
+
+    def render(self, request: Any) -> Any:
+        return self.missing.render(request)
+
+
+class FakeModelApp:
+    """
+    The fake server's state and generation logic; L{root} is its resource.
+    """
+
+    log = Logger()
+
+    def __init__(self, config: FakeModelConfig, clock: IReactorTime):
+        self.config = config
+        self.clock = clock
+        self.started = clock.seconds()
+        self.created = int(self.started)
+        #: Requests answered, by path, for tests.
+        self.requests: dict[str, int] = {}
+        missing = _NotFound(self)
+        self.root = _Dir(missing)
+        self.root.putChild(b"health", _Health(self))
+        v1 = _Dir(missing)
+        self.root.putChild(b"v1", v1)
+        v1.putChild(b"models", _Models(self))
+        chat = _Dir(missing)
+        v1.putChild(b"chat", chat)
+        chat.putChild(b"completions", _Chat(self))
+        v1.putChild(b"completions", _Completions(self))
+        v1.putChild(b"embeddings", _Embeddings(self))
+
+    # -- helpers --------------------------------------------------------------
+
+    def up(self) -> bool:
+        return self.clock.seconds() - self.started >= self.config.startup_delay
+
+    def require_up(self) -> None:
+        if not self.up():
+            raise _Error(503, "the model is still loading", type_="server_error",
+                         code="model_loading")
+
+    def fail(self, request: Any, error: _Error) -> bytes:
+        request.setResponseCode(error.status)
+        request.setHeader(b"content-type", b"application/json")
+        return error_body(error.message, error.type, error.code, error.param)
+
+    def parse_body(self, request: Any) -> dict[str, Any]:
+        raw = request.content.read(MAX_BODY + 1)
+        if len(raw) > MAX_BODY:
+            raise _Error(413, f"request body is over {MAX_BODY} bytes")
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise _Error(400, f"the request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise _Error(400, "the request body must be a JSON object")
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise _Error(400, "'model' is required and must be a string", param="model")
+        if model != self.config.model:
+            raise _Error(
+                404,
+                f"The model `{model}` does not exist; this server serves "
+                f"`{self.config.model}`.",
+                code="model_not_found",
+                param="model",
+            )
+        return body
+
+    def _count(self, kind: str) -> None:
+        self.requests[kind] = self.requests.get(kind, 0) + 1
+
+    # -- generation -------------------------------------------------------------
+
+    def generate(self, request: Any, body: dict[str, Any], kind: str) -> Any:
+        if kind == "chat":
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) for m in messages
+            ):
+                raise _Error(400, "'messages' must be a non-empty list of objects",
+                             param="messages")
+            prompt_tokens = _count_words(messages)
+        else:
+            prompt = body.get("prompt")
+            if not isinstance(prompt, (str, list)):
+                raise _Error(400, "'prompt' must be a string or a list", param="prompt")
+            prompt_tokens = _count_words(prompt)
+        limit = body.get("max_completion_tokens", body.get("max_tokens"))
+        if limit is not None and (
+            not isinstance(limit, int) or isinstance(limit, bool) or limit < 0
+        ):
+            raise _Error(400, "'max_tokens' must be a non-negative integer", param="max_tokens")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise _Error(400, "'stream' must be true or false", param="stream")
+        n = self.config.tokens if limit is None else min(limit, self.config.tokens)
+        finish = "length" if limit is not None and limit < self.config.tokens else "stop"
+        words = reply_words(n)
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": n,
+            "total_tokens": prompt_tokens + n,
+        }
+        self._count(kind)
+        if stream:
+            opts = body.get("stream_options")
+            include_usage = isinstance(opts, dict) and opts.get("include_usage") is True
+            return _Stream(self, request, kind, words, finish, usage if include_usage else None).begin()
+        return self._whole(request, kind, words, finish, usage)
+
+    def _whole(self, request: Any, kind: str, words: list[str], finish: str,
+               usage: dict[str, int]) -> Any:
+        created = int(self.clock.seconds())
+        text = "".join(words)
+        if kind == "chat":
+            doc: dict[str, Any] = {
+                "id": f"chatcmpl-{uuid.uuid4().hex}",
+                "object": "chat.completion",
+                "created": created,
+                "model": self.config.model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": text},
+                        "logprobs": None,
+                        "finish_reason": finish,
+                    }
+                ],
+                "usage": usage,
+            }
+        else:
+            doc = {
+                "id": f"cmpl-{uuid.uuid4().hex}",
+                "object": "text_completion",
+                "created": created,
+                "model": self.config.model,
+                "choices": [
+                    {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+                ],
+                "usage": usage,
+            }
+        data = json.dumps(doc).encode()
+        request.setHeader(b"content-type", b"application/json")
+        delay = len(words) / self.config.tokens_per_second if self.config.tokens_per_second else 0
+        if not delay:
+            return data
+        call = self.clock.callLater(delay, _finish_with, request, data)
+
+        def gone(_: Any) -> None:
+            if call.active():
+                call.cancel()
+
+        request.notifyFinish().addErrback(gone)
+        return server.NOT_DONE_YET
+
+    def embeddings(self, request: Any, body: dict[str, Any]) -> bytes:
+        inputs = body.get("input")
+        if isinstance(inputs, str):
+            items: list[Any] = [inputs]
+        elif isinstance(inputs, list) and inputs:
+            items = inputs
+        else:
+            raise _Error(400, "'input' must be a string or a non-empty list", param="input")
+        if any(not isinstance(i, (str, list)) for i in items):
+            raise _Error(400, "each 'input' item must be a string or a list of tokens",
+                         param="input")
+        dims = body.get("dimensions", EMBEDDING_DIMENSIONS)
+        if not isinstance(dims, int) or isinstance(dims, bool) or not 1 <= dims <= 4096:
+            raise _Error(400, "'dimensions' must be an integer in 1..4096", param="dimensions")
+        self._count("embeddings")
+        tokens = sum(_count_words(i) if isinstance(i, str) else len(i) for i in items)
+        request.setHeader(b"content-type", b"application/json")
+        return json.dumps(
+            {
+                "object": "list",
+                "data": [
+                    {"object": "embedding", "index": i, "embedding": embedding(json.dumps(item), dims)}
+                    for i, item in enumerate(items)
+                ],
+                "model": self.config.model,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+            }
+        ).encode()
+
+
+def _finish_with(request: Any, data: bytes) -> None:
+    request.write(data)
+    request.finish()
+
+
+class _Stream:
+    """
+    One streamed reply: a chunk per word, paced on the clock, then
+    C{data: [DONE]}. Stops quietly if the client goes away.
+    """
+
+    def __init__(self, app: FakeModelApp, request: Any, kind: str, words: list[str],
+                 finish: str, usage: dict[str, int] | None):
+        self.app = app
+        self.request = request
+        self.kind = kind
+        self.words = words
+        self.finish = finish
+        self.usage = usage
+        self.next = 0
+        self.gone = False
+        self.call: IDelayedCall | None = None
+        self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(app.clock.seconds())
+
+    def begin(self) -> Any:
+        req = self.request
+        req.setHeader(b"content-type", b"text/event-stream")
+        req.setHeader(b"cache-control", b"no-cache")
+        req.notifyFinish().addBoth(self._gone)
+        if self.kind == "chat":
+            # The role comes first, before any token, as OpenAI sends it.
+            self._send(self._chunk({"role": "assistant", "content": ""}, None))
+        self._schedule()
+        return server.NOT_DONE_YET
+
+    def _gone(self, _: Any) -> None:
+        self.gone = True
+        if self.call is not None and self.call.active():
+            self.call.cancel()
+
+    def _schedule(self) -> None:
+        tps = self.app.config.tokens_per_second
+        self.call = self.app.clock.callLater(1.0 / tps if tps else 0, self._step)
+
+    def _chunk(self, delta: dict[str, Any] | str, finish: str | None) -> dict[str, Any]:
+        if self.kind == "chat":
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None,
+                                      "finish_reason": finish}
+            obj = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}
+            obj = "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created,
+                "model": self.app.config.model, "choices": [choice]}
+
+    def _send(self, doc: dict[str, Any] | str) -> None:
+        text = doc if isinstance(doc, str) else json.dumps(doc)
+        self.request.write(b"data: " + text.encode() + b"\n\n")
+
+    def _step(self) -> None:
+        self.call = None
+        if self.gone:
+            return
+        if self.next < len(self.words):
+            word = self.words[self.next]
+            self.next += 1
+            self._send(self._chunk({"content": word} if self.kind == "chat" else word, None))
+            if self.next < len(self.words) and self.app.config.tokens_per_second:
+                self._schedule()
+                return
+            if self.next < len(self.words):
+                # Unpaced: the rest at once.
+                self._step()
+                return
+        self._send(self._chunk({} if self.kind == "chat" else "", self.finish))
+        if self.usage is not None:
+            doc = self._chunk({}, None)
+            doc["choices"] = []
+            doc["usage"] = self.usage
+            self._send(doc)
+        self._send("[DONE]")
+        self.request.finish()
+
+
+def make_resource(config: FakeModelConfig, clock: IReactorTime) -> Resource:
+    """
+    The fake server's root resource. Its start-up delay counts from now on
+    C{clock}.
+    """
+    return FakeModelApp(config, clock).root
+
+
+def listen(reactor: Any, config: FakeModelConfig, port: int = 0,
+           host: str = "127.0.0.1") -> Any:
+    """
+    Serve a fake model on C{host}:C{port} (0: any free port); returns the
+    C{IListeningPort}. C{config.instance} defaults to C{HOST:PORT}.
+    """
+    app = FakeModelApp(config, reactor)
+    site = server.Site(app.root)
+    site.noisy = False
+    listening = reactor.listenTCP(port, site, interface=host)
+    if not config.instance:
+        config.instance = f"{host}:{listening.getHost().port}"
+    return listening
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m llmgw.testing.fakemodel",
+        description="A fake OpenAI-style model server for tests (no model, no GPU).",
+    )
+    p.add_argument("--port", type=int, default=None,
+                   help="port to listen on (default: $LLMGW_PORT)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="the model name it serves")
+    p.add_argument("--startup-delay", type=float, default=0.0,
+                   help="seconds of 503 from /health after start")
+    p.add_argument("--tokens-per-second", type=float, default=0.0,
+                   help="pace of streamed tokens (0: unpaced)")
+    p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help="words in a full reply")
+    p.add_argument("--fail-health", action="store_true", help="/health always answers 503")
+    p.add_argument("--exit-after", type=float, default=None,
+                   help="exit on its own after this many seconds")
+    p.add_argument("--exit-code", type=int, default=3, help="exit status for --exit-after")
+    p.add_argument("--ignore-term", action="store_true",
+                   help="ignore SIGTERM (to exercise a supervisor's KILL after the grace)")
+    return p
+
+
+def main(argv: list[str] | None = None, reactor: Any = None,
+         environ: dict[str, str] | None = None) -> int:
+    """
+    Run the fake model server until it is stopped; returns the exit status.
+    """
+    args = _parser().parse_args(argv)
+    env = os.environ if environ is None else environ
+    port = args.port
+    if port is None:
+        try:
+            port = int(env["LLMGW_PORT"])
+        except (KeyError, ValueError):
+            print("fakemodel: give --port or set LLMGW_PORT to a port number", file=sys.stderr)
+            return 2
+    if args.tokens < 0 or args.tokens_per_second < 0 or args.startup_delay < 0:
+        print("fakemodel: --tokens, --tokens-per-second and --startup-delay must not be "
+              "negative", file=sys.stderr)
+        return 2
+    if reactor is None:
+        from twisted.internet import reactor as _reactor
+
+        reactor = _reactor
+    config = FakeModelConfig(
+        model=args.model,
+        startup_delay=args.startup_delay,
+        tokens_per_second=args.tokens_per_second,
+        tokens=args.tokens,
+        fail_health=args.fail_health,
+    )
+    try:
+        listening = listen(reactor, config, port, args.host)
+    except Exception as e:  # CannotListenError and friends
+        print(f"fakemodel: cannot listen on {args.host}:{port}: {e}", file=sys.stderr)
+        return 1
+    status = {"code": 0}
+    print(
+        f"fakemodel: serving model {args.model!r} on {args.host}:{listening.getHost().port}"
+        f" (pid {os.getpid()}, startup delay {args.startup_delay}s)",
+        flush=True,
+    )
+    if args.exit_after is not None:
+        def leave() -> None:
+            print(f"fakemodel: exiting with status {args.exit_code} after "
+                  f"{args.exit_after}s as asked (--exit-after)", file=sys.stderr, flush=True)
+            status["code"] = args.exit_code
+            reactor.stop()
+
+        reactor.callLater(args.exit_after, leave)
+    if args.ignore_term:
+        def ignore(signum: int, frame: Any) -> None:
+            print("fakemodel: ignoring SIGTERM (--ignore-term)", file=sys.stderr, flush=True)
+
+        reactor.callWhenRunning(signal.signal, signal.SIGTERM, ignore)
+    reactor.run()
+    return status["code"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,241 @@
+"""
+Tests for L{llmgw.control.metrics}: the control plane's Prometheus metrics,
+read at scrape time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import Counter, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from twisted.logger import Logger
+from twisted.trial.unittest import SynchronousTestCase
+
+from llmgw.control.metrics import (
+    NODE_STATES,
+    SHARD_STATES,
+    ControlCollector,
+    make_registry,
+    register_control_metrics,
+)
+from llmgw.testing.fleet import FakeAgents, FakeFleet, sample_fleet
+
+
+def scrape(registry: Any) -> dict[str, Any]:
+    """
+    The registry's text exposition, parsed back: family name to family.
+    """
+    text = generate_latest(registry).decode()
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def by_label(family: Any, label: str, suffix: str = "") -> dict[str, float]:
+    return {
+        s.labels[label]: s.value for s in family.samples if s.name == family.name + suffix
+    }
+
+
+class SnapshotFleet:
+    """
+    A fleet whose C{metrics_snapshot()} answers whatever the test sets.
+    """
+
+    def __init__(self, snapshot: Any) -> None:
+        self.snapshot = snapshot
+
+    def metrics_snapshot(self) -> Any:
+        if isinstance(self.snapshot, Exception):
+            raise self.snapshot
+        return self.snapshot
+
+
+class AgentMetricsTests(SynchronousTestCase):
+    def test_read_at_scrape_time(self) -> None:
+        """
+        The agent service's counters and connected nodes are read when
+        scraped: a change after registration shows in the next scrape.
+        """
+        agents = FakeAgents(["a"])
+        registry = make_registry()
+        register_control_metrics(registry, agents)
+        self.assertEqual(registry.get_sample_value("llmgw_agents_connected"), 1)
+        agents.nodes.append("b")
+        agents.registrations["ok"] += 2
+        agents.registrations["bad_identity"] += 1
+        agents.dispatch_refusals["not_connected"] += 4
+        families = scrape(registry)
+        self.assertEqual(families["llmgw_agents_connected"].samples[0].value, 2)
+        self.assertEqual(families["llmgw_agent_connections_open"].samples[0].value, 2)
+        self.assertEqual(
+            by_label(families["llmgw_agent_registrations"], "outcome", "_total"),
+            {"ok": 2, "bad_identity": 1},
+        )
+        self.assertEqual(
+            by_label(families["llmgw_dispatch_refusals"], "reason", "_total"), {"not_connected": 4}
+        )
+
+    def test_without_fleet(self) -> None:
+        """
+        Without a reconciler only the agent metrics are served.
+        """
+        registry = make_registry()
+        register_control_metrics(registry, FakeAgents(), lambda: None)
+        names = set(scrape(registry))
+        self.assertEqual(
+            names,
+            {"llmgw_agents_connected", "llmgw_agent_connections_open",
+             "llmgw_agent_registrations", "llmgw_dispatch_refusals"},
+        )
+
+
+class FleetMetricsTests(SynchronousTestCase):
+    def test_states_and_events(self) -> None:
+        """
+        Nodes, shards and replicas by state come from the snapshot, with a
+        zero sample for every known state that is empty; events by kind are
+        a counter.
+        """
+        fleet = sample_fleet()
+        registry = make_registry()
+        register_control_metrics(registry, FakeAgents(), lambda: fleet)
+        families = scrape(registry)
+        nodes = by_label(families["llmgw_nodes"], "state")
+        self.assertEqual(set(nodes), set(NODE_STATES))
+        self.assertEqual(nodes, {"ready": 1, "suspect": 1, "lost": 0})
+        shards = by_label(families["llmgw_shards"], "state")
+        self.assertEqual(set(shards), set(SHARD_STATES))
+        self.assertEqual(shards["ready"], 1)
+        self.assertEqual(by_label(families["llmgw_replicas"], "state")["ready"], 1)
+        self.assertEqual(
+            by_label(families["llmgw_events"], "kind", "_total"), {"placed": 1, "shard_failed": 1}
+        )
+        self.assertEqual(families["llmgw_replacements_frozen"].samples[0].value, 0)
+
+    def test_pass_duration(self) -> None:
+        """
+        The last pass's duration is a gauge, and passes with their summed
+        duration are a summary.
+        """
+        registry = make_registry()
+        fleet = SnapshotFleet({"last_pass_seconds": 0.004, "passes": 10, "pass_seconds_total": 0.05})
+        register_control_metrics(registry, FakeAgents(), lambda: fleet)
+        self.assertEqual(registry.get_sample_value("llmgw_reconcile_last_pass_seconds"), 0.004)
+        self.assertEqual(registry.get_sample_value("llmgw_reconcile_pass_seconds_count"), 10)
+        self.assertEqual(registry.get_sample_value("llmgw_reconcile_pass_seconds_sum"), 0.05)
+        fleet.snapshot = {"last_pass_seconds": None, "passes": 0}
+        self.assertIsNone(registry.get_sample_value("llmgw_reconcile_last_pass_seconds"))
+        self.assertEqual(registry.get_sample_value("llmgw_reconcile_passes_total"), 0)
+
+    def test_fleet_attached_later(self) -> None:
+        """
+        The fleet is looked up at each scrape, so one attached after the
+        collector is seen.
+        """
+        holder: dict[str, Any] = {}
+        registry = make_registry()
+        register_control_metrics(registry, FakeAgents(), lambda: holder.get("fleet"))
+        self.assertIsNone(registry.get_sample_value("llmgw_nodes", {"state": "ready"}))
+        holder["fleet"] = sample_fleet()
+        self.assertEqual(registry.get_sample_value("llmgw_nodes", {"state": "ready"}), 1)
+
+    def test_broken_entries_dropped(self) -> None:
+        """
+        Counts that are not finite numbers are left out; the rest of the
+        scrape goes on.
+        """
+        fleet = SnapshotFleet({
+            "nodes": {"ready": 2, "suspect": float("nan"), "lost": "many", "weird": True},
+            "shards": ["not", "a", "mapping"],
+            "last_pass_seconds": float("inf"),
+            "replacements_frozen": "yes",
+        })
+        registry = make_registry()
+        register_control_metrics(registry, FakeAgents(), lambda: fleet)
+        families = scrape(registry)
+        self.assertEqual(by_label(families["llmgw_nodes"], "state"), {"ready": 2, "suspect": 0, "lost": 0})
+        self.assertEqual(set(by_label(families["llmgw_shards"], "state").values()), {0})
+        self.assertNotIn("llmgw_reconcile_last_pass_seconds", families)
+        self.assertNotIn("llmgw_replacements_frozen", families)
+
+    def test_snapshot_failure(self) -> None:
+        """
+        A snapshot that raises, or is not a mapping, leaves the fleet
+        metrics out of that scrape (logged) and the agent metrics in.
+        """
+        fleet = SnapshotFleet(RuntimeError("boom"))
+        collector = ControlCollector(FakeAgents(["a"]), lambda: fleet)
+        logged: list[dict[str, Any]] = []
+        collector.log = Logger(observer=logged.append)  # type: ignore[arg-type]
+        registry = make_registry()
+        registry.register(collector)
+        families = scrape(registry)
+        self.assertIn("llmgw_agents_connected", families)
+        self.assertNotIn("llmgw_nodes", families)
+        self.assertIsInstance(logged[0]["log_failure"].value, RuntimeError)
+        fleet.snapshot = ["nodes"]
+        families = scrape(registry)
+        self.assertIn("llmgw_agents_connected", families)
+        self.assertIn("not a mapping", logged[-1]["log_format"])
+
+    def test_frozen(self) -> None:
+        """
+        Frozen replacements show as 1.
+        """
+        fleet = FakeFleet()
+        fleet.frozen = True
+        registry = make_registry()
+        register_control_metrics(registry, FakeAgents(), lambda: fleet)
+        self.assertEqual(registry.get_sample_value("llmgw_replacements_frozen"), 1)
+
+
+class RegistryTests(SynchronousTestCase):
+    def test_registries_are_separate(self) -> None:
+        """
+        Two control planes' registries do not share samples, and a metric
+        another part adds to one registry (as the gateway will) appears only
+        there, beside the control plane's.
+        """
+        a, b = make_registry(), make_registry()
+        register_control_metrics(a, FakeAgents(["x"]))
+        register_control_metrics(b, FakeAgents(["x", "y"]))
+        requests = Counter("llmgw_gateway_requests", "Gateway requests", ["model"], registry=a)
+        requests.labels("demo").inc()
+        self.assertEqual(a.get_sample_value("llmgw_agents_connected"), 1)
+        self.assertEqual(b.get_sample_value("llmgw_agents_connected"), 2)
+        self.assertEqual(a.get_sample_value("llmgw_gateway_requests_total", {"model": "demo"}), 1)
+        self.assertIsNone(b.get_sample_value("llmgw_gateway_requests_total", {"model": "demo"}))
+
+
+class TLSMetricsTests(SynchronousTestCase):
+    def test_expiry(self) -> None:
+        """
+        Expiry dates of the CA, server certificate, CRL and the earliest agent
+        certificate are gauges; agents expiring within 30 days are counted.
+        """
+        now = 1_800_000_000.0
+        snap = {
+            "ca_not_after": now + 3650 * 86400,
+            "server_not_after": now + 365 * 86400,
+            "crl_next_update": None,
+            "earliest_agent_not_after": now + 86400,
+            "agents_not_after": {"a": now + 86400, "b": now + 100 * 86400},
+        }
+        registry = make_registry()
+        registry.register(ControlCollector(FakeAgents([]), None, lambda: snap, clock=lambda: now))
+        families = scrape(registry)
+        expiry = by_label(families["llmgw_tls_expiry_timestamp_seconds"], "certificate")
+        self.assertEqual(expiry, {
+            "ca": now + 3650 * 86400, "server": now + 365 * 86400,
+            "earliest_agent": now + 86400,
+        })
+        soon = families["llmgw_agent_certificates_expiring_soon"].samples[0].value
+        self.assertEqual(soon, 1)
+
+    def test_no_tls(self) -> None:
+        """
+        Without TLS there are no expiry metrics.
+        """
+        registry = make_registry()
+        registry.register(ControlCollector(FakeAgents([]), None, lambda: {}))
+        self.assertNotIn("llmgw_tls_expiry_timestamp_seconds", scrape(registry))

@@ -1,0 +1,500 @@
+"""
+Tests for L{llmgw.agent.supervisor} and L{llmgw.agent.state}: every shard
+transition, driven by a C{Clock}, a fake spawner, fake process operations
+and a fake health prober.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+from twisted.internet import defer, error
+from twisted.internet.task import Clock
+from twisted.python.failure import Failure
+from twisted.trial.unittest import SynchronousTestCase
+
+from llmgw.agent import supervisor as sv
+from llmgw.agent.state import ShardRecord, ShardSpec, StateDir, StateDirError
+from llmgw.agent.supervisor import LAUNCHER, LogTail, ProcessOps, Supervisor
+
+
+class FakeProcess:
+    def __init__(self, proto: Any, pid: int):
+        self.proto = proto
+        self.pid = pid
+
+    def end(self, code: int = 0, sig: int | None = None) -> None:
+        if code == 0 and sig is None:
+            self.proto.processEnded(Failure(error.ProcessDone(0)))
+        else:
+            self.proto.processEnded(Failure(error.ProcessTerminated(code, sig)))
+
+
+class FakeSpawner:
+    def __init__(self) -> None:
+        self.calls: list[dict[str, Any]] = []
+        self.processes: list[FakeProcess] = []
+        self.next_pid = 1000
+        self.fail: Exception | None = None
+
+    def __call__(self, proto: Any, executable: str, args: list[str], env: dict[str, str],
+                 path: Any = None) -> FakeProcess:
+        if self.fail is not None:
+            raise self.fail
+        self.calls.append({"executable": executable, "args": args, "env": env})
+        self.next_pid += 1
+        proc = FakeProcess(proto, self.next_pid)
+        self.processes.append(proc)
+        return proc
+
+
+class FakeOps(ProcessOps):
+    def __init__(self) -> None:
+        self.alive: dict[int, int] = {}
+        self.signals: list[tuple[int, int]] = []
+
+    def start_time(self, pid: int) -> int | None:
+        return self.alive.get(pid, 4242 + pid)
+
+    def kill_group(self, pid: int, sig: int) -> None:
+        self.signals.append((pid, sig))
+
+
+class FakeProber:
+    def __init__(self) -> None:
+        self.pending: list[tuple[str, defer.Deferred[None]]] = []
+
+    def probe(self, url: str) -> defer.Deferred[None]:
+        d: defer.Deferred[None] = defer.Deferred()
+        self.pending.append((url, d))
+        return d
+
+    def answer(self, ok: bool = True) -> str:
+        url, d = self.pending.pop(0)
+        if ok:
+            d.callback(None)
+        else:
+            d.errback(ValueError("HTTP 503"))
+        return url
+
+
+def spec(shard_id: str = "s1", gpus: tuple[int, ...] = (0,), port: int = 8001, **kw: Any) -> ShardSpec:
+    kw.setdefault("argv", ["{python}", "-m", "server", "--port", "{port}"])
+    return ShardSpec(shard_id=shard_id, replica_id="r1", model="m", profile="p",
+                     gpu_indices=list(gpus), port=port, **kw)
+
+
+class SupervisorTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.spawner = FakeSpawner()
+        self.ops = FakeOps()
+        self.prober = FakeProber()
+        self.state = StateDir(self.mktemp())
+        self.sup = self.make()
+        self.reports: list[tuple[str, str, str, int, int]] = []
+        self.sup.add_listener(self.record)
+
+    def make(self) -> Supervisor:
+        return Supervisor(self.clock, self.spawner, self.state, gpu_indices=[0, 1, 2, 3],
+                          ops=self.ops, prober=self.prober, python="/usr/bin/python3",
+                          base_env={"PATH": "/usr/bin"})
+
+    def record(self, shard: Any) -> None:
+        self.reports.append((shard.shard_id, shard.state, shard.error, shard.exit_code, shard.signal))
+
+    def states(self) -> list[str]:
+        return [r[1] for r in self.reports]
+
+    def start_ready(self, **kw: Any) -> sv.Shard:
+        shard = self.sup.start(spec(**kw))
+        self.clock.advance(0)
+        self.prober.answer(True)
+        self.assertEqual(shard.state, "ready")
+        return shard
+
+    def test_spawn(self) -> None:
+        """
+        A start spawns the launcher with the shard's argv (placeholders
+        filled) and an explicit environment with its GPUs, port, rank, world
+        size and leader; the command's env cannot override ours.
+        """
+        self.sup.start(spec(gpus=(1, 3), env={"CUDA_VISIBLE_DEVICES": "0", "X": "y"},
+                            rank=1, world_size=2, leader_address="10.0.0.1:8001"))
+        (call,) = self.spawner.calls
+        self.assertEqual(call["executable"], "/usr/bin/python3")
+        log_path = str(self.state.log_path("s1"))
+        self.assertEqual(call["args"], ["/usr/bin/python3", "-I", "-c", LAUNCHER, log_path,
+                                        "/usr/bin/python3", "-m", "server", "--port", "8001"])
+        env = call["env"]
+        self.assertEqual(env["CUDA_VISIBLE_DEVICES"], "1,3")
+        self.assertEqual((env["LLMGW_PORT"], env["LLMGW_RANK"], env["LLMGW_WORLD_SIZE"],
+                          env["LLMGW_LEADER"]), ("8001", "1", "2", "10.0.0.1:8001"))
+        self.assertEqual((env["X"], env["PATH"]), ("y", "/usr/bin"))
+        self.assertNotIn("HOME", env)
+        self.assertEqual(self.reports, [("s1", "starting", "", 0, 0)])
+
+    def test_ready_then_slower_probes(self) -> None:
+        """
+        A shard is starting until its health path answers; then ready, and
+        probed at the slower ready interval.
+        """
+        self.sup.start(spec(health_path="/healthz"))
+        self.clock.advance(0)
+        self.assertEqual(self.prober.answer(False), "http://127.0.0.1:8001/healthz")
+        self.clock.advance(1)
+        self.prober.answer(True)
+        self.assertEqual(self.states(), ["starting", "ready"])
+        self.clock.advance(9)
+        self.assertEqual(self.prober.pending, [])
+        self.clock.advance(1)
+        self.assertEqual(len(self.prober.pending), 1)
+
+    def test_startup_timeout(self) -> None:
+        """
+        A shard not healthy within its startup timeout is TERMed, and when
+        it ends it is failed with the reason and how it ended.
+        """
+        shard = self.sup.start(spec(startup_timeout_s=5, stop_grace_s=3))
+        for _ in range(5):
+            self.clock.advance(0)
+            self.prober.answer(False)
+            self.clock.advance(1)
+        self.assertEqual(self.ops.signals, [(shard.pid, signal.SIGTERM)])
+        self.spawner.processes[0].end(1, signal.SIGTERM)
+        (_, state, err, _, sig) = self.reports[-1]
+        self.assertEqual((state, sig), ("failed", signal.SIGTERM))
+        self.assertIn("startup timeout of 5s", err)
+        self.assertIn("HTTP 503", err)
+        self.clock.advance(10)
+        self.assertEqual(self.ops.signals, [(shard.pid, signal.SIGTERM)])
+
+    def test_stop_within_grace(self) -> None:
+        """
+        Stop sends TERM to the group; an exit within the grace is stopped and
+        no KILL follows.
+        """
+        shard = self.start_ready(stop_grace_s=10)
+        self.sup.stop("s1")
+        self.assertEqual(self.ops.signals, [(shard.pid, signal.SIGTERM)])
+        self.clock.advance(2)
+        self.spawner.processes[0].end(0)
+        self.assertEqual(self.reports[-1], ("s1", "stopped", "", 0, 0))
+        self.clock.advance(20)
+        self.assertEqual(len(self.ops.signals), 1)
+        self.assertFalse(self.state.shards.joinpath("s1.json").exists())
+
+    def test_kill_after_grace(self) -> None:
+        """
+        A shard that ignores TERM gets KILL after its grace, and is stopped.
+        """
+        shard = self.start_ready(stop_grace_s=10)
+        self.sup.stop("s1")
+        self.clock.advance(9.9)
+        self.assertEqual(len(self.ops.signals), 1)
+        self.clock.advance(0.1)
+        self.assertEqual(self.ops.signals[-1], (shard.pid, signal.SIGKILL))
+        self.spawner.processes[0].end(1, signal.SIGKILL)
+        self.assertEqual(self.reports[-1][:2], ("s1", "stopped"))
+
+    def test_drain_timeout(self) -> None:
+        """
+        Drain reports draining and stops the shard at the drain timeout.
+        """
+        self.start_ready(drain_timeout_s=30)
+        self.sup.drain("s1")
+        self.assertEqual(self.states()[-1], "draining")
+        self.clock.advance(29)
+        self.assertEqual(self.ops.signals, [])
+        self.clock.advance(1)
+        self.assertEqual(self.ops.signals[0][1], signal.SIGTERM)
+        self.spawner.processes[0].end(0)
+        self.assertEqual(self.states(), ["starting", "ready", "draining", "stopped"])
+
+    def test_drain_then_stop(self) -> None:
+        """
+        A stop while draining stops at once, and the drain timer does not
+        fire later.
+        """
+        self.start_ready(drain_timeout_s=30)
+        self.sup.drain("s1")
+        self.sup.stop("s1")
+        self.assertEqual(len(self.ops.signals), 1)
+        self.spawner.processes[0].end(0)
+        self.clock.advance(60)
+        self.assertEqual(len(self.ops.signals), 1)
+        self.assertEqual(self.states()[-1], "stopped")
+
+    def test_unexpected_exit(self) -> None:
+        """
+        An exit nobody asked for is failed with its exit code and the last
+        output the shard wrote.
+        """
+        self.start_ready()
+        with open(self.state.log_path("s1"), "ab") as f:
+            f.write(b"loading weights\nCUDA out of memory\npartial")
+        self.spawner.processes[0].end(3)
+        shard = self.sup.get("s1")
+        assert shard is not None
+        self.assertEqual(self.reports[-1][:4], ("s1", "failed", "exited without being asked to (exit code 3)", 3))
+        self.assertEqual(shard.last_output(), "loading weights\nCUDA out of memory\npartial")
+
+    def test_signal_exit(self) -> None:
+        """
+        A shard killed by a signal is failed with that signal.
+        """
+        self.start_ready()
+        self.spawner.processes[0].end(1, signal.SIGSEGV)
+        self.assertEqual(self.reports[-1][1], "failed")
+        self.assertEqual(self.reports[-1][4], signal.SIGSEGV)
+        self.assertIn("signal 11", self.reports[-1][2])
+
+    def test_start_running_again(self) -> None:
+        """
+        A start for a shard that already runs starts nothing new and
+        re-reports its state.
+        """
+        self.start_ready()
+        self.sup.start(spec())
+        self.assertEqual(len(self.spawner.calls), 1)
+        self.assertEqual(self.states(), ["starting", "ready", "ready"])
+
+    def test_restart_after_end(self) -> None:
+        """
+        A start for a shard that has ended runs it again.
+        """
+        self.start_ready()
+        self.spawner.processes[0].end(3)
+        self.sup.start(spec())
+        self.assertEqual(len(self.spawner.calls), 2)
+        self.assertEqual(self.states()[-1], "starting")
+
+    def test_clashes(self) -> None:
+        """
+        A start whose GPUs or port clash with a running shard, or whose GPUs
+        the node does not have, fails with a message that says so and spawns
+        nothing.
+        """
+        self.start_ready(gpus=(0, 1), port=8001)
+        self.sup.start(spec("s2", gpus=(1, 2), port=8002))
+        self.assertEqual(self.reports[-1][:3], ("s2", "failed", "GPU 1 is in use by shard s1"))
+        self.sup.start(spec("s3", gpus=(2,), port=8001))
+        self.assertEqual(self.reports[-1][:3], ("s3", "failed", "port 8001 is in use by shard s1"))
+        self.sup.start(spec("s4", gpus=(7,), port=8004))
+        self.assertEqual(self.reports[-1][2], "GPU 7 does not exist on this node (it has 0,1,2,3)")
+        self.sup.start(spec("../etc", gpus=(3,), port=8005))
+        self.assertIn("not usable", self.reports[-1][2])
+        self.assertEqual(len(self.spawner.calls), 1)
+        self.assertIsNone(self.sup.get("s2"))
+
+    def test_unhealthy_while_ready(self) -> None:
+        """
+        Three failed health checks in a row while ready fail the shard (it is
+        stopped, then reported failed with the health error).
+        """
+        self.start_ready()
+        for _ in range(3):
+            self.clock.advance(10)
+            self.prober.answer(False)
+        self.assertEqual(self.ops.signals[0][1], signal.SIGTERM)
+        self.spawner.processes[0].end(0)
+        self.assertEqual(self.reports[-1][1], "failed")
+        self.assertIn("failed 3 health checks in a row", self.reports[-1][2])
+
+    def test_spawn_error(self) -> None:
+        """
+        A spawn that raises is reported as failed with the reason.
+        """
+        self.spawner.fail = OSError("No such file or directory")
+        self.sup.start(spec())
+        self.assertEqual(self.reports[-1][1], "failed")
+        self.assertIn("No such file", self.reports[-1][2])
+        self.flushLoggedErrors(OSError)
+
+    def test_record_written(self) -> None:
+        """
+        A live shard is recorded in the state directory with its pid, start
+        time and state; the record follows its transitions.
+        """
+        shard = self.start_ready()
+        data = json.loads(self.state.shards.joinpath("s1.json").read_bytes())
+        self.assertEqual((data["pid"], data["start_time"], data["state"]),
+                         (shard.pid, 4242 + shard.pid, "ready"))
+        self.assertEqual(data["spec"]["gpu_indices"], [0])
+        self.assertEqual([p.name for p in self.state.shards.iterdir()], ["s1.json"])
+
+    def test_recover(self) -> None:
+        """
+        After a restart, a recorded shard whose process still runs (same
+        start time) is re-adopted and ready after a health probe; one whose
+        process is gone or whose pid was reused is forgotten and its record
+        removed.
+        """
+        log = self.state.log_path("a")
+        log.write_bytes(b"old line 1\nold line 2\n")
+        for sid, pid, port in (("a", 501, 9001), ("b", 502, 9002), ("c", 503, 9003)):
+            self.state.save(ShardRecord(spec(sid, gpus=(int(pid) - 501,), port=port), pid, 77,
+                                        "ready", str(self.state.log_path(sid))))
+        self.ops.alive = {501: 77, 502: 99}  # 502: pid reused; 503: gone
+        sup = self.make()
+        sup.add_listener(self.record)
+        d = sup.recover()
+        self.assertNoResult(d)
+        self.assertEqual(self.prober.answer(True), "http://127.0.0.1:9001/health")
+        (shard,) = self.successResultOf(d)
+        self.assertEqual((shard.shard_id, shard.state, shard.pid, shard.adopted), ("a", "ready", 501, True))
+        self.assertEqual(list(shard.tail.lines), ["old line 1", "old line 2"])
+        self.assertEqual(sorted(p.name for p in self.state.shards.iterdir()), ["a.json"])
+        self.assertEqual(self.reports, [])  # no transition: it was ready
+        # GPU 1 (shard b's) is free again.
+        sup.start(spec("n", gpus=(1,), port=9002))
+        self.assertEqual(self.reports[-1][:2], ("n", "starting"))
+
+    def test_adopted_exit_by_polling(self) -> None:
+        """
+        A re-adopted shard's exit is found by polling its pid and start time,
+        and reported failed with an unknown exit status.
+        """
+        self.state.save(ShardRecord(spec("a"), 501, 77, "ready", str(self.state.log_path("a"))))
+        self.ops.alive = {501: 77}
+        sup = self.make()
+        sup.add_listener(self.record)
+        sup.startService()
+        self.addCleanup(sup.stopService)
+        sup.recover()
+        self.prober.answer(True)
+        self.clock.advance(1)
+        self.assertEqual(self.reports, [])
+        del self.ops.alive[501]
+        self.clock.advance(1)
+        self.assertEqual(self.reports[-1][1], "failed")
+        self.assertEqual(self.reports[-1][3], sv.UNKNOWN_EXIT)
+        self.assertIn("not this agent's child", self.reports[-1][2])
+
+    def test_adopted_stop(self) -> None:
+        """
+        Stopping a re-adopted shard signals its group while its start time
+        still matches, and polling sees it gone: stopped.
+        """
+        self.state.save(ShardRecord(spec("a"), 501, 77, "ready", str(self.state.log_path("a"))))
+        self.ops.alive = {501: 77}
+        sup = self.make()
+        sup.add_listener(self.record)
+        sup.startService()
+        self.addCleanup(sup.stopService)
+        sup.recover()
+        self.prober.answer(True)
+        sup.stop("a")
+        self.assertEqual(self.ops.signals, [(501, signal.SIGTERM)])
+        self.ops.alive[501] = 12345  # the pid now belongs to someone else
+        self.clock.advance(1)
+        self.assertEqual(self.reports[-1][1], "stopped")
+        self.clock.advance(60)
+        self.assertEqual(self.ops.signals, [(501, signal.SIGTERM)])
+
+    def test_recover_unhealthy(self) -> None:
+        """
+        A re-adopted shard that fails its first probe is starting again, with
+        its startup timeout running.
+        """
+        self.state.save(ShardRecord(spec("a", startup_timeout_s=20), 501, 77, "ready",
+                                    str(self.state.log_path("a"))))
+        self.ops.alive = {501: 77}
+        sup = self.make()
+        sup.add_listener(self.record)
+        sup.recover()
+        self.prober.answer(False)
+        self.assertEqual(self.reports, [("a", "starting", "", 0, 0)])
+        self.clock.advance(1)
+        self.prober.answer(True)
+        self.assertEqual(self.states(), ["starting", "ready"])
+
+
+class StateDirTests(SynchronousTestCase):
+    def test_bad_record_moved_aside(self) -> None:
+        """
+        An unreadable record is moved aside as .bad, and the others load.
+        """
+        state = StateDir(self.mktemp())
+        state.save(ShardRecord(spec("ok"), 1, 2, "ready", "/dev/null"))
+        state.shards.joinpath("bad.json").write_text("{not json")
+        records = state.load_all()
+        self.assertEqual([r.spec.shard_id for r in records], ["ok"])
+        self.assertTrue(state.shards.joinpath("bad.bad").exists())
+        self.flushLoggedErrors()
+
+    def test_lock(self) -> None:
+        """
+        Two agents cannot share a state directory: the second is refused
+        with the first one's pid.
+        """
+        path = self.mktemp()
+        first = StateDir(path)
+        first.lock()
+        self.addCleanup(first.unlock)
+        e = self.assertRaises(StateDirError, StateDir(path).lock)
+        self.assertIn(f"pid {os.getpid()}", str(e))
+
+    def test_unusable(self) -> None:
+        """
+        A state directory that cannot be created is a clear error naming it.
+        """
+        blocker = Path(self.mktemp())
+        blocker.write_text("a file")
+        e = self.assertRaises(StateDirError, StateDir, blocker / "sub")
+        self.assertIn(str(blocker / "sub"), str(e))
+
+    def test_records_private(self) -> None:
+        """
+        Records are written with mode 0600 (they hold the shard's env).
+        """
+        state = StateDir(self.mktemp())
+        state.save(ShardRecord(spec("ok"), 1, 2, "ready", "/dev/null"))
+        self.assertEqual(state.shards.joinpath("ok.json").stat().st_mode & 0o777, 0o600)
+
+
+class LogTailTests(SynchronousTestCase):
+    def test_lines_and_partial(self) -> None:
+        """
+        The tail yields complete lines as they arrive and keeps a partial
+        line until it is finished; the ring keeps the last lines only.
+        """
+        path = Path(self.mktemp())
+        path.write_bytes(b"")
+        tail = LogTail(path)
+        with open(path, "ab") as f:
+            f.write(b"one\ntw")
+        self.assertEqual(tail.read(), ["one"])
+        with open(path, "ab") as f:
+            f.write(b"o\n" + b"".join(b"l%d\n" % i for i in range(200)))
+        lines = tail.read()
+        self.assertEqual(lines[0], "two")
+        self.assertEqual(len(tail.lines), sv.RING_LINES)
+        self.assertEqual(tail.lines[-1], "l199")
+
+    def test_truncated_file(self) -> None:
+        """
+        A log that shrank (truncated) is read again from its start.
+        """
+        path = Path(self.mktemp())
+        path.write_bytes(b"a long first line\n")
+        tail = LogTail(path)
+        tail.read()
+        path.write_bytes(b"new\n")
+        self.assertEqual(tail.read(), ["new"])
+
+
+class ProcessOpsTests(SynchronousTestCase):
+    def test_start_time(self) -> None:
+        """
+        The real start time reader gives a number for a live process and
+        None for a pid that does not exist.
+        """
+        ops = ProcessOps()
+        self.assertIsInstance(ops.start_time(os.getpid()), int)
+        self.assertEqual(ops.start_time(os.getpid()), ops.start_time(os.getpid()))
+        self.assertIsNone(ops.start_time(2**22 + 12345))
