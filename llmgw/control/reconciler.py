@@ -198,6 +198,7 @@ class Reconciler(Service):
         scale_state: ScaleState | None = None,
         event_limit: int = 10000,
         timer: Callable[[], float] = time.perf_counter,
+        backoff: Backoff | None = None,
     ):
         self.catalog = catalog
         self.inventory = inventory
@@ -221,7 +222,13 @@ class Reconciler(Service):
 
         self.replica_recs: dict[str, ReplicaRec] = {}
         self.shard_recs: dict[str, ShardRec] = {}
-        self.deps: dict[str, DeploymentState] = collections.defaultdict(DeploymentState)
+        #: The backoff each deployment starts with (its timings are copied).
+        self.backoff = backoff if backoff is not None else Backoff()
+        self.deps: dict[str, DeploymentState] = collections.defaultdict(
+            lambda: DeploymentState(
+                Backoff(self.backoff.base, self.backoff.cap, self.backoff.reset_after)
+            )
+        )
         self.desired: dict[str, int] = {}
         # Indexes, kept as things change.
         self._by_model: dict[str, set[str]] = collections.defaultdict(set)
@@ -309,11 +316,10 @@ class Reconciler(Service):
     def _event(self, kind: str, *, level: str = "info", **fields: Any) -> None:
         now = self.clock.seconds()
         ev = self.event_log.add(now, kind, **fields)
-        text = f"{kind}: " + " ".join(
-            f"{k}={{{k}}}" for k in ("node", "replica", "shard") if fields.get(k)
-        )
+        parts = [f"{k}={{{k}}}" for k in ("node", "replica", "shard") if fields.get(k)]
         if ev.reason:
-            text += " ({reason})"
+            parts.append("({reason})")
+        text = " ".join([f"{kind}:", *parts])
         getattr(self.log, level)(
             text,
             kind=kind,
@@ -1026,8 +1032,8 @@ class Reconciler(Service):
             if shard is None:
                 self._stopping.discard(sid)
                 continue
-            rep = self.replica_recs.get(shard.replica_id)
-            profile = self._profile(rep.profile) if rep is not None else None
+            other = self.replica_recs.get(shard.replica_id)
+            profile = self._profile(other.profile) if other is not None else None
             grace = profile.stop_grace_s if profile is not None else 30
             if now - shard.stop_sent_at >= grace + STOP_SLACK:
                 self._event(
@@ -1040,30 +1046,30 @@ class Reconciler(Service):
                 )
                 self._drop_shard(shard)
         for rid in sorted(self._draining):
-            rep = self.replica_recs.get(rid)
-            if rep is None:
+            other = self.replica_recs.get(rid)
+            if other is None:
                 self._draining.discard(rid)
                 continue
-            profile = self._profile(rep.profile)
+            profile = self._profile(other.profile)
             timeout = profile.drain_timeout_s if profile is not None else 60
             if self.in_flight is not None and self.in_flight.in_flight(rid) == 0:
-                self._teardown(rep, "drained: no request in flight")
-            elif now - rep.drain_started >= timeout:
-                self._teardown(rep, f"drain timeout of {timeout}s passed")
+                self._teardown(other, "drained: no request in flight")
+            elif now - other.drain_started >= timeout:
+                self._teardown(other, f"drain timeout of {timeout}s passed")
         if now >= self.grace_end:
             for rid in sorted(self._incomplete):
-                rep = self.replica_recs.get(rid)
-                if rep is None or len(rep.shards) == rep.world_size:
+                other = self.replica_recs.get(rid)
+                if other is None or len(other.shards) == other.world_size:
                     self._incomplete.discard(rid)
                     continue
-                if now - rep.created_at >= self.adoption_grace:
+                if now - other.created_at >= self.adoption_grace:
                     self._event(
                         "replica_incomplete",
                         level="warn",
                         replica=rid,
-                        reason=f"{len(rep.shards)} of {rep.world_size} shards reported",
+                        reason=f"{len(other.shards)} of {other.world_size} shards reported",
                     )
-                    self._teardown(rep, "incomplete after adoption")
+                    self._teardown(other, "incomplete after adoption")
         for node_id in sorted(self.draining_nodes):
             if not self._node_shards.get(node_id):
                 self.draining_nodes.discard(node_id)

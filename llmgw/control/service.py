@@ -85,7 +85,7 @@ class Options(usage.Options):
             raise usage.UsageError(f"--config {path}: cannot be read: {e.strerror or e}") from e
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise usage.UsageError(f"--config {path}: not valid TOML: {e}") from e
-        given = getattr(self, "given", set())
+        given: set[str] = getattr(self, "given", set())
         for key, value in data.items():
             name = self.synonyms.get(key) or self.synonyms.get(key.replace("_", "-"))
             if name is None or name == "config":
