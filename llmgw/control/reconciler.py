@@ -552,7 +552,8 @@ class Reconciler(Service):
                     id=s.replica_id,
                     model=s.model,
                     profile=s.profile,
-                    world_size=max(1, s.world_size or profile.shards),
+                    # An agent that does not know the world size reports 1.
+                    world_size=s.world_size if s.world_size > 1 else profile.shards,
                     created_at=now,
                     adopted=True,
                 )
