@@ -228,7 +228,7 @@ class ExpiryTests(SynchronousTestCase):
         f.alive -= silent
         f.step(1.0, 400)
         self.assertTrue(f.rec.frozen)
-        self.assertTrue(f.rec.status()["frozen"])
+        self.assertTrue(f.rec.status()["replacements_frozen"])
         self.assertEqual(f.rec.metrics_snapshot()["nodes"]["lost"], 0)
         self.assertEqual((f.dispatcher.starts, f.dispatcher.stops), ([], []))
         kinds = [e["kind"] for e in f.rec.events()]
@@ -631,3 +631,26 @@ class LoopAndViewTests(SynchronousTestCase):
         evs = f.rec.events()
         self.assertEqual(len(evs), 3)
         self.assertEqual([e["time"] for e in f.rec.events(since=4)], [5])
+
+
+class MetricsTests(SynchronousTestCase):
+    def test_snapshot_renders(self) -> None:
+        """
+        The reconciler's metrics snapshot renders through the control
+        plane's Prometheus collector: replicas, passes and the freeze flag.
+        """
+        from prometheus_client import generate_latest
+
+        from llmgw.control.metrics import make_registry, register_control_metrics
+        from llmgw.testing.fleet import FakeAgents
+
+        f = Fleet({"demo": ("one", 2)}, nodes=2, grace=0)
+        f.step()
+        f.make_ready()
+        registry = make_registry()
+        register_control_metrics(registry, FakeAgents(), lambda: f.rec)
+        text = generate_latest(registry).decode()
+        self.assertIn('llmgw_replicas{state="ready"} 2.0', text)
+        self.assertIn('llmgw_nodes{state="ready"} 2.0', text)
+        self.assertIn("llmgw_replacements_frozen 0.0", text)
+        self.assertIn("llmgw_reconcile_pass_seconds_count 1.0", text)

@@ -262,6 +262,7 @@ class Reconciler(Service):
         self.started_at = clock.seconds()
         self.last_pass_duration = 0.0
         self.passes = 0
+        self.pass_seconds_total = 0.0
         self.pass_errors = 0
         self._in_pass = False
         self._loop: LoopingCall | None = None
@@ -896,6 +897,7 @@ class Reconciler(Service):
             self._in_pass = False
             self.passes += 1
             self.last_pass_duration = self._timer() - started
+            self.pass_seconds_total += self.last_pass_duration
 
     def _pass(self, now: float) -> None:
         self._take_inventory(now)
@@ -1221,7 +1223,7 @@ class Reconciler(Service):
             },
             "replicas": snap["replicas"],
             "shards": snap["shards"],
-            "frozen": self.frozen,
+            "replacements_frozen": self.frozen,
             "frozen_reason": self.frozen_reason or None,
             "placing_after": self.grace_end if now < self.grace_end else None,
             "last_pass_seconds": self.last_pass_duration,
@@ -1381,9 +1383,12 @@ class Reconciler(Service):
           - C{replicas}: replica count by state (a replica's worst shard's
             state, or C{stopping});
           - C{events}: events ever logged, by kind;
-          - C{last_pass_seconds}: how long the last pass took;
-          - C{passes}, C{pass_errors}: passes run, and passes that raised;
-          - C{frozen}: 1 while replacements are frozen, else 0.
+          - C{last_pass_seconds}: how long the last pass took (C{None}
+            before the first);
+          - C{passes}, C{pass_seconds_total}, C{pass_errors}: passes run,
+            their summed duration, and passes that raised;
+          - C{replacements_frozen}: whether replacements are frozen
+            (too many nodes suspect at once).
         """
         total = len(self._known_since)
         shards = {s: 0 for s in SEVERITY}
@@ -1402,10 +1407,11 @@ class Reconciler(Service):
             "shards": shards,
             "replicas": {s: replicas.get(s, 0) for s in (*SEVERITY, "stopping")},
             "events": dict(self.event_log.counts),
-            "last_pass_seconds": self.last_pass_duration,
+            "last_pass_seconds": self.last_pass_duration if self.passes else None,
             "passes": self.passes,
+            "pass_seconds_total": self.pass_seconds_total,
             "pass_errors": self.pass_errors,
-            "frozen": int(self.frozen),
+            "replacements_frozen": self.frozen,
         }
 
     # -- helpers for tests and embedding -------------------------------------------------
