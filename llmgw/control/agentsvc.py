@@ -416,6 +416,9 @@ class AgentStreamProtocol(MessageStream[pb.AgentMessage]):
                     ),
                     force=True,
                 )
+        else:
+            # An empty report still tells the sink the node runs nothing.
+            self.factory.sink.adopt(node_id, [])
         self.factory.sink.node_registered(node_id)
 
     def _reregister(self, reg: pb.Register) -> None:

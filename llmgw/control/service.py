@@ -8,10 +8,11 @@ twistd: build it, then C{setServiceParent} it.
 from __future__ import annotations
 
 import time
+import tomllib
 from pathlib import Path
 from typing import Any
 
-from twisted.application.service import MultiService
+from twisted.application.service import MultiService, Service
 from twisted.logger import Logger
 from twisted.protocols.tls import TLSMemoryBIOFactory
 from twisted.python import usage
@@ -26,11 +27,14 @@ from llmgw.addresses import (
 )
 from llmgw.control.admin import DEFAULT_ADMIN_HOST, DEFAULT_ADMIN_PORT, admin_service
 from llmgw.control.agentsvc import AgentService
-from llmgw.control.interfaces import IFleetAdmin, IStatusSink
+from llmgw.control.catalog import EMPTY, CatalogError, load_catalog
+from llmgw.control.interfaces import AdminError, IFleetAdmin, IStatusSink
 from llmgw.control.inventory import Inventory
 from llmgw.control.limits import ConnectionLimiter, LimitsConfig
 from llmgw.control.metrics import make_registry, register_control_metrics
+from llmgw.control.reconciler import Reconciler
 from llmgw.control.trust import TrustService
+from llmgw.signals import SighupHandler, owns_signals
 from llmgw.tlsconf.options import ServerTLS, TLSConfigError, server_files
 from llmgw.wire import DEFAULT_MAX_FRAME
 
@@ -50,12 +54,75 @@ class Options(usage.Options):
         ["max-connections-per-address", None, str(LimitsConfig.max_per_address), "most agent-port connections from one source address (0: no cap)"],
         ["agent-message-rate", None, str(LimitsConfig.message_rate), "messages per second one agent may send before it is not read (0: no limit)"],
         ["agent-message-burst", None, str(LimitsConfig.message_burst), "messages one agent may send at once above its rate"],
+        ["catalog", None, None, "catalog TOML (profiles and deployments), reloaded on SIGHUP; "
+         "without one nothing is placed and every shard agents report is stopped"],
+        ["pass-interval", None, "1", "seconds between reconcile passes"],
+        ["suspect-after", None, "15", "seconds of silence before a node is suspect (nothing new placed)"],
+        ["lost-after", None, "300", "seconds of silence before a node is lost (its replicas replaced)"],
+        ["adoption-grace", None, "30", "seconds after start during which nothing is placed, "
+         "while agents report what they run"],
+        ["config", None, None, "TOML file holding any of these options by name "
+         "(pass-interval = 2, insecure = true, ...); the command line wins"],
     ]
     optFlags = [
         ["insecure", None, "plain TCP without TLS or identity: development only, loopback only"],
     ]
 
+    def parseOptions(self, options: Any = None) -> None:
+        # Remember what the command line named, so that --config fills in
+        # only the rest.
+        self.given: set[str] = set()
+        for arg in options or []:
+            if arg.startswith("--"):
+                name = arg[2:].split("=", 1)[0]
+                self.given.add(self.synonyms.get(name) or self.synonyms.get(name.replace("-", "_"), name))
+        super().parseOptions(options)
+
+    def _apply_config(self, path: str) -> None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except OSError as e:
+            raise usage.UsageError(f"--config {path}: cannot be read: {e.strerror or e}") from e
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise usage.UsageError(f"--config {path}: not valid TOML: {e}") from e
+        given: set[str] = getattr(self, "given", set())
+        for key, value in data.items():
+            name = self.synonyms.get(key) or self.synonyms.get(key.replace("_", "-"))
+            if name is None or name == "config":
+                raise usage.UsageError(f"--config {path}: {key!r} is not an option of this command")
+            if name in given:
+                continue
+            if isinstance(self._dispatch[name], usage.CoerceParameter):
+                if isinstance(value, bool) or not isinstance(value, str | int | float):
+                    raise usage.UsageError(f"--config {path}: {key!r} must be a string or a number")
+                self[name] = str(value)
+            else:
+                if not isinstance(value, bool):
+                    raise usage.UsageError(f"--config {path}: {key!r} is a flag: write true or false")
+                self[name] = int(value)
+
+    def _reconciler_options(self) -> None:
+        for name in ("pass-interval", "suspect-after", "lost-after", "adoption-grace"):
+            try:
+                self[name] = float(self[name])
+            except (TypeError, ValueError):
+                raise usage.UsageError(f"--{name} must be a number of seconds, not {self[name]!r}") from None
+            if self[name] < 0 or (self[name] == 0 and name != "adoption-grace"):
+                raise usage.UsageError(f"--{name} must be positive")
+        if self["lost-after"] <= self["suspect-after"]:
+            raise usage.UsageError("--lost-after must be longer than --suspect-after")
+        if self["catalog"]:
+            try:
+                self["catalog_loaded"] = load_catalog(self["catalog"])
+            except CatalogError as e:
+                raise usage.UsageError(str(e)) from e
+        else:
+            self["catalog_loaded"] = EMPTY
+
     def postOptions(self) -> None:
+        if self["config"]:
+            self._apply_config(self["config"])
+        self._reconciler_options()
         try:
             host, port = parse_address(self["agents"], "0.0.0.0" if not self["insecure"] else "127.0.0.1")
         except AddressError as e:
@@ -127,10 +194,13 @@ def new_epoch() -> int:
 class ControlPlane(MultiService):
     """
     The control plane's parts. C{inventory}, C{sink} and C{agents} (the
-    agent service, which is the dispatcher) are attributes other parts use.
+    agent service, which is the dispatcher) are attributes other parts use;
+    C{reconciler} is the sink when it is a L{Reconciler} (the fleet admin and
+    routing table), else C{None}.
     """
 
     log = Logger()
+    reconciler: Reconciler | None = None
 
     def __init__(
         self,
@@ -253,12 +323,21 @@ def makeService(options: Options, reactor: Any = None) -> ControlPlane:
         from twisted.internet import reactor as _reactor
 
         reactor = _reactor
-    from llmgw.testing.sinks import RecordingSink
-
     tls = ServerTLS(options["tls"]) if not options["insecure"] else None
-    return ControlPlane(
+    inventory = Inventory()
+    reconciler = Reconciler(
+        options["catalog_loaded"],
+        inventory,
+        clock=reactor,
+        pass_interval=options["pass-interval"],
+        suspect_after=options["suspect-after"],
+        lost_after=options["lost-after"],
+        adoption_grace=options["adoption-grace"],
+    )
+    cp = ControlPlane(
         reactor,
-        sink=RecordingSink(),
+        sink=reconciler,
+        inventory=inventory,
         tls=tls,
         agents_host=options["agents_host"],
         agents_port=options["agents_port"],
@@ -267,4 +346,49 @@ def makeService(options: Options, reactor: Any = None) -> ControlPlane:
         backlog=options["backlog"],
         admin_address=options["admin_address"],
         limits=options["limits"],
+        fleet=reconciler,
     )
+    reconciler.attach(cp.agents, epoch=cp.epoch)
+    reconciler.setName("reconciler")
+    reconciler.setServiceParent(cp)
+    cp.reconciler = reconciler
+    if not options["catalog"]:
+        cp.log.warn(
+            "no --catalog: nothing will be placed, and every shard agents report will be stopped"
+        )
+    reload = ReloadOnHangup(reactor, reconciler)
+    reload.setServiceParent(cp)
+    return cp
+
+
+class ReloadOnHangup(Service):
+    """
+    Reloads the catalog on SIGHUP while running, beside any other part that
+    reloads its own files on the same signal. Only when C{reactor} is the
+    process's own (tests and embedders pass their own reactors).
+    """
+
+    log = Logger()
+
+    def __init__(self, reactor: Any, reconciler: Reconciler, handle_sighup: bool | None = None):
+        self.reconciler = reconciler
+        self.handle_sighup = owns_signals(reactor) if handle_sighup is None else handle_sighup
+        self._sighup = SighupHandler(reactor, self.reload, "the catalog")
+
+    def startService(self) -> None:
+        super().startService()
+        if self.handle_sighup:
+            self._sighup.install()
+
+    def stopService(self) -> Any:
+        super().stopService()
+        self._sighup.uninstall()
+        return None
+
+    def reload(self) -> None:
+        try:
+            summary = self.reconciler.reload_catalog()
+        except AdminError as e:
+            self.log.error("catalog reload on SIGHUP refused: {error}", error=str(e))
+            return
+        self.log.info("catalog reloaded on SIGHUP: {summary}", summary=summary)

@@ -1,0 +1,349 @@
+"""
+The catalog (DESIGN §6.1): profiles (how a model runs on hardware) and
+deployments (a model, a profile and a desired replica count), read from TOML.
+
+Everything here is plain data and pure functions. A catalog is validated
+whole: the first thing wrong is refused with a L{CatalogError} that names the
+entry and the field, and nothing of a refused catalog is used.
+
+Scale changes made through the admin API are kept in a small JSON state file
+beside the catalog (C{CATALOG.scale.json}, see L{ScaleState}), not written
+into the operator's TOML.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: Placeholders a command or env value may hold. C{{python}} is left for the
+#: agent, which replaces it with its own interpreter; the control plane fills
+#: in the rest per shard.
+PLACEHOLDERS = frozenset({"python", "port", "model", "rank", "world_size", "leader", "gpus"})
+AGENT_PLACEHOLDERS = frozenset({"python"})
+
+_PLACEHOLDER = re.compile(r"\{([^{}]*)\}")
+
+DEFAULT_PORT_RANGE = (20000, 29999)
+
+
+class CatalogError(ValueError):
+    """
+    A catalog was refused. The message names the entry and the field.
+    """
+
+
+@dataclass(frozen=True)
+class Profile:
+    """
+    How a model runs: C{shards} nodes per replica, each with
+    C{gpus_per_shard} GPUs that have C{gpu_memory_mb} free.
+    """
+
+    name: str
+    command: tuple[str, ...]
+    shards: int = 1
+    gpus_per_shard: int = 1
+    gpu_memory_mb: int = 0
+    fabric: str = ""
+    env: Mapping[str, str] = field(default_factory=dict)
+    health_path: str = "/health"
+    startup_timeout_s: int = 600
+    drain_timeout_s: int = 60
+    stop_grace_s: int = 30
+
+
+@dataclass(frozen=True)
+class Deployment:
+    model: str
+    profile: str
+    replicas: int
+
+
+@dataclass(frozen=True)
+class Catalog:
+    """
+    A validated catalog. C{deployments} is keyed by model.
+    """
+
+    profiles: Mapping[str, Profile] = field(default_factory=dict)
+    deployments: Mapping[str, Deployment] = field(default_factory=dict)
+    port_range: tuple[int, int] = DEFAULT_PORT_RANGE
+    path: str | None = None
+
+    def profile_for(self, model: str) -> Profile | None:
+        dep = self.deployments.get(model)
+        return self.profiles.get(dep.profile) if dep is not None else None
+
+
+EMPTY = Catalog()
+
+_PROFILE_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "shards": int,
+    "gpus_per_shard": int,
+    "gpu_memory_mb": int,
+    "fabric": str,
+    "command": list,
+    "env": dict,
+    "health_path": str,
+    "startup_timeout_s": int,
+    "drain_timeout_s": int,
+    "stop_grace_s": int,
+}
+_DEPLOYMENT_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "model": str,
+    "profile": str,
+    "replicas": int,
+}
+_TYPE_NAMES = {int: "an integer", str: "a string", list: "a list", dict: "a table"}
+
+
+def _check_type(where: str, name: str, value: Any, kind: Any) -> None:
+    # bool is an int in Python; a TOML true is never a count.
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise CatalogError(f"{where}: field {name!r} must be {_TYPE_NAMES[kind]}, not {value!r}")
+
+
+def check_placeholders(where: str, name: str, text: str) -> None:
+    """
+    @raise CatalogError: C{text} holds a placeholder that is not one of
+        L{PLACEHOLDERS}.
+    """
+    for m in _PLACEHOLDER.finditer(text):
+        if m.group(1) not in PLACEHOLDERS:
+            known = ", ".join("{" + p + "}" for p in sorted(PLACEHOLDERS))
+            raise CatalogError(
+                f"{where}: field {name!r} has unknown placeholder {m.group(0)!r} "
+                f"(known: {known})"
+            )
+
+
+def fill(text: str, values: Mapping[str, str]) -> str:
+    """
+    Replace the placeholders in C{text} that C{values} names; the others
+    (C{{python}}, for the agent) stay as written.
+    """
+    return _PLACEHOLDER.sub(lambda m: values.get(m.group(1), m.group(0)), text)
+
+
+def _positive(where: str, name: str, value: int, minimum: int = 1) -> None:
+    if value < minimum:
+        raise CatalogError(f"{where}: field {name!r} must be at least {minimum}, not {value}")
+
+
+def parse_profile(name: str, raw: Any) -> Profile:
+    where = f"profile {name!r}"
+    if not isinstance(raw, dict):
+        raise CatalogError(f"{where}: must be a table")
+    for key, value in raw.items():
+        if key not in _PROFILE_FIELDS:
+            raise CatalogError(
+                f"{where}: unknown field {key!r} (known: {', '.join(sorted(_PROFILE_FIELDS))})"
+            )
+        _check_type(where, key, value, _PROFILE_FIELDS[key])
+    if "command" not in raw:
+        raise CatalogError(f"{where}: field 'command' is required")
+    command = raw["command"]
+    if not command or not all(isinstance(a, str) for a in command):
+        raise CatalogError(f"{where}: field 'command' must be a non-empty list of strings")
+    for arg in command:
+        check_placeholders(where, "command", arg)
+    env = raw.get("env", {})
+    for k, v in env.items():
+        if not isinstance(v, str):
+            raise CatalogError(f"{where}: field 'env' value of {k!r} must be a string, not {v!r}")
+        check_placeholders(where, f"env.{k}", v)
+    profile = Profile(name=name, command=tuple(command), env=dict(env), **{
+        k: v for k, v in raw.items() if k not in ("command", "env")
+    })
+    _positive(where, "shards", profile.shards)
+    _positive(where, "gpus_per_shard", profile.gpus_per_shard)
+    _positive(where, "gpu_memory_mb", profile.gpu_memory_mb, 0)
+    _positive(where, "startup_timeout_s", profile.startup_timeout_s)
+    _positive(where, "drain_timeout_s", profile.drain_timeout_s, 0)
+    _positive(where, "stop_grace_s", profile.stop_grace_s, 0)
+    if profile.shards > 1 and not profile.fabric:
+        raise CatalogError(
+            f"{where}: field 'fabric' is required when shards > 1 "
+            f"(its {profile.shards} shards must share an interconnect)"
+        )
+    if not profile.health_path.startswith("/"):
+        raise CatalogError(f"{where}: field 'health_path' must start with '/', not {profile.health_path!r}")
+    return profile
+
+
+def parse_deployment(index: int, raw: Any, profiles: Mapping[str, Profile]) -> Deployment:
+    where = f"deployments[{index}]"
+    if not isinstance(raw, dict):
+        raise CatalogError(f"{where}: must be a table")
+    if isinstance(raw.get("model"), str) and raw["model"]:
+        where = f"deployment {raw['model']!r}"
+    for key, value in raw.items():
+        if key not in _DEPLOYMENT_FIELDS:
+            raise CatalogError(
+                f"{where}: unknown field {key!r} (known: {', '.join(sorted(_DEPLOYMENT_FIELDS))})"
+            )
+        _check_type(where, key, value, _DEPLOYMENT_FIELDS[key])
+    for key in ("model", "profile"):
+        if not raw.get(key):
+            raise CatalogError(f"{where}: field {key!r} is required")
+    if raw["profile"] not in profiles:
+        raise CatalogError(
+            f"{where}: field 'profile' names {raw['profile']!r}, which is not a profile "
+            f"(profiles: {', '.join(sorted(profiles)) or 'none'})"
+        )
+    replicas = raw.get("replicas", 1)
+    _positive(where, "replicas", replicas, 0)
+    return Deployment(model=raw["model"], profile=raw["profile"], replicas=replicas)
+
+
+def parse_catalog(data: Mapping[str, Any], path: str | None = None) -> Catalog:
+    """
+    Validate a decoded TOML document.
+
+    @raise CatalogError: anything is wrong; the message names the entry and
+        the field.
+    """
+    known = {"profiles", "deployments", "ports"}
+    for key in data:
+        if key not in known:
+            raise CatalogError(f"catalog: unknown top-level entry {key!r} (known: {', '.join(sorted(known))})")
+    raw_profiles = data.get("profiles", {})
+    if not isinstance(raw_profiles, dict):
+        raise CatalogError("catalog: 'profiles' must be a table of tables ([profiles.NAME])")
+    profiles = {name: parse_profile(name, raw) for name, raw in raw_profiles.items()}
+    raw_deps = data.get("deployments", [])
+    if not isinstance(raw_deps, list):
+        raise CatalogError("catalog: 'deployments' must be an array of tables ([[deployments]])")
+    deployments: dict[str, Deployment] = {}
+    for i, raw in enumerate(raw_deps):
+        dep = parse_deployment(i, raw, profiles)
+        if dep.model in deployments:
+            raise CatalogError(f"deployment {dep.model!r}: field 'model' is declared twice")
+        deployments[dep.model] = dep
+    port_range = DEFAULT_PORT_RANGE
+    ports = data.get("ports", {})
+    if not isinstance(ports, dict):
+        raise CatalogError("catalog: 'ports' must be a table")
+    for key, value in ports.items():
+        if key not in ("first", "last"):
+            raise CatalogError(f"ports: unknown field {key!r} (known: first, last)")
+        _check_type("ports", key, value, int)
+    first, last = ports.get("first", port_range[0]), ports.get("last", port_range[1])
+    if not 1 <= first <= last <= 65535:
+        raise CatalogError(f"ports: fields 'first' and 'last' must satisfy 1 <= first <= last <= 65535, not {first}..{last}")
+    return Catalog(profiles=profiles, deployments=deployments, port_range=(first, last), path=path)
+
+
+def load_catalog(path: str | os.PathLike[str]) -> Catalog:
+    """
+    Read and validate the catalog at C{path}.
+
+    @raise CatalogError: it cannot be read, is not TOML, or is invalid.
+    """
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise CatalogError(f"catalog {str(p)!r} cannot be read: {e.strerror or e}") from e
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise CatalogError(f"catalog {str(p)!r} is not valid TOML: {e}") from e
+    try:
+        return parse_catalog(data, path=str(p))
+    except CatalogError as e:
+        raise CatalogError(f"catalog {str(p)!r}: {e}") from None
+
+
+def diff(old: Catalog, new: Catalog) -> dict[str, list[str]]:
+    """
+    What changed between two catalogs, by model and profile name.
+    """
+    changed_profiles = sorted(
+        n for n in set(old.profiles) & set(new.profiles) if old.profiles[n] != new.profiles[n]
+    )
+    return {
+        "added": sorted(set(new.deployments) - set(old.deployments)),
+        "removed": sorted(set(old.deployments) - set(new.deployments)),
+        "changed": sorted(
+            m
+            for m in set(old.deployments) & set(new.deployments)
+            if old.deployments[m] != new.deployments[m]
+            or new.deployments[m].profile in changed_profiles
+        ),
+        "profiles_added": sorted(set(new.profiles) - set(old.profiles)),
+        "profiles_removed": sorted(set(old.profiles) - set(new.profiles)),
+        "profiles_changed": changed_profiles,
+    }
+
+
+class ScaleState:
+    """
+    Scale overrides set through the admin API, kept in a JSON file beside
+    the catalog so that they survive a restart.
+
+    Each override remembers the replica count the catalog declared when it
+    was made. If the catalog's own count is edited since, the edit is the
+    newer intent and the override is dropped.
+    """
+
+    def __init__(self, path: str | os.PathLike[str] | None):
+        self.path = Path(path) if path is not None else None
+        #: model -> (replicas, the catalog's replicas when it was set)
+        self.overrides: dict[str, tuple[int, int]] = {}
+
+    @classmethod
+    def beside(cls, catalog_path: str | None) -> ScaleState:
+        return cls(catalog_path + ".scale.json" if catalog_path else None)
+
+    def load(self) -> list[str]:
+        """
+        Read the file if there is one; returns warnings about what was
+        skipped (a damaged file is ignored whole, never fatal).
+        """
+        self.overrides = {}
+        if self.path is None or not self.path.exists():
+            return []
+        try:
+            data = json.loads(self.path.read_text())
+            for model, entry in data["replicas"].items():
+                replicas, base = int(entry["replicas"]), int(entry["catalog_replicas"])
+                if replicas >= 0:
+                    self.overrides[str(model)] = (replicas, base)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            self.overrides = {}
+            return [f"scale state {str(self.path)!r} is unreadable and was ignored: {e}"]
+        return []
+
+    def save(self) -> None:
+        if self.path is None:
+            return
+        data = {
+            "replicas": {
+                m: {"replicas": r, "catalog_replicas": b} for m, (r, b) in sorted(self.overrides.items())
+            }
+        }
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(data, indent=2) + "\n")
+        os.replace(tmp, self.path)
+
+    def set(self, model: str, replicas: int, catalog_replicas: int) -> None:
+        self.overrides[model] = (replicas, catalog_replicas)
+        self.save()
+
+    def desired(self, dep: Deployment) -> int:
+        """
+        The replica count for C{dep}: the override while the catalog still
+        says what it said when the override was made, else the catalog's.
+        """
+        entry = self.overrides.get(dep.model)
+        if entry is not None and entry[1] == dep.replicas:
+            return entry[0]
+        return dep.replicas

@@ -1,0 +1,201 @@
+"""
+Tests for L{llmgw.control.catalog}.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+
+from twisted.trial.unittest import SynchronousTestCase
+
+from llmgw.control.catalog import (
+    Catalog,
+    CatalogError,
+    Deployment,
+    ScaleState,
+    diff,
+    fill,
+    load_catalog,
+    parse_catalog,
+)
+
+EXAMPLE = Path(__file__).parent.parent / "examples" / "catalog.toml"
+
+GOOD = """
+[profiles.fake-1gpu]
+shards = 1
+gpus_per_shard = 1
+gpu_memory_mb = 1000
+fabric = ""
+command = ["{python}", "-m", "llmgw.testing.fakemodel", "--port", "{port}", "--model", "{model}"]
+env = {}
+health_path = "/health"
+startup_timeout_s = 60
+drain_timeout_s = 10
+
+[[deployments]]
+model = "demo"
+profile = "fake-1gpu"
+replicas = 2
+"""
+
+
+def parse(text: str) -> Catalog:
+    return parse_catalog(tomllib.loads(text))
+
+
+class CatalogTests(SynchronousTestCase):
+    def assertRefused(self, text: str, *fragments: str) -> None:
+        with self.assertRaises(CatalogError) as ctx:
+            parse(text)
+        for fragment in fragments:
+            self.assertIn(fragment, str(ctx.exception))
+
+    def test_issue_shape(self) -> None:
+        """
+        The catalog shape of the issue parses into a profile and a
+        deployment with every field kept.
+        """
+        cat = parse(GOOD)
+        profile = cat.profiles["fake-1gpu"]
+        self.assertEqual(profile.gpu_memory_mb, 1000)
+        self.assertEqual(profile.command[0], "{python}")
+        self.assertEqual(profile.drain_timeout_s, 10)
+        self.assertEqual(cat.deployments["demo"], Deployment("demo", "fake-1gpu", 2))
+        self.assertEqual(cat.profile_for("demo"), profile)
+
+    def test_example_file(self) -> None:
+        """
+        The shipped demo catalog loads, and remembers its path.
+        """
+        cat = load_catalog(EXAMPLE)
+        self.assertEqual(cat.deployments["demo"].replicas, 2)
+        self.assertEqual(cat.path, str(EXAMPLE))
+        self.assertEqual(cat.port_range, (20000, 20999))
+
+    def test_unknown_profile_field(self) -> None:
+        """
+        An unknown field in a profile is refused naming the profile and the
+        field.
+        """
+        self.assertRefused(GOOD.replace("env = {}", "gpus = 2"), "profile 'fake-1gpu'", "'gpus'")
+
+    def test_wrong_type(self) -> None:
+        """
+        A field of the wrong type is refused naming it; a boolean is not a
+        count.
+        """
+        self.assertRefused(GOOD.replace("gpus_per_shard = 1", 'gpus_per_shard = "1"'), "'gpus_per_shard'", "integer")
+        self.assertRefused(GOOD.replace("replicas = 2", "replicas = true"), "deployment 'demo'", "'replicas'")
+
+    def test_fabric_required(self) -> None:
+        """
+        A multi-shard profile without a fabric is refused.
+        """
+        self.assertRefused(GOOD.replace("shards = 1", "shards = 2"), "profile 'fake-1gpu'", "'fabric'")
+
+    def test_unknown_placeholder(self) -> None:
+        """
+        A command with a placeholder that is not known is refused, naming
+        the placeholder.
+        """
+        self.assertRefused(GOOD.replace('"{model}"]', '"{modle}"]'), "'command'", "{modle}")
+
+    def test_unknown_profile_reference(self) -> None:
+        """
+        A deployment naming a profile that does not exist is refused.
+        """
+        self.assertRefused(GOOD.replace('profile = "fake-1gpu"', 'profile = "nope"'), "deployment 'demo'", "'profile'", "nope")
+
+    def test_duplicate_model(self) -> None:
+        """
+        Two deployments of one model are refused.
+        """
+        self.assertRefused(GOOD + GOOD.split("[[deployments]]")[1].join(["[[deployments]]", ""]), "declared twice")
+
+    def test_negative_replicas(self) -> None:
+        """
+        A negative replica count is refused; zero is allowed.
+        """
+        self.assertRefused(GOOD.replace("replicas = 2", "replicas = -1"), "'replicas'")
+        self.assertEqual(parse(GOOD.replace("replicas = 2", "replicas = 0")).deployments["demo"].replicas, 0)
+
+    def test_missing_command(self) -> None:
+        """
+        A profile without a command is refused.
+        """
+        text = "\n".join(line for line in GOOD.splitlines() if not line.startswith("command"))
+        self.assertRefused(text, "'command'", "required")
+
+    def test_bad_toml_file(self) -> None:
+        """
+        A file that is not TOML is refused naming the file.
+        """
+        path = Path(self.mktemp())
+        path.write_text("[profiles\n")
+        with self.assertRaises(CatalogError) as ctx:
+            load_catalog(path)
+        self.assertIn(str(path), str(ctx.exception))
+        self.assertIn("TOML", str(ctx.exception))
+
+    def test_missing_file(self) -> None:
+        """
+        A missing file is refused with a clear message.
+        """
+        with self.assertRaises(CatalogError) as ctx:
+            load_catalog(self.mktemp())
+        self.assertIn("cannot be read", str(ctx.exception))
+
+    def test_fill_leaves_python(self) -> None:
+        """
+        Filling placeholders leaves C{{python}} for the agent.
+        """
+        self.assertEqual(fill("{python} --port {port}", {"port": "1"}), "{python} --port 1")
+
+    def test_diff(self) -> None:
+        """
+        The diff names added, removed and changed deployments, and a
+        deployment whose profile content changed counts as changed.
+        """
+        old = parse(GOOD)
+        new = parse(GOOD.replace("startup_timeout_s = 60", "startup_timeout_s = 90")
+                    + '[[deployments]]\nmodel = "other"\nprofile = "fake-1gpu"\n')
+        d = diff(old, new)
+        self.assertEqual(d["added"], ["other"])
+        self.assertEqual(d["changed"], ["demo"])
+        self.assertEqual(d["profiles_changed"], ["fake-1gpu"])
+
+
+class ScaleStateTests(SynchronousTestCase):
+    def test_round_trip(self) -> None:
+        """
+        An override is written beside the catalog and read back by a new
+        state object.
+        """
+        catalog = self.mktemp()
+        state = ScaleState.beside(catalog)
+        state.set("demo", 5, 2)
+        again = ScaleState.beside(catalog)
+        self.assertEqual(again.load(), [])
+        self.assertEqual(again.desired(Deployment("demo", "p", 2)), 5)
+
+    def test_catalog_edit_wins(self) -> None:
+        """
+        Once the catalog's own count changes, the older override is dropped.
+        """
+        state = ScaleState(None)
+        state.set("demo", 5, 2)
+        self.assertEqual(state.desired(Deployment("demo", "p", 3)), 3)
+
+    def test_damaged_file_ignored(self) -> None:
+        """
+        A damaged state file is ignored with a warning, never fatal.
+        """
+        path = Path(self.mktemp())
+        path.write_text(json.dumps({"replicas": {"demo": "x"}}))
+        state = ScaleState(path)
+        warnings = state.load()
+        self.assertEqual(len(warnings), 1)
+        self.assertEqual(state.overrides, {})

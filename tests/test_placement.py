@@ -1,0 +1,165 @@
+"""
+Tests for L{llmgw.control.placement}: pure decisions over plain data.
+"""
+
+from __future__ import annotations
+
+from twisted.trial.unittest import SynchronousTestCase
+
+from llmgw.control.placement import NodeCapacity, NoPortFree, Placer, PortBook, Request, place_all
+
+
+def node(node_id: str, free: list[int], fabrics: dict[str, str] | None = None, host: str = "") -> NodeCapacity:
+    return NodeCapacity(
+        id=node_id,
+        host=host or node_id,
+        fabrics=fabrics or {},
+        free=[(mb, i) for i, mb in enumerate(free)],
+    )
+
+
+class PlacementTests(SynchronousTestCase):
+    def test_best_fit_node(self) -> None:
+        """
+        A single-GPU replica goes to the node with the fewest free GPUs that
+        fit, leaving emptier nodes whole for larger models.
+        """
+        [slots] = place_all([node("a", [80] * 8), node("b", [80] * 2)], [Request("m", gpu_memory_mb=10)])
+        assert slots is not None
+        self.assertEqual(slots[0].node_id, "b")
+
+    def test_best_fit_gpu(self) -> None:
+        """
+        On a node, the GPU with the least free memory that still covers the
+        profile is chosen.
+        """
+        [slots] = place_all([node("a", [80, 20, 50])], [Request("m", gpu_memory_mb=40)])
+        assert slots is not None
+        self.assertEqual(slots[0].gpu_indices, (2,))
+
+    def test_memory_excludes(self) -> None:
+        """
+        GPUs whose free memory is below the profile's need are not used;
+        when none fits, nothing is placed.
+        """
+        self.assertEqual(place_all([node("a", [10, 20])], [Request("m", gpu_memory_mb=30)]), [None])
+
+    def test_gpus_per_shard(self) -> None:
+        """
+        A shard needing several GPUs takes them all from one node.
+        """
+        [slots] = place_all(
+            [node("a", [80]), node("b", [80, 80, 80])], [Request("m", gpus_per_shard=2, gpu_memory_mb=1)]
+        )
+        assert slots is not None
+        self.assertEqual((slots[0].node_id, slots[0].gpu_indices), ("b", (0, 1)))
+
+    def test_spread(self) -> None:
+        """
+        Replicas of one deployment spread across nodes before any node gets
+        a second one, even against best fit.
+        """
+        nodes = [node("a", [80] * 2), node("b", [80] * 8), node("c", [80] * 8)]
+        got = place_all(nodes, [Request("m")] * 4)
+        self.assertEqual([s[0].node_id for s in got if s], ["a", "b", "c", "a"])
+
+    def test_spread_counts_existing(self) -> None:
+        """
+        Shards already placed count for spreading.
+        """
+        got = place_all([node("a", [80] * 2), node("b", [80] * 8)], [Request("m")], spread={"m": {"a": 1}})
+        self.assertEqual(got[0][0].node_id, "b")  # type: ignore[index]
+
+    def test_multi_shard_distinct_nodes_on_fabric(self) -> None:
+        """
+        A multi-shard replica gets distinct nodes that share the profile's
+        fabric; nodes off the fabric are not used.
+        """
+        nodes = [
+            node("a", [80] * 8, {"ib0": "x"}),
+            node("b", [80] * 8),
+            node("c", [80] * 8, {"ib0": "y"}),
+        ]
+        [slots] = place_all(nodes, [Request("m", shards=2, gpus_per_shard=4, fabric="ib0")])
+        assert slots is not None
+        self.assertEqual([(s.node_id, s.rank) for s in slots], [("a", 0), ("c", 1)])
+
+    def test_all_or_nothing(self) -> None:
+        """
+        When only some shards of a replica fit, none is placed and nothing
+        is taken: a smaller request still gets the capacity afterwards.
+        """
+        ports = PortBook()
+        placer = Placer([node("a", [80] * 8, {"ib0": "x"})], {}, ports)
+        self.assertIsNone(placer.place(Request("m", shards=2, fabric="ib0")))
+        self.assertEqual(ports.used, {})
+        slots = placer.place(Request("m", gpus_per_shard=8))
+        self.assertIsNotNone(slots)
+
+    def test_deterministic(self) -> None:
+        """
+        The same inputs give the same placement, whatever the input order.
+        """
+        nodes = [node(f"n{i}", [80] * (i % 4 + 1)) for i in range(20)]
+        reqs = [Request("m"), Request("k", gpus_per_shard=2)] * 5
+        one = place_all(nodes, reqs)
+        two = place_all(list(reversed([node(f"n{i}", [80] * (i % 4 + 1)) for i in range(20)])), reqs)
+        self.assertEqual(one, two)
+
+    def test_taken_within_pass(self) -> None:
+        """
+        GPUs given earlier in a pass are not given again.
+        """
+        got = place_all([node("a", [80, 80])], [Request("m"), Request("k"), Request("j")])
+        self.assertEqual([s[0].gpu_indices if s else None for s in got], [(0,), (1,), None])
+
+    def test_input_not_changed(self) -> None:
+        """
+        The placer never changes the capacities it was given, so callers
+        may cache them.
+        """
+        cap = node("a", [80, 80])
+        place_all([cap], [Request("m")])
+        self.assertEqual(len(cap.free), 2)
+
+    def test_ports_per_host(self) -> None:
+        """
+        Nodes on one host share its ports; ports already used there are
+        skipped.
+        """
+        ports = PortBook(100, 110)
+        ports.take("h", 100)
+        got = place_all([node("a", [80], host="h"), node("b", [80], host="h")], [Request("m")] * 2, ports=ports)
+        self.assertEqual(sorted(s[0].port for s in got if s), [101, 102])
+
+    def test_large_fleet_scans_little(self) -> None:
+        """
+        Placing 1,000 replicas over 1,000 uniform nodes scans a bounded
+        number of nodes per placement, not the whole fleet each time.
+        """
+        nodes = [node(f"n{i:04d}", [80] * 4) for i in range(1000)]
+        placer = Placer(nodes, {}, PortBook())
+        for i in range(1000):
+            self.assertIsNotNone(placer.place(Request(f"d{i % 10}")))
+        self.assertLess(placer.scanned, 1000 * 5)
+
+
+class PortBookTests(SynchronousTestCase):
+    def test_cursor_moves_on(self) -> None:
+        """
+        A released port is not handed out again at once.
+        """
+        ports = PortBook(1, 3)
+        p = ports.allocate("h")
+        ports.release("h", p)
+        self.assertNotEqual(ports.allocate("h"), p)
+
+    def test_exhausted(self) -> None:
+        """
+        A host whose range is full raises L{NoPortFree}.
+        """
+        ports = PortBook(1, 2)
+        ports.allocate("h")
+        ports.allocate("h")
+        self.assertRaises(NoPortFree, ports.allocate, "h")
+        self.assertEqual(ports.allocate("other"), 1)
