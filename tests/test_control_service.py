@@ -79,3 +79,39 @@ class OptionsTests(SynchronousTestCase):
         """
         for args in (["--max-frame", "x"], ["--max-frame", "0"], ["--heartbeat-interval", "-1"]):
             self.assertRaises(usage.UsageError, Options().parseOptions, ["--insecure", *args])
+
+
+class GatewayOptionTests(SynchronousTestCase):
+    def test_gateway_embedded(self) -> None:
+        """
+        The control plane embeds the gateway on 127.0.0.1:8000 by default,
+        routing by the reconciler, which reads its in-flight counts.
+        """
+        from twisted.internet.testing import MemoryReactorClock
+
+        from llmgw.control.service import makeService
+
+        o = Options()
+        o.parseOptions(["--insecure", "--agents", "127.0.0.1:0", "--admin", "off"])
+        self.assertEqual(o["gateway_address"], ("127.0.0.1", 8000))
+        cp = makeService(o, reactor=MemoryReactorClock())
+        assert cp.gateway is not None and cp.reconciler is not None
+        self.assertIs(cp.gateway.gateway.table, cp.reconciler)
+        self.assertIs(cp.reconciler.in_flight, cp.gateway)
+
+    def test_gateway_off(self) -> None:
+        """
+        --gateway off runs no gateway; a bad address or keys file is refused.
+        """
+        from twisted.internet.testing import MemoryReactorClock
+
+        from llmgw.control.service import makeService
+
+        o = Options()
+        o.parseOptions(["--insecure", "--agents", "127.0.0.1:0", "--gateway", "off"])
+        self.assertIsNone(makeService(o, reactor=MemoryReactorClock()).gateway)
+        self.assertRaises(usage.UsageError, Options().parseOptions,
+                          ["--insecure", "--gateway", "x:y"])
+        with self.assertRaises(usage.UsageError) as e:
+            Options().parseOptions(["--insecure", "--api-keys", self.mktemp()])
+        self.assertIn("--api-keys", str(e.exception))

@@ -94,6 +94,7 @@ class ReconcilerIntegrationTests(TestCase):
         opts = Options()
         opts.parseOptions([
             "--certs", str(self.dir), "--agents", f"127.0.0.1:{self.port}", "--admin", "127.0.0.1:0",
+            "--gateway", "127.0.0.1:0",
             "--catalog", str(catalog), "--heartbeat-interval", str(HEARTBEAT),
             "--pass-interval", "0.2", "--adoption-grace", "1",
         ])

@@ -34,6 +34,8 @@ from llmgw.control.limits import ConnectionLimiter, LimitsConfig
 from llmgw.control.metrics import make_registry, register_control_metrics
 from llmgw.control.reconciler import Reconciler
 from llmgw.control.trust import TrustService
+from llmgw.gateway.keys import KeysError, load_keys
+from llmgw.gateway.service import DEFAULT_GATEWAY, GatewayService
 from llmgw.signals import SighupHandler, owns_signals
 from llmgw.tlsconf.options import ServerTLS, TLSConfigError, server_files
 from llmgw.wire import DEFAULT_MAX_FRAME
@@ -61,6 +63,10 @@ class Options(usage.Options):
         ["lost-after", None, "300", "seconds of silence before a node is lost (its replicas replaced)"],
         ["adoption-grace", None, "30", "seconds after start during which nothing is placed, "
          "while agents report what they run"],
+        ["gateway", None, DEFAULT_GATEWAY,
+         "[HOST:]PORT for the OpenAI-compatible gateway (0.0.0.0:8000 exposes it), or 'off'"],
+        ["api-keys", None, None,
+         "gateway API keys file (one per line, or TOML [keys] name = \"key\"); none: no keys"],
         ["config", None, None, "TOML file holding any of these options by name "
          "(pass-interval = 2, insecure = true, ...); the command line wins"],
     ]
@@ -134,6 +140,18 @@ class Options(usage.Options):
                 self["admin_address"] = parse_address(self["admin"], DEFAULT_ADMIN_HOST)
             except AddressError as e:
                 raise usage.UsageError(f"--admin: {e}") from e
+        self["gateway_address"] = None
+        if self["gateway"].strip().lower() != "off":
+            try:
+                self["gateway_address"] = parse_address(self["gateway"], "127.0.0.1")
+            except AddressError as e:
+                raise usage.UsageError(f"--gateway: {e}") from e
+        self["keyring"] = None
+        if self["api-keys"]:
+            try:
+                self["keyring"] = load_keys(Path(self["api-keys"]))
+            except KeysError as e:
+                raise usage.UsageError(f"--api-keys: {e}") from e
         if self["insecure"] and not is_loopback(host):
             raise usage.UsageError(
                 f"--insecure serves the agent stream without TLS and is refused on {host}: "
@@ -196,11 +214,12 @@ class ControlPlane(MultiService):
     The control plane's parts. C{inventory}, C{sink} and C{agents} (the
     agent service, which is the dispatcher) are attributes other parts use;
     C{reconciler} is the sink when it is a L{Reconciler} (the fleet admin and
-    routing table), else C{None}.
+    routing table), else C{None}; C{gateway} is the embedded gateway, if any.
     """
 
     log = Logger()
     reconciler: Reconciler | None = None
+    gateway: GatewayService | None = None
 
     def __init__(
         self,
@@ -358,6 +377,16 @@ def makeService(options: Options, reactor: Any = None) -> ControlPlane:
         )
     reload = ReloadOnHangup(reactor, reconciler)
     reload.setServiceParent(cp)
+    if options["gateway_address"] is not None:
+        host, port = options["gateway_address"]
+        cp.gateway = GatewayService(
+            reactor, reconciler, host, port, keys=options["keyring"], registry=cp.registry
+        )
+        cp.gateway.setName("gateway")
+        cp.gateway.setServiceParent(cp)
+        # The gateway's in-flight counts let a draining replica stop as soon
+        # as it is idle.
+        reconciler.set_in_flight(cp.gateway)
     return cp
 
 
