@@ -20,6 +20,7 @@ from twisted.python import usage
 KINDS: dict[str, tuple[str, str]] = {
     "control": ("llmgw.control.service", "the control plane: agent stream, reconciler, APIs"),
     "agent": ("llmgw.agent.service", "the node agent: GPU discovery and shard supervisor"),
+    "local": ("llmgw.local", "the whole system on this machine: control plane, agents, demo"),
     "gateway": ("llmgw.gateway.service", "a gateway in its own process, following a control plane"),
 }
 

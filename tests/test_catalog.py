@@ -21,7 +21,7 @@ from llmgw.control.catalog import (
     parse_catalog,
 )
 
-EXAMPLE = Path(__file__).parent.parent / "examples" / "catalog.toml"
+EXAMPLE = Path(__file__).parent.parent / "llmgw" / "demo-catalog.toml"
 
 GOOD = """
 [profiles.fake-1gpu]

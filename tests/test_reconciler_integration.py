@@ -30,7 +30,7 @@ from llmgw.control.service import ControlPlane, Options, makeService
 from llmgw.testing.pki import make_pki
 
 ROOT = str(Path(llmgw.__file__).resolve().parent.parent)
-EXAMPLE = Path(ROOT) / "examples" / "catalog.toml"
+EXAMPLE = Path(ROOT) / "llmgw" / "demo-catalog.toml"
 HEARTBEAT = 0.5
 NODES = ("node-1", "node-2")
 

@@ -16,7 +16,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from llmgw.control.reconciler import Reconciler
 from llmgw.control.service import Options, ReloadOnHangup, makeService
 
-EXAMPLE = str(Path(__file__).parent.parent / "examples" / "catalog.toml")
+EXAMPLE = str(Path(__file__).parent.parent / "llmgw" / "demo-catalog.toml")
 
 
 def parse(*args: str) -> Options:

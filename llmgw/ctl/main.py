@@ -21,10 +21,31 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ctl.add_subparsers(dest="ctl_command", required=True, metavar="COMMAND")
     cert.add_parser(sub)
     fleet.add_parsers(sub)
+    local = top.add_parser(
+        "local", help="run the local fleet (twistd -n llmgw local); --help lists its options",
+        add_help=False,
+    )
+    local.set_defaults(func=lambda args: run_local([]))
     return parser
 
 
+def run_local(args: Sequence[str]) -> int:
+    """
+    Run C{twistd -n llmgw local ARGS} in this process: twistd owns logging,
+    signals and the reactor, exactly as when started by hand.
+    """
+    from twisted.scripts.twistd import run
+
+    sys.argv = ["twistd", "--nodaemon", "--pidfile=", "llmgw", "local", *args]
+    run()
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["local"]:
+        # Everything after `local` is twistd's to parse.
+        return run_local(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     return int(args.func(args))

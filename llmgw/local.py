@@ -1,0 +1,318 @@
+"""
+``twistd llmgw local`` (or ``llmgw local``): the whole system on one
+machine.
+
+A control plane with its agent port on loopback, N agents with simulated
+GPUs (each with its own certificate and state directory, each on a real
+mutual-TLS stream), a demo catalog whose shards run the fake model server,
+the gateway and the admin API. Dev certificates are made in C{./certs} on the
+first run and reused afterwards. Stopping it stops every shard it started.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+from twisted.application.service import MultiService
+from twisted.internet.defer import inlineCallbacks
+from twisted.internet.task import LoopingCall, deferLater
+from twisted.logger import Logger
+from twisted.python import usage
+
+import llmgw
+from llmgw.addresses import AddressError, format_address, parse_address
+from llmgw.agent.gpus import GPUSpecError, discover, parse_gpu_spec
+from llmgw.agent.service import NodeAgent
+from llmgw.agent.state import StateDir, StateDirError
+from llmgw.control import service as control_service
+from llmgw.tlsconf.ca import CAError, CertificateAuthority
+from llmgw.tlsconf.options import (
+    ServerIdentityError,
+    TLSConfigError,
+    TLSFiles,
+    verify_server_identity,
+)
+
+#: The demo catalog, shipped in the package; see L{demo_catalog}.
+DEMO_CATALOG = Path(__file__).with_name("demo-catalog.toml")
+SERVER_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+class LocalError(Exception):
+    """
+    The local fleet cannot start; the message says why and what to do.
+    """
+
+
+def node_ids(count: int) -> list[str]:
+    return [f"local-{i}" for i in range(1, count + 1)]
+
+
+def ensure_certs(directory: Path, nodes: list[str]) -> list[str]:
+    """
+    Make the dev CA, the control plane's certificate and each node's in
+    C{directory} if they are missing; check and reuse those that are there.
+    Returns what was made, for the log.
+
+    @raise LocalError: a file is damaged, expired, or from another CA.
+    """
+    made: list[str] = []
+    ca_pem, ca_key = directory / "ca.pem", directory / "ca.key"
+    if not ca_pem.exists() and not ca_key.exists():
+        stray = sorted(p.name for p in directory.glob("*.pem")) if directory.exists() else []
+        if stray:
+            raise LocalError(
+                f"{directory} holds certificates ({', '.join(stray)}) but no CA; "
+                "move them away or pass --certs with another directory"
+            )
+        CertificateAuthority.init(directory, name="llmgw local dev CA")
+        made.append("CA")
+    try:
+        ca = CertificateAuthority.load(directory)
+    except CAError as e:
+        raise LocalError(f"the dev CA in {directory} is damaged: {e}") from e
+
+    def check(stem: str, what: str) -> TLSFiles | None:
+        if not (directory / f"{stem}.pem").exists():
+            return None
+        try:
+            return TLSFiles.load(ca_pem, directory / f"{stem}.pem", directory / f"{stem}.key")
+        except TLSConfigError as e:
+            raise LocalError(
+                f"{what} in {directory} cannot be used: {e}. Delete {directory} to start "
+                "over with new dev certificates, or pass --certs with another directory"
+            ) from e
+
+    server = check("server", "the control plane's certificate")
+    if server is None:
+        ca.issue_server(SERVER_HOSTS)
+        made.append("server certificate")
+    else:
+        try:
+            verify_server_identity(server.cert, "127.0.0.1")
+        except ServerIdentityError as e:
+            raise LocalError(f"{directory}/server.pem: {e}") from e
+    for node in nodes:
+        if check(f"agent-{node}", f"node {node}'s certificate") is None:
+            ca.issue_agent(node)
+            made.append(f"certificate for {node}")
+    return made
+
+
+def demo_catalog(state_dir: Path) -> Path:
+    """
+    Write the demo catalog into C{state_dir}, with C{PYTHONPATH} set so the
+    fake model server imports this copy of llmgw however it was installed.
+    """
+    root = str(Path(llmgw.__file__).resolve().parent.parent)
+    text = DEMO_CATALOG.read_text()
+    if "env = {}" not in text:
+        raise LocalError(f"{DEMO_CATALOG} has no 'env = {{}}' line to fill in")
+    text = text.replace("env = {}", "env = { PYTHONPATH = %s }" % json.dumps(root), 1)
+    path = state_dir / "demo-catalog.toml"
+    path.write_text(text)
+    return path
+
+
+class Options(usage.Options):
+    optParameters = [
+        ["agents", "n", "2", "how many agents (simulated GPU nodes)"],
+        ["gpus", None, "sim:2x24GiB", "each agent's GPUs (sim:COUNTxSIZE)"],
+        ["catalog", None, None, "catalog TOML (default: the demo catalog on the fake model server)"],
+        ["certs", None, "certs", "where the dev CA and certificates are made and kept"],
+        ["state-dir", None, "local-state", "where each agent keeps its state"],
+        ["gateway", None, "127.0.0.1:8000", "[HOST:]PORT of the OpenAI-compatible gateway"],
+        ["admin", None, "127.0.0.1:7480", "[HOST:]PORT of the admin API and /metrics"],
+        ["agent-port", None, "127.0.0.1:0", "[HOST:]PORT of the agent stream (0: any free port)"],
+        ["heartbeat", None, "2", "agents' heartbeat interval, seconds"],
+    ]
+
+    def postOptions(self) -> None:
+        try:
+            self["agents"] = int(self["agents"])
+        except ValueError:
+            raise usage.UsageError("--agents must be a whole number") from None
+        if not 1 <= self["agents"] <= 64:
+            raise usage.UsageError("--agents must be between 1 and 64")
+        try:
+            self["gpu_spec"] = parse_gpu_spec(self["gpus"])
+        except GPUSpecError as e:
+            raise usage.UsageError(f"--gpus: {e}") from e
+        if not self["gpus"].startswith("sim:"):
+            raise usage.UsageError("--gpus: the local fleet simulates its GPUs: use sim:COUNTxSIZE")
+        for name in ("gateway", "admin", "agent-port"):
+            try:
+                host, port = parse_address(self[name], "127.0.0.1")
+            except AddressError as e:
+                raise usage.UsageError(f"--{name}: {e}") from e
+            self[name] = format_address(host, port)
+        try:
+            self["heartbeat"] = float(self["heartbeat"])
+        except ValueError:
+            raise usage.UsageError("--heartbeat must be a number of seconds") from None
+        if self["heartbeat"] <= 0:
+            raise usage.UsageError("--heartbeat must be positive")
+        self["certs"] = Path(self["certs"]).resolve()
+        self["state-dir"] = Path(self["state-dir"]).resolve()
+        try:
+            self["made"] = ensure_certs(self["certs"], node_ids(self["agents"]))
+        except (LocalError, CAError) as e:
+            raise usage.UsageError(str(e)) from e
+        self["state-dir"].mkdir(parents=True, exist_ok=True)
+        catalog = self["catalog"] or demo_catalog(self["state-dir"])
+        self["control"] = control_service.Options()
+        try:
+            self["control"].parseOptions([
+                "--certs", str(self["certs"]),
+                "--agents", self["agent-port"],
+                "--admin", self["admin"],
+                "--gateway", self["gateway"],
+                "--catalog", str(catalog),
+                "--heartbeat-interval", str(self["heartbeat"]),
+                # Every agent is on this machine: no point waiting long
+                # for agents that will not come.
+                "--adoption-grace", "2",
+                "--max-connections-per-address", "0",
+            ])
+        except usage.UsageError as e:
+            raise usage.UsageError(f"the control plane refused its options: {e}") from e
+
+
+class LocalFleet(MultiService):
+    """
+    A control plane and C{agents} agents in one process. C{control} is the
+    L{ControlPlane}; C{agents} fills in once the agent port is bound.
+    """
+
+    log = Logger()
+
+    def __init__(self, reactor: Any, options: Options, out: TextIO | None = None):
+        super().__init__()
+        self.reactor = reactor
+        self.options = options
+        self.out = out if out is not None else sys.stdout
+        self.control = control_service.makeService(options["control"], reactor=reactor)
+        self.control.setServiceParent(self)
+        self.agents: list[NodeAgent] = []
+        self._watch: LoopingCall | None = None
+        self.announced = False
+
+    def startService(self) -> None:
+        if self.options["made"]:
+            self.log.info("made dev certificates in {dir}: {what}", dir=str(self.options["certs"]),
+                          what=", ".join(self.options["made"]))
+        super().startService()
+        host, port = self.control.agent_listener.address()
+        certs = self.options["certs"]
+        for node in node_ids(self.options["agents"]):
+            state = StateDir(self.options["state-dir"] / f"agent-{node}")
+            agent = NodeAgent(
+                self.reactor,
+                tls=TLSFiles.load(certs / "ca.pem", certs / f"agent-{node}.pem",
+                                  certs / f"agent-{node}.key"),
+                node_id=node,
+                control_host=host,
+                control_port=port,
+                state=state,
+                gpu_source=discover(self.options["gpu_spec"], self.reactor, salt=node),
+                heartbeat=self.options["heartbeat"],
+                handle_sighup=False,
+            )
+            agent.setName(f"agent-{node}")
+            agent.setServiceParent(self)
+            self.agents.append(agent)
+        self._watch = LoopingCall(self._check_ready)
+        self._watch.clock = self.reactor
+        self._watch.start(0.5, now=False)
+
+    def _check_ready(self) -> None:
+        reconciler = self.control.reconciler
+        if reconciler is None or self.announced:
+            return
+        deployments = reconciler.deployments()
+        if not deployments or any(d["ready"] < d["desired"] for d in deployments):
+            return
+        self.announced = True
+        self.out.write(self.summary())
+        self.out.flush()
+
+    def summary(self) -> str:
+        """
+        What runs where, and how to call it.
+        """
+        reconciler = self.control.reconciler
+        assert reconciler is not None
+        lines = ["", "llmgw local fleet is ready:"]
+        for rep in reconciler.replicas():
+            for shard in rep["shards"]:
+                lines.append(
+                    f"  replica {rep['id']:<24} {rep['state']:<8} {shard['node']:<10} "
+                    f"{shard['address']}   model {rep['model']}"
+                )
+        gateway = self.control.gateway
+        gw = format_address(*gateway.listener.address()) if gateway is not None else None
+        admin = self.control.admin_listener
+        adm = format_address(*admin.address()) if admin is not None else None
+        lines.append(f"  gateway http://{gw}/v1   admin http://{adm}   "
+                     f"certificates {self.options['certs']}")
+        models = [d["model"] for d in reconciler.deployments()]
+        if gw and models:
+            body = (
+                '{"model": "%s", "messages": [{"role": "user", "content": "hello"}]}' % models[0]
+            )
+            lines.append("try:")
+            lines.append(
+                f"  curl -s http://{gw}/v1/chat/completions "
+                f"-H 'Content-Type: application/json' -d '{body}'"
+            )
+            lines.append(f"  llmgw ctl replicas --admin http://{adm}")
+        lines.append("Ctrl-C stops the fleet and every shard it started.")
+        return "\n".join(lines) + "\n\n"
+
+    @inlineCallbacks
+    def stopService(self) -> Any:
+        if self._watch is not None and self._watch.running:
+            self._watch.stop()
+        # First stop deciding, so nothing is replaced while shards stop.
+        if self.control.reconciler is not None and self.control.reconciler.running:
+            yield self.control.reconciler.stopService()
+        yield self.stop_shards()
+        yield super().stopService()
+
+    @inlineCallbacks
+    def stop_shards(self, poll: float = 0.1) -> Any:
+        """
+        Stop every shard the agents run (TERM, then KILL after each shard's
+        grace) and wait until all have ended.
+        """
+        grace = 0.0
+        for agent in self.agents:
+            for shard in agent.supervisor.live_shards():
+                grace = max(grace, shard.spec.stop_grace_s)
+                agent.supervisor.stop(shard.shard_id)
+        deadline = self.reactor.seconds() + grace + 5
+        while any(a.supervisor.live_shards() for a in self.agents):
+            if self.reactor.seconds() > deadline:
+                left = [s.shard_id for a in self.agents for s in a.supervisor.live_shards()]
+                self.log.error("shards still running after their grace: {shards}", shards=left)
+                break
+            yield deferLater(self.reactor, poll, lambda: None)
+
+
+def makeService(options: Options, reactor: Any = None) -> LocalFleet:
+    if reactor is None:
+        from twisted.internet import reactor as _reactor
+
+        reactor = _reactor
+    try:
+        for node in node_ids(options["agents"]):
+            StateDir(options["state-dir"] / f"agent-{node}")
+    except StateDirError as e:
+        raise usage.UsageError(str(e)) from e
+    return LocalFleet(reactor, options)
+
+
+__all__ = ["LocalFleet", "Options", "ensure_certs", "makeService"]
