@@ -111,7 +111,7 @@ def demo_catalog(state_dir: Path) -> Path:
     text = DEMO_CATALOG.read_text()
     if "env = {}" not in text:
         raise LocalError(f"{DEMO_CATALOG} has no 'env = {{}}' line to fill in")
-    text = text.replace("env = {}", "env = { PYTHONPATH = %s }" % json.dumps(root), 1)
+    text = text.replace("env = {}", f"env = {{ PYTHONPATH = {json.dumps(root)} }}", 1)
     path = state_dir / "demo-catalog.toml"
     path.write_text(text)
     return path
@@ -260,8 +260,8 @@ class LocalFleet(MultiService):
                      f"certificates {self.options['certs']}")
         models = [d["model"] for d in reconciler.deployments()]
         if gw and models:
-            body = (
-                '{"model": "%s", "messages": [{"role": "user", "content": "hello"}]}' % models[0]
+            body = json.dumps(
+                {"model": models[0], "messages": [{"role": "user", "content": "hello"}]}
             )
             lines.append("try:")
             lines.append(
