@@ -9,6 +9,7 @@ is killed in cleanup, even on failure.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import sys
@@ -90,7 +91,13 @@ class ReconcilerIntegrationTests(TestCase):
 
     def start_plane(self) -> ControlPlane:
         catalog = Path(self.mktemp())
-        catalog.write_text(EXAMPLE.read_text().replace("env = {}", f'env = {{ PYTHONPATH = "{ROOT}" }}'))
+        # A port range of its own, so a server left on the demo's ports by
+        # something else on this machine does not fail the test.
+        first = random.randrange(30000, 60000, 1000)
+        text = EXAMPLE.read_text().replace("env = {}", f'env = {{ PYTHONPATH = "{ROOT}" }}')
+        text = text.replace("first = 20000", f"first = {first}").replace(
+            "last = 20999", f"last = {first + 999}")
+        catalog.write_text(text)
         opts = Options()
         opts.parseOptions([
             "--certs", str(self.dir), "--agents", f"127.0.0.1:{self.port}", "--admin", "127.0.0.1:0",

@@ -56,6 +56,10 @@ class FakeOps(ProcessOps):
     def __init__(self) -> None:
         self.alive: dict[int, int] = {}
         self.signals: list[tuple[int, int]] = []
+        self.busy_ports: set[int] = set()
+
+    def port_in_use(self, port: int) -> bool:
+        return port in self.busy_ports
 
     def start_time(self, pid: int) -> int | None:
         return self.alive.get(pid, 4242 + pid)
@@ -288,6 +292,10 @@ class SupervisorTests(SynchronousTestCase):
         self.assertEqual(self.reports[-1][2], "GPU 7 does not exist on this node (it has 0,1,2,3)")
         self.sup.start(spec("../etc", gpus=(3,), port=8005))
         self.assertIn("not usable", self.reports[-1][2])
+        self.ops.busy_ports.add(8006)
+        self.sup.start(spec("s6", gpus=(3,), port=8006))
+        self.assertEqual(self.reports[-1][2],
+                         "port 8006 is already in use by another process on this node")
         self.assertEqual(len(self.spawner.calls), 1)
         self.assertIsNone(self.sup.get("s2"))
 
@@ -498,3 +506,18 @@ class ProcessOpsTests(SynchronousTestCase):
         self.assertIsInstance(ops.start_time(os.getpid()), int)
         self.assertEqual(ops.start_time(os.getpid()), ops.start_time(os.getpid()))
         self.assertIsNone(ops.start_time(2**22 + 12345))
+
+    def test_port_in_use(self) -> None:
+        """
+        A port another process listens on (on loopback) is in use; a free
+        one is not.
+        """
+        import socket
+
+        ops = ProcessOps()
+        with socket.socket() as listener:
+            listener.bind(("127.0.0.1", 0))
+            listener.listen(1)
+            port = listener.getsockname()[1]
+            self.assertTrue(ops.port_in_use(port))
+        self.assertFalse(ops.port_in_use(port))

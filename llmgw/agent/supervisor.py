@@ -27,7 +27,9 @@ detects their exit by polling, since they are no longer its children.
 from __future__ import annotations
 
 import collections
+import errno
 import os
+import socket
 import signal
 import sys
 from collections.abc import Callable, Iterable
@@ -111,6 +113,20 @@ class ProcessOps:
             return int(fields[19])
         except (IndexError, ValueError):
             return None
+
+    def port_in_use(self, port: int) -> bool:
+        """
+        Whether another process on this machine already listens on C{port}
+        (any address). A shard started there could not bind it, and a health
+        check would reach the other process instead.
+        """
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError as e:
+                return e.errno == errno.EADDRINUSE
+        return False
 
     def kill_group(self, pid: int, sig: int) -> None:
         """
@@ -459,6 +475,8 @@ class Supervisor(Service):
             if shared:
                 return (f"GPU {','.join(map(str, shared))} is in use by shard "
                         f"{other.shard_id}")
+        if self.ops.port_in_use(spec.port):
+            return f"port {spec.port} is already in use by another process on this node"
         return None
 
     def _argv(self, spec: ShardSpec) -> list[str]:
