@@ -29,8 +29,8 @@ from __future__ import annotations
 import collections
 import errno
 import os
-import socket
 import signal
+import socket
 import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
