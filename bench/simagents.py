@@ -238,15 +238,19 @@ class Fleet:
         else:
             self.stray_commands += 1
 
-    def _tick(self) -> None:
-        slot = self._slots[self._slot]
-        self._slot = (self._slot + 1) % SLOTS
-        hb = HEARTBEATS[self._slot % len(HEARTBEATS)]
-        for node in slot:
-            stream = node.stream
-            if stream is not None and not stream.transport.disconnecting:
-                stream.sendString(hb)
-                self.hb_sent += 1
+    def _tick(self, count: int) -> None:
+        # LoopingCall skips ticks it was late for and says how many passed:
+        # send for every slot they covered, or a busy process would leave
+        # whole slots of agents silent for an interval.
+        for _ in range(min(count, SLOTS)):
+            slot = self._slots[self._slot]
+            self._slot = (self._slot + 1) % SLOTS
+            hb = HEARTBEATS[self._slot % len(HEARTBEATS)]
+            for node in slot:
+                stream = node.stream
+                if stream is not None and not stream.transport.disconnecting:
+                    stream.sendString(hb)
+                    self.hb_sent += 1
 
     # -- requests -------------------------------------------------------------------
 
@@ -268,7 +272,7 @@ class Fleet:
         for node in self.nodes:
             at = max(0.0, (t0 - now) / 1e9 + self._rng.uniform(0, jitter))
             self.reactor.callLater(at, self.dial, node)
-        self._wheel = LoopingCall(self._tick)
+        self._wheel = LoopingCall.withCount(self._tick)
         self._wheel.clock = self.reactor
         self._wheel.start(self.heartbeat_interval / SLOTS, now=False)
 
