@@ -221,6 +221,7 @@ def run_target(
         sim_cpu0 = sum(proc_cpu_seconds(s.pid) for s in sims)
         pids = [server.pid] + [s.pid for s in sims]
         bg = Background(pids)
+        server.call("gc", 10)
         if args.profile:
             server.call("profile", 10, action="start")
             sims[0].call("profile", 10, action="start")
@@ -230,6 +231,7 @@ def run_target(
         reg = server.call("await", args.storm_timeout + 5, count=n, timeout=args.storm_timeout)
         cpu1 = proc_cpu_seconds(server.pid)
         sim_cpu1 = sum(proc_cpu_seconds(s.pid) for s in sims)
+        storm_gc = server.call("gc", 10)
         if args.profile:
             out["storm_profile_top"] = server.call(
                 "profile", 60, action="stop", path=str(workdir / f"{kind}-storm.prof"))["top"]
@@ -265,6 +267,7 @@ def run_target(
             "server_cpu_s": round(cpu1 - cpu0, 2),
             "agents_cpu_s": round(sim_cpu1 - sim_cpu0, 2),
             "other_processes_cpu_cores": bg.cores(),
+            "server_gc": storm_gc,
             **storm_sims,
         }
 
@@ -273,6 +276,7 @@ def run_target(
         stats0 = [s.call("stats", 30) for s in sims]
         c0, w0 = proc_cpu_seconds(server.pid), time.monotonic()
         bg = Background(pids)
+        server.call("gc", 10)
         if args.profile:
             server.call("profile", 10, action="start")
         time.sleep(args.steady_window)
@@ -282,6 +286,7 @@ def run_target(
             out["steady_profile_top"] = prof["top"]
         c1, w1 = proc_cpu_seconds(server.pid), time.monotonic()
         others = bg.cores()
+        steady_gc = server.call("gc", 10)
         stats1 = [s.call("stats", 30) for s in sims]
         rss = proc_rss_kb(server.pid)
         sstats = server.call("stats", 30)
@@ -296,6 +301,7 @@ def run_target(
             "rss_per_connection_kb": round((rss - rss_idle) / max(1, sstats["connected"]), 2),
             "lost_after_up": sum(b["lost_after_up"] for b in stats1),
             "other_processes_cpu_cores": others,
+            "server_gc": steady_gc,
             "server": sstats,
         }
 

@@ -15,6 +15,7 @@ Both answer the orchestrator on stdin/stdout (L{bench.common.ControlChannel}):
                                in one reactor turn); the shard id carries the
                                send time (C{time.monotonic_ns()}), so the agent
                                that reads it knows the latency
+    gc                         time in the cyclic collector since the last ask
     profile {action, path}     start / stop cProfile; stop dumps to PATH
 
 Run by L{bench.agent_stream}; not meant to be started by hand.
@@ -23,6 +24,7 @@ Run by L{bench.agent_stream}; not meant to be started by hand.
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import sys
 import time
@@ -146,6 +148,43 @@ def stop_frame(epoch: int) -> bytes:
     return pb.ControlMessage(stop=pb.StopShard(shard_id=shard, epoch=epoch)).SerializeToString()
 
 
+class GCTimes:
+    """
+    Time spent in the cyclic garbage collector, by generation, since the
+    last call to L{take}.
+    """
+
+    def __init__(self) -> None:
+        self._start = 0.0
+        self._reset()
+        gc.callbacks.append(self._callback)
+
+    def _reset(self) -> None:
+        self.counts = [0, 0, 0]
+        self.seconds = [0.0, 0.0, 0.0]
+        self.longest = 0.0
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+            return
+        took = time.perf_counter() - self._start
+        g = info["generation"]
+        self.counts[g] += 1
+        self.seconds[g] += took
+        self.longest = max(self.longest, took)
+
+    def take(self) -> dict[str, Any]:
+        out = {
+            "collections": self.counts,
+            "seconds": [round(x, 3) for x in self.seconds],
+            "longest_ms": round(self.longest * 1000, 1),
+            "tracked_objects": len(gc.get_objects()),
+        }
+        self._reset()
+        return out
+
+
 class Target:
     """
     The server under test and the orchestrator's requests.
@@ -155,6 +194,7 @@ class Target:
         self.reactor = reactor
         self.kind = kind
         self.regs = Registrations(reactor)
+        self.gc_times = GCTimes()
         tls = ServerTLS(server_files(certs))
         if kind == "control":
             self.cp = ControlPlane(
@@ -179,6 +219,9 @@ class Target:
 
     def op_await(self, req: dict[str, Any]) -> Deferred[dict[str, Any]]:
         return self.regs.wait_for(int(req["count"]), float(req.get("timeout", 60)))
+
+    def op_gc(self, req: dict[str, Any]) -> dict[str, Any]:
+        return self.gc_times.take()
 
     def op_stats(self, req: dict[str, Any]) -> dict[str, Any]:
         out: dict[str, Any] = {"registered": len(self.regs.seen)}
@@ -241,6 +284,7 @@ class Target:
         return {
             "await": self.op_await,
             "stats": self.op_stats,
+            "gc": self.op_gc,
             "dispatch": self.op_dispatch,
             "profile": Profiler(),
         }
