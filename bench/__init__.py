@@ -1,0 +1,4 @@
+"""
+Benchmarks. Not part of the installed package; run from the repository root
+(see C{bench/README.md}).
+"""
