@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import sys
 import time
 from collections.abc import Callable
@@ -18,7 +17,6 @@ from typing import Any
 
 from cryptography.x509.oid import ExtendedKeyUsageOID
 from twisted.internet import defer, reactor
-from twisted.internet.protocol import ProcessProtocol
 from twisted.internet.task import deferLater
 from twisted.trial.unittest import TestCase
 
@@ -27,6 +25,7 @@ from llmgw.agent.state import StateDir
 from llmgw.control.interfaces import ShardCommand
 from llmgw.control.service import ControlPlane
 from llmgw.testing.pki import issue_raw, make_pki
+from llmgw.testing.procs import ProcessOutput, free_port
 from llmgw.testing.sinks import RecordingSink
 from llmgw.tlsconf.ca import CertificateAuthority
 from llmgw.tlsconf.options import ServerTLS, server_files
@@ -35,27 +34,8 @@ ROOT = str(Path(llmgw.__file__).resolve().parent.parent)
 HEARTBEAT = 0.5
 
 
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return int(port)
 
 
-class Output(ProcessProtocol):
-    def __init__(self) -> None:
-        self.data = b""
-        self.ended: defer.Deferred[Any] = defer.Deferred()
-
-    def childDataReceived(self, fd: int, data: bytes) -> None:
-        self.data = (self.data + data)[-200_000:]
-
-    def processEnded(self, reason: Any) -> None:
-        self.ended.callback(reason.value)
-
-    def text(self) -> str:
-        return self.data.decode("utf-8", "replace")
 
 
 class AgentIntegrationTests(TestCase):
@@ -68,7 +48,7 @@ class AgentIntegrationTests(TestCase):
         self.port = free_port()
         self.sink = RecordingSink()
         self.planes: list[ControlPlane] = []
-        self.agents: list[tuple[Any, Output]] = []
+        self.agents: list[tuple[Any, ProcessOutput]] = []
         self.addCleanup(self.cleanup)
 
     @defer.inlineCallbacks
@@ -99,8 +79,8 @@ class AgentIntegrationTests(TestCase):
         self.planes.append(plane)
         return plane
 
-    def start_agent(self) -> Output:
-        out = Output()
+    def start_agent(self) -> ProcessOutput:
+        out = ProcessOutput()
         args = [sys.executable, "-c", "from twisted.scripts.twistd import run; run()",
                 "-n", "--pidfile=", "llmgw", "agent",
                 "--control", f"127.0.0.1:{self.port}", "--certs", str(self.dir),

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,15 +23,12 @@ from typing import Any
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.agent.state import StateDir
+from llmgw.testing.procs import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DEADLINE = 60.0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def llmgw_command() -> list[str]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import socket
 import sys
 import time
 from collections.abc import Callable
@@ -19,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from twisted.internet import defer, reactor
-from twisted.internet.protocol import ProcessProtocol
 from twisted.internet.task import deferLater
 from twisted.internet.utils import getProcessOutputAndValue
 from twisted.trial.unittest import TestCase
@@ -29,6 +27,7 @@ from llmgw.agent.state import StateDir
 from llmgw.control.backoff import Backoff
 from llmgw.control.service import ControlPlane, Options, makeService
 from llmgw.testing.pki import make_pki
+from llmgw.testing.procs import ProcessOutput, free_port
 
 ROOT = str(Path(llmgw.__file__).resolve().parent.parent)
 EXAMPLE = Path(ROOT) / "llmgw" / "demo-catalog.toml"
@@ -36,27 +35,8 @@ HEARTBEAT = 0.5
 NODES = ("node-1", "node-2")
 
 
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return int(port)
 
 
-class Output(ProcessProtocol):
-    def __init__(self) -> None:
-        self.data = b""
-        self.ended: defer.Deferred[Any] = defer.Deferred()
-
-    def childDataReceived(self, fd: int, data: bytes) -> None:
-        self.data = (self.data + data)[-200_000:]
-
-    def processEnded(self, reason: Any) -> None:
-        self.ended.callback(None)
-
-    def text(self) -> str:
-        return self.data.decode("utf-8", "replace")
 
 
 class ReconcilerIntegrationTests(TestCase):
@@ -67,7 +47,7 @@ class ReconcilerIntegrationTests(TestCase):
         make_pki(self.dir, NODES, ["127.0.0.1"])
         self.port = free_port()
         self.states = {n: Path(self.mktemp()).resolve() for n in NODES}
-        self.agents: list[tuple[Any, Output]] = []
+        self.agents: list[tuple[Any, ProcessOutput]] = []
         self.plane: ControlPlane | None = None
         self.addCleanup(self.cleanup)
 
@@ -97,6 +77,9 @@ class ReconcilerIntegrationTests(TestCase):
         text = EXAMPLE.read_text().replace("env = {}", f'env = {{ PYTHONPATH = "{ROOT}" }}')
         text = text.replace("first = 20000", f"first = {first}").replace(
             "last = 20999", f"last = {first + 999}")
+        # Nothing is placed until both agents are up (see the test), so that
+        # a slow agent start does not put both replicas on the first node.
+        text = text.replace("replicas = 2", "replicas = 0")
         catalog.write_text(text)
         opts = Options()
         opts.parseOptions([
@@ -114,7 +97,7 @@ class ReconcilerIntegrationTests(TestCase):
         return plane
 
     def start_agent(self, node: str) -> None:
-        out = Output()
+        out = ProcessOutput()
         args = [sys.executable, "-c", "from twisted.scripts.twistd import run; run()",
                 "-n", "--pidfile=", "llmgw", "agent",
                 "--control", f"127.0.0.1:{self.port}", "--certs", str(self.dir),
@@ -155,6 +138,10 @@ class ReconcilerIntegrationTests(TestCase):
         plane = self.start_plane()
         for node in NODES:
             self.start_agent(node)
+        yield self.wait_for("both agents connected",
+                            lambda: plane.agents.connected_nodes() == sorted(NODES))
+        assert plane.reconciler is not None
+        plane.reconciler.scale("demo", 2)
         first = yield self.wait_for("two ready replicas", self.ready)
         nodes = {r["shards"][0]["node"] for r in first}
         self.assertEqual(nodes, set(NODES))
