@@ -552,3 +552,20 @@ class CloseAllTests(SynchronousTestCase):
         self.assertEqual(h.service.close_all("stopping"), 2)
         self.assertTrue(registered.aborted)
         self.assertTrue(pending.aborted)
+
+
+class InventoryProblemTests(SynchronousTestCase):
+    def test_problems_bounded(self) -> None:
+        """
+        A GPU keeps at most 32 problems however many new texts arrive; it is
+        out of placement from the first.
+        """
+        from llmgw.control.inventory import MAX_PROBLEMS_PER_GPU, GPUInfo, Inventory, Node
+
+        inventory = Inventory()
+        inventory.upsert(Node(id="n", gpus=[GPUInfo(index=0)]))
+        for i in range(100):
+            inventory.apply_heartbeat("n", [], [(0, f"xid 79 at {i}")])
+        node = inventory.get("n")
+        assert node is not None
+        self.assertEqual(len(node.gpus[0].problems), MAX_PROBLEMS_PER_GPU)

@@ -216,6 +216,20 @@ class SmiTests(SynchronousTestCase):
         self.assertIn("GPU is lost", sample.problems[0].problem)
 
 
+    def test_failed_poll_is_not_a_lost_gpu(self) -> None:
+        """
+        nvidia-smi failing as a whole (non-zero exit, no GPU listed) fails
+        the poll; it does not mark every GPU as fallen off the bus.
+        """
+        def run(path: str, args: Any) -> defer.Deferred[tuple[bytes, bytes, int]]:
+            return defer.succeed((b"", b"Failed to initialize NVML: Driver busy", 255))
+
+        two = "0, GPU-x, NVIDIA H100 80GB HBM3, 81559, 0, 0\n1, GPU-y, NVIDIA H100 80GB HBM3, 81559, 0, 0\n"
+        source = SmiSource("/usr/bin/nvidia-smi", two, Clock(), run=run)
+        failure = self.failureResultOf(source.poll(), gpus.SmiPollError)
+        self.assertIn("Driver busy", str(failure.value))
+
+
 class NVMLTests(SynchronousTestCase):
     def test_discovery(self) -> None:
         """

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
@@ -19,6 +20,8 @@ from llmgw.control.interfaces import (
     IRoutingTable,
     IStatusSink,
     NotKeepingUp,
+    ReportedShard,
+    ShardReport,
     UnknownDeployment,
     UnknownNode,
 )
@@ -262,6 +265,33 @@ class ExpiryTests(SynchronousTestCase):
         self.assertEqual(rec.metrics_snapshot()["nodes"]["suspect"], 3)
 
 
+class ExpiryRoundingTests(SynchronousTestCase):
+    def test_deadline_rounding_does_not_spin(self) -> None:
+        """
+        A node whose deadline, in floating point, falls due a hair before its
+        silence reaches suspect_after is neither marked suspect early nor
+        re-queued at a time already due (which would spin the pass forever).
+        """
+        import signal
+
+        def hung(signum: int, frame: Any) -> None:
+            raise AssertionError("the reconcile pass did not return")
+
+        previous = signal.signal(signal.SIGALRM, hung)
+        self.addCleanup(signal.signal, signal.SIGALRM, previous)
+        self.addCleanup(signal.alarm, 0)
+        clock = Clock()
+        clock.advance(253.27262316257625)
+        f = Fleet({"demo": ("one", 0)}, nodes=1, grace=0, clock=clock, suspect_after=15.0)
+        f.alive.clear()
+        signal.alarm(5)
+        for _ in range(40):
+            clock.advance(0.5)
+            f.rec.run_pass()
+        signal.alarm(0)
+        self.assertEqual(f.rec.nodes()[0]["state"], "suspect")
+
+
 class RestartTests(SynchronousTestCase):
     def test_restart_adopts_everything(self) -> None:
         """
@@ -346,8 +376,49 @@ class RestartTests(SynchronousTestCase):
         f.rec.adopt(node_id, [])
         f.rec.node_registered(node_id)
         self.assertIn("shard_missing", [e["kind"] for e in f.rec.events()])
+        f.clock.advance(10)
         f.step()
         self.assertEqual(len(f.dispatcher.starts), 2)
+
+    def test_missing_shard_backs_off_and_takes_late_status(self) -> None:
+        """
+        A shard gone missing while its node was away counts as a failure
+        (the deployment backs off), and the failed status the agent kept for
+        the control plane still fills in the exit code and last output.
+        """
+        f = Fleet({"demo": ("one", 1)}, nodes=2, grace=0)
+        f.step()
+        f.make_ready()
+        first = f.dispatcher.starts[0]
+        f.rec.adopt(first.node_id, [])
+        f.rec.node_registered(first.node_id)
+        [dep] = f.rec.deployments()
+        self.assertEqual(dep["failures"], 1)
+        self.assertIsNotNone(dep["backoff_until"])
+        self.assertEqual(f.rec.shard_node(first.shard_id), first.node_id)
+        f.rec.on_shard_status(ShardReport(
+            node_id=first.node_id, replica_id=first.replica_id, shard_id=first.shard_id,
+            state="failed", exit_code=3, last_output="Traceback: boom"))
+        [dep] = f.rec.deployments()
+        self.assertEqual((dep["last_failure"]["exit_code"], dep["last_failure"]["last_output"]),
+                         (3, "Traceback: boom"))
+        self.assertEqual(dep["failures"], 1)
+        f.step()
+        self.assertEqual(len(f.dispatcher.starts), 1)
+        f.clock.advance(10)
+        f.step()
+        self.assertEqual(len(f.dispatcher.starts), 2)
+
+    def test_adopted_rank_outside_world(self) -> None:
+        """
+        A reported shard whose rank is outside its replica's world is not
+        adopted, and routing never breaks on a replica without a leader.
+        """
+        f = Fleet({"demo": ("one", 1)}, nodes=1, grace=30, register=False)
+        bad = ReportedShard(node_id="node-00000", shard_id="s1", replica_id="r1", model="demo",
+                            profile="one", rank=1, gpu_indices=(0,), port=20000, state="ready")
+        self.assertEqual(f.rec.adopt("node-00000", [bad]), [bad])
+        self.assertEqual(f.rec.routes("demo"), [])
 
 
 class FailureTests(SynchronousTestCase):

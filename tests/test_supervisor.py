@@ -277,6 +277,15 @@ class SupervisorTests(SynchronousTestCase):
         self.assertEqual(len(self.spawner.calls), 2)
         self.assertEqual(self.states()[-1], "starting")
 
+    def test_stop_unknown_shard(self) -> None:
+        """
+        A stop for a shard this agent never started is answered "stopped",
+        so the control plane frees what it holds for it at once.
+        """
+        self.sup.stop("never-started")
+        self.assertEqual(self.reports, [("never-started", "stopped", "", 0, 0)])
+        self.assertEqual(self.spawner.calls, [])
+
     def test_clashes(self) -> None:
         """
         A start whose GPUs or port clash with a running shard, or whose GPUs

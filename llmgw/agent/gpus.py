@@ -44,6 +44,12 @@ _SIM = re.compile(r"^sim:(\d+)x(\d+)(GiB|MiB|TiB|G|M|T)$", re.IGNORECASE)
 _UNIT_MB = {"m": 1, "mib": 1, "g": 1024, "gib": 1024, "t": 1024 * 1024, "tib": 1024 * 1024}
 
 
+class SmiPollError(RuntimeError):
+    """
+    An C{nvidia-smi} poll failed as a whole; the GPUs keep their last state.
+    """
+
+
 class GPUSpecError(ValueError):
     """
     A C{--gpus} value is not understood; the message says what is accepted.
@@ -352,6 +358,10 @@ class SmiSource(GPUSource):
         problems = [Problem(g.index, p) for g in gpus for p in g.problems]
         seen = {g.index for g in gpus}
         complaint = "; ".join(other + [err.decode("utf-8", "replace").strip()]).strip("; ")
+        if code != 0 and not gpus:
+            # nvidia-smi itself failed (driver busy, killed): that says
+            # nothing about any one GPU, and problems are never cleared.
+            raise SmiPollError(f"nvidia-smi exited with {code} and listed no GPU: {complaint[:200]}")
         for g in self._gpus:
             if g.index not in seen:
                 problems.append(Problem(

@@ -425,8 +425,15 @@ class Supervisor(Service):
         if shard is None or not shard.live:
             self.log.info("stop for shard {shard}: it is not running ({state})",
                           shard=shard_id, state=shard.state if shard else "unknown")
-            if shard is not None:
-                self._report(shard)
+            if shard is None:
+                # A start that never arrived, say: answer "stopped" so the
+                # control plane frees what it holds for it now, not after
+                # the stop's grace.
+                if not valid_shard_id(shard_id):
+                    return
+                shard = Shard(ShardSpec(shard_id=shard_id, replica_id="", model="", profile="",
+                                        argv=[], gpu_indices=[], port=0), STOPPED)
+            self._report(shard)
             return
         self._terminate(shard, "")
 

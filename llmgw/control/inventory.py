@@ -14,6 +14,10 @@ import builtins
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
+#: Problems kept per GPU: one is enough to keep it out of placement, and a
+#: buggy agent sending ever-new texts must not grow the inventory forever.
+MAX_PROBLEMS_PER_GPU = 32
+
 
 @dataclass
 class GPUInfo:
@@ -121,7 +125,11 @@ class Inventory:
         by_index = {g.index: g for g in node.gpus}
         for index, text in problems:
             target = by_index.get(index) or (node.gpus[0] if node.gpus else None)
-            if target is not None and text not in target.problems:
+            if (
+                target is not None
+                and text not in target.problems
+                and len(target.problems) < MAX_PROBLEMS_PER_GPU
+            ):
                 target.problems.append(text)
                 changed = True
         if changed:

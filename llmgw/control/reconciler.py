@@ -84,6 +84,9 @@ DEFAULT_FREEZE_SHARE = 0.5
 #: Replica ids retired (torn down or replaced) remembered, so their shards
 #: on a node that comes back are not claimed again.
 RETIRED_LIMIT = 100_000
+#: Shards that went missing while their node was away, kept so that their
+#: late final status (exit code, output) is still taken.
+MISSING_KEPT = 10_000
 
 PENDING, STARTING, READY, DRAINING, STOPPED, FAILED = (
     "pending",
@@ -243,6 +246,7 @@ class Reconciler(Service):
         self._draining: set[str] = set()
         self._incomplete: set[str] = set()
         self._retired: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._missing: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()
         self._shard_states: collections.Counter[str] = collections.Counter()
         self.ports = PortBook(*catalog.port_range)
         self._capacity: dict[str, NodeCapacity] = {}
@@ -549,12 +553,16 @@ class Reconciler(Service):
             rep = self.replica_recs.get(s.replica_id)
             if rep is None:
                 profile = self.catalog.profiles[dep.profile]
+                # An agent that does not know the world size reports 1.
+                world_size = s.world_size if s.world_size > 1 else profile.shards
+                if s.rank >= world_size:
+                    refuse(s, f"rank {s.rank} is outside a world of {world_size}")
+                    continue
                 rep = ReplicaRec(
                     id=s.replica_id,
                     model=s.model,
                     profile=s.profile,
-                    # An agent that does not know the world size reports 1.
-                    world_size=s.world_size if s.world_size > 1 else profile.shards,
+                    world_size=world_size,
                     created_at=now,
                     adopted=True,
                 )
@@ -614,16 +622,68 @@ class Reconciler(Service):
                     shard=sid,
                     reason="the node registered without it",
                 )
+                # It ended while the stream was down: a failure like any
+                # other (crash loops must back off), whose exit code and
+                # output may still arrive in a status the agent kept for us.
+                self._failure(rep.model, {
+                    "node": node_id, "replica": rep.id, "shard": sid, "exit_code": 0,
+                    "signal": 0, "error": "the shard ended while its node was disconnected",
+                    "last_output": "", "time": now,
+                }, now)
+                self._remember_missing(sid, node_id, rep.model)
                 self._drop_shard(shard)
                 self._teardown(rep, f"shard {sid} is gone from {node_id}")
 
+    def _remember_missing(self, shard_id: str, node_id: str, model: str) -> None:
+        self._missing[shard_id] = (node_id, model)
+        while len(self._missing) > MISSING_KEPT:
+            self._missing.popitem(last=False)
+
     def shard_node(self, shard_id: str) -> str | None:
         shard = self.shard_recs.get(shard_id)
-        return shard.node_id if shard is not None else None
+        if shard is not None:
+            return shard.node_id
+        missing = self._missing.get(shard_id)
+        return missing[0] if missing is not None else None
+
+    def _late_final_status(self, report: ShardReport, model: str, now: float) -> None:
+        """
+        The final status of a shard that went missing while its node was
+        disconnected: fill in the deployment's last failure with what it
+        says (the backoff was already counted).
+        """
+        self._missing.pop(report.shard_id, None)
+        if report.state != FAILED:
+            return
+        failure = {
+            "node": report.node_id, "replica": report.replica_id, "shard": report.shard_id,
+            "exit_code": report.exit_code, "signal": report.signal,
+            "error": report.error or "the process failed", "last_output": report.last_output,
+            "time": now,
+        }
+        state = self.deps.get(model)
+        if state is not None:
+            state.last_failure = failure
+        self._event(
+            "shard_failed",
+            level="error",
+            node=report.node_id,
+            replica=report.replica_id,
+            shard=report.shard_id,
+            reason=f"{failure['error']} (reported after the node came back)",
+            exit_code=report.exit_code,
+            signal=report.signal,
+            last_output=report.last_output,
+        )
 
     def on_shard_status(self, report: ShardReport) -> None:
         now = self.clock.seconds()
         shard = self.shard_recs.get(report.shard_id)
+        missing = self._missing.get(report.shard_id)
+        if shard is None and missing is not None and missing[0] == report.node_id:
+            if report.state in (STOPPED, FAILED):
+                self._late_final_status(report, missing[1], now)
+                return
         if shard is None or shard.node_id != report.node_id:
             if report.state in (STARTING, READY, DRAINING):
                 # Running something nobody wants: stop it.
@@ -941,11 +1001,14 @@ class Reconciler(Service):
             last = self._last_heard(node_id)
             if last is None:
                 continue
-            if now - last >= self.suspect_after:
+            # One expression decides and re-queues, so floating-point
+            # rounding can never push back an entry that is already due.
+            deadline = last + self.suspect_after
+            if deadline <= now:
                 self.suspect.add(node_id)
                 self._event("node_suspect", level="warn", node=node_id, reason=f"silent for {now - last:.0f}s")
             else:
-                heapq.heappush(heap, (last + self.suspect_after, node_id))
+                heapq.heappush(heap, (deadline, node_id))
         live = len(self._known_since) - len(self.lost)
         frozen = live > 0 and len(self.suspect) > self.freeze_share * live
         if frozen != self.frozen:
@@ -968,7 +1031,7 @@ class Reconciler(Service):
             if last is None:
                 self.suspect.discard(node_id)
                 continue
-            if now - last < self.suspect_after:
+            if last + self.suspect_after > now:
                 self.suspect.discard(node_id)
                 heapq.heappush(heap, (last + self.suspect_after, node_id))
                 self._event("node_ready", node=node_id, reason="heard from again")
@@ -1176,7 +1239,9 @@ class Reconciler(Service):
         out = []
         for rid in sorted(self._ready.get(model, ())):
             rep = self.replica_recs[rid]
-            leader = rep.shards[0]
+            leader = rep.shards.get(0)
+            if leader is None:
+                continue
             out.append(Route(rid, model, leader.address, draining=rep.phase != ACTIVE))
         return out
 
