@@ -16,7 +16,14 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 from zope.interface import implementer
 
-from llmgw.gateway.front import MAX_HEAD, MAX_HEADERS, READ_AHEAD, FrontFactory, FrontRequest, HTTPFront
+from llmgw.gateway.front import (
+    MAX_HEAD,
+    MAX_HEADERS,
+    READ_AHEAD,
+    FrontFactory,
+    FrontRequest,
+    HTTPFront,
+)
 
 
 @implementer(IPushProducer)
