@@ -365,8 +365,9 @@ class LimitTests(SynchronousTestCase):
             (b"GET / HTTP/1.1\r\nA: " + b"b" * MAX_HEAD, 431),
         ]
         events: list[dict[str, Any]] = []
-        globalLogPublisher.addObserver(events.append)
-        self.addCleanup(globalLogPublisher.removeObserver, events.append)
+        observer: Any = events.append
+        globalLogPublisher.addObserver(observer)
+        self.addCleanup(globalLogPublisher.removeObserver, observer)
         for data, status in cases:
             s = Server()
             s.feed(data)
