@@ -19,10 +19,12 @@ upstream (a few lines of twisted.web.http) to show the gateway's own
 ceiling when the model server is not the bottleneck.
 
 CPU pinning (the default; C{--no-pin} leaves placement to the scheduler):
-the proxy under test (gateway or bare proxy) runs alone on CPU 0; the model
-server and the load generators share CPU 1, in the direct runs as in the
-proxied ones, so that what differs between them is the proxy and its hop,
-and the load generator does not steal the proxy's core. Each closed-loop
+for the closed-loop runs the proxy under test (gateway or bare proxy) runs
+alone on CPU 0; the model server and the load generators share CPU 1, in
+the direct runs as in the proxied ones, so that what differs between them
+is the proxy and its hop, and the load generator does not steal the
+proxy's core. The open-loop runs (the latency bar) leave placement to the
+scheduler, and are repeated pinned for reference (C{open_loop_pinned}). Each closed-loop
 run also reports the CPU time per request of the proxy and of the model
 server (from /proc), which is the gateway's own cost whatever the placement.
 """
@@ -324,6 +326,54 @@ def run_openloop(address: str, body: dict[str, Any], rate: float, duration: floa
     return json.loads(lines[-1])  # type: ignore[no-any-return]
 
 
+def open_loop(
+    targets: dict[str, tuple[int, Any]], rate: float, duration: float, n_rounds: int,
+    cpus: set[int] | None,
+) -> tuple[dict[str, Any], dict[str, dict[str, list[dict[str, Any]]]]]:
+    """
+    Open-loop runs in rounds, each target in turn, so that a change in the
+    machine's background load hits direct and proxied runs alike.
+    """
+    rounds: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for _ in range(n_rounds):
+        for mode, body in (("non_streaming", CHAT), ("streaming", STREAM)):
+            for name, (port, _) in targets.items():
+                rounds.setdefault(mode, {}).setdefault(name, []).append(
+                    run_openloop(f"127.0.0.1:{port}", body, rate, duration, cpus)
+                )
+    out: dict[str, Any] = {}
+    for mode, by_name in rounds.items():
+        for name, runs in by_name.items():
+            entry: dict[str, Any] = {"rounds": runs}
+            for key in ("p50_ms", "p90_ms", "p99_ms", "ttfb_p50_ms", "ttfb_p99_ms"):
+                entry[f"median_{key}"] = _median([r.get(key) for r in runs])
+            entry["errors"] = sum(r.get("errors", 0) for r in runs)
+            out.setdefault(mode, {})[name] = entry
+    out["rate_rps"] = rate
+    out["seconds_per_round"] = duration
+    out["method"] = (
+        "requests sent at a fixed rate, each timed from when it was due; each round runs "
+        "direct, gateway and bare proxy in turn; medians over the rounds"
+    )
+    return out, rounds
+
+
+def added(rounds: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
+    """
+    The gateway's added latency: per round, gateway minus direct; and the
+    median of those.
+    """
+    out: dict[str, Any] = {}
+    for mode in ("non_streaming", "streaming"):
+        d_runs, g_runs = rounds[mode]["direct"], rounds[mode]["gateway"]
+        for key, label in (("p50_ms", "p50"), ("p99_ms", "p99"), ("ttfb_p50_ms", "ttfb_p50")):
+            diffs = [g[key] - d[key] for d, g in zip(d_runs, g_runs, strict=True)
+                     if d.get(key) is not None and g.get(key) is not None]
+            out[f"{mode}_added_{label}_ms"] = _median(diffs)
+            out[f"{mode}_added_{label}_ms_per_round"] = [round(x, 3) for x in diffs]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--duration", type=float, default=5.0, help="seconds per closed-loop run")
@@ -375,28 +425,23 @@ def main() -> None:
                 runs = result["closed_loop"].setdefault(mode, {}).setdefault(name, {})
                 for c in (1, 50, 200):
                     runs[f"c{c}"] = wrk(url, body, c, duration, cpus["load"], watch)
-        # Rounds, each target in turn, so that a change in the machine's
-        # background load hits direct and proxied runs alike.
-        rounds: dict[str, dict[str, list[dict[str, Any]]]] = {}
-        for _ in range(args.rounds):
-            for mode, body in (("non_streaming", CHAT), ("streaming", STREAM)):
-                for name, (port, _) in targets.items():
-                    rounds.setdefault(mode, {}).setdefault(name, []).append(
-                        run_openloop(f"127.0.0.1:{port}", body, args.rate, duration, cpus["load"])
-                    )
-        for mode, by_name in rounds.items():
-            for name, runs in by_name.items():
-                entry: dict[str, Any] = {"rounds": runs}
-                for key in ("p50_ms", "p90_ms", "p99_ms", "ttfb_p50_ms", "ttfb_p99_ms"):
-                    entry[f"median_{key}"] = _median([r.get(key) for r in runs])
-                entry["errors"] = sum(r.get("errors", 0) for r in runs)
-                result["open_loop"].setdefault(mode, {})[name] = entry
-        result["open_loop"]["rate_rps"] = args.rate
-        result["open_loop"]["seconds_per_round"] = duration
-        result["open_loop"]["method"] = (
-            "requests sent at a fixed rate, each timed from when it was due; each round runs "
-            "direct, gateway and bare proxy in turn; medians over the rounds"
-        )
+        # The bar is judged with placement left to the scheduler: at this
+        # rate nothing competes for a core, and pinning would put every hop
+        # of the proxied path across CPUs (an idle vCPU's wake-up each) while
+        # the direct path stays on one. The pinned placement is reported too.
+        servers = [(fm_proc, cpus["upstream"]), (gw_proc, cpus["proxy"]), (bare_proc, cpus["proxy"])]
+        everywhere = set(range(os.cpu_count() or 1))
+        for proc, _ in servers:
+            os.sched_setaffinity(proc.pid, everywhere)
+        result["open_loop"], rounds = open_loop(targets, args.rate, duration, args.rounds, None)
+        result["open_loop"]["cpu_pinning"] = "none: placement left to the scheduler"
+        if cpus["proxy"] is not None:
+            for proc, where in servers:
+                os.sched_setaffinity(proc.pid, where)  # type: ignore[arg-type]
+            result["open_loop_pinned"], pinned_rounds = open_loop(
+                targets, args.rate, duration, args.rounds, cpus["load"]
+            )
+            result["open_loop_pinned"]["cpu_pinning"] = "as for the closed loop"
         procs.stop()
 
         # The gateway's own ceiling, against an upstream that is not the bottleneck.
@@ -424,13 +469,9 @@ def main() -> None:
         summary["gateway_best_rps_minimal_upstream"] = gw_fast
         summary["gateway_cpu_us_per_request_c50"] = ns["gateway"]["c50"].get("proxy_cpu_us_per_request")
         summary["bare_proxy_cpu_us_per_request_c50"] = ns["bare_proxy"]["c50"].get("proxy_cpu_us_per_request")
-        for mode in ("non_streaming", "streaming"):
-            d_runs, g_runs = rounds[mode]["direct"], rounds[mode]["gateway"]
-            for key, label in (("p50_ms", "p50"), ("p99_ms", "p99"), ("ttfb_p50_ms", "ttfb_p50")):
-                diffs = [g[key] - d[key] for d, g in zip(d_runs, g_runs, strict=True)
-                         if d.get(key) is not None and g.get(key) is not None]
-                summary[f"{mode}_added_{label}_ms"] = _median(diffs)
-                summary[f"{mode}_added_{label}_ms_per_round"] = [round(x, 3) for x in diffs]
+        summary.update(added(rounds))
+        if cpus["proxy"] is not None:
+            summary["pinned"] = added(pinned_rounds)
         result["load_average"] = {"before": load_before, "after": [round(x, 2) for x in os.getloadavg()]}
         summary["bar"] = {
             "3000_rps_through_gateway": max(best["gateway"], gw_fast) >= 3000,
