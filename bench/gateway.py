@@ -15,8 +15,9 @@ generator cannot hide latency. The gateway's added latency is its p50/p99
 minus the direct call's.
 
 A second, smaller section repeats the throughput runs against a minimal
-upstream (a few lines of twisted.web.http) to show the gateway's own
-ceiling when the model server is not the bottleneck.
+upstream (a canned answer to every request, read no further than its
+framing) to show the gateway's own ceiling when the model server is not
+the bottleneck.
 
 CPU pinning (the default; C{--no-pin} leaves placement to the scheduler):
 for the closed-loop runs the proxy under test (gateway or bare proxy) runs
@@ -77,33 +78,43 @@ def serve_bare(port: int, upstream: str) -> None:
 
 
 def serve_fast(port: int) -> None:
-    # A minimal upstream: the same JSON for every request, no routing.
+    # A minimal upstream: the same JSON for every request, which is read no
+    # further than its framing (Content-Length), so that it costs far less
+    # per request than the gateway and shows the gateway's own ceiling.
     from twisted.internet import reactor
-    from twisted.web import http
+    from twisted.internet.protocol import Factory, Protocol
 
     body = json.dumps(
         {"id": "x", "object": "chat.completion", "model": MODEL,
          "choices": [{"index": 0, "message": {"role": "assistant", "content": "hello"},
                       "finish_reason": "stop"}]}
     ).encode()
+    response = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+    ) + body
 
-    class Req(http.Request):
-        def process(self) -> None:
-            self.setHeader(b"content-type", b"application/json")
-            self.setHeader(b"content-length", b"%d" % len(body))
-            self.write(body)
-            self.finish()
+    class Fast(Protocol):
+        buf = b""
 
-    class Factory(http.HTTPFactory):
-        def buildProtocol(self, addr: Any) -> Any:
-            p = http.HTTPChannel()
-            p.requestFactory = Req
-            p.factory = self
-            return p
+        def dataReceived(self, data: bytes) -> None:
+            buf = self.buf + data
+            answers = 0
+            while True:
+                end = buf.find(b"\r\n\r\n")
+                if end < 0:
+                    break
+                head = buf[:end].lower()
+                i = head.find(b"content-length:")
+                n = int(head[i + 15 :].split(b"\r\n", 1)[0]) if i >= 0 else 0
+                if len(buf) < end + 4 + n:
+                    break
+                buf = buf[end + 4 + n :]
+                answers += 1
+            self.buf = buf
+            if answers:
+                self.transport.write(response * answers)
 
-    f = Factory()
-    f.log = lambda request: None  # type: ignore[method-assign]
-    reactor.listenTCP(port, f, interface="127.0.0.1", backlog=1024)
+    reactor.listenTCP(port, Factory.forProtocol(Fast), interface="127.0.0.1", backlog=1024)
     reactor.run()
 
 
@@ -247,6 +258,21 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def machine_busy_seconds() -> float:
+    """
+    CPU time spent by the whole machine so far, every process and interrupt.
+    """
+    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    ticks = [int(x) for x in fields]
+    idle = ticks[3] + ticks[4]  # idle, iowait
+    return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def own_seconds() -> float:
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 class Procs:
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -387,6 +413,7 @@ def main() -> None:
     # Whatever else runs on the machine shows here; the figures are only
     # as good as the machine was quiet.
     load_before = [round(x, 2) for x in os.getloadavg()]
+    busy_before, own_before = machine_busy_seconds(), own_seconds()
     if shutil.which("wrk") is None:
         sys.exit("bench/gateway.py needs wrk (apt-get install wrk)")
     duration = 1.0 if args.quick else args.duration
@@ -457,6 +484,14 @@ def main() -> None:
             wrk(url, CHAT, 50, 1.0, cpus["load"])
             fast_runs[name] = {f"c{c}": wrk(url, CHAT, c, duration, cpus["load"], watch2) for c in (50, 200)}
         result["minimal_upstream_non_streaming"] = fast_runs
+        procs.stop()
+        busy, own = machine_busy_seconds() - busy_before, own_seconds() - own_before
+        result["machine_cpu_during_run"] = {
+            "all_seconds": round(busy, 1),
+            "this_benchmark_seconds": round(own, 1),
+            "note": "all minus this benchmark is what else ran (other work, and kernel time "
+                    "not charged to a process, such as loopback softirqs)",
+        }
 
         summary: dict[str, Any] = {}
         ns = result["closed_loop"]["non_streaming"]
