@@ -234,6 +234,7 @@ class ProxyCall:
             self.timer.cancel()
             self.timer = self.gw.reactor.callLater(self.gw.config.idle_timeout, self._timed_out)
         length = None
+        chunked = False
         kept = []
         for header in headers:
             name = header[0]
@@ -241,6 +242,12 @@ class ProxyCall:
                 kept.append(header)
             elif name == b"content-length":
                 length = int(header[1])
+            elif name == b"transfer-encoding":
+                chunked = True
+        if chunked:
+            # The body came chunked (a Content-Length beside it is void): its
+            # length is not known, and the client's framing is chosen anew.
+            length = None
         self.status = status
         self.sent_headers = True
         request = self.request
