@@ -3,7 +3,7 @@ Gateway overhead benchmark: the fake model server called directly, through
 the gateway, and through a bare twisted.web reverse proxy (the baseline),
 in one run. Prints JSON.
 
-    python bench/gateway.py [--duration 5] [--rate 500] [--quick]
+    python bench/gateway.py [--duration 5] [--rate 500] [--quick] [--no-pin]
 
 Every party is its own process on this machine: the fake model server
 (C{python -m llmgw.testing.fakemodel}), the gateway (one process, a static
@@ -15,8 +15,19 @@ generator cannot hide latency. The gateway's added latency is its p50/p99
 minus the direct call's.
 
 A second, smaller section repeats the throughput runs against a minimal
-upstream (a few lines of twisted.web.http) to show the gateway's own
-ceiling when the model server is not the bottleneck.
+upstream (a canned answer to every request, read no further than its
+framing) to show the gateway's own ceiling when the model server is not
+the bottleneck.
+
+CPU pinning (the default; C{--no-pin} leaves placement to the scheduler):
+for the closed-loop runs the proxy under test (gateway or bare proxy) runs
+alone on CPU 0; the model server and the load generators share CPU 1, in
+the direct runs as in the proxied ones, so that what differs between them
+is the proxy and its hop, and the load generator does not steal the
+proxy's core. The open-loop runs (the latency bar) leave placement to the
+scheduler, and are repeated pinned for reference (C{open_loop_pinned}). Each closed-loop
+run also reports the CPU time per request of the proxy and of the model
+server (from /proc), which is the gateway's own cost whatever the placement.
 """
 
 from __future__ import annotations
@@ -67,33 +78,43 @@ def serve_bare(port: int, upstream: str) -> None:
 
 
 def serve_fast(port: int) -> None:
-    # A minimal upstream: the same JSON for every request, no routing.
+    # A minimal upstream: the same JSON for every request, which is read no
+    # further than its framing (Content-Length), so that it costs far less
+    # per request than the gateway and shows the gateway's own ceiling.
     from twisted.internet import reactor
-    from twisted.web import http
+    from twisted.internet.protocol import Factory, Protocol
 
     body = json.dumps(
         {"id": "x", "object": "chat.completion", "model": MODEL,
          "choices": [{"index": 0, "message": {"role": "assistant", "content": "hello"},
                       "finish_reason": "stop"}]}
     ).encode()
+    response = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+    ) + body
 
-    class Req(http.Request):
-        def process(self) -> None:
-            self.setHeader(b"content-type", b"application/json")
-            self.setHeader(b"content-length", b"%d" % len(body))
-            self.write(body)
-            self.finish()
+    class Fast(Protocol):
+        buf = b""
 
-    class Factory(http.HTTPFactory):
-        def buildProtocol(self, addr: Any) -> Any:
-            p = http.HTTPChannel()
-            p.requestFactory = Req
-            p.factory = self
-            return p
+        def dataReceived(self, data: bytes) -> None:
+            buf = self.buf + data
+            answers = 0
+            while True:
+                end = buf.find(b"\r\n\r\n")
+                if end < 0:
+                    break
+                head = buf[:end].lower()
+                i = head.find(b"content-length:")
+                n = int(head[i + 15 :].split(b"\r\n", 1)[0]) if i >= 0 else 0
+                if len(buf) < end + 4 + n:
+                    break
+                buf = buf[end + 4 + n :]
+                answers += 1
+            self.buf = buf
+            if answers:
+                self.transport.write(response * answers)
 
-    f = Factory()
-    f.log = lambda request: None  # type: ignore[method-assign]
-    reactor.listenTCP(port, f, interface="127.0.0.1", backlog=1024)
+    reactor.listenTCP(port, Factory.forProtocol(Fast), interface="127.0.0.1", backlog=1024)
     reactor.run()
 
 
@@ -171,9 +192,18 @@ def openloop(address: str, path: str, body: bytes, rate: float, duration: float,
     lat = sorted(r[1] for r in results)
     print(json.dumps({
         "requests": len(results), "errors": state["errors"],
-        "p50_ms": _pct(lat, 50), "p99_ms": _pct(lat, 99),
+        "p50_ms": _pct(lat, 50), "p90_ms": _pct(lat, 90), "p99_ms": _pct(lat, 99),
         "ttfb_p50_ms": _pct(ttfb, 50), "ttfb_p99_ms": _pct(ttfb, 99),
     }))
+
+
+def _median(values: list[Any]) -> float | None:
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return None
+    n = len(values)
+    mid = values[n // 2] if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2
+    return round(mid, 3)
 
 
 def _pct(values: list[float], p: float) -> float | None:
@@ -203,14 +233,55 @@ def wait_port(port: int, timeout: float = 15.0) -> None:
     raise RuntimeError(f"nothing listens on port {port} after {timeout} s")
 
 
+#: CPUs per role when pinning: the proxy under test alone on one, the
+#: model server and the load generators on the other.
+PIN = {"proxy": {0}, "upstream": {1}, "load": {1}}
+
+
+def placement(pin: bool) -> dict[str, set[int] | None]:
+    if not pin or (os.cpu_count() or 1) < 2:
+        return {role: None for role in PIN}
+    return dict(PIN)  # type: ignore[arg-type]
+
+
+def _affinity(cpus: set[int] | None) -> Any:
+    if cpus is None:
+        return None
+    return lambda: os.sched_setaffinity(0, cpus)
+
+
+def cpu_seconds(pid: int) -> float:
+    """
+    User and system CPU time of process C{pid} so far.
+    """
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def machine_busy_seconds() -> float:
+    """
+    CPU time spent by the whole machine so far, every process and interrupt.
+    """
+    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    ticks = [int(x) for x in fields]
+    idle = ticks[3] + ticks[4]  # idle, iowait
+    return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def own_seconds() -> float:
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 class Procs:
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.env = dict(os.environ, PYTHONPATH=str(ROOT))
 
-    def start(self, *args: str) -> subprocess.Popen[bytes]:
+    def start(self, *args: str, cpus: set[int] | None = None) -> subprocess.Popen[bytes]:
         p = subprocess.Popen([sys.executable, *args], env=self.env, cwd=ROOT,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             preexec_fn=_affinity(cpus))
         self.procs.append(p)
         return p
 
@@ -224,18 +295,26 @@ class Procs:
                 p.kill()
 
 
-def wrk(url: str, body: dict[str, Any], connections: int, duration: float) -> dict[str, Any]:
+def wrk(url: str, body: dict[str, Any], connections: int, duration: float,
+        cpus: set[int] | None = None, watch: dict[str, int] | None = None) -> dict[str, Any]:
+    """
+    A closed-loop C{wrk} run; C{watch} names processes (by pid) whose CPU
+    time per request is reported.
+    """
     script = Path(os.environ.get("TMPDIR", "/tmp")) / f"llmgw-bench-{os.getpid()}.lua"
     script.write_text(
         'wrk.method = "POST"\n'
         f"wrk.body = {json.dumps(json.dumps(body))}\n"
         'wrk.headers["Content-Type"] = "application/json"\n'
     )
+    before = {name: cpu_seconds(pid) for name, pid in (watch or {}).items()}
     out = subprocess.run(
         ["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(duration))}s", "--latency", "-s", str(script), url],
-        capture_output=True, text=True, timeout=duration + 60,
+        capture_output=True, text=True, timeout=duration + 60, preexec_fn=_affinity(cpus),
     ).stdout
+    used = {name: cpu_seconds(pid) - before[name] for name, pid in (watch or {}).items()}
     script.unlink()
+    total = re.search(r"(\d+) requests in", out)
     rps = re.search(r"Requests/sec:\s+([\d.]+)", out)
     non2xx = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
     errors = re.search(r"Socket errors: (.*)", out)
@@ -247,20 +326,25 @@ def wrk(url: str, body: dict[str, Any], connections: int, duration: float) -> di
             return None
         return round(float(m.group(1)) * {"us": 0.001, "ms": 1, "s": 1000}[m.group(2)], 3)
 
-    return {
+    result: dict[str, Any] = {
         "rps": float(rps.group(1)) if rps else None,
         "p50_ms": ms(p50), "p99_ms": ms(p99),
         "non_2xx": int(non2xx.group(1)) if non2xx else 0,
         "socket_errors": errors.group(1).strip() if errors else "",
     }
+    n = int(total.group(1)) if total else 0
+    for name, seconds in used.items():
+        result[f"{name}_cpu_us_per_request"] = round(seconds / n * 1e6, 1) if n else None
+    return result
 
 
-def run_openloop(address: str, body: dict[str, Any], rate: float, duration: float) -> dict[str, Any]:
+def run_openloop(address: str, body: dict[str, Any], rate: float, duration: float,
+                 cpus: set[int] | None = None) -> dict[str, Any]:
     out = subprocess.run(
         [sys.executable, __file__, "openloop", address, "/v1/chat/completions",
          json.dumps(body), str(rate), str(duration), "1.0"],
         capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)),
-        timeout=duration + 60,
+        timeout=duration + 60, preexec_fn=_affinity(cpus),
     )
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
     if not lines:
@@ -268,59 +352,146 @@ def run_openloop(address: str, body: dict[str, Any], rate: float, duration: floa
     return json.loads(lines[-1])  # type: ignore[no-any-return]
 
 
+def open_loop(
+    targets: dict[str, tuple[int, Any]], rate: float, duration: float, n_rounds: int,
+    cpus: set[int] | None,
+) -> tuple[dict[str, Any], dict[str, dict[str, list[dict[str, Any]]]]]:
+    """
+    Open-loop runs in rounds, each target in turn, so that a change in the
+    machine's background load hits direct and proxied runs alike.
+    """
+    rounds: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for _ in range(n_rounds):
+        for mode, body in (("non_streaming", CHAT), ("streaming", STREAM)):
+            for name, (port, _) in targets.items():
+                rounds.setdefault(mode, {}).setdefault(name, []).append(
+                    run_openloop(f"127.0.0.1:{port}", body, rate, duration, cpus)
+                )
+    out: dict[str, Any] = {}
+    for mode, by_name in rounds.items():
+        for name, runs in by_name.items():
+            entry: dict[str, Any] = {"rounds": runs}
+            for key in ("p50_ms", "p90_ms", "p99_ms", "ttfb_p50_ms", "ttfb_p99_ms"):
+                entry[f"median_{key}"] = _median([r.get(key) for r in runs])
+            entry["errors"] = sum(r.get("errors", 0) for r in runs)
+            out.setdefault(mode, {})[name] = entry
+    out["rate_rps"] = rate
+    out["seconds_per_round"] = duration
+    out["method"] = (
+        "requests sent at a fixed rate, each timed from when it was due; each round runs "
+        "direct, gateway and bare proxy in turn; medians over the rounds"
+    )
+    return out, rounds
+
+
+def added(rounds: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
+    """
+    The gateway's added latency: per round, gateway minus direct; and the
+    median of those.
+    """
+    out: dict[str, Any] = {}
+    for mode in ("non_streaming", "streaming"):
+        d_runs, g_runs = rounds[mode]["direct"], rounds[mode]["gateway"]
+        for key, label in (("p50_ms", "p50"), ("p99_ms", "p99"), ("ttfb_p50_ms", "ttfb_p50")):
+            diffs = [g[key] - d[key] for d, g in zip(d_runs, g_runs, strict=True)
+                     if d.get(key) is not None and g.get(key) is not None]
+            out[f"{mode}_added_{label}_ms"] = _median(diffs)
+            out[f"{mode}_added_{label}_ms_per_round"] = [round(x, 3) for x in diffs]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--duration", type=float, default=5.0, help="seconds per closed-loop run")
     ap.add_argument("--rate", type=float, default=500.0, help="open-loop requests per second")
+    ap.add_argument("--rounds", type=int, default=3, help="open-loop rounds (medians are reported)")
     ap.add_argument("--quick", action="store_true", help="1 s runs (a smoke test of the script)")
+    ap.add_argument("--no-pin", dest="pin", action="store_false",
+                    help="leave CPU placement to the scheduler (default: pin, see the docstring)")
     args = ap.parse_args()
+    cpus = placement(args.pin)
+    # Whatever else runs on the machine shows here; the figures are only
+    # as good as the machine was quiet.
+    load_before = [round(x, 2) for x in os.getloadavg()]
+    busy_before, own_before = machine_busy_seconds(), own_seconds()
     if shutil.which("wrk") is None:
         sys.exit("bench/gateway.py needs wrk (apt-get install wrk)")
     duration = 1.0 if args.quick else args.duration
     procs = Procs()
     try:
         fm, gw, bare = free_port(), free_port(), free_port()
-        procs.start("-m", "llmgw.testing.fakemodel", "--port", str(fm), "--model", MODEL)
+        fm_proc = procs.start("-m", "llmgw.testing.fakemodel", "--port", str(fm), "--model", MODEL,
+                              cpus=cpus["upstream"])
         wait_port(fm)
         upstream = f"127.0.0.1:{fm}"
-        procs.start(__file__, "serve-gateway", str(gw), upstream)
-        procs.start(__file__, "serve-bare", str(bare), upstream)
+        gw_proc = procs.start(__file__, "serve-gateway", str(gw), upstream, cpus=cpus["proxy"])
+        bare_proc = procs.start(__file__, "serve-bare", str(bare), upstream, cpus=cpus["proxy"])
         wait_port(gw)
         wait_port(bare)
-        targets = {"direct": fm, "gateway": gw, "bare_proxy": bare}
+        targets = {"direct": (fm, None), "gateway": (gw, gw_proc), "bare_proxy": (bare, bare_proc)}
         result: dict[str, Any] = {
             "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
             "upstream": "llmgw.testing.fakemodel (16-word replies, unpaced)",
+            "cpu_pinning": (
+                {"proxy_under_test": sorted(cpus["proxy"] or ()),
+                 "model_server": sorted(cpus["upstream"] or ()),
+                 "load_generators": sorted(cpus["load"] or ()),
+                 "note": "the proxy alone on its CPU; model server and load generators share "
+                         "the other, in the direct runs too"}
+                if cpus["proxy"] is not None else "none: placement left to the scheduler"
+            ),
             "closed_loop": {}, "open_loop": {},
         }
-        for name, port in targets.items():
+        for name, (port, proc) in targets.items():
             url = f"http://127.0.0.1:{port}/v1/chat/completions"
-            wrk(url, CHAT, 50, 1.0)  # warm up connections and code paths
+            watch = {"model_server": fm_proc.pid}
+            if proc is not None:
+                watch["proxy"] = proc.pid
+            wrk(url, CHAT, 50, 1.0, cpus["load"])  # warm up connections and code paths
             for mode, body in (("non_streaming", CHAT), ("streaming", STREAM)):
                 runs = result["closed_loop"].setdefault(mode, {}).setdefault(name, {})
                 for c in (1, 50, 200):
-                    runs[f"c{c}"] = wrk(url, body, c, duration)
-        for name, port in targets.items():
-            for mode, body in (("non_streaming", CHAT), ("streaming", STREAM)):
-                result["open_loop"].setdefault(mode, {})[name] = run_openloop(
-                    f"127.0.0.1:{port}", body, args.rate, duration
-                )
-        result["open_loop"]["rate_rps"] = args.rate
+                    runs[f"c{c}"] = wrk(url, body, c, duration, cpus["load"], watch)
+        # The bar is judged with placement left to the scheduler: at this
+        # rate nothing competes for a core, and pinning would put every hop
+        # of the proxied path across CPUs (an idle vCPU's wake-up each) while
+        # the direct path stays on one. The pinned placement is reported too.
+        servers = [(fm_proc, cpus["upstream"]), (gw_proc, cpus["proxy"]), (bare_proc, cpus["proxy"])]
+        everywhere = set(range(os.cpu_count() or 1))
+        for proc, _ in servers:
+            os.sched_setaffinity(proc.pid, everywhere)
+        result["open_loop"], rounds = open_loop(targets, args.rate, duration, args.rounds, None)
+        result["open_loop"]["cpu_pinning"] = "none: placement left to the scheduler"
+        if cpus["proxy"] is not None:
+            for proc, where in servers:
+                os.sched_setaffinity(proc.pid, where)  # type: ignore[arg-type]
+            result["open_loop_pinned"], pinned_rounds = open_loop(
+                targets, args.rate, duration, args.rounds, cpus["load"]
+            )
+            result["open_loop_pinned"]["cpu_pinning"] = "as for the closed loop"
         procs.stop()
 
         # The gateway's own ceiling, against an upstream that is not the bottleneck.
         procs = Procs()
         fast, gw2 = free_port(), free_port()
-        procs.start(__file__, "serve-fast", str(fast))
+        procs.start(__file__, "serve-fast", str(fast), cpus=cpus["upstream"])
         wait_port(fast)
-        procs.start(__file__, "serve-gateway", str(gw2), f"127.0.0.1:{fast}")
+        gw2_proc = procs.start(__file__, "serve-gateway", str(gw2), f"127.0.0.1:{fast}", cpus=cpus["proxy"])
         wait_port(gw2)
         fast_runs: dict[str, Any] = {}
-        for name, port in (("direct", fast), ("gateway", gw2)):
+        for name, port, watch2 in (("direct", fast, {}), ("gateway", gw2, {"proxy": gw2_proc.pid})):
             url = f"http://127.0.0.1:{port}/v1/chat/completions"
-            wrk(url, CHAT, 50, 1.0)
-            fast_runs[name] = {f"c{c}": wrk(url, CHAT, c, duration) for c in (50, 200)}
+            wrk(url, CHAT, 50, 1.0, cpus["load"])
+            fast_runs[name] = {f"c{c}": wrk(url, CHAT, c, duration, cpus["load"], watch2) for c in (50, 200)}
         result["minimal_upstream_non_streaming"] = fast_runs
+        procs.stop()
+        busy, own = machine_busy_seconds() - busy_before, own_seconds() - own_before
+        result["machine_cpu_during_run"] = {
+            "all_seconds": round(busy, 1),
+            "this_benchmark_seconds": round(own, 1),
+            "note": "all minus this benchmark is what else ran (other work, and kernel time "
+                    "not charged to a process, such as loopback softirqs)",
+        }
 
         summary: dict[str, Any] = {}
         ns = result["closed_loop"]["non_streaming"]
@@ -331,13 +502,12 @@ def main() -> None:
         summary["gateway_vs_bare_proxy"] = round(best["gateway"] / best["bare_proxy"], 2) if best["bare_proxy"] else None
         gw_fast = max(r["rps"] or 0 for r in fast_runs["gateway"].values())
         summary["gateway_best_rps_minimal_upstream"] = gw_fast
-        for mode in ("non_streaming", "streaming"):
-            ol = result["open_loop"][mode]
-            d, g = ol["direct"], ol["gateway"]
-            if d.get("p50_ms") is not None and g.get("p50_ms") is not None:
-                summary[f"{mode}_added_p50_ms"] = round(g["p50_ms"] - d["p50_ms"], 3)
-                summary[f"{mode}_added_p99_ms"] = round(g["p99_ms"] - d["p99_ms"], 3)
-                summary[f"{mode}_added_ttfb_p50_ms"] = round(g["ttfb_p50_ms"] - d["ttfb_p50_ms"], 3)
+        summary["gateway_cpu_us_per_request_c50"] = ns["gateway"]["c50"].get("proxy_cpu_us_per_request")
+        summary["bare_proxy_cpu_us_per_request_c50"] = ns["bare_proxy"]["c50"].get("proxy_cpu_us_per_request")
+        summary.update(added(rounds))
+        if cpus["proxy"] is not None:
+            summary["pinned"] = added(pinned_rounds)
+        result["load_average"] = {"before": load_before, "after": [round(x, 2) for x in os.getloadavg()]}
         summary["bar"] = {
             "3000_rps_through_gateway": max(best["gateway"], gw_fast) >= 3000,
             "3000_rps_through_gateway_with_fakemodel": best["gateway"] >= 3000,

@@ -13,11 +13,15 @@ from twisted.internet import reactor
 from twisted.internet.defer import Deferred, DeferredList, inlineCallbacks
 from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
 from twisted.internet.protocol import Protocol
+from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.logger import globalLogPublisher
-from twisted.trial.unittest import TestCase
+from twisted.trial.unittest import SynchronousTestCase, TestCase
 
+from llmgw.control.interfaces import Route
+from llmgw.gateway.follower import RoutingSnapshot
+from llmgw.gateway.front import FrontFactory, FrontRequest
 from llmgw.gateway.keys import KeyRing
-from llmgw.gateway.proxy import GatewayConfig
+from llmgw.gateway.proxy import Gateway, GatewayConfig, ProxyCall
 from tests.gateway_helpers import Harness, dead_address
 
 
@@ -515,3 +519,28 @@ class ModelsTests(TestCase):
         response = yield h.post("/v1/models", {})
         self.assertEqual(response.code, 405)
         yield response.content()
+
+
+class FramingTests(SynchronousTestCase):
+    def test_chunked_upstream_claiming_a_length(self) -> None:
+        """
+        A replica's answer that comes chunked and also claims a
+        Content-Length reaches the client chunked, without the void length.
+        """
+        clock = MemoryReactorClock()
+        gw = Gateway(clock, RoutingSnapshot())
+        requests: list[FrontRequest] = []
+        proto = FrontFactory(requests.append, clock).buildProtocol(None)
+        transport = StringTransport()
+        proto.makeConnection(transport)
+        proto.dataReceived(raw_request({"model": "demo"}))
+        route = Route("r1", "demo", "127.0.0.1:1")
+        call = ProxyCall(gw, requests[0], "demo", "/v1/chat/completions", b"{}", [route], 0.0)
+        call.route = route
+        call.response_started(200, b"OK", [(b"transfer-encoding", b"chunked"), (b"content-length", b"99")])
+        call.response_data(b"abc")
+        call.response_finished()
+        out = transport.value()
+        self.assertIn(b"Transfer-Encoding: chunked\r\n", out)
+        self.assertNotIn(b"content-length", out.lower())
+        self.assertTrue(out.endswith(b"\r\n\r\n3\r\nabc\r\n0\r\n\r\n"), out)

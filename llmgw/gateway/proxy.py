@@ -31,6 +31,7 @@ from zope.interface import implementer
 
 from llmgw.control.interfaces import IInFlight, IRoutingTable, Route
 from llmgw.gateway import errors
+from llmgw.gateway.front import FrontRequest
 from llmgw.gateway.keys import KeyRing
 from llmgw.gateway.metrics import GatewayMetrics
 from llmgw.gateway.router import Router
@@ -48,7 +49,7 @@ _DROP_REQUEST = frozenset(
 _DROP_RESPONSE = frozenset(
     {
         b"connection", b"keep-alive", b"proxy-authenticate", b"trailer", b"transfer-encoding",
-        b"upgrade", b"date", b"server",
+        b"upgrade", b"date", b"server", b"content-length",
     }
 )
 
@@ -103,22 +104,19 @@ class Gateway:
         self.pool.close()
 
 
-def forwarded_head(request: Any, body_length: int) -> bytes:
+def forwarded_head(request: FrontRequest, body_length: int) -> bytes:
     """
     The request line and the headers to forward, up to (not including) the
     C{Host} header, which depends on the replica.
     """
     parts = [request.method, b" ", request.uri, b" HTTP/1.1\r\n"]
-    for name, values in request.requestHeaders.getAllRawHeaders():
-        if name.lower() in _DROP_REQUEST:
-            continue
-        for value in values:
-            parts += [name, b": ", value, b"\r\n"]
-    peer = request.getClientAddress()
-    host = getattr(peer, "host", None)
+    for name, value in request.headers:
+        if name not in _DROP_REQUEST:
+            parts += (name, b": ", value, b"\r\n")
+    host = request.client_host
     if host:
-        parts += [b"X-Forwarded-For: ", host.encode(), b"\r\n"]
-    parts += [b"Content-Length: %d\r\n" % body_length]
+        parts += (b"x-forwarded-for: ", host.encode(), b"\r\n")
+    parts.append(b"content-length: %d\r\n" % body_length)
     return b"".join(parts)
 
 
@@ -133,7 +131,7 @@ class ProxyCall:
     def __init__(
         self,
         gateway: Gateway,
-        request: Any,
+        request: FrontRequest,
         model: str,
         path_label: str,
         body: bytes,
@@ -231,17 +229,30 @@ class ProxyCall:
         assert self.route is not None
         self.gw.router.succeeded(self.route.replica_id)
         if self.timer is not None:
-            self.timer.reset(self.gw.config.idle_timeout)
-        request = self.request
-        request.setResponseCode(status, reason or None)
-        set_header = request.responseHeaders.addRawHeader
-        for name, value in headers:
+            # A new call rather than reset(): moving a call sooner is a
+            # linear search of the reactor's heap.
+            self.timer.cancel()
+            self.timer = self.gw.reactor.callLater(self.gw.config.idle_timeout, self._timed_out)
+        length = None
+        chunked = False
+        kept = []
+        for header in headers:
+            name = header[0]
             if name not in _DROP_RESPONSE:
-                set_header(name, value)
+                kept.append(header)
+            elif name == b"content-length":
+                length = int(header[1])
+            elif name == b"transfer-encoding":
+                chunked = True
+        if chunked:
+            # The body came chunked (a Content-Length beside it is void): its
+            # length is not known, and the client's framing is chosen anew.
+            length = None
         self.status = status
         self.sent_headers = True
-        request.registerProducer(self, True)
-        request.write(b"")
+        request = self.request
+        request.start_response(status, kept, length, reason or None)
+        request.set_producer(self)
         self.gw.metrics.first_byte(self.model, time.monotonic() - self.started)
 
     def response_data(self, data: bytes) -> None:
@@ -258,10 +269,7 @@ class ProxyCall:
         self.conn = None
         self._cancel_timer()
         self._end_attempt()
-        request = self.request
-        request.on_lost = None
-        request.unregisterProducer()
-        request.finish()
+        self.request.finish()
         self._record(self.status)
 
     def response_failed(self, reason: Failure, started: bool) -> None:
@@ -397,12 +405,9 @@ class ProxyCall:
     def _abort_client(self, status: int) -> None:
         self.done = True
         self._end_attempt()
-        request = self.request
-        request.on_lost = None
-        request.unregisterProducer()
         # Closing without the last chunk tells the client the response is
         # incomplete.
-        request.loseConnection()
+        self.request.abort()
         self._record(status)
 
     def _client_gone(self, reason: Failure) -> None:
@@ -437,16 +442,13 @@ class ProxyCall:
         m.observe(self.model, time.monotonic() - self.started)
 
 
-def send_error(request: Any, err: errors.GatewayError) -> None:
+def send_error(request: FrontRequest, err: errors.GatewayError) -> None:
     """
     Answer C{request} with C{err}'s status and JSON body.
     """
     body = err.body()
-    request.setResponseCode(err.status)
-    headers = request.responseHeaders
-    headers.setRawHeaders(b"Content-Type", [b"application/json"])
-    headers.setRawHeaders(b"Content-Length", [b"%d" % len(body)])
-    for name, value in err.headers.items():
-        headers.setRawHeaders(name, [value])
+    headers = [(b"Content-Type", b"application/json")]
+    headers += err.headers.items()
+    request.start_response(err.status, headers, len(body))
     request.write(body)
     request.finish()

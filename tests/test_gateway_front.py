@@ -1,0 +1,450 @@
+"""
+Tests for L{llmgw.gateway.front}, the gateway's lean HTTP/1.1 server,
+driven through a L{StringTransport}.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from twisted.internet.interfaces import IPushProducer
+from twisted.internet.task import Clock
+from twisted.internet.testing import StringTransport
+from twisted.logger import globalLogPublisher
+from twisted.python.failure import Failure
+from twisted.trial.unittest import SynchronousTestCase
+from zope.interface import implementer
+
+from llmgw.gateway.front import (
+    MAX_HEAD,
+    MAX_HEADERS,
+    READ_AHEAD,
+    FrontFactory,
+    FrontRequest,
+    HTTPFront,
+)
+
+
+@implementer(IPushProducer)
+class Producer:
+    def __init__(self) -> None:
+        self.paused = False
+        self.events: list[str] = []
+
+    def pauseProducing(self) -> None:
+        self.paused = True
+        self.events.append("pause")
+
+    def resumeProducing(self) -> None:
+        self.paused = False
+        self.events.append("resume")
+
+    def stopProducing(self) -> None:
+        self.events.append("stop")
+
+
+class Server:
+    """
+    A front with a handler that keeps each request for the test to answer
+    (or answers at once when C{auto} is set).
+    """
+
+    def __init__(self, max_body: int = 1000, auto: bool = False):
+        self.requests: list[FrontRequest] = []
+        self.auto = auto
+        self.clock = Clock()
+        self.clock.advance(1_700_000_000)
+        self.factory = FrontFactory(self.handle, self.clock, max_body)
+        self.proto: HTTPFront = self.factory.buildProtocol(None)
+        self.transport = StringTransport()
+        self.proto.makeConnection(self.transport)
+
+    def handle(self, request: FrontRequest) -> None:
+        self.requests.append(request)
+        if self.auto:
+            answer(request, request.body or b"ok")
+
+    def feed(self, data: bytes, bytewise: bool = False) -> None:
+        if bytewise:
+            for i in range(len(data)):
+                self.proto.dataReceived(data[i : i + 1])
+        else:
+            self.proto.dataReceived(data)
+
+    def output(self) -> bytes:
+        out = self.transport.value()
+        self.transport.clear()
+        return out
+
+
+def answer(request: FrontRequest, body: bytes, status: int = 200) -> None:
+    request.start_response(status, [(b"Content-Type", b"text/plain")], len(body))
+    request.write(body)
+    request.finish()
+
+
+def post(path: bytes, body: bytes, extra: bytes = b"") -> bytes:
+    return b"POST %s HTTP/1.1\r\nHost: gw\r\n%sContent-Length: %d\r\n\r\n%s" % (path, extra, len(body), body)
+
+
+def responses(data: bytes) -> list[tuple[int, dict[bytes, bytes], bytes]]:
+    """
+    Parse a run of Content-Length framed responses.
+    """
+    out = []
+    while data:
+        head, _, rest = data.partition(b"\r\n\r\n")
+        lines = head.split(b"\r\n")
+        status = int(lines[0].split(b" ")[1])
+        headers = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(b": ")
+            headers[name.lower()] = value
+        n = int(headers.get(b"content-length", b"0"))
+        out.append((status, headers, rest[:n]))
+        data = rest[n:]
+    return out
+
+
+class RequestTests(SynchronousTestCase):
+    def test_parsed_request(self) -> None:
+        """
+        The handler gets the method, the target, its path without the
+        query, the headers (names in lower case, values trimmed) and the
+        body.
+        """
+        s = Server()
+        s.feed(post(b"/v1/x?a=1", b'{"a": 1}', b"X-Thing:  yes \r\n"))
+        (r,) = s.requests
+        self.assertEqual((r.method, r.uri, r.path), (b"POST", b"/v1/x?a=1", b"/v1/x"))
+        self.assertEqual(r.header(b"x-thing"), b"yes")
+        self.assertEqual(r.header(b"host"), b"gw")
+        self.assertIsNone(r.header(b"nope"))
+        self.assertEqual(r.body, b'{"a": 1}')
+        self.assertEqual(r.client_host, "192.168.1.1")
+        self.assertEqual(r.peer, "192.168.1.1:54321")
+
+    def test_bytewise(self) -> None:
+        """
+        A request that arrives a byte at a time is read the same.
+        """
+        s = Server()
+        s.feed(post(b"/p", b"0123456789"), bytewise=True)
+        self.assertEqual([r.body for r in s.requests], [b"0123456789"])
+
+    def test_chunked_body(self) -> None:
+        """
+        A chunked request body (with extensions and a trailer) is
+        reassembled, even when it arrives a byte at a time.
+        """
+        for bytewise in (False, True):
+            s = Server()
+            s.feed(
+                b"POST /p HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+                b"5;ext=1\r\nhello\r\nA\r\n 012345678\r\n0\r\nX-Trailer: t\r\n\r\n",
+                bytewise,
+            )
+            self.assertEqual([r.body for r in s.requests], [b"hello 012345678"])
+
+    def test_keep_alive_pipelined_in_order(self) -> None:
+        """
+        Pipelined requests are taken one at a time: the second reaches the
+        handler only when the first response is finished, and the answers
+        go out in order on the same connection.
+        """
+        s = Server()
+        s.feed(post(b"/1", b"a") + post(b"/2", b"b") + b"GET /3 HTTP/1.1\r\n\r\n")
+        self.assertEqual([r.path for r in s.requests], [b"/1"])
+        answer(s.requests[0], b"one")
+        self.assertEqual([r.path for r in s.requests], [b"/1", b"/2"])
+        answer(s.requests[1], b"two")
+        answer(s.requests[2], b"three")
+        got = responses(s.output())
+        self.assertEqual([(st, b) for st, _, b in got], [(200, b"one"), (200, b"two"), (200, b"three")])
+        self.assertFalse(s.transport.disconnecting)
+
+    def test_synchronous_answers_pipelined(self) -> None:
+        """
+        A handler that answers at once gets every pipelined request in turn.
+        """
+        s = Server(auto=True)
+        s.feed(b"".join(post(b"/%d" % i, b"x%d" % i) for i in range(50)))
+        self.assertEqual(len(s.requests), 50)
+        self.assertEqual([b for _, _, b in responses(s.output())], [b"x%d" % i for i in range(50)])
+
+    def test_connection_close(self) -> None:
+        """
+        C{Connection: close} (and HTTP/1.0 without keep-alive) closes the
+        connection after the response, which says so.
+        """
+        for request in (
+            post(b"/p", b"x", b"Connection: close\r\n"),
+            b"GET /p HTTP/1.0\r\n\r\n",
+        ):
+            s = Server(auto=True)
+            s.feed(request)
+            ((_, headers, _),) = responses(s.output())
+            self.assertEqual(headers[b"connection"], b"close")
+            self.assertTrue(s.transport.disconnecting)
+
+    def test_http10_keep_alive(self) -> None:
+        """
+        An HTTP/1.0 client asking for keep-alive gets it when the response
+        has a length.
+        """
+        s = Server(auto=True)
+        s.feed(b"GET /p HTTP/1.0\r\nConnection: Keep-Alive\r\n\r\n")
+        ((_, headers, _),) = responses(s.output())
+        self.assertEqual(headers[b"connection"], b"keep-alive")
+        self.assertFalse(s.transport.disconnecting)
+
+
+class ResponseTests(SynchronousTestCase):
+    def test_chunked_response(self) -> None:
+        """
+        A response without a length is chunked, each write a chunk, as it
+        is written; the last chunk marks its end.
+        """
+        s = Server()
+        s.feed(post(b"/p", b"x"))
+        r = s.requests[0]
+        r.start_response(200, [(b"content-type", b"text/event-stream")])
+        head = s.output()
+        self.assertTrue(head.startswith(b"HTTP/1.1 200 OK\r\n"), head)
+        self.assertIn(b"Transfer-Encoding: chunked\r\n", head)
+        self.assertIn(b"content-type: text/event-stream\r\n", head)
+        self.assertIn(b"Date: ", head)
+        r.write(b"data: 1\n\n")
+        self.assertEqual(s.output(), b"9\r\ndata: 1\n\n\r\n")
+        r.finish()
+        self.assertEqual(s.output(), b"0\r\n\r\n")
+        self.assertFalse(s.transport.disconnecting)
+
+    def test_http10_response_until_close(self) -> None:
+        """
+        To an HTTP/1.0 client a response without a length is ended by
+        closing the connection.
+        """
+        s = Server()
+        s.feed(b"POST /p HTTP/1.0\r\nConnection: keep-alive\r\nContent-Length: 1\r\n\r\nx")
+        r = s.requests[0]
+        r.start_response(200, [])
+        r.write(b"abc")
+        r.finish()
+        out = s.output()
+        self.assertNotIn(b"chunked", out)
+        self.assertTrue(out.endswith(b"\r\n\r\nabc"))
+        self.assertTrue(s.transport.disconnecting)
+
+    def test_head_has_no_body(self) -> None:
+        """
+        The answer to HEAD has the headers (its length included) but no
+        body.
+        """
+        s = Server(auto=True)
+        s.feed(b"HEAD /p HTTP/1.1\r\n\r\n")
+        out = s.output()
+        self.assertTrue(out.endswith(b"Content-Length: 2\r\n" + s.factory.date_line() + b"\r\n"), out)
+
+    def test_reason_phrase(self) -> None:
+        """
+        The status line carries the given reason, or the standard one.
+        """
+        s = Server()
+        s.feed(post(b"/p", b"x") + post(b"/p", b"y"))
+        s.requests[0].start_response(404, [], 0)
+        s.requests[0].finish()
+        s.requests[1].start_response(599, [], 0, b"Odd")
+        s.requests[1].finish()
+        out = s.output()
+        self.assertIn(b"HTTP/1.1 404 Not Found\r\n", out)
+        self.assertIn(b"HTTP/1.1 599 Odd\r\n", out)
+
+    def test_abort(self) -> None:
+        """
+        An aborted response sends what was written, without the last
+        chunk, and closes the connection.
+        """
+        s = Server()
+        s.feed(post(b"/p", b"x"))
+        r = s.requests[0]
+        r.start_response(200, [])
+        r.write(b"part")
+        r.abort()
+        out = s.output()
+        self.assertTrue(out.endswith(b"4\r\npart\r\n"))
+        self.assertTrue(s.transport.disconnecting)
+
+    def test_handler_failure_is_500(self) -> None:
+        """
+        A handler that raises gets the client a 500 in OpenAI's error shape,
+        and the failure is logged.
+        """
+        s = Server()
+
+        def broken(request: FrontRequest) -> None:
+            raise RuntimeError("boom")
+
+        s.factory.handle = broken
+        s.feed(post(b"/p", b"x"))
+        ((status, _, body),) = responses(s.output())
+        self.assertEqual(status, 500)
+        self.assertEqual(json.loads(body)["error"]["code"], "internal_error")
+        self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 1)
+
+
+class LimitTests(SynchronousTestCase):
+    def test_body_over_limit(self) -> None:
+        """
+        A body over the limit (by its Content-Length, or chunked) is read
+        and dropped: the handler sees it C{too_large} and empty, and the
+        connection goes on to the next request.
+        """
+        big = b"y" * 1500
+        chunked = b"".join(b"%x\r\n%s\r\n" % (100, big[i : i + 100]) for i in range(0, 1500, 100))
+        s = Server()
+        s.feed(post(b"/1", big))
+        s.feed(b"POST /2 HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked + b"0\r\n\r\n")
+        s.feed(post(b"/3", b"small"))
+        r1 = s.requests[0]
+        self.assertTrue(r1.too_large)
+        self.assertEqual(r1.body, b"")
+        answer(r1, b"no")
+        r2 = s.requests[1]
+        self.assertEqual((r2.path, r2.too_large, r2.body), (b"/2", True, b""))
+        answer(r2, b"no")
+        self.assertEqual((s.requests[2].too_large, s.requests[2].body), (False, b"small"))
+
+    def test_expect_continue(self) -> None:
+        """
+        C{Expect: 100-continue} gets the go-ahead for a body within the
+        limit; for one over it, the handler is asked at once (to refuse it)
+        and the connection closes after the answer, the body never read.
+        """
+        s = Server()
+        s.feed(b"POST /p HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 3\r\n\r\n")
+        self.assertEqual(s.output(), b"HTTP/1.1 100 Continue\r\n\r\n")
+        s.feed(b"abc")
+        self.assertEqual(s.requests[0].body, b"abc")
+        answer(s.requests[0], b"ok")
+        s.output()
+        s.feed(b"POST /p HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 5000\r\n\r\n")
+        r = s.requests[1]
+        self.assertTrue(r.too_large)
+        self.assertEqual(s.output(), b"")
+        answer(r, b"too big", 413)
+        out = s.output()
+        self.assertTrue(out.startswith(b"HTTP/1.1 413 "))
+        self.assertIn(b"Connection: close\r\n", out)
+        self.assertTrue(s.transport.disconnecting)
+
+    def test_bad_input(self) -> None:
+        """
+        Malformed requests get an OpenAI-shaped error with a fitting status,
+        logged with who sent it, and their connection is closed; the handler
+        never sees them.
+        """
+        cases = [
+            (b"GARBAGE\r\n\r\n", 400),
+            (b"GET / HTTP/1.1 extra\r\n\r\n", 400),
+            (b"GET / HTTP/2.0\r\n\r\n", 505),
+            (b"GET / FTP/1.0\r\n\r\n", 400),
+            (b"GET / HTTP/1.1\r\nNoColon\r\n\r\n", 400),
+            (b"GET / HTTP/1.1\r\nName : v\r\n\r\n", 400),
+            (b"GET / HTTP/1.1\r\n folded: v\r\n\r\n", 400),
+            (b"GET / HTTP/1.1\r\nA: b\nInjected: c\r\n\r\n", 400),
+            (b"GET / HTTP/1.1\r\nA: b\rc\r\n\r\n", 400),
+            (b"POST / HTTP/1.1\r\nContent-Length: -1\r\n\r\n", 400),
+            (b"POST / HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nx", 400),
+            (b"POST / HTTP/1.1\r\nContent-Length: 1\r\nTransfer-Encoding: chunked\r\n\r\n", 400),
+            (b"POST / HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n", 501),
+            (b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", 400),
+            (b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n1\r\nab\r\n", 400),
+            (b"GET / HTTP/1.1\r\n" + b"A: b\r\n" * (MAX_HEADERS + 1) + b"\r\n", 431),
+            (b"GET / HTTP/1.1\r\nA: " + b"b" * MAX_HEAD, 431),
+        ]
+        events: list[dict[str, Any]] = []
+        observer: Any = events.append
+        globalLogPublisher.addObserver(observer)
+        self.addCleanup(globalLogPublisher.removeObserver, observer)
+        for data, status in cases:
+            s = Server()
+            s.feed(data)
+            out = s.output()
+            ((got, headers, body),) = responses(out)
+            self.assertEqual(got, status, data[:60])
+            self.assertEqual(headers[b"content-type"], b"application/json")
+            self.assertTrue(json.loads(body)["error"]["message"])
+            self.assertTrue(s.transport.disconnecting, data[:60])
+            self.assertEqual(s.requests, [])
+            # Nothing more is read from a refused connection.
+            s.feed(post(b"/p", b"x"))
+            self.assertEqual(s.requests, [])
+        refusals = [e for e in events if e.get("log_format", "").startswith("refused a request from")]
+        self.assertEqual(len(refusals), len(cases))
+        self.assertEqual(refusals[0]["peer"], "192.168.1.1:54321")
+
+    def test_read_ahead_bounded(self) -> None:
+        """
+        While a response is in progress the connection reads ahead at most
+        about L{READ_AHEAD} bytes of the next requests, then stops reading
+        until the response is done.
+        """
+        s = Server()
+        s.feed(post(b"/1", b"x"))
+        s.feed(post(b"/2", b"y" * 500))
+        self.assertEqual(s.transport.producerState, "producing")
+        s.feed(post(b"/3", b"z" * READ_AHEAD))
+        self.assertEqual(s.transport.producerState, "paused")
+        answer(s.requests[0], b"one")
+        # /2 is in progress now, and /3 still more than the read-ahead.
+        self.assertEqual([r.path for r in s.requests], [b"/1", b"/2"])
+        self.assertEqual(s.transport.producerState, "paused")
+        answer(s.requests[1], b"two")
+        self.assertEqual(s.transport.producerState, "producing")
+        self.assertEqual([r.path for r in s.requests], [b"/1", b"/2", b"/3"])
+
+
+class FlowTests(SynchronousTestCase):
+    def test_backpressure(self) -> None:
+        """
+        While the client's connection has too much unsent the response's
+        producer is paused (at once, if it comes while so), and resumed
+        when the connection drains.
+        """
+        s = Server()
+        s.feed(post(b"/p", b"x"))
+        r = s.requests[0]
+        p = Producer()
+        r.set_producer(p)
+        self.assertIs(s.transport.producer, s.proto)
+        s.proto.pauseProducing()
+        self.assertTrue(p.paused)
+        s.proto.resumeProducing()
+        self.assertFalse(p.paused)
+        s.proto.pauseProducing()
+        r.clear_producer()
+        late = Producer()
+        r.set_producer(late)
+        self.assertTrue(late.paused)
+
+    def test_client_gone(self) -> None:
+        """
+        A connection lost in the middle of a response tells the request's
+        C{on_lost}; one lost after the response does not.
+        """
+        s = Server()
+        s.feed(post(b"/1", b"x"))
+        lost: list[Failure] = []
+        s.requests[0].on_lost = lost.append
+        s.proto.connectionLost(Failure(ConnectionError("gone")))
+        self.assertEqual(len(lost), 1)
+        self.assertTrue(s.requests[0].finished)
+
+        s = Server()
+        s.feed(post(b"/1", b"x"))
+        s.requests[0].on_lost = lost.append
+        answer(s.requests[0], b"ok")
+        s.proto.connectionLost(Failure(ConnectionError("gone")))
+        self.assertEqual(len(lost), 1)
