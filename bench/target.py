@@ -41,6 +41,7 @@ from twisted.protocols.tls import TLSMemoryBIOFactory
 from bench.common import ControlChannel, Profiler, pin, raise_nofile
 from llmgw.api.v1 import agent_pb2 as pb
 from llmgw.control.interfaces import NotConnected, NotKeepingUp
+from llmgw.control.limits import LimitsConfig
 from llmgw.control.service import ControlPlane
 from llmgw.testing.sinks import RecordingSink
 from llmgw.tlsconf.options import ServerTLS, server_files
@@ -204,6 +205,8 @@ class Target:
                 agents_host="127.0.0.1",
                 agents_port=0,
                 heartbeat_interval=heartbeat_interval,
+                # Every simulated agent dials from 127.0.0.1.
+                limits=LimitsConfig(max_per_address=0),
             )
             self.cp.startService()
             self.port = self.cp.agent_listener.port.getHost().port
@@ -232,6 +235,14 @@ class Target:
             out["registrations"] = dict(agents.registrations)
             out["dispatch_refusals"] = dict(agents.dispatch_refusals)
             out["inventory"] = len(self.cp.inventory)
+            limiter = self.cp.limiter
+            out["admission"] = {
+                "max_registering": limiter.max_registering,
+                "registering_peak": limiter.registering_peak,
+                "pauses": limiter.pauses,
+                "paused_s": round(limiter.paused_seconds, 2),
+                "refused": dict(limiter.refused),
+            }
         else:
             out["connected"] = len(self.bare.open)
             out["frames"] = self.bare.frames
@@ -301,8 +312,14 @@ def main(argv: list[str] | None = None) -> None:
 
     from twisted.internet import epollreactor
 
-    epollreactor.install()
+    if "twisted.internet.reactor" not in sys.modules:
+        epollreactor.install()
+    # prometheus_client's Twisted support (the control plane's metrics)
+    # imports the global reactor: Linux's default, epoll, already.
     from twisted.internet import reactor
+
+    if not isinstance(reactor, epollreactor.EPollReactor):
+        raise SystemExit(f"bench.target wants the epoll reactor, not {type(reactor).__name__}")
 
     nofile = raise_nofile()
     cpus = pin(args.cpu)

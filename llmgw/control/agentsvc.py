@@ -35,7 +35,12 @@ from llmgw.control.interfaces import (
     ShardReport,
 )
 from llmgw.control.inventory import GPUInfo, Inventory, Node
-from llmgw.control.limits import MessageRate, pause_reading, resume_reading
+from llmgw.control.limits import (
+    MessageRate,
+    connection_registered,
+    pause_reading,
+    resume_reading,
+)
 from llmgw.tlsconf.options import IdentityError, peer_node_id
 from llmgw.wire import (
     DEFAULT_MAX_FRAME,
@@ -401,6 +406,8 @@ class AgentStreamProtocol(MessageStream[pb.AgentMessage]):
         )
         self.send_message(ack("register"))
         self._set_timer(self.factory.silence_timeout, self._silence_expired)
+        # Out of the agent port's admission gate: the next connection may come in.
+        connection_registered(self.transport)
 
         # Adoption comes before any other command, so the reconciler never
         # concludes the node is empty and places duplicates (DESIGN §6.5).
