@@ -42,7 +42,7 @@ from bench.common import ControlChannel, Profiler, pin, raise_nofile
 from llmgw.api.v1 import agent_pb2 as pb
 from llmgw.control.interfaces import NotConnected, NotKeepingUp
 from llmgw.control.limits import LimitsConfig
-from llmgw.control.service import ControlPlane
+from llmgw.control.service import CollectorTuning, ControlPlane
 from llmgw.testing.sinks import RecordingSink
 from llmgw.tlsconf.options import ServerTLS, server_files
 from llmgw.wire import DEFAULT_MAX_FRAME
@@ -208,6 +208,8 @@ class Target:
                 # Every simulated agent dials from 127.0.0.1.
                 limits=LimitsConfig(max_per_address=0),
             )
+            # As makeService does for twistd's process.
+            CollectorTuning().setServiceParent(self.cp)
             self.cp.startService()
             self.port = self.cp.agent_listener.port.getHost().port
         else:
