@@ -304,6 +304,57 @@ class AdmissionGateTests(SynchronousTestCase):
             proto.dataReceived(b"\x16")
         self.assertEqual(self.port.calls, [])
 
+    def test_stallers_cannot_hold_the_gate(self) -> None:
+        """
+        Connections that sent a byte and then stall hold the gate shut only
+        for the hold: then they are no longer counted (each once: closing
+        them later changes nothing) and the port is read again; no timer is
+        left behind.
+        """
+        stallers = [self.open() for _ in range(4)]
+        self.assertFalse(self.port.reading)
+        self.clock.advance(self.limiter.registering_hold - 0.1)
+        self.assertFalse(self.port.reading)
+        with capturedLogs() as events:
+            self.clock.advance(0.1)
+        self.assertTrue(self.port.reading)
+        self.assertEqual((self.limiter.registering, self.limiter.registering_expired), (0, 4))
+        self.assertEqual([e["count"] for e in events if "no longer counted" in e["log_format"]], [4])
+        fresh = self.open()
+        for c in stallers:
+            c.connectionLost(Failure(ConnectionError()))
+        self.assertEqual(self.limiter.registering, 1)
+        connection_registered(fresh)
+        self.assertEqual(self.limiter.registering, 0)
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def test_hold_counts_from_each_first_byte(self) -> None:
+        """
+        Only the connections older than the hold stop being counted; the
+        gate opens once that leaves no more than the low-water mark.
+        """
+        old = [self.open() for _ in range(2)]
+        self.clock.advance(2.0)
+        [self.open() for _ in range(2)]
+        self.assertFalse(self.port.reading)
+        self.clock.advance(1.0)
+        self.assertTrue(self.port.reading)
+        self.assertEqual((self.limiter.registering, self.limiter.registering_expired), (2, 2))
+        connection_registered(old[0])
+        self.assertEqual(self.limiter.registering, 2)
+
+    def test_no_hold_timer_while_open_or_detached(self) -> None:
+        """
+        While the gate is open no timer runs; detaching the port (the
+        listener stopping) cancels a pending one.
+        """
+        [self.open() for _ in range(3)]
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+        self.open()
+        self.assertEqual(len(self.clock.getDelayedCalls()), 1)
+        self.limiter.attach_port(None)
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
     def test_pauses_are_logged_sparingly(self) -> None:
         """
         A storm that shuts the gate many times logs one line per interval,
@@ -377,8 +428,8 @@ class AgentAdmissionTests(SynchronousTestCase):
         seen: list[int] = []
         original = limiter.registering_started
 
-        def started() -> None:
-            original()
+        def started(proto: Any) -> None:
+            original(proto)
             seen.append(limiter.registering)
 
         limiter.registering_started = started  # type: ignore[method-assign]

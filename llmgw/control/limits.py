@@ -21,7 +21,12 @@ holds the connections still to come (their TCP handshake done, no deadline
 of ours running), and accepting resumes once the count is down to
 C{resume_registering}. Sockets that send nothing are not counted: they cost no
 CPU, and they must not be able to hold the gate shut against real agents
-(the handshake deadline clears them).
+(the handshake deadline clears them). Nor can peers that send a byte and
+stall: while the gate is shut, a connection that has been registering for
+C{registering_hold} seconds (3; a healthy one takes a fraction of a second
+even in a storm) stops being counted, though its own deadlines still run.
+Stallers can then slow the port down to C{max_registering} admissions per
+hold, never stop it.
 
 L{MessageRate} is a per-agent token bucket. An agent over its rate is not
 disconnected and its messages are not queued in memory: the control plane
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import collections
 import resource
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -60,6 +66,9 @@ DEFAULT_MESSAGE_BURST = 200
 #: handshakes queued in the process on a 2-core machine, enough to keep it
 #: busy, and far inside the 10 s handshake deadline.
 DEFAULT_MAX_REGISTERING = 128
+#: Seconds after which a connection still registering while the gate is
+#: shut stops being counted (see the module docstring).
+DEFAULT_REGISTERING_HOLD = 3.0
 #: Refusals are logged at most this often (a flood must not flood the log).
 REFUSAL_LOG_INTERVAL = 10.0
 #: Open files the control plane needs beyond its agent connections (logs,
@@ -102,7 +111,7 @@ class _Counted(ProtocolWrapper):
     def dataReceived(self, data: bytes) -> None:
         if self._gate == _SILENT:
             self._gate = _REGISTERING
-            self.factory.registering_started()
+            self.factory.registering_started(self)
         self.wrappedProtocol.dataReceived(data)
 
     def settle(self) -> None:
@@ -111,7 +120,7 @@ class _Counted(ProtocolWrapper):
         it closed. Only the first call counts.
         """
         if self._gate == _REGISTERING:
-            self.factory.registering_ended()
+            self.factory.registering_ended(self)
         self._gate = _SETTLED
 
     def connectionLost(self, reason: Failure = Failure(ConnectionDone())) -> None:  # noqa: B008
@@ -151,7 +160,8 @@ class ConnectionLimiter(WrappingFactory):
     While C{max_registering} connections are between their first byte and
     their C{Register} (0: no gate), the listening port given to
     L{attach_port} is not read; it is read again once C{resume_registering}
-    (by default half) are left. Twisted accepts in batches, so the count can
+    (by default half) are left, counting no connection longer than
+    C{registering_hold} seconds. Twisted accepts in batches, so the count can
     pass C{max_registering} by what one batch had already accepted; at
     each resume the batch is cut to the room left.
     """
@@ -168,6 +178,7 @@ class ConnectionLimiter(WrappingFactory):
         max_per_address: int = DEFAULT_MAX_PER_ADDRESS,
         max_registering: int = DEFAULT_MAX_REGISTERING,
         resume_registering: int | None = None,
+        registering_hold: float = DEFAULT_REGISTERING_HOLD,
     ):
         super().__init__(wrapped)
         self.clock = clock
@@ -177,10 +188,14 @@ class ConnectionLimiter(WrappingFactory):
         self.resume_registering = (
             max_registering // 2 if resume_registering is None else resume_registering
         )
-        #: Connections between their first byte and their Register, and the
-        #: most there have been at once.
-        self.registering = 0
+        self.registering_hold = registering_hold
+        #: Connections between their first byte and their Register, by when
+        #: they sent it (oldest first), and the most there have been at once.
+        self._window: OrderedDict[_Counted, float] = OrderedDict()
         self.registering_peak = 0
+        #: Connections no longer counted after C{registering_hold}.
+        self.registering_expired = 0
+        self._expiry: IDelayedCall | None = None
         #: Whether the gate holds new connections in the listen backlog.
         self.paused = False
         #: How often the gate closed, and for how long in all (seconds).
@@ -232,8 +247,11 @@ class ConnectionLimiter(WrappingFactory):
         or nothing, for C{None}: the listener is stopping.
         """
         self.port = port
-        if self.paused:
+        if port is None:
+            self._cancel_expiry()
+        elif self.paused:
             self._stop_reading()
+            self._schedule_expiry()
 
     def _port_alive(self) -> Any:
         port = self.port
@@ -248,29 +266,80 @@ class ConnectionLimiter(WrappingFactory):
         if port is not None and hasattr(port, "stopReading"):
             port.stopReading()
 
-    def registering_started(self) -> None:
+    @property
+    def registering(self) -> int:
         """
-        A connection sent its first byte.
+        Connections counted between their first byte and their Register.
         """
-        self.registering += 1
-        if self.registering > self.registering_peak:
-            self.registering_peak = self.registering
-        if self.max_registering and not self.paused and self.registering >= self.max_registering:
+        return len(self._window)
+
+    def registering_started(self, proto: _Counted) -> None:
+        """
+        C{proto}'s connection sent its first byte.
+        """
+        self._window[proto] = self.clock.seconds()
+        count = len(self._window)
+        if count > self.registering_peak:
+            self.registering_peak = count
+        if self.max_registering and not self.paused and count >= self.max_registering:
             self._pause()
 
-    def registering_ended(self) -> None:
+    def registering_ended(self, proto: _Counted) -> None:
         """
-        A counted connection registered or closed.
+        C{proto}'s connection registered or closed.
         """
-        self.registering -= 1
-        if self.paused and self.registering <= self.resume_registering:
+        if self._window.pop(proto, None) is None:
+            return  # no longer counted: it outstayed the hold
+        if self.paused and len(self._window) <= self.resume_registering:
             self._resume()
+
+    def _schedule_expiry(self) -> None:
+        if self._expiry is not None or not self._window or self.registering_hold <= 0:
+            return
+        oldest = next(iter(self._window.values()))
+        wait = max(0.0, oldest + self.registering_hold - self.clock.seconds())
+        self._expiry = self.clock.callLater(wait, self._expire)
+
+    def _cancel_expiry(self) -> None:
+        if self._expiry is not None and self._expiry.active():
+            self._expiry.cancel()
+        self._expiry = None
+
+    def _expire(self) -> None:
+        """
+        The gate is shut: stop counting connections registering for longer
+        than the hold, and open it if that leaves few enough.
+        """
+        self._expiry = None
+        cutoff = self.clock.seconds() - self.registering_hold
+        expired = 0
+        while self._window:
+            proto, since = next(iter(self._window.items()))
+            if since > cutoff:
+                break
+            del self._window[proto]
+            expired += 1
+        if expired:
+            self.registering_expired += expired
+            self.log.info(
+                "{count} agent connections spent {hold}s between TLS and Register while "
+                "new ones waited; they are no longer counted (slow or stalling peers; "
+                "their deadlines still run)",
+                count=expired,
+                hold=self.registering_hold,
+            )
+        if len(self._window) <= self.resume_registering:
+            self._resume()
+        else:
+            self._schedule_expiry()
 
     def _pause(self) -> None:
         self.paused = True
         self.pauses += 1
         self._paused_at = self.clock.seconds()
         self._stop_reading()
+        if self.port is not None:
+            self._schedule_expiry()
         self._unlogged_pauses += 1
         if self._paused_at - self._last_pause_log >= REFUSAL_LOG_INTERVAL:
             self.log.info(
@@ -286,6 +355,7 @@ class ConnectionLimiter(WrappingFactory):
 
     def _resume(self) -> None:
         self.paused = False
+        self._cancel_expiry()
         self.paused_seconds += self.clock.seconds() - self._paused_at
         port = self._port_alive()
         if port is None or not hasattr(port, "startReading"):
