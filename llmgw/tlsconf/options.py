@@ -42,9 +42,10 @@ from llmgw.wire import InvalidNodeId, validate_node_id
 #: send shares for both X25519MLKEM768 (the post-quantum hybrid) and X25519
 #: and agree on the hybrid, which costs the control plane about 0.07 ms more
 #: per handshake (roughly a tenth of a handshake's CPU: 0.7 s over a
-#: 10,000-agent storm) and the agent about 0.15 ms; measured with OpenSSL
-#: 4.0 in the agent-stream benchmark's registration storm, where it is
-#: material. The price: a recording of today's agent streams (commands,
+#: 10,000-agent storm) and the agent about 0.15 ms (OpenSSL 4.0, handshakes
+#: over memory BIOs); that matters in the agent-stream benchmark, where the
+#: simulated agents share the control plane's two CPUs. The price: a
+#: recording of today's agent streams (commands,
 #: with their arguments and environment) could be read by a future
 #: quantum computer. Authentication (ECDSA certificates) is not affected.
 #: The hybrid stays available at no cost to anyone else: an agent that
