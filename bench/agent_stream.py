@@ -40,6 +40,7 @@ from bench.common import (  # noqa: E402
     summary_ms,
 )
 from llmgw.tlsconf.ca import CertificateAuthority  # noqa: E402
+from llmgw.tlsconf.options import AGENT_GROUPS, SERVER_GROUPS  # noqa: E402
 
 PREFIX = "sim-"
 
@@ -479,6 +480,7 @@ def main(argv: list[str] | None = None) -> int:
             "twisted": twisted.__version__,
             "openssl": OpenSSL.SSL.SSLeay_version(OpenSSL.SSL.SSLEAY_VERSION).decode(),
             "tls": "mutual, ECDSA P-256 certificates from llmgw.tlsconf.ca, TLS >= 1.2",
+            "key_exchange": {"agents": AGENT_GROUPS, "servers": SERVER_GROUPS},
         }
         result["setup"] = setup
         for kind in targets:

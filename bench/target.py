@@ -1,9 +1,18 @@
 """
 The process the simulated agents dial: either the real control plane
-(C{--kind control}: L{llmgw.control.service.ControlPlane} with mutual TLS on
-127.0.0.1, logging to a file as C{twistd -n} would) or the bare baseline
-(C{--kind bare}: an C{Int32StringReceiver} behind the same L{ServerTLS}
-options that only counts frames).
+(C{--kind control}: built by L{llmgw.control.service.makeService} from
+parsed L{Options}, exactly as C{twistd -n llmgw control} builds it, and
+logging to a file as C{twistd -n} would) or the bare baseline (C{--kind
+bare}: an C{Int32StringReceiver} behind the same L{ServerTLS} options that
+only counts frames).
+
+The control plane's command line here (L{control_argv}): the bench's
+certificates, the agent port on 127.0.0.1 port 0, the admin API on
+127.0.0.1 port 0, no gateway, no catalog (the reconciler runs with an
+empty one: nothing placed, every reported shard stopped; the simulated
+agents report none), the bench's heartbeat interval, and no per-address
+cap (every simulated agent dials from 127.0.0.1). Everything else is
+twistd's default, the admission gate and the collector tuning included.
 
 Both answer the orchestrator on stdin/stdout (L{bench.common.ControlChannel}):
 
@@ -41,8 +50,7 @@ from twisted.protocols.tls import TLSMemoryBIOFactory
 from bench.common import ControlChannel, Profiler, pin, raise_nofile
 from llmgw.api.v1 import agent_pb2 as pb
 from llmgw.control.interfaces import NotConnected, NotKeepingUp
-from llmgw.control.service import ControlPlane
-from llmgw.testing.sinks import RecordingSink
+from llmgw.control.service import ControlPlane, Options, makeService
 from llmgw.tlsconf.options import ServerTLS, server_files
 from llmgw.wire import DEFAULT_MAX_FRAME
 
@@ -90,19 +98,33 @@ class Registrations:
         return d
 
 
-class BenchSink(RecordingSink):
+def control_argv(certs: Path, heartbeat_interval: float) -> list[str]:
     """
-    The control plane's own in-memory sink (what C{twistd llmgw control}
-    runs until the reconciler lands), telling L{Registrations} who registered.
+    The C{twistd llmgw control} options the benchmark runs the control
+    plane with.
     """
+    return [
+        "--certs", str(certs),
+        "--agents", "127.0.0.1:0",
+        "--admin", "127.0.0.1:0",
+        "--gateway", "off",
+        "--heartbeat-interval", str(heartbeat_interval),
+        "--max-connections-per-address", "0",
+    ]
 
-    def __init__(self, regs: Registrations) -> None:
-        super().__init__()
-        self.regs = regs
 
-    def node_registered(self, node_id: str) -> None:
-        super().node_registered(node_id)
-        self.regs.registered(node_id)
+def observe_registrations(sink: Any, regs: Registrations) -> None:
+    """
+    Tell L{Registrations} about every node the control plane's sink (the
+    reconciler) hears register, after the sink has.
+    """
+    registered = sink.node_registered
+
+    def node_registered(node_id: str) -> None:
+        registered(node_id)
+        regs.registered(node_id)
+
+    sink.node_registered = node_registered
 
 
 class BareStream(Int32StringReceiver):
@@ -195,25 +217,32 @@ class Target:
         self.kind = kind
         self.regs = Registrations(reactor)
         self.gc_times = GCTimes()
-        tls = ServerTLS(server_files(certs))
         if kind == "control":
-            self.cp = ControlPlane(
-                reactor,
-                sink=BenchSink(self.regs),
-                tls=tls,
-                agents_host="127.0.0.1",
-                agents_port=0,
-                heartbeat_interval=heartbeat_interval,
-            )
+            options = Options()
+            options.parseOptions(control_argv(certs, heartbeat_interval))
+            self.options = options
+            # Without a reactor, as twistd calls it: this process is the
+            # control plane's own.
+            self.cp: ControlPlane = makeService(options)
+            observe_registrations(self.cp.sink, self.regs)
             self.cp.startService()
             self.port = self.cp.agent_listener.port.getHost().port
         else:
+            tls = ServerTLS(server_files(certs))
             self.bare = BareFactory(self.regs)
             listening = self.reactor.listenTCP(
-                0, TLSMemoryBIOFactory(tls, False, self.bare), backlog=1024,
+                0, TLSMemoryBIOFactory(tls, False, self.bare), backlog=self.backlog(),
                 interface="127.0.0.1",
             )
             self.port = listening.getHost().port
+
+    @staticmethod
+    def backlog() -> int:
+        """
+        The bare server's listen backlog: the control plane's default, so
+        that both meet the storm with the same kernel queue.
+        """
+        return int(Options()["backlog"])
 
     # -- requests -------------------------------------------------------------
 
@@ -232,6 +261,15 @@ class Target:
             out["registrations"] = dict(agents.registrations)
             out["dispatch_refusals"] = dict(agents.dispatch_refusals)
             out["inventory"] = len(self.cp.inventory)
+            out["sink"] = type(self.cp.sink).__name__
+            limiter = self.cp.limiter
+            out["admission"] = {
+                "max_registering": limiter.max_registering,
+                "registering_peak": limiter.registering_peak,
+                "pauses": limiter.pauses,
+                "paused_s": round(limiter.paused_seconds, 2),
+                "refused": dict(limiter.refused),
+            }
         else:
             out["connected"] = len(self.bare.open)
             out["frames"] = self.bare.frames
@@ -301,8 +339,14 @@ def main(argv: list[str] | None = None) -> None:
 
     from twisted.internet import epollreactor
 
-    epollreactor.install()
+    if "twisted.internet.reactor" not in sys.modules:
+        epollreactor.install()
+    # prometheus_client's Twisted support (the control plane's metrics)
+    # imports the global reactor: Linux's default, epoll, already.
     from twisted.internet import reactor
+
+    if not isinstance(reactor, epollreactor.EPollReactor):
+        raise SystemExit(f"bench.target wants the epoll reactor, not {type(reactor).__name__}")
 
     nofile = raise_nofile()
     cpus = pin(args.cpu)

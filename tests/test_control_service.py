@@ -71,7 +71,7 @@ class OptionsTests(SynchronousTestCase):
         o.parseOptions(["--certs", str(ca.directory)])
         self.assertEqual((o["agents_host"], o["agents_port"]), ("0.0.0.0", 7443))
         self.assertIsNotNone(o["tls"])
-        self.assertEqual(o["backlog"], 1024)
+        self.assertEqual(o["backlog"], 4096)
 
     def test_bad_numbers(self) -> None:
         """

@@ -28,15 +28,18 @@ from llmgw.control.agentsvc import AgentService
 from llmgw.control.inventory import Inventory
 from llmgw.control.limits import (
     DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_REGISTERING,
     REFUSAL_LOG_INTERVAL,
     ConnectionLimiter,
     LimitsConfig,
     MessageRate,
+    backlog_problem,
+    connection_registered,
     ensure_fd_limit,
     pause_reading,
 )
 from llmgw.control.service import ControlPlane, Options, makeService
-from llmgw.testing.pki import AgentFactory, agent_tls, make_pki
+from llmgw.testing.pki import AgentFactory, agent_tls, connect_in_memory, make_pki
 from llmgw.testing.sinks import RecordingSink
 from llmgw.tlsconf.options import ServerTLS, server_files
 from llmgw.wire import PROTOCOL_VERSION
@@ -139,6 +142,303 @@ class ConnectionLimiterTests(SynchronousTestCase):
         self.assertGreater(LimitsConfig().message_rate * 5, 10)
 
 
+class FakePort:
+    """
+    The parts of a listening C{tcp.Port} the admission gate uses.
+    """
+
+    def __init__(self) -> None:
+        self.reading = True
+        self.connected = True
+        self.disconnecting = False
+        self.numberAccepts = 100
+        self.calls: list[str] = []
+
+    def stopReading(self) -> None:
+        self.calls.append("stop")
+        self.reading = False
+
+    def startReading(self) -> None:
+        self.calls.append("start")
+        self.reading = True
+
+
+class AdmissionGateTests(SynchronousTestCase):
+    """
+    The gate: connections between their first byte and their Register.
+    """
+
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.port = FakePort()
+        self.limiter = ConnectionLimiter(
+            Counting(), self.clock, max_connections=0, max_per_address=0, max_registering=4
+        )
+        self.limiter.attach_port(self.port)
+
+    def open(self, speak: bool = True) -> Any:
+        proto = self.limiter.buildProtocol(A)
+        assert proto is not None
+        proto.makeConnection(StringTransport(peerAddress=A))
+        if speak:
+            proto.dataReceived(b"\x16")
+        return proto
+
+    def test_pauses_at_limit_and_resumes_at_low_water(self) -> None:
+        """
+        The port stops being read when the fourth connection sends its first
+        byte, stays stopped while more than half are still registering, and
+        is read again at half; the next accept batch is cut to the room
+        left.
+        """
+        conns = [self.open() for _ in range(3)]
+        self.assertTrue(self.port.reading)
+        conns.append(self.open())
+        self.assertFalse(self.port.reading)
+        self.assertTrue(self.limiter.paused)
+        self.assertEqual(self.limiter.registering, 4)
+        connection_registered(conns[0])
+        self.assertFalse(self.port.reading)
+        conns[1].connectionLost(Failure(ConnectionError()))
+        self.assertTrue(self.port.reading)
+        self.assertFalse(self.limiter.paused)
+        self.assertEqual(self.limiter.registering, 2)
+        self.assertEqual(self.port.numberAccepts, 2)
+        self.assertEqual(self.port.calls, ["stop", "start"])
+        self.assertEqual((self.limiter.pauses, self.limiter.registering_peak), (1, 4))
+
+    def test_time_paused_is_counted(self) -> None:
+        """
+        How long the gate was shut is added up on the injected clock.
+        """
+        conns = [self.open() for _ in range(4)]
+        self.clock.advance(2.5)
+        for c in conns[:2]:
+            connection_registered(c)
+        self.assertEqual(self.limiter.paused_seconds, 2.5)
+
+    def test_silent_connections_do_not_count(self) -> None:
+        """
+        Sockets that never send a byte hold no place in the gate (they cost
+        no CPU, and must not shut out real agents); they still count against
+        the connection caps.
+        """
+        silent = [self.open(speak=False) for _ in range(10)]
+        self.assertEqual(self.limiter.registering, 0)
+        self.assertTrue(self.port.reading)
+        self.assertEqual(self.limiter.total, 10)
+        for c in silent:
+            c.connectionLost(Failure(ConnectionError()))
+        self.assertEqual((self.limiter.registering, self.limiter.total), (0, 0))
+
+    def test_each_connection_leaves_once(self) -> None:
+        """
+        Registering, registering again, and closing after registering take a
+        connection out of the gate once; more bytes do not count it again.
+        """
+        c = self.open()
+        c.dataReceived(b"more")
+        self.assertEqual(self.limiter.registering, 1)
+        connection_registered(c)
+        connection_registered(c)
+        c.dataReceived(b"a heartbeat")
+        c.connectionLost(Failure(ConnectionError()))
+        self.assertEqual(self.limiter.registering, 0)
+        self.assertEqual(self.limiter.total, 0)
+
+    def test_no_leak_on_refusals_or_aborts(self) -> None:
+        """
+        Connections refused at accept never enter the gate; connections
+        closed or aborted before registering leave it; afterwards the gate
+        is open and empty.
+        """
+        limiter = ConnectionLimiter(
+            Counting(), self.clock, max_connections=0, max_per_address=3, max_registering=2
+        )
+        limiter.attach_port(self.port)
+        conns = []
+        for _ in range(5):
+            proto = limiter.buildProtocol(A)
+            if proto is not None:
+                proto.makeConnection(StringTransport(peerAddress=A))
+                proto.dataReceived(b"\x16")
+                conns.append(proto)
+        self.assertEqual(len(conns), 3)
+        self.assertEqual(limiter.refused["per_address"], 2)
+        self.assertEqual(limiter.registering, 3)
+        self.assertFalse(self.port.reading)
+        for c in conns:
+            c.connectionLost(Failure(ConnectionError()))
+        self.assertEqual((limiter.registering, limiter.total), (0, 0))
+        self.assertTrue(self.port.reading)
+        self.assertFalse(limiter.paused)
+
+    def test_stopping_port_is_not_restarted(self) -> None:
+        """
+        A pause before the port is attached applies when it is; a port that
+        is stopping (or detached) is never read again by the gate.
+        """
+        limiter = ConnectionLimiter(Counting(), self.clock, 0, 0, max_registering=1)
+        proto = limiter.buildProtocol(A)
+        assert proto is not None
+        proto.makeConnection(StringTransport(peerAddress=A))
+        proto.dataReceived(b"\x16")
+        port = FakePort()
+        limiter.attach_port(port)
+        self.assertFalse(port.reading)
+        port.disconnecting = True
+        proto.connectionLost(Failure(ConnectionError()))
+        self.assertFalse(port.reading)
+        self.assertEqual(port.calls, ["stop"])
+
+    def test_zero_means_no_gate(self) -> None:
+        """
+        C{max_registering} 0 never stops the port.
+        """
+        limiter = ConnectionLimiter(Counting(), self.clock, 0, 0, max_registering=0)
+        limiter.attach_port(self.port)
+        for _ in range(50):
+            proto = limiter.buildProtocol(A)
+            assert proto is not None
+            proto.makeConnection(StringTransport(peerAddress=A))
+            proto.dataReceived(b"\x16")
+        self.assertEqual(self.port.calls, [])
+
+    def test_stallers_cannot_hold_the_gate(self) -> None:
+        """
+        Connections that sent a byte and then stall hold the gate shut only
+        for the hold: then they are no longer counted (each once: closing
+        them later changes nothing) and the port is read again; no timer is
+        left behind.
+        """
+        stallers = [self.open() for _ in range(4)]
+        self.assertFalse(self.port.reading)
+        self.clock.advance(self.limiter.registering_hold - 0.1)
+        self.assertFalse(self.port.reading)
+        with capturedLogs() as events:
+            self.clock.advance(0.1)
+        self.assertTrue(self.port.reading)
+        self.assertEqual((self.limiter.registering, self.limiter.registering_expired), (0, 4))
+        self.assertEqual([e["count"] for e in events if "no longer counted" in e["log_format"]], [4])
+        fresh = self.open()
+        for c in stallers:
+            c.connectionLost(Failure(ConnectionError()))
+        self.assertEqual(self.limiter.registering, 1)
+        connection_registered(fresh)
+        self.assertEqual(self.limiter.registering, 0)
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def test_hold_counts_from_each_first_byte(self) -> None:
+        """
+        Only the connections older than the hold stop being counted; the
+        gate opens once that leaves no more than the low-water mark.
+        """
+        old = [self.open() for _ in range(2)]
+        self.clock.advance(2.0)
+        [self.open() for _ in range(2)]
+        self.assertFalse(self.port.reading)
+        self.clock.advance(1.0)
+        self.assertTrue(self.port.reading)
+        self.assertEqual((self.limiter.registering, self.limiter.registering_expired), (2, 2))
+        connection_registered(old[0])
+        self.assertEqual(self.limiter.registering, 2)
+
+    def test_no_hold_timer_while_open_or_detached(self) -> None:
+        """
+        While the gate is open no timer runs; detaching the port (the
+        listener stopping) cancels a pending one.
+        """
+        [self.open() for _ in range(3)]
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+        self.open()
+        self.assertEqual(len(self.clock.getDelayedCalls()), 1)
+        self.limiter.attach_port(None)
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def test_pauses_are_logged_sparingly(self) -> None:
+        """
+        A storm that shuts the gate many times logs one line per interval,
+        with how many pauses it stands for.
+        """
+        with capturedLogs() as events:
+            for _ in range(5):
+                conns = [self.open() for _ in range(4)]
+                for c in conns:
+                    c.connectionLost(Failure(ConnectionError()))
+            self.clock.advance(REFUSAL_LOG_INTERVAL)
+            [self.open() for _ in range(4)]
+        lines = [e for e in events if "listen backlog" in e["log_format"]]
+        self.assertEqual([e["pauses"] for e in lines], [1, 5])
+
+
+class AgentAdmissionTests(SynchronousTestCase):
+    """
+    The agent service tells the gate when a connection registers.
+    """
+
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.factory = AgentService(
+            Inventory(), RecordingSink(), self.clock, epoch=1, tls=False, require_identity=False
+        )
+
+    def test_register_leaves_the_gate(self) -> None:
+        """
+        Without TLS, the Register frame is the first byte and the
+        registration: the connection enters and leaves the gate in one read.
+        """
+        limiter = ConnectionLimiter(self.factory, self.clock, 0, 0, max_registering=4)
+        wrapper = limiter.buildProtocol(A)
+        assert wrapper is not None
+        wrapper.makeConnection(StringTransport(peerAddress=A))
+        register = pb.AgentMessage(register=pb.Register(
+            protocol_version=PROTOCOL_VERSION, node_id="node-a"))
+        wrapper.dataReceived(frame(register))
+        self.assertEqual(self.factory.connected_nodes(), ["node-a"])
+        self.assertEqual((limiter.registering, limiter.registering_peak), (0, 1))
+
+    def test_refused_register_stays_until_closed(self) -> None:
+        """
+        A refused Register is no registration: the connection holds its
+        place until it is closed (at the latest when the refusal's linger
+        aborts it).
+        """
+        limiter = ConnectionLimiter(self.factory, self.clock, 0, 0, max_registering=4)
+        wrapper = limiter.buildProtocol(A)
+        assert wrapper is not None
+        transport = StringTransport(peerAddress=A)
+        wrapper.makeConnection(transport)
+        register = pb.AgentMessage(register=pb.Register(
+            protocol_version=PROTOCOL_VERSION, node_id="Not A Node"))
+        wrapper.dataReceived(frame(register))
+        self.assertEqual(limiter.registering, 1)
+        wrapper.connectionLost(Failure(ConnectionError()))
+        self.assertEqual(limiter.registering, 0)
+
+    def test_tls_registration_leaves_the_gate(self) -> None:
+        """
+        Under mutual TLS, the connection is in the gate from its ClientHello
+        until its Register is taken.
+        """
+        certs = Path(self.mktemp())
+        make_pki(certs, ["node-a"])
+        self.factory.tls = self.factory.require_identity = True
+        tls = TLSMemoryBIOFactory(ServerTLS(server_files(certs)), False, self.factory, clock=self.clock)
+        limiter = ConnectionLimiter(tls, self.clock, 0, 0, max_registering=4)
+        seen: list[int] = []
+        original = limiter.registering_started
+
+        def started(proto: Any) -> None:
+            original(proto)
+            seen.append(limiter.registering)
+
+        limiter.registering_started = started  # type: ignore[method-assign]
+        agent, _, pump = connect_in_memory(limiter, agent_tls(certs, "node-a"), "node-a", self.clock)
+        self.assertTrue(agent.registered)
+        self.assertEqual(seen, [1])
+        self.assertEqual(limiter.registering, 0)
+
+
 class OptionsTests(SynchronousTestCase):
     def test_limit_options(self) -> None:
         """
@@ -162,6 +462,40 @@ class OptionsTests(SynchronousTestCase):
             )
             self.assertIn(bad[0], str(e))
         self.assertEqual(Options()["max-connections"], str(DEFAULT_MAX_CONNECTIONS))
+
+    def test_admission_options(self) -> None:
+        """
+        C{--max-registering} reaches the gate (128 by default, half of it
+        to resume); the listen backlog defaults to 4096, the most Linux
+        allows by default, and at least the 1024 the design asks.
+        """
+        opts = Options()
+        opts.parseOptions(["--insecure", "--agents", "127.0.0.1:0", "--max-registering", "32"])
+        cp = makeService(opts, reactor=MemoryReactorClock())
+        self.assertEqual((cp.limiter.max_registering, cp.limiter.resume_registering), (32, 16))
+        opts = Options()
+        opts.parseOptions(["--insecure", "--agents", "127.0.0.1:0"])
+        self.assertEqual(opts["limits"].max_registering, DEFAULT_MAX_REGISTERING)
+        self.assertEqual(DEFAULT_MAX_REGISTERING, 128)
+        self.assertGreaterEqual(opts["backlog"], 1024)
+        e = self.assertRaises(
+            usage.UsageError, Options().parseOptions,
+            ["--insecure", "--agents", "127.0.0.1:0", "--max-registering", "-5"],
+        )
+        self.assertIn("--max-registering", str(e))
+
+    def test_backlog_over_somaxconn_reported(self) -> None:
+        """
+        A backlog the kernel would cut is reported with the kernel's cap
+        and the fix; one that fits, or an unreadable setting, is not.
+        """
+        path = Path(self.mktemp())
+        path.write_text("512\n")
+        problem = backlog_problem(4096, str(path))
+        assert problem is not None
+        self.assertIn("somaxconn = 512", problem)
+        self.assertIsNone(backlog_problem(512, str(path)))
+        self.assertIsNone(backlog_problem(4096, str(path) + ".missing"))
 
 
 class FileLimitTests(SynchronousTestCase):
@@ -462,3 +796,42 @@ class AgentPortIntegrationTests(TestCase):
         self.assertEqual(cp.agents.registrations["register_timeout"], 20)
         self.assertEqual(cp.agents.connected_nodes(), ["node-a"])
         self.assertTrue(agent.protocols[0].connected)
+
+    @defer.inlineCallbacks
+    def test_gate_holds_new_connections_in_the_backlog(self) -> Any:
+        """
+        With the gate at 2, two sockets that sent a byte and stalled shut
+        it: a real agent that dials meanwhile is not accepted (its TCP
+        handshake is done by the kernel; no TLS protocol, no deadline of
+        ours) until one of them closes, then it registers.
+        """
+        cp = self.control_plane(LimitsConfig(max_per_address=0, max_registering=2))
+        stallers = [RawFactory(b"\x16") for _ in range(2)]
+        for f in stallers:
+            self.dial(f)
+            yield within(self.wait_made(f), 5)
+        while cp.limiter.registering < 2:
+            yield task.deferLater(reactor, 0.01, lambda: None)
+        self.assertTrue(cp.limiter.paused)
+        agent = AgentFactory("node-a")
+        self.connectors.append(reactor.connectTCP(
+            "127.0.0.1", self.port,
+            TLSMemoryBIOFactory(agent_tls(self.certs, "node-a"), True, agent), timeout=5,
+        ))
+        while not agent.protocols:
+            yield task.deferLater(reactor, 0.01, lambda: None)
+        self.closings.append(agent.protocols[0].closed)
+        # Connected as far as the agent can tell; give the control plane
+        # time to (wrongly) accept it.
+        yield task.deferLater(reactor, 0.3, lambda: None)
+        self.assertEqual(cp.agents.open_connections(), 2)
+        self.assertFalse(agent.protocols[0].acked.called)
+        stallers[0].clients[0].transport.loseConnection()  # type: ignore[union-attr]
+        ack = yield within(agent.protocols[0].acked, 5)
+        self.assertTrue(ack.ok)
+        self.assertEqual(cp.agents.connected_nodes(), ["node-a"])
+        self.assertEqual(cp.agents.registrations["handshake_timeout"], 0)
+        # The agent's own ClientHello shut the gate again, beside the
+        # remaining staller, until its Register.
+        self.assertEqual(cp.limiter.pauses, 2)
+        self.assertFalse(cp.limiter.paused)

@@ -12,11 +12,12 @@ from pathlib import Path
 
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
+from OpenSSL import SSL
 from twisted.internet.protocol import Factory
 from twisted.internet.task import Clock
 from twisted.protocols.tls import TLSMemoryBIOFactory
 from twisted.test.iosim import connectedServerAndClient
-from twisted.trial.unittest import SynchronousTestCase
+from twisted.trial.unittest import SkipTest, SynchronousTestCase
 
 from llmgw.api.v1 import agent_pb2 as pb
 from llmgw.control.agentsvc import AgentService
@@ -26,6 +27,8 @@ from llmgw.testing.sinks import RecordingSink
 from llmgw.testing.stream import RecordingAgent, register
 from llmgw.tlsconf.ca import CertificateAuthority
 from llmgw.tlsconf.options import (
+    AGENT_GROUPS,
+    AGENT_GROUPS_POST_QUANTUM,
     AgentClientTLS,
     ServerIdentityError,
     ServerTLS,
@@ -33,6 +36,7 @@ from llmgw.tlsconf.options import (
     TLSFiles,
     agent_files,
     server_files,
+    set_groups,
     verify_server_identity,
 )
 
@@ -193,3 +197,71 @@ class InMemoryTLSTests(SynchronousTestCase):
         self.assertIn("10.9.9.9", str(agent.reason.value))
         self.assertIn("IP:127.0.0.1", str(agent.reason.value))
         self.assertEqual(self.service.connected_nodes(), [])
+
+
+def _handshake(server: ServerTLS, client: AgentClientTLS) -> tuple[str | None, str]:
+    """
+    One handshake between the two sides' contexts over memory BIOs;
+    returns the agreed group and protocol version (server side).
+    """
+    s = SSL.Connection(server._context, None)
+    s.set_accept_state()
+    c = SSL.Connection(client._context, None)
+    c.set_app_data(None)
+    c.set_connect_state()
+    for _ in range(10):
+        for conn in (c, s):
+            try:
+                conn.do_handshake()
+            except SSL.WantReadError:
+                pass
+        for a, b in ((c, s), (s, c)):
+            try:
+                b.bio_write(a.bio_read(65536))
+            except SSL.WantReadError:
+                pass
+    return s.get_group_name(), s.get_protocol_version_name()
+
+
+class KeyExchangeTests(SynchronousTestCase):
+    """
+    The key-exchange groups: the agent chooses (classical by default), the
+    control plane takes its choice without a retry, the post-quantum
+    hybrid stays available.
+    """
+
+    def setUp(self) -> None:
+        self.dir = make_pki(self.mktemp(), nodes=("node-a",)).directory
+        self.server = ServerTLS(server_files(self.dir))
+
+    def test_agent_default_is_classical(self) -> None:
+        """
+        By default an agent and the control plane agree on X25519, over TLS
+        1.3.
+        """
+        client = AgentClientTLS("127.0.0.1", agent_files(self.dir, "node-a"))
+        self.assertEqual(client.groups, AGENT_GROUPS)
+        group, version = _handshake(self.server, client)
+        self.assertEqual(group, "x25519")
+        self.assertEqual(version, "TLSv1.3")
+
+    def test_post_quantum_hybrid_available(self) -> None:
+        """
+        An agent that puts the hybrid first gets it from the same control
+        plane (where OpenSSL has ML-KEM).
+        """
+        client = AgentClientTLS(
+            "127.0.0.1", agent_files(self.dir, "node-a"), groups=AGENT_GROUPS_POST_QUANTUM
+        )
+        if set_groups(SSL.Context(SSL.TLS_METHOD), AGENT_GROUPS_POST_QUANTUM) != AGENT_GROUPS_POST_QUANTUM:
+            raise SkipTest("this OpenSSL has no X25519MLKEM768")
+        group, _ = _handshake(self.server, client)
+        self.assertEqual(group, "X25519MLKEM768")
+
+    def test_unknown_group_falls_back(self) -> None:
+        """
+        A group list this OpenSSL cannot take falls back to the classical
+        groups rather than failing.
+        """
+        ctx = SSL.Context(SSL.TLS_METHOD)
+        self.assertEqual(set_groups(ctx, "NoSuchGroup:X25519"), "X25519:secp256r1:secp384r1")

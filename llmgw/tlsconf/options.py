@@ -19,6 +19,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from OpenSSL import SSL, crypto
+from OpenSSL._util import lib as _ssl_lib
 from service_identity import CertificateError, VerificationError
 from service_identity.cryptography import (
     verify_certificate_hostname,
@@ -35,6 +36,43 @@ from zope.interface import implementer
 from llmgw.tlsconf.ca import CAError, subject_alt_names
 from llmgw.tlsconf.crl import CRLError, load_crl
 from llmgw.wire import InvalidNodeId, validate_node_id
+
+#: Key exchange (DESIGN §4). The agent sends a key share for the first group
+#: it lists, so it chooses: classical X25519 by default. OpenSSL 3.5+ would
+#: send shares for both X25519MLKEM768 (the post-quantum hybrid) and X25519
+#: and agree on the hybrid, which costs the control plane about 0.07 ms more
+#: per handshake (roughly a tenth of a handshake's CPU: 0.7 s over a
+#: 10,000-agent storm) and the agent about 0.15 ms (OpenSSL 4.0, handshakes
+#: over memory BIOs); that matters in the agent-stream benchmark, where the
+#: simulated agents share the control plane's two CPUs. The price: a
+#: recording of today's agent streams (commands,
+#: with their arguments and environment) could be read by a future
+#: quantum computer. Authentication (ECDSA certificates) is not affected.
+#: The hybrid stays available at no cost to anyone else: an agent that
+#: lists it first (L{AGENT_GROUPS_POST_QUANTUM}) gets it, because the
+#: control plane takes the group the agent sent a share for, preferring
+#: the hybrid, and never asks for another (which would cost a round trip).
+AGENT_GROUPS = "X25519:X25519MLKEM768:secp256r1"
+AGENT_GROUPS_POST_QUANTUM = "X25519MLKEM768:X25519:secp256r1"
+SERVER_GROUPS = "X25519MLKEM768:X25519:secp256r1:secp384r1"
+#: What is left when OpenSSL (before 3.5) has no ML-KEM.
+_CLASSICAL_GROUPS = "X25519:secp256r1:secp384r1"
+
+
+def set_groups(context: SSL.Context, groups: str) -> str | None:
+    """
+    Set C{context}'s key-exchange groups (an OpenSSL group list), falling
+    back to the classical ones where OpenSSL lacks a named group, and to
+    OpenSSL's defaults where it cannot set them at all. Returns the list in
+    force, or C{None} for OpenSSL's defaults.
+    """
+    setter = getattr(_ssl_lib, "SSL_CTX_set1_curves_list", None)
+    if setter is None:
+        return None
+    for candidate in (groups, _CLASSICAL_GROUPS):
+        if setter(context._context, candidate.encode("ascii")) == 1:
+            return candidate
+    return None
 
 
 class TLSConfigError(Exception):
@@ -187,11 +225,12 @@ class TLSFiles:
             self.cert.public_bytes(serialization.Encoding.PEM) + key
         )
 
-    def context(self) -> SSL.Context:
+    def context(self, groups: str | None = None) -> SSL.Context:
         """
         A new OpenSSL context presenting this certificate and trusting only
         the CA, TLS 1.2 at least. Peers must present a certificate; with a
-        CRL, a peer certificate it lists fails the handshake.
+        CRL, a peer certificate it lists fails the handshake. C{groups}: the
+        key-exchange groups (L{set_groups}), or OpenSSL's defaults.
         """
         priv = self.twisted_private()
         opts = ssl.CertificateOptions(
@@ -207,6 +246,8 @@ class TLSFiles:
             store.add_crl(self.crl)
             # CRL_CHECK checks the leaf, which is all our one-level CA has.
             store.set_flags(crypto.X509StoreFlags.CRL_CHECK)
+        if groups is not None:
+            set_groups(ctx, groups)
         return ctx
 
 
@@ -230,10 +271,10 @@ class ServerTLS:
 
     def __init__(self, files: TLSFiles):
         self.files = files
-        self._context = files.context()
+        self._context = files.context(SERVER_GROUPS)
 
     def reload(self, files: TLSFiles) -> None:
-        context = files.context()
+        context = files.context(SERVER_GROUPS)
         self.files, self._context = files, context
 
     def serverConnectionForTLS(self, tlsProtocol: Any) -> SSL.Connection:
@@ -318,16 +359,18 @@ class AgentClientTLS:
     certificate holds.
     """
 
-    def __init__(self, host: str, files: TLSFiles):
+    def __init__(self, host: str, files: TLSFiles, groups: str = AGENT_GROUPS):
         self.host = host.strip("[]")
         self.files = files
+        #: Key-exchange groups, the first one sent a key share for.
+        self.groups = groups
         self._context = self._make_context(files)
         #: The last verification failure, for callers that want it without a
         #: connection.
         self.last_error: ServerIdentityError | None = None
 
     def _make_context(self, files: TLSFiles) -> SSL.Context:
-        context = files.context()
+        context = files.context(self.groups)
         context.set_info_callback(self._info)
         return context
 
@@ -396,6 +439,9 @@ def agent_files(
 
 
 __all__ = [
+    "AGENT_GROUPS",
+    "AGENT_GROUPS_POST_QUANTUM",
+    "SERVER_GROUPS",
     "AgentClientTLS",
     "CAError",
     "IdentityError",
@@ -406,5 +452,6 @@ __all__ = [
     "agent_files",
     "peer_node_id",
     "server_files",
+    "set_groups",
     "verify_server_identity",
 ]
