@@ -28,7 +28,7 @@ from llmgw.testing.stream import RecordingAgent, register
 from llmgw.tlsconf.ca import CertificateAuthority
 from llmgw.tlsconf.options import (
     AGENT_GROUPS,
-    AGENT_GROUPS_POST_QUANTUM,
+    AGENT_GROUPS_CLASSICAL,
     AgentClientTLS,
     ServerIdentityError,
     ServerTLS,
@@ -225,38 +225,37 @@ def _handshake(server: ServerTLS, client: AgentClientTLS) -> tuple[str | None, s
 
 class KeyExchangeTests(SynchronousTestCase):
     """
-    The key-exchange groups: the agent chooses (classical by default), the
-    control plane takes its choice without a retry, the post-quantum
-    hybrid stays available.
+    The key-exchange groups: the agent chooses (the post-quantum hybrid by
+    default), the control plane takes its choice without a retry, classical
+    X25519 stays available.
     """
 
     def setUp(self) -> None:
         self.dir = make_pki(self.mktemp(), nodes=("node-a",)).directory
         self.server = ServerTLS(server_files(self.dir))
 
-    def test_agent_default_is_classical(self) -> None:
+    def test_agent_default_is_post_quantum(self) -> None:
         """
-        By default an agent and the control plane agree on X25519, over TLS
-        1.3.
+        By default an agent and the control plane agree on the hybrid
+        X25519MLKEM768 over TLS 1.3 (where OpenSSL has ML-KEM).
         """
         client = AgentClientTLS("127.0.0.1", agent_files(self.dir, "node-a"))
         self.assertEqual(client.groups, AGENT_GROUPS)
+        if set_groups(SSL.Context(SSL.TLS_METHOD), AGENT_GROUPS) != AGENT_GROUPS:
+            raise SkipTest("this OpenSSL has no X25519MLKEM768")
         group, version = _handshake(self.server, client)
-        self.assertEqual(group, "x25519")
+        self.assertEqual(group, "X25519MLKEM768")
         self.assertEqual(version, "TLSv1.3")
 
-    def test_post_quantum_hybrid_available(self) -> None:
+    def test_classical_available(self) -> None:
         """
-        An agent that puts the hybrid first gets it from the same control
-        plane (where OpenSSL has ML-KEM).
+        An agent that puts X25519 first gets it from the same control plane.
         """
         client = AgentClientTLS(
-            "127.0.0.1", agent_files(self.dir, "node-a"), groups=AGENT_GROUPS_POST_QUANTUM
+            "127.0.0.1", agent_files(self.dir, "node-a"), groups=AGENT_GROUPS_CLASSICAL
         )
-        if set_groups(SSL.Context(SSL.TLS_METHOD), AGENT_GROUPS_POST_QUANTUM) != AGENT_GROUPS_POST_QUANTUM:
-            raise SkipTest("this OpenSSL has no X25519MLKEM768")
         group, _ = _handshake(self.server, client)
-        self.assertEqual(group, "X25519MLKEM768")
+        self.assertEqual(group, "x25519")
 
     def test_unknown_group_falls_back(self) -> None:
         """

@@ -38,22 +38,19 @@ from llmgw.tlsconf.crl import CRLError, load_crl
 from llmgw.wire import InvalidNodeId, validate_node_id
 
 #: Key exchange (DESIGN §4). The agent sends a key share for the first group
-#: it lists, so it chooses: classical X25519 by default. OpenSSL 3.5+ would
-#: send shares for both X25519MLKEM768 (the post-quantum hybrid) and X25519
-#: and agree on the hybrid, which costs the control plane about 0.07 ms more
-#: per handshake (roughly a tenth of a handshake's CPU: 0.7 s over a
-#: 10,000-agent storm) and the agent about 0.15 ms (OpenSSL 4.0, handshakes
-#: over memory BIOs); that matters in the agent-stream benchmark, where the
-#: simulated agents share the control plane's two CPUs. The price: a
-#: recording of today's agent streams (commands,
-#: with their arguments and environment) could be read by a future
-#: quantum computer. Authentication (ECDSA certificates) is not affected.
-#: The hybrid stays available at no cost to anyone else: an agent that
-#: lists it first (L{AGENT_GROUPS_POST_QUANTUM}) gets it, because the
-#: control plane takes the group the agent sent a share for, preferring
-#: the hybrid, and never asks for another (which would cost a round trip).
-AGENT_GROUPS = "X25519:X25519MLKEM768:secp256r1"
-AGENT_GROUPS_POST_QUANTUM = "X25519MLKEM768:X25519:secp256r1"
+#: it lists, so it chooses; the control plane takes the group the agent sent
+#: a share for (preferring the post-quantum hybrid) and never asks for
+#: another, which would cost a round trip. By default agents put the hybrid
+#: X25519MLKEM768 first: agent streams carry commands with their arguments
+#: and environment, and a recording of them must not be readable by a future
+#: quantum computer. Classical X25519 (L{AGENT_GROUPS_CLASSICAL}) saves about
+#: 0.07 ms of control-plane CPU and 0.15 ms of agent CPU per handshake
+#: (OpenSSL 4.0): under a tenth of a handshake, not worth the exposure.
+#: Authentication (ECDSA certificates) is the same either way.
+AGENT_GROUPS = "X25519MLKEM768:X25519:secp256r1"
+AGENT_GROUPS_CLASSICAL = "X25519:X25519MLKEM768:secp256r1"
+#: Kept for callers that name the hybrid explicitly.
+AGENT_GROUPS_POST_QUANTUM = AGENT_GROUPS
 SERVER_GROUPS = "X25519MLKEM768:X25519:secp256r1:secp384r1"
 #: What is left when OpenSSL (before 3.5) has no ML-KEM.
 _CLASSICAL_GROUPS = "X25519:secp256r1:secp384r1"
@@ -440,6 +437,7 @@ def agent_files(
 
 __all__ = [
     "AGENT_GROUPS",
+    "AGENT_GROUPS_CLASSICAL",
     "AGENT_GROUPS_POST_QUANTUM",
     "SERVER_GROUPS",
     "AgentClientTLS",
