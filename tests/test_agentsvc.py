@@ -326,6 +326,20 @@ class MessageTests(SynchronousTestCase):
         self.assertEqual([f.ack.code for f in frames], [pb.Ack.CODE_PERMISSION_DENIED] * 2)
         self.assertFalse(transport.disconnecting)
 
+    def test_refusals_not_buffered_for_a_peer_that_does_not_read(self) -> None:
+        """
+        While the transport is paused, refused statuses get no answer, so a
+        peer that keeps sending them and never reads cannot grow the buffer.
+        """
+        h = Harness(self)
+        proto, transport = h.registered("node-a")
+        proto.pauseProducing()
+        for i in range(50):
+            proto.dataReceived(frame(pb.AgentMessage(shard=pb.ShardStatus(
+                replica_id="r", shard_id=f"not-mine-{i}", state=pb.ShardStatus.STATE_READY))))
+        self.assertEqual(transport.value(), b"")
+        self.assertEqual(h.sink.statuses, [])
+
     def test_status_of_reported_shard_accepted(self) -> None:
         """
         A shard the node itself reported running may be reported on, even if

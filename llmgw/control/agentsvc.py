@@ -498,14 +498,17 @@ class AgentStreamProtocol(MessageStream[pb.AgentMessage]):
                 shard=st.shard_id,
                 owner=owner or "no node this control plane knows",
             )
-            self.send_message(
-                ack(
-                    f"shard:{st.shard_id}",
-                    ok=False,
-                    code=Code.CODE_PERMISSION_DENIED,
-                    error=f"shard {st.shard_id!r} is not on node {self.node_id!r}",
+            # The answer is a courtesy: a peer that does not read gets none,
+            # rather than a write buffer that grows with each refusal.
+            if not self._paused:
+                self.send_message(
+                    ack(
+                        f"shard:{st.shard_id}",
+                        ok=False,
+                        code=Code.CODE_PERMISSION_DENIED,
+                        error=f"shard {st.shard_id!r} is not on node {self.node_id!r}",
+                    )
                 )
-            )
             return
         report = ShardReport(
             node_id=self.node_id,
