@@ -239,3 +239,27 @@ class TLSMetricsTests(SynchronousTestCase):
         registry = make_registry()
         registry.register(ControlCollector(FakeAgents([]), None, lambda: {}))
         self.assertNotIn("llmgw_tls_expiry_timestamp_seconds", scrape(registry))
+
+
+class LimitMetricsTests(SynchronousTestCase):
+    def test_limiter(self) -> None:
+        """
+        The agent port's refusals before TLS, connections registering, and
+        the admission gate's state are exported.
+        """
+        import collections
+
+        class Limiter:
+            refused = collections.Counter({"per_address": 3})
+            registering = 7
+            paused = True
+            pauses = 2
+
+        registry = make_registry()
+        registry.register(ControlCollector(FakeAgents([]), None, None, limiter=lambda: Limiter()))
+        families = scrape(registry)
+        self.assertEqual(by_label(families["llmgw_agent_connections_refused"], "cap", "_total"),
+                         {"per_address": 3, "total": 0})
+        self.assertEqual(families["llmgw_agent_connections_registering"].samples[0].value, 7)
+        self.assertEqual(families["llmgw_agent_admission_paused"].samples[0].value, 1)
+        self.assertEqual(families["llmgw_agent_admission_pauses"].samples[0].value, 2)

@@ -92,16 +92,49 @@ class ControlCollector(Collector):
         fleet: Callable[[], Any] | None = None,
         tls: Callable[[], dict[str, Any]] | None = None,
         clock: Callable[[], float] = time.time,
+        limiter: Callable[[], Any] | None = None,
     ):
         self.agents = agents
         self.fleet = fleet if fleet is not None else (lambda: None)
         self.tls = tls
         self.clock = clock
+        #: Returns the agent port's L{ConnectionLimiter} (C{refused},
+        #: C{registering}, C{paused}, C{pauses}), or C{None}.
+        self.limiter = limiter
 
     def collect(self) -> Iterable[Metric]:
         yield from self._agent_metrics()
         yield from self._fleet_metrics()
         yield from self._tls_metrics()
+        yield from self._limit_metrics()
+
+    def _limit_metrics(self) -> Iterable[Metric]:
+        limiter = self.limiter() if self.limiter is not None else None
+        if limiter is None:
+            return
+        refused = CounterMetricFamily(
+            "llmgw_agent_connections_refused",
+            "Agent-port connections closed before TLS by a cap, by cap.",
+            labels=["cap"],
+        )
+        for cap in ("per_address", "total"):
+            refused.add_metric([cap], limiter.refused.get(cap, 0))
+        yield refused
+        yield GaugeMetricFamily(
+            "llmgw_agent_connections_registering",
+            "Agent connections between their first byte and their Register.",
+            value=limiter.registering,
+        )
+        yield GaugeMetricFamily(
+            "llmgw_agent_admission_paused",
+            "1 while the agent port is not accepting because too many connections are registering.",
+            value=1.0 if limiter.paused else 0.0,
+        )
+        yield CounterMetricFamily(
+            "llmgw_agent_admission_pauses",
+            "Times the agent port stopped accepting because too many connections were registering.",
+            value=limiter.pauses,
+        )
 
     def _tls_metrics(self) -> Iterable[Metric]:
         if self.tls is None:
@@ -239,11 +272,13 @@ def register_control_metrics(
     agents: Any,
     fleet: Callable[[], Any] | None = None,
     tls: Callable[[], dict[str, Any]] | None = None,
+    limiter: Callable[[], Any] | None = None,
 ) -> ControlCollector:
     """
-    Register a L{ControlCollector} for C{agents}, C{fleet} and the TLS
-    expiry snapshot C{tls} on C{registry} and return it.
+    Register a L{ControlCollector} for C{agents}, C{fleet}, the TLS expiry
+    snapshot C{tls} and the agent port's C{limiter} on C{registry} and
+    return it.
     """
-    collector = ControlCollector(agents, fleet, tls)
+    collector = ControlCollector(agents, fleet, tls, limiter=limiter)
     registry.register(collector)
     return collector

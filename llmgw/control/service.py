@@ -302,7 +302,8 @@ class ControlPlane(MultiService):
         self.admin_listener: ListenerService | None = None
         self.registry = make_registry()
         self.metrics = register_control_metrics(
-            self.registry, self.agents, lambda: self.fleet, self.tls_expiry_snapshot
+            self.registry, self.agents, lambda: self.fleet, self.tls_expiry_snapshot,
+            limiter=lambda: getattr(self, "limiter", None),
         )
         self._attach_admin()
 
