@@ -14,7 +14,7 @@ from llmgw.control.catalog import (
     Catalog,
     CatalogError,
     Deployment,
-    ScaleState,
+    FleetState,
     diff,
     fill,
     load_catalog,
@@ -168,16 +168,16 @@ class CatalogTests(SynchronousTestCase):
         self.assertEqual(d["profiles_changed"], ["fake-1gpu"])
 
 
-class ScaleStateTests(SynchronousTestCase):
+class FleetStateTests(SynchronousTestCase):
     def test_round_trip(self) -> None:
         """
         An override is written beside the catalog and read back by a new
         state object.
         """
         catalog = self.mktemp()
-        state = ScaleState.beside(catalog)
+        state = FleetState.beside(catalog)
         state.set("demo", 5, 2)
-        again = ScaleState.beside(catalog)
+        again = FleetState.beside(catalog)
         self.assertEqual(again.load(), [])
         self.assertEqual(again.desired(Deployment("demo", "p", 2)), 5)
 
@@ -185,7 +185,7 @@ class ScaleStateTests(SynchronousTestCase):
         """
         Once the catalog's own count changes, the older override is dropped.
         """
-        state = ScaleState(None)
+        state = FleetState(None)
         state.set("demo", 5, 2)
         self.assertEqual(state.desired(Deployment("demo", "p", 3)), 3)
 
@@ -195,7 +195,7 @@ class ScaleStateTests(SynchronousTestCase):
         """
         path = Path(self.mktemp())
         path.write_text(json.dumps({"replicas": {"demo": "x"}}))
-        state = ScaleState(path)
+        state = FleetState(path)
         warnings = state.load()
         self.assertEqual(len(warnings), 1)
         self.assertEqual(state.overrides, {})

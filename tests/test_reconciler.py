@@ -13,7 +13,7 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 from zope.interface.verify import verifyObject
 
-from llmgw.control.catalog import ScaleState
+from llmgw.control.catalog import FleetState
 from llmgw.control.interfaces import (
     AdminError,
     IFleetAdmin,
@@ -610,9 +610,9 @@ class ScaleDrainTests(SynchronousTestCase):
         path = self.mktemp()
         Path(path).write_text("")
         cat = catalog({"demo": ("one", 2)}, path=path)
-        f = Fleet({}, nodes=1, cat=cat, scale_state=ScaleState.beside(path))
+        f = Fleet({}, nodes=1, cat=cat, fleet_state=FleetState.beside(path))
         f.rec.scale("demo", 7)
-        g = Fleet({}, nodes=1, cat=cat, scale_state=ScaleState.beside(path))
+        g = Fleet({}, nodes=1, cat=cat, fleet_state=FleetState.beside(path))
         self.assertEqual(g.rec.deployments()[0]["desired"], 7)
         self.assertRaises(UnknownDeployment, f.rec.scale, "nope", 1)
         self.assertRaises(AdminError, f.rec.scale, "demo", -1)
