@@ -744,7 +744,7 @@ class CordonKeptTests(SynchronousTestCase):
         path, state = self.state_path()
         state.write_text('{"cordoned": ["node-00000"')
         logged: list[dict[str, Any]] = []
-        self.patch(Reconciler, "log", Logger(observer=logged.append))
+        self.patch(Reconciler, "log", Logger(observer=logged.append))  # type: ignore[arg-type]
         cat = catalog({"demo": ("one", 2)}, path=path)
         f = Fleet({}, nodes=2, cat=cat, grace=0, fleet_state=FleetState.beside(path))
         [event] = [e for e in logged if e["log_level"] == LogLevel.error]
