@@ -29,7 +29,7 @@ import tomllib
 
 from twisted.internet.task import Clock
 
-from llmgw.control.catalog import ScaleState, parse_catalog
+from llmgw.control.catalog import FleetState, parse_catalog
 from llmgw.control.interfaces import ShardReport
 from llmgw.control.inventory import Inventory
 from llmgw.control.reconciler import Reconciler
@@ -85,7 +85,7 @@ def run(nodes: int, steady_passes: int) -> dict[str, object]:
     cat = parse_catalog(tomllib.loads(catalog_text(per_dep, 0)))
     dispatcher = FakeDispatcher(connected=set(ids))
     rec = Reconciler(
-        cat, inv, clock, dispatcher, adoption_grace=0, pending_timeout=1e9, scale_state=ScaleState(None)
+        cat, inv, clock, dispatcher, adoption_grace=0, pending_timeout=1e9, fleet_state=FleetState(None)
     )
     for node_id in ids:
         rec.adopt(node_id, [])

@@ -11,7 +11,7 @@ from typing import Any
 
 from twisted.internet.task import Clock
 
-from llmgw.control.catalog import Catalog, ScaleState, parse_catalog
+from llmgw.control.catalog import Catalog, FleetState, parse_catalog
 from llmgw.control.interfaces import ReportedShard, ShardCommand, ShardReport
 from llmgw.control.inventory import Inventory
 from llmgw.control.reconciler import Reconciler
@@ -61,7 +61,7 @@ class Fleet:
         clock: Clock | None = None,
         register: bool = True,
         epoch: int = 1,
-        scale_state: ScaleState | None = None,
+        fleet_state: FleetState | None = None,
         cat: Catalog | None = None,
         **kwargs: Any,
     ):
@@ -79,7 +79,7 @@ class Fleet:
             self.dispatcher,
             epoch=epoch,
             adoption_grace=grace,
-            scale_state=scale_state or ScaleState(None),
+            fleet_state=fleet_state or FleetState(None),
             **kwargs,
         )
         self.alive: set[str] = set(self.ids)

@@ -10,10 +10,11 @@ from pathlib import Path
 from typing import Any
 
 from twisted.internet.task import Clock
+from twisted.logger import Logger, LogLevel, formatEvent
 from twisted.trial.unittest import SynchronousTestCase
 from zope.interface.verify import verifyObject
 
-from llmgw.control.catalog import ScaleState
+from llmgw.control.catalog import FleetState
 from llmgw.control.interfaces import (
     AdminError,
     IFleetAdmin,
@@ -610,12 +611,192 @@ class ScaleDrainTests(SynchronousTestCase):
         path = self.mktemp()
         Path(path).write_text("")
         cat = catalog({"demo": ("one", 2)}, path=path)
-        f = Fleet({}, nodes=1, cat=cat, scale_state=ScaleState.beside(path))
+        f = Fleet({}, nodes=1, cat=cat, fleet_state=FleetState.beside(path))
         f.rec.scale("demo", 7)
-        g = Fleet({}, nodes=1, cat=cat, scale_state=ScaleState.beside(path))
+        g = Fleet({}, nodes=1, cat=cat, fleet_state=FleetState.beside(path))
         self.assertEqual(g.rec.deployments()[0]["desired"], 7)
         self.assertRaises(UnknownDeployment, f.rec.scale, "nope", 1)
         self.assertRaises(AdminError, f.rec.scale, "demo", -1)
+
+
+class CordonKeptTests(SynchronousTestCase):
+    """
+    Cordoned and draining nodes are kept in the state file beside the
+    catalog and survive a restart.
+    """
+
+    def state_path(self) -> tuple[str, Any]:
+        path = self.mktemp()
+        Path(path).write_text("")
+        return path, Path(path + ".scale.json")
+
+    def test_cordon_kept_across_restart(self) -> None:
+        """
+        A cordon is written at once; a new reconciler reading the same state
+        starts with the node cordoned, shows it so, and places nothing
+        there, even before the node has registered again.
+        """
+        path, state = self.state_path()
+        cat = catalog({"demo": ("one", 0)}, path=path)
+        f = Fleet({}, nodes=2, cat=cat, grace=0, fleet_state=FleetState.beside(path))
+        f.rec.cordon("node-00000")
+        self.assertEqual(json.loads(state.read_text())["cordoned"], ["node-00000"])
+        g = Fleet({}, nodes=2, cat=cat, grace=0, register=False, fleet_state=FleetState.beside(path))
+        self.assertEqual(g.rec.cordoned, {"node-00000"})
+        for node_id in g.ids:
+            g.rec.adopt(node_id, [])
+            g.rec.node_registered(node_id)
+        self.assertEqual([n["cordoned"] for n in g.rec.nodes()], [True, False])
+        g.rec.scale("demo", 4)
+        g.step()
+        self.assertEqual(len(g.dispatcher.starts), 4)
+        self.assertEqual({c.node_id for c in g.dispatcher.starts}, {"node-00001"})
+
+    def test_uncordon_before_return(self) -> None:
+        """
+        A node kept cordoned can be uncordoned after a restart before it
+        registers again; that clears it from the file.
+        """
+        path, state = self.state_path()
+        cat = catalog({}, path=path)
+        f = Fleet({}, nodes=2, cat=cat, fleet_state=FleetState.beside(path))
+        f.rec.cordon("node-00001")
+        g = Fleet({}, nodes=0, cat=cat, register=False, fleet_state=FleetState.beside(path))
+        self.assertRaises(UnknownNode, g.rec.uncordon, "node-00000")
+        g.rec.uncordon("node-00001")
+        self.assertEqual(json.loads(state.read_text())["cordoned"], [])
+        self.assertEqual(FleetState.beside(path).cordoned, frozenset())
+
+    def test_uncordon_removes_from_file(self) -> None:
+        """
+        Uncordoning a cordoned node and a draining one removes both from
+        the file; a new reconciler places on them again.
+        """
+        path, state = self.state_path()
+        cat = catalog({"demo": ("one", 0)}, path=path)
+        f = Fleet({}, nodes=2, cat=cat, grace=0, fleet_state=FleetState.beside(path))
+        f.rec.cordon("node-00000")
+        f.rec.drain_node("node-00001")
+        data = json.loads(state.read_text())
+        self.assertEqual((data["cordoned"], data["draining"]), (["node-00000", "node-00001"], ["node-00001"]))
+        f.rec.uncordon("node-00000")
+        f.rec.uncordon("node-00001")
+        data = json.loads(state.read_text())
+        self.assertEqual((data["cordoned"], data["draining"]), ([], []))
+        g = Fleet({}, nodes=2, cat=cat, grace=0, fleet_state=FleetState.beside(path))
+        g.rec.scale("demo", 2)
+        g.step()
+        self.assertEqual({c.node_id for c in g.dispatcher.starts}, {"node-00000", "node-00001"})
+
+    def test_drain_resumed_after_restart(self) -> None:
+        """
+        A node being drained when the control plane stops is still draining
+        after the restart: not declared drained before it registers; once
+        it registers with its replica, that replica is moved make-before-
+        break (the replacement elsewhere is ready before the old one
+        drains); when it has no shards left the drain ends and the file
+        keeps it cordoned only.
+        """
+        path, state = self.state_path()
+        cat = catalog({"demo": ("one", 1)}, path=path)
+        f = Fleet({}, nodes=2, cat=cat, grace=0, fleet_state=FleetState.beside(path))
+        f.step()
+        f.make_ready()
+        [old] = f.dispatcher.starts
+        f.rec.drain_node(old.node_id)
+        reports = {n: f.running(n) for n in f.ids}
+
+        inflight = FakeInFlight()
+        g = Fleet({}, inventory=f.inventory, clock=f.clock, cat=cat, register=False, grace=5, epoch=2,
+                  fleet_state=FleetState.beside(path), in_flight=inflight)
+        self.assertEqual(g.rec.draining_nodes, {old.node_id})
+        g.step(1.0, 2)
+        self.assertEqual(g.rec.draining_nodes, {old.node_id})
+        self.assertNotIn("node_drained", [e["kind"] for e in g.rec.events()])
+        for node_id in f.ids:
+            self.assertEqual(g.rec.adopt(node_id, reports[node_id]), [])
+            g.rec.node_registered(node_id)
+        self.assertIn("replica_evacuating", [e["kind"] for e in g.rec.events()])
+        g.step(1.0, 5)
+        [new] = g.dispatcher.starts
+        self.assertNotEqual(new.node_id, old.node_id)
+        g.step(1.0, 3)
+        self.assertEqual((g.dispatcher.drains, g.dispatcher.stops), ([], []))
+        self.assertEqual(len(g.ready_replicas("demo")), 1)
+        g.make_ready([new])
+        g.step()
+        self.assertEqual(g.dispatcher.drains, [(old.node_id, old.shard_id)])
+        g.step()
+        self.assertEqual(g.dispatcher.stops, [(old.node_id, old.shard_id)])
+        g.confirm_stops()
+        g.step()
+        self.assertIn("node_drained", [e["kind"] for e in g.rec.events()])
+        data = json.loads(state.read_text())
+        self.assertEqual((data["cordoned"], data["draining"]), ([old.node_id], []))
+        self.assertEqual(g.ready_replicas("demo"), [g.rec.shard_recs[new.shard_id].replica_id])
+
+    def test_damaged_file_tolerated(self) -> None:
+        """
+        A state file that does not parse is logged at error level and moved
+        aside; the reconciler starts with nothing cordoned and places on
+        every node, and the next cordon writes a good file.
+        """
+        path, state = self.state_path()
+        state.write_text('{"cordoned": ["node-00000"')
+        logged: list[dict[str, Any]] = []
+        self.patch(Reconciler, "log", Logger(observer=logged.append))  # type: ignore[arg-type]
+        cat = catalog({"demo": ("one", 2)}, path=path)
+        f = Fleet({}, nodes=2, cat=cat, grace=0, fleet_state=FleetState.beside(path))
+        [event] = [e for e in logged if e["log_level"] == LogLevel.error]
+        self.assertIn("unreadable", formatEvent(event))
+        self.assertIn(str(state), formatEvent(event))
+        self.assertEqual(f.rec.cordoned, set())
+        f.step()
+        self.assertEqual({c.node_id for c in f.dispatcher.starts}, {"node-00000", "node-00001"})
+        self.assertTrue(Path(str(state) + ".unreadable").exists())
+        f.rec.cordon("node-00001")
+        self.assertEqual(json.loads(state.read_text())["cordoned"], ["node-00001"])
+
+    def test_old_scale_only_file(self) -> None:
+        """
+        A state file from before cordons were kept (scale overrides only)
+        loads as it is; a cordon then adds to it and keeps the override.
+        """
+        path, state = self.state_path()
+        state.write_text(json.dumps({"replicas": {"demo": {"replicas": 3, "catalog_replicas": 1}}}))
+        cat = catalog({"demo": ("one", 1)}, path=path)
+        f = Fleet({}, nodes=2, cat=cat, fleet_state=FleetState.beside(path))
+        self.assertEqual(f.rec.deployments()[0]["desired"], 3)
+        self.assertEqual(f.rec.cordoned, set())
+        f.rec.cordon("node-00000")
+        g = Fleet({}, nodes=2, cat=cat, fleet_state=FleetState.beside(path))
+        self.assertEqual(g.rec.deployments()[0]["desired"], 3)
+        self.assertEqual(g.rec.cordoned, {"node-00000"})
+
+    def test_no_catalog_nothing_kept(self) -> None:
+        """
+        Without a catalog file there is nowhere to keep a cordon: it holds
+        for this process only, and no file is written.
+        """
+        f = Fleet({"demo": ("one", 1)}, nodes=1, fleet_state=FleetState.beside(None))
+        before = sorted(Path(".").iterdir())
+        f.rec.cordon("node-00000")
+        f.rec.drain_node("node-00000")
+        self.assertEqual(f.rec.cordoned, {"node-00000"})
+        self.assertEqual(sorted(Path(".").iterdir()), before)
+
+    def test_write_failure_reported(self) -> None:
+        """
+        A cordon that cannot be written is in force for this process, and
+        the operator is told it will not survive a restart.
+        """
+        missing = Path(self.mktemp()) / "catalog.toml"
+        f = Fleet({}, nodes=1, fleet_state=FleetState.beside(str(missing)))
+        with self.assertRaises(AdminError) as ctx:
+            f.rec.cordon("node-00000")
+        self.assertIn("will not survive a restart", str(ctx.exception))
+        self.assertEqual(ctx.exception.status, 500)
+        self.assertEqual(f.rec.cordoned, {"node-00000"})
 
 
 class CatalogReloadTests(SynchronousTestCase):

@@ -5,6 +5,7 @@ C{--config}, and the catalog reload on SIGHUP.
 
 from __future__ import annotations
 
+import json
 import signal
 from pathlib import Path
 from typing import Any
@@ -110,6 +111,26 @@ class MakeServiceTests(SynchronousTestCase):
         self.assertEqual(rec.adoption_grace, 5.0)
         self.assertTrue(rec.knows_model("demo"))
 
+
+    def test_cordons_kept_beside_catalog(self) -> None:
+        """
+        The control plane keeps cordons in the state file beside its
+        C{--catalog}: a new one made from the same options starts with them,
+        and an uncordon clears the file; without a catalog nothing is kept.
+        """
+        path = Path(self.mktemp())
+        path.write_text(Path(EXAMPLE).read_text())
+        Path(str(path) + ".scale.json").write_text(json.dumps({"cordoned": ["gpu-1"], "draining": ["gpu-2"]}))
+        rec = makeService(parse("--catalog", str(path)), reactor=MemoryReactorClock()).reconciler
+        assert rec is not None
+        self.assertEqual((rec.cordoned, rec.draining_nodes), ({"gpu-1", "gpu-2"}, {"gpu-2"}))
+        rec.uncordon("gpu-2")
+        again = makeService(parse("--catalog", str(path)), reactor=MemoryReactorClock()).reconciler
+        assert again is not None
+        self.assertEqual((again.cordoned, again.draining_nodes), ({"gpu-1"}, set()))
+        bare = makeService(parse(), reactor=MemoryReactorClock()).reconciler
+        assert bare is not None
+        self.assertIsNone(bare.fleet_state.path)
 
 class FakeReactor:
     def __init__(self) -> None:

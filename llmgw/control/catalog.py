@@ -6,21 +6,24 @@ Everything here is plain data and pure functions. A catalog is validated
 whole: the first thing wrong is refused with a L{CatalogError} that names the
 entry and the field, and nothing of a refused catalog is used.
 
-Scale changes made through the admin API are kept in a small JSON state file
-beside the catalog (C{CATALOG.scale.json}, see L{ScaleState}), not written
-into the operator's TOML.
+Scale changes, cordons and node drains made through the admin API are kept
+in a small JSON state file beside the catalog (C{CATALOG.scale.json}, see
+L{FleetState}), not written into the operator's TOML.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from llmgw.wire import validate_node_id
 
 #: Placeholders a command or env value may hold. C{{python}} is left for the
 #: agent, which replaces it with its own interpreter; the control plane fills
@@ -284,59 +287,127 @@ def diff(old: Catalog, new: Catalog) -> dict[str, list[str]]:
     }
 
 
-class ScaleState:
+class FleetState:
     """
-    Scale overrides set through the admin API, kept in a JSON file beside
-    the catalog so that they survive a restart.
+    What an operator set through the admin API that must survive a
+    restart, kept in a JSON file beside the catalog (C{CATALOG.scale.json}):
+    scale overrides, cordoned nodes and nodes being drained.
 
-    Each override remembers the replica count the catalog declared when it
-    was made. If the catalog's own count is edited since, the edit is the
-    newer intent and the override is dropped.
+    Each scale override remembers the replica count the catalog declared
+    when it was made. If the catalog's own count is edited since, the edit
+    is the newer intent and the override is dropped.
+
+    The file is rewritten whole on every change: to a temporary file beside
+    it, flushed to disk, then renamed over it, so a crash leaves either the
+    old file or the new one. Files written before cordons were kept (only
+    C{"replicas"}) load as they are, with nothing cordoned. Without a path
+    (no catalog file) nothing is written or read.
     """
 
     def __init__(self, path: str | os.PathLike[str] | None):
         self.path = Path(path) if path is not None else None
         #: model -> (replicas, the catalog's replicas when it was set)
         self.overrides: dict[str, tuple[int, int]] = {}
+        #: Nodes that take no new placements.
+        self.cordoned: frozenset[str] = frozenset()
+        #: Nodes whose replicas are being moved off (always also cordoned).
+        self.draining: frozenset[str] = frozenset()
 
     @classmethod
-    def beside(cls, catalog_path: str | None) -> ScaleState:
+    def beside(cls, catalog_path: str | None) -> FleetState:
         return cls(catalog_path + ".scale.json" if catalog_path else None)
 
     def load(self) -> list[str]:
         """
         Read the file if there is one; returns warnings about what was
-        skipped (a damaged file is ignored whole, never fatal).
+        skipped. A damaged file is ignored whole, never fatal: it is moved
+        aside to C{FILE.unreadable} (so the next change does not overwrite
+        what an operator may want to recover) and the state starts empty.
         """
-        self.overrides = {}
+        self.overrides, self.cordoned, self.draining = {}, frozenset(), frozenset()
         if self.path is None or not self.path.exists():
             return []
         try:
             data = json.loads(self.path.read_text())
-            for model, entry in data["replicas"].items():
+            if not isinstance(data, dict):
+                raise ValueError(f"expected a JSON object, not {type(data).__name__}")
+            overrides = {}
+            for model, entry in data.get("replicas", {}).items():
                 replicas, base = int(entry["replicas"]), int(entry["catalog_replicas"])
                 if replicas >= 0:
-                    self.overrides[str(model)] = (replicas, base)
+                    overrides[str(model)] = (replicas, base)
+            cordoned = self._node_list(data, "cordoned")
+            draining = self._node_list(data, "draining")
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            self.overrides = {}
-            return [f"scale state {str(self.path)!r} is unreadable and was ignored: {e}"]
+            aside = self.path.with_name(self.path.name + ".unreadable")
+            try:
+                os.replace(self.path, aside)
+                kept = f"; it was moved to {str(aside)!r}"
+            except OSError as moved:
+                kept = f"; it could not be moved aside ({moved}) and will be overwritten on the next change"
+            return [
+                f"state file {str(self.path)!r} is unreadable and was ignored "
+                f"(no scale overrides, no node cordoned or draining): {e}{kept}"
+            ]
+        self.overrides = overrides
+        # A drain cordons its node; a file edited by hand may say otherwise.
+        self.cordoned, self.draining = cordoned | draining, draining
         return []
 
+    @staticmethod
+    def _node_list(data: Mapping[str, Any], key: str) -> frozenset[str]:
+        raw = data.get(key, [])
+        if not isinstance(raw, list):
+            raise ValueError(f"{key!r} must be a list of node ids, not {type(raw).__name__}")
+        for node_id in raw:
+            if not isinstance(node_id, str):
+                raise ValueError(f"{key!r} holds {node_id!r}, which is not a node id")
+            validate_node_id(node_id)
+        return frozenset(raw)
+
     def save(self) -> None:
+        """
+        Write the whole state atomically; raises L{OSError} if it cannot,
+        leaving the previous file in place.
+        """
         if self.path is None:
             return
         data = {
             "replicas": {
                 m: {"replicas": r, "catalog_replicas": b} for m, (r, b) in sorted(self.overrides.items())
-            }
+            },
+            "cordoned": sorted(self.cordoned),
+            "draining": sorted(self.draining),
         }
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps(data, indent=2) + "\n")
-        os.replace(tmp, self.path)
+        write_atomically(self.path, json.dumps(data, indent=2) + "\n")
 
     def set(self, model: str, replicas: int, catalog_replicas: int) -> None:
+        """
+        Keep a scale override; on a failure to write, nothing changes.
+        """
+        before = self.overrides.get(model)
         self.overrides[model] = (replicas, catalog_replicas)
+        try:
+            self.save()
+        except OSError:
+            if before is None:
+                del self.overrides[model]
+            else:
+                self.overrides[model] = before
+            raise
+
+    def set_nodes(self, cordoned: Iterable[str], draining: Iterable[str]) -> bool:
+        """
+        Keep the cordoned and draining nodes. Writes only when they changed;
+        returns whether it wrote. Raises L{OSError} if the write failed (the
+        new sets are kept in memory, so the next change writes them too).
+        """
+        cordoned, draining = frozenset(cordoned), frozenset(draining)
+        if (cordoned, draining) == (self.cordoned, self.draining):
+            return False
+        self.cordoned, self.draining = cordoned, draining
         self.save()
+        return True
 
     def desired(self, dep: Deployment) -> int:
         """
@@ -347,3 +418,34 @@ class ScaleState:
         if entry is not None and entry[1] == dep.replicas:
             return entry[0]
         return dep.replicas
+
+
+#: The name this class had while it held only scale overrides.
+ScaleState = FleetState
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """
+    Replace C{path} with C{text}: written to C{path.tmp}, flushed to disk,
+    then renamed over C{path}, so a reader (or a crash) sees the old file or
+    the new one, never part of one. The temporary file is removed on failure.
+    """
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    # Make the rename itself durable; not every platform lets a directory be
+    # opened, and the file is already complete, so this is best effort.
+    with contextlib.suppress(OSError):
+        dirfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dirfd)
+        finally:
+            os.close(dirfd)

@@ -43,8 +43,8 @@ from llmgw.control.catalog import (
     Catalog,
     CatalogError,
     Deployment,
+    FleetState,
     Profile,
-    ScaleState,
     diff,
     fill,
     load_catalog,
@@ -180,6 +180,9 @@ class Reconciler(Service):
     @param in_flight: the gateway's in-flight counts, optional; without it a
         draining replica is stopped at its drain timeout.
     @param timer: a monotonic timer used only to measure pass durations.
+    @param fleet_state: scale overrides, cordoned and draining nodes kept
+        across restarts; by default the file beside the catalog, and nothing
+        is kept without a catalog file.
     """
 
     log = Logger()
@@ -198,7 +201,7 @@ class Reconciler(Service):
         adoption_grace: float = DEFAULT_ADOPTION_GRACE,
         pending_timeout: float = DEFAULT_PENDING_TIMEOUT,
         freeze_share: float = DEFAULT_FREEZE_SHARE,
-        scale_state: ScaleState | None = None,
+        fleet_state: FleetState | None = None,
         event_limit: int = 10000,
         timer: Callable[[], float] = time.perf_counter,
         backoff: Backoff | None = None,
@@ -214,9 +217,9 @@ class Reconciler(Service):
         self.adoption_grace = adoption_grace
         self.pending_timeout = pending_timeout
         self.freeze_share = freeze_share
-        self.scale_state = scale_state if scale_state is not None else ScaleState.beside(catalog.path)
-        for warning in self.scale_state.load():
-            self.log.warn("{warning}", warning=warning)
+        self.fleet_state = fleet_state if fleet_state is not None else FleetState.beside(catalog.path)
+        for warning in self.fleet_state.load():
+            self.log.error("{warning}", warning=warning)
         self.event_log = EventLog(event_limit)
         self._timer = timer
         self.epoch = epoch
@@ -257,8 +260,14 @@ class Reconciler(Service):
         self._heap: list[tuple[float, str]] = []
         self.suspect: set[str] = set()
         self.lost: set[str] = set()
-        self.cordoned: set[str] = set()
-        self.draining_nodes: set[str] = set()
+        # Kept across restarts in the fleet state file: a cordoned node stays
+        # cordoned, and a draining node's replicas are moved off it once it
+        # registers again with them.
+        self.cordoned: set[str] = set(self.fleet_state.cordoned)
+        self.draining_nodes: set[str] = set(self.fleet_state.draining)
+        #: Nodes that registered with this process: only such a node can be
+        #: seen to have no shards left (a drain finished).
+        self._registered: set[str] = set()
         self._reported: dict[str, set[str]] = {}
 
         self.frozen = False
@@ -453,7 +462,7 @@ class Reconciler(Service):
 
     def _apply_desired(self) -> None:
         self.desired = {
-            m: self.scale_state.desired(d) for m, d in self.catalog.deployments.items()
+            m: self.fleet_state.desired(d) for m, d in self.catalog.deployments.items()
         }
 
     def _profile(self, name: str) -> Profile | None:
@@ -587,6 +596,10 @@ class Reconciler(Service):
             reported.add(s.shard_id)
             if s.state == DRAINING and rep.phase == ACTIVE:
                 self._start_drain(rep, "it was draining when adopted", send=False)
+            elif node_id in self.draining_nodes:
+                # The node was being drained before a restart: go on moving
+                # its replicas, make-before-break.
+                self._evacuate(rep, "node drain")
             self._update_ready(rep)
         self._reported[node_id] = reported
         return unclaimed
@@ -594,6 +607,7 @@ class Reconciler(Service):
     def node_registered(self, node_id: str) -> None:
         now = self.clock.seconds()
         self._note_node(node_id, now)
+        self._registered.add(node_id)
         returned = node_id in self.lost
         was_suspect = node_id in self.suspect
         self.lost.discard(node_id)
@@ -981,8 +995,9 @@ class Reconciler(Service):
             self._drop_shard(shard)
             if rep is not None:
                 self._teardown(rep, f"node {node_id} was removed")
-        for s in (self.suspect, self.lost, self.cordoned, self.draining_nodes):
+        for s in (self.suspect, self.lost, self.cordoned, self.draining_nodes, self._registered):
             s.discard(node_id)
+        self._keep_nodes()
         self._known_since.pop(node_id, None)
         self._capacity.pop(node_id, None)
 
@@ -1136,10 +1151,16 @@ class Reconciler(Service):
                         reason=f"{len(other.shards)} of {other.world_size} shards reported",
                     )
                     self._teardown(other, "incomplete after adoption")
+        drained = False
         for node_id in sorted(self.draining_nodes):
-            if not self._node_shards.get(node_id):
+            # A node not registered since start may still have shards that
+            # its agent has not reported yet.
+            if node_id in self._registered and not self._node_shards.get(node_id):
                 self.draining_nodes.discard(node_id)
                 self._event("node_drained", node=node_id, reason="no shards left")
+                drained = True
+        if drained:
+            self._keep_nodes()
 
     def _reconcile(self, now: float) -> None:
         placer: Placer | None = None
@@ -1380,14 +1401,40 @@ class Reconciler(Service):
         return [e.as_dict() for e in self.event_log.since(since)]
 
     def _known(self, node_id: str) -> None:
-        if node_id not in self.inventory and node_id not in self._known_since:
+        # A node cordoned or draining before a restart is known from the state
+        # file even before it registers again, so it can be uncordoned.
+        if (
+            node_id not in self.inventory
+            and node_id not in self._known_since
+            and node_id not in self.cordoned
+            and node_id not in self.draining_nodes
+        ):
             raise UnknownNode(f"no node {node_id!r}")
+
+    def _keep_nodes(self, action: str | None = None, node_id: str | None = None) -> None:
+        """
+        Write the cordoned and draining nodes to the state file if they
+        changed. For an operator's C{action} a failure is an L{AdminError}
+        (the change holds in memory, but would not survive a restart);
+        otherwise it is logged.
+        """
+        try:
+            self.fleet_state.set_nodes(self.cordoned, self.draining_nodes)
+        except OSError as e:
+            reason = f"could not keep cordoned and draining nodes in {self.fleet_state.path}: {e}"
+            if action is None:
+                self.log.error("{reason}; they will not survive a restart", reason=reason)
+                return
+            err = AdminError(f"node {node_id} is {action} now, but {reason}; this will not survive a restart")
+            err.status = 500
+            raise err from e
 
     def cordon(self, node_id: str) -> None:
         self._known(node_id)
         if node_id not in self.cordoned:
             self.cordoned.add(node_id)
             self._event("node_cordoned", node=node_id, reason="no new placements")
+        self._keep_nodes("cordoned", node_id)
 
     def uncordon(self, node_id: str) -> None:
         self._known(node_id)
@@ -1405,18 +1452,21 @@ class Reconciler(Service):
             rep.evacuating = ""
             self._evacuating[rep.model].discard(rep.id)
             self._active[rep.model].add(rep.id)
+        self._keep_nodes("uncordoned", node_id)
 
     def drain_node(self, node_id: str) -> None:
         self._known(node_id)
-        self.cordon(node_id)
-        if node_id in self.draining_nodes:
-            return
-        self.draining_nodes.add(node_id)
-        self._event("node_draining", node=node_id, reason="moving its replicas, make-before-break")
-        for sid in sorted(self._node_shards.get(node_id, ())):
-            rep = self.replica_recs.get(self.shard_recs[sid].replica_id)
-            if rep is not None:
-                self._evacuate(rep, "node drain")
+        if node_id not in self.cordoned:
+            self.cordoned.add(node_id)
+            self._event("node_cordoned", node=node_id, reason="no new placements")
+        if node_id not in self.draining_nodes:
+            self.draining_nodes.add(node_id)
+            self._event("node_draining", node=node_id, reason="moving its replicas, make-before-break")
+            for sid in sorted(self._node_shards.get(node_id, ())):
+                rep = self.replica_recs.get(self.shard_recs[sid].replica_id)
+                if rep is not None:
+                    self._evacuate(rep, "node drain")
+        self._keep_nodes("draining", node_id)
 
     def scale(self, model: str, replicas: int) -> None:
         dep = self.catalog.deployments.get(model)
@@ -1425,9 +1475,9 @@ class Reconciler(Service):
         if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
             raise AdminError(f"replicas must be a whole number of at least 0, not {replicas!r}")
         try:
-            self.scale_state.set(model, replicas, dep.replicas)
+            self.fleet_state.set(model, replicas, dep.replicas)
         except OSError as e:
-            err = AdminError(f"could not keep the new scale in {self.scale_state.path}: {e}")
+            err = AdminError(f"could not keep the new scale in {self.fleet_state.path}: {e}")
             err.status = 500
             raise err from e
         old = self.desired.get(model, dep.replicas)
