@@ -659,7 +659,7 @@ class TimeoutTests(SynchronousTestCase):
         A connection holds at most one timer, and a kept-alive connection
         serving many requests (each in one read, or a body a byte at a
         time) makes no new timer per request or per byte: later deadlines
-        move the one timer with C{reset}.
+        move the one timer (C{reset}, C{delay}).
         """
         s = Server(auto=True)
         made: list[Any] = []

@@ -31,8 +31,8 @@ without re-encoding them, so this server does only what that needs:
 
 Each connection has one C{DelayedCall} for all three. Moving a deadline
 later (a body's progress, the idle wait after a response) is
-C{DelayedCall.reset}, which costs the reactor nothing until the call comes
-due; moving it sooner (a head or body starting while the idle wait runs) is
+C{DelayedCall.reset} or C{delay}, which cost the reactor nothing until the
+call comes due; moving it sooner (a head or body starting while the idle wait runs) is
 a cancel and a new call, because a sooner C{reset} makes the reactor search
 its whole timer heap. A request that arrives in one read and is answered
 touches the timer once, when its response ends.
@@ -293,13 +293,18 @@ class HTTPFront(Protocol):
         clock = self.factory.reactor
         if timer is None:
             self._timer = clock.callLater(delay, self._timed_out)
-        elif timer.getTime() > clock.seconds() + delay:
+            return
+        deadline = clock.seconds() + delay
+        due = timer.getTime()
+        if due > deadline:
             # Sooner: a reactor finds the call by a linear search of its
             # heap to reset it sooner; cancelling is free, a new call log n.
             timer.cancel()
             self._timer = clock.callLater(delay, self._timed_out)
-        else:
-            timer.reset(delay)
+        elif due < deadline:
+            # Later (what DelayedCall.reset does, without reading the
+            # clock again): the reactor only looks at it when it comes due.
+            timer.delay(deadline - due)
 
     def _stop_timer(self) -> None:
         self._watching = _W_NONE
