@@ -448,3 +448,236 @@ class FlowTests(SynchronousTestCase):
         answer(s.requests[0], b"ok")
         s.proto.connectionLost(Failure(ConnectionError("gone")))
         self.assertEqual(len(lost), 1)
+
+
+class TimeoutTests(SynchronousTestCase):
+    """
+    Slow and idle clients, on the front's one timer per connection.
+    """
+
+    def assertClosedQuietly(self, s: Server) -> None:
+        self.assertTrue(s.transport.disconnecting)
+        self.assertEqual(s.output(), b"")
+        self.assertEqual(s.clock.getDelayedCalls(), [])
+
+    def assertTimedOut408(self, s: Server, words: str) -> None:
+        self.assertTrue(s.transport.disconnecting)
+        ((status, headers, body),) = responses(s.output())
+        self.assertEqual(status, 408)
+        self.assertEqual(headers[b"connection"], b"close")
+        error = json.loads(body)["error"]
+        self.assertEqual(error["code"], "request_timeout")
+        self.assertIn(words, error["message"])
+        self.assertEqual(s.clock.getDelayedCalls(), [])
+
+    def test_defaults(self) -> None:
+        """
+        By default a head has 30 s, a stalled body 60 s and an idle
+        kept-alive connection 120 s.
+        """
+        factory = FrontFactory(lambda r: None, Clock())
+        self.assertEqual(
+            (factory.head_timeout, factory.body_timeout, factory.keep_alive_timeout), (30.0, 60.0, 120.0)
+        )
+
+    def test_head_timeout(self) -> None:
+        """
+        A request head still incomplete C{head_timeout} seconds after the
+        connection started gets a 408 in OpenAI's shape, and the
+        connection closes; a byte now and then does not extend it.
+        """
+        s = Server()
+        s.feed(b"POST /v1/chat/completions HTTP/1.1\r\n")
+        for _ in range(29):
+            s.clock.advance(1)
+            s.feed(b"X")
+        s.clock.advance(0.9)
+        self.assertFalse(s.transport.disconnecting)
+        self.assertEqual(s.output(), b"")
+        s.clock.advance(0.1)
+        self.assertTimedOut408(s, "not complete within 30 s")
+        self.assertEqual(s.requests, [])
+
+    def test_head_timeout_from_first_byte(self) -> None:
+        """
+        On a kept-alive connection the head's time runs from the first
+        byte of that request, even when the idle wait would end later.
+        """
+        s = Server()
+        s.feed(post(b"/1", b"x"))
+        answer(s.requests[0], b"ok")
+        s.output()
+        s.clock.advance(50)
+        s.feed(b"POST /2 HT")
+        s.clock.advance(29.9)
+        self.assertFalse(s.transport.disconnecting)
+        s.clock.advance(0.1)
+        self.assertTimedOut408(s, "not complete within 30 s")
+
+    def test_nothing_sent(self) -> None:
+        """
+        A connection that sends no request (or only the empty lines
+        allowed before one) within the head's time is closed without an
+        answer.
+        """
+        s = Server()
+        s.clock.advance(29.9)
+        self.assertFalse(s.transport.disconnecting)
+        s.clock.advance(0.1)
+        self.assertClosedQuietly(s)
+
+        s = Server()
+        for _ in range(30):
+            s.feed(b"\r\n")
+            s.clock.advance(1)
+        self.assertClosedQuietly(s)
+
+    def test_keep_alive_timeout(self) -> None:
+        """
+        A kept-alive connection with no request for C{keep_alive_timeout}
+        seconds after its last response is closed without an answer; a
+        request meanwhile starts the wait again after its response.
+        """
+        s = Server(auto=True)
+        s.feed(post(b"/1", b"x"))
+        s.output()
+        s.clock.advance(100)
+        s.feed(post(b"/2", b"x"))
+        s.output()
+        s.clock.advance(119.9)
+        self.assertFalse(s.transport.disconnecting)
+        s.clock.advance(0.1)
+        self.assertClosedQuietly(s)
+
+    def test_body_timeout(self) -> None:
+        """
+        A body that keeps arriving may take longer than C{body_timeout} in
+        all; one that stalls for C{body_timeout} seconds gets a 408 and
+        the connection closes, Content-Length framed or chunked.
+        """
+        s = Server()
+        s.feed(b"POST /p HTTP/1.1\r\nContent-Length: 10\r\n\r\n")
+        for _ in range(5):
+            s.clock.advance(59)
+            s.feed(b"x")
+        s.clock.advance(59.9)
+        self.assertFalse(s.transport.disconnecting)
+        s.clock.advance(0.1)
+        self.assertTimedOut408(s, "nothing arrived for 60 s")
+        self.assertEqual(s.requests, [])
+
+        s = Server()
+        s.feed(b"POST /p HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nab")
+        s.clock.advance(59)
+        s.feed(b"cde\r\n")
+        s.clock.advance(59)
+        self.assertFalse(s.transport.disconnecting)
+        s.clock.advance(1)
+        self.assertTimedOut408(s, "nothing arrived for 60 s")
+
+    def test_configured(self) -> None:
+        """
+        The three timeouts are the factory's to set.
+        """
+        clock = Clock()
+        factory = FrontFactory(lambda r: None, clock, head_timeout=2, body_timeout=3, keep_alive_timeout=5)
+        proto = factory.buildProtocol(None)
+        transport = StringTransport()
+        proto.makeConnection(transport)
+        proto.dataReceived(b"POST /p HTTP/1.1\r\nContent-Length: 2\r\n\r\nx")
+        clock.advance(2.9)
+        self.assertFalse(transport.disconnecting)
+        clock.advance(0.1)
+        self.assertIn(b"nothing arrived for 3 s", transport.value())
+        self.assertEqual(clock.getDelayedCalls(), [])
+
+    def test_not_while_handled_or_streaming(self) -> None:
+        """
+        No timeout runs while a request is with its handler: not while it
+        waits (for a replica), nor while its response streams for longer
+        than every timeout, nor for a pipelined request read ahead
+        meanwhile. The idle wait starts when the response ends.
+        """
+        s = Server()
+        s.feed(post(b"/1", b"x") + b"POST /2 HTTP/1.1\r\n")
+        (r,) = s.requests
+        s.clock.advance(1000)
+        self.assertFalse(s.transport.disconnecting)
+        r.start_response(200, [(b"Content-Type", b"text/event-stream")])
+        for i in range(10):
+            s.clock.advance(500)
+            r.write(b"data: %d\n\n" % i)
+        self.assertFalse(s.transport.disconnecting)
+        self.assertEqual(s.clock.getDelayedCalls(), [])
+        r.finish()
+        out = s.output()
+        self.assertIn(b"data: 9\n\n", out)
+        self.assertNotIn(b"408", out)
+        # The read-ahead head of /2 now has its 30 s.
+        s.clock.advance(30)
+        self.assertTimedOut408(s, "not complete within 30 s")
+
+        s = Server()
+        s.feed(post(b"/1", b"x"))
+        s.clock.advance(5000)
+        answer(s.requests[0], b"ok")
+        s.output()
+        s.clock.advance(119.9)
+        self.assertFalse(s.transport.disconnecting)
+        s.clock.advance(0.1)
+        self.assertClosedQuietly(s)
+
+    def test_cancelled_on_close(self) -> None:
+        """
+        The timer goes with the connection: when it is lost (in a head, a
+        body, the idle wait or a response), closed after a response, or
+        refused for bad input.
+        """
+        for data in [b"", b"POST /p HT", b"POST /p HTTP/1.1\r\nContent-Length: 9\r\n\r\nab", post(b"/1", b"x")]:
+            s = Server()
+            s.feed(data)
+            s.proto.connectionLost(Failure(ConnectionError("gone")))
+            self.assertEqual(s.clock.getDelayedCalls(), [], data)
+
+        s = Server(auto=True)
+        s.feed(post(b"/1", b"x"))
+        s.proto.connectionLost(Failure(ConnectionError("gone")))
+        self.assertEqual(s.clock.getDelayedCalls(), [])
+
+        s = Server(auto=True)
+        s.feed(post(b"/1", b"x", b"Connection: close\r\n"))
+        self.assertTrue(s.transport.disconnecting)
+        self.assertEqual(s.clock.getDelayedCalls(), [])
+
+        s = Server()
+        s.feed(b"BAD\r\n\r\n")
+        self.assertTrue(s.transport.disconnecting)
+        self.assertEqual(s.clock.getDelayedCalls(), [])
+
+    def test_one_timer_no_churn(self) -> None:
+        """
+        A connection holds at most one timer, and a kept-alive connection
+        serving many requests (each in one read, or a body a byte at a
+        time) makes no new timer per request or per byte: later deadlines
+        move the one timer (C{reset}, C{delay}).
+        """
+        s = Server(auto=True)
+        made: list[Any] = []
+        call_later = s.clock.callLater
+
+        def counting(*a: Any, **kw: Any) -> Any:
+            made.append(a)
+            return call_later(*a, **kw)
+
+        s.clock.callLater = counting  # type: ignore[method-assign]
+        for i in range(100):
+            s.feed(post(b"/%d" % i, b"x"))
+            s.clock.advance(1)
+            self.assertEqual(len(s.clock.getDelayedCalls()), 1)
+        self.assertEqual(made, [])
+        self.assertEqual(len(responses(s.output())), 100)
+        # A body a byte at a time: the head's deadline is sooner than the
+        # idle wait's (one new call), the body's progress only resets it.
+        s.feed(post(b"/slow", b"y" * 50), bytewise=True)
+        self.assertEqual(len(made), 1)
+        self.assertEqual(len(s.clock.getDelayedCalls()), 1)

@@ -22,6 +22,7 @@ from llmgw.gateway.follower import RoutingSnapshot
 from llmgw.gateway.front import FrontFactory, FrontRequest
 from llmgw.gateway.keys import KeyRing
 from llmgw.gateway.proxy import Gateway, GatewayConfig, ProxyCall
+from llmgw.gateway.resource import GatewayResource, GatewaySite
 from tests.gateway_helpers import Harness, dead_address
 
 
@@ -544,3 +545,49 @@ class FramingTests(SynchronousTestCase):
         self.assertIn(b"Transfer-Encoding: chunked\r\n", out)
         self.assertNotIn(b"content-length", out.lower())
         self.assertTrue(out.endswith(b"\r\n\r\n3\r\nabc\r\n0\r\n\r\n"), out)
+
+
+class ClientTimeoutTests(SynchronousTestCase):
+    def test_not_while_proxying(self) -> None:
+        """
+        The front's client timeouts (from the gateway's config) stay out of
+        a proxied request's way: not while it waits for a replica, nor while
+        the replica streams events for longer than every one of them; the
+        idle wait starts when the response ends.
+        """
+        clock = MemoryReactorClock()
+        config = GatewayConfig(head_timeout=3, body_timeout=4, keep_alive_timeout=5)
+        gw = Gateway(clock, RoutingSnapshot([Route("r1", "demo", "127.0.0.1:9")]), config)
+        site = GatewaySite(GatewayResource(gw))
+        self.assertEqual((site.head_timeout, site.body_timeout, site.keep_alive_timeout), (3, 4, 5))
+        proto = site.buildProtocol(None)
+        client = StringTransport()
+        proto.makeConnection(client)
+        proto.dataReceived(raw_request({"model": "demo", "stream": True}))
+        clock.advance(4.5)  # connecting to the replica
+        self.assertFalse(client.disconnecting)
+        host, port, factory, _, _ = clock.tcpClients[0]
+        self.assertEqual((host, port), ("127.0.0.1", 9))
+        upstream = StringTransport()
+        conn = factory.buildProtocol(None)
+        conn.makeConnection(upstream)
+        self.assertIn(b"POST /v1/chat/completions HTTP/1.1\r\n", upstream.value())
+        clock.advance(4.5)  # the replica thinks
+        self.assertFalse(client.disconnecting)
+        conn.dataReceived(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for i in range(20):
+            clock.advance(4.5)
+            event = b"data: %d\n\n" % i
+            conn.dataReceived(b"%x\r\n%s\r\n" % (len(event), event))
+        self.assertFalse(client.disconnecting)
+        conn.dataReceived(b"0\r\n\r\n")
+        out = client.value()
+        self.assertTrue(out.startswith(b"HTTP/1.1 200 OK\r\n"), out[:100])
+        self.assertIn(b"data: 19\n\n", out)
+        self.assertTrue(out.endswith(b"0\r\n\r\n"))
+        clock.advance(4.9)
+        self.assertFalse(client.disconnecting)
+        clock.advance(0.1)
+        self.assertTrue(client.disconnecting)
+        self.assertEqual(client.value(), out)
+        gw.close()

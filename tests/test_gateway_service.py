@@ -15,11 +15,13 @@ from typing import Any
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.internet.protocol import ProcessProtocol
-from twisted.internet.task import deferLater
+from twisted.internet.task import Clock, deferLater
+from twisted.internet.testing import StringTransport
 from twisted.python import usage
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from llmgw import tap
+from llmgw.gateway.follower import RoutingSnapshot
 from llmgw.gateway.service import GatewayService, Options, StandaloneGateway
 from tests.gateway_helpers import FakeReplica, Harness
 
@@ -53,6 +55,28 @@ class OptionsTests(SynchronousTestCase):
         self.assertEqual(o["metrics_address"], ("127.0.0.1", 7481))
         self.assertIsNone(o["keyring"])
         self.assertEqual(o.config().max_tries, 3)
+        c = o.config()
+        self.assertEqual((c.head_timeout, c.body_timeout, c.keep_alive_timeout), (30.0, 60.0, 120.0))
+
+    def test_client_timeouts(self) -> None:
+        """
+        C{--head-timeout}, C{--body-timeout} and C{--keep-alive-timeout}
+        reach the gateway's front, which times a slow head out with them.
+        """
+        o = Options()
+        o.parseOptions(["--head-timeout", "5", "--body-timeout", "7.5", "--keep-alive-timeout", "9"])
+        clock = Clock()
+        svc = GatewayService(clock, RoutingSnapshot(), config=o.config())
+        site = svc.site
+        self.assertEqual((site.head_timeout, site.body_timeout, site.keep_alive_timeout), (5, 7.5, 9))
+        proto = site.buildProtocol(None)
+        transport = StringTransport()
+        proto.makeConnection(transport)
+        proto.dataReceived(b"POST /v1/chat/completions HTTP/1.1\r\n")
+        clock.advance(5)
+        self.assertTrue(transport.value().startswith(b"HTTP/1.1 408 "))
+        self.assertTrue(transport.disconnecting)
+        self.assertEqual(clock.getDelayedCalls(), [])
 
     def test_values_checked(self) -> None:
         """
@@ -63,6 +87,9 @@ class OptionsTests(SynchronousTestCase):
             (["--listen", "[::1"], "--listen"),
             (["--control-admin", "cp:7480"], "--control-admin"),
             (["--connect-timeout", "soon"], "--connect-timeout"),
+            (["--head-timeout", "0"], "--head-timeout"),
+            (["--body-timeout", "-1"], "--body-timeout"),
+            (["--keep-alive-timeout", "never"], "--keep-alive-timeout"),
             (["--max-tries", "0"], "--max-tries"),
             (["--keys", "/nonexistent/keys"], "--keys"),
         ]:

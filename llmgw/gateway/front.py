@@ -20,7 +20,22 @@ without re-encoding them, so this server does only what that needs:
   chunked (HTTP/1.0: until the connection closes), written as they come;
 - the connection is the transport's streaming producer and passes
   pause/resume on to the current response's producer (backpressure);
-- a connection that goes away tells the current request's C{on_lost}.
+- a connection that goes away tells the current request's C{on_lost};
+- slow or idle clients are timed out (see L{FrontFactory}): a request head
+  must be complete within C{head_timeout} of its first byte (else 408 and
+  close; a connection that sent nothing is just closed), a body must keep
+  arriving (C{body_timeout} without a byte: 408 and close), and a kept-alive
+  connection with no request is closed after C{keep_alive_timeout}. None of
+  them runs while a request is with its handler (waiting for a replica, or
+  streaming the response): the proxy's own timeouts govern that.
+
+Each connection has one C{DelayedCall} for all three. Moving a deadline
+later (a body's progress, the idle wait after a response) is
+C{DelayedCall.reset} or C{delay}, which cost the reactor nothing until the
+call comes due; moving it sooner (a head or body starting while the idle wait runs) is
+a cancel and a new call, because a sooner C{reset} makes the reactor search
+its whole timer heap. A request that arrives in one read and is answered
+touches the timer once, when its response ends.
 
 A handler is a callable taking a L{FrontRequest}; it answers (now or later)
 with L{FrontRequest.start_response}, L{FrontRequest.write} and
@@ -32,7 +47,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from twisted.internet.interfaces import IPushProducer
+from twisted.internet.interfaces import IDelayedCall, IPushProducer
 from twisted.internet.protocol import Protocol, ServerFactory
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -51,8 +66,18 @@ MAX_CHUNK_LINE = 1024
 #: past this the connection stops reading until the response is done.
 READ_AHEAD = 64 * 1024
 
+#: Default seconds from a request's first byte until its head is complete.
+HEAD_TIMEOUT = 30.0
+#: Default seconds a request body may go without a byte arriving.
+BODY_TIMEOUT = 60.0
+#: Default seconds a kept-alive connection may wait for its next request.
+KEEP_ALIVE_TIMEOUT = 120.0
+
 _HEX = b"0123456789abcdefABCDEF"
 _HEAD, _BODY, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_CRLF, _TRAILER = range(6)
+# What the connection's timer watches: nothing (a request is with its
+# handler), the wait for a request, a head arriving, a body arriving.
+_W_NONE, _W_IDLE, _W_HEAD, _W_BODY = range(4)
 
 
 class FrontRequest:
@@ -235,6 +260,8 @@ class HTTPFront(Protocol):
         self._closing = False
         self._in_consume = False
         self._reading_paused = False
+        self._timer: IDelayedCall | None = None
+        self._watching = _W_NONE
 
     def connectionMade(self) -> None:
         transport = self.transport
@@ -251,6 +278,65 @@ class HTTPFront(Protocol):
         except AttributeError:
             pass
         transport.registerProducer(self, True)
+        # A new connection is there to send a request: it gets the head's
+        # time, not the idle wait's.
+        self._watch(self.factory.head_timeout, _W_HEAD)
+
+    # timeouts
+
+    def _watch(self, delay: float, what: int) -> None:
+        """
+        Time out C{what} C{delay} seconds from now, on the one timer.
+        """
+        self._watching = what
+        timer = self._timer
+        clock = self.factory.reactor
+        if timer is None:
+            self._timer = clock.callLater(delay, self._timed_out)
+            return
+        deadline = clock.seconds() + delay
+        due = timer.getTime()
+        if due > deadline:
+            # Sooner: a reactor finds the call by a linear search of its
+            # heap to reset it sooner; cancelling is free, a new call log n.
+            timer.cancel()
+            self._timer = clock.callLater(delay, self._timed_out)
+        elif due < deadline:
+            # Later (what DelayedCall.reset does, without reading the
+            # clock again): the reactor only looks at it when it comes due.
+            timer.delay(deadline - due)
+
+    def _stop_timer(self) -> None:
+        self._watching = _W_NONE
+        timer, self._timer = self._timer, None
+        if timer is not None and timer.active():
+            timer.cancel()
+
+    def _timed_out(self) -> None:
+        self._timer = None
+        what = self._watching
+        self._watching = _W_NONE
+        if self._closing or what == _W_NONE:
+            # A request went to its handler meanwhile; its end restarts
+            # the timer.
+            return
+        factory = self.factory
+        if what == _W_IDLE:
+            self.log.debug("closing idle connection from {peer}", peer=self.peer)
+            self.close()
+        elif what == _W_HEAD:
+            if self._buf:
+                self._refuse(
+                    408, f"The request head was not complete within {factory.head_timeout:g} s", "request_timeout"
+                )
+            else:
+                self.log.debug("closing connection from {peer}: no request within {timeout} s",
+                               peer=self.peer, timeout=factory.head_timeout)
+                self.close()
+        else:
+            self._refuse(
+                408, f"The request body stalled: nothing arrived for {factory.body_timeout:g} s", "request_timeout"
+            )
 
     # reading
 
@@ -305,9 +391,25 @@ class HTTPFront(Protocol):
             self._buf = buf
         finally:
             self._in_consume = False
-        if self._busy and len(self._buf) > READ_AHEAD and not self._reading_paused:
-            self._reading_paused = True
-            self.transport.pauseProducing()
+        if self._closing:
+            return
+        if self._busy:
+            if len(self._buf) > READ_AHEAD and not self._reading_paused:
+                self._reading_paused = True
+                self.transport.pauseProducing()
+        elif self._state != _HEAD:
+            # A body is arriving: each read of it puts the deadline later.
+            if self._watching == _W_BODY:
+                self._timer.reset(self.factory.body_timeout)  # type: ignore[union-attr]
+            else:
+                self._watch(self.factory.body_timeout, _W_BODY)
+        elif self._buf:
+            # Part of a head: its time runs from its first byte.
+            if self._watching != _W_HEAD:
+                self._watch(self.factory.head_timeout, _W_HEAD)
+        elif self._watching == _W_NONE:
+            # A response ended and nothing more is here: wait for the next.
+            self._watch(self.factory.keep_alive_timeout, _W_IDLE)
 
     def _head(self, head: bytes) -> None:
         lines = head.split(b"\r\n")
@@ -385,6 +487,7 @@ class HTTPFront(Protocol):
                     # body: refuse now, and never read it.
                     self._reading = None
                     self._busy = True
+                    self._watching = _W_NONE
                     self._request = request
                     request.keep_alive = False
                     self.factory.dispatch(request)
@@ -477,6 +580,7 @@ class HTTPFront(Protocol):
             request.body = parts[0] if len(parts) == 1 else b"".join(parts)
         self._parts = []
         self._busy = True
+        self._watching = _W_NONE
         self._request = request
         self.factory.dispatch(request)
 
@@ -496,9 +600,14 @@ class HTTPFront(Protocol):
         if self._reading_paused:
             self._reading_paused = False
             self.transport.resumeProducing()
-        if self._buf and not self._in_consume and not self._closing:
+        if self._in_consume or self._closing:
+            # _consume goes on with what is buffered, and sets the timer.
+            return
+        if self._buf:
             buf, self._buf = self._buf, b""
             self._consume(buf)
+        else:
+            self._watch(self.factory.keep_alive_timeout, _W_IDLE)
 
     def close(self) -> None:
         """
@@ -507,6 +616,7 @@ class HTTPFront(Protocol):
         if not self._closing:
             self._closing = True
             self._buf = b""
+            self._stop_timer()
             self.transport.loseConnection()
 
     def _refuse(self, status: int, message: str, code: str) -> None:
@@ -525,6 +635,7 @@ class HTTPFront(Protocol):
     def connectionLost(self, reason: Failure = None) -> None:  # type: ignore[assignment]
         self._closing = True
         self._buf = b""
+        self._stop_timer()
         request, self._request = self._request, None
         if request is not None and not request.finished:
             request.finished = True
@@ -555,16 +666,31 @@ class HTTPFront(Protocol):
 class FrontFactory(ServerFactory):
     """
     Serves C{handle} (a callable taking a L{FrontRequest}) with bodies up
-    to C{max_body} bytes.
+    to C{max_body} bytes. C{reactor} is the clock of every timeout: a
+    request head must be complete within C{head_timeout} seconds of its
+    first byte (or of the connection's start), a body may go
+    C{body_timeout} seconds without a byte, and a kept-alive connection may
+    wait C{keep_alive_timeout} seconds for its next request.
     """
 
     log = Logger()
     noisy = False
 
-    def __init__(self, handle: Callable[[FrontRequest], Any], reactor: Any, max_body: int = 8 * 1024 * 1024):
+    def __init__(
+        self,
+        handle: Callable[[FrontRequest], Any],
+        reactor: Any,
+        max_body: int = 8 * 1024 * 1024,
+        head_timeout: float = HEAD_TIMEOUT,
+        body_timeout: float = BODY_TIMEOUT,
+        keep_alive_timeout: float = KEEP_ALIVE_TIMEOUT,
+    ):
         self.handle = handle
         self.reactor = reactor
         self.max_body = max_body
+        self.head_timeout = head_timeout
+        self.body_timeout = body_timeout
+        self.keep_alive_timeout = keep_alive_timeout
         self._date_second = -1
         self._date = b""
 

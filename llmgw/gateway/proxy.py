@@ -31,7 +31,7 @@ from zope.interface import implementer
 
 from llmgw.control.interfaces import IInFlight, IRoutingTable, Route
 from llmgw.gateway import errors
-from llmgw.gateway.front import FrontRequest
+from llmgw.gateway.front import BODY_TIMEOUT, HEAD_TIMEOUT, KEEP_ALIVE_TIMEOUT, FrontRequest
 from llmgw.gateway.keys import KeyRing
 from llmgw.gateway.metrics import GatewayMetrics
 from llmgw.gateway.router import Router
@@ -57,10 +57,15 @@ _DROP_RESPONSE = frozenset(
 @dataclass
 class GatewayConfig:
     """
-    The gateway's tunables; times in seconds.
+    The gateway's tunables; times in seconds. C{head_timeout},
+    C{body_timeout} and C{keep_alive_timeout} bound slow or idle clients
+    (see L{llmgw.gateway.front}); the others bound replicas.
     """
 
     max_body: int = 8 * 1024 * 1024
+    head_timeout: float = HEAD_TIMEOUT
+    body_timeout: float = BODY_TIMEOUT
+    keep_alive_timeout: float = KEEP_ALIVE_TIMEOUT
     connect_timeout: float = 5.0
     first_byte_timeout: float = 300.0
     idle_timeout: float = 120.0

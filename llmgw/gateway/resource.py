@@ -162,7 +162,8 @@ def _model_entry(model: str) -> dict[str, Any]:
 
 class GatewaySite(FrontFactory):
     """
-    Serves a L{GatewayResource}, with its gateway's body limit. No access
+    Serves a L{GatewayResource}, with its gateway's body limit and client
+    timeouts. No access
     log: the metrics count every request, and refusals are logged with who
     sent them.
     """
@@ -170,5 +171,13 @@ class GatewaySite(FrontFactory):
     def __init__(self, resource: GatewayResource, reactor: Any = None):
         if reactor is None:
             reactor = resource.gateway.reactor
-        super().__init__(resource, reactor, resource.gateway.config.max_body)
+        config = resource.gateway.config
+        super().__init__(
+            resource,
+            reactor,
+            config.max_body,
+            head_timeout=config.head_timeout,
+            body_timeout=config.body_timeout,
+            keep_alive_timeout=config.keep_alive_timeout,
+        )
         self.resource = resource

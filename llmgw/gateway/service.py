@@ -112,6 +112,12 @@ class Options(usage.Options):
          "seconds a replica may take before the first byte of its answer"],
         ["idle-timeout", None, str(GatewayConfig.idle_timeout),
          "seconds a replica may stay silent in the middle of an answer"],
+        ["head-timeout", None, str(GatewayConfig.head_timeout),
+         "seconds a client may take to send a request's head, from its first byte (then 408)"],
+        ["body-timeout", None, str(GatewayConfig.body_timeout),
+         "seconds a client's request body may go without a byte arriving (then 408)"],
+        ["keep-alive-timeout", None, str(GatewayConfig.keep_alive_timeout),
+         "seconds a kept-alive client connection may wait for its next request"],
         ["max-tries", None, str(GatewayConfig.max_tries), "replicas tried when connections fail"],
         ["failure-threshold", None, str(GatewayConfig.failure_threshold),
          "failures in a row that take a replica out of rotation"],
@@ -134,7 +140,10 @@ class Options(usage.Options):
         url = self["control-admin"]
         if not url.startswith(("http://", "https://")):
             raise usage.UsageError(f"--control-admin: {url!r} is not an http:// or https:// URL")
-        for name in ("poll-interval", "connect-timeout", "first-byte-timeout", "idle-timeout", "cooldown"):
+        for name in (
+            "poll-interval", "connect-timeout", "first-byte-timeout", "idle-timeout", "cooldown",
+            "head-timeout", "body-timeout", "keep-alive-timeout",
+        ):
             _positive(self, name)
         for name in ("max-body", "max-tries", "failure-threshold", "backlog"):
             _positive(self, name, int)
@@ -151,6 +160,9 @@ class Options(usage.Options):
             connect_timeout=self["connect-timeout"],
             first_byte_timeout=self["first-byte-timeout"],
             idle_timeout=self["idle-timeout"],
+            head_timeout=self["head-timeout"],
+            body_timeout=self["body-timeout"],
+            keep_alive_timeout=self["keep-alive-timeout"],
             max_tries=self["max-tries"],
             failure_threshold=self["failure-threshold"],
             cooldown=self["cooldown"],
