@@ -455,10 +455,20 @@ class TimeoutTests(SynchronousTestCase):
     Slow and idle clients, on the front's one timer per connection.
     """
 
+    def assertOnlyLinger(self, clock: Clock, proto: Any) -> None:
+        """
+        After the front closed a connection, its one timer is the linger
+        that aborts a client that never reads; it goes with the connection.
+        """
+        [call] = clock.getDelayedCalls()
+        self.assertEqual(call.getTime() - clock.seconds(), 30.0)
+        proto.connectionLost(Failure(ConnectionError("closed")))
+        self.assertEqual(clock.getDelayedCalls(), [])
+
     def assertClosedQuietly(self, s: Server) -> None:
         self.assertTrue(s.transport.disconnecting)
         self.assertEqual(s.output(), b"")
-        self.assertEqual(s.clock.getDelayedCalls(), [])
+        self.assertOnlyLinger(s.clock, s.proto)
 
     def assertTimedOut408(self, s: Server, words: str) -> None:
         self.assertTrue(s.transport.disconnecting)
@@ -468,7 +478,7 @@ class TimeoutTests(SynchronousTestCase):
         error = json.loads(body)["error"]
         self.assertEqual(error["code"], "request_timeout")
         self.assertIn(words, error["message"])
-        self.assertEqual(s.clock.getDelayedCalls(), [])
+        self.assertOnlyLinger(s.clock, s.proto)
 
     def test_defaults(self) -> None:
         """
@@ -589,7 +599,7 @@ class TimeoutTests(SynchronousTestCase):
         self.assertFalse(transport.disconnecting)
         clock.advance(0.1)
         self.assertIn(b"nothing arrived for 3 s", transport.value())
-        self.assertEqual(clock.getDelayedCalls(), [])
+        self.assertOnlyLinger(clock, proto)
 
     def test_not_while_handled_or_streaming(self) -> None:
         """
@@ -647,12 +657,26 @@ class TimeoutTests(SynchronousTestCase):
         s = Server(auto=True)
         s.feed(post(b"/1", b"x", b"Connection: close\r\n"))
         self.assertTrue(s.transport.disconnecting)
-        self.assertEqual(s.clock.getDelayedCalls(), [])
+        self.assertOnlyLinger(s.clock, s.proto)
 
         s = Server()
         s.feed(b"BAD\r\n\r\n")
         self.assertTrue(s.transport.disconnecting)
-        self.assertEqual(s.clock.getDelayedCalls(), [])
+        self.assertOnlyLinger(s.clock, s.proto)
+
+    def test_linger_aborts_a_client_that_never_reads(self) -> None:
+        """
+        A closed connection whose client never reads what is left is
+        aborted 30 s later.
+        """
+        s = Server()
+        s.feed(b"BAD\r\n\r\n")
+        aborted: list[bool] = []
+        s.transport.abortConnection = lambda: aborted.append(True)  # type: ignore[method-assign]
+        s.clock.advance(29.9)
+        self.assertEqual(aborted, [])
+        s.clock.advance(0.1)
+        self.assertEqual(aborted, [True])
 
     def test_one_timer_no_churn(self) -> None:
         """

@@ -76,6 +76,8 @@ class OptionsTests(SynchronousTestCase):
         clock.advance(5)
         self.assertTrue(transport.value().startswith(b"HTTP/1.1 408 "))
         self.assertTrue(transport.disconnecting)
+        # What is left is the linger that aborts a client that never reads.
+        proto.connectionLost(None)
         self.assertEqual(clock.getDelayedCalls(), [])
 
     def test_values_checked(self) -> None:

@@ -72,6 +72,9 @@ HEAD_TIMEOUT = 30.0
 BODY_TIMEOUT = 60.0
 #: Default seconds a kept-alive connection may wait for its next request.
 KEEP_ALIVE_TIMEOUT = 120.0
+#: After the gateway closes a connection, how long the client gets to read
+#: what is left before the connection is aborted.
+CLOSE_LINGER = 30.0
 
 _HEX = b"0123456789abcdefABCDEF"
 _HEAD, _BODY, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_CRLF, _TRAILER = range(6)
@@ -618,6 +621,15 @@ class HTTPFront(Protocol):
             self._buf = b""
             self._stop_timer()
             self.transport.loseConnection()
+            # A client that never reads what is left must not hold the
+            # socket: the one timer now aborts the connection.
+            self._timer = self.factory.reactor.callLater(CLOSE_LINGER, self._linger_expired)
+
+    def _linger_expired(self) -> None:
+        self._timer = None
+        self.log.debug("aborting connection from {peer}: it did not read its last {linger} s",
+                       peer=self.peer, linger=CLOSE_LINGER)
+        self.transport.abortConnection()
 
     def _refuse(self, status: int, message: str, code: str) -> None:
         self.log.info(
