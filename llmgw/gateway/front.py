@@ -54,14 +54,13 @@ from twisted.python.failure import Failure
 from twisted.web.http import RESPONSES, datetimeToString
 from zope.interface import implementer
 
+from llmgw.gateway.chunked import ChunkedDecoder, ChunkError
 from llmgw.gateway.errors import error_body
 
 #: The most a request line and its headers may take.
 MAX_HEAD = 64 * 1024
 #: The most header lines a request may have.
 MAX_HEADERS = 100
-#: The most a chunk-size line (with extensions) may take.
-MAX_CHUNK_LINE = 1024
 #: Bytes read ahead (pipelined requests) while a response is in progress;
 #: past this the connection stops reading until the response is done.
 READ_AHEAD = 64 * 1024
@@ -76,8 +75,7 @@ KEEP_ALIVE_TIMEOUT = 120.0
 #: what is left before the connection is aborted.
 CLOSE_LINGER = 30.0
 
-_HEX = b"0123456789abcdefABCDEF"
-_HEAD, _BODY, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_CRLF, _TRAILER = range(6)
+_HEAD, _BODY, _CHUNKED = range(3)
 # What the connection's timer watches: nothing (a request is with its
 # handler), the wait for a request, a head arriving, a body arriving.
 _W_NONE, _W_IDLE, _W_HEAD, _W_BODY = range(4)
@@ -258,6 +256,7 @@ class HTTPFront(Protocol):
         self._reading: FrontRequest | None = None
         self._parts: list[bytes] = []
         self._remaining = 0
+        self._decoder: ChunkedDecoder | None = None
         self._received = 0
         self._busy = False
         self._closing = False
@@ -480,7 +479,8 @@ class HTTPFront(Protocol):
         self._parts = []
         self._received = 0
         if chunked:
-            self._state = _CHUNK_SIZE
+            self._decoder = ChunkedDecoder()
+            self._state = _CHUNKED
         elif length is not None and length.lstrip(b"0"):
             n = int(length) if len(length) < 19 else 1 << 62
             if n > self.max_body:
@@ -520,58 +520,21 @@ class HTTPFront(Protocol):
         Read chunked body framing from C{buf}; returns what is left over
         (kept for the next call, or the next request's bytes).
         """
-        pos = 0
-        end = len(buf)
-        state = self._state
-        remaining = self._remaining
-        while pos < end:
-            if state == _CHUNK_SIZE:
-                eol = buf.find(b"\r\n", pos, pos + MAX_CHUNK_LINE)
-                if eol < 0:
-                    if end - pos >= MAX_CHUNK_LINE:
-                        self._refuse(400, "A chunk-size line is too long", "bad_request")
-                        return b""
-                    break
-                size = buf[pos:eol].split(b";", 1)[0].strip(b" \t")
-                if not size or len(size) > 15 or size.strip(_HEX):
-                    self._refuse(400, f"Bad chunk size {size[:20]!r}", "bad_request")
-                    return b""
-                remaining = int(size, 16)
-                pos = eol + 2
-                state = _CHUNK_DATA if remaining else _TRAILER
-            elif state == _CHUNK_DATA:
-                take = min(remaining, end - pos)
-                self._body_piece(buf[pos : pos + take])
-                pos += take
-                remaining -= take
-                if remaining:
-                    break
-                state = _CHUNK_CRLF
-            elif state == _CHUNK_CRLF:
-                if end - pos < 2:
-                    break
-                if buf[pos : pos + 2] != b"\r\n":
-                    self._refuse(400, "Chunk data is not followed by CRLF", "bad_request")
-                    return b""
-                pos += 2
-                state = _CHUNK_SIZE
-            else:  # _TRAILER: skip trailer fields up to the empty line
-                eol = buf.find(b"\r\n", pos)
-                if eol < 0:
-                    if end - pos > MAX_HEAD:
-                        self._refuse(431, "The request's trailer is too long", "head_too_large")
-                        return b""
-                    break
-                empty = eol == pos
-                pos = eol + 2
-                if empty:
-                    self._state = _HEAD
-                    self._remaining = 0
-                    self._dispatch()
-                    return buf[pos:]
-        self._state = state
-        self._remaining = remaining
-        return buf[pos:] if pos < end else b""
+        decoder = self._decoder
+        assert decoder is not None
+        try:
+            used = decoder.feed(buf, self._body_piece)
+        except ChunkError as e:
+            self._decoder = None
+            if e.trailer:
+                self._refuse(431, "The request's trailer is too long", "head_too_large")
+            else:
+                self._refuse(400, str(e), "bad_request")
+            return b""
+        if decoder.done:
+            self._decoder = None
+            self._dispatch()
+        return buf[used:] if used < len(buf) else b""
 
     def _dispatch(self) -> None:
         request = self._reading

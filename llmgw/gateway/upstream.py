@@ -29,13 +29,12 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from llmgw.addresses import AddressError, is_ipv6, parse_address
+from llmgw.gateway.chunked import ChunkedDecoder, ChunkError
 
 #: The most a response's status line and headers may take.
 MAX_HEAD = 64 * 1024
-#: The most a chunk-size line may take.
-MAX_CHUNK_LINE = 1024
 
-_HEAD, _LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_CRLF, _TRAILER, _UNTIL_CLOSE, _DONE = range(8)
+_HEAD, _LENGTH, _CHUNKED, _UNTIL_CLOSE, _DONE = range(5)
 
 
 class UpstreamProtocolError(Exception):
@@ -80,6 +79,7 @@ class UpstreamConnection(Protocol):
         self._state = _DONE
         self._buf = b""
         self._remaining = 0
+        self._decoder: ChunkedDecoder | None = None
         self._started = False
         self._keep_alive = True
 
@@ -256,7 +256,8 @@ class UpstreamConnection(Protocol):
         if status in (204, 304):
             self._state = _DONE
         elif chunked:
-            self._state = _CHUNK_SIZE
+            self._decoder = ChunkedDecoder()
+            self._state = _CHUNKED
         elif length is not None:
             self._remaining = length
             self._state = _LENGTH if length else _DONE
@@ -268,60 +269,19 @@ class UpstreamConnection(Protocol):
 
     def _chunked(self, data: bytes) -> None:
         buf = self._buf + data if self._buf else data
-        pos = 0
-        end = len(buf)
+        decoder = self._decoder
+        assert decoder is not None
         out: list[bytes] = []
-        state = self._state
-        remaining = self._remaining
-        done = False
-        while pos < end:
-            if state == _CHUNK_SIZE:
-                eol = buf.find(b"\r\n", pos)
-                if eol < 0:
-                    if end - pos > MAX_CHUNK_LINE:
-                        raise UpstreamProtocolError("chunk-size line too long")
-                    break
-                line = buf[pos:eol].split(b";", 1)[0].strip()
-                try:
-                    remaining = int(line, 16)
-                except ValueError:
-                    raise UpstreamProtocolError(f"bad chunk size {line[:20]!r}") from None
-                if remaining < 0:
-                    raise UpstreamProtocolError(f"bad chunk size {line[:20]!r}")
-                pos = eol + 2
-                state = _TRAILER if remaining == 0 else _CHUNK_DATA
-            elif state == _CHUNK_DATA:
-                take = min(remaining, end - pos)
-                out.append(buf[pos : pos + take])
-                pos += take
-                remaining -= take
-                if remaining:
-                    break
-                state = _CHUNK_CRLF
-            elif state == _CHUNK_CRLF:
-                if end - pos < 2:
-                    break
-                if buf[pos : pos + 2] != b"\r\n":
-                    raise UpstreamProtocolError("chunk data not followed by CRLF")
-                pos += 2
-                state = _CHUNK_SIZE
-            else:  # _TRAILER
-                eol = buf.find(b"\r\n", pos)
-                if eol < 0:
-                    if end - pos > MAX_HEAD:
-                        raise UpstreamProtocolError("trailer too long")
-                    break
-                if eol == pos:
-                    pos += 2
-                    done = True
-                    break
-                pos = eol + 2
-        self._state = state
-        self._remaining = remaining
-        self._buf = buf[pos:] if pos < end else b""
+        try:
+            used = decoder.feed(buf, out.append)
+        except ChunkError as e:
+            self._decoder = None
+            raise UpstreamProtocolError(str(e)) from None
+        self._buf = buf[used:] if used < len(buf) else b""
         if out:
             self.handler.response_data(out[0] if len(out) == 1 else b"".join(out))  # type: ignore[union-attr]
-        if done:
+        if decoder.done:
+            self._decoder = None
             if self._buf:
                 self._keep_alive = False
             self._complete()
