@@ -385,6 +385,31 @@ class LimitTests(SynchronousTestCase):
         self.assertEqual(len(refusals), len(cases))
         self.assertEqual(refusals[0]["peer"], "192.168.1.1:54321")
 
+    def test_chunked_framing_refused(self) -> None:
+        """
+        Malformed chunked framing is refused with the decoder's reason: a
+        bad size, a size line over its bound or data without its CRLF get a
+        400, a trailer line over its bound a 431; the connection closes and
+        the handler never sees the request.
+        """
+        start = b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+        cases = [
+            (b"0x5\r\nhello\r\n0\r\n\r\n", 400, "bad_request", "Bad chunk size b'0x5'"),
+            (b"5;" + b"e" * 1100 + b"\r\nhello\r\n0\r\n\r\n", 400, "bad_request", "chunk-size line is too long"),
+            (b"5\r\nhello!\r\n0\r\n\r\n", 400, "bad_request", "not followed by CRLF"),
+            (b"0\r\nX: " + b"t" * MAX_HEAD + b"\r\n\r\n", 431, "head_too_large", "trailer is too long"),
+        ]
+        for data, status, code, message in cases:
+            for bytewise in (False, True):
+                s = Server()
+                s.feed(start + data, bytewise)
+                ((got, _, body),) = responses(s.output())
+                error = json.loads(body)["error"]
+                self.assertEqual((got, error["code"]), (status, code), data[:30])
+                self.assertIn(message, error["message"])
+                self.assertTrue(s.transport.disconnecting)
+                self.assertEqual(s.requests, [])
+
     def test_read_ahead_bounded(self) -> None:
         """
         While a response is in progress the connection reads ahead at most

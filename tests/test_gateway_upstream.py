@@ -35,6 +35,20 @@ class Recorder:
         return b"".join(e[1] for e in self.events if e[0] == "data")
 
 
+class FailureKeeper(Recorder):
+    """
+    A L{Recorder} that also keeps each failure's reason.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reasons: list[Failure] = []
+
+    def response_failed(self, reason: Failure, started: bool) -> None:
+        super().response_failed(reason, started)
+        self.reasons.append(reason)
+
+
 def connection(pool: UpstreamPool | None = None) -> tuple[UpstreamConnection, StringTransport]:
     conn = UpstreamConnection(pool, "10.0.0.1:8000")
     t = StringTransport()
@@ -173,6 +187,32 @@ class ParseTests(SynchronousTestCase):
             conn.dataReceived(raw)
             self.assertEqual(rec.events[-1][:2], ("failed", UpstreamProtocolError), raw[:30])
             self.assertTrue(t.disconnected)
+
+    def test_bad_chunked_framing_fails(self) -> None:
+        """
+        Malformed chunked framing from a replica (a size that is not plain
+        hex, a size line over 1024 bytes even when it arrives whole, data
+        without its CRLF, a trailer line over 64 KiB) fails the request with
+        the decoder's reason and closes the connection, however the bytes
+        are split.
+        """
+        cases = [
+            (b"0x5\r\nhello\r\n0\r\n\r\n", "Bad chunk size b'0x5'"),
+            (b"5;" + b"e" * 1100 + b"\r\nhello\r\n0\r\n\r\n", "chunk-size line is too long"),
+            (b"5\r\nhello!\r\n0\r\n\r\n", "not followed by CRLF"),
+            (b"0\r\nX: " + b"t" * 70000 + b"\r\n\r\n", "trailer is too long"),
+        ]
+        head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+        for body, message in cases:
+            for step in (1, 7, len(head + body)):
+                conn, t = connection()
+                rec = FailureKeeper()
+                conn.send(b"R", rec)
+                feed(conn, head + body, step)
+                (reason,) = rec.reasons
+                self.assertIsInstance(reason.value, UpstreamProtocolError)
+                self.assertIn(message, str(reason.value))
+                self.assertTrue(t.disconnected)
 
     def test_unsolicited_bytes_close(self) -> None:
         """
