@@ -44,7 +44,7 @@ def validate_node_id(node_id: str) -> str:
         raise InvalidNodeId("node id is empty")
     if len(node_id) > 63:
         raise InvalidNodeId(f"node id {node_id[:70]!r} is longer than 63 characters")
-    if not _NODE_ID.match(node_id):
+    if not _NODE_ID.fullmatch(node_id):
         raise InvalidNodeId(
             f"node id {node_id!r} must be lowercase letters, digits, '-' and '.', "
             "starting and ending with a letter or digit"

@@ -474,6 +474,19 @@ class StateDirTests(SynchronousTestCase):
         self.assertEqual(state.shards.joinpath("ok.json").stat().st_mode & 0o777, 0o600)
 
 
+class ShardIdTests(SynchronousTestCase):
+    def test_whole_id_checked(self) -> None:
+        """
+        A shard id names files in the state directory: all of it must be in
+        the grammar, a trailing newline included.
+        """
+        from llmgw.agent.state import valid_shard_id
+
+        self.assertTrue(valid_shard_id("demo-1-s0"))
+        for bad in ("s1\n", "../etc", "", "a/b", "x" * 129):
+            self.assertFalse(valid_shard_id(bad), bad)
+
+
 class LogTailTests(SynchronousTestCase):
     def test_lines_and_partial(self) -> None:
         """

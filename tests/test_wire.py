@@ -25,7 +25,7 @@ class NodeIdTests(SynchronousTestCase):
         Empty, too long, uppercase, underscores, spaces, leading or trailing
         punctuation are refused with a message naming the id.
         """
-        for bad in ("", "a" * 64, "Node", "a_b", "a b", "-a", "a-", ".a", "a/b", "ñ"):
+        for bad in ("", "a" * 64, "Node", "a_b", "a b", "-a", "a-", ".a", "a/b", "ñ", "a\n", "node-a\n"):
             with self.assertRaises(InvalidNodeId):
                 validate_node_id(bad)
 

@@ -113,7 +113,7 @@ def parse_gpu_spec(spec: str) -> GPUSpec:
     text = spec.strip()
     if text.lower() in ("auto", "nvml", "nvidia-smi", "none"):
         return GPUSpec(text.lower())
-    m = _SIM.match(text)
+    m = _SIM.fullmatch(text)
     if not m:
         raise GPUSpecError(
             f"--gpus {spec!r} is not understood: use auto, nvml, nvidia-smi, none, or "

@@ -41,7 +41,7 @@ class StateDirError(Exception):
 
 
 def valid_shard_id(shard_id: str) -> bool:
-    return bool(_SHARD_ID.match(shard_id))
+    return bool(_SHARD_ID.fullmatch(shard_id))
 
 
 @dataclass
