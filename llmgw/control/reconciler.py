@@ -29,7 +29,7 @@ import heapq
 import re
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from twisted.application.service import Service
@@ -667,28 +667,43 @@ class Reconciler(Service):
         says (the backoff was already counted).
         """
         self._missing.pop(report.shard_id, None)
-        if report.state != FAILED:
-            return
+        if report.state == FAILED:
+            self._shard_failed(report, model, now, backoff=False,
+                               note=" (reported after the node came back)")
+
+    def _shard_failed(
+        self, report: ShardReport, model: str, now: float, backoff: bool = True, note: str = ""
+    ) -> None:
+        """
+        Record a failed shard: an event with its exit code and last output,
+        and the deployment's last failure; C{backoff} also counts it towards
+        the deployment's crash backoff.
+        """
         failure = {
-            "node": report.node_id, "replica": report.replica_id, "shard": report.shard_id,
-            "exit_code": report.exit_code, "signal": report.signal,
-            "error": report.error or "the process failed", "last_output": report.last_output,
+            "node": report.node_id,
+            "replica": report.replica_id,
+            "shard": report.shard_id,
+            "exit_code": report.exit_code,
+            "signal": report.signal,
+            "error": report.error,
+            "last_output": report.last_output,
             "time": now,
         }
-        state = self.deps.get(model)
-        if state is not None:
-            state.last_failure = failure
         self._event(
             "shard_failed",
             level="error",
             node=report.node_id,
             replica=report.replica_id,
             shard=report.shard_id,
-            reason=f"{failure['error']} (reported after the node came back)",
+            reason=(report.error or "the process failed") + note,
             exit_code=report.exit_code,
             signal=report.signal,
             last_output=report.last_output,
         )
+        if backoff:
+            self._failure(model, failure, now)
+        elif model in self.deps:
+            self.deps[model].last_failure = failure
 
     def on_shard_status(self, report: ShardReport) -> None:
         now = self.clock.seconds()
@@ -718,28 +733,7 @@ class Reconciler(Service):
             return
         if state == FAILED:
             self._set_shard_state(shard, FAILED, now)
-            failure = {
-                "node": shard.node_id,
-                "replica": rep.id,
-                "shard": shard.id,
-                "exit_code": report.exit_code,
-                "signal": report.signal,
-                "error": report.error,
-                "last_output": report.last_output,
-                "time": now,
-            }
-            self._event(
-                "shard_failed",
-                level="error",
-                node=shard.node_id,
-                replica=rep.id,
-                shard=shard.id,
-                reason=report.error or "the process failed",
-                exit_code=report.exit_code,
-                signal=report.signal,
-                last_output=report.last_output,
-            )
-            self._failure(rep.model, failure, now)
+            self._shard_failed(replace(report, replica_id=rep.id), rep.model, now)
             self._teardown(rep, f"shard {shard.id} failed")
         elif state == STOPPED:
             self._set_shard_state(shard, STOPPED, now)
