@@ -10,6 +10,10 @@ from dataclasses import dataclass, field
 
 from zope.interface import Interface
 
+from llmgw.routing import IInFlight, IRoutingTable, Route
+
+__all__ = ["IInFlight", "IRoutingTable", "Route"]  # re-exported: they live in llmgw.routing
+
 
 class NotConnected(Exception):
     """
@@ -139,53 +143,6 @@ class IStatusSink(Interface):
     def node_registered(node_id: str) -> None:
         """
         A node registered (or registered again) and is in the inventory.
-        """
-
-
-@dataclass(frozen=True)
-class Route:
-    """
-    One ready replica the gateway may send a model's requests to.
-    """
-
-    replica_id: str
-    model: str
-    address: str  # host:port of the leader shard
-    draining: bool = False
-
-
-class IRoutingTable(Interface):
-    """
-    What the gateway routes by. The reconciler (in process) or a poll of the
-    admin API (a standalone gateway) provides it.
-    """
-
-    def routes(model: str) -> list[Route]:
-        """
-        The ready replicas of C{model}; draining ones are marked.
-        """
-
-    def models() -> list[str]:
-        """
-        Every model that has at least one ready replica, sorted.
-        """
-
-    def knows_model(model: str) -> bool:
-        """
-        Whether C{model} is in the catalog at all (unknown models get 404,
-        known ones without a ready replica 503).
-        """
-
-
-class IInFlight(Interface):
-    """
-    The gateway's count of requests in flight per replica, which lets the
-    reconciler stop a draining replica as soon as it is idle.
-    """
-
-    def in_flight(replica_id: str) -> int:
-        """
-        Requests now being proxied to C{replica_id}.
         """
 
 

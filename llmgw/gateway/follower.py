@@ -25,7 +25,7 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from zope.interface import implementer
 
-from llmgw.control.interfaces import IRoutingTable, Route
+from llmgw.routing import IRoutingTable, Route
 
 #: How often, at most, a control plane that stays unreachable is logged again.
 REPEAT_WARNING_S = 60.0

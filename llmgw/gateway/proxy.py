@@ -18,6 +18,7 @@ replicas. Timeouts: connect, first byte, and idle between bytes.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,13 +30,13 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
-from llmgw.control.interfaces import IInFlight, IRoutingTable, Route
 from llmgw.gateway import errors
 from llmgw.gateway.front import BODY_TIMEOUT, HEAD_TIMEOUT, KEEP_ALIVE_TIMEOUT, FrontRequest
 from llmgw.gateway.keys import KeyRing
 from llmgw.gateway.metrics import GatewayMetrics
 from llmgw.gateway.router import Router
 from llmgw.gateway.upstream import UpstreamConnection, UpstreamPool
+from llmgw.routing import IInFlight, IRoutingTable, Route
 
 #: Request headers that are the gateway's business, not the replica's.
 _DROP_REQUEST = frozenset(
@@ -140,7 +141,7 @@ class ProxyCall:
         model: str,
         path_label: str,
         body: bytes,
-        routes: list[Route],
+        routes: Sequence[Route],
         started: float,
     ):
         self.gw = gateway

@@ -15,7 +15,7 @@ from collections.abc import Collection, Sequence
 from twisted.internet.interfaces import IReactorTime
 from zope.interface import implementer
 
-from llmgw.control.interfaces import IInFlight, Route
+from llmgw.routing import IInFlight, Route
 
 
 @implementer(IInFlight)

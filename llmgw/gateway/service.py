@@ -26,11 +26,11 @@ from llmgw.addresses import (
     parse_address,
     server_endpoint,
 )
-from llmgw.control.interfaces import IInFlight, IRoutingTable
 from llmgw.gateway.follower import FollowerService, FollowerTable, RoutingSnapshot
 from llmgw.gateway.keys import KeyRing, KeysError, load_keys
 from llmgw.gateway.proxy import Gateway, GatewayConfig
 from llmgw.gateway.resource import GatewayResource, GatewaySite
+from llmgw.routing import IInFlight, IRoutingTable
 
 DEFAULT_GATEWAY = "127.0.0.1:8000"
 DEFAULT_METRICS = "127.0.0.1:7481"

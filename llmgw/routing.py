@@ -1,0 +1,389 @@
+"""
+The routing table: what every gateway, embedded or standalone, routes by.
+
+This module sits below both C{llmgw.control} and C{llmgw.gateway} and
+imports neither. The control plane publishes a L{RoutingTable} as a
+projection of its fleet state; the embedded gateway reads that object, and
+a standalone gateway reads the same projection through
+C{GET /api/v1/routes} (L{snapshot_to_json} / L{snapshot_from_json}), so the
+two follow one set of rules.
+
+Every change to what is routed increases L{RoutingTable.revision}.
+L{RoutingTable.wait_newer} answers a long-poll: it fires as soon as the
+revision passes the one the caller holds, or after a timeout.
+
+Engine signals (queue depth, running requests, KV-cache use) travel with
+each route together with their age, not a timestamp, so that a gateway on
+another host judges staleness by its own clock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from zope.interface import Interface, implementer
+
+#: The longest a long-poll of the routes is held before it answers anyway.
+LONG_POLL_MAX_S = 30.0
+
+#: Most long-polls waiting at once; past it the oldest is answered early
+#: (it re-asks) so that waiting clients cannot grow memory without bound.
+MAX_WAITERS = 10_000
+
+
+@dataclass(frozen=True)
+class EngineSignals:
+    """
+    Load figures an engine exported on its metrics endpoint, normalised
+    across engines. C{None} means the engine does not export that figure.
+
+    C{sampled_at} is on the clock of whoever holds the object (the
+    publisher's, or the receiver's after L{snapshot_from_json}).
+    """
+
+    sampled_at: float
+    waiting: float | None = None
+    running: float | None = None
+    kv_cache_usage: float | None = None  # a fraction, 0..1
+    prefix_cache_queries: float | None = None
+    prefix_cache_hits: float | None = None
+
+    def age(self, now: float) -> float:
+        return max(0.0, now - self.sampled_at)
+
+
+@dataclass(frozen=True)
+class Route:
+    """
+    One ready replica a gateway may send a model's requests to.
+
+    C{draining} replicas are listed (their requests in flight finish) but
+    get nothing new.
+    """
+
+    replica_id: str
+    model: str
+    address: str  # host:port of the leader shard
+    draining: bool = False
+    signals: EngineSignals | None = None
+
+
+class IRoutingTable(Interface):
+    """
+    What a gateway routes by. (L{RoutingTable} and L{RoutingSnapshot} also
+    carry C{revision}, an int that increases whenever anything routed
+    changes.)
+    """
+
+    def routes(model: str) -> Sequence[Route]:
+        """
+        The ready replicas of C{model}, sorted by replica id; draining ones
+        are marked.
+        """
+
+    def models() -> list[str]:
+        """
+        Every model with at least one ready replica that is not draining,
+        sorted.
+        """
+
+    def knows_model(model: str) -> bool:
+        """
+        Whether C{model} is declared at all (unknown models get 404, known
+        ones without a ready replica 503).
+        """
+
+
+class IInFlight(Interface):
+    """
+    The gateway's count of requests in flight per replica, which lets the
+    reconciler stop a draining replica as soon as it is idle.
+    """
+
+    def in_flight(replica_id: str) -> int:
+        """
+        Requests now being proxied to C{replica_id}.
+        """
+
+
+def _by_model(routes: Iterable[Route]) -> dict[str, tuple[Route, ...]]:
+    grouped: dict[str, list[Route]] = {}
+    for r in routes:
+        grouped.setdefault(r.model, []).append(r)
+    return {m: tuple(sorted(rs, key=lambda r: r.replica_id)) for m, rs in grouped.items()}
+
+
+@implementer(IRoutingTable)
+class RoutingSnapshot:
+    """
+    An immutable routing table: routes per model, the declared models and
+    the revision they were published at.
+    """
+
+    def __init__(self, routes: Iterable[Route] = (), known: Iterable[str] = (), revision: int = 0):
+        self._routes = _by_model(routes)
+        self._known = frozenset(known) | frozenset(self._routes)
+        self._models = sorted(m for m, rs in self._routes.items() if any(not r.draining for r in rs))
+        self.revision = revision
+
+    def routes(self, model: str) -> Sequence[Route]:
+        return self._routes.get(model, ())
+
+    def models(self) -> list[str]:
+        return list(self._models)
+
+    def knows_model(self, model: str) -> bool:
+        return model in self._known
+
+    def known_models(self) -> frozenset[str]:
+        return self._known
+
+    def all_routes(self) -> list[Route]:
+        return [r for m in sorted(self._routes) for r in self._routes[m]]
+
+    def replica_ids(self) -> set[str]:
+        return {r.replica_id for rs in self._routes.values() for r in rs}
+
+    def __len__(self) -> int:
+        return sum(len(rs) for rs in self._routes.values())
+
+
+@implementer(IRoutingTable)
+class RoutingTable:
+    """
+    The published routing table: a L{RoutingSnapshot} that its owner
+    replaces whole (L{publish}) or model by model (L{publish_model}).
+
+    Readers get the current snapshot's answers; a publication that changes
+    nothing keeps the revision, one that changes anything increases it and
+    fires the long-polls waiting for it.
+    """
+
+    def __init__(self, clock: IReactorTime):
+        self.clock = clock
+        self._routes: dict[str, tuple[Route, ...]] = {}
+        self._known: frozenset[str] = frozenset()
+        self.revision = 0
+        self._snapshot: RoutingSnapshot | None = RoutingSnapshot()
+        self._waiters: dict[Deferred[int], IDelayedCall] = {}
+
+    # -- IRoutingTable ----------------------------------------------------------------
+
+    def routes(self, model: str) -> Sequence[Route]:
+        return self._routes.get(model, ())
+
+    def models(self) -> list[str]:
+        return self.snapshot().models()
+
+    def knows_model(self, model: str) -> bool:
+        return model in self._known or model in self._routes
+
+    # -- publishing ---------------------------------------------------------------------
+
+    def publish(self, routes: Iterable[Route], known: Iterable[str]) -> bool:
+        """
+        Replace the whole table. Returns whether anything changed.
+        """
+        by_model = _by_model(routes)
+        known_set = frozenset(known)
+        if by_model == self._routes and known_set == self._known:
+            return False
+        self._routes = by_model
+        self._known = known_set
+        self._changed()
+        return True
+
+    def publish_model(self, model: str, routes: Iterable[Route]) -> bool:
+        """
+        Replace the routes of one model. Returns whether anything changed.
+        """
+        new = tuple(sorted(routes, key=lambda r: r.replica_id))
+        if any(r.model != model for r in new):
+            raise ValueError(f"a route for another model was published under {model!r}")
+        if self._routes.get(model, ()) == new:
+            return False
+        if new:
+            self._routes[model] = new
+        else:
+            del self._routes[model]
+        self._changed()
+        return True
+
+    def set_known(self, known: Iterable[str]) -> bool:
+        """
+        Replace the set of declared models. Returns whether it changed.
+        """
+        known_set = frozenset(known)
+        if known_set == self._known:
+            return False
+        self._known = known_set
+        self._changed()
+        return True
+
+    def snapshot(self) -> RoutingSnapshot:
+        """
+        The table as it stands, immutable (built once per revision).
+        """
+        if self._snapshot is None:
+            self._snapshot = RoutingSnapshot(
+                (r for rs in self._routes.values() for r in rs), self._known, self.revision
+            )
+        return self._snapshot
+
+    def _changed(self) -> None:
+        self.revision += 1
+        self._snapshot = None
+        if self._waiters:
+            waiters, self._waiters = self._waiters, {}
+            for d, call in waiters.items():
+                call.cancel()
+                d.callback(self.revision)
+
+    # -- long-poll ----------------------------------------------------------------------
+
+    def wait_newer(self, since: int, timeout: float = LONG_POLL_MAX_S) -> Deferred[int]:
+        """
+        A L{Deferred} that fires with the revision as soon as it is greater
+        than C{since}: at once if it already is, else at the next change or
+        after C{timeout} seconds, whichever comes first. Cancelling it
+        forgets the waiter (a client that went away).
+        """
+        if self.revision > since or since < 0:
+            d: Deferred[int] = Deferred()
+            d.callback(self.revision)
+            return d
+        if len(self._waiters) >= MAX_WAITERS:
+            oldest = next(iter(self._waiters))
+            self._waiters.pop(oldest).cancel()
+            oldest.callback(self.revision)
+
+        def forget(d: Deferred[int]) -> None:
+            call = self._waiters.pop(d, None)
+            if call is not None and call.active():
+                call.cancel()
+
+        d = Deferred(forget)
+
+        def expire() -> None:
+            if self._waiters.pop(d, None) is not None:
+                d.callback(self.revision)
+
+        self._waiters[d] = self.clock.callLater(max(0.0, timeout), expire)
+        return d
+
+    def waiting(self) -> int:
+        """
+        How many long-polls are being held.
+        """
+        return len(self._waiters)
+
+
+# -- the wire form of GET /api/v1/routes --------------------------------------------------
+
+
+class RoutesDataError(ValueError):
+    """
+    A routes document is not what L{snapshot_to_json} writes.
+    """
+
+
+_SIGNAL_FIELDS = ("waiting", "running", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits")
+
+
+def _signals_json(s: EngineSignals, now: float) -> dict[str, Any]:
+    out: dict[str, Any] = {"age_s": round(s.age(now), 3)}
+    for name in _SIGNAL_FIELDS:
+        value = getattr(s, name)
+        if value is not None:
+            out[name] = value
+    return out
+
+
+def snapshot_to_json(table: IRoutingTable | RoutingSnapshot, now: float) -> dict[str, Any]:
+    """
+    The document C{GET /api/v1/routes} answers with: the revision, the
+    declared models and every route, signals with their age in seconds.
+    """
+    snap = table.snapshot() if isinstance(table, RoutingTable) else table
+    if not isinstance(snap, RoutingSnapshot):
+        raise TypeError("snapshot_to_json needs a RoutingTable or RoutingSnapshot")
+    routes = []
+    for r in snap.all_routes():
+        entry: dict[str, Any] = {
+            "replica": r.replica_id,
+            "model": r.model,
+            "address": r.address,
+            "draining": r.draining,
+        }
+        if r.signals is not None:
+            entry["signals"] = _signals_json(r.signals, now)
+        routes.append(entry)
+    return {"revision": snap.revision, "known": sorted(snap.known_models()), "routes": routes}
+
+
+def _number(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise RoutesDataError(f"{where} is not a finite number")
+    return float(value)
+
+
+def _signals_from(data: Any, where: str, now: float) -> EngineSignals | None:
+    if data is None:
+        return None
+    if not isinstance(data, Mapping):
+        raise RoutesDataError(f"{where}.signals is not an object")
+    age = _number(data.get("age_s", 0.0), f"{where}.signals.age_s")
+    values: dict[str, float | None] = {}
+    for name in _SIGNAL_FIELDS:
+        v = data.get(name)
+        values[name] = None if v is None else _number(v, f"{where}.signals.{name}")
+    return EngineSignals(sampled_at=now - max(0.0, age), **values)
+
+
+def snapshot_from_json(data: Any, now: float) -> tuple[RoutingSnapshot, list[str]]:
+    """
+    The snapshot a routes document describes, and the problems with single
+    entries (which are left out, so one bad route costs only itself).
+
+    @raise RoutesDataError: the document as a whole is not a routes document.
+    """
+    if not isinstance(data, Mapping):
+        raise RoutesDataError("expected a JSON object with revision, known and routes")
+    revision = data.get("revision")
+    if isinstance(revision, bool) or not isinstance(revision, int) or revision < 0:
+        raise RoutesDataError("revision is not a non-negative integer")
+    known = data.get("known")
+    entries = data.get("routes")
+    if not isinstance(known, list) or not isinstance(entries, list):
+        raise RoutesDataError("known and routes must be lists")
+    problems: list[str] = []
+    names = []
+    for i, m in enumerate(known):
+        if isinstance(m, str) and m:
+            names.append(m)
+        else:
+            problems.append(f"known[{i}] is not a model name")
+    routes = []
+    for i, e in enumerate(entries):
+        where = f"routes[{i}]"
+        if not isinstance(e, Mapping):
+            problems.append(f"{where} is not an object")
+            continue
+        rid, model, address = e.get("replica"), e.get("model"), e.get("address")
+        if not (isinstance(rid, str) and isinstance(model, str) and isinstance(address, str)) or not (
+            rid and model and ":" in address
+        ):
+            problems.append(f"{where} needs string replica, model and a host:port address")
+            continue
+        try:
+            signals = _signals_from(e.get("signals"), where, now)
+        except RoutesDataError as err:
+            problems.append(str(err))
+            signals = None
+        routes.append(Route(rid, model, address, bool(e.get("draining", False)), signals))
+    return RoutingSnapshot(routes, names, revision), problems
