@@ -16,6 +16,7 @@ from twisted.logger import Logger
 from twisted.protocols.basic import Int32StringReceiver
 
 from llmgw.api.v1 import agent_pb2 as pb
+from llmgw.states import ShardState
 
 PROTOCOL_VERSION = 1
 
@@ -153,11 +154,11 @@ def ack(message_id: str, ok: bool = True, code: int = 0, error: str = "") -> pb.
 
 STATE_NAMES = {
     pb.ShardStatus.STATE_UNSPECIFIED: "unspecified",
-    pb.ShardStatus.STATE_STARTING: "starting",
-    pb.ShardStatus.STATE_READY: "ready",
-    pb.ShardStatus.STATE_DRAINING: "draining",
-    pb.ShardStatus.STATE_STOPPED: "stopped",
-    pb.ShardStatus.STATE_FAILED: "failed",
+    pb.ShardStatus.STATE_STARTING: ShardState.STARTING,
+    pb.ShardStatus.STATE_READY: ShardState.READY,
+    pb.ShardStatus.STATE_DRAINING: ShardState.DRAINING,
+    pb.ShardStatus.STATE_STOPPED: ShardState.STOPPED,
+    pb.ShardStatus.STATE_FAILED: ShardState.FAILED,
 }
 STATE_VALUES = {name: value for value, name in STATE_NAMES.items()}
 

@@ -88,6 +88,16 @@ class Fleet:
                 self.rec.adopt(node_id, [])
                 self.rec.node_registered(node_id)
 
+    def register(self, node_id: str, shards: list[ReportedShard] | None = None) -> list[ReportedShard]:
+        """
+        What the agent service does on a node's Register: adoption, then
+        the registration; the commands they decide go out after.
+        """
+        unclaimed = self.rec.adopt(node_id, shards or [])
+        self.rec.node_registered(node_id)
+        self.clock.advance(0)
+        return unclaimed
+
     def step(self, seconds: float = 1.0, passes: int = 1) -> None:
         """
         Let C{passes} passes of C{seconds} each go by, the alive nodes
@@ -99,6 +109,10 @@ class Fleet:
             for node_id in self.alive:
                 self.inventory.touch(node_id, now)
             self.rec.run_pass()
+            # A pass that stopped at its budget is continued at once (the
+            # service schedules that itself; tests do not start it).
+            while self.rec.pass_unfinished:
+                self.rec.run_pass()
 
     def past_grace(self) -> None:
         self.step(1.0, int(self.rec.adoption_grace) + 1)
@@ -110,6 +124,8 @@ class Fleet:
             node_id, shard_id = cmd
         shard = self.rec.shard_recs[shard_id]
         self.rec.on_shard_status(ShardReport(node_id, shard.replica_id, shard_id, state, **kw))
+        # What the report decided is sent once the handler has returned.
+        self.clock.advance(0)
 
     def make_ready(self, commands: Iterable[ShardCommand] | None = None) -> None:
         for cmd in list(commands if commands is not None else self.dispatcher.starts):
@@ -128,7 +144,7 @@ class Fleet:
         What the node's agent would list in a Register now.
         """
         out = []
-        for sid in sorted(self.rec._node_shards.get(node_id, ())):
+        for sid in sorted(self.rec.state.node_shards.get(node_id, ())):
             s = self.rec.shard_recs[sid]
             rep = self.rec.replica_recs[s.replica_id]
             out.append(

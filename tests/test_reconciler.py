@@ -192,10 +192,11 @@ class ExpiryTests(SynchronousTestCase):
         f.dispatcher.clear()
         f.alive.add(victim)
         f.inventory.touch(victim, f.clock.seconds())
-        unclaimed = f.rec.adopt(victim, running)
-        f.rec.node_registered(victim)
+        unclaimed = f.register(victim, running)
         self.assertEqual(unclaimed, running)
+        self.assertEqual(f.dispatcher.stops, [(victim, s.shard_id) for s in running])
         self.assertEqual({n["id"]: n["state"] for n in f.rec.nodes()}[victim], "ready")
+        f.dispatcher.clear()
         f.step(1.0, 5)
         self.assertEqual((f.dispatcher.starts, f.dispatcher.stops), ([], []))
         self.assertEqual(len(f.ready_replicas("demo")), 2)
@@ -510,6 +511,8 @@ class FailureTests(SynchronousTestCase):
 
         f = Fleet({"demo": ("one", 0)}, nodes=1, grace=0)
         f.rec.on_shard_status(ShardReport("node-00000", "r", "ghost", "ready"))
+        self.assertEqual(f.dispatcher.stops, [])
+        f.clock.advance(0)
         self.assertEqual(f.dispatcher.stops, [("node-00000", "ghost")])
 
     def test_stopping_shard_keeps_gpu(self) -> None:
@@ -827,6 +830,7 @@ class CatalogReloadTests(SynchronousTestCase):
         path.write_text(ONE_GPU + '[[deployments]]\nmodel = "new"\nprofile = "one"\nreplicas = 1\n')
         summary = f.rec.reload_catalog()
         self.assertEqual((summary["added"], summary["removed"]), (["new"], ["demo"]))
+        f.clock.advance(0)
         self.assertEqual(len(f.dispatcher.drains), 1)
         f.step()
         self.assertEqual([c.model for c in f.dispatcher.starts], ["demo", "new"])

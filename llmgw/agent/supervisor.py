@@ -45,12 +45,13 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from llmgw.agent.state import ShardRecord, ShardSpec, StateDir, valid_shard_id
+from llmgw.states import ShardState
 
-STARTING = "starting"
-READY = "ready"
-DRAINING = "draining"
-STOPPED = "stopped"
-FAILED = "failed"
+STARTING = ShardState.STARTING
+READY = ShardState.READY
+DRAINING = ShardState.DRAINING
+STOPPED = ShardState.STOPPED
+FAILED = ShardState.FAILED
 LIVE_STATES = (STARTING, READY, DRAINING)
 
 #: Lines of output kept per shard for its "last output".

@@ -267,6 +267,14 @@ class AgentStreamProtocol(MessageStream[pb.AgentMessage]):
         self.transport.abortConnection()
 
     def _silence_expired(self) -> None:
+        # Read first, then judge: after a pause of this process's own (it
+        # was stopped, say), the reactor runs due timers before it reads the
+        # sockets, where the heartbeats that prove the peer alive may be
+        # waiting. A call scheduled now runs only after the next read; any
+        # message received before it resets the timer.
+        self._timer = self.factory.clock.callLater(0, self._silence_confirmed)
+
+    def _silence_confirmed(self) -> None:
         self._timer = None
         self.log.warn(
             "closing the stream of {node} ({peer}): silent for {timeout}s "
@@ -422,21 +430,17 @@ class AgentStreamProtocol(MessageStream[pb.AgentMessage]):
         shards = reported_shards(node_id, reg.running_shards)
         self._reported_running = {s.shard_id for s in shards}
         if shards:
+            # The sink stops what it does not claim, once this handler has
+            # returned: nothing here dispatches.
             unclaimed = self.factory.sink.adopt(node_id, shards)
             for shard in unclaimed:
                 self.log.warn(
-                    "stopping shard {shard} on {node}: nothing in the catalog claims it "
-                    "(model {model}, profile {profile})",
+                    "shard {shard} on {node} is unclaimed and will be stopped: nothing in the "
+                    "catalog claims it (model {model}, profile {profile})",
                     node=node_id,
                     shard=shard.shard_id,
                     model=shard.model,
                     profile=shard.profile,
-                )
-                self.send_command(
-                    pb.ControlMessage(
-                        stop=pb.StopShard(shard_id=shard.shard_id, epoch=self.factory.epoch)
-                    ),
-                    force=True,
                 )
         else:
             # An empty report still tells the sink the node runs nothing.

@@ -38,11 +38,13 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 from twisted.logger import Logger
 
+from llmgw.states import ReplicaState, ShardState
+
 #: States that always have a sample (zero when empty), so that a dashboard's
 #: series do not vanish when a state empties.
 NODE_STATES = ("ready", "suspect", "lost")
-SHARD_STATES = ("pending", "starting", "ready", "draining", "stopped", "failed")
-REPLICA_STATES = SHARD_STATES
+SHARD_STATES = tuple(str(s) for s in ShardState)
+REPLICA_STATES = tuple(str(s) for s in ReplicaState)
 
 
 def make_registry() -> CollectorRegistry:

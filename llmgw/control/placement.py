@@ -95,6 +95,9 @@ class PortBook:
     def __init__(self, first: int = 20000, last: int = 29999):
         self.first, self.last = first, last
         self.used: dict[str, set[int]] = {}
+        #: How many records hold each port, where more than one does (a
+        #: shard and a reservation for the same process, say).
+        self._holders: dict[tuple[str, int], int] = {}
         self._cursor: dict[str, int] = {}
 
     def set_range(self, first: int, last: int) -> None:
@@ -102,16 +105,33 @@ class PortBook:
 
     def take(self, host: str, port: int) -> None:
         """
-        Record that C{port} is in use on C{host} (a shard adopted with it).
+        Record that C{port} is in use on C{host} (a shard adopted with it,
+        or one that may still run). Each take is undone by one release.
         """
-        self.used.setdefault(host, set()).add(port)
+        used = self.used.setdefault(host, set())
+        if port in used:
+            key = (host, port)
+            self._holders[key] = self._holders.get(key, 1) + 1
+        else:
+            used.add(port)
 
     def release(self, host: str, port: int) -> None:
+        key = (host, port)
+        held = self._holders.get(key)
+        if held is not None:
+            if held > 2:
+                self._holders[key] = held - 1
+            else:
+                del self._holders[key]
+            return
         used = self.used.get(host)
         if used is not None:
             used.discard(port)
             if not used:
                 del self.used[host]
+
+    def in_use(self, host: str, port: int) -> bool:
+        return port in self.used.get(host, ())
 
     def allocate(self, host: str) -> int:
         """

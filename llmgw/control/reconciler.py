@@ -1,18 +1,26 @@
 """
 The reconciler (DESIGN §6): the control plane's brain.
 
-It is the agent service's status sink (L{IStatusSink}), the gateway's routing
-table (L{IRoutingTable}) and the admin API's fleet (L{IFleetAdmin}). A
+It is the agent service's status sink (L{IStatusSink}) and the admin API's
+fleet (L{IFleetAdmin}); it owns the published routing table
+(L{routing_table}, an L{IRoutingTable}) that every gateway routes from. A
 C{LoopingCall} runs a pass every C{pass_interval} seconds; a pass never
 overlaps another, and an exception in one is logged and the loop goes on.
 
-A pass looks only at what can need work, through indexes kept as things
-change: nodes due for an expiry check come off a heap by deadline; shards
-that are pending, starting, draining or stopping are in sets of their own;
-replicas are indexed by deployment and readiness; each node's capacity for
-placement is cached and recomputed only when the node or its shards change.
-A steady pass over a large, healthy fleet therefore does little more than
-pop the nodes whose heartbeat deadline came up.
+Data flows one way (DESIGN §6.7):
+
+  - agent reports, admin calls and passes come in here;
+  - every record and index lives in L{FleetState}, changed only through
+    its methods;
+  - commands to agents are queued (L{llmgw.control.commands}) and sent
+    after the handler that caused them has returned, never from inside
+    the agent service's own message handling;
+  - after each input, the models whose routes changed are projected from
+    the fleet state into L{routing_table}, whose revision then increases.
+
+A pass looks only at what can need work, through the fleet state's
+indexes, and has a time budget (C{pass_budget}, 20 ms): a pass with more
+to place stops there and the next one runs at once.
 
 Times: every decision uses the injected clock. Views for the admin API
 report that same clock, which under the reactor is wall-clock seconds.
@@ -28,46 +36,58 @@ import collections
 import heapq
 import re
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from twisted.application.service import Service
-from twisted.internet.interfaces import IReactorTime
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from zope.interface import implementer
 
+from llmgw.control import views
 from llmgw.control.backoff import Backoff
 from llmgw.control.catalog import (
     Catalog,
     CatalogError,
     Deployment,
-    FleetState,
     Profile,
     diff,
     fill,
     load_catalog,
 )
+from llmgw.control.catalog import (
+    FleetState as KeptState,
+)
+from llmgw.control.commands import Command, Drain, Start, Stop, send
 from llmgw.control.events import EventLog
+from llmgw.control.failures import ShardFailure
+from llmgw.control.fleetstate import (
+    FleetState,
+    Phase,
+    ReplicaRec,
+    ShardRec,
+    format_address,
+)
 from llmgw.control.interfaces import (
     AdminError,
     IDispatcher,
     IFleetAdmin,
     IInFlight,
-    IRoutingTable,
     IStatusSink,
-    NotConnected,
-    NotKeepingUp,
     ReportedShard,
-    Route,
     ShardCommand,
     ShardReport,
     UnknownDeployment,
     UnknownNode,
 )
 from llmgw.control.inventory import Inventory
-from llmgw.control.placement import NodeCapacity, Placer, PortBook, Request
+from llmgw.control.placement import Placer, PortBook, Request
+from llmgw.routing import IRoutingTable, Route, RoutingTable
+from llmgw.states import ENDED, LIVE, ShardState
+
+__all__ = ["Reconciler", "format_address"]
 
 DEFAULT_PASS_INTERVAL = 1.0
 DEFAULT_SUSPECT_AFTER = 15.0
@@ -81,33 +101,20 @@ MAX_SENDS = 3
 STOP_SLACK = 30.0
 #: Share of nodes suspect at once beyond which replacements freeze.
 DEFAULT_FREEZE_SHARE = 0.5
-#: Replica ids retired (torn down or replaced) remembered, so their shards
-#: on a node that comes back are not claimed again.
-RETIRED_LIMIT = 100_000
-#: Shards that went missing while their node was away, kept so that their
-#: late final status (exit code, output) is still taken.
-MISSING_KEPT = 10_000
+#: The longest a pass may hold the reactor before it leaves the rest of
+#: its placements to the next pass.
+DEFAULT_PASS_BUDGET = 0.020
 
 PENDING, STARTING, READY, DRAINING, STOPPED, FAILED = (
-    "pending",
-    "starting",
-    "ready",
-    "draining",
-    "stopped",
-    "failed",
+    ShardState.PENDING,
+    ShardState.STARTING,
+    ShardState.READY,
+    ShardState.DRAINING,
+    ShardState.STOPPED,
+    ShardState.FAILED,
 )
-#: Worse is larger: a replica's state is its worst shard's.
-SEVERITY = {READY: 0, DRAINING: 1, STARTING: 2, PENDING: 3, STOPPED: 4, FAILED: 5}
-SERVING = frozenset({READY, DRAINING})
-
-ACTIVE, DRAINING_PHASE, STOPPING = "active", "draining", "stopping"
 
 _SLUG = re.compile(r"[^A-Za-z0-9.]+")
-
-
-def format_address(host: str, port: int) -> str:
-    # Cheaper than parsing the address: only IPv6 literals hold a colon.
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _base36(n: int) -> str:
@@ -120,53 +127,11 @@ def _base36(n: int) -> str:
             return out
 
 
-@dataclass(slots=True, eq=False)
-class ShardRec:
-    id: str
-    replica_id: str
-    node_id: str
-    rank: int
-    gpus: tuple[int, ...]
-    port: int
-    host: str
-    state: str
-    since: float
-    sent_at: float = 0.0
-    sends: int = 0
-    stopping: bool = False
-    stop_sent_at: float = 0.0
-
-    @property
-    def address(self) -> str:
-        return format_address(self.host, self.port)
-
-
-@dataclass(slots=True, eq=False)
-class ReplicaRec:
-    id: str
-    model: str
-    profile: str
-    world_size: int
-    created_at: float
-    shards: dict[int, ShardRec] = field(default_factory=dict)
-    phase: str = ACTIVE
-    #: Why it is being moved make-before-break ("node drain", "profile
-    #: changed"), or "" when it is not.
-    evacuating: str = ""
-    ready_since: float | None = None
-    drain_started: float = 0.0
-    adopted: bool = False
-
-
 @dataclass
 class DeploymentState:
     backoff: Backoff = field(default_factory=Backoff)
-    last_failure: dict[str, Any] | None = None
+    last_failure: ShardFailure | None = None
     unplaceable: str = ""
-
-
-def _reason(e: Exception) -> str:
-    return str(e) or type(e).__name__
 
 
 @implementer(IStatusSink, IRoutingTable, IFleetAdmin)
@@ -179,10 +144,11 @@ class Reconciler(Service):
         L{attach}, and passes do nothing until it is.
     @param in_flight: the gateway's in-flight counts, optional; without it a
         draining replica is stopped at its drain timeout.
-    @param timer: a monotonic timer used only to measure pass durations.
+    @param timer: a monotonic timer used only to measure passes and to keep
+        them within C{pass_budget}.
     @param fleet_state: scale overrides, cordoned and draining nodes kept
-        across restarts; by default the file beside the catalog, and nothing
-        is kept without a catalog file.
+        across restarts (the file, not L{FleetState}); by default the file
+        beside the catalog, and nothing is kept without a catalog file.
     """
 
     log = Logger()
@@ -201,10 +167,11 @@ class Reconciler(Service):
         adoption_grace: float = DEFAULT_ADOPTION_GRACE,
         pending_timeout: float = DEFAULT_PENDING_TIMEOUT,
         freeze_share: float = DEFAULT_FREEZE_SHARE,
-        fleet_state: FleetState | None = None,
+        fleet_state: KeptState | None = None,
         event_limit: int = 10000,
         timer: Callable[[], float] = time.perf_counter,
         backoff: Backoff | None = None,
+        pass_budget: float = DEFAULT_PASS_BUDGET,
     ):
         self.catalog = catalog
         self.inventory = inventory
@@ -217,7 +184,8 @@ class Reconciler(Service):
         self.adoption_grace = adoption_grace
         self.pending_timeout = pending_timeout
         self.freeze_share = freeze_share
-        self.fleet_state = fleet_state if fleet_state is not None else FleetState.beside(catalog.path)
+        self.pass_budget = pass_budget
+        self.fleet_state = fleet_state if fleet_state is not None else KeptState.beside(catalog.path)
         for warning in self.fleet_state.load():
             self.log.error("{warning}", warning=warning)
         self.event_log = EventLog(event_limit)
@@ -226,8 +194,11 @@ class Reconciler(Service):
         self._id_prefix = _base36(epoch)
         self._ids = 0
 
-        self.replica_recs: dict[str, ReplicaRec] = {}
-        self.shard_recs: dict[str, ShardRec] = {}
+        #: Every record and index of the fleet.
+        self.state = FleetState(PortBook(*catalog.port_range))
+        #: The routing table, a projection of L{state}.
+        self.routing_table = RoutingTable(clock)
+        self.routing_table.set_known(catalog.deployments)
         #: The backoff each deployment starts with (its timings are copied).
         self.backoff = backoff if backoff is not None else Backoff()
         self.deps: dict[str, DeploymentState] = collections.defaultdict(
@@ -236,50 +207,61 @@ class Reconciler(Service):
             )
         )
         self.desired: dict[str, int] = {}
-        # Indexes, kept as things change.
-        self._by_model: dict[str, set[str]] = collections.defaultdict(set)
-        self._active: dict[str, set[str]] = collections.defaultdict(set)
-        self._evacuating: dict[str, set[str]] = collections.defaultdict(set)
-        self._ready: dict[str, set[str]] = collections.defaultdict(set)
-        self._node_shards: dict[str, set[str]] = collections.defaultdict(set)
-        self._spread: dict[str, dict[str, int]] = collections.defaultdict(dict)
-        self._gpus_given: dict[str, set[int]] = collections.defaultdict(set)
-        self._unsettled: set[str] = set()
-        self._stopping: set[str] = set()
-        self._draining: set[str] = set()
-        self._incomplete: set[str] = set()
-        self._retired: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self._missing: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()
-        self._shard_states: collections.Counter[str] = collections.Counter()
-        self.ports = PortBook(*catalog.port_range)
-        self._capacity: dict[str, NodeCapacity] = {}
-        self._cap_dirty: set[str] = set()
-
-        # Nodes.
-        self._known_since: dict[str, float] = {}
-        self._heap: list[tuple[float, str]] = []
-        self.suspect: set[str] = set()
-        self.lost: set[str] = set()
         # Kept across restarts in the fleet state file: a cordoned node stays
         # cordoned, and a draining node's replicas are moved off it once it
         # registers again with them.
-        self.cordoned: set[str] = set(self.fleet_state.cordoned)
-        self.draining_nodes: set[str] = set(self.fleet_state.draining)
-        #: Nodes that registered with this process: only such a node can be
-        #: seen to have no shards left (a drain finished).
-        self._registered: set[str] = set()
-        self._reported: dict[str, set[str]] = {}
+        self.state.cordoned.update(self.fleet_state.cordoned)
+        self.state.draining_nodes.update(self.fleet_state.draining)
+        #: Every shard id each registering node listed, claimed or not.
+        self._listed: dict[str, set[str]] = {}
 
         self.frozen = False
         self.frozen_reason = ""
         self.started_at = clock.seconds()
         self.last_pass_duration = 0.0
+        self.max_pass_duration = 0.0
         self.passes = 0
         self.pass_seconds_total = 0.0
         self.pass_errors = 0
+        #: A pass stopped at its budget with placements left to make.
+        self.pass_unfinished = False
+        self._pass_started = 0.0
         self._in_pass = False
         self._loop: LoopingCall | None = None
+        self._outbox: list[Command] = []
+        self._flush_call: IDelayedCall | None = None
+        self._next_pass: IDelayedCall | None = None
         self._apply_desired()
+
+    # -- compatibility views of the state -----------------------------------------------
+
+    @property
+    def shard_recs(self) -> dict[str, ShardRec]:
+        return self.state.shards
+
+    @property
+    def replica_recs(self) -> dict[str, ReplicaRec]:
+        return self.state.replicas
+
+    @property
+    def cordoned(self) -> set[str]:
+        return self.state.cordoned
+
+    @property
+    def draining_nodes(self) -> set[str]:
+        return self.state.draining_nodes
+
+    @property
+    def suspect(self) -> set[str]:
+        return self.state.suspect
+
+    @property
+    def lost(self) -> set[str]:
+        return self.state.lost
+
+    @property
+    def ports(self) -> PortBook:
+        return self.state.ports
 
     # -- wiring -----------------------------------------------------------------
 
@@ -304,8 +286,8 @@ class Reconciler(Service):
         super().startService()
         self.started_at = self.clock.seconds()
         # Every node this process learns of gets a fresh clock (DESIGN §6.3).
-        for node_id in list(self._known_since):
-            self._known_since[node_id] = self.started_at
+        for node_id in list(self.state.known_since):
+            self.state.known_since[node_id] = self.started_at
         loop = LoopingCall(self.run_pass)
         loop.clock = self.clock
         self._loop = loop
@@ -323,6 +305,10 @@ class Reconciler(Service):
         if self._loop is not None and self._loop.running:
             self._loop.stop()
         self._loop = None
+        for call in (self._flush_call, self._next_pass):
+            if call is not None and call.active():
+                call.cancel()
+        self._flush_call = self._next_pass = None
         return None
 
     # -- events -----------------------------------------------------------------
@@ -345,118 +331,76 @@ class Reconciler(Service):
             signal=ev.signal,
         )
 
-    # -- indexes ----------------------------------------------------------------
+    # -- commands, sent after the handler returns ---------------------------------------
 
-    def _host(self, node_id: str) -> str:
-        node = self.inventory.peek(node_id)
-        return (node.address if node is not None else "") or "127.0.0.1"
+    def _queue(self, cmd: Command) -> None:
+        self._outbox.append(cmd)
 
-    def _set_shard_state(self, shard: ShardRec, state: str, now: float) -> None:
-        if shard.state == state:
-            return
-        self._shard_states[shard.state] -= 1
-        self._shard_states[state] += 1
-        shard.state = state
-        shard.since = now
-        if state in (PENDING, STARTING) and not shard.stopping:
-            self._unsettled.add(shard.id)
+    def _settle(self) -> None:
+        """
+        End of an input: project the routes that changed, and have the
+        queued commands sent once the caller has returned.
+        """
+        self._publish()
+        if self._outbox and not self._in_pass and self._flush_call is None:
+            self._flush_call = self.clock.callLater(0, self.flush)
+
+    def flush(self) -> None:
+        """
+        Send the queued commands. A refusal is handled here: a new shard
+        that cannot be started tears its replica down; a shard that cannot
+        be told to stop is forgotten, its port kept until it is seen gone.
+        """
+        if self._flush_call is not None and self._flush_call.active():
+            self._flush_call.cancel()
+        self._flush_call = None
+        now = self.clock.seconds()
+        while self._outbox:
+            batch, self._outbox = self._outbox, []
+            for cmd in batch:
+                self._send(cmd, now)
+        self._publish()
+
+    def _send(self, cmd: Command, now: float) -> None:
+        st = self.state
+        shard = st.shards.get(cmd.shard_id)
+        if isinstance(cmd, Start):
+            # A start made obsolete before it went out (its replica was torn
+            # down meanwhile) is not sent.
+            if shard is None or shard.stopping or shard.node_id != cmd.node_id:
+                return
+            why = send(self.dispatcher, cmd)
+            if why is None or not cmd.first:
+                return
+            rep = st.replicas.get(shard.replica_id)
+            self._event("dispatch_refused", level="warn", node=shard.node_id,
+                        replica=shard.replica_id, shard=shard.id, reason=why)
+            st.cap_dirty.add(shard.node_id)
+            if rep is not None:
+                self._teardown(rep, f"could not start shard {shard.id}: {why}", now)
+        elif isinstance(cmd, Stop):
+            why = send(self.dispatcher, cmd)
+            if why is not None and shard is not None and shard.stopping:
+                # Nothing can tell it now; if the node comes back its
+                # registration lists the shard, which nothing claims.
+                st.drop_shard(shard, now, confirmed=False)
         else:
-            self._unsettled.discard(shard.id)
+            send(self.dispatcher, cmd)
 
-    def _add_shard(self, rep: ReplicaRec, shard: ShardRec) -> None:
-        rep.shards[shard.rank] = shard
-        self.shard_recs[shard.id] = shard
-        self._node_shards[shard.node_id].add(shard.id)
-        spread = self._spread[rep.model]
-        spread[shard.node_id] = spread.get(shard.node_id, 0) + 1
-        self._gpus_given[shard.node_id].update(shard.gpus)
-        self.ports.take(shard.host, shard.port)
-        self._shard_states[shard.state] += 1
-        if shard.state in (PENDING, STARTING):
-            self._unsettled.add(shard.id)
-        self._cap_dirty.add(shard.node_id)
+    def _publish(self) -> None:
+        for model in sorted(self.state.take_routes_dirty()):
+            self.routing_table.publish_model(model, self.state.routes(model))
 
-    def _drop_shard(self, shard: ShardRec) -> None:
-        """
-        Forget a shard: it ended, or it is on a node that cannot be told.
-        """
-        if self.shard_recs.pop(shard.id, None) is None:
-            return
-        rep = self.replica_recs.get(shard.replica_id)
-        self._node_shards[shard.node_id].discard(shard.id)
-        if not self._node_shards[shard.node_id]:
-            del self._node_shards[shard.node_id]
-        given = self._gpus_given.get(shard.node_id)
-        if given is not None:
-            given.difference_update(shard.gpus)
-        self.ports.release(shard.host, shard.port)
-        self._shard_states[shard.state] -= 1
-        self._unsettled.discard(shard.id)
-        self._stopping.discard(shard.id)
-        self._cap_dirty.add(shard.node_id)
-        if rep is not None:
-            if rep.shards.get(shard.rank) is shard:
-                del rep.shards[shard.rank]
-            spread = self._spread.get(rep.model)
-            if spread is not None:
-                n = spread.get(shard.node_id, 0) - 1
-                if n > 0:
-                    spread[shard.node_id] = n
-                else:
-                    spread.pop(shard.node_id, None)
-            self._update_ready(rep)
-            if not rep.shards and rep.phase == STOPPING:
-                self._remove_replica(rep)
+    # -- IRoutingTable, answered from the published table --------------------------------
 
-    def _add_replica(self, rep: ReplicaRec) -> None:
-        self.replica_recs[rep.id] = rep
-        self._by_model[rep.model].add(rep.id)
-        self._active[rep.model].add(rep.id)
+    def routes(self, model: str) -> Sequence[Route]:
+        return list(self.routing_table.routes(model))
 
-    def _remove_replica(self, rep: ReplicaRec) -> None:
-        for shard in list(rep.shards.values()):
-            self._drop_shard(shard)
-        self.replica_recs.pop(rep.id, None)
-        for index in (self._by_model, self._active, self._evacuating, self._ready):
-            s = index.get(rep.model)
-            if s is not None:
-                s.discard(rep.id)
-        self._draining.discard(rep.id)
-        self._incomplete.discard(rep.id)
-        self._retired[rep.id] = None
-        if len(self._retired) > RETIRED_LIMIT:
-            self._retired.popitem(last=False)
+    def models(self) -> list[str]:
+        return self.routing_table.models()
 
-    def _serving(self, rep: ReplicaRec) -> bool:
-        return (
-            rep.phase != STOPPING
-            and len(rep.shards) == rep.world_size
-            and all(s.state in SERVING and not s.stopping for s in rep.shards.values())
-        )
-
-    def _update_ready(self, rep: ReplicaRec) -> None:
-        ready = self._ready[rep.model]
-        serving = self._serving(rep)
-        if serving and rep.id not in ready:
-            ready.add(rep.id)
-            rep.ready_since = self.clock.seconds()
-            self._incomplete.discard(rep.id)
-            if rep.phase == ACTIVE:
-                self._event("replica_ready", replica=rep.id, reason=f"model {rep.model}")
-        elif not serving and rep.id in ready:
-            ready.discard(rep.id)
-            rep.ready_since = None
-
-    def replica_state(self, rep: ReplicaRec) -> str:
-        if rep.phase == STOPPING:
-            return "stopping"
-        worst = READY
-        for s in rep.shards.values():
-            if SEVERITY[s.state] > SEVERITY[worst]:
-                worst = s.state
-        if len(rep.shards) < rep.world_size and SEVERITY[worst] < SEVERITY[PENDING]:
-            worst = PENDING
-        return worst
+    def knows_model(self, model: str) -> bool:
+        return self.routing_table.knows_model(model)
 
     # -- catalog ------------------------------------------------------------------
 
@@ -474,22 +418,26 @@ class Reconciler(Service):
         drained; replicas whose profile changed are replaced
         make-before-break. Returns what changed.
         """
+        now = self.clock.seconds()
         old = self.catalog
         changes = diff(old, new)
         self.catalog = new
-        self.ports.set_range(*new.port_range)
+        self.state.ports.set_range(*new.port_range)
         self._apply_desired()
+        self.routing_table.set_known(new.deployments)
+        st = self.state
         for model in changes["removed"]:
-            for rid in sorted(self._active.get(model, set()) | self._evacuating.get(model, set())):
-                self._retire(self.replica_recs[rid], "its deployment left the catalog")
+            for rid in sorted(st.active.get(model, set()) | st.evacuating.get(model, set())):
+                self._retire(st.replicas[rid], "its deployment left the catalog", now)
         for model in changes["changed"]:
             dep = new.deployments[model]
             old_dep = old.deployments[model]
             if dep.profile != old_dep.profile or new.profiles[dep.profile] != old.profiles.get(
                 old_dep.profile
             ):
-                for rid in sorted(self._active.get(model, set())):
-                    self._evacuate(self.replica_recs[rid], "profile changed")
+                for rid in sorted(st.active.get(model, set())):
+                    self._evacuate(st.replicas[rid], "profile changed")
+        self._settle()
         return changes
 
     def reload_catalog(self) -> dict[str, Any]:
@@ -511,22 +459,36 @@ class Reconciler(Service):
 
     # -- IStatusSink --------------------------------------------------------------
 
-    def _note_node(self, node_id: str, now: float) -> None:
-        if node_id not in self._known_since:
-            self._known_since[node_id] = now
-            heapq.heappush(self._heap, (now + self.suspect_after, node_id))
-        self._cap_dirty.add(node_id)
+    def _host(self, node_id: str) -> str:
+        node = self.inventory.peek(node_id)
+        return (node.address if node is not None else "") or "127.0.0.1"
+
+    def _unclaimed(self, node_id: str, shard_id: str, replica_id: str, port: int, why: str) -> None:
+        """
+        The one place a shard nothing claims is stopped. Its port stays
+        reserved until it is seen gone.
+        """
+        self._event("shard_unclaimed", node=node_id, replica=replica_id, shard=shard_id, reason=why)
+        self.state.reserve(shard_id, node_id, self._host(node_id), port)
+        self._queue(Stop(node_id, shard_id))
 
     def adopt(self, node_id: str, shards: list[ReportedShard]) -> list[ReportedShard]:
+        """
+        Claim what a registering node runs (DESIGN §6.5). Returns the
+        shards nothing claims, for the caller to log; the reconciler stops
+        them itself, after the caller has returned.
+        """
         now = self.clock.seconds()
-        self._note_node(node_id, now)
+        st = self.state
+        st.note_node(node_id, now, self.suspect_after)
         host = self._host(node_id)
         unclaimed: list[ReportedShard] = []
         reported: set[str] = set()
+        self._listed[node_id] = {s.shard_id for s in shards}
 
         def refuse(s: ReportedShard, why: str) -> None:
             unclaimed.append(s)
-            self._event("shard_unclaimed", node=node_id, replica=s.replica_id, shard=s.shard_id, reason=why)
+            self._unclaimed(node_id, s.shard_id, s.replica_id, s.port, why)
 
         for s in shards:
             dep = self.catalog.deployments.get(s.model)
@@ -536,30 +498,30 @@ class Reconciler(Service):
             if dep.profile != s.profile:
                 refuse(s, f"profile {s.profile!r} is not the deployment's ({dep.profile!r})")
                 continue
-            if s.state not in (STARTING, READY, DRAINING):
+            if s.state not in LIVE:
                 refuse(s, f"reported {s.state}")
                 continue
-            if s.replica_id in self._retired:
+            if s.replica_id in st.retired:
                 refuse(s, "its replica was replaced")
                 continue
-            known = self.shard_recs.get(s.shard_id)
+            state = ShardState(s.state)
+            known = st.shards.get(s.shard_id)
             if known is not None:
-                rep = self.replica_recs.get(known.replica_id)
+                rep = st.replicas.get(known.replica_id)
                 if (
                     known.node_id != node_id
                     or known.replica_id != s.replica_id
                     or known.stopping
                     or rep is None
-                    or rep.phase == STOPPING
+                    or rep.phase == Phase.STOPPING
                 ):
                     refuse(s, "it clashes with what the control plane placed")
                     continue
-                self._set_shard_state(known, s.state, now)
+                st.set_shard_state(known, state, now)
                 reported.add(s.shard_id)
-                if rep is not None:
-                    self._update_ready(rep)
+                self._update_ready(rep, now)
                 continue
-            rep = self.replica_recs.get(s.replica_id)
+            rep = st.replicas.get(s.replica_id)
             if rep is None:
                 profile = self.catalog.profiles[dep.profile]
                 # An agent that does not know the world size reports 1.
@@ -575,10 +537,9 @@ class Reconciler(Service):
                     created_at=now,
                     adopted=True,
                 )
-                self._add_replica(rep)
-                self._incomplete.add(rep.id)
+                st.add_replica(rep, incomplete=True)
                 self._event("replica_adopted", node=node_id, replica=rep.id, reason=f"model {s.model}")
-            elif rep.phase == STOPPING or rep.model != s.model or s.rank in rep.shards or s.rank >= rep.world_size:
+            elif rep.phase == Phase.STOPPING or rep.model != s.model or s.rank in rep.shards or s.rank >= rep.world_size:
                 refuse(s, "its replica is stopping or already has that rank")
                 continue
             shard = ShardRec(
@@ -589,44 +550,53 @@ class Reconciler(Service):
                 gpus=tuple(s.gpu_indices),
                 port=s.port,
                 host=host,
-                state=s.state,
+                state=state,
                 since=now,
             )
-            self._add_shard(rep, shard)
+            st.add_shard(rep, shard)
             reported.add(s.shard_id)
-            if s.state == DRAINING and rep.phase == ACTIVE:
-                self._start_drain(rep, "it was draining when adopted", send=False)
-            elif node_id in self.draining_nodes:
+            if state == DRAINING and rep.phase == Phase.ACTIVE:
+                self._start_drain(rep, "it was draining when adopted", now, send=False)
+            elif node_id in st.draining_nodes:
                 # The node was being drained before a restart: go on moving
                 # its replicas, make-before-break.
                 self._evacuate(rep, "node drain")
-            self._update_ready(rep)
-        self._reported[node_id] = reported
+            self._update_ready(rep, now)
+        st.reported[node_id] = reported
+        self._settle()
         return unclaimed
 
     def node_registered(self, node_id: str) -> None:
         now = self.clock.seconds()
-        self._note_node(node_id, now)
-        self._registered.add(node_id)
-        returned = node_id in self.lost
-        was_suspect = node_id in self.suspect
-        self.lost.discard(node_id)
-        self.suspect.discard(node_id)
+        st = self.state
+        st.note_node(node_id, now, self.suspect_after)
+        st.registered.add(node_id)
+        returned = node_id in st.lost
+        was_suspect = node_id in st.suspect
+        st.lost.discard(node_id)
+        st.suspect.discard(node_id)
+        st.lost_clock.pop(node_id, None)
         if returned or was_suspect:
-            heapq.heappush(self._heap, (now + self.suspect_after, node_id))
+            st.watch(node_id, now + self.suspect_after)
             self._event("node_returned" if returned else "node_ready", node=node_id, reason="registered")
-        reported = self._reported.pop(node_id, None)
+        reported = st.reported.pop(node_id, None)
+        listed = self._listed.pop(node_id, None)
+        if listed is not None:
+            # What the node did not list is not running: its port is free.
+            for sid in st.reserved_on(node_id) - listed:
+                st.release_reserved(sid)
         if reported is None:
+            self._settle()
             return
         # What we hold on the node that it did not list has ended.
-        for sid in sorted(self._node_shards.get(node_id, set()) - reported):
-            shard = self.shard_recs[sid]
-            rep = self.replica_recs.get(shard.replica_id)
+        for sid in sorted(st.node_shards.get(node_id, set()) - reported):
+            shard = st.shards[sid]
+            rep = st.replicas.get(shard.replica_id)
             if shard.stopping or rep is None:
-                self._drop_shard(shard)
+                st.drop_shard(shard, now)
             elif shard.state == PENDING:
                 # Sent on an older stream and maybe lost with it: send again.
-                self._send_start(rep, shard, now)
+                self._send_start(rep, shard, now, first=False)
             else:
                 self._event(
                     "shard_missing",
@@ -639,104 +609,118 @@ class Reconciler(Service):
                 # It ended while the stream was down: a failure like any
                 # other (crash loops must back off), whose exit code and
                 # output may still arrive in a status the agent kept for us.
-                self._failure(rep.model, {
-                    "node": node_id, "replica": rep.id, "shard": sid, "exit_code": 0,
-                    "signal": 0, "error": "the shard ended while its node was disconnected",
-                    "last_output": "", "time": now,
-                }, now)
-                self._remember_missing(sid, node_id, rep.model)
-                self._drop_shard(shard)
-                self._teardown(rep, f"shard {sid} is gone from {node_id}")
-
-    def _remember_missing(self, shard_id: str, node_id: str, model: str) -> None:
-        self._missing[shard_id] = (node_id, model)
-        while len(self._missing) > MISSING_KEPT:
-            self._missing.popitem(last=False)
+                self._record_failure(rep.model, node_id, rep.id, sid, now, exit_code=0, signal=0,
+                                     error="the shard ended while its node was disconnected")
+                st.remember_missing(sid, node_id, rep.model)
+                st.drop_shard(shard, now)
+                self._teardown(rep, f"shard {sid} is gone from {node_id}", now)
+        self._settle()
 
     def shard_node(self, shard_id: str) -> str | None:
-        shard = self.shard_recs.get(shard_id)
+        shard = self.state.shards.get(shard_id)
         if shard is not None:
             return shard.node_id
-        missing = self._missing.get(shard_id)
-        return missing[0] if missing is not None else None
+        missing = self.state.missing.get(shard_id)
+        if missing is not None:
+            return missing[0]
+        held = self.state.reserved.get(shard_id)
+        return held.node_id if held is not None else None
 
-    def _late_final_status(self, report: ShardReport, model: str, now: float) -> None:
-        """
-        The final status of a shard that went missing while its node was
-        disconnected: fill in the deployment's last failure with what it
-        says (the backoff was already counted).
-        """
-        self._missing.pop(report.shard_id, None)
-        if report.state == FAILED:
-            self._shard_failed(report, model, now, backoff=False,
-                               note=" (reported after the node came back)")
-
-    def _shard_failed(
-        self, report: ShardReport, model: str, now: float, backoff: bool = True, note: str = ""
+    def _record_failure(
+        self,
+        model: str,
+        node_id: str,
+        replica_id: str,
+        shard_id: str,
+        now: float,
+        *,
+        exit_code: int | None = None,
+        signal: int | None = None,
+        error: str = "",
+        last_output: str = "",
+        backoff: bool = True,
     ) -> None:
         """
-        Record a failed shard: an event with its exit code and last output,
-        and the deployment's last failure; C{backoff} also counts it towards
-        the deployment's crash backoff.
+        The one place a L{ShardFailure} is built: it becomes the
+        deployment's last failure, and C{backoff} counts it towards the
+        deployment's crash backoff.
         """
-        failure = {
-            "node": report.node_id,
-            "replica": report.replica_id,
-            "shard": report.shard_id,
-            "exit_code": report.exit_code,
-            "signal": report.signal,
-            "error": report.error,
-            "last_output": report.last_output,
-            "time": now,
-        }
+        failure = ShardFailure(
+            node=node_id, replica=replica_id, shard=shard_id, exit_code=exit_code,
+            signal=signal, error=error, last_output=last_output, time=now,
+        )
+        if not backoff:
+            if model in self.deps:
+                self.deps[model].last_failure = failure
+            return
+        state = self.deps[model]
+        state.last_failure = failure
+        delay = state.backoff.failed(now)
+        self._event(
+            "backoff",
+            level="warn",
+            replica=replica_id,
+            reason=f"deployment {model}: failure {state.backoff.failures}, "
+            f"next placement in {delay:g}s",
+        )
+
+    def _shard_failed(self, report: ShardReport, replica_id: str, model: str, now: float,
+                      backoff: bool = True, note: str = "") -> None:
         self._event(
             "shard_failed",
             level="error",
             node=report.node_id,
-            replica=report.replica_id,
+            replica=replica_id,
             shard=report.shard_id,
             reason=(report.error or "the process failed") + note,
             exit_code=report.exit_code,
             signal=report.signal,
             last_output=report.last_output,
         )
-        if backoff:
-            self._failure(model, failure, now)
-        elif model in self.deps:
-            self.deps[model].last_failure = failure
+        self._record_failure(model, report.node_id, replica_id, report.shard_id, now,
+                             exit_code=report.exit_code, signal=report.signal, error=report.error,
+                             last_output=report.last_output, backoff=backoff)
 
     def on_shard_status(self, report: ShardReport) -> None:
+        self._shard_status(report)
+        self._settle()
+
+    def _shard_status(self, report: ShardReport) -> None:
         now = self.clock.seconds()
-        shard = self.shard_recs.get(report.shard_id)
-        missing = self._missing.get(report.shard_id)
+        st = self.state
+        shard = st.shards.get(report.shard_id)
+        missing = st.missing.get(report.shard_id)
         if shard is None and missing is not None and missing[0] == report.node_id:
-            if report.state in (STOPPED, FAILED):
-                self._late_final_status(report, missing[1], now)
+            if report.state in ENDED:
+                # The final status of a shard that went missing while its
+                # node was disconnected: its backoff was already counted.
+                st.missing.pop(report.shard_id, None)
+                if report.state == FAILED:
+                    self._shard_failed(report, report.replica_id, missing[1], now, backoff=False,
+                                       note=" (reported after the node came back)")
                 return
         if shard is None or shard.node_id != report.node_id:
-            if report.state in (STARTING, READY, DRAINING):
+            held = st.reserved.get(report.shard_id)
+            if report.state in ENDED:
+                if held is not None and held.node_id == report.node_id:
+                    st.release_reserved(report.shard_id)
+            elif report.state in LIVE and held is None:
                 # Running something nobody wants: stop it.
-                self._event(
-                    "shard_unclaimed",
-                    node=report.node_id,
-                    replica=report.replica_id,
-                    shard=report.shard_id,
-                    reason=f"reported {report.state} but the control plane holds no such shard",
-                )
-                self._dispatch("stop_shard", report.node_id, report.shard_id)
+                self._unclaimed(report.node_id, report.shard_id, report.replica_id, 0,
+                                f"reported {report.state} but the control plane holds no such shard")
             return
-        rep = self.replica_recs.get(shard.replica_id)
+        rep = st.replicas.get(shard.replica_id)
         state = report.state
         if shard.stopping or rep is None:
-            if state in (STOPPED, FAILED):
-                self._drop_shard(shard)
+            if state in ENDED:
+                st.drop_shard(shard, now)
             return
         if state == FAILED:
-            self._set_shard_state(shard, FAILED, now)
-            self._shard_failed(replace(report, replica_id=rep.id), rep.model, now)
-            self._teardown(rep, f"shard {shard.id} failed")
+            st.set_shard_state(shard, FAILED, now)
+            self._shard_failed(report, rep.id, rep.model, now)
+            self._teardown(rep, f"shard {shard.id} failed", now)
         elif state == STOPPED:
-            self._set_shard_state(shard, STOPPED, now)
+            st.set_shard_state(shard, STOPPED, now)
             self._event(
                 "shard_stopped",
                 level="warn",
@@ -745,36 +729,19 @@ class Reconciler(Service):
                 shard=shard.id,
                 reason=report.error or "stopped without being told to",
             )
-            self._teardown(rep, f"shard {shard.id} stopped")
-        elif state in (STARTING, READY, DRAINING):
-            self._set_shard_state(shard, state, now)
-            self._update_ready(rep)
+            self._teardown(rep, f"shard {shard.id} stopped", now)
+        elif state in LIVE:
+            st.set_shard_state(shard, ShardState(state), now)
+            self._update_ready(rep, now)
 
-    # -- decisions --------------------------------------------------------------
+    # -- changes to replicas ------------------------------------------------------------
 
-    def _dispatch(self, verb: str, *args: Any) -> str | None:
-        """
-        Call the dispatcher; returns why it refused, or C{None}.
-        """
-        if self.dispatcher is None:
-            return "no dispatcher attached"
-        try:
-            getattr(self.dispatcher, verb)(*args)
-        except (NotConnected, NotKeepingUp) as e:
-            return _reason(e)
-        return None
+    def _update_ready(self, rep: ReplicaRec, now: float) -> None:
+        if self.state.update_ready(rep, now):
+            self._event("replica_ready", replica=rep.id, reason=f"model {rep.model}")
 
-    def _failure(self, model: str, failure: dict[str, Any], now: float) -> None:
-        state = self.deps[model]
-        state.last_failure = failure
-        delay = state.backoff.failed(now)
-        self._event(
-            "backoff",
-            level="warn",
-            replica=failure.get("replica", ""),
-            reason=f"deployment {model}: failure {state.backoff.failures}, "
-            f"next placement in {delay:g}s",
-        )
+    def replica_state(self, rep: ReplicaRec) -> str:
+        return self.state.replica_state(rep)
 
     def _command(self, rep: ReplicaRec, shard: ShardRec, profile: Profile) -> ShardCommand:
         leader = rep.shards.get(0)
@@ -812,20 +779,19 @@ class Reconciler(Service):
             drain_timeout_s=profile.drain_timeout_s,
         )
 
-    def _send_start(self, rep: ReplicaRec, shard: ShardRec, now: float) -> str | None:
+    def _send_start(self, rep: ReplicaRec, shard: ShardRec, now: float, first: bool) -> None:
         profile = self._profile(rep.profile)
         shard.sends += 1
         shard.sent_at = now
-        if profile is None:
-            return f"profile {rep.profile!r} is no longer in the catalog"
-        return self._dispatch("start_shard", self._command(rep, shard, profile))
+        if profile is not None:
+            self._queue(Start(self._command(rep, shard, profile), first=first))
 
     def _new_replica_id(self, model: str) -> str:
         slug = _SLUG.sub("-", model).strip("-")[:40] or "replica"
         while True:
             self._ids += 1
             rid = f"{slug}-{self._id_prefix}-{self._ids}"
-            if rid not in self.replica_recs and rid not in self._retired:
+            if rid not in self.state.replicas and rid not in self.state.retired:
                 return rid
 
     def _place(self, dep: Deployment, profile: Profile, placer: Placer, now: float) -> bool:
@@ -847,9 +813,9 @@ class Reconciler(Service):
             world_size=profile.shards,
             created_at=now,
         )
-        self._add_replica(rep)
+        self.state.add_replica(rep)
         for slot in slots:
-            self._add_shard(
+            self.state.add_shard(
                 rep,
                 ShardRec(
                     id=f"{rep.id}-s{slot.rank}",
@@ -871,78 +837,49 @@ class Reconciler(Service):
             + ", ".join(f"{s.node_id} GPUs {list(s.gpu_indices)} port {s.port}" for s in slots),
         )
         for rank in sorted(rep.shards):
-            shard = rep.shards[rank]
-            why = self._send_start(rep, shard, now)
-            if why is not None:
-                self._event(
-                    "dispatch_refused", level="warn", node=shard.node_id, replica=rep.id, shard=shard.id, reason=why
-                )
-                self._cap_dirty.add(shard.node_id)
-                self._teardown(rep, f"could not start shard {shard.id}: {why}")
-                break
+            self._send_start(rep, rep.shards[rank], now, first=True)
         return True
 
-    def _teardown(self, rep: ReplicaRec, reason: str) -> None:
+    def _teardown(self, rep: ReplicaRec, reason: str, now: float) -> None:
         """
         Stop every shard of C{rep}; it is forgotten once they confirm.
         """
-        if rep.phase == STOPPING:
+        if rep.phase == Phase.STOPPING:
             return
-        rep.phase = STOPPING
-        for index in (self._active, self._evacuating):
-            s = index.get(rep.model)
-            if s is not None:
-                s.discard(rep.id)
-        self._draining.discard(rep.id)
-        self._incomplete.discard(rep.id)
-        self._update_ready(rep)
+        st = self.state
+        st.set_phase(rep, Phase.STOPPING, now)
         self._event("replica_stopping", replica=rep.id, reason=reason)
-        now = self.clock.seconds()
         for shard in list(rep.shards.values()):
-            if shard.state in (STOPPED, FAILED):
-                self._drop_shard(shard)
+            if shard.state in ENDED:
+                st.drop_shard(shard, now)
                 continue
-            why = self._dispatch("stop_shard", shard.node_id, shard.id)
-            if why is not None:
-                # Nothing can tell it now; if the node comes back its
-                # registration lists the shard, which nothing claims.
-                self._drop_shard(shard)
-                continue
-            shard.stopping = True
-            shard.stop_sent_at = now
-            self._unsettled.discard(shard.id)
-            self._stopping.add(shard.id)
-        if not rep.shards and rep.id in self.replica_recs:
-            self._remove_replica(rep)
+            st.mark_stopping(shard, now)
+            self._queue(Stop(shard.node_id, shard.id))
+        if not rep.shards and rep.id in st.replicas:
+            st.remove_replica(rep, now)
 
-    def _start_drain(self, rep: ReplicaRec, reason: str, send: bool = True) -> None:
-        if rep.phase != ACTIVE:
+    def _start_drain(self, rep: ReplicaRec, reason: str, now: float, send: bool = True) -> None:
+        if rep.phase != Phase.ACTIVE:
             return
-        rep.phase = DRAINING_PHASE
-        rep.drain_started = self.clock.seconds()
-        self._active[rep.model].discard(rep.id)
-        self._evacuating[rep.model].discard(rep.id)
-        self._draining.add(rep.id)
+        self.state.set_phase(rep, Phase.DRAINING, now)
         self._event("replica_draining", replica=rep.id, reason=reason)
         if send:
             for shard in rep.shards.values():
-                self._dispatch("drain_shard", shard.node_id, shard.id)
+                self._queue(Drain(shard.node_id, shard.id))
 
-    def _retire(self, rep: ReplicaRec, reason: str) -> None:
+    def _retire(self, rep: ReplicaRec, reason: str, now: float) -> None:
         """
         Take a replica out of service: drain it if it serves, else stop it.
         """
-        if rep.id in self._ready[rep.model]:
-            self._start_drain(rep, reason)
+        if rep.id in self.state.ready[rep.model]:
+            self._start_drain(rep, reason, now)
         else:
-            self._teardown(rep, reason)
+            self._teardown(rep, reason, now)
 
     def _evacuate(self, rep: ReplicaRec, reason: str) -> None:
-        if rep.phase != ACTIVE or rep.evacuating:
+        if rep.phase != Phase.ACTIVE or rep.evacuating:
             return
-        rep.evacuating = reason
-        self._active[rep.model].discard(rep.id)
-        self._evacuating[rep.model].add(rep.id)
+        self.state.set_evacuating(rep, reason)
         self._event("replica_evacuating", replica=rep.id, reason=reason)
 
     # -- the pass -----------------------------------------------------------------
@@ -950,12 +887,17 @@ class Reconciler(Service):
     def run_pass(self) -> None:
         """
         One reconcile pass. Never raises: a failure is logged and counted,
-        and the next pass runs as usual.
+        and the next pass runs as usual. Commands it decides are sent when
+        it ends; if it stopped at its budget, the next pass runs at once.
         """
         if self._in_pass:
             return
+        if self._next_pass is not None and self._next_pass.active():
+            self._next_pass.cancel()
+        self._next_pass = None
         self._in_pass = True
-        started = self._timer()
+        self.pass_unfinished = False
+        started = self._pass_started = self._timer()
         try:
             self._pass(self.clock.seconds())
         except Exception:
@@ -963,9 +905,19 @@ class Reconciler(Service):
             self.log.failure("reconcile pass failed; the next one runs as usual")
         finally:
             self._in_pass = False
+            try:
+                self.flush()
+            except Exception:
+                self.log.failure("sending a pass's commands failed")
             self.passes += 1
             self.last_pass_duration = self._timer() - started
+            self.max_pass_duration = max(self.max_pass_duration, self.last_pass_duration)
             self.pass_seconds_total += self.last_pass_duration
+        if self.pass_unfinished and self._loop is not None:
+            self._next_pass = self.clock.callLater(0, self.run_pass)
+
+    def _over_budget(self) -> bool:
+        return self._timer() - self._pass_started >= self.pass_budget
 
     def _pass(self, now: float) -> None:
         self._take_inventory(now)
@@ -978,34 +930,33 @@ class Reconciler(Service):
     def _take_inventory(self, now: float) -> None:
         for node_id in self.inventory.take_changed():
             if node_id in self.inventory:
-                self._note_node(node_id, now)
+                self.state.note_node(node_id, now, self.suspect_after)
             else:
-                self._forget_node(node_id)
+                self._forget_node(node_id, now)
 
-    def _forget_node(self, node_id: str) -> None:
-        for sid in list(self._node_shards.get(node_id, ())):
-            shard = self.shard_recs[sid]
-            rep = self.replica_recs.get(shard.replica_id)
-            self._drop_shard(shard)
+    def _forget_node(self, node_id: str, now: float) -> None:
+        st = self.state
+        for sid in list(st.node_shards.get(node_id, ())):
+            shard = st.shards[sid]
+            rep = st.replicas.get(shard.replica_id)
+            st.drop_shard(shard, now)
             if rep is not None:
-                self._teardown(rep, f"node {node_id} was removed")
-        for s in (self.suspect, self.lost, self.cordoned, self.draining_nodes, self._registered):
-            s.discard(node_id)
+                self._teardown(rep, f"node {node_id} was removed", now)
+        st.forget_node(node_id)
         self._keep_nodes()
-        self._known_since.pop(node_id, None)
-        self._capacity.pop(node_id, None)
 
     def _last_heard(self, node_id: str) -> float | None:
         node = self.inventory.peek(node_id)
         if node is None:
             return None
-        return max(node.last_seen, self._known_since.get(node_id, 0.0))
+        return max(node.last_seen, self.state.known_since.get(node_id, 0.0))
 
     def _expire(self, now: float) -> None:
-        heap = self._heap
+        st = self.state
+        heap = st.heap
         while heap and heap[0][0] <= now:
             _, node_id = heapq.heappop(heap)
-            if node_id in self.suspect or node_id in self.lost:
+            if node_id in st.suspect or node_id in st.lost:
                 continue
             last = self._last_heard(node_id)
             if last is None:
@@ -1014,71 +965,83 @@ class Reconciler(Service):
             # rounding can never push back an entry that is already due.
             deadline = last + self.suspect_after
             if deadline <= now:
-                self.suspect.add(node_id)
+                st.suspect.add(node_id)
                 self._event("node_suspect", level="warn", node=node_id, reason=f"silent for {now - last:.0f}s")
             else:
                 heapq.heappush(heap, (deadline, node_id))
-        live = len(self._known_since) - len(self.lost)
-        frozen = live > 0 and len(self.suspect) > self.freeze_share * live
+        live = len(st.known_since) - len(st.lost)
+        frozen = live > 0 and len(st.suspect) > self.freeze_share * live
         if frozen != self.frozen:
             self.frozen = frozen
             if frozen:
                 self.frozen_reason = (
-                    f"{len(self.suspect)} of {live} nodes are suspect at once: assuming the "
+                    f"{len(st.suspect)} of {live} nodes are suspect at once: assuming the "
                     "fault is on the control plane's side of the network"
                 )
                 self._event("replacements_frozen", level="critical", reason=self.frozen_reason)
             else:
+                # The freeze covered the silence of the nodes still suspect:
+                # none of it counts towards their being lost.
+                for node_id in st.suspect:
+                    st.lost_clock[node_id] = now
                 self._event(
                     "replacements_resumed",
                     level="warn",
-                    reason=f"{len(self.suspect)} of {live} nodes are suspect",
+                    reason=f"{len(st.suspect)} of {live} nodes are suspect; they are lost "
+                    f"only after {self.lost_after:g}s more of silence",
                 )
                 self.frozen_reason = ""
-        for node_id in sorted(self.suspect):
+        for node_id in sorted(st.suspect):
             last = self._last_heard(node_id)
             if last is None:
-                self.suspect.discard(node_id)
+                st.suspect.discard(node_id)
+                st.lost_clock.pop(node_id, None)
                 continue
             if last + self.suspect_after > now:
-                self.suspect.discard(node_id)
-                heapq.heappush(heap, (last + self.suspect_after, node_id))
+                st.suspect.discard(node_id)
+                st.lost_clock.pop(node_id, None)
+                st.watch(node_id, last + self.suspect_after)
                 self._event("node_ready", node=node_id, reason="heard from again")
-            elif now - last >= self.lost_after and not self.frozen:
-                self._node_lost(node_id, now - last)
+                continue
+            since = max(last, st.lost_clock.get(node_id, last))
+            if now - since >= self.lost_after and not self.frozen:
+                self._node_lost(node_id, now - last, now)
 
-    def _node_lost(self, node_id: str, silent: float) -> None:
-        self.suspect.discard(node_id)
-        self.lost.add(node_id)
+    def _node_lost(self, node_id: str, silent: float, now: float) -> None:
+        st = self.state
+        st.suspect.discard(node_id)
+        st.lost_clock.pop(node_id, None)
+        st.lost.add(node_id)
         self._event("node_lost", level="error", node=node_id, reason=f"silent for {silent:.0f}s")
-        for sid in sorted(self._node_shards.get(node_id, set())):
-            shard = self.shard_recs.get(sid)
+        for sid in sorted(st.node_shards.get(node_id, set())):
+            shard = st.shards.get(sid)
             if shard is None:
                 continue
-            rep = self.replica_recs.get(shard.replica_id)
-            self._drop_shard(shard)
+            rep = st.replicas.get(shard.replica_id)
+            # Its process may still run: the port stays reserved.
+            st.drop_shard(shard, now, confirmed=False)
             if rep is not None:
-                self._teardown(rep, f"node {node_id} is lost; replacing the replica")
+                self._teardown(rep, f"node {node_id} is lost; replacing the replica", now)
 
     def _check_shards(self, now: float) -> None:
-        for sid in sorted(self._unsettled):
-            shard = self.shard_recs.get(sid)
-            if shard is None or shard.id not in self._unsettled:
+        st = self.state
+        for sid in sorted(st.unsettled):
+            shard = st.shards.get(sid)
+            if shard is None or shard.id not in st.unsettled:
                 continue
-            rep = self.replica_recs[shard.replica_id]
+            rep = st.replicas[shard.replica_id]
             profile = self._profile(rep.profile)
             if shard.state == PENDING:
                 if now - shard.sent_at < self.pending_timeout:
                     continue
                 if shard.sends < MAX_SENDS:
-                    why = self._send_start(rep, shard, now)
+                    self._send_start(rep, shard, now, first=False)
                     self._event(
                         "shard_resent",
                         node=shard.node_id,
                         replica=rep.id,
                         shard=sid,
-                        reason=f"nothing heard for {self.pending_timeout:g}s"
-                        + (f"; {why}" if why else ""),
+                        reason=f"nothing heard for {self.pending_timeout:g}s",
                     )
                     continue
                 reason = f"nothing heard after {shard.sends} start commands"
@@ -1090,24 +1053,14 @@ class Reconciler(Service):
                 reason = f"not ready within the startup timeout of {timeout}s"
                 kind = "startup_timeout"
             self._event(kind, level="error", node=shard.node_id, replica=rep.id, shard=sid, reason=reason)
-            failure = {
-                "node": shard.node_id,
-                "replica": rep.id,
-                "shard": sid,
-                "exit_code": None,
-                "signal": None,
-                "error": reason,
-                "last_output": "",
-                "time": now,
-            }
-            self._failure(rep.model, failure, now)
-            self._teardown(rep, reason)
-        for sid in sorted(self._stopping):
-            shard = self.shard_recs.get(sid)
+            self._record_failure(rep.model, shard.node_id, rep.id, sid, now, error=reason)
+            self._teardown(rep, reason, now)
+        for sid in sorted(st.stopping):
+            shard = st.shards.get(sid)
             if shard is None:
-                self._stopping.discard(sid)
+                st.stopping.discard(sid)
                 continue
-            other = self.replica_recs.get(shard.replica_id)
+            other = st.replicas.get(shard.replica_id)
             profile = self._profile(other.profile) if other is not None else None
             grace = profile.stop_grace_s if profile is not None else 30
             if now - shard.stop_sent_at >= grace + STOP_SLACK:
@@ -1119,23 +1072,24 @@ class Reconciler(Service):
                     shard=sid,
                     reason=f"no stopped report {grace + STOP_SLACK:g}s after the stop",
                 )
-                self._drop_shard(shard)
-        for rid in sorted(self._draining):
-            other = self.replica_recs.get(rid)
+                # Not known to have ended: its port stays reserved.
+                st.drop_shard(shard, now, confirmed=False)
+        for rid in sorted(st.draining):
+            other = st.replicas.get(rid)
             if other is None:
-                self._draining.discard(rid)
+                st.draining.discard(rid)
                 continue
             profile = self._profile(other.profile)
             timeout = profile.drain_timeout_s if profile is not None else 60
             if self.in_flight is not None and self.in_flight.in_flight(rid) == 0:
-                self._teardown(other, "drained: no request in flight")
+                self._teardown(other, "drained: no request in flight", now)
             elif now - other.drain_started >= timeout:
-                self._teardown(other, f"drain timeout of {timeout}s passed")
+                self._teardown(other, f"drain timeout of {timeout}s passed", now)
         if now >= self.grace_end:
-            for rid in sorted(self._incomplete):
-                other = self.replica_recs.get(rid)
+            for rid in sorted(st.incomplete):
+                other = st.replicas.get(rid)
                 if other is None or len(other.shards) == other.world_size:
-                    self._incomplete.discard(rid)
+                    st.incomplete.discard(rid)
                     continue
                 if now - other.created_at >= self.adoption_grace:
                     self._event(
@@ -1144,54 +1098,63 @@ class Reconciler(Service):
                         replica=rid,
                         reason=f"{len(other.shards)} of {other.world_size} shards reported",
                     )
-                    self._teardown(other, "incomplete after adoption")
+                    self._teardown(other, "incomplete after adoption", now)
         drained = False
-        for node_id in sorted(self.draining_nodes):
+        for node_id in sorted(st.draining_nodes):
             # A node not registered since start may still have shards that
             # its agent has not reported yet.
-            if node_id in self._registered and not self._node_shards.get(node_id):
-                self.draining_nodes.discard(node_id)
+            if node_id in st.registered and not st.node_shards.get(node_id):
+                st.draining_nodes.discard(node_id)
                 self._event("node_drained", node=node_id, reason="no shards left")
                 drained = True
         if drained:
             self._keep_nodes()
 
     def _reconcile(self, now: float) -> None:
+        st = self.state
         placer: Placer | None = None
         placing = now >= self.grace_end and not self.frozen
         for model in sorted(self.catalog.deployments):
             dep = self.catalog.deployments[model]
             desired = self.desired.get(model, dep.replicas)
             state = self.deps[model]
-            active = self._active[model]
-            ready = self._ready[model]
+            active = st.active[model]
+            ready = st.ready[model]
             if state.backoff.failures:
                 for rid in ready:
-                    rs = self.replica_recs[rid].ready_since
+                    rs = st.replicas[rid].ready_since
                     if rs is not None and state.backoff.ready_for(now - rs):
                         state.backoff.reset()
                         self._event("backoff_reset", replica=rid, reason=f"deployment {model} ready long enough")
                         break
-            evac = self._evacuating.get(model)
+            evac = st.evacuating.get(model)
             if evac:
                 fresh = len(ready & active)
                 if fresh >= desired:
                     for rid in sorted(evac):
-                        rep = self.replica_recs[rid]
-                        self._retire(rep, f"replaced ({rep.evacuating})")
+                        rep = st.replicas[rid]
+                        self._retire(rep, f"replaced ({rep.evacuating})", now)
             surplus = len(active) - desired
             if surplus > 0:
                 for rep in self._victims(active, surplus):
-                    self._retire(rep, f"scale down of {model} to {desired}")
+                    self._retire(rep, f"scale down of {model} to {desired}", now)
             elif surplus < 0 and placing and not state.backoff.blocked(now):
+                if self.pass_unfinished:
+                    continue
                 profile = self.catalog.profiles[dep.profile]
                 if placer is None:
                     placer = self._placer()
                 placed = 0
                 for _ in range(-surplus):
+                    if self._over_budget():
+                        # The rest is the next pass's, which runs at once.
+                        self.pass_unfinished = True
+                        break
                     if not self._place(dep, profile, placer, now):
                         break
                     placed += 1
+                if self.pass_unfinished:
+                    continue
                 if placed < -surplus:
                     why = f"no room for {-surplus - placed} replica(s) of profile {profile.name}"
                     if state.unplaceable != why:
@@ -1205,203 +1168,51 @@ class Reconciler(Service):
         Surplus replicas: not ready first, then on the most loaded nodes,
         then the newest (DESIGN §6.6).
         """
+        st = self.state
 
-        def key(rid: str) -> tuple[int, int, float, str]:
-            rep = self.replica_recs[rid]
-            load = max((len(self._node_shards.get(s.node_id, ())) for s in rep.shards.values()), default=0)
-            return (rep.id in self._ready[rep.model], -load, -rep.created_at, rid)
+        def key(rid: str) -> tuple[bool, int, float, str]:
+            rep = st.replicas[rid]
+            load = max((len(st.node_shards.get(s.node_id, ())) for s in rep.shards.values()), default=0)
+            return (rep.id in st.ready[rep.model], -load, -rep.created_at, rid)
 
-        return [self.replica_recs[r] for r in sorted(active, key=key)[:count]]
-
-    # -- placement view --------------------------------------------------------------
-
-    def _node_capacity(self, node_id: str) -> NodeCapacity | None:
-        node = self.inventory.peek(node_id)
-        if node is None:
-            return None
-        given = self._gpus_given.get(node_id, ())
-        # A GPU is given whole to one shard, so a placed shard that has not
-        # reported yet reserves all of its GPU: memory it will take is never
-        # counted as free.
-        free = [
-            (g.memory_total_mb - g.memory_used_mb, g.index)
-            for g in node.gpus
-            if not g.problems and g.index not in given
-        ]
-        return NodeCapacity(
-            id=node_id, host=node.address or "127.0.0.1", fabrics=dict(node.fabrics), free=free
-        )
+        return [st.replicas[r] for r in sorted(active, key=key)[:count]]
 
     def _placer(self) -> Placer:
-        for node_id in self._cap_dirty:
-            cap = self._node_capacity(node_id)
-            if cap is None:
-                self._capacity.pop(node_id, None)
-            else:
-                self._capacity[node_id] = cap
-        self._cap_dirty.clear()
-        connected = set(self.dispatcher.connected_nodes()) if self.dispatcher is not None else set()
-        excluded = self.suspect | self.lost | self.cordoned
-        return Placer(
-            (c for n, c in self._capacity.items() if n in connected and n not in excluded),
-            self._spread,
-            self.ports,
-        )
-
-    # -- IRoutingTable ------------------------------------------------------------
-
-    def routes(self, model: str) -> list[Route]:
-        out = []
-        for rid in sorted(self._ready.get(model, ())):
-            rep = self.replica_recs[rid]
-            leader = rep.shards.get(0)
-            if leader is None:
-                continue
-            out.append(Route(rid, model, leader.address, draining=rep.phase != ACTIVE))
-        return out
-
-    def models(self) -> list[str]:
-        return sorted(
-            m
-            for m, ready in self._ready.items()
-            if any(self.replica_recs[r].phase == ACTIVE for r in ready)
-        )
-
-    def knows_model(self, model: str) -> bool:
-        return model in self.catalog.deployments
+        return Placer(self.state.placeable(self.inventory, sorted(self.connected())),
+                      self.state.spread, self.state.ports)
 
     # -- IFleetAdmin ----------------------------------------------------------------
 
-    def _node_state(self, node_id: str) -> str:
-        if node_id in self.lost:
-            return "lost"
-        if node_id in self.suspect:
-            return "suspect"
-        return "ready"
-
-    def _connected(self) -> set[str]:
+    def connected(self) -> set[str]:
         return set(self.dispatcher.connected_nodes()) if self.dispatcher is not None else set()
 
     def status(self) -> dict[str, Any]:
-        snap = self.metrics_snapshot()
-        ready = sum(
-            1
-            for m in self.catalog.deployments
-            if len(self._ready.get(m, ())) >= self.desired.get(m, 0)
-        )
-        now = self.clock.seconds()
-        return {
-            "epoch": self.epoch,
-            "catalog": self.catalog.path,
-            "nodes": snap["nodes"],
-            "connected": len(self._connected()),
-            "deployments": {
-                "total": len(self.catalog.deployments),
-                "satisfied": ready,
-                "unsatisfied": len(self.catalog.deployments) - ready,
-                "in_backoff": sum(1 for m in self.catalog.deployments if self.deps[m].backoff.blocked(now)),
-            },
-            "replicas": snap["replicas"],
-            "shards": snap["shards"],
-            "replacements_frozen": self.frozen,
-            "frozen_reason": self.frozen_reason or None,
-            "placing_after": self.grace_end if now < self.grace_end else None,
-            "last_pass_seconds": self.last_pass_duration,
-        }
+        return views.status(self)
 
     def nodes(self) -> list[dict[str, Any]]:
-        connected = self._connected()
-        out = []
-        for node in self.inventory.list():
-            out.append(
-                {
-                    "id": node.id,
-                    "state": self._node_state(node.id),
-                    "connected": node.id in connected,
-                    "cordoned": node.id in self.cordoned,
-                    "draining": node.id in self.draining_nodes,
-                    "last_seen": node.last_seen,
-                    "address": node.address,
-                    "agent_version": node.agent_version,
-                    "gpus": [
-                        {
-                            "index": g.index,
-                            "uuid": g.uuid,
-                            "name": g.name,
-                            "memory_total_mb": g.memory_total_mb,
-                            "memory_used_mb": g.memory_used_mb,
-                            "problems": list(g.problems),
-                        }
-                        for g in node.gpus
-                    ],
-                    "fabrics": dict(node.fabrics),
-                    "shards": sorted(self._node_shards.get(node.id, ())),
-                }
-            )
-        return out
+        return views.nodes(self)
 
     def deployments(self) -> list[dict[str, Any]]:
-        now = self.clock.seconds()
-        out = []
-        for model in sorted(self.catalog.deployments):
-            dep = self.catalog.deployments[model]
-            state = self.deps[model]
-            out.append(
-                {
-                    "model": model,
-                    "profile": dep.profile,
-                    "desired": self.desired.get(model, dep.replicas),
-                    "ready": len(self._ready.get(model, ())),
-                    "replicas": len(self._by_model.get(model, ())),
-                    "backoff_until": state.backoff.until if state.backoff.blocked(now) else None,
-                    "failures": state.backoff.failures,
-                    "last_failure": dict(state.last_failure) if state.last_failure else None,
-                    "unplaceable": state.unplaceable or None,
-                }
-            )
-        return out
+        return views.deployments(self)
 
     def replicas(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        out = []
-        for rid in sorted(self.replica_recs):
-            rep = self.replica_recs[rid]
-            out.append(
-                {
-                    "id": rid,
-                    "model": rep.model,
-                    "profile": rep.profile,
-                    "state": self.replica_state(rep),
-                    "draining": rep.phase == DRAINING_PHASE,
-                    "evacuating": rep.evacuating or None,
-                    "adopted": rep.adopted,
-                    "created": rep.created_at,
-                    "ready_since": rep.ready_since,
-                    "shards": [
-                        {
-                            "id": s.id,
-                            "node": s.node_id,
-                            "rank": s.rank,
-                            "state": "stopping" if s.stopping else s.state,
-                            "address": s.address,
-                            "gpus": list(s.gpus),
-                        }
-                        for _, s in sorted(rep.shards.items())
-                    ],
-                }
-            )
-        return out
+        return views.replicas(self)
 
     def events(self, since: float = 0.0) -> list[dict[str, Any]]:  # type: ignore[override]
         return [e.as_dict() for e in self.event_log.since(since)]
 
+    def metrics_snapshot(self) -> dict[str, Any]:
+        return views.metrics_snapshot(self)
+
     def _known(self, node_id: str) -> None:
         # A node cordoned or draining before a restart is known from the state
         # file even before it registers again, so it can be uncordoned.
+        st = self.state
         if (
             node_id not in self.inventory
-            and node_id not in self._known_since
-            and node_id not in self.cordoned
-            and node_id not in self.draining_nodes
+            and node_id not in st.known_since
+            and node_id not in st.cordoned
+            and node_id not in st.draining_nodes
         ):
             raise UnknownNode(f"no node {node_id!r}")
 
@@ -1413,7 +1224,7 @@ class Reconciler(Service):
         otherwise it is logged.
         """
         try:
-            self.fleet_state.set_nodes(self.cordoned, self.draining_nodes)
+            self.fleet_state.set_nodes(self.state.cordoned, self.state.draining_nodes)
         except OSError as e:
             reason = f"could not keep cordoned and draining nodes in {self.fleet_state.path}: {e}"
             if action is None:
@@ -1425,39 +1236,39 @@ class Reconciler(Service):
 
     def cordon(self, node_id: str) -> None:
         self._known(node_id)
-        if node_id not in self.cordoned:
-            self.cordoned.add(node_id)
+        if node_id not in self.state.cordoned:
+            self.state.cordoned.add(node_id)
             self._event("node_cordoned", node=node_id, reason="no new placements")
         self._keep_nodes("cordoned", node_id)
 
     def uncordon(self, node_id: str) -> None:
         self._known(node_id)
-        was_draining = node_id in self.draining_nodes
-        if node_id in self.cordoned or was_draining:
-            self.cordoned.discard(node_id)
-            self.draining_nodes.discard(node_id)
+        st = self.state
+        was_draining = node_id in st.draining_nodes
+        if node_id in st.cordoned or was_draining:
+            st.cordoned.discard(node_id)
+            st.draining_nodes.discard(node_id)
             self._event("node_uncordoned", node=node_id, reason="placements allowed again")
-        for sid in sorted(self._node_shards.get(node_id, ())):
-            rep = self.replica_recs.get(self.shard_recs[sid].replica_id)
-            if rep is None or rep.evacuating != "node drain" or rep.phase != ACTIVE:
+        for sid in sorted(st.node_shards.get(node_id, ())):
+            rep = st.replicas.get(st.shards[sid].replica_id)
+            if rep is None or rep.evacuating != "node drain" or rep.phase != Phase.ACTIVE:
                 continue
-            if any(s.node_id in self.draining_nodes for s in rep.shards.values()):
+            if any(s.node_id in st.draining_nodes for s in rep.shards.values()):
                 continue
-            rep.evacuating = ""
-            self._evacuating[rep.model].discard(rep.id)
-            self._active[rep.model].add(rep.id)
+            st.set_evacuating(rep, "")
         self._keep_nodes("uncordoned", node_id)
 
     def drain_node(self, node_id: str) -> None:
         self._known(node_id)
-        if node_id not in self.cordoned:
-            self.cordoned.add(node_id)
+        st = self.state
+        if node_id not in st.cordoned:
+            st.cordoned.add(node_id)
             self._event("node_cordoned", node=node_id, reason="no new placements")
-        if node_id not in self.draining_nodes:
-            self.draining_nodes.add(node_id)
+        if node_id not in st.draining_nodes:
+            st.draining_nodes.add(node_id)
             self._event("node_draining", node=node_id, reason="moving its replicas, make-before-break")
-            for sid in sorted(self._node_shards.get(node_id, ())):
-                rep = self.replica_recs.get(self.shard_recs[sid].replica_id)
+            for sid in sorted(st.node_shards.get(node_id, ())):
+                rep = st.replicas.get(st.shards[sid].replica_id)
                 if rep is not None:
                     self._evacuate(rep, "node drain")
         self._keep_nodes("draining", node_id)
@@ -1478,57 +1289,12 @@ class Reconciler(Service):
         self.desired[model] = replicas
         self._event("scaled", reason=f"deployment {model} from {old} to {replicas} replicas")
 
-    # -- metrics ----------------------------------------------------------------
-
-    def metrics_snapshot(self) -> dict[str, Any]:
-        """
-        Counts for C{/metrics}, each a plain dict:
-
-          - C{nodes}: node count by state (C{ready}, C{suspect}, C{lost});
-          - C{shards}: shard count by last known state (C{pending},
-            C{starting}, C{ready}, C{draining}, C{stopped}, C{failed}), and
-            C{stopping}: those told to stop and not yet confirmed (also
-            counted under their last known state);
-          - C{replicas}: replica count by state (a replica's worst shard's
-            state, or C{stopping});
-          - C{events}: events ever logged, by kind;
-          - C{last_pass_seconds}: how long the last pass took (C{None}
-            before the first);
-          - C{passes}, C{pass_seconds_total}, C{pass_errors}: passes run,
-            their summed duration, and passes that raised;
-          - C{replacements_frozen}: whether replacements are frozen
-            (too many nodes suspect at once).
-        """
-        total = len(self._known_since)
-        shards = {s: 0 for s in SEVERITY}
-        for state, n in self._shard_states.items():
-            if n:
-                shards[state] = n
-        stopping = len(self._stopping)
-        shards["stopping"] = stopping
-        replicas = collections.Counter(self.replica_state(r) for r in self.replica_recs.values())
-        return {
-            "nodes": {
-                "ready": total - len(self.suspect) - len(self.lost),
-                "suspect": len(self.suspect),
-                "lost": len(self.lost),
-            },
-            "shards": shards,
-            "replicas": {s: replicas.get(s, 0) for s in (*SEVERITY, "stopping")},
-            "events": dict(self.event_log.counts),
-            "last_pass_seconds": self.last_pass_duration if self.passes else None,
-            "passes": self.passes,
-            "pass_seconds_total": self.pass_seconds_total,
-            "pass_errors": self.pass_errors,
-            "replacements_frozen": self.frozen,
-        }
-
     # -- helpers for tests and embedding -------------------------------------------------
 
     def replica_ids(self, model: str | None = None) -> list[str]:
         if model is None:
-            return sorted(self.replica_recs)
-        return sorted(self._by_model.get(model, ()))
+            return sorted(self.state.replicas)
+        return sorted(self.state.by_model.get(model, ()))
 
     def known_nodes(self) -> Iterable[str]:
-        return self._known_since.keys()
+        return self.state.known_since.keys()

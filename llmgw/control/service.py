@@ -458,7 +458,7 @@ def makeService(options: Options, reactor: Any = None) -> ControlPlane:
     if options["gateway_address"] is not None:
         host, port = options["gateway_address"]
         cp.gateway = GatewayService(
-            reactor, reconciler, host, port, keys=options["keyring"], registry=cp.registry
+            reactor, reconciler.routing_table, host, port, keys=options["keyring"], registry=cp.registry
         )
         cp.gateway.setName("gateway")
         cp.gateway.setServiceParent(cp)

@@ -1,0 +1,171 @@
+"""
+The admin API's JSON views of the fleet and the C{/metrics} snapshot: read
+only, built from the reconciler's L{FleetState} on request.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import TYPE_CHECKING, Any
+
+from llmgw.control.fleetstate import Phase
+from llmgw.states import SEVERITY, ReplicaState
+
+if TYPE_CHECKING:
+    from llmgw.control.reconciler import Reconciler
+
+
+def metrics_snapshot(rec: Reconciler) -> dict[str, Any]:
+    """
+    Counts for C{/metrics}, each a plain dict:
+
+      - C{nodes}: node count by state (C{ready}, C{suspect}, C{lost});
+      - C{shards}: shard count by last known state, and C{stopping}: those
+        told to stop and not yet confirmed (also counted under their last
+        known state);
+      - C{replicas}: replica count by state (a replica's worst shard's
+        state, or C{stopping});
+      - C{events}: events ever logged, by kind;
+      - C{last_pass_seconds}: how long the last pass took (C{None} before
+        the first); C{passes}, C{pass_seconds_total}, C{pass_errors};
+        C{max_pass_seconds}: the longest pass so far;
+      - C{replacements_frozen}: whether replacements are frozen.
+    """
+    st = rec.state
+    total = len(st.known_since)
+    shards = {str(s): 0 for s in SEVERITY}
+    for state, n in st.shard_counts.items():
+        if n:
+            shards[str(state)] = n
+    shards["stopping"] = len(st.stopping)
+    replicas = collections.Counter(st.replica_state(r) for r in st.replicas.values())
+    return {
+        "nodes": {
+            "ready": total - len(st.suspect) - len(st.lost),
+            "suspect": len(st.suspect),
+            "lost": len(st.lost),
+        },
+        "shards": shards,
+        "replicas": {str(s): replicas.get(s, 0) for s in ReplicaState},
+        "events": dict(rec.event_log.counts),
+        "last_pass_seconds": rec.last_pass_duration if rec.passes else None,
+        "max_pass_seconds": rec.max_pass_duration if rec.passes else None,
+        "passes": rec.passes,
+        "pass_seconds_total": rec.pass_seconds_total,
+        "pass_errors": rec.pass_errors,
+        "replacements_frozen": rec.frozen,
+    }
+
+
+def status(rec: Reconciler) -> dict[str, Any]:
+    snap = metrics_snapshot(rec)
+    st = rec.state
+    deps = rec.catalog.deployments
+    ready = sum(1 for m in deps if len(st.ready.get(m, ())) >= rec.desired.get(m, 0))
+    now = rec.clock.seconds()
+    return {
+        "epoch": rec.epoch,
+        "catalog": rec.catalog.path,
+        "nodes": snap["nodes"],
+        "connected": len(rec.connected()),
+        "deployments": {
+            "total": len(deps),
+            "satisfied": ready,
+            "unsatisfied": len(deps) - ready,
+            "in_backoff": sum(1 for m in deps if rec.deps[m].backoff.blocked(now)),
+        },
+        "replicas": snap["replicas"],
+        "shards": snap["shards"],
+        "replacements_frozen": rec.frozen,
+        "frozen_reason": rec.frozen_reason or None,
+        "placing_after": rec.grace_end if now < rec.grace_end else None,
+        "last_pass_seconds": rec.last_pass_duration,
+    }
+
+
+def nodes(rec: Reconciler) -> list[dict[str, Any]]:
+    connected = rec.connected()
+    st = rec.state
+    out = []
+    for node in rec.inventory.list():
+        out.append(
+            {
+                "id": node.id,
+                "state": st.node_state(node.id),
+                "connected": node.id in connected,
+                "cordoned": node.id in st.cordoned,
+                "draining": node.id in st.draining_nodes,
+                "last_seen": node.last_seen,
+                "address": node.address,
+                "agent_version": node.agent_version,
+                "gpus": [
+                    {
+                        "index": g.index,
+                        "uuid": g.uuid,
+                        "name": g.name,
+                        "memory_total_mb": g.memory_total_mb,
+                        "memory_used_mb": g.memory_used_mb,
+                        "problems": list(g.problems),
+                    }
+                    for g in node.gpus
+                ],
+                "fabrics": dict(node.fabrics),
+                "shards": sorted(st.node_shards.get(node.id, ())),
+            }
+        )
+    return out
+
+
+def deployments(rec: Reconciler) -> list[dict[str, Any]]:
+    now = rec.clock.seconds()
+    st = rec.state
+    out = []
+    for model in sorted(rec.catalog.deployments):
+        dep = rec.catalog.deployments[model]
+        state = rec.deps[model]
+        out.append(
+            {
+                "model": model,
+                "profile": dep.profile,
+                "desired": rec.desired.get(model, dep.replicas),
+                "ready": len(st.ready.get(model, ())),
+                "replicas": len(st.by_model.get(model, ())),
+                "backoff_until": state.backoff.until if state.backoff.blocked(now) else None,
+                "failures": state.backoff.failures,
+                "last_failure": state.last_failure.as_dict() if state.last_failure else None,
+                "unplaceable": state.unplaceable or None,
+            }
+        )
+    return out
+
+
+def replicas(rec: Reconciler) -> list[dict[str, Any]]:
+    st = rec.state
+    out = []
+    for rid in sorted(st.replicas):
+        rep = st.replicas[rid]
+        out.append(
+            {
+                "id": rid,
+                "model": rep.model,
+                "profile": rep.profile,
+                "state": str(st.replica_state(rep)),
+                "draining": rep.phase == Phase.DRAINING,
+                "evacuating": rep.evacuating or None,
+                "adopted": rep.adopted,
+                "created": rep.created_at,
+                "ready_since": rep.ready_since,
+                "shards": [
+                    {
+                        "id": s.id,
+                        "node": s.node_id,
+                        "rank": s.rank,
+                        "state": str(s.shown_state),
+                        "address": s.address,
+                        "gpus": list(s.gpus),
+                    }
+                    for _, s in sorted(rep.shards.items())
+                ],
+            }
+        )
+    return out
