@@ -433,6 +433,9 @@ class InMemoryTLSTests(SynchronousTestCase):
         h = Harness(self)
         h.supervisor.start(ShardSpec.from_message(spec_msg(epoch=1).start))
         agent, server, pump, service = self.connect(h)
+        self.sink.dispatcher, self.sink.clock = service, h.clock
+        pump.flush()
+        h.clock.advance(0)
         pump.flush()
         self.assertTrue(self.successResultOf(agent.registered))
         self.assertEqual(h.spawner.processes and len(h.supervisor.live_shards()), 1)

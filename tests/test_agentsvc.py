@@ -76,6 +76,24 @@ class Harness:
         return proto, transport
 
 
+class IterationClock(Clock):
+    """
+    A clock that, like the reactor, runs in one C{advance} only the calls
+    that were due when it began: a call scheduled by one of them waits for
+    the next iteration, after the reactor has read its sockets.
+    """
+
+    def advance(self, amount: float) -> None:
+        self.rightNow += amount
+        self._sortCalls()
+        due = [c for c in self.calls if c.getTime() <= self.seconds()]
+        for call in due:
+            if call in self.calls:
+                self.calls.remove(call)
+                call.called = 1
+                call.func(*call.args, **call.kw)
+
+
 def only_ack(test: SynchronousTestCase, transport: PeerCertTransport) -> pb.Ack:
     frames = transport.frames()
     test.assertEqual(len(frames), 1, frames)
@@ -463,6 +481,25 @@ class StreamLifetimeTests(SynchronousTestCase):
         h.clock.advance(1.1)
         self.assertTrue(transport.aborted)
         self.assertIn("node-a", h.inventory)
+
+    def test_reads_before_judging_silence(self) -> None:
+        """
+        After a pause of the control plane's own (SIGSTOP), the silence
+        timer comes due before the heartbeats waiting in the socket are
+        read: the stream is judged only after the next read, so a heartbeat
+        read there keeps it open; with nothing read it is closed.
+        """
+        for heard in (True, False):
+            h = Harness(self, heartbeat_interval=5.0)
+            h.clock = IterationClock()
+            h.service.clock = h.clock
+            proto, transport = h.registered("node-a")
+            h.clock.advance(25)  # the whole pause at once: the timer fires late
+            self.assertFalse(transport.aborted)
+            if heard:
+                proto.dataReceived(frame(pb.AgentMessage(heartbeat=pb.Heartbeat())))
+            h.clock.advance(0)  # the next reactor iteration
+            self.assertEqual(transport.aborted, not heard)
 
     def test_connection_lost_cancels_timers(self) -> None:
         """

@@ -96,7 +96,7 @@ class GatewayOptionTests(SynchronousTestCase):
         self.assertEqual(o["gateway_address"], ("127.0.0.1", 8000))
         cp = makeService(o, reactor=MemoryReactorClock())
         assert cp.gateway is not None and cp.reconciler is not None
-        self.assertIs(cp.gateway.gateway.table, cp.reconciler)
+        self.assertIs(cp.gateway.gateway.table, cp.reconciler.routing_table)
         self.assertIs(cp.reconciler.in_flight, cp.gateway)
 
     def test_gateway_off(self) -> None:

@@ -4,12 +4,22 @@ Tests for L{llmgw.wire}: node ids and frame decoding.
 
 from __future__ import annotations
 
+import struct
+
 from hypothesis import given
 from hypothesis import strategies as st
+from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.api.v1 import agent_pb2 as pb
-from llmgw.wire import FrameError, InvalidNodeId, decode, state_name, validate_node_id
+from llmgw.wire import (
+    FrameError,
+    InvalidNodeId,
+    MessageStream,
+    decode,
+    state_name,
+    validate_node_id,
+)
 
 
 class NodeIdTests(SynchronousTestCase):
@@ -63,3 +73,38 @@ class DecodeTests(SynchronousTestCase):
         """
         self.assertEqual(state_name(pb.ShardStatus.STATE_READY), "ready")
         self.assertEqual(state_name(99), "unknown(99)")
+
+
+class _Recorder(MessageStream[pb.AgentMessage]):
+    incoming = pb.AgentMessage
+
+    def __init__(self) -> None:
+        self.received: list[pb.AgentMessage] = []
+        self.refused: list[str] = []
+
+    def message_received(self, msg: pb.AgentMessage) -> None:
+        self.received.append(msg)
+        if len(self.received) == 1:
+            # The first message makes the protocol close its stream.
+            self.transport.loseConnection()
+
+    def frame_refused(self, reason: str) -> None:
+        self.refused.append(reason)
+
+
+class DisconnectingGuardTests(SynchronousTestCase):
+    def test_frames_after_close_dropped(self) -> None:
+        """
+        Frames that arrive in the same read as the one whose handler closed
+        the stream are not delivered, nor is anything read afterwards.
+        """
+        proto = _Recorder()
+        transport = StringTransport()
+        proto.makeConnection(transport)
+        hb = pb.AgentMessage(heartbeat=pb.Heartbeat()).SerializeToString()
+        one = struct.pack("!I", len(hb)) + hb
+        proto.dataReceived(one * 3)
+        self.assertEqual(len(proto.received), 1)
+        proto.dataReceived(one)
+        self.assertEqual((len(proto.received), proto.refused), (1, []))
+        self.assertTrue(transport.disconnecting)

@@ -234,14 +234,19 @@ class FleetState:
         else:
             self.unsettled.discard(shard.id)
 
-    def add_shard(self, rep: ReplicaRec, shard: ShardRec) -> None:
+    def add_shard(self, rep: ReplicaRec, shard: ShardRec, port_taken: bool = False) -> None:
+        """
+        Record C{shard} of C{rep}. C{port_taken}: placement already took its
+        port from the book.
+        """
         rep.shards[shard.rank] = shard
         self.shards[shard.id] = shard
         self.node_shards[shard.node_id].add(shard.id)
         spread = self.spread[rep.model]
         spread[shard.node_id] = spread.get(shard.node_id, 0) + 1
         self.gpus_given[shard.node_id].update(shard.gpus)
-        self.ports.take(shard.host, shard.port)
+        if not port_taken:
+            self.ports.take(shard.host, shard.port)
         # A shard taken over from a reservation holds the port itself now.
         self.release_reserved(shard.id)
         self.shard_counts[shard.state] += 1

@@ -828,6 +828,7 @@ class Reconciler(Service):
                     state=PENDING,
                     since=now,
                 ),
+                port_taken=True,
             )
         self._event(
             "replica_placed",

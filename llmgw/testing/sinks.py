@@ -7,9 +7,10 @@ it too, so that nothing an agent runs is stopped by accident.
 
 from __future__ import annotations
 
+from twisted.internet.interfaces import IReactorTime
 from zope.interface import implementer
 
-from llmgw.control.interfaces import IStatusSink, ReportedShard, ShardReport
+from llmgw.control.interfaces import IDispatcher, IStatusSink, ReportedShard, ShardReport
 
 
 @implementer(IStatusSink)
@@ -21,12 +22,21 @@ class RecordingSink:
         self.statuses: list[ShardReport] = []
         self.registered: list[str] = []
         self.owners: dict[str, str] = {}
+        #: With both set, shards not claimed are stopped through
+        #: C{dispatcher} once the handler has returned, as the reconciler
+        #: does.
+        self.dispatcher: IDispatcher | None = None
+        self.clock: IReactorTime | None = None
 
     def adopt(self, node_id: str, shards: list[ReportedShard]) -> list[ReportedShard]:
         # A node that runs nothing is not recorded: tests count real reports.
         if shards:
             self.adopted.append((node_id, list(shards)))
         if not self.claim:
+            dispatcher, clock = self.dispatcher, self.clock
+            if dispatcher is not None and clock is not None and shards:
+                ids = [s.shard_id for s in shards]
+                clock.callLater(0, lambda: [dispatcher.stop_shard(node_id, i) for i in ids])
             return list(shards)
         for s in shards:
             self.owners[s.shard_id] = node_id
