@@ -99,6 +99,9 @@ class ReplicaRec:
     ready_since: float | None = None
     drain_started: float = 0.0
     adopted: bool = False
+    #: Its route as last projected; cleared whenever what is routed of it
+    #: changes.
+    route: Route | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -346,6 +349,7 @@ class FleetState:
         serving = self.serving(rep)
         if serving and rep.id not in ready:
             ready.add(rep.id)
+            rep.route = None
             rep.ready_since = now
             self.incomplete.discard(rep.id)
             self.routes_dirty.add(rep.model)
@@ -361,6 +365,7 @@ class FleetState:
         Move C{rep} to C{phase} (draining or stopping: never back).
         """
         rep.phase = phase
+        rep.route = None
         for index in (self.active, self.evacuating):
             s = index.get(rep.model)
             if s is not None:
@@ -446,14 +451,37 @@ class FleetState:
         out = []
         for rid in sorted(self.ready.get(model, ())):
             rep = self.replicas[rid]
-            leader = rep.shards.get(0)
-            if leader is None:
-                continue
-            out.append(
-                Route(rid, model, leader.address, draining=rep.phase != Phase.ACTIVE,
-                      signals=leader.signals)
-            )
+            route = rep.route
+            if route is None:
+                leader = rep.shards.get(0)
+                if leader is None:
+                    continue
+                route = rep.route = Route(rid, model, leader.address,
+                                          draining=rep.phase != Phase.ACTIVE,
+                                          signals=leader.signals)
+            out.append(route)
         return out
+
+    def models(self) -> list[str]:
+        """
+        Models with a ready replica that takes new requests.
+        """
+        return sorted(
+            m for m, ready in self.ready.items()
+            if any(self.replicas[r].phase == Phase.ACTIVE for r in ready)
+        )
+
+    def set_signals(self, shard: ShardRec, signals: EngineSignals | None) -> None:
+        """
+        Take the engine's load figures for C{shard} (from a heartbeat); a
+        leader's go into its replica's route.
+        """
+        shard.signals = signals
+        rep = self.replicas.get(shard.replica_id)
+        if rep is not None and shard.rank == 0:
+            rep.route = None
+            if rep.id in self.ready.get(rep.model, ()):
+                self.routes_dirty.add(rep.model)
 
     def take_routes_dirty(self) -> set[str]:
         dirty, self.routes_dirty = self.routes_dirty, set()

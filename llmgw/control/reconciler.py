@@ -104,6 +104,8 @@ DEFAULT_FREEZE_SHARE = 0.5
 #: The longest a pass may hold the reactor before it leaves the rest of
 #: its placements to the next pass.
 DEFAULT_PASS_BUDGET = 0.020
+#: The share of a pass's budget that placement may use.
+PLACING_SHARE = 0.6
 
 PENDING, STARTING, READY, DRAINING, STOPPED, FAILED = (
     ShardState.PENDING,
@@ -338,11 +340,13 @@ class Reconciler(Service):
 
     def _settle(self) -> None:
         """
-        End of an input: project the routes that changed, and have the
-        queued commands sent once the caller has returned.
+        End of an input: once the caller has returned, send the queued
+        commands and publish the routes that changed (inputs of one reactor
+        turn share one publication).
         """
-        self._publish()
-        if self._outbox and not self._in_pass and self._flush_call is None:
+        if self._in_pass or self._flush_call is not None:
+            return
+        if self._outbox or self.state.routes_dirty:
             self._flush_call = self.clock.callLater(0, self.flush)
 
     def flush(self) -> None:
@@ -391,16 +395,18 @@ class Reconciler(Service):
         for model in sorted(self.state.take_routes_dirty()):
             self.routing_table.publish_model(model, self.state.routes(model))
 
-    # -- IRoutingTable, answered from the published table --------------------------------
+    # -- IRoutingTable, answered from the state as it stands ------------------------------
+    # (gateways route from the published L{routing_table}; these answer at
+    # once, before the publication at the end of the reactor turn)
 
     def routes(self, model: str) -> Sequence[Route]:
-        return list(self.routing_table.routes(model))
+        return self.state.routes(model)
 
     def models(self) -> list[str]:
-        return self.routing_table.models()
+        return self.state.models()
 
     def knows_model(self, model: str) -> bool:
-        return self.routing_table.knows_model(model)
+        return model in self.catalog.deployments
 
     # -- catalog ------------------------------------------------------------------
 
@@ -918,7 +924,9 @@ class Reconciler(Service):
             self._next_pass = self.clock.callLater(0, self.run_pass)
 
     def _over_budget(self) -> bool:
-        return self._timer() - self._pass_started >= self.pass_budget
+        # Placing stops short of the budget: the commands it decided are
+        # still to be sent within it.
+        return self._timer() - self._pass_started >= PLACING_SHARE * self.pass_budget
 
     def _pass(self, now: float) -> None:
         self._take_inventory(now)

@@ -36,7 +36,12 @@ class RecordingSink:
             dispatcher, clock = self.dispatcher, self.clock
             if dispatcher is not None and clock is not None and shards:
                 ids = [s.shard_id for s in shards]
-                clock.callLater(0, lambda: [dispatcher.stop_shard(node_id, i) for i in ids])
+
+                def stop() -> None:
+                    for shard_id in ids:
+                        dispatcher.stop_shard(node_id, shard_id)
+
+                clock.callLater(0, stop)
             return list(shards)
         for s in shards:
             self.owners[s.shard_id] = node_id
