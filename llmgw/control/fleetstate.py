@@ -175,6 +175,18 @@ class FleetState:
     def watch(self, node_id: str, deadline: float) -> None:
         heapq.heappush(self.heap, (deadline, node_id))
 
+    def take_due(self, now: float) -> list[str]:
+        """
+        The nodes whose check deadline has come, off the heap; those already
+        suspect or lost are checked otherwise and dropped.
+        """
+        heap, due = self.heap, []
+        while heap and heap[0][0] <= now:
+            _, node_id = heapq.heappop(heap)
+            if node_id not in self.suspect and node_id not in self.lost:
+                due.append(node_id)
+        return due
+
     def forget_node(self, node_id: str) -> None:
         for s in (self.suspect, self.lost, self.cordoned, self.draining_nodes, self.registered):
             s.discard(node_id)

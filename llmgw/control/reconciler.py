@@ -33,7 +33,6 @@ DESIGN §5 says of shards nothing in the catalog claims).
 from __future__ import annotations
 
 import collections
-import heapq
 import re
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -62,6 +61,7 @@ from llmgw.control.catalog import (
 )
 from llmgw.control.commands import Command, Drain, Start, Stop, send
 from llmgw.control.events import EventLog
+from llmgw.control.expiry import ExpiryRules, judge
 from llmgw.control.failures import ShardFailure
 from llmgw.control.fleetstate import (
     FleetState,
@@ -962,59 +962,43 @@ class Reconciler(Service):
 
     def _expire(self, now: float) -> None:
         st = self.state
-        heap = st.heap
-        while heap and heap[0][0] <= now:
-            _, node_id = heapq.heappop(heap)
-            if node_id in st.suspect or node_id in st.lost:
-                continue
-            last = self._last_heard(node_id)
-            if last is None:
-                continue
-            # One expression decides and re-queues, so floating-point
-            # rounding can never push back an entry that is already due.
-            deadline = last + self.suspect_after
-            if deadline <= now:
-                st.suspect.add(node_id)
-                self._event("node_suspect", level="warn", node=node_id, reason=f"silent for {now - last:.0f}s")
-            else:
-                heapq.heappush(heap, (deadline, node_id))
-        live = len(st.known_since) - len(st.lost)
-        frozen = live > 0 and len(st.suspect) > self.freeze_share * live
-        if frozen != self.frozen:
-            self.frozen = frozen
-            if frozen:
+        out = judge(
+            st.take_due(now), st.suspect, len(st.known_since), len(st.lost), self._last_heard,
+            st.lost_clock, self.frozen, now,
+            ExpiryRules(self.suspect_after, self.lost_after, self.freeze_share),
+        )
+        for node_id, silent in out.suspect:
+            st.suspect.add(node_id)
+            self._event("node_suspect", level="warn", node=node_id, reason=f"silent for {silent:.0f}s")
+        if out.frozen is not None:
+            self.frozen = out.frozen
+            if out.frozen:
                 self.frozen_reason = (
-                    f"{len(st.suspect)} of {live} nodes are suspect at once: assuming the "
-                    "fault is on the control plane's side of the network"
+                    f"{out.suspect_count} of {out.live_count} nodes are suspect at once: assuming "
+                    "the fault is on the control plane's side of the network"
                 )
                 self._event("replacements_frozen", level="critical", reason=self.frozen_reason)
             else:
-                # The freeze covered the silence of the nodes still suspect:
-                # none of it counts towards their being lost.
-                for node_id in st.suspect:
+                for node_id in out.fresh_clock:
                     st.lost_clock[node_id] = now
                 self._event(
                     "replacements_resumed",
                     level="warn",
-                    reason=f"{len(st.suspect)} of {live} nodes are suspect; they are lost "
-                    f"only after {self.lost_after:g}s more of silence",
+                    reason=f"{out.suspect_count} of {out.live_count} nodes are suspect; they are "
+                    f"lost only after {self.lost_after:g}s more of silence",
                 )
                 self.frozen_reason = ""
-        for node_id in sorted(st.suspect):
-            last = self._last_heard(node_id)
-            if last is None:
-                st.suspect.discard(node_id)
-                st.lost_clock.pop(node_id, None)
-                continue
-            if last + self.suspect_after > now:
-                st.suspect.discard(node_id)
-                st.lost_clock.pop(node_id, None)
-                st.watch(node_id, last + self.suspect_after)
-                self._event("node_ready", node=node_id, reason="heard from again")
-                continue
-            since = max(last, st.lost_clock.get(node_id, last))
-            if now - since >= self.lost_after and not self.frozen:
-                self._node_lost(node_id, now - last, now)
+        for node_id in out.gone:
+            st.suspect.discard(node_id)
+            st.lost_clock.pop(node_id, None)
+        for node_id in out.back:
+            st.suspect.discard(node_id)
+            st.lost_clock.pop(node_id, None)
+            self._event("node_ready", node=node_id, reason="heard from again")
+        for deadline, node_id in out.recheck:
+            st.watch(node_id, deadline)
+        for node_id, silent in out.lost:
+            self._node_lost(node_id, silent, now)
 
     def _node_lost(self, node_id: str, silent: float, now: float) -> None:
         st = self.state
