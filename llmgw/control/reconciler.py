@@ -45,7 +45,7 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from zope.interface import implementer
 
-from llmgw.control import views
+from llmgw.control import adoption, views
 from llmgw.control.backoff import Backoff
 from llmgw.control.catalog import (
     Catalog,
@@ -497,57 +497,30 @@ class Reconciler(Service):
             self._unclaimed(node_id, s.shard_id, s.replica_id, s.port, why)
 
         for s in shards:
-            dep = self.catalog.deployments.get(s.model)
-            if dep is None:
-                refuse(s, f"model {s.model!r} is not in the catalog")
-                continue
-            if dep.profile != s.profile:
-                refuse(s, f"profile {s.profile!r} is not the deployment's ({dep.profile!r})")
-                continue
-            if s.state not in LIVE:
-                refuse(s, f"reported {s.state}")
-                continue
-            if s.replica_id in st.retired:
-                refuse(s, "its replica was replaced")
+            verdict = adoption.verdict(s, node_id, self.catalog, st)
+            if isinstance(verdict, adoption.Refuse):
+                refuse(s, verdict.reason)
                 continue
             state = ShardState(s.state)
-            known = st.shards.get(s.shard_id)
-            if known is not None:
-                rep = st.replicas.get(known.replica_id)
-                if (
-                    known.node_id != node_id
-                    or known.replica_id != s.replica_id
-                    or known.stopping
-                    or rep is None
-                    or rep.phase == Phase.STOPPING
-                ):
-                    refuse(s, "it clashes with what the control plane placed")
-                    continue
+            if isinstance(verdict, adoption.Known):
+                known = st.shards[s.shard_id]
                 st.set_shard_state(known, state, now)
                 reported.add(s.shard_id)
-                self._update_ready(rep, now)
+                self._update_ready(st.replicas[known.replica_id], now)
                 continue
-            rep = st.replicas.get(s.replica_id)
-            if rep is None:
-                profile = self.catalog.profiles[dep.profile]
-                # An agent that does not know the world size reports 1.
-                world_size = s.world_size if s.world_size > 1 else profile.shards
-                if s.rank >= world_size:
-                    refuse(s, f"rank {s.rank} is outside a world of {world_size}")
-                    continue
+            if isinstance(verdict, adoption.NewReplica):
                 rep = ReplicaRec(
                     id=s.replica_id,
                     model=s.model,
                     profile=s.profile,
-                    world_size=world_size,
+                    world_size=verdict.world_size,
                     created_at=now,
                     adopted=True,
                 )
                 st.add_replica(rep, incomplete=True)
                 self._event("replica_adopted", node=node_id, replica=rep.id, reason=f"model {s.model}")
-            elif rep.phase == Phase.STOPPING or rep.model != s.model or s.rank in rep.shards or s.rank >= rep.world_size:
-                refuse(s, "its replica is stopping or already has that rank")
-                continue
+            else:
+                rep = st.replicas[s.replica_id]
             shard = ShardRec(
                 id=s.shard_id,
                 replica_id=rep.id,
