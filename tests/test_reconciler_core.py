@@ -358,6 +358,28 @@ class LifecycleTests(SynchronousTestCase):
         f.step()
         self.assertEqual(len(f.dispatcher.starts), 1)
 
+    def test_stopping_report_holds_resources(self) -> None:
+        """
+        A ready shard reported stopping (its process group not empty yet)
+        is no longer routed, keeps its GPU and port, and its replica is
+        torn down once it reports stopped.
+        """
+        f = Fleet({"demo": ("one", 1)}, nodes=1, gpus=1, fabric="", grace=0)
+        f.step()
+        f.make_ready()
+        [cmd] = f.dispatcher.starts
+        f.report(cmd, "stopping")
+        self.assertEqual(f.rec.routes("demo"), [])
+        self.assertEqual(f.rec.routing_table.routes("demo"), ())
+        self.assertEqual(f.rec.metrics_snapshot()["shards"]["stopping"], 1)
+        self.assertEqual(f.rec.metrics_snapshot()["shards"]["ready"], 0)
+        f.step()
+        self.assertEqual(len(f.dispatcher.starts), 1, "no GPU was free for a second replica")
+        f.report(cmd, "stopped")
+        self.assertNotIn(cmd.replica_id, f.rec.replica_recs)
+        f.step()
+        self.assertEqual(len(f.dispatcher.starts), 2)
+
     def test_node_removed(self) -> None:
         """
         A node removed from the inventory is forgotten with its shards, and

@@ -712,6 +712,11 @@ class Reconciler(Service):
         elif state in LIVE:
             st.set_shard_state(shard, ShardState(state), now)
             self._update_ready(rep, now)
+        elif state == ShardState.STOPPING:
+            # Going away unasked, its processes not all gone yet: it serves
+            # no more, and holds its GPUs and port until it reports stopped.
+            st.set_shard_state(shard, ShardState.STOPPING, now)
+            self._update_ready(rep, now)
 
     # -- changes to replicas ------------------------------------------------------------
 

@@ -9,7 +9,7 @@ import collections
 from typing import TYPE_CHECKING, Any
 
 from llmgw.control.fleetstate import Phase
-from llmgw.states import SEVERITY, ReplicaState
+from llmgw.states import SEVERITY, ReplicaState, ShardState
 
 if TYPE_CHECKING:
     from llmgw.control.reconciler import Reconciler
@@ -20,9 +20,9 @@ def metrics_snapshot(rec: Reconciler) -> dict[str, Any]:
     Counts for C{/metrics}, each a plain dict:
 
       - C{nodes}: node count by state (C{ready}, C{suspect}, C{lost});
-      - C{shards}: shard count by last known state, and C{stopping}: those
-        told to stop and not yet confirmed (also counted under their last
-        known state);
+      - C{shards}: shard count by last known state; C{stopping} also counts
+        those told to stop and not yet confirmed (counted under their last
+        known state too);
       - C{replicas}: replica count by state (a replica's worst shard's
         state, or C{stopping});
       - C{events}: events ever logged, by kind;
@@ -37,7 +37,9 @@ def metrics_snapshot(rec: Reconciler) -> dict[str, Any]:
     for state, n in st.shard_counts.items():
         if n:
             shards[str(state)] = n
-    shards["stopping"] = len(st.stopping)
+    # Told to stop and not confirmed (counted under their last state too),
+    # besides those that report stopping themselves.
+    shards["stopping"] = len(st.stopping) + st.shard_counts.get(ShardState.STOPPING, 0)
     replicas = collections.Counter(st.replica_state(r) for r in st.replicas.values())
     return {
         "nodes": {
