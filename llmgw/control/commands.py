@@ -9,8 +9,11 @@ from inside its own message handling.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
+from llmgw.control.catalog import Profile, fill
+from llmgw.control.fleetstate import ReplicaRec, ShardRec, format_address
 from llmgw.control.interfaces import IDispatcher, NotConnected, NotKeepingUp, ShardCommand
 
 
@@ -61,3 +64,47 @@ def send(dispatcher: IDispatcher | None, cmd: Command) -> str | None:
     except (NotConnected, NotKeepingUp) as e:
         return str(e) or type(e).__name__
     return None
+
+
+def start_command(
+    rep: ReplicaRec, shard: ShardRec, profile: Profile, leader_fabrics: Mapping[str, str]
+) -> ShardCommand:
+    """
+    The start command for C{shard} of C{rep}: the profile's command and
+    environment with their placeholders filled. A multi-shard replica's
+    leader is reached on the profile's fabric where its node has one
+    (C{leader_fabrics}: the leader node's fabric addresses).
+    """
+    leader = rep.shards.get(0)
+    leader_address = ""
+    if leader is not None:
+        host = leader.host
+        if profile.fabric and leader_fabrics.get(profile.fabric):
+            host = leader_fabrics[profile.fabric]
+        leader_address = format_address(host, leader.port)
+    values = {
+        "port": str(shard.port),
+        "model": rep.model,
+        "rank": str(shard.rank),
+        "world_size": str(rep.world_size),
+        "leader": leader_address,
+        "gpus": ",".join(str(g) for g in shard.gpus),
+    }
+    return ShardCommand(
+        node_id=shard.node_id,
+        shard_id=shard.id,
+        replica_id=rep.id,
+        model=rep.model,
+        profile=rep.profile,
+        argv=tuple(fill(a, values) for a in profile.command),
+        gpu_indices=shard.gpus,
+        port=shard.port,
+        rank=shard.rank,
+        world_size=rep.world_size,
+        leader_address=leader_address,
+        env={k: fill(v, values) for k, v in profile.env.items()},
+        health_path=profile.health_path,
+        startup_timeout_s=profile.startup_timeout_s,
+        stop_grace_s=profile.stop_grace_s,
+        drain_timeout_s=profile.drain_timeout_s,
+    )

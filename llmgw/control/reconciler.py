@@ -53,13 +53,12 @@ from llmgw.control.catalog import (
     Deployment,
     Profile,
     diff,
-    fill,
     load_catalog,
 )
 from llmgw.control.catalog import (
     FleetState as KeptState,
 )
-from llmgw.control.commands import Command, Drain, Start, Stop, send
+from llmgw.control.commands import Command, Drain, Start, Stop, send, start_command
 from llmgw.control.events import EventLog
 from llmgw.control.expiry import ExpiryRules, judge
 from llmgw.control.failures import ShardFailure
@@ -77,7 +76,6 @@ from llmgw.control.interfaces import (
     IInFlight,
     IStatusSink,
     ReportedShard,
-    ShardCommand,
     ShardReport,
     UnknownDeployment,
     UnknownNode,
@@ -727,48 +725,15 @@ class Reconciler(Service):
     def replica_state(self, rep: ReplicaRec) -> str:
         return self.state.replica_state(rep)
 
-    def _command(self, rep: ReplicaRec, shard: ShardRec, profile: Profile) -> ShardCommand:
-        leader = rep.shards.get(0)
-        leader_address = ""
-        if leader is not None:
-            node = self.inventory.peek(leader.node_id)
-            host = leader.host
-            if profile.fabric and node is not None and node.fabrics.get(profile.fabric):
-                host = node.fabrics[profile.fabric]
-            leader_address = format_address(host, leader.port)
-        values = {
-            "port": str(shard.port),
-            "model": rep.model,
-            "rank": str(shard.rank),
-            "world_size": str(rep.world_size),
-            "leader": leader_address,
-            "gpus": ",".join(str(g) for g in shard.gpus),
-        }
-        return ShardCommand(
-            node_id=shard.node_id,
-            shard_id=shard.id,
-            replica_id=rep.id,
-            model=rep.model,
-            profile=rep.profile,
-            argv=tuple(fill(a, values) for a in profile.command),
-            gpu_indices=shard.gpus,
-            port=shard.port,
-            rank=shard.rank,
-            world_size=rep.world_size,
-            leader_address=leader_address,
-            env={k: fill(v, values) for k, v in profile.env.items()},
-            health_path=profile.health_path,
-            startup_timeout_s=profile.startup_timeout_s,
-            stop_grace_s=profile.stop_grace_s,
-            drain_timeout_s=profile.drain_timeout_s,
-        )
-
     def _send_start(self, rep: ReplicaRec, shard: ShardRec, now: float, first: bool) -> None:
         profile = self._profile(rep.profile)
         shard.sends += 1
         shard.sent_at = now
         if profile is not None:
-            self._queue(Start(self._command(rep, shard, profile), first=first))
+            leader = rep.shards.get(0)
+            node = self.inventory.peek(leader.node_id) if leader is not None else None
+            fabrics = node.fabrics if node is not None else {}
+            self._queue(Start(start_command(rep, shard, profile, fabrics), first=first))
 
     def _new_replica_id(self, model: str) -> str:
         slug = _SLUG.sub("-", model).strip("-")[:40] or "replica"
