@@ -163,6 +163,10 @@ class FleetState:
         self.reported: dict[str, set[str]] = {}
         self.capacity: dict[str, NodeCapacity] = {}
         self.cap_dirty: set[str] = set()
+        #: Increased by every change that placement did not make itself and
+        #: that can change what it may place where; a placer built at one
+        #: epoch may go on placing while the epoch stays.
+        self.placement_epoch = 0
 
     # -- nodes -----------------------------------------------------------------------
 
@@ -171,6 +175,14 @@ class FleetState:
             self.known_since[node_id] = now
             heapq.heappush(self.heap, (now + suspect_after, node_id))
         self.cap_dirty.add(node_id)
+        self.placement_epoch += 1
+
+    def eligibility_changed(self) -> None:
+        """
+        A node turned suspect, lost, cordoned, or back: placement must look
+        again.
+        """
+        self.placement_epoch += 1
 
     def watch(self, node_id: str, deadline: float) -> None:
         heapq.heappush(self.heap, (deadline, node_id))
@@ -188,6 +200,7 @@ class FleetState:
         return due
 
     def forget_node(self, node_id: str) -> None:
+        self.placement_epoch += 1
         for s in (self.suspect, self.lost, self.cordoned, self.draining_nodes, self.registered):
             s.discard(node_id)
         self.lost_clock.pop(node_id, None)
@@ -262,6 +275,7 @@ class FleetState:
         self.gpus_given[shard.node_id].update(shard.gpus)
         if not port_taken:
             self.ports.take(shard.host, shard.port)
+            self.placement_epoch += 1
         # A shard taken over from a reservation holds the port itself now.
         self.release_reserved(shard.id)
         self.shard_counts[shard.state] += 1
@@ -283,6 +297,7 @@ class FleetState:
         """
         if self.shards.pop(shard.id, None) is None:
             return
+        self.placement_epoch += 1
         rep = self.replicas.get(shard.replica_id)
         self.node_shards[shard.node_id].discard(shard.id)
         if not self.node_shards[shard.node_id]:

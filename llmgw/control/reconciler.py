@@ -231,6 +231,9 @@ class Reconciler(Service):
         self._outbox: list[Command] = []
         self._flush_call: IDelayedCall | None = None
         self._next_pass: IDelayedCall | None = None
+        self._kept_placer: tuple[Placer, int, set[str]] | None = None
+        self._placer_connected: set[str] = set()
+        self._placed_this_pass = 0
         self._apply_desired()
 
     # -- compatibility views of the state -----------------------------------------------
@@ -910,6 +913,8 @@ class Reconciler(Service):
             st.lost_clock, self.frozen, now,
             ExpiryRules(self.suspect_after, self.lost_after, self.freeze_share),
         )
+        if out.suspect or out.back or out.gone or out.lost:
+            st.eligibility_changed()
         for node_id, silent in out.suspect:
             st.suspect.add(node_id)
             self._event("node_suspect", level="warn", node=node_id, reason=f"silent for {silent:.0f}s")
@@ -1049,6 +1054,7 @@ class Reconciler(Service):
     def _reconcile(self, now: float) -> None:
         st = self.state
         placer: Placer | None = None
+        self._placed_this_pass = 0
         placing = now >= self.grace_end and not self.frozen
         for model in sorted(self.catalog.deployments):
             dep = self.catalog.deployments[model]
@@ -1082,13 +1088,16 @@ class Reconciler(Service):
                     placer = self._placer()
                 placed = 0
                 for _ in range(-surplus):
-                    if self._over_budget():
+                    # Every pass places at least one replica, whatever it
+                    # cost to get here: a pass that only builds is no progress.
+                    if self._placed_this_pass and self._over_budget():
                         # The rest is the next pass's, which runs at once.
                         self.pass_unfinished = True
                         break
                     if not self._place(dep, profile, placer, now):
                         break
                     placed += 1
+                    self._placed_this_pass += 1
                 if self.pass_unfinished:
                     continue
                 if placed < -surplus:
@@ -1098,6 +1107,9 @@ class Reconciler(Service):
                         self._event("unplaceable", level="warn", reason=f"deployment {model}: {why}")
                 else:
                     state.unplaceable = ""
+        self._kept_placer = None
+        if self.pass_unfinished and placer is not None:
+            self._kept_placer = (placer, st.placement_epoch, self._placer_connected)
 
     def _victims(self, active: set[str], count: int) -> list[ReplicaRec]:
         """
@@ -1114,7 +1126,19 @@ class Reconciler(Service):
         return [st.replicas[r] for r in sorted(active, key=key)[:count]]
 
     def _placer(self) -> Placer:
-        return Placer(self.state.placeable(self.inventory, sorted(self.connected())),
+        """
+        The placer for this pass. A pass that continues one stopped at its
+        budget goes on with the same placer (building one costs about the
+        fleet's size) unless something placement did not do changed since.
+        """
+        connected = self._placer_connected = self.connected()
+        kept = self._kept_placer
+        self._kept_placer = None
+        if kept is not None:
+            placer, epoch, was_connected = kept
+            if epoch == self.state.placement_epoch and was_connected == connected:
+                return placer
+        return Placer(self.state.placeable(self.inventory, sorted(connected)),
                       self.state.spread, self.state.ports)
 
     # -- IFleetAdmin ----------------------------------------------------------------
@@ -1172,6 +1196,7 @@ class Reconciler(Service):
 
     def cordon(self, node_id: str) -> None:
         self._known(node_id)
+        self.state.eligibility_changed()
         if node_id not in self.state.cordoned:
             self.state.cordoned.add(node_id)
             self._event("node_cordoned", node=node_id, reason="no new placements")
@@ -1179,6 +1204,7 @@ class Reconciler(Service):
 
     def uncordon(self, node_id: str) -> None:
         self._known(node_id)
+        self.state.eligibility_changed()
         st = self.state
         was_draining = node_id in st.draining_nodes
         if node_id in st.cordoned or was_draining:
@@ -1196,6 +1222,7 @@ class Reconciler(Service):
 
     def drain_node(self, node_id: str) -> None:
         self._known(node_id)
+        self.state.eligibility_changed()
         st = self.state
         if node_id not in st.cordoned:
             st.cordoned.add(node_id)
