@@ -134,6 +134,9 @@ class FleetState:
         self.gpus_given: dict[str, set[int]] = collections.defaultdict(set)
         self.unsettled: set[str] = set()
         self.stopping: set[str] = set()
+        #: (time, shard id): when an unsettled or stopping shard is next
+        #: looked at; the reconciler re-queues one whose deadline is later.
+        self.checks: list[tuple[float, str]] = []
         self.draining: set[str] = set()
         self.incomplete: set[str] = set()
         self.retired: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -259,8 +262,23 @@ class FleetState:
         shard.since = now
         if state in (ShardState.PENDING, ShardState.STARTING) and not shard.stopping:
             self.unsettled.add(shard.id)
+            self.check_at(shard.id, now)
         else:
             self.unsettled.discard(shard.id)
+
+    def check_at(self, shard_id: str, when: float) -> None:
+        heapq.heappush(self.checks, (when, shard_id))
+
+    def take_checks(self, now: float) -> list[str]:
+        """
+        The unsettled or stopping shards due for a look, in id order.
+        """
+        checks, due = self.checks, set()
+        while checks and checks[0][0] <= now:
+            _, sid = heapq.heappop(checks)
+            if sid in self.unsettled or sid in self.stopping:
+                due.add(sid)
+        return sorted(due)
 
     def add_shard(self, rep: ReplicaRec, shard: ShardRec, port_taken: bool = False) -> None:
         """
@@ -281,6 +299,7 @@ class FleetState:
         self.shard_counts[shard.state] += 1
         if shard.state in (ShardState.PENDING, ShardState.STARTING):
             self.unsettled.add(shard.id)
+            self.check_at(shard.id, shard.since)
         self.cap_dirty.add(shard.node_id)
 
     def mark_stopping(self, shard: ShardRec, now: float) -> None:
@@ -288,6 +307,7 @@ class FleetState:
         shard.stop_sent_at = now
         self.unsettled.discard(shard.id)
         self.stopping.add(shard.id)
+        self.check_at(shard.id, now)
 
     def drop_shard(self, shard: ShardRec, now: float, confirmed: bool = True) -> None:
         """
@@ -447,6 +467,19 @@ class FleetState:
         return NodeCapacity(
             id=node_id, host=node.address or "127.0.0.1", fabrics=dict(node.fabrics), free=free
         )
+
+    def refresh_capacity(self, inventory: Inventory, node_id: str) -> None:
+        """
+        Work out C{node_id}'s capacity now (as it registers), so that the
+        next pass does not pay for a whole fleet's at once.
+        """
+        if node_id in self.cap_dirty:
+            cap = self.node_capacity(inventory, node_id)
+            if cap is None:
+                self.capacity.pop(node_id, None)
+            else:
+                self.capacity[node_id] = cap
+            self.cap_dirty.discard(node_id)
 
     def placeable(self, inventory: Inventory, connected: Iterable[str]) -> list[NodeCapacity]:
         """

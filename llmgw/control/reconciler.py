@@ -559,6 +559,7 @@ class Reconciler(Service):
         if returned or was_suspect:
             st.watch(node_id, now + self.suspect_after)
             self._event("node_returned" if returned else "node_ready", node=node_id, reason="registered")
+        st.refresh_capacity(self.inventory, node_id)
         reported = st.reported.pop(node_id, None)
         listed = self._listed.pop(node_id, None)
         if listed is not None:
@@ -966,55 +967,17 @@ class Reconciler(Service):
 
     def _check_shards(self, now: float) -> None:
         st = self.state
-        for sid in sorted(st.unsettled):
-            shard = st.shards.get(sid)
-            if shard is None or shard.id not in st.unsettled:
-                continue
-            rep = st.replicas[shard.replica_id]
-            profile = self._profile(rep.profile)
-            if shard.state == PENDING:
-                if now - shard.sent_at < self.pending_timeout:
-                    continue
-                if shard.sends < MAX_SENDS:
-                    self._send_start(rep, shard, now, first=False)
-                    self._event(
-                        "shard_resent",
-                        node=shard.node_id,
-                        replica=rep.id,
-                        shard=sid,
-                        reason=f"nothing heard for {self.pending_timeout:g}s",
-                    )
-                    continue
-                reason = f"nothing heard after {shard.sends} start commands"
-                kind = "shard_unresponsive"
-            else:
-                timeout = profile.startup_timeout_s if profile is not None else 600
-                if now - shard.since < timeout:
-                    continue
-                reason = f"not ready within the startup timeout of {timeout}s"
-                kind = "startup_timeout"
-            self._event(kind, level="error", node=shard.node_id, replica=rep.id, shard=sid, reason=reason)
-            self._record_failure(rep.model, shard.node_id, rep.id, sid, now, error=reason)
-            self._teardown(rep, reason, now)
-        for sid in sorted(st.stopping):
+        # Only shards whose deadline may have come: each is looked at when
+        # it changes and at its deadline, not in every pass.
+        for sid in st.take_checks(now):
             shard = st.shards.get(sid)
             if shard is None:
                 st.stopping.discard(sid)
                 continue
-            other = st.replicas.get(shard.replica_id)
-            profile = self._profile(other.profile) if other is not None else None
-            grace = profile.stop_grace_s if profile is not None else 30
-            if now - shard.stop_sent_at >= grace + STOP_SLACK:
-                self._event(
-                    "shard_stop_unconfirmed",
-                    level="warn",
-                    node=shard.node_id,
-                    replica=shard.replica_id,
-                    shard=sid,
-                    reason=f"no stopped report {grace + STOP_SLACK:g}s after the stop",
-                )
-                # Not known to have ended: its port stays reserved.
-                st.drop_shard(shard, now, confirmed=False)
+            if sid in st.stopping:
+                self._check_stopping(shard, now)
+            elif sid in st.unsettled:
+                self._check_unsettled(shard, now)
         for rid in sorted(st.draining):
             other = st.replicas.get(rid)
             if other is None:
@@ -1050,6 +1013,61 @@ class Reconciler(Service):
                 drained = True
         if drained:
             self._keep_nodes()
+
+    def _check_unsettled(self, shard: ShardRec, now: float) -> None:
+        st = self.state
+        rep = st.replicas[shard.replica_id]
+        profile = self._profile(rep.profile)
+        sid = shard.id
+        if shard.state == PENDING:
+            deadline = shard.sent_at + self.pending_timeout
+            if now < deadline:
+                st.check_at(sid, deadline)
+                return
+            if shard.sends < MAX_SENDS:
+                self._send_start(rep, shard, now, first=False)
+                st.check_at(sid, shard.sent_at + self.pending_timeout)
+                self._event(
+                    "shard_resent",
+                    node=shard.node_id,
+                    replica=rep.id,
+                    shard=sid,
+                    reason=f"nothing heard for {self.pending_timeout:g}s",
+                )
+                return
+            reason = f"nothing heard after {shard.sends} start commands"
+            kind = "shard_unresponsive"
+        else:
+            timeout = profile.startup_timeout_s if profile is not None else 600
+            deadline = shard.since + timeout
+            if now < deadline:
+                st.check_at(sid, deadline)
+                return
+            reason = f"not ready within the startup timeout of {timeout}s"
+            kind = "startup_timeout"
+        self._event(kind, level="error", node=shard.node_id, replica=rep.id, shard=sid, reason=reason)
+        self._record_failure(rep.model, shard.node_id, rep.id, sid, now, error=reason)
+        self._teardown(rep, reason, now)
+
+    def _check_stopping(self, shard: ShardRec, now: float) -> None:
+        st = self.state
+        other = st.replicas.get(shard.replica_id)
+        profile = self._profile(other.profile) if other is not None else None
+        grace = profile.stop_grace_s if profile is not None else 30
+        deadline = shard.stop_sent_at + grace + STOP_SLACK
+        if now < deadline:
+            st.check_at(shard.id, deadline)
+            return
+        self._event(
+            "shard_stop_unconfirmed",
+            level="warn",
+            node=shard.node_id,
+            replica=shard.replica_id,
+            shard=shard.id,
+            reason=f"no stopped report {grace + STOP_SLACK:g}s after the stop",
+        )
+        # Not known to have ended: its port stays reserved.
+        st.drop_shard(shard, now, confirmed=False)
 
     def _reconcile(self, now: float) -> None:
         st = self.state
