@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import heapq
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -134,9 +135,13 @@ class FleetState:
         self.gpus_given: dict[str, set[int]] = collections.defaultdict(set)
         self.unsettled: set[str] = set()
         self.stopping: set[str] = set()
-        #: (time, shard id): when an unsettled or stopping shard is next
-        #: looked at; the reconciler re-queues one whose deadline is later.
-        self.checks: list[tuple[float, str]] = []
+        #: When an unsettled or stopping shard is next looked at, in whole
+        #: seconds: shard ids by second, each shard's second, and a heap of
+        #: the seconds that hold any. A shard that settles leaves its
+        #: second at once, so nothing stale piles up for a later pass.
+        self._checks: dict[int, set[str]] = {}
+        self._check_of: dict[str, int] = {}
+        self._check_seconds: list[int] = []
         self.draining: set[str] = set()
         self.incomplete: set[str] = set()
         self.retired: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -262,22 +267,47 @@ class FleetState:
         shard.since = now
         if state in (ShardState.PENDING, ShardState.STARTING) and not shard.stopping:
             self.unsettled.add(shard.id)
-            self.check_at(shard.id, now)
         else:
             self.unsettled.discard(shard.id)
+            if shard.id not in self.stopping:
+                self.uncheck(shard.id)
 
     def check_at(self, shard_id: str, when: float) -> None:
-        heapq.heappush(self.checks, (when, shard_id))
+        """
+        Look at C{shard_id} again once C{when} has come (it may be moved
+        later, or earlier).
+        """
+        second = math.ceil(when)
+        old = self._check_of.get(shard_id)
+        if old == second:
+            return
+        if old is not None:
+            self._checks[old].discard(shard_id)
+        bucket = self._checks.get(second)
+        if bucket is None:
+            bucket = self._checks[second] = set()
+            heapq.heappush(self._check_seconds, second)
+        bucket.add(shard_id)
+        self._check_of[shard_id] = second
+
+    def uncheck(self, shard_id: str) -> None:
+        old = self._check_of.pop(shard_id, None)
+        if old is not None:
+            self._checks[old].discard(shard_id)
 
     def take_checks(self, now: float) -> list[str]:
         """
-        The unsettled or stopping shards due for a look, in id order.
+        The unsettled or stopping shards due for a look, in id order; each
+        is taken off the schedule (the caller puts it back if need be).
         """
-        checks, due = self.checks, set()
-        while checks and checks[0][0] <= now:
-            _, sid = heapq.heappop(checks)
-            if sid in self.unsettled or sid in self.stopping:
-                due.add(sid)
+        due: list[str] = []
+        seconds = self._check_seconds
+        while seconds and seconds[0] <= now:
+            second = heapq.heappop(seconds)
+            bucket = self._checks.pop(second, set())
+            for sid in bucket:
+                self._check_of.pop(sid, None)
+            due.extend(bucket)
         return sorted(due)
 
     def add_shard(self, rep: ReplicaRec, shard: ShardRec, port_taken: bool = False) -> None:
@@ -299,7 +329,6 @@ class FleetState:
         self.shard_counts[shard.state] += 1
         if shard.state in (ShardState.PENDING, ShardState.STARTING):
             self.unsettled.add(shard.id)
-            self.check_at(shard.id, shard.since)
         self.cap_dirty.add(shard.node_id)
 
     def mark_stopping(self, shard: ShardRec, now: float) -> None:
@@ -307,7 +336,6 @@ class FleetState:
         shard.stop_sent_at = now
         self.unsettled.discard(shard.id)
         self.stopping.add(shard.id)
-        self.check_at(shard.id, now)
 
     def drop_shard(self, shard: ShardRec, now: float, confirmed: bool = True) -> None:
         """
@@ -336,6 +364,7 @@ class FleetState:
         self.shard_counts[shard.state] -= 1
         self.unsettled.discard(shard.id)
         self.stopping.discard(shard.id)
+        self.uncheck(shard.id)
         self.cap_dirty.add(shard.node_id)
         if rep is not None:
             if rep.shards.get(shard.rank) is shard:

@@ -505,7 +505,7 @@ class Reconciler(Service):
             state = ShardState(s.state)
             if isinstance(verdict, adoption.Known):
                 known = st.shards[s.shard_id]
-                st.set_shard_state(known, state, now)
+                self._set_state(known, st.replicas[known.replica_id], state, now)
                 reported.add(s.shard_id)
                 self._update_ready(st.replicas[known.replica_id], now)
                 continue
@@ -534,6 +534,9 @@ class Reconciler(Service):
                 since=now,
             )
             st.add_shard(rep, shard)
+            if state == STARTING:
+                profile = self._profile(rep.profile)
+                st.check_at(shard.id, now + (profile.startup_timeout_s if profile is not None else 600))
             reported.add(s.shard_id)
             if state == DRAINING and rep.phase == Phase.ACTIVE:
                 self._start_drain(rep, "it was draining when adopted", now, send=False)
@@ -712,7 +715,7 @@ class Reconciler(Service):
             )
             self._teardown(rep, f"shard {shard.id} stopped", now)
         elif state in LIVE:
-            st.set_shard_state(shard, ShardState(state), now)
+            self._set_state(shard, rep, ShardState(state), now)
             self._update_ready(rep, now)
         elif state == ShardState.STOPPING:
             # Going away unasked, its processes not all gone yet: it serves
@@ -721,6 +724,18 @@ class Reconciler(Service):
             self._update_ready(rep, now)
 
     # -- changes to replicas ------------------------------------------------------------
+
+    def _set_state(self, shard: ShardRec, rep: ReplicaRec, state: ShardState, now: float) -> None:
+        """
+        Take a shard's new state; one starting is looked at again at its
+        startup timeout.
+        """
+        was = shard.state
+        self.state.set_shard_state(shard, state, now)
+        if state == STARTING and was != STARTING and not shard.stopping:
+            profile = self._profile(rep.profile)
+            timeout = profile.startup_timeout_s if profile is not None else 600
+            self.state.check_at(shard.id, now + timeout)
 
     def _update_ready(self, rep: ReplicaRec, now: float) -> None:
         if self.state.update_ready(rep, now):
@@ -733,6 +748,7 @@ class Reconciler(Service):
         profile = self._profile(rep.profile)
         shard.sends += 1
         shard.sent_at = now
+        self.state.check_at(shard.id, now + self.pending_timeout)
         if profile is not None:
             leader = rep.shards.get(0)
             node = self.inventory.peek(leader.node_id) if leader is not None else None
@@ -808,6 +824,9 @@ class Reconciler(Service):
                 st.drop_shard(shard, now)
                 continue
             st.mark_stopping(shard, now)
+            profile = self._profile(rep.profile)
+            grace = profile.stop_grace_s if profile is not None else 30
+            st.check_at(shard.id, now + grace + STOP_SLACK)
             self._queue(Stop(shard.node_id, shard.id))
         if not rep.shards and rep.id in st.replicas:
             st.remove_replica(rep, now)
@@ -1026,7 +1045,6 @@ class Reconciler(Service):
                 return
             if shard.sends < MAX_SENDS:
                 self._send_start(rep, shard, now, first=False)
-                st.check_at(sid, shard.sent_at + self.pending_timeout)
                 self._event(
                     "shard_resent",
                     node=shard.node_id,
