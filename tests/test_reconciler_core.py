@@ -18,6 +18,7 @@ from llmgw.control.catalog import parse_catalog
 from llmgw.control.interfaces import ReportedShard, ShardReport
 from llmgw.control.inventory import Inventory
 from llmgw.control.reconciler import Reconciler
+from llmgw.routing import EngineSignals
 from llmgw.states import ReplicaState, ShardState
 from llmgw.testing.simfleet import FakeDispatcher, sim_node
 from tests.reconciler_harness import ONE_GPU, Fleet, catalog
@@ -128,6 +129,29 @@ class RoutingProjectionTests(SynchronousTestCase):
         self.assertTrue(route.draining)
         self.assertGreater(table.revision, rev)
         self.assertEqual(table.models(), [])
+
+    def test_engine_signals_in_routes(self) -> None:
+        """
+        Engine figures for a ready replica's leader appear in its published
+        route (revision up); figures for a shard the node does not hold
+        change nothing.
+        """
+        f = Fleet({"demo": ("one", 1)}, nodes=2, grace=0)
+        f.step()
+        f.make_ready()
+        [cmd] = f.dispatcher.starts
+        table = f.rec.routing_table
+        rev = table.revision
+        other = next(n for n in f.ids if n != cmd.node_id)
+        f.rec.shard_signals(other, cmd.shard_id, EngineSignals(sampled_at=1.0, waiting=9))
+        f.clock.advance(0)
+        self.assertEqual(table.revision, rev)
+        signals = EngineSignals(sampled_at=f.clock.seconds(), waiting=3, running=5)
+        f.rec.shard_signals(cmd.node_id, cmd.shard_id, signals)
+        f.clock.advance(0)
+        self.assertGreater(table.revision, rev)
+        [route] = table.routes("demo")
+        self.assertEqual(route.signals, signals)
 
     def test_long_poll_woken(self) -> None:
         """

@@ -82,7 +82,7 @@ from llmgw.control.interfaces import (
 )
 from llmgw.control.inventory import Inventory
 from llmgw.control.placement import Placer, PortBook, Request
-from llmgw.routing import IRoutingTable, Route, RoutingTable
+from llmgw.routing import EngineSignals, IRoutingTable, Route, RoutingTable
 from llmgw.states import ENDED, LIVE, ShardState
 
 __all__ = ["Reconciler", "format_address"]
@@ -609,6 +609,18 @@ class Reconciler(Service):
             return missing[0]
         held = self.state.reserved.get(shard_id)
         return held.node_id if held is not None else None
+
+    def shard_signals(self, node_id: str, shard_id: str, signals: EngineSignals | None) -> None:
+        """
+        An engine's load figures for a shard (from its node's heartbeat);
+        a leader's go into its replica's route at the next publication.
+        Figures for a shard the node does not hold are ignored.
+        """
+        shard = self.state.shards.get(shard_id)
+        if shard is None or shard.node_id != node_id:
+            return
+        self.state.set_signals(shard, signals)
+        self._settle()
 
     def _record_failure(
         self,
