@@ -14,6 +14,15 @@ limit, 415 for a C{POST} that is not C{application/json}. A failure inside
 the control plane is a 500 whose body says only that; the traceback goes to
 the log with the requester's address.
 
+With mutual TLS (L{admin_service} given the control plane's L{ServerTLS}),
+every request must come with an admin certificate from llmgw's CA, whose
+role (L{role_allows}) decides what it may do: C{viewer} reads,
+C{operator} also changes state, C{gateway} reads only what a standalone
+gateway follows. Anything else (a node's or the server's certificate, a
+role that may not do this) is a 403 that says why, logged with the
+certificate's name. Every state change is logged with who asked: the
+admin's name and role, or only the address on a loopback API without TLS.
+
 C{POST} requests must be C{Content-Type: application/json}, even when they
 carry no body: a web page in the operator's browser cannot send that
 content type to another origin without a CORS preflight, which this API
@@ -33,12 +42,14 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 from twisted.internet.defer import maybeDeferred
 from twisted.logger import Logger
+from twisted.protocols.tls import TLSMemoryBIOFactory
 from twisted.python.failure import Failure
 from twisted.web import server
 from twisted.web.resource import Resource
 
 from llmgw.addresses import ListenerService, format_address, is_loopback, server_endpoint
 from llmgw.control.interfaces import AdminError, IFleetAdmin
+from llmgw.tlsconf.options import AdminIdentity, IdentityError, ServerTLS, peer_admin
 from llmgw.wire import InvalidNodeId, validate_node_id
 
 DEFAULT_ADMIN_HOST = "127.0.0.1"
@@ -69,6 +80,33 @@ ENDPOINTS = [
     "POST /api/v1/tls/reload",
     "GET /metrics",
 ]
+
+
+#: What the C{gateway} role may read: the routing data a standalone gateway
+#: follows, and nothing about nodes or events.
+GATEWAY_READS = (
+    ("api", "v1", "routes"),
+    ("api", "v1", "replicas"),
+    ("api", "v1", "deployments"),
+)
+
+
+def role_allows(role: str, method: str, path: list[str]) -> bool:
+    """
+    Whether an admin with C{role} may C{method} (C{GET} for C{HEAD}) the
+    path C{path} (its segments): C{viewer} any C{GET}; C{operator} any
+    C{GET} or C{POST} (cordon, uncordon, drain, scale, catalog and TLS
+    reload); C{gateway} a C{GET} of L{GATEWAY_READS} only.
+    """
+    if role == "operator":
+        return True
+    if method != "GET":
+        return False
+    if role == "viewer":
+        return True
+    if role == "gateway":
+        return tuple(path) in GATEWAY_READS
+    return False
 
 
 class Refused(Exception):
@@ -102,6 +140,19 @@ def _printable(raw: bytes) -> str:
     """
     text = raw.decode("latin-1")
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def _certificate_name(cert: Any) -> str | None:
+    """
+    A peer certificate's common name, printable, for log lines.
+    """
+    if cert is None:
+        return None
+    try:
+        cn = cert.get_subject().CN
+    except Exception:
+        return None
+    return _printable(cn.encode("utf-8", "replace")) if cn else None
 
 
 def _json_default(value: Any) -> Any:
@@ -180,8 +231,12 @@ class AdminResource(Resource):
         agents: Any = None,
         max_body: int = MAX_BODY,
         control: Any = None,
+        require_certificate: bool = False,
     ):
         super().__init__()
+        #: With mutual TLS: every request needs an admin certificate whose
+        #: role allows it.
+        self.require_certificate = require_certificate
         self.fleet = fleet
         self.registry = registry
         self.agents = agents
@@ -198,6 +253,7 @@ class AdminResource(Resource):
             if method == "HEAD":
                 method = "GET"
             path = self._path(request)
+            self._authorize(request, method, path)
             handler, args = self._route(method, path, request)
             return self._call(request, handler, args)
         except Refused as e:
@@ -210,6 +266,68 @@ class AdminResource(Resource):
                 client=client_address(request),
             )
             return self._error(request, 500, "internal error in the control plane (logged there)")
+
+    # -- who ------------------------------------------------------------------
+
+    def _admin(self, request: Any) -> AdminIdentity:
+        """
+        The admin the request's client certificate proves, read once per
+        connection.
+
+        @raise Refused: 403, the certificate is no admin certificate.
+        """
+        channel = request.channel
+        cached = getattr(channel, "llmgw_admin", None)
+        if isinstance(cached, AdminIdentity):
+            return cached
+        if isinstance(cached, Refused):
+            raise cached
+        cert = None
+        get_peer = getattr(request.transport, "getPeerCertificate", None)
+        if get_peer is not None:
+            cert = get_peer()
+        try:
+            if cert is None:
+                raise IdentityError("no client certificate; the admin API needs an admin certificate")
+            identity = peer_admin(cert.to_cryptography())
+        except IdentityError as e:
+            name = _certificate_name(cert)
+            refused = Refused(403, str(e))
+            refused.who = f"{client_address(request)}" + (f" (certificate {name})" if name else "")  # type: ignore[attr-defined]
+            channel.llmgw_admin = refused
+            raise refused from None
+        channel.llmgw_admin = identity
+        return identity
+
+    def _authorize(self, request: Any, method: str, path: list[str]) -> None:
+        """
+        With L{require_certificate}: refuse (403) a request without an admin
+        certificate, or one whose role may not do this.
+        """
+        if not self.require_certificate:
+            return
+        admin = self._admin(request)
+        if not role_allows(admin.role, method, path):
+            what = "changes state" if method != "GET" else "reads this"
+            raise Refused(
+                403,
+                f"admin {admin.name!r} has role {admin.role}, which may not {method} "
+                f"{'/' + '/'.join(path)} (this {what}; "
+                + ("operator" if method != "GET" else "viewer or operator") + " may)",
+            )
+
+    def who(self, request: Any) -> str:
+        """
+        Who sent C{request}, for log lines: the admin's name and role and
+        the address, or the address alone without mutual TLS.
+        """
+        addr = client_address(request)
+        if not self.require_certificate:
+            return addr
+        cached = getattr(request.channel, "llmgw_admin", None)
+        if isinstance(cached, AdminIdentity):
+            return f"admin {cached} at {addr}"
+        return getattr(cached, "who", addr)
 
     def _path(self, request: Any) -> list[str]:
         try:
@@ -350,7 +468,7 @@ class AdminResource(Resource):
             "admin API: {action} {node} (asked by {client})",
             action=action,
             node=node_id,
-            client=client_address(request),
+            client=self.who(request),
         )
         return {"node": node_id, "action": action, "ok": True}
 
@@ -360,7 +478,7 @@ class AdminResource(Resource):
             "admin API: scale {model} to {replicas} replicas (asked by {client})",
             model=model,
             replicas=replicas,
-            client=client_address(request),
+            client=self.who(request),
         )
         return {"model": model, "replicas": replicas, "ok": True}
 
@@ -368,7 +486,7 @@ class AdminResource(Resource):
         def done(changes: Any) -> dict[str, Any]:
             self.log.info(
                 "admin API: catalog reloaded (asked by {client}): {changes}",
-                client=client_address(request),
+                client=self.who(request),
                 changes=changes,
             )
             return {"ok": True, "changes": changes}
@@ -379,7 +497,7 @@ class AdminResource(Resource):
         result = self.control.reload_tls()
         self.log.info(
             "admin API: TLS reload asked by {client}: {result}",
-            client=client_address(request),
+            client=self.who(request),
             result=result,
         )
         if not result.get("ok"):
@@ -457,7 +575,7 @@ class AdminResource(Resource):
             "admin API: refused {method} {uri} from {client} with {status}: {reason}",
             method=_printable(request.method),
             uri=_printable(request.uri),
-            client=client_address(request),
+            client=self.who(request),
             status=status,
             reason=reason,
         )
@@ -492,14 +610,40 @@ def admin_site(
     reactor: Any = None,
     timeout: float = IDLE_TIMEOUT,
     control: Any = None,
+    require_certificate: bool = False,
 ) -> AdminSite:
     """
-    The admin API's C{Site}.
+    The admin API's C{Site}; with C{require_certificate}, every request
+    needs an admin certificate (serve it over L{ServerTLS}).
     """
     site = AdminSite(
-        AdminResource(fleet, registry, agents, control=control), timeout=timeout, reactor=reactor
+        AdminResource(
+            fleet, registry, agents, control=control, require_certificate=require_certificate
+        ),
+        timeout=timeout,
+        reactor=reactor,
     )
     return site
+
+
+class AdminTLSRequired(ValueError):
+    """
+    The admin API would listen beyond loopback without mutual TLS.
+    """
+
+
+def admin_tls_problem(host: str, tls: bool) -> str | None:
+    """
+    Why the admin API may not listen on C{host} (with or without mutual
+    TLS), in one line; C{None} when it may.
+    """
+    if tls or is_loopback(host):
+        return None
+    return (
+        f"the admin API on {host} is beyond loopback and needs --admin-tls (mutual TLS with "
+        "admin certificates, which needs the control plane's certificates in --certs); "
+        "refusing to serve it unauthenticated"
+    )
 
 
 def admin_service(
@@ -510,22 +654,32 @@ def admin_service(
     registry: CollectorRegistry,
     agents: Any = None,
     control: Any = None,
+    tls: ServerTLS | None = None,
 ) -> ListenerService:
     """
     A service that serves the admin API on C{host}:C{port} while running.
     Its C{port} attribute is the listening port once started.
+
+    With C{tls} (the control plane's L{ServerTLS}, shared with the agent
+    port so that one reload renews both), the API is HTTPS and every client
+    needs an admin certificate from llmgw's CA.
+
+    @raise AdminTLSRequired: C{host} is not loopback and C{tls} is C{None}.
     """
-    if not is_loopback(host):
-        AdminResource.log.warn(
-            "the admin API on {address} has no authentication: anyone who can reach it can "
-            "drain nodes; keep it on loopback or behind an authenticating proxy",
-            address=format_address(host, port),
-        )
-    svc = ListenerService(
-        server_endpoint(reactor, host, port),
-        admin_site(fleet, registry, agents, reactor, control=control),
+    problem = admin_tls_problem(host, tls is not None)
+    if problem is not None:
+        raise AdminTLSRequired(problem)
+    site = admin_site(
+        fleet, registry, agents, reactor, control=control, require_certificate=tls is not None
     )
+    factory: Any = site
+    if tls is not None:
+        # The Site's idle timeout starts at TCP accept, so it bounds the
+        # handshake too.
+        factory = TLSMemoryBIOFactory(tls, False, site, clock=reactor)
+    svc = ListenerService(server_endpoint(reactor, host, port), factory)
     svc.setName("admin-listener")
+    svc.tls = tls is not None  # type: ignore[attr-defined]
     return svc
 
 

@@ -295,6 +295,11 @@ class AgentStreamProtocol(MessageStream[pb.AgentMessage]):
     def frame_refused(self, reason: str) -> None:
         self._refuse(Code.CODE_INVALID_ARGUMENT, reason, message_id="frame")
 
+    def lengthLimitExceeded(self, length: int) -> None:  # noqa: N802
+        # Counted by cause for llmgw_agent_frames_refused (issue 13).
+        self.factory.frames_refused["oversized"] += 1
+        super().lengthLimitExceeded(length)
+
     def message_received(self, msg: pb.AgentMessage) -> None:
         if self._closing:
             return
@@ -627,6 +632,8 @@ class AgentService(ServerFactory):
         self._open: set[AgentStreamProtocol] = set()
         self.registrations: collections.Counter[str] = collections.Counter()
         self.dispatch_refusals: collections.Counter[str] = collections.Counter()
+        #: Agent frames refused, by cause (C{oversized}); for metrics.
+        self.frames_refused: collections.Counter[str] = collections.Counter()
 
     def buildProtocol(self, addr: Any) -> AgentStreamProtocol:
         return AgentStreamProtocol(self)

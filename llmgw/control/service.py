@@ -26,7 +26,12 @@ from llmgw.addresses import (
     parse_address,
     server_endpoint,
 )
-from llmgw.control.admin import DEFAULT_ADMIN_HOST, DEFAULT_ADMIN_PORT, admin_service
+from llmgw.control.admin import (
+    DEFAULT_ADMIN_HOST,
+    DEFAULT_ADMIN_PORT,
+    admin_service,
+    admin_tls_problem,
+)
 from llmgw.control.agentsvc import AgentService
 from llmgw.control.catalog import EMPTY, CatalogError, load_catalog
 from llmgw.control.interfaces import AdminError, IFleetAdmin, IStatusSink
@@ -59,7 +64,8 @@ class Options(usage.Options):
         ["heartbeat-interval", None, "5", "agents' heartbeat interval in seconds; 3 silent intervals close a stream"],
         ["backlog", None, str(DEFAULT_BACKLOG), "listen backlog of the agent port (capped by net.core.somaxconn)"],
         ["admin", None, f"{DEFAULT_ADMIN_HOST}:{DEFAULT_ADMIN_PORT}",
-         "[HOST:]PORT for the admin API and /metrics (no authentication: keep it on loopback), or 'off'"],
+         "[HOST:]PORT for the admin API and /metrics, or 'off'; beyond loopback it needs "
+         "mutual TLS with admin certificates (--admin-tls, implied there)"],
         ["max-connections", None, str(LimitsConfig.max_connections), "most connections on the agent port (0: no cap)"],
         ["max-connections-per-address", None, str(LimitsConfig.max_per_address), "most agent-port connections from one source address (0: no cap)"],
         ["agent-message-rate", None, str(LimitsConfig.message_rate), "messages per second one agent may send before it is not read (0: no limit)"],
@@ -86,6 +92,8 @@ class Options(usage.Options):
     ]
     optFlags = [
         ["insecure", None, "plain TCP without TLS or identity: development only, loopback only"],
+        ["admin-tls", None, "serve the admin API over HTTPS requiring an admin certificate "
+         "(`llmgw ctl cert admin`); on whenever --admin is beyond loopback"],
     ]
 
     def parseOptions(self, options: Any = None) -> None:
@@ -154,6 +162,14 @@ class Options(usage.Options):
                 self["admin_address"] = parse_address(self["admin"], DEFAULT_ADMIN_HOST)
             except AddressError as e:
                 raise usage.UsageError(f"--admin: {e}") from e
+        self["admin_tls"] = bool(self["admin-tls"])
+        if self["admin_address"] is not None and not is_loopback(self["admin_address"][0]):
+            self["admin_tls"] = True
+        if self["admin_tls"] and self["insecure"] and self["admin_address"] is not None:
+            raise usage.UsageError(
+                admin_tls_problem(self["admin_address"][0], False)
+                or "--admin-tls needs the control plane's certificates, and --insecure runs without them"
+            )
         self["gateway_address"] = None
         if self["gateway"].strip().lower() != "off":
             try:
@@ -257,9 +273,13 @@ class ControlPlane(MultiService):
         admin_address: tuple[str, int] | None = None,
         limits: LimitsConfig | None = None,
         handle_sighup: bool | None = None,
+        admin_tls: bool = False,
     ):
         super().__init__()
         self.reactor = reactor
+        #: Serve the admin API over mutual TLS with the agent port's
+        #: certificates (always beyond loopback).
+        self.admin_tls = admin_tls
         self.inventory = inventory if inventory is not None else Inventory()
         self.sink = sink
         self.tls = tls
@@ -315,8 +335,10 @@ class ControlPlane(MultiService):
         if self.admin_listener is not None or self.fleet is None or self.admin_address is None:
             return
         host, port = self.admin_address
+        tls = self.tls if self.admin_tls or not is_loopback(host) else None
         self.admin_listener = admin_service(
-            self.reactor, host, port, self.fleet, self.registry, self.agents, control=self
+            self.reactor, host, port, self.fleet, self.registry, self.agents, control=self,
+            tls=tls,
         )
         self.admin_listener.setServiceParent(self)
 
@@ -339,7 +361,13 @@ class ControlPlane(MultiService):
         self.limiter.attach_port(self.agent_listener.port)
         if self.admin_listener is not None and self.admin_listener.port is not None:
             host, port = self.admin_listener.address()
-            self.log.info("admin API and /metrics on http://{address}", address=format_address(host, port))
+            tls = getattr(self.admin_listener, "tls", False)
+            self.log.info(
+                "admin API and /metrics on {scheme}://{address}{auth}",
+                scheme="https" if tls else "http",
+                address=format_address(host, port),
+                auth=" (mutual TLS: admin certificates only)" if tls else "",
+            )
 
     def stopService(self) -> Any:
         # Stop listening first, then drop the streams still open: an embedded
@@ -440,6 +468,7 @@ def makeService(options: Options, reactor: Any = None) -> ControlPlane:
         admin_address=options["admin_address"],
         limits=options["limits"],
         fleet=reconciler,
+        admin_tls=options.get("admin_tls", False),
     )
     reconciler.attach(cp.agents, epoch=cp.epoch)
     reconciler.setName("reconciler")

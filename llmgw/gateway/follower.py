@@ -165,15 +165,19 @@ class FollowerTable:
         http: Any = None,
         timeout: float = 5.0,
         registry: CollectorRegistry | None = None,
+        tls: Any = None,
     ):
         self.clock = clock
         self.admin_url = admin_url.rstrip("/")
         self._pool: Any = None
         if http is None:
-            from twisted.web.client import Agent, HTTPConnectionPool
+            from twisted.web.client import Agent, BrowserLikePolicyForHTTPS, HTTPConnectionPool
 
             self._pool = HTTPConnectionPool(clock, persistent=True)
-            http = treq.client.HTTPClient(Agent(clock, pool=self._pool))
+            # tls: an IPolicyForHTTPS (llmgw.tlsconf.options.ClientTLSPolicy
+            # for an admin API behind mutual TLS).
+            policy = tls if tls is not None else BrowserLikePolicyForHTTPS()
+            http = treq.client.HTTPClient(Agent(clock, contextFactory=policy, pool=self._pool))
         self.http = http
         self.timeout = timeout
         self.snapshot = RoutingSnapshot()

@@ -31,6 +31,7 @@ from llmgw.gateway.keys import KeyRing, KeysError, load_keys
 from llmgw.gateway.proxy import Gateway, GatewayConfig
 from llmgw.gateway.resource import GatewayResource, GatewaySite
 from llmgw.routing import IInFlight, IRoutingTable
+from llmgw.tlsconf.options import ClientTLSPolicy, TLSConfigError, admin_files
 
 DEFAULT_GATEWAY = "127.0.0.1:8000"
 DEFAULT_METRICS = "127.0.0.1:7481"
@@ -103,6 +104,9 @@ class Options(usage.Options):
         ["listen", None, DEFAULT_GATEWAY,
          "[HOST:]PORT the gateway serves on; loopback by default, 0.0.0.0:8000 exposes it"],
         ["control-admin", None, DEFAULT_CONTROL_ADMIN, "the control plane's admin API to follow"],
+        ["admin-certs", None, None, "with an https:// --control-admin: the directory with ca.pem "
+         "and this gateway's admin-NAME.pem/.key (`llmgw ctl cert admin NAME --role gateway`)"],
+        ["admin-as", None, None, "with an https:// --control-admin: NAME of that certificate"],
         ["poll-interval", None, "2", "seconds between polls of the admin API"],
         ["metrics", None, DEFAULT_METRICS, "[HOST:]PORT for /metrics (Prometheus), or 'off'"],
         ["keys", None, None, "API keys file (one per line, or TOML [keys] name = \"key\")"],
@@ -140,6 +144,17 @@ class Options(usage.Options):
         url = self["control-admin"]
         if not url.startswith(("http://", "https://")):
             raise usage.UsageError(f"--control-admin: {url!r} is not an http:// or https:// URL")
+        self["admin_tls"] = None
+        if url.startswith("https://"):
+            if not self["admin-certs"] or not self["admin-as"]:
+                raise usage.UsageError(
+                    f"--control-admin {url} is https: give this gateway's admin certificate "
+                    "with --admin-certs DIR and --admin-as NAME"
+                )
+            try:
+                self["admin_tls"] = ClientTLSPolicy(admin_files(self["admin-certs"], self["admin-as"]))
+            except TLSConfigError as e:
+                raise usage.UsageError(f"--admin-certs/--admin-as: {e}") from e
         for name in (
             "poll-interval", "connect-timeout", "first-byte-timeout", "idle-timeout", "cooldown",
             "head-timeout", "body-timeout", "keep-alive-timeout",
@@ -188,10 +203,13 @@ class StandaloneGateway(MultiService):
         metrics_address: tuple[str, int] | None = None,
         backlog: int = 1024,
         http: Any = None,
+        admin_tls: Any = None,
     ):
         super().__init__()
         self.registry = CollectorRegistry()
-        self.table = FollowerTable(reactor, admin_url, http=http, registry=self.registry)
+        self.table = FollowerTable(
+            reactor, admin_url, http=http, registry=self.registry, tls=admin_tls
+        )
         self.follower = FollowerService(self.table, poll_interval)
         self.follower.setServiceParent(self)
         self.front = GatewayService(
@@ -231,4 +249,5 @@ def makeService(options: Options, reactor: Any = None) -> StandaloneGateway:
         poll_interval=options["poll-interval"],
         metrics_address=options["metrics_address"],
         backlog=options["backlog"],
+        admin_tls=options.get("admin_tls"),
     )
