@@ -18,15 +18,21 @@ import treq
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 from twisted.internet import reactor as global_reactor
-from twisted.internet.defer import inlineCallbacks
+from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.internet.threads import deferToThread
-from twisted.logger import Logger
+from twisted.logger import Logger, formatEvent
 from twisted.python import usage
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.client import Agent, HTTPConnectionPool
 
 from llmgw.control import service as control_service
-from llmgw.control.admin import AdminResource, AdminTLSRequired, admin_service, role_allows
+from llmgw.control.admin import (
+    AdminChannel,
+    AdminResource,
+    AdminTLSRequired,
+    admin_service,
+    role_allows,
+)
 from llmgw.control.metrics import make_registry
 from llmgw.ctl import fleet as ctl_fleet
 from llmgw.ctl.main import build_parser
@@ -162,8 +168,6 @@ class MutualTLSTests(TestCase):
         return response.code, json.loads(body) if body.startswith(b"{") else body
 
     def messages(self) -> list[str]:
-        from twisted.logger import formatEvent
-
         return [formatEvent(e) for e in self.logged]
 
     @inlineCallbacks
@@ -222,9 +226,19 @@ class MutualTLSTests(TestCase):
         self.assertEqual(code, 403)
         self.assertIn("node certificate", body["error"])
         self.assertTrue(any("certificate node-a" in m and "403" in m for m in self.messages()))
+        logged: Deferred[str] = Deferred()
+
+        def observe(event: dict[str, Any]) -> None:
+            if not logged.called:
+                logged.callback(formatEvent(event))
+
+        self.patch(AdminChannel, "log", Logger(observer=observe))  # type: ignore[arg-type]
         with self.assertRaises(Exception):  # noqa: B017 (the handshake is refused)
             yield self.call("server", "GET", "/api/v1/nodes")
         self.assertEqual(self.fleet.calls, [])
+        logged.addTimeout(10, reactor)
+        line = yield logged
+        self.assertIn("TLS handshake from 127.0.0.1:", line)
 
     @inlineCallbacks
     def test_key_agreement_only_admin_certificate_refused(self) -> None:

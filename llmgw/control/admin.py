@@ -38,6 +38,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import quote
 
+from OpenSSL import SSL
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 from twisted.internet.defer import maybeDeferred
@@ -45,6 +46,7 @@ from twisted.logger import Logger
 from twisted.protocols.tls import TLSMemoryBIOFactory
 from twisted.python.failure import Failure
 from twisted.web import server
+from twisted.web.http import HTTPChannel, _GenericHTTPChannelProtocol
 from twisted.web.resource import Resource
 
 from llmgw.addresses import ListenerService, format_address, is_loopback, server_endpoint
@@ -594,12 +596,40 @@ class AdminResource(Resource):
         return body
 
 
+class AdminChannel(HTTPChannel):
+    """
+    The admin API's connection: logs a refused TLS handshake (a
+    certificate from another CA, revoked, expired, or not for client
+    authentication, such as the control plane's own) with the peer's
+    address, since no request ever reaches the resource to say so.
+    """
+
+    log = Logger()
+
+    def connectionLost(self, reason: Failure = Failure(ConnectionError())) -> None:  # noqa: B008, N802
+        if reason.check(SSL.Error):
+            peer = self.transport.getPeer() if self.transport is not None else None
+            host, port = getattr(peer, "host", "?"), getattr(peer, "port", "?")
+            self.log.warn(
+                "admin API: TLS handshake from {client} refused: {reason}",
+                client=format_address(host, port) if isinstance(port, int) else f"{host}:{port}",
+                reason=reason.getErrorMessage(),
+            )
+        super().connectionLost(reason)
+
+
+def _admin_channel() -> _GenericHTTPChannelProtocol:
+    # As twisted.web's default factory does, with our channel inside.
+    return _GenericHTTPChannelProtocol(AdminChannel())
+
+
 class AdminSite(server.Site):
     """
     A C{Site} with bounded request bodies and a short idle timeout.
     """
 
     requestFactory = AdminRequest
+    protocol = staticmethod(_admin_channel)
     displayTracebacks = False
 
 
