@@ -300,6 +300,33 @@ class MutualTLSTests(TestCase):
         self.assertIn(("cordon", "gpu-1"), self.fleet.calls)
 
     @inlineCallbacks
+    def test_ctl_reload_tls_as_operator(self) -> None:
+        """
+        C{llmgw ctl reload --tls} asks the control plane to re-read its TLS
+        files; a viewer is refused, an operator gets the result.
+        """
+        calls: list[str] = []
+
+        class Control:
+            def reload_tls(self) -> dict[str, Any]:
+                calls.append("reload")
+                return {"ok": True, "error": None, "closed": [], "server_serial": "ab",
+                        "crl_number": None}
+
+        svc = admin_service(reactor, "127.0.0.1", 0, self.fleet, make_registry(),
+                            control=Control(), tls=self.tls)
+        svc.startService()
+        self.addCleanup(svc.stopService)
+        base = ["--admin", f"https://127.0.0.1:{svc.address()[1]}", "--certs", str(self.dir)]
+        code, _, err = yield self.ctl("reload", "--tls", *base, "--as", "alice")
+        self.assertEqual(code, 1)
+        self.assertEqual(calls, [])
+        code, out, err = yield self.ctl("reload", "--tls", *base, "--as", "olga")
+        self.assertEqual(code, 0, err)
+        self.assertIn("server certificate serial ab", out)
+        self.assertEqual(calls, ["reload"])
+
+    @inlineCallbacks
     def test_ctl_https_needs_a_certificate(self) -> None:
         """
         An https:// admin URL without --certs/--as, or naming a certificate

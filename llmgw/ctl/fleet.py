@@ -326,7 +326,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p = add("scale", "set a deployment's desired replica count (kept across restarts)", cmd_scale)
     p.add_argument("model", metavar="MODEL")
     p.add_argument("replicas", type=replica_count, metavar="REPLICAS")
-    add("reload", "re-read the catalog file (a refused catalog leaves the running one)", cmd_reload)
+    p = add("reload", "re-read the catalog file (a refused catalog leaves the running one)", cmd_reload)
+    p.add_argument(
+        "--tls", action="store_true",
+        help="re-read the control plane's certificate, key, CA bundle and CRL instead",
+    )
 
 
 EXIT_CODES_HELP = """exit codes:
@@ -481,6 +485,13 @@ def cmd_scale(args: argparse.Namespace, out: TextIO | None = None, err: TextIO |
 def cmd_reload(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None,
                http: HTTPFunction | None = None, now: float | None = None) -> int:
     def body(client: AdminClient) -> tuple[Any, Callable[[], str]]:
+        if getattr(args, "tls", False):
+            answer = client.post("/api/v1/tls/reload")
+            return answer, lambda: (
+                f"TLS reloaded: server certificate serial {_value(answer.get('server_serial'))}, "
+                f"CRL number {_value(answer.get('crl_number'))}, "
+                f"{len(answer.get('closed') or [])} revoked streams closed\n"
+            )
         answer = client.post("/api/v1/catalog/reload")
         return answer, lambda: "catalog reloaded: " + _value(answer.get("changes")) + "\n"
 
