@@ -175,7 +175,8 @@ class TrustService(Service):
         self.reloads = {"ok": 0, "refused": 0}
         self.last_reload_error: str | None = None
         self._sighup = SighupHandler(
-            reactor, self.reload_tls, "the agent port's TLS certificate, key, CA and CRL"
+            reactor, self.reload_tls,
+            "the TLS certificate, key, CA bundle and CRL of the agent port and admin API"
         )
         self._loop: LoopingCall | None = None
 
