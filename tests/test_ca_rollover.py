@@ -17,6 +17,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.control.service import ControlPlane
@@ -29,7 +30,15 @@ from llmgw.tlsconf.ca import (
     cert_pem,
 )
 from llmgw.tlsconf.crl import parse_crls, renew, revoke
-from llmgw.tlsconf.options import ServerTLS, TLSConfigError, TLSFiles, server_files
+from llmgw.tlsconf.options import (
+    ClientTLSPolicy,
+    ServerTLS,
+    TLSConfigError,
+    TLSFiles,
+    admin_files,
+    server_files,
+)
+from llmgw.tlsconf.reload import ClientCertificateReload
 
 from .test_tls_reload import ThreadCallReactor
 
@@ -203,3 +212,29 @@ class BundleTests(SynchronousTestCase):
             server_files(d)
         self.assertIn("CN=dead root", str(caught.exception))
         self.assertIn("retire-ca", str(caught.exception))
+
+
+class ClientReloadTests(SynchronousTestCase):
+    def test_gateway_certificate_reload(self) -> None:
+        """
+        The standalone gateway's admin certificate and CA bundle are re-read
+        on reload: after rotate-ca it trusts both roots and presents its
+        renewed certificate; a half-written file is refused and the running
+        files stay.
+        """
+        d = Path(self.mktemp())
+        ca = make_pki(d, [])
+        ca.issue_admin("gw-1", "gateway")
+        policy = ClientTLSPolicy(admin_files(d, "gw-1"))
+        first = policy.creatorForNetloc(b"127.0.0.1", 7480)
+        reload = ClientCertificateReload(Clock(), policy, "gateway", handle_sighup=False)
+        ca.rotate()
+        renewed = ca.issue_admin("gw-1", "gateway", replace=RENEW)
+        self.assertTrue(reload.reload())
+        self.assertEqual(len(policy.files.roots), 2)
+        self.assertEqual(policy.files.cert.serial_number, renewed.certificate.serial_number)
+        self.assertIsNot(policy.creatorForNetloc(b"127.0.0.1", 7480), first)
+        (d / "admin-gw-1.pem").write_bytes(b"-----BEGIN CERT")
+        self.assertFalse(reload.reload())
+        self.flushLoggedErrors()
+        self.assertEqual(policy.files.cert.serial_number, renewed.certificate.serial_number)

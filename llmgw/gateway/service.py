@@ -32,6 +32,7 @@ from llmgw.gateway.proxy import Gateway, GatewayConfig
 from llmgw.gateway.resource import GatewayResource, GatewaySite
 from llmgw.routing import IInFlight, IRoutingTable
 from llmgw.tlsconf.options import ClientTLSPolicy, TLSConfigError, admin_files
+from llmgw.tlsconf.reload import ClientCertificateReload
 
 DEFAULT_GATEWAY = "127.0.0.1:8000"
 DEFAULT_METRICS = "127.0.0.1:7481"
@@ -212,6 +213,11 @@ class StandaloneGateway(MultiService):
         )
         self.follower = FollowerService(self.table, poll_interval)
         self.follower.setServiceParent(self)
+        if admin_tls is not None:
+            # SIGHUP re-reads the gateway's admin certificate and CA bundle.
+            ClientCertificateReload(
+                reactor, admin_tls, "the gateway's admin API certificate"
+            ).setServiceParent(self)
         self.front = GatewayService(
             reactor, self.table, host, port, config, keys, self.registry, backlog
         )
