@@ -327,6 +327,22 @@ class MutualTLSTests(TestCase):
         self.assertEqual(calls, ["reload"])
 
     @inlineCallbacks
+    def test_revoked_admin_refused(self) -> None:
+        """
+        C{llmgw ctl cert revoke --admin NAME} and a TLS reload shut that
+        admin out at the handshake; other admins carry on.
+        """
+        code, out, err = yield self.ctl("cert", "revoke", "--admin", "olga", "--dir", str(self.dir))
+        self.assertEqual(code, 0, err)
+        self.assertIn("CN=olga", out)
+        self.tls.reload(server_files(self.dir))
+        with self.assertRaises(Exception):  # noqa: B017 (certificate revoked)
+            yield self.call("admin-olga", "POST", "/api/v1/nodes/gpu-1/cordon")
+        self.assertEqual(self.fleet.calls, [])
+        code, _ = yield self.call("admin-alice", "GET", "/api/v1/nodes")
+        self.assertEqual(code, 200)
+
+    @inlineCallbacks
     def test_ctl_https_needs_a_certificate(self) -> None:
         """
         An https:// admin URL without --certs/--as, or naming a certificate

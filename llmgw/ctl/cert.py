@@ -110,6 +110,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     ))
     p.add_argument("node_id", metavar="NODE_ID", nargs="?", help="revoke every certificate issued to this node")
     p.add_argument("--serial", action="append", default=[], help="a serial in hex, as `show` prints it (repeatable)")
+    p.add_argument("--admin", metavar="NAME", help="revoke every admin certificate issued to NAME")
     p.add_argument("--reason", default="unspecified", help=f"one of {', '.join(REASONS)}")
     p.add_argument("--days", type=int, default=DEFAULT_CRL_DAYS, help="the CRL's next-update, in days (default 30)")
     p.set_defaults(func=cmd_revoke)
@@ -307,12 +308,13 @@ def _crl_row(ca_dir: Path, serial: str) -> str | None:
 def cmd_revoke(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
     if not _positive_days(args, err):
         return 1
-    if not args.node_id and not args.serial:
-        return _fail(err, "name a NODE_ID or give --serial S")
+    if not args.node_id and not args.serial and not args.admin:
+        return _fail(err, "name a NODE_ID, or give --admin NAME or --serial S")
     try:
         serials = [parse_serial(s) for s in args.serial]
         ca = CertificateAuthority.load(args.dir)
-        result = revoke(ca, node_id=args.node_id, serials=serials, reason=args.reason, days=args.days)
+        result = revoke(ca, node_id=args.node_id, serials=serials, reason=args.reason,
+                        days=args.days, admin=args.admin)
     except (CAError, CRLError) as e:
         return _fail(err, str(e))
     for serial, subject in result.revoked:

@@ -304,10 +304,12 @@ def revoke(
     reason: str = "unspecified",
     days: int = DEFAULT_CRL_DAYS,
     now: datetime.datetime | None = None,
+    admin: str | None = None,
 ) -> RevokeResult:
     """
-    Revoke every certificate the CA issued to node C{node_id} and/or the
-    certificates with C{serials}, and sign a new CRL.
+    Revoke every certificate the CA issued to node C{node_id}, every admin
+    certificate it issued to C{admin}, and/or the certificates with
+    C{serials}, and sign a new CRL.
 
     Serials are looked up in the CA's issue record (C{issued.jsonl}), so a
     mistyped serial is refused rather than silently listed.
@@ -334,6 +336,17 @@ def revoke(
                 f"the CA in {ca.directory} has no record of issuing a certificate to node "
                 f"{node_id!r} (see {ca.directory / 'issued.jsonl'}); revoke by --serial instead"
             )
+    if admin is not None:
+        found_admin = False
+        for serial, rec in by_serial.items():
+            if str(rec.get("kind", "")).startswith("admin-") and _cn(str(rec.get("subject", ""))) == admin:
+                targets[serial] = str(rec.get("subject", ""))
+                found_admin = True
+        if not found_admin:
+            raise CRLError(
+                f"the CA in {ca.directory} has no record of issuing an admin certificate to "
+                f"{admin!r} (see {ca.directory / 'issued.jsonl'}); revoke by --serial instead"
+            )
     for serial in serials:
         if serial == ca.certificate.serial_number:
             raise CRLError(
@@ -348,7 +361,7 @@ def revoke(
             )
         targets[serial] = str(found.get("subject", ""))
     if not targets:
-        raise CRLError("name a node id or a --serial to revoke")
+        raise CRLError("name a node id, an --admin or a --serial to revoke")
     state = read_state(ca)
     known = state.serials()
     newly: list[tuple[int, str]] = []
