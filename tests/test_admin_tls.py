@@ -330,12 +330,26 @@ class MutualTLSTests(TestCase):
     def test_revoked_admin_refused(self) -> None:
         """
         C{llmgw ctl cert revoke --admin NAME} and a TLS reload shut that
-        admin out at the handshake; other admins carry on.
+        admin out: a connection it kept alive gets 403, a new one fails the
+        handshake; other admins carry on.
         """
+        # A kept-alive connection opened before the revocation.
+        pool = HTTPConnectionPool(reactor, persistent=True)
+        self.addCleanup(pool.closeCachedConnections)
+        agent = Agent(reactor, contextFactory=ClientTLSPolicy(self.files("admin-olga")), pool=pool)
+        kept = treq.client.HTTPClient(agent)
+        response = yield kept.get(self.url + "/api/v1/nodes")
+        yield treq.content(response)
+        self.assertEqual(response.code, 200)
         code, out, err = yield self.ctl("cert", "revoke", "--admin", "olga", "--dir", str(self.dir))
         self.assertEqual(code, 0, err)
         self.assertIn("CN=olga", out)
         self.tls.reload(server_files(self.dir))
+        response = yield kept.post(self.url + "/api/v1/nodes/gpu-1/cordon",
+                                   headers={"Content-Type": ["application/json"]}, data=b"{}")
+        body = yield treq.json_content(response)
+        self.assertEqual(response.code, 403)
+        self.assertIn("revoked", body["error"])
         with self.assertRaises(Exception):  # noqa: B017 (certificate revoked)
             yield self.call("admin-olga", "POST", "/api/v1/nodes/gpu-1/cordon")
         self.assertEqual(self.fleet.calls, [])

@@ -234,8 +234,13 @@ class AdminResource(Resource):
         max_body: int = MAX_BODY,
         control: Any = None,
         require_certificate: bool = False,
+        revoked: Callable[[], frozenset[int]] | None = None,
     ):
         super().__init__()
+        #: The serials the CRL in force lists, read per request: TLS checks
+        #: the CRL only at the handshake, and a kept-alive connection of a
+        #: certificate revoked since must not go on changing the fleet.
+        self.revoked = revoked
         #: With mutual TLS: every request needs an admin certificate whose
         #: role allows it.
         self.require_certificate = require_certificate
@@ -299,6 +304,7 @@ class AdminResource(Resource):
             channel.llmgw_admin = refused
             raise refused from None
         channel.llmgw_admin = identity
+        channel.llmgw_admin_serial = cert.get_serial_number()
         return identity
 
     def _authorize(self, request: Any, method: str, path: list[str]) -> None:
@@ -309,6 +315,8 @@ class AdminResource(Resource):
         if not self.require_certificate:
             return
         admin = self._admin(request)
+        if self.revoked is not None and getattr(request.channel, "llmgw_admin_serial", None) in self.revoked():
+            raise Refused(403, f"the certificate of admin {admin.name!r} has been revoked")
         if not role_allows(admin.role, method, path):
             what = "changes state" if method != "GET" else "reads this"
             raise Refused(
@@ -641,6 +649,7 @@ def admin_site(
     timeout: float = IDLE_TIMEOUT,
     control: Any = None,
     require_certificate: bool = False,
+    revoked: Callable[[], frozenset[int]] | None = None,
 ) -> AdminSite:
     """
     The admin API's C{Site}; with C{require_certificate}, every request
@@ -648,7 +657,8 @@ def admin_site(
     """
     site = AdminSite(
         AdminResource(
-            fleet, registry, agents, control=control, require_certificate=require_certificate
+            fleet, registry, agents, control=control, require_certificate=require_certificate,
+            revoked=revoked,
         ),
         timeout=timeout,
         reactor=reactor,
@@ -676,6 +686,24 @@ def admin_tls_problem(host: str, tls: bool) -> str | None:
     )
 
 
+def _revoked_by(tls: ServerTLS) -> Callable[[], frozenset[int]]:
+    """
+    The serials revoked by C{tls}'s CRLs now, computed again only when a
+    reload brought new files.
+    """
+    cache: list[Any] = [None, frozenset()]
+
+    def revoked() -> frozenset[int]:
+        files = tls.files
+        if cache[0] is not files:
+            crls = files.crls or ((files.crl,) if files.crl is not None else ())
+            cache[0], cache[1] = files, frozenset(e.serial_number for c in crls for e in c)
+        result: frozenset[int] = cache[1]
+        return result
+
+    return revoked
+
+
 def admin_service(
     reactor: Any,
     host: str,
@@ -700,7 +728,8 @@ def admin_service(
     if problem is not None:
         raise AdminTLSRequired(problem)
     site = admin_site(
-        fleet, registry, agents, reactor, control=control, require_certificate=tls is not None
+        fleet, registry, agents, reactor, control=control, require_certificate=tls is not None,
+        revoked=_revoked_by(tls) if tls is not None else None,
     )
     factory: Any = site
     if tls is not None:
