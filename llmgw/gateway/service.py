@@ -26,11 +26,13 @@ from llmgw.addresses import (
     parse_address,
     server_endpoint,
 )
-from llmgw.gateway.follower import FollowerService, FollowerTable, RoutingSnapshot
+from llmgw.gateway.follower import FollowerService, FollowerTable
 from llmgw.gateway.keys import KeyRing, KeysError, load_keys
 from llmgw.gateway.proxy import Gateway, GatewayConfig
 from llmgw.gateway.resource import GatewayResource, GatewaySite
-from llmgw.routing import IInFlight, IRoutingTable
+from llmgw.options import Options as BaseOptions
+from llmgw.options import positive_float, positive_int
+from llmgw.routing import IInFlight, IRoutingTable, RoutingSnapshot
 
 DEFAULT_GATEWAY = "127.0.0.1:8000"
 DEFAULT_METRICS = "127.0.0.1:7481"
@@ -65,7 +67,9 @@ class GatewayService(MultiService):
         self.gateway = Gateway(reactor, table, config, registry, keys)
         self.registry = self.gateway.registry
         self.site = GatewaySite(GatewayResource(self.gateway), reactor=reactor)
-        self.listener = ListenerService(server_endpoint(reactor, host, port, backlog), self.site)
+        self.listener = ListenerService(
+            server_endpoint(reactor, host, port, backlog), self.site, "the gateway", "--listen"
+        )
         self.listener.setName("gateway-listener")
         self.listener.setServiceParent(self)
         self.host, self.port = host, port
@@ -89,41 +93,53 @@ class GatewayService(MultiService):
         return d
 
 
-def _positive(options: usage.Options, name: str, kind: type = float) -> None:
-    try:
-        options[name] = kind(options[name])
-    except ValueError:
-        raise usage.UsageError(f"--{name} must be a {'number' if kind is float else 'whole number'}") from None
-    if options[name] <= 0:
-        raise usage.UsageError(f"--{name} must be positive")
-
-
-class Options(usage.Options):
+class Options(BaseOptions):
     optParameters = [
         ["listen", None, DEFAULT_GATEWAY,
          "[HOST:]PORT the gateway serves on; loopback by default, 0.0.0.0:8000 exposes it"],
         ["control-admin", None, DEFAULT_CONTROL_ADMIN, "the control plane's admin API to follow"],
-        ["poll-interval", None, "2", "seconds between polls of the admin API"],
+        ["poll-interval", None, 2.0,
+         "seconds before retrying a failed read of the control plane's routes (doubled on each "
+         "failure in a row, up to 30); while it answers, the routes are long-polled",
+         positive_float],
         ["metrics", None, DEFAULT_METRICS, "[HOST:]PORT for /metrics (Prometheus), or 'off'"],
-        ["keys", None, None, "API keys file (one per line, or TOML [keys] name = \"key\")"],
-        ["max-body", None, str(GatewayConfig.max_body), "largest request body accepted, in bytes"],
-        ["connect-timeout", None, str(GatewayConfig.connect_timeout), "seconds to connect to a replica"],
-        ["first-byte-timeout", None, str(GatewayConfig.first_byte_timeout),
-         "seconds a replica may take before the first byte of its answer"],
-        ["idle-timeout", None, str(GatewayConfig.idle_timeout),
-         "seconds a replica may stay silent in the middle of an answer"],
-        ["head-timeout", None, str(GatewayConfig.head_timeout),
-         "seconds a client may take to send a request's head, from its first byte (then 408)"],
-        ["body-timeout", None, str(GatewayConfig.body_timeout),
-         "seconds a client's request body may go without a byte arriving (then 408)"],
-        ["keep-alive-timeout", None, str(GatewayConfig.keep_alive_timeout),
-         "seconds a kept-alive client connection may wait for its next request"],
-        ["max-tries", None, str(GatewayConfig.max_tries), "replicas tried when connections fail"],
-        ["failure-threshold", None, str(GatewayConfig.failure_threshold),
-         "failures in a row that take a replica out of rotation"],
-        ["cooldown", None, str(GatewayConfig.cooldown), "seconds a failing replica stays out of rotation"],
-        ["backlog", None, "1024", "listen backlog"],
+        ["api-keys", None, None, "API keys file (one per line, or TOML [keys] name = \"key\"); none: no keys"],
+        ["max-body", None, GatewayConfig.max_body, "largest request body accepted, in bytes",
+         positive_int],
+        ["connect-timeout", None, GatewayConfig.connect_timeout, "seconds to connect to a replica",
+         positive_float],
+        ["first-byte-timeout", None, GatewayConfig.first_byte_timeout,
+         "seconds a replica may take before the first byte of its answer", positive_float],
+        ["idle-timeout", None, GatewayConfig.idle_timeout,
+         "seconds a replica may stay silent in the middle of an answer", positive_float],
+        ["head-timeout", None, GatewayConfig.head_timeout,
+         "seconds a client may take to send a request's head, from its first byte (then 408)",
+         positive_float],
+        ["body-timeout", None, GatewayConfig.body_timeout,
+         "seconds a client's request body may go without a byte arriving (then 408)",
+         positive_float],
+        ["keep-alive-timeout", None, GatewayConfig.keep_alive_timeout,
+         "seconds a kept-alive client connection may wait for its next request", positive_float],
+        ["max-tries", None, GatewayConfig.max_tries, "replicas tried when connections fail",
+         positive_int],
+        ["failure-threshold", None, GatewayConfig.failure_threshold,
+         "failures in a row that take a replica out of rotation", positive_int],
+        ["cooldown", None, GatewayConfig.cooldown, "seconds a failing replica stays out of rotation",
+         positive_float],
+        ["backlog", None, 1024, "listen backlog", positive_int],
     ]
+
+    def __init__(self) -> None:
+        super().__init__()
+        #: Warnings about the command line, logged when the service is made.
+        self.warnings: list[str] = []
+
+    def opt_keys(self, path: str) -> None:
+        """
+        Old name of --api-keys (warns; will go).
+        """
+        self["api-keys"] = path
+        self.warnings.append("--keys is now called --api-keys, as on the control plane; --keys will go")
 
     def postOptions(self) -> None:
         try:
@@ -140,19 +156,12 @@ class Options(usage.Options):
         url = self["control-admin"]
         if not url.startswith(("http://", "https://")):
             raise usage.UsageError(f"--control-admin: {url!r} is not an http:// or https:// URL")
-        for name in (
-            "poll-interval", "connect-timeout", "first-byte-timeout", "idle-timeout", "cooldown",
-            "head-timeout", "body-timeout", "keep-alive-timeout",
-        ):
-            _positive(self, name)
-        for name in ("max-body", "max-tries", "failure-threshold", "backlog"):
-            _positive(self, name, int)
         self["keyring"] = None
-        if self["keys"]:
+        if self["api-keys"]:
             try:
-                self["keyring"] = load_keys(Path(self["keys"]))
+                self["keyring"] = load_keys(Path(self["api-keys"]))
             except KeysError as e:
-                raise usage.UsageError(f"--keys: {e}") from e
+                raise usage.UsageError(f"--api-keys: {e}") from e
 
     def config(self) -> GatewayConfig:
         return GatewayConfig(
@@ -176,6 +185,8 @@ class StandaloneGateway(MultiService):
     asked for, C{metrics_listener}.
     """
 
+    log = Logger()
+
     def __init__(
         self,
         reactor: Any,
@@ -192,7 +203,7 @@ class StandaloneGateway(MultiService):
         super().__init__()
         self.registry = CollectorRegistry()
         self.table = FollowerTable(reactor, admin_url, http=http, registry=self.registry)
-        self.follower = FollowerService(self.table, poll_interval)
+        self.follower = FollowerService(self.table, retry=poll_interval)
         self.follower.setServiceParent(self)
         self.front = GatewayService(
             reactor, self.table, host, port, config, keys, self.registry, backlog
@@ -211,7 +222,10 @@ class StandaloneGateway(MultiService):
             site = Site(root, reactor=reactor)
             site.log = lambda request: None  # type: ignore[method-assign]
             self.metrics_listener = ListenerService(
-                server_endpoint(reactor, metrics_address[0], metrics_address[1]), site
+                server_endpoint(reactor, metrics_address[0], metrics_address[1]),
+                site,
+                "the gateway's /metrics",
+                "--metrics",
             )
             self.metrics_listener.setServiceParent(self)
 
@@ -221,6 +235,8 @@ def makeService(options: Options, reactor: Any = None) -> StandaloneGateway:
         from twisted.internet import reactor as _reactor
 
         reactor = _reactor
+    for warning in options.warnings:
+        StandaloneGateway.log.warn("{warning}", warning=warning)
     return StandaloneGateway(
         reactor,
         options["control-admin"],
