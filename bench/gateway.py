@@ -57,7 +57,7 @@ def serve_gateway(port: int, upstream: str) -> None:
     from twisted.internet import reactor
 
     from llmgw.control.interfaces import Route
-    from llmgw.gateway.follower import RoutingSnapshot
+    from llmgw.routing import RoutingSnapshot
     from llmgw.gateway.service import GatewayService
 
     table = RoutingSnapshot([Route("r1", MODEL, upstream)], [MODEL])

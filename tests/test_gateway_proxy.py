@@ -18,7 +18,7 @@ from twisted.logger import globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from llmgw.control.interfaces import Route
-from llmgw.gateway.follower import RoutingSnapshot
+from llmgw.routing import RoutingSnapshot
 from llmgw.gateway.front import FrontFactory, FrontRequest
 from llmgw.gateway.keys import KeyRing
 from llmgw.gateway.proxy import Gateway, GatewayConfig, ProxyCall

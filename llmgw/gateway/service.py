@@ -236,7 +236,7 @@ def makeService(options: Options, reactor: Any = None) -> StandaloneGateway:
 
         reactor = _reactor
     for warning in options.warnings:
-        StandaloneGateway.log.warn("{warning}", warning=warning)
+        StandaloneGateway.log.warn("{problem}", problem=warning)
     return StandaloneGateway(
         reactor,
         options["control-admin"],
