@@ -57,8 +57,8 @@ def serve_gateway(port: int, upstream: str) -> None:
     from twisted.internet import reactor
 
     from llmgw.control.interfaces import Route
-    from llmgw.routing import RoutingSnapshot
     from llmgw.gateway.service import GatewayService
+    from llmgw.routing import RoutingSnapshot
 
     table = RoutingSnapshot([Route("r1", MODEL, upstream)], [MODEL])
     GatewayService(reactor, table, "127.0.0.1", port).startService()

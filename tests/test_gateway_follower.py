@@ -21,7 +21,7 @@ from twisted.web.resource import Resource
 
 from llmgw.control.admin import AdminResource
 from llmgw.control.metrics import make_registry
-from llmgw.gateway.follower import FollowerService, FollowerTable
+from llmgw.gateway.follower import FollowerService, FollowerTable, RoutesFetchError, read_body
 from llmgw.gateway.router import Router
 from llmgw.routing import IRoutingTable, Route, RoutingTable
 from llmgw.testing.fleet import sample_fleet
@@ -350,3 +350,20 @@ class ServiceTests(FollowerTestCase):
         self.stub.flush()
         self.assertEqual(self.published.waiting(), 0)
         self.assertEqual(self.table.failures_in_a_row, 0)
+
+
+class BodyTests(SynchronousTestCase):
+    def test_body_bounded(self) -> None:
+        """
+        A routes document over the limit is refused (the read fails, the
+        connection is dropped) rather than buffered whole.
+        """
+        stub = StubTreq(Raw(b"x" * 1000))
+        response = self.successResultOf(stub.get("http://cp/api/v1/routes"))
+        d = read_body(response, limit=100)
+        stub.flush()
+        self.assertIn("over 100 bytes", str(self.failureResultOf(d, RoutesFetchError).value))
+        response = self.successResultOf(stub.get("http://cp/api/v1/routes"))
+        d = read_body(response, limit=1000)
+        stub.flush()
+        self.assertEqual(self.successResultOf(d), b"x" * 1000)

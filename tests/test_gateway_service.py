@@ -22,11 +22,10 @@ from twisted.python import usage
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from llmgw import tap
-from llmgw.routing import RoutingSnapshot
 from llmgw.control.admin import admin_service
 from llmgw.control.metrics import make_registry
 from llmgw.gateway.service import GatewayService, Options, StandaloneGateway, makeService
-from llmgw.routing import Route, RoutingTable
+from llmgw.routing import Route, RoutingSnapshot, RoutingTable
 from llmgw.testing.fleet import sample_fleet
 from tests.gateway_helpers import FakeReplica, Harness
 

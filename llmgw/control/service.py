@@ -35,10 +35,10 @@ from llmgw.control.limits import ConnectionLimiter, LimitsConfig, backlog_proble
 from llmgw.control.metrics import make_registry, register_control_metrics
 from llmgw.control.reconciler import Reconciler
 from llmgw.control.trust import TrustService
-from llmgw.options import Options as BaseOptions
-from llmgw.options import non_negative_float, non_negative_int, positive_float, positive_int
 from llmgw.gateway.keys import KeysError, load_keys
 from llmgw.gateway.service import DEFAULT_GATEWAY, GatewayService
+from llmgw.options import Options as BaseOptions
+from llmgw.options import non_negative_float, non_negative_int, positive_float, positive_int
 from llmgw.signals import SighupHandler, owns_signals
 from llmgw.tlsconf.options import ServerTLS, TLSConfigError, server_files
 from llmgw.wire import DEFAULT_MAX_FRAME

@@ -87,8 +87,11 @@ class _BoundedBody(Protocol):
         self.done: Deferred[bytes] = Deferred(lambda d: self._stop())
 
     def _stop(self) -> None:
-        if self.transport is not None:
-            self.transport.stopProducing()
+        # A response body's transport is a producer: stopping it drops the
+        # connection.
+        transport: Any = self.transport
+        if transport is not None:
+            transport.stopProducing()
 
     def dataReceived(self, data: bytes) -> None:
         if self.done.called:
