@@ -461,16 +461,17 @@ class Reconciler(Service):
         )
 
     def _update_ready(self, rep: ReplicaRec) -> None:
-        self._routes_dirty.add(rep.model)  # interim: replaced by the core branch
         ready = self._ready[rep.model]
         serving = self._serving(rep)
         if serving and rep.id not in ready:
+            self._routes_dirty.add(rep.model)  # interim: replaced by the core branch
             ready.add(rep.id)
             rep.ready_since = self.clock.seconds()
             self._incomplete.discard(rep.id)
             if rep.phase == ACTIVE:
                 self._event("replica_ready", replica=rep.id, reason=f"model {rep.model}")
         elif not serving and rep.id in ready:
+            self._routes_dirty.add(rep.model)  # interim: replaced by the core branch
             ready.discard(rep.id)
             rep.ready_since = None
 
