@@ -57,8 +57,8 @@ def serve_gateway(port: int, upstream: str) -> None:
     from twisted.internet import reactor
 
     from llmgw.control.interfaces import Route
-    from llmgw.gateway.follower import RoutingSnapshot
     from llmgw.gateway.service import GatewayService
+    from llmgw.routing import RoutingSnapshot
 
     table = RoutingSnapshot([Route("r1", MODEL, upstream)], [MODEL])
     GatewayService(reactor, table, "127.0.0.1", port).startService()
@@ -400,6 +400,54 @@ def added(rounds: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
     return out
 
 
+def metrics_cost(requests: int = 200_000, rounds: int = 5) -> dict[str, Any]:
+    """
+    CPU the gateway's metrics take per request, in this process: what
+    C{ProxyCall} does for each request (a counter, two histograms, the clock
+    reads that time them), against the same loop calling no-ops (the
+    baseline, measured in the same run). Medians of C{rounds}.
+    """
+    from prometheus_client import CollectorRegistry
+
+    from llmgw.gateway.metrics import GatewayMetrics
+
+    m = GatewayMetrics(CollectorRegistry(), dict)
+
+    class Noop:
+        def count(self, model: str, path: str, status: int) -> None:
+            pass
+
+        def observe(self, model: str, seconds: float) -> None:
+            pass
+
+        def first_byte(self, model: str, seconds: float) -> None:
+            pass
+
+    def per_request(target: Any, clock: Any) -> float:
+        start = time.process_time()
+        for _ in range(requests):
+            t0 = clock()
+            target.first_byte(MODEL, clock() - t0)
+            target.count(MODEL, "/v1/chat/completions", 200)
+            target.observe(MODEL, clock() - t0)
+        return (time.process_time() - start) / requests * 1e6
+
+    def zero() -> float:
+        return 0.0
+
+    with_metrics = [per_request(m, time.monotonic) for _ in range(rounds)]
+    baseline = [per_request(Noop(), zero) for _ in range(rounds)]
+    net = (_median(with_metrics) or 0) - (_median(baseline) or 0)
+    return {
+        "what": "per request: one counter inc, two histogram observes, three monotonic reads",
+        "requests_per_round": requests,
+        "rounds": rounds,
+        "us_per_request": round(_median(with_metrics) or 0, 3),
+        "baseline_noop_us_per_request": round(_median(baseline) or 0, 3),
+        "metrics_us_per_request": round(net, 3),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--duration", type=float, default=5.0, help="seconds per closed-loop run")
@@ -408,7 +456,16 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="1 s runs (a smoke test of the script)")
     ap.add_argument("--no-pin", dest="pin", action="store_false",
                     help="leave CPU placement to the scheduler (default: pin, see the docstring)")
+    ap.add_argument("--metrics-cost", action="store_true",
+                    help="measure only the metrics' CPU per request (in process, no wrk)")
     args = ap.parse_args()
+    if args.metrics_cost:
+        load = [round(x, 2) for x in os.getloadavg()]
+        out = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
+               "metrics_cost": metrics_cost(),
+               "load_average": {"before": load, "after": [round(x, 2) for x in os.getloadavg()]}}
+        print(json.dumps(out, indent=2))
+        return
     cpus = placement(args.pin)
     # Whatever else runs on the machine shows here; the figures are only
     # as good as the machine was quiet.
@@ -504,6 +561,12 @@ def main() -> None:
         summary["gateway_best_rps_minimal_upstream"] = gw_fast
         summary["gateway_cpu_us_per_request_c50"] = ns["gateway"]["c50"].get("proxy_cpu_us_per_request")
         summary["bare_proxy_cpu_us_per_request_c50"] = ns["bare_proxy"]["c50"].get("proxy_cpu_us_per_request")
+        result["metrics_cost"] = metrics_cost()
+        cpu_c50 = summary["gateway_cpu_us_per_request_c50"]
+        if cpu_c50:
+            summary["metrics_share_of_gateway_cpu_c50"] = round(
+                result["metrics_cost"]["metrics_us_per_request"] / cpu_c50, 3
+            )
         summary.update(added(rounds))
         if cpus["proxy"] is not None:
             summary["pinned"] = added(pinned_rounds)

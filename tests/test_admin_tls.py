@@ -65,7 +65,7 @@ class RoleTableTests(SynchronousTestCase):
         self.assertTrue(role_allows("operator", "POST", cordon))
         self.assertTrue(role_allows("operator", "GET", ["metrics"]))
         self.assertTrue(role_allows("gateway", "GET", ["api", "v1", "routes"]))
-        self.assertTrue(role_allows("gateway", "GET", ["api", "v1", "replicas"]))
+        self.assertFalse(role_allows("gateway", "GET", ["api", "v1", "replicas"]))
         self.assertFalse(role_allows("gateway", "GET", nodes))
         self.assertFalse(role_allows("gateway", "GET", ["api", "v1", "events"]))
         self.assertFalse(role_allows("gateway", "POST", ["api", "v1", "catalog", "reload"]))
@@ -201,13 +201,14 @@ class MutualTLSTests(TestCase):
     @inlineCallbacks
     def test_gateway_role_reads_routes_only(self) -> None:
         """
-        The gateway role reads the routing data (replicas, deployments) and
-        is refused nodes, events and every change.
+        The gateway role reads the routing table a gateway follows and is
+        refused the fleet's other views and every change.
         """
+        code, body = yield self.call("admin-gw-1", "GET", "/api/v1/routes")
+        self.assertEqual(code, 200)
+        self.assertEqual([r["replica"] for r in body["routes"]], ["r1"])
         code, _ = yield self.call("admin-gw-1", "GET", "/api/v1/replicas")
-        self.assertEqual(code, 200)
-        code, _ = yield self.call("admin-gw-1", "GET", "/api/v1/deployments")
-        self.assertEqual(code, 200)
+        self.assertEqual(code, 403)
         code, body = yield self.call("admin-gw-1", "GET", "/api/v1/nodes")
         self.assertEqual(code, 403)
         self.assertIn("role gateway", body["error"])

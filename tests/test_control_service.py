@@ -85,7 +85,9 @@ class GatewayOptionTests(SynchronousTestCase):
     def test_gateway_embedded(self) -> None:
         """
         The control plane embeds the gateway on 127.0.0.1:8000 by default,
-        routing by the reconciler, which reads its in-flight counts.
+        routing by the reconciler's published routing table (the one
+        standalone gateways follow); the reconciler reads its in-flight
+        counts.
         """
         from twisted.internet.testing import MemoryReactorClock
 
@@ -96,7 +98,7 @@ class GatewayOptionTests(SynchronousTestCase):
         self.assertEqual(o["gateway_address"], ("127.0.0.1", 8000))
         cp = makeService(o, reactor=MemoryReactorClock())
         assert cp.gateway is not None and cp.reconciler is not None
-        self.assertIs(cp.gateway.gateway.table, cp.reconciler)
+        self.assertIs(cp.gateway.gateway.table, cp.reconciler.routing_table)
         self.assertIs(cp.reconciler.in_flight, cp.gateway)
 
     def test_gateway_off(self) -> None:

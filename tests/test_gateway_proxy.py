@@ -18,11 +18,11 @@ from twisted.logger import globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from llmgw.control.interfaces import Route
-from llmgw.gateway.follower import RoutingSnapshot
 from llmgw.gateway.front import FrontFactory, FrontRequest
 from llmgw.gateway.keys import KeyRing
 from llmgw.gateway.proxy import Gateway, GatewayConfig, ProxyCall
 from llmgw.gateway.resource import GatewayResource, GatewaySite
+from llmgw.routing import RoutingSnapshot
 from tests.gateway_helpers import Harness, dead_address
 
 

@@ -461,7 +461,7 @@ class OptionsTests(SynchronousTestCase):
                 usage.UsageError, Options().parseOptions, ["--insecure", "--agents", "127.0.0.1:0", *bad]
             )
             self.assertIn(bad[0], str(e))
-        self.assertEqual(Options()["max-connections"], str(DEFAULT_MAX_CONNECTIONS))
+        self.assertEqual(Options()["max-connections"], DEFAULT_MAX_CONNECTIONS)
 
     def test_admission_options(self) -> None:
         """

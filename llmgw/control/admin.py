@@ -41,7 +41,7 @@ from urllib.parse import quote
 from OpenSSL import SSL
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
-from twisted.internet.defer import maybeDeferred
+from twisted.internet.defer import CancelledError, maybeDeferred
 from twisted.logger import Logger
 from twisted.protocols.tls import TLSMemoryBIOFactory
 from twisted.python.failure import Failure
@@ -51,6 +51,7 @@ from twisted.web.resource import Resource
 
 from llmgw.addresses import ListenerService, format_address, is_loopback, server_endpoint
 from llmgw.control.interfaces import AdminError, IFleetAdmin
+from llmgw.routing import LONG_POLL_MAX_S, RoutingTable, snapshot_to_json
 from llmgw.tlsconf.options import AdminIdentity, IdentityError, ServerTLS, peer_admin
 from llmgw.wire import InvalidNodeId, validate_node_id
 
@@ -74,6 +75,7 @@ ENDPOINTS = [
     "GET /api/v1/deployments",
     "GET /api/v1/replicas",
     "GET /api/v1/events?since=SECONDS",
+    "GET /api/v1/routes?since=REVISION",
     "POST /api/v1/nodes/{id}/cordon",
     "POST /api/v1/nodes/{id}/uncordon",
     "POST /api/v1/nodes/{id}/drain",
@@ -86,11 +88,7 @@ ENDPOINTS = [
 
 #: What the C{gateway} role may read: the routing data a standalone gateway
 #: follows, and nothing about nodes or events.
-GATEWAY_READS = (
-    ("api", "v1", "routes"),
-    ("api", "v1", "replicas"),
-    ("api", "v1", "deployments"),
-)
+GATEWAY_READS = (("api", "v1", "routes"),)
 
 
 def role_allows(role: str, method: str, path: list[str]) -> bool:
@@ -379,6 +377,9 @@ class AdminResource(Resource):
             only("GET")
             since = self._since(request)
             return (lambda: {"events": self.fleet.events(since)}), ()
+        if rest == ["routes"]:
+            only("GET")
+            return self._routes_route(request)
         if head == "nodes" and len(rest) == 3 and rest[2] in NODE_ACTIONS:
             only("POST")
             self._body(request)
@@ -522,6 +523,50 @@ class AdminResource(Resource):
         body = encoder(self.registry)
         request.setHeader(b"content-type", content_type.encode("ascii"))
         return body
+
+    # -- GET /api/v1/routes: the routing table, long-polled ------------------------------
+
+    def _routes_route(self, request: Any) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        """
+        The handler of C{GET /api/v1/routes}: the fleet's published
+        L{RoutingTable} (its C{routing_table}), and the revision the client
+        holds (C{?since=}), if it gave one.
+        """
+        table = getattr(self.fleet, "routing_table", None)
+        if not isinstance(table, RoutingTable):
+            raise Refused(404, "this control plane publishes no routing table")
+        values = request.args.get(b"since")
+        since: int | None = None
+        if values:
+            if len(values) > 1:
+                raise Refused(400, "give 'since' once")
+            raw = values[0].decode("utf-8", "replace")
+            if not (raw.isascii() and raw.isdigit()) or len(raw) > 18:
+                raise Refused(400, f"since={raw!r} is not a revision (a whole number, 0 or more)")
+            since = int(raw)
+        return self._routes, (request, table, since)
+
+    def _routes(self, request: Any, table: RoutingTable, since: int | None) -> Any:
+        """
+        The table as C{snapshot_to_json} writes it: at once without C{since}
+        or when the table's revision differs from it (newer, or a client of
+        an earlier control plane process whose count was higher); else when
+        the table next changes or after L{LONG_POLL_MAX_S} seconds, whichever
+        comes first. A client that goes away cancels its wait.
+        """
+        if since is None or since != table.revision:
+            return snapshot_to_json(table, table.clock.seconds())
+        waiting = table.wait_newer(since, LONG_POLL_MAX_S)
+        request.notifyFinish().addErrback(lambda _: waiting.cancel())
+
+        def answer(_: int) -> dict[str, Any]:
+            return snapshot_to_json(table, table.clock.seconds())
+
+        def gone(f: Failure) -> bytes:
+            f.trap(CancelledError)
+            return b""  # nobody is there to read it
+
+        return waiting.addCallbacks(answer, gone)
 
     # -- output ------------------------------------------------------------------------
 

@@ -25,12 +25,13 @@ DESIGN §5 says of shards nothing in the catalog claims).
 from __future__ import annotations
 
 import collections
+import functools  # interim: replaced by the core branch
 import heapq
 import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from twisted.application.service import Service
 from twisted.internet.interfaces import IReactorTime
@@ -68,6 +69,7 @@ from llmgw.control.interfaces import (
 )
 from llmgw.control.inventory import Inventory
 from llmgw.control.placement import NodeCapacity, Placer, PortBook, Request
+from llmgw.routing import RoutingTable  # interim: replaced by the core branch
 
 DEFAULT_PASS_INTERVAL = 1.0
 DEFAULT_SUSPECT_AFTER = 15.0
@@ -103,6 +105,25 @@ SERVING = frozenset({READY, DRAINING})
 ACTIVE, DRAINING_PHASE, STOPPING = "active", "draining", "stopping"
 
 _SLUG = re.compile(r"[^A-Za-z0-9.]+")
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _republishes(method: _F) -> _F:
+    """
+    interim: replaced by the core branch. Publish the routing table after
+    C{method}, however it returns.
+    """
+
+    @functools.wraps(method)
+    def wrapper(self: Reconciler, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.publish_routes()
+
+    return wrapper  # type: ignore[return-value]
 
 
 def format_address(host: str, port: int) -> str:
@@ -280,6 +301,11 @@ class Reconciler(Service):
         self._in_pass = False
         self._loop: LoopingCall | None = None
         self._apply_desired()
+        # interim: replaced by the core branch. The published routing table
+        # (what every gateway routes by), re-published after each change.
+        self.routing_table = RoutingTable(clock)
+        self._routes_dirty: set[str] = set()
+        self.publish_routes()
 
     # -- wiring -----------------------------------------------------------------
 
@@ -438,12 +464,14 @@ class Reconciler(Service):
         ready = self._ready[rep.model]
         serving = self._serving(rep)
         if serving and rep.id not in ready:
+            self._routes_dirty.add(rep.model)  # interim: replaced by the core branch
             ready.add(rep.id)
             rep.ready_since = self.clock.seconds()
             self._incomplete.discard(rep.id)
             if rep.phase == ACTIVE:
                 self._event("replica_ready", replica=rep.id, reason=f"model {rep.model}")
         elif not serving and rep.id in ready:
+            self._routes_dirty.add(rep.model)  # interim: replaced by the core branch
             ready.discard(rep.id)
             rep.ready_since = None
 
@@ -468,6 +496,7 @@ class Reconciler(Service):
     def _profile(self, name: str) -> Profile | None:
         return self.catalog.profiles.get(name)
 
+    @_republishes  # interim: replaced by the core branch
     def apply_catalog(self, new: Catalog) -> dict[str, Any]:
         """
         Make C{new} the running catalog: deployments that went away are
@@ -517,6 +546,7 @@ class Reconciler(Service):
             heapq.heappush(self._heap, (now + self.suspect_after, node_id))
         self._cap_dirty.add(node_id)
 
+    @_republishes  # interim: replaced by the core branch
     def adopt(self, node_id: str, shards: list[ReportedShard]) -> list[ReportedShard]:
         now = self.clock.seconds()
         self._note_node(node_id, now)
@@ -604,6 +634,7 @@ class Reconciler(Service):
         self._reported[node_id] = reported
         return unclaimed
 
+    @_republishes  # interim: replaced by the core branch
     def node_registered(self, node_id: str) -> None:
         now = self.clock.seconds()
         self._note_node(node_id, now)
@@ -705,6 +736,7 @@ class Reconciler(Service):
         elif model in self.deps:
             self.deps[model].last_failure = failure
 
+    @_republishes  # interim: replaced by the core branch
     def on_shard_status(self, report: ShardReport) -> None:
         now = self.clock.seconds()
         shard = self.shard_recs.get(report.shard_id)
@@ -919,6 +951,7 @@ class Reconciler(Service):
         if rep.phase != ACTIVE:
             return
         rep.phase = DRAINING_PHASE
+        self._routes_dirty.add(rep.model)  # interim: replaced by the core branch
         rep.drain_started = self.clock.seconds()
         self._active[rep.model].discard(rep.id)
         self._evacuating[rep.model].discard(rep.id)
@@ -963,6 +996,7 @@ class Reconciler(Service):
             self.log.failure("reconcile pass failed; the next one runs as usual")
         finally:
             self._in_pass = False
+            self.publish_routes()  # interim: replaced by the core branch
             self.passes += 1
             self.last_pass_duration = self._timer() - started
             self.pass_seconds_total += self.last_pass_duration
@@ -1247,6 +1281,21 @@ class Reconciler(Service):
             self._spread,
             self.ports,
         )
+
+    # -- interim: replaced by the core branch ------------------------------------------
+
+    def publish_routes(self) -> None:
+        """
+        Publish the routes of every model whose ready replicas or draining
+        marks may have changed, and the declared models, to
+        C{routing_table}. Called after every pass, status report, adoption,
+        registration and catalog change.
+        """
+        table = self.routing_table
+        table.set_known(self.catalog.deployments)
+        dirty, self._routes_dirty = self._routes_dirty, set()
+        for model in sorted(dirty):
+            table.publish_model(model, self.routes(model))
 
     # -- IRoutingTable ------------------------------------------------------------
 

@@ -42,6 +42,8 @@ from llmgw.control.reconciler import Reconciler
 from llmgw.control.trust import TrustService
 from llmgw.gateway.keys import KeysError, load_keys
 from llmgw.gateway.service import DEFAULT_GATEWAY, GatewayService
+from llmgw.options import Options as BaseOptions
+from llmgw.options import non_negative_float, non_negative_int, positive_float, positive_int
 from llmgw.signals import SighupHandler, owns_signals
 from llmgw.tlsconf.options import ServerTLS, TLSConfigError, server_files
 from llmgw.wire import DEFAULT_MAX_FRAME
@@ -56,37 +58,45 @@ DEFAULT_BACKLOG = 4096
 DEFAULT_GC_THRESHOLD = 50_000
 
 
-class Options(usage.Options):
+class Options(BaseOptions):
     optParameters = [
         ["certs", None, "certs", "directory with ca.pem, server.pem and server.key"],
         ["agents", None, str(DEFAULT_AGENT_PORT), "[HOST:]PORT for the agent stream (IPv6 as [addr]:port)"],
-        ["max-frame", None, str(DEFAULT_MAX_FRAME), "largest agent frame accepted, in bytes"],
-        ["heartbeat-interval", None, "5", "agents' heartbeat interval in seconds; 3 silent intervals close a stream"],
-        ["backlog", None, str(DEFAULT_BACKLOG), "listen backlog of the agent port (capped by net.core.somaxconn)"],
+        ["max-frame", None, DEFAULT_MAX_FRAME, "largest agent frame accepted, in bytes", positive_int],
+        ["heartbeat-interval", None, 5.0,
+         "agents' heartbeat interval in seconds; 3 silent intervals close a stream", positive_float],
+        ["backlog", None, DEFAULT_BACKLOG, "listen backlog of the agent port (capped by net.core.somaxconn)",
+         positive_int],
         ["admin", None, f"{DEFAULT_ADMIN_HOST}:{DEFAULT_ADMIN_PORT}",
          "[HOST:]PORT for the admin API and /metrics, or 'off'; beyond loopback it needs "
          "mutual TLS with admin certificates (--admin-tls, implied there)"],
-        ["max-connections", None, str(LimitsConfig.max_connections), "most connections on the agent port (0: no cap)"],
-        ["max-connections-per-address", None, str(LimitsConfig.max_per_address), "most agent-port connections from one source address (0: no cap)"],
-        ["agent-message-rate", None, str(LimitsConfig.message_rate), "messages per second one agent may send before it is not read (0: no limit)"],
-        ["agent-message-burst", None, str(LimitsConfig.message_burst), "messages one agent may send at once above its rate"],
-        ["max-registering", None, str(LimitsConfig.max_registering),
+        ["max-connections", None, LimitsConfig.max_connections, "most connections on the agent port (0: no cap)",
+         non_negative_int],
+        ["max-connections-per-address", None, LimitsConfig.max_per_address,
+         "most agent-port connections from one source address (0: no cap)", non_negative_int],
+        ["agent-message-rate", None, LimitsConfig.message_rate,
+         "messages per second one agent may send before it is not read (0: no limit)", non_negative_float],
+        ["agent-message-burst", None, LimitsConfig.message_burst,
+         "messages one agent may send at once above its rate", non_negative_int],
+        ["max-registering", None, LimitsConfig.max_registering,
          "connections between their first TLS byte and their Register at which the agent port stops "
-         "accepting (the listen backlog holds the rest) until half are done (0: no limit)"],
+         "accepting (the listen backlog holds the rest) until half are done (0: no limit)", non_negative_int],
         ["catalog", None, None, "catalog TOML (profiles and deployments), reloaded on SIGHUP; "
          "without one nothing is placed and every shard agents report is stopped"],
-        ["pass-interval", None, "1", "seconds between reconcile passes"],
-        ["suspect-after", None, "15", "seconds of silence before a node is suspect (nothing new placed)"],
-        ["lost-after", None, "300", "seconds of silence before a node is lost (its replicas replaced)"],
-        ["adoption-grace", None, "30", "seconds after start during which nothing is placed, "
-         "while agents report what they run"],
+        ["pass-interval", None, 1.0, "seconds between reconcile passes", positive_float],
+        ["suspect-after", None, 15.0, "seconds of silence before a node is suspect (nothing new placed)",
+         positive_float],
+        ["lost-after", None, 300.0, "seconds of silence before a node is lost (its replicas replaced)",
+         positive_float],
+        ["adoption-grace", None, 30.0, "seconds after start during which nothing is placed, "
+         "while agents report what they run", non_negative_float],
         ["gateway", None, DEFAULT_GATEWAY,
          "[HOST:]PORT for the OpenAI-compatible gateway (0.0.0.0:8000 exposes it), or 'off'"],
         ["api-keys", None, None,
          "gateway API keys file (one per line, or TOML [keys] name = \"key\"); none: no keys"],
-        ["gc-threshold", None, str(DEFAULT_GC_THRESHOLD),
+        ["gc-threshold", None, DEFAULT_GC_THRESHOLD,
          "objects allocated between two young-generation runs of Python's cyclic collector "
-         "(Python's default: 700); 0 leaves the collector as Python set it"],
+         "(Python's default: 700); 0 leaves the collector as Python set it", non_negative_int],
         ["config", None, None, "TOML file holding any of these options by name "
          "(pass-interval = 2, insecure = true, ...); the command line wins"],
     ]
@@ -123,20 +133,16 @@ class Options(usage.Options):
             if isinstance(self._dispatch[name], usage.CoerceParameter):
                 if isinstance(value, bool) or not isinstance(value, str | int | float):
                     raise usage.UsageError(f"--config {path}: {key!r} must be a string or a number")
-                self[name] = str(value)
+                try:
+                    self.set_option(name, str(value))
+                except usage.UsageError as e:
+                    raise usage.UsageError(f"--config {path}: {e}") from None
             else:
                 if not isinstance(value, bool):
                     raise usage.UsageError(f"--config {path}: {key!r} is a flag: write true or false")
                 self[name] = int(value)
 
     def _reconciler_options(self) -> None:
-        for name in ("pass-interval", "suspect-after", "lost-after", "adoption-grace"):
-            try:
-                self[name] = float(self[name])
-            except (TypeError, ValueError):
-                raise usage.UsageError(f"--{name} must be a number of seconds, not {self[name]!r}") from None
-            if self[name] < 0 or (self[name] == 0 and name != "adoption-grace"):
-                raise usage.UsageError(f"--{name} must be positive")
         if self["lost-after"] <= self["suspect-after"]:
             raise usage.UsageError("--lost-after must be longer than --suspect-after")
         if self["catalog"]:
@@ -187,26 +193,7 @@ class Options(usage.Options):
                 f"--insecure serves the agent stream without TLS and is refused on {host}: "
                 "use a loopback address such as 127.0.0.1"
             )
-        for name in ("max-frame", "backlog"):
-            try:
-                self[name] = int(self[name])
-            except ValueError:
-                raise usage.UsageError(f"--{name} must be an integer") from None
-            if self[name] <= 0:
-                raise usage.UsageError(f"--{name} must be positive")
-        try:
-            self["gc-threshold"] = int(self["gc-threshold"])
-        except ValueError:
-            raise usage.UsageError("--gc-threshold must be an integer") from None
-        if self["gc-threshold"] < 0:
-            raise usage.UsageError("--gc-threshold must not be negative")
         self["limits"] = _limits(self)
-        try:
-            self["heartbeat-interval"] = float(self["heartbeat-interval"])
-        except ValueError:
-            raise usage.UsageError("--heartbeat-interval must be a number of seconds") from None
-        if self["heartbeat-interval"] <= 0:
-            raise usage.UsageError("--heartbeat-interval must be positive")
         if not self["insecure"]:
             try:
                 self["tls"] = server_files(Path(self["certs"]))
@@ -218,23 +205,12 @@ class Options(usage.Options):
 
 
 def _limits(options: usage.Options) -> LimitsConfig:
-    values: dict[str, float] = {}
-    for name, kind in (
-        ("max-connections", int), ("max-connections-per-address", int),
-        ("agent-message-rate", float), ("agent-message-burst", int), ("max-registering", int),
-    ):
-        try:
-            values[name] = kind(options[name])
-        except ValueError:
-            raise usage.UsageError(f"--{name} must be a number, not {options[name]!r}") from None
-        if values[name] < 0:
-            raise usage.UsageError(f"--{name} must not be negative")
     return LimitsConfig(
-        max_connections=int(values["max-connections"]),
-        max_per_address=int(values["max-connections-per-address"]),
-        message_rate=values["agent-message-rate"],
-        message_burst=max(1, int(values["agent-message-burst"])),
-        max_registering=int(values["max-registering"]),
+        max_connections=options["max-connections"],
+        max_per_address=options["max-connections-per-address"],
+        message_rate=options["agent-message-rate"],
+        message_burst=max(1, options["agent-message-burst"]),
+        max_registering=options["max-registering"],
     )
 
 
@@ -311,7 +287,7 @@ class ControlPlane(MultiService):
             self.trust.setServiceParent(self)
         self.backlog = backlog
         endpoint = server_endpoint(reactor, agents_host, agents_port, backlog=backlog)
-        self.agent_listener = ListenerService(endpoint, self.limiter)
+        self.agent_listener = ListenerService(endpoint, self.limiter, "the agent stream", "--agents")
         self.agent_listener.setName("agent-listener")
         self.agent_listener.setServiceParent(self)
         self.agents_address = (agents_host, agents_port)
@@ -340,6 +316,7 @@ class ControlPlane(MultiService):
             self.reactor, host, port, self.fleet, self.registry, self.agents, control=self,
             tls=tls,
         )
+        self.admin_listener.what, self.admin_listener.option = "the admin API", "--admin"
         self.admin_listener.setServiceParent(self)
 
     def startService(self) -> None:
@@ -486,9 +463,12 @@ def makeService(options: Options, reactor: Any = None) -> ControlPlane:
         collector.setServiceParent(cp)
     if options["gateway_address"] is not None:
         host, port = options["gateway_address"]
+        # The embedded gateway routes by the published routing table, the
+        # same one standalone gateways follow through GET /api/v1/routes.
         cp.gateway = GatewayService(
-            reactor, reconciler, host, port, keys=options["keyring"], registry=cp.registry
+            reactor, reconciler.routing_table, host, port, keys=options["keyring"], registry=cp.registry
         )
+        cp.gateway.listener.option = "--gateway"
         cp.gateway.setName("gateway")
         cp.gateway.setServiceParent(cp)
         # The gateway's in-flight counts let a draining replica stop as soon

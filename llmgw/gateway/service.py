@@ -26,11 +26,13 @@ from llmgw.addresses import (
     parse_address,
     server_endpoint,
 )
-from llmgw.gateway.follower import FollowerService, FollowerTable, RoutingSnapshot
+from llmgw.gateway.follower import FollowerService, FollowerTable
 from llmgw.gateway.keys import KeyRing, KeysError, load_keys
 from llmgw.gateway.proxy import Gateway, GatewayConfig
 from llmgw.gateway.resource import GatewayResource, GatewaySite
-from llmgw.routing import IInFlight, IRoutingTable
+from llmgw.options import Options as BaseOptions
+from llmgw.options import positive_float, positive_int
+from llmgw.routing import IInFlight, IRoutingTable, RoutingSnapshot
 from llmgw.tlsconf.options import ClientTLSPolicy, TLSConfigError, admin_files
 from llmgw.tlsconf.reload import ClientCertificateReload
 
@@ -67,7 +69,9 @@ class GatewayService(MultiService):
         self.gateway = Gateway(reactor, table, config, registry, keys)
         self.registry = self.gateway.registry
         self.site = GatewaySite(GatewayResource(self.gateway), reactor=reactor)
-        self.listener = ListenerService(server_endpoint(reactor, host, port, backlog), self.site)
+        self.listener = ListenerService(
+            server_endpoint(reactor, host, port, backlog), self.site, "the gateway", "--listen"
+        )
         self.listener.setName("gateway-listener")
         self.listener.setServiceParent(self)
         self.host, self.port = host, port
@@ -91,16 +95,7 @@ class GatewayService(MultiService):
         return d
 
 
-def _positive(options: usage.Options, name: str, kind: type = float) -> None:
-    try:
-        options[name] = kind(options[name])
-    except ValueError:
-        raise usage.UsageError(f"--{name} must be a {'number' if kind is float else 'whole number'}") from None
-    if options[name] <= 0:
-        raise usage.UsageError(f"--{name} must be positive")
-
-
-class Options(usage.Options):
+class Options(BaseOptions):
     optParameters = [
         ["listen", None, DEFAULT_GATEWAY,
          "[HOST:]PORT the gateway serves on; loopback by default, 0.0.0.0:8000 exposes it"],
@@ -108,27 +103,48 @@ class Options(usage.Options):
         ["admin-certs", None, None, "with an https:// --control-admin: the directory with ca.pem "
          "and this gateway's admin-NAME.pem/.key (`llmgw ctl cert admin NAME --role gateway`)"],
         ["admin-as", None, None, "with an https:// --control-admin: NAME of that certificate"],
-        ["poll-interval", None, "2", "seconds between polls of the admin API"],
+        ["poll-interval", None, 2.0,
+         "seconds before retrying a failed read of the control plane's routes (doubled on each "
+         "failure in a row, up to 30); while it answers, the routes are long-polled",
+         positive_float],
         ["metrics", None, DEFAULT_METRICS, "[HOST:]PORT for /metrics (Prometheus), or 'off'"],
-        ["keys", None, None, "API keys file (one per line, or TOML [keys] name = \"key\")"],
-        ["max-body", None, str(GatewayConfig.max_body), "largest request body accepted, in bytes"],
-        ["connect-timeout", None, str(GatewayConfig.connect_timeout), "seconds to connect to a replica"],
-        ["first-byte-timeout", None, str(GatewayConfig.first_byte_timeout),
-         "seconds a replica may take before the first byte of its answer"],
-        ["idle-timeout", None, str(GatewayConfig.idle_timeout),
-         "seconds a replica may stay silent in the middle of an answer"],
-        ["head-timeout", None, str(GatewayConfig.head_timeout),
-         "seconds a client may take to send a request's head, from its first byte (then 408)"],
-        ["body-timeout", None, str(GatewayConfig.body_timeout),
-         "seconds a client's request body may go without a byte arriving (then 408)"],
-        ["keep-alive-timeout", None, str(GatewayConfig.keep_alive_timeout),
-         "seconds a kept-alive client connection may wait for its next request"],
-        ["max-tries", None, str(GatewayConfig.max_tries), "replicas tried when connections fail"],
-        ["failure-threshold", None, str(GatewayConfig.failure_threshold),
-         "failures in a row that take a replica out of rotation"],
-        ["cooldown", None, str(GatewayConfig.cooldown), "seconds a failing replica stays out of rotation"],
-        ["backlog", None, "1024", "listen backlog"],
+        ["api-keys", None, None, "API keys file (one per line, or TOML [keys] name = \"key\"); none: no keys"],
+        ["max-body", None, GatewayConfig.max_body, "largest request body accepted, in bytes",
+         positive_int],
+        ["connect-timeout", None, GatewayConfig.connect_timeout, "seconds to connect to a replica",
+         positive_float],
+        ["first-byte-timeout", None, GatewayConfig.first_byte_timeout,
+         "seconds a replica may take before the first byte of its answer", positive_float],
+        ["idle-timeout", None, GatewayConfig.idle_timeout,
+         "seconds a replica may stay silent in the middle of an answer", positive_float],
+        ["head-timeout", None, GatewayConfig.head_timeout,
+         "seconds a client may take to send a request's head, from its first byte (then 408)",
+         positive_float],
+        ["body-timeout", None, GatewayConfig.body_timeout,
+         "seconds a client's request body may go without a byte arriving (then 408)",
+         positive_float],
+        ["keep-alive-timeout", None, GatewayConfig.keep_alive_timeout,
+         "seconds a kept-alive client connection may wait for its next request", positive_float],
+        ["max-tries", None, GatewayConfig.max_tries, "replicas tried when connections fail",
+         positive_int],
+        ["failure-threshold", None, GatewayConfig.failure_threshold,
+         "failures in a row that take a replica out of rotation", positive_int],
+        ["cooldown", None, GatewayConfig.cooldown, "seconds a failing replica stays out of rotation",
+         positive_float],
+        ["backlog", None, 1024, "listen backlog", positive_int],
     ]
+
+    def __init__(self) -> None:
+        super().__init__()
+        #: Warnings about the command line, logged when the service is made.
+        self.warnings: list[str] = []
+
+    def opt_keys(self, path: str) -> None:
+        """
+        Old name of --api-keys (warns; will go).
+        """
+        self["api-keys"] = path
+        self.warnings.append("--keys is now called --api-keys, as on the control plane; --keys will go")
 
     def postOptions(self) -> None:
         try:
@@ -156,19 +172,12 @@ class Options(usage.Options):
                 self["admin_tls"] = ClientTLSPolicy(admin_files(self["admin-certs"], self["admin-as"]))
             except TLSConfigError as e:
                 raise usage.UsageError(f"--admin-certs/--admin-as: {e}") from e
-        for name in (
-            "poll-interval", "connect-timeout", "first-byte-timeout", "idle-timeout", "cooldown",
-            "head-timeout", "body-timeout", "keep-alive-timeout",
-        ):
-            _positive(self, name)
-        for name in ("max-body", "max-tries", "failure-threshold", "backlog"):
-            _positive(self, name, int)
         self["keyring"] = None
-        if self["keys"]:
+        if self["api-keys"]:
             try:
-                self["keyring"] = load_keys(Path(self["keys"]))
+                self["keyring"] = load_keys(Path(self["api-keys"]))
             except KeysError as e:
-                raise usage.UsageError(f"--keys: {e}") from e
+                raise usage.UsageError(f"--api-keys: {e}") from e
 
     def config(self) -> GatewayConfig:
         return GatewayConfig(
@@ -192,6 +201,8 @@ class StandaloneGateway(MultiService):
     asked for, C{metrics_listener}.
     """
 
+    log = Logger()
+
     def __init__(
         self,
         reactor: Any,
@@ -211,7 +222,7 @@ class StandaloneGateway(MultiService):
         self.table = FollowerTable(
             reactor, admin_url, http=http, registry=self.registry, tls=admin_tls
         )
-        self.follower = FollowerService(self.table, poll_interval)
+        self.follower = FollowerService(self.table, retry=poll_interval)
         self.follower.setServiceParent(self)
         if admin_tls is not None:
             # SIGHUP re-reads the gateway's admin certificate and CA bundle.
@@ -235,7 +246,10 @@ class StandaloneGateway(MultiService):
             site = Site(root, reactor=reactor)
             site.log = lambda request: None  # type: ignore[method-assign]
             self.metrics_listener = ListenerService(
-                server_endpoint(reactor, metrics_address[0], metrics_address[1]), site
+                server_endpoint(reactor, metrics_address[0], metrics_address[1]),
+                site,
+                "the gateway's /metrics",
+                "--metrics",
             )
             self.metrics_listener.setServiceParent(self)
 
@@ -245,6 +259,8 @@ def makeService(options: Options, reactor: Any = None) -> StandaloneGateway:
         from twisted.internet import reactor as _reactor
 
         reactor = _reactor
+    for warning in options.warnings:
+        StandaloneGateway.log.warn("{problem}", problem=warning)
     return StandaloneGateway(
         reactor,
         options["control-admin"],
