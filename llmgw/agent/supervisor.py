@@ -858,6 +858,9 @@ class Supervisor(Service):
         if self._group_empty(shard):
             self._finish(shard)
             return
+        # Reported when it is news: a shard that was not stopping yet, or one
+        # whose stop is now a failure (its error, exit and class are new).
+        news = not shard.stopping or shard.final_state == FAILED
         if not shard.stopping:
             self.log.warn("shard {shard}'s main process ended but its process group lives on: "
                           "TERM to the group now, KILL in {grace}s", shard=shard.shard_id,
@@ -866,10 +869,10 @@ class Supervisor(Service):
             shard.state = STOPPING
             self._signal(shard, signal.SIGTERM)
             self._set_timer(shard, "kill", shard.spec.stop_grace_s, self._kill, shard)
-        else:
-            shard.state = STOPPING
+        shard.state = STOPPING
         self._persist(shard)
-        self._report(shard)
+        if news:
+            self._report(shard)
         self._watch_group(shard, GROUP_POLL_FIRST)
 
     def _watch_group(self, shard: Shard, delay: float) -> None:
