@@ -472,6 +472,8 @@ class _ShardProcess(ProcessProtocol):
             self.shard._startup_output.append(line[:LINE_MAX])
 
     def processEnded(self, reason: Failure) -> None:
+        if self.supervisor.detached:
+            return  # the agent stopped watching its shards
         value = reason.value
         code = getattr(value, "exitCode", None)
         sig = getattr(value, "signal", None)
@@ -523,11 +525,14 @@ class Supervisor(Service):
         self.strays: list[Stray] = []
         self._listeners: list[Callable[[Shard], None]] = []
         self._loop: LoopingCall | None = None
+        #: Set by L{stopService}: shards that end after it are not watched.
+        self.detached = False
 
     # -- service -----------------------------------------------------------
 
     def startService(self) -> None:
         super().startService()
+        self.detached = False
         self._loop = LoopingCall(self.tick)
         self._loop.clock = self.clock
         self._loop.start(self.poll_interval, now=False)
@@ -537,6 +542,7 @@ class Supervisor(Service):
         # shard whose main process has ended is already dead: what is left of
         # its group gets its KILL now, since no timer of ours will send it.
         super().stopService()
+        self.detached = True
         if self._loop is not None and self._loop.running:
             self._loop.stop()
         for shard in self.shards.values():
