@@ -32,7 +32,11 @@ from llmgw.testing.procs import (
 TIMEOUT = 20.0
 
 
-class RealShards(TestCase):
+class RealShardCase(TestCase):
+    """
+    A supervisor on the real reactor with a state directory; no tests.
+    """
+
     timeout = 60
 
     def setUp(self) -> None:
@@ -75,6 +79,8 @@ class RealShards(TestCase):
         self.pids.append(pid)
         return pid
 
+
+class RealShards(RealShardCase):
     @defer.inlineCallbacks
     def test_main_dies_leaving_children(self) -> Any:
         """
@@ -187,3 +193,29 @@ class RealShards(TestCase):
                          TIMEOUT, "every script failed")
         got = {name: s.crash_class for name, s in shards.items()}
         self.assertEqual(got, expected)
+
+
+class LocalShutdownTests(RealShardCase):
+    @defer.inlineCallbacks
+    def test_stop_shards_waits_for_groups(self) -> Any:
+        """
+        The local fleet's shutdown (L{LocalFleet.stop_shards}) returns only
+        once every shard's process group is empty: a child that ignores TERM
+        is dead by then, KILLed after the grace.
+        """
+        from types import SimpleNamespace
+
+        from twisted.logger import Logger
+
+        from llmgw.local import LocalFleet
+
+        pidfile = Path(self.mktemp())
+        shard = self.sup.start(self.spec("s1", PARENT_WITH_CHILD, str(pidfile), "ignore", "wait"))
+        yield wait_until(reactor, pidfile.exists, TIMEOUT, "child started")
+        child = self.child_pid(pidfile)
+        fleet = SimpleNamespace(agents=[SimpleNamespace(supervisor=self.sup)], reactor=reactor,
+                                log=Logger())
+        yield LocalFleet.stop_shards(fleet)  # type: ignore[arg-type]
+        self.assertEqual(shard.state, "stopped")
+        self.assertFalse(process_alive(child))
+        self.assertFalse(process_alive(shard.pid or 0))
