@@ -701,6 +701,30 @@ class RecoverGroupTests(SupervisorCase):
         self.assertIn("while the agent was away", self.reports[-1][2])
         self.assertFalse(self.state.shards.joinpath("a.json").exists())
 
+    def test_stop_as_adopted_main_ends(self) -> None:
+        """
+        A stop for a re-adopted shard whose main process has just ended
+        unseen signals nothing at first (its pid may be reused); once the
+        poll sees the end, its group, which lives on, gets the TERM, and
+        KILL after the grace.
+        """
+        self.state.save(ShardRecord(spec("a", stop_grace_s=4), 501, 77, "ready",
+                                    str(self.state.log_path("a"))))
+        self.ops.alive = {501: 77}
+        self.marked(502, 501, "a")
+        self.ops.groups[501][502] = True  # ignores TERM
+        sup = self.recovered()
+        self.prober.answer(True)
+        self.ops.alive[501] = 999  # ended, and the pid reused
+        sup.stop("a")
+        self.assertEqual(self.ops.signals, [])
+        self.clock.advance(1)
+        self.assertEqual(self.ops.signals, [(501, signal.SIGTERM)])
+        self.clock.advance(3)
+        self.assertEqual(self.ops.signals[-1], (501, signal.SIGKILL))
+        self.clock.advance(1)
+        self.assertEqual(sup.get("a").state, "stopped")  # type: ignore[union-attr]
+
     def test_stopping_record_resumed(self) -> None:
         """
         A shard recorded stopping (the agent left during its grace) whose

@@ -429,6 +429,7 @@ class Shard:
         #: When the KILL went out (clock seconds), for "survives KILL".
         self.killed_at: float | None = None
         self.survivors_logged = False
+        self.term_sent = False
         self.tail: LogTail | None = None
         self.probe_failures = 0
         self.last_probe_error = ""
@@ -809,15 +810,21 @@ class Supervisor(Service):
         shard.killed_at = self.clock.seconds()
         self._signal(shard, signal.SIGKILL)
 
-    def _signal(self, shard: Shard, sig: int) -> None:
+    def _signal(self, shard: Shard, sig: int) -> bool:
+        """
+        Send C{sig} to each of the shard's process groups; whether it went.
+        """
         if shard.adopted and not shard.main_ended and shard.pid is not None:
             if self.ops.start_time(shard.pid) != shard.start_time:
                 # The main process ended unseen: its pid may be someone
                 # else's now; its group is still ours while it has members,
                 # and _ended takes it from here.
-                return
+                return False
         for pgid in sorted(shard.pgids):
             self.ops.kill_group(pgid, sig)
+        if sig == signal.SIGTERM:
+            shard.term_sent = True
+        return True
 
     def _group_empty(self, shard: Shard) -> bool:
         return all(not self.ops.group_members(pgid) for pgid in shard.pgids)
@@ -875,6 +882,10 @@ class Supervisor(Service):
             shard.state = STOPPING
             self._signal(shard, signal.SIGTERM)
             self._set_timer(shard, "kill", shard.spec.stop_grace_s, self._kill, shard)
+        elif not shard.term_sent:
+            # A stop that could not signal a re-adopted shard whose main had
+            # just ended: its group gets the TERM now.
+            self._signal(shard, signal.SIGTERM)
         shard.state = STOPPING
         self._persist(shard)
         if news:
