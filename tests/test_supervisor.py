@@ -746,6 +746,20 @@ class RecoverGroupTests(SupervisorCase):
 
 
 class StateDirTests(SynchronousTestCase):
+    def test_older_record_loads(self) -> None:
+        """
+        A record written by an agent before process groups were recorded
+        loads, with no groups, nothing ended and no error.
+        """
+        state = StateDir(self.mktemp())
+        raw = json.loads(ShardRecord(spec("ok"), 1, 2, "ready", "/dev/null").to_json())
+        for key in ("pgids", "main_ended", "error", "exit_code", "signal", "crash_class",
+                    "stop_error"):
+            del raw[key]
+        state.shards.joinpath("ok.json").write_text(json.dumps(raw))
+        (record,) = state.load_all()
+        self.assertEqual((record.pgids, record.main_ended, record.error), ([], False, ""))
+
     def test_bad_record_moved_aside(self) -> None:
         """
         An unreadable record is moved aside as .bad, and the others load.
@@ -833,6 +847,58 @@ class LogTailTests(SynchronousTestCase):
 
 
 class ProcessOpsTests(SynchronousTestCase):
+    def spawn(self, code: str, env: dict[str, str] | None = None) -> Any:
+        import subprocess
+        import sys
+
+        # It says "up" once running, so the test reads its pipe, not a clock.
+        proc = subprocess.Popen([sys.executable, "-c", "print('up', flush=True)\n" + code],
+                                start_new_session=True, env=env, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE)
+        self.assertEqual(proc.stdout.readline(), b"up\n")
+        proc.stdout.close()
+
+        def kill() -> None:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(10)
+
+        self.addCleanup(kill)
+        return proc
+
+    def test_group_members_and_zombies(self) -> None:
+        """
+        A live process is a member of its group; once it has exited and is
+        only a zombie (not reaped yet), the group counts as empty although
+        killpg(pgid, 0) still finds it.
+        """
+        ops = ProcessOps()
+        proc = self.spawn("import time; time.sleep(30)")
+        self.assertEqual(ops.group_members(proc.pid), [proc.pid])
+        proc.kill()
+        os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)  # exited, not reaped
+        os.killpg(proc.pid, 0)  # the zombie keeps the group
+        self.assertEqual(ops.group_members(proc.pid), [])
+        proc.wait(10)
+        self.assertEqual(ops.group_members(proc.pid), [])
+
+    def test_marked_processes(self) -> None:
+        """
+        The /proc scan finds a process by this agent's marker, with its
+        group, start time and LLMGW_* variables, and skips one marked for
+        another agent.
+        """
+        ops = ProcessOps()
+        env = {"PATH": os.environ.get("PATH", ""), sv.AGENT_MARKER: "/state/a",
+               "LLMGW_SHARD_ID": "s1", "LLMGW_PORT": "9001", "SECRET": "x"}
+        mine = self.spawn("import time; time.sleep(30)", env)
+        self.spawn("import time; time.sleep(30)", dict(env, **{sv.AGENT_MARKER: "/state/b"}))
+        (p,) = ops.marked_processes("/state/a")
+        self.assertEqual((p.pid, p.pgid, p.shard_id, p.env["LLMGW_PORT"]),
+                         (mine.pid, mine.pid, "s1", "9001"))
+        self.assertNotIn("SECRET", p.env)
+        self.assertEqual(p.start_time, ops.start_time(mine.pid))
+
     def test_start_time(self) -> None:
         """
         The real start time reader gives a number for a live process and
