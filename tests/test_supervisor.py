@@ -68,6 +68,7 @@ class FakeOps(ProcessOps):
     """
 
     def __init__(self) -> None:
+        super().__init__()
         self.alive: dict[int, int] = {}
         self.signals: list[tuple[int, int]] = []
         self.busy_ports: set[int] = set()
@@ -881,6 +882,35 @@ class ProcessOpsTests(SynchronousTestCase):
         self.assertEqual(ops.group_members(proc.pid), [])
         proc.wait(10)
         self.assertEqual(ops.group_members(proc.pid), [])
+
+    def test_group_members_after_fork(self) -> None:
+        """
+        Members found once are checked first; when none of them lives, the
+        whole of /proc is read again, which finds a process they forked
+        since.
+        """
+        import subprocess
+        import sys
+
+        code = ("import subprocess, sys\n"
+                "print('up', flush=True)\n"
+                "sys.stdin.readline()\n"
+                "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'])\n"
+                "print(c.pid, flush=True)\n")
+        leader = subprocess.Popen([sys.executable, "-c", code], start_new_session=True,
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.addCleanup(leader.wait, 10)
+        self.addCleanup(os.killpg, leader.pid, signal.SIGKILL)
+        assert leader.stdin is not None and leader.stdout is not None
+        self.assertEqual(leader.stdout.readline(), b"up\n")
+        ops = ProcessOps()
+        self.assertEqual(ops.group_members(leader.pid), [leader.pid])
+        leader.stdin.write(b"go\n")
+        leader.stdin.close()
+        child = int(leader.stdout.readline())
+        leader.stdout.close()
+        os.waitid(os.P_PID, leader.pid, os.WEXITED | os.WNOWAIT)
+        self.assertEqual(ops.group_members(leader.pid), [child])
 
     def test_marked_processes(self) -> None:
         """

@@ -85,6 +85,8 @@ SHARD_MARKER = "LLMGW_SHARD_ID"
 #: The first checks of a stopping group come quickly (most groups empty at
 #: once), then back off to the supervisor's poll interval.
 GROUP_POLL_FIRST = 0.05
+#: Process groups whose members L{ProcessOps} remembers between checks.
+KNOWN_GROUPS = 1024
 #: After the KILL, how long a group may take to empty before the agent says,
 #: loudly, that it survives (a process in uninterruptible sleep, say).
 KILL_WAIT_S = 10.0
@@ -131,6 +133,10 @@ class ProcessOps:
     may not have spawned. Tests replace it.
     """
 
+    def __init__(self) -> None:
+        #: Members last found per process group (L{group_members}).
+        self._known: collections.OrderedDict[int, list[int]] = collections.OrderedDict()
+
     def start_time(self, pid: int) -> int | None:
         """
         The start time (clock ticks since boot) of live process C{pid}, or
@@ -159,23 +165,32 @@ class ProcessOps:
         """
         The live members of process group C{pgid}, zombies left out (an init
         that does not reap would keep them forever); C{[]} when it is empty.
-        C{killpg(pgid, 0)} answers most calls; C{/proc} is read only while
-        the group exists.
+        C{killpg(pgid, 0)} answers most calls. While the group exists, the
+        members found last time are checked first (a few reads); C{/proc}
+        is scanned whole only when none of them lives any more, which also
+        finds what they forked since.
         """
         try:
             os.killpg(pgid, 0)
         except ProcessLookupError:
+            self._known.pop(pgid, None)
             return []
         except PermissionError:
             pass
-        out = []
-        for name in os.listdir("/proc"):
-            if not name.isdigit():
-                continue
-            stat = _read_stat(int(name))
-            if stat is not None and stat[1] == pgid and stat[0] not in ("Z", "X"):
-                out.append(int(name))
-        return out
+        known = self._known.get(pgid)
+        if known:
+            live = [pid for pid in known if _member(pid, pgid)]
+            if live:
+                self._known[pgid] = live
+                return live
+        live = [int(name) for name in os.listdir("/proc")
+                if name.isdigit() and _member(int(name), pgid)]
+        self._known.pop(pgid, None)
+        if live:
+            self._known[pgid] = live
+            while len(self._known) > KNOWN_GROUPS:
+                self._known.popitem(last=False)
+        return live
 
     def marked_processes(self, marker: str) -> list[MarkedProcess]:
         """
@@ -229,6 +244,11 @@ class ProcessOps:
             os.kill(pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+def _member(pid: int, pgid: int) -> bool:
+    stat = _read_stat(pid)
+    return stat is not None and stat[1] == pgid and stat[0] not in ("Z", "X")
 
 
 def _read_stat(pid: int) -> tuple[str, int, int] | None:
