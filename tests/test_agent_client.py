@@ -202,7 +202,8 @@ class ClientProtocolTests(SynchronousTestCase):
         """
         The Register lists stopping shards (their GPUs are held) with their
         process group, a shard whose record was lost (record_lost, profile
-        unknown), and the stray processes the agent cannot account for.
+        unknown), and the stray processes the agent cannot account for that
+        still run.
         """
         from llmgw.agent.supervisor import STOPPING, Shard, Stray
 
@@ -214,7 +215,9 @@ class ClientProtocolTests(SynchronousTestCase):
         lost.record_lost, lost.pid = True, 4321
         h.supervisor.shards["lost"] = lost
         h.supervisor.strays.append(Stray(pid=77, pgid=70, shard_id="", reason="no id",
-                                         command="python x"))
+                                         command="python x", start_time=4242 + 77))
+        h.supervisor.strays.append(Stray(pid=78, pgid=70, shard_id="", reason="gone",
+                                         command="python y", start_time=1))
         proto, transport = h.connect()
         (msg,) = read_frames(transport.value())
         reg = msg.register

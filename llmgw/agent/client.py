@@ -383,7 +383,7 @@ class AgentCore(Factory):
             stray_processes=[
                 pb.StrayProcess(pid=p.pid, pgid=p.pgid, shard_id=p.shard_id, reason=p.reason,
                                 command=p.command)
-                for p in self.supervisor.strays
+                for p in self.supervisor.live_strays()
             ],
         )
 

@@ -300,6 +300,7 @@ class Stray:
     shard_id: str
     reason: str
     command: str
+    start_time: int | None = None
 
 
 def _int(text: str) -> int:
@@ -591,6 +592,13 @@ class Supervisor(Service):
         and ports.
         """
         return [s for s in self.shards.values() if s.held]
+
+    def live_strays(self) -> list[Stray]:
+        """
+        The strays found at start that still run (the list drops the others).
+        """
+        self.strays = [p for p in self.strays if self.ops.start_time(p.pid) == p.start_time]
+        return list(self.strays)
 
     def get(self, shard_id: str) -> Shard | None:
         return self.shards.get(shard_id)
@@ -1164,6 +1172,7 @@ class Supervisor(Service):
                     self.strays.append(Stray(
                         pid=p.pid, pgid=p.pgid, shard_id=shard_id, command=p.command,
                         reason=f"its {SHARD_MARKER} {shard_id!r} is not a shard id",
+                        start_time=p.start_time,
                     ))
                 self.log.critical(
                     "UNACCOUNTED PROCESSES {pids} carry this agent's marker but name no usable "
