@@ -4,6 +4,7 @@ Helpers for integration tests that run real processes on loopback.
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Callable
 from typing import Any
@@ -129,3 +130,24 @@ CRASH_SCRIPTS: dict[str, str] = {
     "killed": "import os, signal\nprint('serving', flush=True)\nos.kill(os.getpid(), signal.SIGKILL)\n",
     "unknown": "import sys\nprint('done')\nsys.exit(3)\n",
 }
+
+
+def processes_marked(state_root: str) -> list[int]:
+    """
+    Pids of live processes started by an agent whose state directory is
+    under C{state_root} (their C{LLMGW_AGENT_STATE} says so): shards and
+    what they forked, for tests' cleanup and "nothing left" checks.
+    """
+    needle = b"LLMGW_AGENT_STATE=" + state_root.encode()
+    pids = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                entries = f.read().split(b"\0")
+        except OSError:
+            continue
+        if any(e.startswith(needle) for e in entries) and process_alive(int(name)):
+            pids.append(int(name))
+    return pids
