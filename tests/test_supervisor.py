@@ -350,6 +350,21 @@ class SupervisorTests(SupervisorCase):
         self.assertEqual(len(self.spawner.calls), 1)
         self.assertIsNone(self.sup.get("s2"))
 
+    def test_refusal_classes(self) -> None:
+        """
+        A refused start carries a crash class saying whether a retry can
+        help: a taken port is port_in_use, an empty command is config, a
+        clash of GPUs is unknown.
+        """
+        self.start_ready(gpus=(0,), port=8001)
+        classes = []
+        for sid, kw in (("a", {"port": 8001, "gpus": (1,)}), ("b", {"argv": [], "port": 8002}),
+                        ("c", {"gpus": (0,), "port": 8003})):
+            classes.append(self.sup.start(spec(sid, **kw)).crash_class)
+        self.ops.busy_ports.add(8004)
+        classes.append(self.sup.start(spec("d", gpus=(2,), port=8004)).crash_class)
+        self.assertEqual(classes, ["port_in_use", "config", "unknown", "port_in_use"])
+
     def test_unhealthy_while_ready(self) -> None:
         """
         Three failed health checks in a row while ready fail the shard (it is

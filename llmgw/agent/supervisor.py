@@ -622,6 +622,13 @@ class Supervisor(Service):
         if problem is not None:
             shard = Shard(spec, FAILED)
             shard.error = problem
+            # A refused start is no crash, but the control plane still needs
+            # to know whether a retry can help: a taken port, an empty command.
+            shard.crash_class = (
+                CrashClass.PORT_IN_USE if problem.startswith("port ") and "in use" in problem
+                else CrashClass.CONFIG if problem == "the command has no argv"
+                else CrashClass.UNKNOWN
+            ).value
             self.log.error("refusing to start shard {shard}: {error}",
                            shard=spec.shard_id, error=problem)
             self._report(shard)
