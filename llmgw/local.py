@@ -27,6 +27,7 @@ from llmgw.addresses import AddressError, ListenRefused, format_address, parse_a
 from llmgw.agent.gpus import GPUSpecError, discover, parse_gpu_spec
 from llmgw.agent.service import NodeAgent
 from llmgw.agent.state import StateDir, StateDirError
+from llmgw.agent.supervisor import KILL_WAIT_S
 from llmgw.control import service as control_service
 from llmgw.options import Options as BaseOptions
 from llmgw.options import positive_float, positive_int
@@ -292,19 +293,25 @@ class LocalFleet(MultiService):
     @inlineCallbacks
     def stop_shards(self, poll: float = 0.1) -> Any:
         """
-        Stop every shard the agents run (TERM, then KILL after each shard's
-        grace) and wait until all have ended.
+        Stop every shard the agents run (TERM to each process group, then
+        KILL after each shard's grace) and wait until every shard's process
+        group is empty, children included. A group that survives its KILL
+        for L{KILL_WAIT_S} more is named in a loud log line, and the wait
+        ends.
         """
         grace = 0.0
         for agent in self.agents:
-            for shard in agent.supervisor.live_shards():
+            for shard in agent.supervisor.held_shards():
                 grace = max(grace, shard.spec.stop_grace_s)
-                agent.supervisor.stop(shard.shard_id)
-        deadline = self.reactor.seconds() + grace + 5
-        while any(a.supervisor.live_shards() for a in self.agents):
+                if shard.live:
+                    agent.supervisor.stop(shard.shard_id)
+        deadline = self.reactor.seconds() + grace + KILL_WAIT_S
+        while any(a.supervisor.held_shards() for a in self.agents):
             if self.reactor.seconds() > deadline:
-                left = [s.shard_id for a in self.agents for s in a.supervisor.live_shards()]
-                self.log.error("shards still running after their grace: {shards}", shards=left)
+                left = [f"{s.shard_id} (groups {sorted(s.pgids)})"
+                        for a in self.agents for s in a.supervisor.held_shards()]
+                self.log.critical("shard processes still running after their grace and "
+                                  "KILL: {shards}", shards=", ".join(left))
                 break
             yield deferLater(self.reactor, poll, lambda: None)
 

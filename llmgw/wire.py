@@ -158,6 +158,7 @@ STATE_NAMES = {
     pb.ShardStatus.STATE_DRAINING: "draining",
     pb.ShardStatus.STATE_STOPPED: "stopped",
     pb.ShardStatus.STATE_FAILED: "failed",
+    pb.ShardStatus.STATE_STOPPING: "stopping",
 }
 STATE_VALUES = {name: value for value, name in STATE_NAMES.items()}
 

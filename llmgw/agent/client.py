@@ -88,6 +88,7 @@ def shard_status(shard: Shard) -> pb.ShardStatus:
         exit_code=shard.exit_code,
         signal=shard.signal,
         last_output=shard.last_output() if shard.state == FAILED else "",
+        crash_class=shard.crash_class,
     )
 
 
@@ -104,6 +105,8 @@ def running_shard(shard: Shard) -> pb.RunningShard:
         state=STATE_VALUES[shard.state],  # type: ignore[arg-type]
         world_size=s.world_size,
         epoch=s.epoch,
+        pgid=shard.pid or 0,
+        record_lost=shard.record_lost,
     )
 
 
@@ -373,8 +376,15 @@ class AgentCore(Factory):
             agent_version=self.config.agent_version,
             gpus=gpus,
             fabrics=[pb.Fabric(name=n, address=a) for n, a in sorted(self.config.fabrics.items())],
-            running_shards=[running_shard(s) for s in self.supervisor.live_shards()],
+            # Stopping shards too: their GPUs and ports are held until their
+            # process groups are empty.
+            running_shards=[running_shard(s) for s in self.supervisor.held_shards()],
             certificate_not_after=self.config.certificate_not_after,
+            stray_processes=[
+                pb.StrayProcess(pid=p.pid, pgid=p.pgid, shard_id=p.shard_id, reason=p.reason,
+                                command=p.command)
+                for p in self.supervisor.live_strays()
+            ],
         )
 
     def heartbeat_message(self) -> pb.Heartbeat:

@@ -102,6 +102,16 @@ class ShardRecord:
     start_time: int
     state: str
     log_path: str
+    #: The process groups of the shard (its main pid's, and any found by
+    #: its marker); empty in records of older agents: the main pid's.
+    pgids: list[int] = field(default_factory=list)
+    #: Whether the main process had ended (the shard was stopping).
+    main_ended: bool = False
+    error: str = ""
+    exit_code: int = 0
+    signal: int = 0
+    crash_class: str = ""
+    stop_error: str = ""
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True, indent=1).encode()

@@ -30,7 +30,7 @@ class ControlMessage(_message.Message):
     def __init__(self, ack: _Optional[_Union[Ack, _Mapping]] = ..., start: _Optional[_Union[StartShard, _Mapping]] = ..., stop: _Optional[_Union[StopShard, _Mapping]] = ..., drain: _Optional[_Union[DrainShard, _Mapping]] = ...) -> None: ...
 
 class Register(_message.Message):
-    __slots__ = ("protocol_version", "node_id", "agent_version", "gpus", "fabrics", "running_shards", "certificate_not_after")
+    __slots__ = ("protocol_version", "node_id", "agent_version", "gpus", "fabrics", "running_shards", "certificate_not_after", "stray_processes")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,7 @@ class Register(_message.Message):
     FABRICS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_SHARDS_FIELD_NUMBER: _ClassVar[int]
     CERTIFICATE_NOT_AFTER_FIELD_NUMBER: _ClassVar[int]
+    STRAY_PROCESSES_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     node_id: str
     agent_version: str
@@ -45,7 +46,22 @@ class Register(_message.Message):
     fabrics: _containers.RepeatedCompositeFieldContainer[Fabric]
     running_shards: _containers.RepeatedCompositeFieldContainer[RunningShard]
     certificate_not_after: int
-    def __init__(self, protocol_version: _Optional[int] = ..., node_id: _Optional[str] = ..., agent_version: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[GPU, _Mapping]]] = ..., fabrics: _Optional[_Iterable[_Union[Fabric, _Mapping]]] = ..., running_shards: _Optional[_Iterable[_Union[RunningShard, _Mapping]]] = ..., certificate_not_after: _Optional[int] = ...) -> None: ...
+    stray_processes: _containers.RepeatedCompositeFieldContainer[StrayProcess]
+    def __init__(self, protocol_version: _Optional[int] = ..., node_id: _Optional[str] = ..., agent_version: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[GPU, _Mapping]]] = ..., fabrics: _Optional[_Iterable[_Union[Fabric, _Mapping]]] = ..., running_shards: _Optional[_Iterable[_Union[RunningShard, _Mapping]]] = ..., certificate_not_after: _Optional[int] = ..., stray_processes: _Optional[_Iterable[_Union[StrayProcess, _Mapping]]] = ...) -> None: ...
+
+class StrayProcess(_message.Message):
+    __slots__ = ("pid", "pgid", "shard_id", "reason", "command")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    PGID_FIELD_NUMBER: _ClassVar[int]
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    COMMAND_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    pgid: int
+    shard_id: str
+    reason: str
+    command: str
+    def __init__(self, pid: _Optional[int] = ..., pgid: _Optional[int] = ..., shard_id: _Optional[str] = ..., reason: _Optional[str] = ..., command: _Optional[str] = ...) -> None: ...
 
 class GPU(_message.Message):
     __slots__ = ("index", "uuid", "name", "memory_total_mb", "memory_used_mb", "problems")
@@ -72,7 +88,7 @@ class Fabric(_message.Message):
     def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class RunningShard(_message.Message):
-    __slots__ = ("shard_id", "replica_id", "model", "profile", "rank", "gpu_indices", "port", "state", "world_size", "epoch")
+    __slots__ = ("shard_id", "replica_id", "model", "profile", "rank", "gpu_indices", "port", "state", "world_size", "epoch", "pgid", "record_lost")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +99,8 @@ class RunningShard(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PGID_FIELD_NUMBER: _ClassVar[int]
+    RECORD_LOST_FIELD_NUMBER: _ClassVar[int]
     shard_id: str
     replica_id: str
     model: str
@@ -93,7 +111,9 @@ class RunningShard(_message.Message):
     state: ShardStatus.State
     world_size: int
     epoch: int
-    def __init__(self, shard_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., model: _Optional[str] = ..., profile: _Optional[str] = ..., rank: _Optional[int] = ..., gpu_indices: _Optional[_Iterable[int]] = ..., port: _Optional[int] = ..., state: _Optional[_Union[ShardStatus.State, str]] = ..., world_size: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    pgid: int
+    record_lost: bool
+    def __init__(self, shard_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., model: _Optional[str] = ..., profile: _Optional[str] = ..., rank: _Optional[int] = ..., gpu_indices: _Optional[_Iterable[int]] = ..., port: _Optional[int] = ..., state: _Optional[_Union[ShardStatus.State, str]] = ..., world_size: _Optional[int] = ..., epoch: _Optional[int] = ..., pgid: _Optional[int] = ..., record_lost: _Optional[bool] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("gpu_memory_used_mb", "new_problems", "new_gpu_problems")
@@ -114,7 +134,7 @@ class GPUProblem(_message.Message):
     def __init__(self, gpu_index: _Optional[int] = ..., problem: _Optional[str] = ...) -> None: ...
 
 class ShardStatus(_message.Message):
-    __slots__ = ("replica_id", "shard_id", "state", "error", "exit_code", "last_output", "signal")
+    __slots__ = ("replica_id", "shard_id", "state", "error", "exit_code", "last_output", "signal", "crash_class")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATE_UNSPECIFIED: _ClassVar[ShardStatus.State]
@@ -123,12 +143,14 @@ class ShardStatus(_message.Message):
         STATE_DRAINING: _ClassVar[ShardStatus.State]
         STATE_STOPPED: _ClassVar[ShardStatus.State]
         STATE_FAILED: _ClassVar[ShardStatus.State]
+        STATE_STOPPING: _ClassVar[ShardStatus.State]
     STATE_UNSPECIFIED: ShardStatus.State
     STATE_STARTING: ShardStatus.State
     STATE_READY: ShardStatus.State
     STATE_DRAINING: ShardStatus.State
     STATE_STOPPED: ShardStatus.State
     STATE_FAILED: ShardStatus.State
+    STATE_STOPPING: ShardStatus.State
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +158,7 @@ class ShardStatus(_message.Message):
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
     LAST_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     SIGNAL_FIELD_NUMBER: _ClassVar[int]
+    CRASH_CLASS_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     shard_id: str
     state: ShardStatus.State
@@ -143,7 +166,8 @@ class ShardStatus(_message.Message):
     exit_code: int
     last_output: str
     signal: int
-    def __init__(self, replica_id: _Optional[str] = ..., shard_id: _Optional[str] = ..., state: _Optional[_Union[ShardStatus.State, str]] = ..., error: _Optional[str] = ..., exit_code: _Optional[int] = ..., last_output: _Optional[str] = ..., signal: _Optional[int] = ...) -> None: ...
+    crash_class: str
+    def __init__(self, replica_id: _Optional[str] = ..., shard_id: _Optional[str] = ..., state: _Optional[_Union[ShardStatus.State, str]] = ..., error: _Optional[str] = ..., exit_code: _Optional[int] = ..., last_output: _Optional[str] = ..., signal: _Optional[int] = ..., crash_class: _Optional[str] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("message_id", "ok", "code", "error")
