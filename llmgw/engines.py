@@ -284,3 +284,16 @@ def advertise_address_problem(address: str) -> str | None:
     if len(address) > 253 or not set(address) <= _HOST_CHARS or address.startswith(("-", ".")):
         return f"advertise_address {address!r} is not a host name or IP address"
     return None
+
+
+def health_url(host: str, spec: object) -> str:
+    """
+    The URL a shard's health check GETs on C{host}, or "" when the shard is
+    ready while its process lives (no health path).
+    """
+    from llmgw.addresses import format_address
+
+    path = getattr(spec, "health_path", "")
+    if not path:
+        return ""
+    return f"http://{format_address(host, getattr(spec, 'port', 0))}{path}"

@@ -45,6 +45,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from llmgw.agent.state import ShardRecord, ShardSpec, StateDir, valid_shard_id
+from llmgw.engines import health_url, stop_signal_number
 
 STARTING = "starting"
 READY = "ready"
@@ -342,6 +343,9 @@ class Supervisor(Service):
         self.shards: collections.OrderedDict[str, Shard] = collections.OrderedDict()
         self._listeners: list[Callable[[Shard], None]] = []
         self._loop: LoopingCall | None = None
+        #: engines (issue 11): the address the agent advertises; probes and
+        #: {host} use it.
+        self.probe_host = "127.0.0.1"
 
     # -- service -----------------------------------------------------------
 
@@ -497,6 +501,7 @@ class Supervisor(Service):
             "{shard_id}": spec.shard_id,
             "{replica_id}": spec.replica_id,
             "{gpus}": ",".join(map(str, spec.gpu_indices)),
+            "{host}": self.probe_host,  # engines (issue 11): if the control plane left it
         }
         out = []
         for arg in spec.argv:
@@ -574,7 +579,7 @@ class Supervisor(Service):
             shard=shard.shard_id, pid=shard.pid, grace=grace,
             why=f" ({error_})" if error_ else "",
         )
-        self._signal(shard, signal.SIGTERM)
+        self._signal(shard, stop_signal_number(shard.spec.stop_signal))  # engines (issue 11)
         self._set_timer(shard, "kill", grace, self._kill, shard)
 
     def _kill(self, shard: Shard) -> None:
@@ -632,8 +637,8 @@ class Supervisor(Service):
         shard.timers.pop("probe", None)
         if not shard.live or shard.stopping:
             return
-        url = f"http://127.0.0.1:{shard.spec.port}{shard.spec.health_path}"
-        d = defer.maybeDeferred(self.prober.probe, url)
+        url = health_url(self.probe_host, shard.spec)  # engines (issue 11)
+        d = defer.maybeDeferred(self.prober.probe, url) if url else defer.succeed(None)
         d.addCallbacks(lambda _: self._probed(shard, None),
                        lambda f: self._probed(shard, f))
 
@@ -742,8 +747,8 @@ class Supervisor(Service):
             self._set_timer(shard, "drain", shard.spec.drain_timeout_s, self._drain_expired, shard)
         if self.prober is None:
             return defer.succeed(None)
-        url = f"http://127.0.0.1:{shard.spec.port}{shard.spec.health_path}"
-        d = defer.maybeDeferred(self.prober.probe, url)
+        url = health_url(self.probe_host, shard.spec)  # engines (issue 11)
+        d = defer.maybeDeferred(self.prober.probe, url) if url else defer.succeed(None)
 
         def healthy(_: Any) -> None:
             if shard.live and shard.state == STARTING:

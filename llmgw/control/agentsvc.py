@@ -495,6 +495,11 @@ class AgentStreamProtocol(MessageStream[pb.AgentMessage]):
         self.factory.inventory.apply_heartbeat(
             self.node_id, list(hb.gpu_memory_used_mb), problems
         )
+        # engines (issue 11): an older agent sends none; a sink without the
+        # method (a test fake) gets none.
+        record = getattr(self.factory.sink, "record_engine_signals", None)
+        if record is not None:
+            record(self.node_id, hb.shard_signals)
 
     def _shard_status(self, st: pb.ShardStatus) -> None:
         assert self.node_id is not None

@@ -68,6 +68,8 @@ from llmgw.control.interfaces import (
 )
 from llmgw.control.inventory import Inventory
 from llmgw.control.placement import NodeCapacity, Placer, PortBook, Request
+from llmgw.control.signals import SignalStore, signals_json  # engines (issue 11)
+from llmgw.control.signals import from_message as signals_from_message
 
 DEFAULT_PASS_INTERVAL = 1.0
 DEFAULT_SUSPECT_AFTER = 15.0
@@ -221,6 +223,7 @@ class Reconciler(Service):
         for warning in self.fleet_state.load():
             self.log.error("{warning}", warning=warning)
         self.event_log = EventLog(event_limit)
+        self.engine_signals = SignalStore()  # engines (issue 11)
         self._timer = timer
         self.epoch = epoch
         self._id_prefix = _base36(epoch)
@@ -652,6 +655,28 @@ class Reconciler(Service):
         self._missing[shard_id] = (node_id, model)
         while len(self._missing) > MISSING_KEPT:
             self._missing.popitem(last=False)
+
+    # -- engines (issue 11): signals from heartbeats ---------------------------
+
+    def record_engine_signals(self, node_id: str, msgs: Iterable[Any]) -> None:
+        """
+        Keep a heartbeat's engine signals; those for shards not on
+        C{node_id} are dropped (a node speaks only for its own shards).
+        """
+        now = self.clock.seconds()
+        self.engine_signals.record(node_id, [
+            (m.shard_id, signals_from_message(m, now)) for m in msgs
+            if self.shard_node(m.shard_id) == node_id
+        ])
+
+    def engine_signal_rows(self) -> list[tuple[str, str, str, Any]]:
+        rows = []
+        for rep_ in self.replica_recs.values():
+            for shard in rep_.shards.values():
+                entry = self.engine_signals.get(shard.id)
+                if entry is not None:
+                    rows.append((rep_.model, rep_.id, shard.id, entry))
+        return rows
 
     def shard_node(self, shard_id: str) -> str | None:
         shard = self.shard_recs.get(shard_id)
@@ -1266,7 +1291,8 @@ class Reconciler(Service):
             leader = rep.shards.get(0)
             if leader is None:
                 continue
-            out.append(Route(rid, model, leader.address, draining=rep.phase != ACTIVE))
+            out.append(Route(rid, model, leader.address, draining=rep.phase != ACTIVE,
+                             signals=self.engine_signals.signals(leader.id)))  # engines (issue 11)
         return out
 
     def models(self) -> list[str]:
@@ -1371,6 +1397,7 @@ class Reconciler(Service):
         return out
 
     def replicas(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        now = self.clock.seconds()
         out = []
         for rid in sorted(self.replica_recs):
             rep = self.replica_recs[rid]
@@ -1393,6 +1420,8 @@ class Reconciler(Service):
                             "state": "stopping" if s.stopping else s.state,
                             "address": s.address,
                             "gpus": list(s.gpus),
+                            # engines (issue 11)
+                            "signals": signals_json(self.engine_signals.get(s.id), now),
                         }
                         for _, s in sorted(rep.shards.items())
                     ],
