@@ -71,6 +71,14 @@ class _CappedBody(Protocol):
             self.finished.errback(reason)
 
 
+class _Discard(Protocol):
+    def dataReceived(self, data: bytes) -> None:
+        pass
+
+    def connectionLost(self, reason: Failure = Failure(error.ConnectionDone())) -> None:  # noqa: B008
+        pass
+
+
 class HttpFetcher:
     """
     C{get(url)}: a GET whose body must be 200, within C{timeout} seconds and
@@ -98,7 +106,7 @@ class HttpFetcher:
 
         def body(response: Any) -> defer.Deferred[bytes]:
             if response.code != 200:
-                response.deliverBody(_CappedBody(defer.Deferred(), 0))
+                response.deliverBody(_Discard())
                 raise ValueError(f"HTTP {response.code}")
             holder: dict[str, Any] = {}
 

@@ -83,6 +83,8 @@ class FakeModelConfig:
     instance: str = ""
     #: The shape of /metrics (L{METRICS_SHAPES}); "" serves none (404).
     metrics: str = ""
+    #: Seconds after start from which /metrics hangs (None: never).
+    metrics_hang_after: float | None = None
 
 
 METRICS_SHAPES = ("vllm", "sglang", "llamacpp", "garbage", "hang")
@@ -172,6 +174,9 @@ class _Metrics(_Base):
         from twisted.web.server import NOT_DONE_YET
 
         shape = self.app.config.metrics
+        after = self.app.config.metrics_hang_after
+        if after is not None and self.app.clock.seconds() - self.app.started >= after:
+            shape = "hang"
         if shape == "hang":
             # Headers and no body, ever: the scraper's timeout must end it.
             request.setHeader(b"content-type", b"text/plain")
@@ -636,6 +641,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--exit-code", type=int, default=3, help="exit status for --exit-after")
     p.add_argument("--metrics", choices=METRICS_SHAPES, default="",
                    help="serve /metrics shaped like this engine's (or garbage, or hang)")
+    p.add_argument("--metrics-hang-after", type=float, default=None,
+                   help="from this many seconds after start, /metrics never answers")
     p.add_argument("--ignore-term", action="store_true",
                    help="ignore SIGTERM (to exercise a supervisor's KILL after the grace)")
     return p
@@ -670,6 +677,7 @@ def main(argv: list[str] | None = None, reactor: Any = None,
         tokens=args.tokens,
         fail_health=args.fail_health,
         metrics=args.metrics,
+        metrics_hang_after=args.metrics_hang_after,
     )
     try:
         listening = listen(reactor, config, port, args.host)
