@@ -95,6 +95,12 @@ class Options(usage.Options):
         if not 0 < self["heartbeat"] <= 3600:
             raise usage.UsageError("--heartbeat must be between 0 and 3600 seconds")
 
+        from llmgw.engines import advertise_address_problem
+
+        problem = advertise_address_problem(self["advertise-address"].strip())
+        if problem:
+            raise usage.UsageError(f"--advertise-address: {problem}")
+        self["advertise_address"] = self["advertise-address"].strip()
         try:
             self["gpu_spec"] = parse_gpu_spec(self["gpus"])
         except GPUSpecError as e:
@@ -123,12 +129,6 @@ class Options(usage.Options):
             )
         self["tls"], self["node_id"] = tls, node_id
 
-        from llmgw.engines import advertise_address_problem
-
-        problem = advertise_address_problem(self["advertise-address"].strip())
-        if problem:
-            raise usage.UsageError(f"--advertise-address: {problem}")
-        self["advertise_address"] = self["advertise-address"].strip()
         try:
             self["state"] = StateDir(Path(self["state-dir"]))
         except StateDirError as e:
@@ -254,6 +254,7 @@ class NodeAgent(MultiService):
     def stopService(self) -> Any:
         self._sighup.uninstall()
         self.core.stopping = True
+        self.fetcher.close()  # engines (issue 11): kept-alive scrape connections
         d = super().stopService()
 
         def unlock(result: Any) -> Any:
