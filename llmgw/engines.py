@@ -172,8 +172,15 @@ def parse_samples(text: str, wanted: set[str]) -> dict[str, list[float]]:
     """
     out: dict[str, list[float]] = {}
     samples = 0
+    # Most of a document (histogram buckets) is none of ours: a prefix test
+    # skips those lines before any parsing.
+    prefixes = tuple(wanted)
     for line in text.splitlines():
         if not line or line[0] == "#":
+            continue
+        if not line.startswith(prefixes):
+            if samples == 0 and _looks_like_sample(line):
+                samples = 1
             continue
         # NAME[{labels}] VALUE [TIMESTAMP]; label values may hold spaces.
         brace = line.find("{")
@@ -195,13 +202,24 @@ def parse_samples(text: str, wanted: set[str]) -> dict[str, list[float]]:
             value = float(rest[0])
         except ValueError:
             continue
-        samples += 1
+        samples = 1
         base = _base_name(name)
         if base in wanted and math.isfinite(value):
             out.setdefault(base, []).append(value)
     if samples == 0:
         raise MetricsError("no Prometheus samples in the response")
     return out
+
+
+def _looks_like_sample(line: str) -> bool:
+    parts = line.rsplit("}", 1)[-1].split() if "{" in line else line.split()[1:]
+    if not parts:
+        return False
+    try:
+        float(parts[0])
+    except ValueError:
+        return False
+    return True
 
 
 def normalise(
