@@ -256,18 +256,6 @@ def _pick(found: Mapping[str, list[float]], spec: str, fraction: bool) -> float 
     return None
 
 
-def signals_dict(signals: EngineSignals | None, now: float) -> dict[str, float | None] | None:
-    """
-    The JSON form of C{signals} for the admin API: each figure (C{None}
-    where the engine has none) and C{age_s}, its age on C{now}'s clock.
-    """
-    if signals is None:
-        return None
-    out: dict[str, float | None] = {s: getattr(signals, s) for s in SIGNALS}
-    out["age_s"] = round(signals.age(now), 3)
-    return out
-
-
 def check_metric_names(where: str, names: Mapping[str, object]) -> dict[str, str]:
     """
     Validate a profile's C{metric_names} table.

@@ -191,13 +191,17 @@ class RealEngineTests(SynchronousTestCase):
         client = OpenAI(base_url=f"http://127.0.0.1:{fleet.gateway_port}/v1", api_key="none",
                         timeout=30, max_retries=0)
         reply = client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=8)
+            model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=8,
+            temperature=0)
         self.assertEqual(reply.choices[0].finish_reason, "length")
         self.assertEqual(reply.usage.completion_tokens, 8)
+        self.assertTrue(reply.choices[0].message.content.strip())
         chunks = list(client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=8,
-            stream=True))
+            temperature=0, stream=True))
         self.assertGreater(len([c for c in chunks if c.choices and c.choices[0].delta.content]), 1)
+        self.assertEqual(chunks[-1].choices[0].finish_reason if chunks[-1].choices else "length",
+                         "length")
 
         def signals() -> dict[str, Any] | None:
             rep = fleet.admin("/api/v1/replicas")["replicas"]

@@ -1,6 +1,6 @@
 """
 The agent's engine scraper (DESIGN §15, issue 11 item 3): about once a
-second it GETs the metrics endpoint of every ready shard whose profile has
+second it GETs the metrics endpoint of every ready (or draining) shard whose profile has
 one, normalises what the engine exports (L{llmgw.engines.normalise}) and
 keeps the newest sample per shard for the next heartbeat.
 
@@ -25,7 +25,7 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from llmgw.agent.supervisor import READY, Shard, Supervisor
+from llmgw.agent.supervisor import DRAINING, READY, Shard, Supervisor
 from llmgw.api.v1 import agent_pb2 as pb
 from llmgw.engines import SIGNALS, MetricsError, normalise
 from llmgw.routing import EngineSignals
@@ -200,7 +200,8 @@ class Scraper(Service):
         live: set[str] = set()
         for shard in self.supervisor.live_shards():
             live.add(shard.shard_id)
-            if shard.state != READY or not shard.spec.metrics_path or shard.stopping:
+            # Draining shards still serve their requests in flight: keep their figures fresh.
+            if shard.state not in (READY, DRAINING) or not shard.spec.metrics_path or shard.stopping:
                 continue
             if shard.shard_id in self._in_flight:
                 continue

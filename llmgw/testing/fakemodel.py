@@ -182,7 +182,7 @@ class _Metrics(_Base):
             request.setHeader(b"content-type", b"text/plain")
             request.write(b"")
             self.app.hanging.append(request)
-            request.notifyFinish().addErrback(lambda _: None)
+            request.notifyFinish().addBoth(lambda _: self.app.hanging.remove(request))
             return NOT_DONE_YET
         request.setHeader(b"content-type", b"text/plain; version=0.0.4")
         if shape == "garbage":

@@ -5,8 +5,9 @@ A tiny random-weight Llama model in GGUF, for running a real engine
 Two layers, a 64-wide embedding, a vocabulary of its own (the three special
 tokens, the 256 byte tokens and a few words) and a chat template: about
 half a megabyte, written in well under a second. Its replies are random
-tokens; what it proves is the engine's real start, readiness, serving,
-metrics and death, not the text.
+words of its vocabulary (never an end of text, so a reply is always as
+long as asked); what it proves is the engine's real start, readiness,
+serving, metrics and death, not the text.
 
     python -m llmgw.testing.tinygguf OUT.gguf
 """
@@ -102,7 +103,13 @@ def write(path: str | Path, seed: int = 11) -> Path:
         tensor(f"blk.{i}.ffn_up.weight", FEED_FORWARD, EMBEDDING)
         tensor(f"blk.{i}.ffn_down.weight", EMBEDDING, FEED_FORWARD)
     ones("output_norm.weight")
-    tensor("output.weight", vocab, EMBEDDING)
+    # Only the words can win: their output rows are large, every other row
+    # (special and byte tokens) is zero. Replies are then whole words, never
+    # an end of text or half a UTF-8 sequence an engine would hold back.
+    output = np.zeros((vocab, EMBEDDING), dtype=np.float32)
+    first_word = vocab - len(_WORDS)
+    output[first_word:] = rng.standard_normal((len(_WORDS), EMBEDDING)) * 2.0
+    w.add_tensor("output.weight", output)
 
     w.write_header_to_file()
     w.write_kv_data_to_file()
