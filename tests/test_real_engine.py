@@ -30,7 +30,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from twisted.trial.unittest import SkipTest, SynchronousTestCase
+from twisted.internet import defer
+from twisted.trial.unittest import SkipTest, SynchronousTestCase, TestCase
 
 from llmgw.agent.state import StateDir
 from llmgw.testing.engines import find_llama_server, llama_server_missing_reason
@@ -286,3 +287,79 @@ class RealEngineTests(SynchronousTestCase):
                                        marker=json.dumps(str(directory)))
 
         self.run_engine(catalog, ("prefix_cache_queries",))
+
+
+class LlamaServerReadinessTests(TestCase):
+    """
+    The supervisor's readiness rule against the real engine, probing fast.
+    """
+
+    timeout = 60
+
+    @defer.inlineCallbacks
+    def test_ready_only_after_the_engine_answers(self) -> Any:
+        """
+        Every health check before the shard became ready failed (nothing
+        listening yet, or 503 while the model loads) and the one that made
+        it ready answered 200; a chat works at once; the stop leaves no
+        process.
+        """
+        binary = find_llama_server()
+        if binary is None:
+            raise SkipTest(llama_server_missing_reason())
+        from twisted.internet import reactor
+
+        from llmgw.agent.state import ShardSpec
+        from llmgw.agent.supervisor import HttpProber, Supervisor
+        from llmgw.testing.tinygguf import write
+
+        directory = Path(self.mktemp()).resolve()
+        directory.mkdir(parents=True)
+        model = write(directory / "tiny.gguf")
+        results: list[str] = []
+        real = HttpProber(reactor, timeout=2)
+
+        class Recording:
+            def probe(self, url: str) -> Any:
+                d = real.probe(url)
+                d.addCallbacks(lambda r: (results.append("ok"), r)[1],
+                               lambda f: (results.append(f.getErrorMessage()), f)[1])
+                return d
+
+        sup = Supervisor(reactor, lambda *a, **kw: reactor.spawnProcess(*a, **kw),
+                         StateDir(directory / "state"), prober=Recording(),
+                         probe_interval_starting=0.02,
+                         base_env={k: os.environ[k] for k in ("PATH", "HOME") if k in os.environ})
+        ready: defer.Deferred[int] = defer.Deferred()
+        ended: defer.Deferred[None] = defer.Deferred()
+
+        def listen(shard: Any) -> None:
+            if shard.state == "ready" and not ready.called:
+                ready.callback(len(results))
+            if shard.state in ("stopped", "failed") and not ended.called:
+                ended.callback(None)
+
+        sup.add_listener(listen)
+        port = free_port()
+        shard = sup.start(ShardSpec(
+            shard_id="llama", replica_id="r", model="tiny", profile="p", gpu_indices=[],
+            port=port, stop_grace_s=5, startup_timeout_s=30,
+            argv=[str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", "{port}",
+                  "-c", "512", "-np", "1", "-t", "1"]))
+        self.addCleanup(lambda: engine_processes(directory) and [
+            os.killpg(p, signal.SIGKILL) for p in engine_processes(directory)])
+        probes_at_ready = yield ready.addTimeout(30, reactor)
+        self.assertEqual(results[probes_at_ready - 1], "ok")
+        self.assertNotIn("ok", results[: probes_at_ready - 1])
+        self.assertGreater(probes_at_ready, 1, "the first check came before the engine answered")
+        self.assertEqual(health(f"127.0.0.1:{port}"), 200)
+        body = json.dumps({"model": "tiny", "max_tokens": 2,
+                           "messages": [{"role": "user", "content": "hi"}]}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body,
+                                         {"content-type": "application/json"})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            self.assertEqual(json.loads(response.read())["usage"]["completion_tokens"], 2)
+        sup.stop(shard.shard_id)
+        yield ended.addTimeout(15, reactor)
+        self.assertEqual(shard.state, "stopped")
+        self.assertEqual(engine_processes(directory), [])
