@@ -150,7 +150,8 @@ class ProfileDefaultsTests(SynchronousTestCase):
     def test_worker_command(self) -> None:
         """
         Ranks 1..N-1 run worker_command with worker_health_path (default:
-        ready while alive) and are not scraped; rank 0 runs command.
+        ready while alive); rank 0 runs command; only rank 0 is scraped,
+        with or without a worker_command.
         """
         p = parse_profile("p", {
             "engine": "sglang", "command": ["lead", "{rank}"], "worker_command": ["work", "{host}"],
@@ -161,9 +162,10 @@ class ProfileDefaultsTests(SynchronousTestCase):
                          (("lead", "{rank}"), "/health", "/metrics"))
         self.assertEqual((work.command, work.health_path, work.metrics_path),
                          (("work", "{host}"), "", ""))
-        same = parse_profile("q", {"command": ["x"], "shards": 2, "fabric": "ib0"})
+        same = parse_profile("q", {"engine": "vllm", "command": ["x"], "shards": 2, "fabric": "ib0"})
         self.assertEqual(same.launch(1).command, ("x",))
         self.assertEqual(same.launch(1).health_path, "/health")
+        self.assertEqual((same.launch(0).metrics_path, same.launch(1).metrics_path), ("/metrics", ""))
 
     def test_refusals(self) -> None:
         """

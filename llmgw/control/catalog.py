@@ -85,6 +85,10 @@ class Profile:
         """
         if rank > 0 and self.worker_command:
             return Launch(self.worker_command, self.worker_health_path, "", {})
+        if rank > 0:
+            # Same command, same health check; only the leader is scraped
+            # (its metrics cover the replica, and routes carry the leader's).
+            return Launch(self.command, self.health_path, "", {})
         return Launch(self.command, self.health_path, self.metrics_path, dict(self.metric_names))
 
 
@@ -231,8 +235,7 @@ def parse_profile(name: str, raw: Any) -> Profile:
         "stop_grace_s": engine.stop_grace_s,
         "startup_timeout_s": engine.startup_timeout_s,
     }
-    for key, value in defaults.items():
-        raw = {**raw, key: raw.get(key, value)}
+    raw = {**defaults, **raw}
     metrics_path = raw["metrics_path"]
     if metrics_path and not metrics_path.startswith("/"):
         raise CatalogError(f"{where}: field 'metrics_path' must start with '/' (or be \"\" for none), not {metrics_path!r}")
