@@ -193,13 +193,14 @@ class RealEngineTests(SynchronousTestCase):
                         timeout=30, max_retries=0)
         reply = client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=8,
-            temperature=0)
+            temperature=0,
+            extra_body={"ignore_eos": True})
         self.assertEqual(reply.choices[0].finish_reason, "length")
         self.assertEqual(reply.usage.completion_tokens, 8)
         self.assertTrue(reply.choices[0].message.content.strip())
         chunks = list(client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=8,
-            temperature=0, stream=True))
+            temperature=0, stream=True, extra_body={"ignore_eos": True}))
         self.assertGreater(len([c for c in chunks if c.choices and c.choices[0].delta.content]), 1)
         self.assertEqual(chunks[-1].choices[0].finish_reason if chunks[-1].choices else "length",
                          "length")
@@ -238,7 +239,8 @@ class RealEngineTests(SynchronousTestCase):
         self.assertTrue(engines)
         self.assertEqual({os.getpgid(p) for p in engines}, {new_pid})
         again = client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "again"}], max_tokens=4)
+            model="tiny", messages=[{"role": "user", "content": "again"}], max_tokens=4,
+            extra_body={"ignore_eos": True})
         self.assertEqual(again.usage.completion_tokens, 4)
 
         fleet.proc.send_signal(signal.SIGTERM)
