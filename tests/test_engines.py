@@ -226,3 +226,29 @@ class HelpersTests(SynchronousTestCase):
             self.assertIsNone(engines.advertise_address_problem(ok), ok)
         for bad in ("10.0.0.1 x", "http://x/", "-x", "a" * 300):
             self.assertIsNotNone(engines.advertise_address_problem(bad), bad)
+
+
+class ReadmeProfilesTests(SynchronousTestCase):
+    def test_readme_catalog_is_valid(self) -> None:
+        """
+        The engine profiles the README shows parse as a catalog, each with
+        its engine's defaults, and the multi-node ones give their workers
+        their own command.
+        """
+        import re
+        import tomllib
+
+        readme = (Path(__file__).parent.parent / "README.md").read_text()
+        blocks = [b for b in re.findall(r"```toml\n(.*?)```", readme, re.S) if "engine =" in b]
+        self.assertEqual(len(blocks), 1)
+        text = "\n".join(line[3:] if line.startswith("   ") else line
+                         for line in blocks[0].splitlines())
+        cat = parse_catalog(tomllib.loads(text))
+        engines_seen = {p.engine for p in cat.profiles.values()}
+        self.assertEqual(engines_seen, {"vllm", "sglang", "llamacpp"})
+        for name in ("llama-405b-2x8", "llama-405b-sglang"):
+            p = cat.profiles[name]
+            self.assertEqual(p.shards, 2)
+            self.assertNotEqual(p.launch(1).command, p.launch(0).command)
+            self.assertEqual(p.launch(1).health_path, "")
+        self.assertIn("--headless", cat.profiles["llama-405b-2x8"].worker_command)
