@@ -77,6 +77,9 @@ class AgentConfig:
     agent_version: str = llmgw.__version__
     #: Seconds since 1970 when the agent's certificate lapses (0: unknown).
     certificate_not_after: int = 0
+    #: The address this node's shards are reached at (--advertise-address);
+    #: "" means the local address of the stream to the control plane.
+    advertise_address: str = ""
 
 
 def shard_status(shard: Shard) -> pb.ShardStatus:
@@ -156,6 +159,7 @@ class AgentStreamClient(MessageStream[pb.ControlMessage]):
         # Under TLS this is TCP connect; the Register waits in the TLS layer
         # until the handshake is done.
         self.core.attach(self)
+        self.core.learn_address(self.transport)
         self.send_message(pb.AgentMessage(register=self.core.register_message()))
         self._ack_timer = self.core.clock.callLater(REGISTER_ACK_TIMEOUT, self._ack_expired)
 
@@ -266,6 +270,7 @@ class AgentCore(Factory):
         epoch_file: Path | None = None,
         max_backoff: float = MAX_BACKOFF,
         jitter: Callable[[], float] = random.random,
+        scraper: Any = None,
     ):
         self.config = config
         self.supervisor = supervisor
@@ -289,6 +294,13 @@ class AgentCore(Factory):
         self.stopping = False
         #: Registrations that were acknowledged, for tests and metrics.
         self.registrations = 0
+        #: Engine signals for heartbeats (L{llmgw.agent.scrape.Scraper}), or None.
+        self.scraper = scraper
+        #: The address shards are advertised at: the configured one, else
+        #: learned from each connection (L{learn_address}).
+        self.advertised = config.advertise_address
+        if self.advertised:
+            supervisor.probe_host = self.advertised
         supervisor.add_listener(self.shard_changed)
 
     def buildProtocol(self, addr: Any) -> AgentStreamClient:
@@ -385,6 +397,7 @@ class AgentCore(Factory):
                                 command=p.command)
                 for p in self.supervisor.live_strays()
             ],
+            advertise_address=self.advertised,
         )
 
     def heartbeat_message(self) -> pb.Heartbeat:
@@ -396,7 +409,24 @@ class AgentCore(Factory):
                 pb.GPUProblem(gpu_index=p.gpu_index, problem=p.problem)
                 for p in problems if p.gpu_index >= 0
             ],
+            shard_signals=self.scraper.heartbeat_signals() if self.scraper is not None else [],
         )
+
+    def learn_address(self, transport: Any) -> None:
+        """
+        Without --advertise-address, advertise the local address of the
+        stream to the control plane: the one it can reach us at.
+        """
+        if self.config.advertise_address:
+            return
+        host = getattr(getattr(transport, "getHost", lambda: None)(), "host", "")
+        if host and host != self.advertised:
+            if self.advertised:
+                self.log.warn("this node's address changed from {old} to {new}; shards started "
+                              "before keep the old one in their commands", old=self.advertised,
+                              new=host)
+            self.advertised = host
+            self.supervisor.probe_host = host
 
     # -- connection map ----------------------------------------------------------------
 

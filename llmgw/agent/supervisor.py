@@ -66,6 +66,7 @@ from twisted.python.failure import Failure
 
 from llmgw.agent.state import ShardRecord, ShardSpec, StateDir, valid_shard_id
 from llmgw.crash import CrashClass, classify
+from llmgw.engines import health_url, stop_signal_number
 
 STARTING = "starting"
 READY = "ready"
@@ -549,6 +550,9 @@ class Supervisor(Service):
         self._loop: LoopingCall | None = None
         #: Set by L{stopService}: shards that end after it are not watched.
         self.detached = False
+        #: engines (issue 11): the address the agent advertises; probes and
+        #: {host} use it.
+        self.probe_host = "127.0.0.1"
 
     # -- service -----------------------------------------------------------
 
@@ -735,6 +739,7 @@ class Supervisor(Service):
             "{shard_id}": spec.shard_id,
             "{replica_id}": spec.replica_id,
             "{gpus}": ",".join(map(str, spec.gpu_indices)),
+            "{host}": self.probe_host,  # engines (issue 11): if the control plane left it
         }
         out = []
         for arg in spec.argv:
@@ -827,7 +832,7 @@ class Supervisor(Service):
             why=f" ({error_})" if error_ else "",
         )
         shard.state = STOPPING
-        self._signal(shard, signal.SIGTERM)
+        self._signal(shard, stop_signal_number(shard.spec.stop_signal))  # engines (issue 11)
         self._set_timer(shard, "kill", grace, self._kill, shard)
         if shard.main_ended:
             self._watch_group(shard, GROUP_POLL_FIRST)
@@ -992,8 +997,8 @@ class Supervisor(Service):
         shard.timers.pop("probe", None)
         if not shard.live or shard.stopping:
             return
-        url = f"http://127.0.0.1:{shard.spec.port}{shard.spec.health_path}"
-        d = defer.maybeDeferred(self.prober.probe, url)
+        url = health_url(self.probe_host, shard.spec)  # engines (issue 11)
+        d = defer.maybeDeferred(self.prober.probe, url) if url else defer.succeed(None)
         d.addCallbacks(lambda _: self._probed(shard, None),
                        lambda f: self._probed(shard, f))
 
@@ -1227,8 +1232,8 @@ class Supervisor(Service):
             self._set_timer(shard, "drain", shard.spec.drain_timeout_s, self._drain_expired, shard)
         if self.prober is None:
             return defer.succeed(None)
-        url = f"http://127.0.0.1:{shard.spec.port}{shard.spec.health_path}"
-        d = defer.maybeDeferred(self.prober.probe, url)
+        url = health_url(self.probe_host, shard.spec)  # engines (issue 11)
+        d = defer.maybeDeferred(self.prober.probe, url) if url else defer.succeed(None)
 
         def healthy(_: Any) -> None:
             if shard.live and shard.state == STARTING:

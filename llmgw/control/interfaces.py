@@ -50,6 +50,11 @@ class ShardCommand:
     startup_timeout_s: int = 600
     stop_grace_s: int = 30
     drain_timeout_s: int = 60
+    # Engines (issue 11); health_path "" means ready while the process lives.
+    engine: str = "generic"
+    metrics_path: str = ""
+    metric_names: dict[str, str] = field(default_factory=dict)
+    stop_signal: str = "SIGTERM"
 
 
 @dataclass(frozen=True)

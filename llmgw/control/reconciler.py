@@ -69,6 +69,8 @@ from llmgw.control.interfaces import (
 )
 from llmgw.control.inventory import Inventory
 from llmgw.control.placement import NodeCapacity, Placer, PortBook, Request
+from llmgw.control.signals import SignalStore, signals_json  # engines (issue 11)
+from llmgw.control.signals import from_message as signals_from_message
 from llmgw.routing import RoutingTable  # interim: replaced by the core branch
 
 DEFAULT_PASS_INTERVAL = 1.0
@@ -242,6 +244,7 @@ class Reconciler(Service):
         for warning in self.fleet_state.load():
             self.log.error("{warning}", warning=warning)
         self.event_log = EventLog(event_limit)
+        self.engine_signals = SignalStore()  # engines (issue 11)
         self._timer = timer
         self.epoch = epoch
         self._id_prefix = _base36(epoch)
@@ -684,6 +687,28 @@ class Reconciler(Service):
         while len(self._missing) > MISSING_KEPT:
             self._missing.popitem(last=False)
 
+    # -- engines (issue 11): signals from heartbeats ---------------------------
+
+    def record_engine_signals(self, node_id: str, msgs: Iterable[Any]) -> None:
+        """
+        Keep a heartbeat's engine signals; those for shards not on
+        C{node_id} are dropped (a node speaks only for its own shards).
+        """
+        now = self.clock.seconds()
+        self.engine_signals.record(node_id, [
+            (m.shard_id, signals_from_message(m, now)) for m in msgs
+            if self.shard_node(m.shard_id) == node_id
+        ])
+
+    def engine_signal_rows(self) -> list[tuple[str, str, str, Any]]:
+        rows = []
+        for rep_ in self.replica_recs.values():
+            for shard in rep_.shards.values():
+                entry = self.engine_signals.get(shard.id)
+                if entry is not None:
+                    rows.append((rep_.model, rep_.id, shard.id, entry))
+        return rows
+
     def shard_node(self, shard_id: str) -> str | None:
         shard = self.shard_recs.get(shard_id)
         if shard is not None:
@@ -824,24 +849,33 @@ class Reconciler(Service):
             "world_size": str(rep.world_size),
             "leader": leader_address,
             "gpus": ",".join(str(g) for g in shard.gpus),
+            # engines (issue 11): the node's advertised address, the leader's host
+            "host": shard.host,
+            "leader_host": leader.host if leader is not None else "",
         }
+        launch = profile.launch(shard.rank)  # engines (issue 11): per-rank command
         return ShardCommand(
             node_id=shard.node_id,
             shard_id=shard.id,
             replica_id=rep.id,
             model=rep.model,
             profile=rep.profile,
-            argv=tuple(fill(a, values) for a in profile.command),
+            argv=tuple(fill(a, values) for a in launch.command),
             gpu_indices=shard.gpus,
             port=shard.port,
             rank=shard.rank,
             world_size=rep.world_size,
             leader_address=leader_address,
             env={k: fill(v, values) for k, v in profile.env.items()},
-            health_path=profile.health_path,
+            health_path=launch.health_path,
             startup_timeout_s=profile.startup_timeout_s,
             stop_grace_s=profile.stop_grace_s,
             drain_timeout_s=profile.drain_timeout_s,
+            # engines (issue 11)
+            engine=profile.engine,
+            metrics_path=launch.metrics_path,
+            metric_names=launch.metric_names,
+            stop_signal=profile.stop_signal,
         )
 
     def _send_start(self, rep: ReplicaRec, shard: ShardRec, now: float) -> str | None:
@@ -1306,7 +1340,8 @@ class Reconciler(Service):
             leader = rep.shards.get(0)
             if leader is None:
                 continue
-            out.append(Route(rid, model, leader.address, draining=rep.phase != ACTIVE))
+            out.append(Route(rid, model, leader.address, draining=rep.phase != ACTIVE,
+                             signals=self.engine_signals.signals(leader.id)))  # engines (issue 11)
         return out
 
     def models(self) -> list[str]:
@@ -1411,6 +1446,7 @@ class Reconciler(Service):
         return out
 
     def replicas(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        now = self.clock.seconds()
         out = []
         for rid in sorted(self.replica_recs):
             rep = self.replica_recs[rid]
@@ -1433,6 +1469,8 @@ class Reconciler(Service):
                             "state": "stopping" if s.stopping else s.state,
                             "address": s.address,
                             "gpus": list(s.gpus),
+                            # engines (issue 11)
+                            "signals": signals_json(self.engine_signals.get(s.id), now),
                         }
                         for _, s in sorted(rep.shards.items())
                     ],

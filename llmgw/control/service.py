@@ -301,6 +301,12 @@ class ControlPlane(MultiService):
             self.registry, self.agents, lambda: self.fleet, self.tls_expiry_snapshot,
             limiter=lambda: getattr(self, "limiter", None),
         )
+        # engines (issue 11): engine signals per shard, with their age
+        from llmgw.control.signals import EngineSignalsCollector
+
+        self.registry.register(EngineSignalsCollector(
+            lambda: getattr(self.fleet, "engine_signal_rows", list)(), self.reactor.seconds,
+        ))
         self._attach_admin()
 
     def _attach_admin(self) -> None:

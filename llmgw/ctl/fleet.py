@@ -623,11 +623,35 @@ def render_replicas(replicas: list[dict[str, Any]]) -> str:
         shards = sorted(r.get("shards") or [], key=lambda s: s.get("rank", 0))
         leader = shards[0].get("address") if shards else None
         state = str(r.get("state")) + (" (draining)" if r.get("draining") else "")
+        signals = shards[0].get("signals") if shards else None
         rows.append([
             r["id"], r.get("model"), r.get("profile"), state, leader or "-",
+            *engine_columns(signals),
             " ".join(f"{s.get('node')}/{s.get('rank')}:{s.get('state')}" for s in shards) or "-",
         ])
-    return table(["REPLICA", "MODEL", "PROFILE", "STATE", "ADDRESS", "SHARDS (NODE/RANK:STATE)"], rows)
+    return table(["REPLICA", "MODEL", "PROFILE", "STATE", "ADDRESS", "WAITING", "RUNNING", "KV",
+                  "SIGNALS AGE", "SHARDS (NODE/RANK:STATE)"], rows)
+
+
+def engine_columns(signals: dict[str, Any] | None) -> list[str]:
+    """
+    The leader's engine signals as table cells: waiting, running, KV-cache
+    use, and their age ("-" where the engine has no such figure; the age
+    says "stale" with the scrape's error when the last scrape failed).
+    """
+    if not signals:
+        return ["-", "-", "-", "-"]
+
+    def count(v: Any) -> str:
+        return "-" if v is None else f"{v:g}"
+
+    kv = signals.get("kv_cache_usage")
+    age = signals.get("age_s")
+    age_text = "-" if age is None else f"{age:.1f}s"
+    if signals.get("error"):
+        age_text += f" (stale: {signals['error']})"
+    return [count(signals.get("waiting")), count(signals.get("running")),
+            "-" if kv is None else f"{kv * 100:.0f}%", age_text]
 
 
 def render_events(events: list[dict[str, Any]]) -> str:
