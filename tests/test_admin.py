@@ -411,7 +411,7 @@ class SiteTests(SynchronousTestCase):
         """
         body = b"{" + b" " * (MAX_BODY + 10) + b"}"
         head = (
-            b"POST /api/v1/deployments/demo/scale HTTP/1.1\r\nHost: x\r\n"
+            b"POST /api/v1/deployments/demo/scale HTTP/1.1\r\nHost: 127.0.0.1:7480\r\n"
             b"Content-Type: application/json\r\n"
             b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n"
         )
@@ -427,7 +427,7 @@ class SiteTests(SynchronousTestCase):
         chunk = b"x" * 8192
         chunks = b"".join(b"%x\r\n" % len(chunk) + chunk + b"\r\n" for _ in range(MAX_BODY // 8192 + 2))
         head = (
-            b"POST /api/v1/catalog/reload HTTP/1.1\r\nHost: x\r\n"
+            b"POST /api/v1/catalog/reload HTTP/1.1\r\nHost: 127.0.0.1:7480\r\n"
             b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
         )
         transport = raw_request(self.site, head + chunks + b"0\r\n\r\n")
@@ -440,7 +440,7 @@ class SiteTests(SynchronousTestCase):
         end.
         """
         head = (
-            b"POST /api/v1/catalog/reload HTTP/1.1\r\nHost: x\r\n"
+            b"POST /api/v1/catalog/reload HTTP/1.1\r\nHost: 127.0.0.1:7480\r\n"
             b"Content-Type: application/json\r\nContent-Length: 100000000\r\n\r\n"
         )
         proto = self.site.buildProtocol(None)
@@ -459,7 +459,7 @@ class SiteTests(SynchronousTestCase):
         body = b'{"replicas": 3}'
         transport = raw_request(
             self.site,
-            b"POST /api/v1/deployments/demo/scale HTTP/1.1\r\nHost: x\r\n"
+            b"POST /api/v1/deployments/demo/scale HTTP/1.1\r\nHost: 127.0.0.1:7480\r\n"
             b"Content-Type: application/json\r\nContent-Length: " + str(len(body)).encode()
             + b"\r\n\r\n" + body,
         )

@@ -12,7 +12,12 @@ a malformed request, 404 for an unknown path, node or deployment, 405 for a
 method the path does not take, 409 for a conflict, 413 for a body over the
 limit, 415 for a C{POST} that is not C{application/json}. A failure inside
 the control plane is a 500 whose body says only that; the traceback goes to
-the log with the requester's address.
+the log with the requester's address. A request whose C{Host} is not a
+name the API serves (L{llmgw.hostcheck}: loopback names, the bound address,
+C{--admin-hosts}) is refused with 421 before anything else, so that a page
+whose name rebinds to this address reads and changes nothing. A JSON body
+nested more than L{llmgw.untrusted.MAX_JSON_DEPTH} deep, or naming a key
+twice, is a 400; client strings in errors and logs are clipped.
 
 C{POST} requests must be C{Content-Type: application/json}, even when they
 carry no body: a web page in the operator's browser cannot send that
@@ -39,6 +44,8 @@ from twisted.web.resource import Resource
 
 from llmgw.addresses import ListenerService, format_address, is_loopback, server_endpoint
 from llmgw.control.interfaces import AdminError, IFleetAdmin
+from llmgw.hostcheck import HostCheck
+from llmgw.untrusted import CLIP, JSONInputError, clip, load_json
 from llmgw.wire import InvalidNodeId, validate_node_id
 
 DEFAULT_ADMIN_HOST = "127.0.0.1"
@@ -98,10 +105,21 @@ def client_address(request: Any) -> str:
 def _printable(raw: bytes) -> str:
     """
     C{raw} (a method or URI a client sent) safe for a log line: control
-    characters escaped.
+    characters escaped, and past 4 * L{CLIP} bytes cut, with its length.
     """
-    text = raw.decode("latin-1")
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    limit = 4 * CLIP
+    text = raw[:limit].decode("latin-1")
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return text if len(raw) <= limit else f"{text}\u2026 ({len(raw)} bytes)"
+
+
+def _bounded(reason: str) -> str:
+    """
+    A refusal's reason, cut past 16 * L{CLIP} characters: the fleet's own
+    messages may quote what a client sent in full.
+    """
+    limit = 16 * CLIP
+    return reason if len(reason) <= limit else f"{reason[:limit]}\u2026 ({len(reason)} characters)"
 
 
 def _json_default(value: Any) -> Any:
@@ -180,8 +198,11 @@ class AdminResource(Resource):
         agents: Any = None,
         max_body: int = MAX_BODY,
         control: Any = None,
+        hosts: HostCheck | None = None,
     ):
         super().__init__()
+        #: The C{Host} names served (loopback ones when not given).
+        self.hosts = hosts if hosts is not None else HostCheck(option="--admin-hosts")
         self.fleet = fleet
         self.registry = registry
         self.agents = agents
@@ -197,6 +218,7 @@ class AdminResource(Resource):
             method = request.method.decode("ascii", "replace")
             if method == "HEAD":
                 method = "GET"
+            self._check_host(request)
             path = self._path(request)
             handler, args = self._route(method, path, request)
             return self._call(request, handler, args)
@@ -211,6 +233,21 @@ class AdminResource(Resource):
             )
             return self._error(request, 500, "internal error in the control plane (logged there)")
 
+    def _check_host(self, request: Any) -> None:
+        hosts = request.requestHeaders.getRawHeaders(b"host") or []
+        if len(hosts) > 1:
+            raise Refused(400, "the request has more than one Host header")
+        if not hosts:
+            if request.clientproto != b"HTTP/1.0":
+                raise Refused(400, "the request has no Host header")
+            return
+        if not self.hosts.allows(hosts[0]):
+            raise Refused(
+                421,
+                f"this admin API does not serve the host {clip(hosts[0])}; its operator lists "
+                f"the names it serves with {self.hosts.option}",
+            )
+
     def _path(self, request: Any) -> list[str]:
         try:
             path = [seg.decode("utf-8") for seg in request.postpath]
@@ -223,7 +260,9 @@ class AdminResource(Resource):
     def _route(self, method: str, path: list[str], request: Any) -> tuple[Callable[..., Any], tuple[Any, ...]]:
         def only(allowed: str) -> None:
             if method != allowed:
-                raise Refused(405, f"{'/' + '/'.join(path)} takes {allowed}, not {method}", allow=(allowed,))
+                raise Refused(
+                    405, f"{clip('/' + '/'.join(path))} takes {allowed}, not {clip(method)}", allow=(allowed,)
+                )
 
         if path == []:
             only("GET")
@@ -232,7 +271,7 @@ class AdminResource(Resource):
             only("GET")
             return self._metrics, (request,)
         if path[:2] != ["api", "v1"] or len(path) < 3:
-            raise Refused(404, f"no such endpoint: {'/' + '/'.join(path)}")
+            raise Refused(404, f"no such endpoint: {clip('/' + '/'.join(path))}")
         rest = path[2:]
         head = rest[0]
         if rest == ["status"]:
@@ -276,7 +315,7 @@ class AdminResource(Resource):
             only("POST")
             self._body(request)
             return self._reload_tls, (request,)
-        raise Refused(404, f"no such endpoint: {'/' + '/'.join(path)}")
+        raise Refused(404, f"no such endpoint: {clip('/' + '/'.join(path))}")
 
     # -- input ------------------------------------------------------------------
 
@@ -290,9 +329,9 @@ class AdminResource(Resource):
         try:
             since = float(raw)
         except ValueError:
-            raise Refused(400, f"since={raw!r} is not a number of seconds since 1970") from None
+            raise Refused(400, f"since={clip(raw)} is not a number of seconds since 1970") from None
         if not math.isfinite(since):
-            raise Refused(400, f"since={raw!r} is not a finite number")
+            raise Refused(400, f"since={clip(raw)} is not a finite number")
         return since
 
     def _body(self, request: Any) -> dict[str, Any]:
@@ -304,7 +343,7 @@ class AdminResource(Resource):
             raise Refused(
                 415,
                 "POST requests must have Content-Type: application/json"
-                + (f" (got {ctype.decode('latin-1')!r})" if ctype else ""),
+                + (f" (got {clip(ctype)})" if ctype else ""),
             )
         if getattr(request, "body_too_large", False):
             raise Refused(413, f"the request body is over {self.max_body} bytes")
@@ -315,9 +354,9 @@ class AdminResource(Resource):
         if not raw.strip():
             return {}
         try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise Refused(400, f"the body is not valid JSON: {e}") from None
+            body = load_json(raw, unique=None)
+        except JSONInputError as e:
+            raise Refused(400, str(e)) from None
         if not isinstance(body, dict):
             raise Refused(400, f"the body must be a JSON object, not {type(body).__name__}")
         return body
@@ -325,12 +364,14 @@ class AdminResource(Resource):
     def _replicas(self, body: dict[str, Any]) -> int:
         unknown = sorted(set(body) - {"replicas"})
         if unknown:
-            raise Refused(400, f"unknown field(s) {', '.join(map(repr, unknown))}; the body is {{\"replicas\": N}}")
+            raise Refused(
+                400, f"unknown field(s) {', '.join(map(clip, unknown[:5]))}; the body is {{\"replicas\": N}}"
+            )
         if "replicas" not in body:
             raise Refused(400, 'missing field "replicas"; the body is {"replicas": N}')
         n = body["replicas"]
         if isinstance(n, bool) or not isinstance(n, int):
-            raise Refused(400, f'"replicas" must be a whole number, not {json.dumps(n)}')
+            raise Refused(400, f'"replicas" must be a whole number, not {clip(json.dumps(n))}')
         if n < 0:
             raise Refused(400, f'"replicas" must not be negative (got {n})')
         return n
@@ -453,6 +494,7 @@ class AdminResource(Resource):
         return self._error(request, e.status, e.reason)
 
     def _log_refusal(self, request: Any, status: int, reason: str) -> None:
+        reason = _bounded(reason)
         self.log.info(
             "admin API: refused {method} {uri} from {client} with {status}: {reason}",
             method=_printable(request.method),
@@ -463,11 +505,11 @@ class AdminResource(Resource):
         )
 
     def _error_body(self, request: Any, status: int, reason: str) -> bytes:
-        request.setResponseCode(status)
+        request.setResponseCode(status, b"Misdirected Request" if status == 421 else None)
         request.setHeader(b"content-type", JSON_TYPE)
         if status in (413,):
             request.setHeader(b"connection", b"close")
-        return encode_json({"error": reason, "status": status})
+        return encode_json({"error": _bounded(reason), "status": status})
 
     def _error(self, request: Any, status: int, reason: str) -> bytes:
         body = self._error_body(request, status, reason)
@@ -492,12 +534,15 @@ def admin_site(
     reactor: Any = None,
     timeout: float = IDLE_TIMEOUT,
     control: Any = None,
+    hosts: HostCheck | None = None,
 ) -> AdminSite:
     """
-    The admin API's C{Site}.
+    The admin API's C{Site}; C{hosts} as for L{AdminResource}.
     """
     site = AdminSite(
-        AdminResource(fleet, registry, agents, control=control), timeout=timeout, reactor=reactor
+        AdminResource(fleet, registry, agents, control=control, hosts=hosts),
+        timeout=timeout,
+        reactor=reactor,
     )
     return site
 
@@ -510,10 +555,13 @@ def admin_service(
     registry: CollectorRegistry,
     agents: Any = None,
     control: Any = None,
+    hosts: list[str] | None = None,
 ) -> ListenerService:
     """
     A service that serves the admin API on C{host}:C{port} while running.
-    Its C{port} attribute is the listening port once started.
+    Its C{port} attribute is the listening port once started. It answers to
+    the loopback names, C{host} unless it is a wildcard, and C{hosts}
+    (entries as L{llmgw.hostcheck.parse_hosts} returns them).
     """
     if not is_loopback(host):
         AdminResource.log.warn(
@@ -523,7 +571,10 @@ def admin_service(
         )
     svc = ListenerService(
         server_endpoint(reactor, host, port),
-        admin_site(fleet, registry, agents, reactor, control=control),
+        admin_site(
+            fleet, registry, agents, reactor, control=control,
+            hosts=HostCheck(hosts or (), bound=host, option="--admin-hosts"),
+        ),
     )
     svc.setName("admin-listener")
     return svc

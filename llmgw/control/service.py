@@ -37,6 +37,7 @@ from llmgw.control.reconciler import Reconciler
 from llmgw.control.trust import TrustService
 from llmgw.gateway.keys import KeysError, load_keys
 from llmgw.gateway.service import DEFAULT_GATEWAY, GatewayService
+from llmgw.hostcheck import HostListError, parse_hosts
 from llmgw.signals import SighupHandler, owns_signals
 from llmgw.tlsconf.options import ServerTLS, TLSConfigError, server_files
 from llmgw.wire import DEFAULT_MAX_FRAME
@@ -76,6 +77,12 @@ class Options(usage.Options):
          "while agents report what they run"],
         ["gateway", None, DEFAULT_GATEWAY,
          "[HOST:]PORT for the OpenAI-compatible gateway (0.0.0.0:8000 exposes it), or 'off'"],
+        ["admin-hosts", None, "",
+         "comma-separated Host names the admin API answers to besides loopback names and its "
+         "bound address (NAME, NAME:PORT, .DOMAIN, or * for any); a wildcard bind needs them"],
+        ["gateway-hosts", None, "",
+         "comma-separated Host names the gateway answers to besides loopback names and its "
+         "bound address (NAME, NAME:PORT, .DOMAIN, or * for any); a wildcard bind needs them"],
         ["api-keys", None, None,
          "gateway API keys file (one per line, or TOML [keys] name = \"key\"); none: no keys"],
         ["gc-threshold", None, str(DEFAULT_GC_THRESHOLD),
@@ -160,6 +167,11 @@ class Options(usage.Options):
                 self["gateway_address"] = parse_address(self["gateway"], "127.0.0.1")
             except AddressError as e:
                 raise usage.UsageError(f"--gateway: {e}") from e
+        for name in ("admin-hosts", "gateway-hosts"):
+            try:
+                self[name] = parse_hosts(self[name] or "")
+            except HostListError as e:
+                raise usage.UsageError(f"--{name}: {e}") from e
         self["keyring"] = None
         if self["api-keys"]:
             try:
@@ -257,6 +269,7 @@ class ControlPlane(MultiService):
         admin_address: tuple[str, int] | None = None,
         limits: LimitsConfig | None = None,
         handle_sighup: bool | None = None,
+        admin_hosts: list[str] | None = None,
     ):
         super().__init__()
         self.reactor = reactor
@@ -299,6 +312,7 @@ class ControlPlane(MultiService):
         # other parts (the gateway) add their metrics to it.
         self.fleet = fleet
         self.admin_address = admin_address
+        self.admin_hosts = admin_hosts or []
         self.admin_listener: ListenerService | None = None
         self.registry = make_registry()
         self.metrics = register_control_metrics(
@@ -316,7 +330,8 @@ class ControlPlane(MultiService):
             return
         host, port = self.admin_address
         self.admin_listener = admin_service(
-            self.reactor, host, port, self.fleet, self.registry, self.agents, control=self
+            self.reactor, host, port, self.fleet, self.registry, self.agents, control=self,
+            hosts=self.admin_hosts,
         )
         self.admin_listener.setServiceParent(self)
 
@@ -440,6 +455,7 @@ def makeService(options: Options, reactor: Any = None) -> ControlPlane:
         admin_address=options["admin_address"],
         limits=options["limits"],
         fleet=reconciler,
+        admin_hosts=options["admin-hosts"],
     )
     reconciler.attach(cp.agents, epoch=cp.epoch)
     reconciler.setName("reconciler")
@@ -458,7 +474,8 @@ def makeService(options: Options, reactor: Any = None) -> ControlPlane:
     if options["gateway_address"] is not None:
         host, port = options["gateway_address"]
         cp.gateway = GatewayService(
-            reactor, reconciler, host, port, keys=options["keyring"], registry=cp.registry
+            reactor, reconciler, host, port, keys=options["keyring"], registry=cp.registry,
+            hosts=options["gateway-hosts"],
         )
         cp.gateway.setName("gateway")
         cp.gateway.setServiceParent(cp)

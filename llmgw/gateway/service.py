@@ -30,6 +30,7 @@ from llmgw.gateway.follower import FollowerService, FollowerTable, RoutingSnapsh
 from llmgw.gateway.keys import KeyRing, KeysError, load_keys
 from llmgw.gateway.proxy import Gateway, GatewayConfig
 from llmgw.gateway.resource import GatewayResource, GatewaySite
+from llmgw.hostcheck import HostCheck, HostListError, parse_hosts
 from llmgw.routing import IInFlight, IRoutingTable
 
 DEFAULT_GATEWAY = "127.0.0.1:8000"
@@ -44,7 +45,9 @@ class GatewayService(MultiService):
 
     C{gateway} (the shared state, an L{IInFlight}) and C{listener} (whose
     C{address()} is the bound address once running) are attributes; the
-    gateway's metrics go into C{registry} (a new one when not given).
+    gateway's metrics go into C{registry} (a new one when not given). It
+    answers to the loopback names, C{host} unless it is a wildcard, and
+    C{hosts} (entries as L{llmgw.hostcheck.parse_hosts} returns them).
     """
 
     log = Logger()
@@ -59,10 +62,12 @@ class GatewayService(MultiService):
         keys: KeyRing | None = None,
         registry: CollectorRegistry | None = None,
         backlog: int = 1024,
+        hosts: list[str] | None = None,
     ):
         super().__init__()
         self.reactor = reactor
-        self.gateway = Gateway(reactor, table, config, registry, keys)
+        check = HostCheck(hosts or (), bound=host, option="--gateway-hosts")
+        self.gateway = Gateway(reactor, table, config, registry, keys, check)
         self.registry = self.gateway.registry
         self.site = GatewaySite(GatewayResource(self.gateway), reactor=reactor)
         self.listener = ListenerService(server_endpoint(reactor, host, port, backlog), self.site)
@@ -123,6 +128,9 @@ class Options(usage.Options):
          "failures in a row that take a replica out of rotation"],
         ["cooldown", None, str(GatewayConfig.cooldown), "seconds a failing replica stays out of rotation"],
         ["backlog", None, "1024", "listen backlog"],
+        ["gateway-hosts", None, "",
+         "comma-separated Host names the gateway answers to besides loopback names and its "
+         "bound address (NAME, NAME:PORT, .DOMAIN, or * for any); a wildcard bind needs them"],
     ]
 
     def postOptions(self) -> None:
@@ -147,6 +155,10 @@ class Options(usage.Options):
             _positive(self, name)
         for name in ("max-body", "max-tries", "failure-threshold", "backlog"):
             _positive(self, name, int)
+        try:
+            self["gateway-hosts"] = parse_hosts(self["gateway-hosts"] or "")
+        except HostListError as e:
+            raise usage.UsageError(f"--gateway-hosts: {e}") from e
         self["keyring"] = None
         if self["keys"]:
             try:
@@ -188,6 +200,7 @@ class StandaloneGateway(MultiService):
         metrics_address: tuple[str, int] | None = None,
         backlog: int = 1024,
         http: Any = None,
+        hosts: list[str] | None = None,
     ):
         super().__init__()
         self.registry = CollectorRegistry()
@@ -195,7 +208,7 @@ class StandaloneGateway(MultiService):
         self.follower = FollowerService(self.table, poll_interval)
         self.follower.setServiceParent(self)
         self.front = GatewayService(
-            reactor, self.table, host, port, config, keys, self.registry, backlog
+            reactor, self.table, host, port, config, keys, self.registry, backlog, hosts
         )
         self.front.setServiceParent(self)
         router = self.front.gateway.router
@@ -231,4 +244,5 @@ def makeService(options: Options, reactor: Any = None) -> StandaloneGateway:
         poll_interval=options["poll-interval"],
         metrics_address=options["metrics_address"],
         backlog=options["backlog"],
+        hosts=options["gateway-hosts"],
     )
