@@ -358,10 +358,10 @@ class ProxyCall:
             self._end_attempt()
             message = f"{route.address} sent a malformed response: {reason.getErrorMessage()}"
             self.log.warn(
-                "replica {replica} of {model}: {message}",
+                "replica {replica} of {model}: {problem}",
                 replica=route.replica_id,
                 model=self.model,
-                message=message,
+                problem=message,
             )
             self._refuse(errors.upstream_failed(self.model, message))
             return
@@ -416,9 +416,9 @@ class ProxyCall:
         if len(self.tried) < self.gw.config.max_tries:
             self.gw.metrics.retry(self.model, reason)
             self.log.info(
-                "{model} request: {message}; trying another replica",
+                "{model} request: {problem}; trying another replica",
                 model=self.model,
-                message=message,
+                problem=message,
             )
             self._attempt(None)
             return
@@ -433,10 +433,10 @@ class ProxyCall:
         else:
             err = errors.upstream_failed(self.model, self.last_error)
         self.log.warn(
-            "{model} request failed after {tries} replica(s): {message}",
+            "{model} request failed after {tries} replica(s): {problem}",
             model=self.model,
             tries=len(self.tried),
-            message=self.last_error,
+            problem=self.last_error,
         )
         self._refuse(err)
 
@@ -465,7 +465,7 @@ class ProxyCall:
         message = (
             f"{route.address} sent no response within {self.gw.config.first_byte_timeout} s"
         )
-        self.log.warn("{model} request: {message}", model=self.model, message=message)
+        self.log.warn("{model} request: {problem}", model=self.model, problem=message)
         # No retry: the replica may still be working on it; a second one
         # would only double the load.
         self._refuse(errors.upstream_timeout(self.model, message))

@@ -153,13 +153,13 @@ class GatewayResource:
     ) -> None:
         if err.status < 500:
             self.log.info(
-                "refused {method} {path} from {peer}{key}: {status} {message}",
+                "refused {method} {path} from {peer}{key}: {status} {problem}",
                 method=clip(request.method),
                 path=clip(request.path),
                 peer=request.peer,
                 key=f" (key {key_name})" if key_name else "",
                 status=err.status,
-                message=err.message,
+                problem=err.message,
             )
         send_error(request, err)
         label = path or PROXIED.get(request.path, "other")
