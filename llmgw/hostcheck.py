@@ -23,6 +23,7 @@ from collections.abc import Iterable
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
 _WILDCARDS = frozenset({"", "0.0.0.0", "::", "[::]", "*"})
+_SEEN_MAX = 256
 _NAME = re.compile(r"[a-z0-9_](?:[a-z0-9_.-]*[a-z0-9_])?")
 
 
@@ -129,6 +130,9 @@ class HostCheck:
         self._names: set[str] = set(LOOPBACK_NAMES)
         self._with_port: set[tuple[str, str]] = set()
         self._suffixes: list[str] = []
+        # Values already allowed, as sent: clients use a handful, so most
+        # requests cost one set lookup. Refused values are never kept.
+        self._seen: set[bytes | str] = set()
         if bound is not None and bound.strip().lower() not in _WILDCARDS:
             self._names.add(_bracketed(bound))
         for entry in names:
@@ -163,8 +167,15 @@ class HostCheck:
         it is allowed here; HTTP/1.1 requires the header, and the HTTP layer
         refuses a request without it.
         """
-        if value is None or self.any_name:
+        if value is None or self.any_name or value in self._seen:
             return True
+        if self._allows(value):
+            if len(self._seen) < _SEEN_MAX:
+                self._seen.add(value)
+            return True
+        return False
+
+    def _allows(self, value: bytes | str) -> bool:
         if isinstance(value, bytes):
             try:
                 text = value.decode("ascii")

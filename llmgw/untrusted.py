@@ -110,33 +110,41 @@ def load_json(
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise JSONInputError(f"the body is not valid JSON: it is not UTF-8 ({e})", "invalid_json") from None
-    check = unique is None or any(_may_repeat(raw, key) for key in unique)
+    if unique is not None:
+        for key in unique:
+            if _may_repeat(raw, key):
+                break
+        else:
+            try:
+                return json.loads(text)
+            except ValueError as e:
+                raise JSONInputError(f"the body is not valid JSON: {e}", "invalid_json") from None
+    # Objects close innermost first: when the value is an object, the last
+    # call of the hook was for it; only that call's repeats matter.
+    last: list[list[str]] = [[]]
+
+    def pairs_hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        d = dict(pairs)
+        last[0] = _repeated(pairs) if len(d) != len(pairs) else []
+        return d
+
     try:
-        if not check:
-            return json.loads(text)
-        calls: list[list[str]] = []
-
-        def pairs_hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-            d = dict(pairs)
-            calls.append(_repeated(pairs) if len(d) != len(pairs) else [])
-            return d
-
         value = json.loads(text, object_pairs_hook=pairs_hook)
     except ValueError as e:
         raise JSONInputError(f"the body is not valid JSON: {e}", "invalid_json") from None
-    # Objects close innermost first: when the value is an object, the last
-    # call of the hook was for it.
-    repeated: list[str] = []
-    if isinstance(value, dict) and calls:
-        repeated = [k for k in dict.fromkeys(calls[-1]) if unique is None or k in unique]
-    if repeated:
-        raise JSONInputError(
-            "the body's JSON object names "
-            + ", ".join(clip(k) for k in repeated[:3])
-            + " more than once",
-            "duplicate_key",
-        )
+    if isinstance(value, dict):
+        repeated = [k for k in dict.fromkeys(last[0]) if unique is None or k in unique]
+        if repeated:
+            raise JSONInputError(
+                "the body's JSON object names "
+                + ", ".join(clip(k) for k in repeated[:3])
+                + " more than once",
+                "duplicate_key",
+            )
     return value
+
+
+_QUOTED: dict[str, bytes] = {}
 
 
 def _may_repeat(raw: bytes, key: str) -> bool:
@@ -144,7 +152,12 @@ def _may_repeat(raw: bytes, key: str) -> bool:
     Whether C{raw} might name C{key} twice: it holds C{"key"} more than once,
     or a C{\\u} escape that could spell it another way.
     """
-    return raw.count(json.dumps(key).encode()) > 1 or b"\\u" in raw
+    quoted = _QUOTED.get(key)
+    if quoted is None:
+        quoted = json.dumps(key).encode()
+        if len(_QUOTED) < 64:
+            _QUOTED[key] = quoted
+    return raw.count(quoted) > 1 or b"\\u" in raw
 
 
 def _repeated(pairs: list[tuple[str, Any]]) -> list[str]:
