@@ -152,28 +152,55 @@ def forwarded_head(request: FrontRequest, body_length: int) -> bytes:
     C{X-Real-IP} are the gateway's own, replacing any the client sent.
     """
     headers = request.headers
-    drop = _DROP_FORWARDED
-    named = connection_options(headers)
-    if named:
-        drop = drop | named
     parts = [request.method, b" ", request.uri, b" HTTP/1.1\r\n"]
+    host = None
+    named = False
     for name, value in headers:
-        if name not in drop:
+        if name not in _DROP_FORWARDED:
             parts += (name, b": ", value, b"\r\n")
+        elif name == b"connection":
+            named = True
+        elif name == b"host" and host is None:
+            host = value
+    if named:
+        # Rare enough to pay a second pass: a Connection header naming
+        # more than the hop-by-hop headers already dropped.
+        options = connection_options(headers) - _DROP_FORWARDED
+        if options:
+            parts = parts[:4]
+            for name, value in headers:
+                if name not in _DROP_FORWARDED and name not in options:
+                    parts += (name, b": ", value, b"\r\n")
     forwarded = []
     client = request.client_host
     if client:
         ip = client.encode()
         parts += (b"x-forwarded-for: ", ip, b"\r\nx-real-ip: ", ip, b"\r\n")
         forwarded.append(b'for="[%s]"' % ip if b":" in ip else b"for=" + ip)
-    host = request.header(b"host")
-    if host is not None and _HOST_VALUE.fullmatch(host):
+    if host is not None and _safe_host(host):
         parts += (b"x-forwarded-host: ", host, b"\r\n")
         forwarded.append(b'host="%s"' % host)
     forwarded.append(b"proto=" + _SCHEME)
     parts += (b"x-forwarded-proto: ", _SCHEME, b"\r\nforwarded: ", b";".join(forwarded), b"\r\n")
     parts.append(b"content-length: %d\r\n" % body_length)
     return b"".join(parts)
+
+
+_SAFE_HOSTS: set[bytes] = set()
+
+
+def _safe_host(host: bytes) -> bool:
+    """
+    Whether C{host} may be copied into X-Forwarded-Host and a quoted
+    Forwarded C{host=}; the few values clients use are remembered.
+    """
+    if host in _SAFE_HOSTS:
+        return True
+    if _HOST_VALUE.fullmatch(host) is None:
+        return False
+    if len(_SAFE_HOSTS) < 256:
+        _SAFE_HOSTS.add(host)
+    return True
 
 
 @implementer(IPushProducer)
@@ -292,18 +319,21 @@ class ProxyCall:
         length = None
         chunked = False
         kept = []
-        drop = _DROP_RESPONSE
-        named = connection_options(headers)
-        if named:
-            drop = drop | named
+        named = False
         for header in headers:
             name = header[0]
-            if name not in drop:
+            if name not in _DROP_RESPONSE:
                 kept.append(header)
             elif name == b"content-length":
                 length = int(header[1])
             elif name == b"transfer-encoding":
                 chunked = True
+            elif name == b"connection":
+                named = True
+        if named:
+            options = connection_options(headers)
+            if options:
+                kept = [h for h in kept if h[0] not in options]
         if chunked:
             # The body came chunked (a Content-Length beside it is void): its
             # length is not known, and the client's framing is chosen anew.
