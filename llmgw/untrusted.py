@@ -19,7 +19,6 @@ neither.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Collection
 from itertools import accumulate, count
 from operator import sub
@@ -31,7 +30,7 @@ CLIP = 64
 MAX_JSON_DEPTH = 64
 
 _NOT_STRUCTURE = bytes(sorted(set(range(256)) - set(b'"[]{}')))
-_STRING = re.compile(rb'"[^"]*"')
+_BLOCK = 4096
 _DEPTH_STEP = bytes.maketrans(b"[]{}", b"\x02\x00\x02\x00")
 
 
@@ -74,17 +73,27 @@ def too_deep(raw: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
     Where C{raw} is malformed the count past its first error is
     approximate, but C{json.loads} never reads past that error either.
     """
-    if raw.count(b"[") + raw.count(b"{") <= limit:
+    # A small body with few brackets cannot nest deep: two counts settle it.
+    # A large one rarely has so few, and the scan costs about as much.
+    if len(raw) < 16384 and raw.count(b"[") + raw.count(b"{") <= limit:
         return False
     # Escaped backslashes, then escaped quotes, cannot end a string: drop
-    # them, keep only quotes and brackets, and drop whole strings.
-    structure = raw.replace(b"\\\\", b"").replace(b'\\"', b"").translate(None, _NOT_STRUCTURE)
-    steps = _STRING.sub(b"", structure).translate(_DEPTH_STEP, b'"')
-    if not steps:
-        return False
+    # them; then every quote opens or closes a string. Keep only quotes and
+    # brackets, and of those only what lies between strings.
+    if b"\\" in raw:
+        raw = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
+    outside = raw.translate(None, _NOT_STRUCTURE).split(b'"')[::2]
+    steps = b"".join(outside).translate(_DEPTH_STEP)
     # Each open bracket adds 2 and each close 0; less 1 per bracket, the
-    # running sum is the depth after each one.
-    return max(map(sub, accumulate(steps), count(1))) > limit
+    # running sum is the depth after each one. In blocks, so that a body of
+    # nothing but open brackets is refused after its first block.
+    depth = 0
+    for start in range(0, len(steps), _BLOCK):
+        block = steps[start : start + _BLOCK]
+        if depth + max(map(sub, accumulate(block), count(1))) > limit:
+            return True
+        depth += sum(block) - len(block)
+    return False
 
 
 def load_json(
@@ -157,7 +166,8 @@ def _may_repeat(raw: bytes, key: str) -> bool:
         quoted = json.dumps(key).encode()
         if len(_QUOTED) < 64:
             _QUOTED[key] = quoted
-    return raw.count(quoted) > 1 or b"\\u" in raw
+    # memchr for a backslash first: most bodies have none, so no escapes at all.
+    return raw.count(quoted) > 1 or (b"\\" in raw and b"\\u" in raw)
 
 
 def _repeated(pairs: list[tuple[str, Any]]) -> list[str]:
