@@ -191,8 +191,8 @@ def _forwarding_block(client: str | None, host: bytes | None) -> bytes:
     The gateway's own C{X-Forwarded-*}, C{X-Real-IP} and C{Forwarded}
     headers for a request from C{client} that asked for C{host}.
     """
-    parts = []
-    forwarded = []
+    parts: list[bytes] = []
+    forwarded: list[bytes] = []
     if client:
         ip = client.encode()
         parts += (b"x-forwarded-for: ", ip, b"\r\nx-real-ip: ", ip, b"\r\n")
