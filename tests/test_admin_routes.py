@@ -188,7 +188,7 @@ class DisconnectTests(SynchronousTestCase):
             transport = StringTransport()
             proto.makeConnection(transport)
             proto.dataReceived(
-                f"GET /api/v1/routes?since={table.revision} HTTP/1.1\r\nHost: x\r\n\r\n".encode()
+                f"GET /api/v1/routes?since={table.revision} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode()
             )
             protocols.append((proto, transport))
         self.assertEqual(table.waiting(), 3)

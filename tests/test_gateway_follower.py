@@ -23,6 +23,7 @@ from llmgw.control.admin import AdminResource
 from llmgw.control.metrics import make_registry
 from llmgw.gateway.follower import FollowerService, FollowerTable, RoutesFetchError, read_body
 from llmgw.gateway.router import Router
+from llmgw.hostcheck import HostCheck
 from llmgw.routing import IRoutingTable, Route, RoutingTable
 from llmgw.testing.fleet import sample_fleet
 
@@ -68,7 +69,8 @@ class FollowerTestCase(SynchronousTestCase):
         self.published.publish([Route("r1", "alpha", "10.0.0.1:9000")], ["alpha"])
         fleet: Any = sample_fleet()
         fleet.routing_table = self.published
-        self.admin = AdminResource(fleet, make_registry())
+        # The admin API answers to the name the follower dials (llmgw.hostcheck).
+        self.admin = AdminResource(fleet, make_registry(), hosts=HostCheck(["cp:7480"]))
         self.stub = StubTreq(self.admin)
         self.http = Switchable(self.stub)
         self.registry = CollectorRegistry()
@@ -189,7 +191,7 @@ class FollowerTests(FollowerTestCase):
         restarted.publish([Route("new", "alpha", "h:2")], ["alpha"])
         fleet: Any = sample_fleet()
         fleet.routing_table = restarted
-        self.http.stub = StubTreq(AdminResource(fleet, make_registry()))
+        self.http.stub = StubTreq(AdminResource(fleet, make_registry(), hosts=HostCheck(["cp:7480"])))
         self.assertTrue(self.poll())
         self.assertEqual(self.ids(), ["new"])
         self.assertEqual(self.table.snapshot.revision, restarted.revision)

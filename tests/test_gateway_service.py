@@ -146,6 +146,33 @@ class OptionsTests(SynchronousTestCase):
         self.assertEqual((c.max_tries, c.cooldown, c.connect_timeout), (5, 2.5, 5.0))
         self.assertIsInstance(o["poll-interval"], float)
 
+    def test_gateway_hosts(self) -> None:
+        """
+        The standalone gateway serves loopback names and the address it
+        binds; C{--gateway-hosts} adds names (a wildcard bind needs them)
+        and refuses a malformed one. A request naming another host is 421.
+        """
+        o = Options()
+        o.parseOptions(["--listen", "0.0.0.0:9000", "--metrics", "off", "--gateway-hosts", "gw.example,.lb.example"])
+        self.assertEqual(o["gateway-hosts"], ["gw.example", ".lb.example"])
+        from llmgw.gateway.service import makeService
+
+        svc = makeService(o, Clock())
+        hosts = svc.front.gateway.hosts
+        for host in (b"gw.example:9000", b"a.lb.example", b"localhost:9000"):
+            self.assertTrue(hosts.allows(host), host)
+        self.assertFalse(hosts.allows(b"10.0.0.3:9000"))
+        bound = GatewayService(Clock(), RoutingSnapshot(), host="10.0.0.3", port=9000)
+        self.assertTrue(bound.gateway.hosts.allows(b"10.0.0.3:9000"))
+        self.assertFalse(bound.gateway.hosts.allows(b"gw.example"))
+        proto = bound.site.buildProtocol(None)
+        transport = StringTransport()
+        proto.makeConnection(transport)
+        proto.dataReceived(b"GET /v1/models HTTP/1.1\r\nHost: gw.example\r\n\r\n")
+        self.assertTrue(transport.value().startswith(b"HTTP/1.1 421 "), transport.value()[:100])
+        e = self.assertRaises(usage.UsageError, Options().parseOptions, ["--gateway-hosts", "gw example"])
+        self.assertIn("--gateway-hosts", str(e))
+
     def test_tap(self) -> None:
         """
         C{twistd llmgw gateway} builds a standalone gateway.

@@ -12,7 +12,12 @@ a malformed request, 404 for an unknown path, node or deployment, 405 for a
 method the path does not take, 409 for a conflict, 413 for a body over the
 limit, 415 for a C{POST} that is not C{application/json}. A failure inside
 the control plane is a 500 whose body says only that; the traceback goes to
-the log with the requester's address.
+the log with the requester's address. A request whose C{Host} is not a
+name the API serves (L{llmgw.hostcheck}: loopback names, the bound address,
+C{--admin-hosts}) is refused with 421 before anything else, so that a page
+whose name rebinds to this address reads and changes nothing. A JSON body
+nested more than L{llmgw.untrusted.MAX_JSON_DEPTH} deep, or naming a key
+twice, is a 400; client strings in errors and logs are clipped.
 
 With mutual TLS (L{admin_service} given the control plane's L{ServerTLS}),
 every request must come with an admin certificate from llmgw's CA, whose
@@ -51,8 +56,11 @@ from twisted.web.resource import Resource
 
 from llmgw.addresses import ListenerService, format_address, is_loopback, server_endpoint
 from llmgw.control.interfaces import AdminError, IFleetAdmin
+from llmgw.hostcheck import HostCheck
 from llmgw.routing import LONG_POLL_MAX_S, RoutingTable, snapshot_to_json
+from llmgw.tlsconf.ca import subject_alt_names
 from llmgw.tlsconf.options import AdminIdentity, IdentityError, ServerTLS, peer_admin
+from llmgw.untrusted import CLIP, JSONInputError, clip, load_json
 from llmgw.wire import InvalidNodeId, validate_node_id
 
 DEFAULT_ADMIN_HOST = "127.0.0.1"
@@ -136,10 +144,21 @@ def client_address(request: Any) -> str:
 def _printable(raw: bytes) -> str:
     """
     C{raw} (a method or URI a client sent) safe for a log line: control
-    characters escaped.
+    characters escaped, and past 4 * L{CLIP} bytes cut, with its length.
     """
-    text = raw.decode("latin-1")
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    limit = 4 * CLIP
+    text = raw[:limit].decode("latin-1")
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return text if len(raw) <= limit else f"{text}\u2026 ({len(raw)} bytes)"
+
+
+def _bounded(reason: str) -> str:
+    """
+    A refusal's reason, cut past 16 * L{CLIP} characters: the fleet's own
+    messages may quote what a client sent in full.
+    """
+    limit = 16 * CLIP
+    return reason if len(reason) <= limit else f"{reason[:limit]}\u2026 ({len(reason)} characters)"
 
 
 def _certificate_name(cert: Any) -> str | None:
@@ -232,6 +251,7 @@ class AdminResource(Resource):
         max_body: int = MAX_BODY,
         control: Any = None,
         require_certificate: bool = False,
+        hosts: HostCheck | None = None,
         revoked: Callable[[], frozenset[int]] | None = None,
     ):
         super().__init__()
@@ -242,6 +262,8 @@ class AdminResource(Resource):
         #: With mutual TLS: every request needs an admin certificate whose
         #: role allows it.
         self.require_certificate = require_certificate
+        #: The C{Host} names served (loopback ones when not given).
+        self.hosts = hosts if hosts is not None else HostCheck(option="--admin-hosts")
         self.fleet = fleet
         self.registry = registry
         self.agents = agents
@@ -257,6 +279,7 @@ class AdminResource(Resource):
             method = request.method.decode("ascii", "replace")
             if method == "HEAD":
                 method = "GET"
+            self._check_host(request)
             path = self._path(request)
             self._authorize(request, method, path)
             handler, args = self._route(method, path, request)
@@ -337,6 +360,21 @@ class AdminResource(Resource):
             return f"admin {cached} at {addr}"
         return getattr(cached, "who", addr)
 
+    def _check_host(self, request: Any) -> None:
+        hosts = request.requestHeaders.getRawHeaders(b"host") or []
+        if len(hosts) > 1:
+            raise Refused(400, "the request has more than one Host header")
+        if not hosts:
+            if request.clientproto != b"HTTP/1.0":
+                raise Refused(400, "the request has no Host header")
+            return
+        if not self.hosts.allows(hosts[0]):
+            raise Refused(
+                421,
+                f"this admin API does not serve the host {clip(hosts[0])}; its operator lists "
+                f"the names it serves with {self.hosts.option}",
+            )
+
     def _path(self, request: Any) -> list[str]:
         try:
             path = [seg.decode("utf-8") for seg in request.postpath]
@@ -349,7 +387,9 @@ class AdminResource(Resource):
     def _route(self, method: str, path: list[str], request: Any) -> tuple[Callable[..., Any], tuple[Any, ...]]:
         def only(allowed: str) -> None:
             if method != allowed:
-                raise Refused(405, f"{'/' + '/'.join(path)} takes {allowed}, not {method}", allow=(allowed,))
+                raise Refused(
+                    405, f"{clip('/' + '/'.join(path))} takes {allowed}, not {clip(method)}", allow=(allowed,)
+                )
 
         if path == []:
             only("GET")
@@ -358,7 +398,7 @@ class AdminResource(Resource):
             only("GET")
             return self._metrics, (request,)
         if path[:2] != ["api", "v1"] or len(path) < 3:
-            raise Refused(404, f"no such endpoint: {'/' + '/'.join(path)}")
+            raise Refused(404, f"no such endpoint: {clip('/' + '/'.join(path))}")
         rest = path[2:]
         head = rest[0]
         if rest == ["status"]:
@@ -405,7 +445,7 @@ class AdminResource(Resource):
             only("POST")
             self._body(request)
             return self._reload_tls, (request,)
-        raise Refused(404, f"no such endpoint: {'/' + '/'.join(path)}")
+        raise Refused(404, f"no such endpoint: {clip('/' + '/'.join(path))}")
 
     # -- input ------------------------------------------------------------------
 
@@ -419,9 +459,9 @@ class AdminResource(Resource):
         try:
             since = float(raw)
         except ValueError:
-            raise Refused(400, f"since={raw!r} is not a number of seconds since 1970") from None
+            raise Refused(400, f"since={clip(raw)} is not a number of seconds since 1970") from None
         if not math.isfinite(since):
-            raise Refused(400, f"since={raw!r} is not a finite number")
+            raise Refused(400, f"since={clip(raw)} is not a finite number")
         return since
 
     def _body(self, request: Any) -> dict[str, Any]:
@@ -433,7 +473,7 @@ class AdminResource(Resource):
             raise Refused(
                 415,
                 "POST requests must have Content-Type: application/json"
-                + (f" (got {ctype.decode('latin-1')!r})" if ctype else ""),
+                + (f" (got {clip(ctype)})" if ctype else ""),
             )
         if getattr(request, "body_too_large", False):
             raise Refused(413, f"the request body is over {self.max_body} bytes")
@@ -444,9 +484,9 @@ class AdminResource(Resource):
         if not raw.strip():
             return {}
         try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise Refused(400, f"the body is not valid JSON: {e}") from None
+            body = load_json(raw, unique=None)
+        except JSONInputError as e:
+            raise Refused(400, str(e)) from None
         if not isinstance(body, dict):
             raise Refused(400, f"the body must be a JSON object, not {type(body).__name__}")
         return body
@@ -454,12 +494,14 @@ class AdminResource(Resource):
     def _replicas(self, body: dict[str, Any]) -> int:
         unknown = sorted(set(body) - {"replicas"})
         if unknown:
-            raise Refused(400, f"unknown field(s) {', '.join(map(repr, unknown))}; the body is {{\"replicas\": N}}")
+            raise Refused(
+                400, f"unknown field(s) {', '.join(map(clip, unknown[:5]))}; the body is {{\"replicas\": N}}"
+            )
         if "replicas" not in body:
             raise Refused(400, 'missing field "replicas"; the body is {"replicas": N}')
         n = body["replicas"]
         if isinstance(n, bool) or not isinstance(n, int):
-            raise Refused(400, f'"replicas" must be a whole number, not {json.dumps(n)}')
+            raise Refused(400, f'"replicas" must be a whole number, not {clip(json.dumps(n))}')
         if n < 0:
             raise Refused(400, f'"replicas" must not be negative (got {n})')
         return n
@@ -626,6 +668,7 @@ class AdminResource(Resource):
         return self._error(request, e.status, e.reason)
 
     def _log_refusal(self, request: Any, status: int, reason: str) -> None:
+        reason = _bounded(reason)
         self.log.info(
             "admin API: refused {method} {uri} from {client} with {status}: {reason}",
             method=_printable(request.method),
@@ -636,11 +679,11 @@ class AdminResource(Resource):
         )
 
     def _error_body(self, request: Any, status: int, reason: str) -> bytes:
-        request.setResponseCode(status)
+        request.setResponseCode(status, b"Misdirected Request" if status == 421 else None)
         request.setHeader(b"content-type", JSON_TYPE)
         if status in (413,):
             request.setHeader(b"connection", b"close")
-        return encode_json({"error": reason, "status": status})
+        return encode_json({"error": _bounded(reason), "status": status})
 
     def _error(self, request: Any, status: int, reason: str) -> bytes:
         body = self._error_body(request, status, reason)
@@ -695,15 +738,17 @@ def admin_site(
     control: Any = None,
     require_certificate: bool = False,
     revoked: Callable[[], frozenset[int]] | None = None,
+    hosts: HostCheck | None = None,
 ) -> AdminSite:
     """
     The admin API's C{Site}; with C{require_certificate}, every request
-    needs an admin certificate (serve it over L{ServerTLS}).
+    needs an admin certificate (serve it over L{ServerTLS}); C{hosts} as
+    for L{AdminResource}.
     """
     site = AdminSite(
         AdminResource(
             fleet, registry, agents, control=control, require_certificate=require_certificate,
-            revoked=revoked,
+            revoked=revoked, hosts=hosts,
         ),
         timeout=timeout,
         reactor=reactor,
@@ -758,14 +803,18 @@ def admin_service(
     agents: Any = None,
     control: Any = None,
     tls: ServerTLS | None = None,
+    hosts: list[str] | None = None,
 ) -> ListenerService:
     """
     A service that serves the admin API on C{host}:C{port} while running.
-    Its C{port} attribute is the listening port once started.
+    Its C{port} attribute is the listening port once started. It answers to
+    the loopback names, C{host} unless it is a wildcard, and C{hosts}
+    (entries as L{llmgw.hostcheck.parse_hosts} returns them).
 
     With C{tls} (the control plane's L{ServerTLS}, shared with the agent
     port so that one reload renews both), the API is HTTPS and every client
-    needs an admin certificate from llmgw's CA.
+    needs an admin certificate from llmgw's CA, and the names in the server
+    certificate are served besides C{hosts}.
 
     @raise AdminTLSRequired: C{host} is not loopback and C{tls} is C{None}.
     """
@@ -775,6 +824,7 @@ def admin_service(
     site = admin_site(
         fleet, registry, agents, reactor, control=control, require_certificate=tls is not None,
         revoked=_revoked_by(tls) if tls is not None else None,
+        hosts=HostCheck([*(hosts or ()), *_certificate_hosts(tls)], bound=host, option="--admin-hosts"),
     )
     factory: Any = site
     if tls is not None:
@@ -785,6 +835,24 @@ def admin_service(
     svc.setName("admin-listener")
     svc.tls = tls is not None  # type: ignore[attr-defined]
     return svc
+
+
+def _certificate_hosts(tls: ServerTLS | None) -> list[str]:
+    """
+    Over mutual TLS, the names the server certificate carries: clients can
+    only verify the API under one of them, so each is a name it serves.
+    """
+    if tls is None:
+        return []
+    names = []
+    for san in subject_alt_names(tls.files.cert):
+        kind, name = san.split(":", 1)
+        if kind == "IP" and ":" in name:
+            name = f"[{name}]"
+        elif name.startswith("*."):
+            name = name[1:]  # a wildcard name serves its subdomains
+        names.append(name)
+    return names
 
 
 def model_path(model: str) -> str:

@@ -42,6 +42,7 @@ from llmgw.control.reconciler import Reconciler
 from llmgw.control.trust import TrustService
 from llmgw.gateway.keys import KeysError, load_keys
 from llmgw.gateway.service import DEFAULT_GATEWAY, GatewayService
+from llmgw.hostcheck import HostListError, parse_hosts
 from llmgw.options import Options as BaseOptions
 from llmgw.options import non_negative_float, non_negative_int, positive_float, positive_int
 from llmgw.signals import SighupHandler, owns_signals
@@ -92,6 +93,12 @@ class Options(BaseOptions):
          "while agents report what they run", non_negative_float],
         ["gateway", None, DEFAULT_GATEWAY,
          "[HOST:]PORT for the OpenAI-compatible gateway (0.0.0.0:8000 exposes it), or 'off'"],
+        ["admin-hosts", None, "",
+         "comma-separated Host names the admin API answers to besides loopback names and its "
+         "bound address (NAME, NAME:PORT, .DOMAIN, or * for any); a wildcard bind needs them"],
+        ["gateway-hosts", None, "",
+         "comma-separated Host names the gateway answers to besides loopback names and its "
+         "bound address (NAME, NAME:PORT, .DOMAIN, or * for any); a wildcard bind needs them"],
         ["api-keys", None, None,
          "gateway API keys file (one per line, or TOML [keys] name = \"key\"); none: no keys"],
         ["gc-threshold", None, DEFAULT_GC_THRESHOLD,
@@ -182,6 +189,11 @@ class Options(BaseOptions):
                 self["gateway_address"] = parse_address(self["gateway"], "127.0.0.1")
             except AddressError as e:
                 raise usage.UsageError(f"--gateway: {e}") from e
+        for name in ("admin-hosts", "gateway-hosts"):
+            try:
+                self[name] = parse_hosts(self[name] or "")
+            except HostListError as e:
+                raise usage.UsageError(f"--{name}: {e}") from e
         self["keyring"] = None
         if self["api-keys"]:
             try:
@@ -250,6 +262,7 @@ class ControlPlane(MultiService):
         limits: LimitsConfig | None = None,
         handle_sighup: bool | None = None,
         admin_tls: bool = False,
+        admin_hosts: list[str] | None = None,
     ):
         super().__init__()
         self.reactor = reactor
@@ -295,6 +308,7 @@ class ControlPlane(MultiService):
         # other parts (the gateway) add their metrics to it.
         self.fleet = fleet
         self.admin_address = admin_address
+        self.admin_hosts = admin_hosts or []
         self.admin_listener: ListenerService | None = None
         self.registry = make_registry()
         self.metrics = register_control_metrics(
@@ -321,6 +335,7 @@ class ControlPlane(MultiService):
         self.admin_listener = admin_service(
             self.reactor, host, port, self.fleet, self.registry, self.agents, control=self,
             tls=tls,
+            hosts=self.admin_hosts,
         )
         self.admin_listener.what, self.admin_listener.option = "the admin API", "--admin"
         self.admin_listener.setServiceParent(self)
@@ -452,6 +467,7 @@ def makeService(options: Options, reactor: Any = None) -> ControlPlane:
         limits=options["limits"],
         fleet=reconciler,
         admin_tls=options.get("admin_tls", False),
+        admin_hosts=options["admin-hosts"],
     )
     reconciler.attach(cp.agents, epoch=cp.epoch)
     reconciler.setName("reconciler")
@@ -472,7 +488,8 @@ def makeService(options: Options, reactor: Any = None) -> ControlPlane:
         # The embedded gateway routes by the published routing table, the
         # same one standalone gateways follow through GET /api/v1/routes.
         cp.gateway = GatewayService(
-            reactor, reconciler.routing_table, host, port, keys=options["keyring"], registry=cp.registry
+            reactor, reconciler.routing_table, host, port, keys=options["keyring"], registry=cp.registry,
+            hosts=options["gateway-hosts"],
         )
         cp.gateway.listener.option = "--gateway"
         cp.gateway.setName("gateway")

@@ -30,6 +30,7 @@ from llmgw.gateway.follower import FollowerService, FollowerTable
 from llmgw.gateway.keys import KeyRing, KeysError, load_keys
 from llmgw.gateway.proxy import Gateway, GatewayConfig
 from llmgw.gateway.resource import GatewayResource, GatewaySite
+from llmgw.hostcheck import HostCheck, HostListError, parse_hosts
 from llmgw.options import Options as BaseOptions
 from llmgw.options import positive_float, positive_int
 from llmgw.routing import IInFlight, IRoutingTable, RoutingSnapshot
@@ -48,7 +49,9 @@ class GatewayService(MultiService):
 
     C{gateway} (the shared state, an L{IInFlight}) and C{listener} (whose
     C{address()} is the bound address once running) are attributes; the
-    gateway's metrics go into C{registry} (a new one when not given).
+    gateway's metrics go into C{registry} (a new one when not given). It
+    answers to the loopback names, C{host} unless it is a wildcard, and
+    C{hosts} (entries as L{llmgw.hostcheck.parse_hosts} returns them).
     """
 
     log = Logger()
@@ -63,10 +66,12 @@ class GatewayService(MultiService):
         keys: KeyRing | None = None,
         registry: CollectorRegistry | None = None,
         backlog: int = 1024,
+        hosts: list[str] | None = None,
     ):
         super().__init__()
         self.reactor = reactor
-        self.gateway = Gateway(reactor, table, config, registry, keys)
+        check = HostCheck(hosts or (), bound=host, option="--gateway-hosts")
+        self.gateway = Gateway(reactor, table, config, registry, keys, check)
         self.registry = self.gateway.registry
         self.site = GatewaySite(GatewayResource(self.gateway), reactor=reactor)
         self.listener = ListenerService(
@@ -132,6 +137,9 @@ class Options(BaseOptions):
         ["cooldown", None, GatewayConfig.cooldown, "seconds a failing replica stays out of rotation",
          positive_float],
         ["backlog", None, 1024, "listen backlog", positive_int],
+        ["gateway-hosts", None, "",
+         "comma-separated Host names the gateway answers to besides loopback names and its "
+         "bound address (NAME, NAME:PORT, .DOMAIN, or * for any); a wildcard bind needs them"],
     ]
 
     def __init__(self) -> None:
@@ -161,6 +169,10 @@ class Options(BaseOptions):
         url = self["control-admin"]
         if not url.startswith(("http://", "https://")):
             raise usage.UsageError(f"--control-admin: {url!r} is not an http:// or https:// URL")
+        try:
+            self["gateway-hosts"] = parse_hosts(self["gateway-hosts"] or "")
+        except HostListError as e:
+            raise usage.UsageError(f"--gateway-hosts: {e}") from e
         self["admin_tls"] = None
         if url.startswith("https://"):
             if not self["admin-certs"] or not self["admin-as"]:
@@ -216,6 +228,7 @@ class StandaloneGateway(MultiService):
         backlog: int = 1024,
         http: Any = None,
         admin_tls: Any = None,
+        hosts: list[str] | None = None,
     ):
         super().__init__()
         self.registry = CollectorRegistry()
@@ -230,7 +243,7 @@ class StandaloneGateway(MultiService):
                 reactor, admin_tls, "the gateway's admin API certificate"
             ).setServiceParent(self)
         self.front = GatewayService(
-            reactor, self.table, host, port, config, keys, self.registry, backlog
+            reactor, self.table, host, port, config, keys, self.registry, backlog, hosts
         )
         self.front.setServiceParent(self)
         router = self.front.gateway.router
@@ -272,4 +285,5 @@ def makeService(options: Options, reactor: Any = None) -> StandaloneGateway:
         metrics_address=options["metrics_address"],
         backlog=options["backlog"],
         admin_tls=options.get("admin_tls"),
+        hosts=options["gateway-hosts"],
     )
