@@ -22,7 +22,7 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from llmgw import tap
 from llmgw.gateway.follower import RoutingSnapshot
-from llmgw.gateway.service import GatewayService, Options, StandaloneGateway
+from llmgw.gateway.service import GatewayService, Options, StandaloneGateway, makeService
 from tests.gateway_helpers import FakeReplica, Harness
 
 ADMIN_SCRIPT = r"""
@@ -79,6 +79,27 @@ class OptionsTests(SynchronousTestCase):
         # What is left is the linger that aborts a client that never reads.
         proto.connectionLost(None)
         self.assertEqual(clock.getDelayedCalls(), [])
+
+    def test_connection_cap(self) -> None:
+        """
+        C{--max-connections} (10,000 by default, 0 for none) caps the
+        standalone gateway's client connections: past it a connection is
+        closed at accept.
+        """
+        o = Options()
+        o.parseOptions([])
+        self.assertEqual(o["max-connections"], 10_000)
+        o = Options()
+        o.parseOptions(["--max-connections", "1", "--metrics", "off"])
+        svc = makeService(o, reactor=Clock())
+        site = svc.front.site
+        self.assertEqual(site.max_connections, 1)
+        self.assertIsNotNone(site.buildProtocol(None))
+        self.assertIsNone(site.buildProtocol(None))
+        self.flushLoggedErrors()
+        for bad in ("-1", "many"):
+            e = self.assertRaises(usage.UsageError, Options().parseOptions, ["--max-connections", bad])
+            self.assertIn("--max-connections", str(e))
 
     def test_values_checked(self) -> None:
         """

@@ -27,6 +27,7 @@ from llmgw.addresses import (
     server_endpoint,
 )
 from llmgw.gateway.follower import FollowerService, FollowerTable, RoutingSnapshot
+from llmgw.gateway.front import MAX_CONNECTIONS
 from llmgw.gateway.keys import KeyRing, KeysError, load_keys
 from llmgw.gateway.proxy import Gateway, GatewayConfig
 from llmgw.gateway.resource import GatewayResource, GatewaySite
@@ -59,12 +60,16 @@ class GatewayService(MultiService):
         keys: KeyRing | None = None,
         registry: CollectorRegistry | None = None,
         backlog: int = 1024,
+        max_connections: int = MAX_CONNECTIONS,
     ):
         super().__init__()
         self.reactor = reactor
         self.gateway = Gateway(reactor, table, config, registry, keys)
         self.registry = self.gateway.registry
         self.site = GatewaySite(GatewayResource(self.gateway), reactor=reactor)
+        # Past the cap a client connection is closed at accept; starting
+        # the site raises the open-file limit to what the cap needs.
+        self.site.max_connections = max_connections
         self.listener = ListenerService(server_endpoint(reactor, host, port, backlog), self.site)
         self.listener.setName("gateway-listener")
         self.listener.setServiceParent(self)
@@ -123,6 +128,8 @@ class Options(usage.Options):
          "failures in a row that take a replica out of rotation"],
         ["cooldown", None, str(GatewayConfig.cooldown), "seconds a failing replica stays out of rotation"],
         ["backlog", None, "1024", "listen backlog"],
+        ["max-connections", None, str(MAX_CONNECTIONS),
+         "most client connections at once; past it new ones are closed at accept (0: no cap)"],
     ]
 
     def postOptions(self) -> None:
@@ -147,6 +154,12 @@ class Options(usage.Options):
             _positive(self, name)
         for name in ("max-body", "max-tries", "failure-threshold", "backlog"):
             _positive(self, name, int)
+        try:
+            self["max-connections"] = int(self["max-connections"])
+        except ValueError:
+            raise usage.UsageError("--max-connections must be a whole number") from None
+        if self["max-connections"] < 0:
+            raise usage.UsageError("--max-connections must be 0 (no cap) or more")
         self["keyring"] = None
         if self["keys"]:
             try:
@@ -188,6 +201,7 @@ class StandaloneGateway(MultiService):
         metrics_address: tuple[str, int] | None = None,
         backlog: int = 1024,
         http: Any = None,
+        max_connections: int = MAX_CONNECTIONS,
     ):
         super().__init__()
         self.registry = CollectorRegistry()
@@ -195,7 +209,7 @@ class StandaloneGateway(MultiService):
         self.follower = FollowerService(self.table, poll_interval)
         self.follower.setServiceParent(self)
         self.front = GatewayService(
-            reactor, self.table, host, port, config, keys, self.registry, backlog
+            reactor, self.table, host, port, config, keys, self.registry, backlog, max_connections
         )
         self.front.setServiceParent(self)
         router = self.front.gateway.router
@@ -231,4 +245,5 @@ def makeService(options: Options, reactor: Any = None) -> StandaloneGateway:
         poll_interval=options["poll-interval"],
         metrics_address=options["metrics_address"],
         backlog=options["backlog"],
+        max_connections=options["max-connections"],
     )
