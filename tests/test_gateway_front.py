@@ -9,12 +9,14 @@ import json
 import time
 from typing import Any
 
+from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.internet.interfaces import IPushProducer
+from twisted.internet.protocol import ClientCreator, Protocol
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 from twisted.logger import globalLogPublisher
 from twisted.python.failure import Failure
-from twisted.trial.unittest import SkipTest, SynchronousTestCase
+from twisted.trial.unittest import SkipTest, SynchronousTestCase, TestCase
 from zope.interface import implementer
 
 from llmgw.gateway.front import (
@@ -972,3 +974,61 @@ class TimeoutTests(SynchronousTestCase):
         s.feed(post(b"/slow", b"y" * 50), bytewise=True)
         self.assertEqual(len(made), 1)
         self.assertEqual(len(s.clock.getDelayedCalls()), 1)
+
+
+class LoopbackTests(TestCase):
+    """
+    The front on a real loopback socket (bounded: one connection, a few
+    hundred KiB).
+    """
+
+    timeout = 10
+
+    @inlineCallbacks
+    def test_413_reaches_a_client_still_sending(self) -> Any:
+        """
+        A client that declares a body over the limit and goes on sending it
+        reads the whole 413 (the gateway half-closes and drains, so the
+        answer is not lost to a reset), and the handler never got a body.
+        """
+        from twisted.internet import reactor
+
+        seen: list[FrontRequest] = []
+
+        def handle(request: FrontRequest) -> None:
+            seen.append(request)
+            answer(request, b"too large", 413)
+
+        server_gone: Deferred[None] = Deferred()
+
+        class Factory(FrontFactory):
+            def connection_ended(self) -> None:
+                super().connection_ended()
+                server_gone.callback(None)
+
+        factory = Factory(handle, reactor, max_body=1000)
+        port = reactor.listenTCP(0, factory, interface="127.0.0.1")
+        self.addCleanup(port.stopListening)
+        done: Deferred[bytes] = Deferred()
+
+        class Client(Protocol):
+            got = b""
+
+            def connectionMade(self) -> None:
+                self.transport.write(b"POST /p HTTP/1.1\r\nHost: gw\r\nContent-Length: 10000000\r\n\r\n")
+                self.transport.write(b"y" * (512 * 1024))
+
+            def dataReceived(self, data: bytes) -> None:
+                self.got += data
+
+            def connectionLost(self, reason: Any = None) -> None:
+                done.callback(self.got)
+
+        yield ClientCreator(reactor, Client).connectTCP("127.0.0.1", port.getHost().port)
+        got = yield done
+        ((status, headers, body),) = responses(got)
+        self.assertEqual((status, body, headers[b"connection"]), (413, b"too large", b"close"))
+        (request,) = seen
+        self.assertEqual((request.too_large, request.body), (True, b""))
+        # The gateway's side closes once the client has closed its own.
+        yield server_gone
