@@ -11,11 +11,18 @@ without re-encoding them, so this server does only what that needs:
   order (one at a time; what arrives meanwhile is read ahead up to
   L{READ_AHEAD} bytes, then the connection is paused);
 - request bodies framed by C{Content-Length} or chunked encoding, kept in
-  memory up to C{max_body} and discarded past it (the request is then
-  marked C{too_large} for the handler to refuse);
-- bounded heads (L{MAX_HEAD} bytes, L{MAX_HEADERS} lines); malformed input
-  gets a 400 (431, 501, 505 where those say more) in OpenAI's error shape,
-  is logged with who sent it, and closes that connection only;
+  memory up to C{max_body}; a request whose declared length is over it (or
+  whose chunked body passes it) goes to the handler at once, marked
+  C{too_large} and with no body, the rest of the body is never read, and
+  the connection closes after the answer;
+- bounded heads (L{MAX_HEAD} bytes, L{MAX_HEADERS} lines), read from one
+  buffer with a scan offset, so a head trickling in costs linear time;
+  header names must be tokens, no control bytes anywhere in the head, one
+  C{Host} (required in HTTP/1.1), a bare CR or LF refused as it arrives;
+  malformed input gets a 400 (431, 501, 505 where those say more) in
+  OpenAI's error shape, is logged with who sent it, and closes that
+  connection only;
+- at most C{max_connections} client connections (see L{FrontFactory});
 - responses framed by C{Content-Length} when the handler knows it, else
   chunked (HTTP/1.0: until the connection closes), written as they come;
 - the connection is the transport's streaming producer and passes
