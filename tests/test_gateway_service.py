@@ -84,6 +84,27 @@ class OptionsTests(SynchronousTestCase):
         proto.connectionLost(None)
         self.assertEqual(clock.getDelayedCalls(), [])
 
+    def test_connection_cap(self) -> None:
+        """
+        C{--max-connections} (10,000 by default, 0 for none) caps the
+        standalone gateway's client connections: past it a connection is
+        closed at accept.
+        """
+        o = Options()
+        o.parseOptions([])
+        self.assertEqual(o["max-connections"], 10_000)
+        o = Options()
+        o.parseOptions(["--max-connections", "1", "--metrics", "off"])
+        svc = makeService(o, reactor=Clock())
+        site = svc.front.site
+        self.assertEqual(site.max_connections, 1)
+        self.assertIsNotNone(site.buildProtocol(None))
+        self.assertIsNone(site.buildProtocol(None))
+        self.flushLoggedErrors()
+        for bad in ("-1", "many"):
+            e = self.assertRaises(usage.UsageError, Options().parseOptions, ["--max-connections", bad])
+            self.assertIn("--max-connections", str(e))
+
     def test_values_checked(self) -> None:
         """
         Bad addresses, URLs, numbers and keys files are refused with the

@@ -27,12 +27,13 @@ from llmgw.addresses import (
     server_endpoint,
 )
 from llmgw.gateway.follower import FollowerService, FollowerTable
+from llmgw.gateway.front import MAX_CONNECTIONS
 from llmgw.gateway.keys import KeyRing, KeysError, load_keys
 from llmgw.gateway.proxy import Gateway, GatewayConfig
 from llmgw.gateway.resource import GatewayResource, GatewaySite
 from llmgw.hostcheck import HostCheck, HostListError, parse_hosts
 from llmgw.options import Options as BaseOptions
-from llmgw.options import positive_float, positive_int
+from llmgw.options import non_negative_int, positive_float, positive_int
 from llmgw.routing import IInFlight, IRoutingTable, RoutingSnapshot
 from llmgw.tlsconf.options import ClientTLSPolicy, TLSConfigError, admin_files
 from llmgw.tlsconf.reload import ClientCertificateReload
@@ -67,6 +68,7 @@ class GatewayService(MultiService):
         registry: CollectorRegistry | None = None,
         backlog: int = 1024,
         hosts: list[str] | None = None,
+        max_connections: int = MAX_CONNECTIONS,
     ):
         super().__init__()
         self.reactor = reactor
@@ -74,6 +76,9 @@ class GatewayService(MultiService):
         self.gateway = Gateway(reactor, table, config, registry, keys, check)
         self.registry = self.gateway.registry
         self.site = GatewaySite(GatewayResource(self.gateway), reactor=reactor)
+        # Past the cap a client connection is closed at accept; starting
+        # the site raises the open-file limit to what the cap needs.
+        self.site.max_connections = max_connections
         self.listener = ListenerService(
             server_endpoint(reactor, host, port, backlog), self.site, "the gateway", "--listen"
         )
@@ -140,6 +145,9 @@ class Options(BaseOptions):
         ["gateway-hosts", None, "",
          "comma-separated Host names the gateway answers to besides loopback names and its "
          "bound address (NAME, NAME:PORT, .DOMAIN, or * for any); a wildcard bind needs them"],
+        ["max-connections", None, MAX_CONNECTIONS,
+         "most client connections at once; past it new ones are closed at accept (0: no cap)",
+         non_negative_int],
     ]
 
     def __init__(self) -> None:
@@ -229,6 +237,7 @@ class StandaloneGateway(MultiService):
         http: Any = None,
         admin_tls: Any = None,
         hosts: list[str] | None = None,
+        max_connections: int = MAX_CONNECTIONS,
     ):
         super().__init__()
         self.registry = CollectorRegistry()
@@ -243,7 +252,7 @@ class StandaloneGateway(MultiService):
                 reactor, admin_tls, "the gateway's admin API certificate"
             ).setServiceParent(self)
         self.front = GatewayService(
-            reactor, self.table, host, port, config, keys, self.registry, backlog, hosts
+            reactor, self.table, host, port, config, keys, self.registry, backlog, hosts, max_connections
         )
         self.front.setServiceParent(self)
         router = self.front.gateway.router
@@ -286,4 +295,5 @@ def makeService(options: Options, reactor: Any = None) -> StandaloneGateway:
         backlog=options["backlog"],
         admin_tls=options.get("admin_tls"),
         hosts=options["gateway-hosts"],
+        max_connections=options["max-connections"],
     )
