@@ -33,6 +33,7 @@ server (from /proc), which is the gateway's own cost whatever the placement.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -40,6 +41,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -53,15 +55,29 @@ STREAM = dict(CHAT, stream=True)
 # -- processes served by this file -------------------------------------------
 
 
-def serve_gateway(port: int, upstream: str) -> None:
+def serve_gateway(port: int, upstream: str, front: str = "lean") -> None:
+    """
+    The gateway on C{port}, routing to C{upstream} (addresses separated by
+    commas: one replica each), on the C{front} named: C{lean} (llmgw's
+    own), C{httptools} or C{twisted_web} (see L{bench.fronts}).
+    """
     from twisted.internet import reactor
 
     from llmgw.control.interfaces import Route
-    from llmgw.gateway.follower import RoutingSnapshot
+    from llmgw.gateway.resource import GatewayResource
     from llmgw.gateway.service import GatewayService
+    from llmgw.routing import RoutingSnapshot
 
-    table = RoutingSnapshot([Route("r1", MODEL, upstream)], [MODEL])
-    GatewayService(reactor, table, "127.0.0.1", port).startService()
+    routes = [Route(f"r{i}", MODEL, address) for i, address in enumerate(upstream.split(","), 1)]
+    table = RoutingSnapshot(routes, [MODEL])
+    svc = GatewayService(reactor, table, "127.0.0.1", port)
+    if front != "lean":
+        from bench.fronts import HttptoolsSite, twisted_web_site
+
+        handler = GatewayResource(svc.gateway)
+        site = HttptoolsSite(handler, reactor) if front == "httptools" else twisted_web_site(handler)
+        svc.listener.factory = site
+    svc.startService()
     reactor.run()
 
 
@@ -301,7 +317,9 @@ def wrk(url: str, body: dict[str, Any], connections: int, duration: float,
     A closed-loop C{wrk} run; C{watch} names processes (by pid) whose CPU
     time per request is reported.
     """
-    script = Path(os.environ.get("TMPDIR", "/tmp")) / f"llmgw-bench-{os.getpid()}.lua"
+    fd, name = tempfile.mkstemp(prefix="llmgw-bench-", suffix=".lua")
+    os.close(fd)
+    script = Path(name)
     script.write_text(
         'wrk.method = "POST"\n'
         f"wrk.body = {json.dumps(json.dumps(body))}\n"
@@ -400,6 +418,54 @@ def added(rounds: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
     return out
 
 
+def metrics_cost(requests: int = 200_000, rounds: int = 5) -> dict[str, Any]:
+    """
+    CPU the gateway's metrics take per request, in this process: what
+    C{ProxyCall} does for each request (a counter, two histograms, the clock
+    reads that time them), against the same loop calling no-ops (the
+    baseline, measured in the same run). Medians of C{rounds}.
+    """
+    from prometheus_client import CollectorRegistry
+
+    from llmgw.gateway.metrics import GatewayMetrics
+
+    m = GatewayMetrics(CollectorRegistry(), dict)
+
+    class Noop:
+        def count(self, model: str, path: str, status: int) -> None:
+            pass
+
+        def observe(self, model: str, seconds: float) -> None:
+            pass
+
+        def first_byte(self, model: str, seconds: float) -> None:
+            pass
+
+    def per_request(target: Any, clock: Any) -> float:
+        start = time.process_time()
+        for _ in range(requests):
+            t0 = clock()
+            target.first_byte(MODEL, clock() - t0)
+            target.count(MODEL, "/v1/chat/completions", 200)
+            target.observe(MODEL, clock() - t0)
+        return (time.process_time() - start) / requests * 1e6
+
+    def zero() -> float:
+        return 0.0
+
+    with_metrics = [per_request(m, time.monotonic) for _ in range(rounds)]
+    baseline = [per_request(Noop(), zero) for _ in range(rounds)]
+    net = (_median(with_metrics) or 0) - (_median(baseline) or 0)
+    return {
+        "what": "per request: one counter inc, two histogram observes, three monotonic reads",
+        "requests_per_round": requests,
+        "rounds": rounds,
+        "us_per_request": round(_median(with_metrics) or 0, 3),
+        "baseline_noop_us_per_request": round(_median(baseline) or 0, 3),
+        "metrics_us_per_request": round(net, 3),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--duration", type=float, default=5.0, help="seconds per closed-loop run")
@@ -408,7 +474,16 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="1 s runs (a smoke test of the script)")
     ap.add_argument("--no-pin", dest="pin", action="store_false",
                     help="leave CPU placement to the scheduler (default: pin, see the docstring)")
+    ap.add_argument("--metrics-cost", action="store_true",
+                    help="measure only the metrics' CPU per request (in process, no wrk)")
     args = ap.parse_args()
+    if args.metrics_cost:
+        load = [round(x, 2) for x in os.getloadavg()]
+        out = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
+               "metrics_cost": metrics_cost(),
+               "load_average": {"before": load, "after": [round(x, 2) for x in os.getloadavg()]}}
+        print(json.dumps(out, indent=2))
+        return
     cpus = placement(args.pin)
     # Whatever else runs on the machine shows here; the figures are only
     # as good as the machine was quiet.
@@ -504,6 +579,12 @@ def main() -> None:
         summary["gateway_best_rps_minimal_upstream"] = gw_fast
         summary["gateway_cpu_us_per_request_c50"] = ns["gateway"]["c50"].get("proxy_cpu_us_per_request")
         summary["bare_proxy_cpu_us_per_request_c50"] = ns["bare_proxy"]["c50"].get("proxy_cpu_us_per_request")
+        result["metrics_cost"] = metrics_cost()
+        cpu_c50 = summary["gateway_cpu_us_per_request_c50"]
+        if cpu_c50:
+            summary["metrics_share_of_gateway_cpu_c50"] = round(
+                result["metrics_cost"]["metrics_us_per_request"] / cpu_c50, 3
+            )
         summary.update(added(rounds))
         if cpus["proxy"] is not None:
             summary["pinned"] = added(pinned_rounds)
@@ -521,13 +602,203 @@ def main() -> None:
         procs.stop()
 
 
+# -- against the Rust routers (issue 13) ---------------------------------------
+
+#: The candidates, in the order each round runs them.
+FRONTS = ("lean", "httptools", "twisted_web")
+VENV = ROOT / ".venv-bench"
+
+
+def vllm_router_exe() -> Path:
+    """
+    C{vllm-router} from the bench's own environment (C{.venv-bench}, made
+    and filled from PyPI on first use).
+    """
+    exe = VENV / "bin" / "vllm-router"
+    if not exe.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
+        subprocess.run([str(VENV / "bin" / "pip"), "install", "-q", "vllm-router"], check=True)
+    return exe
+
+
+def wait_answers(port: int, timeout: float = 30.0) -> None:
+    """
+    Wait until C{port} answers a chat completion with a 200.
+    """
+    body = json.dumps(CHAT).encode()
+    request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+    end = time.time() + timeout
+    while time.time() < end:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=2) as c:
+                c.sendall(request)
+                if c.recv(64).startswith(b"HTTP/1.1 200"):
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"port {port} gives no 200 after {timeout} s")
+
+
+def rss_mib(pid: int) -> dict[str, float]:
+    status = Path(f"/proc/{pid}/status").read_text()
+    out = {}
+    for key in ("VmRSS", "VmHWM"):
+        m = re.search(rf"{key}:\s+(\d+) kB", status)
+        if m:
+            out[key] = round(int(m.group(1)) / 1024, 1)
+    return out
+
+
+def wrk_direct(ports: list[int], connections: int, duration: float) -> dict[str, Any]:
+    """
+    The direct baseline for a proxy spreading C{connections} over the model
+    servers on C{ports}: one C{wrk} per server at once, the connections
+    split between them; their requests per second add up.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    share = max(1, connections // len(ports))
+    with ThreadPoolExecutor(len(ports)) as pool:
+        runs = list(pool.map(
+            lambda port: wrk(f"http://127.0.0.1:{port}/v1/chat/completions", CHAT, share, duration), ports
+        ))
+    return {
+        "rps": round(sum(r["rps"] or 0 for r in runs), 1),
+        "p99_ms": max((r["p99_ms"] or 0) for r in runs),
+        "non_2xx": sum(r["non_2xx"] for r in runs),
+        "socket_errors": "; ".join(r["socket_errors"] for r in runs if r["socket_errors"]),
+    }
+
+
+def uptime() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
+def versus(duration: float, rate: float, n_rounds: int, fronts: tuple[str, ...]) -> dict[str, Any]:
+    """
+    Direct, llmgw on each front in C{fronts}, and C{vllm-router}, with the
+    same two fake model servers, C{wrk} at 50 and 200 connections and the
+    open-loop generator at C{rate} (plain and streamed), in C{n_rounds}
+    interleaved rounds; medians, and per round the ratio to (or the latency
+    added over) direct in the same round.
+    """
+    if shutil.which("wrk") is None:
+        sys.exit("bench/gateway.py needs wrk (apt-get install wrk)")
+    router = vllm_router_exe()
+    skipped = {}
+    if "httptools" in fronts and importlib.util.find_spec("httptools") is None:
+        skipped["httptools"] = "not installed (pip install -e '.[bench]')"
+        fronts = tuple(f for f in fronts if f != "httptools")
+    procs = Procs()
+    started_uptime = uptime()
+    try:
+        fms = [free_port(), free_port()]
+        fm_procs = [procs.start("-m", "llmgw.testing.fakemodel", "--port", str(p), "--model", MODEL) for p in fms]
+        for p in fms:
+            wait_port(p)
+        upstreams = ",".join(f"127.0.0.1:{p}" for p in fms)
+        targets: dict[str, tuple[int, Any]] = {"direct": (fms[0], None)}
+        for front in fronts:
+            port = free_port()
+            targets[f"llmgw_{front}"] = (port, procs.start(__file__, "serve-gateway", str(port), upstreams, front))
+        vr_port = free_port()
+        vr = subprocess.Popen(
+            [str(router), "--host", "127.0.0.1", "--port", str(vr_port), "--policy", "round_robin",
+             "--log-level", "warning", "--worker-urls", *[f"http://127.0.0.1:{p}" for p in fms]],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        procs.procs.append(vr)  # type: ignore[arg-type]
+        targets["vllm_router"] = (vr_port, vr)
+        for name, (port, _) in targets.items():
+            wait_answers(port)
+            if name != "direct":
+                wrk(f"http://127.0.0.1:{port}/v1/chat/completions", CHAT, 50, 1.0)  # warm up
+        rounds: list[dict[str, dict[str, Any]]] = []
+        for _ in range(n_rounds):
+            this: dict[str, dict[str, Any]] = {}
+            for name, (port, _) in targets.items():
+                url = f"http://127.0.0.1:{port}/v1/chat/completions"
+                entry: dict[str, Any] = {}
+                for c in (50, 200):
+                    entry[f"c{c}"] = wrk_direct(fms, c, duration) if name == "direct" else wrk(url, CHAT, c, duration)
+                entry["open_loop"] = run_openloop(f"127.0.0.1:{port}", CHAT, rate, duration)
+                entry["open_loop_streaming"] = run_openloop(f"127.0.0.1:{port}", STREAM, rate, duration)
+                this[name] = entry
+            rounds.append(this)
+        rss = {name: rss_mib(proc.pid) for name, (_, proc) in targets.items() if proc is not None}
+        rss["model_servers"] = {str(i): rss_mib(p.pid)["VmRSS"] for i, p in enumerate(fm_procs)}
+    finally:
+        procs.stop()
+
+    summary: dict[str, Any] = {}
+    for name in targets:
+        out: dict[str, Any] = {}
+        for c in ("c50", "c200"):
+            out[f"{c}_rps"] = _median([r[name][c]["rps"] for r in rounds])
+            if name != "direct":
+                out[f"{c}_vs_direct"] = _median(
+                    [r[name][c]["rps"] / r["direct"][c]["rps"] for r in rounds if r["direct"][c]["rps"]]
+                )
+            out[f"{c}_errors"] = sum(r[name][c]["non_2xx"] for r in rounds)
+        for key, mode, field in (("p99_ms", "open_loop", "p99_ms"), ("stream_ttfb_p99_ms", "open_loop_streaming",
+                                                                      "ttfb_p99_ms")):
+            out[key] = _median([r[name][mode].get(field) for r in rounds])
+            if name != "direct":
+                diffs = [r[name][mode][field] - r["direct"][mode][field] for r in rounds
+                         if r[name][mode].get(field) is not None and r["direct"][mode].get(field) is not None]
+                out[f"added_{key}"] = _median(diffs)
+                out[f"added_{key}_per_round"] = [round(d, 3) for d in diffs]
+        out["open_loop_errors"] = sum(r[name]["open_loop"].get("errors", 0) + r[name]["open_loop_streaming"].get(
+            "errors", 0) for r in rounds)
+        if name in rss:
+            out["rss_mib"] = rss[name]
+        summary[name] = out
+
+    def bar(front: str) -> dict[str, bool]:
+        g, v = summary[f"llmgw_{front}"], summary["vllm_router"]
+        return {
+            "c50_rps_at_least_vllm_router": (g["c50_rps"] or 0) >= (v["c50_rps"] or 0),
+            "c200_rps_at_least_vllm_router": (g["c200_rps"] or 0) >= (v["c200_rps"] or 0),
+            "added_p99_no_worse_than_vllm_router_and_under_1ms":
+                (g["added_p99_ms"] or 99) < 1 and (g["added_p99_ms"] or 99) <= (v["added_p99_ms"] or 0),
+            "added_stream_ttfb_p99_no_worse_than_vllm_router_and_under_1ms":
+                (g["added_stream_ttfb_p99_ms"] or 99) < 1
+                and (g["added_stream_ttfb_p99_ms"] or 99) <= (v["added_stream_ttfb_p99_ms"] or 0),
+            "rss_under_80_mb": g["rss_mib"].get("VmHWM", 999) * 1.048576 < 80,
+        }
+
+    return {
+        "what": "issue 13: llmgw's front on each parser against vllm-router, same two fake model servers, "
+                "wrk (closed loop) and an open-loop generator at a fixed rate; interleaved rounds, medians",
+        "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
+        "uptime": {"before": started_uptime, "after": uptime()},
+        "seconds_per_run": duration, "rate_rps": rate, "rounds": n_rounds,
+        "direct": "both fake model servers at once, one wrk each with half the connections (throughput); "
+                  "the first one (open-loop latency)",
+        "summary": summary,
+        "bars": {front: bar(front) for front in fronts},
+        "fronts_skipped": skipped,
+        "per_round": rounds,
+    }
+
+
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "serve-gateway":
-        serve_gateway(int(sys.argv[2]), sys.argv[3])
+        serve_gateway(int(sys.argv[2]), sys.argv[3], *sys.argv[4:5])
     elif len(sys.argv) > 1 and sys.argv[1] == "serve-bare":
         serve_bare(int(sys.argv[2]), sys.argv[3])
     elif len(sys.argv) > 1 and sys.argv[1] == "serve-fast":
         serve_fast(int(sys.argv[2]))
+    elif len(sys.argv) > 1 and sys.argv[1] == "versus":
+        vp = argparse.ArgumentParser(prog="bench/gateway.py versus", description=versus.__doc__)
+        vp.add_argument("--duration", type=float, default=3.0, help="seconds per run")
+        vp.add_argument("--rate", type=float, default=500.0, help="open-loop requests per second")
+        vp.add_argument("--rounds", type=int, default=5)
+        vp.add_argument("--fronts", default=",".join(FRONTS), help="llmgw fronts to run, comma-separated")
+        va = vp.parse_args(sys.argv[2:])
+        print(json.dumps(versus(va.duration, va.rate, va.rounds, tuple(va.fronts.split(","))), indent=2))
     elif len(sys.argv) > 1 and sys.argv[1] == "openloop":
         a = sys.argv[2:]
         openloop(a[0], a[1], a[2].encode(), float(a[3]), float(a[4]), float(a[5]))

@@ -10,6 +10,7 @@ from typing import Any
 
 from twisted.application.service import Service
 from twisted.internet.endpoints import TCP4ServerEndpoint, TCP6ServerEndpoint
+from twisted.internet.error import CannotListenError
 from twisted.python.failure import Failure
 
 
@@ -89,18 +90,56 @@ def format_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if is_ipv6(host) else f"{host}:{port}"
 
 
+class ListenRefused(SystemExit):
+    """
+    A listener could not bind its address (in use, not this machine's, not
+    permitted). Its message is one line naming the address and the option
+    that changes it; being a C{SystemExit}, it ends twistd with that line
+    and status 1, not a traceback.
+    """
+
+    def __init__(self, what: str, address: str, option: str | None, reason: str):
+        self.what, self.address, self.option, self.reason = what, address, option, reason
+        super().__init__(self.message())
+
+    def message(self) -> str:
+        hint = f"; choose another with {self.option} [HOST:]PORT" if self.option else ""
+        return f"cannot listen on {self.address} for {self.what}: {self.reason}{hint}"
+
+    def renamed(self, option: str | None) -> ListenRefused:
+        """
+        The same refusal naming C{option} (a wrapper's name for it).
+        """
+        return ListenRefused(self.what, self.address, option, self.reason)
+
+    def __str__(self) -> str:
+        return self.message()
+
+
+def _listen_reason(e: CannotListenError) -> str:
+    err = e.socketError
+    strerror = getattr(err, "strerror", None)
+    if strerror:
+        return str(strerror).lower()
+    return str(err)
+
+
 class ListenerService(Service):
     """
     Listens on an endpoint while running and keeps the C{IListeningPort}
     (C{port}) so callers can read the bound address.
 
-    A synchronous endpoint's failure to listen (address in use, say) is
-    raised from C{startService}, which makes twistd exit with it.
+    A synchronous endpoint's failure to listen is raised from
+    C{startService}: a L{ListenRefused} naming C{what} listens there and the
+    C{option} that moves it, when the address cannot be bound; else the
+    endpoint's own error.
     """
 
-    def __init__(self, endpoint: Any, factory: Any):
+    def __init__(self, endpoint: Any, factory: Any, what: str = "this service", option: str | None = None):
         self.endpoint = endpoint
         self.factory = factory
+        self.what = what
+        self.option = option
         self.port: Any = None
 
     def startService(self) -> None:
@@ -111,6 +150,10 @@ class ListenerService(Service):
             raise RuntimeError("the listening endpoint did not answer synchronously")
         if isinstance(result[0], Failure):
             self.running = False
+            err = result[0].value
+            if isinstance(err, CannotListenError):
+                address = format_address(err.interface or "0.0.0.0", err.port)
+                raise ListenRefused(self.what, address, self.option, _listen_reason(err)) from None
             result[0].raiseException()
         self.port = result[0]
 

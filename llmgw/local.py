@@ -23,11 +23,14 @@ from twisted.logger import Logger
 from twisted.python import usage
 
 import llmgw
-from llmgw.addresses import AddressError, format_address, parse_address
+from llmgw.addresses import AddressError, ListenRefused, format_address, parse_address
 from llmgw.agent.gpus import GPUSpecError, discover, parse_gpu_spec
 from llmgw.agent.service import NodeAgent
 from llmgw.agent.state import StateDir, StateDirError
+from llmgw.agent.supervisor import KILL_WAIT_S
 from llmgw.control import service as control_service
+from llmgw.options import Options as BaseOptions
+from llmgw.options import positive_float, positive_int
 from llmgw.tlsconf.ca import CAError, CertificateAuthority
 from llmgw.tlsconf.options import (
     ServerIdentityError,
@@ -117,9 +120,22 @@ def demo_catalog(state_dir: Path) -> Path:
     return path
 
 
-class Options(usage.Options):
+def _agent_count(value: str) -> int:
+    n = positive_int(value)
+    if n > 64:
+        raise ValueError(f"must be between 1 and 64, not {n}")
+    return n  # type: ignore[no-any-return]
+
+
+_agent_count.coerceDoc = "Between 1 and 64."  # type: ignore[attr-defined]
+
+#: The control plane's option for each listener, and local's name for it.
+LISTENER_OPTIONS = {"--agents": "--agent-port", "--admin": "--admin", "--gateway": "--gateway"}
+
+
+class Options(BaseOptions):
     optParameters = [
-        ["agents", "n", "2", "how many agents (simulated GPU nodes)"],
+        ["agents", "n", 2, "how many agents (simulated GPU nodes)", _agent_count],
         ["gpus", None, "sim:2x24GiB", "each agent's GPUs (sim:COUNTxSIZE)"],
         ["catalog", None, None, "catalog TOML (default: the demo catalog on the fake model server)"],
         ["certs", None, "certs", "where the dev CA and certificates are made and kept"],
@@ -127,16 +143,10 @@ class Options(usage.Options):
         ["gateway", None, "127.0.0.1:8000", "[HOST:]PORT of the OpenAI-compatible gateway"],
         ["admin", None, "127.0.0.1:7480", "[HOST:]PORT of the admin API and /metrics"],
         ["agent-port", None, "127.0.0.1:0", "[HOST:]PORT of the agent stream (0: any free port)"],
-        ["heartbeat", None, "2", "agents' heartbeat interval, seconds"],
+        ["heartbeat", None, 2.0, "agents' heartbeat interval, seconds", positive_float],
     ]
 
     def postOptions(self) -> None:
-        try:
-            self["agents"] = int(self["agents"])
-        except ValueError:
-            raise usage.UsageError("--agents must be a whole number") from None
-        if not 1 <= self["agents"] <= 64:
-            raise usage.UsageError("--agents must be between 1 and 64")
         try:
             self["gpu_spec"] = parse_gpu_spec(self["gpus"])
         except GPUSpecError as e:
@@ -149,12 +159,6 @@ class Options(usage.Options):
             except AddressError as e:
                 raise usage.UsageError(f"--{name}: {e}") from e
             self[name] = format_address(host, port)
-        try:
-            self["heartbeat"] = float(self["heartbeat"])
-        except ValueError:
-            raise usage.UsageError("--heartbeat must be a number of seconds") from None
-        if self["heartbeat"] <= 0:
-            raise usage.UsageError("--heartbeat must be positive")
         self["certs"] = Path(self["certs"]).resolve()
         self["state-dir"] = Path(self["state-dir"]).resolve()
         try:
@@ -204,7 +208,11 @@ class LocalFleet(MultiService):
         if self.options["made"]:
             self.log.info("made dev certificates in {dir}: {what}", dir=str(self.options["certs"]),
                           what=", ".join(self.options["made"]))
-        super().startService()
+        try:
+            super().startService()
+        except ListenRefused as e:
+            # Name the option of this command, not the control plane's.
+            raise e.renamed(LISTENER_OPTIONS.get(e.option or "", e.option)) from None
         host, port = self.control.agent_listener.address()
         certs = self.options["certs"]
         for node in node_ids(self.options["agents"]):
@@ -285,19 +293,25 @@ class LocalFleet(MultiService):
     @inlineCallbacks
     def stop_shards(self, poll: float = 0.1) -> Any:
         """
-        Stop every shard the agents run (TERM, then KILL after each shard's
-        grace) and wait until all have ended.
+        Stop every shard the agents run (TERM to each process group, then
+        KILL after each shard's grace) and wait until every shard's process
+        group is empty, children included. A group that survives its KILL
+        for L{KILL_WAIT_S} more is named in a loud log line, and the wait
+        ends.
         """
         grace = 0.0
         for agent in self.agents:
-            for shard in agent.supervisor.live_shards():
+            for shard in agent.supervisor.held_shards():
                 grace = max(grace, shard.spec.stop_grace_s)
-                agent.supervisor.stop(shard.shard_id)
-        deadline = self.reactor.seconds() + grace + 5
-        while any(a.supervisor.live_shards() for a in self.agents):
+                if shard.live:
+                    agent.supervisor.stop(shard.shard_id)
+        deadline = self.reactor.seconds() + grace + KILL_WAIT_S
+        while any(a.supervisor.held_shards() for a in self.agents):
             if self.reactor.seconds() > deadline:
-                left = [s.shard_id for a in self.agents for s in a.supervisor.live_shards()]
-                self.log.error("shards still running after their grace: {shards}", shards=left)
+                left = [f"{s.shard_id} (groups {sorted(s.pgids)})"
+                        for a in self.agents for s in a.supervisor.held_shards()]
+                self.log.critical("shard processes still running after their grace and "
+                                  "KILL: {shards}", shards=", ".join(left))
                 break
             yield deferLater(self.reactor, poll, lambda: None)
 

@@ -159,6 +159,7 @@ STATE_NAMES = {
     pb.ShardStatus.STATE_DRAINING: ShardState.DRAINING,
     pb.ShardStatus.STATE_STOPPED: ShardState.STOPPED,
     pb.ShardStatus.STATE_FAILED: ShardState.FAILED,
+    pb.ShardStatus.STATE_STOPPING: ShardState.STOPPING,
 }
 STATE_VALUES = {name: value for value, name in STATE_NAMES.items()}
 

@@ -21,9 +21,9 @@ from twisted.web.resource import Resource
 from zope.interface import implementer
 
 from llmgw.control.interfaces import Route
-from llmgw.gateway.follower import RoutingSnapshot
 from llmgw.gateway.proxy import Gateway, GatewayConfig
 from llmgw.gateway.resource import GatewayResource, GatewaySite
+from llmgw.routing import RoutingSnapshot
 from llmgw.testing.fakemodel import FakeModelConfig, make_resource
 
 

@@ -5,6 +5,7 @@ Tests for L{llmgw.control.admin}: the admin API against a fake fleet.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -12,7 +13,7 @@ from treq.testing import StubTreq
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.internet.testing import MemoryReactorClock, StringTransport
-from twisted.logger import Logger
+from twisted.logger import Logger, formatEvent
 from twisted.python import usage
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -21,13 +22,17 @@ from llmgw.control.admin import (
     ABORT_BODY,
     MAX_BODY,
     AdminResource,
+    admin_service,
     admin_site,
     model_path,
 )
 from llmgw.control.interfaces import AdminError
 from llmgw.control.metrics import make_registry, register_control_metrics
+from llmgw.hostcheck import HostCheck
 from llmgw.testing.fleet import FakeAgents, FakeFleet, sample_fleet
+from llmgw.testing.pki import make_pki
 from llmgw.testing.sinks import RecordingSink
+from llmgw.tlsconf.options import ServerTLS, server_files
 
 BASE = "http://127.0.0.1:7480"
 JSON = {"Content-Type": ["application/json"]}
@@ -411,7 +416,7 @@ class SiteTests(SynchronousTestCase):
         """
         body = b"{" + b" " * (MAX_BODY + 10) + b"}"
         head = (
-            b"POST /api/v1/deployments/demo/scale HTTP/1.1\r\nHost: x\r\n"
+            b"POST /api/v1/deployments/demo/scale HTTP/1.1\r\nHost: 127.0.0.1:7480\r\n"
             b"Content-Type: application/json\r\n"
             b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n"
         )
@@ -427,7 +432,7 @@ class SiteTests(SynchronousTestCase):
         chunk = b"x" * 8192
         chunks = b"".join(b"%x\r\n" % len(chunk) + chunk + b"\r\n" for _ in range(MAX_BODY // 8192 + 2))
         head = (
-            b"POST /api/v1/catalog/reload HTTP/1.1\r\nHost: x\r\n"
+            b"POST /api/v1/catalog/reload HTTP/1.1\r\nHost: 127.0.0.1:7480\r\n"
             b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
         )
         transport = raw_request(self.site, head + chunks + b"0\r\n\r\n")
@@ -440,7 +445,7 @@ class SiteTests(SynchronousTestCase):
         end.
         """
         head = (
-            b"POST /api/v1/catalog/reload HTTP/1.1\r\nHost: x\r\n"
+            b"POST /api/v1/catalog/reload HTTP/1.1\r\nHost: 127.0.0.1:7480\r\n"
             b"Content-Type: application/json\r\nContent-Length: 100000000\r\n\r\n"
         )
         proto = self.site.buildProtocol(None)
@@ -452,6 +457,21 @@ class SiteTests(SynchronousTestCase):
         self.assertTrue(transport.disconnecting)
         self.assertEqual(self.fleet.calls, [])
 
+    def test_host_header_count(self) -> None:
+        """
+        Two C{Host} headers, or none in HTTP/1.1, are a 400; an HTTP/1.0
+        request without one is answered.
+        """
+        for head in (
+            b"GET /api/v1/nodes HTTP/1.1\r\nHost: localhost\r\nHost: evil.example\r\n\r\n",
+            b"GET /api/v1/nodes HTTP/1.1\r\n\r\n",
+        ):
+            transport = raw_request(self.site, head)
+            self.assertTrue(transport.value().startswith(b"HTTP/1.1 400 "), transport.value()[:200])
+            self.assertIn(b"Host header", transport.value())
+        transport = raw_request(self.site, b"GET /api/v1/nodes HTTP/1.0\r\n\r\n")
+        self.assertTrue(transport.value().startswith(b"HTTP/1.0 200 "), transport.value()[:200])
+
     def test_small_request_works(self) -> None:
         """
         Through the site, a request within the limits is answered normally.
@@ -459,12 +479,112 @@ class SiteTests(SynchronousTestCase):
         body = b'{"replicas": 3}'
         transport = raw_request(
             self.site,
-            b"POST /api/v1/deployments/demo/scale HTTP/1.1\r\nHost: x\r\n"
+            b"POST /api/v1/deployments/demo/scale HTTP/1.1\r\nHost: 127.0.0.1:7480\r\n"
             b"Content-Type: application/json\r\nContent-Length: " + str(len(body)).encode()
             + b"\r\n\r\n" + body,
         )
         self.assertTrue(transport.value().startswith(b"HTTP/1.1 200 "), transport.value()[:200])
         self.assertEqual(self.fleet.deployment_views["demo"]["desired"], 3)
+
+
+class SurfaceTests(AdminTestCase):
+    def test_foreign_host_is_421(self) -> None:
+        """
+        A request whose C{Host} is not a name the API serves (a page in the
+        operator's browser whose name rebinds to 127.0.0.1) is refused with
+        421 before anything is read or changed, naming the option that
+        lists names; the refusal is logged with the requester.
+        """
+        evil = {"Host": ["rebind.evil.example:7480"]}
+        self.assertRefused(self.call("GET", "/api/v1/nodes", headers=evil), 421, "--admin-hosts",
+                           "'rebind.evil.example:7480'")
+        headers = {**evil, **JSON}
+        self.assertRefused(self.call("POST", "/api/v1/deployments/demo/scale", {"replicas": 9}, headers=headers),
+                           421)
+        self.assertRefused(self.call("POST", "/api/v1/nodes/gpu-1/drain", headers=headers), 421)
+        self.assertEqual(self.fleet.calls, [])
+        self.assertEqual([e["status"] for e in self.logged], [421, 421, 421])
+        self.assertEqual(self.logged[0]["client"], "127.0.0.1:31337")
+
+    def test_served_hosts(self) -> None:
+        """
+        Loopback names with or without a port, and listed names, are
+        served.
+        """
+        for host in ("localhost", "localhost:7480", "127.0.0.1", "[::1]:7480"):
+            code, _, _ = self.call("GET", "/api/v1/nodes", headers={"Host": [host]})
+            self.assertEqual(code, 200, host)
+        self.treq = StubTreq(AdminResource(self.fleet, self.registry, hosts=HostCheck(["admin.example"])))
+        code, _, _ = self.call("GET", "/api/v1/nodes", headers={"Host": ["admin.example:7480"]})
+        self.assertEqual(code, 200)
+
+    def test_bound_address_served(self) -> None:
+        """
+        C{admin_service} serves the address it binds (and listed names); a
+        wildcard bind serves only loopback, listed names and the names of
+        the server certificate (beyond loopback the API needs mutual TLS).
+        """
+        directory = Path(self.mktemp())
+        make_pki(directory, [], server_hosts=["127.0.0.1", "control.example", "*.cp.example", "fd00::5"])
+        tls = ServerTLS(server_files(directory))
+
+        def check(host: str, hosts: list[str] | None = None) -> HostCheck:
+            svc = admin_service(MemoryReactorClock(), host, 7480, self.fleet, self.registry,
+                                tls=tls, hosts=hosts)
+            return svc.factory.wrappedFactory.resource.hosts  # type: ignore[no-any-return]
+
+        self.assertTrue(check("10.0.0.7").allows(b"10.0.0.7:7480"))
+        self.assertFalse(check("0.0.0.0").allows(b"10.0.0.7:7480"))
+        self.assertTrue(check("0.0.0.0", ["cp.example"]).allows(b"cp.example:7480"))
+        # The names in the server certificate are the names clients can
+        # verify the API under, so they are served too.
+        wildcard = check("0.0.0.0")
+        for name in (b"control.example:7480", b"a.cp.example", b"[fd00::5]:7480"):
+            self.assertTrue(wildcard.allows(name), name)
+        self.assertFalse(wildcard.allows(b"evil.example"))
+
+    def test_deep_json_is_400(self) -> None:
+        """
+        A body nesting 100,000 levels is a 400 with the reason, not a 500
+        and a RecursionError traceback; the fleet is not asked.
+        """
+        raw = b'{"replicas": ' + b"[" * 30_000 + b"]" * 30_000 + b"}"
+        self.assertRefused(self.call("POST", "/api/v1/deployments/demo/scale", raw=raw), 400, "64 levels deep")
+        self.assertEqual(self.fleet.calls, [])
+        self.assertFalse([e for e in self.logged if "log_failure" in e])
+
+    def test_repeated_key_is_400(self) -> None:
+        """
+        A body naming a key twice is a 400 naming it: the API would act on
+        one value while a proxy or log in front of it read the other.
+        """
+        raw = b'{"replicas": 1, "replicas": 50}'
+        self.assertRefused(self.call("POST", "/api/v1/deployments/demo/scale", raw=raw), 400, "'replicas'",
+                           "more than once")
+        self.assertEqual(self.fleet.calls, [])
+
+    def test_long_client_strings_clipped(self) -> None:
+        """
+        A 10 KB path, model name, query value, field name or C{Host} comes
+        back in an error of about a kilobyte at most (the fleet's own
+        messages are cut there) and a log line of under two.
+        """
+        long = "x" * 10_000
+        cases = [
+            ("GET", f"/api/v1/{long}", None, None, 404),
+            ("POST", f"/api/v1/deployments/{long}/scale", {"replicas": 1}, None, 404),
+            ("GET", f"/api/v1/events?since={long}", None, None, 400),
+            ("POST", "/api/v1/deployments/demo/scale", {long: 1}, None, 400),
+            ("POST", "/api/v1/deployments/demo/scale", {"replicas": long}, None, 400),
+            ("GET", "/api/v1/nodes", None, {"Host": [long]}, 421),
+        ]
+        for method, path, body, headers, status in cases:
+            del self.logged[:]
+            code, answer, _ = self.call(method, path, body, headers=headers)
+            self.assertEqual(code, status, path[:40])
+            self.assertLess(len(answer["error"]), 1100, path[:40])
+            for event in self.logged:
+                self.assertLess(len(formatEvent(event)), 2048)
 
 
 class ServiceTests(SynchronousTestCase):
@@ -484,6 +604,26 @@ class ServiceTests(SynchronousTestCase):
         self.assertIsNone(self.options("--admin", "off")["admin_address"])
         e = self.assertRaises(usage.UsageError, self.options, "--admin", "host:port")
         self.assertIn("--admin", str(e))
+
+    def test_hosts_options(self) -> None:
+        """
+        C{--admin-hosts} and C{--gateway-hosts} take comma-separated names
+        (none by default) and refuse a malformed one; the admin API and the
+        embedded gateway serve them.
+        """
+        opts = self.options()
+        self.assertEqual((opts["admin-hosts"], opts["gateway-hosts"]), ([], []))
+        opts = self.options("--admin-hosts", "cp.example, .fleet.example", "--gateway-hosts", "gw.example:443")
+        self.assertEqual(opts["admin-hosts"], ["cp.example", ".fleet.example"])
+        self.assertEqual(opts["gateway-hosts"], ["gw.example:443"])
+        e = self.assertRaises(usage.UsageError, self.options, "--gateway-hosts", "http://gw.example")
+        self.assertIn("--gateway-hosts", str(e))
+        cp = service.makeService(opts, MemoryReactorClock())
+        assert cp.admin_listener is not None and cp.gateway is not None
+        self.assertTrue(cp.admin_listener.factory.resource.hosts.allows(b"a.fleet.example:7480"))
+        self.assertFalse(cp.admin_listener.factory.resource.hosts.allows(b"gw.example:443"))
+        self.assertTrue(cp.gateway.gateway.hosts.allows(b"gw.example:443"))
+        self.assertFalse(cp.gateway.gateway.hosts.allows(b"cp.example"))
 
     def plane(self, reactor: Any, fleet: Any = None) -> service.ControlPlane:
         return service.ControlPlane(

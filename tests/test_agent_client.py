@@ -176,7 +176,8 @@ class ClientProtocolTests(SynchronousTestCase):
         h.spawner.processes[0].end(0)
         states = [m.shard.state for m in read_frames(transport.value())]
         S = pb.ShardStatus
-        self.assertEqual(states, [S.STATE_STARTING, S.STATE_READY, S.STATE_DRAINING, S.STATE_STOPPED])
+        self.assertEqual(states, [S.STATE_STARTING, S.STATE_READY, S.STATE_DRAINING,
+                                  S.STATE_STOPPING, S.STATE_STOPPED])
 
     def test_failed_status_carries_output(self) -> None:
         """
@@ -195,6 +196,38 @@ class ClientProtocolTests(SynchronousTestCase):
         self.assertEqual((m.shard.state, m.shard.exit_code, m.shard.last_output),
                          (pb.ShardStatus.STATE_FAILED, 4, "boom"))
         self.assertIn("exit code 4", m.shard.error)
+        self.assertEqual(m.shard.crash_class, "unknown")
+
+    def test_register_lists_held_and_strays(self) -> None:
+        """
+        The Register lists stopping shards (their GPUs are held) with their
+        process group, a shard whose record was lost (record_lost, profile
+        unknown), and the stray processes the agent cannot account for that
+        still run.
+        """
+        from llmgw.agent.supervisor import STOPPING, Shard, Stray
+
+        h = Harness(self)
+        h.supervisor.start(ShardSpec.from_message(spec_msg().start))
+        h.supervisor.stop("s1")
+        lost = Shard(ShardSpec(shard_id="lost", replica_id="r9", model="m", profile="",
+                               argv=[], gpu_indices=[1], port=9001))
+        lost.record_lost, lost.pid = True, 4321
+        h.supervisor.shards["lost"] = lost
+        h.supervisor.strays.append(Stray(pid=77, pgid=70, shard_id="", reason="no id",
+                                         command="python x", start_time=4242 + 77))
+        h.supervisor.strays.append(Stray(pid=78, pgid=70, shard_id="", reason="gone",
+                                         command="python y", start_time=1))
+        proto, transport = h.connect()
+        (msg,) = read_frames(transport.value())
+        reg = msg.register
+        self.assertEqual([(s.shard_id, s.state, s.record_lost, s.profile, s.pgid)
+                          for s in reg.running_shards],
+                         [("s1", pb.ShardStatus.STATE_STOPPING, False, "p", 1001),
+                          ("lost", pb.ShardStatus.STATE_STARTING, True, "", 4321)])
+        self.assertEqual([(p.pid, p.pgid, p.reason, p.command) for p in reg.stray_processes],
+                         [(77, 70, "no id", "python x")])
+        self.assertEqual(h.supervisor.get("s1").state, STOPPING)  # type: ignore[union-attr]
 
     def test_stale_epoch_refused(self) -> None:
         """
@@ -438,10 +471,10 @@ class InMemoryTLSTests(SynchronousTestCase):
         h.clock.advance(0)
         pump.flush()
         self.assertTrue(self.successResultOf(agent.registered))
-        self.assertEqual(h.spawner.processes and len(h.supervisor.live_shards()), 1)
+        self.assertEqual(h.spawner.processes and len(h.supervisor.held_shards()), 1)
         shard = h.supervisor.get("s1")
         assert shard is not None
-        self.assertTrue(shard.stopping)
+        self.assertEqual(shard.state, "stopping")
 
     def test_wrong_node_id(self) -> None:
         """

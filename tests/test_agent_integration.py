@@ -25,7 +25,7 @@ from llmgw.agent.state import StateDir
 from llmgw.control.interfaces import ShardCommand
 from llmgw.control.service import ControlPlane
 from llmgw.testing.pki import issue_raw, make_pki
-from llmgw.testing.procs import ProcessOutput, free_port
+from llmgw.testing.procs import ProcessOutput, free_port, process_alive
 from llmgw.testing.sinks import RecordingSink
 from llmgw.tlsconf.ca import CertificateAuthority
 from llmgw.tlsconf.options import ServerTLS, server_files
@@ -49,6 +49,8 @@ class AgentIntegrationTests(TestCase):
         self.sink = RecordingSink()
         self.planes: list[ControlPlane] = []
         self.agents: list[tuple[Any, ProcessOutput]] = []
+        #: Shard process groups to KILL in cleanup that no record names.
+        self.lost_pids: list[int] = []
         self.addCleanup(self.cleanup)
 
     @defer.inlineCallbacks
@@ -63,8 +65,13 @@ class AgentIntegrationTests(TestCase):
             yield out.ended
         # Shards outlive agents by design: kill what the state dir records.
         shards = self.state / "shards"
+        pids = list(self.lost_pids)
         for record in shards.glob("*.json") if shards.exists() else []:
-            pid = int(__import__("json").loads(record.read_text())["pid"])
+            try:
+                pids.append(int(__import__("json").loads(record.read_text())["pid"]))
+            except ValueError:
+                pass
+        for pid in pids:
             try:
                 os.killpg(pid, signal.SIGKILL)
             except OSError:
@@ -77,6 +84,8 @@ class AgentIntegrationTests(TestCase):
         )
         plane.startService()
         self.planes.append(plane)
+        # The sink stops what it does not claim, as the reconciler does.
+        self.sink.dispatcher, self.sink.clock = plane.agents, reactor
         return plane
 
     def start_agent(self) -> ProcessOutput:
@@ -193,6 +202,38 @@ class AgentIntegrationTests(TestCase):
         # Still supervised: its exit is noticed by polling.
         os.kill(pid, signal.SIGKILL)
         yield self.wait_for("failure after re-adoption", lambda: "failed" in self.states("s-a"))
+
+    @defer.inlineCallbacks
+    def test_truncated_record_still_reported(self) -> Any:
+        """
+        A running shard whose record the agent finds truncated after a
+        restart is still listed in its Register (found by the marker in its
+        environment, profile unknown), is stopped when the control plane
+        hands it back, and no process of it is left.
+        """
+        plane = self.control_plane()
+        self.start_agent()
+        yield self.wait_for("registration", lambda: "node-1" in plane.agents.connected_nodes())
+        self.start_shard(plane, "s-a", free_port())
+        yield self.wait_for("ready", lambda: "ready" in self.states("s-a"))
+        pid = self.record_pid("s-a")
+        self.lost_pids.append(pid)
+        proc, out = self.agents[0]
+        proc.signalProcess("TERM")
+        yield out.ended
+        record = self.state / "shards" / "s-a.json"
+        record.write_bytes(record.read_bytes()[:50])
+        self.sink.claim = False
+        self.start_agent()
+        yield self.wait_for("adoption", lambda: len(self.sink.adopted) == 1, timeout=20)
+        (node, listed) = self.sink.adopted[0]
+        self.assertEqual([(s.shard_id, s.replica_id, s.model, s.profile, s.gpu_indices)
+                          for s in listed], [("s-a", "r-s-a", "tiny", "", (0,))])
+        self.assertIn("FOUND SHARD s-a RUNNING WITHOUT A RECORD", self.agents[1][1].text())
+        yield self.wait_for("stopped", lambda: "stopped" in self.states("s-a"))
+        # Its parent (the first agent) is gone: an init that does not reap
+        # may keep it as a zombie, which is no live process.
+        self.assertFalse(process_alive(pid))
 
     @defer.inlineCallbacks
     def test_server_certificate_refused(self) -> Any:

@@ -85,7 +85,9 @@ class GatewayOptionTests(SynchronousTestCase):
     def test_gateway_embedded(self) -> None:
         """
         The control plane embeds the gateway on 127.0.0.1:8000 by default,
-        routing by the reconciler, which reads its in-flight counts.
+        routing by the reconciler's published routing table (the one
+        standalone gateways follow); the reconciler reads its in-flight
+        counts.
         """
         from twisted.internet.testing import MemoryReactorClock
 

@@ -6,17 +6,21 @@ driven through a L{StringTransport}.
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
+from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.internet.interfaces import IPushProducer
+from twisted.internet.protocol import ClientCreator, Protocol
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 from twisted.logger import globalLogPublisher
 from twisted.python.failure import Failure
-from twisted.trial.unittest import SynchronousTestCase
+from twisted.trial.unittest import SkipTest, SynchronousTestCase, TestCase
 from zope.interface import implementer
 
 from llmgw.gateway.front import (
+    DRAIN_MAX,
     MAX_HEAD,
     MAX_HEADERS,
     READ_AHEAD,
@@ -24,6 +28,22 @@ from llmgw.gateway.front import (
     FrontRequest,
     HTTPFront,
 )
+
+
+class HalfCloseTransport(StringTransport):
+    """
+    A transport that can close its sending side only, as TCP's can.
+    """
+
+    write_closed = False
+    aborted = False
+
+    def loseWriteConnection(self) -> None:
+        self.write_closed = True
+
+    def abortConnection(self) -> None:
+        self.aborted = True
+        super().abortConnection()
 
 
 @implementer(IPushProducer)
@@ -141,7 +161,7 @@ class RequestTests(SynchronousTestCase):
         for bytewise in (False, True):
             s = Server()
             s.feed(
-                b"POST /p HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+                b"POST /p HTTP/1.1\r\nHost: gw\r\nTransfer-Encoding: chunked\r\n\r\n"
                 b"5;ext=1\r\nhello\r\nA\r\n 012345678\r\n0\r\nX-Trailer: t\r\n\r\n",
                 bytewise,
             )
@@ -154,7 +174,7 @@ class RequestTests(SynchronousTestCase):
         go out in order on the same connection.
         """
         s = Server()
-        s.feed(post(b"/1", b"a") + post(b"/2", b"b") + b"GET /3 HTTP/1.1\r\n\r\n")
+        s.feed(post(b"/1", b"a") + post(b"/2", b"b") + b"GET /3 HTTP/1.1\r\nHost: gw\r\n\r\n")
         self.assertEqual([r.path for r in s.requests], [b"/1"])
         answer(s.requests[0], b"one")
         self.assertEqual([r.path for r in s.requests], [b"/1", b"/2"])
@@ -243,7 +263,7 @@ class ResponseTests(SynchronousTestCase):
         body.
         """
         s = Server(auto=True)
-        s.feed(b"HEAD /p HTTP/1.1\r\n\r\n")
+        s.feed(b"HEAD /p HTTP/1.1\r\nHost: gw\r\n\r\n")
         out = s.output()
         self.assertTrue(out.endswith(b"Content-Length: 2\r\n" + s.factory.date_line() + b"\r\n"), out)
 
@@ -295,26 +315,71 @@ class ResponseTests(SynchronousTestCase):
 
 
 class LimitTests(SynchronousTestCase):
-    def test_body_over_limit(self) -> None:
+    def test_declared_length_over_limit(self) -> None:
         """
-        A body over the limit (by its Content-Length, or chunked) is read
-        and dropped: the handler sees it C{too_large} and empty, and the
-        connection goes on to the next request.
+        A Content-Length over the limit goes to the handler as soon as the
+        head is read, marked C{too_large} and with no body: the body is
+        never read, and the connection closes after the answer.
         """
-        big = b"y" * 1500
-        chunked = b"".join(b"%x\r\n%s\r\n" % (100, big[i : i + 100]) for i in range(0, 1500, 100))
         s = Server()
-        s.feed(post(b"/1", big))
-        s.feed(b"POST /2 HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked + b"0\r\n\r\n")
-        s.feed(post(b"/3", b"small"))
-        r1 = s.requests[0]
-        self.assertTrue(r1.too_large)
-        self.assertEqual(r1.body, b"")
-        answer(r1, b"no")
-        r2 = s.requests[1]
-        self.assertEqual((r2.path, r2.too_large, r2.body), (b"/2", True, b""))
-        answer(r2, b"no")
-        self.assertEqual((s.requests[2].too_large, s.requests[2].body), (False, b"small"))
+        s.feed(b"POST /1 HTTP/1.1\r\nHost: gw\r\nContent-Length: 1500\r\n\r\n")
+        (r1,) = s.requests
+        self.assertEqual((r1.too_large, r1.body, r1.keep_alive), (True, b"", False))
+        answer(r1, b"no", 413)
+        ((status, headers, body),) = responses(s.output())
+        self.assertEqual((status, headers[b"connection"], body), (413, b"close", b"no"))
+        self.assertTrue(s.transport.disconnecting)
+        s.feed(b"y" * 1500 + post(b"/2", b"small"))
+        self.assertEqual(len(s.requests), 1)
+
+    def test_huge_content_length(self) -> None:
+        """
+        A Content-Length of 19 digits or more is over any limit (it is not
+        wrapped into a smaller number), and leading zeros do not count.
+        """
+        for value, too_large in ((b"1" + b"0" * 20, True), (b"9" * 19, True),
+                                 (b"0" * 30 + b"5", False)):
+            s = Server()
+            s.feed(b"POST /p HTTP/1.1\r\nHost: gw\r\nContent-Length: %s\r\n\r\nhello" % value)
+            (r,) = s.requests
+            self.assertEqual(r.too_large, too_large, value)
+            self.assertEqual(r.body, b"" if too_large else b"hello")
+
+    def test_chunked_over_limit(self) -> None:
+        """
+        A chunked body goes to the handler, C{too_large} and empty, as soon
+        as what arrived of it passes the limit; the rest is not read and
+        the connection closes after the answer.
+        """
+        s = Server()
+        s.feed(b"POST /2 HTTP/1.1\r\nHost: gw\r\nTransfer-Encoding: chunked\r\n\r\n")
+        s.feed(b"%x\r\n%s\r\n" % (600, b"y" * 600))
+        self.assertEqual(s.requests, [])
+        s.feed(b"%x\r\n%s\r\n" % (600, b"y" * 600))
+        (r,) = s.requests
+        self.assertEqual((r.path, r.too_large, r.body, r.keep_alive), (b"/2", True, b"", False))
+        answer(r, b"no", 413)
+        self.assertTrue(s.transport.disconnecting)
+
+    def test_refused_body_drained_after_half_close(self) -> None:
+        """
+        After a 413 for a body not read, a transport that can half-close
+        closes only its sending side, so that the client still sending
+        reads its answer rather than a reset; what arrives next is dropped,
+        and past L{DRAIN_MAX} bytes the connection is aborted.
+        """
+        s = Server()
+        s.transport = HalfCloseTransport()
+        s.proto = s.factory.buildProtocol(None)
+        s.proto.makeConnection(s.transport)
+        s.feed(b"POST /1 HTTP/1.1\r\nHost: gw\r\nContent-Length: 9999999\r\n\r\n" + b"y" * 100)
+        answer(s.requests[0], b"no", 413)
+        self.assertEqual((s.transport.write_closed, s.transport.disconnecting), (True, False))
+        s.feed(b"y" * (DRAIN_MAX // 2))
+        self.assertFalse(s.transport.aborted)
+        s.feed(b"y" * (DRAIN_MAX // 2 + 1))
+        self.assertTrue(s.transport.aborted)
+        self.assertEqual(len(s.requests), 1)
 
     def test_expect_continue(self) -> None:
         """
@@ -323,13 +388,13 @@ class LimitTests(SynchronousTestCase):
         and the connection closes after the answer, the body never read.
         """
         s = Server()
-        s.feed(b"POST /p HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 3\r\n\r\n")
+        s.feed(b"POST /p HTTP/1.1\r\nHost: gw\r\nExpect: 100-continue\r\nContent-Length: 3\r\n\r\n")
         self.assertEqual(s.output(), b"HTTP/1.1 100 Continue\r\n\r\n")
         s.feed(b"abc")
         self.assertEqual(s.requests[0].body, b"abc")
         answer(s.requests[0], b"ok")
         s.output()
-        s.feed(b"POST /p HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 5000\r\n\r\n")
+        s.feed(b"POST /p HTTP/1.1\r\nHost: gw\r\nExpect: 100-continue\r\nContent-Length: 5000\r\n\r\n")
         r = s.requests[1]
         self.assertTrue(r.too_large)
         self.assertEqual(s.output(), b"")
@@ -350,19 +415,19 @@ class LimitTests(SynchronousTestCase):
             (b"GET / HTTP/1.1 extra\r\n\r\n", 400),
             (b"GET / HTTP/2.0\r\n\r\n", 505),
             (b"GET / FTP/1.0\r\n\r\n", 400),
-            (b"GET / HTTP/1.1\r\nNoColon\r\n\r\n", 400),
-            (b"GET / HTTP/1.1\r\nName : v\r\n\r\n", 400),
-            (b"GET / HTTP/1.1\r\n folded: v\r\n\r\n", 400),
-            (b"GET / HTTP/1.1\r\nA: b\nInjected: c\r\n\r\n", 400),
-            (b"GET / HTTP/1.1\r\nA: b\rc\r\n\r\n", 400),
-            (b"POST / HTTP/1.1\r\nContent-Length: -1\r\n\r\n", 400),
-            (b"POST / HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nx", 400),
-            (b"POST / HTTP/1.1\r\nContent-Length: 1\r\nTransfer-Encoding: chunked\r\n\r\n", 400),
-            (b"POST / HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n", 501),
-            (b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", 400),
-            (b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n1\r\nab\r\n", 400),
-            (b"GET / HTTP/1.1\r\n" + b"A: b\r\n" * (MAX_HEADERS + 1) + b"\r\n", 431),
-            (b"GET / HTTP/1.1\r\nA: " + b"b" * MAX_HEAD, 431),
+            (b"GET / HTTP/1.1\r\nHost: gw\r\nNoColon\r\n\r\n", 400),
+            (b"GET / HTTP/1.1\r\nHost: gw\r\nName : v\r\n\r\n", 400),
+            (b"GET / HTTP/1.1\r\nHost: gw\r\n folded: v\r\n\r\n", 400),
+            (b"GET / HTTP/1.1\r\nHost: gw\r\nA: b\nInjected: c\r\n\r\n", 400),
+            (b"GET / HTTP/1.1\r\nHost: gw\r\nA: b\rc\r\n\r\n", 400),
+            (b"POST / HTTP/1.1\r\nHost: gw\r\nContent-Length: -1\r\n\r\n", 400),
+            (b"POST / HTTP/1.1\r\nHost: gw\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nx", 400),
+            (b"POST / HTTP/1.1\r\nHost: gw\r\nContent-Length: 1\r\nTransfer-Encoding: chunked\r\n\r\n", 400),
+            (b"POST / HTTP/1.1\r\nHost: gw\r\nTransfer-Encoding: gzip\r\n\r\n", 501),
+            (b"POST / HTTP/1.1\r\nHost: gw\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", 400),
+            (b"POST / HTTP/1.1\r\nHost: gw\r\nTransfer-Encoding: chunked\r\n\r\n1\r\nab\r\n", 400),
+            (b"GET / HTTP/1.1\r\nHost: gw\r\n" + b"A: b\r\n" * (MAX_HEADERS + 1) + b"\r\n", 431),
+            (b"GET / HTTP/1.1\r\nHost: gw\r\nA: " + b"b" * MAX_HEAD, 431),
         ]
         events: list[dict[str, Any]] = []
         observer: Any = events.append
@@ -392,7 +457,7 @@ class LimitTests(SynchronousTestCase):
         400, a trailer line over its bound a 431; the connection closes and
         the handler never sees the request.
         """
-        start = b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+        start = b"POST / HTTP/1.1\r\nHost: gw\r\nTransfer-Encoding: chunked\r\n\r\n"
         cases = [
             (b"0x5\r\nhello\r\n0\r\n\r\n", 400, "bad_request", "Bad chunk size b'0x5'"),
             (b"5;" + b"e" * 1100 + b"\r\nhello\r\n0\r\n\r\n", 400, "bad_request", "chunk-size line is too long"),
@@ -429,6 +494,185 @@ class LimitTests(SynchronousTestCase):
         answer(s.requests[1], b"two")
         self.assertEqual(s.transport.producerState, "producing")
         self.assertEqual([r.path for r in s.requests], [b"/1", b"/2", b"/3"])
+
+
+class HardeningTests(SynchronousTestCase):
+    """
+    What an attacker's raw socket found (issue 13): each refused with the
+    status that says why, before the handler sees anything.
+    """
+
+    def refused(self, data: bytes, bytewise: bool = False) -> tuple[int, bytes, str]:
+        s = Server()
+        s.feed(data, bytewise)
+        out = s.output()
+        ((status, headers, body),) = responses(out)
+        self.assertEqual(headers[b"connection"], b"close")
+        self.assertTrue(s.transport.disconnecting)
+        self.assertEqual(s.requests, [])
+        return status, out, json.loads(body)["error"]["message"]
+
+    def test_header_names_are_tokens(self) -> None:
+        """
+        A header name with a byte outside tchar (a vertical tab after
+        Transfer-Encoding, a space inside the name, a non-ASCII byte) is a
+        400, and so is a method that is not a token.
+        """
+        for line in (b"Transfer-Encoding\x0b: chunked", b"X Y: z", b"X\x80: z", b"X(: y", b"@: y"):
+            status, _, message = self.refused(b"GET / HTTP/1.1\r\nHost: gw\r\n" + line + b"\r\n\r\n")
+            self.assertEqual(status, 400, line)
+            self.assertIn("control character" if b"\x0b" in line else "token", message)
+        status, _, _ = self.refused(b"G(T / HTTP/1.1\r\nHost: gw\r\n\r\n")
+        self.assertEqual(status, 400)
+
+    def test_control_bytes_in_values(self) -> None:
+        """
+        A control byte (NUL, DEL, ESC, vertical tab) in a header value or
+        the request target is a 400; a tab inside a value is allowed, and
+        so is obs-text (bytes over 0x7f).
+        """
+        for value in (b"a\x00b", b"a\x7fb", b"a\x1bb", b"a\x0bb"):
+            status, _, message = self.refused(b"GET / HTTP/1.1\r\nHost: gw\r\nX: " + value + b"\r\n\r\n")
+            self.assertEqual(status, 400, value)
+            self.assertIn("control character", message)
+        status, _, _ = self.refused(b"GET /a\x01b HTTP/1.1\r\nHost: gw\r\n\r\n")
+        self.assertEqual(status, 400)
+        s = Server()
+        s.feed(b"GET / HTTP/1.1\r\nHost: gw\r\nX: a\tb \xe9\r\n\r\n")
+        (r,) = s.requests
+        self.assertEqual(r.header(b"x"), b"a\tb \xe9")
+
+    def test_host_exactly_once(self) -> None:
+        """
+        HTTP/1.1 needs exactly one Host header: none, or two, is a 400.
+        HTTP/1.0 may have none, not two.
+        """
+        for data in (b"GET / HTTP/1.1\r\n\r\n", b"GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n",
+                     b"GET / HTTP/1.0\r\nHost: a\r\nhost: a\r\n\r\n"):
+            status, _, message = self.refused(data)
+            self.assertEqual(status, 400, data)
+            self.assertIn("Host", message)
+        s = Server()
+        s.feed(b"GET / HTTP/1.0\r\n\r\n")
+        self.assertEqual(len(s.requests), 1)
+
+    def test_http10_chunked_closes(self) -> None:
+        """
+        An HTTP/1.0 request with Transfer-Encoding: chunked is read, but
+        its connection closes after the response (RFC 9112 §6.1), even
+        when it asks for keep-alive.
+        """
+        s = Server()
+        s.feed(b"POST /p HTTP/1.0\r\nConnection: keep-alive\r\nTransfer-Encoding: chunked\r\n\r\n"
+               b"2\r\nhi\r\n0\r\n\r\n" + post(b"/next", b"x"))
+        (r,) = s.requests
+        self.assertEqual((r.body, r.keep_alive), (b"hi", False))
+        answer(r, b"ok")
+        self.assertIn(b"Connection: close\r\n", s.output())
+        self.assertTrue(s.transport.disconnecting)
+        self.assertEqual(len(s.requests), 1)
+
+    def test_bare_lf_refused_promptly(self) -> None:
+        """
+        A head whose lines end in a bare LF (it would never complete) is
+        refused with a 400 as soon as the LF arrives, whole or a byte at a
+        time, not after the head timeout; so is a bare CR.
+        """
+        for data in (b"GET / HTTP/1.1\nHost: gw\n\n", b"GET / HTTP/1.1\r\nHost: gw\n",
+                     b"GET / HTTP/1.1\rHost: gw"):
+            for bytewise in (False, True):
+                status, _, message = self.refused(data, bytewise)
+                self.assertEqual(status, 400, data)
+                self.assertIn("bare", message)
+
+    def test_431_reason_phrase(self) -> None:
+        """
+        A 431 says "Request Header Fields Too Large" on its status line.
+        """
+        status, out, _ = self.refused(b"GET / HTTP/1.1\r\nHost: gw\r\nA: " + b"b" * MAX_HEAD)
+        self.assertEqual(status, 431)
+        self.assertTrue(out.startswith(b"HTTP/1.1 431 Request Header Fields Too Large\r\n"), out[:60])
+
+    def test_refusal_quotes_a_bounded_prefix(self) -> None:
+        """
+        A refusal quotes at most a short prefix of the client's bytes.
+        """
+        status, _, message = self.refused(b"GET / HTTP/1.1\r\nHost: gw\r\nX" + b"y" * 20000 + b"\r\n\r\n")
+        self.assertEqual(status, 400)
+        self.assertLess(len(message), 300)
+
+    def head_cpu(self, size: int, bytewise: bool) -> float:
+        """
+        The least CPU time, over three tries, that a front spends reading
+        a head of C{size} bytes.
+        """
+        data = b"GET / HTTP/1.1\r\nHost: gw\r\nX: " + b"a" * size + b"\r\n\r\n"
+        best = float("inf")
+        for _ in range(3):
+            s = Server()
+            started = time.process_time()
+            s.feed(data, bytewise)
+            best = min(best, time.process_time() - started)
+            self.assertEqual(len(s.requests), 1)
+        return best
+
+    def test_head_parse_is_linear(self) -> None:
+        """
+        A head that arrives a byte per read costs time linear in its size:
+        a 60 KiB head costs no more than about four times a 15 KiB one (a
+        search from the start on every read makes it sixteen times).
+        Measured as CPU time with a generous bound (8x); the 60 KiB head
+        a byte at a time also stays within a fixed budget.
+        """
+        small = self.head_cpu(15 * 1024, True)
+        large = self.head_cpu(60 * 1024, True)
+        self.assertLess(large, 8 * small + 0.01, (small, large))
+        self.assertLess(large, 1.0)
+
+
+class CapTests(SynchronousTestCase):
+    def test_connection_cap(self) -> None:
+        """
+        Past C{max_connections} open client connections a new one gets no
+        protocol (closed at accept, counted); when one closes, another is
+        accepted.
+        """
+        factory = FrontFactory(lambda r: None, Clock(), max_connections=2)
+        protos = [factory.buildProtocol(None) for _ in range(2)]
+        for p in protos:
+            p.makeConnection(StringTransport())
+        self.assertIsNone(factory.buildProtocol(None))
+        self.assertEqual((factory.connections, factory.refused_connections), (2, 1))
+        protos[0].connectionLost(Failure(ConnectionError("gone")))
+        self.assertIsNotNone(factory.buildProtocol(None))
+        self.flushLoggedErrors()
+
+    def test_no_cap(self) -> None:
+        """
+        C{max_connections=0} means no cap.
+        """
+        factory = FrontFactory(lambda r: None, Clock(), max_connections=0)
+        for _ in range(5):
+            self.assertIsNotNone(factory.buildProtocol(None))
+
+    def test_open_file_limit_raised(self) -> None:
+        """
+        Starting the factory raises the soft open-file limit towards what
+        the cap needs (two files per connection and headroom), within the
+        hard limit.
+        """
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        self.addCleanup(resource.setrlimit, resource.RLIMIT_NOFILE, (soft, hard))
+        if hard != resource.RLIM_INFINITY and hard < 600:
+            raise SkipTest("the hard open-file limit is too low to test raising the soft one")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+        factory = FrontFactory(lambda r: None, Clock(), max_connections=100)
+        factory.doStart()
+        self.addCleanup(factory.doStop)
+        self.assertGreaterEqual(resource.getrlimit(resource.RLIMIT_NOFILE)[0], 2 * 100 + 1024
+                                if hard == resource.RLIM_INFINITY or hard >= 1224 else hard)
 
 
 class FlowTests(SynchronousTestCase):
@@ -591,7 +835,7 @@ class TimeoutTests(SynchronousTestCase):
         the connection closes, Content-Length framed or chunked.
         """
         s = Server()
-        s.feed(b"POST /p HTTP/1.1\r\nContent-Length: 10\r\n\r\n")
+        s.feed(b"POST /p HTTP/1.1\r\nHost: gw\r\nContent-Length: 10\r\n\r\n")
         for _ in range(5):
             s.clock.advance(59)
             s.feed(b"x")
@@ -602,7 +846,7 @@ class TimeoutTests(SynchronousTestCase):
         self.assertEqual(s.requests, [])
 
         s = Server()
-        s.feed(b"POST /p HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nab")
+        s.feed(b"POST /p HTTP/1.1\r\nHost: gw\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nab")
         s.clock.advance(59)
         s.feed(b"cde\r\n")
         s.clock.advance(59)
@@ -619,7 +863,7 @@ class TimeoutTests(SynchronousTestCase):
         proto = factory.buildProtocol(None)
         transport = StringTransport()
         proto.makeConnection(transport)
-        proto.dataReceived(b"POST /p HTTP/1.1\r\nContent-Length: 2\r\n\r\nx")
+        proto.dataReceived(b"POST /p HTTP/1.1\r\nHost: gw\r\nContent-Length: 2\r\n\r\nx")
         clock.advance(2.9)
         self.assertFalse(transport.disconnecting)
         clock.advance(0.1)
@@ -668,7 +912,7 @@ class TimeoutTests(SynchronousTestCase):
         body, the idle wait or a response), closed after a response, or
         refused for bad input.
         """
-        for data in [b"", b"POST /p HT", b"POST /p HTTP/1.1\r\nContent-Length: 9\r\n\r\nab", post(b"/1", b"x")]:
+        for data in [b"", b"POST /p HT", b"POST /p HTTP/1.1\r\nHost: gw\r\nContent-Length: 9\r\n\r\nab", post(b"/1", b"x")]:
             s = Server()
             s.feed(data)
             s.proto.connectionLost(Failure(ConnectionError("gone")))
@@ -730,3 +974,61 @@ class TimeoutTests(SynchronousTestCase):
         s.feed(post(b"/slow", b"y" * 50), bytewise=True)
         self.assertEqual(len(made), 1)
         self.assertEqual(len(s.clock.getDelayedCalls()), 1)
+
+
+class LoopbackTests(TestCase):
+    """
+    The front on a real loopback socket (bounded: one connection, a few
+    hundred KiB).
+    """
+
+    timeout = 10
+
+    @inlineCallbacks
+    def test_413_reaches_a_client_still_sending(self) -> Any:
+        """
+        A client that declares a body over the limit and goes on sending it
+        reads the whole 413 (the gateway half-closes and drains, so the
+        answer is not lost to a reset), and the handler never got a body.
+        """
+        from twisted.internet import reactor
+
+        seen: list[FrontRequest] = []
+
+        def handle(request: FrontRequest) -> None:
+            seen.append(request)
+            answer(request, b"too large", 413)
+
+        server_gone: Deferred[None] = Deferred()
+
+        class Factory(FrontFactory):
+            def connection_ended(self) -> None:
+                super().connection_ended()
+                server_gone.callback(None)
+
+        factory = Factory(handle, reactor, max_body=1000)
+        port = reactor.listenTCP(0, factory, interface="127.0.0.1")
+        self.addCleanup(port.stopListening)
+        done: Deferred[bytes] = Deferred()
+
+        class Client(Protocol):
+            got = b""
+
+            def connectionMade(self) -> None:
+                self.transport.write(b"POST /p HTTP/1.1\r\nHost: gw\r\nContent-Length: 10000000\r\n\r\n")
+                self.transport.write(b"y" * (512 * 1024))
+
+            def dataReceived(self, data: bytes) -> None:
+                self.got += data
+
+            def connectionLost(self, reason: Any = None) -> None:
+                done.callback(self.got)
+
+        yield ClientCreator(reactor, Client).connectTCP("127.0.0.1", port.getHost().port)
+        got = yield done
+        ((status, headers, body),) = responses(got)
+        self.assertEqual((status, body, headers[b"connection"]), (413, b"too large", b"close"))
+        (request,) = seen
+        self.assertEqual((request.too_large, request.body), (True, b""))
+        # The gateway's side closes once the client has closed its own.
+        yield server_gone

@@ -18,11 +18,11 @@ from twisted.logger import globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from llmgw.control.interfaces import Route
-from llmgw.gateway.follower import RoutingSnapshot
 from llmgw.gateway.front import FrontFactory, FrontRequest
 from llmgw.gateway.keys import KeyRing
 from llmgw.gateway.proxy import Gateway, GatewayConfig, ProxyCall
 from llmgw.gateway.resource import GatewayResource, GatewaySite
+from llmgw.routing import RoutingSnapshot
 from tests.gateway_helpers import Harness, dead_address
 
 
@@ -73,7 +73,7 @@ class RawClient(Protocol):
 def raw_request(body: dict[str, Any], path: bytes = b"/v1/chat/completions") -> bytes:
     data = json.dumps(body).encode()
     return (
-        b"POST " + path + b" HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+        b"POST " + path + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         b"Content-Length: %d\r\n\r\n" % len(data)
     ) + data
 
@@ -451,7 +451,7 @@ class ErrorShapeTests(TestCase):
         body = json.dumps({"model": "demo", "x": "y" * 5000}).encode()
         chunked = b"".join(b"%x\r\n%s\r\n" % (len(body[i : i + 700]), body[i : i + 700]) for i in range(0, len(body), 700))
         client = RawClient(
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nTransfer-Encoding: chunked\r\n"
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n"
             b"Connection: close\r\n\r\n" + chunked + b"0\r\n\r\n"
         )
         endpoint = TCP4ClientEndpoint(reactor, "127.0.0.1", h.port.getHost().port)

@@ -16,27 +16,31 @@ from twisted.internet import reactor
 from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.internet.protocol import ProcessProtocol
 from twisted.internet.task import Clock, deferLater
-from twisted.internet.testing import StringTransport
+from twisted.internet.testing import MemoryReactorClock, StringTransport
+from twisted.logger import globalLogPublisher
 from twisted.python import usage
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from llmgw import tap
-from llmgw.gateway.follower import RoutingSnapshot
-from llmgw.gateway.service import GatewayService, Options, StandaloneGateway
+from llmgw.control.admin import admin_service
+from llmgw.control.metrics import make_registry
+from llmgw.gateway.service import GatewayService, Options, StandaloneGateway, makeService
+from llmgw.routing import Route, RoutingSnapshot, RoutingTable
+from llmgw.testing.fleet import sample_fleet
 from tests.gateway_helpers import FakeReplica, Harness
 
 ADMIN_SCRIPT = r"""
 import json, sys
 from twisted.internet import reactor
-from twisted.web import resource, server
-replicas, deployments = json.loads(sys.argv[1]), json.loads(sys.argv[2])
-class Admin(resource.Resource):
-    isLeaf = True
-    def render_GET(self, request):
-        data = {b"/api/v1/replicas": replicas, b"/api/v1/deployments": deployments}.get(request.path)
-        request.setHeader(b"content-type", b"application/json")
-        return json.dumps(data).encode()
-port = reactor.listenTCP(0, server.Site(Admin()), interface="127.0.0.1")
+from llmgw.control.admin import admin_site
+from llmgw.control.metrics import make_registry
+from llmgw.routing import Route, RoutingTable
+from llmgw.testing.fleet import sample_fleet
+table = RoutingTable(reactor)
+table.publish([Route(**r) for r in json.loads(sys.argv[1])], json.loads(sys.argv[2]))
+fleet = sample_fleet()
+fleet.routing_table = table
+port = reactor.listenTCP(0, admin_site(fleet, make_registry(), reactor=reactor), interface="127.0.0.1")
 print(port.getHost().port, flush=True)
 reactor.run()
 """
@@ -80,6 +84,27 @@ class OptionsTests(SynchronousTestCase):
         proto.connectionLost(None)
         self.assertEqual(clock.getDelayedCalls(), [])
 
+    def test_connection_cap(self) -> None:
+        """
+        C{--max-connections} (10,000 by default, 0 for none) caps the
+        standalone gateway's client connections: past it a connection is
+        closed at accept.
+        """
+        o = Options()
+        o.parseOptions([])
+        self.assertEqual(o["max-connections"], 10_000)
+        o = Options()
+        o.parseOptions(["--max-connections", "1", "--metrics", "off"])
+        svc = makeService(o, reactor=Clock())
+        site = svc.front.site
+        self.assertEqual(site.max_connections, 1)
+        self.assertIsNotNone(site.buildProtocol(None))
+        self.assertIsNone(site.buildProtocol(None))
+        self.flushLoggedErrors()
+        for bad in ("-1", "many"):
+            e = self.assertRaises(usage.UsageError, Options().parseOptions, ["--max-connections", bad])
+            self.assertIn("--max-connections", str(e))
+
     def test_values_checked(self) -> None:
         """
         Bad addresses, URLs, numbers and keys files are refused with the
@@ -93,7 +118,7 @@ class OptionsTests(SynchronousTestCase):
             (["--body-timeout", "-1"], "--body-timeout"),
             (["--keep-alive-timeout", "never"], "--keep-alive-timeout"),
             (["--max-tries", "0"], "--max-tries"),
-            (["--keys", "/nonexistent/keys"], "--keys"),
+            (["--api-keys", "/nonexistent/keys"], "--api-keys"),
         ]:
             e = self.assertRaises(usage.UsageError, Options().parseOptions, argv)
             self.assertIn(name, str(e))
@@ -106,10 +131,68 @@ class OptionsTests(SynchronousTestCase):
         p.write_text("sk-test-key-1\n")
         os.chmod(p, 0o600)
         o = Options()
-        o.parseOptions(["--keys", str(p), "--metrics", "off", "--listen", "0.0.0.0:9000"])
+        o.parseOptions(["--api-keys", str(p), "--metrics", "off", "--listen", "0.0.0.0:9000"])
         self.assertEqual(len(o["keyring"]), 1)
+        self.assertEqual(o.warnings, [])
         self.assertIsNone(o["metrics_address"])
         self.assertEqual(o["listen_host"], "0.0.0.0")
+
+    def test_old_keys_option_warns(self) -> None:
+        """
+        C{--keys}, the old name of C{--api-keys} (the control plane's name
+        for it), still loads the keys, with a warning logged when the
+        service is made.
+        """
+        p = Path(self.mktemp())
+        p.write_text("sk-test-key-1\n")
+        os.chmod(p, 0o600)
+        o = Options()
+        o.parseOptions(["--keys", str(p), "--metrics", "off", "--listen", "0"])
+        self.assertEqual(len(o["keyring"]), 1)
+        events: list[dict[str, Any]] = []
+        globalLogPublisher.addObserver(events.append)
+        self.addCleanup(globalLogPublisher.removeObserver, events.append)
+        makeService(o, reactor=MemoryReactorClock())
+        self.assertEqual([e["problem"] for e in events if "problem" in e], o.warnings)
+        self.assertIn("--api-keys", o.warnings[0])
+
+    def test_typed_values(self) -> None:
+        """
+        Numbers are coerced by the options themselves: given and default
+        values alike are numbers in the gateway's config.
+        """
+        o = Options()
+        o.parseOptions(["--max-tries", "5", "--cooldown", "2.5"])
+        c = o.config()
+        self.assertEqual((c.max_tries, c.cooldown, c.connect_timeout), (5, 2.5, 5.0))
+        self.assertIsInstance(o["poll-interval"], float)
+
+    def test_gateway_hosts(self) -> None:
+        """
+        The standalone gateway serves loopback names and the address it
+        binds; C{--gateway-hosts} adds names (a wildcard bind needs them)
+        and refuses a malformed one. A request naming another host is 421.
+        """
+        o = Options()
+        o.parseOptions(["--listen", "0.0.0.0:9000", "--metrics", "off", "--gateway-hosts", "gw.example,.lb.example"])
+        self.assertEqual(o["gateway-hosts"], ["gw.example", ".lb.example"])
+        from llmgw.gateway.service import makeService
+
+        svc = makeService(o, Clock())
+        hosts = svc.front.gateway.hosts
+        for host in (b"gw.example:9000", b"a.lb.example", b"localhost:9000"):
+            self.assertTrue(hosts.allows(host), host)
+        self.assertFalse(hosts.allows(b"10.0.0.3:9000"))
+        bound = GatewayService(Clock(), RoutingSnapshot(), host="10.0.0.3", port=9000)
+        self.assertTrue(bound.gateway.hosts.allows(b"10.0.0.3:9000"))
+        self.assertFalse(bound.gateway.hosts.allows(b"gw.example"))
+        proto = bound.site.buildProtocol(None)
+        transport = StringTransport()
+        proto.makeConnection(transport)
+        proto.dataReceived(b"GET /v1/models HTTP/1.1\r\nHost: gw.example\r\n\r\n")
+        self.assertTrue(transport.value().startswith(b"HTTP/1.1 421 "), transport.value()[:100])
+        e = self.assertRaises(usage.UsageError, Options().parseOptions, ["--gateway-hosts", "gw example"])
+        self.assertIn("--gateway-hosts", str(e))
 
     def test_tap(self) -> None:
         """
@@ -170,25 +253,20 @@ class StandaloneTests(TestCase):
     @inlineCallbacks
     def test_keeps_serving_after_control_plane_killed(self) -> Any:
         """
-        A standalone gateway follows a control plane's admin API (a real
-        process); when that process is killed the gateway keeps routing to
+        A standalone gateway follows a control plane's routes (the admin API
+        in a real process); when that process is killed the gateway keeps routing to
         the replicas it last knew, and its metrics say the control plane is
         unreachable.
         """
         replica = FakeReplica("r1")
         replica.listen()
         self.addCleanup(replica.stop)
-        replicas = [
-            {
-                "id": "r1", "model": "demo", "profile": "p", "state": "ready", "draining": False,
-                "shards": [{"id": "s0", "node": "n1", "rank": 0, "state": "ready", "address": replica.address()}],
-            }
-        ]
+        routes = [{"replica_id": "r1", "model": "demo", "address": replica.address()}]
         admin = _Admin()
         proc = reactor.spawnProcess(
             admin,
             sys.executable,
-            [sys.executable, "-c", ADMIN_SCRIPT, json.dumps(replicas), json.dumps([{"model": "demo"}])],
+            [sys.executable, "-c", ADMIN_SCRIPT, json.dumps(routes), json.dumps(["demo"])],
             env={"PYTHONPATH": os.pathsep.join(sys.path)},
         )
 
@@ -228,4 +306,74 @@ class StandaloneTests(TestCase):
         for _ in range(3):
             code, body = yield chat()
             self.assertEqual((code, body["choices"][0]["message"]["content"]), (200, "r1"))
+        yield h.pool.closeCachedConnections()
+
+
+class SameRulesTests(TestCase):
+    timeout = 20
+
+    @inlineCallbacks
+    def test_draining_gets_nothing_new_embedded_or_standalone(self) -> Any:
+        """
+        An embedded gateway (routing by the published table itself) and a
+        standalone one (following it through the admin API's
+        C{/api/v1/routes} on loopback) send no new request to a draining
+        replica, and both follow when the draining mark moves.
+        """
+        r1, r2 = FakeReplica("r1"), FakeReplica("r2")
+        for r in (r1, r2):
+            r.listen()
+            self.addCleanup(r.stop)
+        table = RoutingTable(reactor)
+        table.publish(
+            [Route("r1", "demo", r1.address(), draining=True), Route("r2", "demo", r2.address())], ["demo"]
+        )
+        fleet: Any = sample_fleet()
+        fleet.routing_table = table
+        admin = admin_service(reactor, "127.0.0.1", 0, fleet, make_registry())
+        admin.startService()
+        self.addCleanup(admin.stopService)
+        embedded = GatewayService(reactor, table, "127.0.0.1", 0)
+        embedded.startService()
+        self.addCleanup(embedded.stopService)
+        admin_host, admin_port = admin.address()
+        standalone = StandaloneGateway(
+            reactor, f"http://{admin_host}:{admin_port}", "127.0.0.1", 0, poll_interval=0.1
+        )
+        standalone.startService()
+
+        @inlineCallbacks
+        def stop_standalone() -> Any:
+            yield standalone.stopService()
+            # The control plane's side of the held long-poll goes too.
+            while table.waiting():
+                yield deferLater(reactor, 0.01, lambda: None)
+
+        self.addCleanup(stop_standalone)
+        h = Harness(self)
+        fronts = [embedded.listener.address(), standalone.front.listener.address()]
+
+        @inlineCallbacks
+        def answered_by(address: tuple[str, int]) -> Any:
+            names = set()
+            for _ in range(4):
+                response = yield h.http.post(
+                    f"http://{address[0]}:{address[1]}/v1/chat/completions",
+                    data=json.dumps({"model": "demo"}).encode(),
+                )
+                body = yield response.json()
+                names.add(body["choices"][0]["message"]["content"])
+            return names
+
+        while standalone.table.snapshot.revision != table.revision:
+            yield deferLater(reactor, 0.02, lambda: None)
+        for address in fronts:
+            self.assertEqual((yield answered_by(address)), {"r2"})
+        table.publish(
+            [Route("r1", "demo", r1.address()), Route("r2", "demo", r2.address(), draining=True)], ["demo"]
+        )
+        while standalone.table.snapshot.revision != table.revision:
+            yield deferLater(reactor, 0.02, lambda: None)
+        for address in fronts:
+            self.assertEqual((yield answered_by(address)), {"r1"})
         yield h.pool.closeCachedConnections()

@@ -270,3 +270,102 @@ class PoolTests(SynchronousTestCase):
         pool.release(conn)
         conn.connectionLost(Failure(ConnectionDone()))
         self.assertIsNone(pool.take("10.0.0.1:8000"))
+
+
+class StrictHeadTests(SynchronousTestCase):
+    def answer(self, raw: bytes, pool: UpstreamPool | None = None) -> tuple[FailureKeeper, StringTransport]:
+        conn, t = connection(pool)
+        rec = FailureKeeper()
+        conn.send(b"R", rec)
+        conn.dataReceived(raw)
+        return rec, t
+
+    def assertRefused(self, raw: bytes, *words: str) -> None:
+        rec, t = self.answer(raw)
+        self.assertEqual([e[0] for e in rec.events], ["failed"], raw)
+        (reason,) = rec.reasons
+        self.assertIsInstance(reason.value, UpstreamProtocolError)
+        for w in words:
+            self.assertIn(w, str(reason.value))
+        self.assertTrue(t.disconnected)
+
+    def test_content_length_only_digits(self) -> None:
+        """
+        A Content-Length is ASCII digits only, at most 18 of them: Python's
+        C{int} also takes C{1_0}, C{+10} and C{ 10 }-like forms, which
+        another parser would read differently. Two that disagree are
+        refused; two that agree are one.
+        """
+        for value in (b"1_0", b"+10", b"-1", b"0x10", b"1e1", b"10, 10", b"1" * 19, b"\xd9\xa1"):
+            self.assertRefused(
+                b"HTTP/1.1 200 OK\r\nContent-Length: " + value + b"\r\n\r\n0123456789", "Content-Length"
+            )
+        self.assertRefused(
+            b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\nContent-Length: 2\r\n\r\n0123456789",
+            "two Content-Lengths",
+        )
+        rec, _ = self.answer(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\ncontent-length:  2 \r\n\r\nok")
+        self.assertEqual(rec.data(), b"ok")
+        self.assertEqual(rec.events[-1], ("finished",))
+
+    def test_transfer_coding_list(self) -> None:
+        """
+        A Transfer-Encoding is read as a list of codings: only C{chunked},
+        alone (in any case, across header lines, with empty list elements),
+        is decoded; any other coding (C{gzip, chunked}, C{xchunked},
+        C{chunked, gzip}, C{chunked} twice) is refused, and so is any
+        Transfer-Encoding in an HTTP/1.0 answer.
+        """
+        body = b"2\r\nok\r\n0\r\n\r\n"
+        for value in (b"gzip, chunked", b"xchunked", b"notchunked", b"chunked, gzip", b"chunked, chunked",
+                      b"identity"):
+            self.assertRefused(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: " + value + b"\r\n\r\n" + body,
+                               "Transfer-Encoding")
+        self.assertRefused(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n\r\n"
+                           + body, "Transfer-Encoding")
+        self.assertRefused(b"HTTP/1.0 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + body, "HTTP/1.0")
+        for value in (b"chunked", b"Chunked", b" chunked ,", b", chunked"):
+            rec, _ = self.answer(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: " + value + b"\r\n\r\n" + body)
+            self.assertEqual(rec.data(), b"ok", value)
+            self.assertEqual(rec.events[-1], ("finished",))
+
+    def test_chunked_with_a_length_not_reused(self) -> None:
+        """
+        An answer both chunked and with a Content-Length is read chunked,
+        and its connection is not reused (RFC 9112 §6.3: a sign of
+        smuggling).
+        """
+        pool = UpstreamPool(Clock())
+        rec, t = self.answer(
+            b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n",
+            pool,
+        )
+        self.assertEqual(rec.data(), b"ok")
+        self.assertTrue(t.disconnecting)
+        self.assertIsNone(pool.take("10.0.0.1:8000"))
+
+    def test_header_syntax(self) -> None:
+        """
+        Header names must be tokens and values free of control characters
+        but HTAB (no bare CR or LF); the status code is three digits and the
+        reason phrase plain text; a header line needs a colon. Each is
+        refused with what was wrong.
+        """
+        cases = [
+            (b"HTTP/1.1 200 OK\r\nX Y: 1\r\n\r\n", "not a token"),
+            (b"HTTP/1.1 200 OK\r\nTransfer-Encoding\x0b: chunked\r\n\r\n", "not a token"),
+            (b"HTTP/1.1 200 OK\r\n X: folded\r\n\r\n", "not a token"),
+            (b"HTTP/1.1 200 OK\r\nX: a\rSet-Cookie: b\r\n\r\n", "control character"),
+            (b"HTTP/1.1 200 OK\r\nX: a\nSet-Cookie: b\r\n\r\n", "control character"),
+            (b"HTTP/1.1 200 OK\r\nX: a\x7fb\r\n\r\n", "control character"),
+            (b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n", "without a colon"),
+            (b"HTTP/1.1 2_00 OK\r\n\r\n", "status line"),
+            (b"HTTP/1.1 +200 OK\r\n\r\n", "status line"),
+            (b"HTTP/1.1 200 O\rK\r\n\r\n", "status line"),
+        ]
+        for raw, words in cases:
+            self.assertRefused(raw, words)
+        rec, _ = self.answer(b"HTTP/1.1 200 OK\r\nX-Tab: a\tb\r\nX-Latin: caf\xe9\r\nX-Empty:\r\nContent-Length: 0\r\n\r\n")
+        self.assertEqual(rec.events[0][3][:3], [(b"x-tab", b"a\tb"), (b"x-latin", b"caf\xe9"), (b"x-empty", b"")])
+        rec, _ = self.answer(b"HTTP/1.1 204\r\n\r\n")
+        self.assertEqual(rec.events[0][:3], ("start", 204, b""))

@@ -35,10 +35,10 @@ from llmgw.control.limits import (
     MessageRate,
     backlog_problem,
     connection_registered,
-    ensure_fd_limit,
     pause_reading,
 )
 from llmgw.control.service import ControlPlane, Options, makeService
+from llmgw.oslimits import ensure_fd_limit
 from llmgw.testing.pki import AgentFactory, agent_tls, connect_in_memory, make_pki
 from llmgw.testing.sinks import RecordingSink
 from llmgw.tlsconf.options import ServerTLS, server_files
@@ -461,7 +461,7 @@ class OptionsTests(SynchronousTestCase):
                 usage.UsageError, Options().parseOptions, ["--insecure", "--agents", "127.0.0.1:0", *bad]
             )
             self.assertIn(bad[0], str(e))
-        self.assertEqual(Options()["max-connections"], str(DEFAULT_MAX_CONNECTIONS))
+        self.assertEqual(Options()["max-connections"], DEFAULT_MAX_CONNECTIONS)
 
     def test_admission_options(self) -> None:
         """

@@ -23,7 +23,7 @@ from typing import Any
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.agent.state import StateDir
-from llmgw.testing.procs import free_port
+from llmgw.testing.procs import free_port, processes_marked
 
 ROOT = Path(__file__).resolve().parent.parent
 DEADLINE = 60.0
@@ -80,11 +80,14 @@ class LocalFleetEndToEndTests(SynchronousTestCase):
         if self.fleet.poll() is None:
             os.killpg(self.fleet.pid, signal.SIGKILL)
             self.fleet.wait(10)
-        for pid in processes_mentioning(str(self.dir)):
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except OSError:
-                pass
+        # Shards (and their children) carry their agent's state directory in
+        # their environment, not in their command lines.
+        for pid in processes_mentioning(str(self.dir)) + processes_marked(str(self.dir)):
+            for kill in (os.killpg, os.kill):
+                try:
+                    kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
 
     def output(self) -> str:
         self.log.flush()
@@ -173,6 +176,7 @@ class LocalFleetEndToEndTests(SynchronousTestCase):
         except subprocess.TimeoutExpired:
             self.fail(f"the fleet did not stop on SIGTERM:\n{self.output()[-4000:]}")
         self.assertEqual(processes_mentioning(str(self.dir)), [])
+        self.assertEqual(processes_marked(str(self.dir)), [])
         for pid in shard_pids:
             self.assertFalse(Path(f"/proc/{pid}").exists() and
                              processes_mentioning(str(self.dir)), pid)

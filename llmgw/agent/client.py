@@ -77,6 +77,9 @@ class AgentConfig:
     agent_version: str = llmgw.__version__
     #: Seconds since 1970 when the agent's certificate lapses (0: unknown).
     certificate_not_after: int = 0
+    #: The address this node's shards are reached at (--advertise-address);
+    #: "" means the local address of the stream to the control plane.
+    advertise_address: str = ""
 
 
 def shard_status(shard: Shard) -> pb.ShardStatus:
@@ -88,6 +91,7 @@ def shard_status(shard: Shard) -> pb.ShardStatus:
         exit_code=shard.exit_code,
         signal=shard.signal,
         last_output=shard.last_output() if shard.state == FAILED else "",
+        crash_class=shard.crash_class,
     )
 
 
@@ -104,6 +108,8 @@ def running_shard(shard: Shard) -> pb.RunningShard:
         state=STATE_VALUES[shard.state],  # type: ignore[arg-type]
         world_size=s.world_size,
         epoch=s.epoch,
+        pgid=shard.pid or 0,
+        record_lost=shard.record_lost,
     )
 
 
@@ -153,6 +159,7 @@ class AgentStreamClient(MessageStream[pb.ControlMessage]):
         # Under TLS this is TCP connect; the Register waits in the TLS layer
         # until the handshake is done.
         self.core.attach(self)
+        self.core.learn_address(self.transport)
         self.send_message(pb.AgentMessage(register=self.core.register_message()))
         self._ack_timer = self.core.clock.callLater(REGISTER_ACK_TIMEOUT, self._ack_expired)
 
@@ -263,6 +270,7 @@ class AgentCore(Factory):
         epoch_file: Path | None = None,
         max_backoff: float = MAX_BACKOFF,
         jitter: Callable[[], float] = random.random,
+        scraper: Any = None,
     ):
         self.config = config
         self.supervisor = supervisor
@@ -286,6 +294,13 @@ class AgentCore(Factory):
         self.stopping = False
         #: Registrations that were acknowledged, for tests and metrics.
         self.registrations = 0
+        #: Engine signals for heartbeats (L{llmgw.agent.scrape.Scraper}), or None.
+        self.scraper = scraper
+        #: The address shards are advertised at: the configured one, else
+        #: learned from each connection (L{learn_address}).
+        self.advertised = config.advertise_address
+        if self.advertised:
+            supervisor.probe_host = self.advertised
         supervisor.add_listener(self.shard_changed)
 
     def buildProtocol(self, addr: Any) -> AgentStreamClient:
@@ -373,8 +388,16 @@ class AgentCore(Factory):
             agent_version=self.config.agent_version,
             gpus=gpus,
             fabrics=[pb.Fabric(name=n, address=a) for n, a in sorted(self.config.fabrics.items())],
-            running_shards=[running_shard(s) for s in self.supervisor.live_shards()],
+            # Stopping shards too: their GPUs and ports are held until their
+            # process groups are empty.
+            running_shards=[running_shard(s) for s in self.supervisor.held_shards()],
             certificate_not_after=self.config.certificate_not_after,
+            stray_processes=[
+                pb.StrayProcess(pid=p.pid, pgid=p.pgid, shard_id=p.shard_id, reason=p.reason,
+                                command=p.command)
+                for p in self.supervisor.live_strays()
+            ],
+            advertise_address=self.advertised,
         )
 
     def heartbeat_message(self) -> pb.Heartbeat:
@@ -386,7 +409,24 @@ class AgentCore(Factory):
                 pb.GPUProblem(gpu_index=p.gpu_index, problem=p.problem)
                 for p in problems if p.gpu_index >= 0
             ],
+            shard_signals=self.scraper.heartbeat_signals() if self.scraper is not None else [],
         )
+
+    def learn_address(self, transport: Any) -> None:
+        """
+        Without --advertise-address, advertise the local address of the
+        stream to the control plane: the one it can reach us at.
+        """
+        if self.config.advertise_address:
+            return
+        host = getattr(getattr(transport, "getHost", lambda: None)(), "host", "")
+        if host and host != self.advertised:
+            if self.advertised:
+                self.log.warn("this node's address changed from {old} to {new}; shards started "
+                              "before keep the old one in their commands", old=self.advertised,
+                              new=host)
+            self.advertised = host
+            self.supervisor.probe_host = host
 
     # -- connection map ----------------------------------------------------------------
 

@@ -53,6 +53,9 @@ class Options(usage.Options):
         ["gpus", None, "auto", "auto, nvml, nvidia-smi, none, or sim:COUNTxSIZE (e.g. sim:2x80GiB)"],
         ["state-dir", None, "agent-state", "where shard records and logs are kept"],
         ["heartbeat", None, "5", "seconds between heartbeats"],
+        ["advertise-address", None, "", "the address the gateway and probes reach this node's "
+         "shards at, and {host} in commands (default: the local address of the connection to "
+         "the control plane)"],
     ]
 
     def __init__(self) -> None:
@@ -92,6 +95,12 @@ class Options(usage.Options):
         if not 0 < self["heartbeat"] <= 3600:
             raise usage.UsageError("--heartbeat must be between 0 and 3600 seconds")
 
+        from llmgw.engines import advertise_address_problem
+
+        problem = advertise_address_problem(self["advertise-address"].strip())
+        if problem:
+            raise usage.UsageError(f"--advertise-address: {problem}")
+        self["advertise_address"] = self["advertise-address"].strip()
         try:
             self["gpu_spec"] = parse_gpu_spec(self["gpus"])
         except GPUSpecError as e:
@@ -146,6 +155,7 @@ class NodeAgent(MultiService):
         fabrics: dict[str, str] | None = None,
         heartbeat: float = 5.0,
         handle_sighup: bool | None = None,
+        advertise_address: str = "",
     ):
         super().__init__()
         self.reactor = reactor
@@ -163,6 +173,13 @@ class NodeAgent(MultiService):
             prober=HttpProber(reactor),
         )
         self.supervisor.setServiceParent(self)
+        # engines (issue 11): engine signals for the heartbeats
+        from llmgw.agent.scrape import HttpFetcher, Scraper
+
+        self.fetcher = HttpFetcher(reactor)
+        self.scraper = Scraper(reactor, self.supervisor, self.fetcher.get,
+                               host=lambda: self.supervisor.probe_host)
+        self.scraper.setServiceParent(self)
         not_after = tls.cert.not_valid_after_utc
         self.core = AgentCore(
             AgentConfig(
@@ -171,11 +188,13 @@ class NodeAgent(MultiService):
                 fabrics=dict(fabrics or {}),
                 heartbeat_interval=heartbeat,
                 certificate_not_after=int(not_after.timestamp()),
+                advertise_address=advertise_address,
             ),
             self.supervisor,
             self.monitor,
             reactor,
             epoch_file=state.path / "epoch",
+            scraper=self.scraper,
         )
         self.client_tls = AgentClientTLS(control_host, tls)
         self.handle_sighup = owns_signals(reactor) if handle_sighup is None else handle_sighup
@@ -235,6 +254,7 @@ class NodeAgent(MultiService):
     def stopService(self) -> Any:
         self._sighup.uninstall()
         self.core.stopping = True
+        self.fetcher.close()  # engines (issue 11): kept-alive scrape connections
         d = super().stopService()
 
         def unlock(result: Any) -> Any:
@@ -263,4 +283,5 @@ def makeService(options: Options, reactor: Any = None) -> NodeAgent:
         gpu_source=source,
         fabrics=options["fabrics"],
         heartbeat=options["heartbeat"],
+        advertise_address=options["advertise_address"],
     )

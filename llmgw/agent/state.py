@@ -66,6 +66,11 @@ class ShardSpec:
     stop_grace_s: int = 30
     drain_timeout_s: int = 60
     epoch: int = 0
+    # Engines (issue 11): health_path "" means ready while the process lives.
+    engine: str = "generic"
+    metrics_path: str = ""
+    metric_names: dict[str, str] = field(default_factory=dict)
+    stop_signal: str = "SIGTERM"
 
     @classmethod
     def from_message(cls, m: pb.StartShard) -> ShardSpec:
@@ -81,11 +86,15 @@ class ShardSpec:
             world_size=m.world_size or 1,
             leader_address=m.leader_address,
             env=dict(m.env),
-            health_path=m.health_path or "/health",
+            health_path="" if m.ready_while_alive else (m.health_path or "/health"),
             startup_timeout_s=m.startup_timeout_s or 600,
             stop_grace_s=m.stop_grace_s or 30,
             drain_timeout_s=m.drain_timeout_s or 60,
             epoch=m.epoch,
+            engine=m.engine or "generic",
+            metrics_path=m.metrics_path,
+            metric_names=dict(m.metric_names),
+            stop_signal=m.stop_signal or "SIGTERM",
         )
 
 
@@ -102,6 +111,16 @@ class ShardRecord:
     start_time: int
     state: str
     log_path: str
+    #: The process groups of the shard (its main pid's, and any found by
+    #: its marker); empty in records of older agents: the main pid's.
+    pgids: list[int] = field(default_factory=list)
+    #: Whether the main process had ended (the shard was stopping).
+    main_ended: bool = False
+    error: str = ""
+    exit_code: int = 0
+    signal: int = 0
+    crash_class: str = ""
+    stop_error: str = ""
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True, indent=1).encode()

@@ -12,7 +12,21 @@ a malformed request, 404 for an unknown path, node or deployment, 405 for a
 method the path does not take, 409 for a conflict, 413 for a body over the
 limit, 415 for a C{POST} that is not C{application/json}. A failure inside
 the control plane is a 500 whose body says only that; the traceback goes to
-the log with the requester's address.
+the log with the requester's address. A request whose C{Host} is not a
+name the API serves (L{llmgw.hostcheck}: loopback names, the bound address,
+C{--admin-hosts}) is refused with 421 before anything else, so that a page
+whose name rebinds to this address reads and changes nothing. A JSON body
+nested more than L{llmgw.untrusted.MAX_JSON_DEPTH} deep, or naming a key
+twice, is a 400; client strings in errors and logs are clipped.
+
+With mutual TLS (L{admin_service} given the control plane's L{ServerTLS}),
+every request must come with an admin certificate from llmgw's CA, whose
+role (L{role_allows}) decides what it may do: C{viewer} reads,
+C{operator} also changes state, C{gateway} reads only what a standalone
+gateway follows. Anything else (a node's or the server's certificate, a
+role that may not do this) is a 403 that says why, logged with the
+certificate's name. Every state change is logged with who asked: the
+admin's name and role, or only the address on a loopback API without TLS.
 
 C{POST} requests must be C{Content-Type: application/json}, even when they
 carry no body: a web page in the operator's browser cannot send that
@@ -29,16 +43,24 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import quote
 
+from OpenSSL import SSL
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
-from twisted.internet.defer import maybeDeferred
+from twisted.internet.defer import CancelledError, maybeDeferred
 from twisted.logger import Logger
+from twisted.protocols.tls import TLSMemoryBIOFactory
 from twisted.python.failure import Failure
 from twisted.web import server
+from twisted.web.http import HTTPChannel, _GenericHTTPChannelProtocol
 from twisted.web.resource import Resource
 
 from llmgw.addresses import ListenerService, format_address, is_loopback, server_endpoint
 from llmgw.control.interfaces import AdminError, IFleetAdmin
+from llmgw.hostcheck import HostCheck
+from llmgw.routing import LONG_POLL_MAX_S, RoutingTable, snapshot_to_json
+from llmgw.tlsconf.ca import subject_alt_names
+from llmgw.tlsconf.options import AdminIdentity, IdentityError, ServerTLS, peer_admin
+from llmgw.untrusted import CLIP, JSONInputError, clip, load_json
 from llmgw.wire import InvalidNodeId, validate_node_id
 
 DEFAULT_ADMIN_HOST = "127.0.0.1"
@@ -61,6 +83,7 @@ ENDPOINTS = [
     "GET /api/v1/deployments",
     "GET /api/v1/replicas",
     "GET /api/v1/events?since=SECONDS",
+    "GET /api/v1/routes?since=REVISION",
     "POST /api/v1/nodes/{id}/cordon",
     "POST /api/v1/nodes/{id}/uncordon",
     "POST /api/v1/nodes/{id}/drain",
@@ -69,6 +92,29 @@ ENDPOINTS = [
     "POST /api/v1/tls/reload",
     "GET /metrics",
 ]
+
+
+#: What the C{gateway} role may read: the routing data a standalone gateway
+#: follows, and nothing about nodes or events.
+GATEWAY_READS = (("api", "v1", "routes"),)
+
+
+def role_allows(role: str, method: str, path: list[str]) -> bool:
+    """
+    Whether an admin with C{role} may C{method} (C{GET} for C{HEAD}) the
+    path C{path} (its segments): C{viewer} any C{GET}; C{operator} any
+    C{GET} or C{POST} (cordon, uncordon, drain, scale, catalog and TLS
+    reload); C{gateway} a C{GET} of L{GATEWAY_READS} only.
+    """
+    if role == "operator":
+        return True
+    if method != "GET":
+        return False
+    if role == "viewer":
+        return True
+    if role == "gateway":
+        return tuple(path) in GATEWAY_READS
+    return False
 
 
 class Refused(Exception):
@@ -98,10 +144,34 @@ def client_address(request: Any) -> str:
 def _printable(raw: bytes) -> str:
     """
     C{raw} (a method or URI a client sent) safe for a log line: control
-    characters escaped.
+    characters escaped, and past 4 * L{CLIP} bytes cut, with its length.
     """
-    text = raw.decode("latin-1")
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    limit = 4 * CLIP
+    text = raw[:limit].decode("latin-1")
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return text if len(raw) <= limit else f"{text}\u2026 ({len(raw)} bytes)"
+
+
+def _bounded(reason: str) -> str:
+    """
+    A refusal's reason, cut past 16 * L{CLIP} characters: the fleet's own
+    messages may quote what a client sent in full.
+    """
+    limit = 16 * CLIP
+    return reason if len(reason) <= limit else f"{reason[:limit]}\u2026 ({len(reason)} characters)"
+
+
+def _certificate_name(cert: Any) -> str | None:
+    """
+    A peer certificate's common name, printable, for log lines.
+    """
+    if cert is None:
+        return None
+    try:
+        cn = cert.get_subject().CN
+    except Exception:
+        return None
+    return _printable(cn.encode("utf-8", "replace")) if cn else None
 
 
 def _json_default(value: Any) -> Any:
@@ -180,8 +250,20 @@ class AdminResource(Resource):
         agents: Any = None,
         max_body: int = MAX_BODY,
         control: Any = None,
+        require_certificate: bool = False,
+        hosts: HostCheck | None = None,
+        revoked: Callable[[], frozenset[int]] | None = None,
     ):
         super().__init__()
+        #: The serials the CRL in force lists, read per request: TLS checks
+        #: the CRL only at the handshake, and a kept-alive connection of a
+        #: certificate revoked since must not go on changing the fleet.
+        self.revoked = revoked
+        #: With mutual TLS: every request needs an admin certificate whose
+        #: role allows it.
+        self.require_certificate = require_certificate
+        #: The C{Host} names served (loopback ones when not given).
+        self.hosts = hosts if hosts is not None else HostCheck(option="--admin-hosts")
         self.fleet = fleet
         self.registry = registry
         self.agents = agents
@@ -197,7 +279,9 @@ class AdminResource(Resource):
             method = request.method.decode("ascii", "replace")
             if method == "HEAD":
                 method = "GET"
+            self._check_host(request)
             path = self._path(request)
+            self._authorize(request, method, path)
             handler, args = self._route(method, path, request)
             return self._call(request, handler, args)
         except Refused as e:
@@ -211,6 +295,86 @@ class AdminResource(Resource):
             )
             return self._error(request, 500, "internal error in the control plane (logged there)")
 
+    # -- who ------------------------------------------------------------------
+
+    def _admin(self, request: Any) -> AdminIdentity:
+        """
+        The admin the request's client certificate proves, read once per
+        connection.
+
+        @raise Refused: 403, the certificate is no admin certificate.
+        """
+        channel = request.channel
+        cached = getattr(channel, "llmgw_admin", None)
+        if isinstance(cached, AdminIdentity):
+            return cached
+        if isinstance(cached, Refused):
+            raise cached
+        cert = None
+        get_peer = getattr(request.transport, "getPeerCertificate", None)
+        if get_peer is not None:
+            cert = get_peer()
+        try:
+            if cert is None:
+                raise IdentityError("no client certificate; the admin API needs an admin certificate")
+            identity = peer_admin(cert.to_cryptography())
+        except IdentityError as e:
+            name = _certificate_name(cert)
+            refused = Refused(403, str(e))
+            refused.who = f"{client_address(request)}" + (f" (certificate {name})" if name else "")  # type: ignore[attr-defined]
+            channel.llmgw_admin = refused
+            raise refused from None
+        channel.llmgw_admin = identity
+        channel.llmgw_admin_serial = cert.get_serial_number()
+        return identity
+
+    def _authorize(self, request: Any, method: str, path: list[str]) -> None:
+        """
+        With L{require_certificate}: refuse (403) a request without an admin
+        certificate, or one whose role may not do this.
+        """
+        if not self.require_certificate:
+            return
+        admin = self._admin(request)
+        if self.revoked is not None and getattr(request.channel, "llmgw_admin_serial", None) in self.revoked():
+            raise Refused(403, f"the certificate of admin {admin.name!r} has been revoked")
+        if not role_allows(admin.role, method, path):
+            what = "changes state" if method != "GET" else "reads this"
+            raise Refused(
+                403,
+                f"admin {admin.name!r} has role {admin.role}, which may not {method} "
+                f"{'/' + '/'.join(path)} (this {what}; "
+                + ("operator" if method != "GET" else "viewer or operator") + " may)",
+            )
+
+    def who(self, request: Any) -> str:
+        """
+        Who sent C{request}, for log lines: the admin's name and role and
+        the address, or the address alone without mutual TLS.
+        """
+        addr = client_address(request)
+        if not self.require_certificate:
+            return addr
+        cached = getattr(request.channel, "llmgw_admin", None)
+        if isinstance(cached, AdminIdentity):
+            return f"admin {cached} at {addr}"
+        return getattr(cached, "who", addr)
+
+    def _check_host(self, request: Any) -> None:
+        hosts = request.requestHeaders.getRawHeaders(b"host") or []
+        if len(hosts) > 1:
+            raise Refused(400, "the request has more than one Host header")
+        if not hosts:
+            if request.clientproto != b"HTTP/1.0":
+                raise Refused(400, "the request has no Host header")
+            return
+        if not self.hosts.allows(hosts[0]):
+            raise Refused(
+                421,
+                f"this admin API does not serve the host {clip(hosts[0])}; its operator lists "
+                f"the names it serves with {self.hosts.option}",
+            )
+
     def _path(self, request: Any) -> list[str]:
         try:
             path = [seg.decode("utf-8") for seg in request.postpath]
@@ -223,7 +387,9 @@ class AdminResource(Resource):
     def _route(self, method: str, path: list[str], request: Any) -> tuple[Callable[..., Any], tuple[Any, ...]]:
         def only(allowed: str) -> None:
             if method != allowed:
-                raise Refused(405, f"{'/' + '/'.join(path)} takes {allowed}, not {method}", allow=(allowed,))
+                raise Refused(
+                    405, f"{clip('/' + '/'.join(path))} takes {allowed}, not {clip(method)}", allow=(allowed,)
+                )
 
         if path == []:
             only("GET")
@@ -232,7 +398,7 @@ class AdminResource(Resource):
             only("GET")
             return self._metrics, (request,)
         if path[:2] != ["api", "v1"] or len(path) < 3:
-            raise Refused(404, f"no such endpoint: {'/' + '/'.join(path)}")
+            raise Refused(404, f"no such endpoint: {clip('/' + '/'.join(path))}")
         rest = path[2:]
         head = rest[0]
         if rest == ["status"]:
@@ -251,6 +417,9 @@ class AdminResource(Resource):
             only("GET")
             since = self._since(request)
             return (lambda: {"events": self.fleet.events(since)}), ()
+        if rest == ["routes"]:
+            only("GET")
+            return self._routes_route(request)
         if head == "nodes" and len(rest) == 3 and rest[2] in NODE_ACTIONS:
             only("POST")
             self._body(request)
@@ -276,7 +445,7 @@ class AdminResource(Resource):
             only("POST")
             self._body(request)
             return self._reload_tls, (request,)
-        raise Refused(404, f"no such endpoint: {'/' + '/'.join(path)}")
+        raise Refused(404, f"no such endpoint: {clip('/' + '/'.join(path))}")
 
     # -- input ------------------------------------------------------------------
 
@@ -290,9 +459,9 @@ class AdminResource(Resource):
         try:
             since = float(raw)
         except ValueError:
-            raise Refused(400, f"since={raw!r} is not a number of seconds since 1970") from None
+            raise Refused(400, f"since={clip(raw)} is not a number of seconds since 1970") from None
         if not math.isfinite(since):
-            raise Refused(400, f"since={raw!r} is not a finite number")
+            raise Refused(400, f"since={clip(raw)} is not a finite number")
         return since
 
     def _body(self, request: Any) -> dict[str, Any]:
@@ -304,7 +473,7 @@ class AdminResource(Resource):
             raise Refused(
                 415,
                 "POST requests must have Content-Type: application/json"
-                + (f" (got {ctype.decode('latin-1')!r})" if ctype else ""),
+                + (f" (got {clip(ctype)})" if ctype else ""),
             )
         if getattr(request, "body_too_large", False):
             raise Refused(413, f"the request body is over {self.max_body} bytes")
@@ -315,9 +484,9 @@ class AdminResource(Resource):
         if not raw.strip():
             return {}
         try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise Refused(400, f"the body is not valid JSON: {e}") from None
+            body = load_json(raw, unique=None)
+        except JSONInputError as e:
+            raise Refused(400, str(e)) from None
         if not isinstance(body, dict):
             raise Refused(400, f"the body must be a JSON object, not {type(body).__name__}")
         return body
@@ -325,12 +494,14 @@ class AdminResource(Resource):
     def _replicas(self, body: dict[str, Any]) -> int:
         unknown = sorted(set(body) - {"replicas"})
         if unknown:
-            raise Refused(400, f"unknown field(s) {', '.join(map(repr, unknown))}; the body is {{\"replicas\": N}}")
+            raise Refused(
+                400, f"unknown field(s) {', '.join(map(clip, unknown[:5]))}; the body is {{\"replicas\": N}}"
+            )
         if "replicas" not in body:
             raise Refused(400, 'missing field "replicas"; the body is {"replicas": N}')
         n = body["replicas"]
         if isinstance(n, bool) or not isinstance(n, int):
-            raise Refused(400, f'"replicas" must be a whole number, not {json.dumps(n)}')
+            raise Refused(400, f'"replicas" must be a whole number, not {clip(json.dumps(n))}')
         if n < 0:
             raise Refused(400, f'"replicas" must not be negative (got {n})')
         return n
@@ -350,7 +521,7 @@ class AdminResource(Resource):
             "admin API: {action} {node} (asked by {client})",
             action=action,
             node=node_id,
-            client=client_address(request),
+            client=self.who(request),
         )
         return {"node": node_id, "action": action, "ok": True}
 
@@ -360,7 +531,7 @@ class AdminResource(Resource):
             "admin API: scale {model} to {replicas} replicas (asked by {client})",
             model=model,
             replicas=replicas,
-            client=client_address(request),
+            client=self.who(request),
         )
         return {"model": model, "replicas": replicas, "ok": True}
 
@@ -368,7 +539,7 @@ class AdminResource(Resource):
         def done(changes: Any) -> dict[str, Any]:
             self.log.info(
                 "admin API: catalog reloaded (asked by {client}): {changes}",
-                client=client_address(request),
+                client=self.who(request),
                 changes=changes,
             )
             return {"ok": True, "changes": changes}
@@ -379,7 +550,7 @@ class AdminResource(Resource):
         result = self.control.reload_tls()
         self.log.info(
             "admin API: TLS reload asked by {client}: {result}",
-            client=client_address(request),
+            client=self.who(request),
             result=result,
         )
         if not result.get("ok"):
@@ -394,6 +565,50 @@ class AdminResource(Resource):
         body = encoder(self.registry)
         request.setHeader(b"content-type", content_type.encode("ascii"))
         return body
+
+    # -- GET /api/v1/routes: the routing table, long-polled ------------------------------
+
+    def _routes_route(self, request: Any) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        """
+        The handler of C{GET /api/v1/routes}: the fleet's published
+        L{RoutingTable} (its C{routing_table}), and the revision the client
+        holds (C{?since=}), if it gave one.
+        """
+        table = getattr(self.fleet, "routing_table", None)
+        if not isinstance(table, RoutingTable):
+            raise Refused(404, "this control plane publishes no routing table")
+        values = request.args.get(b"since")
+        since: int | None = None
+        if values:
+            if len(values) > 1:
+                raise Refused(400, "give 'since' once")
+            raw = values[0].decode("utf-8", "replace")
+            if not (raw.isascii() and raw.isdigit()) or len(raw) > 18:
+                raise Refused(400, f"since={raw!r} is not a revision (a whole number, 0 or more)")
+            since = int(raw)
+        return self._routes, (request, table, since)
+
+    def _routes(self, request: Any, table: RoutingTable, since: int | None) -> Any:
+        """
+        The table as C{snapshot_to_json} writes it: at once without C{since}
+        or when the table's revision differs from it (newer, or a client of
+        an earlier control plane process whose count was higher); else when
+        the table next changes or after L{LONG_POLL_MAX_S} seconds, whichever
+        comes first. A client that goes away cancels its wait.
+        """
+        if since is None or since != table.revision:
+            return snapshot_to_json(table, table.clock.seconds())
+        waiting = table.wait_newer(since, LONG_POLL_MAX_S)
+        request.notifyFinish().addErrback(lambda _: waiting.cancel())
+
+        def answer(_: int) -> dict[str, Any]:
+            return snapshot_to_json(table, table.clock.seconds())
+
+        def gone(f: Failure) -> bytes:
+            f.trap(CancelledError)
+            return b""  # nobody is there to read it
+
+        return waiting.addCallbacks(answer, gone)
 
     # -- output ------------------------------------------------------------------------
 
@@ -453,21 +668,22 @@ class AdminResource(Resource):
         return self._error(request, e.status, e.reason)
 
     def _log_refusal(self, request: Any, status: int, reason: str) -> None:
+        reason = _bounded(reason)
         self.log.info(
             "admin API: refused {method} {uri} from {client} with {status}: {reason}",
             method=_printable(request.method),
             uri=_printable(request.uri),
-            client=client_address(request),
+            client=self.who(request),
             status=status,
             reason=reason,
         )
 
     def _error_body(self, request: Any, status: int, reason: str) -> bytes:
-        request.setResponseCode(status)
+        request.setResponseCode(status, b"Misdirected Request" if status == 421 else None)
         request.setHeader(b"content-type", JSON_TYPE)
         if status in (413,):
             request.setHeader(b"connection", b"close")
-        return encode_json({"error": reason, "status": status})
+        return encode_json({"error": _bounded(reason), "status": status})
 
     def _error(self, request: Any, status: int, reason: str) -> bytes:
         body = self._error_body(request, status, reason)
@@ -476,12 +692,40 @@ class AdminResource(Resource):
         return body
 
 
+class AdminChannel(HTTPChannel):
+    """
+    The admin API's connection: logs a refused TLS handshake (a
+    certificate from another CA, revoked, expired, or not for client
+    authentication, such as the control plane's own) with the peer's
+    address, since no request ever reaches the resource to say so.
+    """
+
+    log = Logger()
+
+    def connectionLost(self, reason: Failure = Failure(ConnectionError())) -> None:  # noqa: B008, N802
+        if reason.check(SSL.Error):
+            peer = self.transport.getPeer() if self.transport is not None else None
+            host, port = getattr(peer, "host", "?"), getattr(peer, "port", "?")
+            self.log.warn(
+                "admin API: TLS handshake from {client} refused: {reason}",
+                client=format_address(host, port) if isinstance(port, int) else f"{host}:{port}",
+                reason=reason.getErrorMessage(),
+            )
+        super().connectionLost(reason)
+
+
+def _admin_channel() -> _GenericHTTPChannelProtocol:
+    # As twisted.web's default factory does, with our channel inside.
+    return _GenericHTTPChannelProtocol(AdminChannel())
+
+
 class AdminSite(server.Site):
     """
     A C{Site} with bounded request bodies and a short idle timeout.
     """
 
     requestFactory = AdminRequest
+    protocol = staticmethod(_admin_channel)
     displayTracebacks = False
 
 
@@ -492,14 +736,62 @@ def admin_site(
     reactor: Any = None,
     timeout: float = IDLE_TIMEOUT,
     control: Any = None,
+    require_certificate: bool = False,
+    revoked: Callable[[], frozenset[int]] | None = None,
+    hosts: HostCheck | None = None,
 ) -> AdminSite:
     """
-    The admin API's C{Site}.
+    The admin API's C{Site}; with C{require_certificate}, every request
+    needs an admin certificate (serve it over L{ServerTLS}); C{hosts} as
+    for L{AdminResource}.
     """
     site = AdminSite(
-        AdminResource(fleet, registry, agents, control=control), timeout=timeout, reactor=reactor
+        AdminResource(
+            fleet, registry, agents, control=control, require_certificate=require_certificate,
+            revoked=revoked, hosts=hosts,
+        ),
+        timeout=timeout,
+        reactor=reactor,
     )
     return site
+
+
+class AdminTLSRequired(ValueError):
+    """
+    The admin API would listen beyond loopback without mutual TLS.
+    """
+
+
+def admin_tls_problem(host: str, tls: bool) -> str | None:
+    """
+    Why the admin API may not listen on C{host} (with or without mutual
+    TLS), in one line; C{None} when it may.
+    """
+    if tls or is_loopback(host):
+        return None
+    return (
+        f"the admin API on {host} is beyond loopback and needs --admin-tls (mutual TLS with "
+        "admin certificates, which needs the control plane's certificates in --certs); "
+        "refusing to serve it unauthenticated"
+    )
+
+
+def _revoked_by(tls: ServerTLS) -> Callable[[], frozenset[int]]:
+    """
+    The serials revoked by C{tls}'s CRLs now, computed again only when a
+    reload brought new files.
+    """
+    cache: list[Any] = [None, frozenset()]
+
+    def revoked() -> frozenset[int]:
+        files = tls.files
+        if cache[0] is not files:
+            crls = files.crls or ((files.crl,) if files.crl is not None else ())
+            cache[0], cache[1] = files, frozenset(e.serial_number for c in crls for e in c)
+        result: frozenset[int] = cache[1]
+        return result
+
+    return revoked
 
 
 def admin_service(
@@ -510,23 +802,57 @@ def admin_service(
     registry: CollectorRegistry,
     agents: Any = None,
     control: Any = None,
+    tls: ServerTLS | None = None,
+    hosts: list[str] | None = None,
 ) -> ListenerService:
     """
     A service that serves the admin API on C{host}:C{port} while running.
-    Its C{port} attribute is the listening port once started.
+    Its C{port} attribute is the listening port once started. It answers to
+    the loopback names, C{host} unless it is a wildcard, and C{hosts}
+    (entries as L{llmgw.hostcheck.parse_hosts} returns them).
+
+    With C{tls} (the control plane's L{ServerTLS}, shared with the agent
+    port so that one reload renews both), the API is HTTPS and every client
+    needs an admin certificate from llmgw's CA, and the names in the server
+    certificate are served besides C{hosts}.
+
+    @raise AdminTLSRequired: C{host} is not loopback and C{tls} is C{None}.
     """
-    if not is_loopback(host):
-        AdminResource.log.warn(
-            "the admin API on {address} has no authentication: anyone who can reach it can "
-            "drain nodes; keep it on loopback or behind an authenticating proxy",
-            address=format_address(host, port),
-        )
-    svc = ListenerService(
-        server_endpoint(reactor, host, port),
-        admin_site(fleet, registry, agents, reactor, control=control),
+    problem = admin_tls_problem(host, tls is not None)
+    if problem is not None:
+        raise AdminTLSRequired(problem)
+    site = admin_site(
+        fleet, registry, agents, reactor, control=control, require_certificate=tls is not None,
+        revoked=_revoked_by(tls) if tls is not None else None,
+        hosts=HostCheck([*(hosts or ()), *_certificate_hosts(tls)], bound=host, option="--admin-hosts"),
     )
+    factory: Any = site
+    if tls is not None:
+        # The Site's idle timeout starts at TCP accept, so it bounds the
+        # handshake too.
+        factory = TLSMemoryBIOFactory(tls, False, site, clock=reactor)
+    svc = ListenerService(server_endpoint(reactor, host, port), factory)
     svc.setName("admin-listener")
+    svc.tls = tls is not None  # type: ignore[attr-defined]
     return svc
+
+
+def _certificate_hosts(tls: ServerTLS | None) -> list[str]:
+    """
+    Over mutual TLS, the names the server certificate carries: clients can
+    only verify the API under one of them, so each is a name it serves.
+    """
+    if tls is None:
+        return []
+    names = []
+    for san in subject_alt_names(tls.files.cert):
+        kind, name = san.split(":", 1)
+        if kind == "IP" and ":" in name:
+            name = f"[{name}]"
+        elif name.startswith("*."):
+            name = name[1:]  # a wildcard name serves its subdomains
+        names.append(name)
+    return names
 
 
 def model_path(model: str) -> str:

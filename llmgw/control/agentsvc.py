@@ -82,7 +82,8 @@ def node_from_register(reg: pb.Register, address: str, now: float) -> Node:
         ],
         fabrics={f.name: f.address for f in reg.fabrics},
         agent_version=reg.agent_version,
-        address=address,
+        # The address the agent advertises for its shards wins (issue 11).
+        address=reg.advertise_address or address,
         last_seen=now,
         registered_at=now,
         certificate_not_after=float(reg.certificate_not_after),
@@ -126,6 +127,12 @@ def start_message(cmd: ShardCommand, epoch: int) -> pb.ControlMessage:
             stop_grace_s=cmd.stop_grace_s,
             drain_timeout_s=cmd.drain_timeout_s,
             epoch=epoch,
+            # Engines (issue 11).
+            engine=cmd.engine,
+            metrics_path=cmd.metrics_path,
+            metric_names=dict(cmd.metric_names),
+            stop_signal=cmd.stop_signal,
+            ready_while_alive=not cmd.health_path,
         )
     )
 
@@ -142,7 +149,9 @@ def _validate_register(reg: pb.Register) -> str | None:
         return "a running shard has no shard_id"
     if len(set(shard_ids)) != len(shard_ids):
         return "running shard ids repeat"
-    return None
+    from llmgw.engines import advertise_address_problem  # engines (issue 11)
+
+    return advertise_address_problem(reg.advertise_address)
 
 
 @implementer(IHandshakeListener, IPushProducer)
@@ -302,6 +311,11 @@ class AgentStreamProtocol(MessageStream[pb.AgentMessage]):
 
     def frame_refused(self, reason: str) -> None:
         self._refuse(Code.CODE_INVALID_ARGUMENT, reason, message_id="frame")
+
+    def lengthLimitExceeded(self, length: int) -> None:  # noqa: N802
+        # Counted by cause for llmgw_agent_frames_refused (issue 13).
+        self.factory.frames_refused["oversized"] += 1
+        super().lengthLimitExceeded(length)
 
     def message_received(self, msg: pb.AgentMessage) -> None:
         if self._closing:
@@ -490,6 +504,11 @@ class AgentStreamProtocol(MessageStream[pb.AgentMessage]):
         self.factory.inventory.apply_heartbeat(
             self.node_id, list(hb.gpu_memory_used_mb), problems
         )
+        # engines (issue 11): an older agent sends none; a sink without the
+        # method (a test fake) gets none.
+        record = getattr(self.factory.sink, "record_engine_signals", None)
+        if record is not None:
+            record(self.node_id, hb.shard_signals)
 
     def _shard_status(self, st: pb.ShardStatus) -> None:
         assert self.node_id is not None
@@ -523,6 +542,7 @@ class AgentStreamProtocol(MessageStream[pb.AgentMessage]):
             exit_code=st.exit_code,
             signal=st.signal,
             last_output=st.last_output,
+            crash_class=st.crash_class,
         )
         if st.state == pb.ShardStatus.STATE_FAILED:
             self.log.error(
@@ -631,6 +651,8 @@ class AgentService(ServerFactory):
         self._open: set[AgentStreamProtocol] = set()
         self.registrations: collections.Counter[str] = collections.Counter()
         self.dispatch_refusals: collections.Counter[str] = collections.Counter()
+        #: Agent frames refused, by cause (C{oversized}); for metrics.
+        self.frames_refused: collections.Counter[str] = collections.Counter()
 
     def buildProtocol(self, addr: Any) -> AgentStreamProtocol:
         return AgentStreamProtocol(self)

@@ -23,12 +23,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from llmgw import engines
 from llmgw.wire import validate_node_id
 
 #: Placeholders a command or env value may hold. C{{python}} is left for the
 #: agent, which replaces it with its own interpreter; the control plane fills
 #: in the rest per shard.
-PLACEHOLDERS = frozenset({"python", "port", "model", "rank", "world_size", "leader", "gpus"})
+PLACEHOLDERS = frozenset({
+    "python", "port", "model", "rank", "world_size", "leader", "gpus",
+    # The address the agent advertises for its shards, and the leader's alone.
+    "host", "leader_host",
+})
 AGENT_PLACEHOLDERS = frozenset({"python"})
 
 _PLACEHOLDER = re.compile(r"\{([^{}]*)\}")
@@ -60,6 +65,44 @@ class Profile:
     startup_timeout_s: int = 600
     drain_timeout_s: int = 60
     stop_grace_s: int = 30
+    #: The engine whose defaults fill what the profile leaves out (issue 11).
+    engine: str = "generic"
+    #: What ranks 1..N-1 run; empty: the same C{command} as rank 0.
+    worker_command: tuple[str, ...] = ()
+    #: The workers' health path; "" means ready while the process lives.
+    worker_health_path: str = ""
+    #: Where the agent scrapes the leader's Prometheus metrics; "" for none.
+    metrics_path: str = ""
+    #: Signal -> metric names ("a,b": first present; "a+b": summed).
+    metric_names: Mapping[str, str] = field(default_factory=dict)
+    stop_signal: str = "SIGTERM"
+
+    def launch(self, rank: int) -> Launch:
+        """
+        What rank C{rank} of a replica runs and how its readiness and
+        metrics are read: ranks 1..N-1 run C{worker_command} when there is
+        one, with C{worker_health_path} and no metrics.
+        """
+        if rank > 0 and self.worker_command:
+            return Launch(self.worker_command, self.worker_health_path, "", {})
+        if rank > 0:
+            # Same command, same health check; only the leader is scraped
+            # (its metrics cover the replica, and routes carry the leader's).
+            return Launch(self.command, self.health_path, "", {})
+        return Launch(self.command, self.health_path, self.metrics_path, dict(self.metric_names))
+
+
+@dataclass(frozen=True)
+class Launch:
+    """
+    One rank's command, health path ("" = ready while alive), metrics path
+    ("" = not scraped) and metric names.
+    """
+
+    command: tuple[str, ...]
+    health_path: str
+    metrics_path: str
+    metric_names: dict[str, str]
 
 
 @dataclass(frozen=True)
@@ -98,6 +141,12 @@ _PROFILE_FIELDS: dict[str, type | tuple[type, ...]] = {
     "startup_timeout_s": int,
     "drain_timeout_s": int,
     "stop_grace_s": int,
+    "engine": str,
+    "worker_command": list,
+    "worker_health_path": str,
+    "metrics_path": str,
+    "metric_names": dict,
+    "stop_signal": str,
 }
 _DEPLOYMENT_FIELDS: dict[str, type | tuple[type, ...]] = {
     "model": str,
@@ -157,14 +206,57 @@ def parse_profile(name: str, raw: Any) -> Profile:
         raise CatalogError(f"{where}: field 'command' must be a non-empty list of strings")
     for arg in command:
         check_placeholders(where, "command", arg)
+    engine_name = raw.get("engine", "generic")
+    if engine_name not in engines.ENGINES:
+        raise CatalogError(
+            f"{where}: field 'engine' names {engine_name!r}, which is not an engine "
+            f"(known: {', '.join(engines.known_engines())})"
+        )
+    engine = engines.ENGINES[engine_name]
+    worker_command = raw.get("worker_command", [])
+    if not all(isinstance(a, str) for a in worker_command) or ("worker_command" in raw and not worker_command):
+        raise CatalogError(f"{where}: field 'worker_command' must be a non-empty list of strings")
+    for arg in worker_command:
+        check_placeholders(where, "worker_command", arg)
+    try:
+        metric_names = engines.check_metric_names(f"{where}: field 'metric_names'", raw.get("metric_names", {}))
+    except ValueError as e:
+        raise CatalogError(str(e)) from None
+    stop_signal = raw.get("stop_signal", engine.stop_signal)
+    if stop_signal not in engines.STOP_SIGNALS:
+        raise CatalogError(
+            f"{where}: field 'stop_signal' must be one of {', '.join(sorted(engines.STOP_SIGNALS))}, "
+            f"not {stop_signal!r}"
+        )
+    # The engine's defaults for what the profile leaves out (issue 11).
+    defaults = {
+        "health_path": engine.health_path,
+        "metrics_path": engine.metrics_path,
+        "stop_grace_s": engine.stop_grace_s,
+        "startup_timeout_s": engine.startup_timeout_s,
+    }
+    raw = {**defaults, **raw}
+    metrics_path = raw["metrics_path"]
+    if metrics_path and not metrics_path.startswith("/"):
+        raise CatalogError(f"{where}: field 'metrics_path' must start with '/' (or be \"\" for none), not {metrics_path!r}")
+    worker_health = raw.get("worker_health_path", "")
+    if worker_health and not worker_health.startswith("/"):
+        raise CatalogError(
+            f"{where}: field 'worker_health_path' must start with '/' (or be \"\": ready while "
+            f"the process lives), not {worker_health!r}"
+        )
     env = raw.get("env", {})
     for k, v in env.items():
         if not isinstance(v, str):
             raise CatalogError(f"{where}: field 'env' value of {k!r} must be a string, not {v!r}")
         check_placeholders(where, f"env.{k}", v)
-    profile = Profile(name=name, command=tuple(command), env=dict(env), **{
-        k: v for k, v in raw.items() if k not in ("command", "env")
-    })
+    profile = Profile(
+        name=name, command=tuple(command), env=dict(env), worker_command=tuple(worker_command),
+        metric_names=engines.metric_names_for(engine_name, metric_names) if metrics_path else {},
+        stop_signal=stop_signal,
+        **{k: v for k, v in raw.items()
+           if k not in ("command", "env", "worker_command", "metric_names", "stop_signal")},
+    )
     _positive(where, "shards", profile.shards)
     _positive(where, "gpus_per_shard", profile.gpus_per_shard)
     _positive(where, "gpu_memory_mb", profile.gpu_memory_mb, 0)
@@ -176,8 +268,11 @@ def parse_profile(name: str, raw: Any) -> Profile:
             f"{where}: field 'fabric' is required when shards > 1 "
             f"(its {profile.shards} shards must share an interconnect)"
         )
-    if not profile.health_path.startswith("/"):
-        raise CatalogError(f"{where}: field 'health_path' must start with '/', not {profile.health_path!r}")
+    if profile.health_path and not profile.health_path.startswith("/"):
+        raise CatalogError(
+            f"{where}: field 'health_path' must start with '/' (or be \"\": ready while the "
+            f"process lives), not {profile.health_path!r}"
+        )
     return profile
 
 

@@ -50,6 +50,11 @@ class ShardCommand:
     startup_timeout_s: int = 600
     stop_grace_s: int = 30
     drain_timeout_s: int = 60
+    # Engines (issue 11); health_path "" means ready while the process lives.
+    engine: str = "generic"
+    metrics_path: str = ""
+    metric_names: dict[str, str] = field(default_factory=dict)
+    stop_signal: str = "SIGTERM"
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,8 @@ class ShardReport:
     exit_code: int = 0
     signal: int = 0
     last_output: str = ""
+    #: The agent's reading of a failure ("oom", ...), "" when none.
+    crash_class: str = ""
 
 
 class IDispatcher(Interface):

@@ -37,7 +37,6 @@ the agent wait.
 from __future__ import annotations
 
 import collections
-import resource
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,6 +47,8 @@ from twisted.internet.interfaces import IAddress, IDelayedCall, IReactorTime
 from twisted.logger import Logger
 from twisted.protocols.policies import ProtocolWrapper, WrappingFactory
 from twisted.python.failure import Failure
+
+from llmgw.oslimits import ensure_fd_limit
 
 #: Defaults sized for a fleet of 10,000 nodes: one stream each, plus room for
 #: a reconnect storm in which old streams linger until their silence timeout.
@@ -400,30 +401,6 @@ class ConnectionLimiter(WrappingFactory):
         )
         self._last_log = now
         self._unlogged = 0
-
-
-def ensure_fd_limit(needed: int) -> str | None:
-    """
-    Raise this process's soft open-file limit towards C{needed} (never past
-    the hard limit). Returns what is still wrong, or C{None}.
-    """
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY or soft >= needed:
-        return None
-    target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
-    if target > soft:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-            soft = target
-        except (ValueError, OSError):
-            pass
-    if soft >= needed:
-        return None
-    return (
-        f"the open-file limit is {soft}, below the {needed} that --max-connections "
-        f"needs with headroom; connections past it fail at accept: raise it "
-        f"(ulimit -n, systemd LimitNOFILE=) or lower --max-connections"
-    )
 
 
 def backlog_problem(backlog: int, somaxconn: str = "/proc/sys/net/core/somaxconn") -> str | None:

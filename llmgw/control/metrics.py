@@ -109,6 +109,21 @@ class ControlCollector(Collector):
         yield from self._fleet_metrics()
         yield from self._tls_metrics()
         yield from self._limit_metrics()
+        yield from self._frame_metrics()
+
+    def _frame_metrics(self) -> Iterable[Metric]:
+        # Kept apart from the agent metrics above (issue 13).
+        frames = getattr(self.agents, "frames_refused", None)
+        if frames is None:
+            return
+        refused = CounterMetricFamily(
+            "llmgw_agent_frames_refused",
+            "Agent frames refused and their stream closed, by cause (oversized).",
+            labels=["cause"],
+        )
+        for cause in sorted({"oversized", *frames}):
+            refused.add_metric([cause], frames.get(cause, 0))
+        yield refused
 
     def _limit_metrics(self) -> Iterable[Metric]:
         limiter = self.limiter() if self.limiter is not None else None

@@ -82,6 +82,8 @@ from llmgw.control.interfaces import (
 )
 from llmgw.control.inventory import Inventory
 from llmgw.control.placement import Placer, PortBook, Request
+from llmgw.control.signals import ShardSignals, SignalStore  # engines (issue 11)
+from llmgw.control.signals import from_message as signals_from_message
 from llmgw.routing import EngineSignals, IRoutingTable, Route, RoutingTable
 from llmgw.states import ENDED, LIVE, ShardState
 
@@ -189,6 +191,8 @@ class Reconciler(Service):
         for warning in self.fleet_state.load():
             self.log.error("{warning}", warning=warning)
         self.event_log = EventLog(event_limit)
+        #: Engine signals from heartbeats, per shard (engines, issue 11).
+        self.engine_signals = SignalStore()
         self._timer = timer
         self.epoch = epoch
         self._id_prefix = _base36(epoch)
@@ -610,6 +614,34 @@ class Reconciler(Service):
         held = self.state.reserved.get(shard_id)
         return held.node_id if held is not None else None
 
+    def record_engine_signals(self, node_id: str, msgs: Iterable[Any]) -> None:
+        """
+        Keep a heartbeat's engine signals; those for shards not on
+        C{node_id} are dropped (a node speaks only for its own shards). A
+        leader's go into its replica's route.
+        """
+        now = self.clock.seconds()
+        before = {sid for sid in self.state.node_shards.get(node_id, ())
+                  if self.engine_signals.get(sid) is not None}
+        self.engine_signals.record(node_id, [
+            (m.shard_id, signals_from_message(m, now)) for m in msgs
+            if self.shard_node(m.shard_id) == node_id
+        ])
+        for sid in sorted(before | {m.shard_id for m in msgs}):
+            shard = self.state.shards.get(sid)
+            if shard is not None and shard.node_id == node_id and shard.rank == 0:
+                self.state.set_signals(shard, self.engine_signals.signals(sid))
+        self._settle()
+
+    def engine_signal_rows(self) -> list[tuple[str, str, str, ShardSignals]]:
+        rows = []
+        for rep in self.state.replicas.values():
+            for shard in rep.shards.values():
+                entry = self.engine_signals.get(shard.id)
+                if entry is not None:
+                    rows.append((rep.model, rep.id, shard.id, entry))
+        return rows
+
     def shard_signals(self, node_id: str, shard_id: str, signals: EngineSignals | None) -> None:
         """
         An engine's load figures for a shard (from its node's heartbeat);
@@ -634,6 +666,7 @@ class Reconciler(Service):
         signal: int | None = None,
         error: str = "",
         last_output: str = "",
+        crash_class: str = "",
         backoff: bool = True,
     ) -> None:
         """
@@ -644,6 +677,7 @@ class Reconciler(Service):
         failure = ShardFailure(
             node=node_id, replica=replica_id, shard=shard_id, exit_code=exit_code,
             signal=signal, error=error, last_output=last_output, time=now,
+            crash_class=crash_class,
         )
         if not backoff:
             if model in self.deps:
@@ -675,7 +709,8 @@ class Reconciler(Service):
         )
         self._record_failure(model, report.node_id, replica_id, report.shard_id, now,
                              exit_code=report.exit_code, signal=report.signal, error=report.error,
-                             last_output=report.last_output, backoff=backoff)
+                             last_output=report.last_output, crash_class=report.crash_class,
+                             backoff=backoff)
 
     def on_shard_status(self, report: ShardReport) -> None:
         self._shard_status(report)

@@ -26,7 +26,12 @@ from llmgw.addresses import (
     parse_address,
     server_endpoint,
 )
-from llmgw.control.admin import DEFAULT_ADMIN_HOST, DEFAULT_ADMIN_PORT, admin_service
+from llmgw.control.admin import (
+    DEFAULT_ADMIN_HOST,
+    DEFAULT_ADMIN_PORT,
+    admin_service,
+    admin_tls_problem,
+)
 from llmgw.control.agentsvc import AgentService
 from llmgw.control.catalog import EMPTY, CatalogError, load_catalog
 from llmgw.control.interfaces import AdminError, IFleetAdmin, IStatusSink
@@ -37,6 +42,9 @@ from llmgw.control.reconciler import Reconciler
 from llmgw.control.trust import TrustService
 from llmgw.gateway.keys import KeysError, load_keys
 from llmgw.gateway.service import DEFAULT_GATEWAY, GatewayService
+from llmgw.hostcheck import HostListError, parse_hosts
+from llmgw.options import Options as BaseOptions
+from llmgw.options import non_negative_float, non_negative_int, positive_float, positive_int
 from llmgw.signals import SighupHandler, owns_signals
 from llmgw.tlsconf.options import ServerTLS, TLSConfigError, server_files
 from llmgw.wire import DEFAULT_MAX_FRAME
@@ -51,41 +59,58 @@ DEFAULT_BACKLOG = 4096
 DEFAULT_GC_THRESHOLD = 50_000
 
 
-class Options(usage.Options):
+class Options(BaseOptions):
     optParameters = [
         ["certs", None, "certs", "directory with ca.pem, server.pem and server.key"],
         ["agents", None, str(DEFAULT_AGENT_PORT), "[HOST:]PORT for the agent stream (IPv6 as [addr]:port)"],
-        ["max-frame", None, str(DEFAULT_MAX_FRAME), "largest agent frame accepted, in bytes"],
-        ["heartbeat-interval", None, "5", "agents' heartbeat interval in seconds; 3 silent intervals close a stream"],
-        ["backlog", None, str(DEFAULT_BACKLOG), "listen backlog of the agent port (capped by net.core.somaxconn)"],
+        ["max-frame", None, DEFAULT_MAX_FRAME, "largest agent frame accepted, in bytes", positive_int],
+        ["heartbeat-interval", None, 5.0,
+         "agents' heartbeat interval in seconds; 3 silent intervals close a stream", positive_float],
+        ["backlog", None, DEFAULT_BACKLOG, "listen backlog of the agent port (capped by net.core.somaxconn)",
+         positive_int],
         ["admin", None, f"{DEFAULT_ADMIN_HOST}:{DEFAULT_ADMIN_PORT}",
-         "[HOST:]PORT for the admin API and /metrics (no authentication: keep it on loopback), or 'off'"],
-        ["max-connections", None, str(LimitsConfig.max_connections), "most connections on the agent port (0: no cap)"],
-        ["max-connections-per-address", None, str(LimitsConfig.max_per_address), "most agent-port connections from one source address (0: no cap)"],
-        ["agent-message-rate", None, str(LimitsConfig.message_rate), "messages per second one agent may send before it is not read (0: no limit)"],
-        ["agent-message-burst", None, str(LimitsConfig.message_burst), "messages one agent may send at once above its rate"],
-        ["max-registering", None, str(LimitsConfig.max_registering),
+         "[HOST:]PORT for the admin API and /metrics, or 'off'; beyond loopback it needs "
+         "mutual TLS with admin certificates (--admin-tls, implied there)"],
+        ["max-connections", None, LimitsConfig.max_connections, "most connections on the agent port (0: no cap)",
+         non_negative_int],
+        ["max-connections-per-address", None, LimitsConfig.max_per_address,
+         "most agent-port connections from one source address (0: no cap)", non_negative_int],
+        ["agent-message-rate", None, LimitsConfig.message_rate,
+         "messages per second one agent may send before it is not read (0: no limit)", non_negative_float],
+        ["agent-message-burst", None, LimitsConfig.message_burst,
+         "messages one agent may send at once above its rate", non_negative_int],
+        ["max-registering", None, LimitsConfig.max_registering,
          "connections between their first TLS byte and their Register at which the agent port stops "
-         "accepting (the listen backlog holds the rest) until half are done (0: no limit)"],
+         "accepting (the listen backlog holds the rest) until half are done (0: no limit)", non_negative_int],
         ["catalog", None, None, "catalog TOML (profiles and deployments), reloaded on SIGHUP; "
          "without one nothing is placed and every shard agents report is stopped"],
-        ["pass-interval", None, "1", "seconds between reconcile passes"],
-        ["suspect-after", None, "15", "seconds of silence before a node is suspect (nothing new placed)"],
-        ["lost-after", None, "300", "seconds of silence before a node is lost (its replicas replaced)"],
-        ["adoption-grace", None, "30", "seconds after start during which nothing is placed, "
-         "while agents report what they run"],
+        ["pass-interval", None, 1.0, "seconds between reconcile passes", positive_float],
+        ["suspect-after", None, 15.0, "seconds of silence before a node is suspect (nothing new placed)",
+         positive_float],
+        ["lost-after", None, 300.0, "seconds of silence before a node is lost (its replicas replaced)",
+         positive_float],
+        ["adoption-grace", None, 30.0, "seconds after start during which nothing is placed, "
+         "while agents report what they run", non_negative_float],
         ["gateway", None, DEFAULT_GATEWAY,
          "[HOST:]PORT for the OpenAI-compatible gateway (0.0.0.0:8000 exposes it), or 'off'"],
+        ["admin-hosts", None, "",
+         "comma-separated Host names the admin API answers to besides loopback names and its "
+         "bound address (NAME, NAME:PORT, .DOMAIN, or * for any); a wildcard bind needs them"],
+        ["gateway-hosts", None, "",
+         "comma-separated Host names the gateway answers to besides loopback names and its "
+         "bound address (NAME, NAME:PORT, .DOMAIN, or * for any); a wildcard bind needs them"],
         ["api-keys", None, None,
          "gateway API keys file (one per line, or TOML [keys] name = \"key\"); none: no keys"],
-        ["gc-threshold", None, str(DEFAULT_GC_THRESHOLD),
+        ["gc-threshold", None, DEFAULT_GC_THRESHOLD,
          "objects allocated between two young-generation runs of Python's cyclic collector "
-         "(Python's default: 700); 0 leaves the collector as Python set it"],
+         "(Python's default: 700); 0 leaves the collector as Python set it", non_negative_int],
         ["config", None, None, "TOML file holding any of these options by name "
          "(pass-interval = 2, insecure = true, ...); the command line wins"],
     ]
     optFlags = [
         ["insecure", None, "plain TCP without TLS or identity: development only, loopback only"],
+        ["admin-tls", None, "serve the admin API over HTTPS requiring an admin certificate "
+         "(`llmgw ctl cert admin`); on whenever --admin is beyond loopback"],
     ]
 
     def parseOptions(self, options: Any = None) -> None:
@@ -115,20 +140,16 @@ class Options(usage.Options):
             if isinstance(self._dispatch[name], usage.CoerceParameter):
                 if isinstance(value, bool) or not isinstance(value, str | int | float):
                     raise usage.UsageError(f"--config {path}: {key!r} must be a string or a number")
-                self[name] = str(value)
+                try:
+                    self.set_option(name, str(value))
+                except usage.UsageError as e:
+                    raise usage.UsageError(f"--config {path}: {e}") from None
             else:
                 if not isinstance(value, bool):
                     raise usage.UsageError(f"--config {path}: {key!r} is a flag: write true or false")
                 self[name] = int(value)
 
     def _reconciler_options(self) -> None:
-        for name in ("pass-interval", "suspect-after", "lost-after", "adoption-grace"):
-            try:
-                self[name] = float(self[name])
-            except (TypeError, ValueError):
-                raise usage.UsageError(f"--{name} must be a number of seconds, not {self[name]!r}") from None
-            if self[name] < 0 or (self[name] == 0 and name != "adoption-grace"):
-                raise usage.UsageError(f"--{name} must be positive")
         if self["lost-after"] <= self["suspect-after"]:
             raise usage.UsageError("--lost-after must be longer than --suspect-after")
         if self["catalog"]:
@@ -154,12 +175,25 @@ class Options(usage.Options):
                 self["admin_address"] = parse_address(self["admin"], DEFAULT_ADMIN_HOST)
             except AddressError as e:
                 raise usage.UsageError(f"--admin: {e}") from e
+        self["admin_tls"] = bool(self["admin-tls"])
+        if self["admin_address"] is not None and not is_loopback(self["admin_address"][0]):
+            self["admin_tls"] = True
+        if self["admin_tls"] and self["insecure"] and self["admin_address"] is not None:
+            raise usage.UsageError(
+                admin_tls_problem(self["admin_address"][0], False)
+                or "--admin-tls needs the control plane's certificates, and --insecure runs without them"
+            )
         self["gateway_address"] = None
         if self["gateway"].strip().lower() != "off":
             try:
                 self["gateway_address"] = parse_address(self["gateway"], "127.0.0.1")
             except AddressError as e:
                 raise usage.UsageError(f"--gateway: {e}") from e
+        for name in ("admin-hosts", "gateway-hosts"):
+            try:
+                self[name] = parse_hosts(self[name] or "")
+            except HostListError as e:
+                raise usage.UsageError(f"--{name}: {e}") from e
         self["keyring"] = None
         if self["api-keys"]:
             try:
@@ -171,26 +205,7 @@ class Options(usage.Options):
                 f"--insecure serves the agent stream without TLS and is refused on {host}: "
                 "use a loopback address such as 127.0.0.1"
             )
-        for name in ("max-frame", "backlog"):
-            try:
-                self[name] = int(self[name])
-            except ValueError:
-                raise usage.UsageError(f"--{name} must be an integer") from None
-            if self[name] <= 0:
-                raise usage.UsageError(f"--{name} must be positive")
-        try:
-            self["gc-threshold"] = int(self["gc-threshold"])
-        except ValueError:
-            raise usage.UsageError("--gc-threshold must be an integer") from None
-        if self["gc-threshold"] < 0:
-            raise usage.UsageError("--gc-threshold must not be negative")
         self["limits"] = _limits(self)
-        try:
-            self["heartbeat-interval"] = float(self["heartbeat-interval"])
-        except ValueError:
-            raise usage.UsageError("--heartbeat-interval must be a number of seconds") from None
-        if self["heartbeat-interval"] <= 0:
-            raise usage.UsageError("--heartbeat-interval must be positive")
         if not self["insecure"]:
             try:
                 self["tls"] = server_files(Path(self["certs"]))
@@ -202,23 +217,12 @@ class Options(usage.Options):
 
 
 def _limits(options: usage.Options) -> LimitsConfig:
-    values: dict[str, float] = {}
-    for name, kind in (
-        ("max-connections", int), ("max-connections-per-address", int),
-        ("agent-message-rate", float), ("agent-message-burst", int), ("max-registering", int),
-    ):
-        try:
-            values[name] = kind(options[name])
-        except ValueError:
-            raise usage.UsageError(f"--{name} must be a number, not {options[name]!r}") from None
-        if values[name] < 0:
-            raise usage.UsageError(f"--{name} must not be negative")
     return LimitsConfig(
-        max_connections=int(values["max-connections"]),
-        max_per_address=int(values["max-connections-per-address"]),
-        message_rate=values["agent-message-rate"],
-        message_burst=max(1, int(values["agent-message-burst"])),
-        max_registering=int(values["max-registering"]),
+        max_connections=options["max-connections"],
+        max_per_address=options["max-connections-per-address"],
+        message_rate=options["agent-message-rate"],
+        message_burst=max(1, options["agent-message-burst"]),
+        max_registering=options["max-registering"],
     )
 
 
@@ -257,9 +261,14 @@ class ControlPlane(MultiService):
         admin_address: tuple[str, int] | None = None,
         limits: LimitsConfig | None = None,
         handle_sighup: bool | None = None,
+        admin_tls: bool = False,
+        admin_hosts: list[str] | None = None,
     ):
         super().__init__()
         self.reactor = reactor
+        #: Serve the admin API over mutual TLS with the agent port's
+        #: certificates (always beyond loopback).
+        self.admin_tls = admin_tls
         self.inventory = inventory if inventory is not None else Inventory()
         self.sink = sink
         self.tls = tls
@@ -291,7 +300,7 @@ class ControlPlane(MultiService):
             self.trust.setServiceParent(self)
         self.backlog = backlog
         endpoint = server_endpoint(reactor, agents_host, agents_port, backlog=backlog)
-        self.agent_listener = ListenerService(endpoint, self.limiter)
+        self.agent_listener = ListenerService(endpoint, self.limiter, "the agent stream", "--agents")
         self.agent_listener.setName("agent-listener")
         self.agent_listener.setServiceParent(self)
         self.agents_address = (agents_host, agents_port)
@@ -299,12 +308,19 @@ class ControlPlane(MultiService):
         # other parts (the gateway) add their metrics to it.
         self.fleet = fleet
         self.admin_address = admin_address
+        self.admin_hosts = admin_hosts or []
         self.admin_listener: ListenerService | None = None
         self.registry = make_registry()
         self.metrics = register_control_metrics(
             self.registry, self.agents, lambda: self.fleet, self.tls_expiry_snapshot,
             limiter=lambda: getattr(self, "limiter", None),
         )
+        # engines (issue 11): engine signals per shard, with their age
+        from llmgw.control.signals import EngineSignalsCollector
+
+        self.registry.register(EngineSignalsCollector(
+            lambda: getattr(self.fleet, "engine_signal_rows", list)(), self.reactor.seconds,
+        ))
         self._attach_admin()
 
     def _attach_admin(self) -> None:
@@ -315,9 +331,13 @@ class ControlPlane(MultiService):
         if self.admin_listener is not None or self.fleet is None or self.admin_address is None:
             return
         host, port = self.admin_address
+        tls = self.tls if self.admin_tls or not is_loopback(host) else None
         self.admin_listener = admin_service(
-            self.reactor, host, port, self.fleet, self.registry, self.agents, control=self
+            self.reactor, host, port, self.fleet, self.registry, self.agents, control=self,
+            tls=tls,
+            hosts=self.admin_hosts,
         )
+        self.admin_listener.what, self.admin_listener.option = "the admin API", "--admin"
         self.admin_listener.setServiceParent(self)
 
     def startService(self) -> None:
@@ -339,7 +359,13 @@ class ControlPlane(MultiService):
         self.limiter.attach_port(self.agent_listener.port)
         if self.admin_listener is not None and self.admin_listener.port is not None:
             host, port = self.admin_listener.address()
-            self.log.info("admin API and /metrics on http://{address}", address=format_address(host, port))
+            tls = getattr(self.admin_listener, "tls", False)
+            self.log.info(
+                "admin API and /metrics on {scheme}://{address}{auth}",
+                scheme="https" if tls else "http",
+                address=format_address(host, port),
+                auth=" (mutual TLS: admin certificates only)" if tls else "",
+            )
 
     def stopService(self) -> Any:
         # Stop listening first, then drop the streams still open: an embedded
@@ -440,6 +466,8 @@ def makeService(options: Options, reactor: Any = None) -> ControlPlane:
         admin_address=options["admin_address"],
         limits=options["limits"],
         fleet=reconciler,
+        admin_tls=options.get("admin_tls", False),
+        admin_hosts=options["admin-hosts"],
     )
     reconciler.attach(cp.agents, epoch=cp.epoch)
     reconciler.setName("reconciler")
@@ -457,9 +485,13 @@ def makeService(options: Options, reactor: Any = None) -> ControlPlane:
         collector.setServiceParent(cp)
     if options["gateway_address"] is not None:
         host, port = options["gateway_address"]
+        # The embedded gateway routes by the published routing table, the
+        # same one standalone gateways follow through GET /api/v1/routes.
         cp.gateway = GatewayService(
-            reactor, reconciler.routing_table, host, port, keys=options["keyring"], registry=cp.registry
+            reactor, reconciler.routing_table, host, port, keys=options["keyring"], registry=cp.registry,
+            hosts=options["gateway-hosts"],
         )
+        cp.gateway.listener.option = "--gateway"
         cp.gateway.setName("gateway")
         cp.gateway.setServiceParent(cp)
         # The gateway's in-flight counts let a draining replica stop as soon

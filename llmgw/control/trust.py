@@ -50,8 +50,11 @@ def expiry_snapshot(files: TLSFiles, agents: Iterable[tuple[str, float]]) -> dic
             reported[node_id] = not_after
         else:
             unreported += 1
+    roots = files.roots or (files.ca,)
     return {
-        "ca_not_after": _ts(files.ca.not_valid_after_utc),
+        # The earliest: the date by which a rollover must be done.
+        "ca_not_after": min(_ts(r.not_valid_after_utc) for r in roots),
+        "ca_roots": len(roots),
         "server_not_after": _ts(files.cert.not_valid_after_utc),
         "server_serial": format(files.cert.serial_number, "x"),
         "crl_last_update": _ts(crl.last_update_utc) if crl is not None else None,
@@ -95,10 +98,14 @@ def expiry_problems(
             days = left.total_seconds() / 86400
             out.append(("warn", f"{what} expires in {days:.1f} days ({end.isoformat()}); {fix}"))
 
-    check(
-        f"the CA certificate {files.ca_path}", files.ca.not_valid_after_utc, WARN_BEFORE,
-        "every certificate it issued stops working then: plan a new CA",
-    )
+    roots = files.roots or (files.ca,)
+    for root in roots:
+        which = f" root {root.subject.rfc4514_string()}" if len(roots) > 1 else ""
+        check(
+            f"the CA certificate {files.ca_path}{which}", root.not_valid_after_utc, WARN_BEFORE,
+            "every certificate it issued stops working then: roll over to a new CA "
+            "(`llmgw ctl cert rotate-ca`, see docs/operations.md)",
+        )
     check(
         f"the control plane's certificate {files.cert_path}", files.cert.not_valid_after_utc,
         WARN_BEFORE, "issue a new one with `llmgw ctl cert server` and send SIGHUP",
@@ -168,7 +175,8 @@ class TrustService(Service):
         self.reloads = {"ok": 0, "refused": 0}
         self.last_reload_error: str | None = None
         self._sighup = SighupHandler(
-            reactor, self.reload_tls, "the agent port's TLS certificate, key, CA and CRL"
+            reactor, self.reload_tls,
+            "the TLS certificate, key, CA bundle and CRL of the agent port and admin API"
         )
         self._loop: LoopingCall | None = None
 

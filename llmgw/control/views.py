@@ -9,6 +9,7 @@ import collections
 from typing import TYPE_CHECKING, Any
 
 from llmgw.control.fleetstate import Phase
+from llmgw.control.signals import signals_json
 from llmgw.states import SEVERITY, ReplicaState, ShardState
 
 if TYPE_CHECKING:
@@ -143,6 +144,7 @@ def deployments(rec: Reconciler) -> list[dict[str, Any]]:
 
 def replicas(rec: Reconciler) -> list[dict[str, Any]]:
     st = rec.state
+    now = rec.clock.seconds()
     out = []
     for rid in sorted(st.replicas):
         rep = st.replicas[rid]
@@ -165,6 +167,8 @@ def replicas(rec: Reconciler) -> list[dict[str, Any]]:
                         "state": str(s.shown_state),
                         "address": s.address,
                         "gpus": list(s.gpus),
+                        # engines (issue 11)
+                        "signals": signals_json(rec.engine_signals.get(s.id), now),
                     }
                     for _, s in sorted(rep.shards.items())
                 ],

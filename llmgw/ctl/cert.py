@@ -11,9 +11,15 @@ from pathlib import Path
 from typing import TextIO
 
 from llmgw.tlsconf.ca import (
+    ADMIN_ROLES,
+    DEFAULT_CA_DAYS,
     DEFAULT_LEAF_DAYS,
+    FORCE,
+    REFUSE,
+    RENEW,
     CAError,
     CertificateAuthority,
+    Issued,
     describe,
     load_certificate,
 )
@@ -42,18 +48,56 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--force", action="store_true", help="replace an existing CA")
     p.set_defaults(func=cmd_init)
 
-    p = with_dir(csub.add_parser("server", help="issue the control plane's certificate"))
+    def replacing(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        group = p.add_mutually_exclusive_group()
+        group.add_argument(
+            "--renew", action="store_true",
+            help="replace an existing certificate and key, saying what was replaced",
+        )
+        group.add_argument("--force", action="store_true", help="replace an existing key silently")
+        return p
+
+    p = replacing(with_dir(csub.add_parser("server", help="issue the control plane's certificate")))
     p.add_argument(
         "--host", action="append", default=[],
-        help="a name or IP address agents dial (repeatable); each goes into the SANs",
+        help="a name or IP address agents (and admin clients) dial (repeatable); each goes into the SANs",
     )
     p.add_argument("--days", type=int, default=DEFAULT_LEAF_DAYS)
     p.set_defaults(func=cmd_server)
 
-    p = with_dir(csub.add_parser("agent", help="issue a node's client certificate"))
+    p = replacing(with_dir(csub.add_parser("agent", help="issue a node's client certificate")))
     p.add_argument("node_id", metavar="NODE_ID")
     p.add_argument("--days", type=int, default=DEFAULT_LEAF_DAYS)
     p.set_defaults(func=cmd_agent)
+
+    p = replacing(with_dir(csub.add_parser(
+        "admin", help="issue an admin API client certificate with a role (DIR/admin-NAME.pem/.key)",
+    )))
+    p.add_argument("name", metavar="NAME", help="who holds it (logged on every change it makes)")
+    p.add_argument(
+        "--role", required=True, choices=ADMIN_ROLES,
+        help="viewer: reads; operator: also cordon, uncordon, drain, scale, reload; "
+        "gateway: reads routes only (a standalone gateway)",
+    )
+    p.add_argument("--days", type=int, default=DEFAULT_LEAF_DAYS)
+    p.set_defaults(func=cmd_admin)
+
+    p = with_dir(csub.add_parser(
+        "rotate-ca",
+        help="start a CA rollover: a new root beside the old, ca.pem holding both; "
+        "new certificates come from the new one",
+    ))
+    p.add_argument("--days", type=int, default=DEFAULT_CA_DAYS)
+    p.set_defaults(func=cmd_rotate_ca)
+
+    p = with_dir(csub.add_parser(
+        "retire-ca", help="end a CA rollover: the old root leaves ca.pem and its key is deleted",
+    ))
+    p.add_argument(
+        "--force", action="store_true",
+        help="retire even though certificates in DIR were issued by the old root",
+    )
+    p.set_defaults(func=cmd_retire_ca)
 
     p = with_dir(csub.add_parser("show", help="describe a certificate file"))
     p.add_argument("file", metavar="FILE")
@@ -66,6 +110,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     ))
     p.add_argument("node_id", metavar="NODE_ID", nargs="?", help="revoke every certificate issued to this node")
     p.add_argument("--serial", action="append", default=[], help="a serial in hex, as `show` prints it (repeatable)")
+    p.add_argument("--admin", metavar="NAME", help="revoke every admin certificate issued to NAME")
     p.add_argument("--reason", default="unspecified", help=f"one of {', '.join(REASONS)}")
     p.add_argument("--days", type=int, default=DEFAULT_CRL_DAYS, help="the CRL's next-update, in days (default 30)")
     p.set_defaults(func=cmd_revoke)
@@ -99,16 +144,36 @@ def _positive_days(args: argparse.Namespace, err: TextIO) -> bool:
     return True
 
 
+def _replace_mode(args: argparse.Namespace) -> str:
+    if getattr(args, "renew", False):
+        return RENEW
+    if getattr(args, "force", False):
+        return FORCE
+    return REFUSE
+
+
+def _written(out: TextIO, what: str, issued: Issued, renew: bool) -> None:
+    out.write(f"{what} written to {issued.cert_path} (key {issued.key_path}, mode 0600)\n")
+    old = issued.replaced
+    if old is not None and renew:
+        out.write(
+            f"replaced serial {old.serial_number:x} ({old.subject.rfc4514_string()}, issued by "
+            f"{old.issuer.rfc4514_string()}, valid until {old.not_valid_after_utc.isoformat()}); "
+            "it stays valid until then unless revoked (`llmgw ctl cert revoke --serial "
+            f"{old.serial_number:x}`)\n"
+        )
+
+
 def cmd_server(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
     out, err = out or sys.stdout, err or sys.stderr
     if not _positive_days(args, err):
         return 1
     try:
         ca = CertificateAuthority.load(args.dir)
-        issued = ca.issue_server(args.host, days=args.days)
+        issued = ca.issue_server(args.host, days=args.days, replace=_replace_mode(args))
     except CAError as e:
         return _fail(err, str(e))
-    out.write(f"server certificate for {', '.join(args.host)} written to {issued.cert_path}\n")
+    _written(out, f"server certificate for {', '.join(args.host)}", issued, args.renew)
     return 0
 
 
@@ -118,10 +183,64 @@ def cmd_agent(args: argparse.Namespace, out: TextIO | None = None, err: TextIO |
         return 1
     try:
         ca = CertificateAuthority.load(args.dir)
-        issued = ca.issue_agent(args.node_id, days=args.days)
+        issued = ca.issue_agent(args.node_id, days=args.days, replace=_replace_mode(args))
     except CAError as e:
         return _fail(err, str(e))
-    out.write(f"agent certificate for node {args.node_id} written to {issued.cert_path}\n")
+    _written(out, f"agent certificate for node {args.node_id}", issued, args.renew)
+    return 0
+
+
+def cmd_admin(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    out, err = out or sys.stdout, err or sys.stderr
+    if not _positive_days(args, err):
+        return 1
+    try:
+        ca = CertificateAuthority.load(args.dir)
+        issued = ca.issue_admin(args.name, args.role, days=args.days, replace=_replace_mode(args))
+    except CAError as e:
+        return _fail(err, str(e))
+    _written(out, f"admin certificate for {args.name} (role {args.role})", issued, args.renew)
+    return 0
+
+
+def cmd_rotate_ca(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    out, err = out or sys.stdout, err or sys.stderr
+    if not _positive_days(args, err):
+        return 1
+    try:
+        ca = CertificateAuthority.load(args.dir)
+        old = ca.certificate
+        new = ca.rotate(days=args.days)
+        if (ca.directory / CRL_FILE).exists():
+            renew(ca)
+    except (CAError, CRLError) as e:
+        return _fail(err, str(e))
+    out.write(
+        f"new root {new.subject.rfc4514_string()} (serial {new.serial_number:x}) now issues; "
+        f"old root {old.subject.rfc4514_string()} kept in {ca.directory / 'ca-previous.pem'}\n"
+        f"{ca.cert_path} now holds both roots: copy it to every agent, admin client and gateway "
+        "and send them SIGHUP, then SIGHUP the control plane; then renew each certificate "
+        "(--renew) and finish with `llmgw ctl cert retire-ca` (docs/operations.md)\n"
+    )
+    return 0
+
+
+def cmd_retire_ca(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    out, err = out or sys.stdout, err or sys.stderr
+    try:
+        ca = CertificateAuthority.load(args.dir)
+        old, stale = ca.retire(force=args.force)
+        if (ca.directory / CRL_FILE).exists():
+            renew(ca)
+    except (CAError, CRLError) as e:
+        return _fail(err, str(e))
+    for path in stale:
+        out.write(f"warning: {path.name} was issued by the retired root and no longer works\n")
+    out.write(
+        f"root {old.subject.rfc4514_string()} (serial {old.serial_number:x}) retired: its key "
+        f"is deleted and {ca.cert_path} holds {len(ca.roots)} root(s); copy it everywhere and "
+        "send SIGHUP: from then on only certificates of the new root connect\n"
+    )
     return 0
 
 
@@ -142,6 +261,7 @@ def cmd_show(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | 
         ("serial", info["serial"]),
         ("SANs", ", ".join(info["sans"]) or "(none)"),  # type: ignore[arg-type]
         ("usages", ", ".join(info["usages"]) or "(none)"),  # type: ignore[arg-type]
+        ("key usages", ", ".join(info["key_usages"]) or "(none)"),  # type: ignore[arg-type]
         ("CA", "yes" if info["is_ca"] else "no"),
         ("not before", info["not_before"]),
         ("not after", f"{info['not_after']} ({info['expires_in_days']} days left)"),
@@ -188,12 +308,13 @@ def _crl_row(ca_dir: Path, serial: str) -> str | None:
 def cmd_revoke(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
     if not _positive_days(args, err):
         return 1
-    if not args.node_id and not args.serial:
-        return _fail(err, "name a NODE_ID or give --serial S")
+    if not args.node_id and not args.serial and not args.admin:
+        return _fail(err, "name a NODE_ID, or give --admin NAME or --serial S")
     try:
         serials = [parse_serial(s) for s in args.serial]
         ca = CertificateAuthority.load(args.dir)
-        result = revoke(ca, node_id=args.node_id, serials=serials, reason=args.reason, days=args.days)
+        result = revoke(ca, node_id=args.node_id, serials=serials, reason=args.reason,
+                        days=args.days, admin=args.admin)
     except (CAError, CRLError) as e:
         return _fail(err, str(e))
     for serial, subject in result.revoked:

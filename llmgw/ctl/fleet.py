@@ -3,8 +3,14 @@
 the operator's view of the admin API (DESIGN §9).
 
 Each command makes one or two requests to the control plane's admin API
-(C{--admin URL}, default C{$LLMGW_ADMIN} or C{http://127.0.0.1:7480}) and
-prints a table, or the API's JSON with C{--json}.
+(C{--admin URL}, default C{$LLMGW_ADMIN_URL}, C{$LLMGW_ADMIN} or
+C{http://127.0.0.1:7480}) and prints a table, or the API's JSON with
+C{--json}.
+
+An C{https://} admin API (mutual TLS) takes an admin certificate:
+C{--certs DIR --as NAME} (or C{$LLMGW_ADMIN_CERTS}, C{$LLMGW_ADMIN_AS})
+present C{DIR/admin-NAME.pem/.key} and trust the roots in C{DIR/ca.pem};
+the control plane's certificate must name the host in the URL.
 
 Exit codes, for scripts:
 
@@ -29,6 +35,7 @@ import datetime
 import http.client
 import json
 import os
+import ssl
 import sys
 import time
 import urllib.error
@@ -37,10 +44,15 @@ from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 from urllib.parse import quote, urlsplit
 
+from llmgw.tlsconf.options import TLSConfigError, admin_files
 from llmgw.wire import InvalidNodeId, validate_node_id
 
 DEFAULT_ADMIN_URL = "http://127.0.0.1:7480"
-ADMIN_ENV = "LLMGW_ADMIN"
+ADMIN_ENV = "LLMGW_ADMIN_URL"
+#: The older name of L{ADMIN_ENV}, still read.
+ADMIN_ENV_OLD = "LLMGW_ADMIN"
+CERTS_ENV = "LLMGW_ADMIN_CERTS"
+AS_ENV = "LLMGW_ADMIN_AS"
 DEFAULT_TIMEOUT = 10.0
 #: Largest answer read from the admin API, in bytes.
 MAX_ANSWER = 128 * 1024 * 1024
@@ -75,13 +87,38 @@ class CtlError(Exception):
         self.body = body
 
 
-def urllib_http(method: str, url: str, body: bytes | None, timeout: float) -> tuple[int, bytes]:
+def admin_ssl_context(certs_dir: str, name: str) -> ssl.SSLContext:
     """
-    One request with C{urllib}, without proxies or redirects.
+    A TLS client context for the admin API: trust every root in
+    C{certs_dir/ca.pem}, present C{admin-NAME.pem/.key}, check the server's
+    name, TLS 1.2 at least. The files are checked first by the project's
+    loader (expiry, key, issuer), so a mistake is named before dialling.
 
-    @raise Unreachable: no HTTP answer (connection refused, timeout, ...).
+    @raise TLSConfigError: naming the file and what is wrong.
     """
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirect())
+    files = admin_files(certs_dir, name)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_verify_locations(cafile=str(files.ca_path))
+    context.load_cert_chain(str(files.cert_path), str(files.key_path))
+    return context
+
+
+def urllib_http(
+    method: str, url: str, body: bytes | None, timeout: float,
+    context: ssl.SSLContext | None = None,
+) -> tuple[int, bytes]:
+    """
+    One request with C{urllib}, without proxies or redirects; over TLS
+    with C{context} for an C{https://} URL.
+
+    @raise Unreachable: no HTTP answer (connection refused, timeout, a
+        refused TLS handshake, ...).
+    """
+    handlers: list[Any] = [urllib.request.ProxyHandler({}), _NoRedirect()]
+    if context is not None:
+        handlers.append(urllib.request.HTTPSHandler(context=context))
+    opener = urllib.request.build_opener(*handlers)
     request = urllib.request.Request(
         url,
         data=body,
@@ -101,6 +138,12 @@ def urllib_http(method: str, url: str, body: bytes | None, timeout: float) -> tu
         finally:
             e.close()
     except urllib.error.URLError as e:
+        if isinstance(e.reason, ssl.SSLCertVerificationError):
+            raise Unreachable(
+                f"TLS: {e.reason.verify_message or e.reason} (is the control plane's certificate "
+                "from the CA in --certs, and does it name the host in --admin? "
+                "`llmgw ctl cert server --host HOST --renew` adds a name)"
+            ) from e
         raise Unreachable(str(e.reason)) from e
     except (OSError, http.client.HTTPException) as e:
         raise Unreachable(str(e) or type(e).__name__) from e
@@ -239,9 +282,19 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     common.add_argument(
         "--admin",
         type=admin_url,
-        default=os.environ.get(ADMIN_ENV) or DEFAULT_ADMIN_URL,
+        default=os.environ.get(ADMIN_ENV) or os.environ.get(ADMIN_ENV_OLD) or DEFAULT_ADMIN_URL,
         metavar="URL",
-        help=f"the control plane's admin API (default ${ADMIN_ENV} or {DEFAULT_ADMIN_URL})",
+        help=f"the control plane's admin API (default ${ADMIN_ENV} or {DEFAULT_ADMIN_URL}); "
+        "https:// for one behind mutual TLS",
+    )
+    common.add_argument(
+        "--certs", default=os.environ.get(CERTS_ENV), metavar="DIR",
+        help=f"with an https:// --admin: the directory with ca.pem and admin-NAME.pem/.key "
+        f"(default ${CERTS_ENV})",
+    )
+    common.add_argument(
+        "--as", dest="as_name", default=os.environ.get(AS_ENV), metavar="NAME",
+        help=f"with an https:// --admin: whose admin certificate to present (default ${AS_ENV})",
     )
     common.add_argument("--json", action="store_true", help="print the API's JSON instead of a table")
     common.add_argument(
@@ -273,7 +326,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p = add("scale", "set a deployment's desired replica count (kept across restarts)", cmd_scale)
     p.add_argument("model", metavar="MODEL")
     p.add_argument("replicas", type=replica_count, metavar="REPLICAS")
-    add("reload", "re-read the catalog file (a refused catalog leaves the running one)", cmd_reload)
+    p = add("reload", "re-read the catalog file (a refused catalog leaves the running one)", cmd_reload)
+    p.add_argument(
+        "--tls", action="store_true",
+        help="re-read the control plane's certificate, key, CA bundle and CRL instead",
+    )
 
 
 EXIT_CODES_HELP = """exit codes:
@@ -300,7 +357,13 @@ def _run(
     """
     out = out if out is not None else sys.stdout
     err = err if err is not None else sys.stderr
-    client = AdminClient(args.admin, http if http is not None else urllib_http, args.timeout)
+    if http is None:
+        try:
+            http = _http_for(args)
+        except CtlError as e:
+            err.write(f"llmgw ctl {args.ctl_command}: {e.message}\n")
+            return e.exit_code
+    client = AdminClient(args.admin, http, args.timeout)
     try:
         answer, render = body(client)
         text = json.dumps(answer, indent=2) + "\n" if args.json else render()
@@ -318,6 +381,34 @@ def _run(
         return EXIT_SERVER
     out.write(text)
     return EXIT_OK
+
+
+def _http_for(args: argparse.Namespace) -> HTTPFunction:
+    """
+    The HTTP function for C{args.admin}: plain, or mutual TLS with the
+    admin certificate C{--certs}/C{--as} names.
+
+    @raise CtlError: an https:// URL without a certificate, or certificate
+        files that are refused (usage error: nothing was sent).
+    """
+    if urlsplit(args.admin).scheme != "https":
+        return urllib_http
+    certs, name = getattr(args, "certs", None), getattr(args, "as_name", None)
+    if not certs or not name:
+        raise CtlError(
+            EXIT_USAGE,
+            f"{args.admin} is https: give the admin certificate with --certs DIR and --as NAME "
+            f"(or ${CERTS_ENV} and ${AS_ENV}); `llmgw ctl cert admin NAME --role ...` issues one",
+        )
+    try:
+        context = admin_ssl_context(certs, name)
+    except (TLSConfigError, ssl.SSLError, OSError) as e:
+        raise CtlError(EXIT_USAGE, f"admin certificate {name!r} in {certs}: {e}") from None
+
+    def http(method: str, url: str, body: bytes | None, timeout: float) -> tuple[int, bytes]:
+        return urllib_http(method, url, body, timeout, context)
+
+    return http
 
 
 def cmd_status(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None,
@@ -394,6 +485,13 @@ def cmd_scale(args: argparse.Namespace, out: TextIO | None = None, err: TextIO |
 def cmd_reload(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None,
                http: HTTPFunction | None = None, now: float | None = None) -> int:
     def body(client: AdminClient) -> tuple[Any, Callable[[], str]]:
+        if getattr(args, "tls", False):
+            answer = client.post("/api/v1/tls/reload")
+            return answer, lambda: (
+                f"TLS reloaded: server certificate serial {_value(answer.get('server_serial'))}, "
+                f"CRL number {_value(answer.get('crl_number'))}, "
+                f"{len(answer.get('closed') or [])} revoked streams closed\n"
+            )
         answer = client.post("/api/v1/catalog/reload")
         return answer, lambda: "catalog reloaded: " + _value(answer.get("changes")) + "\n"
 
@@ -525,11 +623,35 @@ def render_replicas(replicas: list[dict[str, Any]]) -> str:
         shards = sorted(r.get("shards") or [], key=lambda s: s.get("rank", 0))
         leader = shards[0].get("address") if shards else None
         state = str(r.get("state")) + (" (draining)" if r.get("draining") else "")
+        signals = shards[0].get("signals") if shards else None
         rows.append([
             r["id"], r.get("model"), r.get("profile"), state, leader or "-",
+            *engine_columns(signals),
             " ".join(f"{s.get('node')}/{s.get('rank')}:{s.get('state')}" for s in shards) or "-",
         ])
-    return table(["REPLICA", "MODEL", "PROFILE", "STATE", "ADDRESS", "SHARDS (NODE/RANK:STATE)"], rows)
+    return table(["REPLICA", "MODEL", "PROFILE", "STATE", "ADDRESS", "WAITING", "RUNNING", "KV",
+                  "SIGNALS AGE", "SHARDS (NODE/RANK:STATE)"], rows)
+
+
+def engine_columns(signals: dict[str, Any] | None) -> list[str]:
+    """
+    The leader's engine signals as table cells: waiting, running, KV-cache
+    use, and their age ("-" where the engine has no such figure; the age
+    says "stale" with the scrape's error when the last scrape failed).
+    """
+    if not signals:
+        return ["-", "-", "-", "-"]
+
+    def count(v: Any) -> str:
+        return "-" if v is None else f"{v:g}"
+
+    kv = signals.get("kv_cache_usage")
+    age = signals.get("age_s")
+    age_text = "-" if age is None else f"{age:.1f}s"
+    if signals.get("error"):
+        age_text += f" (stale: {signals['error']})"
+    return [count(signals.get("waiting")), count(signals.get("running")),
+            "-" if kv is None else f"{kv * 100:.0f}%", age_text]
 
 
 def render_events(events: list[dict[str, Any]]) -> str:

@@ -31,6 +31,7 @@ Trailer fields are skipped, never kept.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 #: The most a chunk-size line (with extensions and its CRLF) may take.
 MAX_SIZE_LINE = 1024
@@ -58,18 +59,22 @@ class ChunkedDecoder:
     description. After a L{ChunkError} the decoder is not to be used again.
     """
 
-    __slots__ = ("_state", "_remaining", "done")
+    __slots__ = ("_state", "_remaining", "_seen", "done")
 
     def __init__(self) -> None:
         self._state = _SIZE
         self._remaining = 0
+        # How much of an incomplete line the last call searched already:
+        # the caller passes that line again, and it is not searched again
+        # (a line arriving a byte at a time costs its length, not its square).
+        self._seen = 0
         #: Whether the last chunk and the trailer have been read.
         self.done = False
 
-    def feed(self, buf: bytes, piece: Callable[[bytes], object]) -> int:
+    def feed(self, buf: bytes | bytearray, piece: Callable[[Any], object]) -> int:
         """
         Decode what C{buf} holds, calling C{piece} with each piece of chunk
-        data in order.
+        data in order (slices of C{buf}: bytearrays when it is one).
 
         @return: how many bytes of C{buf} were used. The rest is either an
             incomplete line (pass it again, with more bytes after it) or,
@@ -82,19 +87,21 @@ class ChunkedDecoder:
         remaining = self._remaining
         while pos < end:
             if state == _SIZE:
-                eol = buf.find(b"\r\n", pos, pos + MAX_SIZE_LINE)
+                eol = buf.find(b"\r\n", pos + self._seen, pos + MAX_SIZE_LINE)
                 if eol < 0:
                     if end - pos >= MAX_SIZE_LINE:
                         raise ChunkError("A chunk-size line is too long")
+                    self._seen = max(0, end - pos - 1)
                     break
+                self._seen = 0
                 size = buf[pos:eol]
                 if size.strip(_HEX):
                     # Not bare hex digits: drop extensions and blanks.
                     size = size.split(b";", 1)[0].strip(b" \t")
                     if size.strip(_HEX):
-                        raise ChunkError(f"Bad chunk size {size[:20]!r}")
+                        raise ChunkError(f"Bad chunk size {bytes(size[:20])!r}")
                 if not 0 < len(size) < 16:
-                    raise ChunkError(f"Bad chunk size {size[:20]!r}")
+                    raise ChunkError(f"Bad chunk size {bytes(size[:20])!r}")
                 remaining = int(size, 16)
                 pos = eol + 2
                 state = _DATA if remaining else _TRAILER
@@ -124,11 +131,13 @@ class ChunkedDecoder:
                 state = _SIZE
             elif state == _TRAILER:
                 # Trailer fields are skipped up to the empty line.
-                eol = buf.find(b"\r\n", pos, pos + MAX_TRAILER_LINE)
+                eol = buf.find(b"\r\n", pos + self._seen, pos + MAX_TRAILER_LINE)
                 if eol < 0:
                     if end - pos >= MAX_TRAILER_LINE:
                         raise ChunkError("The trailer is too long", trailer=True)
+                    self._seen = max(0, end - pos - 1)
                     break
+                self._seen = 0
                 empty = eol == pos
                 pos = eol + 2
                 if empty:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 
+from llmgw.untrusted import clip
+
 
 class GatewayError(Exception):
     """
@@ -51,6 +53,20 @@ def bad_request(message: str, code: str = "invalid_request") -> GatewayError:
     return GatewayError(400, message, "invalid_request_error", code)
 
 
+def misdirected(host: bytes, option: str) -> GatewayError:
+    """
+    A request whose C{Host} is not a name this gateway serves (a page whose
+    name rebinds to this address, or a wrong name).
+    """
+    return GatewayError(
+        421,
+        f"This gateway does not serve the host {clip(host)}; its operator lists the names "
+        f"it serves with {option}",
+        "invalid_request_error",
+        "misdirected_request",
+    )
+
+
 def unauthorized(message: str) -> GatewayError:
     return GatewayError(
         401,
@@ -68,7 +84,7 @@ def not_found(message: str, code: str = "not_found") -> GatewayError:
 def model_not_found(model: str) -> GatewayError:
     return GatewayError(
         404,
-        f"The model {model!r} does not exist: no deployment serves it",
+        f"The model {clip(model)} does not exist: no deployment serves it",
         "invalid_request_error",
         "model_not_found",
     )
@@ -77,7 +93,7 @@ def model_not_found(model: str) -> GatewayError:
 def method_not_allowed(method: str, path: str, allowed: bytes) -> GatewayError:
     return GatewayError(
         405,
-        f"{method} is not allowed on {path}",
+        f"{clip(method)} is not allowed on {path}",
         "invalid_request_error",
         "method_not_allowed",
         {b"Allow": allowed},
@@ -96,7 +112,7 @@ def too_large(limit: int) -> GatewayError:
 def no_ready_replica(model: str, retry_after: int) -> GatewayError:
     return GatewayError(
         503,
-        f"No ready replica of {model!r} can take the request now; retry later",
+        f"No ready replica of {clip(model)} can take the request now; retry later",
         "server_error",
         "no_ready_replica",
         {b"Retry-After": b"%d" % retry_after},
@@ -106,7 +122,7 @@ def no_ready_replica(model: str, retry_after: int) -> GatewayError:
 def upstream_failed(model: str, reason: str) -> GatewayError:
     return GatewayError(
         502,
-        f"The replicas of {model!r} failed: {reason}",
+        f"The replicas of {clip(model)} failed: {reason}",
         "server_error",
         "upstream_error",
     )
@@ -115,7 +131,7 @@ def upstream_failed(model: str, reason: str) -> GatewayError:
 def upstream_timeout(model: str, reason: str) -> GatewayError:
     return GatewayError(
         504,
-        f"The replicas of {model!r} did not answer in time: {reason}",
+        f"The replicas of {clip(model)} did not answer in time: {reason}",
         "server_error",
         "upstream_timeout",
     )

@@ -11,11 +11,18 @@ without re-encoding them, so this server does only what that needs:
   order (one at a time; what arrives meanwhile is read ahead up to
   L{READ_AHEAD} bytes, then the connection is paused);
 - request bodies framed by C{Content-Length} or chunked encoding, kept in
-  memory up to C{max_body} and discarded past it (the request is then
-  marked C{too_large} for the handler to refuse);
-- bounded heads (L{MAX_HEAD} bytes, L{MAX_HEADERS} lines); malformed input
-  gets a 400 (431, 501, 505 where those say more) in OpenAI's error shape,
-  is logged with who sent it, and closes that connection only;
+  memory up to C{max_body}; a request whose declared length is over it (or
+  whose chunked body passes it) goes to the handler at once, marked
+  C{too_large} and with no body, the rest of the body is never read, and
+  the connection closes after the answer;
+- bounded heads (L{MAX_HEAD} bytes, L{MAX_HEADERS} lines), read from one
+  buffer with a scan offset, so a head trickling in costs linear time;
+  header names must be tokens, no control bytes anywhere in the head, one
+  C{Host} (required in HTTP/1.1), a bare CR or LF refused as it arrives;
+  malformed input gets a 400 (431, 501, 505 where those say more) in
+  OpenAI's error shape, is logged with who sent it, and closes that
+  connection only;
+- at most C{max_connections} client connections (see L{FrontFactory});
 - responses framed by C{Content-Length} when the handler knows it, else
   chunked (HTTP/1.0: until the connection closes), written as they come;
 - the connection is the transport's streaming producer and passes
@@ -56,6 +63,7 @@ from zope.interface import implementer
 
 from llmgw.gateway.chunked import ChunkedDecoder, ChunkError
 from llmgw.gateway.errors import error_body
+from llmgw.oslimits import ensure_fd_limit
 
 #: The most a request line and its headers may take.
 MAX_HEAD = 64 * 1024
@@ -74,6 +82,42 @@ KEEP_ALIVE_TIMEOUT = 120.0
 #: After the gateway closes a connection, how long the client gets to read
 #: what is left before the connection is aborted.
 CLOSE_LINGER = 30.0
+#: After a 413 for a body not read, the most the client may still send
+#: (read and dropped, so that its answer is not lost to a reset) before
+#: the connection is aborted.
+DRAIN_MAX = 1024 * 1024
+#: Default cap on client connections at once; past it a new connection is
+#: closed at accept.
+MAX_CONNECTIONS = 10_000
+#: Open files needed beyond one per client connection: each proxied request
+#: holds an upstream connection too, plus logs and listeners.
+FD_HEADROOM = 1024
+#: Refused connections are logged at most this often.
+REFUSAL_LOG_INTERVAL = 10.0
+
+#: Reason phrases, with those twisted.web lacks.
+REASONS = dict(RESPONSES)
+REASONS.update({
+    413: b"Content Too Large",
+    421: b"Misdirected Request",
+    431: b"Request Header Fields Too Large",
+})
+#: tchar (RFC 9110 §5.6.2): what header names and methods are made of.
+_TCHAR = b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+#: The bytes a head may hold: visible ASCII, obs-text, space and HTAB in
+#: values, and CRLF between lines; anything else is a control character.
+_HEAD_BYTES = bytes(range(0x20, 0x7F)) + bytes(range(0x80, 0x100)) + b"\t\r\n"
+#: How much of a client's string a refusal quotes.
+_QUOTE = 80
+
+
+def _quote(data: bytes) -> str:
+    """
+    A bounded, printable quotation of what a client sent.
+    """
+    if len(data) > _QUOTE:
+        return f"{data[:_QUOTE]!r}... ({len(data)} bytes)"
+    return repr(data)
 
 _HEAD, _BODY, _CHUNKED = range(3)
 # What the connection's timer watches: nothing (a request is with its
@@ -164,7 +208,7 @@ class FrontRequest:
         self.started = True
         channel = self.channel
         no_body = self.method == b"HEAD" or status in (204, 304) or status < 200
-        parts = [b"HTTP/1.1 %d %s\r\n" % (status, reason or RESPONSES.get(status, b"Unknown"))]
+        parts = [b"HTTP/1.1 %d %s\r\n" % (status, reason or REASONS.get(status, b"Unknown"))]
         for name, value in headers:
             parts += (name, b": ", value, b"\r\n")
         if length is not None:
@@ -250,7 +294,10 @@ class HTTPFront(Protocol):
         self.peer_host: str | None = None
         self.peer = "?"
         self.paused = False
-        self._buf = b""
+        self._buf = bytearray()
+        self._scan = 0
+        self._unread_body = False
+        self._drain_left = 0
         self._state = _HEAD
         self._request: FrontRequest | None = None
         self._reading: FrontRequest | None = None
@@ -344,55 +391,83 @@ class HTTPFront(Protocol):
 
     def dataReceived(self, data: bytes) -> None:
         if self._closing:
+            self._drained(len(data))
             return
+        buf = self._buf
         if self._busy:
-            buf = self._buf = self._buf + data if self._buf else data
+            buf += data
             if len(buf) > READ_AHEAD and not self._reading_paused:
                 self._reading_paused = True
                 self.transport.pauseProducing()
             return
-        self._consume(self._buf + data if self._buf else data)
+        if buf:
+            buf += data
+            self._consume(buf)
+        else:
+            self._consume(data)
 
-    def _consume(self, buf: bytes) -> None:
+    def _consume(self, buf: bytes | bytearray) -> None:
+        """
+        Read requests from C{buf}: the connection's own buffer, or a read
+        that arrived with nothing buffered. What is left is kept in the
+        one buffer; a head still incomplete is searched again only from
+        where the last search ended (C{_scan}), so a head that arrives a
+        byte at a time costs no more than one that arrives whole.
+        """
         self._in_consume = True
+        pos = 0
+        size = len(buf)
         try:
-            while buf and not self._busy and not self._closing:
+            while pos < size and not self._busy and not self._closing:
                 state = self._state
                 if state == _HEAD:
-                    if buf[:1] in (b"\r", b"\n"):
+                    c = buf[pos]
+                    if c == 13 or c == 10:
                         # Empty lines before a request line are allowed.
-                        buf = buf.lstrip(b"\r\n")
+                        pos += 1
                         continue
-                    end = buf.find(b"\r\n\r\n")
+                    end = buf.find(b"\r\n\r\n", pos + self._scan)
                     if end < 0:
-                        if len(buf) > MAX_HEAD:
-                            self._refuse(431, f"The request head is over {MAX_HEAD} bytes", "head_too_large")
+                        if not self._head_so_far(buf, pos, size):
                             return
                         break
-                    if end > MAX_HEAD:
+                    self._scan = 0
+                    if end - pos > MAX_HEAD:
                         self._refuse(431, f"The request head is over {MAX_HEAD} bytes", "head_too_large")
                         return
-                    head = buf[:end]
-                    buf = buf[end + 4 :]
+                    head = bytes(buf[pos:end])
+                    pos = end + 4
                     self._head(head)
                 elif state == _BODY:
                     n = self._remaining
-                    if len(buf) < n:
-                        self._remaining = n - len(buf)
-                        self._body_piece(buf)
-                        buf = b""
-                        break
-                    self._body_piece(buf[:n] if len(buf) > n else buf)
-                    buf = buf[n:]
-                    self._remaining = 0
+                    left = size - pos
+                    if left <= n:
+                        self._remaining = n - left
+                        self._body_piece(buf if pos == 0 and type(buf) is bytes else bytes(buf[pos:]))
+                        pos = size
+                        if self._remaining:
+                            break
+                    else:
+                        self._body_piece(bytes(buf[pos : pos + n]))
+                        pos += n
+                        self._remaining = 0
                     self._dispatch()
                 else:
-                    buf = self._chunks(buf)
-                    if self._state != _HEAD:
+                    used = self._chunks(buf if pos == 0 else buf[pos:])
+                    if used < 0:
+                        return
+                    pos += used
+                    if self._state == _CHUNKED:
                         break
-            self._buf = buf
         finally:
             self._in_consume = False
+            if self._closing:
+                self._buf = bytearray()
+            elif buf is self._buf:
+                if pos:
+                    del buf[:pos]
+            elif pos < size:
+                self._buf += memoryview(buf)[pos:]
         if self._closing:
             return
         if self._busy:
@@ -413,14 +488,44 @@ class HTTPFront(Protocol):
             # A response ended and nothing more is here: wait for the next.
             self._watch(self.factory.keep_alive_timeout, _W_IDLE)
 
+    def _head_so_far(self, buf: bytes | bytearray, pos: int, size: int) -> bool:
+        """
+        An incomplete head from C{pos}: check only the bytes not seen
+        before (a bare CR or LF cannot be part of a valid head, so it is
+        refused now rather than at the head timeout), and remember where
+        the next search starts. Returns C{False} when it refused.
+        """
+        seen = pos + self._scan
+        if size - pos > MAX_HEAD:
+            self._refuse(431, f"The request head is over {MAX_HEAD} bytes", "head_too_large")
+            return False
+        i = buf.find(b"\n", seen)
+        while i >= 0:
+            if i == pos or buf[i - 1] != 13:
+                self._refuse(400, "The request head has a bare LF (lines must end in CRLF)", "bad_request")
+                return False
+            i = buf.find(b"\n", i + 1)
+        i = buf.find(b"\r", seen)
+        while 0 <= i < size - 1:
+            if buf[i + 1] != 10:
+                self._refuse(400, "The request head has a bare CR (lines must end in CRLF)", "bad_request")
+                return False
+            i = buf.find(b"\r", i + 1)
+        # The terminator may straddle this read and the next.
+        self._scan = max(0, size - pos - 3)
+        return True
+
     def _head(self, head: bytes) -> None:
         lines = head.split(b"\r\n")
-        if head.count(b"\n") != len(lines) - 1 or head.count(b"\r") != len(lines) - 1 or b"\0" in head:
-            self._refuse(400, "The request head has a bare CR, LF or NUL", "bad_request")
+        if head.count(b"\n") != len(lines) - 1 or head.count(b"\r") != len(lines) - 1:
+            self._refuse(400, "The request head has a bare CR or LF", "bad_request")
+            return
+        if head.translate(None, _HEAD_BYTES):
+            self._refuse(400, "The request head has a control character", "bad_request")
             return
         parts = lines[0].split(b" ")
-        if len(parts) != 3 or not parts[0].isalpha() or not parts[1]:
-            self._refuse(400, f"Malformed request line {lines[0][:80]!r}", "bad_request")
+        if len(parts) != 3 or not parts[0] or parts[0].translate(None, _TCHAR) or not parts[1] or b"\t" in lines[0]:
+            self._refuse(400, f"Malformed request line {_quote(lines[0])}", "bad_request")
             return
         method, uri, version = parts
         if version == b"HTTP/1.1":
@@ -431,7 +536,7 @@ class HTTPFront(Protocol):
             self._refuse(505, f"HTTP version {version[:20]!r} is not supported", "bad_request")
             return
         else:
-            self._refuse(400, f"Malformed request line {lines[0][:80]!r}", "bad_request")
+            self._refuse(400, f"Malformed request line {_quote(lines[0])}", "bad_request")
             return
         if len(lines) > MAX_HEADERS + 1:
             self._refuse(431, f"The request has over {MAX_HEADERS} header lines", "too_many_headers")
@@ -441,25 +546,31 @@ class HTTPFront(Protocol):
         chunked = False
         connection: bytes | None = None
         expect = False
+        hosts = 0
         for line in lines[1:]:
             name, sep, value = line.partition(b":")
-            if not sep or not name or name[-1:] in b" \t" or name[:1] in b" \t":
-                self._refuse(400, f"Malformed header line {line[:80]!r}", "bad_request")
+            if not sep or not name or name.translate(None, _TCHAR):
+                # Also an obs-fold line (it starts with a blank) and a
+                # blank before the colon, which smuggling relies on.
+                self._refuse(400, f"Malformed header line {_quote(line)}: the name must be a token",
+                             "bad_request")
                 return
             name = name.lower()
             value = value.strip(b" \t")
             if name == b"content-length":
                 if not value.isdigit() or (length is not None and value != length):
-                    self._refuse(400, f"Bad Content-Length {value[:40]!r}", "bad_request")
+                    self._refuse(400, f"Bad Content-Length {_quote(value)}", "bad_request")
                     return
                 length = value
             elif name == b"transfer-encoding":
                 if value.lower() != b"chunked" or chunked:
                     self._refuse(
-                        501, f"Transfer-Encoding {value[:40]!r} is not supported (only chunked)", "bad_request"
+                        501, f"Transfer-Encoding {_quote(value)} is not supported (only chunked)", "bad_request"
                     )
                     return
                 chunked = True
+            elif name == b"host":
+                hosts += 1
             elif name == b"connection":
                 connection = value.lower()
             elif name == b"expect":
@@ -468,12 +579,24 @@ class HTTPFront(Protocol):
         if chunked and length is not None:
             self._refuse(400, "A request cannot have both Content-Length and Transfer-Encoding", "bad_request")
             return
+        if hosts > 1 or (hosts == 0 and not http10):
+            self._refuse(
+                400,
+                "An HTTP/1.1 request needs exactly one Host header" if hosts == 0
+                else "A request cannot have more than one Host header",
+                "bad_request",
+            )
+            return
         keep_alive = not http10
         if connection is not None:
             if b"close" in connection:
                 keep_alive = False
             elif http10 and b"keep-alive" in connection:
                 keep_alive = True
+        if chunked and http10:
+            # RFC 9112 §6.1: an HTTP/1.0 message with Transfer-Encoding has
+            # faulty framing; the connection closes after the response.
+            keep_alive = False
         request = FrontRequest(self, method, uri, http10, headers, keep_alive)
         self._reading = request
         self._parts = []
@@ -482,19 +605,13 @@ class HTTPFront(Protocol):
             self._decoder = ChunkedDecoder()
             self._state = _CHUNKED
         elif length is not None and length.lstrip(b"0"):
-            n = int(length) if len(length) < 19 else 1 << 62
+            digits = length.lstrip(b"0")
+            n = int(digits) if len(digits) <= 18 else self.max_body + 1
             if n > self.max_body:
-                request.too_large = True
-                if expect:
-                    # The client waits for a go-ahead before sending the
-                    # body: refuse now, and never read it.
-                    self._reading = None
-                    self._busy = True
-                    self._watching = _W_NONE
-                    self._request = request
-                    request.keep_alive = False
-                    self.factory.dispatch(request)
-                    return
+                # Refused before a byte of the body is read (and never
+                # read: the connection closes after the answer).
+                self._too_large(request)
+                return
             self._remaining = n
             self._state = _BODY
         else:
@@ -502,6 +619,24 @@ class HTTPFront(Protocol):
             return
         if expect and not http10:
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def _too_large(self, request: FrontRequest) -> None:
+        """
+        C{request}'s body is over the limit: hand it to the handler now,
+        marked C{too_large}, and read no more of this connection except to
+        let the answer reach the client (see L{close}).
+        """
+        request.too_large = True
+        request.keep_alive = False
+        self._unread_body = True
+        self._decoder = None
+        self._parts = []
+        self._state = _HEAD
+        self._reading = None
+        self._busy = True
+        self._watching = _W_NONE
+        self._request = request
+        self.factory.dispatch(request)
 
     def _body_piece(self, data: bytes) -> None:
         request = self._reading
@@ -515,10 +650,11 @@ class HTTPFront(Protocol):
             return
         self._parts.append(data)
 
-    def _chunks(self, buf: bytes) -> bytes:
+    def _chunks(self, buf: bytes | bytearray) -> int:
         """
-        Read chunked body framing from C{buf}; returns what is left over
-        (kept for the next call, or the next request's bytes).
+        Read chunked body framing from C{buf}; returns how many bytes it
+        used (the rest is kept for the next call, or is the next request),
+        or -1 when the request was refused or handed on as too large.
         """
         decoder = self._decoder
         assert decoder is not None
@@ -530,11 +666,15 @@ class HTTPFront(Protocol):
                 self._refuse(431, "The request's trailer is too long", "head_too_large")
             else:
                 self._refuse(400, str(e), "bad_request")
-            return b""
+            return -1
+        request = self._reading
+        if request is not None and request.too_large:
+            self._too_large(request)
+            return -1
         if decoder.done:
             self._decoder = None
             self._dispatch()
-        return buf[used:] if used < len(buf) else b""
+        return used
 
     def _dispatch(self) -> None:
         request = self._reading
@@ -543,7 +683,8 @@ class HTTPFront(Protocol):
         self._state = _HEAD
         parts = self._parts
         if parts and not request.too_large:
-            request.body = parts[0] if len(parts) == 1 else b"".join(parts)
+            body = parts[0] if len(parts) == 1 else b"".join(parts)
+            request.body = body if type(body) is bytes else bytes(body)
         self._parts = []
         self._busy = True
         self._watching = _W_NONE
@@ -570,23 +711,49 @@ class HTTPFront(Protocol):
             # _consume goes on with what is buffered, and sets the timer.
             return
         if self._buf:
-            buf, self._buf = self._buf, b""
-            self._consume(buf)
+            self._consume(self._buf)
         else:
             self._watch(self.factory.keep_alive_timeout, _W_IDLE)
 
     def close(self) -> None:
         """
         Send what is buffered, then close; read nothing more.
+
+        When a request's body was refused unread (413), closing at once
+        would reset a connection the client is still sending on, and the
+        reset can destroy the answer before the client reads it; so the
+        gateway closes its sending side only and reads and drops up to
+        L{DRAIN_MAX} more bytes (within the linger time) before it closes.
         """
         if not self._closing:
             self._closing = True
-            self._buf = b""
+            self._buf = bytearray()
             self._stop_timer()
-            self.transport.loseConnection()
+            half_close = getattr(self.transport, "loseWriteConnection", None)
+            if self._unread_body and half_close is not None:
+                self._drain_left = DRAIN_MAX
+                if self._reading_paused:
+                    self._reading_paused = False
+                    self.transport.resumeProducing()
+                half_close()
+            else:
+                self.transport.loseConnection()
             # A client that never reads what is left must not hold the
             # socket: the one timer now aborts the connection.
             self._timer = self.factory.reactor.callLater(CLOSE_LINGER, self._linger_expired)
+
+    def _drained(self, n: int) -> None:
+        """
+        C{n} bytes arrived after L{close}: dropped, and the connection is
+        aborted once more than L{DRAIN_MAX} did.
+        """
+        if self._drain_left <= 0:
+            return
+        self._drain_left -= n
+        if self._drain_left <= 0:
+            self.log.debug("aborting connection from {peer}: it sent over {limit} bytes after its 413",
+                           peer=self.peer, limit=DRAIN_MAX)
+            self.transport.abortConnection()
 
     def _linger_expired(self) -> None:
         self._timer = None
@@ -599,7 +766,7 @@ class HTTPFront(Protocol):
             "refused a request from {peer}: {status} {message}", peer=self.peer, status=status, message=message
         )
         body = error_body(message, "invalid_request_error", code)
-        reason = RESPONSES.get(status, b"Bad Request")
+        reason = REASONS.get(status, b"Bad Request")
         self.transport.write(
             b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
             b"Connection: close\r\n%s\r\n%s" % (status, reason, len(body), self.factory.date_line(), body)
@@ -609,8 +776,9 @@ class HTTPFront(Protocol):
 
     def connectionLost(self, reason: Failure = None) -> None:  # type: ignore[assignment]
         self._closing = True
-        self._buf = b""
+        self._buf = bytearray()
         self._stop_timer()
+        self.factory.connection_ended()
         request, self._request = self._request, None
         if request is not None and not request.finished:
             request.finished = True
@@ -646,6 +814,13 @@ class FrontFactory(ServerFactory):
     first byte (or of the connection's start), a body may go
     C{body_timeout} seconds without a byte, and a kept-alive connection may
     wait C{keep_alive_timeout} seconds for its next request.
+
+    At most C{max_connections} client connections are open at once (0: no
+    cap); a connection past the cap is closed at accept, before a byte is
+    read, and counted in C{refused_connections}. Starting the factory raises
+    the process's open-file limit to what the cap needs (one file per
+    client and one per upstream connection, plus L{FD_HEADROOM}), and logs
+    a warning when the hard limit does not allow it.
     """
 
     log = Logger()
@@ -659,8 +834,15 @@ class FrontFactory(ServerFactory):
         head_timeout: float = HEAD_TIMEOUT,
         body_timeout: float = BODY_TIMEOUT,
         keep_alive_timeout: float = KEEP_ALIVE_TIMEOUT,
+        max_connections: int = MAX_CONNECTIONS,
     ):
         self.handle = handle
+        self.max_connections = max_connections
+        #: Client connections open now, and refused at the cap so far.
+        self.connections = 0
+        self.refused_connections = 0
+        self._last_refusal_log = -REFUSAL_LOG_INTERVAL
+        self._unlogged_refusals = 0
         self.reactor = reactor
         self.max_body = max_body
         self.head_timeout = head_timeout
@@ -669,8 +851,39 @@ class FrontFactory(ServerFactory):
         self._date_second = -1
         self._date = b""
 
-    def buildProtocol(self, addr: Any) -> HTTPFront:
+    def startFactory(self) -> None:
+        if self.max_connections:
+            problem = ensure_fd_limit(2 * self.max_connections + FD_HEADROOM)
+            if problem:
+                self.log.warn("{problem}", problem=problem)
+
+    def buildProtocol(self, addr: Any) -> HTTPFront | None:  # type: ignore[override]
+        if self.max_connections and self.connections >= self.max_connections:
+            self._refuse_connection(addr)
+            return None
+        self.connections += 1
         return HTTPFront(self)
+
+    def connection_ended(self) -> None:
+        """
+        A client connection built by this factory has closed.
+        """
+        self.connections -= 1
+
+    def _refuse_connection(self, addr: Any) -> None:
+        self.refused_connections += 1
+        self._unlogged_refusals += 1
+        now = self.reactor.seconds()
+        if now - self._last_refusal_log < REFUSAL_LOG_INTERVAL:
+            return
+        self.log.warn(
+            "refusing client connections at accept: the gateway holds its maximum of "
+            "{cap} (--max-connections); {count} refused since the last such message, "
+            "the latest from {peer}",
+            cap=self.max_connections, count=self._unlogged_refusals, peer=getattr(addr, "host", addr),
+        )
+        self._last_refusal_log = now
+        self._unlogged_refusals = 0
 
     def dispatch(self, request: FrontRequest) -> None:
         try:

@@ -17,8 +17,9 @@ replicas. Timeouts: connect, first byte, and idle between bytes.
 
 from __future__ import annotations
 
+import re
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +36,8 @@ from llmgw.gateway.front import BODY_TIMEOUT, HEAD_TIMEOUT, KEEP_ALIVE_TIMEOUT, 
 from llmgw.gateway.keys import KeyRing
 from llmgw.gateway.metrics import GatewayMetrics
 from llmgw.gateway.router import Router
-from llmgw.gateway.upstream import UpstreamConnection, UpstreamPool
+from llmgw.gateway.upstream import UpstreamConnection, UpstreamPool, UpstreamProtocolError
+from llmgw.hostcheck import HostCheck
 from llmgw.routing import IInFlight, IRoutingTable, Route
 
 #: Request headers that are the gateway's business, not the replica's.
@@ -46,6 +48,18 @@ _DROP_REQUEST = frozenset(
         b"authorization", b"expect",
     }
 )
+#: Request headers that say who the client is and how it came: the gateway
+#: writes its own, never passes on the client's (which anyone can forge).
+_FORWARDING = frozenset(
+    {b"forwarded", b"x-forwarded-for", b"x-forwarded-proto", b"x-forwarded-host", b"x-real-ip"}
+)
+_DROP_FORWARDED = _DROP_REQUEST | _FORWARDING
+#: The scheme clients reach the gateway by (its front serves plain HTTP).
+_SCHEME = b"http"
+#: A C{Host} value safe to copy into X-Forwarded-Host and Forwarded.
+_HOST_VALUE = re.compile(rb"[A-Za-z0-9._\-]{1,253}(?::[0-9]{1,5})?|\[[0-9A-Fa-f:.]{2,45}\](?::[0-9]{1,5})?")
+#: Reason phrases that twisted.web's table lacks.
+_REASONS = {421: b"Misdirected Request"}
 #: Response headers the gateway writes itself.
 _DROP_RESPONSE = frozenset(
     {
@@ -81,7 +95,8 @@ class GatewayConfig:
 class Gateway:
     """
     What every request shares. C{keys} is C{None} when no API keys are
-    configured (every caller is accepted).
+    configured (every caller is accepted); C{hosts} are the C{Host} names
+    served (loopback names when not given).
     """
 
     log = Logger()
@@ -93,9 +108,11 @@ class Gateway:
         config: GatewayConfig | None = None,
         registry: CollectorRegistry | None = None,
         keys: KeyRing | None = None,
+        hosts: HostCheck | None = None,
     ):
         self.reactor = reactor
         self.table = table
+        self.hosts = hosts if hosts is not None else HostCheck(option="--gateway-hosts")
         self.config = config = config if config is not None else GatewayConfig()
         self.keys = keys
         self.router = Router(reactor, config.failure_threshold, config.cooldown)
@@ -110,19 +127,81 @@ class Gateway:
         self.pool.close()
 
 
+def connection_options(headers: Iterable[tuple[bytes, bytes]]) -> frozenset[bytes]:
+    """
+    The header names (lower case) that the C{Connection} headers among
+    C{headers} list: they are for this hop only.
+    """
+    named: set[bytes] = set()
+    for name, value in headers:
+        if name == b"connection":
+            for token in value.split(b","):
+                token = token.strip(b" \t").lower()
+                if token:
+                    named.add(token)
+    return frozenset(named)
+
+
 def forwarded_head(request: FrontRequest, body_length: int) -> bytes:
     """
     The request line and the headers to forward, up to (not including) the
     C{Host} header, which depends on the replica.
+
+    Hop-by-hop headers (and those the client's C{Connection} names) are
+    dropped; C{Forwarded}, C{X-Forwarded-For}, C{-Proto}, C{-Host} and
+    C{X-Real-IP} are the gateway's own, replacing any the client sent.
     """
+    headers = request.headers
     parts = [request.method, b" ", request.uri, b" HTTP/1.1\r\n"]
-    for name, value in request.headers:
-        if name not in _DROP_REQUEST:
+    host = None
+    named = False
+    for name, value in headers:
+        if name not in _DROP_FORWARDED:
             parts += (name, b": ", value, b"\r\n")
-    host = request.client_host
-    if host:
-        parts += (b"x-forwarded-for: ", host.encode(), b"\r\n")
-    parts.append(b"content-length: %d\r\n" % body_length)
+        elif name == b"connection":
+            named = True
+        elif name == b"host" and host is None:
+            host = value
+    if named:
+        # Rare enough to pay a second pass: a Connection header naming
+        # more than the hop-by-hop headers already dropped.
+        options = connection_options(headers) - _DROP_FORWARDED
+        if options:
+            parts = parts[:4]
+            for name, value in headers:
+                if name not in _DROP_FORWARDED and name not in options:
+                    parts += (name, b": ", value, b"\r\n")
+    key = (request.client_host, host)
+    block = _FORWARDING_BLOCKS.get(key)
+    if block is None:
+        block = _forwarding_block(*key)
+        if len(_FORWARDING_BLOCKS) < 1024:
+            _FORWARDING_BLOCKS[key] = block
+    parts += (block, b"content-length: %d\r\n" % body_length)
+    return b"".join(parts)
+
+
+#: The forwarding headers per (client address, Host): few clients send
+#: most requests, so most requests find theirs here.
+_FORWARDING_BLOCKS: dict[tuple[str | None, bytes | None], bytes] = {}
+
+
+def _forwarding_block(client: str | None, host: bytes | None) -> bytes:
+    """
+    The gateway's own C{X-Forwarded-*}, C{X-Real-IP} and C{Forwarded}
+    headers for a request from C{client} that asked for C{host}.
+    """
+    parts: list[bytes] = []
+    forwarded: list[bytes] = []
+    if client:
+        ip = client.encode()
+        parts += (b"x-forwarded-for: ", ip, b"\r\nx-real-ip: ", ip, b"\r\n")
+        forwarded.append(b'for="[%s]"' % ip if b":" in ip else b"for=" + ip)
+    if host is not None and _HOST_VALUE.fullmatch(host) is not None:
+        parts += (b"x-forwarded-host: ", host, b"\r\n")
+        forwarded.append(b'host="%s"' % host)
+    forwarded.append(b"proto=" + _SCHEME)
+    parts += (b"x-forwarded-proto: ", _SCHEME, b"\r\nforwarded: ", b";".join(forwarded), b"\r\n")
     return b"".join(parts)
 
 
@@ -242,6 +321,7 @@ class ProxyCall:
         length = None
         chunked = False
         kept = []
+        named = False
         for header in headers:
             name = header[0]
             if name not in _DROP_RESPONSE:
@@ -250,6 +330,12 @@ class ProxyCall:
                 length = int(header[1])
             elif name == b"transfer-encoding":
                 chunked = True
+            elif name == b"connection":
+                named = True
+        if named:
+            options = connection_options(headers)
+            if options:
+                kept = [h for h in kept if h[0] not in options]
         if chunked:
             # The body came chunked (a Content-Length beside it is void): its
             # length is not known, and the client's framing is chosen anew.
@@ -296,12 +382,27 @@ class ProxyCall:
             self.gw.router.failed(route.replica_id)
             self._abort_client(502)
             return
+        if reason.check(UpstreamProtocolError):
+            # The replica answered, but not in HTTP that can be passed on:
+            # nothing of it reaches the client, and the request is not sent
+            # again (the replica has done the work).
+            self.gw.router.failed(route.replica_id)
+            self._end_attempt()
+            message = f"{route.address} sent a malformed response: {reason.getErrorMessage()}"
+            self.log.warn(
+                "replica {replica} of {model}: {problem}",
+                replica=route.replica_id,
+                model=self.model,
+                problem=message,
+            )
+            self._refuse(errors.upstream_failed(self.model, message))
+            return
         if self.reused and not started and not self.fresh_retry_used:
             # A kept-alive connection the replica had closed: not the
             # replica's fault; once more on a fresh connection.
             self.fresh_retry_used = True
             self._end_attempt()
-            self.gw.metrics.retries.labels(self.model, "stale_connection").inc()
+            self.gw.metrics.retry(self.model, "stale_connection")
             self._attempt(route)
             return
         self._replica_failed(
@@ -345,11 +446,11 @@ class ProxyCall:
                 cooldown=self.gw.router.cooldown,
             )
         if len(self.tried) < self.gw.config.max_tries:
-            self.gw.metrics.retries.labels(self.model, reason).inc()
+            self.gw.metrics.retry(self.model, reason)
             self.log.info(
-                "{model} request: {message}; trying another replica",
+                "{model} request: {problem}; trying another replica",
                 model=self.model,
-                message=message,
+                problem=message,
             )
             self._attempt(None)
             return
@@ -364,10 +465,10 @@ class ProxyCall:
         else:
             err = errors.upstream_failed(self.model, self.last_error)
         self.log.warn(
-            "{model} request failed after {tries} replica(s): {message}",
+            "{model} request failed after {tries} replica(s): {problem}",
             model=self.model,
             tries=len(self.tried),
-            message=self.last_error,
+            problem=self.last_error,
         )
         self._refuse(err)
 
@@ -396,7 +497,7 @@ class ProxyCall:
         message = (
             f"{route.address} sent no response within {self.gw.config.first_byte_timeout} s"
         )
-        self.log.warn("{model} request: {message}", model=self.model, message=message)
+        self.log.warn("{model} request: {problem}", model=self.model, problem=message)
         # No retry: the replica may still be working on it; a second one
         # would only double the load.
         self._refuse(errors.upstream_timeout(self.model, message))
@@ -428,7 +529,7 @@ class ProxyCall:
         if conn is not None:
             conn.abort()
         self._end_attempt()
-        self.gw.metrics.client_disconnects.labels(self.model).inc()
+        self.gw.metrics.client_disconnect(self.model)
         self._record(499)
 
     def _end_attempt(self) -> None:
@@ -455,6 +556,6 @@ def send_error(request: FrontRequest, err: errors.GatewayError) -> None:
     body = err.body()
     headers = [(b"Content-Type", b"application/json")]
     headers += err.headers.items()
-    request.start_response(err.status, headers, len(body))
+    request.start_response(err.status, headers, len(body), _REASONS.get(err.status))
     request.write(body)
     request.finish()

@@ -7,6 +7,12 @@ C{POST /v1/chat/completions}, C{/v1/completions} and C{/v1/embeddings} are
 proxied to a replica, C{GET /v1/models} (and C{/v1/models/NAME}) answered
 from the routing table, and C{GET /health} for load balancers. Bodies over
 the limit are refused (413) without being kept.
+
+Every request but C{/health} must name in C{Host} a host the gateway serves
+(L{llmgw.hostcheck}), else 421. A body must be JSON nested at most
+L{llmgw.untrusted.MAX_JSON_DEPTH} deep and name C{"model"} once. Client
+strings are quoted in errors and logs by L{llmgw.untrusted.clip}; metrics
+label a model only when the routing table knows it.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from llmgw.gateway import errors
 from llmgw.gateway.front import FrontFactory, FrontRequest
 from llmgw.gateway.metrics import UNKNOWN_MODEL
 from llmgw.gateway.proxy import Gateway, ProxyCall, send_error
+from llmgw.routing import IRoutingTable
+from llmgw.untrusted import JSONInputError, clip, load_json
 
 PROXIED = {
     b"/v1/chat/completions": "/v1/chat/completions",
@@ -52,6 +60,11 @@ class GatewayResource:
             if path == HEALTH:
                 self._json(request, {"status": "ok"})
                 return
+            host = request.header(b"host")
+            hosts = self.gateway.hosts
+            if not hosts.allows(host):
+                assert host is not None
+                raise errors.misdirected(host, hosts.option)
             if keys is not None:
                 key_name = keys.authenticate(request.header(b"authorization"))
                 if key_name is None:
@@ -72,9 +85,7 @@ class GatewayResource:
                 self._only_get(request, "/v1/models/{model}")
                 self._model(request, path[len(MODELS_PREFIX) :].decode("utf-8", "replace"))
                 return
-            raise errors.not_found(
-                f"No such endpoint: {path.decode('utf-8', 'replace')[:200]}"
-            )
+            raise errors.not_found(f"No such endpoint: {clip(path)}")
         except errors.GatewayError as e:
             self._refused(request, e, key_name, UNKNOWN_MODEL, started)
 
@@ -87,9 +98,9 @@ class GatewayResource:
         if request.too_large or len(body) > limit:
             raise errors.too_large(limit)
         try:
-            obj = json.loads(body)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise errors.bad_request(f"The request body is not valid JSON: {e}", "invalid_json") from None
+            obj = load_json(body, unique=("model",))
+        except JSONInputError as e:
+            raise errors.bad_request(f"The request body is refused: {e}", e.code) from None
         if not isinstance(obj, dict):
             raise errors.bad_request("The request body must be a JSON object", "invalid_json")
         model = obj.get("model")
@@ -104,7 +115,7 @@ class GatewayResource:
             if not table.knows_model(model):
                 raise errors.model_not_found(model)
             err = errors.no_ready_replica(model, gw.config.retry_after)
-            self._refused(request, err, key_name, model, started, path=label)
+            self._refused(request, err, key_name, _label(table, model), started, path=label)
             return
         ProxyCall(gw, request, model, label, body, routes, started).start()
 
@@ -142,18 +153,30 @@ class GatewayResource:
     ) -> None:
         if err.status < 500:
             self.log.info(
-                "refused {method} {path} from {peer}{key}: {status} {message}",
-                method=request.method.decode("latin-1"),
-                path=request.path.decode("utf-8", "replace")[:200],
+                "refused {method} {path} from {peer}{key}: {status} {problem}",
+                method=clip(request.method),
+                path=clip(request.path),
                 peer=request.peer,
                 key=f" (key {key_name})" if key_name else "",
                 status=err.status,
-                message=err.message,
+                problem=err.message,
             )
         send_error(request, err)
         label = path or PROXIED.get(request.path, "other")
         m = self.gateway.metrics
         m.count(model, label, err.status)
+
+
+def _label(table: IRoutingTable, model: str) -> str:
+    """
+    The metrics label for a model with no route now: itself when the table
+    declares it, else L{UNKNOWN_MODEL}. A table that has not loaded yet (a
+    standalone gateway before its first poll) answers every model as known,
+    and then declares nothing.
+    """
+    if getattr(table, "loaded", True) and table.knows_model(model):
+        return model
+    return UNKNOWN_MODEL
 
 
 def _model_entry(model: str) -> dict[str, Any]:

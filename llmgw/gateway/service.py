@@ -26,11 +26,17 @@ from llmgw.addresses import (
     parse_address,
     server_endpoint,
 )
-from llmgw.gateway.follower import FollowerService, FollowerTable, RoutingSnapshot
+from llmgw.gateway.follower import FollowerService, FollowerTable
+from llmgw.gateway.front import MAX_CONNECTIONS
 from llmgw.gateway.keys import KeyRing, KeysError, load_keys
 from llmgw.gateway.proxy import Gateway, GatewayConfig
 from llmgw.gateway.resource import GatewayResource, GatewaySite
-from llmgw.routing import IInFlight, IRoutingTable
+from llmgw.hostcheck import HostCheck, HostListError, parse_hosts
+from llmgw.options import Options as BaseOptions
+from llmgw.options import non_negative_int, positive_float, positive_int
+from llmgw.routing import IInFlight, IRoutingTable, RoutingSnapshot
+from llmgw.tlsconf.options import ClientTLSPolicy, TLSConfigError, admin_files
+from llmgw.tlsconf.reload import ClientCertificateReload
 
 DEFAULT_GATEWAY = "127.0.0.1:8000"
 DEFAULT_METRICS = "127.0.0.1:7481"
@@ -44,7 +50,9 @@ class GatewayService(MultiService):
 
     C{gateway} (the shared state, an L{IInFlight}) and C{listener} (whose
     C{address()} is the bound address once running) are attributes; the
-    gateway's metrics go into C{registry} (a new one when not given).
+    gateway's metrics go into C{registry} (a new one when not given). It
+    answers to the loopback names, C{host} unless it is a wildcard, and
+    C{hosts} (entries as L{llmgw.hostcheck.parse_hosts} returns them).
     """
 
     log = Logger()
@@ -59,13 +67,21 @@ class GatewayService(MultiService):
         keys: KeyRing | None = None,
         registry: CollectorRegistry | None = None,
         backlog: int = 1024,
+        hosts: list[str] | None = None,
+        max_connections: int = MAX_CONNECTIONS,
     ):
         super().__init__()
         self.reactor = reactor
-        self.gateway = Gateway(reactor, table, config, registry, keys)
+        check = HostCheck(hosts or (), bound=host, option="--gateway-hosts")
+        self.gateway = Gateway(reactor, table, config, registry, keys, check)
         self.registry = self.gateway.registry
         self.site = GatewaySite(GatewayResource(self.gateway), reactor=reactor)
-        self.listener = ListenerService(server_endpoint(reactor, host, port, backlog), self.site)
+        # Past the cap a client connection is closed at accept; starting
+        # the site raises the open-file limit to what the cap needs.
+        self.site.max_connections = max_connections
+        self.listener = ListenerService(
+            server_endpoint(reactor, host, port, backlog), self.site, "the gateway", "--listen"
+        )
         self.listener.setName("gateway-listener")
         self.listener.setServiceParent(self)
         self.host, self.port = host, port
@@ -89,41 +105,62 @@ class GatewayService(MultiService):
         return d
 
 
-def _positive(options: usage.Options, name: str, kind: type = float) -> None:
-    try:
-        options[name] = kind(options[name])
-    except ValueError:
-        raise usage.UsageError(f"--{name} must be a {'number' if kind is float else 'whole number'}") from None
-    if options[name] <= 0:
-        raise usage.UsageError(f"--{name} must be positive")
-
-
-class Options(usage.Options):
+class Options(BaseOptions):
     optParameters = [
         ["listen", None, DEFAULT_GATEWAY,
          "[HOST:]PORT the gateway serves on; loopback by default, 0.0.0.0:8000 exposes it"],
         ["control-admin", None, DEFAULT_CONTROL_ADMIN, "the control plane's admin API to follow"],
-        ["poll-interval", None, "2", "seconds between polls of the admin API"],
+        ["admin-certs", None, None, "with an https:// --control-admin: the directory with ca.pem "
+         "and this gateway's admin-NAME.pem/.key (`llmgw ctl cert admin NAME --role gateway`)"],
+        ["admin-as", None, None, "with an https:// --control-admin: NAME of that certificate"],
+        ["poll-interval", None, 2.0,
+         "seconds before retrying a failed read of the control plane's routes (doubled on each "
+         "failure in a row, up to 30); while it answers, the routes are long-polled",
+         positive_float],
         ["metrics", None, DEFAULT_METRICS, "[HOST:]PORT for /metrics (Prometheus), or 'off'"],
-        ["keys", None, None, "API keys file (one per line, or TOML [keys] name = \"key\")"],
-        ["max-body", None, str(GatewayConfig.max_body), "largest request body accepted, in bytes"],
-        ["connect-timeout", None, str(GatewayConfig.connect_timeout), "seconds to connect to a replica"],
-        ["first-byte-timeout", None, str(GatewayConfig.first_byte_timeout),
-         "seconds a replica may take before the first byte of its answer"],
-        ["idle-timeout", None, str(GatewayConfig.idle_timeout),
-         "seconds a replica may stay silent in the middle of an answer"],
-        ["head-timeout", None, str(GatewayConfig.head_timeout),
-         "seconds a client may take to send a request's head, from its first byte (then 408)"],
-        ["body-timeout", None, str(GatewayConfig.body_timeout),
-         "seconds a client's request body may go without a byte arriving (then 408)"],
-        ["keep-alive-timeout", None, str(GatewayConfig.keep_alive_timeout),
-         "seconds a kept-alive client connection may wait for its next request"],
-        ["max-tries", None, str(GatewayConfig.max_tries), "replicas tried when connections fail"],
-        ["failure-threshold", None, str(GatewayConfig.failure_threshold),
-         "failures in a row that take a replica out of rotation"],
-        ["cooldown", None, str(GatewayConfig.cooldown), "seconds a failing replica stays out of rotation"],
-        ["backlog", None, "1024", "listen backlog"],
+        ["api-keys", None, None, "API keys file (one per line, or TOML [keys] name = \"key\"); none: no keys"],
+        ["max-body", None, GatewayConfig.max_body, "largest request body accepted, in bytes",
+         positive_int],
+        ["connect-timeout", None, GatewayConfig.connect_timeout, "seconds to connect to a replica",
+         positive_float],
+        ["first-byte-timeout", None, GatewayConfig.first_byte_timeout,
+         "seconds a replica may take before the first byte of its answer", positive_float],
+        ["idle-timeout", None, GatewayConfig.idle_timeout,
+         "seconds a replica may stay silent in the middle of an answer", positive_float],
+        ["head-timeout", None, GatewayConfig.head_timeout,
+         "seconds a client may take to send a request's head, from its first byte (then 408)",
+         positive_float],
+        ["body-timeout", None, GatewayConfig.body_timeout,
+         "seconds a client's request body may go without a byte arriving (then 408)",
+         positive_float],
+        ["keep-alive-timeout", None, GatewayConfig.keep_alive_timeout,
+         "seconds a kept-alive client connection may wait for its next request", positive_float],
+        ["max-tries", None, GatewayConfig.max_tries, "replicas tried when connections fail",
+         positive_int],
+        ["failure-threshold", None, GatewayConfig.failure_threshold,
+         "failures in a row that take a replica out of rotation", positive_int],
+        ["cooldown", None, GatewayConfig.cooldown, "seconds a failing replica stays out of rotation",
+         positive_float],
+        ["backlog", None, 1024, "listen backlog", positive_int],
+        ["gateway-hosts", None, "",
+         "comma-separated Host names the gateway answers to besides loopback names and its "
+         "bound address (NAME, NAME:PORT, .DOMAIN, or * for any); a wildcard bind needs them"],
+        ["max-connections", None, MAX_CONNECTIONS,
+         "most client connections at once; past it new ones are closed at accept (0: no cap)",
+         non_negative_int],
     ]
+
+    def __init__(self) -> None:
+        super().__init__()
+        #: Warnings about the command line, logged when the service is made.
+        self.warnings: list[str] = []
+
+    def opt_keys(self, path: str) -> None:
+        """
+        Old name of --api-keys (warns; will go).
+        """
+        self["api-keys"] = path
+        self.warnings.append("--keys is now called --api-keys, as on the control plane; --keys will go")
 
     def postOptions(self) -> None:
         try:
@@ -140,19 +177,27 @@ class Options(usage.Options):
         url = self["control-admin"]
         if not url.startswith(("http://", "https://")):
             raise usage.UsageError(f"--control-admin: {url!r} is not an http:// or https:// URL")
-        for name in (
-            "poll-interval", "connect-timeout", "first-byte-timeout", "idle-timeout", "cooldown",
-            "head-timeout", "body-timeout", "keep-alive-timeout",
-        ):
-            _positive(self, name)
-        for name in ("max-body", "max-tries", "failure-threshold", "backlog"):
-            _positive(self, name, int)
-        self["keyring"] = None
-        if self["keys"]:
+        try:
+            self["gateway-hosts"] = parse_hosts(self["gateway-hosts"] or "")
+        except HostListError as e:
+            raise usage.UsageError(f"--gateway-hosts: {e}") from e
+        self["admin_tls"] = None
+        if url.startswith("https://"):
+            if not self["admin-certs"] or not self["admin-as"]:
+                raise usage.UsageError(
+                    f"--control-admin {url} is https: give this gateway's admin certificate "
+                    "with --admin-certs DIR and --admin-as NAME"
+                )
             try:
-                self["keyring"] = load_keys(Path(self["keys"]))
+                self["admin_tls"] = ClientTLSPolicy(admin_files(self["admin-certs"], self["admin-as"]))
+            except TLSConfigError as e:
+                raise usage.UsageError(f"--admin-certs/--admin-as: {e}") from e
+        self["keyring"] = None
+        if self["api-keys"]:
+            try:
+                self["keyring"] = load_keys(Path(self["api-keys"]))
             except KeysError as e:
-                raise usage.UsageError(f"--keys: {e}") from e
+                raise usage.UsageError(f"--api-keys: {e}") from e
 
     def config(self) -> GatewayConfig:
         return GatewayConfig(
@@ -176,6 +221,8 @@ class StandaloneGateway(MultiService):
     asked for, C{metrics_listener}.
     """
 
+    log = Logger()
+
     def __init__(
         self,
         reactor: Any,
@@ -188,14 +235,24 @@ class StandaloneGateway(MultiService):
         metrics_address: tuple[str, int] | None = None,
         backlog: int = 1024,
         http: Any = None,
+        admin_tls: Any = None,
+        hosts: list[str] | None = None,
+        max_connections: int = MAX_CONNECTIONS,
     ):
         super().__init__()
         self.registry = CollectorRegistry()
-        self.table = FollowerTable(reactor, admin_url, http=http, registry=self.registry)
-        self.follower = FollowerService(self.table, poll_interval)
+        self.table = FollowerTable(
+            reactor, admin_url, http=http, registry=self.registry, tls=admin_tls
+        )
+        self.follower = FollowerService(self.table, retry=poll_interval)
         self.follower.setServiceParent(self)
+        if admin_tls is not None:
+            # SIGHUP re-reads the gateway's admin certificate and CA bundle.
+            ClientCertificateReload(
+                reactor, admin_tls, "the gateway's admin API certificate"
+            ).setServiceParent(self)
         self.front = GatewayService(
-            reactor, self.table, host, port, config, keys, self.registry, backlog
+            reactor, self.table, host, port, config, keys, self.registry, backlog, hosts, max_connections
         )
         self.front.setServiceParent(self)
         router = self.front.gateway.router
@@ -211,7 +268,10 @@ class StandaloneGateway(MultiService):
             site = Site(root, reactor=reactor)
             site.log = lambda request: None  # type: ignore[method-assign]
             self.metrics_listener = ListenerService(
-                server_endpoint(reactor, metrics_address[0], metrics_address[1]), site
+                server_endpoint(reactor, metrics_address[0], metrics_address[1]),
+                site,
+                "the gateway's /metrics",
+                "--metrics",
             )
             self.metrics_listener.setServiceParent(self)
 
@@ -221,6 +281,8 @@ def makeService(options: Options, reactor: Any = None) -> StandaloneGateway:
         from twisted.internet import reactor as _reactor
 
         reactor = _reactor
+    for warning in options.warnings:
+        StandaloneGateway.log.warn("{problem}", problem=warning)
     return StandaloneGateway(
         reactor,
         options["control-admin"],
@@ -231,4 +293,7 @@ def makeService(options: Options, reactor: Any = None) -> StandaloneGateway:
         poll_interval=options["poll-interval"],
         metrics_address=options["metrics_address"],
         backlog=options["backlog"],
+        admin_tls=options.get("admin_tls"),
+        hosts=options["gateway-hosts"],
+        max_connections=options["max-connections"],
     )

@@ -14,6 +14,7 @@ keeps idle connections per address.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 from typing import Protocol as TypingProtocol
 
@@ -30,9 +31,25 @@ from twisted.python.failure import Failure
 
 from llmgw.addresses import AddressError, is_ipv6, parse_address
 from llmgw.gateway.chunked import ChunkedDecoder, ChunkError
+from llmgw.untrusted import clip
 
 #: The most a response's status line and headers may take.
 MAX_HEAD = 64 * 1024
+#: Most digits of a Content-Length (10**18 bytes is past any response).
+MAX_LENGTH_DIGITS = 18
+
+# RFC 9110 §5.1 and §5.5, RFC 9112 §4: a status line, then header lines
+# whose names are tokens and whose values hold no control character but
+# HTAB (so no bare CR or LF either: a line break inside a value would be a
+# header of the replica's choosing at the client). One C scan of the head.
+# Possessive quantifiers: nothing to backtrack into, a fifth faster.
+_TOKEN = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]++"
+_TEXT = rb"[\t\x20-\x7e\x80-\xff]*+"
+_VALID_HEAD = re.compile(
+    rb"HTTP/1\.[0-9] [0-9]{3}(?: " + _TEXT + rb")?(?:\r\n" + _TOKEN + rb"[ \t]*+:" + _TEXT + rb")*+"
+)
+_IS_TOKEN = re.compile(_TOKEN)
+_IS_TEXT = re.compile(_TEXT)
 
 _HEAD, _LENGTH, _CHUNKED, _UNTIL_CLOSE, _DONE = range(5)
 
@@ -214,44 +231,60 @@ class UpstreamConnection(Protocol):
         """
         Parse the status line and headers; report them unless the response
         is an interim one (returns C{False} then).
+
+        @raise UpstreamProtocolError: the head is malformed (see
+            L{_VALID_HEAD}), its Content-Length is not a plain number or two
+            disagree, or its Transfer-Encoding is anything but C{chunked}
+            alone (the only coding this client decodes), or comes in an
+            HTTP/1.0 response.
         """
+        if _VALID_HEAD.fullmatch(head) is None:
+            raise UpstreamProtocolError(_head_problem(head))
         lines = head.split(b"\r\n")
-        parts = lines[0].split(b" ", 2)
-        if len(parts) < 2 or not parts[0].startswith(b"HTTP/1."):
-            raise UpstreamProtocolError(f"bad status line {lines[0][:80]!r}")
-        try:
-            status = int(parts[1])
-        except ValueError:
-            raise UpstreamProtocolError(f"bad status line {lines[0][:80]!r}") from None
+        status_line = lines[0]
+        status = int(status_line[9:12])
         if 100 <= status < 200:
             return False
-        reason = parts[2] if len(parts) > 2 else b""
+        http10 = status_line.startswith(b"HTTP/1.0")
+        reason = status_line[13:]
         headers: list[tuple[bytes, bytes]] = []
         length: int | None = None
-        chunked = False
-        keep_alive = parts[0] == b"HTTP/1.1"
+        codings: list[bytes] = []
+        keep_alive = not http10
         for line in lines[1:]:
-            name, sep, value = line.partition(b":")
-            if not sep:
-                raise UpstreamProtocolError(f"bad header line {line[:80]!r}")
-            name = name.strip().lower()
-            value = value.strip()
+            name, _, value = line.partition(b":")
+            name = name.rstrip(b" \t").lower()
+            value = value.strip(b" \t")
             if name == b"content-length":
-                try:
-                    length = int(value)
-                except ValueError:
-                    raise UpstreamProtocolError(f"bad Content-Length {value[:40]!r}") from None
-                if length < 0:
-                    raise UpstreamProtocolError(f"bad Content-Length {value[:40]!r}")
+                if not (value.isdigit() and len(value) <= MAX_LENGTH_DIGITS):
+                    raise UpstreamProtocolError(f"bad Content-Length {clip(value)}")
+                n = int(value)
+                if length is not None and n != length:
+                    raise UpstreamProtocolError(f"two Content-Lengths, {length} and {n}")
+                length = n
             elif name == b"transfer-encoding":
-                chunked = value.lower().endswith(b"chunked")
+                codings += [c for c in (t.strip(b" \t").lower() for t in value.split(b",")) if c]
             elif name == b"connection":
-                tokens = value.lower()
+                tokens = {t.strip(b" \t").lower() for t in value.split(b",")}
                 if b"close" in tokens:
                     keep_alive = False
                 elif b"keep-alive" in tokens:
                     keep_alive = True
             headers.append((name, value))
+        chunked = False
+        if codings:
+            if http10:
+                raise UpstreamProtocolError("an HTTP/1.0 response with Transfer-Encoding")
+            if codings != [b"chunked"]:
+                raise UpstreamProtocolError(
+                    f"Transfer-Encoding {clip(b', '.join(codings))}: only chunked, alone, "
+                    "can be decoded"
+                )
+            chunked = True
+            if length is not None:
+                # Both: a sign of a smuggling attempt (RFC 9112 §6.3); read
+                # it chunked and never reuse the connection.
+                keep_alive = False
         self._keep_alive = keep_alive
         if status in (204, 304):
             self._state = _DONE
@@ -298,6 +331,25 @@ class UpstreamConnection(Protocol):
             self.connected_ = False
             self.transport.loseConnection()
         handler.response_finished()
+
+
+def _head_problem(head: bytes) -> str:
+    """
+    What is wrong with a response head that L{_VALID_HEAD} refused.
+    """
+    lines = head.split(b"\r\n")
+    first = lines[0]
+    if re.fullmatch(rb"HTTP/1\.[0-9] [0-9]{3}(?: " + _TEXT + rb")?", first) is None:
+        return f"bad status line {clip(first)}"
+    for line in lines[1:]:
+        name, sep, value = line.partition(b":")
+        if not sep:
+            return f"header line without a colon: {clip(line)}"
+        if _IS_TOKEN.fullmatch(name.rstrip(b" \t")) is None:
+            return f"header name {clip(name)} is not a token"
+        if _IS_TEXT.fullmatch(value) is None:
+            return f"header {clip(name)} has a control character (CR, LF or another) in its value"
+    return "malformed response head"
 
 
 class UpstreamPool:

@@ -8,7 +8,7 @@ benchmarks to run their real paths without a GPU::
     python -m llmgw.testing.fakemodel --port 8001 --model tiny \\
         [--host 127.0.0.1] [--startup-delay 2] [--tokens-per-second 50] \\
         [--tokens 16] [--fail-health] [--exit-after 30 [--exit-code 3]] \\
-        [--ignore-term]
+        [--ignore-term] [--metrics vllm|sglang|llamacpp|garbage|hang]
 
 Without C{--port} it listens on C{$LLMGW_PORT}, which is what the agent sets
 for a shard.
@@ -17,6 +17,10 @@ Endpoints:
 
     GET  /health                200 once up; 503 during --startup-delay or
                                 with --fail-health
+    GET  /metrics               with --metrics: Prometheus text shaped like
+                                vLLM's, SGLang's or llama.cpp's (live counts:
+                                running = requests being answered), or
+                                garbage, or an answer that never comes
     GET  /v1/models             the one model it serves
     POST /v1/chat/completions   OpenAI chat completion, streaming or not
     POST /v1/completions        OpenAI text completion, streaming or not
@@ -77,6 +81,13 @@ class FakeModelConfig:
     fail_health: bool = False
     #: Who answered, in the X-Fakemodel-Instance header.
     instance: str = ""
+    #: The shape of /metrics (L{METRICS_SHAPES}); "" serves none (404).
+    metrics: str = ""
+    #: Seconds after start from which /metrics hangs (None: never).
+    metrics_hang_after: float | None = None
+
+
+METRICS_SHAPES = ("vllm", "sglang", "llamacpp", "garbage", "hang")
 
 
 class _Error(Exception):
@@ -156,6 +167,27 @@ class _Health(_Base):
             request.setResponseCode(503)
             return b'{"status": "starting"}'
         return b'{"status": "ok"}'
+
+
+class _Metrics(_Base):
+    def render_GET(self, request: Any) -> Any:
+        from twisted.web.server import NOT_DONE_YET
+
+        shape = self.app.config.metrics
+        after = self.app.config.metrics_hang_after
+        if after is not None and self.app.clock.seconds() - self.app.started >= after:
+            shape = "hang"
+        if shape == "hang":
+            # Headers and no body, ever: the scraper's timeout must end it.
+            request.setHeader(b"content-type", b"text/plain")
+            request.write(b"")
+            self.app.hanging.append(request)
+            request.notifyFinish().addBoth(lambda _: self.app.hanging.remove(request))
+            return NOT_DONE_YET
+        request.setHeader(b"content-type", b"text/plain; version=0.0.4")
+        if shape == "garbage":
+            return b"<html>this is not a metrics endpoint</html>\n\x00\x01\xff\n"
+        return self.app.metrics_text(shape).encode()
 
 
 class _Models(_Base):
@@ -242,6 +274,12 @@ class FakeModelApp:
         missing = _NotFound(self)
         self.root = _Dir(missing)
         self.root.putChild(b"health", _Health(self))
+        if config.metrics:
+            self.root.putChild(b"metrics", _Metrics(self))
+        #: Requests being answered now (streams in progress), and /metrics
+        #: requests left hanging (--metrics hang).
+        self.running = 0
+        self.hanging: list[Any] = []
         v1 = _Dir(missing)
         self.root.putChild(b"v1", v1)
         v1.putChild(b"models", _Models(self))
@@ -291,6 +329,57 @@ class FakeModelApp:
 
     def _count(self, kind: str) -> None:
         self.requests[kind] = self.requests.get(kind, 0) + 1
+
+    def metrics_text(self, shape: str) -> str:
+        """
+        Prometheus text in C{shape}'s names (see C{tests/data/metrics-*.txt}
+        for where they come from): C{running} requests, none waiting, KV
+        cache use 0.25 per running request (at most 1), and 10 prompt tokens
+        per request answered of which the repeats' 8 are cached.
+        """
+        answered = sum(self.requests.values())
+        running = self.running
+        queries, hits = 10.0 * answered, 8.0 * max(0, answered - 1)
+        usage = min(1.0, 0.25 * running)
+        label = f'{{model_name="{self.config.model}"}}'
+        if shape == "vllm":
+            lines = [
+                "# TYPE vllm:num_requests_running gauge",
+                f"vllm:num_requests_running{label} {running}.0",
+                "# TYPE vllm:num_requests_waiting gauge",
+                f"vllm:num_requests_waiting{label} 0.0",
+                "# TYPE vllm:kv_cache_usage_perc gauge",
+                f"vllm:kv_cache_usage_perc{label} {usage}",
+                "# TYPE vllm:prefix_cache_queries_total counter",
+                f"vllm:prefix_cache_queries_total{label} {queries}",
+                "# TYPE vllm:prefix_cache_hits_total counter",
+                f"vllm:prefix_cache_hits_total{label} {hits}",
+            ]
+        elif shape == "sglang":
+            lines = [
+                "# TYPE sglang:num_running_reqs gauge",
+                f"sglang:num_running_reqs{label} {running}.0",
+                "# TYPE sglang:num_queue_reqs gauge",
+                f"sglang:num_queue_reqs{label} 0.0",
+                "# TYPE sglang:token_usage gauge",
+                f"sglang:token_usage{label} {usage}",
+                "# TYPE sglang:prompt_tokens_total counter",
+                f"sglang:prompt_tokens_total{label} {queries}",
+                "# TYPE sglang:cached_tokens_total counter",
+                f"sglang:cached_tokens_total{label} {hits}",
+            ]
+        else:
+            lines = [
+                "# TYPE llamacpp:prompt_tokens_total counter",
+                f"llamacpp:prompt_tokens_total {queries - hits:g}",
+                "# TYPE llamacpp:prompt_tokens_cached_total counter",
+                f"llamacpp:prompt_tokens_cached_total {hits:g}",
+                "# TYPE llamacpp:requests_processing gauge",
+                f"llamacpp:requests_processing {running}",
+                "# TYPE llamacpp:requests_deferred gauge",
+                "llamacpp:requests_deferred 0",
+            ]
+        return "\n".join(lines) + "\n"
 
     # -- generation -------------------------------------------------------------
 
@@ -436,6 +525,7 @@ class _Stream:
         req.setHeader(b"content-type", b"text/event-stream")
         req.setHeader(b"cache-control", b"no-cache")
         req.notifyFinish().addBoth(self._gone)
+        self.app.running += 1
         if self.kind == "chat":
             # The role comes first, before any token, as OpenAI sends it.
             self._send(self._chunk({"role": "assistant", "content": ""}, None))
@@ -443,6 +533,8 @@ class _Stream:
         return server.NOT_DONE_YET
 
     def _gone(self, _: Any) -> None:
+        if not self.gone:
+            self.app.running -= 1
         self.gone = True
         if self.call is not None and self.call.active():
             self.call.cancel()
@@ -547,6 +639,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--exit-after", type=float, default=None,
                    help="exit on its own after this many seconds")
     p.add_argument("--exit-code", type=int, default=3, help="exit status for --exit-after")
+    p.add_argument("--metrics", choices=METRICS_SHAPES, default="",
+                   help="serve /metrics shaped like this engine's (or garbage, or hang)")
+    p.add_argument("--metrics-hang-after", type=float, default=None,
+                   help="from this many seconds after start, /metrics never answers")
     p.add_argument("--ignore-term", action="store_true",
                    help="ignore SIGTERM (to exercise a supervisor's KILL after the grace)")
     return p
@@ -580,6 +676,8 @@ def main(argv: list[str] | None = None, reactor: Any = None,
         tokens_per_second=args.tokens_per_second,
         tokens=args.tokens,
         fail_health=args.fail_health,
+        metrics=args.metrics,
+        metrics_hang_after=args.metrics_hang_after,
     )
     try:
         listening = listen(reactor, config, port, args.host)

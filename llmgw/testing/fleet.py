@@ -12,9 +12,11 @@ from __future__ import annotations
 import collections
 from typing import Any
 
+from twisted.internet.task import Clock
 from zope.interface import implementer
 
 from llmgw.control.interfaces import AdminError, IFleetAdmin, UnknownDeployment, UnknownNode
+from llmgw.routing import Route, RoutingTable
 
 
 @implementer(IFleetAdmin)
@@ -29,6 +31,10 @@ class FakeFleet:
         self.frozen = False
         self.calls: list[tuple[Any, ...]] = []
         self.last_pass_seconds: float | None = None
+        #: The routes a real reconciler would publish for these views (ready
+        #: replicas at their rank 0 address, declared models), re-published
+        #: by L{publish_routes} and whenever a view is added.
+        self.routing_table = RoutingTable(Clock())
 
     # -- filling ------------------------------------------------------------------
 
@@ -58,6 +64,7 @@ class FakeFleet:
         view = {"model": model, "profile": profile, "desired": desired, "ready": ready,
                 "backoff_until": None, "last_failure": None}
         self.deployment_views[model] = view
+        self.publish_routes()
         return view
 
     def add_replica(self, replica_id: str, model: str, shards: list[tuple[str, str]],
@@ -78,7 +85,20 @@ class FakeFleet:
             ],
         }
         self.replica_views.append(view)
+        self.publish_routes()
         return view
+
+    def publish_routes(self) -> None:
+        """
+        Publish the routing table the views describe (call it again after
+        changing a view in place).
+        """
+        routes = [
+            Route(r["id"], r["model"], r["shards"][0]["address"], bool(r["draining"]))
+            for r in self.replica_views
+            if r["state"] == "ready" and r["shards"]
+        ]
+        self.routing_table.publish(routes, self.deployment_views)
 
     def add_event(self, time: float, kind: str, reason: str, node: str = "", replica: str = "",
                   shard: str = "", **extra: Any) -> dict[str, Any]:

@@ -25,7 +25,14 @@ from twisted.python.failure import Failure
 from twisted.test import iosim
 
 from llmgw.api.v1 import agent_pb2 as pb
-from llmgw.tlsconf.ca import CertificateAuthority, cert_pem, key_pem, random_serial, write_private
+from llmgw.tlsconf.ca import (
+    LEAF_KEY_USAGE,
+    CertificateAuthority,
+    cert_pem,
+    key_pem,
+    random_serial,
+    write_private,
+)
 from llmgw.tlsconf.options import AgentClientTLS, agent_files
 from llmgw.wire import PROTOCOL_VERSION, MessageStream
 
@@ -53,11 +60,13 @@ def issue_raw(
     not_before: datetime.datetime | None = None,
     not_after: datetime.datetime | None = None,
     sans: list[x509.GeneralName] | None = None,
+    key_usage: x509.KeyUsage | None = LEAF_KEY_USAGE,
+    extra_usages: Iterable[x509.ObjectIdentifier] = (),
 ) -> tuple[Path, Path]:
     """
     Issue a certificate the CLI would never issue (expired, no usage, odd
-    names), for tests of what the verifiers refuse. Returns the cert and key
-    paths.
+    names, a key usage other than digitalSignature, or none), for tests of
+    what the verifiers refuse. Returns the cert and key paths.
     """
     now = datetime.datetime.now(datetime.UTC)
     key = ec.generate_private_key(ec.SECP256R1())
@@ -71,8 +80,11 @@ def issue_raw(
         .not_valid_after(not_after or now + datetime.timedelta(days=1))
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
     )
-    if usage is not None:
-        builder = builder.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+    if key_usage is not None:
+        builder = builder.add_extension(key_usage, critical=True)
+    usages = ([usage] if usage is not None else []) + list(extra_usages)
+    if usages:
+        builder = builder.add_extension(x509.ExtendedKeyUsage(usages), critical=False)
     if sans:
         builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
     cert = builder.sign(ca.key, hashes.SHA256())

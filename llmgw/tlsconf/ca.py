@@ -7,10 +7,25 @@ that lives on one machine and a self-signed root that every node trusts.
 
 Files in the CA directory (default C{./certs}):
 
-    ca.pem, ca.key                    the root and its key
+    ca.pem                            every trusted root (the bundle); the
+                                      active one first
+    ca.key                            the active root's key (it signs)
+    ca-previous.pem, ca-previous.key  the root being retired, during a
+                                      rollover only (L{CertificateAuthority.rotate})
+    ca-retired-SERIAL.pem             a root retired by L{CertificateAuthority.retire}
     server.pem, server.key            the control plane's certificate
     agent-NODE.pem, agent-NODE.key    one node's certificate
+    admin-NAME.pem, admin-NAME.key    one admin client's certificate (with its role)
     issued.jsonl                      one JSON line per certificate issued
+
+Leaves carry the key usage TLS needs of an ECDSA key, digitalSignature,
+and nothing else; the extended key usage says what they are for
+(serverAuth, clientAuth, and for admin clients an llmgw role, below).
+
+An admin certificate's role is an extended key usage under llmgw's own
+object identifier arc (L{ADMIN_ROLE_OIDS}): it is inside the signed
+certificate, so only the CA can set it, and no node or server certificate
+carries one.
 
 Keys are written with mode 0600, through a temporary file and a rename, so a
 reader never sees half a key.
@@ -39,6 +54,27 @@ from llmgw.wire import InvalidNodeId, validate_node_id
 BACKDATE = datetime.timedelta(minutes=5)
 DEFAULT_CA_DAYS = 3650
 DEFAULT_LEAF_DAYS = 365
+
+#: llmgw's object identifier arc: a UUID-derived OID (ITU-T X.667, the
+#: 2.25 arc), which needs no registration and collides with nobody's.
+LLMGW_OID_ARC = "2.25.207025164388289127420234717139102062531"
+#: The extended key usage that makes a client certificate an admin
+#: certificate with that role.
+ADMIN_ROLE_OIDS: dict[str, x509.ObjectIdentifier] = {
+    "viewer": x509.ObjectIdentifier(LLMGW_OID_ARC + ".1.1"),
+    "operator": x509.ObjectIdentifier(LLMGW_OID_ARC + ".1.2"),
+    "gateway": x509.ObjectIdentifier(LLMGW_OID_ARC + ".1.3"),
+}
+ADMIN_ROLES = tuple(ADMIN_ROLE_OIDS)
+ROLE_BY_OID = {oid: role for role, oid in ADMIN_ROLE_OIDS.items()}
+
+#: A leaf's key usage: digitalSignature only (TLS 1.2 ECDHE and TLS 1.3 sign
+#: with the key; nothing agrees keys with it).
+LEAF_KEY_USAGE = x509.KeyUsage(
+    digital_signature=True, content_commitment=False, key_encipherment=False,
+    data_encipherment=False, key_agreement=False, key_cert_sign=False,
+    crl_sign=False, encipher_only=False, decipher_only=False,
+)
 
 
 class CAError(Exception):
@@ -119,11 +155,111 @@ def parse_host(host: str) -> x509.GeneralName:
 class Issued:
     """
     A certificate and key just issued, and where they were written.
+
+    C{replaced}: the certificate that was in C{cert_path} before (on
+    C{--renew}/C{--force}), or C{None}.
     """
 
     certificate: x509.Certificate
     cert_path: Path
     key_path: Path
+    replaced: x509.Certificate | None = None
+
+
+#: C{replace} values of the C{issue_*} methods: what to do when the files
+#: already exist.
+REFUSE, FORCE, RENEW = "refuse", "force", "renew"
+
+
+def load_bundle(path: Path) -> list[x509.Certificate]:
+    """
+    Every certificate in the PEM file C{path}, in order.
+
+    @raise CAError: the file is unreadable or holds no certificate.
+    """
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise CAError(f"cannot read {path}: {e.strerror}") from e
+    try:
+        certs = x509.load_pem_x509_certificates(data)
+    except ValueError as e:
+        raise CAError(f"{path} is not a PEM certificate bundle: {e}") from e
+    if not certs:
+        raise CAError(f"{path} holds no certificate")
+    return certs
+
+
+def _load_key(path: Path) -> ec.EllipticCurvePrivateKey:
+    try:
+        key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+    except OSError as e:
+        raise CAError(f"cannot read {path}: {e.strerror}") from e
+    except (ValueError, TypeError) as e:
+        raise CAError(f"{path} is not an unencrypted PEM private key: {e}") from e
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise CAError(f"{path} is not an ECDSA key")
+    return key
+
+
+def _same_key(key: ec.EllipticCurvePrivateKey, cert: x509.Certificate) -> bool:
+    pub = cert.public_key()
+    return isinstance(pub, ec.EllipticCurvePublicKey) and (
+        key.public_key().public_numbers() == pub.public_numbers()
+    )
+
+
+def _self_signed_root(
+    key: ec.EllipticCurvePrivateKey, name: str, days: int
+) -> x509.Certificate:
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = _now()
+    return (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(key.public_key())
+        .serial_number(random_serial())
+        .not_valid_before(now - BACKDATE)
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True, content_commitment=False, key_encipherment=False,
+                data_encipherment=False, key_agreement=False, key_cert_sign=True,
+                crl_sign=True, encipher_only=False, decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+
+
+def issued_by(cert: x509.Certificate, root: x509.Certificate) -> bool:
+    """
+    Whether C{root} issued C{cert} (issuer name and signature).
+    """
+    if cert.issuer != root.subject:
+        return False
+    try:
+        cert.verify_directly_issued_by(root)
+    except Exception:
+        return False
+    return True
+
+
+def admin_name(name: str) -> str:
+    """
+    C{name} if it is a valid admin name (the same rules as node ids: it
+    goes into file names and log lines).
+
+    @raise CAError: it is not.
+    """
+    try:
+        return validate_node_id(name)
+    except InvalidNodeId as e:
+        raise CAError(f"admin name: {e}") from e
 
 
 class CertificateAuthority:
@@ -132,12 +268,23 @@ class CertificateAuthority:
 
     Build one with L{CertificateAuthority.init} (a new CA) or
     L{CertificateAuthority.load} (an existing one).
+
+    C{certificate} and C{key} are the active root, which signs everything
+    issued; C{roots} is every root in the bundle (C{ca.pem}), the active one
+    first; C{previous} is the root being retired during a rollover (with its
+    key, so its CRL can still be signed), else C{None}.
     """
 
-    def __init__(self, directory: Path, key: ec.EllipticCurvePrivateKey, cert: x509.Certificate):
+    def __init__(
+        self, directory: Path, key: ec.EllipticCurvePrivateKey, cert: x509.Certificate,
+        roots: Sequence[x509.Certificate] | None = None,
+        previous: tuple[ec.EllipticCurvePrivateKey, x509.Certificate] | None = None,
+    ):
         self.directory = directory
         self.key = key
         self.certificate = cert
+        self.roots = list(roots) if roots is not None else [cert]
+        self.previous = previous
 
     @property
     def cert_path(self) -> Path:
@@ -158,34 +305,15 @@ class CertificateAuthority:
         if not force and ((directory / "ca.pem").exists() or (directory / "ca.key").exists()):
             raise CAError(
                 f"a CA already exists in {directory} (ca.pem/ca.key); "
-                "pass --force to replace it, which invalidates every certificate it issued"
+                "pass --force to replace it, which invalidates every certificate it issued "
+                "(`llmgw ctl cert rotate-ca` replaces it without a fleet-wide outage)"
             )
         key = ec.generate_private_key(ec.SECP256R1())
-        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-        now = _now()
-        ski = x509.SubjectKeyIdentifier.from_public_key(key.public_key())
-        cert = (
-            x509.CertificateBuilder()
-            .subject_name(subject)
-            .issuer_name(subject)
-            .public_key(key.public_key())
-            .serial_number(random_serial())
-            .not_valid_before(now - BACKDATE)
-            .not_valid_after(now + datetime.timedelta(days=days))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .add_extension(
-                x509.KeyUsage(
-                    digital_signature=True, content_commitment=False, key_encipherment=False,
-                    data_encipherment=False, key_agreement=False, key_cert_sign=True,
-                    crl_sign=True, encipher_only=False, decipher_only=False,
-                ),
-                critical=True,
-            )
-            .add_extension(ski, critical=False)
-            .sign(key, hashes.SHA256())
-        )
+        cert = _self_signed_root(key, name, days)
         write_private(directory / "ca.key", key_pem(key))
         write_public(directory / "ca.pem", cert_pem(cert))
+        (directory / "ca-previous.key").unlink(missing_ok=True)
+        (directory / "ca-previous.pem").unlink(missing_ok=True)
         if force:
             (directory / "issued.jsonl").unlink(missing_ok=True)
         ca = cls(directory, key, cert)
@@ -206,23 +334,129 @@ class CertificateAuthority:
                 f"no CA in {directory} (need ca.pem and ca.key); "
                 "make one with `llmgw ctl cert init`"
             )
-        try:
-            cert = x509.load_pem_x509_certificate(cert_file.read_bytes())
-        except ValueError as e:
-            raise CAError(f"{cert_file} is not a PEM certificate: {e}") from e
-        try:
-            key = serialization.load_pem_private_key(key_file.read_bytes(), password=None)
-        except (ValueError, TypeError) as e:
-            raise CAError(f"{key_file} is not an unencrypted PEM private key: {e}") from e
-        if not isinstance(key, ec.EllipticCurvePrivateKey):
-            raise CAError(f"{key_file} is not an ECDSA key")
-        if key.public_key().public_numbers() != cert.public_key().public_numbers():  # type: ignore[union-attr]
-            raise CAError(f"{key_file} does not belong to {cert_file}")
-        return cls(directory, key, cert)
+        roots = load_bundle(cert_file)
+        key = _load_key(key_file)
+        active = [c for c in roots if _same_key(key, c)]
+        if not active:
+            raise CAError(f"{key_file} belongs to none of the certificates in {cert_file}")
+        cert = active[0]
+        ordered = [cert] + [c for c in roots if c is not cert]
+        previous = None
+        prev_cert, prev_key = directory / "ca-previous.pem", directory / "ca-previous.key"
+        if prev_key.exists() and prev_cert.exists():
+            pkey = _load_key(prev_key)
+            pcert = load_bundle(prev_cert)[0]
+            if not _same_key(pkey, pcert):
+                raise CAError(f"{prev_key} does not belong to {prev_cert}")
+            previous = (pkey, pcert)
+        return cls(directory, key, cert, ordered, previous)
+
+    # -- rollover ---------------------------------------------------------------
+
+    def signers(self) -> list[tuple[ec.EllipticCurvePrivateKey, x509.Certificate]]:
+        """
+        The roots whose keys this CA holds (the active one first, then the
+        one being retired): each signs its own CRL.
+        """
+        out = [(self.key, self.certificate)]
+        if self.previous is not None:
+            out.append(self.previous)
+        return out
+
+    def rotate(self, days: int = DEFAULT_CA_DAYS) -> x509.Certificate:
+        """
+        Start a rollover: make a new root beside the active one, which
+        becomes the previous one (C{ca-previous.pem/.key}); write the bundle
+        C{ca.pem} with both (new first); from now on everything is issued by
+        the new root. Certificates of the old one stay valid everywhere that
+        has the bundle, until L{retire}.
+
+        @raise CAError: a rollover is already under way.
+        """
+        if self.previous is not None:
+            raise CAError(
+                f"a rollover is already under way in {self.directory} (ca-previous.pem: "
+                f"{self.previous[1].subject.rfc4514_string()}); finish it with "
+                "`llmgw ctl cert retire-ca` first"
+            )
+        now = _now()
+        key = ec.generate_private_key(ec.SECP256R1())
+        base = _common_name_of(self.certificate) or "llmgw CA"
+        base = base.split(" (", 1)[0]
+        name = f"{base} ({now:%Y-%m-%d %H:%M:%S}, {secrets.token_hex(3)})"
+        cert = _self_signed_root(key, name, days)
+        old_key, old_cert = self.key, self.certificate
+        d = self.directory
+        # Previous first, then the bundle, then the new key: a crash midway
+        # leaves a CA that still loads (with the old root active).
+        write_private(d / "ca-previous.key", key_pem(old_key))
+        write_public(d / "ca-previous.pem", cert_pem(old_cert))
+        others = [c for c in self.roots if c is not old_cert]
+        bundle = [cert, old_cert, *others]
+        write_public(d / "ca.pem", b"".join(cert_pem(c) for c in bundle))
+        write_private(d / "ca.key", key_pem(key))
+        self.key, self.certificate = key, cert
+        self.roots = bundle
+        self.previous = (old_key, old_cert)
+        self._record(cert, d / "ca.pem", "ca")
+        return cert
+
+    def leaves(self) -> list[tuple[Path, x509.Certificate]]:
+        """
+        The leaf certificates in the directory (server, agents, admins).
+        """
+        out = []
+        for path in sorted(self.directory.glob("*.pem")):
+            if path.name in ("ca.pem", "ca-previous.pem", "crl.pem") or path.name.startswith(
+                ("ca-retired-", ".")
+            ):
+                continue
+            try:
+                out.append((path, x509.load_pem_x509_certificate(path.read_bytes())))
+            except (OSError, ValueError):
+                continue
+        return out
+
+    def retire(self, force: bool = False) -> tuple[x509.Certificate, list[Path]]:
+        """
+        End a rollover: take the previous root out of the bundle, delete its
+        key and keep its certificate as C{ca-retired-SERIAL.pem}. Returns
+        the retired root and the leaf files in the directory it still
+        issued (with C{force}; without it they refuse the retirement).
+
+        @raise CAError: no rollover is under way, or leaves in the directory
+            were issued by the previous root and C{force} is false.
+        """
+        if self.previous is None:
+            raise CAError(
+                f"no rollover is under way in {self.directory} (no ca-previous.key); "
+                "start one with `llmgw ctl cert rotate-ca`"
+            )
+        pkey, pcert = self.previous
+        stale = [path for path, cert in self.leaves() if issued_by(cert, pcert)]
+        if stale and not force:
+            names = ", ".join(p.name for p in stale[:10])
+            more = f" and {len(stale) - 10} more" if len(stale) > 10 else ""
+            raise CAError(
+                f"{len(stale)} certificates in {self.directory} were issued by the root being "
+                f"retired and stop working everywhere once it goes: {names}{more}; renew them "
+                "(`llmgw ctl cert agent|server|admin ... --renew`) and roll them out first, "
+                "or pass --force"
+            )
+        d = self.directory
+        self.roots = [c for c in self.roots if c != pcert]
+        write_public(d / "ca.pem", b"".join(cert_pem(c) for c in self.roots))
+        write_public(d / f"ca-retired-{pcert.serial_number:x}.pem", cert_pem(pcert))
+        (d / "ca-previous.key").unlink(missing_ok=True)
+        (d / "ca-previous.pem").unlink(missing_ok=True)
+        self.previous = None
+        return pcert, stale
+
+    # -- issuing ----------------------------------------------------------------
 
     def _leaf(
         self, subject_cn: str, days: int, sans: Sequence[x509.GeneralName],
-        usage: x509.ObjectIdentifier,
+        *usages: x509.ObjectIdentifier,
     ) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
         key = ec.generate_private_key(ec.SECP256R1())
         now = _now()
@@ -238,15 +472,8 @@ class CertificateAuthority:
             .not_valid_before(now - BACKDATE)
             .not_valid_after(not_after)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(
-                x509.KeyUsage(
-                    digital_signature=True, content_commitment=False, key_encipherment=False,
-                    data_encipherment=False, key_agreement=True, key_cert_sign=False,
-                    crl_sign=False, encipher_only=False, decipher_only=False,
-                ),
-                critical=True,
-            )
-            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+            .add_extension(LEAF_KEY_USAGE, critical=True)
+            .add_extension(x509.ExtendedKeyUsage(list(usages)), critical=False)
             .add_extension(
                 x509.AuthorityKeyIdentifier.from_issuer_public_key(
                     self.key.public_key()
@@ -258,22 +485,52 @@ class CertificateAuthority:
             builder = builder.add_extension(x509.SubjectAlternativeName(list(sans)), critical=False)
         return key, builder.sign(self.key, hashes.SHA256())
 
+    def _check_replace(self, stem: str, replace: str) -> x509.Certificate | None:
+        """
+        The certificate already at C{stem}, if any, when C{replace} allows
+        writing over it.
+
+        @raise CAError: a key or certificate is there and C{replace} is
+            L{REFUSE}.
+        """
+        cert_path = self.directory / f"{stem}.pem"
+        key_path = self.directory / f"{stem}.key"
+        if not (cert_path.exists() or key_path.exists()):
+            return None
+        if replace == REFUSE:
+            raise CAError(
+                f"{key_path.name} already exists in {self.directory}: refusing to replace a "
+                "key that may be in use; pass --renew to issue a new certificate and key in "
+                "its place (the old one stays valid until it expires or is revoked), "
+                "or --force"
+            )
+        try:
+            return x509.load_pem_x509_certificate(cert_path.read_bytes())
+        except (OSError, ValueError):
+            return None
+
     def _write_leaf(
-        self, stem: str, key: ec.EllipticCurvePrivateKey, cert: x509.Certificate, kind: str
+        self, stem: str, key: ec.EllipticCurvePrivateKey, cert: x509.Certificate, kind: str,
+        replaced: x509.Certificate | None = None,
     ) -> Issued:
         cert_path = self.directory / f"{stem}.pem"
         key_path = self.directory / f"{stem}.key"
         write_private(key_path, key_pem(key))
         write_public(cert_path, cert_pem(cert))
         self._record(cert, cert_path, kind)
-        return Issued(cert, cert_path, key_path)
+        return Issued(cert, cert_path, key_path, replaced)
 
-    def issue_server(self, hosts: Iterable[str], days: int = DEFAULT_LEAF_DAYS) -> Issued:
+    def issue_server(
+        self, hosts: Iterable[str], days: int = DEFAULT_LEAF_DAYS, replace: str = FORCE
+    ) -> Issued:
         """
         Issue the control plane's certificate for C{hosts} and write
         C{server.pem} and C{server.key}.
 
-        @raise CAError: no host was given, or one is malformed.
+        @param replace: L{REFUSE}, L{FORCE} or L{RENEW} (see
+            L{_check_replace}); the CLI refuses by default.
+        @raise CAError: no host was given, or one is malformed, or the files
+            exist and C{replace} is L{REFUSE}.
         """
         sans = [parse_host(h) for h in hosts]
         if not sans:
@@ -281,23 +538,47 @@ class CertificateAuthority:
                 "a server certificate needs at least one --host: the name or IP "
                 "address that agents dial"
             )
+        replaced = self._check_replace("server", replace)
         first = sans[0].value
         key, cert = self._leaf(str(first), days, sans, ExtendedKeyUsageOID.SERVER_AUTH)
-        return self._write_leaf("server", key, cert, "server")
+        return self._write_leaf("server", key, cert, "server", replaced)
 
-    def issue_agent(self, node_id: str, days: int = DEFAULT_LEAF_DAYS) -> Issued:
+    def issue_agent(
+        self, node_id: str, days: int = DEFAULT_LEAF_DAYS, replace: str = FORCE
+    ) -> Issued:
         """
         Issue node C{node_id}'s client certificate and write
         C{agent-NODE_ID.pem} and C{.key}.
 
-        @raise CAError: C{node_id} is not a valid node id.
+        @raise CAError: C{node_id} is not a valid node id, or the files
+            exist and C{replace} is L{REFUSE}.
         """
         try:
             validate_node_id(node_id)
         except InvalidNodeId as e:
             raise CAError(str(e)) from e
+        replaced = self._check_replace(f"agent-{node_id}", replace)
         key, cert = self._leaf(node_id, days, [], ExtendedKeyUsageOID.CLIENT_AUTH)
-        return self._write_leaf(f"agent-{node_id}", key, cert, "agent")
+        return self._write_leaf(f"agent-{node_id}", key, cert, "agent", replaced)
+
+    def issue_admin(
+        self, name: str, role: str, days: int = DEFAULT_LEAF_DAYS, replace: str = FORCE
+    ) -> Issued:
+        """
+        Issue an admin client certificate for C{name} with C{role} (one of
+        L{ADMIN_ROLES}) and write C{admin-NAME.pem} and C{.key}.
+
+        @raise CAError: the name or role is not valid, or the files exist and
+            C{replace} is L{REFUSE}.
+        """
+        admin_name(name)
+        if role not in ADMIN_ROLE_OIDS:
+            raise CAError(f"unknown admin role {role!r}; choose one of {', '.join(ADMIN_ROLES)}")
+        replaced = self._check_replace(f"admin-{name}", replace)
+        key, cert = self._leaf(
+            name, days, [], ExtendedKeyUsageOID.CLIENT_AUTH, ADMIN_ROLE_OIDS[role]
+        )
+        return self._write_leaf(f"admin-{name}", key, cert, f"admin-{role}", replaced)
 
     def issued(self) -> list[dict[str, object]]:
         """
@@ -320,6 +601,7 @@ class CertificateAuthority:
         entry = {
             "serial": format(cert.serial_number, "x"),
             "subject": cert.subject.rfc4514_string(),
+            "issuer": cert.issuer.rfc4514_string(),
             "kind": kind,
             "not_before": cert.not_valid_before_utc.isoformat(),
             "not_after": cert.not_valid_after_utc.isoformat(),
@@ -330,15 +612,18 @@ class CertificateAuthority:
 
     def signed(self, cert: x509.Certificate) -> bool:
         """
-        Whether C{cert} was issued by this CA (issuer name and signature).
+        Whether C{cert} was issued by one of this CA's roots (issuer name and
+        signature).
         """
-        if cert.issuer != self.certificate.subject:
-            return False
-        try:
-            cert.verify_directly_issued_by(self.certificate)
-        except (ValueError, TypeError, Exception):
-            return False
-        return True
+        return any(issued_by(cert, root) for root in self.roots)
+
+
+def _common_name_of(cert: x509.Certificate) -> str | None:
+    cns = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    if len(cns) != 1:
+        return None
+    value = cns[0].value
+    return value if isinstance(value, str) else value.decode("utf-8", "replace")
 
 
 def load_certificate(path: Path | str) -> x509.Certificate:
@@ -379,8 +664,29 @@ def extended_key_usages(cert: x509.Certificate) -> list[str]:
     names = {
         ExtendedKeyUsageOID.SERVER_AUTH: "serverAuth",
         ExtendedKeyUsageOID.CLIENT_AUTH: "clientAuth",
+        **{oid: f"llmgw-admin-{role}" for role, oid in ADMIN_ROLE_OIDS.items()},
     }
     return [names.get(oid, oid.dotted_string) for oid in ext.value]
+
+
+def key_usages(cert: x509.Certificate) -> list[str]:
+    """
+    The certificate's key usage bits, by their RFC 5280 names.
+    """
+    try:
+        ku = cert.extensions.get_extension_for_class(x509.KeyUsage).value
+    except x509.ExtensionNotFound:
+        return []
+    out = []
+    for attr, name in (
+        ("digital_signature", "digitalSignature"), ("content_commitment", "nonRepudiation"),
+        ("key_encipherment", "keyEncipherment"), ("data_encipherment", "dataEncipherment"),
+        ("key_agreement", "keyAgreement"), ("key_cert_sign", "keyCertSign"),
+        ("crl_sign", "cRLSign"),
+    ):
+        if getattr(ku, attr):
+            out.append(name)
+    return out
 
 
 def describe(path: Path | str, ca_dir: Path | str | None = None) -> dict[str, object]:
@@ -399,6 +705,7 @@ def describe(path: Path | str, ca_dir: Path | str | None = None) -> dict[str, ob
         "serial": format(cert.serial_number, "x"),
         "sans": subject_alt_names(cert),
         "usages": extended_key_usages(cert),
+        "key_usages": key_usages(cert),
         "not_before": cert.not_valid_before_utc.isoformat(),
         "not_after": cert.not_valid_after_utc.isoformat(),
         "expires_in_days": round((cert.not_valid_after_utc - now).total_seconds() / 86400, 1),
@@ -411,14 +718,12 @@ def describe(path: Path | str, ca_dir: Path | str | None = None) -> dict[str, ob
     if ca_dir is not None:
         ca_file = Path(ca_dir) / "ca.pem"
         if ca_file.exists():
-            ca_cert = load_certificate(ca_file)
-            try:
-                cert.verify_directly_issued_by(ca_cert)
-                ok = cert.issuer == ca_cert.subject
-            except Exception:
-                ok = False
-            info["chains_to_ca"] = ok
-            info["ca"] = str(ca_file)
+            roots = load_bundle(ca_file)
+            issuer = next((r for r in roots if issued_by(cert, r)), None)
+            info["chains_to_ca"] = issuer is not None
+            info["ca"] = str(ca_file) + (
+                f" root {issuer.subject.rfc4514_string()}" if issuer is not None and len(roots) > 1 else ""
+            )
         else:
             info["chains_to_ca"] = None
             info["ca"] = f"{ca_file} (missing)"

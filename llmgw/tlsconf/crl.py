@@ -11,6 +11,11 @@ Every CRL carries a CRL number and an issue time (C{lastUpdate}) that are
 larger than those of the CRL before it, and an explicit C{nextUpdate}: after
 that date OpenSSL refuses every handshake it would check, so the CRL must be
 re-signed (C{llmgw ctl cert crl --renew}) before then.
+
+During a CA rollover C{crl.pem} holds one CRL per root the CA holds a key
+for (the active one first), each listing every revoked serial: OpenSSL
+checks a leaf against the CRL of its own issuer, and a root without one
+would fail every handshake of its leaves.
 """
 
 from __future__ import annotations
@@ -43,6 +48,21 @@ REASONS: dict[str, x509.ReasonFlags] = {
     "certificateHold": x509.ReasonFlags.certificate_hold,
     "privilegeWithdrawn": x509.ReasonFlags.privilege_withdrawn,
 }
+
+
+_CRL_BEGIN = b"-----BEGIN X509 CRL-----"
+
+
+def parse_crls(data: bytes) -> list[x509.CertificateRevocationList]:
+    """
+    Every PEM CRL in C{data}, in order.
+
+    @raise ValueError: a block does not parse.
+    """
+    out = []
+    for block in data.split(_CRL_BEGIN)[1:]:
+        out.append(x509.load_pem_x509_crl(_CRL_BEGIN + block))
+    return out
 
 
 class CRLError(Exception):
@@ -154,12 +174,13 @@ def read_state(ca: CertificateAuthority) -> CRLState:
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise CRLError(f"{path} is damaged ({e}); fix or restore it before revoking") from e
     crl_path = ca.directory / CRL_FILE
-    if crl_path.exists():
-        try:
-            crl = x509.load_pem_x509_crl(crl_path.read_bytes())
-        except ValueError:
-            crl = None
-        if crl is not None and crl.is_signature_valid(ca.key.public_key()):
+    try:
+        crls = parse_crls(crl_path.read_bytes()) if crl_path.exists() else []
+    except ValueError:
+        crls = []
+    keys = [key.public_key() for key, _ in ca.signers()]
+    for crl in crls:
+        if any(crl.is_signature_valid(k) for k in keys):
             number = crl_number(crl) or 0
             state.number = max(state.number, number)
             lu = crl.last_update_utc
@@ -222,31 +243,36 @@ def sign_crl(
             f"{ca.certificate.not_valid_after_utc.isoformat()}; a CRL cannot outlive it"
         )
     number = state.number + 1
-    builder = (
-        x509.CertificateRevocationListBuilder()
-        .issuer_name(ca.certificate.subject)
-        .last_update(last_update)
-        .next_update(next_update)
-        .add_extension(x509.CRLNumber(number), critical=False)
-        .add_extension(
-            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca.key.public_key()),
-            critical=False,
+    crls = []
+    for key, root in ca.signers():
+        builder = (
+            x509.CertificateRevocationListBuilder()
+            .issuer_name(root.subject)
+            .last_update(last_update)
+            .next_update(min(next_update, root.not_valid_after_utc))
+            .add_extension(x509.CRLNumber(number), critical=False)
+            .add_extension(
+                x509.AuthorityKeyIdentifier.from_issuer_public_key(key.public_key()),
+                critical=False,
+            )
         )
-    )
-    for r in sorted(state.revoked, key=lambda r: r.serial):
-        entry = x509.RevokedCertificateBuilder().serial_number(r.serial).revocation_date(
-            r.revoked_at
-        )
-        flag = REASONS.get(r.reason, x509.ReasonFlags.unspecified)
-        if flag is not x509.ReasonFlags.unspecified:
-            entry = entry.add_extension(x509.CRLReason(flag), critical=False)
-        builder = builder.add_revoked_certificate(entry.build())
-    crl = builder.sign(ca.key, hashes.SHA256())
+        for r in sorted(state.revoked, key=lambda r: r.serial):
+            entry = x509.RevokedCertificateBuilder().serial_number(r.serial).revocation_date(
+                r.revoked_at
+            )
+            flag = REASONS.get(r.reason, x509.ReasonFlags.unspecified)
+            if flag is not x509.ReasonFlags.unspecified:
+                entry = entry.add_extension(x509.CRLReason(flag), critical=False)
+            builder = builder.add_revoked_certificate(entry.build())
+        crls.append(builder.sign(key, hashes.SHA256()))
     state.number = number
     state.last_update = last_update
     write_state(ca, state)
-    write_public(ca.directory / CRL_FILE, crl.public_bytes(serialization.Encoding.PEM))
-    return crl
+    write_public(
+        ca.directory / CRL_FILE,
+        b"".join(c.public_bytes(serialization.Encoding.PEM) for c in crls),
+    )
+    return crls[0]
 
 
 @dataclass(frozen=True)
@@ -278,10 +304,12 @@ def revoke(
     reason: str = "unspecified",
     days: int = DEFAULT_CRL_DAYS,
     now: datetime.datetime | None = None,
+    admin: str | None = None,
 ) -> RevokeResult:
     """
-    Revoke every certificate the CA issued to node C{node_id} and/or the
-    certificates with C{serials}, and sign a new CRL.
+    Revoke every certificate the CA issued to node C{node_id}, every admin
+    certificate it issued to C{admin}, and/or the certificates with
+    C{serials}, and sign a new CRL.
 
     Serials are looked up in the CA's issue record (C{issued.jsonl}), so a
     mistyped serial is refused rather than silently listed.
@@ -308,6 +336,17 @@ def revoke(
                 f"the CA in {ca.directory} has no record of issuing a certificate to node "
                 f"{node_id!r} (see {ca.directory / 'issued.jsonl'}); revoke by --serial instead"
             )
+    if admin is not None:
+        found_admin = False
+        for serial, rec in by_serial.items():
+            if str(rec.get("kind", "")).startswith("admin-") and _cn(str(rec.get("subject", ""))) == admin:
+                targets[serial] = str(rec.get("subject", ""))
+                found_admin = True
+        if not found_admin:
+            raise CRLError(
+                f"the CA in {ca.directory} has no record of issuing an admin certificate to "
+                f"{admin!r} (see {ca.directory / 'issued.jsonl'}); revoke by --serial instead"
+            )
     for serial in serials:
         if serial == ca.certificate.serial_number:
             raise CRLError(
@@ -322,7 +361,7 @@ def revoke(
             )
         targets[serial] = str(found.get("subject", ""))
     if not targets:
-        raise CRLError("name a node id or a --serial to revoke")
+        raise CRLError("name a node id, an --admin or a --serial to revoke")
     state = read_state(ca)
     known = state.serials()
     newly: list[tuple[int, str]] = []
@@ -364,9 +403,12 @@ def load_crl(
     except OSError as e:
         raise CRLError(f"cannot read CRL {path}: {e.strerror}") from e
     try:
-        crl = x509.load_pem_x509_crl(data)
+        crls = parse_crls(data)
     except ValueError as e:
         raise CRLError(f"CRL {path} is not a PEM certificate revocation list: {e}") from e
+    if not crls:
+        raise CRLError(f"CRL {path} is not a PEM certificate revocation list: no CRL in it")
+    crl = next((c for c in crls if c.issuer == ca.subject), crls[0])
     if crl.issuer != ca.subject:
         raise CRLError(
             f"CRL {path} was issued by {crl.issuer.rfc4514_string()}, not by this CA "
@@ -395,6 +437,19 @@ def load_crl(
     return crl
 
 
+def load_crls(
+    path: Path | str, roots: Iterable[x509.Certificate], now: datetime.datetime | None = None
+) -> list[x509.CertificateRevocationList]:
+    """
+    The CRLs in C{path}, one for each of C{roots} (as L{load_crl} checks
+    it), in the order of C{roots}.
+
+    @raise CRLError: one is missing for a root, or is refused by
+        L{load_crl}; the message names the root.
+    """
+    return [load_crl(path, root, now) for root in roots]
+
+
 def revoked_serials(crl: x509.CertificateRevocationList) -> frozenset[int]:
     return frozenset(entry.serial_number for entry in crl)
 
@@ -408,15 +463,21 @@ def describe_crl(path: Path | str, ca: x509.Certificate | None = None) -> dict[s
     """
     path = Path(path)
     try:
-        crl = x509.load_pem_x509_crl(path.read_bytes())
+        crls = parse_crls(path.read_bytes())
     except OSError as e:
         raise CRLError(f"cannot read CRL {path}: {e.strerror}") from e
     except ValueError as e:
         raise CRLError(f"CRL {path} is not a PEM certificate revocation list: {e}") from e
+    if not crls:
+        raise CRLError(f"CRL {path} is not a PEM certificate revocation list: no CRL in it")
+    crl = crls[0]
+    if ca is not None:
+        crl = next((c for c in crls if c.issuer == ca.subject), crl)
     now = _now()
     nu = crl.next_update_utc
     info: dict[str, object] = {
         "file": str(path),
+        "crls": len(crls),
         "issuer": crl.issuer.rfc4514_string(),
         "number": crl_number(crl),
         "last_update": crl.last_update_utc.isoformat(),
@@ -444,6 +505,8 @@ __all__ = [
     "DEFAULT_CRL_DAYS",
     "describe_crl",
     "load_crl",
+    "load_crls",
+    "parse_crls",
     "parse_reason",
     "parse_serial",
     "renew",

@@ -5,6 +5,14 @@ The control plane requires a client certificate that chains to llmgw's CA
 (TLS 1.2 at least) and reads the node's identity from it; the agent trusts
 only that CA and checks that the control plane's certificate names the
 address it dialled in its subject alternative names.
+
+"The CA" is every root in C{ca.pem}: during a rollover it holds the new
+root and the old one, and both ends trust both, so that agents with a
+certificate from either connect.
+
+The same options serve the admin API over mutual TLS (L{peer_admin} reads
+an admin certificate's name and role) and its clients
+(L{ClientTLSPolicy} for Twisted's HTTP agent).
 """
 
 from __future__ import annotations
@@ -31,10 +39,17 @@ from twisted.internet.interfaces import (
     IOpenSSLServerConnectionCreator,
 )
 from twisted.python.failure import Failure
+from twisted.web.iweb import IPolicyForHTTPS
 from zope.interface import implementer
 
-from llmgw.tlsconf.ca import CAError, subject_alt_names
-from llmgw.tlsconf.crl import CRLError, load_crl
+from llmgw.tlsconf.ca import (
+    ROLE_BY_OID,
+    CAError,
+    admin_name,
+    issued_by,
+    subject_alt_names,
+)
+from llmgw.tlsconf.crl import CRLError, load_crls
 from llmgw.wire import InvalidNodeId, validate_node_id
 
 #: Key exchange (DESIGN §4). The agent sends a key share for the first group
@@ -132,6 +147,42 @@ def load_cert_file(path: Path | str, what: str = "certificate") -> x509.Certific
     return cert
 
 
+def load_ca_bundle(path: Path | str) -> tuple[x509.Certificate, ...]:
+    """
+    Every root in the CA bundle C{path} (one or more PEM certificates),
+    each a CA certificate that is valid now.
+
+    @raise TLSConfigError: naming the file, the root and the reason.
+    """
+    path = Path(path)
+    data = _read(path, "CA certificate")
+    try:
+        roots = x509.load_pem_x509_certificates(data)
+    except ValueError as e:
+        raise TLSConfigError(f"CA certificate {path} is not a PEM certificate: {e}") from e
+    if not roots:
+        raise TLSConfigError(f"CA certificate {path} holds no certificate")
+    now = datetime.datetime.now(datetime.UTC)
+    for i, root in enumerate(roots):
+        what = f"CA certificate {path}" + (
+            f" (root {i + 1} of {len(roots)}, {root.subject.rfc4514_string()})" if len(roots) > 1 else ""
+        )
+        try:
+            is_ca = root.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+        except x509.ExtensionNotFound:
+            is_ca = False
+        if not is_ca:
+            raise TLSConfigError(f"{what} is not a CA certificate")
+        if root.not_valid_after_utc < now:
+            raise TLSConfigError(
+                f"{what} expired on {root.not_valid_after_utc.isoformat()}"
+                + ("; retire it (`llmgw ctl cert retire-ca`)" if len(roots) > 1 else "")
+            )
+        if root.not_valid_before_utc > now:
+            raise TLSConfigError(f"{what} is not valid before {root.not_valid_before_utc.isoformat()}")
+    return tuple(roots)
+
+
 def load_key_file(path: Path | str) -> Any:
     path = Path(path)
     try:
@@ -143,8 +194,12 @@ def load_key_file(path: Path | str) -> Any:
 @dataclass(frozen=True)
 class TLSFiles:
     """
-    A certificate, its key and the CA root, loaded and checked together;
-    and the CA's CRL where C{crl_path} is given and the file exists.
+    A certificate, its key and the CA roots, loaded and checked together;
+    and the CA's CRLs where C{crl_path} is given and the file exists.
+
+    C{roots}: every root of C{ca_path} (all are trusted); C{ca}: the one
+    that issued C{cert}. C{crls}: one per root, in the order of C{roots};
+    C{crl}: the one of C{ca}.
     """
 
     ca: x509.Certificate
@@ -155,6 +210,8 @@ class TLSFiles:
     key_path: Path
     crl_path: Path | None = None
     crl: x509.CertificateRevocationList | None = None
+    roots: tuple[x509.Certificate, ...] = ()
+    crls: tuple[x509.CertificateRevocationList, ...] = ()
 
     @classmethod
     def load(
@@ -168,29 +225,33 @@ class TLSFiles:
             has expired.
         """
         ca_path, cert_path, key_path = Path(ca_path), Path(cert_path), Path(key_path)
-        ca = load_cert_file(ca_path, "CA certificate")
+        roots = load_ca_bundle(ca_path)
         cert = load_cert_file(cert_path)
         key = load_key_file(key_path)
         pub = serialization.PublicFormat.SubjectPublicKeyInfo
         enc = serialization.Encoding.DER
         if key.public_key().public_bytes(enc, pub) != cert.public_key().public_bytes(enc, pub):
             raise TLSConfigError(f"key {key_path} does not belong to certificate {cert_path}")
-        try:
-            cert.verify_directly_issued_by(ca)
-            issued = cert.issuer == ca.subject
-        except Exception:
-            issued = False
-        if not issued:
-            raise TLSConfigError(f"certificate {cert_path} was not issued by the CA in {ca_path}")
+        ca = next((root for root in roots if issued_by(cert, root)), None)
+        if ca is None:
+            raise TLSConfigError(
+                f"certificate {cert_path} was not issued by the CA in {ca_path} "
+                f"(issuer {cert.issuer.rfc4514_string()})"
+            )
         crl = None
+        crls: list[x509.CertificateRevocationList] = []
         if crl_path is not None:
             crl_path = Path(crl_path)
             if crl_path.exists():
                 try:
-                    crl = load_crl(crl_path, ca)
+                    crls = load_crls(crl_path, roots)
                 except CRLError as e:
-                    raise TLSConfigError(str(e)) from e
-        return cls(ca, cert, key, ca_path, cert_path, key_path, crl_path, crl)
+                    raise TLSConfigError(
+                        f"{e} (with several roots in {ca_path}, {crl_path} needs a CRL of each: "
+                        "`llmgw ctl cert crl --renew` signs them)" if len(roots) > 1 else str(e)
+                    ) from e
+                crl = crls[roots.index(ca)]
+        return cls(ca, cert, key, ca_path, cert_path, key_path, crl_path, crl, roots, tuple(crls))
 
     def reread(self) -> TLSFiles:
         """
@@ -212,6 +273,15 @@ class TLSFiles:
     def twisted_ca(self) -> ssl.Certificate:
         return ssl.Certificate.loadPEM(self.ca.public_bytes(serialization.Encoding.PEM))
 
+    def trust_root(self) -> Any:
+        """
+        Every root, as a Twisted trust root.
+        """
+        return ssl.trustRootFromCertificates([
+            ssl.Certificate.loadPEM(root.public_bytes(serialization.Encoding.PEM))
+            for root in (self.roots or (self.ca,))
+        ])
+
     def twisted_private(self) -> ssl.PrivateCertificate:
         key = self.key.private_bytes(
             serialization.Encoding.PEM,
@@ -225,22 +295,25 @@ class TLSFiles:
     def context(self, groups: str | None = None) -> SSL.Context:
         """
         A new OpenSSL context presenting this certificate and trusting only
-        the CA, TLS 1.2 at least. Peers must present a certificate; with a
-        CRL, a peer certificate it lists fails the handshake. C{groups}: the
-        key-exchange groups (L{set_groups}), or OpenSSL's defaults.
+        the CA's roots, TLS 1.2 at least. Peers must present a certificate;
+        with CRLs, a peer certificate they list fails the handshake.
+        C{groups}: the key-exchange groups (L{set_groups}), or OpenSSL's
+        defaults.
         """
         priv = self.twisted_private()
         opts = ssl.CertificateOptions(
             privateKey=priv.privateKey.original,
             certificate=priv.original,
-            trustRoot=self.twisted_ca(),
+            trustRoot=self.trust_root(),
             raiseMinimumTo=ssl.TLSVersion.TLSv1_2,
         )
         ctx = opts.getContext()
-        if self.crl is not None:
+        crls = self.crls or ((self.crl,) if self.crl is not None else ())
+        if crls:
             store = ctx.get_cert_store()
             assert store is not None
-            store.add_crl(self.crl)
+            for crl in crls:
+                store.add_crl(crl)
             # CRL_CHECK checks the leaf, which is all our one-level CA has.
             store.set_flags(crypto.X509StoreFlags.CRL_CHECK)
         if groups is not None:
@@ -278,26 +351,42 @@ class ServerTLS:
         return SSL.Connection(self._context, None)
 
 
-def peer_node_id(cert: x509.Certificate) -> str:
+def _client_leaf(cert: x509.Certificate, what: str) -> str:
     """
-    The node id a verified client certificate proves.
-
-    The chain has already been checked against the CA by OpenSSL; this checks
-    what makes the certificate a node identity: a leaf, issued for client
-    authentication, with exactly one common name that is a valid node id.
+    The single common name of a client certificate that may be an
+    identity: a leaf, for client authentication, whose key may sign
+    (keyUsage digitalSignature: proving the key in a handshake is a
+    signature, and a certificate its issuer restricted to key agreement
+    is not meant to prove anything).
 
     @raise IdentityError: saying which of those it fails.
     """
     try:
         if cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca:
-            raise IdentityError("the client certificate is a CA certificate, not a node's")
+            raise IdentityError(f"the client certificate is a CA certificate, not {what}")
     except x509.ExtensionNotFound:
         pass
+    try:
+        ku = cert.extensions.get_extension_for_class(x509.KeyUsage).value
+    except x509.ExtensionNotFound:
+        raise IdentityError(
+            "the client certificate has no key usage; an identity needs digitalSignature"
+        ) from None
+    if not ku.digital_signature:
+        raise IdentityError(
+            "the client certificate's key usage lacks digitalSignature "
+            "(a key that may not sign proves no identity)"
+        )
     try:
         eku = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
     except x509.ExtensionNotFound:
         raise IdentityError("the client certificate has no extended key usage") from None
     if ExtendedKeyUsageOID.CLIENT_AUTH not in eku:
+        if ExtendedKeyUsageOID.SERVER_AUTH in eku:
+            raise IdentityError(
+                "the client certificate is not issued for client authentication: it is a "
+                f"server certificate (serverAuth), not {what}"
+            )
         raise IdentityError("the client certificate is not issued for client authentication")
     cns = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
     if len(cns) != 1:
@@ -305,10 +394,84 @@ def peer_node_id(cert: x509.Certificate) -> str:
     cn = cns[0].value
     if isinstance(cn, bytes):
         cn = cn.decode("utf-8", "replace")
+    return cn
+
+
+def admin_roles(cert: x509.Certificate) -> list[str]:
+    """
+    The llmgw admin roles a certificate's extended key usage names.
+    """
+    try:
+        eku = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    except x509.ExtensionNotFound:
+        return []
+    return [ROLE_BY_OID[oid] for oid in eku if oid in ROLE_BY_OID]
+
+
+def peer_node_id(cert: x509.Certificate) -> str:
+    """
+    The node id a verified client certificate proves.
+
+    The chain has already been checked against the CA by OpenSSL; this checks
+    what makes the certificate a node identity: a leaf, issued for client
+    authentication, whose key may sign, with exactly one common name that is
+    a valid node id, and no admin role (an admin certificate is not a node's,
+    whatever its name).
+
+    @raise IdentityError: saying which of those it fails.
+    """
+    cn = _client_leaf(cert, "a node's")
+    roles = admin_roles(cert)
+    if roles:
+        raise IdentityError(
+            f"the client certificate is an admin certificate ({cn!r}, role {roles[0]}), "
+            "not a node's"
+        )
     try:
         return validate_node_id(cn)
     except InvalidNodeId as e:
         raise IdentityError(f"the client certificate's common name is not a node id: {e}") from e
+
+
+@dataclass(frozen=True)
+class AdminIdentity:
+    """
+    Who an admin certificate says its holder is: C{name} (its common name)
+    and C{role} (one of L{llmgw.tlsconf.ca.ADMIN_ROLES}).
+    """
+
+    name: str
+    role: str
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.role})"
+
+
+def peer_admin(cert: x509.Certificate) -> AdminIdentity:
+    """
+    The admin a verified client certificate proves: a client leaf as for
+    L{peer_node_id}, carrying exactly one llmgw admin role. Node and server
+    certificates are refused, saying which they are.
+
+    @raise IdentityError: saying why it is not an admin certificate.
+    """
+    try:
+        cn = _client_leaf(cert, "an admin certificate")
+    except IdentityError as e:
+        raise IdentityError(f"{e}; the admin API takes admin certificates only") from None
+    roles = admin_roles(cert)
+    if not roles:
+        raise IdentityError(
+            f"the client certificate {cn!r} is a node certificate, not an admin certificate "
+            "(issue one with `llmgw ctl cert admin NAME --role viewer|operator|gateway`)"
+        )
+    if len(roles) != 1:
+        raise IdentityError(f"the client certificate {cn!r} names {len(roles)} admin roles, not one")
+    try:
+        name = admin_name(cn)
+    except CAError as e:
+        raise IdentityError(f"the client certificate's common name is not an admin name: {e}") from e
+    return AdminIdentity(name, roles[0])
 
 
 def verify_server_identity(cert: x509.Certificate, host: str) -> None:
@@ -414,6 +577,54 @@ class AgentClientTLS:
             transport.failVerification(Failure(e))
 
 
+@implementer(IPolicyForHTTPS)
+class ClientTLSPolicy:
+    """
+    Twisted's HTTP agent's TLS policy for a client of the admin API (the
+    standalone gateway): trust only llmgw's roots, present C{files}'
+    certificate, and check that the server's certificate names the host
+    dialled (as L{AgentClientTLS} does for agents). One connection creator
+    per host, built on first use; L{reload} drops them.
+    """
+
+    def __init__(self, files: TLSFiles):
+        self.files = files
+        self._creators: dict[str, AgentClientTLS] = {}
+
+    def creatorForNetloc(self, hostname: bytes, port: int) -> AgentClientTLS:  # noqa: N802
+        host = hostname.decode("ascii", "replace")
+        creator = self._creators.get(host)
+        if creator is None:
+            creator = self._creators[host] = AgentClientTLS(host, self.files, AGENT_GROUPS_CLASSICAL)
+        return creator
+
+    def reload(self, files: TLSFiles | None = None) -> TLSFiles:
+        """
+        Use C{files} (by default the same paths read again) for new
+        connections.
+
+        @raise TLSConfigError: the files are refused; the running ones stay.
+        """
+        self.files = files if files is not None else self.files.reread()
+        self._creators = {}
+        return self.files
+
+
+def admin_files(certs_dir: Path | str, name: str) -> TLSFiles:
+    """
+    An admin client's files in C{certs_dir}: C{ca.pem} and
+    C{admin-NAME.pem/.key} (what C{llmgw ctl cert admin NAME} writes).
+
+    @raise TLSConfigError: naming the file and the reason.
+    """
+    d = Path(certs_dir)
+    try:
+        admin_name(name)
+    except CAError as e:
+        raise TLSConfigError(str(e)) from e
+    return TLSFiles.load(d / "ca.pem", d / f"admin-{name}.pem", d / f"admin-{name}.key")
+
+
 def agent_files(
     certs_dir: Path | str | None = None,
     node_id: str | None = None,
@@ -437,6 +648,12 @@ def agent_files(
 
 __all__ = [
     "AGENT_GROUPS",
+    "AdminIdentity",
+    "ClientTLSPolicy",
+    "admin_files",
+    "admin_roles",
+    "load_ca_bundle",
+    "peer_admin",
     "AGENT_GROUPS_CLASSICAL",
     "AGENT_GROUPS_POST_QUANTUM",
     "SERVER_GROUPS",

@@ -30,7 +30,7 @@ class ControlMessage(_message.Message):
     def __init__(self, ack: _Optional[_Union[Ack, _Mapping]] = ..., start: _Optional[_Union[StartShard, _Mapping]] = ..., stop: _Optional[_Union[StopShard, _Mapping]] = ..., drain: _Optional[_Union[DrainShard, _Mapping]] = ...) -> None: ...
 
 class Register(_message.Message):
-    __slots__ = ("protocol_version", "node_id", "agent_version", "gpus", "fabrics", "running_shards", "certificate_not_after")
+    __slots__ = ("protocol_version", "node_id", "agent_version", "gpus", "fabrics", "running_shards", "certificate_not_after", "stray_processes", "advertise_address")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,8 @@ class Register(_message.Message):
     FABRICS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_SHARDS_FIELD_NUMBER: _ClassVar[int]
     CERTIFICATE_NOT_AFTER_FIELD_NUMBER: _ClassVar[int]
+    STRAY_PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    ADVERTISE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     node_id: str
     agent_version: str
@@ -45,7 +47,23 @@ class Register(_message.Message):
     fabrics: _containers.RepeatedCompositeFieldContainer[Fabric]
     running_shards: _containers.RepeatedCompositeFieldContainer[RunningShard]
     certificate_not_after: int
-    def __init__(self, protocol_version: _Optional[int] = ..., node_id: _Optional[str] = ..., agent_version: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[GPU, _Mapping]]] = ..., fabrics: _Optional[_Iterable[_Union[Fabric, _Mapping]]] = ..., running_shards: _Optional[_Iterable[_Union[RunningShard, _Mapping]]] = ..., certificate_not_after: _Optional[int] = ...) -> None: ...
+    stray_processes: _containers.RepeatedCompositeFieldContainer[StrayProcess]
+    advertise_address: str
+    def __init__(self, protocol_version: _Optional[int] = ..., node_id: _Optional[str] = ..., agent_version: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[GPU, _Mapping]]] = ..., fabrics: _Optional[_Iterable[_Union[Fabric, _Mapping]]] = ..., running_shards: _Optional[_Iterable[_Union[RunningShard, _Mapping]]] = ..., certificate_not_after: _Optional[int] = ..., stray_processes: _Optional[_Iterable[_Union[StrayProcess, _Mapping]]] = ..., advertise_address: _Optional[str] = ...) -> None: ...
+
+class StrayProcess(_message.Message):
+    __slots__ = ("pid", "pgid", "shard_id", "reason", "command")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    PGID_FIELD_NUMBER: _ClassVar[int]
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    COMMAND_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    pgid: int
+    shard_id: str
+    reason: str
+    command: str
+    def __init__(self, pid: _Optional[int] = ..., pgid: _Optional[int] = ..., shard_id: _Optional[str] = ..., reason: _Optional[str] = ..., command: _Optional[str] = ...) -> None: ...
 
 class GPU(_message.Message):
     __slots__ = ("index", "uuid", "name", "memory_total_mb", "memory_used_mb", "problems")
@@ -72,7 +90,7 @@ class Fabric(_message.Message):
     def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class RunningShard(_message.Message):
-    __slots__ = ("shard_id", "replica_id", "model", "profile", "rank", "gpu_indices", "port", "state", "world_size", "epoch")
+    __slots__ = ("shard_id", "replica_id", "model", "profile", "rank", "gpu_indices", "port", "state", "world_size", "epoch", "pgid", "record_lost")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +101,8 @@ class RunningShard(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PGID_FIELD_NUMBER: _ClassVar[int]
+    RECORD_LOST_FIELD_NUMBER: _ClassVar[int]
     shard_id: str
     replica_id: str
     model: str
@@ -93,17 +113,41 @@ class RunningShard(_message.Message):
     state: ShardStatus.State
     world_size: int
     epoch: int
-    def __init__(self, shard_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., model: _Optional[str] = ..., profile: _Optional[str] = ..., rank: _Optional[int] = ..., gpu_indices: _Optional[_Iterable[int]] = ..., port: _Optional[int] = ..., state: _Optional[_Union[ShardStatus.State, str]] = ..., world_size: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    pgid: int
+    record_lost: bool
+    def __init__(self, shard_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., model: _Optional[str] = ..., profile: _Optional[str] = ..., rank: _Optional[int] = ..., gpu_indices: _Optional[_Iterable[int]] = ..., port: _Optional[int] = ..., state: _Optional[_Union[ShardStatus.State, str]] = ..., world_size: _Optional[int] = ..., epoch: _Optional[int] = ..., pgid: _Optional[int] = ..., record_lost: _Optional[bool] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("gpu_memory_used_mb", "new_problems", "new_gpu_problems")
+    __slots__ = ("gpu_memory_used_mb", "new_problems", "new_gpu_problems", "shard_signals")
     GPU_MEMORY_USED_MB_FIELD_NUMBER: _ClassVar[int]
     NEW_PROBLEMS_FIELD_NUMBER: _ClassVar[int]
     NEW_GPU_PROBLEMS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_SIGNALS_FIELD_NUMBER: _ClassVar[int]
     gpu_memory_used_mb: _containers.RepeatedScalarFieldContainer[int]
     new_problems: _containers.RepeatedScalarFieldContainer[str]
     new_gpu_problems: _containers.RepeatedCompositeFieldContainer[GPUProblem]
-    def __init__(self, gpu_memory_used_mb: _Optional[_Iterable[int]] = ..., new_problems: _Optional[_Iterable[str]] = ..., new_gpu_problems: _Optional[_Iterable[_Union[GPUProblem, _Mapping]]] = ...) -> None: ...
+    shard_signals: _containers.RepeatedCompositeFieldContainer[ShardSignals]
+    def __init__(self, gpu_memory_used_mb: _Optional[_Iterable[int]] = ..., new_problems: _Optional[_Iterable[str]] = ..., new_gpu_problems: _Optional[_Iterable[_Union[GPUProblem, _Mapping]]] = ..., shard_signals: _Optional[_Iterable[_Union[ShardSignals, _Mapping]]] = ...) -> None: ...
+
+class ShardSignals(_message.Message):
+    __slots__ = ("shard_id", "waiting", "running", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "age_s", "error")
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    AGE_S_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    shard_id: str
+    waiting: float
+    running: float
+    kv_cache_usage: float
+    prefix_cache_queries: float
+    prefix_cache_hits: float
+    age_s: float
+    error: str
+    def __init__(self, shard_id: _Optional[str] = ..., waiting: _Optional[float] = ..., running: _Optional[float] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[float] = ..., prefix_cache_hits: _Optional[float] = ..., age_s: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
 
 class GPUProblem(_message.Message):
     __slots__ = ("gpu_index", "problem")
@@ -114,7 +158,7 @@ class GPUProblem(_message.Message):
     def __init__(self, gpu_index: _Optional[int] = ..., problem: _Optional[str] = ...) -> None: ...
 
 class ShardStatus(_message.Message):
-    __slots__ = ("replica_id", "shard_id", "state", "error", "exit_code", "last_output", "signal")
+    __slots__ = ("replica_id", "shard_id", "state", "error", "exit_code", "last_output", "signal", "crash_class")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATE_UNSPECIFIED: _ClassVar[ShardStatus.State]
@@ -123,12 +167,14 @@ class ShardStatus(_message.Message):
         STATE_DRAINING: _ClassVar[ShardStatus.State]
         STATE_STOPPED: _ClassVar[ShardStatus.State]
         STATE_FAILED: _ClassVar[ShardStatus.State]
+        STATE_STOPPING: _ClassVar[ShardStatus.State]
     STATE_UNSPECIFIED: ShardStatus.State
     STATE_STARTING: ShardStatus.State
     STATE_READY: ShardStatus.State
     STATE_DRAINING: ShardStatus.State
     STATE_STOPPED: ShardStatus.State
     STATE_FAILED: ShardStatus.State
+    STATE_STOPPING: ShardStatus.State
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +182,7 @@ class ShardStatus(_message.Message):
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
     LAST_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     SIGNAL_FIELD_NUMBER: _ClassVar[int]
+    CRASH_CLASS_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     shard_id: str
     state: ShardStatus.State
@@ -143,7 +190,8 @@ class ShardStatus(_message.Message):
     exit_code: int
     last_output: str
     signal: int
-    def __init__(self, replica_id: _Optional[str] = ..., shard_id: _Optional[str] = ..., state: _Optional[_Union[ShardStatus.State, str]] = ..., error: _Optional[str] = ..., exit_code: _Optional[int] = ..., last_output: _Optional[str] = ..., signal: _Optional[int] = ...) -> None: ...
+    crash_class: str
+    def __init__(self, replica_id: _Optional[str] = ..., shard_id: _Optional[str] = ..., state: _Optional[_Union[ShardStatus.State, str]] = ..., error: _Optional[str] = ..., exit_code: _Optional[int] = ..., last_output: _Optional[str] = ..., signal: _Optional[int] = ..., crash_class: _Optional[str] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("message_id", "ok", "code", "error")
@@ -172,8 +220,15 @@ class Ack(_message.Message):
     def __init__(self, message_id: _Optional[str] = ..., ok: _Optional[bool] = ..., code: _Optional[_Union[Ack.Code, str]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class StartShard(_message.Message):
-    __slots__ = ("shard_id", "replica_id", "model", "profile", "rank", "world_size", "leader_address", "argv", "env", "gpu_indices", "port", "health_path", "startup_timeout_s", "stop_grace_s", "epoch", "drain_timeout_s")
+    __slots__ = ("shard_id", "replica_id", "model", "profile", "rank", "world_size", "leader_address", "argv", "env", "gpu_indices", "port", "health_path", "startup_timeout_s", "stop_grace_s", "epoch", "drain_timeout_s", "engine", "metrics_path", "metric_names", "stop_signal", "ready_while_alive")
     class EnvEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class MetricNamesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -196,6 +251,11 @@ class StartShard(_message.Message):
     STOP_GRACE_S_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     DRAIN_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    METRICS_PATH_FIELD_NUMBER: _ClassVar[int]
+    METRIC_NAMES_FIELD_NUMBER: _ClassVar[int]
+    STOP_SIGNAL_FIELD_NUMBER: _ClassVar[int]
+    READY_WHILE_ALIVE_FIELD_NUMBER: _ClassVar[int]
     shard_id: str
     replica_id: str
     model: str
@@ -212,7 +272,12 @@ class StartShard(_message.Message):
     stop_grace_s: int
     epoch: int
     drain_timeout_s: int
-    def __init__(self, shard_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., model: _Optional[str] = ..., profile: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., leader_address: _Optional[str] = ..., argv: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., gpu_indices: _Optional[_Iterable[int]] = ..., port: _Optional[int] = ..., health_path: _Optional[str] = ..., startup_timeout_s: _Optional[int] = ..., stop_grace_s: _Optional[int] = ..., epoch: _Optional[int] = ..., drain_timeout_s: _Optional[int] = ...) -> None: ...
+    engine: str
+    metrics_path: str
+    metric_names: _containers.ScalarMap[str, str]
+    stop_signal: str
+    ready_while_alive: bool
+    def __init__(self, shard_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., model: _Optional[str] = ..., profile: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., leader_address: _Optional[str] = ..., argv: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., gpu_indices: _Optional[_Iterable[int]] = ..., port: _Optional[int] = ..., health_path: _Optional[str] = ..., startup_timeout_s: _Optional[int] = ..., stop_grace_s: _Optional[int] = ..., epoch: _Optional[int] = ..., drain_timeout_s: _Optional[int] = ..., engine: _Optional[str] = ..., metrics_path: _Optional[str] = ..., metric_names: _Optional[_Mapping[str, str]] = ..., stop_signal: _Optional[str] = ..., ready_while_alive: _Optional[bool] = ...) -> None: ...
 
 class StopShard(_message.Message):
     __slots__ = ("shard_id", "epoch")

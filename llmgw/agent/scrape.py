@@ -1,0 +1,267 @@
+"""
+The agent's engine scraper (DESIGN §15, issue 11 item 3): about once a
+second it GETs the metrics endpoint of every ready (or draining) shard whose profile has
+one, normalises what the engine exports (L{llmgw.engines.normalise}) and
+keeps the newest sample per shard for the next heartbeat.
+
+Each scrape is bounded: at most one in flight per shard, an answer within
+C{timeout} seconds and C{max_bytes} bytes or it is abandoned (the
+connection is dropped), parsed on the reactor only once whole. A failed
+scrape keeps the previous figures, records why, and the figures' age keeps
+growing: the control plane sees staleness, never a stale figure passed off
+as fresh. Scraping never changes a shard's state; health checks do that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from twisted.application.service import Service
+from twisted.internet import defer, error
+from twisted.internet.protocol import Protocol
+from twisted.internet.task import LoopingCall
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from llmgw.agent.supervisor import DRAINING, READY, Shard, Supervisor
+from llmgw.api.v1 import agent_pb2 as pb
+from llmgw.engines import SIGNALS, MetricsError, normalise
+from llmgw.routing import EngineSignals
+
+#: Seconds between scrapes of one shard.
+SCRAPE_INTERVAL = 1.0
+#: Longest a scrape may take, connect to last byte.
+SCRAPE_TIMEOUT = 0.8
+#: Most bytes read from one metrics response (vLLM's is ~100 KiB).
+SCRAPE_MAX_BYTES = 2 * 1024 * 1024
+
+
+class ResponseTooLarge(Exception):
+    pass
+
+
+class _CappedBody(Protocol):
+    def __init__(self, finished: defer.Deferred[bytes], limit: int):
+        self.finished = finished
+        self.limit = limit
+        self.parts: list[bytes] = []
+        self.size = 0
+
+    def dataReceived(self, data: bytes) -> None:
+        if self.finished.called:
+            return
+        self.size += len(data)
+        if self.size > self.limit:
+            self.transport.stopProducing()  # type: ignore[union-attr]
+            self.finished.errback(ResponseTooLarge(f"the response is over {self.limit} bytes"))
+            return
+        self.parts.append(data)
+
+    def connectionLost(self, reason: Failure = Failure(error.ConnectionDone())) -> None:  # noqa: B008
+        if self.finished.called:
+            return
+        from twisted.web.client import ResponseDone
+        from twisted.web.http import PotentialDataLoss
+
+        if reason.check(ResponseDone, PotentialDataLoss):
+            self.finished.callback(b"".join(self.parts))
+        else:
+            self.finished.errback(reason)
+
+
+class _Discard(Protocol):
+    def dataReceived(self, data: bytes) -> None:
+        pass
+
+    def connectionLost(self, reason: Failure = Failure(error.ConnectionDone())) -> None:  # noqa: B008
+        pass
+
+
+class HttpFetcher:
+    """
+    C{get(url)}: a GET whose body must be 200, within C{timeout} seconds and
+    C{max_bytes}. Connections are kept alive between scrapes.
+    """
+
+    def __init__(self, reactor: Any, timeout: float = SCRAPE_TIMEOUT,
+                 max_bytes: int = SCRAPE_MAX_BYTES):
+        from twisted.web.client import Agent, HTTPConnectionPool
+
+        class QuietPool(HTTPConnectionPool):
+            class _factory(HTTPConnectionPool._factory):  # type: ignore[valid-type,misc]
+                noisy = False
+
+        self.reactor = reactor
+        self.timeout = timeout
+        self.max_bytes = max_bytes
+        self.pool = QuietPool(reactor, persistent=True)
+        self.pool.maxPersistentPerHost = 1
+        self.pool.cachedConnectionTimeout = 30
+        self.agent = Agent(reactor, connectTimeout=timeout, pool=self.pool)
+
+    def get(self, url: str) -> defer.Deferred[bytes]:
+        d: defer.Deferred[Any] = self.agent.request(b"GET", url.encode())
+
+        def body(response: Any) -> defer.Deferred[bytes]:
+            if response.code != 200:
+                response.deliverBody(_Discard())
+                raise ValueError(f"HTTP {response.code}")
+            holder: dict[str, Any] = {}
+
+            def cancel(_: defer.Deferred[bytes]) -> None:
+                transport = holder.get("transport")
+                if transport is not None:
+                    transport.stopProducing()
+
+            finished: defer.Deferred[bytes] = defer.Deferred(cancel)
+            proto = _CappedBody(finished, self.max_bytes)
+            response.deliverBody(proto)
+            holder["transport"] = proto.transport
+            return finished
+
+        d.addCallback(body)
+        d.addTimeout(self.timeout, self.reactor)
+        return d
+
+    def close(self) -> defer.Deferred[None]:
+        return self.pool.closeCachedConnections()  # type: ignore[no-any-return]
+
+
+@dataclass
+class Sample:
+    """
+    A shard's newest figures (C{None} before the first good scrape), on the
+    agent's clock, and why the latest scrape failed ("" if it did not).
+    """
+
+    signals: EngineSignals | None = None
+    error: str = ""
+    scrapes: int = 0
+    failures: int = 0
+
+
+def _describe(failure: Failure) -> str:
+    e = failure.value
+    if isinstance(e, defer.TimeoutError | error.TimeoutError | defer.CancelledError):
+        return "no answer in time"
+    return str(e) or type(e).__name__
+
+
+class Scraper(Service):
+    """
+    Scrapes the supervisor's ready shards. C{host()} is the address to dial
+    (the one the agent advertises); C{fetch(url)} returns a Deferred of the
+    body (L{HttpFetcher.get}).
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        clock: Any,
+        supervisor: Supervisor,
+        fetch: Callable[[str], defer.Deferred[bytes]],
+        host: Callable[[], str] = lambda: "127.0.0.1",
+        interval: float = SCRAPE_INTERVAL,
+    ):
+        self.clock = clock
+        self.supervisor = supervisor
+        self.fetch = fetch
+        self.host = host
+        self.interval = interval
+        self.samples: dict[str, Sample] = {}
+        self._in_flight: set[str] = set()
+        self._loop: LoopingCall | None = None
+
+    def startService(self) -> None:
+        super().startService()
+        self._loop = LoopingCall(self._tick_safely)
+        self._loop.clock = self.clock
+        self._loop.start(self.interval, now=False)
+
+    def stopService(self) -> Any:
+        super().stopService()
+        if self._loop is not None and self._loop.running:
+            self._loop.stop()
+
+    def _tick_safely(self) -> None:
+        try:
+            self.tick()
+        except Exception:
+            self.log.failure("an engine scrape pass failed; the next one goes on")
+
+    def tick(self) -> None:
+        """
+        Start a scrape of every ready shard with a metrics path that has none
+        in flight; forget the samples of shards that are no longer live.
+        """
+        live: set[str] = set()
+        for shard in self.supervisor.live_shards():
+            live.add(shard.shard_id)
+            # Draining shards still serve their requests in flight: keep their figures fresh.
+            if shard.state not in (READY, DRAINING) or not shard.spec.metrics_path or shard.stopping:
+                continue
+            if shard.shard_id in self._in_flight:
+                continue
+            self._scrape(shard)
+        for shard_id in [s for s in self.samples if s not in live]:
+            del self.samples[shard_id]
+
+    def _scrape(self, shard: Shard) -> None:
+        from llmgw.addresses import format_address
+
+        spec = shard.spec
+        url = f"http://{format_address(self.host(), spec.port)}{spec.metrics_path}"
+        self._in_flight.add(spec.shard_id)
+        d = defer.maybeDeferred(self.fetch, url)
+        d.addCallbacks(lambda body: self._scraped(shard, body, None),
+                       lambda f: self._scraped(shard, b"", f))
+        d.addErrback(lambda f: self.log.failure("recording a scrape of {shard} failed",
+                                                f, shard=spec.shard_id))
+
+    def _scraped(self, shard: Shard, body: bytes, failure: Failure | None) -> None:
+        shard_id = shard.shard_id
+        self._in_flight.discard(shard_id)
+        if not shard.live:
+            return
+        sample = self.samples.setdefault(shard_id, Sample())
+        sample.scrapes += 1
+        problem = ""
+        if failure is not None:
+            problem = _describe(failure)
+        else:
+            try:
+                sample.signals = normalise(
+                    body.decode("utf-8", "replace"), shard.spec.metric_names, self.clock.seconds()
+                )
+            except MetricsError as e:
+                problem = f"the metrics could not be read: {e}"
+        if problem:
+            sample.failures += 1
+            if not sample.error:
+                # Once per run of failures, not once a second.
+                self.log.warn("scraping the metrics of shard {shard} failed: {error}; its "
+                              "figures age until a scrape succeeds", shard=shard_id, error=problem)
+        elif sample.error:
+            self.log.info("scraping the metrics of shard {shard} works again", shard=shard_id)
+        sample.error = problem
+
+    def heartbeat_signals(self) -> list[pb.ShardSignals]:
+        """
+        The samples for the next heartbeat, each with its age.
+        """
+        now = self.clock.seconds()
+        out = []
+        for shard_id, sample in sorted(self.samples.items()):
+            msg = pb.ShardSignals(shard_id=shard_id, error=sample.error)
+            if sample.signals is not None:
+                msg.age_s = sample.signals.age(now)
+                for name in SIGNALS:
+                    value = getattr(sample.signals, name)
+                    if value is not None:
+                        setattr(msg, name, value)
+            out.append(msg)
+        return out
+

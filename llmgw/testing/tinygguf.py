@@ -1,0 +1,125 @@
+"""
+A tiny random-weight Llama model in GGUF, for running a real engine
+(llama.cpp's C{llama-server}) in tests: a test tool, not a model.
+
+Two layers, a 64-wide embedding, a vocabulary of its own (the three special
+tokens, the 256 byte tokens and a few words) and a chat template: about
+half a megabyte, written in well under a second. Its replies are random
+words of its vocabulary (never an end of text, so a reply is always as
+long as asked); what it proves is the engine's real start, readiness,
+serving, metrics and death, not the text.
+
+    python -m llmgw.testing.tinygguf OUT.gguf
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+#: A Jinja chat template llama-server's own renderer accepts.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|' + message['role'] + '|>' + message['content'] + '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+_WORDS = ["\u2581the", "\u2581a", "\u2581model", "\u2581reply", "\u2581tiny", "\u2581llmgw", "\u2581is", "."]
+
+EMBEDDING = 64
+LAYERS = 2
+HEADS = 4
+FEED_FORWARD = 128
+CONTEXT = 512
+
+
+def vocabulary() -> tuple[list[str], list[float], list[int]]:
+    """
+    Tokens, scores and token types (SentencePiece kinds: 1 normal, 2
+    unknown, 3 control, 6 byte).
+    """
+    tokens = ["<unk>", "<s>", "</s>"]
+    types = [2, 3, 3]
+    tokens += [f"<0x{b:02X}>" for b in range(256)]
+    types += [6] * 256
+    tokens += _WORDS
+    types += [1] * len(_WORDS)
+    scores = [0.0] * 3 + [-1000.0] * 256 + [-float(i) for i in range(len(_WORDS))]
+    return tokens, scores, types
+
+
+def write(path: str | Path, seed: int = 11) -> Path:
+    """
+    Write the model to C{path}; returns the path.
+
+    @raise ImportError: the C{gguf} package (the C{test} extra) is missing.
+    """
+    import gguf  # type: ignore[import-untyped]
+    import numpy as np
+
+    path = Path(path)
+    rng = np.random.default_rng(seed)
+    tokens, scores, types = vocabulary()
+    vocab = len(tokens)
+    head_dim = EMBEDDING // HEADS
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("llmgw-tiny")
+    w.add_context_length(CONTEXT)
+    w.add_embedding_length(EMBEDDING)
+    w.add_block_count(LAYERS)
+    w.add_feed_forward_length(FEED_FORWARD)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(HEADS)
+    w.add_rope_dimension_count(head_dim)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_file_type(0)  # all F32
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+    w.add_chat_template(CHAT_TEMPLATE)
+
+    def tensor(name: str, *shape: int) -> None:
+        data = (rng.standard_normal(shape) * 0.02).astype(np.float32)
+        w.add_tensor(name, data)
+
+    def ones(name: str) -> None:
+        w.add_tensor(name, np.ones((EMBEDDING,), dtype=np.float32))
+
+    # numpy shapes are (out, in), as GGUF's Python writer expects.
+    tensor("token_embd.weight", vocab, EMBEDDING)
+    for i in range(LAYERS):
+        ones(f"blk.{i}.attn_norm.weight")
+        tensor(f"blk.{i}.attn_q.weight", EMBEDDING, EMBEDDING)
+        tensor(f"blk.{i}.attn_k.weight", EMBEDDING, EMBEDDING)
+        tensor(f"blk.{i}.attn_v.weight", EMBEDDING, EMBEDDING)
+        tensor(f"blk.{i}.attn_output.weight", EMBEDDING, EMBEDDING)
+        ones(f"blk.{i}.ffn_norm.weight")
+        tensor(f"blk.{i}.ffn_gate.weight", FEED_FORWARD, EMBEDDING)
+        tensor(f"blk.{i}.ffn_up.weight", FEED_FORWARD, EMBEDDING)
+        tensor(f"blk.{i}.ffn_down.weight", EMBEDDING, FEED_FORWARD)
+    ones("output_norm.weight")
+    # Only the words can win: their output rows are large, every other row
+    # (special and byte tokens) is zero. Replies are then whole words, never
+    # an end of text or half a UTF-8 sequence an engine would hold back.
+    output = np.zeros((vocab, EMBEDDING), dtype=np.float32)
+    first_word = vocab - len(_WORDS)
+    output[first_word:] = rng.standard_normal((len(_WORDS), EMBEDDING)) * 2.0
+    w.add_tensor("output.weight", output)
+
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        print("usage: python -m llmgw.testing.tinygguf OUT.gguf", file=sys.stderr)
+        sys.exit(2)
+    print(write(sys.argv[1]))
