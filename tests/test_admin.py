@@ -27,6 +27,7 @@ from llmgw.control.admin import (
     model_path,
 )
 from llmgw.control.interfaces import AdminError
+from llmgw.control.inventory import Node, StrayProcess
 from llmgw.control.metrics import make_registry, register_control_metrics
 from llmgw.hostcheck import HostCheck
 from llmgw.testing.fleet import FakeAgents, FakeFleet, sample_fleet
@@ -248,6 +249,70 @@ class ActionTests(AdminTestCase):
         code, _, _ = self.call("POST", "/api/v1/deployments/org/big/scale", {"replicas": 4})
         self.assertEqual(code, 200)
         self.assertEqual(self.fleet.calls, [("scale", "org/big", 3), ("scale", "org/big", 4)])
+
+    def test_retry(self) -> None:
+        """
+        POST /api/v1/deployments/{model}/retry asks the fleet to place a
+        held deployment again (its hold and backoff gone from the view),
+        for a model with a slash too, and is logged with who asked.
+        """
+        self.fleet.deployment_views["demo"].update(
+            held={"reason": "unknown argument --bogus", "crash_class": "config", "since": 150.0},
+            backoff_until=10_000.0,
+        )
+        code, body, _ = self.call("POST", "/api/v1/deployments/demo/retry")
+        self.assertEqual((code, body), (200, {"model": "demo", "action": "retry", "ok": True}))
+        code, body, _ = self.call("GET", "/api/v1/deployments")
+        demo = [d for d in body["deployments"] if d["model"] == "demo"][0]
+        self.assertIsNone(demo["held"])
+        self.assertIsNone(demo["backoff_until"])
+        code, _, _ = self.call("POST", "/api/v1/deployments/org%2Fbig/retry", {})
+        self.assertEqual(code, 200)
+        self.assertEqual(self.fleet.calls, [("retry", "demo"), ("retry", "org/big")])
+        lines = [formatEvent(e) for e in self.logged if "retry" in formatEvent(e)]
+        self.assertEqual(len(lines), 2)
+        self.assertIn("retry demo", lines[0])
+        self.assertIn("asked by 127.0.0.1", lines[0])
+
+    def test_retry_refusals(self) -> None:
+        """
+        A retry of a model no deployment serves is the fleet's 404; one
+        with fields in its body, an empty model or a GET is refused
+        before the fleet is asked; a fleet that cannot hold deployments
+        (no C{retry}) answers 501.
+        """
+        self.assertRefused(self.call("POST", "/api/v1/deployments/nope/retry"), 404, "nope")
+        self.assertRefused(self.call("POST", "/api/v1/deployments/demo/retry", {"force": True}), 400,
+                           "no fields")
+        self.assertRefused(self.call("POST", "/api/v1/deployments//retry"), 400, "empty")
+        self.assertRefused(self.call("GET", "/api/v1/deployments/demo/retry"), 405, "POST")
+        self.assertEqual(self.fleet.calls, [("retry", "nope")])
+
+        class OldFleet(FakeFleet):
+            retry = None  # type: ignore[assignment]
+
+        old = OldFleet()
+        old.add_deployment("demo")
+        self.resource.fleet = old
+        self.assertRefused(self.call("POST", "/api/v1/deployments/demo/retry"), 501, "nothing to retry")
+
+    def test_nodes_show_strays(self) -> None:
+        """
+        The nodes view lists, per node, the stray processes its agent's
+        latest Register reported (kept in the inventory); a node with none
+        has an empty list.
+        """
+        self.agents.inventory.upsert(Node(id="gpu-1", stray_processes=[
+            StrayProcess(pid=4242, pgid=4242, shard_id="r0-s0", reason="no record", command="vllm serve")
+        ]))
+        code, body, _ = self.call("GET", "/api/v1/nodes")
+        self.assertEqual(code, 200)
+        strays = {n["id"]: n["stray_processes"] for n in body["nodes"]}
+        self.assertEqual(strays, {
+            "gpu-1": [{"pid": 4242, "pgid": 4242, "shard_id": "r0-s0", "reason": "no record",
+                       "command": "vllm serve"}],
+            "gpu-2": [],
+        })
 
     def test_scale_unknown_model(self) -> None:
         """

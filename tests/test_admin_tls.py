@@ -199,6 +199,26 @@ class MutualTLSTests(TestCase):
         self.assertIn("admin olga (operator) at 127.0.0.1:", changes[0])
 
     @inlineCallbacks
+    def test_retry_needs_operator(self) -> None:
+        """
+        Retrying a held deployment is a change: a viewer is refused (403,
+        nothing reaches the fleet), an operator's retry is done and logged
+        with the certificate's name and role.
+        """
+        self.fleet.deployment_views["demo"]["held"] = {"reason": "bad flag", "crash_class": "config",
+                                                       "since": 1.0}
+        code, body = yield self.call("admin-alice", "POST", "/api/v1/deployments/demo/retry")
+        self.assertEqual(code, 403)
+        self.assertIn("role viewer", body["error"])
+        self.assertEqual(self.fleet.calls, [])
+        code, body = yield self.call("admin-olga", "POST", "/api/v1/deployments/demo/retry")
+        self.assertEqual((code, body["ok"]), (200, True))
+        self.assertIsNone(self.fleet.deployment_views["demo"]["held"])
+        changes = [m for m in self.messages() if "retry demo" in m]
+        self.assertEqual(len(changes), 1)
+        self.assertIn("admin olga (operator) at 127.0.0.1:", changes[0])
+
+    @inlineCallbacks
     def test_gateway_role_reads_routes_only(self) -> None:
         """
         The gateway role reads the routing table a gateway follows and is

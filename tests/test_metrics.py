@@ -77,7 +77,8 @@ class AgentMetricsTests(SynchronousTestCase):
 
     def test_without_fleet(self) -> None:
         """
-        Without a reconciler only the agent metrics are served.
+        Without a reconciler only the agent metrics (the strays among them)
+        are served.
         """
         registry = make_registry()
         register_control_metrics(registry, FakeAgents(), lambda: None)
@@ -85,7 +86,7 @@ class AgentMetricsTests(SynchronousTestCase):
         self.assertEqual(
             names,
             {"llmgw_agents_connected", "llmgw_agent_connections_open",
-             "llmgw_agent_registrations", "llmgw_dispatch_refusals"},
+             "llmgw_agent_registrations", "llmgw_dispatch_refusals", "llmgw_node_stray_processes"},
         )
 
 

@@ -88,6 +88,7 @@ ENDPOINTS = [
     "POST /api/v1/nodes/{id}/uncordon",
     "POST /api/v1/nodes/{id}/drain",
     'POST /api/v1/deployments/{model}/scale {"replicas": N}',
+    "POST /api/v1/deployments/{model}/retry",
     "POST /api/v1/catalog/reload",
     "POST /api/v1/tls/reload",
     "GET /metrics",
@@ -103,8 +104,8 @@ def role_allows(role: str, method: str, path: list[str]) -> bool:
     """
     Whether an admin with C{role} may C{method} (C{GET} for C{HEAD}) the
     path C{path} (its segments): C{viewer} any C{GET}; C{operator} any
-    C{GET} or C{POST} (cordon, uncordon, drain, scale, catalog and TLS
-    reload); C{gateway} a C{GET} of L{GATEWAY_READS} only.
+    C{GET} or C{POST} (cordon, uncordon, drain, scale, retry, catalog and
+    TLS reload); C{gateway} a C{GET} of L{GATEWAY_READS} only.
     """
     if role == "operator":
         return True
@@ -406,7 +407,7 @@ class AdminResource(Resource):
             return self._status, ()
         if rest == ["nodes"]:
             only("GET")
-            return (lambda: {"nodes": self.fleet.nodes()}), ()
+            return self._nodes, ()
         if rest == ["deployments"]:
             only("GET")
             return (lambda: {"deployments": self.fleet.deployments()}), ()
@@ -437,6 +438,19 @@ class AdminResource(Resource):
                 raise Refused(400, "the model name is empty")
             replicas = self._replicas(self._body(request))
             return self._scale, (request, model, replicas)
+        if head == "deployments" and len(rest) >= 3 and rest[-1] == "retry":
+            only("POST")
+            model = "/".join(rest[1:-1])
+            if not model:
+                raise Refused(400, "the model name is empty")
+            body = self._body(request)
+            if body:
+                raise Refused(400, "retry takes no fields; send {} or nothing")
+            # IFleetAdmin.retry comes with the held deployments; a fleet
+            # without it holds none, so there is nothing to retry.
+            if getattr(self.fleet, "retry", None) is None:
+                raise Refused(501, "this control plane does not hold deployments, so there is nothing to retry")
+            return self._retry, (request, model)
         if rest == ["catalog", "reload"]:
             only("POST")
             self._body(request)
@@ -534,6 +548,32 @@ class AdminResource(Resource):
             client=self.who(request),
         )
         return {"model": model, "replicas": replicas, "ok": True}
+
+    def _retry(self, request: Any, model: str) -> dict[str, Any]:
+        fleet: Any = self.fleet
+        fleet.retry(model)
+        self.log.info(
+            "admin API: retry {model}: hold and backoff cleared (asked by {client})",
+            model=model,
+            client=self.who(request),
+        )
+        return {"model": model, "action": "retry", "ok": True}
+
+    def _nodes(self) -> dict[str, Any]:
+        """
+        The fleet's nodes view, each node with the C{stray_processes} its
+        agent listed in its latest Register (from the inventory, where the
+        fleet's view does not carry them).
+        """
+        nodes = self.fleet.nodes()
+        inventory = getattr(self.agents, "inventory", None)
+        out = []
+        for view in nodes:
+            if "stray_processes" not in view:
+                strays = inventory.strays(view.get("id", "")) if inventory is not None else []
+                view = {**view, "stray_processes": [s.as_dict() for s in strays]}
+            out.append(view)
+        return {"nodes": out}
 
     def _reload(self, request: Any) -> Any:
         def done(changes: Any) -> dict[str, Any]:

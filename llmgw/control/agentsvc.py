@@ -34,7 +34,7 @@ from llmgw.control.interfaces import (
     ShardCommand,
     ShardReport,
 )
-from llmgw.control.inventory import GPUInfo, Inventory, Node
+from llmgw.control.inventory import GPUInfo, Inventory, Node, StrayProcess, bounded_strays
 from llmgw.control.limits import (
     MessageRate,
     connection_registered,
@@ -87,6 +87,10 @@ def node_from_register(reg: pb.Register, address: str, now: float) -> Node:
         last_seen=now,
         registered_at=now,
         certificate_not_after=float(reg.certificate_not_after),
+        stray_processes=bounded_strays(
+            StrayProcess(pid=p.pid, pgid=p.pgid, shard_id=p.shard_id, reason=p.reason, command=p.command)
+            for p in reg.stray_processes
+        ),
     )
 
 
@@ -435,6 +439,7 @@ class AgentStreamProtocol(MessageStream[pb.AgentMessage]):
             version=reg.agent_version,
         )
         self.send_message(ack("register"))
+        self._warn_unaccounted(node_id, reg)
         self._set_timer(self.factory.silence_timeout, self._silence_expired)
         # Out of the agent port's admission gate: the next connection may come in.
         connection_registered(self.transport)
@@ -485,7 +490,39 @@ class AgentStreamProtocol(MessageStream[pb.AgentMessage]):
             gpus=len(reg.gpus),
         )
         self.send_message(ack("register"))
+        self._warn_unaccounted(self.node_id, reg)
         self.factory.sink.node_registered(self.node_id)
+
+    def _warn_unaccounted(self, node_id: str, reg: pb.Register) -> None:
+        """
+        Log loudly what a Register says is running unaccounted for: the
+        stray processes (one line, their pids; the list is in the
+        inventory) and each shard whose record the agent lost.
+        """
+        if reg.stray_processes:
+            strays = bounded_strays(
+                StrayProcess(pid=p.pid, pgid=p.pgid, shard_id=p.shard_id) for p in reg.stray_processes
+            )
+            pids = ", ".join(f"{s.pid} (group {s.pgid}, shard {s.shard_id or '?'})" for s in strays)
+            more = len(reg.stray_processes) - len(strays)
+            self.log.warn(
+                "agent {node} reports {count} stray processes that carry its shard marker but "
+                "belong to no shard it knows; they are left running, stop them by hand: {pids}",
+                node=node_id,
+                count=len(reg.stray_processes),
+                pids=pids + (f" and {more} more" if more > 0 else ""),
+            )
+        for s in reg.running_shards:
+            if s.record_lost:
+                self.log.warn(
+                    "agent {node} lost the record of shard {shard} (process group {pgid}, model "
+                    "{model}) and found it running by its marker; it is reported so that it is "
+                    "claimed or stopped",
+                    node=node_id,
+                    shard=s.shard_id,
+                    pgid=s.pgid,
+                    model=s.model or "unknown",
+                )
 
     def _heartbeat(self, hb: pb.Heartbeat) -> None:
         assert self.node_id is not None

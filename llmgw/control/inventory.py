@@ -14,6 +14,12 @@ import builtins
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
+#: Stray processes kept per node: enough to see what is wrong, bounded
+#: whatever an agent sends.
+MAX_STRAYS_PER_NODE = 64
+#: Characters kept of a stray's command line and reason.
+MAX_STRAY_TEXT = 256
+
 #: Problems kept per GPU: one is enough to keep it out of placement, and a
 #: buggy agent sending ever-new texts must not grow the inventory forever.
 MAX_PROBLEMS_PER_GPU = 32
@@ -27,6 +33,38 @@ class GPUInfo:
     memory_total_mb: int = 0
     memory_used_mb: int = 0
     problems: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class StrayProcess:
+    """
+    A process on a node that carries the agent's shard marker but that no
+    shard accounts for (as the agent's Register listed it).
+    """
+
+    pid: int
+    pgid: int = 0
+    shard_id: str = ""
+    reason: str = ""
+    command: str = ""
+
+    def as_dict(self) -> dict[str, object]:
+        return {"pid": self.pid, "pgid": self.pgid, "shard_id": self.shard_id,
+                "reason": self.reason, "command": self.command}
+
+
+def bounded_strays(strays: Iterable[StrayProcess]) -> list[StrayProcess]:
+    """
+    The first L{MAX_STRAYS_PER_NODE} of C{strays}, their texts cut at
+    L{MAX_STRAY_TEXT} characters.
+    """
+    out = []
+    for s in strays:
+        if len(out) >= MAX_STRAYS_PER_NODE:
+            break
+        out.append(replace(s, shard_id=s.shard_id[:MAX_STRAY_TEXT], reason=s.reason[:MAX_STRAY_TEXT],
+                           command=s.command[:MAX_STRAY_TEXT]))
+    return out
 
 
 @dataclass
@@ -45,6 +83,9 @@ class Node:
     registered_at: float = 0.0
     certificate_not_after: float = 0.0
     generation: int = 0
+    #: From the latest Register, at most L{MAX_STRAYS_PER_NODE}; the
+    #: elements are immutable, so copies share them.
+    stray_processes: list[StrayProcess] = field(default_factory=list)
 
     def fabric_names(self) -> list[str]:
         return sorted(self.fabrics)
@@ -56,14 +97,15 @@ def _copy_node(node: Node) -> Node:
 
     C{copy.deepcopy} costs about 8 times as much and allocates enough to set
     off the cyclic collector during a registration storm; a L{Node}'s only
-    mutable parts are its GPU list (with each GPU's problems) and its
-    fabrics. A mutable field added to L{Node} or L{GPUInfo} must be copied
+    mutable parts are its GPU list (with each GPU's problems), its fabrics
+    and its list of (immutable) strays. A mutable field added to L{Node} or L{GPUInfo} must be copied
     here too.
     """
     return replace(
         node,
         gpus=[replace(g, problems=list(g.problems)) for g in node.gpus],
         fabrics=dict(node.fabrics),
+        stray_processes=list(node.stray_processes),
     )
 
 
@@ -76,6 +118,9 @@ class Inventory:
         self._nodes: dict[str, Node] = {}
         self._changed: set[str] = set()
         self._generation = 0
+        #: Nodes whose latest Register listed strays: the gauge reads these
+        #: without walking every node.
+        self._with_strays: set[str] = set()
 
     def _bump(self, node: Node) -> None:
         self._generation += 1
@@ -88,7 +133,12 @@ class Inventory:
         its own copy.
         """
         mine = _copy_node(node)
+        mine.stray_processes = bounded_strays(mine.stray_processes)
         self._nodes[node.id] = mine
+        if mine.stray_processes:
+            self._with_strays.add(node.id)
+        else:
+            self._with_strays.discard(node.id)
         self._bump(mine)
 
     def touch(self, node_id: str, now: float) -> bool:
@@ -150,6 +200,20 @@ class Inventory:
         """
         return self._nodes.get(node_id)
 
+    def strays(self, node_id: str) -> builtins.list[StrayProcess]:
+        """
+        The stray processes C{node_id}'s latest Register listed (empty for
+        an unknown node).
+        """
+        node = self._nodes.get(node_id)
+        return list(node.stray_processes) if node is not None else []
+
+    def stray_counts(self) -> dict[str, int]:
+        """
+        C{{node: number of strays}} for the nodes that have any.
+        """
+        return {k: len(self._nodes[k].stray_processes) for k in sorted(self._with_strays)}
+
     def list(self) -> list[Node]:
         """
         Copies of every node, by id.
@@ -166,6 +230,7 @@ class Inventory:
         return len(self._nodes)
 
     def remove(self, node_id: str) -> None:
+        self._with_strays.discard(node_id)
         if self._nodes.pop(node_id, None) is not None:
             self._changed.add(node_id)
 

@@ -23,6 +23,12 @@ optional, a missing one leaves its metric out::
         "pass_seconds_total": 5.2,                            # their summed duration
         "replacements_frozen": False,
     }
+
+The deployment metrics (failures by crash class, held deployments) are
+read from the reconciler's C{deployments()} view: each deployment's
+C{failures} (its consecutive failures, the backoff's count), the
+C{crash_class} of its C{last_failure}, and C{held} (C{None}, or a dict
+with C{crash_class}). A view without these fields counts as none.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 from twisted.logger import Logger
 
+from llmgw.crash import CrashClass
 from llmgw.states import ReplicaState, ShardState
 
 #: States that always have a sample (zero when empty), so that a dashboard's
@@ -45,6 +52,16 @@ from llmgw.states import ReplicaState, ShardState
 NODE_STATES = ("ready", "suspect", "lost")
 SHARD_STATES = tuple(str(s) for s in ShardState)
 REPLICA_STATES = tuple(str(s) for s in ReplicaState)
+#: The crash-class label's values: a fixed set, whatever a view carries.
+CRASH_CLASSES = tuple(str(c) for c in CrashClass)
+
+
+def crash_label(value: Any) -> str:
+    """
+    C{value} as a crash-class label: one of L{CRASH_CLASSES}, anything else
+    (an older agent's empty class, say) C{"unknown"}.
+    """
+    return value if isinstance(value, str) and value in CRASH_CLASSES else str(CrashClass.UNKNOWN)
 
 
 def make_registry() -> CollectorRegistry:
@@ -110,6 +127,62 @@ class ControlCollector(Collector):
         yield from self._tls_metrics()
         yield from self._limit_metrics()
         yield from self._frame_metrics()
+        yield from self._stray_metrics()
+        yield from self._deployment_metrics()
+
+    def _stray_metrics(self) -> Iterable[Metric]:
+        inventory = getattr(self.agents, "inventory", None)
+        if inventory is None:
+            return
+        strays = GaugeMetricFamily(
+            "llmgw_node_stray_processes",
+            "Processes carrying a node agent's shard marker that no shard accounts for, as its "
+            "latest Register listed them (nodes with none have no sample).",
+            labels=["node"],
+        )
+        for node, n in inventory.stray_counts().items():
+            strays.add_metric([node], n)
+        yield strays
+
+    def _deployment_metrics(self) -> Iterable[Metric]:
+        fleet = self.fleet()
+        deployments_fn = getattr(fleet, "deployments", None)
+        if deployments_fn is None:
+            return
+        try:
+            deployments = list(deployments_fn())
+        except Exception:
+            self.log.failure("the reconciler's deployments view failed; deployment metrics left out")
+            return
+        failures = GaugeMetricFamily(
+            "llmgw_deployment_failures",
+            "Each deployment's consecutive shard failures (what its backoff counts), under the "
+            "crash class of the latest one.",
+            labels=["model", "crash_class"],
+        )
+        held = dict.fromkeys(CRASH_CLASSES, 0)
+        for d in deployments:
+            if not isinstance(d, Mapping) or not isinstance(d.get("model"), str):
+                continue
+            last = d.get("last_failure")
+            count = _number(d.get("failures"))
+            if isinstance(last, Mapping):
+                failures.add_metric(
+                    [d["model"], crash_label(last.get("crash_class"))], count if count is not None else 1.0
+                )
+            hold = d.get("held")
+            if isinstance(hold, Mapping):
+                held[crash_label(hold.get("crash_class"))] += 1
+        yield failures
+        g = GaugeMetricFamily(
+            "llmgw_deployments_held",
+            "Deployments held (not placed) after a failure that retrying cannot mend, by its "
+            "crash class, until their profile changes or `llmgw ctl retry MODEL`.",
+            labels=["crash_class"],
+        )
+        for cls in CRASH_CLASSES:
+            g.add_metric([cls], held[cls])
+        yield g
 
     def _frame_metrics(self) -> Iterable[Metric]:
         # Kept apart from the agent metrics above (issue 13).

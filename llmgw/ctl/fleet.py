@@ -1,5 +1,5 @@
 """
-``llmgw ctl status|nodes|replicas|events|cordon|uncordon|drain|scale|reload``:
+``llmgw ctl status|nodes|deployments|replicas|events|cordon|uncordon|drain|scale|retry|reload``:
 the operator's view of the admin API (DESIGN §9).
 
 Each command makes one or two requests to the control plane's admin API
@@ -309,7 +309,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
         return p
 
     add("status", "summary of the fleet and each deployment", cmd_status)
-    add("nodes", "nodes: state, GPUs, shards, last heard from", cmd_nodes)
+    add("nodes", "nodes: state, GPUs, shards, last heard from, stray processes", cmd_nodes)
+    add("deployments", "deployments: replicas, backoff, hold, last failure and its class", cmd_deployments)
     p = add("replicas", "replicas: state, address, shards", cmd_replicas)
     p.add_argument("--model", help="only this model's replicas")
     p = add("events", "the reconciler's recent decisions, oldest first", cmd_events)
@@ -326,6 +327,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p = add("scale", "set a deployment's desired replica count (kept across restarts)", cmd_scale)
     p.add_argument("model", metavar="MODEL")
     p.add_argument("replicas", type=replica_count, metavar="REPLICAS")
+    p = add("retry", "place a held deployment again (after a configuration failure), clearing its backoff",
+            cmd_retry)
+    p.add_argument("model", metavar="MODEL")
     p = add("reload", "re-read the catalog file (a refused catalog leaves the running one)", cmd_reload)
     p.add_argument(
         "--tls", action="store_true",
@@ -424,6 +428,16 @@ def cmd_status(args: argparse.Namespace, out: TextIO | None = None, err: TextIO 
     return _run(args, out, err, http, body)
 
 
+def cmd_deployments(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None,
+                    http: HTTPFunction | None = None, now: float | None = None) -> int:
+    def body(client: AdminClient) -> tuple[Any, Callable[[], str]]:
+        answer = client.get("/api/v1/deployments")
+        t = now if now is not None else time.time()
+        return answer, lambda: render_deployments(answer["deployments"], t)
+
+    return _run(args, out, err, http, body)
+
+
 def cmd_nodes(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None,
               http: HTTPFunction | None = None, now: float | None = None) -> int:
     def body(client: AdminClient) -> tuple[Any, Callable[[], str]]:
@@ -478,6 +492,15 @@ def cmd_scale(args: argparse.Namespace, out: TextIO | None = None, err: TextIO |
         answer = client.post(f"/api/v1/deployments/{quote(args.model, safe='')}/scale",
                              {"replicas": args.replicas})
         return answer, lambda: f"{args.model}: desired replicas set to {args.replicas}\n"
+
+    return _run(args, out, err, http, body)
+
+
+def cmd_retry(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None,
+              http: HTTPFunction | None = None, now: float | None = None) -> int:
+    def body(client: AdminClient) -> tuple[Any, Callable[[], str]]:
+        answer = client.post(f"/api/v1/deployments/{quote(args.model, safe='')}/retry")
+        return answer, lambda: f"{args.model}: hold and backoff cleared; it is placed again\n"
 
     return _run(args, out, err, http, body)
 
@@ -575,26 +598,52 @@ def render_status(admin: str, status: dict[str, Any], deployments: list[dict[str
         if key in skip:
             continue
         lines.append(f"{_clean(key).ljust(width)}  {_value(value)}")
+    for d in deployments:
+        if isinstance(d.get("held"), dict):
+            lines.append(f"WARNING        deployment {_clean(str(d['model']))} is HELD after a "
+                         f"{_clean(str(d['held'].get('crash_class') or '?'))} failure; "
+                         f"`llmgw ctl retry {_clean(str(d['model']))}` places it again")
+    lines.append("")
+    lines.append(render_deployments(deployments, now).rstrip("\n"))
+    return "\n".join(lines) + "\n"
+
+
+def _failure_text(failure: Any, now: float) -> str:
+    if not isinstance(failure, dict):
+        return "-"
+    what = failure.get("error") or (
+        f"exit {failure.get('exit_code')}" if failure.get("exit_code") else
+        f"signal {failure.get('signal')}" if failure.get("signal") else "failed"
+    )
+    cls = failure.get("crash_class")
+    return f"{ago(failure.get('time'), now)} on {failure.get('node') or '?'}: " + (
+        f"[{cls}] {what}" if cls else str(what)
+    )
+
+
+def _held_text(held: Any, now: float) -> str:
+    if not isinstance(held, dict):
+        return "-"
+    reason = held.get("reason")
+    return f"since {ago(held.get('since'), now)} [{held.get('crash_class') or '?'}]" + (
+        f": {reason}" if reason else ""
+    )
+
+
+def render_deployments(deployments: list[dict[str, Any]], now: float) -> str:
+    """
+    One row a deployment; a held one says so with its class and reason,
+    and the last failure shows its class.
+    """
+    if not deployments:
+        return "no deployments\n"
     rows = []
     for d in deployments:
-        failure = d.get("last_failure")
-        if isinstance(failure, dict):
-            what = failure.get("error") or (
-                f"exit {failure.get('exit_code')}" if failure.get("exit_code") else
-                f"signal {failure.get('signal')}" if failure.get("signal") else "failed"
-            )
-            failure_text = f"{ago(failure.get('time'), now)} on {failure.get('node') or '?'}: {what}"
-        else:
-            failure_text = "-"
         backoff = d.get("backoff_until")
         backoff_text = ago(backoff, now) if isinstance(backoff, int | float) and backoff > now else "-"
-        rows.append([d["model"], d.get("profile"), d.get("desired"), d.get("ready"), backoff_text, failure_text])
-    lines.append("")
-    if rows:
-        lines.append(table(["MODEL", "PROFILE", "DESIRED", "READY", "BACKOFF", "LAST FAILURE"], rows).rstrip("\n"))
-    else:
-        lines.append("no deployments")
-    return "\n".join(lines) + "\n"
+        rows.append([d["model"], d.get("profile"), d.get("desired"), d.get("ready"), backoff_text,
+                     _held_text(d.get("held"), now), _failure_text(d.get("last_failure"), now)])
+    return table(["MODEL", "PROFILE", "DESIRED", "READY", "BACKOFF", "HELD", "LAST FAILURE"], rows)
 
 
 def render_nodes(nodes: list[dict[str, Any]], now: float) -> str:
@@ -610,9 +659,21 @@ def render_nodes(nodes: list[dict[str, Any]], now: float) -> str:
         rows.append([
             n["id"], n.get("state"), bool(n.get("connected")), sched, len(gpus),
             f"{(total - used) / 1024:.0f}/{total / 1024:.0f} GiB", len(n.get("shards") or []),
-            ago(n.get("last_seen"), now), "; ".join(problems) or "-",
+            ago(n.get("last_seen"), now), _strays_text(n.get("stray_processes")), "; ".join(problems) or "-",
         ])
-    return table(["NODE", "STATE", "CONNECTED", "SCHEDULING", "GPUS", "MEM FREE", "SHARDS", "LAST SEEN", "PROBLEMS"], rows)
+    return table(["NODE", "STATE", "CONNECTED", "SCHEDULING", "GPUS", "MEM FREE", "SHARDS", "LAST SEEN",
+                  "STRAYS", "PROBLEMS"], rows)
+
+
+def _strays_text(strays: Any) -> str:
+    """
+    A node's stray processes as C{pid (shard)} items, at most five shown.
+    """
+    if not isinstance(strays, list) or not strays:
+        return "-"
+    items = [f"{s.get('pid')} ({s.get('shard_id') or '?'})" for s in strays[:5] if isinstance(s, dict)]
+    more = len(strays) - 5
+    return ", ".join(items) + (f" +{more} more" if more > 0 else "")
 
 
 def render_replicas(replicas: list[dict[str, Any]]) -> str:
@@ -664,6 +725,8 @@ def render_events(events: list[dict[str, Any]]) -> str:
             reason += f" (exit {e['exit_code']})"
         elif e.get("signal"):
             reason += f" (signal {e['signal']})"
+        if e.get("crash_class"):
+            reason += f" [{e['crash_class']}]"
         rows.append([
             clock_time(e.get("time")), e.get("kind"), e.get("node") or "-",
             e.get("replica") or "-", e.get("shard") or "-", reason,

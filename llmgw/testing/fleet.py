@@ -16,6 +16,7 @@ from twisted.internet.task import Clock
 from zope.interface import implementer
 
 from llmgw.control.interfaces import AdminError, IFleetAdmin, UnknownDeployment, UnknownNode
+from llmgw.control.inventory import Inventory
 from llmgw.routing import Route, RoutingTable
 
 
@@ -60,9 +61,16 @@ class FakeFleet:
         return view
 
     def add_deployment(self, model: str, profile: str = "fake-1gpu", desired: int = 1,
-                       ready: int = 0) -> dict[str, Any]:
+                       ready: int = 0, held: dict[str, Any] | None = None,
+                       last_failure: dict[str, Any] | None = None) -> dict[str, Any]:
+        """
+        C{held} is C{None} or C{{"reason", "crash_class", "since"}}, as the
+        reconciler shows a deployment held after a configuration failure;
+        C{last_failure} as a L{llmgw.control.failures.ShardFailure}'s dict.
+        """
         view = {"model": model, "profile": profile, "desired": desired, "ready": ready,
-                "backoff_until": None, "last_failure": None}
+                "backoff_until": None, "failures": 0, "last_failure": last_failure,
+                "held": dict(held) if held is not None else None}
         self.deployment_views[model] = view
         self.publish_routes()
         return view
@@ -162,6 +170,19 @@ class FakeFleet:
             raise AdminError(f"replicas must not be negative (got {replicas})")
         self.deployment_views[model]["desired"] = replicas
 
+    def retry(self, model: str) -> None:
+        """
+        As the reconciler's: the deployment is no longer held and its
+        backoff is cleared, so the next pass places it again.
+        """
+        self.calls.append(("retry", model))
+        if model not in self.deployment_views:
+            raise UnknownDeployment(f"no deployment serves model {model!r}")
+        view = self.deployment_views[model]
+        view["held"] = None
+        view["backoff_until"] = None
+        view["failures"] = 0
+
     def reload_catalog(self) -> dict[str, Any]:
         self.calls.append(("reload",))
         if isinstance(self.reload_result, BaseException):
@@ -188,11 +209,13 @@ class FakeFleet:
 class FakeAgents:
     """
     The parts of the agent service (L{llmgw.control.agentsvc.AgentService})
-    that the admin API and the metrics read.
+    that the admin API and the metrics read; its C{inventory} is a real,
+    empty L{Inventory} that tests fill.
     """
 
     def __init__(self, nodes: list[str] | None = None) -> None:
         self.nodes = nodes or []
+        self.inventory = Inventory()
         self.registrations: collections.Counter[str] = collections.Counter()
         self.dispatch_refusals: collections.Counter[str] = collections.Counter()
 
