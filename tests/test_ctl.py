@@ -353,3 +353,90 @@ class LoopbackTests(TestCase):
         self.assertEqual(args.func(args, out=out, err=err), ctl.EXIT_UNREACHABLE)
         self.assertIn("cannot reach", err.getvalue())
         return None
+
+
+class CrashClassTests(CtlTestCase):
+    def setUp(self) -> None:
+        super().setUp()
+        self.fleet.deployment_views["demo"].update(
+            held={"reason": "the engine refused its arguments: unknown argument --bogus",
+                  "crash_class": "config", "since": NOW - 90},
+            last_failure={"node": "gpu-2", "replica": "r2", "shard": "r2-s0", "exit_code": 2,
+                          "signal": 0, "error": "", "last_output": "error: unknown argument",
+                          "time": NOW - 90, "crash_class": "config"},
+        )
+
+    def test_deployments_show_hold_and_class(self) -> None:
+        """
+        C{ctl deployments} shows a held deployment with how long, its class
+        and reason, and the last failure with its class; one not held
+        shows "-".
+        """
+        code, out, err = self.ctl("deployments")
+        self.assertEqual((code, err), (0, ""))
+        lines = out.splitlines()
+        self.assertIn("HELD", lines[0])
+        demo = [line for line in lines if line.startswith("demo")][0]
+        self.assertIn("since 90s ago [config]: the engine refused its arguments: unknown argument --bogus", demo)
+        self.assertIn("90s ago on gpu-2: [config] exit 2", demo)
+        big = [line for line in lines if line.startswith("org/big")][0]
+        self.assertNotIn("config", big)
+        self.assertEqual(self.calls, [("GET", "http://127.0.0.1:7480/api/v1/deployments", None)])
+
+    def test_status_warns_of_a_hold(self) -> None:
+        """
+        C{ctl status} warns of each held deployment with its class and the
+        command that places it again, and its table shows the hold.
+        """
+        code, out, _ = self.ctl("status")
+        self.assertEqual(code, 0)
+        self.assertIn("WARNING        deployment demo is HELD after a config failure; "
+                      "`llmgw ctl retry demo` places it again", out)
+        self.assertIn("[config]: the engine refused", out)
+        self.fleet.retry("demo")
+        _, out, _ = self.ctl("status")
+        self.assertNotIn("HELD after", out)
+
+    def test_retry(self) -> None:
+        """
+        C{ctl retry MODEL} POSTs the retry (a slash in the name escaped),
+        says what happened, and the hold is gone; an unknown model exits 1
+        with the API's reason.
+        """
+        code, out, err = self.ctl("retry", "demo")
+        self.assertEqual((code, out, err), (0, "demo: hold and backoff cleared; it is placed again\n", ""))
+        self.assertIsNone(self.fleet.deployment_views["demo"]["held"])
+        code, _, _ = self.ctl("retry", "org/big")
+        self.assertEqual(code, 0)
+        self.assertEqual(self.calls[1][:2], ("POST", "http://127.0.0.1:7480/api/v1/deployments/org%2Fbig/retry"))
+        self.assertEqual(self.fleet.calls, [("retry", "demo"), ("retry", "org/big")])
+        code, _, err = self.ctl("retry", "nope")
+        self.assertEqual(code, ctl.EXIT_REFUSED)
+        self.assertIn("nope", err)
+        self.assertIn("HTTP 404", err)
+
+    def test_events_show_class(self) -> None:
+        """
+        C{ctl events} shows a failure event's crash class after its reason.
+        """
+        self.fleet.add_event(300.0, "shard_failed", "exited with 2", node="gpu-2", replica="r3",
+                             shard="r3-s0", exit_code=2, signal=0, crash_class="config")
+        code, out, _ = self.ctl("events")
+        self.assertEqual(code, 0)
+        self.assertIn("exited with 2 (exit 2) [config]", out.splitlines()[-1])
+        self.assertNotIn("[", out.splitlines()[1])
+
+    def test_nodes_show_strays(self) -> None:
+        """
+        C{ctl nodes} shows each node's stray processes (pid and the shard
+        its marker names), at most five and a count of the rest.
+        """
+        self.fleet.node_views["gpu-1"]["stray_processes"] = [
+            {"pid": 100 + i, "pgid": 100, "shard_id": f"r0-s{i}", "reason": "", "command": ""} for i in range(7)
+        ]
+        code, out, _ = self.ctl("nodes")
+        self.assertEqual(code, 0)
+        lines = out.splitlines()
+        self.assertIn("STRAYS", lines[0])
+        self.assertIn("100 (r0-s0), 101 (r0-s1), 102 (r0-s2), 103 (r0-s3), 104 (r0-s4) +2 more", lines[1])
+        self.assertNotIn("(r0-", lines[2])

@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from twisted.logger import Logger
 from twisted.trial.unittest import SynchronousTestCase
 
+from llmgw.control.inventory import Node, StrayProcess
 from llmgw.control.metrics import (
     NODE_STATES,
     SHARD_STATES,
@@ -264,3 +265,86 @@ class LimitMetricsTests(SynchronousTestCase):
         self.assertEqual(families["llmgw_agent_connections_registering"].samples[0].value, 7)
         self.assertEqual(families["llmgw_agent_admission_paused"].samples[0].value, 1)
         self.assertEqual(families["llmgw_agent_admission_pauses"].samples[0].value, 2)
+
+
+class CrashMetricsTests(SynchronousTestCase):
+    def test_failures_by_class_and_held(self) -> None:
+        """
+        Each deployment with a last failure has a C{llmgw_deployment_failures}
+        sample (its consecutive failures) labelled with that failure's
+        class; C{llmgw_deployments_held} counts held deployments by class,
+        every class present; a class outside the fixed set (or none, from
+        an older agent) is C{unknown}.
+        """
+        fleet = sample_fleet()
+        fleet.add_deployment("cfg", held={"reason": "unknown argument", "crash_class": "config",
+                                          "since": 5.0},
+                             last_failure={"crash_class": "config", "time": 5.0})
+        fleet.deployment_views["cfg"]["failures"] = 1
+        fleet.deployment_views["demo"].update(failures=3, last_failure={"crash_class": "oom", "time": 9.0})
+        fleet.deployment_views["org/big"].update(failures=2, last_failure={"crash_class": "made-up"})
+        registry = make_registry()
+        register_control_metrics(registry, FakeAgents(), lambda: fleet)
+        families = scrape(registry)
+        failures = {(s.labels["model"], s.labels["crash_class"]): s.value
+                    for s in families["llmgw_deployment_failures"].samples}
+        self.assertEqual(failures, {("cfg", "config"): 1.0, ("demo", "oom"): 3.0, ("org/big", "unknown"): 2.0})
+        held = by_label(families["llmgw_deployments_held"], "crash_class")
+        self.assertEqual(held, {"oom": 0.0, "config": 1.0, "port_in_use": 0.0, "engine_crash": 0.0,
+                                "killed": 0.0, "unknown": 0.0})
+
+    def test_views_without_the_fields(self) -> None:
+        """
+        Deployment views without C{held}, C{failures} or a failure's class
+        (a reconciler from before the hold) give no failure samples and
+        zero held, and do not break the scrape.
+        """
+        fleet = FakeFleet()
+        fleet.add_deployment("a")
+        del fleet.deployment_views["a"]["held"]
+        del fleet.deployment_views["a"]["failures"]
+        fleet.add_deployment("b", last_failure={"node": "n1"})
+        del fleet.deployment_views["b"]["failures"]
+        registry = make_registry()
+        register_control_metrics(registry, FakeAgents(), lambda: fleet)
+        families = scrape(registry)
+        failures = {(s.labels["model"], s.labels["crash_class"]): s.value
+                    for s in families["llmgw_deployment_failures"].samples}
+        self.assertEqual(failures, {("b", "unknown"): 1.0})
+        self.assertEqual(sum(by_label(families["llmgw_deployments_held"], "crash_class").values()), 0.0)
+
+    def test_deployments_view_failure(self) -> None:
+        """
+        A deployments view that raises leaves the deployment metrics out
+        of that scrape, logged; the others still go out.
+        """
+        fleet = sample_fleet()
+
+        def broken() -> Any:
+            raise RuntimeError("view broke")
+
+        fleet.deployments = broken  # type: ignore[method-assign]
+        registry = make_registry()
+        collector = register_control_metrics(registry, FakeAgents(), lambda: fleet)
+        logged: list[dict[str, Any]] = []
+        collector.log = Logger(observer=logged.append)  # type: ignore[arg-type]
+        families = scrape(registry)
+        self.assertNotIn("llmgw_deployments_held", families)
+        self.assertIn("llmgw_nodes", families)
+        self.assertEqual(len(logged), 1)
+        self.assertIn("deployments view failed", logged[0]["log_format"])
+
+    def test_strays_per_node(self) -> None:
+        """
+        C{llmgw_node_stray_processes{node}} is the number of strays each
+        node's latest Register listed; a node whose next Register lists
+        none has no sample any more.
+        """
+        agents = FakeAgents(["gpu-1", "gpu-2"])
+        agents.inventory.upsert(Node(id="gpu-1", stray_processes=[StrayProcess(pid=1), StrayProcess(pid=2)]))
+        agents.inventory.upsert(Node(id="gpu-2"))
+        registry = make_registry()
+        register_control_metrics(registry, agents, lambda: None)
+        self.assertEqual(by_label(scrape(registry)["llmgw_node_stray_processes"], "node"), {"gpu-1": 2.0})
+        agents.inventory.upsert(Node(id="gpu-1"))
+        self.assertEqual(by_label(scrape(registry)["llmgw_node_stray_processes"], "node"), {})
