@@ -11,12 +11,19 @@ from cryptography import x509
 from OpenSSL import crypto
 from twisted.internet.address import IPv4Address
 from twisted.internet.task import Clock
+from twisted.logger import Logger, LogLevel, formatEvent
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.api.v1 import agent_pb2 as pb
 from llmgw.control.agentsvc import AgentService, AgentStreamProtocol
 from llmgw.control.interfaces import NotConnected, NotKeepingUp, ShardCommand
-from llmgw.control.inventory import Inventory
+from llmgw.control.inventory import (
+    MAX_STRAY_TEXT,
+    MAX_STRAYS_PER_NODE,
+    Inventory,
+    Node,
+    StrayProcess,
+)
 from llmgw.testing.pki import issue_raw, make_pki
 from llmgw.testing.sinks import RecordingSink
 from llmgw.testing.stream import PeerCertTransport, frame, register
@@ -620,3 +627,95 @@ class InventoryProblemTests(SynchronousTestCase):
         node = inventory.get("n")
         assert node is not None
         self.assertEqual(len(node.gpus[0].problems), MAX_PROBLEMS_PER_GPU)
+
+
+class StrayTests(SynchronousTestCase):
+    """
+    What a Register says runs unaccounted for is kept and said out loud.
+    """
+
+    def setUp(self) -> None:
+        self.h = Harness(self)
+        self.logged: list[dict[str, object]] = []
+        self.addCleanup(setattr, AgentStreamProtocol, "log", AgentStreamProtocol.__dict__["log"])
+        AgentStreamProtocol.log = Logger(observer=self.logged.append)  # type: ignore[arg-type]
+
+    def warnings(self) -> list[str]:
+        return [formatEvent(e) for e in self.logged if e["log_level"] == LogLevel.warn]
+
+    def test_strays_kept_and_warned(self) -> None:
+        """
+        The strays of a Register are kept on the node in the inventory
+        (pid, group, marker, reason, command) and logged as a warning
+        naming the node and pids; a later Register on the live stream
+        replaces the list, and one without strays clears it.
+        """
+        msg = register("node-a")
+        msg.register.stray_processes.add(pid=4242, pgid=4240, shard_id="r7-s0", reason="no record",
+                                         command="python -m vllm.entrypoints.openai.api_server")
+        msg.register.stray_processes.add(pid=4243, pgid=4240, shard_id="r7-s0")
+        proto, transport = self.h.connect("node-a")
+        proto.dataReceived(frame(msg))
+        self.assertTrue(only_ack(self, transport).ok)
+        strays = self.h.inventory.strays("node-a")
+        self.assertEqual([(s.pid, s.pgid, s.shard_id) for s in strays], [(4242, 4240, "r7-s0"), (4243, 4240, "r7-s0")])
+        self.assertEqual(strays[0].command, "python -m vllm.entrypoints.openai.api_server")
+        warned = [w for w in self.warnings() if "stray" in w]
+        self.assertEqual(len(warned), 1)
+        self.assertIn("node-a", warned[0])
+        self.assertIn("4242 (group 4240, shard r7-s0), 4243 (group 4240, shard r7-s0)", warned[0])
+        proto.dataReceived(frame(register("node-a")))
+        self.assertEqual(self.h.inventory.strays("node-a"), [])
+        self.assertEqual(len([w for w in self.warnings() if "stray" in w]), 1)
+
+    def test_strays_bounded(self) -> None:
+        """
+        However many strays an agent lists, the inventory keeps at most
+        L{MAX_STRAYS_PER_NODE}, with their texts cut, and the warning says
+        how many more there were.
+        """
+        msg = register("node-a")
+        for i in range(MAX_STRAYS_PER_NODE + 10):
+            msg.register.stray_processes.add(pid=1000 + i, pgid=1000, command="x" * 10_000)
+        proto, transport = self.h.connect("node-a")
+        proto.dataReceived(frame(msg))
+        strays = self.h.inventory.strays("node-a")
+        self.assertEqual(len(strays), MAX_STRAYS_PER_NODE)
+        self.assertEqual(len(strays[0].command), MAX_STRAY_TEXT)
+        self.assertIn("and 10 more", [w for w in self.warnings() if "stray" in w][0])
+
+    def test_inventory_stray_index(self) -> None:
+        """
+        The inventory's stray counts follow each node's latest record and
+        forget a removed node; copies handed out do not change it.
+        """
+        inv = Inventory()
+        inv.upsert(Node(id="a", stray_processes=[StrayProcess(pid=1)]))
+        inv.upsert(Node(id="b", stray_processes=[StrayProcess(pid=2), StrayProcess(pid=3)]))
+        inv.upsert(Node(id="c"))
+        self.assertEqual(inv.stray_counts(), {"a": 1, "b": 2})
+        copy = inv.get("b")
+        assert copy is not None
+        copy.stray_processes.clear()
+        inv.strays("b").clear()
+        self.assertEqual(len(inv.strays("b")), 2)
+        inv.remove("b")
+        self.assertEqual(inv.stray_counts(), {"a": 1})
+        self.assertEqual(inv.strays("b"), [])
+
+    def test_record_lost_shard_named(self) -> None:
+        """
+        A running shard whose record the agent lost is named in a warning
+        with its node, shard id and process group, and is still reported
+        to the sink like any running shard.
+        """
+        running = [
+            pb.RunningShard(shard_id="r3-s0", pgid=5150, record_lost=True, state=pb.ShardStatus.STATE_READY),
+            pb.RunningShard(shard_id="r4-s0", replica_id="r4", model="m", profile="p", pgid=6000,
+                            state=pb.ShardStatus.STATE_READY),
+        ]
+        self.h.registered("node-a", running=running)
+        lost = [w for w in self.warnings() if "lost the record" in w]
+        self.assertEqual(len(lost), 1)
+        self.assertIn("agent node-a lost the record of shard r3-s0 (process group 5150", lost[0])
+        self.assertEqual([s.shard_id for s in self.h.sink.adopted[0][1]], ["r3-s0", "r4-s0"])

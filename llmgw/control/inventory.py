@@ -58,7 +58,7 @@ def bounded_strays(strays: Iterable[StrayProcess]) -> list[StrayProcess]:
     The first L{MAX_STRAYS_PER_NODE} of C{strays}, their texts cut at
     L{MAX_STRAY_TEXT} characters.
     """
-    out = []
+    out: list[StrayProcess] = []
     for s in strays:
         if len(out) >= MAX_STRAYS_PER_NODE:
             break
