@@ -732,6 +732,27 @@ class ServiceTests(SynchronousTestCase):
         self.assertEqual(cp2.registry.get_sample_value("llmgw_nodes", {"state": "ready"}), 1)
         self.assertEqual(cp.registry.get_sample_value("llmgw_nodes", {"state": "ready"}), 0)
 
+    def test_strays_wired_through(self) -> None:
+        """
+        In a control plane, the strays the agent service keeps in its
+        inventory reach the admin API's nodes view and the
+        C{llmgw_node_stray_processes} gauge.
+        """
+        reactor = MemoryReactorClock()
+        fleet = FakeFleet()
+        fleet.add_node("gpu-1")
+        cp = self.plane(reactor, fleet)
+        cp.startService()
+        self.addCleanup(cp.stopService)
+        cp.agents.inventory.upsert(Node(id="gpu-1", stray_processes=[StrayProcess(pid=77, pgid=70)]))
+        self.assertEqual(cp.registry.get_sample_value("llmgw_node_stray_processes", {"node": "gpu-1"}), 1)
+        assert cp.admin_listener is not None
+        treq: Any = StubTreq(cp.admin_listener.factory.resource)
+        d = treq.get(BASE + "/api/v1/nodes")
+        treq.flush()
+        body = json.loads(self.successResultOf(treq.content(self.successResultOf(d))))
+        self.assertEqual([s["pid"] for s in body["nodes"][0]["stray_processes"]], [77])
+
 
 class FakeControl:
     """

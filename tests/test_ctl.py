@@ -1,6 +1,6 @@
 """
-Tests for L{llmgw.ctl.fleet}: C{llmgw ctl status|nodes|replicas|events|
-cordon|uncordon|drain|scale|reload} against the admin API, in process
+Tests for L{llmgw.ctl.fleet}: C{llmgw ctl status|nodes|deployments|replicas|events|
+cordon|uncordon|drain|scale|retry|reload} against the admin API, in process
 (through L{StubTreq}) and once over a real loopback socket.
 """
 
