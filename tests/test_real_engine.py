@@ -82,8 +82,9 @@ class RealEngineFleet:
         self.dir.mkdir(parents=True)
         self.catalog = self.dir / "catalog.toml"
         # Shard ports away from the default range, which other local fleets
-        # on this machine (other tests, a developer's own) use.
-        first = random.randrange(30000, 60000, 100)
+        # on this machine (other tests, a developer's own) use, and below
+        # Linux's ephemeral range (32768 up), where connections take ports.
+        first = random.randrange(21000, 32700, 100)
         self.catalog.write_text(catalog(self.dir) + f"\n[ports]\nfirst = {first}\nlast = {first + 99}\n")
         self.gateway_port, self.admin_port = free_port(), free_port()
         self.log = open(self.dir / "fleet.log", "w+b")  # noqa: SIM115
