@@ -51,6 +51,7 @@ from twisted.web.resource import Resource
 
 from llmgw.addresses import ListenerService, format_address, is_loopback, server_endpoint
 from llmgw.control.interfaces import AdminError, IFleetAdmin
+from llmgw.control.watch import ResumeError, WatchFactory, WatchHub, parse_resume, upgrade
 from llmgw.routing import LONG_POLL_MAX_S, RoutingTable, snapshot_to_json
 from llmgw.tlsconf.options import AdminIdentity, IdentityError, ServerTLS, peer_admin
 from llmgw.wire import InvalidNodeId, validate_node_id
@@ -76,6 +77,7 @@ ENDPOINTS = [
     "GET /api/v1/replicas",
     "GET /api/v1/events?since=SECONDS",
     "GET /api/v1/routes?since=REVISION",
+    "GET /api/v1/watch?since=REVISION&epoch=EPOCH (WebSocket)",
     "POST /api/v1/nodes/{id}/cordon",
     "POST /api/v1/nodes/{id}/uncordon",
     "POST /api/v1/nodes/{id}/drain",
@@ -88,7 +90,7 @@ ENDPOINTS = [
 
 #: What the C{gateway} role may read: the routing data a standalone gateway
 #: follows, and nothing about nodes or events.
-GATEWAY_READS = (("api", "v1", "routes"),)
+GATEWAY_READS = (("api", "v1", "routes"), ("api", "v1", "watch"))
 
 
 def role_allows(role: str, method: str, path: list[str]) -> bool:
@@ -233,8 +235,12 @@ class AdminResource(Resource):
         control: Any = None,
         require_certificate: bool = False,
         revoked: Callable[[], frozenset[int]] | None = None,
+        watch: WatchHub | None = None,
     ):
         super().__init__()
+        #: The watch stream's hub (C{GET /api/v1/watch}); none, no stream.
+        self.watch = watch
+        self._watch_factory = WatchFactory(watch) if watch is not None else None
         #: The serials the CRL in force lists, read per request: TLS checks
         #: the CRL only at the handshake, and a kept-alive connection of a
         #: certificate revoked since must not go on changing the fleet.
@@ -259,6 +265,8 @@ class AdminResource(Resource):
                 method = "GET"
             path = self._path(request)
             self._authorize(request, method, path)
+            if path == ["api", "v1", "watch"]:
+                return self._watch(request, method)
             handler, args = self._route(method, path, request)
             return self._call(request, handler, args)
         except Refused as e:
@@ -568,6 +576,33 @@ class AdminResource(Resource):
 
         return waiting.addCallbacks(answer, gone)
 
+    # -- GET /api/v1/watch: the watch stream ------------------------------------------------
+
+    def _watch(self, request: Any, method: str) -> Any:
+        """
+        Upgrade an authorised C{GET /api/v1/watch} to the watch stream
+        (L{llmgw.control.watch}); the C{gateway} role is sent routes only.
+        """
+        if method != "GET":
+            raise Refused(405, f"/api/v1/watch takes GET, not {method}", allow=("GET",))
+        if self._watch_factory is None:
+            raise Refused(404, "this control plane serves no watch stream")
+        if (request.getHeader(b"upgrade") or b"").lower() != b"websocket":
+            request.setHeader(b"upgrade", b"websocket")
+            raise Refused(426, "/api/v1/watch is a WebSocket: send Upgrade: websocket")
+        try:
+            since, epoch = parse_resume(request.args)
+        except ResumeError as e:
+            raise Refused(400, str(e)) from None
+        role = None
+        cached = getattr(request.channel, "llmgw_admin", None)
+        if isinstance(cached, AdminIdentity):
+            role = cached.role
+        self.log.info("admin API: watch stream opened by {client} (since {since})",
+                      client=self.who(request), since=since)
+        return upgrade(request, self._watch_factory, fleet_reader=role != "gateway", since=since,
+                       epoch=epoch, who=self.who(request))
+
     # -- output ------------------------------------------------------------------------
 
     def _call(self, request: Any, handler: Callable[..., Any], args: tuple[Any, ...]) -> Any:
@@ -695,19 +730,25 @@ def admin_site(
     control: Any = None,
     require_certificate: bool = False,
     revoked: Callable[[], frozenset[int]] | None = None,
+    watch: WatchHub | None = None,
 ) -> AdminSite:
     """
     The admin API's C{Site}; with C{require_certificate}, every request
-    needs an admin certificate (serve it over L{ServerTLS}).
+    needs an admin certificate (serve it over L{ServerTLS}). The watch
+    stream is served from C{watch}, by default a L{WatchHub} on C{reactor}
+    (none without a reactor); L{AdminListenerService} starts and stops it.
     """
+    if watch is None and reactor is not None:
+        watch = WatchHub(fleet, reactor)
     site = AdminSite(
         AdminResource(
             fleet, registry, agents, control=control, require_certificate=require_certificate,
-            revoked=revoked,
+            revoked=revoked, watch=watch,
         ),
         timeout=timeout,
         reactor=reactor,
     )
+    site.watch = watch  # type: ignore[attr-defined]
     return site
 
 
@@ -749,6 +790,30 @@ def _revoked_by(tls: ServerTLS) -> Callable[[], frozenset[int]]:
     return revoked
 
 
+class AdminListenerService(ListenerService):
+    """
+    The admin API's listener; its watch hub (C{watch}) follows the fleet
+    while it runs, and its clients are dropped when it stops.
+    """
+
+    watch: WatchHub | None = None
+
+    def startService(self) -> None:
+        if self.watch is not None:
+            self.watch.start()
+        try:
+            super().startService()
+        except BaseException:
+            if self.watch is not None:
+                self.watch.stop()
+            raise
+
+    def stopService(self) -> Any:
+        if self.watch is not None:
+            self.watch.stop()
+        return super().stopService()
+
+
 def admin_service(
     reactor: Any,
     host: str,
@@ -781,7 +846,8 @@ def admin_service(
         # The Site's idle timeout starts at TCP accept, so it bounds the
         # handshake too.
         factory = TLSMemoryBIOFactory(tls, False, site, clock=reactor)
-    svc = ListenerService(server_endpoint(reactor, host, port), factory)
+    svc = AdminListenerService(server_endpoint(reactor, host, port), factory)
+    svc.watch = site.watch  # type: ignore[attr-defined]
     svc.setName("admin-listener")
     svc.tls = tls is not None  # type: ignore[attr-defined]
     return svc
