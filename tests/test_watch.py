@@ -328,3 +328,63 @@ class SlowClientTests(WatchTestCase):
         self.assertEqual(revs, sorted(revs))
         self.assertEqual(len(revs), 3)
 
+
+
+class RoutesOnlyTests(WatchTestCase):
+    def test_only_routes(self) -> None:
+        """
+        C{?only=routes} gets a snapshot of the routes alone and no fleet
+        change, and does not start diffing the views.
+        """
+        c = self.connect("?only=routes")
+        self.assertNotIn("nodes", c.messages[0])
+        node = self.fleet.nodes()[0]["id"]
+        self.fleet.node_views[node] = dict(self.fleet.node_views[node], cordoned=True)
+        self.change(1)
+        self.assertEqual([m["type"] for m in c.read()], ["routes"])
+        self.assertIsNone(self.hub._views_loop)
+
+    def test_bad_only(self) -> None:
+        """
+        Any other C{only} is a 400 that says what it may be.
+        """
+        c = self.connect("?only=nodes")
+        self.assertIn(b" 400 ", c.status)
+        self.assertIn(b"only=routes", c.body)
+
+
+class SubscribeTests(SynchronousTestCase):
+    def test_subscribe(self) -> None:
+        """
+        L{RoutingTable.subscribe} calls back after every change with the
+        revision, the models whose routes changed and whether the declared
+        models did; a callback that raises is logged and kept; nothing
+        after unsubscribing; a publication that changes nothing calls no
+        one.
+        """
+        table = RoutingTable(MemoryReactorClock())
+        seen: list[tuple[int, frozenset[str], bool]] = []
+        calls = []
+
+        def broken(*args: Any) -> None:
+            calls.append(args)
+            raise RuntimeError("boom")
+
+        table.subscribe(broken)
+        unsubscribe = table.subscribe(lambda *a: seen.append(a))
+        table.publish([Route("r1", "a", "h:1"), Route("r2", "b", "h:2")], ["a", "b"])
+        table.publish([Route("r1", "a", "h:1"), Route("r3", "b", "h:3")], ["a", "b"])
+        table.publish([Route("r1", "a", "h:1"), Route("r3", "b", "h:3")], ["a", "b"])
+        table.publish_model("a", [])
+        table.set_known(["b"])
+        self.assertEqual(seen, [
+            (1, frozenset({"a", "b"}), True),
+            (2, frozenset({"b"}), False),
+            (3, frozenset({"a"}), False),
+            (4, frozenset(), True),
+        ])
+        unsubscribe()
+        table.publish_model("b", [])
+        self.assertEqual(len(seen), 4)
+        self.assertEqual(len(calls), 5)
+        self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 5)

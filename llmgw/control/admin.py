@@ -77,7 +77,7 @@ ENDPOINTS = [
     "GET /api/v1/replicas",
     "GET /api/v1/events?since=SECONDS",
     "GET /api/v1/routes?since=REVISION",
-    "GET /api/v1/watch?since=REVISION&epoch=EPOCH (WebSocket)",
+    "GET /api/v1/watch?since=REVISION&epoch=EPOCH&only=routes (WebSocket)",
     "POST /api/v1/nodes/{id}/cordon",
     "POST /api/v1/nodes/{id}/uncordon",
     "POST /api/v1/nodes/{id}/drain",
@@ -591,7 +591,7 @@ class AdminResource(Resource):
             request.setHeader(b"upgrade", b"websocket")
             raise Refused(426, "/api/v1/watch is a WebSocket: send Upgrade: websocket")
         try:
-            since, epoch = parse_resume(request.args)
+            since, epoch, routes_only = parse_resume(request.args)
         except ResumeError as e:
             raise Refused(400, str(e)) from None
         role = None
@@ -600,7 +600,7 @@ class AdminResource(Resource):
             role = cached.role
         self.log.info("admin API: watch stream opened by {client} (since {since})",
                       client=self.who(request), since=since)
-        return upgrade(request, self._watch_factory, fleet_reader=role != "gateway", since=since,
+        return upgrade(request, self._watch_factory, fleet_reader=role != "gateway" and not routes_only, since=since,
                        epoch=epoch, who=self.who(request))
 
     # -- output ------------------------------------------------------------------------

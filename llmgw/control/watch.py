@@ -19,7 +19,9 @@ Messages (C{type}):
   - C{reset}: the revision asked for cannot be resumed from (too old, or
     from another process: C{reason} says which); a C{snapshot} follows.
 
-C{?since=REVISION} (with C{&epoch=EPOCH}) resumes: the messages after
+C{?only=routes} narrows the stream to what a gateway follows (the
+C{gateway} role gets only that anyway). C{?since=REVISION} (with
+C{&epoch=EPOCH}) resumes: the messages after
 C{REVISION} are sent from a bounded ring, without a gap, or a C{reset}.
 
 Route changes come from L{RoutingTable.subscribe} as they happen; nodes,
@@ -99,20 +101,23 @@ class ResumeError(ValueError):
     """
 
 
-def parse_resume(args: dict[bytes, list[bytes]]) -> tuple[int | None, str | None]:
+def parse_resume(args: dict[bytes, list[bytes]]) -> tuple[int | None, str | None, bool]:
     """
-    C{since} and C{epoch} from a request's query arguments.
+    C{since}, C{epoch} and whether C{only=routes} was asked, from a
+    request's query arguments.
 
-    @raise ResumeError: either is given twice, or C{since} is not a whole
-        number.
+    @raise ResumeError: one is given twice, C{since} is not a whole
+        number, or C{only} is not C{routes}.
     """
     out: list[Any] = []
-    for name in (b"since", b"epoch"):
+    for name in (b"since", b"epoch", b"only"):
         values = args.get(name) or []
         if len(values) > 1:
             raise ResumeError(f"give {name.decode()!r} once")
         out.append(values[0].decode("utf-8", "replace") if values else None)
-    since_raw, epoch = out
+    since_raw, epoch, only = out
+    if only not in (None, "routes"):
+        raise ResumeError(f"only={only[:40]!r}: the stream can be narrowed to only=routes")
     since = None
     if since_raw is not None:
         if not (since_raw.isascii() and since_raw.isdigit()) or len(since_raw) > 18:
@@ -120,7 +125,7 @@ def parse_resume(args: dict[bytes, list[bytes]]) -> tuple[int | None, str | None
         since = int(since_raw)
     if epoch is not None and (len(epoch) > 64 or not epoch.isalnum()):
         raise ResumeError(f"epoch={epoch[:70]!r} is not an epoch this API hands out")
-    return since, epoch
+    return since, epoch, only == "routes"
 
 
 class WatchHub:
@@ -165,6 +170,7 @@ class WatchHub:
         self._flush_call: IDelayedCall | None = None
         self._last_flush = -flush_interval
         self.clients: set[WatchProtocol] = set()
+        self.running = False
         self.dropped = 0
         self._fleet_readers = 0
         #: Revision from which fleet messages are complete (views are
@@ -183,10 +189,12 @@ class WatchHub:
     # -- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> None:
+        self.running = True
         if self.table is not None and self._unsubscribe is None:
             self._unsubscribe = self.table.subscribe(self._routes_changed)
 
     def stop(self) -> None:
+        self.running = False
         if self._unsubscribe is not None:
             self._unsubscribe()
             self._unsubscribe = None
@@ -408,7 +416,9 @@ class WatchHub:
         self.clients.discard(client)
         if client.fleet_reader:
             self._fleet_readers -= 1
-            if self._fleet_readers == 0 and self._views_stop is None:
+            if not self.running:
+                self._stop_views()
+            elif self._fleet_readers == 0 and self._views_stop is None:
                 self._views_stop = self.clock.callLater(self.resume_grace, self._stop_views)
 
 
