@@ -388,3 +388,28 @@ class SubscribeTests(SynchronousTestCase):
         self.assertEqual(len(seen), 4)
         self.assertEqual(len(calls), 5)
         self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 5)
+
+
+class FlushIntervalTests(WatchTestCase):
+    def test_routes_followers_flushed_sooner(self) -> None:
+        """
+        After a quiet spell a change goes out at once; changes that follow
+        within a flush interval wait for it, one write for all of them:
+        20 ms for a routes-only client, 100 ms for a client of the whole
+        stream.
+        """
+        full, routes = self.connect(), self.connect("?only=routes")
+        self.clock.advance(1)
+        full.read(), routes.read()
+        self.table.publish_model("alpha", [Route("p", "alpha", "10.0.0.9:1")])
+        self.clock.advance(0)
+        self.assertEqual((len(full.read()), len(routes.read())), (1, 1))
+        for i in range(3):
+            self.table.publish_model("alpha", [Route(f"q{i}", "alpha", "10.0.0.9:1")])
+        self.clock.advance(0)
+        self.assertEqual((full.read(), routes.read()), ([], []))
+        self.clock.advance(self.hub._routes_batch.interval)
+        self.assertEqual(len(routes.read()), 3)
+        self.assertEqual(full.read(), [])
+        self.clock.advance(self.hub._fleet_batch.interval - self.hub._routes_batch.interval)
+        self.assertEqual(len(full.read()), 3)
