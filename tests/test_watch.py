@@ -79,6 +79,16 @@ class WatchClient:
     def disconnect(self) -> None:
         self.websocket.connectionLost(Failure(ConnectionDone()))
 
+    def send(self, message: Any) -> None:
+        """
+        Send C{message} (JSON, or raw bytes) as a masked text frame.
+        """
+        payload = message if isinstance(message, bytes) else json.dumps(message).encode()
+        mask = os.urandom(4)
+        n = len(payload)
+        head = bytes([0x81]) + (bytes([0x80 | n]) if n < 126 else bytes([0x80 | 126]) + n.to_bytes(2, "big"))
+        self.websocket.dataReceived(head + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload)))
+
     def read(self) -> list[dict[str, Any]]:
         """
         Messages written since the last read.
@@ -413,3 +423,72 @@ class FlushIntervalTests(WatchTestCase):
         self.assertEqual(full.read(), [])
         self.clock.advance(self.hub._fleet_batch.interval - self.hub._routes_batch.interval)
         self.assertEqual(len(full.read()), 3)
+
+
+class SocketRequestTests(WatchTestCase):
+    def ask(self, c: WatchClient, method: str, path: str, body: Any = None, rid: Any = 1) -> dict[str, Any]:
+        message: dict[str, Any] = {"type": "request", "id": rid, "method": method, "path": path}
+        if body is not None:
+            message["body"] = body
+        c.send(message)
+        self.clock.advance(0)
+        [answer] = [m for m in c.read() if m["type"] == "response"]
+        return answer
+
+    def test_reads_as_rest(self) -> None:
+        """
+        A read over the socket is answered by the admin API's own handler:
+        the same body as the REST endpoint, with the request's id.
+        """
+        c = self.connect()
+        answer = self.ask(c, "GET", "/api/v1/nodes", rid="a1")
+        self.assertEqual((answer["id"], answer["status"]), ("a1", 200))
+        self.assertEqual(answer["body"], json.loads(json.dumps({"nodes": self.fleet.nodes()})))
+        answer = self.ask(c, "GET", "/api/v1/events?since=0")
+        self.assertEqual(answer["status"], 200)
+        self.assertIn("events", answer["body"])
+
+    def test_commands(self) -> None:
+        """
+        A cordon and a scale over the socket reach the fleet and are logged
+        with who asked; a bad body is the REST API's 400.
+        """
+        c = self.connect()
+        node = self.fleet.nodes()[0]["id"]
+        self.assertEqual(self.ask(c, "POST", f"/api/v1/nodes/{node}/cordon")["status"], 200)
+        self.assertIn(("cordon", node), self.fleet.calls)
+        model = self.fleet.deployments()[0]["model"]
+        answer = self.ask(c, "POST", f"/api/v1/deployments/{model}/scale", {"replicas": 3})
+        self.assertEqual(answer["body"], {"model": model, "replicas": 3, "ok": True})
+        answer = self.ask(c, "POST", f"/api/v1/deployments/{model}/scale", {"replicas": -1})
+        self.assertEqual(answer["status"], 400)
+        self.assertIn("must not be negative", answer["body"]["error"])
+        self.assertTrue(any("cordon" in str(e.get("action")) and e.get("client") for e in self.logged))
+
+    def test_refusals(self) -> None:
+        """
+        An unknown path is the REST API's 404; a message that is no request
+        a 400 naming what was wrong (with its id when it had one); the
+        stream itself cannot be asked for over the stream.
+        """
+        c = self.connect()
+        self.assertEqual(self.ask(c, "GET", "/api/v1/nope")["status"], 404)
+        answer = self.ask(c, "PUT", "/api/v1/nodes", rid=7)
+        self.assertEqual((answer["id"], answer["status"]), (7, 400))
+        self.assertIn('"method"', answer["body"]["error"])
+        c.send(b"not json")
+        [bad] = c.read()
+        self.assertEqual((bad["id"], bad["status"]), (None, 400))
+        self.assertEqual(self.ask(c, "GET", "/api/v1/watch")["status"], 400)
+
+    def test_long_poll_cancelled_on_close(self) -> None:
+        """
+        A long-poll of the routes asked over the socket waits like the REST
+        one, and its wait is dropped when the socket closes.
+        """
+        c = self.connect()
+        c.send({"type": "request", "id": 1, "method": "GET",
+                "path": f"/api/v1/routes?since={self.table.revision}"})
+        self.assertEqual(self.table.waiting(), 1)
+        c.disconnect()
+        self.assertEqual(self.table.waiting(), 0)

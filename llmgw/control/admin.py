@@ -51,7 +51,14 @@ from twisted.web.resource import Resource
 
 from llmgw.addresses import ListenerService, format_address, is_loopback, server_endpoint
 from llmgw.control.interfaces import AdminError, IFleetAdmin
-from llmgw.control.watch import ResumeError, WatchFactory, WatchHub, parse_resume, upgrade
+from llmgw.control.watch import (
+    ResumeError,
+    SocketRequest,
+    WatchFactory,
+    WatchHub,
+    parse_resume,
+    upgrade,
+)
 from llmgw.routing import LONG_POLL_MAX_S, RoutingTable, snapshot_to_json
 from llmgw.tlsconf.options import AdminIdentity, IdentityError, ServerTLS, peer_admin
 from llmgw.wire import InvalidNodeId, validate_node_id
@@ -587,6 +594,8 @@ class AdminResource(Resource):
             raise Refused(405, f"/api/v1/watch takes GET, not {method}", allow=("GET",))
         if self._watch_factory is None:
             raise Refused(404, "this control plane serves no watch stream")
+        if isinstance(request, SocketRequest):
+            raise Refused(400, "this request came over the watch stream already")
         if (request.getHeader(b"upgrade") or b"").lower() != b"websocket":
             request.setHeader(b"upgrade", b"websocket")
             raise Refused(426, "/api/v1/watch is a WebSocket: send Upgrade: websocket")
@@ -601,7 +610,7 @@ class AdminResource(Resource):
         self.log.info("admin API: watch stream opened by {client} (since {since})",
                       client=self.who(request), since=since)
         return upgrade(request, self._watch_factory, fleet_reader=role != "gateway" and not routes_only, since=since,
-                       epoch=epoch, who=self.who(request))
+                       epoch=epoch, who=self.who(request), resource=self)
 
     # -- output ------------------------------------------------------------------------
 

@@ -516,8 +516,14 @@ class WatchProtocol(WebSocketServerProtocol):
     paused = False
     attached = False
 
+    resource: Any = None
+    channel: Any = None
+    host: bytes = b""
+    address: Any = None
+
     def __init__(self) -> None:
         super().__init__()
+        self.requests: set[SocketRequest] = set()
         self._held: list[bytes] = []
         self._held_bytes = 0
 
@@ -530,10 +536,30 @@ class WatchProtocol(WebSocketServerProtocol):
         self.hub.attach(self, self.since, self.epoch)
 
     def onMessage(self, payload: bytes, isBinary: bool) -> None:  # noqa: N803
-        self.log.info("watch: ignored a message from {who} ({n} bytes): the stream takes none",
-                      who=self.who, n=len(payload))
+        try:
+            rid, method, path, body = parse_request(payload)
+        except RequestError as e:
+            self.log.info("watch: refused a message from {who}: {reason}", who=self.who, reason=str(e))
+            self._answer(getattr(e, "rid", None), 400, {"error": str(e), "status": 400})
+            return
+        if len(self.requests) >= MAX_REQUESTS_IN_FLIGHT:
+            self._answer(rid, 429, {"error": f"over {MAX_REQUESTS_IN_FLIGHT} requests in flight on this "
+                                    "socket; wait for answers", "status": 429})
+            return
+        if self.resource is None:
+            self._answer(rid, 404, {"error": "this stream serves no requests", "status": 404})
+            return
+        request = SocketRequest(self, rid, method, path, body)
+        self.requests.add(request)
+        request.run(self.resource)
+
+    def _answer(self, rid: Any, status: int, body: Any) -> None:
+        message = {"type": "response", "id": rid, "status": status, "body": body}
+        self.send_framed(self.hub._framer.prepareMessage(_encode(message)).payloadHybi)
 
     def onClose(self, wasClean: bool, code: int | None, reason: str | None) -> None:  # noqa: N803
+        for request in list(self.requests):
+            request.gone()
         if self.attached:
             self.attached = False
             self.hub.detach(self)
@@ -569,6 +595,151 @@ class WatchProtocol(WebSocketServerProtocol):
             self.transport.write(b"".join(held))
 
 
+#: Requests a socket may have unanswered at once.
+MAX_REQUESTS_IN_FLIGHT = 16
+
+
+class RequestError(ValueError):
+    """
+    A message from a client is not a request.
+    """
+
+
+def parse_request(payload: bytes) -> tuple[Any, str, str, Any]:
+    """
+    A C{{"type": "request", "id": ID, "method": "GET"|"POST", "path":
+    "/api/v1/...", "body": {...}}} message's id, method, path and body.
+
+    @raise RequestError: it is not one (its C{rid} attribute is the id,
+        when one could be read).
+    """
+    try:
+        message = json.loads(payload)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise RequestError(f"a message is a JSON request object: {e}") from None
+    if not isinstance(message, dict):
+        raise RequestError("a message is a JSON request object")
+    rid = message.get("id")
+    problem = None
+    if message.get("type") != "request":
+        problem = 'a message is a request: "type": "request"'
+    elif isinstance(rid, bool) or not isinstance(rid, int | str):
+        problem = '"id" must be a number or a string'
+    elif message.get("method") not in ("GET", "POST"):
+        problem = '"method" must be "GET" or "POST"'
+    elif not isinstance(message.get("path"), str) or not message["path"].startswith("/"):
+        problem = '"path" must be a string starting with /'
+    elif "body" in message and not isinstance(message["body"], dict):
+        problem = '"body" must be a JSON object'
+    if problem is not None:
+        err = RequestError(problem)
+        err.rid = rid if isinstance(rid, int | str) and not isinstance(rid, bool) else None  # type: ignore[attr-defined]
+        raise err
+    return rid, message["method"], message["path"], message.get("body")
+
+
+class SocketRequest:
+    """
+    A request that came over the watch socket, shaped as much like a
+    C{twisted.web} request as L{llmgw.control.admin.AdminResource} needs,
+    so that the admin API's own C{render} (authorisation, routing,
+    handlers, errors) answers it. The answer goes back as a C{response}
+    message with the same C{id}, the HTTP status and the JSON body.
+    """
+
+    def __init__(self, protocol: WatchProtocol, rid: Any, method: str, path: str, body: Any):
+        from io import BytesIO
+        from urllib.parse import parse_qs, urlsplit
+
+        self.protocol = protocol
+        self.rid = rid
+        parts = urlsplit(path)
+        self.method = method.encode("ascii")
+        self.uri = path.encode("utf-8")
+        self.path = parts.path.encode("utf-8")
+        self.prepath: list[bytes] = []
+        self.postpath = [seg.encode("utf-8") for seg in parts.path.split("/")[1:]]
+        self.args = {
+            k.encode("utf-8"): [v.encode("utf-8") for v in vs]
+            for k, vs in parse_qs(parts.query, keep_blank_values=True).items()
+        }
+        self.content = BytesIO(json.dumps(body).encode("utf-8") if body is not None else b"")
+        self.channel = protocol.channel
+        self.transport = None
+        self.code = 200
+        self._out: list[bytes] = []
+        self._finish_waiters: list[Any] = []
+        self.finished = False
+
+    # -- what the resource reads -------------------------------------------------------
+
+    def getHeader(self, name: bytes) -> bytes | None:  # noqa: N802
+        name = name.lower()
+        if name == b"content-type":
+            return b"application/json"
+        if name == b"host":
+            return self.protocol.host
+        return None
+
+    def getClientAddress(self) -> Any:  # noqa: N802
+        return self.protocol.address
+
+    # -- what it writes ------------------------------------------------------------------
+
+    def setResponseCode(self, code: int, message: bytes | None = None) -> None:  # noqa: N802
+        self.code = code
+
+    def setHeader(self, name: bytes, value: bytes) -> None:  # noqa: N802
+        pass
+
+    def write(self, data: bytes) -> None:
+        self._out.append(data)
+
+    def notifyFinish(self) -> Any:  # noqa: N802
+        from twisted.internet.defer import Deferred
+
+        d: Deferred[None] = Deferred()
+        self._finish_waiters.append(d)
+        return d
+
+    def finish(self) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        self.protocol.requests.discard(self)
+        raw = b"".join(self._out)
+        try:
+            body: Any = json.loads(raw) if raw else None
+        except ValueError:
+            body = raw.decode("utf-8", "replace")  # /metrics is text
+        self.protocol._answer(self.rid, self.code, body)
+        waiters, self._finish_waiters = self._finish_waiters, []
+        for d in waiters:
+            d.callback(None)
+
+    def gone(self) -> None:
+        """
+        The socket closed before the answer: handlers waiting (a long-poll)
+        are told, as a web request's are.
+        """
+        from twisted.internet.error import ConnectionLost
+        from twisted.python.failure import Failure
+
+        self.finished = True
+        waiters, self._finish_waiters = self._finish_waiters, []
+        for d in waiters:
+            d.errback(Failure(ConnectionLost("the watch socket closed")))
+
+    def run(self, resource: Any) -> None:
+        from twisted.web.server import NOT_DONE_YET
+
+        result = resource.render(self)
+        if result is not NOT_DONE_YET and not self.finished:
+            if isinstance(result, bytes):
+                self.write(result)
+            self.finish()
+
+
 class WatchFactory(WebSocketServerFactory):
     protocol = WatchProtocol
 
@@ -587,7 +758,7 @@ class WatchFactory(WebSocketServerFactory):
 
 
 def upgrade(request: Any, factory: WatchFactory, fleet_reader: bool, since: int | None,
-            epoch: str | None, who: str) -> Any:
+            epoch: str | None, who: str, resource: Any = None) -> Any:
     """
     Hand C{request}'s connection over to a L{WatchProtocol} (as autobahn's
     C{WebSocketResource} does), already authorised by the admin API.
@@ -606,6 +777,12 @@ def upgrade(request: Any, factory: WatchFactory, fleet_reader: bool, since: int 
     protocol.since = since
     protocol.epoch = epoch
     protocol.who = who
+    # Requests over the socket are rendered by the admin API's own resource
+    # as this connection's (its admin identity, its Host).
+    protocol.resource = resource
+    protocol.channel = channel
+    protocol.host = request.getHeader(b"host") or b""
+    protocol.address = request.getClientAddress()
     channel.setTimeout(None)
     transport, channel.transport = channel.transport, None
     if isinstance(transport, ProtocolWrapper):
