@@ -209,3 +209,63 @@ class TwistedClientTests(TestCase):
         self.assertTrue(result["reload"]["ok"])
         self.assertEqual(result["watched_deployment"]["desired"], 1)
         self.assertEqual(self.cp.reconciler.deployments()[0]["desired"], 1)
+
+
+class _Lines(_Output):
+    def __init__(self, on_line: Any) -> None:
+        super().__init__()
+        self.on_line = on_line
+
+    def outReceived(self, data: bytes) -> None:
+        before = self.out.count(b"\n")
+        super().outReceived(data)
+        for _ in range(self.out.count(b"\n") - before):
+            self.on_line()
+
+
+class CtlWatchTests(TestCase):
+    @inlineCallbacks
+    def test_ctl_watch_prints_the_stream(self) -> None:
+        """
+        C{llmgw ctl watch --count 2} prints the snapshot, then the line for
+        the deployment change a scale makes, and exits 0.
+        """
+        cp = control_plane(self)
+        url = f"http://127.0.0.1:{cp.admin_listener.address()[1]}"
+        root = Path(__file__).resolve().parent.parent
+        out = _Lines(lambda: cp.reconciler.scale("demo", 5))
+        reactor.spawnProcess(out, sys.executable,
+                             [sys.executable, "-m", "llmgw.ctl.main", "ctl", "watch", "--admin", url, "--count", "2"],
+                             env=dict(os.environ, PYTHONPATH=str(root)), path=str(root))
+        code = yield out.ended.addTimeout(30, reactor)
+        self.assertEqual(code, 0, out.err.decode(errors="replace")[-2000:])
+        lines = out.out.decode().splitlines()
+        self.assertIn("snapshot", lines[0])
+        self.assertIn("1 deployments", lines[0])
+        self.assertRegex(lines[1], r"^#\d+ deployment demo: desired 5, ready 0$")
+
+
+class RenderTests(TestCase):
+    def test_lines(self) -> None:
+        """
+        Each kind of message reads as one line naming what changed; names
+        with control characters are escaped.
+        """
+        from llmgw.ctl.watch import render_message
+
+        self.assertEqual(
+            render_message({"type": "routes", "revision": 4, "models": {"a": [
+                {"replica": "r1", "address": "h:1", "draining": True}], "b": []}, "known": ["a"]}),
+            "#4 routes a: r1@h:1 (draining); b: no routes; declared: a",
+        )
+        self.assertEqual(
+            render_message({"type": "node", "revision": 5, "id": "n\x1b1", "node": {
+                "state": "ready", "cordoned": True, "gpus": [{"memory_used_mb": 10}], "shards": ["s"]}}),
+            "#5 node n\\x1b1: ready, cordoned, 1 GPUs, 10 MB used, 1 shards",
+        )
+        self.assertEqual(render_message({"type": "replica", "revision": 6, "id": "r", "removed": True}),
+                         "#6 replica r removed")
+        self.assertEqual(render_message({"type": "reset", "revision": 7, "reason": "too old"}), "#7 reset: too old")
+        line = render_message({"type": "event", "revision": 8, "event": {
+            "time": 0, "kind": "shard_failed", "node": "n1", "reason": "exit 1"}})
+        self.assertRegex(line, r"^#8 event \d\d:\d\d:\d\d shard_failed n1: exit 1$")

@@ -63,9 +63,10 @@ def open_watch(url: str, tls: ClientTLSPolicy | None, port: int) -> tuple[Deferr
     return queue, closed
 
 
-class WatchRolesTests(TestCase):
+class _TLSCase(TestCase):
     """
-    The stream behind the admin API's mutual TLS: each role's view.
+    A real admin listener on 127.0.0.1 behind mutual TLS, with a viewer's
+    and a gateway's certificates.
     """
 
     def setUp(self) -> None:
@@ -84,6 +85,13 @@ class WatchRolesTests(TestCase):
     def policy(self, stem: str) -> ClientTLSPolicy:
         d = self.dir
         return ClientTLSPolicy(TLSFiles.load(d / "ca.pem", d / f"{stem}.pem", d / f"{stem}.key"))
+
+
+
+class WatchRolesTests(_TLSCase):
+    """
+    The stream behind the admin API's mutual TLS: each role's view.
+    """
 
     @inlineCallbacks
     def test_viewer_and_gateway_views(self) -> None:
@@ -201,3 +209,29 @@ class FollowerWatchTests(TestCase):
         yield self.until(lambda: self.follower.watching is not None)
         yield self.until(lambda: any(r.replica_id == "gap" for r in self.table.routes("llama-8b")))
         self.assertGreater(self.table.watch_revision, held)
+
+
+class ClientTLSTests(_TLSCase):
+    @inlineCallbacks
+    def test_client_over_mutual_tls(self) -> None:
+        """
+        L{FleetClient} over https:// presents its admin certificate: a
+        viewer reads the nodes, and its cordon is the API's 403 naming the
+        role, which reaches nothing.
+        """
+        import txaio
+
+        from llmgw.client import FleetClient, FleetError
+
+        txaio.use_twisted()
+        d = self.dir
+        client = FleetClient(f"https://127.0.0.1:{self.port}", ca=str(d / "ca.pem"),
+                             cert=str(d / "admin-alice.pem"), key=str(d / "admin-alice.key"), timeout=10)
+        self.addCleanup(client.close)
+        nodes = yield client.nodes()
+        self.assertEqual([n["id"] for n in nodes], ["gpu-1", "gpu-2"])
+        with self.assertRaises(FleetError) as caught:
+            yield client.cordon("gpu-1")
+        self.assertEqual(caught.exception.status, 403)
+        self.assertIn("role viewer", caught.exception.reason)
+        self.assertEqual(self.fleet.calls, [])

@@ -326,6 +326,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p = add("scale", "set a deployment's desired replica count (kept across restarts)", cmd_scale)
     p.add_argument("model", metavar="MODEL")
     p.add_argument("replicas", type=replica_count, metavar="REPLICAS")
+    from llmgw.ctl import watch
+
+    p = add("watch", "print the fleet's changes live, from the admin API's watch stream", watch.cmd_watch)
+    watch.add_arguments(p)
     p = add("reload", "re-read the catalog file (a refused catalog leaves the running one)", cmd_reload)
     p.add_argument(
         "--tls", action="store_true",
