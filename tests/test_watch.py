@@ -55,7 +55,8 @@ class WatchClient:
     upgrade and decodes the messages the server writes.
     """
 
-    def __init__(self, site: Any, query: str = "", host: str = "127.0.0.1", port: int = 7480):
+    def __init__(self, site: Any, query: str = "", host: str = "127.0.0.1", port: int = 7480,
+                 origin: bytes | None = None):
         self.transport = StringTransport(peerAddress=_addr(host, port))
         self.protocol = site.buildProtocol(None)
         self.protocol.makeConnection(self.transport)
@@ -63,7 +64,8 @@ class WatchClient:
         self.protocol.dataReceived(
             b"GET /api/v1/watch" + query.encode() + b" HTTP/1.1\r\nHost: 127.0.0.1:7480\r\n"
             b"Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: " + key
-            + b"\r\nSec-WebSocket-Version: 13\r\n\r\n"
+            + b"\r\nSec-WebSocket-Version: 13\r\n"
+            + (b"Origin: " + origin + b"\r\n" if origin is not None else b"") + b"\r\n"
         )
         self.status = b""
         self._rest = b""
@@ -228,6 +230,23 @@ class StreamTests(WatchTestCase):
         self.assertIn(b" 400 ", c.status)
         self.assertIn(b"is not a revision", c.body)
         self.assertTrue(any("refused" in e["log_format"] for e in self.logged))
+
+    def test_cross_origin_refused(self) -> None:
+        """
+        A browser's upgrade from a page of another origin is refused (403,
+        logged): the socket takes commands. A page of the API itself (the
+        Origin names the Host) is let in.
+        """
+        evil = WatchClient(self.site, origin=b"https://evil.example")
+        evil.read()
+        self.assertIn(b" 403 ", evil.status)
+        self.assertIn(b"origin https://evil.example is refused", evil.body)
+        other_port = WatchClient(self.site, origin=b"http://127.0.0.1:9999")
+        other_port.read()
+        self.assertIn(b" 403 ", other_port.status)
+        own = WatchClient(self.site, origin=b"http://127.0.0.1:7480")
+        own.read()
+        self.assertIn(b" 101 ", own.status)
 
     def test_plain_get(self) -> None:
         """

@@ -151,6 +151,25 @@ def _printable(raw: bytes) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
+def _same_origin(origin: bytes, host: bytes) -> bool:
+    """
+    Whether a browser's C{Origin} names the host and port the request was
+    sent to (its C{Host}).
+    """
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(origin.decode("ascii"))
+        netloc = parts.netloc.lower()
+    except (UnicodeDecodeError, ValueError):
+        return False
+    if parts.scheme not in ("http", "https") or not netloc:
+        return False
+    default = ":443" if parts.scheme == "https" else ":80"
+    want = host.decode("latin-1").lower()
+    return netloc == want or netloc + default == want or netloc == want + default
+
+
 def _certificate_name(cert: Any) -> str | None:
     """
     A peer certificate's common name, printable, for log lines.
@@ -596,6 +615,12 @@ class AdminResource(Resource):
             raise Refused(404, "this control plane serves no watch stream")
         if isinstance(request, SocketRequest):
             raise Refused(400, "this request came over the watch stream already")
+        origin = request.getHeader(b"origin")
+        if origin is not None and not _same_origin(origin, request.getHeader(b"host") or b""):
+            # Browsers let any page open a WebSocket anywhere; the socket
+            # takes commands, so only a page of this API may open it.
+            raise Refused(403, f"a WebSocket from origin {_printable(origin[:200])} is refused: "
+                               "only pages of this admin API may open the stream")
         if (request.getHeader(b"upgrade") or b"").lower() != b"websocket":
             request.setHeader(b"upgrade", b"websocket")
             raise Refused(426, "/api/v1/watch is a WebSocket: send Upgrade: websocket")
