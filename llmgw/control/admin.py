@@ -79,6 +79,8 @@ NODE_ACTIONS = ("cordon", "uncordon", "drain")
 #: What C{GET /} lists.
 ENDPOINTS = [
     "GET /api/v1/status",
+    "GET /api/v1/whoami",
+    "GET / (Accept: text/html): the fleet page",
     "GET /api/v1/nodes",
     "GET /api/v1/deployments",
     "GET /api/v1/replicas",
@@ -93,6 +95,33 @@ ENDPOINTS = [
     "POST /api/v1/tls/reload",
     "GET /metrics",
 ]
+
+
+#: The fleet page's files and their types.
+PAGE_FILES = {
+    "index.html": b"text/html; charset=utf-8",
+    "page.js": b"text/javascript; charset=utf-8",
+    "page.css": b"text/css; charset=utf-8",
+}
+#: The page loads only its own files and talks only to this API.
+PAGE_CSP = (b"default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+            b"img-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+_page_cache: dict[str, tuple[bytes, bytes]] = {}
+
+
+def page_file(name: str) -> tuple[bytes, bytes] | None:
+    """
+    The bytes and content type of the page file C{name}, read from the
+    package once; C{None} for a name that is not one.
+    """
+    if name not in PAGE_FILES:
+        return None
+    if name not in _page_cache:
+        from importlib.resources import files
+
+        body = files("llmgw.control").joinpath("page", name).read_bytes()
+        _page_cache[name] = (body, PAGE_FILES[name])
+    return _page_cache[name]
 
 
 #: What the C{gateway} role may read: the routing data a standalone gateway
@@ -387,7 +416,14 @@ class AdminResource(Resource):
 
         if path == []:
             only("GET")
+            if b"text/html" in (request.getHeader(b"accept") or b""):
+                return self._page, (request, "index.html")
             return (lambda: {"endpoints": ENDPOINTS}), ()
+        if path[:1] == ["page"]:
+            only("GET")
+            if len(path) != 2 or path[1] not in PAGE_FILES:
+                raise Refused(404, f"no such page file: {'/'.join(path[1:])}")
+            return self._page, (request, path[1])
         if path == ["metrics"]:
             only("GET")
             return self._metrics, (request,)
@@ -398,6 +434,9 @@ class AdminResource(Resource):
         if rest == ["status"]:
             only("GET")
             return self._status, ()
+        if rest == ["whoami"]:
+            only("GET")
+            return self._whoami, (request,)
         if rest == ["nodes"]:
             only("GET")
             return (lambda: {"nodes": self.fleet.nodes()}), ()
@@ -499,6 +538,29 @@ class AdminResource(Resource):
         return n
 
     # -- handlers -------------------------------------------------------------------
+
+    def _whoami(self, request: Any) -> dict[str, Any]:
+        """
+        Who the API takes the requester for: with mutual TLS the admin's
+        name and role; without it (loopback only) an operator.
+        """
+        cached = getattr(request.channel, "llmgw_admin", None)
+        if self.require_certificate and isinstance(cached, AdminIdentity):
+            return {"name": cached.name, "role": cached.role, "tls": True}
+        return {"name": None, "role": "operator", "tls": False}
+
+    def _page(self, request: Any, name: str) -> bytes:
+        """
+        A file of the fleet page (C{llmgw/control/page/}), from the package.
+        """
+        found = page_file(name)
+        assert found is not None  # the route checked the name
+        body, ctype = found
+        request.setResponseCode(200)
+        request.setHeader(b"content-type", ctype)
+        request.setHeader(b"content-security-policy", PAGE_CSP)
+        request.setHeader(b"x-frame-options", b"DENY")
+        return body
 
     def _status(self) -> dict[str, Any]:
         status = dict(self.fleet.status())
