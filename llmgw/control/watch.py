@@ -9,7 +9,7 @@ Messages (C{type}):
 
   - C{snapshot}: the whole state at C{revision}: C{routes} (the document
     C{GET /api/v1/routes} answers), and for roles that may read them
-    C{nodes}, C{replicas}, C{deployments}.
+    C{nodes}, C{replicas}, C{deployments} and the last 50 C{events}.
   - C{routes}: the routes of C{models} (model to its routes, an empty list
     when it has none left) as of the routing table's C{routes_revision};
     C{known} (the declared models) when that changed.
@@ -68,6 +68,8 @@ FLUSH_INTERVAL = 0.1
 #: The same for clients that follow the routes only (gateways, whose
 #: routes should be current within 100 ms, and are few).
 ROUTES_FLUSH_INTERVAL = 0.02
+#: The latest events a snapshot carries.
+SNAPSHOT_EVENTS = 50
 #: Seconds the views are diffed on after the last fleet reader left.
 RESUME_GRACE = 60.0
 #: Largest message a client may send, in bytes.
@@ -391,6 +393,7 @@ class WatchHub:
             message["nodes"] = list(self._views["node"].values())
             message["replicas"] = list(self._views["replica"].values())
             message["deployments"] = list(self._views["deployment"].values())
+            message["events"] = self.fleet.events(0.0)[-SNAPSHOT_EVENTS:]
         return message
 
     def attach(self, client: WatchProtocol, since: int | None, epoch: str | None) -> None:

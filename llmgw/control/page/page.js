@@ -94,6 +94,7 @@ function handle(m) {
       state.epoch = m.epoch;
       state.nodes = new Map((m.nodes || []).map((n) => [n.id, n]));
       state.deployments = new Map((m.deployments || []).map((d) => [d.model, d]));
+      state.events = (m.events || []).slice(-MAX_EVENTS);
       state.replicas = new Map(); nodeReplicas.clear();
       for (const r of m.replicas || []) { state.replicas.set(r.id, r); indexReplica(r.id, r, true); }
       dirty.all = true;
