@@ -223,7 +223,7 @@ function renderDeployments() {
 function signalsText(shards) {
   for (const s of shards || []) {
     const g = s.signals;
-    if (g && g.error === undefined) {
+    if (g && !g.error) {
       const parts = [];
       if (g.waiting !== undefined && g.waiting !== null) parts.push("waiting " + g.waiting);
       if (g.running !== undefined && g.running !== null) parts.push("running " + g.running);
