@@ -128,6 +128,11 @@ class PageBrowserTests(TestCase):
         yield deferToThread(wait_for, driver, "document.getElementById('notice').textContent === 'cordon done'")
         self.assertIn(("cordon", "gpu-1"), fleet.calls)
 
+        # A viewer (as /api/v1/whoami says over mutual TLS) sees no buttons.
+        yield deferToThread(driver.execute_script,
+                            "window.llmgwPage.state.role = 'viewer'; window.llmgwPage.redraw()")
+        yield deferToThread(wait_for, driver, "document.querySelectorAll('button, input.scale').length === 0")
+
     @inlineCallbacks
     def test_ten_thousand_nodes(self) -> None:
         """

@@ -235,3 +235,5 @@ class ClientTLSTests(_TLSCase):
         self.assertEqual(caught.exception.status, 403)
         self.assertIn("role viewer", caught.exception.reason)
         self.assertEqual(self.fleet.calls, [])
+        who = yield client._request("GET", "/api/v1/whoami")
+        self.assertEqual(who, {"name": "alice", "role": "viewer", "tls": True})

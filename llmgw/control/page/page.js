@@ -14,7 +14,7 @@ const nodeReplicas = new Map();
 const dirty = { all: true, nodes: new Set(), replicas: new Set(), deployments: false, events: false };
 const pending = new Map();
 const stats = { renders: 0, lastRenderMs: 0, messages: 0 };
-window.llmgwPage = { state, stats };
+window.llmgwPage = { state, stats, redraw: () => { dirty.all = true; schedule(); } };
 let socket = null, nextId = 1, scheduled = false, backoff = 500;
 const MAX_EVENTS = 50;
 
