@@ -511,3 +511,30 @@ class SocketRequestTests(WatchTestCase):
         self.assertEqual(self.table.waiting(), 1)
         c.disconnect()
         self.assertEqual(self.table.waiting(), 0)
+
+
+class RevocationTests(WatchTestCase):
+    def test_revoked_client_dropped(self) -> None:
+        """
+        A client whose certificate serial the CRL comes to list is dropped
+        at the next check (every REVOCATION_CHECK_S seconds), logged;
+        others stay.
+        """
+        from llmgw.control.watch import REVOCATION_CHECK_S
+
+        revoked: set[int] = set()
+        self.hub.stop()
+        self.hub.revoked = lambda: frozenset(revoked)
+        self.hub.start()
+        alice, bob = self.connect(), self.connect()
+        alice.websocket.serial, bob.websocket.serial = 11, 12
+        logged: list[dict[str, Any]] = []
+        self.hub.log = Logger(observer=logged.append)
+        self.clock.advance(REVOCATION_CHECK_S)
+        self.assertFalse(alice.transport.disconnecting)
+        revoked.add(11)
+        self.clock.advance(REVOCATION_CHECK_S)
+        self.assertTrue(alice.transport.disconnecting)
+        self.assertFalse(bob.transport.disconnecting)
+        self.assertEqual(self.hub.clients, {bob.websocket})
+        self.assertIn("revoked", logged[-1]["log_format"])

@@ -836,6 +836,8 @@ def admin_site(
     """
     if watch is None and reactor is not None:
         watch = WatchHub(fleet, reactor)
+    if watch is not None and revoked is not None:
+        watch.revoked = revoked
     site = AdminSite(
         AdminResource(
             fleet, registry, agents, control=control, require_certificate=require_certificate,

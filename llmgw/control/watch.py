@@ -68,6 +68,8 @@ FLUSH_INTERVAL = 0.1
 #: The same for clients that follow the routes only (gateways, whose
 #: routes should be current within 100 ms, and are few).
 ROUTES_FLUSH_INTERVAL = 0.02
+#: Seconds between checks of the clients' certificates against the CRL.
+REVOCATION_CHECK_S = 2.0
 #: The latest events a snapshot carries.
 SNAPSHOT_EVENTS = 50
 #: Seconds the views are diffed on after the last fleet reader left.
@@ -220,6 +222,10 @@ class WatchHub:
         self.clients: set[WatchProtocol] = set()
         self.running = False
         self.dropped = 0
+        #: The serials the CRL in force lists (the admin API's), checked
+        #: every L{REVOCATION_CHECK_S} seconds against the clients'.
+        self.revoked: Callable[[], frozenset[int]] | None = None
+        self._revocation_loop: LoopingCall | None = None
         self._fleet_readers = 0
         #: Revision from which fleet messages are complete (views are
         #: diffed only while a fleet reader is attached).
@@ -240,9 +246,38 @@ class WatchHub:
         self.running = True
         if self.table is not None and self._unsubscribe is None:
             self._unsubscribe = self.table.subscribe(self._routes_changed)
+        if self.revoked is not None and self._revocation_loop is None:
+            loop = self._revocation_loop = LoopingCall(self.drop_revoked)
+            loop.clock = self.clock
+            loop.start(REVOCATION_CHECK_S, now=False).addErrback(
+                lambda f: self.log.failure("watch: the revocation check stopped", failure=f)
+            )
+
+    def drop_revoked(self) -> None:
+        """
+        Drop the clients whose admin certificate a CRL now lists (TLS checks
+        the CRL only at the handshake; the stream would flow on).
+        """
+        if self.revoked is None or not self.clients:
+            return
+        try:
+            revoked = self.revoked()
+            for client in list(self.clients):
+                if client.serial is not None and client.serial in revoked:
+                    self.log.warn("watch: dropping {who}: its certificate has been revoked", who=client.who)
+                    self.detach(client)
+                    client.attached = False
+                    transport: Any = client.transport
+                    if transport is not None:
+                        transport.abortConnection()
+        except Exception:
+            self.log.failure("watch: checking the clients' certificates failed")
 
     def stop(self) -> None:
         self.running = False
+        if self._revocation_loop is not None and self._revocation_loop.running:
+            self._revocation_loop.stop()
+        self._revocation_loop = None
         if self._unsubscribe is not None:
             self._unsubscribe()
             self._unsubscribe = None
@@ -520,6 +555,7 @@ class WatchProtocol(WebSocketServerProtocol):
     attached = False
 
     resource: Any = None
+    serial: int | None = None
     channel: Any = None
     host: bytes = b""
     address: Any = None
@@ -784,6 +820,7 @@ def upgrade(request: Any, factory: WatchFactory, fleet_reader: bool, since: int 
     # as this connection's (its admin identity, its Host).
     protocol.resource = resource
     protocol.channel = channel
+    protocol.serial = getattr(channel, "llmgw_admin_serial", None)
     protocol.host = request.getHeader(b"host") or b""
     protocol.address = request.getClientAddress()
     channel.setTimeout(None)
