@@ -20,12 +20,32 @@ from twisted.trial.unittest import TestCase
 from llmgw.control.admin import admin_service
 from llmgw.control.metrics import make_registry
 from llmgw.gateway.follower import FollowerService, FollowerTable
-from llmgw.routing import Route
+from llmgw.routing import Route, RoutingTable
 from llmgw.testing.fleet import sample_fleet
 from llmgw.testing.pki import make_pki
 from llmgw.tlsconf.options import ClientTLSPolicy, ServerTLS, TLSFiles, server_files
 
 reactor: Any = global_reactor
+
+
+def until(check: Any, timeout: float = 10.0) -> Deferred[float]:
+    """
+    Fires with the time at which C{check()} first held (checked every
+    millisecond), or fails after C{timeout} seconds.
+    """
+    from twisted.internet.task import LoopingCall
+
+    done: Deferred[float] = Deferred()
+
+    def poll() -> None:
+        if check():
+            loop.stop()
+            done.callback(reactor.seconds())
+
+    loop = LoopingCall(poll)
+    loop.start(0.001)
+    done.addTimeout(timeout, reactor)
+    return done
 
 
 class _Collect(WebSocketClientProtocol):
@@ -145,23 +165,7 @@ class FollowerWatchTests(TestCase):
         self.addCleanup(self.follower.stopService)
 
     def until(self, check: Any, timeout: float = 10.0) -> Deferred[float]:
-        """
-        Fires with the time at which C{check()} first held (checked every
-        millisecond).
-        """
-        from twisted.internet.task import LoopingCall
-
-        done: Deferred[float] = Deferred()
-
-        def poll() -> None:
-            if check():
-                loop.stop()
-                done.callback(reactor.seconds())
-
-        loop = LoopingCall(poll)
-        loop.start(0.001)
-        done.addTimeout(timeout, reactor)
-        return done
+        return until(check, timeout)
 
     @inlineCallbacks
     def test_change_reaches_gateway_within_100ms(self) -> None:
@@ -237,3 +241,24 @@ class ClientTLSTests(_TLSCase):
         self.assertEqual(self.fleet.calls, [])
         who = yield client._request("GET", "/api/v1/whoami")
         self.assertEqual(who, {"name": "alice", "role": "viewer", "tls": True})
+
+
+class FollowerTLSTests(_TLSCase):
+    @inlineCallbacks
+    def test_gateway_follows_over_wss(self) -> None:
+        """
+        A standalone gateway behind mutual TLS follows the stream over
+        wss:// with its gateway certificate, and gets a change.
+        """
+        self.fleet.routing_table = RoutingTable(reactor)
+        self.fleet.publish_routes()
+        self.svc.watch.table = self.fleet.routing_table
+        self.svc.watch.stop()
+        self.svc.watch.start()
+        table = FollowerTable(reactor, f"https://127.0.0.1:{self.port}", tls=self.policy("admin-gw-1"))
+        follower = FollowerService(table, watch=True, retry=0.2)
+        follower.startService()
+        self.addCleanup(follower.stopService)
+        yield until(lambda: follower.watching is not None and table.loaded)
+        self.fleet.routing_table.publish_model("llama-8b", [Route("tls1", "llama-8b", "10.0.0.7:1")])
+        yield until(lambda: any(r.replica_id == "tls1" for r in table.routes("llama-8b")))
