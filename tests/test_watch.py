@@ -538,3 +538,24 @@ class RevocationTests(WatchTestCase):
         self.assertFalse(bob.transport.disconnecting)
         self.assertEqual(self.hub.clients, {bob.websocket})
         self.assertIn("revoked", logged[-1]["log_format"])
+
+
+class SignalAgeTests(WatchTestCase):
+    def test_signal_age_alone_is_no_change(self) -> None:
+        """
+        A replica whose engine signals only grew older is not sent again;
+        one whose queue changed is.
+        """
+        r = self.fleet.replica_views[0]
+        shard = dict(r["shards"][0], signals={"waiting": 1.0, "age_s": 0.1})
+        self.fleet.replica_views[0] = dict(r, shards=[shard])
+        c = self.connect()
+        self.clock.advance(1)
+        c.read()
+        self.fleet.replica_views[0] = dict(r, shards=[dict(shard, signals={"waiting": 1.0, "age_s": 0.6})])
+        self.clock.advance(1)
+        self.assertEqual(c.read(), [])
+        self.fleet.replica_views[0] = dict(r, shards=[dict(shard, signals={"waiting": 4.0, "age_s": 0.2})])
+        self.clock.advance(1)
+        [m] = c.read()
+        self.assertEqual(m["replica"]["shards"][0]["signals"]["waiting"], 4.0)

@@ -79,7 +79,8 @@ MAX_CLIENT_MESSAGE = 64 * 1024
 
 #: Message classes: what every role sees, and what needs a fleet reader.
 ROUTES, FLEET = "routes", "fleet"
-#: Fields left out when comparing views (they change on every heartbeat).
+#: Fields left out when comparing views (they change on every heartbeat;
+#: and a replica's shards' signals are compared without their age_s).
 VOLATILE = {"node": ("last_seen",)}
 
 
@@ -307,7 +308,7 @@ class WatchHub:
             "models": {m: _route_json(self.table, m, now) for m in sorted(models)},
         }
         if known_changed:
-            message["known"] = sorted(self.table._known)
+            message["known"] = sorted(self.table.snapshot().known_models())
         self._append(message, ROUTES)
 
     def flush(self) -> None:
@@ -354,6 +355,16 @@ class WatchHub:
         return {self._key(kind, v): v for v in views}
 
     def _comparable(self, kind: str, view: dict[str, Any]) -> Any:
+        if kind == "replica":
+            # A shard's engine signals carry their age, new on every pass.
+            shards = view.get("shards")
+            if not isinstance(shards, list):
+                return view
+            return dict(view, shards=[
+                dict(s, signals={k: v for k, v in s["signals"].items() if k != "age_s"})
+                if isinstance(s, dict) and isinstance(s.get("signals"), dict) else s
+                for s in shards
+            ])
         drop = VOLATILE.get(kind)
         if not drop:
             return view
