@@ -20,12 +20,13 @@ another host judges staleness by its own clock.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.logger import Logger
 from zope.interface import Interface, implementer
 
 #: The longest a long-poll of the routes is held before it answers anyway.
@@ -164,6 +165,8 @@ class RoutingTable:
     fires the long-polls waiting for it.
     """
 
+    log = Logger()
+
     def __init__(self, clock: IReactorTime):
         self.clock = clock
         self._routes: dict[str, tuple[Route, ...]] = {}
@@ -171,6 +174,7 @@ class RoutingTable:
         self.revision = 0
         self._snapshot: RoutingSnapshot | None = RoutingSnapshot()
         self._waiters: dict[Deferred[int], IDelayedCall] = {}
+        self._subscribers: list[Callable[[int, frozenset[str], bool], None]] = []
 
     # -- IRoutingTable ----------------------------------------------------------------
 
@@ -193,9 +197,13 @@ class RoutingTable:
         known_set = frozenset(known)
         if by_model == self._routes and known_set == self._known:
             return False
+        models = frozenset(
+            m for m in self._routes.keys() | by_model.keys() if self._routes.get(m) != by_model.get(m)
+        )
+        known_changed = known_set != self._known
         self._routes = by_model
         self._known = known_set
-        self._changed()
+        self._changed(models, known_changed)
         return True
 
     def publish_model(self, model: str, routes: Iterable[Route]) -> bool:
@@ -211,7 +219,7 @@ class RoutingTable:
             self._routes[model] = new
         else:
             del self._routes[model]
-        self._changed()
+        self._changed(frozenset((model,)), False)
         return True
 
     def set_known(self, known: Iterable[str]) -> bool:
@@ -222,7 +230,7 @@ class RoutingTable:
         if known_set == self._known:
             return False
         self._known = known_set
-        self._changed()
+        self._changed(frozenset(), True)
         return True
 
     def snapshot(self) -> RoutingSnapshot:
@@ -235,14 +243,37 @@ class RoutingTable:
             )
         return self._snapshot
 
-    def _changed(self) -> None:
+    def _changed(self, models: frozenset[str], known_changed: bool) -> None:
         self.revision += 1
         self._snapshot = None
+        for callback in list(self._subscribers):
+            try:
+                callback(self.revision, models, known_changed)
+            except Exception:
+                self.log.failure("routing table subscriber {callback!r} failed", callback=callback)
         if self._waiters:
             waiters, self._waiters = self._waiters, {}
             for d, call in waiters.items():
                 call.cancel()
                 d.callback(self.revision)
+
+    # -- change notifications ------------------------------------------------------------
+
+    def subscribe(self, callback: Callable[[int, frozenset[str], bool], None]) -> Callable[[], None]:
+        """
+        Call C{callback(revision, models, known_changed)} after every change,
+        synchronously: C{models} are the models whose routes changed,
+        C{known_changed} whether the declared models did. A callback that
+        raises is logged and stays subscribed. Returns the function that
+        unsubscribes it.
+        """
+        self._subscribers.append(callback)
+
+        def unsubscribe() -> None:
+            if callback in self._subscribers:
+                self._subscribers.remove(callback)
+
+        return unsubscribe
 
     # -- long-poll ----------------------------------------------------------------------
 

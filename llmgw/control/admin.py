@@ -56,6 +56,14 @@ from twisted.web.resource import Resource
 
 from llmgw.addresses import ListenerService, format_address, is_loopback, server_endpoint
 from llmgw.control.interfaces import AdminError, IFleetAdmin
+from llmgw.control.watch import (
+    ResumeError,
+    SocketRequest,
+    WatchFactory,
+    WatchHub,
+    parse_resume,
+    upgrade,
+)
 from llmgw.hostcheck import HostCheck
 from llmgw.routing import LONG_POLL_MAX_S, RoutingTable, snapshot_to_json
 from llmgw.tlsconf.ca import subject_alt_names
@@ -79,11 +87,14 @@ NODE_ACTIONS = ("cordon", "uncordon", "drain")
 #: What C{GET /} lists.
 ENDPOINTS = [
     "GET /api/v1/status",
+    "GET /api/v1/whoami",
+    "GET / (Accept: text/html): the fleet page",
     "GET /api/v1/nodes",
     "GET /api/v1/deployments",
     "GET /api/v1/replicas",
     "GET /api/v1/events?since=SECONDS",
     "GET /api/v1/routes?since=REVISION",
+    "GET /api/v1/watch?since=REVISION&epoch=EPOCH&only=routes (WebSocket)",
     "POST /api/v1/nodes/{id}/cordon",
     "POST /api/v1/nodes/{id}/uncordon",
     "POST /api/v1/nodes/{id}/drain",
@@ -95,9 +106,36 @@ ENDPOINTS = [
 ]
 
 
+#: The fleet page's files and their types.
+PAGE_FILES = {
+    "index.html": b"text/html; charset=utf-8",
+    "page.js": b"text/javascript; charset=utf-8",
+    "page.css": b"text/css; charset=utf-8",
+}
+#: The page loads only its own files and talks only to this API.
+PAGE_CSP = (b"default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+            b"img-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+_page_cache: dict[str, tuple[bytes, bytes]] = {}
+
+
+def page_file(name: str) -> tuple[bytes, bytes] | None:
+    """
+    The bytes and content type of the page file C{name}, read from the
+    package once; C{None} for a name that is not one.
+    """
+    if name not in PAGE_FILES:
+        return None
+    if name not in _page_cache:
+        from importlib.resources import files
+
+        body = files("llmgw.control").joinpath("page", name).read_bytes()
+        _page_cache[name] = (body, PAGE_FILES[name])
+    return _page_cache[name]
+
+
 #: What the C{gateway} role may read: the routing data a standalone gateway
 #: follows, and nothing about nodes or events.
-GATEWAY_READS = (("api", "v1", "routes"),)
+GATEWAY_READS = (("api", "v1", "routes"), ("api", "v1", "watch"))
 
 
 def role_allows(role: str, method: str, path: list[str]) -> bool:
@@ -160,6 +198,25 @@ def _bounded(reason: str) -> str:
     """
     limit = 16 * CLIP
     return reason if len(reason) <= limit else f"{reason[:limit]}\u2026 ({len(reason)} characters)"
+
+
+def _same_origin(origin: bytes, host: bytes) -> bool:
+    """
+    Whether a browser's C{Origin} names the host and port the request was
+    sent to (its C{Host}).
+    """
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(origin.decode("ascii"))
+        netloc = parts.netloc.lower()
+    except (UnicodeDecodeError, ValueError):
+        return False
+    if parts.scheme not in ("http", "https") or not netloc:
+        return False
+    default = ":443" if parts.scheme == "https" else ":80"
+    want = host.decode("latin-1").lower()
+    return netloc == want or netloc + default == want or netloc == want + default
 
 
 def _certificate_name(cert: Any) -> str | None:
@@ -254,8 +311,12 @@ class AdminResource(Resource):
         require_certificate: bool = False,
         hosts: HostCheck | None = None,
         revoked: Callable[[], frozenset[int]] | None = None,
+        watch: WatchHub | None = None,
     ):
         super().__init__()
+        #: The watch stream's hub (C{GET /api/v1/watch}); none, no stream.
+        self.watch = watch
+        self._watch_factory = WatchFactory(watch) if watch is not None else None
         #: The serials the CRL in force lists, read per request: TLS checks
         #: the CRL only at the handshake, and a kept-alive connection of a
         #: certificate revoked since must not go on changing the fleet.
@@ -283,6 +344,8 @@ class AdminResource(Resource):
             self._check_host(request)
             path = self._path(request)
             self._authorize(request, method, path)
+            if path == ["api", "v1", "watch"]:
+                return self._watch(request, method)
             handler, args = self._route(method, path, request)
             return self._call(request, handler, args)
         except Refused as e:
@@ -394,7 +457,14 @@ class AdminResource(Resource):
 
         if path == []:
             only("GET")
+            if b"text/html" in (request.getHeader(b"accept") or b""):
+                return self._page, (request, "index.html")
             return (lambda: {"endpoints": ENDPOINTS}), ()
+        if path[:1] == ["page"]:
+            only("GET")
+            if len(path) != 2 or path[1] not in PAGE_FILES:
+                raise Refused(404, f"no such page file: {'/'.join(path[1:])}")
+            return self._page, (request, path[1])
         if path == ["metrics"]:
             only("GET")
             return self._metrics, (request,)
@@ -405,6 +475,9 @@ class AdminResource(Resource):
         if rest == ["status"]:
             only("GET")
             return self._status, ()
+        if rest == ["whoami"]:
+            only("GET")
+            return self._whoami, (request,)
         if rest == ["nodes"]:
             only("GET")
             return self._nodes, ()
@@ -521,6 +594,29 @@ class AdminResource(Resource):
         return n
 
     # -- handlers -------------------------------------------------------------------
+
+    def _whoami(self, request: Any) -> dict[str, Any]:
+        """
+        Who the API takes the requester for: with mutual TLS the admin's
+        name and role; without it (loopback only) an operator.
+        """
+        cached = getattr(request.channel, "llmgw_admin", None)
+        if self.require_certificate and isinstance(cached, AdminIdentity):
+            return {"name": cached.name, "role": cached.role, "tls": True}
+        return {"name": None, "role": "operator", "tls": False}
+
+    def _page(self, request: Any, name: str) -> bytes:
+        """
+        A file of the fleet page (C{llmgw/control/page/}), from the package.
+        """
+        found = page_file(name)
+        assert found is not None  # the route checked the name
+        body, ctype = found
+        request.setResponseCode(200)
+        request.setHeader(b"content-type", ctype)
+        request.setHeader(b"content-security-policy", PAGE_CSP)
+        request.setHeader(b"x-frame-options", b"DENY")
+        return body
 
     def _status(self) -> dict[str, Any]:
         status = dict(self.fleet.status())
@@ -649,6 +745,41 @@ class AdminResource(Resource):
             return b""  # nobody is there to read it
 
         return waiting.addCallbacks(answer, gone)
+
+    # -- GET /api/v1/watch: the watch stream ------------------------------------------------
+
+    def _watch(self, request: Any, method: str) -> Any:
+        """
+        Upgrade an authorised C{GET /api/v1/watch} to the watch stream
+        (L{llmgw.control.watch}); the C{gateway} role is sent routes only.
+        """
+        if method != "GET":
+            raise Refused(405, f"/api/v1/watch takes GET, not {method}", allow=("GET",))
+        if self._watch_factory is None:
+            raise Refused(404, "this control plane serves no watch stream")
+        if isinstance(request, SocketRequest):
+            raise Refused(400, "this request came over the watch stream already")
+        origin = request.getHeader(b"origin")
+        if origin is not None and not _same_origin(origin, request.getHeader(b"host") or b""):
+            # Browsers let any page open a WebSocket anywhere; the socket
+            # takes commands, so only a page of this API may open it.
+            raise Refused(403, f"a WebSocket from origin {_printable(origin[:200])} is refused: "
+                               "only pages of this admin API may open the stream")
+        if (request.getHeader(b"upgrade") or b"").lower() != b"websocket":
+            request.setHeader(b"upgrade", b"websocket")
+            raise Refused(426, "/api/v1/watch is a WebSocket: send Upgrade: websocket")
+        try:
+            since, epoch, routes_only = parse_resume(request.args)
+        except ResumeError as e:
+            raise Refused(400, str(e)) from None
+        role = None
+        cached = getattr(request.channel, "llmgw_admin", None)
+        if isinstance(cached, AdminIdentity):
+            role = cached.role
+        self.log.info("admin API: watch stream opened by {client} (since {since})",
+                      client=self.who(request), since=since)
+        return upgrade(request, self._watch_factory, fleet_reader=role != "gateway" and not routes_only, since=since,
+                       epoch=epoch, who=self.who(request), resource=self)
 
     # -- output ------------------------------------------------------------------------
 
@@ -779,20 +910,28 @@ def admin_site(
     require_certificate: bool = False,
     revoked: Callable[[], frozenset[int]] | None = None,
     hosts: HostCheck | None = None,
+    watch: WatchHub | None = None,
 ) -> AdminSite:
     """
     The admin API's C{Site}; with C{require_certificate}, every request
     needs an admin certificate (serve it over L{ServerTLS}); C{hosts} as
-    for L{AdminResource}.
+    for L{AdminResource}. The watch stream is served from C{watch}, by
+    default a L{WatchHub} on C{reactor} (none without a reactor);
+    L{AdminListenerService} starts and stops it.
     """
+    if watch is None and reactor is not None:
+        watch = WatchHub(fleet, reactor)
+    if watch is not None and revoked is not None:
+        watch.revoked = revoked
     site = AdminSite(
         AdminResource(
             fleet, registry, agents, control=control, require_certificate=require_certificate,
-            revoked=revoked, hosts=hosts,
+            revoked=revoked, hosts=hosts, watch=watch,
         ),
         timeout=timeout,
         reactor=reactor,
     )
+    site.watch = watch  # type: ignore[attr-defined]
     return site
 
 
@@ -834,6 +973,30 @@ def _revoked_by(tls: ServerTLS) -> Callable[[], frozenset[int]]:
     return revoked
 
 
+class AdminListenerService(ListenerService):
+    """
+    The admin API's listener; its watch hub (C{watch}) follows the fleet
+    while it runs, and its clients are dropped when it stops.
+    """
+
+    watch: WatchHub | None = None
+
+    def startService(self) -> None:
+        if self.watch is not None:
+            self.watch.start()
+        try:
+            super().startService()
+        except BaseException:
+            if self.watch is not None:
+                self.watch.stop()
+            raise
+
+    def stopService(self) -> Any:
+        if self.watch is not None:
+            self.watch.stop()
+        return super().stopService()
+
+
 def admin_service(
     reactor: Any,
     host: str,
@@ -871,7 +1034,8 @@ def admin_service(
         # The Site's idle timeout starts at TCP accept, so it bounds the
         # handshake too.
         factory = TLSMemoryBIOFactory(tls, False, site, clock=reactor)
-    svc = ListenerService(server_endpoint(reactor, host, port), factory)
+    svc = AdminListenerService(server_endpoint(reactor, host, port), factory)
+    svc.watch = site.watch  # type: ignore[attr-defined]
     svc.setName("admin-listener")
     svc.tls = tls is not None  # type: ignore[attr-defined]
     return svc

@@ -330,6 +330,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p = add("retry", "place a held deployment again (after a configuration failure), clearing its backoff",
             cmd_retry)
     p.add_argument("model", metavar="MODEL")
+
+    from llmgw.ctl import watch
+
+    p = add("watch", "print the fleet's changes live, from the admin API's watch stream", watch.cmd_watch)
+    watch.add_arguments(p)
     p = add("reload", "re-read the catalog file (a refused catalog leaves the running one)", cmd_reload)
     p.add_argument(
         "--tls", action="store_true",

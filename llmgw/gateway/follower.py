@@ -22,6 +22,7 @@ import random
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from autobahn.twisted.websocket import WebSocketClientFactory, WebSocketClientProtocol
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -51,6 +52,10 @@ MAX_ROUTES_BODY = 32 * 1024 * 1024
 #: Problems with single routes logged per answer; the rest are counted.
 PROBLEMS_LOGGED = 5
 ROUTES_PATH = "/api/v1/routes"
+WATCH_PATH = "/api/v1/watch"
+#: Seconds between the watch stream's pings; as long again without a pong
+#: and the stream counts as lost.
+WATCH_PING_S = 5.0
 
 
 class RoutesFetchError(Exception):
@@ -182,6 +187,12 @@ class FollowerTable:
     ):
         self.clock = clock
         self.admin_url = admin_url.rstrip("/")
+        #: The TLS policy the watch stream dials with too.
+        self.tls = tls
+        #: Where the watch stream stands: the fleet revision and epoch of
+        #: the last message, to resume from.
+        self.watch_revision: int | None = None
+        self.watch_epoch: str | None = None
         self._pool: Any = None
         if http is None:
             http, self._pool = routes_http_client(clock, tls)
@@ -336,6 +347,54 @@ class FollowerTable:
             except Exception:
                 self.log.failure("routing table listener {listener!r} failed", listener=listener)
 
+    # following the watch stream
+
+    def watch_url(self) -> str:
+        """
+        The watch stream's address, resuming after the last message held.
+        """
+        base = "ws" + self.admin_url[len("http"):] if self.admin_url.startswith("http") else self.admin_url
+        url = base + WATCH_PATH + "?only=routes"
+        if self.watch_revision is not None and self.watch_epoch is not None:
+            url += f"&since={self.watch_revision}&epoch={self.watch_epoch}"
+        return url
+
+    def apply_watch(self, message: Any) -> None:
+        """
+        Take one message of the watch stream: a C{snapshot} replaces the
+        table, a C{routes} message the routes of the models it names.
+
+        @raise RoutesDataError: the message is not what the stream sends.
+        """
+        if not isinstance(message, dict) or not isinstance(message.get("type"), str):
+            raise RoutesDataError("a watch message is a JSON object with a type")
+        kind = message["type"]
+        now = self.clock.seconds()
+        revision = message.get("revision")
+        if kind == "snapshot":
+            if not isinstance(message.get("epoch"), str):
+                raise RoutesDataError("a snapshot carries the stream's epoch")
+            self._got(*snapshot_from_json(message.get("routes"), now))
+            self.watch_epoch = message["epoch"]
+        elif kind == "routes":
+            models = message.get("models")
+            routes_revision = message.get("routes_revision")
+            if not isinstance(models, dict):
+                raise RoutesDataError("a routes message carries models, an object")
+            entries = [e for m in sorted(models) if isinstance(models[m], list) for e in models[m]]
+            known = message.get("known")
+            if known is None:
+                known = sorted(self.snapshot.known_models())
+            delta, problems = snapshot_from_json(
+                {"revision": routes_revision, "known": known, "routes": entries}, now
+            )
+            kept = [r for r in self.snapshot.all_routes() if r.model not in models]
+            self._got(RoutingSnapshot(kept + delta.all_routes(), delta.known_models(), delta.revision), problems)
+        else:
+            self.last_success = now
+        if isinstance(revision, int) and not isinstance(revision, bool):
+            self.watch_revision = revision
+
     def _failed(self, reason: Failure) -> None:
         self.poll_failures.inc()
         self.reachable = False
@@ -364,6 +423,35 @@ class FollowerTable:
                 )
 
 
+class _WatchProtocol(WebSocketClientProtocol):
+    """
+    The follower's end of the watch stream: each message goes to its
+    service's table.
+    """
+
+    service: FollowerService
+
+    def onOpen(self) -> None:
+        self.service._watch_opened(self)
+
+    def onMessage(self, payload: bytes, isBinary: bool) -> None:  # noqa: N803
+        try:
+            self.service.table.apply_watch(json.loads(payload))
+        except (ValueError, RoutesDataError) as e:
+            self.service.log.warn(
+                "watch stream of {url}: a message is not what the stream sends ({error}); reconnecting",
+                url=self.service.table.admin_url, error=str(e),
+            )
+            self.service.table.watch_revision = None
+            self.dropConnection(abort=True)
+
+    def onPong(self, payload: bytes) -> None:
+        self.service.table.last_success = self.service.table.clock.seconds()
+
+    def onClose(self, wasClean: bool, code: int | None, reason: str | None) -> None:  # noqa: N803
+        self.service._watch_closed(self, reason)
+
+
 class FollowerService(Service):
     """
     Keeps one read of C{table}'s routes outstanding while running: the next
@@ -372,9 +460,17 @@ class FollowerService(Service):
     failure in a row up to C{max_retry}, with up to C{jitter} of it added at
     random so that many gateways do not retry in step.
 
-    C{stopService} cancels the read in flight and the retry timer, so a
-    stopped follower leaves nothing behind on its reactor.
+    With C{watch}, the table follows the admin API's watch stream
+    (C{/api/v1/watch}) instead, a change reaching it as it is published;
+    while the stream is down (refused, lost, or from a control plane
+    without one) it reads the long-poll as above, and dials the stream
+    again after the same backoff, resuming from the last revision held.
+
+    C{stopService} cancels the read in flight, the stream and the retry
+    timers, so a stopped follower leaves nothing behind on its reactor.
     """
+
+    log = Logger()
 
     def __init__(
         self,
@@ -384,8 +480,14 @@ class FollowerService(Service):
         min_gap: float = 0.1,
         jitter: float = 0.2,
         rng: random.Random | None = None,
+        watch: bool = False,
     ):
         self.table = table
+        self.watch = watch
+        self.watching: _WatchProtocol | None = None
+        self._dialing: Deferred[Any] | None = None
+        self._redial: IDelayedCall | None = None
+        self.watch_failures = 0
         self.retry = retry
         self.max_retry = max(retry, max_retry)
         self.min_gap = min_gap
@@ -397,6 +499,8 @@ class FollowerService(Service):
 
     def startService(self) -> None:
         super().startService()
+        if self.watch:
+            self._dial()
         self._read()
 
     def retry_delay(self, failures: int) -> float:
@@ -408,7 +512,7 @@ class FollowerService(Service):
 
     def _read(self) -> None:
         self._next = None
-        if not self.running:
+        if not self.running or self.watching is not None:
             return
         clock = self.table.clock
         self._started_at = clock.seconds()
@@ -416,7 +520,7 @@ class FollowerService(Service):
 
         def answered(ok: bool) -> None:
             self._reading = None
-            if not self.running:
+            if not self.running or self.watching is not None:
                 return
             if ok:
                 delay = max(0.0, self._started_at + self.min_gap - clock.seconds())
@@ -427,8 +531,102 @@ class FollowerService(Service):
         d.addCallback(answered)
         d.addErrback(lambda f: f.trap(CancelledError))
 
+    # the watch stream
+
+    def _dial(self) -> None:
+        self._redial = None
+        if not self.running or self.watching is not None or self._dialing is not None:
+            return
+        from urllib.parse import urlsplit
+
+        from twisted.internet.endpoints import HostnameEndpoint, wrapClientTLS
+        from twisted.web.client import BrowserLikePolicyForHTTPS
+
+        url = self.table.watch_url()
+        parts = urlsplit(url)
+        host = parts.hostname or "127.0.0.1"
+        secure = parts.scheme == "wss"
+        port = parts.port or (443 if secure else 80)
+        clock = self.table.clock
+        endpoint: Any = HostnameEndpoint(clock, host, port, timeout=self.table.timeout)
+        if secure:
+            policy = self.table.tls if self.table.tls is not None else BrowserLikePolicyForHTTPS()
+            endpoint = wrapClientTLS(policy.creatorForNetloc(host.encode("idna"), port), endpoint)
+        factory = WebSocketClientFactory(url, reactor=clock)
+        factory.protocol = _WatchProtocol
+        factory.setProtocolOptions(
+            autoPingInterval=WATCH_PING_S, autoPingTimeout=WATCH_PING_S,
+            openHandshakeTimeout=self.table.timeout, maxMessagePayloadSize=MAX_ROUTES_BODY,
+            maxFramePayloadSize=MAX_ROUTES_BODY,
+        )
+        service = self
+
+        def build(addr: Any) -> Any:
+            p: Any = WebSocketClientFactory.buildProtocol(factory, addr)
+            p.service = service
+            return p
+
+        factory.buildProtocol = build  # type: ignore[method-assign]
+        d = self._dialing = endpoint.connect(factory)
+
+        def failed(f: Failure) -> None:
+            if self._dialing is d:
+                self._dialing = None
+                if not f.check(CancelledError):
+                    self._watch_closed(None, f.getErrorMessage())
+
+        d.addCallbacks(lambda _: None, failed)
+
+    def _watch_opened(self, protocol: _WatchProtocol) -> None:
+        self._dialing = None
+        if not self.running:
+            protocol.dropConnection(abort=True)
+            return
+        self.watching = protocol
+        if self.watch_failures:
+            self.log.info("watch stream of {url} open again; following it", url=self.table.admin_url)
+        self.watch_failures = 0
+        # The stream carries the changes now: stop the long-poll.
+        nxt, self._next = self._next, None
+        if nxt is not None and nxt.active():
+            nxt.cancel()
+        reading, self._reading = self._reading, None
+        if reading is not None:
+            reading.cancel()
+
+    def _watch_closed(self, protocol: _WatchProtocol | None, reason: str | None) -> None:
+        if protocol is not None and self.watching is not protocol:
+            if self._dialing is not None:
+                self._dialing = None  # the upgrade was refused
+            else:
+                return
+        self.watching = None
+        self._dialing = None
+        if not self.running:
+            return
+        self.watch_failures += 1
+        delay = self.retry_delay(self.watch_failures)
+        if self.watch_failures == 1:
+            self.log.info(
+                "watch stream of {url} closed ({reason}); reading the long-poll, dialling the "
+                "stream again in {delay:.1f} s",
+                url=self.table.admin_url, reason=reason or "no reason given", delay=delay,
+            )
+        self._redial = self.table.clock.callLater(delay, self._dial)
+        if self._reading is None and self._next is None:
+            self._read()
+
     def stopService(self) -> Any:
         super().stopService()
+        redial, self._redial = self._redial, None
+        if redial is not None and redial.active():
+            redial.cancel()
+        dialing, self._dialing = self._dialing, None
+        if dialing is not None:
+            dialing.cancel()
+        watching, self.watching = self.watching, None
+        if watching is not None:
+            watching.dropConnection(abort=True)
         nxt, self._next = self._next, None
         if nxt is not None and nxt.active():
             nxt.cancel()

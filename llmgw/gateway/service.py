@@ -244,7 +244,9 @@ class StandaloneGateway(MultiService):
         self.table = FollowerTable(
             reactor, admin_url, http=http, registry=self.registry, tls=admin_tls
         )
-        self.follower = FollowerService(self.table, retry=poll_interval)
+        # The watch stream when dialling for real; a test's stub HTTP client
+        # has no socket to upgrade.
+        self.follower = FollowerService(self.table, retry=poll_interval, watch=http is None)
         self.follower.setServiceParent(self)
         if admin_tls is not None:
             # SIGHUP re-reads the gateway's admin certificate and CA bundle.
