@@ -206,6 +206,30 @@ class ScraperTests(SynchronousTestCase):
         self.assertEqual(list(bare.heartbeat_message().shard_signals), [])
 
 
+class EndpointTests(SynchronousTestCase):
+    def test_ip_literals_need_no_resolver(self) -> None:
+        """
+        A shard's IP address is dialled directly (no name resolution, which
+        a loaded machine's thread pool can delay past the scrape's bound);
+        a host name is resolved.
+        """
+        from twisted.internet.endpoints import (
+            HostnameEndpoint,
+            TCP4ClientEndpoint,
+            TCP6ClientEndpoint,
+        )
+        from twisted.internet.testing import MemoryReactorClock
+        from twisted.web.client import URI
+
+        from llmgw.agent.scrape import _LiteralFirstEndpoints
+
+        endpoints = _LiteralFirstEndpoints(MemoryReactorClock(), 0.8)
+        for url, kind in ((b"http://127.0.0.1:9000/metrics", TCP4ClientEndpoint),
+                          (b"http://[::1]:9000/metrics", TCP6ClientEndpoint),
+                          (b"http://gpu-1.example:9000/metrics", HostnameEndpoint)):
+            self.assertIsInstance(endpoints.endpointForURI(URI.fromBytes(url)), kind, url)
+
+
 class FetcherTests(TestCase):
     """
     The real fetcher against the fake model server on 127.0.0.1.

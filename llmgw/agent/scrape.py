@@ -14,16 +14,20 @@ as fresh. Scraping never changes a shard's state; health checks do that.
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from twisted.application.service import Service
 from twisted.internet import defer, error
+from twisted.internet.endpoints import HostnameEndpoint, TCP4ClientEndpoint, TCP6ClientEndpoint
 from twisted.internet.protocol import Protocol
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
+from twisted.web.iweb import IAgentEndpointFactory
+from zope.interface import implementer
 
 from llmgw.agent.supervisor import DRAINING, READY, Shard, Supervisor
 from llmgw.api.v1 import agent_pb2 as pb
@@ -79,6 +83,32 @@ class _Discard(Protocol):
         pass
 
 
+@implementer(IAgentEndpointFactory)
+class _LiteralFirstEndpoints:
+    """
+    Endpoints for the scraper's URLs. Shards are reached at an address the
+    agent advertises, nearly always an IP literal: that gets a plain TCP
+    endpoint, with no name resolution in the thread pool once a second per
+    shard (which a loaded machine can delay past the scrape's bound). A name
+    goes through L{HostnameEndpoint}.
+    """
+
+    def __init__(self, reactor: Any, timeout: float):
+        self.reactor = reactor
+        self.timeout = timeout
+
+    def endpointForURI(self, uri: Any) -> Any:  # noqa: N802
+        host = uri.host.decode("ascii")
+        literal = host.strip("[]")
+        try:
+            ip = ipaddress.ip_address(literal)
+        except ValueError:
+            return HostnameEndpoint(self.reactor, uri.host, uri.port, timeout=self.timeout)
+        if ip.version == 6:
+            return TCP6ClientEndpoint(self.reactor, literal, uri.port, timeout=self.timeout)
+        return TCP4ClientEndpoint(self.reactor, literal, uri.port, timeout=self.timeout)
+
+
 class HttpFetcher:
     """
     C{get(url)}: a GET whose body must be 200, within C{timeout} seconds and
@@ -99,7 +129,9 @@ class HttpFetcher:
         self.pool = QuietPool(reactor, persistent=True)
         self.pool.maxPersistentPerHost = 1
         self.pool.cachedConnectionTimeout = 30
-        self.agent = Agent(reactor, connectTimeout=timeout, pool=self.pool)
+        self.agent = Agent.usingEndpointFactory(
+            reactor, _LiteralFirstEndpoints(reactor, timeout), pool=self.pool
+        )
 
     def get(self, url: str) -> defer.Deferred[bytes]:
         d: defer.Deferred[Any] = self.agent.request(b"GET", url.encode())
