@@ -61,7 +61,7 @@ from llmgw.control.catalog import (
 from llmgw.control.commands import Command, Drain, Start, Stop, send, start_command
 from llmgw.control.events import EventLog
 from llmgw.control.expiry import ExpiryRules, judge
-from llmgw.control.failures import ShardFailure
+from llmgw.control.failures import Hold, ShardFailure, on_failure
 from llmgw.control.fleetstate import (
     FleetState,
     Phase,
@@ -134,6 +134,8 @@ class DeploymentState:
     backoff: Backoff = field(default_factory=Backoff)
     last_failure: ShardFailure | None = None
     unplaceable: str = ""
+    #: Nothing is placed while held (a configuration failure).
+    held: Hold | None = None
 
 
 @implementer(IStatusSink, IRoutingTable, IFleetAdmin)
@@ -450,6 +452,7 @@ class Reconciler(Service):
             ):
                 for rid in sorted(st.active.get(model, set())):
                     self._evacuate(st.replicas[rid], "profile changed")
+                self._release(model, "its profile changed")
         self._settle()
         return changes
 
@@ -686,6 +689,13 @@ class Reconciler(Service):
             return
         state = self.deps[model]
         state.last_failure = failure
+        out = on_failure(failure, model, state.held, counts=True)
+        state.held = out.hold
+        if out.new_hold and out.hold is not None:
+            self._event("deployment_held", level="error", replica=replica_id, shard=shard_id,
+                        reason=out.hold.reason)
+        if not out.backoff:
+            return
         delay = state.backoff.failed(now)
         self._event(
             "backoff",
@@ -707,6 +717,7 @@ class Reconciler(Service):
             exit_code=report.exit_code,
             signal=report.signal,
             last_output=report.last_output,
+            crash_class=report.crash_class,
         )
         self._record_failure(model, report.node_id, replica_id, report.shard_id, now,
                              exit_code=report.exit_code, signal=report.signal, error=report.error,
@@ -1170,7 +1181,7 @@ class Reconciler(Service):
             if surplus > 0:
                 for rep in self._victims(active, surplus):
                     self._retire(rep, f"scale down of {model} to {desired}", now)
-            elif surplus < 0 and placing and not state.backoff.blocked(now):
+            elif surplus < 0 and placing and state.held is None and not state.backoff.blocked(now):
                 if self.pass_unfinished:
                     continue
                 profile = self.catalog.profiles[dep.profile]
@@ -1343,6 +1354,23 @@ class Reconciler(Service):
         old = self.desired.get(model, dep.replicas)
         self.desired[model] = replicas
         self._event("scaled", reason=f"deployment {model} from {old} to {replicas} replicas")
+
+    def retry(self, model: str) -> None:
+        dep = self.catalog.deployments.get(model)
+        if dep is None:
+            raise UnknownDeployment(f"no deployment serves model {model!r}")
+        self._release(model, "an operator asked for a retry")
+
+    def _release(self, model: str, why: str) -> None:
+        """
+        Lift C{model}'s hold and crash backoff: the next pass places again.
+        """
+        state = self.deps[model]
+        was = state.held
+        state.held = None
+        state.backoff.reset()
+        if was is not None:
+            self._event("deployment_released", reason=f"deployment {model}: {why}")
 
     # -- helpers for tests and embedding -------------------------------------------------
 
