@@ -82,6 +82,7 @@ from llmgw.control.interfaces import (
 )
 from llmgw.control.inventory import Inventory
 from llmgw.control.placement import BUSY, Placer, PortBook, Request
+from llmgw.control.scaling import Candidate, scale_step, victims
 from llmgw.control.signals import ShardSignals, SignalStore  # engines (issue 11)
 from llmgw.control.signals import from_message as signals_from_message
 from llmgw.routing import EngineSignals, IRoutingTable, Route, RoutingTable
@@ -1171,19 +1172,22 @@ class Reconciler(Service):
                         self._event("backoff_reset", replica=rid, reason=f"deployment {model} ready long enough")
                         break
             evac = st.evacuating.get(model)
-            if evac:
-                fresh = len(ready & active)
-                if fresh >= desired:
-                    for rid in sorted(evac):
-                        rep = st.replicas[rid]
-                        self._retire(rep, f"replaced ({rep.evacuating})", now)
-            surplus = len(active) - desired
-            if surplus > 0:
-                for rep in self._victims(active, surplus):
-                    self._retire(rep, f"scale down of {model} to {desired}", now)
-            elif surplus < 0 and placing and state.held is None and not state.backoff.blocked(now):
+            step = scale_step(
+                # Fresh ready replicas are counted only where some are being moved off.
+                desired, len(active), len(ready & active) if evac else 0, len(evac) if evac else 0,
+                placing=placing, held=state.held is not None, backing_off=state.backoff.blocked(now),
+            )
+            if step.retire_evacuated and evac:
+                for rid in sorted(evac):
+                    rep = st.replicas[rid]
+                    self._retire(rep, f"replaced ({rep.evacuating})", now)
+            if step.retire:
+                for rid in victims(self._candidates(model, active), step.retire):
+                    self._retire(st.replicas[rid], f"scale down of {model} to {desired}", now)
+            elif step.place:
                 if self.pass_unfinished:
                     continue
+                missing = step.place
                 profile = self.catalog.profiles[dep.profile]
                 if not synced:
                     # Placement hears of every node that changed first; at
@@ -1194,7 +1198,7 @@ class Reconciler(Service):
                         continue
                     synced = True
                 placed = 0
-                for _ in range(-surplus):
+                for _ in range(missing):
                     # Every pass places at least one replica, whatever it
                     # cost to get here.
                     if self._placed_this_pass and self._over_budget():
@@ -1211,27 +1215,26 @@ class Reconciler(Service):
                     self._placed_this_pass += 1
                 if self.pass_unfinished:
                     continue
-                if placed < -surplus:
-                    why = f"no room for {-surplus - placed} replica(s) of profile {profile.name}"
+                if placed < missing:
+                    why = f"no room for {missing - placed} replica(s) of profile {profile.name}"
                     if state.unplaceable != why:
                         state.unplaceable = why
                         self._event("unplaceable", level="warn", reason=f"deployment {model}: {why}")
                 else:
                     state.unplaceable = ""
 
-    def _victims(self, active: set[str], count: int) -> list[ReplicaRec]:
+    def _candidates(self, model: str, active: set[str]) -> list[Candidate]:
         """
-        Surplus replicas: not ready first, then on the most loaded nodes,
-        then the newest (DESIGN §6.6).
+        What a scale down of C{model} chooses from (DESIGN §6.6).
         """
         st = self.state
-
-        def key(rid: str) -> tuple[bool, int, float, str]:
+        ready = st.ready[model]
+        out = []
+        for rid in active:
             rep = st.replicas[rid]
             load = max((len(st.node_shards.get(s.node_id, ())) for s in rep.shards.values()), default=0)
-            return (rep.id in st.ready[rep.model], -load, -rep.created_at, rid)
-
-        return [st.replicas[r] for r in sorted(active, key=key)[:count]]
+            out.append(Candidate(rid, rid in ready, load, rep.created_at))
+        return out
 
     def _sync_placer(self) -> bool:
         """
