@@ -4,6 +4,10 @@ Tests for L{llmgw.control.placement}: pure decisions over plain data.
 
 from __future__ import annotations
 
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.control.placement import NodeCapacity, NoPortFree, Placer, PortBook, Request, place_all
@@ -134,14 +138,15 @@ class PlacementTests(SynchronousTestCase):
 
     def test_large_fleet_scans_little(self) -> None:
         """
-        Placing 1,000 replicas over 1,000 uniform nodes scans a bounded
-        number of nodes per placement, not the whole fleet each time.
+        Placing 1,000 replicas of 10 deployments over 1,000 uniform nodes
+        looks at a few candidates per deployment for each placement, not
+        the whole fleet each time.
         """
         nodes = [node(f"n{i:04d}", [80] * 4) for i in range(1000)]
         placer = Placer(nodes, {}, PortBook())
         for i in range(1000):
             self.assertIsNotNone(placer.place(Request(f"d{i % 10}")))
-        self.assertLess(placer.scanned, 1000 * 5)
+        self.assertLess(placer.scanned, 1000 * 11)
 
 
 class PortBookTests(SynchronousTestCase):
@@ -163,3 +168,82 @@ class PortBookTests(SynchronousTestCase):
         ports.allocate("h")
         self.assertRaises(NoPortFree, ports.allocate, "h")
         self.assertEqual(ports.allocate("other"), 1)
+
+
+NODE_IDS = [f"n{i}" for i in range(6)]
+free_lists = st.lists(st.sampled_from([20, 80]), max_size=4)
+requests = st.builds(
+    Request,
+    group=st.sampled_from(["a", "b", "c"]),
+    shards=st.integers(1, 2),
+    gpus_per_shard=st.integers(1, 2),
+    gpu_memory_mb=st.sampled_from([0, 40]),
+    fabric=st.just("ib0"),
+)
+steps = st.lists(
+    st.one_of(
+        st.tuples(st.just("place"), requests),
+        st.tuples(st.just("update"), st.sampled_from(NODE_IDS), st.one_of(st.none(), free_lists)),
+        st.tuples(st.just("drop"), st.sampled_from(NODE_IDS), st.sampled_from(["a", "b", "c"])),
+    ),
+    max_size=40,
+)
+
+
+class KeptPlacerProperties(SynchronousTestCase):
+    @settings(max_examples=150, deadline=None)
+    @given(start=st.lists(free_lists, min_size=len(NODE_IDS), max_size=len(NODE_IDS)), ops=steps)
+    def test_kept_placer_places_exactly_what_a_fresh_one_can(self, start: list[list[int]],
+                                                             ops: list[Any]) -> None:
+        """
+        A placer kept across random placements, node changes and shards
+        going away (as the reconciler keeps it, told of each changed node)
+        places a replica exactly when one built afresh from the same nodes
+        can, and only on GPUs that are free and large enough, all shards on
+        distinct nodes of the fabric, or nothing at all.
+        """
+        truth: dict[str, list[tuple[int, int]] | None] = {
+            n: [(mb, i) for i, mb in enumerate(f)] for n, f in zip(NODE_IDS, start, strict=True)
+        }
+        spread: dict[str, dict[str, int]] = {}
+
+        def cap(n: str) -> NodeCapacity | None:
+            free = truth[n]
+            return None if free is None else NodeCapacity(n, n, {"ib0": n}, list(free))
+
+        kept = Placer([c for n in NODE_IDS if (c := cap(n)) is not None], spread,
+                      PortBook(1, 100000), live_spread=True)
+        for op in ops:
+            if op[0] == "update":
+                _, n, free = op
+                truth[n] = None if free is None else [(mb, i) for i, mb in enumerate(free)]
+                kept.update(n, cap(n))
+            elif op[0] == "drop":
+                _, n, group = op
+                if spread.get(group, {}).get(n, 0) > 0:
+                    spread[group][n] -= 1
+                    if truth[n] is not None:
+                        used = {i for _, i in truth[n] or []}
+                        spare = next(i for i in range(16) if i not in used)
+                        truth[n] = [*(truth[n] or []), (80, spare)]
+                    kept.update(n, cap(n))
+            else:
+                req = op[1]
+                fresh = Placer([c for n in NODE_IDS if (c := cap(n)) is not None],
+                               {g: dict(v) for g, v in spread.items()}, PortBook(1, 100000))
+                could = fresh.place(req) is not None
+                slots = kept.place(req)
+                self.assertEqual(slots is not None, could, f"{req}: kept and fresh placers differ")
+                if slots is None:
+                    continue
+                self.assertEqual(len(slots), req.shards)
+                self.assertEqual(len({s.node_id for s in slots}), req.shards)
+                for s in slots:
+                    free = dict((i, mb) for mb, i in truth[s.node_id] or [])
+                    self.assertEqual(len(s.gpu_indices), req.gpus_per_shard)
+                    for i in s.gpu_indices:
+                        self.assertGreaterEqual(free.pop(i), req.gpu_memory_mb)
+                    truth[s.node_id] = sorted((mb, i) for i, mb in free.items())
+                    counts = spread.setdefault(req.group, {})
+                    counts[s.node_id] = counts.get(s.node_id, 0) + 1
+                    kept.update(s.node_id, cap(s.node_id))

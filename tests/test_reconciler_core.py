@@ -200,6 +200,52 @@ class PassBudgetTests(SynchronousTestCase):
         self.assertEqual(kinds(bounded, "unplaceable"), [])
 
 
+    def test_whole_fleet_change_is_taken_within_budgets(self) -> None:
+        """
+        With a timer that charges 10 us for every look at a node's
+        inventory, after every one of 3,000 nodes changed (all registered
+        again) and a deployment grew, no pass goes more than a chunk over
+        its 20 ms budget: placement hears of the changed nodes over several
+        passes, each run at once. The replicas end up where one unbounded
+        pass puts them.
+        """
+        def build(budget: float) -> tuple[Fleet, list[float]]:
+            ticks = [0.0]
+            f = Fleet({"demo": ("one", 300), "other": ("one", 300)}, nodes=3000, gpus=1, fabric="",
+                      grace=0, timer=lambda: ticks[0], pass_budget=budget)
+            peek = f.inventory.peek
+
+            def charged(node_id: str) -> Any:
+                ticks[0] += 1e-5
+                return peek(node_id)
+
+            f.inventory.peek = charged  # type: ignore[method-assign]
+            return f, ticks
+
+        placements = []
+        for budget in (0.020, 1e9):
+            f, _ = build(budget)
+            f.rec.startService()
+            self.addCleanup(f.rec.stopService)
+            f.clock.advance(1.0)
+            f.make_ready()
+            f.dispatcher.clear()
+            for node_id in f.ids:
+                f.register(node_id, f.running(node_id))
+            f.rec.scale("demo", 600)
+            f.rec.max_pass_duration = 0.0
+            passes = f.rec.passes
+            f.clock.advance(1.0)
+            self.assertFalse(f.rec.pass_unfinished)
+            if budget < 1:
+                self.assertGreater(f.rec.passes - passes, 2)
+                # A chunk is 128 nodes: 1.28 ms of looks.
+                self.assertLessEqual(f.rec.max_pass_duration, 0.020 + 0.0013)
+            placements.append(sorted((c.replica_id, c.node_id, c.gpu_indices) for c in f.dispatcher.starts))
+        self.assertEqual(len(placements[0]), 300)
+        self.assertEqual(placements[0], placements[1])
+
+
 class FreezeLiftTests(SynchronousTestCase):
     def test_freeze_lift_gives_a_fresh_lost_clock(self) -> None:
         """

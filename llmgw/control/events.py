@@ -31,9 +31,14 @@ class Event:
     exit_code: int | None = None
     signal: int | None = None
     last_output: str | None = None
+    #: A failure's crash class (C{shard_failed}); absent from other events.
+    crash_class: str | None = None
 
     def as_dict(self) -> dict[str, object]:
-        return asdict(self)
+        out = asdict(self)
+        if self.crash_class is None:
+            del out["crash_class"]
+        return out
 
 
 class EventLog:
@@ -58,11 +63,13 @@ class EventLog:
         exit_code: int | None = None,
         signal: int | None = None,
         last_output: str | None = None,
+        crash_class: str | None = None,
     ) -> Event:
         self._seq += 1
         if last_output is not None and len(last_output) > MAX_OUTPUT:
             last_output = last_output[-MAX_OUTPUT:]
-        event = Event(self._seq, time, kind, node, replica, shard, reason, exit_code, signal, last_output)
+        event = Event(self._seq, time, kind, node, replica, shard, reason, exit_code, signal, last_output,
+                      crash_class)
         self._ring.append(event)
         self.counts[kind] += 1
         return event

@@ -24,12 +24,13 @@ from __future__ import annotations
 import collections
 import heapq
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 from llmgw.control.inventory import Inventory
-from llmgw.control.placement import NodeCapacity, PortBook
+from llmgw.control.placement import NodeCapacity, Placer, PortBook
 from llmgw.routing import EngineSignals, Route
 from llmgw.states import SERVING, SEVERITY, ReplicaState, ShardState
 
@@ -170,11 +171,9 @@ class FleetState:
         #: Shards each registering node listed and that were claimed.
         self.reported: dict[str, set[str]] = {}
         self.capacity: dict[str, NodeCapacity] = {}
+        #: Nodes whose capacity or eligibility may have changed since
+        #: placement last saw them (L{sync_placer}).
         self.cap_dirty: set[str] = set()
-        #: Increased by every change that placement did not make itself and
-        #: that can change what it may place where; a placer built at one
-        #: epoch may go on placing while the epoch stays.
-        self.placement_epoch = 0
 
     # -- nodes -----------------------------------------------------------------------
 
@@ -183,14 +182,13 @@ class FleetState:
             self.known_since[node_id] = now
             heapq.heappush(self.heap, (now + suspect_after, node_id))
         self.cap_dirty.add(node_id)
-        self.placement_epoch += 1
 
-    def eligibility_changed(self) -> None:
+    def eligibility_changed(self, node_ids: Iterable[str]) -> None:
         """
-        A node turned suspect, lost, cordoned, or back: placement must look
-        again.
+        These nodes turned suspect, lost, cordoned, or back: placement must
+        look at them again.
         """
-        self.placement_epoch += 1
+        self.cap_dirty.update(node_ids)
 
     def watch(self, node_id: str, deadline: float) -> None:
         heapq.heappush(self.heap, (deadline, node_id))
@@ -208,7 +206,7 @@ class FleetState:
         return due
 
     def forget_node(self, node_id: str) -> None:
-        self.placement_epoch += 1
+        self.cap_dirty.add(node_id)
         for s in (self.suspect, self.lost, self.cordoned, self.draining_nodes, self.registered):
             s.discard(node_id)
         self.lost_clock.pop(node_id, None)
@@ -323,7 +321,6 @@ class FleetState:
         self.gpus_given[shard.node_id].update(shard.gpus)
         if not port_taken:
             self.ports.take(shard.host, shard.port)
-            self.placement_epoch += 1
         # A shard taken over from a reservation holds the port itself now.
         self.release_reserved(shard.id)
         self.shard_counts[shard.state] += 1
@@ -345,7 +342,6 @@ class FleetState:
         """
         if self.shards.pop(shard.id, None) is None:
             return
-        self.placement_epoch += 1
         rep = self.replicas.get(shard.replica_id)
         self.node_shards[shard.node_id].discard(shard.id)
         if not self.node_shards[shard.node_id]:
@@ -497,38 +493,36 @@ class FleetState:
             id=node_id, host=node.address or "127.0.0.1", fabrics=dict(node.fabrics), free=free
         )
 
-    def refresh_capacity(self, inventory: Inventory, node_id: str) -> None:
+    def eligible(self, node_id: str, connected: AbstractSet[str]) -> bool:
         """
-        Work out C{node_id}'s capacity now (as it registers), so that the
-        next pass does not pay for a whole fleet's at once.
+        Whether C{node_id} may take work: connected, and neither suspect,
+        lost nor cordoned.
         """
-        if node_id in self.cap_dirty:
-            cap = self.node_capacity(inventory, node_id)
-            if cap is None:
-                self.capacity.pop(node_id, None)
-            else:
-                self.capacity[node_id] = cap
-            self.cap_dirty.discard(node_id)
+        return (node_id in connected and node_id not in self.suspect
+                and node_id not in self.lost and node_id not in self.cordoned)
 
-    def placeable(self, inventory: Inventory, connected: Iterable[str]) -> list[NodeCapacity]:
+    def sync_placer(
+        self,
+        placer: Placer,
+        inventory: Inventory,
+        connected: AbstractSet[str],
+        over: Callable[[], bool] | None = None,
+    ) -> bool:
         """
-        The nodes that may take work: connected, and neither suspect, lost
-        nor cordoned, with their capacity brought up to date.
+        Tell C{placer} of every node that changed since it last heard (its
+        capacity worked out afresh, or C{None} where it may take no work),
+        a chunk at a time until C{over} (at least one chunk: every call makes
+        progress). True when none is left.
         """
-        for node_id in self.cap_dirty:
-            cap = self.node_capacity(inventory, node_id)
-            if cap is None:
-                self.capacity.pop(node_id, None)
-            else:
-                self.capacity[node_id] = cap
-        self.cap_dirty.clear()
-        out = []
-        for node_id in connected:
-            cap = self.capacity.get(node_id)
-            if cap is None or node_id in self.suspect or node_id in self.lost or node_id in self.cordoned:
-                continue
-            out.append(cap)
-        return out
+        dirty = self.cap_dirty
+        while dirty:
+            for _ in range(min(len(dirty), 128)):
+                node_id = dirty.pop()
+                cap = self.node_capacity(inventory, node_id) if self.eligible(node_id, connected) else None
+                placer.update(node_id, cap)
+            if dirty and over is not None and over():
+                return False
+        return True
 
     # -- the routing projection ---------------------------------------------------------
 

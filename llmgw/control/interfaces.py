@@ -239,6 +239,15 @@ class IFleetAdmin(Interface):
         @raise AdminError: C{replicas} is negative.
         """
 
+    def retry(model: str) -> None:
+        """
+        Lift C{model}'s hold (a configuration failure holds its deployment:
+        nothing is placed for it) and its crash backoff, so the next pass
+        places again. Nothing to lift is no error.
+
+        @raise UnknownDeployment: no deployment serves C{model}.
+        """
+
     def reload_catalog() -> dict:  # type: ignore[type-arg]
         """
         Re-read the catalog file; returns a summary of what changed.

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 
@@ -157,18 +157,34 @@ def _key(node: NodeCapacity) -> tuple[int, int, str]:
     return (len(node.free), sum(f for f, _ in node.free), node.id)
 
 
+#: What L{Placer.place} answers while a group's candidates are still being
+#: gathered and the caller's time is up: ask again in the next pass.
+BUSY: list[Slot] = []
+
+#: Candidates gathered between looks at the caller's clock.
+_CHUNK = 256
+
+
 class Placer:
     """
-    One reconcile pass's placement state.
+    Placement state, kept from pass to pass and told of each node that
+    changed (L{update}).
 
     Candidates for a group (a deployment) are kept in heaps by tier (how
-    many of the group's shards a node holds), each ordered by the node's
-    best-fit key, built the first time the group places in the pass. A node
-    whose key changed since it was pushed is re-pushed when it comes up, so
-    a placement costs a few heap operations, not a scan of the fleet.
+    many of the group's shards a node holds), each entry ordered by the
+    node's best-fit key, at most one entry per node. An entry whose key or
+    tier is no longer the node's is put back with the current ones when it
+    comes up; a node that turns up (or can take work again) gets an entry
+    in each group that has none for it. So a placement costs a few heap
+    operations and a changed node at most one per group, never a scan of
+    the fleet. A group's heaps are gathered the first time it places, a
+    chunk at a time within the caller's time (C{over}), and then kept.
 
     @param nodes: the nodes that may take work.
-    @param spread: for each group, shards of that group already on each node.
+    @param spread: for each group, shards of that group already on each
+        node. With C{live_spread}, the caller adds every placed shard there
+        itself (the fleet state does) before the next placement; otherwise
+        the placer counts its own placements on top.
     @param ports: the port book; a successful placement takes its ports.
     """
 
@@ -177,27 +193,66 @@ class Placer:
         nodes: Iterable[NodeCapacity],
         spread: Mapping[str, Mapping[str, int]],
         ports: PortBook,
+        live_spread: bool = False,
     ):
         self._nodes: dict[str, NodeCapacity] = {}
         self._keys: dict[str, tuple[int, int, str]] = {}
-        self._by_fabric: dict[str, list[str]] = {}
-        for node in nodes:
-            if not node.free:
-                continue
-            self._nodes[node.id] = node
-            self._keys[node.id] = _key(node)
-            for fabric in node.fabrics:
-                self._by_fabric.setdefault(fabric, []).append(node.id)
+        self._by_fabric: dict[str, dict[str, None]] = {}
         self._spread = spread
+        self._live = live_spread
         self._extra: dict[str, dict[str, int]] = {}
         self._owned: set[str] = set()
+        #: Each group's heaps by tier (keyed by group and request shape),
+        #: the nodes with an entry there, and the ids still to gather for
+        #: groups being gathered.
         self._groups: dict[tuple[str, str, int, int], dict[int, list[tuple[int, int, str]]]] = {}
+        self._members: dict[tuple[str, str, int, int], set[str]] = {}
+        self._gathering: dict[tuple[str, str, int, int], list[str]] = {}
         self.ports = ports
         #: Candidates looked at, for the benchmark and tests of its cost.
         self.scanned = 0
+        for node in nodes:
+            self._set(node.id, node)
 
     def __len__(self) -> int:
         return len(self._nodes)
+
+    def _set(self, node_id: str, node: NodeCapacity | None) -> None:
+        old = self._nodes.pop(node_id, None)
+        self._keys.pop(node_id, None)
+        self._owned.discard(node_id)
+        if old is not None:
+            for fabric in old.fabrics:
+                members = self._by_fabric.get(fabric)
+                if members is not None:
+                    members.pop(node_id, None)
+        if node is None or not node.free:
+            return
+        self._nodes[node_id] = node
+        self._keys[node_id] = _key(node)
+        for fabric in node.fabrics:
+            self._by_fabric.setdefault(fabric, {})[node_id] = None
+
+    def update(self, node_id: str, node: NodeCapacity | None) -> None:
+        """
+        C{node_id} changed: it can now give C{node}, or takes no work
+        (C{None}).
+        """
+        self._set(node_id, node)
+        node = self._nodes.get(node_id)
+        if node is None:
+            return
+        key = self._keys[node_id]
+        for gkey, members in self._members.items():
+            if node_id in members:
+                continue
+            group, fabric, gpus, mem = gkey
+            if fabric and fabric not in node.fabrics:
+                continue
+            if self._fit(node, Request(group, 1, gpus, mem)) is None:
+                continue
+            members.add(node_id)
+            heapq.heappush(self._groups[gkey].setdefault(self._count(group, node_id), []), key)
 
     def _count(self, group: str, node_id: str) -> int:
         base = self._spread.get(group)
@@ -212,50 +267,82 @@ class Placer:
             return None
         return node.free[i : i + req.gpus_per_shard]
 
-    def _tiers(self, req: Request) -> dict[int, list[tuple[int, int, str]]]:
-        fabric = req.fabric if req.shards > 1 else ""
-        gkey = (req.group, fabric, req.gpus_per_shard, req.gpu_memory_mb)
+    @staticmethod
+    def _gkey(req: Request) -> tuple[str, str, int, int]:
+        return (req.group, req.fabric if req.shards > 1 else "", req.gpus_per_shard, req.gpu_memory_mb)
+
+    def _tiers(
+        self, req: Request, over: Callable[[], bool] | None
+    ) -> dict[int, list[tuple[int, int, str]]] | None:
+        gkey = self._gkey(req)
         tiers = self._groups.get(gkey)
         if tiers is None:
-            tiers = {}
-            ids = self._by_fabric.get(fabric, ()) if fabric else self._nodes
-            for node_id in ids:
+            tiers = self._groups[gkey] = {}
+            self._members[gkey] = set()
+            fabric = gkey[1]
+            ids = self._by_fabric.get(fabric, {}) if fabric else self._nodes
+            self._gathering[gkey] = list(ids)
+        left = self._gathering.get(gkey)
+        if left is None:
+            return tiers
+        # Gathered from the end, a chunk between looks at the clock (at
+        # least one chunk a call, so every call makes progress); a node
+        # that update() gave an entry meanwhile is not given another.
+        members = self._members[gkey]
+        while left:
+            chunk = left[-_CHUNK:]
+            del left[-_CHUNK:]
+            for node_id in chunk:
                 node = self._nodes.get(node_id)
-                # Nodes only lose GPUs during a pass: no fit now, none later.
-                if node is None or self._fit(node, req) is None:
+                if node is None or node_id in members or self._fit(node, req) is None:
                     continue
+                members.add(node_id)
                 tiers.setdefault(self._count(req.group, node_id), []).append(self._keys[node_id])
-            for heap in tiers.values():
-                heapq.heapify(heap)
-            self._groups[gkey] = tiers
+            if left and over is not None and over():
+                return None
+        del self._gathering[gkey]
+        for heap in tiers.values():
+            heapq.heapify(heap)
         return tiers
 
-    def place(self, req: Request) -> list[Slot] | None:
+    def place(self, req: Request, over: Callable[[], bool] | None = None) -> list[Slot] | None:
         """
         Place one replica: its slots by rank, or C{None} when it does not
-        fit (then nothing is taken).
+        fit (then nothing is taken). With C{over} (the caller's time is up),
+        the answer may be L{BUSY}: nothing taken, ask again later.
         """
         if req.shards > 1 and not req.fabric:
             return None
-        tiers = self._tiers(req)
+        tiers = self._tiers(req, over)
+        if tiers is None:
+            return BUSY
+        members = self._members[self._gkey(req)]
         chosen: list[tuple[str, list[tuple[int, int]], int]] = []
-        for tier in sorted(tiers):
-            heap = tiers[tier]
-            while heap and len(chosen) < req.shards:
-                key = heapq.heappop(heap)
-                self.scanned += 1
-                node_id = key[2]
-                current = self._keys.get(node_id)
-                if current is None:
-                    continue
-                if current != key:
-                    heapq.heappush(heap, current)
-                    continue
-                gpus = self._fit(self._nodes[node_id], req)
-                if gpus is not None:
-                    chosen.append((node_id, gpus, tier))
-            if len(chosen) == req.shards:
+        while len(chosen) < req.shards:
+            # The lowest tier with candidates, looked for afresh each time:
+            # an entry put back may land in a lower tier than the last.
+            tier = min((t for t, h in tiers.items() if h), default=None)
+            if tier is None:
                 break
+            heap = tiers[tier]
+            key = heapq.heappop(heap)
+            self.scanned += 1
+            node_id = key[2]
+            current = self._keys.get(node_id)
+            if current is None:
+                members.discard(node_id)
+                continue
+            count = self._count(req.group, node_id)
+            if current != key or count != tier:
+                # Changed since it was pushed: back with what it is now.
+                heapq.heappush(tiers.setdefault(count, []), current)
+                continue
+            gpus = self._fit(self._nodes[node_id], req)
+            if gpus is None:
+                # Until it changes again (update() pushes it then).
+                members.discard(node_id)
+                continue
+            chosen.append((node_id, gpus, tier))
         slots: list[Slot] = []
         if len(chosen) == req.shards:
             try:
@@ -273,10 +360,13 @@ class Placer:
             return None
         extra = self._extra.setdefault(req.group, {})
         for node_id, gpus, tier in chosen:
+            if not self._live:
+                extra[node_id] = extra.get(node_id, 0) + 1
             self._take(node_id, gpus)
-            extra[node_id] = extra.get(node_id, 0) + 1
             if node_id in self._keys:
                 heapq.heappush(tiers.setdefault(tier + 1, []), self._keys[node_id])
+            else:
+                members.discard(node_id)
         return slots
 
     def _take(self, node_id: str, gpus: list[tuple[int, int]]) -> None:
@@ -289,7 +379,7 @@ class Placer:
         for g in gpus:
             node.free.remove(g)
         if not node.free:
-            del self._nodes[node_id], self._keys[node_id]
+            self._set(node_id, None)
         else:
             self._keys[node_id] = _key(node)
 

@@ -61,7 +61,7 @@ from llmgw.control.catalog import (
 from llmgw.control.commands import Command, Drain, Start, Stop, send, start_command
 from llmgw.control.events import EventLog
 from llmgw.control.expiry import ExpiryRules, judge
-from llmgw.control.failures import ShardFailure
+from llmgw.control.failures import Hold, ShardFailure, on_failure
 from llmgw.control.fleetstate import (
     FleetState,
     Phase,
@@ -81,7 +81,8 @@ from llmgw.control.interfaces import (
     UnknownNode,
 )
 from llmgw.control.inventory import Inventory
-from llmgw.control.placement import Placer, PortBook, Request
+from llmgw.control.placement import BUSY, Placer, PortBook, Request
+from llmgw.control.scaling import Candidate, scale_step, victims
 from llmgw.control.signals import ShardSignals, SignalStore  # engines (issue 11)
 from llmgw.control.signals import from_message as signals_from_message
 from llmgw.routing import EngineSignals, IRoutingTable, Route, RoutingTable
@@ -134,6 +135,8 @@ class DeploymentState:
     backoff: Backoff = field(default_factory=Backoff)
     last_failure: ShardFailure | None = None
     unplaceable: str = ""
+    #: Nothing is placed while held (a configuration failure).
+    held: Hold | None = None
 
 
 @implementer(IStatusSink, IRoutingTable, IFleetAdmin)
@@ -235,7 +238,9 @@ class Reconciler(Service):
         self._outbox: list[Command] = []
         self._flush_call: IDelayedCall | None = None
         self._next_pass: IDelayedCall | None = None
-        self._kept_placer: tuple[Placer, int, set[str]] | None = None
+        #: Placement's state, kept from pass to pass and told of each node
+        #: that changed (FleetState.sync_placer) before a pass places.
+        self._placer = Placer((), self.state.spread, self.state.ports, live_spread=True)
         self._placer_connected: set[str] = set()
         self._placed_this_pass = 0
         self._apply_desired()
@@ -448,6 +453,7 @@ class Reconciler(Service):
             ):
                 for rid in sorted(st.active.get(model, set())):
                     self._evacuate(st.replicas[rid], "profile changed")
+                self._release(model, "its profile changed")
         self._settle()
         return changes
 
@@ -566,7 +572,6 @@ class Reconciler(Service):
         if returned or was_suspect:
             st.watch(node_id, now + self.suspect_after)
             self._event("node_returned" if returned else "node_ready", node=node_id, reason="registered")
-        st.refresh_capacity(self.inventory, node_id)
         reported = st.reported.pop(node_id, None)
         listed = self._listed.pop(node_id, None)
         if listed is not None:
@@ -685,6 +690,13 @@ class Reconciler(Service):
             return
         state = self.deps[model]
         state.last_failure = failure
+        out = on_failure(failure, model, state.held, counts=True)
+        state.held = out.hold
+        if out.new_hold and out.hold is not None:
+            self._event("deployment_held", level="error", replica=replica_id, shard=shard_id,
+                        reason=out.hold.reason)
+        if not out.backoff:
+            return
         delay = state.backoff.failed(now)
         self._event(
             "backoff",
@@ -706,6 +718,7 @@ class Reconciler(Service):
             exit_code=report.exit_code,
             signal=report.signal,
             last_output=report.last_output,
+            crash_class=report.crash_class,
         )
         self._record_failure(model, report.node_id, replica_id, report.shard_id, now,
                              exit_code=report.exit_code, signal=report.signal, error=report.error,
@@ -810,7 +823,11 @@ class Reconciler(Service):
             if rid not in self.state.replicas and rid not in self.state.retired:
                 return rid
 
-    def _place(self, dep: Deployment, profile: Profile, placer: Placer, now: float) -> bool:
+    def _place(self, dep: Deployment, profile: Profile, placer: Placer, now: float) -> bool | None:
+        """
+        Place one replica of C{dep}: whether it was, or C{None} when the
+        pass's time ran out first.
+        """
         slots = placer.place(
             Request(
                 group=dep.model,
@@ -818,8 +835,11 @@ class Reconciler(Service):
                 gpus_per_shard=profile.gpus_per_shard,
                 gpu_memory_mb=profile.gpu_memory_mb,
                 fabric=profile.fabric,
-            )
+            ),
+            self._over_budget,
         )
+        if slots is BUSY:
+            return None
         if slots is None:
             return False
         rep = ReplicaRec(
@@ -980,8 +1000,7 @@ class Reconciler(Service):
             st.lost_clock, self.frozen, now,
             ExpiryRules(self.suspect_after, self.lost_after, self.freeze_share),
         )
-        if out.suspect or out.back or out.gone or out.lost:
-            st.eligibility_changed()
+        st.eligibility_changed([n for n, _ in out.suspect] + out.back + out.gone + [n for n, _ in out.lost])
         for node_id, silent in out.suspect:
             st.suspect.add(node_id)
             self._event("node_suspect", level="warn", node=node_id, reason=f"silent for {silent:.0f}s")
@@ -1136,7 +1155,7 @@ class Reconciler(Service):
 
     def _reconcile(self, now: float) -> None:
         st = self.state
-        placer: Placer | None = None
+        synced = False
         self._placed_this_pass = 0
         placing = now >= self.grace_end and not self.frozen
         for model in sorted(self.catalog.deployments):
@@ -1153,76 +1172,80 @@ class Reconciler(Service):
                         self._event("backoff_reset", replica=rid, reason=f"deployment {model} ready long enough")
                         break
             evac = st.evacuating.get(model)
-            if evac:
-                fresh = len(ready & active)
-                if fresh >= desired:
-                    for rid in sorted(evac):
-                        rep = st.replicas[rid]
-                        self._retire(rep, f"replaced ({rep.evacuating})", now)
-            surplus = len(active) - desired
-            if surplus > 0:
-                for rep in self._victims(active, surplus):
-                    self._retire(rep, f"scale down of {model} to {desired}", now)
-            elif surplus < 0 and placing and not state.backoff.blocked(now):
+            step = scale_step(
+                # Fresh ready replicas are counted only where some are being moved off.
+                desired, len(active), len(ready & active) if evac else 0, len(evac) if evac else 0,
+                placing=placing, held=state.held is not None, backing_off=state.backoff.blocked(now),
+            )
+            if step.retire_evacuated and evac:
+                for rid in sorted(evac):
+                    rep = st.replicas[rid]
+                    self._retire(rep, f"replaced ({rep.evacuating})", now)
+            if step.retire:
+                for rid in victims(self._candidates(model, active), step.retire):
+                    self._retire(st.replicas[rid], f"scale down of {model} to {desired}", now)
+            elif step.place:
                 if self.pass_unfinished:
                     continue
+                missing = step.place
                 profile = self.catalog.profiles[dep.profile]
-                if placer is None:
-                    placer = self._placer()
+                if not synced:
+                    # Placement hears of every node that changed first; at
+                    # the budget the rest is the next pass's, which runs
+                    # at once.
+                    if not self._sync_placer():
+                        self.pass_unfinished = True
+                        continue
+                    synced = True
                 placed = 0
-                for _ in range(-surplus):
+                for _ in range(missing):
                     # Every pass places at least one replica, whatever it
-                    # cost to get here: a pass that only builds is no progress.
+                    # cost to get here.
                     if self._placed_this_pass and self._over_budget():
-                        # The rest is the next pass's, which runs at once.
                         self.pass_unfinished = True
                         break
-                    if not self._place(dep, profile, placer, now):
+                    got = self._place(dep, profile, self._placer, now)
+                    if got is None:
+                        # Still gathering candidates, and the time is up.
+                        self.pass_unfinished = True
+                        break
+                    if not got:
                         break
                     placed += 1
                     self._placed_this_pass += 1
                 if self.pass_unfinished:
                     continue
-                if placed < -surplus:
-                    why = f"no room for {-surplus - placed} replica(s) of profile {profile.name}"
+                if placed < missing:
+                    why = f"no room for {missing - placed} replica(s) of profile {profile.name}"
                     if state.unplaceable != why:
                         state.unplaceable = why
                         self._event("unplaceable", level="warn", reason=f"deployment {model}: {why}")
                 else:
                     state.unplaceable = ""
-        self._kept_placer = None
-        if self.pass_unfinished and placer is not None:
-            self._kept_placer = (placer, st.placement_epoch, self._placer_connected)
 
-    def _victims(self, active: set[str], count: int) -> list[ReplicaRec]:
+    def _candidates(self, model: str, active: set[str]) -> list[Candidate]:
         """
-        Surplus replicas: not ready first, then on the most loaded nodes,
-        then the newest (DESIGN §6.6).
+        What a scale down of C{model} chooses from (DESIGN §6.6).
         """
         st = self.state
-
-        def key(rid: str) -> tuple[bool, int, float, str]:
+        ready = st.ready[model]
+        out = []
+        for rid in active:
             rep = st.replicas[rid]
             load = max((len(st.node_shards.get(s.node_id, ())) for s in rep.shards.values()), default=0)
-            return (rep.id in st.ready[rep.model], -load, -rep.created_at, rid)
+            out.append(Candidate(rid, rid in ready, load, rep.created_at))
+        return out
 
-        return [st.replicas[r] for r in sorted(active, key=key)[:count]]
-
-    def _placer(self) -> Placer:
+    def _sync_placer(self) -> bool:
         """
-        The placer for this pass. A pass that continues one stopped at its
-        budget goes on with the same placer (building one costs about the
-        fleet's size) unless something placement did not do changed since.
+        Bring placement up to date with the nodes that changed since it last
+        looked (those that connected or went away included), within the
+        pass's budget; True when it is.
         """
-        connected = self._placer_connected = self.connected()
-        kept = self._kept_placer
-        self._kept_placer = None
-        if kept is not None:
-            placer, epoch, was_connected = kept
-            if epoch == self.state.placement_epoch and was_connected == connected:
-                return placer
-        return Placer(self.state.placeable(self.inventory, sorted(connected)),
-                      self.state.spread, self.state.ports)
+        connected = self.connected()
+        self.state.eligibility_changed(connected ^ self._placer_connected)
+        self._placer_connected = connected
+        return self.state.sync_placer(self._placer, self.inventory, connected, self._over_budget)
 
     # -- IFleetAdmin ----------------------------------------------------------------
 
@@ -1279,7 +1302,7 @@ class Reconciler(Service):
 
     def cordon(self, node_id: str) -> None:
         self._known(node_id)
-        self.state.eligibility_changed()
+        self.state.eligibility_changed([node_id])
         if node_id not in self.state.cordoned:
             self.state.cordoned.add(node_id)
             self._event("node_cordoned", node=node_id, reason="no new placements")
@@ -1287,7 +1310,7 @@ class Reconciler(Service):
 
     def uncordon(self, node_id: str) -> None:
         self._known(node_id)
-        self.state.eligibility_changed()
+        self.state.eligibility_changed([node_id])
         st = self.state
         was_draining = node_id in st.draining_nodes
         if node_id in st.cordoned or was_draining:
@@ -1305,7 +1328,7 @@ class Reconciler(Service):
 
     def drain_node(self, node_id: str) -> None:
         self._known(node_id)
-        self.state.eligibility_changed()
+        self.state.eligibility_changed([node_id])
         st = self.state
         if node_id not in st.cordoned:
             st.cordoned.add(node_id)
@@ -1334,6 +1357,23 @@ class Reconciler(Service):
         old = self.desired.get(model, dep.replicas)
         self.desired[model] = replicas
         self._event("scaled", reason=f"deployment {model} from {old} to {replicas} replicas")
+
+    def retry(self, model: str) -> None:
+        dep = self.catalog.deployments.get(model)
+        if dep is None:
+            raise UnknownDeployment(f"no deployment serves model {model!r}")
+        self._release(model, "an operator asked for a retry")
+
+    def _release(self, model: str, why: str) -> None:
+        """
+        Lift C{model}'s hold and crash backoff: the next pass places again.
+        """
+        state = self.deps[model]
+        was = state.held
+        state.held = None
+        state.backoff.reset()
+        if was is not None:
+            self._event("deployment_released", reason=f"deployment {model}: {why}")
 
     # -- helpers for tests and embedding -------------------------------------------------
 

@@ -137,6 +137,7 @@ def deployments(rec: Reconciler) -> list[dict[str, Any]]:
                 "failures": state.backoff.failures,
                 "last_failure": state.last_failure.as_dict() if state.last_failure else None,
                 "unplaceable": state.unplaceable or None,
+                "held": state.held.as_dict() if state.held else None,
             }
         )
     return out
