@@ -278,8 +278,7 @@ class ActionTests(AdminTestCase):
         """
         A retry of a model no deployment serves is the fleet's 404; one
         with fields in its body, an empty model or a GET is refused
-        before the fleet is asked; a fleet that cannot hold deployments
-        (no C{retry}) answers 501.
+        before the fleet is asked.
         """
         self.assertRefused(self.call("POST", "/api/v1/deployments/nope/retry"), 404, "nope")
         self.assertRefused(self.call("POST", "/api/v1/deployments/demo/retry", {"force": True}), 400,
@@ -287,14 +286,6 @@ class ActionTests(AdminTestCase):
         self.assertRefused(self.call("POST", "/api/v1/deployments//retry"), 400, "empty")
         self.assertRefused(self.call("GET", "/api/v1/deployments/demo/retry"), 405, "POST")
         self.assertEqual(self.fleet.calls, [("retry", "nope")])
-
-        class OldFleet(FakeFleet):
-            retry = None  # type: ignore[assignment]
-
-        old = OldFleet()
-        old.add_deployment("demo")
-        self.resource.fleet = old
-        self.assertRefused(self.call("POST", "/api/v1/deployments/demo/retry"), 501, "nothing to retry")
 
     def test_nodes_show_strays(self) -> None:
         """

@@ -519,10 +519,6 @@ class AdminResource(Resource):
             body = self._body(request)
             if body:
                 raise Refused(400, "retry takes no fields; send {} or nothing")
-            # IFleetAdmin.retry comes with the held deployments; a fleet
-            # without it holds none, so there is nothing to retry.
-            if getattr(self.fleet, "retry", None) is None:
-                raise Refused(501, "this control plane does not hold deployments, so there is nothing to retry")
             return self._retry, (request, model)
         if rest == ["catalog", "reload"]:
             only("POST")
@@ -646,8 +642,7 @@ class AdminResource(Resource):
         return {"model": model, "replicas": replicas, "ok": True}
 
     def _retry(self, request: Any, model: str) -> dict[str, Any]:
-        fleet: Any = self.fleet
-        fleet.retry(model)
+        self.fleet.retry(model)
         self.log.info(
             "admin API: retry {model}: hold and backoff cleared (asked by {client})",
             model=model,
