@@ -11,6 +11,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from twisted.application.service import Service
 from twisted.logger import Logger
 
 
@@ -72,3 +73,33 @@ class SighupHandler:
             self.callback()
         except Exception:
             self.log.failure("reloading {what} on SIGHUP failed", what=self.what)
+
+
+class SighupService(Service):
+    """
+    A service that calls its L{reload} on each SIGHUP while it runs, beside
+    any other part reloading its own files on the same signal; only when
+    C{reactor} is the process's own (tests and embedders pass their own),
+    unless C{handle_sighup} says otherwise.
+    """
+
+    def __init__(self, reactor: Any, what: str, handle_sighup: bool | None = None):
+        self.handle_sighup = owns_signals(reactor) if handle_sighup is None else handle_sighup
+        self._sighup = SighupHandler(reactor, self.reload, what)
+
+    def startService(self) -> None:
+        super().startService()
+        if self.handle_sighup:
+            self._sighup.install()
+
+    def stopService(self) -> Any:
+        super().stopService()
+        self._sighup.uninstall()
+        return None
+
+    def reload(self) -> Any:
+        """
+        Re-read what this service looks after. Exceptions are logged by the
+        signal handler; log refusals here with what was wrong.
+        """
+        raise NotImplementedError

@@ -45,7 +45,7 @@ from llmgw.gateway.service import DEFAULT_GATEWAY, GatewayService
 from llmgw.hostcheck import HostListError, parse_hosts
 from llmgw.options import Options as BaseOptions
 from llmgw.options import non_negative_float, non_negative_int, positive_float, positive_int
-from llmgw.signals import SighupHandler, owns_signals
+from llmgw.signals import SighupService
 from llmgw.tlsconf.options import ServerTLS, TLSConfigError, server_files
 from llmgw.wire import DEFAULT_MAX_FRAME
 
@@ -500,29 +500,16 @@ def makeService(options: Options, reactor: Any = None) -> ControlPlane:
     return cp
 
 
-class ReloadOnHangup(Service):
+class ReloadOnHangup(SighupService):
     """
-    Reloads the catalog on SIGHUP while running, beside any other part that
-    reloads its own files on the same signal. Only when C{reactor} is the
-    process's own (tests and embedders pass their own reactors).
+    Reloads the catalog on SIGHUP while running (see L{SighupService}).
     """
 
     log = Logger()
 
     def __init__(self, reactor: Any, reconciler: Reconciler, handle_sighup: bool | None = None):
         self.reconciler = reconciler
-        self.handle_sighup = owns_signals(reactor) if handle_sighup is None else handle_sighup
-        self._sighup = SighupHandler(reactor, self.reload, "the catalog")
-
-    def startService(self) -> None:
-        super().startService()
-        if self.handle_sighup:
-            self._sighup.install()
-
-    def stopService(self) -> Any:
-        super().stopService()
-        self._sighup.uninstall()
-        return None
+        super().__init__(reactor, "the catalog", handle_sighup)
 
     def reload(self) -> None:
         try:

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from twisted.application.service import Service
 from twisted.logger import Logger
 
-from llmgw.signals import SighupHandler, owns_signals
+from llmgw.signals import SighupService
 from llmgw.tlsconf.options import ClientTLSPolicy, TLSConfigError
 
 
-class ClientCertificateReload(Service):
+class ClientCertificateReload(SighupService):
     """
     Re-reads C{policy}'s files on SIGHUP (only when C{reactor} is the
     process's own) and through L{reload}: new connections use them, open
@@ -30,18 +29,7 @@ class ClientCertificateReload(Service):
     ):
         self.policy = policy
         self.what = what
-        self.handle_sighup = owns_signals(reactor) if handle_sighup is None else handle_sighup
-        self._sighup = SighupHandler(reactor, self.reload, what)
-
-    def startService(self) -> None:
-        super().startService()
-        if self.handle_sighup:
-            self._sighup.install()
-
-    def stopService(self) -> Any:
-        super().stopService()
-        self._sighup.uninstall()
-        return None
+        super().__init__(reactor, what, handle_sighup)
 
     def reload(self) -> bool:
         """
