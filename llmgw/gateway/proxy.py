@@ -343,12 +343,18 @@ class ProxyCall:
         self.status = status
         self.sent_headers = True
         request = self.request
-        request.start_response(status, kept, length, reason or None)
+        # The head waits for the body's first bytes, which the replica's
+        # connection reports next, in the same read (b"" when that read
+        # held none): one send to the client, not two.
+        request.start_response(status, kept, length, reason or None, hold=True)
         request.set_producer(self)
         self.gw.metrics.first_byte(self.model, time.monotonic() - self.started)
 
     def response_data(self, data: bytes) -> None:
         if self.done:
+            return
+        if not data:
+            self.request.flush()
             return
         if self.timer is not None:
             self.timer.reset(self.gw.config.idle_timeout)
@@ -556,6 +562,6 @@ def send_error(request: FrontRequest, err: errors.GatewayError) -> None:
     body = err.body()
     headers = [(b"Content-Type", b"application/json")]
     headers += err.headers.items()
-    request.start_response(err.status, headers, len(body), _REASONS.get(err.status))
+    request.start_response(err.status, headers, len(body), _REASONS.get(err.status), hold=True)
     request.write(body)
     request.finish()
