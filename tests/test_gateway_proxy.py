@@ -547,6 +547,48 @@ class FramingTests(SynchronousTestCase):
         self.assertTrue(out.endswith(b"\r\n\r\n3\r\nabc\r\n0\r\n\r\n"), out)
 
 
+class OneWriteTests(SynchronousTestCase):
+    def _call(self) -> tuple[ProxyCall, list[bytes]]:
+        clock = MemoryReactorClock()
+        gw = Gateway(clock, RoutingSnapshot())
+        requests: list[FrontRequest] = []
+        proto = FrontFactory(requests.append, clock).buildProtocol(None)
+        proto.makeConnection(StringTransport())
+        writes: list[bytes] = []
+        proto.send = writes.append  # type: ignore[method-assign]
+        proto.dataReceived(raw_request({"model": "demo"}))
+        route = Route("r1", "demo", "127.0.0.1:1")
+        call = ProxyCall(gw, requests[0], "demo", "/v1/chat/completions", b"{}", [route], 0.0)
+        call.route = route
+        return call, writes
+
+    def test_head_and_body_in_one_write(self) -> None:
+        """
+        A replica's answer whose head and body come in one read reaches
+        the client in one write.
+        """
+        call, writes = self._call()
+        call.response_started(200, b"OK", [(b"content-length", b"2")])
+        self.assertEqual(writes, [])
+        call.response_data(b"ok")
+        call.response_finished()
+        (out,) = writes
+        self.assertTrue(out.startswith(b"HTTP/1.1 200 OK\r\n") and out.endswith(b"\r\n\r\nok"), out)
+
+    def test_head_alone_is_not_held(self) -> None:
+        """
+        A head that comes without body bytes (a stream whose first event is
+        not ready) goes to the client at once.
+        """
+        call, writes = self._call()
+        call.response_started(200, b"OK", [(b"transfer-encoding", b"chunked")])
+        call.response_data(b"")
+        (out,) = writes
+        self.assertTrue(out.startswith(b"HTTP/1.1 200 OK\r\n") and out.endswith(b"\r\n\r\n"), out)
+        call.response_data(b"data: 1\n\n")
+        self.assertEqual(writes[1], b"9\r\ndata: 1\n\n\r\n")
+
+
 class ClientTimeoutTests(SynchronousTestCase):
     def test_not_while_proxying(self) -> None:
         """
