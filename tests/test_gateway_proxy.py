@@ -589,6 +589,54 @@ class OneWriteTests(SynchronousTestCase):
         self.assertEqual(writes[1], b"9\r\ndata: 1\n\n\r\n")
 
 
+class ReplicaTimeoutTests(SynchronousTestCase):
+    def _start(self, first_byte: float, idle: float) -> tuple[MemoryReactorClock, StringTransport, Any, Gateway]:
+        clock = MemoryReactorClock()
+        config = GatewayConfig(first_byte_timeout=first_byte, idle_timeout=idle)
+        gw = Gateway(clock, RoutingSnapshot([Route("r1", "demo", "127.0.0.1:9")]), config)
+        proto = GatewaySite(GatewayResource(gw)).buildProtocol(None)
+        client = StringTransport()
+        proto.makeConnection(client)
+        proto.dataReceived(raw_request({"model": "demo", "stream": True}))
+        conn = clock.tcpClients[0][2].buildProtocol(None)
+        conn.makeConnection(StringTransport())
+        return clock, client, conn, gw
+
+    def test_first_byte_time_longer_than_idle_time(self) -> None:
+        """
+        A replica gets the whole first-byte time for its head even when the
+        idle time between bytes is shorter; after the head, the idle time
+        governs.
+        """
+        clock, client, conn, gw = self._start(first_byte=10, idle=3)
+        clock.advance(9.9)
+        self.assertEqual(client.value(), b"")
+        clock.advance(0.2)
+        self.assertIn(b"HTTP/1.1 504 ", client.value())
+        gw.close()
+
+        clock, client, conn, gw = self._start(first_byte=10, idle=3)
+        clock.advance(9)
+        conn.dataReceived(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        self.assertTrue(client.value().startswith(b"HTTP/1.1 200 OK\r\n"))
+        clock.advance(2.9)
+        self.assertFalse(client.disconnecting)
+        clock.advance(0.2)
+        self.assertTrue(client.disconnecting)
+        gw.close()
+
+    def test_first_byte_time_shorter_than_idle_time(self) -> None:
+        """
+        A first-byte time shorter than the idle time is kept exactly.
+        """
+        clock, client, conn, gw = self._start(first_byte=2, idle=30)
+        clock.advance(1.9)
+        self.assertEqual(client.value(), b"")
+        clock.advance(0.2)
+        self.assertIn(b"HTTP/1.1 504 ", client.value())
+        gw.close()
+
+
 class ClientTimeoutTests(SynchronousTestCase):
     def test_not_while_proxying(self) -> None:
         """

@@ -236,6 +236,7 @@ class ProxyCall:
         self.conn: UpstreamConnection | None = None
         self.connecting: Deferred[UpstreamConnection] | None = None
         self.timer: IDelayedCall | None = None
+        self.sent_at = 0.0
         self.counted = False
         self.sent_headers = False
         self.done = False
@@ -304,7 +305,15 @@ class ProxyCall:
             self,
         )
         if self.conn is conn:
-            self.timer = self.gw.reactor.callLater(self.gw.config.first_byte_timeout, self._timed_out)
+            # One timer for the first byte and the idle wait after it: due
+            # at the sooner of the two, so that the head's arrival only ever
+            # moves it later (free until it comes due; sooner would be a
+            # search of the reactor's heap). Firing before the first byte
+            # and before the first-byte time, it waits out the rest.
+            config = self.gw.config
+            reactor = self.gw.reactor
+            self.sent_at = reactor.seconds()
+            self.timer = reactor.callLater(min(config.first_byte_timeout, config.idle_timeout), self._timed_out)
 
     # ResponseHandler
 
@@ -314,10 +323,8 @@ class ProxyCall:
         assert self.route is not None
         self.gw.router.succeeded(self.route.replica_id)
         if self.timer is not None:
-            # A new call rather than reset(): moving a call sooner is a
-            # linear search of the reactor's heap.
-            self.timer.cancel()
-            self.timer = self.gw.reactor.callLater(self.gw.config.idle_timeout, self._timed_out)
+            # Later than it is due (see _send): cheap.
+            self.timer.reset(self.gw.config.idle_timeout)
         length = None
         chunked = False
         kept = []
@@ -482,6 +489,11 @@ class ProxyCall:
         self.timer = None
         if self.done:
             return
+        if not self.sent_headers and self.conn is not None:
+            left = self.sent_at + self.gw.config.first_byte_timeout - self.gw.reactor.seconds()
+            if left > 0.001:  # not clock rounding
+                self.timer = self.gw.reactor.callLater(left, self._timed_out)
+                return
         route = self.route
         assert route is not None
         conn, self.conn = self.conn, None
