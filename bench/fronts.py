@@ -164,7 +164,8 @@ class _WebRequest:
         return str(self.request.getClientAddress())
 
     def start_response(self, status: int, headers: list[tuple[bytes, bytes]], length: int | None = None,
-                       reason: bytes | None = None) -> None:
+                       reason: bytes | None = None, hold: bool = False) -> None:
+        # twisted.web sends the head with the first write whether held or not.
         self.started = True
         r = self.request
         r.setResponseCode(status, reason)
@@ -177,6 +178,13 @@ class _WebRequest:
     def write(self, data: bytes) -> None:
         if data and not self.finished:
             self.request.write(data)
+        else:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.finished:
+            # An empty write sends the head if it has not gone yet.
+            self.request.write(b"")
 
     def finish(self) -> None:
         if self.finished:

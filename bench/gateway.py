@@ -294,8 +294,9 @@ class Procs:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.env = dict(os.environ, PYTHONPATH=str(ROOT))
 
-    def start(self, *args: str, cpus: set[int] | None = None) -> subprocess.Popen[bytes]:
-        p = subprocess.Popen([sys.executable, *args], env=self.env, cwd=ROOT,
+    def start(self, *args: str, cpus: set[int] | None = None, root: Path = ROOT) -> subprocess.Popen[bytes]:
+        env = self.env if root == ROOT else dict(self.env, PYTHONPATH=str(root))
+        p = subprocess.Popen([sys.executable, *args], env=env, cwd=root,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                              preexec_fn=_affinity(cpus))
         self.procs.append(p)
@@ -672,17 +673,28 @@ def wrk_direct(ports: list[int], connections: int, duration: float) -> dict[str,
     }
 
 
+def _commit(root: Path) -> str:
+    """
+    The commit checked out at C{root}, or C{"?"}.
+    """
+    r = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return r.stdout.strip() or "?"
+
+
 def uptime() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
-def versus(duration: float, rate: float, n_rounds: int, fronts: tuple[str, ...]) -> dict[str, Any]:
+def versus(duration: float, rate: float, n_rounds: int, fronts: tuple[str, ...],
+           baseline: Path | None = None) -> dict[str, Any]:
     """
     Direct, llmgw on each front in C{fronts}, and C{vllm-router}, with the
     same two fake model servers, C{wrk} at 50 and 200 connections and the
     open-loop generator at C{rate} (plain and streamed), in C{n_rounds}
     interleaved rounds; medians, and per round the ratio to (or the latency
-    added over) direct in the same round.
+    added over) direct in the same round. With C{baseline} (another
+    checkout of llmgw, such as the code before a change), its gateway on
+    its C{lean} front runs in the same rounds as C{llmgw_baseline}.
     """
     if shutil.which("wrk") is None:
         sys.exit("bench/gateway.py needs wrk (apt-get install wrk)")
@@ -703,6 +715,10 @@ def versus(duration: float, rate: float, n_rounds: int, fronts: tuple[str, ...])
         for front in fronts:
             port = free_port()
             targets[f"llmgw_{front}"] = (port, procs.start(__file__, "serve-gateway", str(port), upstreams, front))
+        if baseline is not None:
+            port = free_port()
+            targets["llmgw_baseline"] = (port, procs.start(
+                str(baseline / "bench" / "gateway.py"), "serve-gateway", str(port), upstreams, "lean", root=baseline))
         vr_port = free_port()
         vr = subprocess.Popen(
             [str(router), "--host", "127.0.0.1", "--port", str(vr_port), "--policy", "round_robin",
@@ -778,8 +794,9 @@ def versus(duration: float, rate: float, n_rounds: int, fronts: tuple[str, ...])
         "direct": "both fake model servers at once, one wrk each with half the connections (throughput); "
                   "the first one (open-loop latency)",
         "summary": summary,
-        "bars": {front: bar(front) for front in fronts},
+        "bars": {front: bar(front) for front in fronts + (("baseline",) if baseline is not None else ())},
         "fronts_skipped": skipped,
+        "baseline": None if baseline is None else f"{baseline} at {_commit(baseline)}",
         "per_round": rounds,
     }
 
@@ -797,8 +814,10 @@ if __name__ == "__main__":
         vp.add_argument("--rate", type=float, default=500.0, help="open-loop requests per second")
         vp.add_argument("--rounds", type=int, default=5)
         vp.add_argument("--fronts", default=",".join(FRONTS), help="llmgw fronts to run, comma-separated")
+        vp.add_argument("--baseline", type=Path, help="another llmgw checkout to run beside (llmgw_baseline)")
         va = vp.parse_args(sys.argv[2:])
-        print(json.dumps(versus(va.duration, va.rate, va.rounds, tuple(va.fronts.split(","))), indent=2))
+        print(json.dumps(versus(va.duration, va.rate, va.rounds, tuple(va.fronts.split(",")), va.baseline),
+                         indent=2))
     elif len(sys.argv) > 1 and sys.argv[1] == "openloop":
         a = sys.argv[2:]
         openloop(a[0], a[1], a[2].encode(), float(a[3]), float(a[4]), float(a[5]))

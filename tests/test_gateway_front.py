@@ -241,6 +241,58 @@ class ResponseTests(SynchronousTestCase):
         self.assertEqual(s.output(), b"0\r\n\r\n")
         self.assertFalse(s.transport.disconnecting)
 
+    def test_held_head_goes_with_the_first_bytes(self) -> None:
+        """
+        A head started with C{hold} is not sent until the body's first
+        bytes, and then goes with them in one write; L{flush} sends it
+        alone, and L{finish} or L{abort} send it when nothing was written.
+        """
+        s = Server()
+        writes: list[bytes] = []
+        s.proto.send = writes.append
+        s.feed(post(b"/p", b"x") + post(b"/p", b"y") + post(b"/p", b"z"))
+        r = s.requests[0]
+        r.start_response(200, [(b"content-type", b"text/event-stream")], hold=True)
+        self.assertEqual(writes, [])
+        r.write(b"data: 1\n\n")
+        (first,) = writes
+        self.assertTrue(first.startswith(b"HTTP/1.1 200 OK\r\n"), first)
+        self.assertTrue(first.endswith(b"\r\n\r\n9\r\ndata: 1\n\n\r\n"), first)
+        r.write(b"data: 2\n\n")
+        self.assertEqual(writes[1], b"9\r\ndata: 2\n\n\r\n")
+        r.finish()
+        self.assertEqual(writes[2], b"0\r\n\r\n")
+
+        del writes[:]
+        r = s.requests[1]
+        r.start_response(200, [], hold=True)
+        r.flush()
+        self.assertEqual(len(writes), 1)
+        self.assertTrue(writes[0].startswith(b"HTTP/1.1 200 OK\r\n") and writes[0].endswith(b"\r\n\r\n"))
+        r.write(b"")
+        self.assertEqual(len(writes), 1)
+        r.finish()
+
+        del writes[:]
+        r = s.requests[2]
+        r.start_response(404, [], 0, hold=True)
+        r.finish()
+        (only,) = writes
+        self.assertTrue(only.startswith(b"HTTP/1.1 404 Not Found\r\n") and only.endswith(b"\r\n\r\n"), only)
+
+    def test_held_head_sent_on_abort(self) -> None:
+        """
+        An aborted response whose head was held still sends the head
+        before the connection closes.
+        """
+        s = Server()
+        s.feed(post(b"/p", b"x"))
+        r = s.requests[0]
+        r.start_response(200, [], hold=True)
+        r.abort()
+        self.assertTrue(s.output().startswith(b"HTTP/1.1 200 OK\r\n"))
+        self.assertTrue(s.transport.disconnecting)
+
     def test_http10_response_until_close(self) -> None:
         """
         To an HTTP/1.0 client a response without a length is ended by

@@ -547,6 +547,96 @@ class FramingTests(SynchronousTestCase):
         self.assertTrue(out.endswith(b"\r\n\r\n3\r\nabc\r\n0\r\n\r\n"), out)
 
 
+class OneWriteTests(SynchronousTestCase):
+    def _call(self) -> tuple[ProxyCall, list[bytes]]:
+        clock = MemoryReactorClock()
+        gw = Gateway(clock, RoutingSnapshot())
+        requests: list[FrontRequest] = []
+        proto = FrontFactory(requests.append, clock).buildProtocol(None)
+        proto.makeConnection(StringTransport())
+        writes: list[bytes] = []
+        proto.send = writes.append  # type: ignore[method-assign]
+        proto.dataReceived(raw_request({"model": "demo"}))
+        route = Route("r1", "demo", "127.0.0.1:1")
+        call = ProxyCall(gw, requests[0], "demo", "/v1/chat/completions", b"{}", [route], 0.0)
+        call.route = route
+        return call, writes
+
+    def test_head_and_body_in_one_write(self) -> None:
+        """
+        A replica's answer whose head and body come in one read reaches
+        the client in one write.
+        """
+        call, writes = self._call()
+        call.response_started(200, b"OK", [(b"content-length", b"2")])
+        self.assertEqual(writes, [])
+        call.response_data(b"ok")
+        call.response_finished()
+        (out,) = writes
+        self.assertTrue(out.startswith(b"HTTP/1.1 200 OK\r\n") and out.endswith(b"\r\n\r\nok"), out)
+
+    def test_head_alone_is_not_held(self) -> None:
+        """
+        A head that comes without body bytes (a stream whose first event is
+        not ready) goes to the client at once.
+        """
+        call, writes = self._call()
+        call.response_started(200, b"OK", [(b"transfer-encoding", b"chunked")])
+        call.response_data(b"")
+        (out,) = writes
+        self.assertTrue(out.startswith(b"HTTP/1.1 200 OK\r\n") and out.endswith(b"\r\n\r\n"), out)
+        call.response_data(b"data: 1\n\n")
+        self.assertEqual(writes[1], b"9\r\ndata: 1\n\n\r\n")
+
+
+class ReplicaTimeoutTests(SynchronousTestCase):
+    def _start(self, first_byte: float, idle: float) -> tuple[MemoryReactorClock, StringTransport, Any, Gateway]:
+        clock = MemoryReactorClock()
+        config = GatewayConfig(first_byte_timeout=first_byte, idle_timeout=idle)
+        gw = Gateway(clock, RoutingSnapshot([Route("r1", "demo", "127.0.0.1:9")]), config)
+        proto = GatewaySite(GatewayResource(gw)).buildProtocol(None)
+        client = StringTransport()
+        proto.makeConnection(client)
+        proto.dataReceived(raw_request({"model": "demo", "stream": True}))
+        conn = clock.tcpClients[0][2].buildProtocol(None)
+        conn.makeConnection(StringTransport())
+        return clock, client, conn, gw
+
+    def test_first_byte_time_longer_than_idle_time(self) -> None:
+        """
+        A replica gets the whole first-byte time for its head even when the
+        idle time between bytes is shorter; after the head, the idle time
+        governs.
+        """
+        clock, client, conn, gw = self._start(first_byte=10, idle=3)
+        clock.advance(9.9)
+        self.assertEqual(client.value(), b"")
+        clock.advance(0.2)
+        self.assertIn(b"HTTP/1.1 504 ", client.value())
+        gw.close()
+
+        clock, client, conn, gw = self._start(first_byte=10, idle=3)
+        clock.advance(9)
+        conn.dataReceived(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        self.assertTrue(client.value().startswith(b"HTTP/1.1 200 OK\r\n"))
+        clock.advance(2.9)
+        self.assertFalse(client.disconnecting)
+        clock.advance(0.2)
+        self.assertTrue(client.disconnecting)
+        gw.close()
+
+    def test_first_byte_time_shorter_than_idle_time(self) -> None:
+        """
+        A first-byte time shorter than the idle time is kept exactly.
+        """
+        clock, client, conn, gw = self._start(first_byte=2, idle=30)
+        clock.advance(1.9)
+        self.assertEqual(client.value(), b"")
+        clock.advance(0.2)
+        self.assertIn(b"HTTP/1.1 504 ", client.value())
+        gw.close()
+
+
 class ClientTimeoutTests(SynchronousTestCase):
     def test_not_while_proxying(self) -> None:
         """

@@ -116,6 +116,29 @@ class ParseTests(SynchronousTestCase):
         self.assertEqual(rec.data(), b"data: 1\ndata: 2\n")
         self.assertEqual(rec.events[-1], ("finished",))
 
+    def test_head_read_always_reports_data(self) -> None:
+        """
+        In the read that completes a head, the handler hears
+        C{response_data} right after C{response_started}: with the body
+        bytes that read held, or C{b""} when it held none or only chunk
+        framing (so a handler holding the head knows to send it).
+        """
+        cases = [
+            (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n", b""),
+            (b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nab", b"ab"),
+            (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n", b""),
+            (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n", b""),
+            (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nab\r\n", b"ab"),
+            (b"HTTP/1.1 200 OK\r\n\r\n", b""),
+        ]
+        for head, first in cases:
+            conn, t = connection()
+            rec = Recorder()
+            conn.send(b"R", rec)
+            conn.dataReceived(head)
+            self.assertEqual([e[0] for e in rec.events], ["start", "data"], head)
+            self.assertEqual(rec.events[1], ("data", first), head)
+
     def test_interim_response_skipped(self) -> None:
         """
         A 100 Continue before the answer is skipped.

@@ -236,6 +236,7 @@ class ProxyCall:
         self.conn: UpstreamConnection | None = None
         self.connecting: Deferred[UpstreamConnection] | None = None
         self.timer: IDelayedCall | None = None
+        self.sent_at = 0.0
         self.counted = False
         self.sent_headers = False
         self.done = False
@@ -304,7 +305,15 @@ class ProxyCall:
             self,
         )
         if self.conn is conn:
-            self.timer = self.gw.reactor.callLater(self.gw.config.first_byte_timeout, self._timed_out)
+            # One timer for the first byte and the idle wait after it: due
+            # at the sooner of the two, so that the head's arrival only ever
+            # moves it later (free until it comes due; sooner would be a
+            # search of the reactor's heap). Firing before the first byte
+            # and before the first-byte time, it waits out the rest.
+            config = self.gw.config
+            reactor = self.gw.reactor
+            self.sent_at = reactor.seconds()
+            self.timer = reactor.callLater(min(config.first_byte_timeout, config.idle_timeout), self._timed_out)
 
     # ResponseHandler
 
@@ -314,10 +323,8 @@ class ProxyCall:
         assert self.route is not None
         self.gw.router.succeeded(self.route.replica_id)
         if self.timer is not None:
-            # A new call rather than reset(): moving a call sooner is a
-            # linear search of the reactor's heap.
-            self.timer.cancel()
-            self.timer = self.gw.reactor.callLater(self.gw.config.idle_timeout, self._timed_out)
+            # Later than it is due (see _send): cheap.
+            self.timer.reset(self.gw.config.idle_timeout)
         length = None
         chunked = False
         kept = []
@@ -343,12 +350,18 @@ class ProxyCall:
         self.status = status
         self.sent_headers = True
         request = self.request
-        request.start_response(status, kept, length, reason or None)
+        # The head waits for the body's first bytes, which the replica's
+        # connection reports next, in the same read (b"" when that read
+        # held none): one send to the client, not two.
+        request.start_response(status, kept, length, reason or None, hold=True)
         request.set_producer(self)
         self.gw.metrics.first_byte(self.model, time.monotonic() - self.started)
 
     def response_data(self, data: bytes) -> None:
         if self.done:
+            return
+        if not data:
+            self.request.flush()
             return
         if self.timer is not None:
             self.timer.reset(self.gw.config.idle_timeout)
@@ -476,6 +489,11 @@ class ProxyCall:
         self.timer = None
         if self.done:
             return
+        if not self.sent_headers and self.conn is not None:
+            left = self.sent_at + self.gw.config.first_byte_timeout - self.gw.reactor.seconds()
+            if left > 0.001:  # not clock rounding
+                self.timer = self.gw.reactor.callLater(left, self._timed_out)
+                return
         route = self.route
         assert route is not None
         conn, self.conn = self.conn, None
@@ -556,6 +574,6 @@ def send_error(request: FrontRequest, err: errors.GatewayError) -> None:
     body = err.body()
     headers = [(b"Content-Type", b"application/json")]
     headers += err.headers.items()
-    request.start_response(err.status, headers, len(body), _REASONS.get(err.status))
+    request.start_response(err.status, headers, len(body), _REASONS.get(err.status), hold=True)
     request.write(body)
     request.finish()

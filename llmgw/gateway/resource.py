@@ -138,7 +138,7 @@ class GatewayResource:
 
     def _json(self, request: FrontRequest, obj: Any) -> None:
         body = json.dumps(obj).encode()
-        request.start_response(200, _JSON, len(body))
+        request.start_response(200, _JSON, len(body), hold=True)
         request.write(body)
         request.finish()
 

@@ -15,6 +15,7 @@ keeps idle connections per address.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 from typing import Protocol as TypingProtocol
 
@@ -31,6 +32,7 @@ from twisted.python.failure import Failure
 
 from llmgw.addresses import AddressError, is_ipv6, parse_address
 from llmgw.gateway.chunked import ChunkedDecoder, ChunkError
+from llmgw.gateway.wire import send_now
 from llmgw.untrusted import clip
 
 #: The most a response's status line and headers may take.
@@ -70,7 +72,13 @@ class ResponseHandler(TypingProtocol):
 
     def response_started(self, status: int, reason: bytes, headers: list[tuple[bytes, bytes]]) -> None: ...
 
-    def response_data(self, data: bytes) -> None: ...
+    def response_data(self, data: bytes) -> None:
+        """
+        Body bytes (framing removed). In the read that completes the head,
+        this follows C{response_started} at once with the body bytes that
+        read held, C{b""} when it held none (or only framing), so that a
+        handler may keep the head until then and send both together.
+        """
 
     def response_finished(self) -> None: ...
 
@@ -99,6 +107,10 @@ class UpstreamConnection(Protocol):
         self._decoder: ChunkedDecoder | None = None
         self._started = False
         self._keep_alive = True
+        self._write: Callable[[bytes], None] = self._write_unconnected
+
+    def _write_unconnected(self, data: bytes) -> None:
+        self.transport.write(data)
 
     def connectionMade(self) -> None:
         self.connected_ = True
@@ -106,6 +118,8 @@ class UpstreamConnection(Protocol):
             self.transport.setTcpNoDelay(True)
         except AttributeError:
             pass
+        # Requests go out now, not on the reactor's next turn.
+        self._write = send_now(self.transport)
 
     # API
 
@@ -121,7 +135,7 @@ class UpstreamConnection(Protocol):
         self._buf = b""
         self._started = False
         self._keep_alive = True
-        self.transport.write(data)
+        self._write(data)
 
     def abort(self) -> None:
         """
@@ -200,7 +214,15 @@ class UpstreamConnection(Protocol):
             if self.handler is None:
                 return
             data = rest
-            if not data and self._state not in (_DONE, _UNTIL_CLOSE):
+            if not data:
+                if self._state == _DONE:
+                    self._complete()
+                    return
+                # Nothing of the body in this read: the handler hears so.
+                self.handler.response_data(b"")
+                return
+            if self._state == _CHUNKED:
+                self._chunked(data, True)
                 return
         state = self._state
         if state == _LENGTH:
@@ -300,7 +322,7 @@ class UpstreamConnection(Protocol):
         self.handler.response_started(status, reason, headers)  # type: ignore[union-attr]
         return True
 
-    def _chunked(self, data: bytes) -> None:
+    def _chunked(self, data: bytes, head_read: bool = False) -> None:
         buf = self._buf + data if self._buf else data
         decoder = self._decoder
         assert decoder is not None
@@ -313,6 +335,9 @@ class UpstreamConnection(Protocol):
         self._buf = buf[used:] if used < len(buf) else b""
         if out:
             self.handler.response_data(out[0] if len(out) == 1 else b"".join(out))  # type: ignore[union-attr]
+        elif head_read:
+            # The read that completed the head held only framing.
+            self.handler.response_data(b"")  # type: ignore[union-attr]
         if decoder.done:
             self._decoder = None
             if self._buf:
