@@ -63,6 +63,7 @@ def serve_gateway(port: int, upstream: str, front: str = "lean") -> None:
     """
     from twisted.internet import reactor
 
+    from llmgw.collector import CollectorTuning
     from llmgw.control.interfaces import Route
     from llmgw.gateway.resource import GatewayResource
     from llmgw.gateway.service import GatewayService
@@ -77,6 +78,8 @@ def serve_gateway(port: int, upstream: str, front: str = "lean") -> None:
         handler = GatewayResource(svc.gateway)
         site = HttptoolsSite(handler, reactor) if front == "httptools" else twisted_web_site(handler)
         svc.listener.factory = site
+    # As twistd's standalone gateway does in its own process.
+    CollectorTuning(threshold=None).startService()
     svc.startService()
     reactor.run()
 

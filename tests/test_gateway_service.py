@@ -377,3 +377,23 @@ class SameRulesTests(TestCase):
         for address in fronts:
             self.assertEqual((yield answered_by(address)), {"r1"})
         yield h.pool.closeCachedConnections()
+
+
+class CollectorTests(SynchronousTestCase):
+    def test_tuned_only_in_its_own_process(self) -> None:
+        """
+        As twistd builds it (no reactor given), the standalone gateway
+        takes its start-up heap out of the collector's scans and keeps
+        Python's thresholds; an embedder's gateway leaves the collector
+        alone.
+        """
+        from llmgw.collector import CollectorTuning
+
+        o = Options()
+        o.parseOptions(["--metrics", "off", "--listen", "0"])
+        own = makeService(o)
+        collector = own.getServiceNamed("collector")
+        self.assertIsInstance(collector, CollectorTuning)
+        self.assertIsNone(collector.threshold)
+        embedded = makeService(o, reactor=MemoryReactorClock())
+        self.assertNotIn("collector", [s.name for s in embedded])

@@ -7,13 +7,12 @@ twistd: build it, then C{setServiceParent} it.
 
 from __future__ import annotations
 
-import gc
 import time
 import tomllib
 from pathlib import Path
 from typing import Any
 
-from twisted.application.service import MultiService, Service
+from twisted.application.service import MultiService
 from twisted.logger import Logger
 from twisted.protocols.tls import TLSMemoryBIOFactory
 from twisted.python import usage
@@ -26,6 +25,7 @@ from llmgw.addresses import (
     parse_address,
     server_endpoint,
 )
+from llmgw.collector import DEFAULT_GC_THRESHOLD, CollectorTuning
 from llmgw.control.admin import (
     DEFAULT_ADMIN_HOST,
     DEFAULT_ADMIN_PORT,
@@ -54,9 +54,6 @@ DEFAULT_AGENT_PORT = 7443
 #: the admission gate is shut (see L{llmgw.control.limits}). The kernel caps
 #: it at net.core.somaxconn (4096 on current Linux).
 DEFAULT_BACKLOG = 4096
-#: The cyclic collector's young-generation threshold in a control-plane
-#: process (Python's is 700): see L{CollectorTuning}.
-DEFAULT_GC_THRESHOLD = 50_000
 
 
 class Options(BaseOptions):
@@ -391,49 +388,6 @@ class ControlPlane(MultiService):
         Empty without TLS.
         """
         return self.trust.expiry_snapshot() if self.trust is not None else {}
-
-
-class CollectorTuning(Service):
-    """
-    Tunes CPython's cyclic garbage collector for a process that holds tens
-    of thousands of long-lived connections.
-
-    With Python's thresholds, a registration storm (10,000 agents, each
-    leaving a few hundred tracked objects behind) sets off a full collection
-    each time the heap grows by a quarter, every one of them scanning every
-    connection so far: over a second of CPU in a 10,000-agent storm on a
-    2-core machine, about a tenth of the control plane's work. So, at start:
-    one full collection, then C{gc.freeze()}, which takes the start-up heap
-    (modules, the catalog, the TLS contexts) out of every later scan; and a
-    young generation of C{threshold} objects instead of 700, so that a storm
-    runs few young collections and next to no full ones. Garbage cycles wait
-    a little longer to be freed; memory held by live objects is unchanged.
-    On stop, Python's thresholds come back and the heap is unfrozen.
-
-    Only for a process of its own (C{makeService} without a reactor, as
-    twistd calls it): the collector is process-wide.
-    """
-
-    def __init__(self, threshold: int = DEFAULT_GC_THRESHOLD):
-        self.threshold = threshold
-        self._previous: tuple[int, ...] | None = None
-
-    def startService(self) -> None:
-        super().startService()
-        if self.threshold <= 0:
-            return
-        self._previous = gc.get_threshold()
-        gc.collect()
-        gc.freeze()
-        gc.set_threshold(self.threshold, *self._previous[1:])
-
-    def stopService(self) -> Any:
-        super().stopService()
-        if self._previous is not None:
-            gc.set_threshold(*self._previous)
-            gc.unfreeze()
-            self._previous = None
-        return None
 
 
 def makeService(options: Options, reactor: Any = None) -> ControlPlane:

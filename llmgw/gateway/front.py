@@ -51,7 +51,6 @@ L{FrontRequest.finish}, or drops the connection with L{FrontRequest.abort}.
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable
 from typing import Any
 
@@ -888,12 +887,6 @@ class FrontFactory(ServerFactory):
         self._date = b""
 
     def startFactory(self) -> None:
-        # What the process holds when it starts serving (modules, routing
-        # table, metrics) lives as long as it does: moved out of the
-        # collector's generations, each full collection no longer walks it
-        # (tens of milliseconds a time, the worst of a proxied request's
-        # tail latency). Requests make no cyclic garbage of their own.
-        gc.freeze()
         if self.max_connections:
             problem = ensure_fd_limit(2 * self.max_connections + FD_HEADROOM)
             if problem:

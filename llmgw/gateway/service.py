@@ -26,6 +26,7 @@ from llmgw.addresses import (
     parse_address,
     server_endpoint,
 )
+from llmgw.collector import CollectorTuning
 from llmgw.gateway.follower import FollowerService, FollowerTable
 from llmgw.gateway.front import MAX_CONNECTIONS
 from llmgw.gateway.keys import KeyRing, KeysError, load_keys
@@ -283,9 +284,12 @@ def makeService(options: Options, reactor: Any = None) -> StandaloneGateway:
         from twisted.internet import reactor as _reactor
 
         reactor = _reactor
+        own_process = True
+    else:
+        own_process = False
     for warning in options.warnings:
         StandaloneGateway.log.warn("{problem}", problem=warning)
-    return StandaloneGateway(
+    gateway = StandaloneGateway(
         reactor,
         options["control-admin"],
         options["listen_host"],
@@ -299,3 +303,10 @@ def makeService(options: Options, reactor: Any = None) -> StandaloneGateway:
         hosts=options["gateway-hosts"],
         max_connections=options["max-connections"],
     )
+    if own_process:
+        # A process of its own: its start-up heap leaves the collector's
+        # scans (llmgw.collector), which embedders' processes are spared.
+        collector = CollectorTuning(threshold=None)
+        collector.setName("collector")
+        collector.setServiceParent(gateway)
+    return gateway
