@@ -372,3 +372,41 @@ class LlamaServerReadinessTests(TestCase):
         yield ended.addTimeout(15, reactor)
         self.assertEqual(shard.state, "stopped")
         self.assertEqual(engine_processes(directory), [])
+
+
+class TinyHfModelTests(SynchronousTestCase):
+    """
+    C{llmgw.testing.tinyhf}, the model the vLLM test is documented with
+    (skipped where C{transformers} is not installed, as in CI).
+    """
+
+    def test_model_directory(self) -> None:
+        """
+        The directory loads with transformers' own loaders as a Llama of two
+        heads of 32 (the smallest head vLLM's CPU attention takes), its chat
+        template renders, the words decode with spaces between them, and the
+        special tokens' output rows are zero (no reply can end early).
+        """
+        try:
+            import torch
+            from transformers import AutoConfig, AutoTokenizer
+        except ImportError as e:
+            raise SkipTest(f"needs torch and transformers (vLLM's venv): {e}") from None
+        from safetensors.torch import load_file
+
+        from llmgw.testing.tinyhf import SPECIAL, words, write
+
+        directory = write(Path(self.mktemp()))
+        config = AutoConfig.from_pretrained(directory)
+        self.assertEqual((config.model_type, config.num_attention_heads, config.head_dim,
+                          config.num_hidden_layers), ("llama", 2, 32, 2))
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hello"}],
+                                               tokenize=False, add_generation_prompt=True)
+        self.assertEqual(prompt, "<|user|>hello\n<|assistant|>")
+        ids = [len(SPECIAL) + i for i in (0, 1, 2)]
+        self.assertEqual(tokenizer.decode(ids), " ".join(w[1:] for w in words()[:3]))
+        head = load_file(str(directory / "model.safetensors"))["lm_head.weight"]
+        self.assertEqual(head.shape, (len(SPECIAL) + len(words()), 64))
+        self.assertTrue(torch.all(head[: len(SPECIAL)] == 0))
+        self.assertTrue(torch.all(head[len(SPECIAL):].abs().sum(dim=1) > 0))
