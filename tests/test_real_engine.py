@@ -12,8 +12,9 @@ absent.
 
 vLLM's CPU build gets the same test when C{LLMGW_TEST_VLLM=1} (and
 C{LLMGW_VLLM_MODEL}, a small local model directory or Hugging Face id it
-can load, e.g. a tiny random Llama); it is not in CI (3.5 GB, 25-40 s to
-start). See docs/operations.md, "Real engines in tests".
+can load, e.g. the tiny random Llama that C{python -m llmgw.testing.tinyhf
+DIR} writes); it is not in CI (3.5 GB, 30-60 s to start). See
+docs/operations.md, "Real engines in tests".
 """
 
 from __future__ import annotations
@@ -179,11 +180,12 @@ def health(address: str) -> int:
 
 
 class RealEngineTests(SynchronousTestCase):
-    def run_engine(self, catalog: Callable[[Path], str], signals_expected: tuple[str, ...]) -> None:
+    def run_engine(self, catalog: Callable[[Path], str], signals_expected: tuple[str, ...],
+                   start_s: float = DEADLINE) -> None:
         from openai import OpenAI
 
         fleet = RealEngineFleet(self, catalog)
-        ready = fleet.wait("a ready replica", lambda: fleet.ready_replicas())
+        ready = fleet.wait("a ready replica", lambda: fleet.ready_replicas(), start_s)
         [(replica_id, replica)] = ready.items()
         address = replica["shards"][0]["address"]
         # Ready means the engine answers: its own health check says so.
@@ -228,7 +230,8 @@ class RealEngineTests(SynchronousTestCase):
         os.kill(victim_pid, signal.SIGKILL)
         replaced = fleet.wait(
             "the killed engine replaced and ready",
-            lambda: (lambda r: len(r) == 1 and replica_id not in r and r)(fleet.ready_replicas()))
+            lambda: (lambda r: len(r) == 1 and replica_id not in r and r)(fleet.ready_replicas()),
+            start_s)
         events = fleet.admin("/api/v1/events")["events"]
         self.assertTrue(any(e.get("replica") == replica_id and "fail" in e["kind"]
                             for e in events), events)
@@ -283,13 +286,16 @@ class RealEngineTests(SynchronousTestCase):
                            "installed in this interpreter); not run in CI")
         model = os.environ.get("LLMGW_VLLM_MODEL")
         if not model:
-            raise SkipTest("LLMGW_VLLM_MODEL is not set: give a small model vLLM can load")
+            raise SkipTest("LLMGW_VLLM_MODEL is not set: give a small model vLLM can load "
+                           "(python -m llmgw.testing.tinyhf DIR writes one)")
         # vLLM's workers do not name the fleet's directory; the marker does.
         def catalog(directory: Path) -> str:
             return VLLM_CATALOG.format(python=json.dumps(sys.executable), model=json.dumps(model),
                                        marker=json.dumps(str(directory)))
 
-        self.run_engine(catalog, ("prefix_cache_queries",))
+        # vLLM compiles the model at each start: a minute on 2 idle cores,
+        # more on a loaded machine (the profile allows 300 s too).
+        self.run_engine(catalog, ("prefix_cache_queries",), start_s=300.0)
 
 
 class LlamaServerReadinessTests(TestCase):
@@ -366,3 +372,41 @@ class LlamaServerReadinessTests(TestCase):
         yield ended.addTimeout(15, reactor)
         self.assertEqual(shard.state, "stopped")
         self.assertEqual(engine_processes(directory), [])
+
+
+class TinyHfModelTests(SynchronousTestCase):
+    """
+    C{llmgw.testing.tinyhf}, the model the vLLM test is documented with
+    (skipped where C{transformers} is not installed, as in CI).
+    """
+
+    def test_model_directory(self) -> None:
+        """
+        The directory loads with transformers' own loaders as a Llama of two
+        heads of 32 (the smallest head vLLM's CPU attention takes), its chat
+        template renders, the words decode with spaces between them, and the
+        special tokens' output rows are zero (no reply can end early).
+        """
+        try:
+            import torch
+            from transformers import AutoConfig, AutoTokenizer
+        except ImportError as e:
+            raise SkipTest(f"needs torch and transformers (vLLM's venv): {e}") from None
+        from safetensors.torch import load_file
+
+        from llmgw.testing.tinyhf import SPECIAL, words, write
+
+        directory = write(Path(self.mktemp()))
+        config = AutoConfig.from_pretrained(directory)
+        self.assertEqual((config.model_type, config.num_attention_heads, config.head_dim,
+                          config.num_hidden_layers), ("llama", 2, 32, 2))
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hello"}],
+                                               tokenize=False, add_generation_prompt=True)
+        self.assertEqual(prompt, "<|user|>hello\n<|assistant|>")
+        ids = [len(SPECIAL) + i for i in (0, 1, 2)]
+        self.assertEqual(tokenizer.decode(ids), " ".join(w[1:] for w in words()[:3]))
+        head = load_file(str(directory / "model.safetensors"))["lm_head.weight"]
+        self.assertEqual(head.shape, (len(SPECIAL) + len(words()), 64))
+        self.assertTrue(torch.all(head[: len(SPECIAL)] == 0))
+        self.assertTrue(torch.all(head[len(SPECIAL):].abs().sum(dim=1) > 0))
