@@ -1,0 +1,334 @@
+"""
+Routing policies: which of a model's replicas takes a request, as pure
+functions of the candidates, their loads and the request's affinity key.
+
+A replica's load (L{replica_load}) is what this gateway has in flight to it,
+or, when the engine's signals are fresh (younger than
+C{PolicyConfig.stale_after_s}), the engine's own waiting + running count if
+that is larger: the engine's figures include this gateway's requests and
+every other gateway's, the gateway's count includes what the engine has not
+reported yet. KV-cache use breaks ties between equal counts. Stale or
+missing signals leave the gateway's count alone: a dead scrape degrades to
+least-in-flight. A replica whose fresh signals say it is saturated (more
+than C{saturated_waiting} queued, or KV use at or over C{saturated_kv}) is
+avoided while any other candidate is not.
+
+Policies (a deployment's C{routing}):
+
+C{least_loaded}
+    The candidate with the least load; ties go round in turn.
+C{round_robin}
+    Each candidate in turn, whatever its load.
+C{prefix}
+    Consistent hashing with bounded loads (Mirrokni et al., 2018) over an
+    affinity key: the request's session (an C{X-Session-Id} header, else the
+    body's C{user}) or the head of its prompt (L{affinity_key}). The key
+    picks a point on a ring of C{vnodes} points per replica, hashed from
+    replica ids alone, and the request goes to the first replica from there
+    whose load is under the bound C{ceil((1 + epsilon) * (L + 1) / n)}
+    (C{L} the candidates' total load, C{n} their number). So the same head
+    stays on one replica, whose engine holds its KV blocks, while that
+    replica's load allows, and no replica ever takes more than the bound.
+
+The ring and the key depend only on the routing table and the request, not
+on anything a gateway remembers: two gateways with the same table and the
+same loads make the same choice.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import math
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from llmgw.routing import POLICIES, Route
+
+#: The policy of a model the routing table names none for: the one
+#: bench/routing.py measured best overall (see docs/operations.md).
+DEFAULT_POLICY = "prefix"
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """
+    The routing policies' knobs.
+
+    @ivar stale_after_s: engine signals older than this are ignored.
+    @ivar saturated_waiting: a replica with more requests waiting than this
+        in its engine is saturated.
+    @ivar saturated_kv: a replica whose KV-cache use is at least this
+        fraction is saturated.
+    @ivar epsilon: the load bound of C{prefix}: no replica above
+        C{(1 + epsilon)} times the mean (rounded up).
+    @ivar chunk_chars: the prompt head is hashed in chunks of this many
+        characters.
+    @ivar max_chunks: at most this many chunks of the head count.
+    @ivar vnodes: ring points per replica.
+    """
+
+    stale_after_s: float = 3.0
+    saturated_waiting: float = 16.0
+    saturated_kv: float = 0.95
+    epsilon: float = 0.25
+    chunk_chars: int = 256
+    max_chunks: int = 64
+    vnodes: int = 64
+
+    def __post_init__(self) -> None:
+        if self.stale_after_s < 0 or self.saturated_waiting < 0:
+            raise ValueError("stale_after_s and saturated_waiting must not be negative")
+        if not 0 < self.saturated_kv <= 1:
+            raise ValueError("saturated_kv must be a fraction in (0, 1]")
+        if self.epsilon < 0:
+            raise ValueError("epsilon must not be negative")
+        if self.chunk_chars < 1 or self.max_chunks < 1 or self.vnodes < 1:
+            raise ValueError("chunk_chars, max_chunks and vnodes must be at least 1")
+
+
+# -- load ---------------------------------------------------------------------------------
+
+
+def fresh_signals(route: Route, now: float, config: PolicyConfig) -> bool:
+    s = route.signals
+    return s is not None and s.age(now) <= config.stale_after_s
+
+
+def replica_load(route: Route, in_flight: int, now: float, config: PolicyConfig) -> int:
+    """
+    The request count a replica is judged by: this gateway's in flight, or
+    the engine's fresh waiting + running when larger.
+    """
+    s = route.signals
+    if s is None or s.age(now) > config.stale_after_s:
+        return in_flight
+    engine = (s.waiting or 0.0) + (s.running or 0.0)
+    return max(in_flight, int(engine))
+
+
+def kv_use(route: Route, now: float, config: PolicyConfig) -> float:
+    s = route.signals
+    if s is None or s.kv_cache_usage is None or s.age(now) > config.stale_after_s:
+        return 0.0
+    return s.kv_cache_usage
+
+
+def saturated(route: Route, now: float, config: PolicyConfig) -> bool:
+    """
+    Whether fresh signals say C{route}'s engine is full: too many waiting,
+    or its KV cache (nearly) full.
+    """
+    s = route.signals
+    if s is None or s.age(now) > config.stale_after_s:
+        return False
+    if s.waiting is not None and s.waiting > config.saturated_waiting:
+        return True
+    return s.kv_cache_usage is not None and s.kv_cache_usage >= config.saturated_kv
+
+
+def unsaturated(routes: Sequence[Route], now: float, config: PolicyConfig) -> Sequence[Route]:
+    """
+    C{routes} less the saturated ones, unless all are.
+    """
+    keep = [r for r in routes if not saturated(r, now, config)]
+    return keep if keep else routes
+
+
+# -- affinity keys --------------------------------------------------------------------------
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        # Content parts: only the text ones say what the engine caches.
+        return "".join(
+            p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
+        )
+    return ""
+
+
+def prompt_head(body: Mapping[str, Any]) -> str:
+    """
+    The part of a request's prompt that its next turns repeat: for a chat,
+    the messages up to and including the first user message (system prompt
+    and opening question, which every later turn of the conversation starts
+    with); for a completion, its prompt. C{""} when there is none.
+    """
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        parts = []
+        for m in messages:
+            if not isinstance(m, dict):
+                continue
+            role = m.get("role")
+            parts.append(f"{role}\x00{_text(m.get('content'))}\x01")
+            if role == "user":
+                break
+        return "".join(parts)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        return prompt[0]
+    return ""
+
+
+def chunk_hashes(text: str, chunk_chars: int, max_chunks: int) -> list[bytes]:
+    """
+    Chained hashes of C{text}'s leading fixed-size chunks: the i-th hash
+    covers chunks 0..i, so two texts share the i-th hash exactly when they
+    share their first i + 1 chunks. A last partial chunk counts.
+    """
+    out = []
+    h = b""
+    for i in range(min(max_chunks, math.ceil(len(text) / chunk_chars))):
+        chunk = text[i * chunk_chars : (i + 1) * chunk_chars]
+        h = hashlib.blake2b(h + chunk.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+        out.append(h)
+    return out
+
+
+def affinity_key(
+    body: Mapping[str, Any], session: str | None, config: PolicyConfig
+) -> bytes | None:
+    """
+    The key a request is routed by under C{prefix}: its session when it
+    names one (C{X-Session-Id}, else the body's C{user}), else the hash of
+    its prompt head's leading chunks; C{None} when it has neither.
+    """
+    if not session:
+        user = body.get("user")
+        session = user if isinstance(user, str) and user else None
+    if session:
+        return b"s\x00" + hashlib.blake2b(session.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    hashes = chunk_hashes(prompt_head(body), config.chunk_chars, config.max_chunks)
+    return b"p\x00" + hashes[-1] if hashes else None
+
+
+# -- the ring -------------------------------------------------------------------------------
+
+
+def _point(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
+class Ring:
+    """
+    A consistent-hash ring over replica ids: C{vnodes} points each, placed
+    by the ids alone, so every gateway builds the same ring from the same
+    routes.
+    """
+
+    def __init__(self, replica_ids: Collection[str], vnodes: int):
+        points = sorted(
+            (_point(f"{rid}#{i}".encode()), rid) for rid in replica_ids for i in range(vnodes)
+        )
+        self._keys = [p for p, _ in points]
+        self._ids = [rid for _, rid in points]
+        self.replica_ids = frozenset(replica_ids)
+
+    def walk(self, key: bytes) -> list[str]:
+        """
+        Every replica id once, in ring order from C{key}'s point.
+        """
+        n = len(self._keys)
+        if not n:
+            return []
+        start = bisect.bisect_left(self._keys, _point(key)) % n
+        seen: dict[str, None] = {}
+        want = len(self.replica_ids)
+        for i in range(n):
+            rid = self._ids[(start + i) % n]
+            if rid not in seen:
+                seen[rid] = None
+                if len(seen) == want:
+                    break
+        return list(seen)
+
+
+def load_bound(total: int, n: int, epsilon: float) -> int:
+    """
+    The most requests (counting the one being placed) a replica may hold
+    under C{prefix}: C{ceil((1 + epsilon) * (total + 1) / n)}, at least 1.
+    """
+    return max(1, math.ceil((1.0 + epsilon) * (total + 1) / n - 1e-9))
+
+
+# -- the policies ---------------------------------------------------------------------------
+
+
+def least_loaded(candidates: Sequence[Route], loads: Mapping[str, int], kv: Mapping[str, float], turn: int) -> Route:
+    """
+    The candidate with the least load (then the least KV use); ties go to
+    the first from position C{turn} on.
+    """
+    n = len(candidates)
+    start = turn % n
+    best = candidates[start]
+    best_score = (loads[best.replica_id], kv.get(best.replica_id, 0.0))
+    for i in range(1, n):
+        r = candidates[(start + i) % n]
+        score = (loads[r.replica_id], kv.get(r.replica_id, 0.0))
+        if score < best_score:
+            best, best_score = r, score
+    return best
+
+
+def round_robin(candidates: Sequence[Route], turn: int) -> Route:
+    return candidates[turn % len(candidates)]
+
+
+def bounded_prefix(
+    candidates: Sequence[Route], loads: Mapping[str, int], ring: Ring, key: bytes, epsilon: float
+) -> Route:
+    """
+    The first candidate on C{ring} from C{key} whose load is under the
+    bound (L{load_bound}); one always is (the least loaded).
+    """
+    by_id = {r.replica_id: r for r in candidates}
+    total = sum(loads[rid] for rid in by_id)
+    bound = load_bound(total, len(by_id), epsilon)
+    for rid in ring.walk(key):
+        r = by_id.get(rid)
+        if r is not None and loads[rid] + 1 <= bound:
+            return r
+    # Unreachable with integer loads (the least loaded is under the mean);
+    # kept so that a caller's odd loads still get an answer.
+    return min(candidates, key=lambda r: (loads[r.replica_id], r.replica_id))
+
+
+def choose(
+    policy: str,
+    candidates: Sequence[Route],
+    in_flight: Callable[[str], int],
+    now: float,
+    config: PolicyConfig,
+    key: bytes | None,
+    turn: int,
+    ring: Ring | None = None,
+) -> Route:
+    """
+    The replica C{policy} sends a request to among C{candidates} (not
+    empty; all eligible: ready, not draining, not cooling down).
+
+    @param key: the request's affinity key (L{affinity_key}); C{prefix}
+        without one falls back to C{least_loaded}.
+    @param turn: a counter the caller advances per request (rotation).
+    @param ring: the ring of every route of the model, to reuse; built
+        from C{candidates} when not given.
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"unknown routing policy {policy!r} (known: {', '.join(POLICIES)})")
+    candidates = unsaturated(candidates, now, config)
+    if policy == "round_robin":
+        return round_robin(candidates, turn)
+    loads = {r.replica_id: replica_load(r, in_flight(r.replica_id), now, config) for r in candidates}
+    if policy == "prefix" and key is not None:
+        if ring is None:
+            ring = Ring([r.replica_id for r in candidates], config.vnodes)
+        return bounded_prefix(candidates, loads, ring, key, config.epsilon)
+    kv = {r.replica_id: kv_use(r, now, config) for r in candidates}
+    return least_loaded(candidates, loads, kv, turn)
