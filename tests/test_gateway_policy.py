@@ -54,16 +54,20 @@ def chat(system: str, *turns: str) -> dict[str, object]:
 class AffinityKeyTests(SynchronousTestCase):
     def test_later_turns_share_the_key(self) -> None:
         """
-        Every turn of a conversation (the same system prompt and first user
-        message, then more turns) has the same key; another conversation
-        under the same system prompt has another.
+        Every later turn of a conversation (the same system prompt and first
+        user message, then more turns) has the same key; another
+        conversation under the same system prompt has another; a first turn
+        (no assistant message yet) has none: it goes to the least loaded.
         """
-        first = affinity_key(chat("You are helpful. " * 40, "hello"), None, CONFIG)
-        later = affinity_key(chat("You are helpful. " * 40, "hello", "hi!", "more"), None, CONFIG)
-        other = affinity_key(chat("You are helpful. " * 40, "goodbye"), None, CONFIG)
-        self.assertIsNotNone(first)
-        self.assertEqual(first, later)
-        self.assertNotEqual(first, other)
+        system = "You are helpful. " * 40
+        first = affinity_key(chat(system, "hello"), None, CONFIG)
+        second = affinity_key(chat(system, "hello", "hi!", "more"), None, CONFIG)
+        third = affinity_key(chat(system, "hello", "hi!", "more", "sure", "again"), None, CONFIG)
+        other = affinity_key(chat(system, "goodbye", "bye!", "more"), None, CONFIG)
+        self.assertIsNone(first)
+        self.assertIsNotNone(second)
+        self.assertEqual(second, third)
+        self.assertNotEqual(second, other)
 
     def test_completion_prompt(self) -> None:
         """
@@ -114,6 +118,18 @@ class LoadTests(SynchronousTestCase):
         route = Route("r", "m", "h:1", signals=s)
         self.assertEqual(replica_load(route, 2, 11.0, CONFIG), 8)
         self.assertEqual(replica_load(route, 20, 11.0, CONFIG), 20)
+
+    def test_other_gateways_share(self) -> None:
+        """
+        Given this gateway's in-flight count when the signals came, the load
+        is its count now plus what the engine held beyond it then (other
+        gateways' requests), so a lagging engine count does not hide
+        requests that have finished since.
+        """
+        s = EngineSignals(sampled_at=10.0, waiting=2, running=8)
+        route = Route("r", "m", "h:1", signals=s)
+        self.assertEqual(replica_load(route, 3, 11.0, CONFIG, in_flight_at_sample=6), 3 + 4)
+        self.assertEqual(replica_load(route, 3, 11.0, CONFIG, in_flight_at_sample=12), 3)
 
     def test_stale_signals_ignored(self) -> None:
         """
@@ -197,7 +213,7 @@ class PrefixTests(SynchronousTestCase):
         """
         r = Router(Clock())
         rs = routes(4)
-        key = affinity_key(chat("system " * 100, "question"), None, CONFIG)
+        key = affinity_key(chat("system " * 100, "question", "answer", "more"), None, CONFIG)
         first = r.pick(rs, (), "prefix", key)
         assert first is not None
         home = first.replica_id
@@ -278,6 +294,19 @@ class PrefixTests(SynchronousTestCase):
         for k in keys:
             if before[k] != "r0":
                 self.assertEqual(r.pick(drained, (), "prefix", k).replica_id, before[k])  # type: ignore[union-attr]
+
+    def test_first_turn_least_loaded(self) -> None:
+        """
+        A chat's first turn goes to the least loaded replica, whatever its
+        prompt.
+        """
+        r = Router(Clock())
+        rs = routes(3)
+        r.begin("r0")
+        r.begin("r2")
+        for i in range(5):
+            key = affinity_key(chat("system", f"question {i}"), None, CONFIG)
+            self.assertEqual(r.pick(rs, (), "prefix", key).replica_id, "r1")  # type: ignore[union-attr]
 
     def test_no_key_is_least_loaded(self) -> None:
         """
@@ -421,8 +450,8 @@ class PrefixThroughGatewayTests(TestCase):
     @inlineCallbacks
     def test_conversation_and_session_stick(self) -> Any:
         """
-        Under C{prefix}, every turn of a conversation reaches the replica its
-        first turn reached, and requests with one X-Session-Id reach one
+        Under C{prefix}, every later turn of a conversation reaches the
+        replica its second turn reached, and requests with one X-Session-Id reach one
         replica whatever their prompts.
         """
         from tests.gateway_helpers import Harness
@@ -442,7 +471,7 @@ class PrefixThroughGatewayTests(TestCase):
         for c in range(6):
             turns = [f"conversation {c} opens", "an answer", "a follow-up", "another answer", "more"]
             homes = set()
-            for n in range(1, len(turns) + 1, 2):
+            for n in range(3, len(turns) + 1, 2):
                 homes.add((yield who(chat("Shared system prompt. " * 30, *turns[:n]))))
             self.assertEqual(len(homes), 1, f"conversation {c} moved: {homes}")
         sessions = set()

@@ -3,11 +3,12 @@ Routing policies: which of a model's replicas takes a request, as pure
 functions of the candidates, their loads and the request's affinity key.
 
 A replica's load (L{replica_load}) is what this gateway has in flight to it,
-or, when the engine's signals are fresh (younger than
-C{PolicyConfig.stale_after_s}), the engine's own waiting + running count if
-that is larger: the engine's figures include this gateway's requests and
-every other gateway's, the gateway's count includes what the engine has not
-reported yet. KV-cache use breaks ties between equal counts. Stale or
+plus, when the engine's signals are fresh (younger than
+C{PolicyConfig.stale_after_s}), the engine's waiting + running beyond what
+this gateway had in flight when those signals arrived: the other gateways'
+requests. (The engine's count lags; taken whole it makes a lone gateway
+herd requests away from replicas that have already finished their work.)
+KV-cache use breaks ties between equal counts. Stale or
 missing signals leave the gateway's count alone: a dead scrape degrades to
 least-in-flight. A replica whose fresh signals say it is saturated (more
 than C{saturated_waiting} queued, or KV use at or over C{saturated_kv}) is
@@ -22,7 +23,9 @@ C{round_robin}
 C{prefix}
     Consistent hashing with bounded loads (Mirrokni et al., 2018) over an
     affinity key: the request's session (an C{X-Session-Id} header, else the
-    body's C{user}) or the head of its prompt (L{affinity_key}). The key
+    body's C{user}) or the head of its prompt (L{affinity_key}); a chat's
+    first turn has none and goes to the least loaded, as in
+    C{least_loaded}. The key
     picks a point on a ring of C{vnodes} points per replica, hashed from
     replica ids alone, and the request goes to the first replica from there
     whose load is under the bound C{ceil((1 + epsilon) * (L + 1) / n)}
@@ -96,16 +99,23 @@ def fresh_signals(route: Route, now: float, config: PolicyConfig) -> bool:
     return s is not None and s.age(now) <= config.stale_after_s
 
 
-def replica_load(route: Route, in_flight: int, now: float, config: PolicyConfig) -> int:
+def replica_load(
+    route: Route, in_flight: int, now: float, config: PolicyConfig, in_flight_at_sample: int | None = None
+) -> int:
     """
-    The request count a replica is judged by: this gateway's in flight, or
-    the engine's fresh waiting + running when larger.
+    The request count a replica is judged by: this gateway's in flight,
+    plus, when the engine's signals are fresh, the engine's waiting +
+    running beyond what this gateway had in flight when it first saw those
+    signals (C{in_flight_at_sample}): the requests of other gateways. Without
+    that figure, the larger of the two counts.
     """
     s = route.signals
     if s is None or s.age(now) > config.stale_after_s:
         return in_flight
-    engine = (s.waiting or 0.0) + (s.running or 0.0)
-    return max(in_flight, int(engine))
+    engine = int((s.waiting or 0.0) + (s.running or 0.0))
+    if in_flight_at_sample is None:
+        return max(in_flight, engine)
+    return in_flight + max(0, engine - in_flight_at_sample)
 
 
 def kv_use(route: Route, now: float, config: PolicyConfig) -> float:
@@ -197,13 +207,22 @@ def affinity_key(
     """
     The key a request is routed by under C{prefix}: its session when it
     names one (C{X-Session-Id}, else the body's C{user}), else the hash of
-    its prompt head's leading chunks; C{None} when it has neither.
+    its prompt head's leading chunks; C{None} when it has neither, and for
+    a chat with no earlier turn (no assistant message).
     """
     if not session:
         user = body.get("user")
         session = user if isinstance(user, str) and user else None
     if session:
         return b"s\x00" + hashlib.blake2b(session.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    messages = body.get("messages")
+    if isinstance(messages, list) and not any(
+        isinstance(m, dict) and m.get("role") == "assistant" for m in messages
+    ):
+        # A first turn (or a one-off prompt): no replica holds its history,
+        # so it goes where the load is least; the turns after it, which
+        # repeat its head, are routed by that head.
+        return None
     hashes = chunk_hashes(prompt_head(body), config.chunk_chars, config.max_chunks)
     return b"p\x00" + hashes[-1] if hashes else None
 
@@ -309,6 +328,7 @@ def choose(
     key: bytes | None,
     turn: int,
     ring: Ring | None = None,
+    at_sample: Mapping[str, int] | None = None,
 ) -> Route:
     """
     The replica C{policy} sends a request to among C{candidates} (not
@@ -319,13 +339,19 @@ def choose(
     @param turn: a counter the caller advances per request (rotation).
     @param ring: the ring of every route of the model, to reuse; built
         from C{candidates} when not given.
+    @param at_sample: per replica, this gateway's in-flight count when it
+        first saw the replica's current signals (L{replica_load}).
     """
     if policy not in POLICIES:
         raise ValueError(f"unknown routing policy {policy!r} (known: {', '.join(POLICIES)})")
     candidates = unsaturated(candidates, now, config)
     if policy == "round_robin":
         return round_robin(candidates, turn)
-    loads = {r.replica_id: replica_load(r, in_flight(r.replica_id), now, config) for r in candidates}
+    seen = at_sample or {}
+    loads = {
+        r.replica_id: replica_load(r, in_flight(r.replica_id), now, config, seen.get(r.replica_id))
+        for r in candidates
+    }
     if policy == "prefix" and key is not None:
         if ring is None:
             ring = Ring([r.replica_id for r in candidates], config.vnodes)

@@ -40,6 +40,8 @@ class Router:
         self.clock = clock
         self.policy = policy if policy is not None else PolicyConfig()
         self._rings: dict[tuple[str, ...], Ring] = {}
+        #: replica -> (sampled_at of the signals last seen, in flight then)
+        self._at_sample: dict[str, tuple[float, int]] = {}
         self.failure_threshold = failure_threshold
         self.cooldown = cooldown
         self._in_flight: dict[str, int] = {}
@@ -116,7 +118,7 @@ class Router:
         """
         Drop breaker state of replicas not in C{keep} (gone from the table).
         """
-        for d in (self._failures, self._cool_until):
+        for d in (self._failures, self._cool_until, self._at_sample):
             for r in [r for r in d if r not in keep]:
                 del d[r]
 
@@ -164,5 +166,18 @@ class Router:
             return None
         turn = self._turn
         self._turn += 1
+        at_sample = {}
+        seen = self._at_sample
+        for r in candidates:
+            s = r.signals
+            if s is None:
+                continue
+            rid = r.replica_id
+            entry = seen.get(rid)
+            if entry is None or entry[0] != s.sampled_at:
+                entry = seen[rid] = (s.sampled_at, self._in_flight.get(rid, 0))
+            at_sample[rid] = entry[1]
         ring = self.ring(routes) if policy == "prefix" and key is not None else None
-        return choose(policy, candidates, self.in_flight, self.clock.seconds(), self.policy, key, turn, ring)
+        return choose(
+            policy, candidates, self.in_flight, self.clock.seconds(), self.policy, key, turn, ring, at_sample
+        )

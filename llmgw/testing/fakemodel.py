@@ -569,8 +569,6 @@ class _SimReply:
             req.setHeader(b"content-type", b"application/json")
         req.notifyFinish().addBoth(self._gone)
         self.app.running += 1
-        if self.stream and self.kind == "chat":
-            self.writer._send(self.writer._chunk({"role": "assistant", "content": ""}, None))
         return server.NOT_DONE_YET
 
     def _gone(self, _: Any) -> None:
@@ -596,6 +594,10 @@ class _SimReply:
             return
         word = self.words[n - 1]
         w = self.writer
+        if n == 1 and self.kind == "chat":
+            # As engines do, the role comes when the first token does: the
+            # first byte of the body is the time to first token.
+            w._send(w._chunk({"role": "assistant", "content": ""}, None))
         w._send(w._chunk({"content": word} if self.kind == "chat" else word, None))
 
     def done(self) -> None:
