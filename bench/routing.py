@@ -13,6 +13,7 @@ Routers compared, each against freshly started replicas (empty caches):
 - C{round_robin}, C{least_loaded} and C{prefix}: llmgw's policies, the
   gateway fed the replicas' engine signals every 0.25 s (what the control
   plane's scrapes give it);
+- C{prefix_no_signals}: C{prefix} with no engine signals (in-flight counts only);
 - C{vllm-router cache_aware} and C{sglang-router cache_aware}, when their
   executables are in C{--peers} (C{pip install vllm-router sglang-router}
   into a separate venv).
@@ -364,14 +365,17 @@ def sim_metrics(ports: list[int]) -> tuple[float, float]:
     return q, h
 
 
-def router_command(name: str, port: int, sim_ports: list[int], peers: str | None) -> list[str] | None:
+def router_command(name: str, port: int, sim_ports: list[int], args: argparse.Namespace) -> list[str] | None:
+    peers = args.peers
     urls = [f"http://127.0.0.1:{p}" for p in sim_ports]
     ups = ",".join(f"127.0.0.1:{p}" for p in sim_ports)
     me = [sys.executable, str(Path(__file__).resolve()), "gateway", "--port", str(port), "--upstreams", ups]
     if name == "least_in_flight":
         return me + ["--policy", "least_loaded"]
+    if name == "prefix_no_signals":
+        return me + ["--policy", "prefix", "--epsilon", str(args.epsilon)]
     if name in ("round_robin", "least_loaded", "prefix"):
-        return me + ["--policy", name, "--signals"]
+        return me + ["--policy", name, "--signals", "--epsilon", str(args.epsilon)]
     if peers is None:
         return None
     if name == "vllm-router cache_aware":
@@ -390,13 +394,13 @@ def router_command(name: str, port: int, sim_ports: list[int], peers: str | None
 
 
 ROUTERS = ["least_in_flight", "round_robin", "least_loaded", "prefix", "vllm-router cache_aware",
-           "sglang-router cache_aware"]
+           "sglang-router cache_aware", "prefix_no_signals"]
 
 
 def run_router(name: str, args: argparse.Namespace) -> dict[str, Any] | None:
     sim_ports = free_ports(4)
     (port,) = free_ports(1)
-    cmd = router_command(name, port, sim_ports, args.peers)
+    cmd = router_command(name, port, sim_ports, args)
     if cmd is None:
         return None
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -483,7 +487,7 @@ def verdict(results: dict[str, Any]) -> dict[str, Any]:
     new = results.get("prefix")
     if not base or not new:
         return {}
-    peers = [results[p] for p in ROUTERS[4:] if results.get(p)]
+    peers = [results[p] for p in ROUTERS[4:6] if results.get(p)]
     a_new, a_base = new["conversations"]["ttft_p99_ms"], base["conversations"]["ttft_p99_ms"]
     best_peer = min((p["conversations"]["ttft_p99_ms"] for p in peers), default=None)
     b_new, b_base = new["independent"]["throughput_rps"], base["independent"]["throughput_rps"]
@@ -537,7 +541,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.routers.split(","):
         cmd = [sys.executable, str(Path(__file__).resolve()), "one", "--router", name,
                "--conversations", str(args.conversations), "--turns", str(args.turns),
-               "--independent", str(args.independent), "--burst", str(args.burst)]
+               "--independent", str(args.independent), "--burst", str(args.burst),
+               "--epsilon", str(args.epsilon)]
         if args.peers:
             cmd += ["--peers", args.peers]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
@@ -553,6 +558,7 @@ def main(argv: list[str] | None = None) -> int:
         "bench": "routing",
         "machine": {"cpus": os.cpu_count(), "load_before": load_before, "load_after": os.getloadavg()},
         "simulator": SIM_ARGS,
+        "prefix_policy": {"epsilon": args.epsilon},
         "max_tokens": MAX_TOKENS,
         "workloads": {
             "conversations": {"conversations": args.conversations, "turns": args.turns,

@@ -16,6 +16,7 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from llmgw.control.catalog import CatalogError, parse_catalog
 from llmgw.gateway.policy import (
+    FIRST_TURN,
     PolicyConfig,
     Ring,
     affinity_key,
@@ -54,18 +55,19 @@ def chat(system: str, *turns: str) -> dict[str, object]:
 class AffinityKeyTests(SynchronousTestCase):
     def test_later_turns_share_the_key(self) -> None:
         """
-        Every later turn of a conversation (the same system prompt and first
-        user message, then more turns) has the same key; another
-        conversation under the same system prompt has another; a first turn
-        (no assistant message yet) has none: it goes to the least loaded.
+        Every turn of a conversation (the same system prompt and first user
+        message, then more turns) has the same key, the first marked as a
+        first turn; another conversation under the same system prompt has
+        another.
         """
         system = "You are helpful. " * 40
         first = affinity_key(chat(system, "hello"), None, CONFIG)
         second = affinity_key(chat(system, "hello", "hi!", "more"), None, CONFIG)
         third = affinity_key(chat(system, "hello", "hi!", "more", "sure", "again"), None, CONFIG)
         other = affinity_key(chat(system, "goodbye", "bye!", "more"), None, CONFIG)
-        self.assertIsNone(first)
-        self.assertIsNotNone(second)
+        assert first is not None and second is not None
+        self.assertTrue(first.startswith(FIRST_TURN))
+        self.assertEqual(first[2:], second[2:])
         self.assertEqual(second, third)
         self.assertNotEqual(second, other)
 
@@ -208,8 +210,8 @@ class PrefixTests(SynchronousTestCase):
         """
         A key goes to the same replica request after request while that
         replica is under the bound, even if others are less loaded; once it
-        is over, the next on the ring takes it, and it returns when the load
-        falls.
+        is over, the next on the ring under the bound takes it, and its
+        requests follow it there.
         """
         r = Router(Clock())
         rs = routes(4)
@@ -235,9 +237,15 @@ class PrefixTests(SynchronousTestCase):
         walk = [x for x in Ring([x.replica_id for x in rs], 64).walk(key) if x != home]
         self.assertEqual(spill.replica_id, walk[0])
         r.end(home)
-        back = r.pick(rs, (), "prefix", key)
-        assert back is not None
-        self.assertEqual(back.replica_id, home)
+        # Its cache is where its last request went: it stays there while
+        # that replica is under the bound.
+        after = r.pick(rs, (), "prefix", key)
+        assert after is not None
+        self.assertEqual(after.replica_id, spill.replica_id)
+        # A gateway that has not seen the key goes by the ring: to home.
+        fresh = Router(Clock()).pick(rs, (), "prefix", key)
+        assert fresh is not None
+        self.assertEqual(fresh.replica_id, home)
 
     def test_keys_spread(self) -> None:
         """
@@ -333,18 +341,19 @@ class OtherPolicyTests(SynchronousTestCase):
 
     def test_least_loaded_uses_signals(self) -> None:
         """
-        C{least_loaded} counts fresh engine queues (other gateways' work) and
-        breaks ties by KV-cache use.
+        C{least_loaded} counts what fresh engine signals show beyond this
+        gateway's own requests (other gateways' work).
         """
         clock = Clock()
         clock.advance(100)
         busy = EngineSignals(sampled_at=99.0, waiting=4, running=4)
-        warm = EngineSignals(sampled_at=99.0, waiting=0, running=0, kv_cache_usage=0.5)
-        cool = EngineSignals(sampled_at=99.0, waiting=0, running=0, kv_cache_usage=0.1)
+        idle = EngineSignals(sampled_at=99.0, waiting=0, running=0)
         r = Router(clock)
-        rs = routes(3, {"r0": busy, "r1": warm, "r2": cool})
-        for _ in range(5):
-            self.assertEqual(r.pick(rs, (), "least_loaded").replica_id, "r2")  # type: ignore[union-attr]
+        rs = routes(3, {"r0": busy, "r1": idle, "r2": idle})
+        r.begin("r1")
+        r.begin("r2")
+        got = Counter(r.pick(rs, (), "least_loaded").replica_id for _ in range(6))  # type: ignore[union-attr]
+        self.assertEqual(set(got), {"r1", "r2"})
 
     def test_unknown_policy(self) -> None:
         """

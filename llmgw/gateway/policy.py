@@ -7,8 +7,9 @@ plus, when the engine's signals are fresh (younger than
 C{PolicyConfig.stale_after_s}), the engine's waiting + running beyond what
 this gateway had in flight when those signals arrived: the other gateways'
 requests. (The engine's count lags; taken whole it makes a lone gateway
-herd requests away from replicas that have already finished their work.)
-KV-cache use breaks ties between equal counts. Stale or
+herd requests away from replicas that have already finished their work.
+For the same reason KV-cache use is no tie-break: a stale figure would
+send every tie to one replica until the next scrape.) Stale or
 missing signals leave the gateway's count alone: a dead scrape degrades to
 least-in-flight. A replica whose fresh signals say it is saturated (more
 than C{saturated_waiting} queued, or KV use at or over C{saturated_kv}) is
@@ -24,8 +25,8 @@ C{prefix}
     Consistent hashing with bounded loads (Mirrokni et al., 2018) over an
     affinity key: the request's session (an C{X-Session-Id} header, else the
     body's C{user}) or the head of its prompt (L{affinity_key}); a chat's
-    first turn has none and goes to the least loaded, as in
-    C{least_loaded}. The key
+    first turn, which has nothing cached yet, is placed under the tight
+    bound C{epsilon_first} (by default the mean, rounded up). The key
     picks a point on a ring of C{vnodes} points per replica, hashed from
     replica ids alone, and the request goes to the first replica from there
     whose load is under the bound C{ceil((1 + epsilon) * (L + 1) / n)}
@@ -118,13 +119,6 @@ def replica_load(
     return in_flight + max(0, engine - in_flight_at_sample)
 
 
-def kv_use(route: Route, now: float, config: PolicyConfig) -> float:
-    s = route.signals
-    if s is None or s.kv_cache_usage is None or s.age(now) > config.stale_after_s:
-        return 0.0
-    return s.kv_cache_usage
-
-
 def saturated(route: Route, now: float, config: PolicyConfig) -> bool:
     """
     Whether fresh signals say C{route}'s engine is full: too many waiting,
@@ -207,24 +201,30 @@ def affinity_key(
     """
     The key a request is routed by under C{prefix}: its session when it
     names one (C{X-Session-Id}, else the body's C{user}), else the hash of
-    its prompt head's leading chunks; C{None} when it has neither, and for
-    a chat with no earlier turn (no assistant message).
+    its prompt head's leading chunks; C{None} when it has neither. A chat
+    with no earlier turn (no assistant message) gets a L{FIRST_TURN} key.
     """
     if not session:
         user = body.get("user")
         session = user if isinstance(user, str) and user else None
     if session:
         return b"s\x00" + hashlib.blake2b(session.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    hashes = chunk_hashes(prompt_head(body), config.chunk_chars, config.max_chunks)
+    if not hashes:
+        return None
     messages = body.get("messages")
     if isinstance(messages, list) and not any(
         isinstance(m, dict) and m.get("role") == "assistant" for m in messages
     ):
-        # A first turn (or a one-off prompt): no replica holds its history,
-        # so it goes where the load is least; the turns after it, which
-        # repeat its head, are routed by that head.
-        return None
-    hashes = chunk_hashes(prompt_head(body), config.chunk_chars, config.max_chunks)
-    return b"p\x00" + hashes[-1] if hashes else None
+        # A first turn (or a one-off prompt): no replica holds its history
+        # yet, so it goes to the least loaded (FIRST_TURN); the turns after
+        # it, which repeat its head, follow it there while its load allows.
+        return FIRST_TURN + hashes[-1]
+    return b"p\x00" + hashes[-1]
+
+
+#: The mark of a first turn's key (same ring point as its later turns).
+FIRST_TURN = b"f\x00"
 
 
 # -- the ring -------------------------------------------------------------------------------
@@ -256,7 +256,9 @@ class Ring:
         n = len(self._keys)
         if not n:
             return []
-        start = bisect.bisect_left(self._keys, _point(key)) % n
+        # The mark (first turn, later turn, session) does not move the point.
+        point = key[2:] if key[1:2] == b"\x00" else key
+        start = bisect.bisect_left(self._keys, _point(point)) % n
         seen: dict[str, None] = {}
         want = len(self.replica_ids)
         for i in range(n):
@@ -279,20 +281,20 @@ def load_bound(total: int, n: int, epsilon: float) -> int:
 # -- the policies ---------------------------------------------------------------------------
 
 
-def least_loaded(candidates: Sequence[Route], loads: Mapping[str, int], kv: Mapping[str, float], turn: int) -> Route:
+def least_loaded(candidates: Sequence[Route], loads: Mapping[str, int], turn: int) -> Route:
     """
-    The candidate with the least load (then the least KV use); ties go to
-    the first from position C{turn} on.
+    The candidate with the least load; ties go to the first from position
+    C{turn} on, so that equal replicas take turns.
     """
     n = len(candidates)
     start = turn % n
     best = candidates[start]
-    best_score = (loads[best.replica_id], kv.get(best.replica_id, 0.0))
+    best_load = loads[best.replica_id]
     for i in range(1, n):
         r = candidates[(start + i) % n]
-        score = (loads[r.replica_id], kv.get(r.replica_id, 0.0))
-        if score < best_score:
-            best, best_score = r, score
+        load = loads[r.replica_id]
+        if load < best_load:
+            best, best_load = r, load
     return best
 
 
@@ -301,15 +303,26 @@ def round_robin(candidates: Sequence[Route], turn: int) -> Route:
 
 
 def bounded_prefix(
-    candidates: Sequence[Route], loads: Mapping[str, int], ring: Ring, key: bytes, epsilon: float
-) -> Route:
+    candidates: Sequence[Route],
+    loads: Mapping[str, int],
+    ring: Ring,
+    key: bytes,
+    epsilon: float,
+    home: str | None = None,
+) -> Route | None:
     """
-    The first candidate on C{ring} from C{key} whose load is under the
-    bound (L{load_bound}); one always is (the least loaded).
+    C{home} (where this key's last request went) if it is a candidate under
+    the bound (L{load_bound}), else the first candidate on C{ring} from
+    C{key} under it (one always is: the least loaded). For a first turn's
+    key (L{FIRST_TURN}) without a home, C{None}: it goes to the least loaded.
     """
     by_id = {r.replica_id: r for r in candidates}
     total = sum(loads[rid] for rid in by_id)
     bound = load_bound(total, len(by_id), epsilon)
+    if home is not None and home in by_id and loads[home] + 1 <= bound:
+        return by_id[home]
+    if key.startswith(FIRST_TURN):
+        return None
     for rid in ring.walk(key):
         r = by_id.get(rid)
         if r is not None and loads[rid] + 1 <= bound:
@@ -329,6 +342,7 @@ def choose(
     turn: int,
     ring: Ring | None = None,
     at_sample: Mapping[str, int] | None = None,
+    home: str | None = None,
 ) -> Route:
     """
     The replica C{policy} sends a request to among C{candidates} (not
@@ -341,6 +355,8 @@ def choose(
         from C{candidates} when not given.
     @param at_sample: per replica, this gateway's in-flight count when it
         first saw the replica's current signals (L{replica_load}).
+    @param home: under C{prefix}, the replica this key's last request went
+        to, if the caller remembers it.
     """
     if policy not in POLICIES:
         raise ValueError(f"unknown routing policy {policy!r} (known: {', '.join(POLICIES)})")
@@ -355,6 +371,7 @@ def choose(
     if policy == "prefix" and key is not None:
         if ring is None:
             ring = Ring([r.replica_id for r in candidates], config.vnodes)
-        return bounded_prefix(candidates, loads, ring, key, config.epsilon)
-    kv = {r.replica_id: kv_use(r, now, config) for r in candidates}
-    return least_loaded(candidates, loads, kv, turn)
+        chosen = bounded_prefix(candidates, loads, ring, key, config.epsilon, home)
+        if chosen is not None:
+            return chosen
+    return least_loaded(candidates, loads, turn)

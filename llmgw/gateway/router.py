@@ -14,6 +14,7 @@ counts and the engine signals in the routing table.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Collection, Sequence
 
 from twisted.internet.interfaces import IReactorTime
@@ -24,6 +25,8 @@ from llmgw.routing import IInFlight, Route
 
 #: Rings kept (one per set of replica ids seen recently).
 _MAX_RINGS = 1024
+#: Affinity keys whose last replica is remembered (least recently used go).
+MAX_HOMES = 100_000
 
 
 @implementer(IInFlight)
@@ -40,6 +43,8 @@ class Router:
         self.clock = clock
         self.policy = policy if policy is not None else PolicyConfig()
         self._rings: dict[tuple[str, ...], Ring] = {}
+        #: affinity key (less its mark) -> the replica its last request went to
+        self._homes: OrderedDict[bytes, str] = OrderedDict()
         #: replica -> (sampled_at of the signals last seen, in flight then)
         self._at_sample: dict[str, tuple[float, int]] = {}
         self.failure_threshold = failure_threshold
@@ -177,7 +182,18 @@ class Router:
             if entry is None or entry[0] != s.sampled_at:
                 entry = seen[rid] = (s.sampled_at, self._in_flight.get(rid, 0))
             at_sample[rid] = entry[1]
-        ring = self.ring(routes) if policy == "prefix" and key is not None else None
-        return choose(
-            policy, candidates, self.in_flight, self.clock.seconds(), self.policy, key, turn, ring, at_sample
+        if policy != "prefix" or key is None:
+            return choose(
+                policy, candidates, self.in_flight, self.clock.seconds(), self.policy, key, turn, None, at_sample
+            )
+        homes = self._homes
+        hkey = key[2:] if key[1:2] == b"\x00" else key
+        chosen = choose(
+            policy, candidates, self.in_flight, self.clock.seconds(), self.policy, key, turn,
+            self.ring(routes), at_sample, homes.get(hkey),
         )
+        homes[hkey] = chosen.replica_id
+        homes.move_to_end(hkey)
+        if len(homes) > MAX_HOMES:
+            homes.popitem(last=False)
+        return chosen
