@@ -487,3 +487,29 @@ class PrefixThroughGatewayTests(TestCase):
         for c in range(5):
             sessions.add((yield who(chat(f"prompt {c}", "q"), {b"X-Session-Id": [b"abc"]})))
         self.assertEqual(len(sessions), 1)
+
+
+class ControlPlaneHookTests(SynchronousTestCase):
+    def test_follow_catalog_policies(self) -> None:
+        """
+        The control plane's hook publishes the catalog's routing policies at
+        once, and again (the reloaded catalog's) whenever the declared models
+        are published.
+        """
+        from types import SimpleNamespace
+
+        from llmgw.control.service import follow_catalog_policies
+
+        profile = {"p": {"command": ["x"], "gpus_per_shard": 1}}
+
+        def catalog(routing: str) -> Any:
+            return parse_catalog(
+                {"profiles": profile, "deployments": [{"model": "a", "profile": "p", "routing": routing}]}
+            )
+
+        reconciler = SimpleNamespace(routing_table=RoutingTable(Clock()), catalog=catalog("round_robin"))
+        follow_catalog_policies(reconciler)
+        self.assertEqual(reconciler.routing_table.policy("a"), "round_robin")
+        reconciler.catalog = catalog("least_loaded")
+        reconciler.routing_table.set_known(["a"])
+        self.assertEqual(snapshot_to_json(reconciler.routing_table, 0.0)["policies"], {"a": "least_loaded"})
