@@ -10,10 +10,11 @@ Routers compared, each against freshly started replicas (empty caches):
 
 - C{least_in_flight}: llmgw's gateway as it was (least_loaded with no engine
   signals, which is exactly the old least-in-flight rule);
-- C{round_robin}, C{least_loaded} and C{prefix}: llmgw's policies, the
-  gateway fed the replicas' engine signals every 0.25 s (what the control
-  plane's scrapes give it);
-- C{prefix_no_signals}: C{prefix} with no engine signals (in-flight counts only);
+- C{round_robin}, C{least_loaded} and C{prefix}: llmgw's policies as
+  configured by default, the gateway fed the replicas' engine signals every
+  0.25 s (what the control plane's scrapes give it);
+- C{prefix_engine_load}: C{prefix} with engine counts added to the load
+  (C{PolicyConfig.engine_load}, off by default);
 - C{vllm-router cache_aware} and C{sglang-router cache_aware}, when their
   executables are in C{--peers} (C{pip install vllm-router sglang-router}
   into a separate venv).
@@ -91,7 +92,9 @@ def serve_sims(ports: list[int]) -> None:
     reactor.run()  # type: ignore[attr-defined]
 
 
-def serve_gateway(port: int, upstreams: list[str], policy: str, signals: bool, epsilon: float) -> None:
+def serve_gateway(
+    port: int, upstreams: list[str], policy: str, signals: bool, epsilon: float, engine_load: bool
+) -> None:
     import treq
     from twisted.internet import reactor
     from twisted.internet.defer import DeferredList
@@ -113,7 +116,7 @@ def serve_gateway(port: int, upstreams: list[str], policy: str, signals: bool, e
 
     publish()
     table.set_policies({MODEL: policy})
-    GatewayService(reactor, table, "127.0.0.1", port, GatewayConfig(first_byte_timeout=600, policy=PolicyConfig(epsilon=epsilon))).startService()
+    GatewayService(reactor, table, "127.0.0.1", port, GatewayConfig(first_byte_timeout=600, policy=PolicyConfig(epsilon=epsilon, engine_load=engine_load))).startService()
     if signals:
         names = engines.metric_names_for("vllm")
         http = treq.client.HTTPClient(
@@ -372,8 +375,8 @@ def router_command(name: str, port: int, sim_ports: list[int], args: argparse.Na
     me = [sys.executable, str(Path(__file__).resolve()), "gateway", "--port", str(port), "--upstreams", ups]
     if name == "least_in_flight":
         return me + ["--policy", "least_loaded"]
-    if name == "prefix_no_signals":
-        return me + ["--policy", "prefix", "--epsilon", str(args.epsilon)]
+    if name == "prefix_engine_load":
+        return me + ["--policy", "prefix", "--signals", "--engine-load", "--epsilon", str(args.epsilon)]
     if name in ("round_robin", "least_loaded", "prefix"):
         return me + ["--policy", name, "--signals", "--epsilon", str(args.epsilon)]
     if peers is None:
@@ -394,7 +397,7 @@ def router_command(name: str, port: int, sim_ports: list[int], args: argparse.Na
 
 
 ROUTERS = ["least_in_flight", "round_robin", "least_loaded", "prefix", "vllm-router cache_aware",
-           "sglang-router cache_aware", "prefix_no_signals"]
+           "sglang-router cache_aware", "prefix_engine_load"]
 
 
 def run_router(name: str, args: argparse.Namespace) -> dict[str, Any] | None:
@@ -513,6 +516,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--upstreams", default="")
     p.add_argument("--policy", default="prefix")
     p.add_argument("--signals", action="store_true")
+    p.add_argument("--engine-load", action="store_true", help="(gateway) engine counts add to the load")
     p.add_argument("--epsilon", type=float, default=0.25, help="prefix's load bound (gateway mode)")
     p.add_argument("--peers", default=None, help="a bin directory holding vllm-router and sglang-router")
     p.add_argument("--routers", default=",".join(ROUTERS), help="comma-separated, from: " + ", ".join(ROUTERS))
@@ -527,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
         serve_sims([int(x) for x in args.ports.split(",")])
         return 0
     if args.mode == "gateway":
-        serve_gateway(args.port, args.upstreams.split(","), args.policy, args.signals, args.epsilon)
+        serve_gateway(args.port, args.upstreams.split(","), args.policy, args.signals, args.epsilon, args.engine_load)
         return 0
     if args.quick:
         args.conversations, args.turns, args.independent, args.burst = 8, 3, 40, 100

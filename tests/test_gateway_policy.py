@@ -36,6 +36,7 @@ from llmgw.routing import (
 )
 
 CONFIG = PolicyConfig()
+ENGINE_LOAD = PolicyConfig(engine_load=True)
 
 
 def routes(n: int, signals: dict[str, EngineSignals] | None = None) -> list[Route]:
@@ -118,8 +119,10 @@ class LoadTests(SynchronousTestCase):
         """
         s = EngineSignals(sampled_at=10.0, waiting=5, running=3)
         route = Route("r", "m", "h:1", signals=s)
-        self.assertEqual(replica_load(route, 2, 11.0, CONFIG), 8)
-        self.assertEqual(replica_load(route, 20, 11.0, CONFIG), 20)
+        self.assertEqual(replica_load(route, 2, 11.0, ENGINE_LOAD), 8)
+        self.assertEqual(replica_load(route, 20, 11.0, ENGINE_LOAD), 20)
+        # Off (the default), the load is the gateway's count alone.
+        self.assertEqual(replica_load(route, 2, 11.0, CONFIG), 2)
 
     def test_other_gateways_share(self) -> None:
         """
@@ -130,8 +133,8 @@ class LoadTests(SynchronousTestCase):
         """
         s = EngineSignals(sampled_at=10.0, waiting=2, running=8)
         route = Route("r", "m", "h:1", signals=s)
-        self.assertEqual(replica_load(route, 3, 11.0, CONFIG, in_flight_at_sample=6), 3 + 4)
-        self.assertEqual(replica_load(route, 3, 11.0, CONFIG, in_flight_at_sample=12), 3)
+        self.assertEqual(replica_load(route, 3, 11.0, ENGINE_LOAD, in_flight_at_sample=6), 3 + 4)
+        self.assertEqual(replica_load(route, 3, 11.0, ENGINE_LOAD, in_flight_at_sample=12), 3)
 
     def test_stale_signals_ignored(self) -> None:
         """
@@ -141,13 +144,14 @@ class LoadTests(SynchronousTestCase):
         """
         s = EngineSignals(sampled_at=0.0, waiting=500, running=3, kv_cache_usage=1.0)
         rs = routes(2, {"r0": s})
-        self.assertEqual(replica_load(rs[0], 1, 3.5, CONFIG), 1)
+        self.assertEqual(replica_load(rs[0], 1, 3.5, ENGINE_LOAD), 1)
         inflight = {"r0": 0, "r1": 1}
-        for policy in ("least_loaded", "prefix"):
-            stale = choose(policy, rs, inflight.__getitem__, 3.5, CONFIG, None, 0)
-            self.assertEqual(stale.replica_id, "r0", policy)
-            fresh = choose(policy, rs, inflight.__getitem__, 2.5, CONFIG, None, 0)
-            self.assertEqual(fresh.replica_id, "r1", policy)
+        for config in (CONFIG, ENGINE_LOAD):
+            for policy in ("least_loaded", "prefix"):
+                stale = choose(policy, rs, inflight.__getitem__, 3.5, config, None, 0)
+                self.assertEqual(stale.replica_id, "r0", policy)
+                fresh = choose(policy, rs, inflight.__getitem__, 2.5, config, None, 0)
+                self.assertEqual(fresh.replica_id, "r1", policy)
 
     def test_saturated_avoided(self) -> None:
         """
@@ -348,7 +352,7 @@ class OtherPolicyTests(SynchronousTestCase):
         clock.advance(100)
         busy = EngineSignals(sampled_at=99.0, waiting=4, running=4)
         idle = EngineSignals(sampled_at=99.0, waiting=0, running=0)
-        r = Router(clock)
+        r = Router(clock, policy=ENGINE_LOAD)
         rs = routes(3, {"r0": busy, "r1": idle, "r2": idle})
         r.begin("r1")
         r.begin("r2")

@@ -3,7 +3,7 @@ Routing policies: which of a model's replicas takes a request, as pure
 functions of the candidates, their loads and the request's affinity key.
 
 A replica's load (L{replica_load}) is what this gateway has in flight to it,
-plus, when the engine's signals are fresh (younger than
+plus, with C{engine_load} on and the engine's signals fresh (younger than
 C{PolicyConfig.stale_after_s}), the engine's waiting + running beyond what
 this gateway had in flight when those signals arrived: the other gateways'
 requests. (The engine's count lags; taken whole it makes a lone gateway
@@ -61,6 +61,10 @@ class PolicyConfig:
     The routing policies' knobs.
 
     @ivar stale_after_s: engine signals older than this are ignored.
+    @ivar engine_load: whether fresh engine counts add to the load (other
+        gateways' requests, L{replica_load}); off by default, since with a
+        lone gateway their lag cost more than they told (bench/routing.py).
+        Saturation is judged from fresh signals either way.
     @ivar saturated_waiting: a replica with more requests waiting than this
         in its engine is saturated.
     @ivar saturated_kv: a replica whose KV-cache use is at least this
@@ -74,6 +78,7 @@ class PolicyConfig:
     """
 
     stale_after_s: float = 3.0
+    engine_load: bool = False
     saturated_waiting: float = 16.0
     saturated_kv: float = 0.95
     epsilon: float = 0.25
@@ -111,7 +116,7 @@ def replica_load(
     that figure, the larger of the two counts.
     """
     s = route.signals
-    if s is None or s.age(now) > config.stale_after_s:
+    if not config.engine_load or s is None or s.age(now) > config.stale_after_s:
         return in_flight
     engine = int((s.waiting or 0.0) + (s.running or 0.0))
     if in_flight_at_sample is None:
