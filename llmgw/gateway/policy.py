@@ -24,19 +24,21 @@ C{round_robin}
 C{prefix}
     Consistent hashing with bounded loads (Mirrokni et al., 2018) over an
     affinity key: the request's session (an C{X-Session-Id} header, else the
-    body's C{user}) or the head of its prompt (L{affinity_key}); a chat's
-    first turn, which has nothing cached yet, is placed under the tight
-    bound C{epsilon_first} (by default the mean, rounded up). The key
-    picks a point on a ring of C{vnodes} points per replica, hashed from
-    replica ids alone, and the request goes to the first replica from there
-    whose load is under the bound C{ceil((1 + epsilon) * (L + 1) / n)}
-    (C{L} the candidates' total load, C{n} their number). So the same head
-    stays on one replica, whose engine holds its KV blocks, while that
-    replica's load allows, and no replica ever takes more than the bound.
+    body's C{user}) or the head of its prompt (L{affinity_key}). No replica
+    takes a request that would put it over the bound
+    C{ceil((1 + epsilon) * (L + 1) / n)} (C{L} the candidates' total load,
+    C{n} their number). Under it, the request goes to the replica its key's
+    last request went to (the router remembers that for recent keys), else
+    to the first replica under the bound on a ring of C{vnodes} points per
+    replica, hashed from replica ids alone, from the key's point. A chat's
+    first turn (no assistant message), which nothing has cached yet, goes
+    to the least loaded instead of the ring. So a conversation stays on the
+    replica whose engine holds its KV blocks while that replica's load
+    allows.
 
-The ring and the key depend only on the routing table and the request, not
-on anything a gateway remembers: two gateways with the same table and the
-same loads make the same choice.
+The ring and the key depend only on the routing table and the request:
+two gateways with the same table and the same loads send a key neither has
+seen to the same replica, with no state shared between them.
 """
 
 from __future__ import annotations
