@@ -109,7 +109,7 @@ class GatewayResource:
             return
         policy = gw.policy_for(model)
         key = None
-        if policy == "prefix":
+        if policy == "prefix" and len(routes) > 1:
             session = request.header(b"x-session-id")
             key = affinity_key(obj, session.decode("utf-8", "replace") if session else None, gw.config.policy)
         ProxyCall(gw, request, model, label, body, routes, started, policy, key).start()

@@ -169,6 +169,9 @@ class Router:
         ]
         if not candidates:
             return None
+        if len(candidates) == 1:
+            # Every policy's choice; the common case, kept cheap.
+            return candidates[0]
         turn = self._turn
         self._turn += 1
         at_sample = {}
