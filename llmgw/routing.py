@@ -12,6 +12,10 @@ Every change to what is routed increases L{RoutingTable.revision}.
 L{RoutingTable.wait_newer} answers a long-poll: it fires as soon as the
 revision passes the one the caller holds, or after a timeout.
 
+Each model may name its routing policy (L{POLICIES}; the catalog's
+C{routing} field): the table carries a model -> policy map, and a model it
+does not name is routed by the gateway's default.
+
 Engine signals (queue depth, running requests, KV-cache use) travel with
 each route together with their age, not a timestamp, so that a gateway on
 another host judges staleness by its own clock.
@@ -35,6 +39,9 @@ LONG_POLL_MAX_S = 30.0
 #: Most long-polls waiting at once; past it the oldest is answered early
 #: (it re-asks) so that waiting clients cannot grow memory without bound.
 MAX_WAITERS = 10_000
+
+#: The routing policies a deployment may name (see L{llmgw.gateway.policy}).
+POLICIES = ("prefix", "least_loaded", "round_robin")
 
 
 @dataclass(frozen=True)
@@ -112,6 +119,14 @@ class IInFlight(Interface):
         """
 
 
+def _checked_policies(policies: Mapping[str, str]) -> dict[str, str]:
+    new = dict(policies)
+    for model, name in new.items():
+        if name not in POLICIES:
+            raise ValueError(f"{model!r}: routing policy {name!r} is not one of {', '.join(POLICIES)}")
+    return new
+
+
 def _by_model(routes: Iterable[Route]) -> dict[str, tuple[Route, ...]]:
     grouped: dict[str, list[Route]] = {}
     for r in routes:
@@ -126,11 +141,28 @@ class RoutingSnapshot:
     the revision they were published at.
     """
 
-    def __init__(self, routes: Iterable[Route] = (), known: Iterable[str] = (), revision: int = 0):
+    def __init__(
+        self,
+        routes: Iterable[Route] = (),
+        known: Iterable[str] = (),
+        revision: int = 0,
+        policies: Mapping[str, str] | None = None,
+    ):
         self._routes = _by_model(routes)
         self._known = frozenset(known) | frozenset(self._routes)
         self._models = sorted(m for m, rs in self._routes.items() if any(not r.draining for r in rs))
         self.revision = revision
+        self._policies: dict[str, str] = dict(policies or {})
+
+    def policy(self, model: str) -> str | None:
+        """
+        The routing policy named for C{model}, or C{None} (the gateway's
+        default).
+        """
+        return self._policies.get(model)
+
+    def policies(self) -> dict[str, str]:
+        return dict(self._policies)
 
     def routes(self, model: str) -> Sequence[Route]:
         return self._routes.get(model, ())
@@ -171,6 +203,11 @@ class RoutingTable:
         self.clock = clock
         self._routes: dict[str, tuple[Route, ...]] = {}
         self._known: frozenset[str] = frozenset()
+        self._policies: dict[str, str] = {}
+        #: Where L{set_known} reads the model -> policy map from, if set
+        #: (the control plane's catalog), so that whoever publishes the
+        #: declared models publishes their policies with them.
+        self.policy_source: Callable[[], Mapping[str, str]] | None = None
         self.revision = 0
         self._snapshot: RoutingSnapshot | None = RoutingSnapshot()
         self._waiters: dict[Deferred[int], IDelayedCall] = {}
@@ -186,6 +223,9 @@ class RoutingTable:
 
     def knows_model(self, model: str) -> bool:
         return model in self._known or model in self._routes
+
+    def policy(self, model: str) -> str | None:
+        return self._policies.get(model)
 
     # -- publishing ---------------------------------------------------------------------
 
@@ -227,9 +267,27 @@ class RoutingTable:
         Replace the set of declared models. Returns whether it changed.
         """
         known_set = frozenset(known)
-        if known_set == self._known:
+        policies = self._policies
+        if self.policy_source is not None:
+            policies = _checked_policies(self.policy_source())
+        if known_set == self._known and policies == self._policies:
             return False
         self._known = known_set
+        self._policies = policies
+        self._changed(frozenset(), True)
+        return True
+
+    def set_policies(self, policies: Mapping[str, str]) -> bool:
+        """
+        Replace the model -> routing policy map (models left out get the
+        gateway's default). Returns whether it changed.
+
+        @raise ValueError: a policy is not one of L{POLICIES}.
+        """
+        new = _checked_policies(policies)
+        if new == self._policies:
+            return False
+        self._policies = new
         self._changed(frozenset(), True)
         return True
 
@@ -239,7 +297,7 @@ class RoutingTable:
         """
         if self._snapshot is None:
             self._snapshot = RoutingSnapshot(
-                (r for rs in self._routes.values() for r in rs), self._known, self.revision
+                (r for rs in self._routes.values() for r in rs), self._known, self.revision, self._policies
             )
         return self._snapshot
 
@@ -354,7 +412,12 @@ def snapshot_to_json(table: IRoutingTable | RoutingSnapshot, now: float) -> dict
         if r.signals is not None:
             entry["signals"] = _signals_json(r.signals, now)
         routes.append(entry)
-    return {"revision": snap.revision, "known": sorted(snap.known_models()), "routes": routes}
+    return {
+        "revision": snap.revision,
+        "known": sorted(snap.known_models()),
+        "routes": routes,
+        "policies": dict(sorted(snap.policies().items())),
+    }
 
 
 def _number(value: Any, where: str) -> float:
@@ -417,4 +480,17 @@ def snapshot_from_json(data: Any, now: float) -> tuple[RoutingSnapshot, list[str
             problems.append(str(err))
             signals = None
         routes.append(Route(rid, model, address, bool(e.get("draining", False)), signals))
-    return RoutingSnapshot(routes, names, revision), problems
+    # Absent from documents of control planes that predate routing policies.
+    raw_policies = data.get("policies", {})
+    policies: dict[str, str] = {}
+    if not isinstance(raw_policies, Mapping):
+        problems.append("policies is not an object")
+    else:
+        for model, name in raw_policies.items():
+            if isinstance(model, str) and name in POLICIES:
+                policies[model] = name
+            else:
+                problems.append(
+                    f"policies[{model!r}] is {name!r}, not one of {', '.join(POLICIES)}"
+                )
+    return RoutingSnapshot(routes, names, revision, policies), problems

@@ -291,6 +291,9 @@ class Harness:
         self.route_list: list[Route] = []
         self.known: set[str] = set()
         self.table = RoutingSnapshot()
+        #: Routing policy per model, as a routing table names them; the
+        #: harness's tests pin least-loaded routing unless they set another.
+        self.policies: dict[str, str] = {}
         self.gateway = Gateway(global_reactor, self, config or GatewayConfig(), keys=keys)
         site = GatewaySite(GatewayResource(self.gateway), reactor=global_reactor)
         self.front = TrackingFactory(site)
@@ -301,6 +304,9 @@ class Harness:
         testcase.addCleanup(self.cleanup)
 
     # IRoutingTable, delegated to a snapshot the test rebuilds
+
+    def policy(self, model: str) -> str:
+        return self.policies.get(model, "least_loaded")
 
     def routes_for(self) -> None:
         self.table = RoutingSnapshot(self.route_list, self.known)

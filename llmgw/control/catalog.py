@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from llmgw import engines
+from llmgw.routing import POLICIES
 from llmgw.wire import validate_node_id
 
 #: Placeholders a command or env value may hold. C{{python}} is left for the
@@ -110,6 +111,9 @@ class Deployment:
     model: str
     profile: str
     replicas: int
+    #: The gateway's routing policy for this model (L{llmgw.routing.POLICIES});
+    #: C{None}: the gateway's default.
+    routing: str | None = None
 
 
 @dataclass(frozen=True)
@@ -122,6 +126,14 @@ class Catalog:
     deployments: Mapping[str, Deployment] = field(default_factory=dict)
     port_range: tuple[int, int] = DEFAULT_PORT_RANGE
     path: str | None = None
+
+    def routing_policies(self) -> dict[str, str]:
+        """
+        The routing policy of every deployment that names one, by model:
+        what the control plane publishes in its routing table
+        (L{llmgw.routing.RoutingTable.set_policies}).
+        """
+        return {m: d.routing for m, d in sorted(self.deployments.items()) if d.routing is not None}
 
     def profile_for(self, model: str) -> Profile | None:
         dep = self.deployments.get(model)
@@ -152,6 +164,7 @@ _DEPLOYMENT_FIELDS: dict[str, type | tuple[type, ...]] = {
     "model": str,
     "profile": str,
     "replicas": int,
+    "routing": str,
 }
 _TYPE_NAMES = {int: "an integer", str: "a string", list: "a list", dict: "a table"}
 
@@ -298,7 +311,13 @@ def parse_deployment(index: int, raw: Any, profiles: Mapping[str, Profile]) -> D
         )
     replicas = raw.get("replicas", 1)
     _positive(where, "replicas", replicas, 0)
-    return Deployment(model=raw["model"], profile=raw["profile"], replicas=replicas)
+    routing = raw.get("routing")
+    if routing is not None and routing not in POLICIES:
+        raise CatalogError(
+            f"{where}: field 'routing' is {routing!r}, which is not a routing policy "
+            f"(known: {', '.join(POLICIES)})"
+        )
+    return Deployment(model=raw["model"], profile=raw["profile"], replicas=replicas, routing=routing)
 
 
 def parse_catalog(data: Mapping[str, Any], path: str | None = None) -> Catalog:

@@ -431,6 +431,10 @@ def makeService(options: Options, reactor: Any = None) -> ControlPlane:
         cp.log.warn(
             "no --catalog: nothing will be placed, and every shard agents report will be stopped"
         )
+    # Each deployment's routing policy travels with the declared models in
+    # the routing table (read from the catalog as it stands at each
+    # publication, so reloads carry new policies too).
+    follow_catalog_policies(reconciler)
     reload = ReloadOnHangup(reactor, reconciler)
     reload.setServiceParent(cp)
     if own_process and options["gc-threshold"]:
@@ -452,6 +456,17 @@ def makeService(options: Options, reactor: Any = None) -> ControlPlane:
         # as it is idle.
         reconciler.set_in_flight(cp.gateway)
     return cp
+
+
+def follow_catalog_policies(reconciler: Any) -> None:
+    """
+    Have C{reconciler}'s routing table publish the catalog's per-deployment
+    routing policies (C{routing}) whenever it publishes the declared models,
+    and publish them now.
+    """
+    table = reconciler.routing_table
+    table.policy_source = lambda: reconciler.catalog.routing_policies()
+    table.set_policies(reconciler.catalog.routing_policies())
 
 
 class ReloadOnHangup(SighupService):

@@ -228,6 +228,9 @@ class FollowerTable:
     def knows_model(self, model: str) -> bool:
         return self.snapshot.knows_model(model) or not self.loaded
 
+    def policy(self, model: str) -> str | None:
+        return self.snapshot.policy(model)
+
     def age(self) -> float:
         if self.last_success is None:
             return 0.0

@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -35,6 +35,7 @@ from llmgw.gateway import errors
 from llmgw.gateway.front import BODY_TIMEOUT, HEAD_TIMEOUT, KEEP_ALIVE_TIMEOUT, FrontRequest
 from llmgw.gateway.keys import KeyRing
 from llmgw.gateway.metrics import GatewayMetrics
+from llmgw.gateway.policy import DEFAULT_POLICY, PolicyConfig
 from llmgw.gateway.router import Router
 from llmgw.gateway.upstream import UpstreamConnection, UpstreamPool, UpstreamProtocolError
 from llmgw.hostcheck import HostCheck
@@ -89,6 +90,10 @@ class GatewayConfig:
     cooldown: float = 10.0
     retry_after: int = 5
     max_idle_connections: int = 256
+    #: Routing (L{llmgw.gateway.policy}): the policy of models the routing
+    #: table names none for, and the policies' knobs.
+    default_policy: str = DEFAULT_POLICY
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
 
 
 @implementer(IInFlight)
@@ -115,13 +120,22 @@ class Gateway:
         self.hosts = hosts if hosts is not None else HostCheck(option="--gateway-hosts")
         self.config = config = config if config is not None else GatewayConfig()
         self.keys = keys
-        self.router = Router(reactor, config.failure_threshold, config.cooldown)
+        self.router = Router(reactor, config.failure_threshold, config.cooldown, config.policy)
         self.pool = UpstreamPool(reactor, config.connect_timeout, config.max_idle_connections)
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = GatewayMetrics(self.registry, self.router.snapshot)
 
     def in_flight(self, replica_id: str) -> int:
         return self.router.in_flight(replica_id)
+
+    def policy_for(self, model: str) -> str:
+        """
+        The routing policy of C{model}: the routing table's, else the
+        configured default.
+        """
+        named = getattr(self.table, "policy", None)
+        policy = named(model) if named is not None else None
+        return policy or self.config.default_policy
 
     def close(self) -> None:
         self.pool.close()
@@ -222,8 +236,12 @@ class ProxyCall:
         body: bytes,
         routes: Sequence[Route],
         started: float,
+        policy: str = "least_loaded",
+        key: bytes | None = None,
     ):
         self.gw = gateway
+        self.policy = policy
+        self.key = key
         self.request = request
         self.model = model
         self.path_label = path_label
@@ -255,7 +273,7 @@ class ProxyCall:
 
     def _attempt(self, same: Route | None) -> None:
         if same is None:
-            route = self.gw.router.pick(self.routes, self.tried)
+            route = self.gw.router.pick(self.routes, self.tried, self.policy, self.key)
             if route is None:
                 self._give_up()
                 return

@@ -26,6 +26,7 @@ from twisted.logger import Logger
 from llmgw.gateway import errors
 from llmgw.gateway.front import FrontFactory, FrontRequest
 from llmgw.gateway.metrics import UNKNOWN_MODEL
+from llmgw.gateway.policy import affinity_key
 from llmgw.gateway.proxy import Gateway, ProxyCall, send_error
 from llmgw.routing import IRoutingTable
 from llmgw.untrusted import JSONInputError, clip, load_json
@@ -117,7 +118,12 @@ class GatewayResource:
             err = errors.no_ready_replica(model, gw.config.retry_after)
             self._refused(request, err, key_name, _label(table, model), started, path=label)
             return
-        ProxyCall(gw, request, model, label, body, routes, started).start()
+        policy = gw.policy_for(model)
+        key = None
+        if policy == "prefix" and len(routes) > 1:
+            session = request.header(b"x-session-id")
+            key = affinity_key(obj, session.decode("utf-8", "replace") if session else None, gw.config.policy)
+        ProxyCall(gw, request, model, label, body, routes, started, policy, key).start()
 
     # local answers
 

@@ -6,24 +6,47 @@ L{IInFlight} the reconciler reads to stop an idle draining replica) and a
 circuit breaker: a replica whose connections fail C{failure_threshold}
 times in a row is left out of rotation for C{cooldown} seconds, before the
 control plane has noticed anything.
+
+Which of the eligible replicas takes a request is the model's routing
+policy's choice (L{llmgw.gateway.policy}), over the gateway's in-flight
+counts and the engine signals in the routing table.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Collection, Sequence
 
 from twisted.internet.interfaces import IReactorTime
 from zope.interface import implementer
 
+from llmgw.gateway.policy import PolicyConfig, Ring, choose
 from llmgw.routing import IInFlight, Route
+
+#: Rings kept (one per set of replica ids seen recently).
+_MAX_RINGS = 1024
+#: Affinity keys whose last replica is remembered (least recently used go).
+MAX_HOMES = 100_000
 
 
 @implementer(IInFlight)
 class Router:
-    def __init__(self, clock: IReactorTime, failure_threshold: int = 3, cooldown: float = 10.0):
+    def __init__(
+        self,
+        clock: IReactorTime,
+        failure_threshold: int = 3,
+        cooldown: float = 10.0,
+        policy: PolicyConfig | None = None,
+    ):
         if failure_threshold < 1:
             raise ValueError("failure_threshold must be at least 1")
         self.clock = clock
+        self.policy = policy if policy is not None else PolicyConfig()
+        self._rings: dict[tuple[str, ...], Ring] = {}
+        #: affinity key (less its mark) -> the replica its last request went to
+        self._homes: OrderedDict[bytes, str] = OrderedDict()
+        #: replica -> (sampled_at of the signals last seen, in flight then)
+        self._at_sample: dict[str, tuple[float, int]] = {}
         self.failure_threshold = failure_threshold
         self.cooldown = cooldown
         self._in_flight: dict[str, int] = {}
@@ -100,38 +123,80 @@ class Router:
         """
         Drop breaker state of replicas not in C{keep} (gone from the table).
         """
-        for d in (self._failures, self._cool_until):
+        for d in (self._failures, self._cool_until, self._at_sample):
             for r in [r for r in d if r not in keep]:
                 del d[r]
 
     # the decision
 
-    def pick(self, routes: Sequence[Route], exclude: Collection[str] = ()) -> Route | None:
+    def ring(self, routes: Sequence[Route]) -> Ring:
         """
-        The route with the fewest requests in flight among those not
-        draining, not cooling down and not in C{exclude}; C{None} if there
-        is none. Ties go round the candidates in turn, so equal replicas
-        share the load.
+        The consistent-hash ring of C{routes}' replica ids (all of them,
+        draining or not, so that a drain moves only the drained replica's
+        keys), built once per set of ids.
         """
-        n = len(routes)
-        if n == 0:
+        ids = tuple(r.replica_id for r in routes)
+        ring = self._rings.get(ids)
+        if ring is None:
+            if len(self._rings) >= _MAX_RINGS:
+                self._rings.clear()
+            ring = self._rings[ids] = Ring(ids, self.policy.vnodes)
+        return ring
+
+    def pick(
+        self,
+        routes: Sequence[Route],
+        exclude: Collection[str] = (),
+        policy: str = "least_loaded",
+        key: bytes | None = None,
+    ) -> Route | None:
+        """
+        The route C{policy} chooses among those not draining, not cooling
+        down and not in C{exclude}; C{None} if there is none. C{key} is the
+        request's affinity key (L{llmgw.gateway.policy.affinity_key}).
+        Without fresh engine signals, C{least_loaded} is the fewest
+        requests in flight, ties going round the candidates in turn.
+        """
+        if not routes:
             return None
-        in_flight = self._in_flight
         cool = self._cool_until
-        start = self._turn % n
+        candidates = [
+            r
+            for r in routes
+            if not r.draining
+            and not (exclude and r.replica_id in exclude)
+            and not (cool and r.replica_id in cool and self.cooling(r.replica_id))
+        ]
+        if not candidates:
+            return None
+        if len(candidates) == 1:
+            # Every policy's choice; the common case, kept cheap.
+            return candidates[0]
+        turn = self._turn
         self._turn += 1
-        best: Route | None = None
-        best_load = 0
-        for i in range(n):
-            route = routes[(start + i) % n]
-            rid = route.replica_id
-            if route.draining or (exclude and rid in exclude):
+        at_sample = {}
+        seen = self._at_sample
+        for r in candidates:
+            s = r.signals
+            if s is None:
                 continue
-            if cool and rid in cool and self.cooling(rid):
-                continue
-            load = in_flight.get(rid, 0)
-            if best is None or load < best_load:
-                best, best_load = route, load
-                if load == 0:
-                    break
-        return best
+            rid = r.replica_id
+            entry = seen.get(rid)
+            if entry is None or entry[0] != s.sampled_at:
+                entry = seen[rid] = (s.sampled_at, self._in_flight.get(rid, 0))
+            at_sample[rid] = entry[1]
+        if policy != "prefix" or key is None:
+            return choose(
+                policy, candidates, self.in_flight, self.clock.seconds(), self.policy, key, turn, None, at_sample
+            )
+        homes = self._homes
+        hkey = key[2:] if key[1:2] == b"\x00" else key
+        chosen = choose(
+            policy, candidates, self.in_flight, self.clock.seconds(), self.policy, key, turn,
+            self.ring(routes), at_sample, homes.get(hkey),
+        )
+        homes[hkey] = chosen.replica_id
+        homes.move_to_end(hkey)
+        if len(homes) > MAX_HOMES:
+            homes.popitem(last=False)
+        return chosen

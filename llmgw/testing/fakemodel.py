@@ -9,6 +9,8 @@ benchmarks to run their real paths without a GPU::
         [--host 127.0.0.1] [--startup-delay 2] [--tokens-per-second 50] \\
         [--tokens 16] [--fail-health] [--exit-after 30 [--exit-code 3]] \\
         [--ignore-term] [--metrics vllm|sglang|llamacpp|garbage|hang]
+        [--engine-sim [--kv-blocks 2048] [--block-tokens 16] [--max-running 64]
+         [--step-ms 10] [--step-per-seq-ms 0.3] [--prefill-us-per-token 50]]
 
 Without C{--port} it listens on C{$LLMGW_PORT}, which is what the agent sets
 for a shard.
@@ -35,6 +37,14 @@ Replies are deterministic: C{--tokens} words (fewer with C{max_tokens}),
 streamed as server-sent events paced at C{--tokens-per-second} (0: as fast
 as possible).
 
+With C{--engine-sim} generation is timed by an engine simulator instead
+(L{llmgw.testing.enginesim}: a bounded KV cache in blocks with an LRU prefix
+cache, prefill time per uncached prompt token, decode steps that grow with
+the batch, queueing when the cache is full), C{max_tokens} (else
+C{--tokens}) words are generated, C{usage} says how many prompt tokens came
+from the cache (C{prompt_tokens_details.cached_tokens}), and C{/metrics}
+is vLLM's names with the simulator's figures.
+
 In-process use: L{make_resource} returns the C{Resource} for a
 L{FakeModelConfig} and a clock, and L{listen} serves it on a reactor.
 """
@@ -55,6 +65,9 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 from twisted.web import server
 from twisted.web.resource import Resource
+
+from llmgw.testing.enginesim import CannotFit, EngineSim, EngineSimConfig, SimRequest, chat_tokens
+from llmgw.testing.enginesim import prompt_tokens as sim_prompt_tokens
 
 DEFAULT_MODEL = "fake-model"
 DEFAULT_TOKENS = 16
@@ -85,6 +98,8 @@ class FakeModelConfig:
     metrics: str = ""
     #: Seconds after start from which /metrics hangs (None: never).
     metrics_hang_after: float | None = None
+    #: Time generation with this engine simulator (None: --tokens-per-second).
+    engine_sim: EngineSimConfig | None = None
 
 
 METRICS_SHAPES = ("vllm", "sglang", "llamacpp", "garbage", "hang")
@@ -280,6 +295,7 @@ class FakeModelApp:
         #: requests left hanging (--metrics hang).
         self.running = 0
         self.hanging: list[Any] = []
+        self.sim = EngineSim(clock, config.engine_sim) if config.engine_sim is not None else None
         v1 = _Dir(missing)
         self.root.putChild(b"v1", v1)
         v1.putChild(b"models", _Models(self))
@@ -337,6 +353,8 @@ class FakeModelApp:
         cache use 0.25 per running request (at most 1), and 10 prompt tokens
         per request answered of which the repeats' 8 are cached.
         """
+        if self.sim is not None and shape == "vllm":
+            return self.sim.metrics_text(self.config.model)
         answered = sum(self.requests.values())
         running = self.running
         queries, hits = 10.0 * answered, 8.0 * max(0, answered - 1)
@@ -391,11 +409,13 @@ class FakeModelApp:
             ):
                 raise _Error(400, "'messages' must be a non-empty list of objects",
                              param="messages")
+            tokens = chat_tokens(messages) if self.sim is not None else []
             prompt_tokens = _count_words(messages)
         else:
             prompt = body.get("prompt")
             if not isinstance(prompt, (str, list)):
                 raise _Error(400, "'prompt' must be a string or a list", param="prompt")
+            tokens = sim_prompt_tokens(prompt) if self.sim is not None else []
             prompt_tokens = _count_words(prompt)
         limit = body.get("max_completion_tokens", body.get("max_tokens"))
         if limit is not None and (
@@ -405,6 +425,8 @@ class FakeModelApp:
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise _Error(400, "'stream' must be true or false", param="stream")
+        if self.sim is not None:
+            return self._simulate(request, body, kind, tokens, limit, stream)
         n = self.config.tokens if limit is None else min(limit, self.config.tokens)
         finish = "length" if limit is not None and limit < self.config.tokens else "stop"
         words = reply_words(n)
@@ -420,8 +442,39 @@ class FakeModelApp:
             return _Stream(self, request, kind, words, finish, usage if include_usage else None).begin()
         return self._whole(request, kind, words, finish, usage)
 
+    def _simulate(self, request: Any, body: dict[str, Any], kind: str, tokens: list[str],
+                  limit: int | None, stream: bool) -> Any:
+        assert self.sim is not None
+        n = max(1, self.config.tokens if limit is None else limit)
+        words = reply_words(n)
+        self._count(kind)
+        opts = body.get("stream_options")
+        include_usage = isinstance(opts, dict) and opts.get("include_usage") is True
+        out = _SimReply(self, request, kind, words, stream, include_usage, len(tokens))
+        try:
+            out.sim_request = self.sim.submit(tokens, n, out.token, out.done)
+        except CannotFit as e:
+            raise _Error(400, str(e), param="max_tokens") from None
+        return out.begin()
+
     def _whole(self, request: Any, kind: str, words: list[str], finish: str,
-               usage: dict[str, int]) -> Any:
+               usage: dict[str, Any]) -> Any:
+        data = self._whole_bytes(kind, words, finish, usage)
+        request.setHeader(b"content-type", b"application/json")
+        delay = len(words) / self.config.tokens_per_second if self.config.tokens_per_second else 0
+        if not delay:
+            return data
+        call = self.clock.callLater(delay, _finish_with, request, data)
+
+        def gone(_: Any) -> None:
+            if call.active():
+                call.cancel()
+
+        request.notifyFinish().addErrback(gone)
+        return server.NOT_DONE_YET
+
+    def _whole_bytes(self, kind: str, words: list[str], finish: str,
+                     usage: dict[str, Any]) -> bytes:
         created = int(self.clock.seconds())
         text = "".join(words)
         if kind == "chat":
@@ -451,19 +504,7 @@ class FakeModelApp:
                 ],
                 "usage": usage,
             }
-        data = json.dumps(doc).encode()
-        request.setHeader(b"content-type", b"application/json")
-        delay = len(words) / self.config.tokens_per_second if self.config.tokens_per_second else 0
-        if not delay:
-            return data
-        call = self.clock.callLater(delay, _finish_with, request, data)
-
-        def gone(_: Any) -> None:
-            if call.active():
-                call.cancel()
-
-        request.notifyFinish().addErrback(gone)
-        return server.NOT_DONE_YET
+        return json.dumps(doc).encode()
 
     def embeddings(self, request: Any, body: dict[str, Any]) -> bytes:
         inputs = body.get("input")
@@ -498,6 +539,82 @@ class FakeModelApp:
 def _finish_with(request: Any, data: bytes) -> None:
     request.write(data)
     request.finish()
+
+
+class _SimReply:
+    """
+    One reply timed by the engine simulator: streamed a chunk per token as
+    the simulator produces it, or whole when it is done.
+    """
+
+    def __init__(self, app: FakeModelApp, request: Any, kind: str, words: list[str],
+                 stream: bool, include_usage: bool, prompt: int):
+        self.app = app
+        self.request = request
+        self.kind = kind
+        self.words = words
+        self.stream = stream
+        self.include_usage = include_usage
+        self.prompt = prompt
+        self.sim_request: SimRequest | None = None
+        self.gone = False
+        self.writer = _Stream(app, request, kind, words, "length", None)
+
+    def begin(self) -> Any:
+        req = self.request
+        if self.stream:
+            req.setHeader(b"content-type", b"text/event-stream")
+            req.setHeader(b"cache-control", b"no-cache")
+        else:
+            req.setHeader(b"content-type", b"application/json")
+        req.notifyFinish().addBoth(self._gone)
+        self.app.running += 1
+        return server.NOT_DONE_YET
+
+    def _gone(self, _: Any) -> None:
+        if self.gone:
+            return
+        self.gone = True
+        self.app.running -= 1
+        if self.sim_request is not None and self.app.sim is not None:
+            self.app.sim.cancel(self.sim_request)
+
+    def usage(self) -> dict[str, Any]:
+        cached = self.sim_request.cached_tokens if self.sim_request is not None else 0
+        n = len(self.words)
+        return {
+            "prompt_tokens": self.prompt,
+            "completion_tokens": n,
+            "total_tokens": self.prompt + n,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+    def token(self, n: int) -> None:
+        if self.gone or not self.stream:
+            return
+        word = self.words[n - 1]
+        w = self.writer
+        if n == 1 and self.kind == "chat":
+            # As engines do, the role comes when the first token does: the
+            # first byte of the body is the time to first token.
+            w._send(w._chunk({"role": "assistant", "content": ""}, None))
+        w._send(w._chunk({"content": word} if self.kind == "chat" else word, None))
+
+    def done(self) -> None:
+        if self.gone:
+            return
+        if not self.stream:
+            _finish_with(self.request, self.app._whole_bytes(self.kind, self.words, "length", self.usage()))
+            return
+        w = self.writer
+        w._send(w._chunk({} if self.kind == "chat" else "", "length"))
+        if self.include_usage:
+            doc = w._chunk({}, None)
+            doc["choices"] = []
+            doc["usage"] = self.usage()
+            w._send(doc)
+        w._send("[DONE]")
+        self.request.finish()
 
 
 class _Stream:
@@ -643,6 +760,20 @@ def _parser() -> argparse.ArgumentParser:
                    help="serve /metrics shaped like this engine's (or garbage, or hang)")
     p.add_argument("--metrics-hang-after", type=float, default=None,
                    help="from this many seconds after start, /metrics never answers")
+    sim = EngineSimConfig()
+    p.add_argument("--engine-sim", action="store_true",
+                   help="time generation with the engine simulator (llmgw.testing.enginesim); "
+                        "implies --metrics vllm unless another is given")
+    p.add_argument("--kv-blocks", type=int, default=sim.kv_blocks, help="simulated KV-cache blocks")
+    p.add_argument("--block-tokens", type=int, default=sim.block_tokens, help="tokens per KV block")
+    p.add_argument("--max-running", type=int, default=sim.max_running,
+                   help="most requests decoded together")
+    p.add_argument("--step-ms", type=float, default=sim.step_s * 1000,
+                   help="milliseconds a decode step takes with nothing running")
+    p.add_argument("--step-per-seq-ms", type=float, default=sim.step_per_seq_s * 1000,
+                   help="milliseconds each running request adds to a step")
+    p.add_argument("--prefill-us-per-token", type=float, default=sim.prefill_s_per_token * 1e6,
+                   help="microseconds of prefill per uncached prompt token")
     p.add_argument("--ignore-term", action="store_true",
                    help="ignore SIGTERM (to exercise a supervisor's KILL after the grace)")
     return p
@@ -670,14 +801,29 @@ def main(argv: list[str] | None = None, reactor: Any = None,
         from twisted.internet import reactor as _reactor
 
         reactor = _reactor
+    engine_sim = None
+    if args.engine_sim:
+        try:
+            engine_sim = EngineSimConfig(
+                kv_blocks=args.kv_blocks,
+                block_tokens=args.block_tokens,
+                max_running=args.max_running,
+                step_s=args.step_ms / 1000,
+                step_per_seq_s=args.step_per_seq_ms / 1000,
+                prefill_s_per_token=args.prefill_us_per_token / 1e6,
+            )
+        except ValueError as e:
+            print(f"fakemodel: bad engine simulator parameters: {e}", file=sys.stderr)
+            return 2
     config = FakeModelConfig(
         model=args.model,
         startup_delay=args.startup_delay,
         tokens_per_second=args.tokens_per_second,
         tokens=args.tokens,
         fail_health=args.fail_health,
-        metrics=args.metrics,
+        metrics=args.metrics or ("vllm" if engine_sim is not None else ""),
         metrics_hang_after=args.metrics_hang_after,
+        engine_sim=engine_sim,
     )
     try:
         listening = listen(reactor, config, port, args.host)

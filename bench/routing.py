@@ -1,0 +1,583 @@
+"""
+Routing benchmark: four simulated engine replicas (the fake model server's
+engine simulator, L{llmgw.testing.enginesim}) behind one router, three
+workloads, every routing policy in one run. Prints JSON.
+
+    python bench/routing.py [--peers /path/to/venv/bin] [--quick]
+        [--conversations 48] [--turns 5] [--independent 240] [--burst 600]
+
+Routers compared, each against freshly started replicas (empty caches):
+
+- C{least_in_flight}: llmgw's gateway as it was (least_loaded with no engine
+  signals, which is exactly the old least-in-flight rule);
+- C{round_robin}, C{least_loaded} and C{prefix}: llmgw's policies as
+  configured by default, the gateway fed the replicas' engine signals every
+  0.25 s (what the control plane's scrapes give it);
+- C{prefix_engine_load}: C{prefix} with engine counts added to the load
+  (C{PolicyConfig.engine_load}, off by default);
+- C{vllm-router cache_aware} and C{sglang-router cache_aware}, when their
+  executables are in C{--peers} (C{pip install vllm-router sglang-router}
+  into a separate venv).
+
+Workloads, one after the other on the same replicas:
+
+(a) C{conversations}: multi-turn chats, C{--conversations} of them at once,
+    each C{--turns} turns in sequence; eight system prompts (300 words)
+    shared between them, user turns of 200 words, every turn resending the
+    earlier ones, so that the conversations' histories together are more
+    than one replica's KV cache holds and less than four hold.
+(b) C{independent}: prompts (about 300 tokens) that share nothing, from 32
+    concurrent clients.
+(c) C{burst}: C{--burst} requests at once, well over the replicas' batch
+    capacity; each must be answered or refused with 503 and Retry-After.
+
+Per workload: time to first token (first byte of the streamed body)
+p50/p99, requests per second, the requests each replica served (busiest /
+mean), the share of prompt tokens served from the replicas' prefix caches,
+and how many requests were answered, refused (503 + Retry-After) or lost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.common import percentile  # noqa: E402
+
+MODEL = "sim"
+MAX_TOKENS = 16
+SYSTEM_WORDS = 300
+TURN_WORDS = 200
+SIM_ARGS = {
+    "kv_blocks": 2048,
+    "block_tokens": 16,
+    "max_running": 48,
+    "step_s": 0.012,
+    "step_per_seq_s": 0.0004,
+    "prefill_s_per_token": 0.0001,
+}
+
+
+# -- processes served by this file --------------------------------------------------------
+
+
+def serve_sims(ports: list[int]) -> None:
+    from twisted.internet import reactor
+
+    from llmgw.testing.enginesim import EngineSimConfig
+    from llmgw.testing.fakemodel import FakeModelConfig, listen
+
+    for i, port in enumerate(ports):
+        config = FakeModelConfig(
+            model=MODEL,
+            tokens=MAX_TOKENS,
+            metrics="vllm",
+            instance=f"r{i}",
+            engine_sim=EngineSimConfig(**SIM_ARGS),  # type: ignore[arg-type]
+        )
+        listen(reactor, config, port)
+    print("ready", flush=True)
+    reactor.run()  # type: ignore[attr-defined]
+
+
+def serve_gateway(
+    port: int, upstreams: list[str], policy: str, signals: bool, epsilon: float, engine_load: bool
+) -> None:
+    import treq
+    from twisted.internet import reactor
+    from twisted.internet.defer import DeferredList
+    from twisted.internet.task import LoopingCall
+    from twisted.web.client import Agent, HTTPConnectionPool
+
+    from llmgw import engines
+    from llmgw.gateway.policy import PolicyConfig
+    from llmgw.gateway.proxy import GatewayConfig
+    from llmgw.gateway.service import GatewayService
+    from llmgw.routing import Route, RoutingTable
+
+    table = RoutingTable(reactor)
+    ids = [f"r{i}" for i in range(len(upstreams))]
+    current: dict[str, Any] = {rid: None for rid in ids}
+
+    def publish() -> None:
+        table.publish([Route(rid, MODEL, up, signals=current[rid]) for rid, up in zip(ids, upstreams, strict=True)], [MODEL])
+
+    publish()
+    table.set_policies({MODEL: policy})
+    GatewayService(reactor, table, "127.0.0.1", port, GatewayConfig(first_byte_timeout=600, policy=PolicyConfig(epsilon=epsilon, engine_load=engine_load))).startService()
+    if signals:
+        names = engines.metric_names_for("vllm")
+        http = treq.client.HTTPClient(
+            Agent(reactor, pool=HTTPConnectionPool(reactor, persistent=True))
+        )
+
+        def scrape_one(rid: str, up: str) -> Any:
+            d = http.get(f"http://{up}/metrics", timeout=1.0)
+            d.addCallback(lambda r: r.text())
+
+            def got(text: str) -> None:
+                current[rid] = engines.normalise(text, names, reactor.seconds())  # type: ignore[attr-defined]
+
+            d.addCallbacks(got, lambda f: None)
+            return d
+
+        def scrape() -> Any:
+            d = DeferredList([scrape_one(rid, up) for rid, up in zip(ids, upstreams, strict=True)])
+            d.addCallback(lambda _: publish())
+            return d
+
+        LoopingCall(scrape).start(0.25)
+    print("ready", flush=True)
+    reactor.run()  # type: ignore[attr-defined]
+
+
+# -- the load generator -------------------------------------------------------------------
+
+
+def free_ports(n: int) -> list[int]:
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+class Result:
+    __slots__ = ("status", "ttft", "total", "instance", "retry_after", "error")
+
+    def __init__(self) -> None:
+        self.status = 0
+        self.ttft: float | None = None
+        self.total = 0.0
+        self.instance = ""
+        self.retry_after = False
+        self.error = ""
+
+
+def make_call(reactor: Any, port: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> Any:
+    """
+    One streamed request on its own connection (Connection: close); fires
+    with a L{Result}.
+    """
+    from twisted.internet.defer import Deferred
+    from twisted.internet.protocol import ClientFactory, Protocol
+
+    data = json.dumps(body).encode()
+    extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n{extra}Connection: close\r\n\r\n"
+    ).encode()
+    done: Deferred[Result] = Deferred()
+    result = Result()
+    started = time.monotonic()
+
+    class Call(Protocol):
+        buf = b""
+        head_done = False
+
+        def connectionMade(self) -> None:
+            self.transport.write(head + data)  # type: ignore[union-attr]
+
+        def dataReceived(self, chunk: bytes) -> None:
+            if self.head_done:
+                if result.ttft is None and chunk:
+                    result.ttft = time.monotonic() - started
+                return
+            self.buf += chunk
+            end = self.buf.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            self.head_done = True
+            lines = self.buf[:end].split(b"\r\n")
+            result.status = int(lines[0].split()[1])
+            for line in lines[1:]:
+                name, _, value = line.partition(b":")
+                name = name.strip().lower()
+                if name == b"x-fakemodel-instance":
+                    result.instance = value.strip().decode()
+                elif name == b"retry-after":
+                    result.retry_after = True
+            if len(self.buf) > end + 4:
+                result.ttft = time.monotonic() - started
+            self.buf = b""
+
+        def connectionLost(self, reason: Any) -> None:
+            result.total = time.monotonic() - started
+            if not self.head_done:
+                result.error = reason.getErrorMessage()
+            done.callback(result)
+
+    class Factory(ClientFactory):
+        def buildProtocol(self, addr: Any) -> Protocol:
+            return Call()
+
+        def clientConnectionFailed(self, connector: Any, reason: Any) -> None:
+            result.error = reason.getErrorMessage()
+            result.total = time.monotonic() - started
+            done.callback(result)
+
+    reactor.connectTCP("127.0.0.1", port, Factory(), timeout=30)
+    return done
+
+
+def words(rng: random.Random, n: int) -> str:
+    return " ".join(f"w{rng.randrange(100000)}" for _ in range(n))
+
+
+def reply_text() -> str:
+    from llmgw.testing.fakemodel import reply_words
+
+    return "".join(reply_words(MAX_TOKENS))
+
+
+def chat_body(messages: list[dict[str, str]]) -> dict[str, Any]:
+    return {"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "stream": True}
+
+
+async def conversations(reactor: Any, port: int, n: int, turns: int, seed: int) -> list[Result]:
+    from twisted.internet.defer import Deferred, gatherResults
+
+    rng = random.Random(seed)
+    systems = [words(rng, SYSTEM_WORDS) for _ in range(8)]
+    answer = reply_text()
+    results: list[Result] = []
+
+    async def one(c: int) -> None:
+        messages = [{"role": "system", "content": systems[c % len(systems)]}]
+        for _ in range(turns):
+            messages.append({"role": "user", "content": words(rng, TURN_WORDS)})
+            r = await make_call(reactor, port, chat_body(messages))
+            results.append(r)
+            messages.append({"role": "assistant", "content": answer})
+
+    await gatherResults([Deferred.fromCoroutine(one(c)) for c in range(n)])
+    return results
+
+
+async def independent(reactor: Any, port: int, n: int, clients: int, seed: int) -> list[Result]:
+    from twisted.internet.defer import Deferred, gatherResults
+
+    rng = random.Random(seed)
+    prompts = [words(rng, 300) for _ in range(n)]
+    results: list[Result] = []
+
+    async def client() -> None:
+        while prompts:
+            p = prompts.pop()
+            results.append(await make_call(reactor, port, chat_body([{"role": "user", "content": p}])))
+
+    await gatherResults([Deferred.fromCoroutine(client()) for _ in range(clients)])
+    return results
+
+
+async def burst(reactor: Any, port: int, n: int, seed: int) -> list[Result]:
+    from twisted.internet.defer import gatherResults
+
+    rng = random.Random(seed)
+    return list(
+        await gatherResults(
+            [make_call(reactor, port, chat_body([{"role": "user", "content": words(rng, 200)}])) for _ in range(n)]
+        )
+    )
+
+
+def summarise(results: list[Result], wall: float, replicas: int) -> dict[str, Any]:
+    ok = [r for r in results if r.status == 200 and r.ttft is not None]
+    ttft = sorted(r.ttft for r in ok if r.ttft is not None)
+    per: dict[str, int] = {f"r{i}": 0 for i in range(replicas)}
+    for r in ok:
+        if r.instance in per:
+            per[r.instance] += 1
+    mean = sum(per.values()) / replicas if replicas else 0
+    refused = [r for r in results if r.status == 503 and r.retry_after]
+    lost = len(results) - len(ok) - len(refused)
+    errors: dict[str, int] = {}
+    for r in results:
+        if r not in ok and r not in refused:
+            key = r.error or f"status {r.status}"
+            errors[key] = errors.get(key, 0) + 1
+    return {
+        "requests": len(results),
+        "answered": len(ok),
+        "refused_503_retry_after": len(refused),
+        "lost": lost,
+        "errors": errors,
+        "ttft_p50_ms": round(percentile(ttft, 50) * 1000, 1) if ttft else None,
+        "ttft_p99_ms": round(percentile(ttft, 99) * 1000, 1) if ttft else None,
+        "ttft_mean_ms": round(sum(ttft) / len(ttft) * 1000, 1) if ttft else None,
+        "throughput_rps": round(len(ok) / wall, 2) if wall else None,
+        "per_replica": per,
+        "busiest_over_mean": round(max(per.values()) / mean, 3) if mean else None,
+    }
+
+
+# -- the orchestrator ---------------------------------------------------------------------
+
+
+def wait_ready(proc: subprocess.Popen[str], what: str) -> None:
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if line.strip() != "ready":
+        raise RuntimeError(f"{what} did not start: {line!r}")
+
+
+def wait_port(port: int, proc: subprocess.Popen[str], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the router exited with status {proc.returncode}")
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.5).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"nothing listens on {port} after {timeout} s")
+
+
+def sim_metrics(ports: list[int]) -> tuple[float, float]:
+    """
+    Prefix-cache queries and hits summed over the replicas.
+    """
+    import urllib.request
+
+    q = h = 0.0
+    for p in ports:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{p}/metrics", timeout=5).read().decode()
+        for line in text.splitlines():
+            if line.startswith("vllm:prefix_cache_queries_total"):
+                q += float(line.split()[-1])
+            elif line.startswith("vllm:prefix_cache_hits_total"):
+                h += float(line.split()[-1])
+    return q, h
+
+
+def router_command(name: str, port: int, sim_ports: list[int], args: argparse.Namespace) -> list[str] | None:
+    peers = args.peers
+    urls = [f"http://127.0.0.1:{p}" for p in sim_ports]
+    ups = ",".join(f"127.0.0.1:{p}" for p in sim_ports)
+    me = [sys.executable, str(Path(__file__).resolve()), "gateway", "--port", str(port), "--upstreams", ups]
+    if name == "least_in_flight":
+        return me + ["--policy", "least_loaded"]
+    if name == "prefix_engine_load":
+        return me + ["--policy", "prefix", "--signals", "--engine-load", "--epsilon", str(args.epsilon)]
+    if name in ("round_robin", "least_loaded", "prefix"):
+        return me + ["--policy", name, "--signals", "--epsilon", str(args.epsilon)]
+    if peers is None:
+        return None
+    if name == "vllm-router cache_aware":
+        exe = Path(peers) / "vllm-router"
+        if not exe.exists():
+            return None
+        return [str(exe), "--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware",
+                "--log-level", "error", "--worker-urls", *urls]
+    if name == "sglang-router cache_aware":
+        py = Path(peers) / "python"
+        if not (Path(peers) / "sglang-router").exists():
+            return None
+        return [str(py), "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+                "--policy", "cache_aware", "--log-level", "error", "--worker-urls", *urls]
+    return None
+
+
+ROUTERS = ["least_in_flight", "round_robin", "least_loaded", "prefix", "vllm-router cache_aware",
+           "sglang-router cache_aware", "prefix_engine_load"]
+
+
+def run_router(name: str, args: argparse.Namespace) -> dict[str, Any] | None:
+    sim_ports = free_ports(4)
+    (port,) = free_ports(1)
+    cmd = router_command(name, port, sim_ports, args)
+    if cmd is None:
+        return None
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    sims = subprocess.Popen(
+        [sys.executable, str(Path(__file__).resolve()), "sims", "--ports", ",".join(map(str, sim_ports))],
+        stdout=subprocess.PIPE, text=True, env=env,
+    )
+    router = None
+    try:
+        wait_ready(sims, "the simulated replicas")
+        router = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True, env=env)
+        wait_port(port, router, 60)
+        out: dict[str, Any] = {"command": " ".join(cmd[:1] + cmd[1:3]) if name.startswith(("vllm", "sglang")) else name}
+        out.update(load(port, sim_ports, args))
+        return out
+    finally:
+        for p in (router, sims):
+            if p is not None:
+                p.terminate()
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+
+
+def load(port: int, sim_ports: list[int], args: argparse.Namespace) -> dict[str, Any]:
+    """
+    Run the three workloads against the router on C{port}.
+    """
+    from twisted.internet import reactor
+    from twisted.internet.defer import Deferred, ensureDeferred
+    from twisted.internet.task import deferLater
+
+    out: dict[str, Any] = {}
+
+    async def warm() -> None:
+        # The router may take a moment to see its workers: wait until one
+        # request is answered.
+        for _ in range(300):
+            r = await make_call(reactor, port, chat_body([{"role": "user", "content": "warm up"}]))
+            if r.status == 200:
+                return
+            await deferLater(reactor, 0.2, lambda: None)
+        raise RuntimeError("the router never answered")
+
+    async def workload(name: str, run: Any) -> None:
+        q0, h0 = sim_metrics(sim_ports)
+        t0 = time.monotonic()
+        results = await run
+        wall = time.monotonic() - t0
+        q1, h1 = sim_metrics(sim_ports)
+        s = summarise(results, wall, len(sim_ports))
+        s["prefix_cache_hit_share"] = round((h1 - h0) / (q1 - q0), 3) if q1 > q0 else None
+        out[name] = s
+
+    async def main() -> None:
+        await warm()
+        await workload("conversations", Deferred.fromCoroutine(
+            conversations(reactor, port, args.conversations, args.turns, 1)))
+        await workload("independent", Deferred.fromCoroutine(independent(reactor, port, args.independent, 32, 2)))
+        await deferLater(reactor, 1.0, lambda: None)
+        await workload("burst", Deferred.fromCoroutine(burst(reactor, port, args.burst, 3)))
+
+    failure: list[Any] = []
+
+    def stop(result: Any) -> None:
+        if hasattr(result, "getTraceback"):
+            failure.append(result)
+        reactor.stop()  # type: ignore[attr-defined]
+
+    reactor.callWhenRunning(lambda: ensureDeferred(main()).addBoth(stop))  # type: ignore[attr-defined]
+    reactor.run(installSignalHandlers=False)  # type: ignore[attr-defined]
+    if failure:
+        raise RuntimeError(failure[0].getTraceback())
+    return out
+
+
+def verdict(results: dict[str, Any]) -> dict[str, Any]:
+    """
+    The issue's bars, checked against the figures.
+    """
+    base = results.get("least_in_flight")
+    new = results.get("prefix")
+    if not base or not new:
+        return {}
+    peers = [results[p] for p in ROUTERS[4:6] if results.get(p)]
+    a_new, a_base = new["conversations"]["ttft_p99_ms"], base["conversations"]["ttft_p99_ms"]
+    best_peer = min((p["conversations"]["ttft_p99_ms"] for p in peers), default=None)
+    b_new, b_base = new["independent"]["throughput_rps"], base["independent"]["throughput_rps"]
+    b_p99_new, b_p99_base = new["independent"]["ttft_p99_ms"], base["independent"]["ttft_p99_ms"]
+    return {
+        "a_p99_at_most_half_of_least_in_flight": a_new <= a_base / 2,
+        "a_p99_no_worse_than_best_peer": None if best_peer is None else a_new <= best_peer,
+        "b_throughput_within_5pct": b_new >= 0.95 * b_base,
+        "b_ttft_p99_within_5pct": b_p99_new <= 1.05 * b_p99_base,
+        "busiest_at_most_1_25_mean": all(
+            new[w]["busiest_over_mean"] is not None and new[w]["busiest_over_mean"] <= 1.25
+            for w in ("conversations", "independent", "burst")
+        ),
+        "c_none_lost": new["burst"]["lost"] == 0,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("mode", nargs="?", default="run", choices=["run", "sims", "gateway", "one"])
+    p.add_argument("--ports", default="")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--upstreams", default="")
+    p.add_argument("--policy", default="prefix")
+    p.add_argument("--signals", action="store_true")
+    p.add_argument("--engine-load", action="store_true", help="(gateway) engine counts add to the load")
+    p.add_argument("--epsilon", type=float, default=0.25, help="prefix's load bound (gateway mode)")
+    p.add_argument("--peers", default=None, help="a bin directory holding vllm-router and sglang-router")
+    p.add_argument("--routers", default=",".join(ROUTERS), help="comma-separated, from: " + ", ".join(ROUTERS))
+    p.add_argument("--conversations", type=int, default=48)
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--independent", type=int, default=240)
+    p.add_argument("--burst", type=int, default=600)
+    p.add_argument("--quick", action="store_true", help="a small run, to check the bench works")
+    p.add_argument("--router", default="", help="(one) the router to run")
+    args = p.parse_args(argv)
+    if args.mode == "sims":
+        serve_sims([int(x) for x in args.ports.split(",")])
+        return 0
+    if args.mode == "gateway":
+        serve_gateway(args.port, args.upstreams.split(","), args.policy, args.signals, args.epsilon, args.engine_load)
+        return 0
+    if args.quick:
+        args.conversations, args.turns, args.independent, args.burst = 8, 3, 40, 100
+    if args.mode == "one":
+        # One router per process: each load generator gets a fresh reactor.
+        print(json.dumps(run_router(args.router, args)))
+        return 0
+    load_before = os.getloadavg()
+    results: dict[str, Any] = {}
+    skipped = []
+    for name in args.routers.split(","):
+        cmd = [sys.executable, str(Path(__file__).resolve()), "one", "--router", name,
+               "--conversations", str(args.conversations), "--turns", str(args.turns),
+               "--independent", str(args.independent), "--burst", str(args.burst),
+               "--epsilon", str(args.epsilon)]
+        if args.peers:
+            cmd += ["--peers", args.peers]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        if proc.returncode != 0:
+            results[name] = {"error": proc.stderr[-2000:]}
+            continue
+        doc = json.loads(proc.stdout.strip().splitlines()[-1])
+        if doc is None:
+            skipped.append(name)
+        else:
+            results[name] = doc
+    report = {
+        "bench": "routing",
+        "machine": {"cpus": os.cpu_count(), "load_before": load_before, "load_after": os.getloadavg()},
+        "simulator": SIM_ARGS,
+        "prefix_policy": {"epsilon": args.epsilon},
+        "max_tokens": MAX_TOKENS,
+        "workloads": {
+            "conversations": {"conversations": args.conversations, "turns": args.turns,
+                              "system_prompts": 8, "system_words": SYSTEM_WORDS, "turn_words": TURN_WORDS},
+            "independent": {"requests": args.independent, "clients": 32, "prompt_words": 300},
+            "burst": {"requests": args.burst, "prompt_words": 200},
+        },
+        "routers": results,
+        "skipped": skipped,
+        "bars": verdict(results),
+        "peers_found": bool(args.peers and shutil.which("vllm-router", path=args.peers)),
+    }
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

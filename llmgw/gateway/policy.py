@@ -1,0 +1,384 @@
+"""
+Routing policies: which of a model's replicas takes a request, as pure
+functions of the candidates, their loads and the request's affinity key.
+
+A replica's load (L{replica_load}) is what this gateway has in flight to it,
+plus, with C{engine_load} on and the engine's signals fresh (younger than
+C{PolicyConfig.stale_after_s}), the engine's waiting + running beyond what
+this gateway had in flight when those signals arrived: the other gateways'
+requests. (The engine's count lags; taken whole it makes a lone gateway
+herd requests away from replicas that have already finished their work.
+For the same reason KV-cache use is no tie-break: a stale figure would
+send every tie to one replica until the next scrape.) Stale or
+missing signals leave the gateway's count alone: a dead scrape degrades to
+least-in-flight. A replica whose fresh signals say it is saturated (more
+than C{saturated_waiting} queued, or KV use at or over C{saturated_kv}) is
+avoided while any other candidate is not.
+
+Policies (a deployment's C{routing}):
+
+C{least_loaded}
+    The candidate with the least load; ties go round in turn.
+C{round_robin}
+    Each candidate in turn, whatever its load.
+C{prefix}
+    Consistent hashing with bounded loads (Mirrokni et al., 2018) over an
+    affinity key: the request's session (an C{X-Session-Id} header, else the
+    body's C{user}) or the head of its prompt (L{affinity_key}). No replica
+    takes a request that would put it over the bound
+    C{ceil((1 + epsilon) * (L + 1) / n)} (C{L} the candidates' total load,
+    C{n} their number). Under it, the request goes to the replica its key's
+    last request went to (the router remembers that for recent keys), else
+    to the first replica under the bound on a ring of C{vnodes} points per
+    replica, hashed from replica ids alone, from the key's point. A chat's
+    first turn (no assistant message), which nothing has cached yet, goes
+    to the least loaded instead of the ring. So a conversation stays on the
+    replica whose engine holds its KV blocks while that replica's load
+    allows.
+
+The ring and the key depend only on the routing table and the request:
+two gateways with the same table and the same loads send a key neither has
+seen to the same replica, with no state shared between them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import math
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from llmgw.routing import POLICIES, Route
+
+#: The policy of a model the routing table names none for: the one
+#: bench/routing.py measured best overall (see docs/operations.md).
+DEFAULT_POLICY = "prefix"
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """
+    The routing policies' knobs.
+
+    @ivar stale_after_s: engine signals older than this are ignored.
+    @ivar engine_load: whether fresh engine counts add to the load (other
+        gateways' requests, L{replica_load}); off by default, since with a
+        lone gateway their lag cost more than they told (bench/routing.py).
+        Saturation is judged from fresh signals either way.
+    @ivar saturated_waiting: a replica with more requests waiting than this
+        in its engine is saturated.
+    @ivar saturated_kv: a replica whose KV-cache use is at least this
+        fraction is saturated.
+    @ivar epsilon: the load bound of C{prefix}: no replica above
+        C{(1 + epsilon)} times the mean (rounded up).
+    @ivar chunk_chars: the prompt head is hashed in chunks of this many
+        characters.
+    @ivar max_chunks: at most this many chunks of the head count.
+    @ivar vnodes: ring points per replica.
+    """
+
+    stale_after_s: float = 3.0
+    engine_load: bool = False
+    saturated_waiting: float = 16.0
+    saturated_kv: float = 0.95
+    epsilon: float = 0.25
+    chunk_chars: int = 256
+    max_chunks: int = 64
+    vnodes: int = 64
+
+    def __post_init__(self) -> None:
+        if self.stale_after_s < 0 or self.saturated_waiting < 0:
+            raise ValueError("stale_after_s and saturated_waiting must not be negative")
+        if not 0 < self.saturated_kv <= 1:
+            raise ValueError("saturated_kv must be a fraction in (0, 1]")
+        if self.epsilon < 0:
+            raise ValueError("epsilon must not be negative")
+        if self.chunk_chars < 1 or self.max_chunks < 1 or self.vnodes < 1:
+            raise ValueError("chunk_chars, max_chunks and vnodes must be at least 1")
+
+
+# -- load ---------------------------------------------------------------------------------
+
+
+def fresh_signals(route: Route, now: float, config: PolicyConfig) -> bool:
+    s = route.signals
+    return s is not None and s.age(now) <= config.stale_after_s
+
+
+def replica_load(
+    route: Route, in_flight: int, now: float, config: PolicyConfig, in_flight_at_sample: int | None = None
+) -> int:
+    """
+    The request count a replica is judged by: this gateway's in flight,
+    plus, when the engine's signals are fresh, the engine's waiting +
+    running beyond what this gateway had in flight when it first saw those
+    signals (C{in_flight_at_sample}): the requests of other gateways. Without
+    that figure, the larger of the two counts.
+    """
+    s = route.signals
+    if not config.engine_load or s is None or s.age(now) > config.stale_after_s:
+        return in_flight
+    engine = int((s.waiting or 0.0) + (s.running or 0.0))
+    if in_flight_at_sample is None:
+        return max(in_flight, engine)
+    return in_flight + max(0, engine - in_flight_at_sample)
+
+
+def saturated(route: Route, now: float, config: PolicyConfig) -> bool:
+    """
+    Whether fresh signals say C{route}'s engine is full: too many waiting,
+    or its KV cache (nearly) full.
+    """
+    s = route.signals
+    if s is None or s.age(now) > config.stale_after_s:
+        return False
+    if s.waiting is not None and s.waiting > config.saturated_waiting:
+        return True
+    return s.kv_cache_usage is not None and s.kv_cache_usage >= config.saturated_kv
+
+
+def unsaturated(routes: Sequence[Route], now: float, config: PolicyConfig) -> Sequence[Route]:
+    """
+    C{routes} less the saturated ones, unless all are.
+    """
+    keep = [r for r in routes if not saturated(r, now, config)]
+    return keep if keep else routes
+
+
+# -- affinity keys --------------------------------------------------------------------------
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        # Content parts: only the text ones say what the engine caches.
+        return "".join(
+            p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
+        )
+    return ""
+
+
+def prompt_head(body: Mapping[str, Any]) -> str:
+    """
+    The part of a request's prompt that its next turns repeat: for a chat,
+    the messages up to and including the first user message (system prompt
+    and opening question, which every later turn of the conversation starts
+    with); for a completion, its prompt. C{""} when there is none.
+    """
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        parts = []
+        for m in messages:
+            if not isinstance(m, dict):
+                continue
+            role = m.get("role")
+            parts.append(f"{role}\x00{_text(m.get('content'))}\x01")
+            if role == "user":
+                break
+        return "".join(parts)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        return prompt[0]
+    return ""
+
+
+def chunk_hashes(text: str, chunk_chars: int, max_chunks: int) -> list[bytes]:
+    """
+    Chained hashes of C{text}'s leading fixed-size chunks: the i-th hash
+    covers chunks 0..i, so two texts share the i-th hash exactly when they
+    share their first i + 1 chunks. A last partial chunk counts.
+    """
+    out = []
+    h = b""
+    for i in range(min(max_chunks, math.ceil(len(text) / chunk_chars))):
+        chunk = text[i * chunk_chars : (i + 1) * chunk_chars]
+        h = hashlib.blake2b(h + chunk.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+        out.append(h)
+    return out
+
+
+def affinity_key(
+    body: Mapping[str, Any], session: str | None, config: PolicyConfig
+) -> bytes | None:
+    """
+    The key a request is routed by under C{prefix}: its session when it
+    names one (C{X-Session-Id}, else the body's C{user}), else the hash of
+    its prompt head's leading chunks; C{None} when it has neither. A chat
+    with no earlier turn (no assistant message) gets a L{FIRST_TURN} key.
+    """
+    if not session:
+        user = body.get("user")
+        session = user if isinstance(user, str) and user else None
+    if session:
+        return b"s\x00" + hashlib.blake2b(session.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    hashes = chunk_hashes(prompt_head(body), config.chunk_chars, config.max_chunks)
+    if not hashes:
+        return None
+    messages = body.get("messages")
+    if isinstance(messages, list) and not any(
+        isinstance(m, dict) and m.get("role") == "assistant" for m in messages
+    ):
+        # A first turn (or a one-off prompt): no replica holds its history
+        # yet, so it goes to the least loaded (FIRST_TURN); the turns after
+        # it, which repeat its head, follow it there while its load allows.
+        return FIRST_TURN + hashes[-1]
+    return b"p\x00" + hashes[-1]
+
+
+#: The mark of a first turn's key (same ring point as its later turns).
+FIRST_TURN = b"f\x00"
+
+
+# -- the ring -------------------------------------------------------------------------------
+
+
+def _point(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
+class Ring:
+    """
+    A consistent-hash ring over replica ids: C{vnodes} points each, placed
+    by the ids alone, so every gateway builds the same ring from the same
+    routes.
+    """
+
+    def __init__(self, replica_ids: Collection[str], vnodes: int):
+        points = sorted(
+            (_point(f"{rid}#{i}".encode()), rid) for rid in replica_ids for i in range(vnodes)
+        )
+        self._keys = [p for p, _ in points]
+        self._ids = [rid for _, rid in points]
+        self.replica_ids = frozenset(replica_ids)
+
+    def walk(self, key: bytes) -> list[str]:
+        """
+        Every replica id once, in ring order from C{key}'s point.
+        """
+        n = len(self._keys)
+        if not n:
+            return []
+        # The mark (first turn, later turn, session) does not move the point.
+        point = key[2:] if key[1:2] == b"\x00" else key
+        start = bisect.bisect_left(self._keys, _point(point)) % n
+        seen: dict[str, None] = {}
+        want = len(self.replica_ids)
+        for i in range(n):
+            rid = self._ids[(start + i) % n]
+            if rid not in seen:
+                seen[rid] = None
+                if len(seen) == want:
+                    break
+        return list(seen)
+
+
+def load_bound(total: int, n: int, epsilon: float) -> int:
+    """
+    The most requests (counting the one being placed) a replica may hold
+    under C{prefix}: C{ceil((1 + epsilon) * (total + 1) / n)}, at least 1.
+    """
+    return max(1, math.ceil((1.0 + epsilon) * (total + 1) / n - 1e-9))
+
+
+# -- the policies ---------------------------------------------------------------------------
+
+
+def least_loaded(candidates: Sequence[Route], loads: Mapping[str, int], turn: int) -> Route:
+    """
+    The candidate with the least load; ties go to the first from position
+    C{turn} on, so that equal replicas take turns.
+    """
+    n = len(candidates)
+    start = turn % n
+    best = candidates[start]
+    best_load = loads[best.replica_id]
+    for i in range(1, n):
+        r = candidates[(start + i) % n]
+        load = loads[r.replica_id]
+        if load < best_load:
+            best, best_load = r, load
+    return best
+
+
+def round_robin(candidates: Sequence[Route], turn: int) -> Route:
+    return candidates[turn % len(candidates)]
+
+
+def bounded_prefix(
+    candidates: Sequence[Route],
+    loads: Mapping[str, int],
+    ring: Ring,
+    key: bytes,
+    epsilon: float,
+    home: str | None = None,
+) -> Route | None:
+    """
+    C{home} (where this key's last request went) if it is a candidate under
+    the bound (L{load_bound}), else the first candidate on C{ring} from
+    C{key} under it (one always is: the least loaded). For a first turn's
+    key (L{FIRST_TURN}) without a home, C{None}: it goes to the least loaded.
+    """
+    by_id = {r.replica_id: r for r in candidates}
+    total = sum(loads[rid] for rid in by_id)
+    bound = load_bound(total, len(by_id), epsilon)
+    if home is not None and home in by_id and loads[home] + 1 <= bound:
+        return by_id[home]
+    if key.startswith(FIRST_TURN):
+        return None
+    for rid in ring.walk(key):
+        r = by_id.get(rid)
+        if r is not None and loads[rid] + 1 <= bound:
+            return r
+    # Unreachable with integer loads (the least loaded is under the mean);
+    # kept so that a caller's odd loads still get an answer.
+    return min(candidates, key=lambda r: (loads[r.replica_id], r.replica_id))
+
+
+def choose(
+    policy: str,
+    candidates: Sequence[Route],
+    in_flight: Callable[[str], int],
+    now: float,
+    config: PolicyConfig,
+    key: bytes | None,
+    turn: int,
+    ring: Ring | None = None,
+    at_sample: Mapping[str, int] | None = None,
+    home: str | None = None,
+) -> Route:
+    """
+    The replica C{policy} sends a request to among C{candidates} (not
+    empty; all eligible: ready, not draining, not cooling down).
+
+    @param key: the request's affinity key (L{affinity_key}); C{prefix}
+        without one falls back to C{least_loaded}.
+    @param turn: a counter the caller advances per request (rotation).
+    @param ring: the ring of every route of the model, to reuse; built
+        from C{candidates} when not given.
+    @param at_sample: per replica, this gateway's in-flight count when it
+        first saw the replica's current signals (L{replica_load}).
+    @param home: under C{prefix}, the replica this key's last request went
+        to, if the caller remembers it.
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"unknown routing policy {policy!r} (known: {', '.join(POLICIES)})")
+    candidates = unsaturated(candidates, now, config)
+    if policy == "round_robin":
+        return round_robin(candidates, turn)
+    seen = at_sample or {}
+    loads = {
+        r.replica_id: replica_load(r, in_flight(r.replica_id), now, config, seen.get(r.replica_id))
+        for r in candidates
+    }
+    if policy == "prefix" and key is not None:
+        if ring is None:
+            ring = Ring([r.replica_id for r in candidates], config.vnodes)
+        chosen = bounded_prefix(candidates, loads, ring, key, config.epsilon, home)
+        if chosen is not None:
+            return chosen
+    return least_loaded(candidates, loads, turn)
