@@ -119,6 +119,33 @@ class IInFlight(Interface):
         """
 
 
+@dataclass(frozen=True)
+class Demand:
+    """
+    A model's load as a gateway sees it: requests being proxied to its
+    replicas (C{in_flight}) and requests held for want of a replica that can
+    take them (C{waiting}, the admission queue). What the autoscaler scales
+    on (L{llmgw.control.autoscale}).
+    """
+
+    in_flight: int
+    waiting: int
+
+
+class IDemand(Interface):
+    """
+    A gateway's demand per model, for the autoscaler: the embedded gateway's
+    router provides it directly, a standalone gateway's is reported through
+    the admin API (C{POST /api/v1/demand}).
+    """
+
+    def demand() -> Mapping[str, Demand]:
+        """
+        Each model with anything in flight or waiting, and its figures.
+        Models absent have none of either.
+        """
+
+
 def _checked_policies(policies: Mapping[str, str]) -> dict[str, str]:
     new = dict(policies)
     for model, name in new.items():

@@ -55,6 +55,7 @@ from twisted.web.http import HTTPChannel, _GenericHTTPChannelProtocol
 from twisted.web.resource import Resource
 
 from llmgw.addresses import ListenerService, format_address, is_loopback, server_endpoint
+from llmgw.control.demand import DemandReportError, parse_report
 from llmgw.control.interfaces import AdminError, IFleetAdmin
 from llmgw.control.watch import (
     ResumeError,
@@ -98,7 +99,8 @@ ENDPOINTS = [
     "POST /api/v1/nodes/{id}/cordon",
     "POST /api/v1/nodes/{id}/uncordon",
     "POST /api/v1/nodes/{id}/drain",
-    'POST /api/v1/deployments/{model}/scale {"replicas": N}',
+    'POST /api/v1/deployments/{model}/scale {"replicas": N} or {"min": N, "max": M} (autoscaled)',
+    'POST /api/v1/demand {"gateway_id": ID, "models": {MODEL: {"in_flight": N, "waiting": N}}}',
     "POST /api/v1/deployments/{model}/retry",
     "POST /api/v1/catalog/reload",
     "POST /api/v1/tls/reload",
@@ -136,6 +138,8 @@ def page_file(name: str) -> tuple[bytes, bytes] | None:
 #: What the C{gateway} role may read: the routing data a standalone gateway
 #: follows, and nothing about nodes or events.
 GATEWAY_READS = (("api", "v1", "routes"), ("api", "v1", "watch"))
+#: What the C{gateway} role may post: its demand, for the autoscaler.
+GATEWAY_POSTS = (("api", "v1", "demand"),)
 
 
 def role_allows(role: str, method: str, path: list[str]) -> bool:
@@ -143,10 +147,13 @@ def role_allows(role: str, method: str, path: list[str]) -> bool:
     Whether an admin with C{role} may C{method} (C{GET} for C{HEAD}) the
     path C{path} (its segments): C{viewer} any C{GET}; C{operator} any
     C{GET} or C{POST} (cordon, uncordon, drain, scale, retry, catalog and
-    TLS reload); C{gateway} a C{GET} of L{GATEWAY_READS} only.
+    TLS reload); C{gateway} a C{GET} of L{GATEWAY_READS} and a C{POST} of
+    L{GATEWAY_POSTS} only.
     """
     if role == "operator":
         return True
+    if role == "gateway" and method == "POST":
+        return tuple(path) in GATEWAY_POSTS
     if method != "GET":
         return False
     if role == "viewer":
@@ -509,8 +516,19 @@ class AdminResource(Resource):
             model = "/".join(rest[1:-1])
             if not model:
                 raise Refused(400, "the model name is empty")
-            replicas = self._replicas(self._body(request))
+            body = self._body(request)
+            if "min" in body or "max" in body:
+                low, high = self._bounds(body)
+                return self._scale_bounds, (request, model, low, high)
+            replicas = self._replicas(body)
             return self._scale, (request, model, replicas)
+        if rest == ["demand"]:
+            only("POST")
+            try:
+                gateway_id, demand = parse_report(self._body(request))
+            except DemandReportError as e:
+                raise Refused(400, str(e)) from None
+            return self._demand, (gateway_id, demand)
         if head == "deployments" and len(rest) >= 3 and rest[-1] == "retry":
             only("POST")
             model = "/".join(rest[1:-1])
@@ -589,6 +607,25 @@ class AdminResource(Resource):
             raise Refused(400, f'"replicas" must not be negative (got {n})')
         return n
 
+    def _bounds(self, body: dict[str, Any]) -> tuple[int, int]:
+        unknown = sorted(set(body) - {"min", "max"})
+        if unknown:
+            raise Refused(
+                400, f"unknown field(s) {', '.join(map(clip, unknown[:5]))}; the body is "
+                     f'{{"min": N, "max": M}} (an autoscaled deployment\'s bounds) or {{"replicas": N}}'
+            )
+        if "min" not in body or "max" not in body:
+            raise Refused(400, 'give both "min" and "max": the body is {"min": N, "max": M}')
+        out = []
+        for key in ("min", "max"):
+            n = body[key]
+            if isinstance(n, bool) or not isinstance(n, int):
+                raise Refused(400, f'"{key}" must be a whole number, not {clip(json.dumps(n))}')
+            if n < 0:
+                raise Refused(400, f'"{key}" must not be negative (got {n})')
+            out.append(n)
+        return out[0], out[1]
+
     # -- handlers -------------------------------------------------------------------
 
     def _whoami(self, request: Any) -> dict[str, Any]:
@@ -640,6 +677,19 @@ class AdminResource(Resource):
             client=self.who(request),
         )
         return {"model": model, "replicas": replicas, "ok": True}
+
+    def _scale_bounds(self, request: Any, model: str, low: int, high: int) -> dict[str, Any]:
+        self.fleet.scale_bounds(model, low, high)
+        self.log.info(
+            "admin API: autoscale {model} between {low} and {high} replicas (asked by {client})",
+            model=model, low=low, high=high, client=self.who(request),
+        )
+        return {"model": model, "min": low, "max": high, "ok": True}
+
+    def _demand(self, gateway_id: str, demand: dict[str, Any]) -> dict[str, Any]:
+        # A report a second per gateway: not logged, its effect is (events).
+        self.fleet.report_demand(gateway_id, demand)
+        return {"ok": True}
 
     def _retry(self, request: Any, model: str) -> dict[str, Any]:
         self.fleet.retry(model)

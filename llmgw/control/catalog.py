@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import tomllib
@@ -24,6 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from llmgw import engines
+from llmgw.control.autoscale import (
+    DEFAULT_SCALE_TO_ZERO_AFTER_S,
+    DEFAULT_STABILIZATION_S,
+    AutoscalePolicy,
+)
 from llmgw.routing import POLICIES
 from llmgw.wire import validate_node_id
 
@@ -114,6 +120,9 @@ class Deployment:
     #: The gateway's routing policy for this model (L{llmgw.routing.POLICIES});
     #: C{None}: the gateway's default.
     routing: str | None = None
+    #: Autoscaling between bounds instead of a fixed count (C{replicas} is
+    #: then C{min_replicas}, the count it starts from); C{None}: fixed.
+    autoscale: AutoscalePolicy | None = None
 
 
 @dataclass(frozen=True)
@@ -165,8 +174,18 @@ _DEPLOYMENT_FIELDS: dict[str, type | tuple[type, ...]] = {
     "profile": str,
     "replicas": int,
     "routing": str,
+    "min_replicas": int,
+    "max_replicas": int,
+    "target_in_flight": (int, float),
+    "target_waiting": (int, float),
+    "scale_to_zero_after_s": (int, float),
+    "stabilization_s": (int, float),
 }
-_TYPE_NAMES = {int: "an integer", str: "a string", list: "a list", dict: "a table"}
+#: The fields that make a deployment autoscaled.
+AUTOSCALE_FIELDS = ("min_replicas", "max_replicas", "target_in_flight", "target_waiting",
+                    "scale_to_zero_after_s", "stabilization_s")
+_TYPE_NAMES: dict[Any, str] = {int: "an integer", str: "a string", list: "a list", dict: "a table",
+                               (int, float): "a number"}
 
 
 def _check_type(where: str, name: str, value: Any, kind: Any) -> None:
@@ -317,7 +336,62 @@ def parse_deployment(index: int, raw: Any, profiles: Mapping[str, Profile]) -> D
             f"{where}: field 'routing' is {routing!r}, which is not a routing policy "
             f"(known: {', '.join(POLICIES)})"
         )
-    return Deployment(model=raw["model"], profile=raw["profile"], replicas=replicas, routing=routing)
+    autoscale = parse_autoscale(where, raw)
+    if autoscale is not None:
+        replicas = autoscale.min_replicas
+    return Deployment(model=raw["model"], profile=raw["profile"], replicas=replicas, routing=routing,
+                      autoscale=autoscale)
+
+
+def parse_autoscale(where: str, raw: Mapping[str, Any]) -> AutoscalePolicy | None:
+    """
+    The autoscaling policy of a deployment entry whose fields were
+    type-checked, or C{None} when it names none of L{AUTOSCALE_FIELDS}.
+
+    @raise CatalogError: the fields contradict each other or are out of
+        range; the message names the field.
+    """
+    given = [k for k in AUTOSCALE_FIELDS if k in raw]
+    if not given:
+        return None
+    if "replicas" in raw:
+        raise CatalogError(
+            f"{where}: field 'replicas' fixes the replica count, but {', '.join(map(repr, given))} "
+            f"make the deployment autoscaled; give 'min_replicas' and 'max_replicas' instead of 'replicas'"
+        )
+    if "max_replicas" not in raw:
+        raise CatalogError(f"{where}: field 'max_replicas' is required when the deployment autoscales")
+    low, high = raw.get("min_replicas", 1), raw["max_replicas"]
+    _positive(where, "min_replicas", low, 0)
+    _positive(where, "max_replicas", high, 1)
+    if high < low:
+        raise CatalogError(f"{where}: field 'max_replicas' ({high}) is below 'min_replicas' ({low})")
+    if "target_in_flight" not in raw and "target_waiting" not in raw:
+        raise CatalogError(
+            f"{where}: an autoscaled deployment needs a target: field 'target_in_flight' "
+            f"(requests in flight per replica) or 'target_waiting' (requests waiting per replica)"
+        )
+    for key in ("target_in_flight", "target_waiting"):
+        value = raw.get(key)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise CatalogError(f"{where}: field {key!r} must be a number above 0, not {value!r}")
+    if "scale_to_zero_after_s" in raw and low != 0:
+        raise CatalogError(
+            f"{where}: field 'scale_to_zero_after_s' applies only with min_replicas = 0 "
+            f"(min_replicas is {low})"
+        )
+    idle = raw.get("scale_to_zero_after_s", DEFAULT_SCALE_TO_ZERO_AFTER_S)
+    window = raw.get("stabilization_s", DEFAULT_STABILIZATION_S)
+    for key, value, least in (("scale_to_zero_after_s", idle, 1), ("stabilization_s", window, 0)):
+        if not (math.isfinite(value) and value >= least):
+            raise CatalogError(f"{where}: field {key!r} must be a number of seconds of at least {least}, "
+                               f"not {value!r}")
+    return AutoscalePolicy(
+        min_replicas=low, max_replicas=high,
+        target_in_flight=float(raw["target_in_flight"]) if "target_in_flight" in raw else None,
+        target_waiting=float(raw["target_waiting"]) if "target_waiting" in raw else None,
+        scale_to_zero_after_s=float(idle), stabilization_s=float(window),
+    )
 
 
 def parse_catalog(data: Mapping[str, Any], path: str | None = None) -> Catalog:
@@ -422,6 +496,9 @@ class FleetState:
         self.path = Path(path) if path is not None else None
         #: model -> (replicas, the catalog's replicas when it was set)
         self.overrides: dict[str, tuple[int, int]] = {}
+        #: Autoscaling bounds set by an operator: model -> (min, max, the
+        #: catalog's min and max when they were set).
+        self.bounds: dict[str, tuple[int, int, int, int]] = {}
         #: Nodes that take no new placements.
         self.cordoned: frozenset[str] = frozenset()
         #: Nodes whose replicas are being moved off (always also cordoned).
@@ -439,6 +516,7 @@ class FleetState:
         what an operator may want to recover) and the state starts empty.
         """
         self.overrides, self.cordoned, self.draining = {}, frozenset(), frozenset()
+        self.bounds = {}
         if self.path is None or not self.path.exists():
             return []
         try:
@@ -450,6 +528,11 @@ class FleetState:
                 replicas, base = int(entry["replicas"]), int(entry["catalog_replicas"])
                 if replicas >= 0:
                     overrides[str(model)] = (replicas, base)
+            bounds: dict[str, tuple[int, int, int, int]] = {}
+            for model, entry in data.get("bounds", {}).items():
+                lo, hi, clo, chi = (int(entry[k]) for k in ("min", "max", "catalog_min", "catalog_max"))
+                if 0 <= lo <= hi and hi >= 1:
+                    bounds[str(model)] = (lo, hi, clo, chi)
             cordoned = self._node_list(data, "cordoned")
             draining = self._node_list(data, "draining")
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
@@ -464,6 +547,7 @@ class FleetState:
                 f"(no scale overrides, no node cordoned or draining): {e}{kept}"
             ]
         self.overrides = overrides
+        self.bounds = bounds
         # A drain cordons its node; a file edited by hand may say otherwise.
         self.cordoned, self.draining = cordoned | draining, draining
         return []
@@ -493,6 +577,11 @@ class FleetState:
             "cordoned": sorted(self.cordoned),
             "draining": sorted(self.draining),
         }
+        if self.bounds:
+            data["bounds"] = {
+                m: {"min": lo, "max": hi, "catalog_min": clo, "catalog_max": chi}
+                for m, (lo, hi, clo, chi) in sorted(self.bounds.items())
+            }
         write_atomically(self.path, json.dumps(data, indent=2) + "\n")
 
     def set(self, model: str, replicas: int, catalog_replicas: int) -> None:
@@ -509,6 +598,35 @@ class FleetState:
             else:
                 self.overrides[model] = before
             raise
+
+    def set_bounds(self, model: str, low: int, high: int, policy: AutoscalePolicy) -> None:
+        """
+        Keep an operator's autoscaling bounds for C{model}, whose catalog
+        policy is C{policy}; on a failure to write, nothing changes.
+        """
+        before = self.bounds.get(model)
+        self.bounds[model] = (low, high, policy.min_replicas, policy.max_replicas)
+        try:
+            self.save()
+        except OSError:
+            if before is None:
+                del self.bounds[model]
+            else:
+                self.bounds[model] = before
+            raise
+
+    def policy(self, dep: Deployment) -> AutoscalePolicy | None:
+        """
+        C{dep}'s autoscaling policy with the operator's bounds, while the
+        catalog still says what it said when they were set (an edit of the
+        catalog's bounds is the newer intent); C{None} for a fixed count.
+        """
+        if dep.autoscale is None:
+            return None
+        entry = self.bounds.get(dep.model)
+        if entry is not None and entry[2:] == (dep.autoscale.min_replicas, dep.autoscale.max_replicas):
+            return dep.autoscale.bounded(entry[0], entry[1])
+        return dep.autoscale
 
     def set_nodes(self, cordoned: Iterable[str], draining: Iterable[str]) -> bool:
         """
@@ -528,6 +646,9 @@ class FleetState:
         The replica count for C{dep}: the override while the catalog still
         says what it said when the override was made, else the catalog's.
         """
+        if dep.autoscale is not None:
+            policy = self.policy(dep)
+            return policy.min_replicas if policy is not None else dep.replicas
         entry = self.overrides.get(dep.model)
         if entry is not None and entry[1] == dep.replicas:
             return entry[0]

@@ -239,6 +239,22 @@ class IFleetAdmin(Interface):
         @raise AdminError: C{replicas} is negative.
         """
 
+    def scale_bounds(model: str, min_replicas: int, max_replicas: int) -> None:
+        """
+        Set the bounds an autoscaled deployment scales between; kept across
+        restarts until the catalog's own bounds change.
+
+        @raise UnknownDeployment: no deployment serves C{model}.
+        @raise AdminError: the deployment does not autoscale, or the bounds
+            are out of order.
+        """
+
+    def report_demand(gateway_id: str, models: dict) -> None:  # type: ignore[type-arg]
+        """
+        A standalone gateway's demand per model (L{llmgw.routing.Demand}),
+        replacing its previous report; it counts for a few seconds.
+        """
+
     def retry(model: str) -> None:
         """
         Lift C{model}'s hold (a configuration failure holds its deployment:

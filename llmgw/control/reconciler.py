@@ -46,6 +46,7 @@ from twisted.logger import Logger
 from zope.interface import implementer
 
 from llmgw.control import adoption, views
+from llmgw.control import autoscale as autoscaling  # autoscaling (issue 12)
 from llmgw.control.backoff import Backoff
 from llmgw.control.catalog import (
     Catalog,
@@ -59,6 +60,7 @@ from llmgw.control.catalog import (
     FleetState as KeptState,
 )
 from llmgw.control.commands import Command, Drain, Start, Stop, send, start_command
+from llmgw.control.demand import DemandBoard  # autoscaling (issue 12)
 from llmgw.control.events import EventLog
 from llmgw.control.expiry import ExpiryRules, judge
 from llmgw.control.failures import Hold, ShardFailure, on_failure
@@ -85,7 +87,7 @@ from llmgw.control.placement import BUSY, Placer, PortBook, Request
 from llmgw.control.scaling import Candidate, scale_step, victims
 from llmgw.control.signals import ShardSignals, SignalStore  # engines (issue 11)
 from llmgw.control.signals import from_message as signals_from_message
-from llmgw.routing import EngineSignals, IRoutingTable, Route, RoutingTable
+from llmgw.routing import Demand, EngineSignals, IDemand, IRoutingTable, Route, RoutingTable
 from llmgw.states import ENDED, LIVE, ShardState
 
 __all__ = ["Reconciler", "format_address"]
@@ -244,6 +246,14 @@ class Reconciler(Service):
         self._placer_connected: set[str] = set()
         self._placed_this_pass = 0
         self._apply_desired()
+        # -- autoscaling (issue 12): see the block at the end of the class.
+        #: Demand reported by standalone gateways (C{POST /api/v1/demand}).
+        self.demand_board = DemandBoard()
+        #: The embedded gateway's own demand, when it offers one (L{IDemand});
+        #: without it, in-flight counts come from C{in_flight}.
+        self.demand_source: IDemand | None = None
+        #: Each autoscaled deployment's memory between passes.
+        self.scalers: dict[str, autoscaling.ScalerState] = {}
 
     # -- compatibility views of the state -----------------------------------------------
 
@@ -967,6 +977,7 @@ class Reconciler(Service):
         if self.dispatcher is None:
             return
         self._check_shards(now)
+        self._autoscale(now)  # autoscaling (issue 12): sets self.desired first
         self._reconcile(now)
 
     def _take_inventory(self, now: float) -> None:
@@ -1348,6 +1359,7 @@ class Reconciler(Service):
             raise UnknownDeployment(f"no deployment serves model {model!r}")
         if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
             raise AdminError(f"replicas must be a whole number of at least 0, not {replicas!r}")
+        self._refuse_fixed_scale(dep)  # autoscaling (issue 12)
         try:
             self.fleet_state.set(model, replicas, dep.replicas)
         except OSError as e:
@@ -1384,3 +1396,129 @@ class Reconciler(Service):
 
     def known_nodes(self) -> Iterable[str]:
         return self.state.known_since.keys()
+
+    # -- autoscaling (issue 12) ------------------------------------------------------------
+    # The decision is llmgw.control.autoscale.decide; this block only feeds
+    # it and applies its count through self.desired (placed or drained by
+    # _reconcile, as for any scale).
+
+    def set_demand_source(self, source: IDemand | None) -> None:
+        self.demand_source = source
+
+    def report_demand(self, gateway_id: str, models: dict[str, Demand]) -> None:
+        """
+        A standalone gateway's demand (C{POST /api/v1/demand}); it counts
+        until it expires (L{DemandBoard.expire_after}).
+        """
+        self.demand_board.report(gateway_id, models, self.clock.seconds())
+
+    def demand(self) -> dict[str, Demand]:
+        """
+        Each model's demand: the standalone gateways' reports plus the
+        embedded gateway's (its L{IDemand}, or its in-flight counts).
+        """
+        now = self.clock.seconds()
+        totals = self.demand_board.totals(now)
+        own: dict[str, Demand] = {}
+        if self.demand_source is not None:
+            own = dict(self.demand_source.demand())
+        elif self.in_flight is not None:
+            for model, dep in self.catalog.deployments.items():
+                if dep.autoscale is not None:
+                    n = sum(self.in_flight.in_flight(rid) for rid in self.state.by_model.get(model, ()))
+                    if n:
+                        own[model] = Demand(n, 0)
+        for model, d in own.items():
+            t = totals.get(model)
+            totals[model] = d if t is None else Demand(t.in_flight + d.in_flight, t.waiting + d.waiting)
+        return totals
+
+    def _refuse_fixed_scale(self, dep: Deployment) -> None:
+        if dep.autoscale is not None:
+            raise AdminError(
+                f"deployment {dep.model} autoscales; a fixed count does not apply: set its bounds "
+                f"instead (llmgw ctl scale {dep.model} --min N --max M)"
+            )
+
+    def scale_bounds(self, model: str, min_replicas: int, max_replicas: int) -> None:
+        """
+        Set an autoscaled deployment's bounds; kept across restarts until
+        the catalog's own bounds are edited.
+
+        @raise UnknownDeployment: no deployment serves C{model}.
+        @raise AdminError: it does not autoscale, or the bounds are wrong.
+        """
+        dep = self.catalog.deployments.get(model)
+        if dep is None:
+            raise UnknownDeployment(f"no deployment serves model {model!r}")
+        if dep.autoscale is None:
+            raise AdminError(
+                f"deployment {model} has a fixed count of replicas and does not autoscale: "
+                f"scale it with a count (llmgw ctl scale {model} N), or give it min_replicas, "
+                f"max_replicas and a target in the catalog"
+            )
+        for name, n in (("min", min_replicas), ("max", max_replicas)):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise AdminError(f"{name} must be a whole number of at least 0, not {n!r}")
+        if max_replicas < 1 or max_replicas < min_replicas:
+            raise AdminError(f"max ({max_replicas}) must be at least 1 and at least min ({min_replicas})")
+        try:
+            self.fleet_state.set_bounds(model, min_replicas, max_replicas, dep.autoscale)
+        except OSError as e:
+            err = AdminError(f"could not keep the new bounds in {self.fleet_state.path}: {e}")
+            err.status = 500
+            raise err from e
+        self._event("autoscale_bounds_set",
+                    reason=f"deployment {model} autoscales between {min_replicas} and {max_replicas} replicas")
+
+    def autoscale_view(self, model: str) -> dict[str, Any] | None:
+        """
+        An autoscaled deployment's bounds, targets and what it holds, for
+        the admin API; C{None} for a fixed count.
+        """
+        dep = self.catalog.deployments.get(model)
+        policy = self.fleet_state.policy(dep) if dep is not None else None
+        if policy is None:
+            return None
+        state = self.scalers.get(model)
+        return {
+            "min_replicas": policy.min_replicas, "max_replicas": policy.max_replicas,
+            "target_in_flight": policy.target_in_flight, "target_waiting": policy.target_waiting,
+            "scale_to_zero_after_s": policy.scale_to_zero_after_s if policy.min_replicas == 0 else None,
+            "stabilization_s": policy.stabilization_s,
+            "last_scale_up": state.last_up_at if state is not None else None,
+            "last_busy": state.busy_at if state is not None else None,
+        }
+
+    def _autoscale(self, now: float) -> None:
+        st = self.state
+        demand: dict[str, Demand] | None = None
+        for model in sorted(self.catalog.deployments):
+            dep = self.catalog.deployments[model]
+            policy = self.fleet_state.policy(dep)
+            if policy is None:
+                self.scalers.pop(model, None)
+                continue
+            if demand is None:
+                demand = self.demand()
+            d = demand.get(model, Demand(0, 0))
+            active = st.active.get(model, set())
+            engine_waiting = 0.0
+            for rid in st.ready.get(model, ()):
+                leader = st.replicas[rid].shards.get(0)
+                sig = leader.signals if leader is not None else None
+                if sig is not None and sig.waiting is not None and sig.age(now) <= autoscaling.SIGNALS_STALE_AFTER_S:
+                    engine_waiting += sig.waiting
+            held = self.desired.get(model, dep.replicas)
+            short = max(0, held - len(active)) if self.deps[model].unplaceable else 0
+            seen = autoscaling.Observed(
+                active=len(active), in_flight=d.in_flight, waiting=d.waiting, engine_waiting=engine_waiting,
+                short=short, settling=now < self.grace_end,
+            )
+            state = self.scalers.get(model) or autoscaling.ScalerState(held)
+            decision = autoscaling.decide(policy, state, seen, now)
+            self.scalers[model] = decision.state
+            self.desired[model] = decision.desired
+            for ev in decision.events:
+                level = "warn" if ev.kind == autoscaling.CAPACITY else "info"
+                self._event(ev.kind, level=level, reason=f"deployment {model}: {ev.reason}")

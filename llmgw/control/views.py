@@ -138,6 +138,8 @@ def deployments(rec: Reconciler) -> list[dict[str, Any]]:
                 "last_failure": state.last_failure.as_dict() if state.last_failure else None,
                 "unplaceable": state.unplaceable or None,
                 "held": state.held.as_dict() if state.held else None,
+                # Bounds and targets of an autoscaled deployment (issue 12); None: fixed.
+                "autoscale": rec.autoscale_view(model),
             }
         )
     return out

@@ -324,9 +324,15 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     ):
         p = add(name, help, cmd_node_action)
         p.add_argument("node", type=node_id, metavar="NODE")
-    p = add("scale", "set a deployment's desired replica count (kept across restarts)", cmd_scale)
+    p = add("scale", "set a deployment's desired replica count, or an autoscaled one's bounds with "
+                     "--min/--max (kept across restarts)", cmd_scale)
     p.add_argument("model", metavar="MODEL")
-    p.add_argument("replicas", type=replica_count, metavar="REPLICAS")
+    p.add_argument("replicas", type=replica_count, metavar="REPLICAS", nargs="?", default=None)
+    p.add_argument("--min", dest="min_replicas", type=replica_count, default=None, metavar="N",
+                   help="an autoscaled deployment's fewest replicas (0: it may scale to zero)")
+    p.add_argument("--max", dest="max_replicas", type=replica_count, default=None, metavar="N",
+                   help="an autoscaled deployment's most replicas")
+    _count_or_bounds(p)
     p = add("retry", "place a held deployment again (after a configuration failure), clearing its backoff",
             cmd_retry)
     p.add_argument("model", metavar="MODEL")
@@ -479,6 +485,24 @@ def cmd_events(args: argparse.Namespace, out: TextIO | None = None, err: TextIO 
     return _run(args, out, err, http, body)
 
 
+def _count_or_bounds(parser: argparse.ArgumentParser) -> None:
+    """
+    Make C{ctl scale} a usage error (exit 2, nothing sent) unless it is
+    given a replica count or --min/--max, not both.
+    """
+    plain = parser.parse_known_args
+
+    def parse_known_args(args: Any = None, namespace: Any = None) -> Any:
+        ns, extra = plain(args, namespace)
+        bounds = ns.min_replicas is not None or ns.max_replicas is not None
+        if bounds == (ns.replicas is not None):
+            parser.error("give either a replica count or --min/--max (an autoscaled deployment's bounds), "
+                         + ("not both" if bounds else "one of them"))
+        return ns, extra
+
+    parser.parse_known_args = parse_known_args  # type: ignore[method-assign]
+
+
 def cmd_node_action(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None,
                     http: HTTPFunction | None = None, now: float | None = None) -> int:
     action = args.ctl_command
@@ -493,10 +517,31 @@ def cmd_node_action(args: argparse.Namespace, out: TextIO | None = None, err: Te
 
 def cmd_scale(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None,
               http: HTTPFunction | None = None, now: float | None = None) -> int:
+    low, high = getattr(args, "min_replicas", None), getattr(args, "max_replicas", None)
+    bounds = low is not None or high is not None
+    if bounds == (args.replicas is not None):
+        (err if err is not None else sys.stderr).write(
+            f"llmgw ctl scale: give either a replica count or --min/--max (an autoscaled deployment's "
+            f"bounds), {'not both' if bounds else 'one of them'}\n")
+        return EXIT_USAGE
+    path = f"/api/v1/deployments/{quote(args.model, safe='')}/scale"
+
     def body(client: AdminClient) -> tuple[Any, Callable[[], str]]:
-        answer = client.post(f"/api/v1/deployments/{quote(args.model, safe='')}/scale",
-                             {"replicas": args.replicas})
-        return answer, lambda: f"{args.model}: desired replicas set to {args.replicas}\n"
+        if not bounds:
+            answer = client.post(path, {"replicas": args.replicas})
+            return answer, lambda: f"{args.model}: desired replicas set to {args.replicas}\n"
+        lo, hi = low, high
+        if lo is None or hi is None:
+            # The bound not given stays as it is.
+            views = client.get("/api/v1/deployments")["deployments"]
+            auto = next((d.get("autoscale") for d in views if d.get("model") == args.model), None)
+            if auto:
+                lo = auto["min_replicas"] if lo is None else lo
+                hi = auto["max_replicas"] if hi is None else hi
+            else:
+                lo, hi = (lo if lo is not None else 0), (hi if hi is not None else 0)
+        answer = client.post(path, {"min": lo, "max": hi})
+        return answer, lambda: f"{args.model}: autoscales between {lo} and {hi} replicas\n"
 
     return _run(args, out, err, http, body)
 
@@ -646,7 +691,11 @@ def render_deployments(deployments: list[dict[str, Any]], now: float) -> str:
     for d in deployments:
         backoff = d.get("backoff_until")
         backoff_text = ago(backoff, now) if isinstance(backoff, int | float) and backoff > now else "-"
-        rows.append([d["model"], d.get("profile"), d.get("desired"), d.get("ready"), backoff_text,
+        desired: Any = d.get("desired")
+        auto = d.get("autoscale")
+        if isinstance(auto, dict):
+            desired = f"{desired} (auto {auto.get('min_replicas')}-{auto.get('max_replicas')})"
+        rows.append([d["model"], d.get("profile"), desired, d.get("ready"), backoff_text,
                      _held_text(d.get("held"), now), _failure_text(d.get("last_failure"), now)])
     return table(["MODEL", "PROFILE", "DESIRED", "READY", "BACKOFF", "HELD", "LAST FAILURE"], rows)
 

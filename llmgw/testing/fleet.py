@@ -168,7 +168,27 @@ class FakeFleet:
             raise UnknownDeployment(f"no deployment serves model {model!r}")
         if replicas < 0:
             raise AdminError(f"replicas must not be negative (got {replicas})")
+        if self.deployment_views[model].get("autoscale"):
+            raise AdminError(f"deployment {model} autoscales; a fixed count does not apply")
         self.deployment_views[model]["desired"] = replicas
+
+    def scale_bounds(self, model: str, min_replicas: int, max_replicas: int) -> None:
+        """
+        As the reconciler's: an autoscaled deployment's view takes the new
+        bounds; one with a fixed count refuses.
+        """
+        self.calls.append(("scale_bounds", model, min_replicas, max_replicas))
+        if model not in self.deployment_views:
+            raise UnknownDeployment(f"no deployment serves model {model!r}")
+        view = self.deployment_views[model].get("autoscale")
+        if not view:
+            raise AdminError(f"deployment {model} has a fixed count of replicas and does not autoscale")
+        if max_replicas < 1 or max_replicas < min_replicas:
+            raise AdminError(f"max ({max_replicas}) must be at least 1 and at least min ({min_replicas})")
+        view["min_replicas"], view["max_replicas"] = min_replicas, max_replicas
+
+    def report_demand(self, gateway_id: str, models: dict[str, Any]) -> None:
+        self.calls.append(("report_demand", gateway_id, dict(models)))
 
     def retry(self, model: str) -> None:
         """
