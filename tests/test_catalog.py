@@ -266,3 +266,79 @@ class FleetStateTests(SynchronousTestCase):
         self.assertEqual(state.overrides, {})
         self.assertRaises(OSError, state.set_nodes, {"gpu-1", "gpu-2"}, ())
         self.assertEqual(path.read_text(), before)
+
+
+AUTOSCALED = GOOD.replace("replicas = 2\n", "")
+
+
+class AutoscaleCatalogTests(SynchronousTestCase):
+    def assertRefused(self, fields: str, *fragments: str) -> None:
+        with self.assertRaises(CatalogError) as ctx:
+            parse(AUTOSCALED + fields)
+        for fragment in fragments:
+            self.assertIn(fragment, str(ctx.exception))
+
+    def test_autoscaled_deployment(self) -> None:
+        """
+        Bounds, a target and the idle and stabilization times make an
+        autoscaled deployment that starts from its C{min_replicas}.
+        """
+        dep = parse(AUTOSCALED + "min_replicas = 0\nmax_replicas = 4\ntarget_in_flight = 8\n"
+                                 "scale_to_zero_after_s = 120\nstabilization_s = 60.5\n").deployments["demo"]
+        self.assertEqual(dep.replicas, 0)
+        assert dep.autoscale is not None
+        self.assertEqual((dep.autoscale.min_replicas, dep.autoscale.max_replicas), (0, 4))
+        self.assertEqual(dep.autoscale.target_in_flight, 8.0)
+        self.assertIsNone(dep.autoscale.target_waiting)
+        self.assertEqual((dep.autoscale.scale_to_zero_after_s, dep.autoscale.stabilization_s), (120.0, 60.5))
+
+    def test_defaults(self) -> None:
+        """
+        C{min_replicas} defaults to 1 and the stabilization window to
+        300 s; a fixed deployment has no autoscaling.
+        """
+        dep = parse(AUTOSCALED + "max_replicas = 3\ntarget_waiting = 2\n").deployments["demo"]
+        assert dep.autoscale is not None
+        self.assertEqual((dep.replicas, dep.autoscale.min_replicas, dep.autoscale.stabilization_s), (1, 1, 300.0))
+        self.assertIsNone(parse(GOOD).deployments["demo"].autoscale)
+
+    def test_refusals(self) -> None:
+        """
+        Contradictory or out-of-range autoscaling fields are refused with a
+        message naming the deployment and the field.
+        """
+        self.assertRefused("replicas = 2\nmax_replicas = 3\ntarget_in_flight = 1\n",
+                           "deployment 'demo'", "'replicas' fixes", "min_replicas")
+        self.assertRefused("min_replicas = 1\ntarget_in_flight = 1\n", "'max_replicas' is required")
+        self.assertRefused("max_replicas = 3\n", "needs a target", "target_in_flight")
+        self.assertRefused("min_replicas = 4\nmax_replicas = 3\ntarget_in_flight = 1\n", "below 'min_replicas'")
+        self.assertRefused("max_replicas = 0\nmin_replicas = 0\ntarget_in_flight = 1\n", "'max_replicas' must be at least 1")
+        self.assertRefused("max_replicas = 3\ntarget_in_flight = 0\n", "'target_in_flight' must be a number above 0")
+        self.assertRefused("max_replicas = 3\ntarget_waiting = -1.5\n", "'target_waiting'")
+        self.assertRefused("max_replicas = 3\ntarget_in_flight = 1\nscale_to_zero_after_s = 60\n",
+                           "only with min_replicas = 0")
+        self.assertRefused("min_replicas = 0\nmax_replicas = 3\ntarget_in_flight = 1\nscale_to_zero_after_s = 0\n",
+                           "'scale_to_zero_after_s' must be a number of seconds of at least 1")
+        self.assertRefused("max_replicas = 3\ntarget_in_flight = 1\nstabilization_s = -1\n", "'stabilization_s'")
+        self.assertRefused("max_replicas = 3\ntarget_in_flight = \"4\"\n", "'target_in_flight' must be a number")
+        self.assertRefused("max_replicas = 2.5\ntarget_in_flight = 4\n", "'max_replicas' must be an integer")
+
+    def test_bounds_in_the_state_file(self) -> None:
+        """
+        An operator's bounds survive a reload of the state file; a file
+        without them (older) loads with none.
+        """
+        path = Path(self.mktemp())
+        dep = parse(AUTOSCALED + "max_replicas = 3\ntarget_in_flight = 1\n").deployments["demo"]
+        assert dep.autoscale is not None
+        state = FleetState(path)
+        state.set_bounds("demo", 2, 5, dep.autoscale)
+        again = FleetState(path)
+        self.assertEqual(again.load(), [])
+        policy = again.policy(dep)
+        assert policy is not None
+        self.assertEqual((policy.min_replicas, policy.max_replicas), (2, 5))
+        self.assertEqual(again.desired(dep), 2)
+        path.write_text(json.dumps({"replicas": {}}))
+        self.assertEqual(again.load(), [])
+        self.assertEqual(again.policy(dep), dep.autoscale)
