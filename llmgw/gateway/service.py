@@ -6,6 +6,8 @@ the control plane to embed with its own routing table.
 
 from __future__ import annotations
 
+import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +29,7 @@ from llmgw.addresses import (
     server_endpoint,
 )
 from llmgw.collector import CollectorTuning
-from llmgw.gateway.follower import FollowerService, FollowerTable
+from llmgw.gateway.follower import DemandReporter, FollowerService, FollowerTable
 from llmgw.gateway.front import MAX_CONNECTIONS
 from llmgw.gateway.keys import KeyRing, KeysError, load_keys
 from llmgw.gateway.proxy import Gateway, GatewayConfig
@@ -35,7 +37,7 @@ from llmgw.gateway.resource import GatewayResource, GatewaySite
 from llmgw.hostcheck import HostCheck, HostListError, parse_hosts
 from llmgw.options import Options as BaseOptions
 from llmgw.options import non_negative_int, positive_float, positive_int
-from llmgw.routing import IInFlight, IRoutingTable, RoutingSnapshot
+from llmgw.routing import IDemand, IInFlight, IRoutingTable, RoutingSnapshot
 from llmgw.tlsconf.options import ClientTLSPolicy, TLSConfigError, admin_files
 from llmgw.tlsconf.reload import ClientCertificateReload
 
@@ -138,6 +140,8 @@ class Options(BaseOptions):
          "seconds a kept-alive client connection may wait for its next request", positive_float],
         ["max-tries", None, GatewayConfig.max_tries, "replicas tried when connections fail",
          positive_int],
+        ["gateway-id", None, None, "the name this gateway reports its demand under, for the "
+         "autoscaler (default HOSTNAME-PID)"],
         ["failure-threshold", None, GatewayConfig.failure_threshold,
          "failures in a row that take a replica out of rotation", positive_int],
         ["cooldown", None, GatewayConfig.cooldown, "seconds a failing replica stays out of rotation",
@@ -239,6 +243,7 @@ class StandaloneGateway(MultiService):
         admin_tls: Any = None,
         hosts: list[str] | None = None,
         max_connections: int = MAX_CONNECTIONS,
+        gateway_id: str | None = None,
     ):
         super().__init__()
         self.registry = CollectorRegistry()
@@ -264,6 +269,14 @@ class StandaloneGateway(MultiService):
             router.forget(snapshot.replica_ids())
 
         self.table.listeners.append(forget_gone)
+        # Autoscaling (issue 12): a gateway whose router knows its demand
+        # reports it to the control plane every second.
+        self.demand_reporter: DemandReporter | None = None
+        source = next((o for o in (router, self.front.gateway) if IDemand.providedBy(o)), None)
+        if source is not None:
+            self.demand_reporter = DemandReporter(
+                self.table, source, gateway_id or f"{socket.gethostname()}-{os.getpid()}")
+            self.demand_reporter.setServiceParent(self)
         self.metrics_listener: ListenerService | None = None
         if metrics_address is not None:
             root = Resource()
@@ -302,6 +315,7 @@ def makeService(options: Options, reactor: Any = None) -> StandaloneGateway:
         admin_tls=options.get("admin_tls"),
         hosts=options["gateway-hosts"],
         max_connections=options["max-connections"],
+        gateway_id=options["gateway-id"],
     )
     if own_process:
         # A process of its own: its start-up heap leaves the collector's
