@@ -1,0 +1,143 @@
+"""
+End to end (issue 12): a deployment with C{min_replicas = 0} in a real
+C{llmgw local} fleet (a process, real agents and fake model servers) has no
+replica; a gateway's demand report brings one up, a request through the
+gateway is answered, and once idle for C{scale_to_zero_after_s} the fleet
+is back to zero replicas.
+
+Scale from zero is asked for here by a demand report (what a standalone
+gateway posts, and what the admission queue's held request will report);
+the held-request form belongs with the queue (see docs/operations.md).
+
+Bounded: every wait has a deadline, and cleanup kills whatever is left even
+when an assertion fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from twisted.trial.unittest import SynchronousTestCase
+
+from llmgw.local import demo_catalog
+from llmgw.testing.procs import free_port, processes_marked
+from tests.test_local_e2e import ROOT, llmgw_command, processes_mentioning
+
+DEADLINE = 60.0
+AUTOSCALED = """min_replicas = 0
+max_replicas = 2
+target_in_flight = 4
+scale_to_zero_after_s = 3
+stabilization_s = 5
+"""
+
+
+class ScaleFromAndToZeroTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.dir = Path(self.mktemp()).resolve()
+        self.dir.mkdir(parents=True)
+        catalog = demo_catalog(self.dir)
+        text = catalog.read_text()
+        self.assertIn("replicas = 2\n", text)
+        catalog.write_text(text.replace("replicas = 2\n", AUTOSCALED))
+        self.gateway_port, self.admin_port = free_port(), free_port()
+        self.log = open(self.dir / "fleet.log", "w+b")  # noqa: SIM115
+        self.addCleanup(self.log.close)
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        self.fleet = subprocess.Popen(
+            [*llmgw_command(), "local", "--gateway", f"127.0.0.1:{self.gateway_port}",
+             "--admin", f"127.0.0.1:{self.admin_port}", "--heartbeat", "1", "--catalog", str(catalog)],
+            cwd=self.dir, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+        self.addCleanup(self.kill_everything)
+
+    def kill_everything(self) -> None:
+        if self.fleet.poll() is None:
+            os.killpg(self.fleet.pid, signal.SIGKILL)
+            self.fleet.wait(10)
+        for pid in processes_mentioning(str(self.dir)) + processes_marked(str(self.dir)):
+            for kill in (os.killpg, os.kill):
+                try:
+                    kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read().decode("utf-8", "replace")
+
+    def wait(self, what: str, check: Callable[[], Any], timeout: float = DEADLINE) -> Any:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                value = check()
+            except OSError:
+                value = None
+            if value:
+                return value
+            if self.fleet.poll() is not None:
+                self.fail(f"the fleet exited ({self.fleet.returncode}) while waiting for "
+                          f"{what}:\n{self.output()[-4000:]}")
+            if time.monotonic() > deadline:
+                self.fail(f"timed out waiting for {what}:\n{self.output()[-4000:]}")
+            time.sleep(0.2)
+
+    def admin(self, path: str, body: Any = None) -> Any:
+        url = f"http://127.0.0.1:{self.admin_port}{path}"
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return json.loads(response.read())
+
+    def replicas(self) -> list[dict[str, Any]]:
+        return self.admin("/api/v1/replicas")["replicas"]  # type: ignore[no-any-return]
+
+    def test_from_zero_and_back(self) -> None:
+        """
+        No replica while nothing is asked; a report of one waiting request
+        places one, which answers a chat completion through the gateway;
+        with no demand for the idle time the replica is drained and
+        stopped, and the deployment holds zero replicas again. Each step is
+        an event with its reason.
+        """
+        from openai import OpenAI
+
+        deployment = self.wait("the admin API", lambda: self.admin("/api/v1/deployments")["deployments"])[0]
+        self.assertEqual((deployment["desired"], deployment["autoscale"]["min_replicas"]), (0, 0))
+        # Past the adoption grace, with agents registered: still nothing placed.
+        self.wait("the adoption grace over", lambda: self.admin("/api/v1/status").get("placing_after") is None
+                  and len(self.admin("/api/v1/nodes")["nodes"]) == 2)
+        self.assertEqual(self.replicas(), [])
+
+        self.admin("/api/v1/demand", {"gateway_id": "e2e", "models": {"demo": {"in_flight": 0, "waiting": 1}}})
+        ready = self.wait("a ready replica", lambda: [r for r in self.replicas() if r["state"] == "ready"])
+        self.assertEqual(len(ready), 1)
+        client = OpenAI(base_url=f"http://127.0.0.1:{self.gateway_port}/v1", api_key="none",
+                        timeout=10, max_retries=0)
+        reply = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hello"}])
+        self.assertTrue(reply.choices[0].message.content)
+        self.admin("/api/v1/demand", {"gateway_id": "e2e", "models": {}})
+
+        self.wait("zero replicas again", lambda: self.replicas() == [] and
+                  self.admin("/api/v1/deployments")["deployments"][0]["desired"] == 0)
+        events = self.admin("/api/v1/events")["events"]
+        kinds = [e["kind"] for e in events if e["kind"].startswith("autoscale")]
+        self.assertEqual(kinds, ["autoscale_up", "autoscale_to_zero"], events)
+        self.assertTrue(any(e["kind"] == "replica_draining" and e["replica"] == ready[0]["id"] for e in events))
+
+        self.fleet.send_signal(signal.SIGTERM)
+        try:
+            self.fleet.wait(30)
+        except subprocess.TimeoutExpired:
+            self.fail(f"the fleet did not stop on SIGTERM:\n{self.output()[-4000:]}")
+        self.assertEqual(processes_mentioning(str(self.dir)), [])
