@@ -26,7 +26,12 @@ With C{--before DIR}, the same benchmark also runs against the llmgw
 package in DIR (an export of main, say) in a subprocess, and both are
 reported.
 
-Run: PYTHONPATH=. python bench/reconcile.py [--sizes 100,1000,10000] [--before DIR]
+With C{--autoscaled}, the ten deployments autoscale (bounds pinned at the
+same count, so nothing changes) and the autoscaling decision runs on every
+pass: what it costs (issue 12). It applies to this tree only, not to
+C{--before}.
+
+Run: PYTHONPATH=. python bench/reconcile.py [--sizes 100,1000,10000] [--before DIR] [--autoscaled]
 """
 
 from __future__ import annotations
@@ -63,10 +68,16 @@ command = ["{python}", "-m", "llmgw.testing.fakemodel", "--port", "{port}", "--m
 DEPLOYMENTS = 10
 
 
-def catalog_text(per_deployment: int, extra: int) -> str:
+def catalog_text(per_deployment: int, extra: int, autoscaled: bool = False) -> str:
     text = PROFILE
     for i in range(DEPLOYMENTS):
-        text += f'\n[[deployments]]\nmodel = "m{i}"\nprofile = "one"\nreplicas = {per_deployment}\n'
+        if autoscaled:
+            # Autoscaled at a fixed count: the decision runs every pass, changes nothing.
+            count = (f"min_replicas = {per_deployment}\nmax_replicas = {per_deployment}\n"
+                     f"target_in_flight = 4\n")
+        else:
+            count = f"replicas = {per_deployment}\n"
+        text += f'\n[[deployments]]\nmodel = "m{i}"\nprofile = "one"\n{count}'
     text += f'\n[[deployments]]\nmodel = "new"\nprofile = "one"\nreplicas = {extra}\n'
     return text
 
@@ -110,14 +121,14 @@ def p99(values: list[float]) -> float:
     return ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
 
 
-def run(nodes: int, steady_passes: int) -> dict[str, object]:
+def run(nodes: int, steady_passes: int, autoscaled: bool = False) -> dict[str, object]:
     clock = Clock()
     inv = Inventory()
     ids = sim_fleet(inv, nodes, gpus=8)
     half = nodes * 4
     per_dep = half // DEPLOYMENTS
     to_place = min(1000, nodes * 8 - per_dep * DEPLOYMENTS)
-    cat = parse_catalog(tomllib.loads(catalog_text(per_dep, 0)))
+    cat = parse_catalog(tomllib.loads(catalog_text(per_dep, 0, autoscaled)))
     dispatcher = FakeDispatcher(connected=set(ids))
     rec = Reconciler(
         cat, inv, clock, dispatcher, adoption_grace=0, pending_timeout=1e9, fleet_state=FleetState(None)
@@ -175,13 +186,13 @@ def run(nodes: int, steady_passes: int) -> dict[str, object]:
     }
 
 
-def measure(sizes: list[int], steady_passes: int, gc_threshold: int) -> dict[str, object]:
+def measure(sizes: list[int], steady_passes: int, gc_threshold: int, autoscaled: bool = False) -> dict[str, object]:
     if gc_threshold > 0:
         # As a control-plane process runs (CollectorTuning, --gc-threshold).
         gc.collect()
         gc.freeze()
         gc.set_threshold(gc_threshold, *gc.get_threshold()[1:])
-    results = [run(n, steady_passes) for n in sizes]
+    results = [run(n, steady_passes, autoscaled) for n in sizes]
     big = results[-1]
     out: dict[str, object] = {"results": results}
     if big["nodes"] == 10000:
@@ -210,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the collector's young threshold, as the control plane sets it (0: Python's)")
     parser.add_argument("--before", default="", help="run against the llmgw package in this directory too")
     parser.add_argument("--raw", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--autoscaled", action="store_true",
+                        help="the ten deployments autoscale (at a fixed count), after only: what the decision costs")
     args = parser.parse_args(argv)
     sizes = [int(n) for n in args.sizes.split(",")]
     if args.raw:
@@ -226,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         out["before"] = json.loads(proc.stdout)
     out["gc_threshold"] = args.gc_threshold
-    out["after"] = measure(sizes, args.steady_passes, args.gc_threshold)
+    out["autoscaled"] = args.autoscaled
+    out["after"] = measure(sizes, args.steady_passes, args.gc_threshold, args.autoscaled)
     out["load"] = os.getloadavg()
     print(json.dumps(out, indent=2))
     return 0

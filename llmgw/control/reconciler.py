@@ -254,6 +254,8 @@ class Reconciler(Service):
         self.demand_source: IDemand | None = None
         #: Each autoscaled deployment's memory between passes.
         self.scalers: dict[str, autoscaling.ScalerState] = {}
+        self._autoscaled_of: Catalog | None = None
+        self._autoscaled_models: list[str] = []
 
     # -- compatibility views of the state -----------------------------------------------
 
@@ -1423,11 +1425,10 @@ class Reconciler(Service):
         if self.demand_source is not None:
             own = dict(self.demand_source.demand())
         elif self.in_flight is not None:
-            for model, dep in self.catalog.deployments.items():
-                if dep.autoscale is not None:
-                    n = sum(self.in_flight.in_flight(rid) for rid in self.state.by_model.get(model, ()))
-                    if n:
-                        own[model] = Demand(n, 0)
+            for model in self._autoscaled():
+                n = sum(self.in_flight.in_flight(rid) for rid in self.state.by_model.get(model, ()))
+                if n:
+                    own[model] = Demand(n, 0)
         for model, d in own.items():
             t = totals.get(model)
             totals[model] = d if t is None else Demand(t.in_flight + d.in_flight, t.waiting + d.waiting)
@@ -1490,14 +1491,24 @@ class Reconciler(Service):
             "last_busy": state.busy_at if state is not None else None,
         }
 
+    def _autoscaled(self) -> list[str]:
+        # An index of the autoscaled models, rebuilt when the catalog object
+        # changes (a reload), so a pass does not look at every deployment.
+        if self._autoscaled_of is not self.catalog:
+            self._autoscaled_of = self.catalog
+            self._autoscaled_models = sorted(
+                m for m, d in self.catalog.deployments.items() if d.autoscale is not None)
+            for gone in set(self.scalers) - set(self._autoscaled_models):
+                del self.scalers[gone]
+        return self._autoscaled_models
+
     def _autoscale(self, now: float) -> None:
         st = self.state
         demand: dict[str, Demand] | None = None
-        for model in sorted(self.catalog.deployments):
+        for model in self._autoscaled():
             dep = self.catalog.deployments[model]
             policy = self.fleet_state.policy(dep)
             if policy is None:
-                self.scalers.pop(model, None)
                 continue
             if demand is None:
                 demand = self.demand()

@@ -45,6 +45,7 @@ from llmgw.gateway.service import DEFAULT_GATEWAY, GatewayService
 from llmgw.hostcheck import HostListError, parse_hosts
 from llmgw.options import Options as BaseOptions
 from llmgw.options import non_negative_float, non_negative_int, positive_float, positive_int
+from llmgw.routing import IDemand
 from llmgw.signals import SighupService
 from llmgw.tlsconf.options import ServerTLS, TLSConfigError, server_files
 from llmgw.wire import DEFAULT_MAX_FRAME
@@ -455,6 +456,11 @@ def makeService(options: Options, reactor: Any = None) -> ControlPlane:
         # The gateway's in-flight counts let a draining replica stop as soon
         # as it is idle.
         reconciler.set_in_flight(cp.gateway)
+        # Autoscaling (issue 12): a router that knows its demand (queue
+        # included) is read for it; else the in-flight counts above are.
+        router = cp.gateway.gateway.router
+        if IDemand.providedBy(router):
+            reconciler.set_demand_source(router)
     return cp
 
 
