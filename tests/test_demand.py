@@ -70,3 +70,16 @@ class BoardTests(SynchronousTestCase):
             b.report(f"gw-{i}", {"a": Demand(1, 0)}, 100 + i)
         self.assertEqual(b.gateways(104), ["gw-2", "gw-3", "gw-4"])
         self.assertEqual(b.totals(104), {"a": Demand(3, 0)})
+
+
+class InFlightDemandTests(SynchronousTestCase):
+    def test_sums_busy_replicas_by_model(self) -> None:
+        """
+        A router's in-flight snapshot becomes in-flight demand per model;
+        replicas no longer known are left out.
+        """
+        from llmgw.control.demand import InFlightDemand
+
+        models = {"r1": "a", "r2": "a", "r3": "b"}
+        source = InFlightDemand(lambda: {"r1": 2, "r2": 3, "r3": 1, "gone": 7}, models.get)
+        self.assertEqual(source.demand(), {"a": Demand(5, 0), "b": Demand(1, 0)})

@@ -11,11 +11,13 @@ held is bounded; past it the stalest report goes.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from llmgw.routing import Demand
+from zope.interface import implementer
+
+from llmgw.routing import Demand, IDemand
 
 #: A report counts for this long after it arrived (gateways send one a second).
 DEFAULT_EXPIRE_AFTER_S = 5.0
@@ -70,6 +72,29 @@ def parse_report(body: Any) -> tuple[str, dict[str, Demand]]:
         if values[0] or values[1]:
             out[model] = Demand(values[0], values[1])
     return gateway, out
+
+
+@implementer(IDemand)
+class InFlightDemand:
+    """
+    An L{IDemand} from a gateway router's in-flight counts (C{snapshot}:
+    replica -> requests, only replicas with any) and C{model_of}, which
+    names a replica's model (C{None} for one no longer known): what the
+    embedded gateway offers until its router reports demand itself. Costs
+    one step per busy replica, not one per replica.
+    """
+
+    def __init__(self, snapshot: Callable[[], Mapping[str, int]], model_of: Callable[[str], str | None]):
+        self.snapshot = snapshot
+        self.model_of = model_of
+
+    def demand(self) -> dict[str, Demand]:
+        sums: dict[str, int] = {}
+        for rid, n in self.snapshot().items():
+            model = self.model_of(rid)
+            if model is not None and n > 0:
+                sums[model] = sums.get(model, 0) + n
+        return {m: Demand(n, 0) for m, n in sums.items()}
 
 
 @dataclass(frozen=True)

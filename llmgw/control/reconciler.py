@@ -1407,6 +1407,10 @@ class Reconciler(Service):
     def set_demand_source(self, source: IDemand | None) -> None:
         self.demand_source = source
 
+    def model_of(self, replica_id: str) -> str | None:
+        rep = self.state.replicas.get(replica_id)
+        return rep.model if rep is not None else None
+
     def report_demand(self, gateway_id: str, models: dict[str, Demand]) -> None:
         """
         A standalone gateway's demand (C{POST /api/v1/demand}); it counts
@@ -1425,6 +1429,8 @@ class Reconciler(Service):
         if self.demand_source is not None:
             own = dict(self.demand_source.demand())
         elif self.in_flight is not None:
+            # Without a demand source, one look per replica of each
+            # autoscaled deployment (the control plane wires a source).
             for model in self._autoscaled():
                 n = sum(self.in_flight.in_flight(rid) for rid in self.state.by_model.get(model, ()))
                 if n:
@@ -1515,7 +1521,9 @@ class Reconciler(Service):
             d = demand.get(model, Demand(0, 0))
             active = st.active.get(model, set())
             engine_waiting = 0.0
-            for rid in st.ready.get(model, ()):
+            # Only a waiting target reads the engines' figures (one look per
+            # ready replica of that deployment).
+            for rid in st.ready.get(model, ()) if policy.target_waiting else ():
                 leader = st.replicas[rid].shards.get(0)
                 sig = leader.signals if leader is not None else None
                 if sig is not None and sig.waiting is not None and sig.age(now) <= autoscaling.SIGNALS_STALE_AFTER_S:

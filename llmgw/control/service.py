@@ -34,6 +34,7 @@ from llmgw.control.admin import (
 )
 from llmgw.control.agentsvc import AgentService
 from llmgw.control.catalog import EMPTY, CatalogError, load_catalog
+from llmgw.control.demand import InFlightDemand
 from llmgw.control.interfaces import AdminError, IFleetAdmin, IStatusSink
 from llmgw.control.inventory import Inventory
 from llmgw.control.limits import ConnectionLimiter, LimitsConfig, backlog_problem
@@ -459,8 +460,8 @@ def makeService(options: Options, reactor: Any = None) -> ControlPlane:
         # Autoscaling (issue 12): a router that knows its demand (queue
         # included) is read for it; else the in-flight counts above are.
         router = cp.gateway.gateway.router
-        if IDemand.providedBy(router):
-            reconciler.set_demand_source(router)
+        reconciler.set_demand_source(
+            router if IDemand.providedBy(router) else InFlightDemand(router.snapshot, reconciler.model_of))
     return cp
 
 
