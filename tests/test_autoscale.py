@@ -5,6 +5,8 @@ driven pass by pass on a L{Clock}.
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -357,3 +359,57 @@ class AdoptionAndBoundsTests(SynchronousTestCase):
         d.run(1)
         self.assertEqual(d.desired, 4)
         self.assertEqual(d.kinds(), [a.BOUNDS, a.BOUNDS])
+
+
+class Properties(SynchronousTestCase):
+    @settings(max_examples=200, deadline=None)
+    @given(
+        st.integers(0, 3), st.integers(1, 6), st.sampled_from([10.0, 60.0]), st.sampled_from([5.0, 30.0]),
+        st.lists(st.tuples(st.integers(1, 20), st.integers(0, 30), st.integers(0, 5), st.integers(0, 3)),
+                 min_size=1, max_size=60),
+    )
+    def test_invariants(self, low: int, span: int, window: float, idle: float,
+                        steps: list[tuple[int, int, int, int]]) -> None:
+        """
+        Whatever the load: the count stays within the bounds (zero only
+        with min_replicas = 0); every change of the count is an event; no
+        scale down that drains running replicas comes within the window
+        after a scale up; a scale to
+        zero comes only after the idle time with nothing in flight or
+        queued; and the same inputs give the same decisions.
+        """
+        kw: dict[str, float] = {"min_replicas": low, "max_replicas": low + span, "stabilization_s": window}
+        if low == 0:
+            kw["scale_to_zero_after_s"] = idle
+        p = policy(**kw)
+        runs = []
+        for _ in range(2):
+            d = Driver(p)
+            last_up: float | None = None
+            busy_at = d.clock.seconds()
+            trace = []
+            for dt, in_flight, waiting, room in steps:
+                d.room = None if room == 0 else room
+                d.clock.advance(dt)
+                now = d.clock.seconds()
+                before, seen = d.desired, len(d.events)
+                after = d.step(in_flight=in_flight, waiting=waiting)
+                new = [e.kind for e in d.events[seen:]]
+                busy = in_flight > 0 or waiting > 0
+                if busy:
+                    busy_at = now
+                self.assertLessEqual(after, p.max_replicas)
+                self.assertGreaterEqual(after, p.min_replicas)
+                if after != before:
+                    self.assertTrue(new)
+                placed = before if d.room is None else min(before, d.room)
+                if a.DOWN in new and after < placed:  # running replicas drained, not unplaced ones dropped
+                    self.assertTrue(last_up is None or now - last_up >= window, (now, last_up))
+                if a.TO_ZERO in new:
+                    self.assertFalse(busy)
+                    self.assertGreaterEqual(now - busy_at, idle)
+                if a.UP in new:
+                    last_up = now
+                trace.append((after, tuple(new)))
+            runs.append(trace)
+        self.assertEqual(runs[0], runs[1])
