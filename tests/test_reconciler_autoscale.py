@@ -195,6 +195,25 @@ class AutoscaleReconcilerTests(SynchronousTestCase):
         self.assertEqual(len(again.rec.state.active["auto"]), 1)
 
 
+    def test_catalog_reload_keeps_the_count(self) -> None:
+        """
+        A catalog reload (here with a longer window) keeps what the
+        autoscaler holds: nothing is drained, no event is made of it.
+        """
+        f = self.fleet("min_replicas = 1\nmax_replicas = 4\ntarget_in_flight = 2\nstabilization_s = 100")
+        f.rec.report_demand("gw-1", {"auto": Demand(6, 0)})
+        f.step()
+        f.make_ready()
+        self.assertEqual(self.active(f), 3)
+        f.rec.apply_catalog(autoscaled(  # type: ignore[arg-type]
+            "min_replicas = 1\nmax_replicas = 4\ntarget_in_flight = 2\nstabilization_s = 200"))
+        f.step(passes=3)
+        self.assertEqual(self.active(f), 3)
+        self.assertEqual(f.rec.desired["auto"], 3)
+        self.assertEqual(f.rec.state.draining, set())
+        self.assertEqual(self.kinds(f), ["autoscale_up"])
+
+
 class ScaleCommandTests(SynchronousTestCase):
     def test_fixed_count_refused_on_autoscaled(self) -> None:
         """

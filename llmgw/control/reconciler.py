@@ -1528,13 +1528,13 @@ class Reconciler(Service):
                 sig = leader.signals if leader is not None else None
                 if sig is not None and sig.waiting is not None and sig.age(now) <= autoscaling.SIGNALS_STALE_AFTER_S:
                     engine_waiting += sig.waiting
-            held = self.desired.get(model, dep.replicas)
-            short = max(0, held - len(active)) if self.deps[model].unplaceable else 0
+            # What it holds survives a catalog reload, which resets self.desired.
+            state = self.scalers.get(model) or autoscaling.ScalerState(self.desired.get(model, dep.replicas))
+            short = max(0, state.desired - len(active)) if self.deps[model].unplaceable else 0
             seen = autoscaling.Observed(
                 active=len(active), in_flight=d.in_flight, waiting=d.waiting, engine_waiting=engine_waiting,
                 short=short, settling=now < self.grace_end,
             )
-            state = self.scalers.get(model) or autoscaling.ScalerState(held)
             decision = autoscaling.decide(policy, state, seen, now)
             self.scalers[model] = decision.state
             self.desired[model] = decision.desired
