@@ -1,5 +1,6 @@
 """
-The reconciler (DESIGN §6): the control plane's brain.
+The reconciler (DESIGN §6): the control plane's thin shell around its
+decisions.
 
 It is the agent service's status sink (L{IStatusSink}) and the admin API's
 fleet (L{IFleetAdmin}); it owns the published routing table
@@ -9,21 +10,26 @@ overlaps another, and an exception in one is logged and the loop goes on.
 
 Data flows one way (DESIGN §6.7):
 
-  - agent reports, admin calls and passes come in here;
-  - every record and index lives in L{FleetState}, changed only through
-    its methods;
-  - commands to agents are queued (L{llmgw.control.commands}) and sent
-    after the handler that caused them has returned, never from inside
-    the agent service's own message handling;
-  - after each input, the models whose routes changed are projected from
-    the fleet state into L{routing_table}, whose revision then increases.
+  1. agent reports, admin calls and passes come in here, with the time
+     read from the injected clock;
+  2. decisions take the L{Context} (the L{FleetState}, the catalog, the
+     timing rules, each deployment's backoff), the input and the time, and
+     return an L{Outcome}: commands and events. They live in
+     L{llmgw.control.reports} (adoption, registration, shard status,
+     refused commands), L{llmgw.control.nodes} (expiry and the freeze,
+     node removal, cordon, uncordon, drain), L{llmgw.control.deadlines}
+     (timeouts, drains, incomplete replicas), L{llmgw.control.placing}
+     (scale and placement) and L{llmgw.control.lifecycle} (what they share:
+     starts, teardown, drain, evacuation, failure bookkeeping);
+  3. this shell logs the events and queues the commands, which are sent
+     after the handler that caused them has returned, never from inside
+     the agent service's own message handling;
+  4. the models whose routes changed are then projected from the fleet
+     state into L{routing_table}, whose revision increases.
 
 A pass looks only at what can need work, through the fleet state's
 indexes, and has a time budget (C{pass_budget}, 20 ms): a pass with more
 to place stops there and the next one runs at once.
-
-Times: every decision uses the injected clock. Views for the admin API
-report that same clock, which under the reactor is wall-clock seconds.
 
 Without a catalog file the reconciler runs with an empty catalog: it places
 nothing, and every shard an agent reports is unclaimed and stopped (as
@@ -32,11 +38,8 @@ DESIGN §5 says of shards nothing in the catalog claims).
 
 from __future__ import annotations
 
-import collections
-import re
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from twisted.application.service import Service
@@ -45,30 +48,14 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from zope.interface import implementer
 
-from llmgw.control import adoption, views
+from llmgw.control import deadlines, lifecycle, nodes, placing, reports, views
 from llmgw.control.backoff import Backoff
-from llmgw.control.catalog import (
-    Catalog,
-    CatalogError,
-    Deployment,
-    Profile,
-    diff,
-    load_catalog,
-)
-from llmgw.control.catalog import (
-    FleetState as KeptState,
-)
-from llmgw.control.commands import Command, Drain, Start, Stop, send, start_command
+from llmgw.control.catalog import Catalog, CatalogError, diff, load_catalog
+from llmgw.control.catalog import FleetState as KeptState
+from llmgw.control.commands import Command, Start, Stop, send
+from llmgw.control.context import Context, Rules
 from llmgw.control.events import EventLog
-from llmgw.control.expiry import ExpiryRules, judge
-from llmgw.control.failures import Hold, ShardFailure, on_failure
-from llmgw.control.fleetstate import (
-    FleetState,
-    Phase,
-    ReplicaRec,
-    ShardRec,
-    format_address,
-)
+from llmgw.control.fleetstate import FleetState, ReplicaRec, format_address
 from llmgw.control.interfaces import (
     AdminError,
     IDispatcher,
@@ -81,12 +68,11 @@ from llmgw.control.interfaces import (
     UnknownNode,
 )
 from llmgw.control.inventory import Inventory
-from llmgw.control.placement import BUSY, Placer, PortBook, Request
-from llmgw.control.scaling import Candidate, scale_step, victims
+from llmgw.control.outcome import Outcome
+from llmgw.control.placement import Placer, PortBook
 from llmgw.control.signals import ShardSignals, SignalStore  # engines (issue 11)
 from llmgw.control.signals import from_message as signals_from_message
 from llmgw.routing import EngineSignals, IRoutingTable, Route, RoutingTable
-from llmgw.states import ENDED, LIVE, ShardState
 
 __all__ = ["Reconciler", "format_address"]
 
@@ -94,49 +80,26 @@ DEFAULT_PASS_INTERVAL = 1.0
 DEFAULT_SUSPECT_AFTER = 15.0
 DEFAULT_LOST_AFTER = 300.0
 DEFAULT_ADOPTION_GRACE = 30.0
-#: A pending shard (command sent, nothing heard) is re-sent after this long,
-#: at most C{MAX_SENDS} times in all, then its replica is replaced.
 DEFAULT_PENDING_TIMEOUT = 30.0
-MAX_SENDS = 3
-#: How long past its stop grace a stopping shard may stay unconfirmed.
-STOP_SLACK = 30.0
-#: Share of nodes suspect at once beyond which replacements freeze.
 DEFAULT_FREEZE_SHARE = 0.5
 #: The longest a pass may hold the reactor before it leaves the rest of
 #: its placements to the next pass.
 DEFAULT_PASS_BUDGET = 0.020
 #: The share of a pass's budget that placement may use.
 PLACING_SHARE = 0.6
-
-PENDING, STARTING, READY, DRAINING, STOPPED, FAILED = (
-    ShardState.PENDING,
-    ShardState.STARTING,
-    ShardState.READY,
-    ShardState.DRAINING,
-    ShardState.STOPPED,
-    ShardState.FAILED,
-)
-
-_SLUG = re.compile(r"[^A-Za-z0-9.]+")
+#: Shards added since the last call of C{after_growth} that make the next
+#: pass call it (the control plane freezes the collector's heap there).
+GROWTH_STEP = 1000
 
 
-def _base36(n: int) -> str:
-    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
-    out = ""
-    while True:
-        n, r = divmod(n, 36)
-        out = digits[r] + out
-        if n == 0:
-            return out
+def _rule(name: str) -> Any:
+    return property(lambda self: getattr(self.ctx.rules, name),
+                    lambda self, value: setattr(self.ctx.rules, name, value))
 
 
-@dataclass
-class DeploymentState:
-    backoff: Backoff = field(default_factory=Backoff)
-    last_failure: ShardFailure | None = None
-    unplaceable: str = ""
-    #: Nothing is placed while held (a configuration failure).
-    held: Hold | None = None
+def _ctx_attr(name: str) -> Any:
+    return property(lambda self: getattr(self.ctx, name),
+                    lambda self, value: setattr(self.ctx, name, value))
 
 
 @implementer(IStatusSink, IRoutingTable, IFleetAdmin)
@@ -154,9 +117,27 @@ class Reconciler(Service):
     @param fleet_state: scale overrides, cordoned and draining nodes kept
         across restarts (the file, not L{FleetState}); by default the file
         beside the catalog, and nothing is kept without a catalog file.
+    @param after_growth: called at the end of a pass after the fleet grew by
+        L{GROWTH_STEP} shards or more since its last call (the control
+        plane's process freezes its collector's heap there, so that full
+        collections do not scan the long-lived records).
     """
 
     log = Logger()
+
+    suspect_after = _rule("suspect_after")
+    lost_after = _rule("lost_after")
+    adoption_grace = _rule("adoption_grace")
+    pending_timeout = _rule("pending_timeout")
+    freeze_share = _rule("freeze_share")
+    catalog = _ctx_attr("catalog")
+    state = _ctx_attr("state")
+    backoff = _ctx_attr("backoff")
+    desired = _ctx_attr("desired")
+    frozen = _ctx_attr("frozen")
+    frozen_reason = _ctx_attr("frozen_reason")
+    started_at = _ctx_attr("started_at")
+    epoch = _ctx_attr("epoch")
 
     def __init__(
         self,
@@ -177,19 +158,22 @@ class Reconciler(Service):
         timer: Callable[[], float] = time.perf_counter,
         backoff: Backoff | None = None,
         pass_budget: float = DEFAULT_PASS_BUDGET,
+        after_growth: Callable[[], None] | None = None,
     ):
-        self.catalog = catalog
         self.inventory = inventory
         self.clock = clock
         self.dispatcher = dispatcher
         self.in_flight = in_flight
         self.pass_interval = pass_interval
-        self.suspect_after = suspect_after
-        self.lost_after = lost_after
-        self.adoption_grace = adoption_grace
-        self.pending_timeout = pending_timeout
-        self.freeze_share = freeze_share
         self.pass_budget = pass_budget
+        self.after_growth = after_growth
+        #: The decisions' inputs: the fleet state, every record and index
+        #: of the fleet, among them.
+        self.ctx = Context(
+            FleetState(PortBook(*catalog.port_range)), catalog, inventory,
+            Rules(suspect_after, lost_after, adoption_grace, pending_timeout, freeze_share),
+            backoff if backoff is not None else Backoff(), epoch, clock.seconds(),
+        )
         self.fleet_state = fleet_state if fleet_state is not None else KeptState.beside(catalog.path)
         for warning in self.fleet_state.load():
             self.log.error("{warning}", warning=warning)
@@ -197,39 +181,16 @@ class Reconciler(Service):
         #: Engine signals from heartbeats, per shard (engines, issue 11).
         self.engine_signals = SignalStore()
         self._timer = timer
-        self.epoch = epoch
-        self._id_prefix = _base36(epoch)
-        self._ids = 0
-
-        #: Every record and index of the fleet.
-        self.state = FleetState(PortBook(*catalog.port_range))
         #: The routing table, a projection of L{state}.
         self.routing_table = RoutingTable(clock)
         self.routing_table.set_known(catalog.deployments)
-        #: The backoff each deployment starts with (its timings are copied).
-        self.backoff = backoff if backoff is not None else Backoff()
-        self.deps: dict[str, DeploymentState] = collections.defaultdict(
-            lambda: DeploymentState(
-                Backoff(self.backoff.base, self.backoff.cap, self.backoff.reset_after)
-            )
-        )
-        self.desired: dict[str, int] = {}
         # Kept across restarts in the fleet state file: a cordoned node stays
         # cordoned, and a draining node's replicas are moved off it once it
         # registers again with them.
         self.state.cordoned.update(self.fleet_state.cordoned)
         self.state.draining_nodes.update(self.fleet_state.draining)
-        #: Every shard id each registering node listed, claimed or not.
-        self._listed: dict[str, set[str]] = {}
-
-        self.frozen = False
-        self.frozen_reason = ""
-        self.started_at = clock.seconds()
-        self.last_pass_duration = 0.0
-        self.max_pass_duration = 0.0
-        self.passes = 0
-        self.pass_seconds_total = 0.0
-        self.pass_errors = 0
+        self.last_pass_duration = self.max_pass_duration = self.pass_seconds_total = 0.0
+        self.passes = self.pass_errors = 0
         #: A pass stopped at its budget with placements left to make.
         self.pass_unfinished = False
         self._pass_started = 0.0
@@ -242,38 +203,20 @@ class Reconciler(Service):
         #: that changed (FleetState.sync_placer) before a pass places.
         self._placer = Placer((), self.state.spread, self.state.ports, live_spread=True)
         self._placer_connected: set[str] = set()
-        self._placed_this_pass = 0
+        self._grown_from = 0
         self._apply_desired()
 
     # -- compatibility views of the state -----------------------------------------------
 
-    @property
-    def shard_recs(self) -> dict[str, ShardRec]:
-        return self.state.shards
-
-    @property
-    def replica_recs(self) -> dict[str, ReplicaRec]:
-        return self.state.replicas
-
-    @property
-    def cordoned(self) -> set[str]:
-        return self.state.cordoned
-
-    @property
-    def draining_nodes(self) -> set[str]:
-        return self.state.draining_nodes
-
-    @property
-    def suspect(self) -> set[str]:
-        return self.state.suspect
-
-    @property
-    def lost(self) -> set[str]:
-        return self.state.lost
-
-    @property
-    def ports(self) -> PortBook:
-        return self.state.ports
+    deps = property(lambda self: self.ctx.deps, doc="Each deployment's failure bookkeeping.")
+    shard_recs = property(lambda self: self.state.shards)
+    replica_recs = property(lambda self: self.state.replicas)
+    cordoned = property(lambda self: self.state.cordoned)
+    draining_nodes = property(lambda self: self.state.draining_nodes)
+    suspect = property(lambda self: self.state.suspect)
+    lost = property(lambda self: self.state.lost)
+    ports = property(lambda self: self.state.ports)
+    grace_end = property(lambda self: self.ctx.grace_end)
 
     # -- wiring -----------------------------------------------------------------
 
@@ -284,15 +227,10 @@ class Reconciler(Service):
         """
         self.dispatcher = dispatcher
         if epoch is not None:
-            self.epoch = epoch
-            self._id_prefix = _base36(epoch)
+            self.ctx.set_epoch(epoch)
 
     def set_in_flight(self, source: IInFlight | None) -> None:
         self.in_flight = source
-
-    @property
-    def grace_end(self) -> float:
-        return self.started_at + self.adoption_grace
 
     def startService(self) -> None:
         super().startService()
@@ -300,15 +238,13 @@ class Reconciler(Service):
         # Every node this process learns of gets a fresh clock (DESIGN §6.3).
         for node_id in list(self.state.known_since):
             self.state.known_since[node_id] = self.started_at
-        loop = LoopingCall(self.run_pass)
+        loop = self._loop = LoopingCall(self.run_pass)
         loop.clock = self.clock
-        self._loop = loop
         loop.start(self.pass_interval, now=False)
         self.log.info(
             "reconciler started: {deployments} deployments, pass every {interval}s, "
             "placing nothing for {grace}s while agents report what they run",
-            deployments=len(self.catalog.deployments),
-            interval=self.pass_interval,
+            deployments=len(self.catalog.deployments), interval=self.pass_interval,
             grace=self.adoption_grace,
         )
 
@@ -323,30 +259,42 @@ class Reconciler(Service):
         self._flush_call = self._next_pass = None
         return None
 
-    # -- events -----------------------------------------------------------------
+    # -- applying outcomes; commands are sent after the handler returns -------------------
 
     def _event(self, kind: str, *, level: str = "info", **fields: Any) -> None:
-        now = self.clock.seconds()
-        ev = self.event_log.add(now, kind, **fields)
+        ev = self.event_log.add(self.clock.seconds(), kind, **fields)
         parts = [f"{k}={{{k}}}" for k in ("node", "replica", "shard") if fields.get(k)]
         if ev.reason:
             parts.append("({reason})")
-        text = " ".join([f"{kind}:", *parts])
         getattr(self.log, level)(
-            text,
-            kind=kind,
-            node=ev.node,
-            replica=ev.replica,
-            shard=ev.shard,
-            reason=ev.reason,
-            exit_code=ev.exit_code,
-            signal=ev.signal,
+            " ".join([f"{kind}:", *parts]), kind=kind, node=ev.node, replica=ev.replica,
+            shard=ev.shard, reason=ev.reason, exit_code=ev.exit_code, signal=ev.signal,
         )
 
-    # -- commands, sent after the handler returns ---------------------------------------
+    def _apply(self, out: Outcome, settle: bool = True) -> None:
+        """
+        Take what a decision returned: log its events, queue its commands,
+        keep the nodes file if it changed; then, unless a pass or flush is
+        under way, settle.
+        """
+        for ev in out.events:
+            self._event(ev.kind, level=ev.level, **ev.fields)
+        self._outbox.extend(out.commands)
+        if out.nodes_changed:
+            self._keep_nodes()
+        if settle:
+            self._settle()
 
-    def _queue(self, cmd: Command) -> None:
-        self._outbox.append(cmd)
+    def _decide(self, decide: Callable[..., Any], *args: Any) -> Any:
+        """
+        Run C{decide(ctx, *args, outcome)} and apply its outcome, also what
+        it decided before it raised.
+        """
+        out = Outcome()
+        try:
+            return decide(self.ctx, *args, out)
+        finally:
+            self._apply(out)
 
     def _settle(self) -> None:
         """
@@ -361,9 +309,8 @@ class Reconciler(Service):
 
     def flush(self) -> None:
         """
-        Send the queued commands. A refusal is handled here: a new shard
-        that cannot be started tears its replica down; a shard that cannot
-        be told to stop is forgotten, its port kept until it is seen gone.
+        Send the queued commands, and publish the routes that changed. A
+        refused command is an input like any other (L{reports}).
         """
         if self._flush_call is not None and self._flush_call.active():
             self._flush_call.cancel()
@@ -372,36 +319,17 @@ class Reconciler(Service):
         while self._outbox:
             batch, self._outbox = self._outbox, []
             for cmd in batch:
-                self._send(cmd, now)
-        self._publish()
-
-    def _send(self, cmd: Command, now: float) -> None:
-        st = self.state
-        shard = st.shards.get(cmd.shard_id)
-        if isinstance(cmd, Start):
-            # A start made obsolete before it went out (its replica was torn
-            # down meanwhile) is not sent.
-            if shard is None or shard.stopping or shard.node_id != cmd.node_id:
-                return
-            why = send(self.dispatcher, cmd)
-            if why is None or not cmd.first:
-                return
-            rep = st.replicas.get(shard.replica_id)
-            self._event("dispatch_refused", level="warn", node=shard.node_id,
-                        replica=shard.replica_id, shard=shard.id, reason=why)
-            st.cap_dirty.add(shard.node_id)
-            if rep is not None:
-                self._teardown(rep, f"could not start shard {shard.id}: {why}", now)
-        elif isinstance(cmd, Stop):
-            why = send(self.dispatcher, cmd)
-            if why is not None and shard is not None and shard.stopping:
-                # Nothing can tell it now; if the node comes back its
-                # registration lists the shard, which nothing claims.
-                st.drop_shard(shard, now, confirmed=False)
-        else:
-            send(self.dispatcher, cmd)
-
-    def _publish(self) -> None:
+                if isinstance(cmd, Start) and reports.obsolete(self.ctx, cmd):
+                    continue
+                why = send(self.dispatcher, cmd)
+                if why is None:
+                    continue
+                out = Outcome()
+                if isinstance(cmd, Start):
+                    reports.start_refused(self.ctx, cmd, why, now, out)
+                elif isinstance(cmd, Stop):
+                    reports.stop_refused(self.ctx, cmd, now)
+                self._apply(out, settle=False)
         for model in sorted(self.state.take_routes_dirty()):
             self.routing_table.publish_model(model, self.state.routes(model))
 
@@ -421,12 +349,7 @@ class Reconciler(Service):
     # -- catalog ------------------------------------------------------------------
 
     def _apply_desired(self) -> None:
-        self.desired = {
-            m: self.fleet_state.desired(d) for m, d in self.catalog.deployments.items()
-        }
-
-    def _profile(self, name: str) -> Profile | None:
-        return self.catalog.profiles.get(name)
+        self.desired = {m: self.fleet_state.desired(d) for m, d in self.catalog.deployments.items()}
 
     def apply_catalog(self, new: Catalog) -> dict[str, Any]:
         """
@@ -434,27 +357,13 @@ class Reconciler(Service):
         drained; replicas whose profile changed are replaced
         make-before-break. Returns what changed.
         """
-        now = self.clock.seconds()
         old = self.catalog
         changes = diff(old, new)
         self.catalog = new
         self.state.ports.set_range(*new.port_range)
         self._apply_desired()
         self.routing_table.set_known(new.deployments)
-        st = self.state
-        for model in changes["removed"]:
-            for rid in sorted(st.active.get(model, set()) | st.evacuating.get(model, set())):
-                self._retire(st.replicas[rid], "its deployment left the catalog", now)
-        for model in changes["changed"]:
-            dep = new.deployments[model]
-            old_dep = old.deployments[model]
-            if dep.profile != old_dep.profile or new.profiles[dep.profile] != old.profiles.get(
-                old_dep.profile
-            ):
-                for rid in sorted(st.active.get(model, set())):
-                    self._evacuate(st.replicas[rid], "profile changed")
-                self._release(model, "its profile changed")
-        self._settle()
+        self._decide(lifecycle.catalog_changed, old, changes, self.clock.seconds())
         return changes
 
     def reload_catalog(self) -> dict[str, Any]:
@@ -467,27 +376,13 @@ class Reconciler(Service):
             self._event("catalog_refused", level="error", reason=str(e))
             raise AdminError(f"{e}; the running catalog stays") from None
         changes = self.apply_catalog(new)
-        summary = {"path": path, **changes}
         self._event(
             "catalog_reloaded",
             reason=", ".join(f"{k}: {','.join(v)}" for k, v in changes.items() if v) or "no changes",
         )
-        return summary
+        return {"path": path, **changes}
 
     # -- IStatusSink --------------------------------------------------------------
-
-    def _host(self, node_id: str) -> str:
-        node = self.inventory.peek(node_id)
-        return (node.address if node is not None else "") or "127.0.0.1"
-
-    def _unclaimed(self, node_id: str, shard_id: str, replica_id: str, port: int, why: str) -> None:
-        """
-        The one place a shard nothing claims is stopped. Its port stays
-        reserved until it is seen gone.
-        """
-        self._event("shard_unclaimed", node=node_id, replica=replica_id, shard=shard_id, reason=why)
-        self.state.reserve(shard_id, node_id, self._host(node_id), port)
-        self._queue(Stop(node_id, shard_id))
 
     def adopt(self, node_id: str, shards: list[ReportedShard]) -> list[ReportedShard]:
         """
@@ -495,119 +390,14 @@ class Reconciler(Service):
         shards nothing claims, for the caller to log; the reconciler stops
         them itself, after the caller has returned.
         """
-        now = self.clock.seconds()
-        st = self.state
-        st.note_node(node_id, now, self.suspect_after)
-        host = self._host(node_id)
-        unclaimed: list[ReportedShard] = []
-        reported: set[str] = set()
-        self._listed[node_id] = {s.shard_id for s in shards}
-
-        def refuse(s: ReportedShard, why: str) -> None:
-            unclaimed.append(s)
-            self._unclaimed(node_id, s.shard_id, s.replica_id, s.port, why)
-
-        for s in shards:
-            verdict = adoption.verdict(s, node_id, self.catalog, st)
-            if isinstance(verdict, adoption.Refuse):
-                refuse(s, verdict.reason)
-                continue
-            state = ShardState(s.state)
-            if isinstance(verdict, adoption.Known):
-                known = st.shards[s.shard_id]
-                self._set_state(known, st.replicas[known.replica_id], state, now)
-                reported.add(s.shard_id)
-                self._update_ready(st.replicas[known.replica_id], now)
-                continue
-            if isinstance(verdict, adoption.NewReplica):
-                rep = ReplicaRec(
-                    id=s.replica_id,
-                    model=s.model,
-                    profile=s.profile,
-                    world_size=verdict.world_size,
-                    created_at=now,
-                    adopted=True,
-                )
-                st.add_replica(rep, incomplete=True)
-                self._event("replica_adopted", node=node_id, replica=rep.id, reason=f"model {s.model}")
-            else:
-                rep = st.replicas[s.replica_id]
-            shard = ShardRec(
-                id=s.shard_id,
-                replica_id=rep.id,
-                node_id=node_id,
-                rank=s.rank,
-                gpus=tuple(s.gpu_indices),
-                port=s.port,
-                host=host,
-                state=state,
-                since=now,
-            )
-            st.add_shard(rep, shard)
-            if state == STARTING:
-                profile = self._profile(rep.profile)
-                st.check_at(shard.id, now + (profile.startup_timeout_s if profile is not None else 600))
-            reported.add(s.shard_id)
-            if state == DRAINING and rep.phase == Phase.ACTIVE:
-                self._start_drain(rep, "it was draining when adopted", now, send=False)
-            elif node_id in st.draining_nodes:
-                # The node was being drained before a restart: go on moving
-                # its replicas, make-before-break.
-                self._evacuate(rep, "node drain")
-            self._update_ready(rep, now)
-        st.reported[node_id] = reported
-        self._settle()
-        return unclaimed
+        refused: list[ReportedShard] = self._decide(reports.adopt, node_id, shards, self.clock.seconds())
+        return refused
 
     def node_registered(self, node_id: str) -> None:
-        now = self.clock.seconds()
-        st = self.state
-        st.note_node(node_id, now, self.suspect_after)
-        st.registered.add(node_id)
-        returned = node_id in st.lost
-        was_suspect = node_id in st.suspect
-        st.lost.discard(node_id)
-        st.suspect.discard(node_id)
-        st.lost_clock.pop(node_id, None)
-        if returned or was_suspect:
-            st.watch(node_id, now + self.suspect_after)
-            self._event("node_returned" if returned else "node_ready", node=node_id, reason="registered")
-        reported = st.reported.pop(node_id, None)
-        listed = self._listed.pop(node_id, None)
-        if listed is not None:
-            # What the node did not list is not running: its port is free.
-            for sid in st.reserved_on(node_id) - listed:
-                st.release_reserved(sid)
-        if reported is None:
-            self._settle()
-            return
-        # What we hold on the node that it did not list has ended.
-        for sid in sorted(st.node_shards.get(node_id, set()) - reported):
-            shard = st.shards[sid]
-            rep = st.replicas.get(shard.replica_id)
-            if shard.stopping or rep is None:
-                st.drop_shard(shard, now)
-            elif shard.state == PENDING:
-                # Sent on an older stream and maybe lost with it: send again.
-                self._send_start(rep, shard, now, first=False)
-            else:
-                self._event(
-                    "shard_missing",
-                    level="warn",
-                    node=node_id,
-                    replica=rep.id,
-                    shard=sid,
-                    reason="the node registered without it",
-                )
-                # It ended while the stream was down: a failure like any
-                # other (crash loops must back off), whose exit code and
-                # output may still arrive in a status the agent kept for us.
-                self._record_failure(rep.model, node_id, rep.id, sid, now, exit_code=0, signal=0,
-                                     error="the shard ended while its node was disconnected")
-                st.remember_missing(sid, node_id, rep.model)
-                st.drop_shard(shard, now)
-                self._teardown(rep, f"shard {sid} is gone from {node_id}", now)
-        self._settle()
+        self._decide(reports.registered, node_id, self.clock.seconds())
+
+    def on_shard_status(self, report: ShardReport) -> None:
+        self._decide(reports.shard_status, report, self.clock.seconds())
 
     def shard_node(self, shard_id: str) -> str | None:
         shard = self.state.shards.get(shard_id)
@@ -659,268 +449,8 @@ class Reconciler(Service):
         self.state.set_signals(shard, signals)
         self._settle()
 
-    def _record_failure(
-        self,
-        model: str,
-        node_id: str,
-        replica_id: str,
-        shard_id: str,
-        now: float,
-        *,
-        exit_code: int | None = None,
-        signal: int | None = None,
-        error: str = "",
-        last_output: str = "",
-        crash_class: str = "",
-        backoff: bool = True,
-    ) -> None:
-        """
-        The one place a L{ShardFailure} is built: it becomes the
-        deployment's last failure, and C{backoff} counts it towards the
-        deployment's crash backoff.
-        """
-        failure = ShardFailure(
-            node=node_id, replica=replica_id, shard=shard_id, exit_code=exit_code,
-            signal=signal, error=error, last_output=last_output, time=now,
-            crash_class=crash_class,
-        )
-        if not backoff:
-            if model in self.deps:
-                self.deps[model].last_failure = failure
-            return
-        state = self.deps[model]
-        state.last_failure = failure
-        out = on_failure(failure, model, state.held, counts=True)
-        state.held = out.hold
-        if out.new_hold and out.hold is not None:
-            self._event("deployment_held", level="error", replica=replica_id, shard=shard_id,
-                        reason=out.hold.reason)
-        if not out.backoff:
-            return
-        delay = state.backoff.failed(now)
-        self._event(
-            "backoff",
-            level="warn",
-            replica=replica_id,
-            reason=f"deployment {model}: failure {state.backoff.failures}, "
-            f"next placement in {delay:g}s",
-        )
-
-    def _shard_failed(self, report: ShardReport, replica_id: str, model: str, now: float,
-                      backoff: bool = True, note: str = "") -> None:
-        self._event(
-            "shard_failed",
-            level="error",
-            node=report.node_id,
-            replica=replica_id,
-            shard=report.shard_id,
-            reason=(report.error or "the process failed") + note,
-            exit_code=report.exit_code,
-            signal=report.signal,
-            last_output=report.last_output,
-            crash_class=report.crash_class,
-        )
-        self._record_failure(model, report.node_id, replica_id, report.shard_id, now,
-                             exit_code=report.exit_code, signal=report.signal, error=report.error,
-                             last_output=report.last_output, crash_class=report.crash_class,
-                             backoff=backoff)
-
-    def on_shard_status(self, report: ShardReport) -> None:
-        self._shard_status(report)
-        self._settle()
-
-    def _shard_status(self, report: ShardReport) -> None:
-        now = self.clock.seconds()
-        st = self.state
-        shard = st.shards.get(report.shard_id)
-        missing = st.missing.get(report.shard_id)
-        if shard is None and missing is not None and missing[0] == report.node_id:
-            if report.state in ENDED:
-                # The final status of a shard that went missing while its
-                # node was disconnected: its backoff was already counted.
-                st.missing.pop(report.shard_id, None)
-                if report.state == FAILED:
-                    self._shard_failed(report, report.replica_id, missing[1], now, backoff=False,
-                                       note=" (reported after the node came back)")
-                return
-        if shard is None or shard.node_id != report.node_id:
-            held = st.reserved.get(report.shard_id)
-            if report.state in ENDED:
-                if held is not None and held.node_id == report.node_id:
-                    st.release_reserved(report.shard_id)
-            elif report.state in LIVE and held is None:
-                # Running something nobody wants: stop it.
-                self._unclaimed(report.node_id, report.shard_id, report.replica_id, 0,
-                                f"reported {report.state} but the control plane holds no such shard")
-            return
-        rep = st.replicas.get(shard.replica_id)
-        state = report.state
-        if shard.stopping or rep is None:
-            if state in ENDED:
-                st.drop_shard(shard, now)
-            return
-        if state == FAILED:
-            st.set_shard_state(shard, FAILED, now)
-            self._shard_failed(report, rep.id, rep.model, now)
-            self._teardown(rep, f"shard {shard.id} failed", now)
-        elif state == STOPPED:
-            st.set_shard_state(shard, STOPPED, now)
-            self._event(
-                "shard_stopped",
-                level="warn",
-                node=shard.node_id,
-                replica=rep.id,
-                shard=shard.id,
-                reason=report.error or "stopped without being told to",
-            )
-            self._teardown(rep, f"shard {shard.id} stopped", now)
-        elif state in LIVE:
-            self._set_state(shard, rep, ShardState(state), now)
-            self._update_ready(rep, now)
-        elif state == ShardState.STOPPING:
-            # Going away unasked, its processes not all gone yet: it serves
-            # no more, and holds its GPUs and port until it reports stopped.
-            st.set_shard_state(shard, ShardState.STOPPING, now)
-            self._update_ready(rep, now)
-
-    # -- changes to replicas ------------------------------------------------------------
-
-    def _set_state(self, shard: ShardRec, rep: ReplicaRec, state: ShardState, now: float) -> None:
-        """
-        Take a shard's new state; one starting is looked at again at its
-        startup timeout.
-        """
-        was = shard.state
-        self.state.set_shard_state(shard, state, now)
-        if state == STARTING and was != STARTING and not shard.stopping:
-            profile = self._profile(rep.profile)
-            timeout = profile.startup_timeout_s if profile is not None else 600
-            self.state.check_at(shard.id, now + timeout)
-
-    def _update_ready(self, rep: ReplicaRec, now: float) -> None:
-        if self.state.update_ready(rep, now):
-            self._event("replica_ready", replica=rep.id, reason=f"model {rep.model}")
-
     def replica_state(self, rep: ReplicaRec) -> str:
         return self.state.replica_state(rep)
-
-    def _send_start(self, rep: ReplicaRec, shard: ShardRec, now: float, first: bool) -> None:
-        profile = self._profile(rep.profile)
-        shard.sends += 1
-        shard.sent_at = now
-        self.state.check_at(shard.id, now + self.pending_timeout)
-        if profile is not None:
-            leader = rep.shards.get(0)
-            node = self.inventory.peek(leader.node_id) if leader is not None else None
-            fabrics = node.fabrics if node is not None else {}
-            self._queue(Start(start_command(rep, shard, profile, fabrics), first=first))
-
-    def _new_replica_id(self, model: str) -> str:
-        slug = _SLUG.sub("-", model).strip("-")[:40] or "replica"
-        while True:
-            self._ids += 1
-            rid = f"{slug}-{self._id_prefix}-{self._ids}"
-            if rid not in self.state.replicas and rid not in self.state.retired:
-                return rid
-
-    def _place(self, dep: Deployment, profile: Profile, placer: Placer, now: float) -> bool | None:
-        """
-        Place one replica of C{dep}: whether it was, or C{None} when the
-        pass's time ran out first.
-        """
-        slots = placer.place(
-            Request(
-                group=dep.model,
-                shards=profile.shards,
-                gpus_per_shard=profile.gpus_per_shard,
-                gpu_memory_mb=profile.gpu_memory_mb,
-                fabric=profile.fabric,
-            ),
-            self._over_budget,
-        )
-        if slots is BUSY:
-            return None
-        if slots is None:
-            return False
-        rep = ReplicaRec(
-            id=self._new_replica_id(dep.model),
-            model=dep.model,
-            profile=profile.name,
-            world_size=profile.shards,
-            created_at=now,
-        )
-        self.state.add_replica(rep)
-        for slot in slots:
-            self.state.add_shard(
-                rep,
-                ShardRec(
-                    id=f"{rep.id}-s{slot.rank}",
-                    replica_id=rep.id,
-                    node_id=slot.node_id,
-                    rank=slot.rank,
-                    gpus=slot.gpu_indices,
-                    port=slot.port,
-                    host=slot.host,
-                    state=PENDING,
-                    since=now,
-                ),
-                port_taken=True,
-            )
-        self._event(
-            "replica_placed",
-            node=",".join(s.node_id for s in slots),
-            replica=rep.id,
-            reason=f"model {dep.model} on "
-            + ", ".join(f"{s.node_id} GPUs {list(s.gpu_indices)} port {s.port}" for s in slots),
-        )
-        for rank in sorted(rep.shards):
-            self._send_start(rep, rep.shards[rank], now, first=True)
-        return True
-
-    def _teardown(self, rep: ReplicaRec, reason: str, now: float) -> None:
-        """
-        Stop every shard of C{rep}; it is forgotten once they confirm.
-        """
-        if rep.phase == Phase.STOPPING:
-            return
-        st = self.state
-        st.set_phase(rep, Phase.STOPPING, now)
-        self._event("replica_stopping", replica=rep.id, reason=reason)
-        for shard in list(rep.shards.values()):
-            if shard.state in ENDED:
-                st.drop_shard(shard, now)
-                continue
-            st.mark_stopping(shard, now)
-            profile = self._profile(rep.profile)
-            grace = profile.stop_grace_s if profile is not None else 30
-            st.check_at(shard.id, now + grace + STOP_SLACK)
-            self._queue(Stop(shard.node_id, shard.id))
-        if not rep.shards and rep.id in st.replicas:
-            st.remove_replica(rep, now)
-
-    def _start_drain(self, rep: ReplicaRec, reason: str, now: float, send: bool = True) -> None:
-        if rep.phase != Phase.ACTIVE:
-            return
-        self.state.set_phase(rep, Phase.DRAINING, now)
-        self._event("replica_draining", replica=rep.id, reason=reason)
-        if send:
-            for shard in rep.shards.values():
-                self._queue(Drain(shard.node_id, shard.id))
-
-    def _retire(self, rep: ReplicaRec, reason: str, now: float) -> None:
-        """
-        Take a replica out of service: drain it if it serves, else stop it.
-        """
-        if rep.id in self.state.ready[rep.model]:
-            self._start_drain(rep, reason, now)
-        else:
-            self._teardown(rep, reason, now)
-
-    def _evacuate(self, rep: ReplicaRec, reason: str) -> None:
-        if rep.phase != Phase.ACTIVE or rep.evacuating:
-            return
-        self.state.set_evacuating(rep, reason)
-        self._event("replica_evacuating", replica=rep.id, reason=reason)
 
     # -- the pass -----------------------------------------------------------------
 
@@ -949,6 +479,7 @@ class Reconciler(Service):
                 self.flush()
             except Exception:
                 self.log.failure("sending a pass's commands failed")
+            self._grown()
             self.passes += 1
             self.last_pass_duration = self._timer() - started
             self.max_pass_duration = max(self.max_pass_duration, self.last_pass_duration)
@@ -956,285 +487,34 @@ class Reconciler(Service):
         if self.pass_unfinished and self._loop is not None:
             self._next_pass = self.clock.callLater(0, self.run_pass)
 
+    def _grown(self) -> None:
+        size = len(self.state.shards)
+        if size < self._grown_from:
+            self._grown_from = size
+        elif size - self._grown_from >= GROWTH_STEP and self.after_growth is not None:
+            self._grown_from = size
+            self.after_growth()
+
     def _over_budget(self) -> bool:
         # Placing stops short of the budget: the commands it decided are
         # still to be sent within it.
         return self._timer() - self._pass_started >= PLACING_SHARE * self.pass_budget
 
     def _pass(self, now: float) -> None:
-        self._take_inventory(now)
-        self._expire(now)
-        if self.dispatcher is None:
-            return
-        self._check_shards(now)
-        self._reconcile(now)
+        self._decide(self._tick, now)
 
-    def _take_inventory(self, now: float) -> None:
+    def _tick(self, ctx: Context, now: float, out: Outcome) -> None:
         for node_id in self.inventory.take_changed():
             if node_id in self.inventory:
-                self.state.note_node(node_id, now, self.suspect_after)
+                ctx.state.note_node(node_id, now, ctx.rules.suspect_after)
             else:
-                self._forget_node(node_id, now)
-
-    def _forget_node(self, node_id: str, now: float) -> None:
-        st = self.state
-        for sid in list(st.node_shards.get(node_id, ())):
-            shard = st.shards[sid]
-            rep = st.replicas.get(shard.replica_id)
-            st.drop_shard(shard, now)
-            if rep is not None:
-                self._teardown(rep, f"node {node_id} was removed", now)
-        st.forget_node(node_id)
-        self._keep_nodes()
-
-    def _last_heard(self, node_id: str) -> float | None:
-        node = self.inventory.peek(node_id)
-        if node is None:
-            return None
-        return max(node.last_seen, self.state.known_since.get(node_id, 0.0))
-
-    def _expire(self, now: float) -> None:
-        st = self.state
-        out = judge(
-            st.take_due(now), st.suspect, len(st.known_since), len(st.lost), self._last_heard,
-            st.lost_clock, self.frozen, now,
-            ExpiryRules(self.suspect_after, self.lost_after, self.freeze_share),
-        )
-        st.eligibility_changed([n for n, _ in out.suspect] + out.back + out.gone + [n for n, _ in out.lost])
-        for node_id, silent in out.suspect:
-            st.suspect.add(node_id)
-            self._event("node_suspect", level="warn", node=node_id, reason=f"silent for {silent:.0f}s")
-        if out.frozen is not None:
-            self.frozen = out.frozen
-            if out.frozen:
-                self.frozen_reason = (
-                    f"{out.suspect_count} of {out.live_count} nodes are suspect at once: assuming "
-                    "the fault is on the control plane's side of the network"
-                )
-                self._event("replacements_frozen", level="critical", reason=self.frozen_reason)
-            else:
-                for node_id in out.fresh_clock:
-                    st.lost_clock[node_id] = now
-                self._event(
-                    "replacements_resumed",
-                    level="warn",
-                    reason=f"{out.suspect_count} of {out.live_count} nodes are suspect; they are "
-                    f"lost only after {self.lost_after:g}s more of silence",
-                )
-                self.frozen_reason = ""
-        for node_id in out.gone:
-            st.suspect.discard(node_id)
-            st.lost_clock.pop(node_id, None)
-        for node_id in out.back:
-            st.suspect.discard(node_id)
-            st.lost_clock.pop(node_id, None)
-            self._event("node_ready", node=node_id, reason="heard from again")
-        for deadline, node_id in out.recheck:
-            st.watch(node_id, deadline)
-        for node_id, silent in out.lost:
-            self._node_lost(node_id, silent, now)
-
-    def _node_lost(self, node_id: str, silent: float, now: float) -> None:
-        st = self.state
-        st.suspect.discard(node_id)
-        st.lost_clock.pop(node_id, None)
-        st.lost.add(node_id)
-        self._event("node_lost", level="error", node=node_id, reason=f"silent for {silent:.0f}s")
-        for sid in sorted(st.node_shards.get(node_id, set())):
-            shard = st.shards.get(sid)
-            if shard is None:
-                continue
-            rep = st.replicas.get(shard.replica_id)
-            # Its process may still run: the port stays reserved.
-            st.drop_shard(shard, now, confirmed=False)
-            if rep is not None:
-                self._teardown(rep, f"node {node_id} is lost; replacing the replica", now)
-
-    def _check_shards(self, now: float) -> None:
-        st = self.state
-        # Only shards whose deadline may have come: each is looked at when
-        # it changes and at its deadline, not in every pass.
-        for sid in st.take_checks(now):
-            shard = st.shards.get(sid)
-            if shard is None:
-                st.stopping.discard(sid)
-                continue
-            if sid in st.stopping:
-                self._check_stopping(shard, now)
-            elif sid in st.unsettled:
-                self._check_unsettled(shard, now)
-        for rid in sorted(st.draining):
-            other = st.replicas.get(rid)
-            if other is None:
-                st.draining.discard(rid)
-                continue
-            profile = self._profile(other.profile)
-            timeout = profile.drain_timeout_s if profile is not None else 60
-            if self.in_flight is not None and self.in_flight.in_flight(rid) == 0:
-                self._teardown(other, "drained: no request in flight", now)
-            elif now - other.drain_started >= timeout:
-                self._teardown(other, f"drain timeout of {timeout}s passed", now)
-        if now >= self.grace_end:
-            for rid in sorted(st.incomplete):
-                other = st.replicas.get(rid)
-                if other is None or len(other.shards) == other.world_size:
-                    st.incomplete.discard(rid)
-                    continue
-                if now - other.created_at >= self.adoption_grace:
-                    self._event(
-                        "replica_incomplete",
-                        level="warn",
-                        replica=rid,
-                        reason=f"{len(other.shards)} of {other.world_size} shards reported",
-                    )
-                    self._teardown(other, "incomplete after adoption", now)
-        drained = False
-        for node_id in sorted(st.draining_nodes):
-            # A node not registered since start may still have shards that
-            # its agent has not reported yet.
-            if node_id in st.registered and not st.node_shards.get(node_id):
-                st.draining_nodes.discard(node_id)
-                self._event("node_drained", node=node_id, reason="no shards left")
-                drained = True
-        if drained:
-            self._keep_nodes()
-
-    def _check_unsettled(self, shard: ShardRec, now: float) -> None:
-        st = self.state
-        rep = st.replicas[shard.replica_id]
-        profile = self._profile(rep.profile)
-        sid = shard.id
-        if shard.state == PENDING:
-            deadline = shard.sent_at + self.pending_timeout
-            if now < deadline:
-                st.check_at(sid, deadline)
-                return
-            if shard.sends < MAX_SENDS:
-                self._send_start(rep, shard, now, first=False)
-                self._event(
-                    "shard_resent",
-                    node=shard.node_id,
-                    replica=rep.id,
-                    shard=sid,
-                    reason=f"nothing heard for {self.pending_timeout:g}s",
-                )
-                return
-            reason = f"nothing heard after {shard.sends} start commands"
-            kind = "shard_unresponsive"
-        else:
-            timeout = profile.startup_timeout_s if profile is not None else 600
-            deadline = shard.since + timeout
-            if now < deadline:
-                st.check_at(sid, deadline)
-                return
-            reason = f"not ready within the startup timeout of {timeout}s"
-            kind = "startup_timeout"
-        self._event(kind, level="error", node=shard.node_id, replica=rep.id, shard=sid, reason=reason)
-        self._record_failure(rep.model, shard.node_id, rep.id, sid, now, error=reason)
-        self._teardown(rep, reason, now)
-
-    def _check_stopping(self, shard: ShardRec, now: float) -> None:
-        st = self.state
-        other = st.replicas.get(shard.replica_id)
-        profile = self._profile(other.profile) if other is not None else None
-        grace = profile.stop_grace_s if profile is not None else 30
-        deadline = shard.stop_sent_at + grace + STOP_SLACK
-        if now < deadline:
-            st.check_at(shard.id, deadline)
+                nodes.removed(ctx, node_id, now, out)
+        nodes.expire(ctx, now, out)
+        if self.dispatcher is None:
             return
-        self._event(
-            "shard_stop_unconfirmed",
-            level="warn",
-            node=shard.node_id,
-            replica=shard.replica_id,
-            shard=shard.id,
-            reason=f"no stopped report {grace + STOP_SLACK:g}s after the stop",
-        )
-        # Not known to have ended: its port stays reserved.
-        st.drop_shard(shard, now, confirmed=False)
-
-    def _reconcile(self, now: float) -> None:
-        st = self.state
-        synced = False
-        self._placed_this_pass = 0
-        placing = now >= self.grace_end and not self.frozen
-        for model in sorted(self.catalog.deployments):
-            dep = self.catalog.deployments[model]
-            desired = self.desired.get(model, dep.replicas)
-            state = self.deps[model]
-            active = st.active[model]
-            ready = st.ready[model]
-            if state.backoff.failures:
-                for rid in ready:
-                    rs = st.replicas[rid].ready_since
-                    if rs is not None and state.backoff.ready_for(now - rs):
-                        state.backoff.reset()
-                        self._event("backoff_reset", replica=rid, reason=f"deployment {model} ready long enough")
-                        break
-            evac = st.evacuating.get(model)
-            step = scale_step(
-                # Fresh ready replicas are counted only where some are being moved off.
-                desired, len(active), len(ready & active) if evac else 0, len(evac) if evac else 0,
-                placing=placing, held=state.held is not None, backing_off=state.backoff.blocked(now),
-            )
-            if step.retire_evacuated and evac:
-                for rid in sorted(evac):
-                    rep = st.replicas[rid]
-                    self._retire(rep, f"replaced ({rep.evacuating})", now)
-            if step.retire:
-                for rid in victims(self._candidates(model, active), step.retire):
-                    self._retire(st.replicas[rid], f"scale down of {model} to {desired}", now)
-            elif step.place:
-                if self.pass_unfinished:
-                    continue
-                missing = step.place
-                profile = self.catalog.profiles[dep.profile]
-                if not synced:
-                    # Placement hears of every node that changed first; at
-                    # the budget the rest is the next pass's, which runs
-                    # at once.
-                    if not self._sync_placer():
-                        self.pass_unfinished = True
-                        continue
-                    synced = True
-                placed = 0
-                for _ in range(missing):
-                    # Every pass places at least one replica, whatever it
-                    # cost to get here.
-                    if self._placed_this_pass and self._over_budget():
-                        self.pass_unfinished = True
-                        break
-                    got = self._place(dep, profile, self._placer, now)
-                    if got is None:
-                        # Still gathering candidates, and the time is up.
-                        self.pass_unfinished = True
-                        break
-                    if not got:
-                        break
-                    placed += 1
-                    self._placed_this_pass += 1
-                if self.pass_unfinished:
-                    continue
-                if placed < missing:
-                    why = f"no room for {missing - placed} replica(s) of profile {profile.name}"
-                    if state.unplaceable != why:
-                        state.unplaceable = why
-                        self._event("unplaceable", level="warn", reason=f"deployment {model}: {why}")
-                else:
-                    state.unplaceable = ""
-
-    def _candidates(self, model: str, active: set[str]) -> list[Candidate]:
-        """
-        What a scale down of C{model} chooses from (DESIGN §6.6).
-        """
-        st = self.state
-        ready = st.ready[model]
-        out = []
-        for rid in active:
-            rep = st.replicas[rid]
-            load = max((len(st.node_shards.get(s.node_id, ())) for s in rep.shards.values()), default=0)
-            out.append(Candidate(rid, rid in ready, load, rep.created_at))
-        return out
+        deadlines.check(ctx, self.in_flight, now, out)
+        self.pass_unfinished = placing.reconcile(ctx, now, self._placer, self._sync_placer,
+                                                 self._over_budget, out)
 
     def _sync_placer(self) -> bool:
         """
@@ -1274,12 +554,8 @@ class Reconciler(Service):
         # A node cordoned or draining before a restart is known from the state
         # file even before it registers again, so it can be uncordoned.
         st = self.state
-        if (
-            node_id not in self.inventory
-            and node_id not in st.known_since
-            and node_id not in st.cordoned
-            and node_id not in st.draining_nodes
-        ):
+        if (node_id not in self.inventory and node_id not in st.known_since
+                and node_id not in st.cordoned and node_id not in st.draining_nodes):
             raise UnknownNode(f"no node {node_id!r}")
 
     def _keep_nodes(self, action: str | None = None, node_id: str | None = None) -> None:
@@ -1300,47 +576,20 @@ class Reconciler(Service):
             err.status = 500
             raise err from e
 
-    def cordon(self, node_id: str) -> None:
+    def _node_action(self, node_id: str, decide: Callable[[Context, str, Outcome], None],
+                     action: str) -> None:
         self._known(node_id)
-        self.state.eligibility_changed([node_id])
-        if node_id not in self.state.cordoned:
-            self.state.cordoned.add(node_id)
-            self._event("node_cordoned", node=node_id, reason="no new placements")
-        self._keep_nodes("cordoned", node_id)
+        self._decide(decide, node_id)
+        self._keep_nodes(action, node_id)
+
+    def cordon(self, node_id: str) -> None:
+        self._node_action(node_id, nodes.cordon, "cordoned")
 
     def uncordon(self, node_id: str) -> None:
-        self._known(node_id)
-        self.state.eligibility_changed([node_id])
-        st = self.state
-        was_draining = node_id in st.draining_nodes
-        if node_id in st.cordoned or was_draining:
-            st.cordoned.discard(node_id)
-            st.draining_nodes.discard(node_id)
-            self._event("node_uncordoned", node=node_id, reason="placements allowed again")
-        for sid in sorted(st.node_shards.get(node_id, ())):
-            rep = st.replicas.get(st.shards[sid].replica_id)
-            if rep is None or rep.evacuating != "node drain" or rep.phase != Phase.ACTIVE:
-                continue
-            if any(s.node_id in st.draining_nodes for s in rep.shards.values()):
-                continue
-            st.set_evacuating(rep, "")
-        self._keep_nodes("uncordoned", node_id)
+        self._node_action(node_id, nodes.uncordon, "uncordoned")
 
     def drain_node(self, node_id: str) -> None:
-        self._known(node_id)
-        self.state.eligibility_changed([node_id])
-        st = self.state
-        if node_id not in st.cordoned:
-            st.cordoned.add(node_id)
-            self._event("node_cordoned", node=node_id, reason="no new placements")
-        if node_id not in st.draining_nodes:
-            st.draining_nodes.add(node_id)
-            self._event("node_draining", node=node_id, reason="moving its replicas, make-before-break")
-            for sid in sorted(st.node_shards.get(node_id, ())):
-                rep = st.replicas.get(st.shards[sid].replica_id)
-                if rep is not None:
-                    self._evacuate(rep, "node drain")
-        self._keep_nodes("draining", node_id)
+        self._node_action(node_id, nodes.drain, "draining")
 
     def scale(self, model: str, replicas: int) -> None:
         dep = self.catalog.deployments.get(model)
@@ -1359,21 +608,9 @@ class Reconciler(Service):
         self._event("scaled", reason=f"deployment {model} from {old} to {replicas} replicas")
 
     def retry(self, model: str) -> None:
-        dep = self.catalog.deployments.get(model)
-        if dep is None:
+        if model not in self.catalog.deployments:
             raise UnknownDeployment(f"no deployment serves model {model!r}")
-        self._release(model, "an operator asked for a retry")
-
-    def _release(self, model: str, why: str) -> None:
-        """
-        Lift C{model}'s hold and crash backoff: the next pass places again.
-        """
-        state = self.deps[model]
-        was = state.held
-        state.held = None
-        state.backoff.reset()
-        if was is not None:
-            self._event("deployment_released", reason=f"deployment {model}: {why}")
+        self._decide(lifecycle.release, model, "an operator asked for a retry")
 
     # -- helpers for tests and embedding -------------------------------------------------
 
@@ -1384,3 +621,4 @@ class Reconciler(Service):
 
     def known_nodes(self) -> Iterable[str]:
         return self.state.known_since.keys()
+
