@@ -18,6 +18,7 @@ from llmgw.control import lifecycle
 from llmgw.control.context import Context
 from llmgw.control.expiry import ExpiryRules, judge
 from llmgw.control.fleetstate import Phase
+from llmgw.control.interfaces import UnknownNode
 from llmgw.control.outcome import Outcome
 
 
@@ -111,6 +112,18 @@ def removed(ctx: Context, node_id: str, now: float, out: Outcome) -> None:
             lifecycle.teardown(ctx, rep, f"node {node_id} was removed", now, out)
     st.forget_node(node_id)
     out.nodes_changed = True
+
+
+def known(ctx: Context, node_id: str) -> None:
+    """
+    Raise L{UnknownNode} unless an operator may act on C{node_id}: a node
+    cordoned or draining before a restart is known from the state file
+    even before it registers again, so it can be uncordoned.
+    """
+    st = ctx.state
+    if (node_id not in ctx.inventory and node_id not in st.known_since
+            and node_id not in st.cordoned and node_id not in st.draining_nodes):
+        raise UnknownNode(f"no node {node_id!r}")
 
 
 def cordon(ctx: Context, node_id: str, out: Outcome) -> None:

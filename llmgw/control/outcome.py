@@ -16,7 +16,11 @@ from llmgw.control.commands import Command
 
 
 @dataclass(frozen=True, slots=True)
-class Event:
+class Notice:
+    """
+    An event decided, to be logged by the shell (L{llmgw.control.events}).
+    """
+
     kind: str
     level: str
     fields: dict[str, Any]
@@ -25,7 +29,7 @@ class Event:
 @dataclass(slots=True)
 class Outcome:
     commands: list[Command] = field(default_factory=list)
-    events: list[Event] = field(default_factory=list)
+    events: list[Notice] = field(default_factory=list)
     #: The cordoned or draining nodes changed: the shell keeps them in the
     #: state file.
     nodes_changed: bool = False
@@ -34,4 +38,4 @@ class Outcome:
         self.commands.append(cmd)
 
     def event(self, kind: str, *, level: str = "info", **fields: Any) -> None:
-        self.events.append(Event(kind, level, fields))
+        self.events.append(Notice(kind, level, fields))

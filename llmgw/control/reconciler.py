@@ -1,39 +1,30 @@
 """
-The reconciler (DESIGN §6): the control plane's thin shell around its
-decisions.
+The reconciler (DESIGN §6, §6.7): the control plane's thin shell around
+its decisions. It is the agent service's status sink (L{IStatusSink}) and
+the admin API's fleet (L{IFleetAdmin}), and owns the published routing
+table (L{routing_table}) that every gateway routes from.
 
-It is the agent service's status sink (L{IStatusSink}) and the admin API's
-fleet (L{IFleetAdmin}); it owns the published routing table
-(L{routing_table}, an L{IRoutingTable}) that every gateway routes from. A
-C{LoopingCall} runs a pass every C{pass_interval} seconds; a pass never
-overlaps another, and an exception in one is logged and the loop goes on.
+Data flows one way:
 
-Data flows one way (DESIGN §6.7):
+  1. agent reports, admin calls and passes (a C{LoopingCall} every
+     C{pass_interval}; passes never overlap, a failed one is logged and
+     the loop goes on) come in here, with the time from the injected clock;
+  2. a decision takes the L{Context} (the L{FleetState} that owns every
+     record and index, the catalog, the rules, each deployment's backoff),
+     the input and the time, and returns an L{Outcome}: commands and
+     events. Decisions live in L{reports} (adoption, registration, shard
+     status, refused commands, engine signals), L{nodes} (expiry and the
+     freeze, removal, cordon, drain), L{deadlines} (timeouts, drains,
+     incomplete replicas), L{placing} (scale and placement, within the
+     pass's budget) and L{lifecycle} (what those share);
+  3. this shell logs the events and queues the commands, sent after the
+     handler that caused them has returned (never re-entrantly into the
+     agent service), then projects the models whose routes changed into
+     L{routing_table}, whose revision increases.
 
-  1. agent reports, admin calls and passes come in here, with the time
-     read from the injected clock;
-  2. decisions take the L{Context} (the L{FleetState}, the catalog, the
-     timing rules, each deployment's backoff), the input and the time, and
-     return an L{Outcome}: commands and events. They live in
-     L{llmgw.control.reports} (adoption, registration, shard status,
-     refused commands), L{llmgw.control.nodes} (expiry and the freeze,
-     node removal, cordon, uncordon, drain), L{llmgw.control.deadlines}
-     (timeouts, drains, incomplete replicas), L{llmgw.control.placing}
-     (scale and placement) and L{llmgw.control.lifecycle} (what they share:
-     starts, teardown, drain, evacuation, failure bookkeeping);
-  3. this shell logs the events and queues the commands, which are sent
-     after the handler that caused them has returned, never from inside
-     the agent service's own message handling;
-  4. the models whose routes changed are then projected from the fleet
-     state into L{routing_table}, whose revision increases.
-
-A pass looks only at what can need work, through the fleet state's
-indexes, and has a time budget (C{pass_budget}, 20 ms): a pass with more
-to place stops there and the next one runs at once.
-
-Without a catalog file the reconciler runs with an empty catalog: it places
-nothing, and every shard an agent reports is unclaimed and stopped (as
-DESIGN §5 says of shards nothing in the catalog claims).
+A pass with more to place than its budget (C{pass_budget}, 20 ms) allows
+stops there, and the next one runs at once. Without a catalog file the
+catalog is empty: nothing is placed, and every shard reported is stopped.
 """
 
 from __future__ import annotations
@@ -52,9 +43,9 @@ from llmgw.control import deadlines, lifecycle, nodes, placing, reports, views
 from llmgw.control.backoff import Backoff
 from llmgw.control.catalog import Catalog, CatalogError, diff, load_catalog
 from llmgw.control.catalog import FleetState as KeptState
-from llmgw.control.commands import Command, Start, Stop, send
+from llmgw.control.commands import send
 from llmgw.control.context import Context, Rules
-from llmgw.control.events import EventLog
+from llmgw.control.events import EventLog, log_event
 from llmgw.control.fleetstate import FleetState, ReplicaRec, format_address
 from llmgw.control.interfaces import (
     AdminError,
@@ -65,13 +56,12 @@ from llmgw.control.interfaces import (
     ReportedShard,
     ShardReport,
     UnknownDeployment,
-    UnknownNode,
 )
 from llmgw.control.inventory import Inventory
+from llmgw.control.outbox import Outbox
 from llmgw.control.outcome import Outcome
 from llmgw.control.placement import Placer, PortBook
 from llmgw.control.signals import ShardSignals, SignalStore  # engines (issue 11)
-from llmgw.control.signals import from_message as signals_from_message
 from llmgw.routing import EngineSignals, IRoutingTable, Route, RoutingTable
 
 __all__ = ["Reconciler", "format_address"]
@@ -137,7 +127,7 @@ class Reconciler(Service):
     frozen = _ctx_attr("frozen")
     frozen_reason = _ctx_attr("frozen_reason")
     started_at = _ctx_attr("started_at")
-    epoch = _ctx_attr("epoch")
+    epoch = property(lambda self: self.ctx.epoch)
 
     def __init__(
         self,
@@ -194,10 +184,10 @@ class Reconciler(Service):
         #: A pass stopped at its budget with placements left to make.
         self.pass_unfinished = False
         self._pass_started = 0.0
-        self._in_pass = False
         self._loop: LoopingCall | None = None
-        self._outbox: list[Command] = []
-        self._flush_call: IDelayedCall | None = None
+        #: Commands decided, sent after the handler that decided them.
+        self.outbox = Outbox(clock, self.ctx, self.routing_table,
+                             lambda cmd: send(self.dispatcher, cmd), self._apply)
         self._next_pass: IDelayedCall | None = None
         #: Placement's state, kept from pass to pass and told of each node
         #: that changed (FleetState.sync_placer) before a pass places.
@@ -253,85 +243,43 @@ class Reconciler(Service):
         if self._loop is not None and self._loop.running:
             self._loop.stop()
         self._loop = None
-        for call in (self._flush_call, self._next_pass):
-            if call is not None and call.active():
-                call.cancel()
-        self._flush_call = self._next_pass = None
+        self.outbox.cancel()
+        if self._next_pass is not None and self._next_pass.active():
+            self._next_pass.cancel()
+        self._next_pass = None
         return None
 
     # -- applying outcomes; commands are sent after the handler returns -------------------
 
     def _event(self, kind: str, *, level: str = "info", **fields: Any) -> None:
-        ev = self.event_log.add(self.clock.seconds(), kind, **fields)
-        parts = [f"{k}={{{k}}}" for k in ("node", "replica", "shard") if fields.get(k)]
-        if ev.reason:
-            parts.append("({reason})")
-        getattr(self.log, level)(
-            " ".join([f"{kind}:", *parts]), kind=kind, node=ev.node, replica=ev.replica,
-            shard=ev.shard, reason=ev.reason, exit_code=ev.exit_code, signal=ev.signal,
-        )
+        log_event(self.log, level, self.event_log.add(self.clock.seconds(), kind, **fields))
 
-    def _apply(self, out: Outcome, settle: bool = True) -> None:
+    def _apply(self, out: Outcome) -> None:
         """
         Take what a decision returned: log its events, queue its commands,
-        keep the nodes file if it changed; then, unless a pass or flush is
-        under way, settle.
+        keep the nodes file if it changed.
         """
         for ev in out.events:
             self._event(ev.kind, level=ev.level, **ev.fields)
-        self._outbox.extend(out.commands)
+        self.outbox.extend(out.commands)
         if out.nodes_changed:
             self._keep_nodes()
-        if settle:
-            self._settle()
 
     def _decide(self, decide: Callable[..., Any], *args: Any) -> Any:
         """
-        Run C{decide(ctx, *args, outcome)} and apply its outcome, also what
-        it decided before it raised.
+        Run C{decide(ctx, *args, outcome)} and apply its outcome (also what
+        it decided before it raised); its commands go out once the caller
+        has returned.
         """
         out = Outcome()
         try:
             return decide(self.ctx, *args, out)
         finally:
             self._apply(out)
-
-    def _settle(self) -> None:
-        """
-        End of an input: once the caller has returned, send the queued
-        commands and publish the routes that changed (inputs of one reactor
-        turn share one publication).
-        """
-        if self._in_pass or self._flush_call is not None:
-            return
-        if self._outbox or self.state.routes_dirty:
-            self._flush_call = self.clock.callLater(0, self.flush)
+            self.outbox.settle()
 
     def flush(self) -> None:
-        """
-        Send the queued commands, and publish the routes that changed. A
-        refused command is an input like any other (L{reports}).
-        """
-        if self._flush_call is not None and self._flush_call.active():
-            self._flush_call.cancel()
-        self._flush_call = None
-        now = self.clock.seconds()
-        while self._outbox:
-            batch, self._outbox = self._outbox, []
-            for cmd in batch:
-                if isinstance(cmd, Start) and reports.obsolete(self.ctx, cmd):
-                    continue
-                why = send(self.dispatcher, cmd)
-                if why is None:
-                    continue
-                out = Outcome()
-                if isinstance(cmd, Start):
-                    reports.start_refused(self.ctx, cmd, why, now, out)
-                elif isinstance(cmd, Stop):
-                    reports.stop_refused(self.ctx, cmd, now)
-                self._apply(out, settle=False)
-        for model in sorted(self.state.take_routes_dirty()):
-            self.routing_table.publish_model(model, self.state.routes(model))
+        self.outbox.flush()
 
     # -- IRoutingTable, answered from the state as it stands ------------------------------
     # (gateways route from the published L{routing_table}; these answer at
@@ -400,54 +348,18 @@ class Reconciler(Service):
         self._decide(reports.shard_status, report, self.clock.seconds())
 
     def shard_node(self, shard_id: str) -> str | None:
-        shard = self.state.shards.get(shard_id)
-        if shard is not None:
-            return shard.node_id
-        missing = self.state.missing.get(shard_id)
-        if missing is not None:
-            return missing[0]
-        held = self.state.reserved.get(shard_id)
-        return held.node_id if held is not None else None
+        return reports.shard_node(self.ctx, shard_id)
 
     def record_engine_signals(self, node_id: str, msgs: Iterable[Any]) -> None:
-        """
-        Keep a heartbeat's engine signals; those for shards not on
-        C{node_id} are dropped (a node speaks only for its own shards). A
-        leader's go into its replica's route.
-        """
-        now = self.clock.seconds()
-        before = {sid for sid in self.state.node_shards.get(node_id, ())
-                  if self.engine_signals.get(sid) is not None}
-        self.engine_signals.record(node_id, [
-            (m.shard_id, signals_from_message(m, now)) for m in msgs
-            if self.shard_node(m.shard_id) == node_id
-        ])
-        for sid in sorted(before | {m.shard_id for m in msgs}):
-            shard = self.state.shards.get(sid)
-            if shard is not None and shard.node_id == node_id and shard.rank == 0:
-                self.state.set_signals(shard, self.engine_signals.signals(sid))
-        self._settle()
-
-    def engine_signal_rows(self) -> list[tuple[str, str, str, ShardSignals]]:
-        rows = []
-        for rep in self.state.replicas.values():
-            for shard in rep.shards.values():
-                entry = self.engine_signals.get(shard.id)
-                if entry is not None:
-                    rows.append((rep.model, rep.id, shard.id, entry))
-        return rows
+        reports.engine_signals(self.ctx, self.engine_signals, node_id, msgs, self.clock.seconds())
+        self.outbox.settle()
 
     def shard_signals(self, node_id: str, shard_id: str, signals: EngineSignals | None) -> None:
-        """
-        An engine's load figures for a shard (from its node's heartbeat);
-        a leader's go into its replica's route at the next publication.
-        Figures for a shard the node does not hold are ignored.
-        """
-        shard = self.state.shards.get(shard_id)
-        if shard is None or shard.node_id != node_id:
-            return
-        self.state.set_signals(shard, signals)
-        self._settle()
+        reports.shard_signals(self.ctx, node_id, shard_id, signals)
+        self.outbox.settle()
+
+    def engine_signal_rows(self) -> list[tuple[str, str, str, ShardSignals]]:
+        return views.engine_signal_rows(self)
 
     def replica_state(self, rep: ReplicaRec) -> str:
         return self.state.replica_state(rep)
@@ -460,12 +372,12 @@ class Reconciler(Service):
         and the next pass runs as usual. Commands it decides are sent when
         it ends; if it stopped at its budget, the next pass runs at once.
         """
-        if self._in_pass:
+        if self.outbox.held:
             return
         if self._next_pass is not None and self._next_pass.active():
             self._next_pass.cancel()
         self._next_pass = None
-        self._in_pass = True
+        self.outbox.held = True
         self.pass_unfinished = False
         started = self._pass_started = self._timer()
         try:
@@ -474,7 +386,7 @@ class Reconciler(Service):
             self.pass_errors += 1
             self.log.failure("reconcile pass failed; the next one runs as usual")
         finally:
-            self._in_pass = False
+            self.outbox.held = False
             try:
                 self.flush()
             except Exception:
@@ -550,14 +462,6 @@ class Reconciler(Service):
     def metrics_snapshot(self) -> dict[str, Any]:
         return views.metrics_snapshot(self)
 
-    def _known(self, node_id: str) -> None:
-        # A node cordoned or draining before a restart is known from the state
-        # file even before it registers again, so it can be uncordoned.
-        st = self.state
-        if (node_id not in self.inventory and node_id not in st.known_since
-                and node_id not in st.cordoned and node_id not in st.draining_nodes):
-            raise UnknownNode(f"no node {node_id!r}")
-
     def _keep_nodes(self, action: str | None = None, node_id: str | None = None) -> None:
         """
         Write the cordoned and draining nodes to the state file if they
@@ -578,7 +482,7 @@ class Reconciler(Service):
 
     def _node_action(self, node_id: str, decide: Callable[[Context, str, Outcome], None],
                      action: str) -> None:
-        self._known(node_id)
+        nodes.known(self.ctx, node_id)
         self._decide(decide, node_id)
         self._keep_nodes(action, node_id)
 

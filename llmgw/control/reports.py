@@ -1,7 +1,7 @@
 """
 What agents report, as decisions (DESIGN §6.3, §6.5, §6.7): a registering
 node's shards (adoption), the end of its registration, a shard's status,
-and a command its node could not be sent.
+a command its node could not be sent, and engine signals from heartbeats.
 
 Each function takes the L{Context}, the report and C{now}, changes the
 fleet through L{FleetState}'s methods, and appends what to send and log to
@@ -11,12 +11,18 @@ stopped. None reads a clock, sends a command or touches a transport.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Any
+
 from llmgw.control import adoption, lifecycle
-from llmgw.control.commands import Start, Stop
+from llmgw.control.commands import Command, Start, Stop
 from llmgw.control.context import Context
 from llmgw.control.fleetstate import Phase, ReplicaRec, ShardRec
 from llmgw.control.interfaces import ReportedShard, ShardReport
 from llmgw.control.outcome import Outcome
+from llmgw.control.signals import SignalStore
+from llmgw.control.signals import from_message as signals_from_message
+from llmgw.routing import EngineSignals
 from llmgw.states import ENDED, LIVE, ShardState
 
 
@@ -193,14 +199,23 @@ def shard_status(ctx: Context, report: ShardReport, now: float, out: Outcome) ->
         lifecycle.update_ready(ctx, rep, now, out)
 
 
-def start_refused(ctx: Context, cmd: Start, why: str, now: float, out: Outcome) -> None:
+def refused(ctx: Context, cmd: Command, why: str, now: float, out: Outcome) -> None:
     """
-    A first start its node could not be sent tears the replica down; a
-    refused re-send waits for its next try.
+    C{cmd} could not be sent to its node (C{why}). A new shard's first
+    start tears its replica down (a refused re-send waits for its next
+    try); a shard that cannot be told to stop is forgotten, its port kept:
+    if its node comes back, the registration lists it, and nothing claims
+    it. A drain that cannot be sent ends at the drain timeout.
     """
     st = ctx.state
     shard = st.shards.get(cmd.shard_id)
-    if not cmd.first or shard is None:
+    if shard is None:
+        return
+    if isinstance(cmd, Stop):
+        if shard.stopping:
+            st.drop_shard(shard, now, confirmed=False)
+        return
+    if not isinstance(cmd, Start) or not cmd.first:
         return
     out.event("dispatch_refused", level="warn", node=shard.node_id, replica=shard.replica_id,
               shard=shard.id, reason=why)
@@ -210,17 +225,6 @@ def start_refused(ctx: Context, cmd: Start, why: str, now: float, out: Outcome) 
         lifecycle.teardown(ctx, rep, f"could not start shard {shard.id}: {why}", now, out)
 
 
-def stop_refused(ctx: Context, cmd: Stop, now: float) -> None:
-    """
-    A stop its node could not be sent: nothing can tell the shard now. It
-    is forgotten, its port kept; if the node comes back, its registration
-    lists the shard, which nothing claims.
-    """
-    shard = ctx.state.shards.get(cmd.shard_id)
-    if shard is not None and shard.stopping:
-        ctx.state.drop_shard(shard, now, confirmed=False)
-
-
 def obsolete(ctx: Context, cmd: Start) -> bool:
     """
     A start made obsolete before it went out (its replica was torn down
@@ -228,3 +232,47 @@ def obsolete(ctx: Context, cmd: Start) -> bool:
     """
     shard = ctx.state.shards.get(cmd.shard_id)
     return shard is None or shard.stopping or shard.node_id != cmd.node_id
+
+
+def shard_node(ctx: Context, shard_id: str) -> str | None:
+    """
+    The node that speaks for C{shard_id}: where it is held, went missing,
+    or is reserved; C{None} for a shard the control plane does not know.
+    """
+    st = ctx.state
+    shard = st.shards.get(shard_id)
+    if shard is not None:
+        return shard.node_id
+    missing = st.missing.get(shard_id)
+    if missing is not None:
+        return missing[0]
+    held = st.reserved.get(shard_id)
+    return held.node_id if held is not None else None
+
+
+def engine_signals(ctx: Context, store: SignalStore, node_id: str, msgs: Iterable[Any],
+                   now: float) -> None:
+    """
+    Keep a heartbeat's engine signals in C{store}; those for shards not on
+    C{node_id} are dropped (a node speaks only for its own shards). A
+    leader's go into its replica's route.
+    """
+    st = ctx.state
+    msgs = list(msgs)
+    before = {sid for sid in st.node_shards.get(node_id, ()) if store.get(sid) is not None}
+    store.record(node_id, [(m.shard_id, signals_from_message(m, now)) for m in msgs
+                           if shard_node(ctx, m.shard_id) == node_id])
+    for sid in sorted(before | {m.shard_id for m in msgs}):
+        shard = st.shards.get(sid)
+        if shard is not None and shard.node_id == node_id and shard.rank == 0:
+            st.set_signals(shard, store.signals(sid))
+
+
+def shard_signals(ctx: Context, node_id: str, shard_id: str, signals: EngineSignals | None) -> None:
+    """
+    An engine's load figures for a shard; figures for a shard C{node_id}
+    does not hold are ignored.
+    """
+    shard = ctx.state.shards.get(shard_id)
+    if shard is not None and shard.node_id == node_id:
+        ctx.state.set_signals(shard, signals)
