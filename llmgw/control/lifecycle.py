@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from llmgw.control.catalog import Catalog
+from llmgw.control.catalog import Catalog, diff
 from llmgw.control.commands import Drain, Start, Stop, start_command
 from llmgw.control.context import STOP_SLACK, Context
 from llmgw.control.failures import ShardFailure, on_failure
@@ -198,15 +198,20 @@ def release(ctx: Context, model: str, why: str, out: Outcome) -> None:
         out.event("deployment_released", reason=f"deployment {model}: {why}")
 
 
-def catalog_changed(ctx: Context, old: Catalog, changes: dict[str, list[str]], now: float,
-                    out: Outcome) -> None:
+def new_catalog(ctx: Context, new: Catalog, desired: dict[str, int], now: float,
+                out: Outcome) -> dict[str, list[str]]:
     """
-    The catalog became C{ctx.catalog} (from C{old}): deployments that went
-    away are retired; replicas whose profile changed are replaced
-    make-before-break, and their deployment's hold and backoff lifted.
+    Make C{new} the running catalog, with C{desired} replica counts:
+    deployments that went away are retired; replicas whose profile changed
+    are replaced make-before-break, and their deployment's hold and
+    backoff lifted. Returns what changed (L{diff}).
     """
     st = ctx.state
-    new = ctx.catalog
+    old = ctx.catalog
+    changes = diff(old, new)
+    ctx.catalog = new
+    ctx.desired = desired
+    st.ports.set_range(*new.port_range)
     for model in changes["removed"]:
         for rid in sorted(st.active.get(model, set()) | st.evacuating.get(model, set())):
             retire(ctx, st.replicas[rid], "its deployment left the catalog", now, out)
@@ -216,3 +221,4 @@ def catalog_changed(ctx: Context, old: Catalog, changes: dict[str, list[str]], n
             for rid in sorted(st.active.get(model, set())):
                 evacuate(ctx, st.replicas[rid], "profile changed", out)
             release(ctx, model, "its profile changed", out)
+    return changes

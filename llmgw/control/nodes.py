@@ -14,6 +14,8 @@ transport.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from llmgw.control import lifecycle
 from llmgw.control.context import Context
 from llmgw.control.expiry import ExpiryRules, judge
@@ -96,6 +98,18 @@ def lost(ctx: Context, node_id: str, silent: float, now: float, out: Outcome) ->
         st.drop_shard(shard, now, confirmed=False)
         if rep is not None:
             lifecycle.teardown(ctx, rep, f"node {node_id} is lost; replacing the replica", now, out)
+
+
+def inventory_changed(ctx: Context, node_ids: Iterable[str], now: float, out: Outcome) -> None:
+    """
+    The inventory changed these nodes: one it still holds gets a check;
+    one it dropped is L{removed}.
+    """
+    for node_id in node_ids:
+        if node_id in ctx.inventory:
+            ctx.state.note_node(node_id, now, ctx.rules.suspect_after)
+        else:
+            removed(ctx, node_id, now, out)
 
 
 def removed(ctx: Context, node_id: str, now: float, out: Outcome) -> None:

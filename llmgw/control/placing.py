@@ -25,6 +25,29 @@ from llmgw.control.placement import BUSY, Placer, Request
 from llmgw.control.scaling import Candidate, scale_step, victims
 
 
+class Placing:
+    """
+    Placement's state kept from pass to pass: the L{Placer}, told of each
+    node that changed before a pass places, and the nodes it last knew
+    connected.
+    """
+
+    def __init__(self, ctx: Context):
+        st = ctx.state
+        self.placer = Placer((), st.spread, st.ports, live_spread=True)
+        self._connected: set[str] = set()
+
+    def sync(self, ctx: Context, connected: set[str], over_budget: Callable[[], bool]) -> bool:
+        """
+        Bring the placer up to date with the nodes that changed since it
+        last looked (those that connected or went away included), within
+        the pass's budget; True when it is.
+        """
+        ctx.state.eligibility_changed(connected ^ self._connected)
+        self._connected = connected
+        return ctx.state.sync_placer(self.placer, ctx.inventory, connected, over_budget)
+
+
 def reconcile(ctx: Context, now: float, placer: Placer, sync: Callable[[], bool],
               over_budget: Callable[[], bool], out: Outcome) -> bool:
     """

@@ -41,7 +41,7 @@ from zope.interface import implementer
 
 from llmgw.control import deadlines, lifecycle, nodes, placing, reports, views
 from llmgw.control.backoff import Backoff
-from llmgw.control.catalog import Catalog, CatalogError, diff, load_catalog
+from llmgw.control.catalog import Catalog, CatalogError, load_catalog
 from llmgw.control.catalog import FleetState as KeptState
 from llmgw.control.commands import send
 from llmgw.control.context import Context, Rules
@@ -60,7 +60,7 @@ from llmgw.control.interfaces import (
 from llmgw.control.inventory import Inventory
 from llmgw.control.outbox import Outbox
 from llmgw.control.outcome import Outcome
-from llmgw.control.placement import Placer, PortBook
+from llmgw.control.placement import PortBook
 from llmgw.control.signals import ShardSignals, SignalStore  # engines (issue 11)
 from llmgw.routing import EngineSignals, IRoutingTable, Route, RoutingTable
 
@@ -189,12 +189,9 @@ class Reconciler(Service):
         self.outbox = Outbox(clock, self.ctx, self.routing_table,
                              lambda cmd: send(self.dispatcher, cmd), self._apply)
         self._next_pass: IDelayedCall | None = None
-        #: Placement's state, kept from pass to pass and told of each node
-        #: that changed (FleetState.sync_placer) before a pass places.
-        self._placer = Placer((), self.state.spread, self.state.ports, live_spread=True)
-        self._placer_connected: set[str] = set()
+        self._placing = placing.Placing(self.ctx)
         self._grown_from = 0
-        self._apply_desired()
+        self.desired = {m: self.fleet_state.desired(d) for m, d in catalog.deployments.items()}
 
     # -- compatibility views of the state -----------------------------------------------
 
@@ -296,22 +293,14 @@ class Reconciler(Service):
 
     # -- catalog ------------------------------------------------------------------
 
-    def _apply_desired(self) -> None:
-        self.desired = {m: self.fleet_state.desired(d) for m, d in self.catalog.deployments.items()}
-
     def apply_catalog(self, new: Catalog) -> dict[str, Any]:
         """
-        Make C{new} the running catalog: deployments that went away are
-        drained; replicas whose profile changed are replaced
-        make-before-break. Returns what changed.
+        Make C{new} the running catalog (L{lifecycle.new_catalog}); returns
+        what changed.
         """
-        old = self.catalog
-        changes = diff(old, new)
-        self.catalog = new
-        self.state.ports.set_range(*new.port_range)
-        self._apply_desired()
+        desired = {m: self.fleet_state.desired(d) for m, d in new.deployments.items()}
         self.routing_table.set_known(new.deployments)
-        self._decide(lifecycle.catalog_changed, old, changes, self.clock.seconds())
+        changes: dict[str, Any] = self._decide(lifecycle.new_catalog, new, desired, self.clock.seconds())
         return changes
 
     def reload_catalog(self) -> dict[str, Any]:
@@ -416,28 +405,15 @@ class Reconciler(Service):
         self._decide(self._tick, now)
 
     def _tick(self, ctx: Context, now: float, out: Outcome) -> None:
-        for node_id in self.inventory.take_changed():
-            if node_id in self.inventory:
-                ctx.state.note_node(node_id, now, ctx.rules.suspect_after)
-            else:
-                nodes.removed(ctx, node_id, now, out)
+        nodes.inventory_changed(ctx, self.inventory.take_changed(), now, out)
         nodes.expire(ctx, now, out)
         if self.dispatcher is None:
             return
         deadlines.check(ctx, self.in_flight, now, out)
-        self.pass_unfinished = placing.reconcile(ctx, now, self._placer, self._sync_placer,
-                                                 self._over_budget, out)
-
-    def _sync_placer(self) -> bool:
-        """
-        Bring placement up to date with the nodes that changed since it last
-        looked (those that connected or went away included), within the
-        pass's budget; True when it is.
-        """
-        connected = self.connected()
-        self.state.eligibility_changed(connected ^ self._placer_connected)
-        self._placer_connected = connected
-        return self.state.sync_placer(self._placer, self.inventory, connected, self._over_budget)
+        p = self._placing
+        self.pass_unfinished = placing.reconcile(
+            ctx, now, p.placer, lambda: p.sync(ctx, self.connected(), self._over_budget),
+            self._over_budget, out)
 
     # -- IFleetAdmin ----------------------------------------------------------------
 
