@@ -20,6 +20,7 @@ from collections.abc import Callable
 from llmgw.control import lifecycle
 from llmgw.control.catalog import Deployment, Profile
 from llmgw.control.context import Context
+from llmgw.control.interfaces import AdminError, UnknownDeployment
 from llmgw.control.outcome import Outcome
 from llmgw.control.placement import BUSY, Placer, Request
 from llmgw.control.scaling import Candidate, scale_step, victims
@@ -121,6 +122,28 @@ def reconcile(ctx: Context, now: float, placer: Placer, sync: Callable[[], bool]
         else:
             state.unplaceable = ""
     return unfinished
+
+
+def deployment(ctx: Context, model: str) -> Deployment:
+    """
+    The deployment that serves C{model}; L{UnknownDeployment} if none.
+    """
+    dep = ctx.catalog.deployments.get(model)
+    if dep is None:
+        raise UnknownDeployment(f"no deployment serves model {model!r}")
+    return dep
+
+
+def check_scale(ctx: Context, model: str, replicas: object) -> Deployment:
+    """
+    The deployment an operator may scale to C{replicas}: L{UnknownDeployment}
+    for a model none serves, L{AdminError} for a count that is not a whole
+    number of at least 0.
+    """
+    dep = deployment(ctx, model)
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
+        raise AdminError(f"replicas must be a whole number of at least 0, not {replicas!r}")
+    return dep
 
 
 def candidates(ctx: Context, model: str, active: set[str]) -> list[Candidate]:

@@ -55,7 +55,6 @@ from llmgw.control.interfaces import (
     IStatusSink,
     ReportedShard,
     ShardReport,
-    UnknownDeployment,
 )
 from llmgw.control.inventory import Inventory
 from llmgw.control.outbox import Outbox
@@ -82,14 +81,13 @@ PLACING_SHARE = 0.6
 GROWTH_STEP = 1000
 
 
-def _rule(name: str) -> Any:
-    return property(lambda self: getattr(self.ctx.rules, name),
-                    lambda self, value: setattr(self.ctx.rules, name, value))
+def _rule(name: str, of: Callable[[Any], Any] = lambda rec: rec.ctx.rules) -> Any:
+    # The reconciler's attributes that live in its context, kept by name.
+    return property(lambda self: getattr(of(self), name), lambda self, v: setattr(of(self), name, v))
 
 
 def _ctx_attr(name: str) -> Any:
-    return property(lambda self: getattr(self.ctx, name),
-                    lambda self, value: setattr(self.ctx, name, value))
+    return _rule(name, lambda rec: rec.ctx)
 
 
 @implementer(IStatusSink, IRoutingTable, IFleetAdmin)
@@ -472,11 +470,7 @@ class Reconciler(Service):
         self._node_action(node_id, nodes.drain, "draining")
 
     def scale(self, model: str, replicas: int) -> None:
-        dep = self.catalog.deployments.get(model)
-        if dep is None:
-            raise UnknownDeployment(f"no deployment serves model {model!r}")
-        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
-            raise AdminError(f"replicas must be a whole number of at least 0, not {replicas!r}")
+        dep = placing.check_scale(self.ctx, model, replicas)
         try:
             self.fleet_state.set(model, replicas, dep.replicas)
         except OSError as e:
@@ -488,8 +482,7 @@ class Reconciler(Service):
         self._event("scaled", reason=f"deployment {model} from {old} to {replicas} replicas")
 
     def retry(self, model: str) -> None:
-        if model not in self.catalog.deployments:
-            raise UnknownDeployment(f"no deployment serves model {model!r}")
+        placing.deployment(self.ctx, model)
         self._decide(lifecycle.release, model, "an operator asked for a retry")
 
     # -- helpers for tests and embedding -------------------------------------------------
