@@ -44,7 +44,7 @@ from llmgw.control.backoff import Backoff
 from llmgw.control.catalog import Catalog, CatalogError, load_catalog
 from llmgw.control.catalog import FleetState as KeptState
 from llmgw.control.commands import send
-from llmgw.control.context import Context, Rules
+from llmgw.control.context import MAX_SENDS, STOP_SLACK, Context, DeploymentState, Rules
 from llmgw.control.events import EventLog, log_event
 from llmgw.control.fleetstate import FleetState, ReplicaRec, format_address
 from llmgw.control.interfaces import (
@@ -63,7 +63,7 @@ from llmgw.control.placement import PortBook
 from llmgw.control.signals import ShardSignals, SignalStore  # engines (issue 11)
 from llmgw.routing import EngineSignals, IRoutingTable, Route, RoutingTable
 
-__all__ = ["Reconciler", "format_address"]
+__all__ = ["MAX_SENDS", "STOP_SLACK", "DeploymentState", "Reconciler", "format_address"]
 
 DEFAULT_PASS_INTERVAL = 1.0
 DEFAULT_SUSPECT_AFTER = 15.0
