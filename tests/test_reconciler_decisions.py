@@ -7,12 +7,20 @@ which the control plane freezes its collector's heap.
 
 from __future__ import annotations
 
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.control import deadlines, lifecycle, nodes, placing, reports
 from llmgw.control.commands import Drain, Start, Stop
-from llmgw.control.interfaces import AdminError, ShardReport, UnknownDeployment, UnknownNode
+from llmgw.control.interfaces import (
+    AdminError,
+    ReportedShard,
+    ShardReport,
+    UnknownDeployment,
+    UnknownNode,
+)
 from llmgw.control.outcome import Outcome
 from llmgw.control.reconciler import GROWTH_STEP
 from tests.reconciler_harness import Fleet
@@ -141,3 +149,76 @@ class GrowthHookTests(SynchronousTestCase):
         f.make_ready()
         f.step(1.0, 3)
         self.assertEqual(len(calls), 1)
+
+
+STATES = ["starting", "ready", "draining", "stopping", "stopped", "failed"]
+reports_ = st.lists(
+    st.tuples(
+        st.sampled_from(["report", "adopt", "deadline", "lost", "drain"]),
+        st.integers(0, 3),  # node
+        st.integers(0, 12),  # shard: one held, or (past the held ones) one nobody holds
+        st.sampled_from(STATES),
+        st.integers(0, 3),  # rank of an adopted shard
+    ),
+    max_size=30,
+)
+
+
+class DecisionProperties(SynchronousTestCase):
+    @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(reports_)
+    def test_outcomes_name_what_exists(self, seq: list[tuple[str, int, int, str, int]]) -> None:
+        """
+        Whatever agents report, true or not (a held shard's state, one
+        reported by the wrong node, one nobody holds, an adoption of
+        anything), fed straight to the decisions: every command they return
+        names a node in the inventory and a shard the fleet state holds or
+        reserves on that node, and no replica ever holds two shards of one
+        rank. (A stop may also name the shard the node itself just said it
+        runs: one nothing claims there is stopped.)
+        """
+        f = placed(Fleet({"demo": ("one", 4), "big": ("two-node", 1)}, nodes=4, grace=0))
+        ctx = f.rec.ctx
+        now = f.clock.seconds()
+        for kind, n, s, state, rank in seq:
+            now += 7
+            node = f.ids[n]
+            held = sorted(ctx.state.shards)
+            out = Outcome()
+            said = ""
+            if kind == "report":
+                if s < len(held):
+                    shard = ctx.state.shards[held[s]]
+                    sid, rid = shard.id, shard.replica_id
+                else:
+                    sid, rid = f"stray-{s}", f"stray-r{s}"
+                said = sid
+                reports.shard_status(ctx, ShardReport(node, rid, sid, state), now, out)
+            elif kind == "adopt":
+                rid = held and ctx.state.shards[held[s % len(held)]].replica_id or "x"
+                rid = rid if s % 2 else f"demo-adopted-{s}"
+                shard = ReportedShard(node, f"{rid}-s{rank}", rid, "demo", "one", rank, (rank,),
+                                      21000 + s, state if state in ("starting", "ready") else "ready", 1)
+                said = shard.shard_id
+                reports.adopt(ctx, node, [shard], now, out)
+                reports.registered(ctx, node, now, out)
+            elif kind == "deadline":
+                deadlines.check(ctx, None, now, out)
+            elif kind == "lost":
+                nodes.lost(ctx, node, 400.0, now, out)
+            else:
+                nodes.drain(ctx, node, out)
+            for cmd in out.commands:
+                self.assertIn(cmd.node_id, f.inventory)
+                holder = ctx.state.shards.get(cmd.shard_id)
+                reserved = ctx.state.reserved.get(cmd.shard_id)
+                self.assertTrue(
+                    (holder is not None and holder.node_id == cmd.node_id)
+                    or (reserved is not None and reserved.node_id == cmd.node_id)
+                    or (isinstance(cmd, Stop) and cmd.shard_id == said),
+                    f"{cmd} names a shard not held or reserved on its node, after {seq}",
+                )
+            for rep in ctx.state.replicas.values():
+                self.assertEqual(sorted(rep.shards), sorted({sh.rank for sh in rep.shards.values()}))
+                for rank_, sh in rep.shards.items():
+                    self.assertEqual(sh.rank, rank_)
