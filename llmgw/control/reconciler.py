@@ -17,7 +17,7 @@ Data flows one way:
      freeze, removal, cordon, drain), L{deadlines} (timeouts, drains,
      incomplete replicas), L{placing} (scale and placement, within the
      pass's budget) and L{lifecycle} (what those share);
-  3. this shell logs the events and queues the commands, sent after the
+  3. this shell logs the events and queues the commands (L{Outbox}), sent after the
      handler that caused them has returned (never re-entrantly into the
      agent service), then projects the models whose routes changed into
      L{routing_table}, whose revision increases.
