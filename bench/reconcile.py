@@ -20,7 +20,9 @@ The bar (issue 10): steady p99 under 5 ms at 10,000 nodes; no pass over
 the 20 ms budget; 1,000 replicas placed within 1 s of wall time; a cold
 fill of 10,000 nodes under 3 s; growth no worse than linear. The collector
 runs as in a control-plane process (C{--gc-threshold}, default 50,000, with
-the heap frozen first).
+the heap frozen first, and the reconciler's growth hook freezing what the
+fleet's records added, where the code under test has the hook); each size
+also reports its collections and the longest one.
 
 With C{--before DIR}, the same benchmark also runs against the llmgw
 package in DIR (an export of main, say) in a subprocess, and both are
@@ -133,6 +135,10 @@ def run(nodes: int, steady_passes: int, autoscaled: bool = False) -> dict[str, o
     rec = Reconciler(
         cat, inv, clock, dispatcher, adoption_grace=0, pending_timeout=1e9, fleet_state=FleetState(None)
     )
+    if TUNED and hasattr(rec, "after_growth"):
+        # As the control plane's CollectorTuning.freeze_grown does.
+        rec.after_growth = gc.freeze
+    collections.clear()
     for node_id in ids:
         rec.adopt(node_id, [])
         rec.node_registered(node_id)
@@ -182,11 +188,29 @@ def run(nodes: int, steady_passes: int, autoscaled: bool = False) -> dict[str, o
         "place_pass_ms_max": round(max(place_passes) * 1000, 2),
         "reactor_hold_ms_max": round(max(fill_passes + durations + place_passes) * 1000, 2),
         "baseline_loop_ms": round(base * 1000, 3),
+        "gc_collections": len(collections),
+        "gc_ms_max": round(max(collections, default=0.0) * 1000, 2),
         "steady_over_baseline": round(steady / base, 2) if base else None,
     }
 
 
+TUNED = False
+#: How long each cyclic collection in the current run took, in seconds.
+collections: list[float] = []
+_gc_started = [0.0]
+
+
+def _timed(phase: str, info: dict[str, int]) -> None:
+    if phase == "start":
+        _gc_started[0] = time.perf_counter()
+    else:
+        collections.append(time.perf_counter() - _gc_started[0])
+
+
 def measure(sizes: list[int], steady_passes: int, gc_threshold: int, autoscaled: bool = False) -> dict[str, object]:
+    global TUNED
+    gc.callbacks.append(_timed)
+    TUNED = gc_threshold > 0
     if gc_threshold > 0:
         # As a control-plane process runs (CollectorTuning, --gc-threshold).
         gc.collect()

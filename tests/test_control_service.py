@@ -105,7 +105,7 @@ class GatewayOptionTests(SynchronousTestCase):
         router = cp.gateway.gateway.router
         router.begin("r-1")
         # (No replica r-1 is in the fleet state: name its model for it.)
-        cp.reconciler.demand_source.model_of = {"r-1": "demo"}.get  # type: ignore[union-attr]
+        cp.reconciler.autoscaling.source.model_of = {"r-1": "demo"}.get  # type: ignore[union-attr]
         self.assertEqual({m: d.in_flight for m, d in cp.reconciler.demand().items()}, {"demo": 1})
 
     def test_gateway_off(self) -> None:

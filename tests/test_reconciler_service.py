@@ -111,6 +111,22 @@ class MakeServiceTests(SynchronousTestCase):
         self.assertEqual(rec.adoption_grace, 5.0)
         self.assertTrue(rec.knows_model("demo"))
 
+    def test_growth_freezes_only_in_its_own_process(self) -> None:
+        """
+        As twistd builds it (no reactor given), the control plane's
+        reconciler freezes the collector's heap through the collector
+        tuning after the fleet grew; an embedder's control plane, or one
+        with the tuning off, leaves the collector alone.
+        """
+        own = makeService(parse("--catalog", EXAMPLE))
+        collector = own.getServiceNamed("collector")
+        assert own.reconciler is not None
+        self.assertEqual(own.reconciler.after_growth, collector.freeze_grown)
+        for embedded in (makeService(parse("--catalog", EXAMPLE), reactor=MemoryReactorClock()),
+                         makeService(parse("--catalog", EXAMPLE, "--gc-threshold", "0"))):
+            assert embedded.reconciler is not None
+            self.assertIsNone(embedded.reconciler.after_growth)
+
 
     def test_cordons_kept_beside_catalog(self) -> None:
         """

@@ -9,6 +9,8 @@ import collections
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
+from twisted.logger import Logger
+
 #: How much of a failed shard's last output an event keeps.
 MAX_OUTPUT = 4096
 
@@ -91,3 +93,17 @@ class EventLog:
 
     def __len__(self) -> int:
         return len(self._ring)
+
+
+def log_event(log: Logger, level: str, ev: Event) -> None:
+    """
+    Log C{ev} at C{level} ("info", "warn", ...): one line naming its
+    node, replica and shard where it has them, with every field structured.
+    """
+    parts = [f"{k}={{{k}}}" for k in ("node", "replica", "shard") if getattr(ev, k)]
+    if ev.reason:
+        parts.append("({reason})")
+    getattr(log, level)(
+        " ".join([f"{ev.kind}:", *parts]), kind=ev.kind, node=ev.node, replica=ev.replica,
+        shard=ev.shard, reason=ev.reason, exit_code=ev.exit_code, signal=ev.signal,
+    )

@@ -443,6 +443,8 @@ def makeService(options: Options, reactor: Any = None) -> ControlPlane:
         collector = CollectorTuning(options["gc-threshold"])
         collector.setName("collector")
         collector.setServiceParent(cp)
+        # The fleet's records, once made, leave the collector's scans.
+        reconciler.after_growth = collector.freeze_grown
     if options["gateway_address"] is not None:
         host, port = options["gateway_address"]
         # The embedded gateway routes by the published routing table, the

@@ -9,7 +9,7 @@ import collections
 from typing import TYPE_CHECKING, Any
 
 from llmgw.control.fleetstate import Phase
-from llmgw.control.signals import signals_json
+from llmgw.control.signals import ShardSignals, signals_json
 from llmgw.states import SEVERITY, ReplicaState, ShardState
 
 if TYPE_CHECKING:
@@ -178,3 +178,17 @@ def replicas(rec: Reconciler) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+def engine_signal_rows(rec: Reconciler) -> list[tuple[str, str, str, ShardSignals]]:
+    """
+    (model, replica, shard, signals) for every held shard with engine
+    signals, for the metrics collector.
+    """
+    rows = []
+    for rep in rec.state.replicas.values():
+        for shard in rep.shards.values():
+            entry = rec.engine_signals.get(shard.id)
+            if entry is not None:
+                rows.append((rep.model, rep.id, shard.id, entry))
+    return rows

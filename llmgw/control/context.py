@@ -1,0 +1,144 @@
+"""
+What the reconciler's decisions read besides their input (DESIGN §6.7):
+the fleet state, the catalog, the inventory, the timing rules, and each
+deployment's failure bookkeeping (crash backoff, hold, last failure).
+
+A L{Context} is plain data owned by the reconciler's shell; decisions
+(L{llmgw.control.lifecycle}, L{llmgw.control.reports},
+L{llmgw.control.nodes}, L{llmgw.control.deadlines},
+L{llmgw.control.placing}) change it through its methods and those of its
+L{FleetState}, and return what to send and log in an
+L{llmgw.control.outcome.Outcome}. Nothing here reads a clock, sends a
+command or touches a transport.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+from dataclasses import dataclass, field
+
+from llmgw.control.backoff import Backoff
+from llmgw.control.catalog import Catalog, Profile
+from llmgw.control.failures import Hold, ShardFailure
+from llmgw.control.fleetstate import FleetState
+from llmgw.control.inventory import Inventory
+
+#: How long past its stop grace a stopping shard may stay unconfirmed.
+STOP_SLACK = 30.0
+#: A pending shard is re-sent at most this many times in all, then its
+#: replica is replaced.
+MAX_SENDS = 3
+#: Defaults of a profile the catalog no longer has.
+STARTUP_TIMEOUT, STOP_GRACE, DRAIN_TIMEOUT = 600, 30, 60
+
+_SLUG = re.compile(r"[^A-Za-z0-9.]+")
+
+
+def base36(n: int) -> str:
+    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
+    out = ""
+    while True:
+        n, r = divmod(n, 36)
+        out = digits[r] + out
+        if n == 0:
+            return out
+
+
+@dataclass(slots=True)
+class Rules:
+    """
+    The reconciler's timings (DESIGN §6.3, §6.4, §6.5), in seconds.
+    """
+
+    suspect_after: float
+    lost_after: float
+    adoption_grace: float
+    #: A pending shard (command sent, nothing heard) is re-sent after this.
+    pending_timeout: float
+    #: Share of nodes suspect at once beyond which replacements freeze.
+    freeze_share: float
+
+
+@dataclass
+class DeploymentState:
+    backoff: Backoff = field(default_factory=Backoff)
+    last_failure: ShardFailure | None = None
+    unplaceable: str = ""
+    #: Nothing is placed while held (a configuration failure).
+    held: Hold | None = None
+
+
+class Deployments(collections.defaultdict[str, DeploymentState]):
+    """
+    Each deployment's failure bookkeeping, made on first use with a copy of
+    the timings of the context's backoff as it is then.
+    """
+
+    def __init__(self, ctx: Context):
+        super().__init__()
+        self._ctx = ctx
+
+    def __missing__(self, model: str) -> DeploymentState:
+        b = self._ctx.backoff
+        state = self[model] = DeploymentState(Backoff(b.base, b.cap, b.reset_after))
+        return state
+
+
+class Context:
+    """
+    @ivar listed: every shard id each registering node listed, claimed or
+        not, until its registration is complete.
+    """
+
+    def __init__(self, state: FleetState, catalog: Catalog, inventory: Inventory, rules: Rules,
+                 backoff: Backoff, epoch: int, started_at: float):
+        self.state = state
+        self.catalog = catalog
+        self.inventory = inventory
+        self.rules = rules
+        #: The backoff each deployment starts with (its timings are copied).
+        self.backoff = backoff
+        self.deps = Deployments(self)
+        self.desired: dict[str, int] = {}
+        self.listed: dict[str, set[str]] = {}
+        self.started_at = started_at
+        self.frozen = False
+        self.frozen_reason = ""
+        self.set_epoch(epoch)
+        self._ids = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self._id_prefix = base36(epoch)
+
+    @property
+    def grace_end(self) -> float:
+        return self.started_at + self.rules.adoption_grace
+
+    def profile(self, name: str) -> Profile | None:
+        return self.catalog.profiles.get(name)
+
+    def startup_timeout(self, profile_name: str) -> float:
+        p = self.profile(profile_name)
+        return p.startup_timeout_s if p is not None else STARTUP_TIMEOUT
+
+    def stop_grace(self, profile_name: str) -> float:
+        p = self.profile(profile_name)
+        return p.stop_grace_s if p is not None else STOP_GRACE
+
+    def drain_timeout(self, profile_name: str) -> float:
+        p = self.profile(profile_name)
+        return p.drain_timeout_s if p is not None else DRAIN_TIMEOUT
+
+    def host(self, node_id: str) -> str:
+        node = self.inventory.peek(node_id)
+        return (node.address if node is not None else "") or "127.0.0.1"
+
+    def new_replica_id(self, model: str) -> str:
+        slug = _SLUG.sub("-", model).strip("-")[:40] or "replica"
+        while True:
+            self._ids += 1
+            rid = f"{slug}-{self._id_prefix}-{self._ids}"
+            if rid not in self.state.replicas and rid not in self.state.retired:
+                return rid

@@ -1,0 +1,84 @@
+"""
+The reconciler's outbox (DESIGN §6.7): commands decided while handling an
+input are sent only after that handler has returned, in the same reactor
+turn (C{callLater(0)}), never re-entrantly from inside the agent service's
+own message handling; and then the models whose routes changed are
+projected from the fleet state into the published routing table, so that
+the inputs of one reactor turn share one publication.
+
+A command its node could not be sent is an input like any other
+(L{reports.refused}); what that decides goes through the shell's
+C{apply}, and its commands are sent in the same flush.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
+
+from llmgw.control import reports
+from llmgw.control.commands import Command, Start
+from llmgw.control.context import Context
+from llmgw.control.outcome import Outcome
+from llmgw.routing import RoutingTable
+
+
+class Outbox:
+    """
+    @param send: sends one command; returns why it was refused, or C{None}.
+    @param apply: takes the outcome of a refusal (logs its events and
+        queues its commands here).
+    @ivar held: while true (a pass is under way) nothing is scheduled; the
+        pass flushes at its end.
+    """
+
+    def __init__(self, clock: IReactorTime, ctx: Context, table: RoutingTable,
+                 send: Callable[[Command], str | None], apply: Callable[[Outcome], None]):
+        self._clock = clock
+        self._ctx = ctx
+        self._table = table
+        self._send = send
+        self._apply = apply
+        self._queue: list[Command] = []
+        self._call: IDelayedCall | None = None
+        self.held = False
+
+    def extend(self, commands: Iterable[Command]) -> None:
+        self._queue.extend(commands)
+
+    def settle(self) -> None:
+        """
+        End of an input: flush once the caller has returned, if there is
+        anything to send or publish.
+        """
+        if self.held or self._call is not None:
+            return
+        if self._queue or self._ctx.state.routes_dirty:
+            self._call = self._clock.callLater(0, self.flush)
+
+    def flush(self) -> None:
+        """
+        Send the queued commands (a start made obsolete meanwhile is not
+        sent), then publish the routes that changed.
+        """
+        self.cancel()
+        now = self._clock.seconds()
+        while self._queue:
+            batch, self._queue = self._queue, []
+            for cmd in batch:
+                if isinstance(cmd, Start) and reports.obsolete(self._ctx, cmd):
+                    continue
+                why = self._send(cmd)
+                if why is not None:
+                    out = Outcome()
+                    reports.refused(self._ctx, cmd, why, now, out)
+                    self._apply(out)
+        st = self._ctx.state
+        for model in sorted(st.take_routes_dirty()):
+            self._table.publish_model(model, st.routes(model))
+
+    def cancel(self) -> None:
+        if self._call is not None and self._call.active():
+            self._call.cancel()
+        self._call = None

@@ -1,0 +1,179 @@
+"""
+The scale-and-place step of a pass (DESIGN §6.2, §6.4, §6.6, §6.7): for
+each deployment, reset its crash backoff once a replica stayed ready long
+enough, retire what is surplus or replaced, and place what is missing,
+all-or-nothing per replica and in a deterministic order, within the
+pass's budget.
+
+L{reconcile} takes the L{Context}, C{now}, the placer and two callables
+from the shell: C{sync} brings the placer up to date with the nodes that
+changed (False when the budget ran out first) and C{over_budget} says
+whether the pass's time is up. It changes the fleet through
+L{FleetState}'s methods and appends what to send and log to an
+L{Outcome}; it reads no clock, sends no command, touches no transport.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from llmgw.control import lifecycle
+from llmgw.control.catalog import Deployment, Profile
+from llmgw.control.context import Context
+from llmgw.control.interfaces import AdminError, UnknownDeployment
+from llmgw.control.outcome import Outcome
+from llmgw.control.placement import BUSY, Placer, Request
+from llmgw.control.scaling import Candidate, scale_step, victims
+
+
+class Placing:
+    """
+    Placement's state kept from pass to pass: the L{Placer}, told of each
+    node that changed before a pass places, and the nodes it last knew
+    connected.
+    """
+
+    def __init__(self, ctx: Context):
+        st = ctx.state
+        self.placer = Placer((), st.spread, st.ports, live_spread=True)
+        self._connected: set[str] = set()
+
+    def sync(self, ctx: Context, connected: set[str], over_budget: Callable[[], bool]) -> bool:
+        """
+        Bring the placer up to date with the nodes that changed since it
+        last looked (those that connected or went away included), within
+        the pass's budget; True when it is.
+        """
+        ctx.state.eligibility_changed(connected ^ self._connected)
+        self._connected = connected
+        return ctx.state.sync_placer(self.placer, ctx.inventory, connected, over_budget)
+
+
+def reconcile(ctx: Context, now: float, placer: Placer, sync: Callable[[], bool],
+              over_budget: Callable[[], bool], out: Outcome) -> bool:
+    """
+    One pass's scale and placement; returns whether it stopped at its
+    budget with placements left (the next pass goes on). Every pass places
+    at least one replica, whatever it cost to get there.
+    """
+    st = ctx.state
+    synced = unfinished = False
+    placed_this_pass = 0
+    placing = now >= ctx.grace_end and not ctx.frozen
+    for model in sorted(ctx.catalog.deployments):
+        dep = ctx.catalog.deployments[model]
+        desired = ctx.desired.get(model, dep.replicas)
+        state = ctx.deps[model]
+        active = st.active[model]
+        ready = st.ready[model]
+        if state.backoff.failures:
+            for rid in ready:
+                rs = st.replicas[rid].ready_since
+                if rs is not None and state.backoff.ready_for(now - rs):
+                    state.backoff.reset()
+                    out.event("backoff_reset", replica=rid, reason=f"deployment {model} ready long enough")
+                    break
+        evac = st.evacuating.get(model)
+        step = scale_step(
+            # Fresh ready replicas are counted only where some are being moved off.
+            desired, len(active), len(ready & active) if evac else 0, len(evac) if evac else 0,
+            placing=placing, held=state.held is not None, backing_off=state.backoff.blocked(now),
+        )
+        if step.retire_evacuated and evac:
+            for rid in sorted(evac):
+                rep = st.replicas[rid]
+                lifecycle.retire(ctx, rep, f"replaced ({rep.evacuating})", now, out)
+        if step.retire:
+            for rid in victims(candidates(ctx, model, active), step.retire):
+                lifecycle.retire(ctx, st.replicas[rid], f"scale down of {model} to {desired}", now, out)
+            continue
+        if not step.place or unfinished:
+            continue
+        if not synced:
+            # Placement hears of every node that changed first; at the
+            # budget the rest is the next pass's, which runs at once.
+            if not sync():
+                unfinished = True
+                continue
+            synced = True
+        missing = step.place
+        profile = ctx.catalog.profiles[dep.profile]
+        placed = 0
+        for _ in range(missing):
+            if placed_this_pass and over_budget():
+                unfinished = True
+                break
+            got = place(ctx, dep, profile, placer, over_budget, now, out)
+            if got is None:
+                # Still gathering candidates, and the time is up.
+                unfinished = True
+                break
+            if not got:
+                break
+            placed += 1
+            placed_this_pass += 1
+        if unfinished:
+            continue
+        if placed < missing:
+            why = f"no room for {missing - placed} replica(s) of profile {profile.name}"
+            if state.unplaceable != why:
+                state.unplaceable = why
+                out.event("unplaceable", level="warn", reason=f"deployment {model}: {why}")
+        else:
+            state.unplaceable = ""
+    return unfinished
+
+
+def deployment(ctx: Context, model: str) -> Deployment:
+    """
+    The deployment that serves C{model}; L{UnknownDeployment} if none.
+    """
+    dep = ctx.catalog.deployments.get(model)
+    if dep is None:
+        raise UnknownDeployment(f"no deployment serves model {model!r}")
+    return dep
+
+
+def check_scale(ctx: Context, model: str, replicas: object) -> Deployment:
+    """
+    The deployment an operator may scale to C{replicas}: L{UnknownDeployment}
+    for a model none serves, L{AdminError} for a count that is not a whole
+    number of at least 0.
+    """
+    dep = deployment(ctx, model)
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
+        raise AdminError(f"replicas must be a whole number of at least 0, not {replicas!r}")
+    return dep
+
+
+def candidates(ctx: Context, model: str, active: set[str]) -> list[Candidate]:
+    """
+    What a scale down of C{model} chooses from (DESIGN §6.6).
+    """
+    st = ctx.state
+    ready = st.ready[model]
+    result = []
+    for rid in active:
+        rep = st.replicas[rid]
+        load = max((len(st.node_shards.get(s.node_id, ())) for s in rep.shards.values()), default=0)
+        result.append(Candidate(rid, rid in ready, load, rep.created_at))
+    return result
+
+
+def place(ctx: Context, dep: Deployment, profile: Profile, placer: Placer,
+          over_budget: Callable[[], bool], now: float, out: Outcome) -> bool | None:
+    """
+    Place one replica of C{dep}: whether it was, or C{None} when the
+    pass's time ran out first.
+    """
+    slots = placer.place(
+        Request(group=dep.model, shards=profile.shards, gpus_per_shard=profile.gpus_per_shard,
+                gpu_memory_mb=profile.gpu_memory_mb, fabric=profile.fabric),
+        over_budget,
+    )
+    if slots is BUSY:
+        return None
+    if slots is None:
+        return False
+    lifecycle.create_replica(ctx, dep.model, profile.name, profile.shards, slots, now, out)
+    return True
