@@ -55,10 +55,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.common import percentile  # noqa: E402
+from llmgw.gateway.policy import PolicyConfig  # noqa: E402
 
 MODEL = "sim"
 MAX_TOKENS = 16
 SYSTEM_WORDS = 300
+SYSTEM_PROMPTS = 8
 TURN_WORDS = 200
 SIM_ARGS = {
     "kv_blocks": 2048,
@@ -93,7 +95,8 @@ def serve_sims(ports: list[int]) -> None:
 
 
 def serve_gateway(
-    port: int, upstreams: list[str], policy: str, signals: bool, epsilon: float, engine_load: bool
+    port: int, upstreams: list[str], policy: str, signals: bool, epsilon: float, engine_load: bool,
+    slack: int | None = None,
 ) -> None:
     import treq
     from twisted.internet import reactor
@@ -116,7 +119,7 @@ def serve_gateway(
 
     publish()
     table.set_policies({MODEL: policy})
-    GatewayService(reactor, table, "127.0.0.1", port, GatewayConfig(first_byte_timeout=600, policy=PolicyConfig(epsilon=epsilon, engine_load=engine_load))).startService()
+    GatewayService(reactor, table, "127.0.0.1", port, GatewayConfig(first_byte_timeout=600, policy=PolicyConfig(epsilon=epsilon, engine_load=engine_load, **({} if slack is None else {"slack": slack})))).startService()
     if signals:
         names = engines.metric_names_for("vllm")
         http = treq.client.HTTPClient(
@@ -251,23 +254,57 @@ def chat_body(messages: list[dict[str, str]]) -> dict[str, Any]:
     return {"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "stream": True}
 
 
-async def conversations(reactor: Any, port: int, n: int, turns: int, seed: int) -> list[Result]:
-    from twisted.internet.defer import Deferred, gatherResults
-
+def conversation_plan(n: int, turns: int, seed: int, arrival_s: float, think_s: float) -> list[dict[str, Any]]:
+    """
+    The schedule of workload (a), drawn up front from C{seed} so that every
+    router gets exactly the same one: conversation i starts at C{start}
+    (arrivals a Poisson process over C{arrival_s} seconds), uses one of the
+    eight system prompts, and has between 2 and C{2 * turns - 2} user turns
+    (mean C{turns}) of 50 to 350 words, each after a think time drawn from
+    an exponential distribution of mean C{think_s} once the previous answer
+    is in.
+    """
     rng = random.Random(seed)
-    systems = [words(rng, SYSTEM_WORDS) for _ in range(8)]
+    systems = [words(rng, SYSTEM_WORDS) for _ in range(SYSTEM_PROMPTS)]
+    plan = []
+    t = 0.0
+    for _ in range(n):
+        t += rng.expovariate(n / arrival_s) if arrival_s > 0 else 0.0
+        k = rng.randint(2, max(2, 2 * turns - 2))
+        plan.append({
+            "start": t,
+            "system": systems[rng.randrange(SYSTEM_PROMPTS)],
+            "turns": [
+                (words(rng, rng.randint(TURN_WORDS - 150, TURN_WORDS + 150)),
+                 rng.expovariate(1 / think_s) if think_s > 0 else 0.0)
+                for _ in range(k)
+            ],
+        })
+    return plan
+
+
+async def conversations(
+    reactor: Any, port: int, n: int, turns: int, seed: int, arrival_s: float, think_s: float
+) -> list[Result]:
+    from twisted.internet.defer import Deferred, gatherResults
+    from twisted.internet.task import deferLater
+
+    plan = conversation_plan(n, turns, seed, arrival_s, think_s)
     answer = reply_text()
     results: list[Result] = []
 
-    async def one(c: int) -> None:
-        messages = [{"role": "system", "content": systems[c % len(systems)]}]
-        for _ in range(turns):
-            messages.append({"role": "user", "content": words(rng, TURN_WORDS)})
+    async def one(c: dict[str, Any]) -> None:
+        await deferLater(reactor, c["start"], lambda: None)
+        messages = [{"role": "system", "content": c["system"]}]
+        for i, (text, think) in enumerate(c["turns"]):
+            if i:
+                await deferLater(reactor, think, lambda: None)
+            messages.append({"role": "user", "content": text})
             r = await make_call(reactor, port, chat_body(messages))
             results.append(r)
             messages.append({"role": "assistant", "content": answer})
 
-    await gatherResults([Deferred.fromCoroutine(one(c)) for c in range(n)])
+    await gatherResults([Deferred.fromCoroutine(one(c)) for c in plan])
     return results
 
 
@@ -373,12 +410,13 @@ def router_command(name: str, port: int, sim_ports: list[int], args: argparse.Na
     urls = [f"http://127.0.0.1:{p}" for p in sim_ports]
     ups = ",".join(f"127.0.0.1:{p}" for p in sim_ports)
     me = [sys.executable, str(Path(__file__).resolve()), "gateway", "--port", str(port), "--upstreams", ups]
+    slack = [] if args.slack is None else ["--slack", str(args.slack)]
     if name == "least_in_flight":
         return me + ["--policy", "least_loaded"]
     if name == "prefix_engine_load":
-        return me + ["--policy", "prefix", "--signals", "--engine-load", "--epsilon", str(args.epsilon)]
+        return me + ["--policy", "prefix", "--signals", "--engine-load", "--epsilon", str(args.epsilon)] + slack
     if name in ("round_robin", "least_loaded", "prefix"):
-        return me + ["--policy", name, "--signals", "--epsilon", str(args.epsilon)]
+        return me + ["--policy", name, "--signals", "--epsilon", str(args.epsilon)] + slack
     if peers is None:
         return None
     if name == "vllm-router cache_aware":
@@ -463,7 +501,7 @@ def load(port: int, sim_ports: list[int], args: argparse.Namespace) -> dict[str,
     async def main() -> None:
         await warm()
         await workload("conversations", Deferred.fromCoroutine(
-            conversations(reactor, port, args.conversations, args.turns, 1)))
+            conversations(reactor, port, args.conversations, args.turns, 1, args.arrival_s, args.think_s)))
         await workload("independent", Deferred.fromCoroutine(independent(reactor, port, args.independent, 32, 2)))
         await deferLater(reactor, 1.0, lambda: None)
         await workload("burst", Deferred.fromCoroutine(burst(reactor, port, args.burst, 3)))
@@ -518,10 +556,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--signals", action="store_true")
     p.add_argument("--engine-load", action="store_true", help="(gateway) engine counts add to the load")
     p.add_argument("--epsilon", type=float, default=0.25, help="prefix's load bound (gateway mode)")
+    p.add_argument("--slack", type=int, default=None, help="prefix's slack over the bound (default: PolicyConfig's)")
     p.add_argument("--peers", default=None, help="a bin directory holding vllm-router and sglang-router")
     p.add_argument("--routers", default=",".join(ROUTERS), help="comma-separated, from: " + ", ".join(ROUTERS))
-    p.add_argument("--conversations", type=int, default=48)
+    p.add_argument("--conversations", type=int, default=96)
     p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--arrival-s", type=float, default=16.0, help="(a) conversations arrive over this long")
+    p.add_argument("--think-s", type=float, default=1.0, help="(a) mean think time between turns")
     p.add_argument("--independent", type=int, default=240)
     p.add_argument("--burst", type=int, default=600)
     p.add_argument("--quick", action="store_true", help="a small run, to check the bench works")
@@ -531,10 +572,11 @@ def main(argv: list[str] | None = None) -> int:
         serve_sims([int(x) for x in args.ports.split(",")])
         return 0
     if args.mode == "gateway":
-        serve_gateway(args.port, args.upstreams.split(","), args.policy, args.signals, args.epsilon, args.engine_load)
+        serve_gateway(args.port, args.upstreams.split(","), args.policy, args.signals, args.epsilon, args.engine_load, args.slack)
         return 0
     if args.quick:
-        args.conversations, args.turns, args.independent, args.burst = 8, 3, 40, 100
+        args.conversations, args.turns, args.independent, args.burst = 12, 3, 40, 100
+        args.arrival_s, args.think_s = 2.0, 0.3
     if args.mode == "one":
         # One router per process: each load generator gets a fresh reactor.
         print(json.dumps(run_router(args.router, args)))
@@ -545,8 +587,11 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.routers.split(","):
         cmd = [sys.executable, str(Path(__file__).resolve()), "one", "--router", name,
                "--conversations", str(args.conversations), "--turns", str(args.turns),
+               "--arrival-s", str(args.arrival_s), "--think-s", str(args.think_s),
                "--independent", str(args.independent), "--burst", str(args.burst),
                "--epsilon", str(args.epsilon)]
+        if args.slack is not None:
+            cmd += ["--slack", str(args.slack)]
         if args.peers:
             cmd += ["--peers", args.peers]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
@@ -562,11 +607,14 @@ def main(argv: list[str] | None = None) -> int:
         "bench": "routing",
         "machine": {"cpus": os.cpu_count(), "load_before": load_before, "load_after": os.getloadavg()},
         "simulator": SIM_ARGS,
-        "prefix_policy": {"epsilon": args.epsilon},
+        "prefix_policy": {"epsilon": args.epsilon,
+                          "slack": PolicyConfig().slack if args.slack is None else args.slack},
         "max_tokens": MAX_TOKENS,
         "workloads": {
             "conversations": {"conversations": args.conversations, "turns": args.turns,
-                              "system_prompts": 8, "system_words": SYSTEM_WORDS, "turn_words": TURN_WORDS},
+                              "arrival_s": args.arrival_s, "think_s": args.think_s, "system_prompts": SYSTEM_PROMPTS,
+                              "system_words": SYSTEM_WORDS, "turn_words": f"{TURN_WORDS - 150}-{TURN_WORDS + 150}",
+                              "turns_per_conversation": f"2-{max(2, 2 * args.turns - 2)}"},
             "independent": {"requests": args.independent, "clients": 32, "prompt_words": 300},
             "burst": {"requests": args.burst, "prompt_words": 200},
         },
