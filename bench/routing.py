@@ -520,6 +520,163 @@ def load(port: int, sim_ports: list[int], args: argparse.Namespace) -> dict[str,
     return out
 
 
+# -- real engines: two llama-server replicas ----------------------------------------------
+
+#: Words the tiny model's vocabulary holds whole (one token each).
+LLAMA_WORDS = ["the", "a", "model", "reply", "tiny", "llmgw", "is"]
+
+
+def llama_text(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(LLAMA_WORDS) for _ in range(n))
+
+
+def llama_post(port: int, body: dict[str, Any]) -> dict[str, Any]:
+    import urllib.request
+
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions", json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=120) as response:
+        return dict(json.loads(response.read()))
+
+
+def llama_conversations(port: int, args: argparse.Namespace) -> dict[str, Any]:
+    """
+    Workload (a) in small, against real engines: C{--llama-conversations}
+    chats at once, C{--llama-turns} turns each, all starting with the same
+    long system prompt; non-streamed, so that each answer carries
+    llama-server's C{timings} (C{cache_n}: prompt tokens taken from its
+    cache; C{prompt_n}: prompt tokens it computed).
+    """
+    import threading
+
+    rng = random.Random(5)
+    system = llama_text(rng, args.llama_system_words)
+    plans = [
+        [(llama_text(rng, rng.randint(20, 50)), rng.uniform(0.0, 0.3)) for _ in range(args.llama_turns)]
+        for _ in range(args.llama_conversations)
+    ]
+    cached = computed = answered = 0
+    errors: list[str] = []
+    lock = threading.Lock()
+
+    def one(plan: list[tuple[str, float]]) -> None:
+        nonlocal cached, computed, answered
+        messages = [{"role": "system", "content": system}]
+        for text, think in plan:
+            time.sleep(think)
+            messages.append({"role": "user", "content": text})
+            body = {"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0,
+                    "ignore_eos": True}
+            try:
+                doc = llama_post(port, body)
+            except Exception as e:  # noqa: BLE001 (counted and reported)
+                with lock:
+                    errors.append(repr(e)[:200])
+                return
+            timings = doc.get("timings") or {}
+            with lock:
+                answered += 1
+                cached += int(timings.get("cache_n", 0))
+                computed += int(timings.get("prompt_n", 0))
+            messages.append({"role": "assistant", "content": doc["choices"][0]["message"]["content"]})
+
+    threads = [threading.Thread(target=one, args=(p,)) for p in plans]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.monotonic() - t0
+    return {
+        "requests": args.llama_conversations * args.llama_turns,
+        "answered": answered,
+        "errors": errors[:5],
+        "prompt_tokens_cached": cached,
+        "prompt_tokens_computed": computed,
+        "cache_share": round(cached / (cached + computed), 3) if cached + computed else None,
+        "wall_s": round(wall, 2),
+    }
+
+
+def llama_health(port: int) -> bool:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+            return bool(r.status == 200)
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+def llama_run(args: argparse.Namespace) -> dict[str, Any]:
+    """
+    Two real llama-server replicas (the tiny model of
+    L{llmgw.testing.tinygguf}) behind the gateway, least-in-flight against
+    prefix, each on freshly started replicas.
+    """
+    import tempfile
+
+    from llmgw.testing import tinygguf
+    from llmgw.testing.engines import find_llama_server, llama_server_missing_reason
+
+    binary = find_llama_server()
+    if binary is None:
+        return {"skipped": llama_server_missing_reason()}
+    engine_args = ["-c", str(args.llama_ctx), "-np", str(args.llama_slots), "-t", "1", "--no-warmup",
+                   "--cache-ram", str(args.llama_cache_ram)]
+    out: dict[str, Any] = {
+        "engine": str(binary), "engine_args": engine_args, "replicas": 2,
+        "workload": {"conversations": args.llama_conversations, "turns": args.llama_turns,
+                     "system_prompt_words": args.llama_system_words, "user_turn_words": "20-50",
+                     "max_tokens": 8},
+        "routers": {},
+    }
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    with tempfile.TemporaryDirectory(prefix="llmgw-bench-llama-") as tmp:
+        # The tiny model, with a training context long enough for the
+        # system prompt and the turns (llama-server caps a slot's context
+        # at it); its weights are random either way.
+        tinygguf.CONTEXT = args.llama_ctx // args.llama_slots
+        model = tinygguf.write(Path(tmp) / "tiny.gguf")
+        for name, policy in (("least_in_flight", "least_loaded"), ("prefix", "prefix")):
+            ports = free_ports(3)
+            procs: list[subprocess.Popen[str]] = []
+            try:
+                for p in ports[:2]:
+                    procs.append(subprocess.Popen(
+                        [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(p),
+                         "--alias", MODEL, *engine_args],
+                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True))
+                deadline = time.monotonic() + 60
+                while not all(llama_health(p) for p in ports[:2]):
+                    if time.monotonic() > deadline or any(pr.poll() is not None for pr in procs):
+                        raise RuntimeError("llama-server did not become healthy")
+                    time.sleep(0.2)
+                ups = ",".join(f"127.0.0.1:{p}" for p in ports[:2])
+                gw = subprocess.Popen(
+                    [sys.executable, str(Path(__file__).resolve()), "gateway", "--port", str(ports[2]),
+                     "--upstreams", ups, "--policy", policy],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True, env=env)
+                procs.append(gw)
+                wait_port(ports[2], gw, 60)
+                out["routers"][name] = llama_conversations(ports[2], args)
+            finally:
+                for pr in procs:
+                    pr.terminate()
+                    try:
+                        pr.wait(10)
+                    except subprocess.TimeoutExpired:
+                        pr.kill()
+                        pr.wait()
+    r = out["routers"]
+    if r.get("prefix", {}).get("cache_share") is not None and r.get("least_in_flight", {}).get("cache_share"):
+        out["prefix_over_least_in_flight"] = round(r["prefix"]["cache_share"] / r["least_in_flight"]["cache_share"], 3)
+    return out
+
+
 def verdict(results: dict[str, Any]) -> dict[str, Any]:
     """
     The issue's bars, checked against the figures.
@@ -548,7 +705,7 @@ def verdict(results: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("mode", nargs="?", default="run", choices=["run", "sims", "gateway", "one"])
+    p.add_argument("mode", nargs="?", default="run", choices=["run", "sims", "gateway", "one", "llama"])
     p.add_argument("--ports", default="")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--upstreams", default="")
@@ -567,12 +724,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--burst", type=int, default=600)
     p.add_argument("--quick", action="store_true", help="a small run, to check the bench works")
     p.add_argument("--router", default="", help="(one) the router to run")
+    p.add_argument("--llama-conversations", type=int, default=8, help="(llama) chats at once")
+    p.add_argument("--llama-turns", type=int, default=6, help="(llama) turns per chat")
+    p.add_argument("--llama-system-words", type=int, default=150,
+                   help="(llama) system prompt words (the tiny model's tokenizer makes about 6 tokens of each)")
+    p.add_argument("--llama-ctx", type=int, default=16384, help="(llama) each engine's -c")
+    p.add_argument("--llama-slots", type=int, default=4, help="(llama) each engine's -np")
+    p.add_argument("--llama-cache-ram", type=int, default=0,
+                   help="(llama) each engine's --cache-ram in MiB (0: its KV slots are its only cache)")
     args = p.parse_args(argv)
     if args.mode == "sims":
         serve_sims([int(x) for x in args.ports.split(",")])
         return 0
     if args.mode == "gateway":
         serve_gateway(args.port, args.upstreams.split(","), args.policy, args.signals, args.epsilon, args.engine_load, args.slack)
+        return 0
+    if args.mode == "llama":
+        load_before = os.getloadavg()
+        doc = llama_run(args)
+        doc = {"bench": "routing-llama", "machine": {"cpus": os.cpu_count(), "load_before": load_before,
+                                                    "load_after": os.getloadavg()}, **doc}
+        print(json.dumps(doc, indent=2))
         return 0
     if args.quick:
         args.conversations, args.turns, args.independent, args.burst = 12, 3, 40, 100
