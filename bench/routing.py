@@ -4,7 +4,18 @@ engine simulator, L{llmgw.testing.enginesim}) behind one router, three
 workloads, every routing policy in one run. Prints JSON.
 
     python bench/routing.py [--peers /path/to/venv/bin] [--quick]
-        [--conversations 48] [--turns 5] [--independent 240] [--burst 600]
+        [--conversations 96] [--turns 6] [--arrival-s 16] [--think-s 1]
+        [--independent 240] [--burst 600]
+    python bench/routing.py offline [--seeds 1,2,3]
+    python bench/routing.py llama [--llama-conversations 8] [--llama-turns 6]
+
+C{offline} runs workload (a) through llmgw's own router and four engine
+simulators on one simulated clock (no sockets, no processes): exact,
+repeatable TTFT figures for llmgw's policies, free of the machine's load.
+C{llama} runs two real C{llama-server} replicas (C{.ci/build-llama-server},
+the tiny model of L{llmgw.testing.tinygguf}) behind the gateway with a long
+shared system prompt and reports the share of prompt tokens they served
+from their caches (C{timings.cache_n}), least-in-flight against prefix.
 
 Routers compared, each against freshly started replicas (empty caches):
 
@@ -21,11 +32,14 @@ Routers compared, each against freshly started replicas (empty caches):
 
 Workloads, one after the other on the same replicas:
 
-(a) C{conversations}: multi-turn chats, C{--conversations} of them at once,
-    each C{--turns} turns in sequence; eight system prompts (300 words)
-    shared between them, user turns of 200 words, every turn resending the
-    earlier ones, so that the conversations' histories together are more
-    than one replica's KV cache holds and less than four hold.
+(a) C{conversations}: multi-turn chats, C{--conversations} of them
+    arriving as a Poisson process over C{--arrival-s} seconds, each of 2 to
+    C{2 * --turns - 2} user turns (50 to 350 words) after think times of
+    mean C{--think-s}, every turn resending the earlier ones; eight system
+    prompts (300 words) shared between them. The schedule is drawn up front
+    from a fixed seed, so every router gets the same one. The conversations
+    active at once hold more history than one replica's KV cache and less
+    than four hold.
 (b) C{independent}: prompts (about 300 tokens) that share nothing, from 32
     concurrent clients.
 (c) C{burst}: C{--burst} requests at once, well over the replicas' batch
@@ -520,6 +534,105 @@ def load(port: int, sim_ports: list[int], args: argparse.Namespace) -> dict[str,
     return out
 
 
+# -- simulated time: llmgw's own policies without the machine's noise --------------------
+
+
+def offline_run(policy: str, args: argparse.Namespace, slack: int | None, seed: int) -> dict[str, Any]:
+    """
+    Workload (a) with four engine simulators and llmgw's L{Router} on one
+    L{Clock}, no sockets and no processes: the same schedule, the same
+    engine model, in simulated time, so that TTFT figures are exact and
+    repeat (what the real run adds is HTTP and the machine's load).
+    C{least_in_flight} routes with no engine signals; the others get them
+    every 0.25 s, as the gateway mode does.
+    """
+    from twisted.internet.task import Clock
+
+    from llmgw.gateway.policy import affinity_key
+    from llmgw.gateway.router import Router
+    from llmgw.routing import EngineSignals, Route
+    from llmgw.testing.enginesim import EngineSim, EngineSimConfig, chat_tokens
+
+    clock = Clock()
+    sims = [EngineSim(clock, EngineSimConfig(**SIM_ARGS)) for _ in range(4)]  # type: ignore[arg-type]
+    ids = [f"r{i}" for i in range(4)]
+    config = PolicyConfig(epsilon=args.epsilon, **({} if slack is None else {"slack": slack}))
+    router = Router(clock, policy=config)
+    routes = [Route(rid, MODEL, "-") for rid in ids]
+    signals = policy != "least_in_flight"
+    name = "least_loaded" if policy == "least_in_flight" else policy
+    plan = conversation_plan(args.conversations, args.turns, seed, args.arrival_s, args.think_s)
+    answer = reply_text()
+    ttft: list[float] = []
+    per = dict.fromkeys(ids, 0)
+
+    def scrape() -> None:
+        nonlocal routes
+        if signals:
+            routes = [Route(rid, MODEL, "-", signals=EngineSignals(
+                clock.seconds(), float(len(s.waiting)), float(len(s.running)), s.kv_usage()))
+                for rid, s in zip(ids, sims, strict=True)]
+        clock.callLater(0.25, scrape)
+
+    def turn(c: dict[str, Any], i: int, messages: list[dict[str, str]]) -> None:
+        messages = [*messages, {"role": "user", "content": c["turns"][i][0]}]
+        body = chat_body(messages)
+        route = router.pick(routes, (), name, affinity_key(body, None, config))
+        assert route is not None
+        rid = route.replica_id
+        router.begin(rid)
+        per[rid] += 1
+        t0 = clock.seconds()
+
+        def on_token(k: int) -> None:
+            if k == 1:
+                ttft.append(clock.seconds() - t0)
+
+        def on_done() -> None:
+            router.end(rid)
+            if i + 1 < len(c["turns"]):
+                clock.callLater(c["turns"][i + 1][1], turn, c, i + 1,
+                                [*messages, {"role": "assistant", "content": answer}])
+
+        sims[ids.index(rid)].submit(chat_tokens(messages), MAX_TOKENS, on_token, on_done)
+
+    scrape()
+    for c in plan:
+        clock.callLater(c["start"], turn, c, 0, [{"role": "system", "content": c["system"]}])
+    total = sum(len(c["turns"]) for c in plan)
+    while len(ttft) < total and clock.seconds() < 3600:
+        clock.advance(0.001)
+    ttft.sort()
+    queries = sum(s.queries for s in sims)
+    mean = sum(per.values()) / len(per)
+    return {
+        "requests": len(ttft),
+        "ttft_p50_ms": round(percentile(ttft, 50) * 1000, 1),
+        "ttft_p99_ms": round(percentile(ttft, 99) * 1000, 1),
+        "ttft_mean_ms": round(sum(ttft) / len(ttft) * 1000, 1),
+        "prefix_cache_hit_share": round(sum(s.hits for s in sims) / queries, 3) if queries else None,
+        "per_replica": per,
+        "busiest_over_mean": round(max(per.values()) / mean, 3),
+        "simulated_s": round(clock.seconds(), 1),
+    }
+
+
+def offline(args: argparse.Namespace) -> dict[str, Any]:
+    runs = [("least_in_flight", None), ("round_robin", None), ("least_loaded", None),
+            ("prefix slack 0", 0), ("prefix", None)]
+    out: dict[str, Any] = {}
+    for seed in args.seeds:
+        out[f"seed {seed}"] = {
+            label: offline_run(label.split()[0], args, slack, seed) for label, slack in runs
+        }
+    ratio = [r["prefix"]["ttft_p99_ms"] / r["least_in_flight"]["ttft_p99_ms"] for r in out.values()]
+    return {"bench": "routing-offline", "simulator": SIM_ARGS, "epsilon": args.epsilon,
+            "slack": PolicyConfig().slack,
+            "workload": {"conversations": args.conversations, "turns": args.turns,
+                         "arrival_s": args.arrival_s, "think_s": args.think_s},
+            "runs": out, "prefix_p99_over_least_in_flight": [round(x, 3) for x in ratio]}
+
+
 # -- real engines: two llama-server replicas ----------------------------------------------
 
 #: Words the tiny model's vocabulary holds whole (one token each).
@@ -705,7 +818,7 @@ def verdict(results: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("mode", nargs="?", default="run", choices=["run", "sims", "gateway", "one", "llama"])
+    p.add_argument("mode", nargs="?", default="run", choices=["run", "sims", "gateway", "one", "llama", "offline"])
     p.add_argument("--ports", default="")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--upstreams", default="")
@@ -724,6 +837,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--burst", type=int, default=600)
     p.add_argument("--quick", action="store_true", help="a small run, to check the bench works")
     p.add_argument("--router", default="", help="(one) the router to run")
+    p.add_argument("--seeds", type=lambda v: [int(x) for x in v.split(",")], default=[1, 2, 3],
+                   help="(offline) workload (a) schedules to run, comma-separated")
     p.add_argument("--llama-conversations", type=int, default=8, help="(llama) chats at once")
     p.add_argument("--llama-turns", type=int, default=6, help="(llama) turns per chat")
     p.add_argument("--llama-system-words", type=int, default=150,
@@ -738,6 +853,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.mode == "gateway":
         serve_gateway(args.port, args.upstreams.split(","), args.policy, args.signals, args.epsilon, args.engine_load, args.slack)
+        return 0
+    if args.mode == "offline":
+        print(json.dumps(offline(args), indent=2))
         return 0
     if args.mode == "llama":
         load_before = os.getloadavg()
