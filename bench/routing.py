@@ -633,6 +633,60 @@ def offline(args: argparse.Namespace) -> dict[str, Any]:
             "runs": out, "prefix_p99_over_least_in_flight": [round(x, 3) for x in ratio]}
 
 
+# -- the cost of a routing decision ----------------------------------------------------------
+
+PICK_COST_CHILD = """
+import json, sys, time
+from twisted.internet.task import Clock
+from llmgw.gateway.policy import PolicyConfig, affinity_key
+from llmgw.gateway.router import Router
+from llmgw.routing import Route
+n, replicas = int(sys.argv[1]), int(sys.argv[2])
+routes = [Route(f"r{i}", "m", f"127.0.0.1:{i + 1}") for i in range(replicas)]
+config = PolicyConfig()
+router = Router(Clock(), policy=config)
+bodies = [{"model": "m", "messages": [{"role": "system", "content": "s" * 2000},
+          {"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": "a"},
+          {"role": "user", "content": "more"}]} for i in range(1000)]
+t0 = time.process_time()
+for i in range(n):
+    r = router.pick(routes, (), "prefix", affinity_key(bodies[i % 1000], None, config))
+    router.begin(r.replica_id)
+    router.end(r.replica_id)
+print(json.dumps((time.process_time() - t0) / n * 1e6))
+"""
+
+
+def pick_cost(args: argparse.Namespace) -> dict[str, Any]:
+    """
+    CPU microseconds per C{prefix} routing decision (affinity key of a chat
+    with a 2,000-character system prompt, then L{Router.pick} over 2 and 4
+    replicas), this tree against C{--baseline} (another checkout), in
+    interleaved rounds; medians.
+    """
+    trees = {"branch": ROOT, "baseline": Path(args.baseline)}
+    per: dict[str, dict[int, list[float]]] = {t: {2: [], 4: []} for t in trees}
+    for _ in range(args.rounds):
+        for replicas in (2, 4):
+            for name, tree in trees.items():
+                proc = subprocess.run([sys.executable, "-c", PICK_COST_CHILD, str(args.picks), str(replicas)],
+                                      capture_output=True, text=True, check=True,
+                                      env=dict(os.environ, PYTHONPATH=str(tree)))
+                per[name][replicas].append(float(proc.stdout.strip()))
+
+    def med(xs: list[float]) -> float:
+        return round(sorted(xs)[len(xs) // 2], 2)
+
+    return {
+        "bench": "routing-pick-cost", "picks_per_run": args.picks, "rounds": args.rounds,
+        "baseline": str(args.baseline),
+        "us_per_pick_median": {t: {f"{k}_replicas": med(v) for k, v in d.items()} for t, d in per.items()},
+        "branch_over_baseline": {f"{k}_replicas": round(med(per["branch"][k]) / med(per["baseline"][k]), 3)
+                                 for k in (2, 4)},
+        "per_round_us": {t: {f"{k}_replicas": [round(x, 2) for x in v] for k, v in d.items()} for t, d in per.items()},
+    }
+
+
 # -- real engines: two llama-server replicas ----------------------------------------------
 
 #: Words the tiny model's vocabulary holds whole (one token each).
@@ -818,7 +872,7 @@ def verdict(results: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("mode", nargs="?", default="run", choices=["run", "sims", "gateway", "one", "llama", "offline"])
+    p.add_argument("mode", nargs="?", default="run", choices=["run", "sims", "gateway", "one", "llama", "offline", "pick-cost"])
     p.add_argument("--ports", default="")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--upstreams", default="")
@@ -837,6 +891,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--burst", type=int, default=600)
     p.add_argument("--quick", action="store_true", help="a small run, to check the bench works")
     p.add_argument("--router", default="", help="(one) the router to run")
+    p.add_argument("--baseline", default="", help="(pick-cost) another checkout to compare with")
+    p.add_argument("--picks", type=int, default=20000, help="(pick-cost) decisions per run")
+    p.add_argument("--rounds", type=int, default=5, help="(pick-cost) interleaved rounds")
     p.add_argument("--seeds", type=lambda v: [int(x) for x in v.split(",")], default=[1, 2, 3],
                    help="(offline) workload (a) schedules to run, comma-separated")
     p.add_argument("--llama-conversations", type=int, default=8, help="(llama) chats at once")
@@ -853,6 +910,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.mode == "gateway":
         serve_gateway(args.port, args.upstreams.split(","), args.policy, args.signals, args.epsilon, args.engine_load, args.slack)
+        return 0
+    if args.mode == "pick-cost":
+        load_before = os.getloadavg()
+        doc = pick_cost(args)
+        doc["machine"] = {"cpus": os.cpu_count(), "load_before": load_before, "load_after": os.getloadavg()}
+        print(json.dumps(doc, indent=2))
         return 0
     if args.mode == "offline":
         print(json.dumps(offline(args), indent=2))
