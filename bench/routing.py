@@ -4,7 +4,18 @@ engine simulator, L{llmgw.testing.enginesim}) behind one router, three
 workloads, every routing policy in one run. Prints JSON.
 
     python bench/routing.py [--peers /path/to/venv/bin] [--quick]
-        [--conversations 48] [--turns 5] [--independent 240] [--burst 600]
+        [--conversations 96] [--turns 6] [--arrival-s 16] [--think-s 1]
+        [--independent 240] [--burst 600]
+    python bench/routing.py offline [--seeds 1,2,3]
+    python bench/routing.py llama [--llama-conversations 8] [--llama-turns 6]
+
+C{offline} runs workload (a) through llmgw's own router and four engine
+simulators on one simulated clock (no sockets, no processes): exact,
+repeatable TTFT figures for llmgw's policies, free of the machine's load.
+C{llama} runs two real C{llama-server} replicas (C{.ci/build-llama-server},
+the tiny model of L{llmgw.testing.tinygguf}) behind the gateway with a long
+shared system prompt and reports the share of prompt tokens they served
+from their caches (C{timings.cache_n}), least-in-flight against prefix.
 
 Routers compared, each against freshly started replicas (empty caches):
 
@@ -21,11 +32,14 @@ Routers compared, each against freshly started replicas (empty caches):
 
 Workloads, one after the other on the same replicas:
 
-(a) C{conversations}: multi-turn chats, C{--conversations} of them at once,
-    each C{--turns} turns in sequence; eight system prompts (300 words)
-    shared between them, user turns of 200 words, every turn resending the
-    earlier ones, so that the conversations' histories together are more
-    than one replica's KV cache holds and less than four hold.
+(a) C{conversations}: multi-turn chats, C{--conversations} of them
+    arriving as a Poisson process over C{--arrival-s} seconds, each of 2 to
+    C{2 * --turns - 2} user turns (50 to 350 words) after think times of
+    mean C{--think-s}, every turn resending the earlier ones; eight system
+    prompts (300 words) shared between them. The schedule is drawn up front
+    from a fixed seed, so every router gets the same one. The conversations
+    active at once hold more history than one replica's KV cache and less
+    than four hold.
 (b) C{independent}: prompts (about 300 tokens) that share nothing, from 32
     concurrent clients.
 (c) C{burst}: C{--burst} requests at once, well over the replicas' batch
@@ -55,10 +69,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.common import percentile  # noqa: E402
+from llmgw.gateway.policy import PolicyConfig  # noqa: E402
 
 MODEL = "sim"
 MAX_TOKENS = 16
 SYSTEM_WORDS = 300
+SYSTEM_PROMPTS = 8
 TURN_WORDS = 200
 SIM_ARGS = {
     "kv_blocks": 2048,
@@ -93,7 +109,8 @@ def serve_sims(ports: list[int]) -> None:
 
 
 def serve_gateway(
-    port: int, upstreams: list[str], policy: str, signals: bool, epsilon: float, engine_load: bool
+    port: int, upstreams: list[str], policy: str, signals: bool, epsilon: float, engine_load: bool,
+    slack: int | None = None,
 ) -> None:
     import treq
     from twisted.internet import reactor
@@ -116,7 +133,7 @@ def serve_gateway(
 
     publish()
     table.set_policies({MODEL: policy})
-    GatewayService(reactor, table, "127.0.0.1", port, GatewayConfig(first_byte_timeout=600, policy=PolicyConfig(epsilon=epsilon, engine_load=engine_load))).startService()
+    GatewayService(reactor, table, "127.0.0.1", port, GatewayConfig(first_byte_timeout=600, policy=PolicyConfig(epsilon=epsilon, engine_load=engine_load, **({} if slack is None else {"slack": slack})))).startService()
     if signals:
         names = engines.metric_names_for("vllm")
         http = treq.client.HTTPClient(
@@ -251,23 +268,57 @@ def chat_body(messages: list[dict[str, str]]) -> dict[str, Any]:
     return {"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "stream": True}
 
 
-async def conversations(reactor: Any, port: int, n: int, turns: int, seed: int) -> list[Result]:
-    from twisted.internet.defer import Deferred, gatherResults
-
+def conversation_plan(n: int, turns: int, seed: int, arrival_s: float, think_s: float) -> list[dict[str, Any]]:
+    """
+    The schedule of workload (a), drawn up front from C{seed} so that every
+    router gets exactly the same one: conversation i starts at C{start}
+    (arrivals a Poisson process over C{arrival_s} seconds), uses one of the
+    eight system prompts, and has between 2 and C{2 * turns - 2} user turns
+    (mean C{turns}) of 50 to 350 words, each after a think time drawn from
+    an exponential distribution of mean C{think_s} once the previous answer
+    is in.
+    """
     rng = random.Random(seed)
-    systems = [words(rng, SYSTEM_WORDS) for _ in range(8)]
+    systems = [words(rng, SYSTEM_WORDS) for _ in range(SYSTEM_PROMPTS)]
+    plan = []
+    t = 0.0
+    for _ in range(n):
+        t += rng.expovariate(n / arrival_s) if arrival_s > 0 else 0.0
+        k = rng.randint(2, max(2, 2 * turns - 2))
+        plan.append({
+            "start": t,
+            "system": systems[rng.randrange(SYSTEM_PROMPTS)],
+            "turns": [
+                (words(rng, rng.randint(TURN_WORDS - 150, TURN_WORDS + 150)),
+                 rng.expovariate(1 / think_s) if think_s > 0 else 0.0)
+                for _ in range(k)
+            ],
+        })
+    return plan
+
+
+async def conversations(
+    reactor: Any, port: int, n: int, turns: int, seed: int, arrival_s: float, think_s: float
+) -> list[Result]:
+    from twisted.internet.defer import Deferred, gatherResults
+    from twisted.internet.task import deferLater
+
+    plan = conversation_plan(n, turns, seed, arrival_s, think_s)
     answer = reply_text()
     results: list[Result] = []
 
-    async def one(c: int) -> None:
-        messages = [{"role": "system", "content": systems[c % len(systems)]}]
-        for _ in range(turns):
-            messages.append({"role": "user", "content": words(rng, TURN_WORDS)})
+    async def one(c: dict[str, Any]) -> None:
+        await deferLater(reactor, c["start"], lambda: None)
+        messages = [{"role": "system", "content": c["system"]}]
+        for i, (text, think) in enumerate(c["turns"]):
+            if i:
+                await deferLater(reactor, think, lambda: None)
+            messages.append({"role": "user", "content": text})
             r = await make_call(reactor, port, chat_body(messages))
             results.append(r)
             messages.append({"role": "assistant", "content": answer})
 
-    await gatherResults([Deferred.fromCoroutine(one(c)) for c in range(n)])
+    await gatherResults([Deferred.fromCoroutine(one(c)) for c in plan])
     return results
 
 
@@ -373,12 +424,13 @@ def router_command(name: str, port: int, sim_ports: list[int], args: argparse.Na
     urls = [f"http://127.0.0.1:{p}" for p in sim_ports]
     ups = ",".join(f"127.0.0.1:{p}" for p in sim_ports)
     me = [sys.executable, str(Path(__file__).resolve()), "gateway", "--port", str(port), "--upstreams", ups]
+    slack = [] if args.slack is None else ["--slack", str(args.slack)]
     if name == "least_in_flight":
         return me + ["--policy", "least_loaded"]
     if name == "prefix_engine_load":
-        return me + ["--policy", "prefix", "--signals", "--engine-load", "--epsilon", str(args.epsilon)]
+        return me + ["--policy", "prefix", "--signals", "--engine-load", "--epsilon", str(args.epsilon)] + slack
     if name in ("round_robin", "least_loaded", "prefix"):
-        return me + ["--policy", name, "--signals", "--epsilon", str(args.epsilon)]
+        return me + ["--policy", name, "--signals", "--epsilon", str(args.epsilon)] + slack
     if peers is None:
         return None
     if name == "vllm-router cache_aware":
@@ -463,7 +515,7 @@ def load(port: int, sim_ports: list[int], args: argparse.Namespace) -> dict[str,
     async def main() -> None:
         await warm()
         await workload("conversations", Deferred.fromCoroutine(
-            conversations(reactor, port, args.conversations, args.turns, 1)))
+            conversations(reactor, port, args.conversations, args.turns, 1, args.arrival_s, args.think_s)))
         await workload("independent", Deferred.fromCoroutine(independent(reactor, port, args.independent, 32, 2)))
         await deferLater(reactor, 1.0, lambda: None)
         await workload("burst", Deferred.fromCoroutine(burst(reactor, port, args.burst, 3)))
@@ -479,6 +531,316 @@ def load(port: int, sim_ports: list[int], args: argparse.Namespace) -> dict[str,
     reactor.run(installSignalHandlers=False)  # type: ignore[attr-defined]
     if failure:
         raise RuntimeError(failure[0].getTraceback())
+    return out
+
+
+# -- simulated time: llmgw's own policies without the machine's noise --------------------
+
+
+def offline_run(policy: str, args: argparse.Namespace, slack: int | None, seed: int) -> dict[str, Any]:
+    """
+    Workload (a) with four engine simulators and llmgw's L{Router} on one
+    L{Clock}, no sockets and no processes: the same schedule, the same
+    engine model, in simulated time, so that TTFT figures are exact and
+    repeat (what the real run adds is HTTP and the machine's load).
+    C{least_in_flight} routes with no engine signals; the others get them
+    every 0.25 s, as the gateway mode does.
+    """
+    from twisted.internet.task import Clock
+
+    from llmgw.gateway.policy import affinity_key
+    from llmgw.gateway.router import Router
+    from llmgw.routing import EngineSignals, Route
+    from llmgw.testing.enginesim import EngineSim, EngineSimConfig, chat_tokens
+
+    clock = Clock()
+    sims = [EngineSim(clock, EngineSimConfig(**SIM_ARGS)) for _ in range(4)]  # type: ignore[arg-type]
+    ids = [f"r{i}" for i in range(4)]
+    config = PolicyConfig(epsilon=args.epsilon, **({} if slack is None else {"slack": slack}))
+    router = Router(clock, policy=config)
+    routes = [Route(rid, MODEL, "-") for rid in ids]
+    signals = policy != "least_in_flight"
+    name = "least_loaded" if policy == "least_in_flight" else policy
+    plan = conversation_plan(args.conversations, args.turns, seed, args.arrival_s, args.think_s)
+    answer = reply_text()
+    ttft: list[float] = []
+    per = dict.fromkeys(ids, 0)
+
+    def scrape() -> None:
+        nonlocal routes
+        if signals:
+            routes = [Route(rid, MODEL, "-", signals=EngineSignals(
+                clock.seconds(), float(len(s.waiting)), float(len(s.running)), s.kv_usage()))
+                for rid, s in zip(ids, sims, strict=True)]
+        clock.callLater(0.25, scrape)
+
+    def turn(c: dict[str, Any], i: int, messages: list[dict[str, str]]) -> None:
+        messages = [*messages, {"role": "user", "content": c["turns"][i][0]}]
+        body = chat_body(messages)
+        route = router.pick(routes, (), name, affinity_key(body, None, config))
+        assert route is not None
+        rid = route.replica_id
+        router.begin(rid)
+        per[rid] += 1
+        t0 = clock.seconds()
+
+        def on_token(k: int) -> None:
+            if k == 1:
+                ttft.append(clock.seconds() - t0)
+
+        def on_done() -> None:
+            router.end(rid)
+            if i + 1 < len(c["turns"]):
+                clock.callLater(c["turns"][i + 1][1], turn, c, i + 1,
+                                [*messages, {"role": "assistant", "content": answer}])
+
+        sims[ids.index(rid)].submit(chat_tokens(messages), MAX_TOKENS, on_token, on_done)
+
+    scrape()
+    for c in plan:
+        clock.callLater(c["start"], turn, c, 0, [{"role": "system", "content": c["system"]}])
+    total = sum(len(c["turns"]) for c in plan)
+    while len(ttft) < total and clock.seconds() < 3600:
+        clock.advance(0.001)
+    ttft.sort()
+    queries = sum(s.queries for s in sims)
+    mean = sum(per.values()) / len(per)
+    return {
+        "requests": len(ttft),
+        "ttft_p50_ms": round(percentile(ttft, 50) * 1000, 1),
+        "ttft_p99_ms": round(percentile(ttft, 99) * 1000, 1),
+        "ttft_mean_ms": round(sum(ttft) / len(ttft) * 1000, 1),
+        "prefix_cache_hit_share": round(sum(s.hits for s in sims) / queries, 3) if queries else None,
+        "per_replica": per,
+        "busiest_over_mean": round(max(per.values()) / mean, 3),
+        "simulated_s": round(clock.seconds(), 1),
+    }
+
+
+def offline(args: argparse.Namespace) -> dict[str, Any]:
+    runs = [("least_in_flight", None), ("round_robin", None), ("least_loaded", None),
+            ("prefix slack 0", 0), ("prefix", None)]
+    out: dict[str, Any] = {}
+    for seed in args.seeds:
+        out[f"seed {seed}"] = {
+            label: offline_run(label.split()[0], args, slack, seed) for label, slack in runs
+        }
+    ratio = [r["prefix"]["ttft_p99_ms"] / r["least_in_flight"]["ttft_p99_ms"] for r in out.values()]
+    return {"bench": "routing-offline", "simulator": SIM_ARGS, "epsilon": args.epsilon,
+            "slack": PolicyConfig().slack,
+            "workload": {"conversations": args.conversations, "turns": args.turns,
+                         "arrival_s": args.arrival_s, "think_s": args.think_s},
+            "runs": out, "prefix_p99_over_least_in_flight": [round(x, 3) for x in ratio]}
+
+
+# -- the cost of a routing decision ----------------------------------------------------------
+
+PICK_COST_CHILD = """
+import json, sys, time
+from twisted.internet.task import Clock
+from llmgw.gateway.policy import PolicyConfig, affinity_key
+from llmgw.gateway.router import Router
+from llmgw.routing import Route
+n, replicas = int(sys.argv[1]), int(sys.argv[2])
+routes = [Route(f"r{i}", "m", f"127.0.0.1:{i + 1}") for i in range(replicas)]
+config = PolicyConfig()
+router = Router(Clock(), policy=config)
+bodies = [{"model": "m", "messages": [{"role": "system", "content": "s" * 2000},
+          {"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": "a"},
+          {"role": "user", "content": "more"}]} for i in range(1000)]
+t0 = time.process_time()
+for i in range(n):
+    r = router.pick(routes, (), "prefix", affinity_key(bodies[i % 1000], None, config))
+    router.begin(r.replica_id)
+    router.end(r.replica_id)
+print(json.dumps((time.process_time() - t0) / n * 1e6))
+"""
+
+
+def pick_cost(args: argparse.Namespace) -> dict[str, Any]:
+    """
+    CPU microseconds per C{prefix} routing decision (affinity key of a chat
+    with a 2,000-character system prompt, then L{Router.pick} over 2 and 4
+    replicas), this tree against C{--baseline} (another checkout), in
+    interleaved rounds; medians.
+    """
+    trees = {"branch": ROOT, "baseline": Path(args.baseline)}
+    per: dict[str, dict[int, list[float]]] = {t: {2: [], 4: []} for t in trees}
+    for _ in range(args.rounds):
+        for replicas in (2, 4):
+            for name, tree in trees.items():
+                proc = subprocess.run([sys.executable, "-c", PICK_COST_CHILD, str(args.picks), str(replicas)],
+                                      capture_output=True, text=True, check=True,
+                                      env=dict(os.environ, PYTHONPATH=str(tree)))
+                per[name][replicas].append(float(proc.stdout.strip()))
+
+    def med(xs: list[float]) -> float:
+        return round(sorted(xs)[len(xs) // 2], 2)
+
+    return {
+        "bench": "routing-pick-cost", "picks_per_run": args.picks, "rounds": args.rounds,
+        "baseline": str(args.baseline),
+        "us_per_pick_median": {t: {f"{k}_replicas": med(v) for k, v in d.items()} for t, d in per.items()},
+        "branch_over_baseline": {f"{k}_replicas": round(med(per["branch"][k]) / med(per["baseline"][k]), 3)
+                                 for k in (2, 4)},
+        "per_round_us": {t: {f"{k}_replicas": [round(x, 2) for x in v] for k, v in d.items()} for t, d in per.items()},
+    }
+
+
+# -- real engines: two llama-server replicas ----------------------------------------------
+
+#: Words the tiny model's vocabulary holds whole (one token each).
+LLAMA_WORDS = ["the", "a", "model", "reply", "tiny", "llmgw", "is"]
+
+
+def llama_text(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(LLAMA_WORDS) for _ in range(n))
+
+
+def llama_post(port: int, body: dict[str, Any]) -> dict[str, Any]:
+    import urllib.request
+
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions", json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=120) as response:
+        return dict(json.loads(response.read()))
+
+
+def llama_conversations(port: int, args: argparse.Namespace) -> dict[str, Any]:
+    """
+    Workload (a) in small, against real engines: C{--llama-conversations}
+    chats at once, C{--llama-turns} turns each, all starting with the same
+    long system prompt; non-streamed, so that each answer carries
+    llama-server's C{timings} (C{cache_n}: prompt tokens taken from its
+    cache; C{prompt_n}: prompt tokens it computed).
+    """
+    import threading
+
+    rng = random.Random(5)
+    system = llama_text(rng, args.llama_system_words)
+    plans = [
+        [(llama_text(rng, rng.randint(20, 50)), rng.uniform(0.0, 0.3)) for _ in range(args.llama_turns)]
+        for _ in range(args.llama_conversations)
+    ]
+    cached = computed = answered = 0
+    errors: list[str] = []
+    lock = threading.Lock()
+
+    def one(plan: list[tuple[str, float]]) -> None:
+        nonlocal cached, computed, answered
+        messages = [{"role": "system", "content": system}]
+        for text, think in plan:
+            time.sleep(think)
+            messages.append({"role": "user", "content": text})
+            body = {"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0,
+                    "ignore_eos": True}
+            try:
+                doc = llama_post(port, body)
+            except Exception as e:  # noqa: BLE001 (counted and reported)
+                with lock:
+                    errors.append(repr(e)[:200])
+                return
+            timings = doc.get("timings") or {}
+            with lock:
+                answered += 1
+                cached += int(timings.get("cache_n", 0))
+                computed += int(timings.get("prompt_n", 0))
+            messages.append({"role": "assistant", "content": doc["choices"][0]["message"]["content"]})
+
+    threads = [threading.Thread(target=one, args=(p,)) for p in plans]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.monotonic() - t0
+    return {
+        "requests": args.llama_conversations * args.llama_turns,
+        "answered": answered,
+        "errors": errors[:5],
+        "prompt_tokens_cached": cached,
+        "prompt_tokens_computed": computed,
+        "cache_share": round(cached / (cached + computed), 3) if cached + computed else None,
+        "wall_s": round(wall, 2),
+    }
+
+
+def llama_health(port: int) -> bool:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+            return bool(r.status == 200)
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+def llama_run(args: argparse.Namespace) -> dict[str, Any]:
+    """
+    Two real llama-server replicas (the tiny model of
+    L{llmgw.testing.tinygguf}) behind the gateway, least-in-flight against
+    prefix, each on freshly started replicas.
+    """
+    import tempfile
+
+    from llmgw.testing import tinygguf
+    from llmgw.testing.engines import find_llama_server, llama_server_missing_reason
+
+    binary = find_llama_server()
+    if binary is None:
+        return {"skipped": llama_server_missing_reason()}
+    engine_args = ["-c", str(args.llama_ctx), "-np", str(args.llama_slots), "-t", "1", "--no-warmup",
+                   "--cache-ram", str(args.llama_cache_ram)]
+    out: dict[str, Any] = {
+        "engine": str(binary), "engine_args": engine_args, "replicas": 2,
+        "workload": {"conversations": args.llama_conversations, "turns": args.llama_turns,
+                     "system_prompt_words": args.llama_system_words, "user_turn_words": "20-50",
+                     "max_tokens": 8},
+        "routers": {},
+    }
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    with tempfile.TemporaryDirectory(prefix="llmgw-bench-llama-") as tmp:
+        # The tiny model, with a training context long enough for the
+        # system prompt and the turns (llama-server caps a slot's context
+        # at it); its weights are random either way.
+        tinygguf.CONTEXT = args.llama_ctx // args.llama_slots
+        model = tinygguf.write(Path(tmp) / "tiny.gguf")
+        for name, policy in (("least_in_flight", "least_loaded"), ("prefix", "prefix")):
+            ports = free_ports(3)
+            procs: list[subprocess.Popen[str]] = []
+            try:
+                for p in ports[:2]:
+                    procs.append(subprocess.Popen(
+                        [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(p),
+                         "--alias", MODEL, *engine_args],
+                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True))
+                deadline = time.monotonic() + 60
+                while not all(llama_health(p) for p in ports[:2]):
+                    if time.monotonic() > deadline or any(pr.poll() is not None for pr in procs):
+                        raise RuntimeError("llama-server did not become healthy")
+                    time.sleep(0.2)
+                ups = ",".join(f"127.0.0.1:{p}" for p in ports[:2])
+                gw = subprocess.Popen(
+                    [sys.executable, str(Path(__file__).resolve()), "gateway", "--port", str(ports[2]),
+                     "--upstreams", ups, "--policy", policy],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True, env=env)
+                procs.append(gw)
+                wait_port(ports[2], gw, 60)
+                out["routers"][name] = llama_conversations(ports[2], args)
+            finally:
+                for pr in procs:
+                    pr.terminate()
+                    try:
+                        pr.wait(10)
+                    except subprocess.TimeoutExpired:
+                        pr.kill()
+                        pr.wait()
+    r = out["routers"]
+    if r.get("prefix", {}).get("cache_share") is not None and r.get("least_in_flight", {}).get("cache_share"):
+        out["prefix_over_least_in_flight"] = round(r["prefix"]["cache_share"] / r["least_in_flight"]["cache_share"], 3)
     return out
 
 
@@ -510,7 +872,7 @@ def verdict(results: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("mode", nargs="?", default="run", choices=["run", "sims", "gateway", "one"])
+    p.add_argument("mode", nargs="?", default="run", choices=["run", "sims", "gateway", "one", "llama", "offline", "pick-cost"])
     p.add_argument("--ports", default="")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--upstreams", default="")
@@ -518,23 +880,56 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--signals", action="store_true")
     p.add_argument("--engine-load", action="store_true", help="(gateway) engine counts add to the load")
     p.add_argument("--epsilon", type=float, default=0.25, help="prefix's load bound (gateway mode)")
+    p.add_argument("--slack", type=int, default=None, help="prefix's slack over the bound (default: PolicyConfig's)")
     p.add_argument("--peers", default=None, help="a bin directory holding vllm-router and sglang-router")
     p.add_argument("--routers", default=",".join(ROUTERS), help="comma-separated, from: " + ", ".join(ROUTERS))
-    p.add_argument("--conversations", type=int, default=48)
+    p.add_argument("--conversations", type=int, default=96)
     p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--arrival-s", type=float, default=16.0, help="(a) conversations arrive over this long")
+    p.add_argument("--think-s", type=float, default=1.0, help="(a) mean think time between turns")
     p.add_argument("--independent", type=int, default=240)
     p.add_argument("--burst", type=int, default=600)
     p.add_argument("--quick", action="store_true", help="a small run, to check the bench works")
     p.add_argument("--router", default="", help="(one) the router to run")
+    p.add_argument("--baseline", default="", help="(pick-cost) another checkout to compare with")
+    p.add_argument("--picks", type=int, default=20000, help="(pick-cost) decisions per run")
+    p.add_argument("--rounds", type=int, default=5, help="(pick-cost) interleaved rounds")
+    p.add_argument("--seeds", type=lambda v: [int(x) for x in v.split(",")], default=[1, 2, 3],
+                   help="(offline) workload (a) schedules to run, comma-separated")
+    p.add_argument("--llama-conversations", type=int, default=8, help="(llama) chats at once")
+    p.add_argument("--llama-turns", type=int, default=6, help="(llama) turns per chat")
+    p.add_argument("--llama-system-words", type=int, default=150,
+                   help="(llama) system prompt words (the tiny model's tokenizer makes about 6 tokens of each)")
+    p.add_argument("--llama-ctx", type=int, default=16384, help="(llama) each engine's -c")
+    p.add_argument("--llama-slots", type=int, default=4, help="(llama) each engine's -np")
+    p.add_argument("--llama-cache-ram", type=int, default=0,
+                   help="(llama) each engine's --cache-ram in MiB (0: its KV slots are its only cache)")
     args = p.parse_args(argv)
     if args.mode == "sims":
         serve_sims([int(x) for x in args.ports.split(",")])
         return 0
     if args.mode == "gateway":
-        serve_gateway(args.port, args.upstreams.split(","), args.policy, args.signals, args.epsilon, args.engine_load)
+        serve_gateway(args.port, args.upstreams.split(","), args.policy, args.signals, args.epsilon, args.engine_load, args.slack)
+        return 0
+    if args.mode == "pick-cost":
+        load_before = os.getloadavg()
+        doc = pick_cost(args)
+        doc["machine"] = {"cpus": os.cpu_count(), "load_before": load_before, "load_after": os.getloadavg()}
+        print(json.dumps(doc, indent=2))
+        return 0
+    if args.mode == "offline":
+        print(json.dumps(offline(args), indent=2))
+        return 0
+    if args.mode == "llama":
+        load_before = os.getloadavg()
+        doc = llama_run(args)
+        doc = {"bench": "routing-llama", "machine": {"cpus": os.cpu_count(), "load_before": load_before,
+                                                    "load_after": os.getloadavg()}, **doc}
+        print(json.dumps(doc, indent=2))
         return 0
     if args.quick:
-        args.conversations, args.turns, args.independent, args.burst = 8, 3, 40, 100
+        args.conversations, args.turns, args.independent, args.burst = 12, 3, 40, 100
+        args.arrival_s, args.think_s = 2.0, 0.3
     if args.mode == "one":
         # One router per process: each load generator gets a fresh reactor.
         print(json.dumps(run_router(args.router, args)))
@@ -545,8 +940,11 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.routers.split(","):
         cmd = [sys.executable, str(Path(__file__).resolve()), "one", "--router", name,
                "--conversations", str(args.conversations), "--turns", str(args.turns),
+               "--arrival-s", str(args.arrival_s), "--think-s", str(args.think_s),
                "--independent", str(args.independent), "--burst", str(args.burst),
                "--epsilon", str(args.epsilon)]
+        if args.slack is not None:
+            cmd += ["--slack", str(args.slack)]
         if args.peers:
             cmd += ["--peers", args.peers]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
@@ -562,11 +960,14 @@ def main(argv: list[str] | None = None) -> int:
         "bench": "routing",
         "machine": {"cpus": os.cpu_count(), "load_before": load_before, "load_after": os.getloadavg()},
         "simulator": SIM_ARGS,
-        "prefix_policy": {"epsilon": args.epsilon},
+        "prefix_policy": {"epsilon": args.epsilon,
+                          "slack": PolicyConfig().slack if args.slack is None else args.slack},
         "max_tokens": MAX_TOKENS,
         "workloads": {
             "conversations": {"conversations": args.conversations, "turns": args.turns,
-                              "system_prompts": 8, "system_words": SYSTEM_WORDS, "turn_words": TURN_WORDS},
+                              "arrival_s": args.arrival_s, "think_s": args.think_s, "system_prompts": SYSTEM_PROMPTS,
+                              "system_words": SYSTEM_WORDS, "turn_words": f"{TURN_WORDS - 150}-{TURN_WORDS + 150}",
+                              "turns_per_conversation": f"2-{max(2, 2 * args.turns - 2)}"},
             "independent": {"requests": args.independent, "clients": 32, "prompt_words": 300},
             "burst": {"requests": args.burst, "prompt_words": 200},
         },

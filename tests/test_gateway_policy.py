@@ -180,18 +180,19 @@ class PrefixTests(SynchronousTestCase):
         loads=st.lists(st.integers(0, 40), min_size=1, max_size=9),
         key=st.binary(min_size=1, max_size=16),
         epsilon=st.sampled_from([0.0, 0.1, 0.25, 1.0]),
+        slack=st.sampled_from([0, 1, 4]),
     )
-    def test_bound_never_exceeded(self, loads: list[int], key: bytes, epsilon: float) -> None:
+    def test_bound_never_exceeded(self, loads: list[int], key: bytes, epsilon: float, slack: int) -> None:
         """
         Whatever the loads, the replica C{prefix} picks holds, with the new
-        request, no more than ceil((1 + epsilon) * (total + 1) / n).
+        request, no more than ceil((1 + epsilon) * (total + 1) / n) + slack.
         """
-        config = PolicyConfig(epsilon=epsilon)
+        config = PolicyConfig(epsilon=epsilon, slack=slack)
         rs = routes(len(loads))
         inflight = {r.replica_id: n for r, n in zip(rs, loads, strict=True)}
         got = choose("prefix", rs, inflight.__getitem__, 0.0, config, key, 0)
         self.assertLessEqual(
-            inflight[got.replica_id] + 1, load_bound(sum(loads), len(loads), epsilon)
+            inflight[got.replica_id] + 1, load_bound(sum(loads), len(loads), epsilon, slack)
         )
 
     @settings(max_examples=50, deadline=None)
@@ -207,7 +208,7 @@ class PrefixTests(SynchronousTestCase):
             total = sum(r.in_flight(x.replica_id) for x in rs)
             got = r.pick(rs, (), "prefix", b"key%d" % k)
             assert got is not None
-            self.assertLessEqual(r.in_flight(got.replica_id) + 1, load_bound(total, 4, 0.25))
+            self.assertLessEqual(r.in_flight(got.replica_id) + 1, load_bound(total, 4, 0.25, 4))
             r.begin(got.replica_id)
 
     def test_prefix_keeps_its_replica(self) -> None:
@@ -215,9 +216,9 @@ class PrefixTests(SynchronousTestCase):
         A key goes to the same replica request after request while that
         replica is under the bound, even if others are less loaded; once it
         is over, the next on the ring under the bound takes it, and its
-        requests follow it there.
+        requests follow it there. (The proportional bound alone: no slack.)
         """
-        r = Router(Clock())
+        r = Router(Clock(), policy=PolicyConfig(slack=0))
         rs = routes(4)
         key = affinity_key(chat("system " * 100, "question", "answer", "more"), None, CONFIG)
         first = r.pick(rs, (), "prefix", key)
@@ -247,9 +248,42 @@ class PrefixTests(SynchronousTestCase):
         assert after is not None
         self.assertEqual(after.replica_id, spill.replica_id)
         # A gateway that has not seen the key goes by the ring: to home.
-        fresh = Router(Clock()).pick(rs, (), "prefix", key)
+        fresh = Router(Clock(), policy=PolicyConfig(slack=0)).pick(rs, (), "prefix", key)
         assert fresh is not None
         self.assertEqual(fresh.replica_id, home)
+
+    def test_slack_keeps_a_key_at_low_load(self) -> None:
+        """
+        With C{slack}, a key stays on its replica while that replica holds
+        up to C{slack} requests more than the proportional bound, and moves
+        off it past that.
+        """
+        r = Router(Clock(), policy=PolicyConfig(epsilon=0.25, slack=2))
+        rs = routes(4)
+        key = affinity_key(chat("system " * 100, "question", "answer", "more"), None, CONFIG)
+        home = r.pick(rs, (), "prefix", key)
+        assert home is not None
+        # Others idle: the proportional bound for the 5th request is
+        # ceil(1.25 * 5 / 4) = 2; with slack 2 it is 4.
+        for _ in range(3):
+            r.begin(home.replica_id)
+        self.assertEqual(load_bound(3, 4, 0.25, 2), 4)
+        again = r.pick(rs, (), "prefix", key)
+        assert again is not None
+        self.assertEqual(again.replica_id, home.replica_id)
+        r.begin(home.replica_id)
+        moved = r.pick(rs, (), "prefix", key)
+        assert moved is not None
+        self.assertNotEqual(moved.replica_id, home.replica_id)
+
+    def test_bad_knobs_refused(self) -> None:
+        """
+        A negative epsilon or slack is refused, naming the knobs.
+        """
+        for kw in ({"epsilon": -0.1}, {"slack": -1}):
+            with self.assertRaises(ValueError) as e:
+                PolicyConfig(**kw)  # type: ignore[arg-type]
+            self.assertIn("slack", str(e.exception))
 
     def test_keys_spread(self) -> None:
         """

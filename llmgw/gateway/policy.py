@@ -26,8 +26,10 @@ C{prefix}
     affinity key: the request's session (an C{X-Session-Id} header, else the
     body's C{user}) or the head of its prompt (L{affinity_key}). No replica
     takes a request that would put it over the bound
-    C{ceil((1 + epsilon) * (L + 1) / n)} (C{L} the candidates' total load,
-    C{n} their number). Under it, the request goes to the replica its key's
+    C{ceil((1 + epsilon) * (L + 1) / n) + slack} (C{L} the candidates' total
+    load, C{n} their number; C{slack} a few requests, since a batching
+    engine takes a few more at little cost while a key moved off its
+    replica pays the prefill of its whole history elsewhere). Under it, the request goes to the replica its key's
     last request went to (the router remembers that for recent keys), else
     to the first replica under the bound on a ring of C{vnodes} points per
     replica, hashed from replica ids alone, from the key's point. A chat's
@@ -72,7 +74,13 @@ class PolicyConfig:
     @ivar saturated_kv: a replica whose KV-cache use is at least this
         fraction is saturated.
     @ivar epsilon: the load bound of C{prefix}: no replica above
-        C{(1 + epsilon)} times the mean (rounded up).
+        C{(1 + epsilon)} times the mean (rounded up), plus C{slack}.
+    @ivar slack: requests a replica may hold over C{(1 + epsilon)} times the
+        mean before C{prefix} moves a key off it. A batching engine runs a
+        few more requests at little cost, while a key moved off its replica
+        pays the prefill of its whole history there; at low load, where the
+        proportional bound is one or two requests, it would move
+        conversations off their caches for nothing (bench/routing.py).
     @ivar chunk_chars: the prompt head is hashed in chunks of this many
         characters.
     @ivar max_chunks: at most this many chunks of the head count.
@@ -84,6 +92,7 @@ class PolicyConfig:
     saturated_waiting: float = 16.0
     saturated_kv: float = 0.95
     epsilon: float = 0.25
+    slack: int = 4
     chunk_chars: int = 256
     max_chunks: int = 64
     vnodes: int = 64
@@ -93,8 +102,8 @@ class PolicyConfig:
             raise ValueError("stale_after_s and saturated_waiting must not be negative")
         if not 0 < self.saturated_kv <= 1:
             raise ValueError("saturated_kv must be a fraction in (0, 1]")
-        if self.epsilon < 0:
-            raise ValueError("epsilon must not be negative")
+        if self.epsilon < 0 or self.slack < 0:
+            raise ValueError("epsilon and slack must not be negative")
         if self.chunk_chars < 1 or self.max_chunks < 1 or self.vnodes < 1:
             raise ValueError("chunk_chars, max_chunks and vnodes must be at least 1")
 
@@ -277,12 +286,13 @@ class Ring:
         return list(seen)
 
 
-def load_bound(total: int, n: int, epsilon: float) -> int:
+def load_bound(total: int, n: int, epsilon: float, slack: int = 0) -> int:
     """
     The most requests (counting the one being placed) a replica may hold
-    under C{prefix}: C{ceil((1 + epsilon) * (total + 1) / n)}, at least 1.
+    under C{prefix}: C{ceil((1 + epsilon) * (total + 1) / n) + slack}, at
+    least 1.
     """
-    return max(1, math.ceil((1.0 + epsilon) * (total + 1) / n - 1e-9))
+    return max(1, math.ceil((1.0 + epsilon) * (total + 1) / n - 1e-9) + slack)
 
 
 # -- the policies ---------------------------------------------------------------------------
@@ -316,6 +326,7 @@ def bounded_prefix(
     key: bytes,
     epsilon: float,
     home: str | None = None,
+    slack: int = 0,
 ) -> Route | None:
     """
     C{home} (where this key's last request went) if it is a candidate under
@@ -325,7 +336,7 @@ def bounded_prefix(
     """
     by_id = {r.replica_id: r for r in candidates}
     total = sum(loads[rid] for rid in by_id)
-    bound = load_bound(total, len(by_id), epsilon)
+    bound = load_bound(total, len(by_id), epsilon, slack)
     if home is not None and home in by_id and loads[home] + 1 <= bound:
         return by_id[home]
     if key.startswith(FIRST_TURN):
@@ -378,7 +389,7 @@ def choose(
     if policy == "prefix" and key is not None:
         if ring is None:
             ring = Ring([r.replica_id for r in candidates], config.vnodes)
-        chosen = bounded_prefix(candidates, loads, ring, key, config.epsilon, home)
+        chosen = bounded_prefix(candidates, loads, ring, key, config.epsilon, home, config.slack)
         if chosen is not None:
             return chosen
     return least_loaded(candidates, loads, turn)
