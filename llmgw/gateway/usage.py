@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -47,10 +48,14 @@ ANONYMOUS = "_anonymous"
 TAIL = 8 * 1024
 #: Token counts past this in a replica's C{usage} are not believed.
 MAX_TOKENS = 2**31
+#: How far into a C{usage} object its counts are looked for.
+USAGE_SPAN = 512
 #: What a limit's window is: the bucket holds a minute's worth.
 WINDOW = 60.0
 _SPACE = b" \t\r\n"
-_DECODER = json.JSONDecoder()
+#: A C{"usage"} key whose value is an object; a count's colon and digits.
+_USAGE_AT = re.compile(rb'"usage"[ \t\r\n]*:[ \t\r\n]*\{')
+_NUMBER = re.compile(rb'[ \t\r\n]*:[ \t\r\n]*([0-9]{1,12})(?![0-9])')
 
 
 @dataclass(frozen=True)
@@ -152,7 +157,9 @@ def find_usage(tail: bytes) -> tuple[int, int] | None:
     (C{null} in a stream's chunks before the last) or there is none.
 
     Only a key counts: the quote must follow C{{} or C{,} (in a string's
-    content it would be escaped), and a colon and C{{} follow it.
+    content it would be escaped). The counts are found, not parsed: within
+    L{USAGE_SPAN} bytes of the object's start (and before a stream's next
+    event), which is where they stand.
     """
     end = len(tail)
     while True:
@@ -165,35 +172,29 @@ def find_usage(tail: bytes) -> tuple[int, int] | None:
             j -= 1
         if j >= 0 and tail[j] not in b"{,":
             continue
-        k = i + 7
-        n = len(tail)
-        while k < n and tail[k] in _SPACE:
-            k += 1
-        if k >= n or tail[k] != 0x3A:  # ":"
-            continue
-        k += 1
-        while k < n and tail[k] in _SPACE:
-            k += 1
-        if k >= n or tail[k] != 0x7B:  # "{"
+        m = _USAGE_AT.match(tail, i)
+        if m is None:
             return None
-        try:
-            obj, _ = _DECODER.raw_decode(tail[k:].decode("utf-8", "replace"))
-        except ValueError:
+        # The object's counts come first in it (the details after them);
+        # the next event of a stream is past its end.
+        obj = tail[m.end():m.end() + USAGE_SPAN]
+        cut = obj.find(b"\ndata:")
+        if cut >= 0:
+            obj = obj[:cut]
+        counts = [0, 0]
+        found = False
+        for n, name in enumerate((b'"prompt_tokens"', b'"completion_tokens"')):
+            at = obj.find(name)
+            if at < 0:
+                continue
+            number = _NUMBER.match(obj, at + len(name))
+            if number is None:
+                return None
+            counts[n] = int(number.group(1))
+            found = True
+        if not found or max(counts) >= MAX_TOKENS:
             return None
-        return _counts(obj)
-
-
-def _counts(obj: Any) -> tuple[int, int] | None:
-    if not isinstance(obj, dict):
-        return None
-    prompt = obj.get("prompt_tokens", 0)
-    completion = obj.get("completion_tokens", 0)
-    for v in (prompt, completion):
-        if type(v) is not int or not 0 <= v < MAX_TOKENS:
-            return None
-    if "prompt_tokens" not in obj and "completion_tokens" not in obj:
-        return None
-    return prompt, completion
+        return counts[0], counts[1]
 
 
 class UsageRow:
