@@ -497,7 +497,7 @@ class AdminResource(Resource):
             return self._routes_route(request)
         if rest == ["usage"]:
             only("GET")
-            return self._usage, ()
+            return self._usage(), ()
         if head == "nodes" and len(rest) == 3 and rest[2] in NODE_ACTIONS:
             only("POST")
             self._body(request)
@@ -694,10 +694,10 @@ class AdminResource(Resource):
             raise refused
         return dict(result)
 
-    def _usage(self) -> dict[str, Any]:
+    def _usage(self) -> Callable[[], dict[str, Any]]:
         """
-        The embedded gateway's usage per API key and model
-        (L{llmgw.gateway.usage.Usage.snapshot}).
+        What answers C{GET /api/v1/usage}: the embedded gateway's usage per
+        API key and model (L{llmgw.gateway.usage.Usage.snapshot}).
 
         @raise Refused: 404, this control plane runs no gateway.
         """
@@ -706,8 +706,8 @@ class AdminResource(Resource):
         if usage is None:
             raise Refused(404, "this control plane runs no gateway (--gateway off); a standalone "
                                "gateway serves its own /api/v1/usage on its --metrics address")
-        result: dict[str, Any] = usage.snapshot()
-        return result
+        snapshot: Callable[[], dict[str, Any]] = usage.snapshot
+        return snapshot
 
     def _metrics(self, request: Any) -> bytes:
         accept = (request.getHeader(b"accept") or b"").decode("latin-1")

@@ -61,7 +61,7 @@ _SCHEME = b"http"
 #: A C{Host} value safe to copy into X-Forwarded-Host and Forwarded.
 _HOST_VALUE = re.compile(rb"[A-Za-z0-9._\-]{1,253}(?::[0-9]{1,5})?|\[[0-9A-Fa-f:.]{2,45}\](?::[0-9]{1,5})?")
 #: Reason phrases that twisted.web's table lacks.
-_REASONS = {421: b"Misdirected Request"}
+_REASONS = {421: b"Misdirected Request", 429: b"Too Many Requests"}
 #: Response headers the gateway writes itself.
 _DROP_RESPONSE = frozenset(
     {
