@@ -18,6 +18,7 @@ from treq.testing import StubTreq
 from twisted.internet import reactor as global_reactor
 from twisted.internet.defer import inlineCallbacks
 from twisted.internet.task import Clock
+from twisted.python import usage
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.client import Agent, HTTPConnectionPool
 
@@ -119,7 +120,7 @@ class AdminUsageTests(SynchronousTestCase):
         self.assertEqual(body["share"], 0.5)
         self.assertEqual([(u["key"], u["requests"]) for u in body["usage"]], [("team-a", 1)])
         self.assertEqual(body["limits"][0]["requests_per_minute_here"], 5)
-        e = self.assertRaises(Exception, Options().parseOptions, ["--limit-share", "2"])
+        e = self.assertRaises(usage.UsageError, Options().parseOptions, ["--limit-share", "2"])
         self.assertIn("--limit-share", str(e))
 
 

@@ -18,6 +18,7 @@ from twisted.internet.task import Clock
 from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
+from llmgw.gateway.errors import GatewayError
 from llmgw.gateway.follower import RoutingSnapshot
 from llmgw.gateway.keys import KeyRing
 from llmgw.gateway.proxy import Gateway, GatewayConfig
@@ -129,16 +130,16 @@ class LimitTests(SynchronousTestCase):
         usage = Usage(clock, {"a": KeyLimits(requests_per_minute=3), "free": KeyLimits()})
         for _ in range(3):
             usage.admit("a", "demo")
-        e = self.assertRaises(Exception, usage.admit, "a", "demo")
+        e = self.assertRaises(GatewayError, usage.admit, "a", "demo")
         self.assertEqual(e.status, 429)
         self.assertEqual(e.headers[b"Retry-After"], b"20")
         self.assertEqual((e.type, e.code), ("requests", "rate_limit_exceeded"))
         clock.advance(19)
-        e = self.assertRaises(Exception, usage.admit, "a", "demo")
+        e = self.assertRaises(GatewayError, usage.admit, "a", "demo")
         self.assertEqual(e.headers[b"Retry-After"], b"1")
         clock.advance(1)
         usage.admit("a", "demo")
-        self.assertRaises(Exception, usage.admit, "a", "demo")
+        self.assertRaises(GatewayError, usage.admit, "a", "demo")
         for _ in range(100):
             usage.admit("free", "demo")
             usage.admit("b", "demo")
@@ -158,14 +159,14 @@ class LimitTests(SynchronousTestCase):
         first = answer_meter(usage, "a", "demo", 500, 300)
         second = usage.admit("a", "demo")  # the first has not finished: nothing taken yet
         first.finish(200)
-        e = self.assertRaises(Exception, usage.admit, "a", "demo")
+        e = self.assertRaises(GatewayError, usage.admit, "a", "demo")
         self.assertEqual((e.status, e.type, e.code), (429, "tokens", "rate_limit_exceeded"))
         # 200 below zero, 10 a second: 20.1 s to one token.
         self.assertEqual(e.headers[b"Retry-After"], b"21")
         self.assertIn("tokens per min (TPM): Limit 600", e.message)
         second.finish(200)  # reported no usage: counted as such, takes nothing
         clock.advance(20)
-        self.assertRaises(Exception, usage.admit, "a", "demo")
+        self.assertRaises(GatewayError, usage.admit, "a", "demo")
         clock.advance(0.2)
         usage.admit("a", "demo")
         row = usage.row("a", "demo")
@@ -184,13 +185,13 @@ class LimitTests(SynchronousTestCase):
         usage = Usage(clock, {"a": KeyLimits(requests_per_minute=4, tokens_per_minute=100)}, share=0.5)
         answer_meter(usage, "a", "demo", 40, 20).finish(200)
         for _ in range(3):
-            e = self.assertRaises(Exception, usage.admit, "a", "demo")
+            e = self.assertRaises(GatewayError, usage.admit, "a", "demo")
             self.assertEqual(e.type, "tokens")
         self.assertIn("Limit 100 (50 on this gateway)", e.message)
         clock.advance(60)
         usage.admit("a", "demo")
         usage.admit("a", "demo")
-        e = self.assertRaises(Exception, usage.admit, "a", "demo")
+        e = self.assertRaises(GatewayError, usage.admit, "a", "demo")
         self.assertEqual(e.type, "requests")
         self.assertIn("Limit 4 (2 on this gateway)", e.message)
         snap = usage.snapshot()
