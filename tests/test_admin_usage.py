@@ -234,3 +234,34 @@ class CtlUsageTests(SynchronousTestCase):
         code, out, _, _ = self.run_ctl("--model", "demo")
         self.assertIn("team-a", out)
         self.assertNotIn("batch", out)
+
+
+class ControlPlaneTests(SynchronousTestCase):
+    def test_embedded_wiring(self) -> None:
+        """
+        A control plane made from its options serves its embedded
+        gateway's usage on its admin API, with the keys file's limits and
+        C{--limit-share}.
+        """
+        from twisted.internet.testing import MemoryReactorClock
+
+        from llmgw.control.service import Options as ControlOptions
+        from llmgw.control.service import makeService as control_service
+
+        d = Path(self.mktemp())
+        d.mkdir()
+        keys = d / "keys.toml"
+        keys.write_text('[keys.team-a]\nkey = "sk-team-a-0001"\ntokens_per_minute = 1000\n')
+        os.chmod(keys, 0o600)
+        o = ControlOptions()
+        o.parseOptions(["--insecure", "--agents", "127.0.0.1:0", "--api-keys", str(keys),
+                        "--limit-share", "0.25"])
+        cp = control_service(o, reactor=MemoryReactorClock())
+        assert cp.admin_listener is not None and cp.gateway is not None
+        cp.gateway.gateway.usage.admit("team-a", "demo")
+        stub: Any = StubTreq(cp.admin_listener.factory.resource)
+        d2 = stub.get(BASE + "/api/v1/usage")
+        stub.flush()
+        body = json.loads(self.successResultOf(stub.content(self.successResultOf(d2))))
+        self.assertEqual([(u["key"], u["requests"]) for u in body["usage"]], [("team-a", 1)])
+        self.assertEqual((body["share"], body["limits"][0]["tokens_per_minute_here"]), (0.25, 250))

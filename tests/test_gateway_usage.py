@@ -33,7 +33,7 @@ from llmgw.gateway.usage import (
 )
 from llmgw.routing import Route
 from tests.gateway_helpers import Harness
-from tests.test_gateway_resource import error_of, parse, post
+from tests.test_gateway_resource import LogCapture, error_of, parse, post
 
 USAGE = {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}
 
@@ -246,8 +246,10 @@ class FrontTests(SynchronousTestCase):
         error body (C{type} the limit, C{code} C{rate_limit_exceeded}, a
         message naming the model, the key's name and the limit), before
         anything is forwarded; the refusal is counted per key and model,
-        and the key's secret is nowhere in it.
+        and the key's secret is nowhere in it. It is logged with the
+        client's address and the key's name.
         """
+        log = LogCapture(self)
         for _ in range(2):
             self.request("sk-team-a-0001")
             self.answer_upstream(json.dumps({"usage": USAGE}).encode())
@@ -265,6 +267,11 @@ class FrontTests(SynchronousTestCase):
         self.assertIn("requests per min (RPM): Limit 2", err["message"])
         self.assertIn("try again in 30s", err["message"])
         self.assertNotIn(b"sk-team-a", client.value())
+        refusals = [line for line in log.text().splitlines() if "429" in line]
+        self.assertEqual(len(refusals), 1)
+        self.assertIn("(key team-a)", refusals[0])
+        self.assertIn("192.168.1.1", refusals[0])
+        self.assertNotIn("sk-team-a", log.text())
         self.assertEqual(len(self.clock.tcpClients), connects)
         # Another key is not held back.
         self.request("sk-team-b-0002")
