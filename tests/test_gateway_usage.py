@@ -146,6 +146,21 @@ class LimitTests(SynchronousTestCase):
         row = usage.row("a", "demo")
         self.assertEqual((row.requests, row.limited_requests, row.limited_tokens), (4, 3, 0))
 
+    def test_refill_in_floating_point(self) -> None:
+        """
+        A bucket that has refilled one request's time (an inexact number
+        of seconds) lets the request through, however the sums round.
+        """
+        for rpm in (7, 11, 13, 59, 61, 997):
+            clock = Clock()
+            usage = Usage(clock, {"a": KeyLimits(requests_per_minute=rpm)})
+            for _ in range(rpm):
+                usage.admit("a", "demo")
+            for _ in range(5):
+                for _ in range(3):
+                    clock.advance(60 / rpm / 3)
+                usage.admit("a", "demo")
+
     def test_tokens_per_minute(self) -> None:
         """
         With C{tokens_per_minute = 600} a request goes while the bucket

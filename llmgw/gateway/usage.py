@@ -99,7 +99,8 @@ class Bucket:
         Seconds from C{now} until the bucket holds C{need} (0: it does).
         """
         short = need - self.refill(now)
-        return 0.0 if short <= 0 else short / self.rate
+        # Refills add up in floating point: a hair short is there.
+        return 0.0 if short <= 1e-9 else short / self.rate
 
 
 def retry_after(seconds: float) -> int:
