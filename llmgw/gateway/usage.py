@@ -48,14 +48,18 @@ ANONYMOUS = "_anonymous"
 TAIL = 8 * 1024
 #: Token counts past this in a replica's C{usage} are not believed.
 MAX_TOKENS = 2**31
-#: How far into a C{usage} object its counts are looked for.
-USAGE_SPAN = 512
 #: What a limit's window is: the bucket holds a minute's worth.
 WINDOW = 60.0
 _SPACE = b" \t\r\n"
-#: A C{"usage"} key whose value is an object; a count's colon and digits.
-_USAGE_AT = re.compile(rb'"usage"[ \t\r\n]*:[ \t\r\n]*\{')
-_NUMBER = re.compile(rb'[ \t\r\n]*:[ \t\r\n]*([0-9]{1,12})(?![0-9])')
+_KEY_BEFORE = b"{,"
+#: A C{"usage"} key whose value is an object, and that object's fields up
+#: to its end or its first nested object; the counts among them.
+_USAGE_AT = re.compile(rb'"usage"[ \t\r\n]*:[ \t\r\n]*\{([^{}]*)')
+_USUAL = re.compile(
+    rb'"usage"[ \t\r\n]*:[ \t\r\n]*\{[^{}]*?"prompt_tokens"[ \t\r\n]*:[ \t\r\n]*([0-9]{1,12})(?![0-9])'
+    rb'[^{}]*?"completion_tokens"[ \t\r\n]*:[ \t\r\n]*([0-9]{1,12})(?![0-9])'
+)
+_COUNT = re.compile(rb'"(prompt|completion)_tokens"[ \t\r\n]*:[ \t\r\n]*([0-9]{1,12})(?![0-9])')
 
 
 @dataclass(frozen=True)
@@ -158,44 +162,36 @@ def find_usage(tail: bytes) -> tuple[int, int] | None:
     (C{null} in a stream's chunks before the last) or there is none.
 
     Only a key counts: the quote must follow C{{} or C{,} (in a string's
-    content it would be escaped). The counts are found, not parsed: within
-    L{USAGE_SPAN} bytes of the object's start (and before a stream's next
-    event), which is where they stand.
+    content it would be escaped). The counts are found, not parsed: in the
+    object's own fields, up to its end or its first nested object (the
+    details, which follow the counts).
     """
-    end = len(tail)
-    while True:
-        i = tail.rfind(b'"usage"', 0, end)
-        if i < 0:
-            return None
-        end = i
+    i = tail.rfind(b'"usage"')
+    while i >= 0:
         j = i - 1
         while j >= 0 and tail[j] in _SPACE:
             j -= 1
-        if j >= 0 and tail[j] not in b"{,":
-            continue
-        m = _USAGE_AT.match(tail, i)
-        if m is None:
-            return None
-        # The object's counts come first in it (the details after them);
-        # the next event of a stream is past its end.
-        obj = tail[m.end():m.end() + USAGE_SPAN]
-        cut = obj.find(b"\ndata:")
-        if cut >= 0:
-            obj = obj[:cut]
-        counts = [0, 0]
-        found = False
-        for n, name in enumerate((b'"prompt_tokens"', b'"completion_tokens"')):
-            at = obj.find(name)
-            if at < 0:
-                continue
-            number = _NUMBER.match(obj, at + len(name))
-            if number is None:
+        if j < 0 or tail[j] in _KEY_BEFORE:
+            # Nearly every server writes the prompt's count first.
+            m = _USUAL.match(tail, i)
+            if m is not None:
+                counts = (int(m.group(1)), int(m.group(2)))
+                return None if max(counts) >= MAX_TOKENS else counts
+            m = _USAGE_AT.match(tail, i)
+            if m is None:
                 return None
-            counts[n] = int(number.group(1))
-            found = True
-        if not found or max(counts) >= MAX_TOKENS:
-            return None
-        return counts[0], counts[1]
+            prompt = completion = -1
+            for name, digits in _COUNT.findall(m.group(1)):
+                if name == b"prompt":
+                    prompt = int(digits)
+                else:
+                    completion = int(digits)
+            if prompt < 0 and completion < 0:
+                return None
+            counts = (max(prompt, 0), max(completion, 0))
+            return None if max(counts) >= MAX_TOKENS else counts
+        i = tail.rfind(b'"usage"', 0, i)
+    return None
 
 
 class UsageRow:
@@ -308,8 +304,12 @@ class Usage:
         @raise errors.GatewayError: 429, the key is over a limit; with
             C{Retry-After}.
         """
-        row = self.row(key, model)
-        budget = self._budgets.get(key) if key is not None else None
+        rows = self._rows
+        k = (key or ANONYMOUS, model)
+        row = rows.get(k)
+        if row is None:
+            row = rows[k] = UsageRow()
+        budget = self._budgets.get(k[0]) if self._budgets else None
         if budget is not None:
             refused = budget.refusal(self.clock.seconds())
             if refused is not None:
