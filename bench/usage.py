@@ -99,7 +99,7 @@ def _per_request(mode: str, stream: bool, requests: int) -> float:
     answer = _answer(stream)
     front.dataReceived(request)
     _, _, factory, _, _ = clock.tcpClients[-1]
-    upstream = factory.buildProtocol(None)
+    upstream: Any = factory.buildProtocol(None)
     up_transport = StringTransport()
     upstream.makeConnection(up_transport)
     upstream.dataReceived(answer)
