@@ -100,7 +100,7 @@ class FindUsageTests(SynchronousTestCase):
         meter = usage.admit(None, "demo")
         for _ in range(5000):
             meter.feed(chunk(choices=[{"delta": {"content": "word"}}], usage=None))
-            self.assertLessEqual(meter.size, 2 * TAIL + 200)
+            self.assertLessEqual(sum(map(len, meter.parts or [meter.tail])), 2 * TAIL + 200)
         meter.feed(chunk(choices=[], usage=USAGE)[:40])
         meter.feed(chunk(choices=[], usage=USAGE)[40:] + b"data: [DONE]\n\n")
         meter.finish(200)
@@ -110,6 +110,24 @@ class FindUsageTests(SynchronousTestCase):
         failed.feed(b'{"error": {"message": "x"}, "usage": {"prompt_tokens": 50}}')
         failed.finish(500)
         self.assertEqual((row.requests, row.prompt_tokens, row.unreported), (2, 7, 0))
+
+
+    def test_only_the_tail_is_searched(self) -> None:
+        """
+        A large answer in one piece is searched only in its last 2 * TAIL
+        bytes: its usage is found at the end, and not found (counted as
+        unreported) when more than that follows it.
+        """
+        usage = Usage(Clock())
+        filler = b" " * (3 * TAIL)
+        at_end = usage.admit(None, "demo")
+        at_end.feed(b'{"text": "' + filler + b'", "usage": {"prompt_tokens": 1, "completion_tokens": 2}}')
+        at_end.finish(200)
+        far = usage.admit(None, "demo")
+        far.feed(b'{"usage": {"prompt_tokens": 100, "completion_tokens": 200}, "text": "' + filler + b'"}')
+        far.finish(200)
+        row = usage.row(None, "demo")
+        self.assertEqual((row.prompt_tokens, row.completion_tokens, row.unreported), (1, 2, 1))
 
 
 def answer_meter(usage: Usage, key: str, model: str, prompt: int, completion: int) -> UsageMeter:

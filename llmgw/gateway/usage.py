@@ -154,10 +154,10 @@ class KeyBudget:
             self.tokens.level -= tokens
 
 
-def find_usage(tail: bytes) -> tuple[int, int] | None:
+def find_usage(tail: bytes, start: int = 0) -> tuple[int, int] | None:
     """
     The C{(prompt_tokens, completion_tokens)} of the last C{"usage"} object
-    in C{tail} (the end of a JSON body, or of a stream of server-sent
+    in C{tail} from C{start} on (the end of a JSON body, or of a stream of server-sent
     events), or C{None} when the last C{"usage"} key holds no such object
     (C{null} in a stream's chunks before the last) or there is none.
 
@@ -166,7 +166,8 @@ def find_usage(tail: bytes) -> tuple[int, int] | None:
     object's own fields, up to its end or its first nested object (the
     details, which follow the counts).
     """
-    i = tail.rfind(b'"usage"')
+    start = max(start, 0)
+    i = tail.rfind(b'"usage"', start)
     while i >= 0:
         j = i - 1
         while j >= 0 and tail[j] in _SPACE:
@@ -190,7 +191,7 @@ def find_usage(tail: bytes) -> tuple[int, int] | None:
                 return None
             counts = (max(prompt, 0), max(completion, 0))
             return None if max(counts) >= MAX_TOKENS else counts
-        i = tail.rfind(b'"usage"', 0, i)
+        i = tail.rfind(b'"usage"', start, i)
     return None
 
 
@@ -230,22 +231,32 @@ class UsageMeter:
     (L{finish}). It holds at most about 2 * L{TAIL} bytes.
     """
 
-    __slots__ = ("usage", "row", "budget", "parts", "size")
+    __slots__ = ("usage", "row", "budget", "tail", "parts", "size")
 
     def __init__(self, usage: Usage, row: UsageRow, budget: KeyBudget | None):
         self.usage = usage
         self.row = row
         self.budget = budget
-        self.parts: list[bytes] = []
+        # The first piece alone (most answers are one), then a list.
+        self.tail = b""
+        self.parts: list[bytes] | None = None
         self.size = 0
 
     def feed(self, data: bytes) -> None:
         parts = self.parts
+        if parts is None:
+            first = self.tail
+            if not first:
+                self.tail = data
+                return
+            parts = self.parts = [first]
+            self.size = len(first)
         parts.append(data)
         self.size += len(data)
         if self.size > 2 * TAIL:
             kept = b"".join(parts)[-TAIL:]
-            self.parts = [kept]
+            parts.clear()
+            parts.append(kept)
             self.size = len(kept)
 
     def finish(self, status: int) -> None:
@@ -255,9 +266,9 @@ class UsageMeter:
         if not 200 <= status < 300:
             return
         parts = self.parts
-        tail = parts[0] if len(parts) == 1 else b"".join(parts)
-        self.parts = []
-        found = find_usage(tail[-2 * TAIL:])
+        tail = self.tail if parts is None else b"".join(parts)
+        self.tail, self.parts = b"", None
+        found = find_usage(tail, len(tail) - 2 * TAIL)
         row = self.row
         if found is None:
             row.unreported += 1
