@@ -10,6 +10,7 @@ from pathlib import Path
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.gateway.keys import KeyRing, KeysError, load_keys, parse_keys
+from llmgw.gateway.usage import KeyLimits
 
 
 class KeyRingTests(SynchronousTestCase):
@@ -84,3 +85,51 @@ class ParseTests(SynchronousTestCase):
         self.assertEqual(load_keys(p).names(), ["alice"])
         e = self.assertRaises(KeysError, load_keys, d / "missing")
         self.assertIn("missing", str(e))
+
+
+class LimitsFormTests(SynchronousTestCase):
+    def test_table_form_with_limits(self) -> None:
+        """
+        A C{[keys.NAME]} table gives a key with its limits (either may be
+        left out), beside keys in the plain C{name = "key"} form in the
+        same C{[keys]} table; keys without limits have none.
+        """
+        ring = parse_keys(
+            '[keys]\nalice = "sk-alice-0001"\n\n'
+            '[keys.team-a]\nkey = "sk-team-a-0001"\nrequests_per_minute = 60\ntokens_per_minute = 100000\n\n'
+            '[keys.batch]\nkey = "sk-batch-00002"\ntokens_per_minute = 5000\n\n'
+            '[keys.plain]\nkey = "sk-plain-00003"\n',
+            toml=True,
+        )
+        self.assertEqual(ring.names(), ["alice", "batch", "plain", "team-a"])
+        self.assertEqual(ring.authenticate(b"Bearer sk-team-a-0001"), "team-a")
+        self.assertEqual(ring.authenticate(b"Bearer sk-alice-0001"), "alice")
+        self.assertEqual(ring.limits, {
+            "team-a": KeyLimits(requests_per_minute=60, tokens_per_minute=100000),
+            "batch": KeyLimits(tokens_per_minute=5000),
+        })
+
+    def test_bad_entries_name_the_key(self) -> None:
+        """
+        A bad entry in a key's table is refused with a message that names
+        the key and the field, and never holds the secret.
+        """
+        secret = "sk-secret-0001"
+        cases = [
+            (f'[keys.team-a]\nkey = "{secret}"\nrequests_per_minute = 0\n', "requests_per_minute must be a positive"),
+            (f'[keys.team-a]\nkey = "{secret}"\nrequests_per_minute = -5\n', "positive whole number"),
+            (f'[keys.team-a]\nkey = "{secret}"\ntokens_per_minute = 1.5\n', "tokens_per_minute must be"),
+            (f'[keys.team-a]\nkey = "{secret}"\ntokens_per_minute = "lots"\n', "tokens_per_minute must be"),
+            (f'[keys.team-a]\nkey = "{secret}"\nrequests_per_minute = true\n', "requests_per_minute must be"),
+            (f'[keys.team-a]\nkey = "{secret}"\nrequests_per_hour = 5\n', "unknown field(s) 'requests_per_hour'"),
+            ('[keys.team-a]\nrequests_per_minute = 5\n', 'needs key = "..."'),
+            ('[keys.team-a]\nkey = 12345678\n', 'needs key = "..."'),
+            ('[keys.team-a]\nkey = "short"\n', "shorter than"),
+            ("[keys]\nteam-a = [1, 2]\n", "must be a string, or a table [keys.team-a]"),
+        ]
+        for text, message in cases:
+            e = self.assertRaises(KeysError, parse_keys, text, True, "keys.toml")
+            self.assertIn(message, str(e), text)
+            self.assertIn("'team-a'", str(e), text)
+            self.assertIn("keys.toml", str(e), text)
+            self.assertNotIn(secret, str(e), text)

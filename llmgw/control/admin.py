@@ -96,6 +96,7 @@ ENDPOINTS = [
     "GET /api/v1/events?since=SECONDS",
     "GET /api/v1/routes?since=REVISION",
     "GET /api/v1/watch?since=REVISION&epoch=EPOCH&only=routes (WebSocket)",
+    "GET /api/v1/usage",
     "POST /api/v1/nodes/{id}/cordon",
     "POST /api/v1/nodes/{id}/uncordon",
     "POST /api/v1/nodes/{id}/drain",
@@ -501,6 +502,9 @@ class AdminResource(Resource):
         if rest == ["routes"]:
             only("GET")
             return self._routes_route(request)
+        if rest == ["usage"]:
+            only("GET")
+            return self._usage(), ()
         if head == "nodes" and len(rest) == 3 and rest[2] in NODE_ACTIONS:
             only("POST")
             self._body(request)
@@ -739,6 +743,21 @@ class AdminResource(Resource):
             refused.status = 409
             raise refused
         return dict(result)
+
+    def _usage(self) -> Callable[[], dict[str, Any]]:
+        """
+        What answers C{GET /api/v1/usage}: the embedded gateway's usage per
+        API key and model (L{llmgw.gateway.usage.Usage.snapshot}).
+
+        @raise Refused: 404, this control plane runs no gateway.
+        """
+        service = getattr(self.control, "gateway", None)
+        usage = getattr(getattr(service, "gateway", None), "usage", None)
+        if usage is None:
+            raise Refused(404, "this control plane runs no gateway (--gateway off); a standalone "
+                               "gateway serves its own /api/v1/usage on its --metrics address")
+        snapshot: Callable[[], dict[str, Any]] = usage.snapshot
+        return snapshot
 
     def _metrics(self, request: Any) -> bytes:
         accept = (request.getHeader(b"accept") or b"").decode("latin-1")

@@ -42,6 +42,7 @@ from llmgw.control.metrics import make_registry, register_control_metrics
 from llmgw.control.reconciler import Reconciler
 from llmgw.control.trust import TrustService
 from llmgw.gateway.keys import KeysError, load_keys
+from llmgw.gateway.proxy import GatewayConfig
 from llmgw.gateway.service import DEFAULT_GATEWAY, GatewayService
 from llmgw.hostcheck import HostListError, parse_hosts
 from llmgw.options import Options as BaseOptions
@@ -99,7 +100,11 @@ class Options(BaseOptions):
          "comma-separated Host names the gateway answers to besides loopback names and its "
          "bound address (NAME, NAME:PORT, .DOMAIN, or * for any); a wildcard bind needs them"],
         ["api-keys", None, None,
-         "gateway API keys file (one per line, or TOML [keys] name = \"key\"); none: no keys"],
+         "gateway API keys file (one per line, or TOML [keys] name = \"key\" and [keys.NAME] "
+         "tables with limits); none: no keys"],
+        ["limit-share", None, 1.0,
+         "the share of each API key's limits the embedded gateway enforces, in (0, 1]",
+         positive_float],
         ["gc-threshold", None, DEFAULT_GC_THRESHOLD,
          "objects allocated between two young-generation runs of Python's cyclic collector "
          "(Python's default: 700); 0 leaves the collector as Python set it", non_negative_int],
@@ -193,6 +198,8 @@ class Options(BaseOptions):
                 self[name] = parse_hosts(self[name] or "")
             except HostListError as e:
                 raise usage.UsageError(f"--{name}: {e}") from e
+        if self["limit-share"] > 1:
+            raise usage.UsageError(f"--limit-share: {self['limit-share']} is over 1")
         self["keyring"] = None
         if self["api-keys"]:
             try:
@@ -451,7 +458,7 @@ def makeService(options: Options, reactor: Any = None) -> ControlPlane:
         # same one standalone gateways follow through GET /api/v1/routes.
         cp.gateway = GatewayService(
             reactor, reconciler.routing_table, host, port, keys=options["keyring"], registry=cp.registry,
-            hosts=options["gateway-hosts"],
+            hosts=options["gateway-hosts"], config=GatewayConfig(limit_share=options["limit-share"]),
         )
         cp.gateway.listener.option = "--gateway"
         cp.gateway.setName("gateway")

@@ -1,5 +1,5 @@
 """
-``llmgw ctl status|nodes|deployments|replicas|events|cordon|uncordon|drain|scale|retry|reload``:
+``llmgw ctl status|nodes|deployments|replicas|events|cordon|uncordon|drain|scale|retry|reload|usage``:
 the operator's view of the admin API (DESIGN §9).
 
 Each command makes one or two requests to the control plane's admin API
@@ -341,6 +341,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
 
     p = add("watch", "print the fleet's changes live, from the admin API's watch stream", watch.cmd_watch)
     watch.add_arguments(p)
+    from llmgw.ctl import usage
+
+    p = add("usage", "requests and tokens per API key and model, and the keys' limits", usage.cmd_usage)
+    usage.add_arguments(p)
     p = add("reload", "re-read the catalog file (a refused catalog leaves the running one)", cmd_reload)
     p.add_argument(
         "--tls", action="store_true",

@@ -9,6 +9,11 @@ C{.toml}, a table of names to keys::
     alice = "sk-..."
     batch-jobs = "sk-..."
 
+    [keys.team-a]            # a key with limits (either may be left out)
+    key = "sk-..."
+    requests_per_minute = 60
+    tokens_per_minute = 100000
+
 Keys are compared by their SHA-256 digest and only names ever reach a log.
 """
 
@@ -22,9 +27,13 @@ from pathlib import Path
 
 from twisted.logger import Logger
 
+from llmgw.gateway.usage import KeyLimits
+
 log = Logger()
 
 MIN_KEY_LENGTH = 8
+#: The fields of a key's table besides C{key}: its limits.
+LIMIT_FIELDS = ("requests_per_minute", "tokens_per_minute")
 
 
 class KeysError(ValueError):
@@ -36,10 +45,12 @@ class KeysError(ValueError):
 
 class KeyRing:
     """
-    The keys the gateway accepts, by name.
+    The keys the gateway accepts, by name, and their limits
+    (C{limits[name]}; a key with none is not in it).
     """
 
-    def __init__(self, keys: dict[str, str]):
+    def __init__(self, keys: dict[str, str], limits: dict[str, KeyLimits] | None = None):
+        self.limits = {name: lim for name, lim in (limits or {}).items() if lim}
         self._by_digest: dict[bytes, str] = {}
         for name, key in keys.items():
             digest = hashlib.sha256(key.encode()).digest()
@@ -74,10 +85,12 @@ def parse_keys(text: str, toml: bool, source: str = "keys file") -> KeyRing:
     """
     Read keys from C{text}.
 
-    @raise KeysError: the text holds no key, a malformed entry, a key that
-        is too short or has spaces in it, or the same key twice.
+    @raise KeysError: the text holds no key, a malformed entry (a limit
+        that is not a positive whole number, a field that is not a limit),
+        a key that is too short or has spaces in it, or the same key twice.
     """
     keys: dict[str, str] = {}
+    limits: dict[str, KeyLimits] = {}
     if toml:
         try:
             data = tomllib.loads(text)
@@ -87,8 +100,13 @@ def parse_keys(text: str, toml: bool, source: str = "keys file") -> KeyRing:
         if not isinstance(table, dict):
             raise KeysError(f"{source}: [keys] must be a table of name = \"key\"")
         for name, key in table.items():
-            if not isinstance(key, str):
-                raise KeysError(f"{source}: key {name!r} must be a string")
+            if isinstance(key, dict):
+                key, limits[name] = _key_table(name, key, source)
+            elif not isinstance(key, str):
+                raise KeysError(
+                    f"{source}: key {name!r} must be a string, or a table [keys.{name}] "
+                    f"with key = \"...\" and limits"
+                )
             keys[name] = key
     else:
         for number, line in enumerate(text.splitlines(), 1):
@@ -104,9 +122,37 @@ def parse_keys(text: str, toml: bool, source: str = "keys file") -> KeyRing:
         if any(c.isspace() for c in key):
             raise KeysError(f"{source}: key {name!r} contains white space")
     try:
-        return KeyRing(keys)
+        return KeyRing(keys, limits)
     except KeysError as e:
         raise KeysError(f"{source}: {e}") from None
+
+
+def _key_table(name: str, table: dict[str, object], source: str) -> tuple[str, KeyLimits]:
+    """
+    The key and limits of a C{[keys.NAME]} table.
+
+    @raise KeysError: naming the key (never its value) and what is wrong.
+    """
+    unknown = sorted(set(table) - {"key", *LIMIT_FIELDS})
+    if unknown:
+        raise KeysError(
+            f"{source}: key {name!r}: unknown field(s) {', '.join(map(repr, unknown))}; "
+            f"a key's table takes key, {', '.join(LIMIT_FIELDS)}"
+        )
+    key = table.get("key")
+    if not isinstance(key, str):
+        raise KeysError(f"{source}: key {name!r} needs key = \"...\" (a string) in its table")
+    values: dict[str, int] = {}
+    for field in LIMIT_FIELDS:
+        if field not in table:
+            continue
+        value = table[field]
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise KeysError(
+                f"{source}: key {name!r}: {field} must be a positive whole number, not {value!r}"
+            )
+        values[field] = value
+    return key, KeyLimits(**values)
 
 
 def load_keys(path: Path) -> KeyRing:

@@ -38,6 +38,7 @@ from llmgw.gateway.metrics import GatewayMetrics
 from llmgw.gateway.policy import DEFAULT_POLICY, PolicyConfig
 from llmgw.gateway.router import Router
 from llmgw.gateway.upstream import UpstreamConnection, UpstreamPool, UpstreamProtocolError
+from llmgw.gateway.usage import Usage, UsageCollector, UsageMeter
 from llmgw.hostcheck import HostCheck
 from llmgw.routing import IInFlight, IRoutingTable, Route
 
@@ -60,7 +61,7 @@ _SCHEME = b"http"
 #: A C{Host} value safe to copy into X-Forwarded-Host and Forwarded.
 _HOST_VALUE = re.compile(rb"[A-Za-z0-9._\-]{1,253}(?::[0-9]{1,5})?|\[[0-9A-Fa-f:.]{2,45}\](?::[0-9]{1,5})?")
 #: Reason phrases that twisted.web's table lacks.
-_REASONS = {421: b"Misdirected Request"}
+_REASONS = {421: b"Misdirected Request", 429: b"Too Many Requests"}
 #: Response headers the gateway writes itself.
 _DROP_RESPONSE = frozenset(
     {
@@ -94,6 +95,8 @@ class GatewayConfig:
     #: table names none for, and the policies' knobs.
     default_policy: str = DEFAULT_POLICY
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    #: The share of each API key's limits this gateway enforces (usage).
+    limit_share: float = 1.0
 
 
 @implementer(IInFlight)
@@ -124,6 +127,9 @@ class Gateway:
         self.pool = UpstreamPool(reactor, config.connect_timeout, config.max_idle_connections)
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = GatewayMetrics(self.registry, self.router.snapshot)
+        # usage and limits per key (llmgw.gateway.usage)
+        self.usage = Usage(reactor, keys.limits if keys is not None else None, config.limit_share)
+        self.registry.register(UsageCollector(lambda: self.usage))
 
     def in_flight(self, replica_id: str) -> int:
         return self.router.in_flight(replica_id)
@@ -226,6 +232,8 @@ class ProxyCall:
     """
 
     log = Logger()
+    #: Counts the answer's tokens (llmgw.gateway.usage); set by the caller.
+    meter: UsageMeter | None = None
 
     def __init__(
         self,
@@ -384,6 +392,8 @@ class ProxyCall:
         if self.timer is not None:
             self.timer.reset(self.gw.config.idle_timeout)
         self.request.write(data)
+        if self.meter is not None:
+            self.meter.feed(data)
 
     def response_finished(self) -> None:
         if self.done:
@@ -393,6 +403,8 @@ class ProxyCall:
         self._cancel_timer()
         self._end_attempt()
         self.request.finish()
+        if self.meter is not None:
+            self.meter.finish(self.status)
         self._record(self.status)
 
     def response_failed(self, reason: Failure, started: bool) -> None:

@@ -118,12 +118,21 @@ class GatewayResource:
             err = errors.no_ready_replica(model, gw.config.retry_after)
             self._refused(request, err, key_name, _label(table, model), started, path=label)
             return
+        # usage and limits (llmgw.gateway.usage): a key over its limit is
+        # refused here, before anything is forwarded.
+        try:
+            meter = gw.usage.admit(key_name, gw.metrics.model_label(model))
+        except errors.GatewayError as err:
+            self._refused(request, err, key_name, _label(table, model), started, path=label)
+            return
         policy = gw.policy_for(model)
         key = None
         if policy == "prefix" and len(routes) > 1:
             session = request.header(b"x-session-id")
             key = affinity_key(obj, session.decode("utf-8", "replace") if session else None, gw.config.policy)
-        ProxyCall(gw, request, model, label, body, routes, started, policy, key).start()
+        call = ProxyCall(gw, request, model, label, body, routes, started, policy, key)
+        call.meter = meter
+        call.start()
 
     # local answers
 

@@ -34,6 +34,7 @@ from llmgw.gateway.front import MAX_CONNECTIONS
 from llmgw.gateway.keys import KeyRing, KeysError, load_keys
 from llmgw.gateway.proxy import Gateway, GatewayConfig
 from llmgw.gateway.resource import GatewayResource, GatewaySite
+from llmgw.gateway.usage import UsageResource
 from llmgw.hostcheck import HostCheck, HostListError, parse_hosts
 from llmgw.options import Options as BaseOptions
 from llmgw.options import non_negative_int, positive_float, positive_int
@@ -121,7 +122,11 @@ class Options(BaseOptions):
          "failure in a row, up to 30); while it answers, the routes are long-polled",
          positive_float],
         ["metrics", None, DEFAULT_METRICS, "[HOST:]PORT for /metrics (Prometheus), or 'off'"],
-        ["api-keys", None, None, "API keys file (one per line, or TOML [keys] name = \"key\"); none: no keys"],
+        ["api-keys", None, None, "API keys file (one per line, or TOML [keys] name = \"key\" and "
+         "[keys.NAME] tables with limits); none: no keys"],
+        ["limit-share", None, 1.0,
+         "the share of each API key's limits this gateway enforces, in (0, 1]: 1/N for N gateways "
+         "behind one address", positive_float],
         ["max-body", None, GatewayConfig.max_body, "largest request body accepted, in bytes",
          positive_int],
         ["connect-timeout", None, GatewayConfig.connect_timeout, "seconds to connect to a replica",
@@ -197,6 +202,8 @@ class Options(BaseOptions):
                 self["admin_tls"] = ClientTLSPolicy(admin_files(self["admin-certs"], self["admin-as"]))
             except TLSConfigError as e:
                 raise usage.UsageError(f"--admin-certs/--admin-as: {e}") from e
+        if self["limit-share"] > 1:
+            raise usage.UsageError(f"--limit-share: {self['limit-share']} is over 1")
         self["keyring"] = None
         if self["api-keys"]:
             try:
@@ -216,6 +223,7 @@ class Options(BaseOptions):
             max_tries=self["max-tries"],
             failure_threshold=self["failure-threshold"],
             cooldown=self["cooldown"],
+            limit_share=self["limit-share"],
         )
 
 
@@ -281,6 +289,12 @@ class StandaloneGateway(MultiService):
         if metrics_address is not None:
             root = Resource()
             root.putChild(b"metrics", MetricsResource(registry=self.registry))
+            # usage per API key: this gateway's own, beside its /metrics
+            api = Resource()
+            root.putChild(b"api", api)
+            v1 = Resource()
+            api.putChild(b"v1", v1)
+            v1.putChild(b"usage", UsageResource(self.front.gateway.usage))
             site = Site(root, reactor=reactor)
             site.log = lambda request: None  # type: ignore[method-assign]
             self.metrics_listener = ListenerService(
