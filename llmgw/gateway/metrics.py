@@ -103,7 +103,7 @@ class _Histograms(Collector):
             counts = list(series)
             cumulative = []
             total = 0.0
-            for le, n in zip(self._le, counts):
+            for le, n in zip(self._le, counts[:-1], strict=True):
                 total += n
                 cumulative.append((le, total))
             family.add_metric([label], cumulative, counts[-1])
