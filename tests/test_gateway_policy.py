@@ -551,3 +551,20 @@ class ControlPlaneHookTests(SynchronousTestCase):
         reconciler.catalog = catalog("least_loaded")
         reconciler.routing_table.set_known(["a"])
         self.assertEqual(snapshot_to_json(reconciler.routing_table, 0.0)["policies"], {"a": "least_loaded"})
+
+
+class ChunkHashTests(SynchronousTestCase):
+    def test_short_text_is_its_first_chunk(self) -> None:
+        """
+        A text no longer than one chunk hashes as the first link of the
+        chain that a longer text with the same start begins with; an empty
+        text has no hashes.
+        """
+        from llmgw.gateway.policy import chunk_hashes
+
+        self.assertEqual(chunk_hashes("", 4, 8), [])
+        short = chunk_hashes("abcd", 4, 8)
+        self.assertEqual(len(short), 1)
+        self.assertEqual(chunk_hashes("abcdefgh", 4, 8)[0], short[0])
+        self.assertEqual(chunk_hashes("abc", 4, 8), chunk_hashes("abcx", 3, 8)[:1])
+        self.assertNotEqual(chunk_hashes("abce", 4, 8), short)

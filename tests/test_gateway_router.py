@@ -142,3 +142,22 @@ class BreakerTests(SynchronousTestCase):
         A threshold under one is refused.
         """
         self.assertRaises(ValueError, Router, Clock(), 0)
+
+
+class RingTests(SynchronousTestCase):
+    def test_ring_follows_the_routes(self) -> None:
+        """
+        The ring is that of the routes given: the same routing-table tuple
+        again gives the same ring, and a new tuple (the table changed) the
+        ring of its own replica ids, also when it is asked for in turn with
+        the old one.
+        """
+        router = Router(Clock())
+        a = tuple(routes("a", "b"))
+        b = tuple(routes("a", "b", "c"))
+        ring_a = router.ring(a)
+        self.assertEqual(ring_a.replica_ids, {"a", "b"})
+        self.assertIs(router.ring(a), ring_a)
+        self.assertEqual(router.ring(b).replica_ids, {"a", "b", "c"})
+        self.assertEqual(router.ring(a).replica_ids, {"a", "b"})
+        self.assertEqual(router.ring(list(b)).replica_ids, {"a", "b", "c"})

@@ -7,11 +7,13 @@ They are registered in a registry the caller owns: the control plane's
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 from twisted.logger import Logger
 
 #: Label for the model of a request whose model the routing table does not
@@ -26,6 +28,7 @@ LATENCY_BUCKETS = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
     1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
 )
+LATENCY_BOUNDS = tuple(float(b) for b in LATENCY_BUCKETS)
 
 
 class _InFlightCollector(Collector):
@@ -41,6 +44,70 @@ class _InFlightCollector(Collector):
         for replica, n in sorted(self._snapshot().items()):
             g.add_metric([replica], n)
         yield g
+
+
+class _RequestCounts(Collector):
+    """
+    C{llmgw_gateway_requests_total}, kept as plain integers per label set:
+    a C{prometheus_client} counter takes a lock per increment, which shows
+    at thousands of requests a second. Read by a scrape (in the web
+    server's thread) from a copy.
+    """
+
+    def __init__(self, name: str, documentation: str, labels: list[str]):
+        self.name = name
+        self.documentation = documentation
+        self.labels = labels
+        #: label values -> count
+        self.counts: dict[tuple[str, ...], int] = {}
+
+    def describe(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(self.name, self.documentation, labels=self.labels)
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labels)
+        for labels, n in sorted(list(self.counts.items())):
+            family.add_metric(labels, n)
+        yield family
+
+
+class _Histograms(Collector):
+    """
+    A histogram per model label, kept as plain lists: per label, the count
+    of each bucket (not cumulative; the last one is C{+Inf}) and then the
+    sum. An observation (L{GatewayMetrics.observe}) is a bisection and two
+    additions, where a
+    C{prometheus_client} histogram takes a lock per bucket and per sum.
+    """
+
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...]):
+        self.name = name
+        self.documentation = documentation
+        self.bounds = tuple(float(b) for b in buckets)
+        self._le = [floatToGoString(b) for b in self.bounds] + ["+Inf"]
+        #: model label -> bucket counts and the sum
+        self.series: dict[str, list[float]] = {}
+
+    def new_series(self, label: str) -> list[float]:
+        series = self.series.get(label)
+        if series is None:
+            series = self.series[label] = [0] * (len(self.bounds) + 1) + [0.0]
+        return series
+
+    def describe(self) -> Iterator[HistogramMetricFamily]:
+        yield HistogramMetricFamily(self.name, self.documentation, labels=["model"])
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=["model"])
+        for label, series in sorted(list(self.series.items())):
+            counts = list(series)
+            cumulative = []
+            total = 0.0
+            for le, n in zip(self._le, counts[:-1], strict=True):
+                total += n
+                cumulative.append((le, total))
+            family.add_metric([label], cumulative, counts[-1])
+        yield family
 
 
 class GatewayMetrics:
@@ -62,26 +129,25 @@ class GatewayMetrics:
         self.max_models = max_models
         self._models: set[str] = {UNKNOWN_MODEL}
         self._full_warned = False
-        self.requests = Counter(
+        # The three metrics every request touches are plain counts (see
+        # _RequestCounts, _Histograms); the rarer ones are prometheus_client's.
+        self.requests = _RequestCounts(
             "llmgw_gateway_requests",
             "Requests answered by the gateway, by model, path and HTTP status",
             ["model", "path", "status"],
-            registry=registry,
         )
-        self.latency = Histogram(
+        self.latency = _Histograms(
             "llmgw_gateway_request_duration_seconds",
             "Time from a request's arrival to the end of its response, by model",
-            ["model"],
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
+            LATENCY_BUCKETS,
         )
-        self.ttfb = Histogram(
+        self.ttfb = _Histograms(
             "llmgw_gateway_time_to_first_byte_seconds",
             "Time from a request's arrival to the response headers going out, by model",
-            ["model"],
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
+            LATENCY_BUCKETS,
         )
+        for collector in (self.requests, self.latency, self.ttfb):
+            registry.register(collector)
         self.retries = Counter(
             "llmgw_gateway_retries",
             "Requests sent to another replica (or again) after a connection failure",
@@ -101,9 +167,10 @@ class GatewayMetrics:
             registry=registry,
         )
         registry.register(_InFlightCollector(in_flight))
-        self._requests_children: dict[tuple[str, str, str], Counter] = {}
-        self._latency_children: dict[str, Histogram] = {}
-        self._ttfb_children: dict[str, Histogram] = {}
+        #: (model, path, status) as the caller gave them -> the label values
+        self._request_keys: dict[tuple[str, str, int], tuple[str, str, str]] = {}
+        self._latency_children: dict[str, list[float]] = {}
+        self._ttfb_children: dict[str, list[float]] = {}
 
     def model_label(self, model: str) -> str:
         """
@@ -125,36 +192,38 @@ class GatewayMetrics:
         self._models.add(model)
         return model
 
-    # The labelled children are cached: .labels() takes a lock and builds a
-    # tuple each call, which shows at thousands of requests a second.
+    # Each caller's model maps to its series once (the label check, a
+    # dictionary lookup on every later request).
 
     def count(self, model: str, path: str, status: int) -> None:
-        key = (model, path, str(status))
-        child = self._requests_children.get(key)
-        if child is None:
-            key = (self.model_label(model), path, key[2])
-            child = self._requests_children.get(key)
-            if child is None:
-                child = self._requests_children[key] = self.requests.labels(*key)
-        child.inc()
+        key = (model, path, status)
+        labels = self._request_keys.get(key)
+        if labels is None:
+            labels = (self.model_label(model), path, str(status))
+            if len(self._request_keys) < 4 * self.max_models:
+                self._request_keys[key] = labels
+        counts = self.requests.counts
+        counts[labels] = counts.get(labels, 0) + 1
 
     def observe(self, model: str, seconds: float) -> None:
-        child = self._latency_children.get(model)
-        if child is None:
+        series = self._latency_children.get(model)
+        if series is None:
             label = self.model_label(model)
-            child = self._latency_children.get(label)
-            if child is None:
-                child = self._latency_children[label] = self.latency.labels(label)
-        child.observe(seconds)
+            series = self.latency.new_series(label)
+            if label == model:
+                self._latency_children[model] = series
+        series[bisect_left(LATENCY_BOUNDS, seconds)] += 1
+        series[-1] += seconds
 
     def first_byte(self, model: str, seconds: float) -> None:
-        child = self._ttfb_children.get(model)
-        if child is None:
+        series = self._ttfb_children.get(model)
+        if series is None:
             label = self.model_label(model)
-            child = self._ttfb_children.get(label)
-            if child is None:
-                child = self._ttfb_children[label] = self.ttfb.labels(label)
-        child.observe(seconds)
+            series = self.ttfb.new_series(label)
+            if label == model:
+                self._ttfb_children[model] = series
+        series[bisect_left(LATENCY_BOUNDS, seconds)] += 1
+        series[-1] += seconds
 
     def retry(self, model: str, reason: str) -> None:
         self.retries.labels(self.model_label(model), reason).inc()

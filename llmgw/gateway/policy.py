@@ -202,6 +202,9 @@ def chunk_hashes(text: str, chunk_chars: int, max_chunks: int) -> list[bytes]:
     covers chunks 0..i, so two texts share the i-th hash exactly when they
     share their first i + 1 chunks. A last partial chunk counts.
     """
+    if len(text) <= chunk_chars:
+        # One chunk (or none): most prompt heads.
+        return [hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest()] if text else []
     out = []
     h = b""
     for i in range(min(max_chunks, math.ceil(len(text) / chunk_chars))):
@@ -334,6 +337,8 @@ def bounded_prefix(
     C{key} under it (one always is: the least loaded). For a first turn's
     key (L{FIRST_TURN}) without a home, C{None}: it goes to the least loaded.
     """
+    if home is None and key.startswith(FIRST_TURN):
+        return None
     by_id = {r.replica_id: r for r in candidates}
     total = sum(loads[rid] for rid in by_id)
     bound = load_bound(total, len(by_id), epsilon, slack)
@@ -378,14 +383,25 @@ def choose(
     """
     if policy not in POLICIES:
         raise ValueError(f"unknown routing policy {policy!r} (known: {', '.join(POLICIES)})")
-    candidates = unsaturated(candidates, now, config)
+    signalled = False
+    for r in candidates:
+        if r.signals is not None:
+            signalled = True
+            break
+    if signalled:
+        candidates = unsaturated(candidates, now, config)
     if policy == "round_robin":
         return round_robin(candidates, turn)
-    seen = at_sample or {}
-    loads = {
-        r.replica_id: replica_load(r, in_flight(r.replica_id), now, config, seen.get(r.replica_id))
-        for r in candidates
-    }
+    if signalled:
+        seen = at_sample or {}
+        loads = {
+            r.replica_id: replica_load(r, in_flight(r.replica_id), now, config, seen.get(r.replica_id))
+            for r in candidates
+        }
+    else:
+        # No engine signals: nothing is saturated, and the load is the
+        # gateway's own count (what saturated and replica_load say then).
+        loads = {r.replica_id: in_flight(r.replica_id) for r in candidates}
     if policy == "prefix" and key is not None:
         if ring is None:
             ring = Ring([r.replica_id for r in candidates], config.vnodes)

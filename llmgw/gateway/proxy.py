@@ -225,6 +225,10 @@ def _forwarding_block(client: str | None, host: bytes | None) -> bytes:
     return b"".join(parts)
 
 
+#: The C{Host} line (and the head's end) per replica address.
+_HOST_LINES: dict[str, bytes] = {}
+
+
 @implementer(IPushProducer)
 class ProxyCall:
     """
@@ -326,10 +330,13 @@ class ProxyCall:
         assert self.route is not None
         self.conn = conn
         self.reused = reused
-        conn.send(
-            b"".join((self.head, b"Host: ", self.route.address.encode(), b"\r\n\r\n", self.body)),
-            self,
-        )
+        address = self.route.address
+        host = _HOST_LINES.get(address)
+        if host is None:
+            host = b"Host: %s\r\n\r\n" % address.encode()
+            if len(_HOST_LINES) < 4096:
+                _HOST_LINES[address] = host
+        conn.send(b"".join((self.head, host, self.body)), self)
         if self.conn is conn:
             # One timer for the first byte and the idle wait after it: due
             # at the sooner of the two, so that the head's arrival only ever
@@ -348,9 +355,7 @@ class ProxyCall:
             return
         assert self.route is not None
         self.gw.router.succeeded(self.route.replica_id)
-        if self.timer is not None:
-            # Later than it is due (see _send): cheap.
-            self.timer.reset(self.gw.config.idle_timeout)
+        # The idle wait starts in response_data, which follows at once.
         length = None
         chunked = False
         kept = []
@@ -386,11 +391,12 @@ class ProxyCall:
     def response_data(self, data: bytes) -> None:
         if self.done:
             return
+        if self.timer is not None:
+            # Later than it is due (see _send): cheap.
+            self.timer.reset(self.gw.config.idle_timeout)
         if not data:
             self.request.flush()
             return
-        if self.timer is not None:
-            self.timer.reset(self.gw.config.idle_timeout)
         self.request.write(data)
         if self.meter is not None:
             self.meter.feed(data)

@@ -43,6 +43,8 @@ class Router:
         self.clock = clock
         self.policy = policy if policy is not None else PolicyConfig()
         self._rings: dict[tuple[str, ...], Ring] = {}
+        self._ring_routes: Sequence[Route] | None = None
+        self._ring_last: Ring | None = None
         #: affinity key (less its mark) -> the replica its last request went to
         self._homes: OrderedDict[bytes, str] = OrderedDict()
         #: replica -> (sampled_at of the signals last seen, in flight then)
@@ -135,12 +137,18 @@ class Router:
         draining or not, so that a drain moves only the drained replica's
         keys), built once per set of ids.
         """
+        if routes is self._ring_routes:
+            # The routing table hands out the same sequence until it changes.
+            return self._ring_last  # type: ignore[return-value]
         ids = tuple(r.replica_id for r in routes)
         ring = self._rings.get(ids)
         if ring is None:
             if len(self._rings) >= _MAX_RINGS:
                 self._rings.clear()
             ring = self._rings[ids] = Ring(ids, self.policy.vnodes)
+        if isinstance(routes, tuple):
+            # Only an immutable sequence can be known again by identity.
+            self._ring_routes, self._ring_last = routes, ring
         return ring
 
     def pick(
