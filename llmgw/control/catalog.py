@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from llmgw import engines
-from llmgw.routing import POLICIES
+from llmgw.routing import POLICIES, QueueLimits
 from llmgw.wire import validate_node_id
 
 #: Placeholders a command or env value may hold. C{{python}} is left for the
@@ -114,6 +114,11 @@ class Deployment:
     #: The gateway's routing policy for this model (L{llmgw.routing.POLICIES});
     #: C{None}: the gateway's default.
     routing: str | None = None
+    #: The gateway's admission queue for this model: most requests waiting,
+    #: and seconds each may wait (L{llmgw.gateway.admission}); C{None}: the
+    #: gateway's defaults.
+    queue_depth: int | None = None
+    queue_timeout_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -134,6 +139,18 @@ class Catalog:
         (L{llmgw.routing.RoutingTable.set_policies}).
         """
         return {m: d.routing for m, d in sorted(self.deployments.items()) if d.routing is not None}
+
+    def queue_limits(self) -> dict[str, QueueLimits]:
+        """
+        The admission queue limits of every deployment that sets either,
+        by model: published in the routing table with the policies
+        (L{llmgw.routing.RoutingTable.set_queue_limits}).
+        """
+        return {
+            m: QueueLimits(d.queue_depth, d.queue_timeout_s)
+            for m, d in sorted(self.deployments.items())
+            if d.queue_depth is not None or d.queue_timeout_s is not None
+        }
 
     def profile_for(self, model: str) -> Profile | None:
         dep = self.deployments.get(model)
@@ -165,8 +182,12 @@ _DEPLOYMENT_FIELDS: dict[str, type | tuple[type, ...]] = {
     "profile": str,
     "replicas": int,
     "routing": str,
+    "queue_depth": int,
+    "queue_timeout_s": (int, float),
 }
-_TYPE_NAMES = {int: "an integer", str: "a string", list: "a list", dict: "a table"}
+_TYPE_NAMES: dict[Any, str] = {
+    int: "an integer", str: "a string", list: "a list", dict: "a table", (int, float): "a number",
+}
 
 
 def _check_type(where: str, name: str, value: Any, kind: Any) -> None:
@@ -317,7 +338,20 @@ def parse_deployment(index: int, raw: Any, profiles: Mapping[str, Profile]) -> D
             f"{where}: field 'routing' is {routing!r}, which is not a routing policy "
             f"(known: {', '.join(POLICIES)})"
         )
-    return Deployment(model=raw["model"], profile=raw["profile"], replicas=replicas, routing=routing)
+    queue_depth = raw.get("queue_depth")
+    if queue_depth is not None:
+        _positive(where, "queue_depth", queue_depth, 0)
+    queue_timeout = raw.get("queue_timeout_s")
+    if queue_timeout is not None:
+        try:
+            QueueLimits(timeout_s=float(queue_timeout))
+        except ValueError as e:
+            raise CatalogError(f"{where}: field 'queue_timeout_s': {e}") from None
+        queue_timeout = float(queue_timeout)
+    return Deployment(
+        model=raw["model"], profile=raw["profile"], replicas=replicas, routing=routing,
+        queue_depth=queue_depth, queue_timeout_s=queue_timeout,
+    )
 
 
 def parse_catalog(data: Mapping[str, Any], path: str | None = None) -> Catalog:

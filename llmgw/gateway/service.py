@@ -35,7 +35,7 @@ from llmgw.gateway.resource import GatewayResource, GatewaySite
 from llmgw.hostcheck import HostCheck, HostListError, parse_hosts
 from llmgw.options import Options as BaseOptions
 from llmgw.options import non_negative_int, positive_float, positive_int
-from llmgw.routing import IInFlight, IRoutingTable, RoutingSnapshot
+from llmgw.routing import Demand, IDemand, IInFlight, IRoutingTable, RoutingSnapshot
 from llmgw.tlsconf.options import ClientTLSPolicy, TLSConfigError, admin_files
 from llmgw.tlsconf.reload import ClientCertificateReload
 
@@ -44,7 +44,7 @@ DEFAULT_METRICS = "127.0.0.1:7481"
 DEFAULT_CONTROL_ADMIN = "http://127.0.0.1:7480"
 
 
-@implementer(IInFlight)
+@implementer(IInFlight, IDemand)
 class GatewayService(MultiService):
     """
     The gateway's HTTP front on C{host}:C{port}, routing by C{table}.
@@ -89,6 +89,13 @@ class GatewayService(MultiService):
 
     def in_flight(self, replica_id: str) -> int:
         return self.gateway.in_flight(replica_id)
+
+    def demand(self) -> dict[str, Demand]:
+        """
+        L{IDemand}: this gateway's requests in flight and waiting, per model
+        (what the control plane's autoscaler reads of the embedded gateway).
+        """
+        return self.gateway.demand()
 
     def startService(self) -> None:
         super().startService()
