@@ -30,6 +30,9 @@ Workloads, one after the other on the same replicas:
     concurrent clients.
 (c) C{burst}: C{--burst} requests at once, well over the replicas' batch
     capacity; each must be answered or refused with 503 and Retry-After.
+    llmgw's gateways hold what the replicas cannot take in their admission
+    queue (C{--queue-depth}, default the gateway's 1,000; a smaller one
+    makes the burst overflow it, to see the refusals).
 
 Per workload: time to first token (first byte of the streamed body)
 p50/p99, requests per second, the requests each replica served (busiest /
@@ -93,7 +96,8 @@ def serve_sims(ports: list[int]) -> None:
 
 
 def serve_gateway(
-    port: int, upstreams: list[str], policy: str, signals: bool, epsilon: float, engine_load: bool
+    port: int, upstreams: list[str], policy: str, signals: bool, epsilon: float, engine_load: bool,
+    queue_depth: int | None = None,
 ) -> None:
     import treq
     from twisted.internet import reactor
@@ -116,7 +120,10 @@ def serve_gateway(
 
     publish()
     table.set_policies({MODEL: policy})
-    GatewayService(reactor, table, "127.0.0.1", port, GatewayConfig(first_byte_timeout=600, policy=PolicyConfig(epsilon=epsilon, engine_load=engine_load))).startService()
+    config = GatewayConfig(first_byte_timeout=600, policy=PolicyConfig(epsilon=epsilon, engine_load=engine_load))
+    if queue_depth is not None:
+        config.queue_depth = queue_depth
+    GatewayService(reactor, table, "127.0.0.1", port, config).startService()
     if signals:
         names = engines.metric_names_for("vllm")
         http = treq.client.HTTPClient(
@@ -373,6 +380,8 @@ def router_command(name: str, port: int, sim_ports: list[int], args: argparse.Na
     urls = [f"http://127.0.0.1:{p}" for p in sim_ports]
     ups = ",".join(f"127.0.0.1:{p}" for p in sim_ports)
     me = [sys.executable, str(Path(__file__).resolve()), "gateway", "--port", str(port), "--upstreams", ups]
+    if args.queue_depth is not None:
+        me += ["--queue-depth", str(args.queue_depth)]
     if name == "least_in_flight":
         return me + ["--policy", "least_loaded"]
     if name == "prefix_engine_load":
@@ -524,6 +533,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--independent", type=int, default=240)
     p.add_argument("--burst", type=int, default=600)
+    p.add_argument("--queue-depth", type=int, default=None,
+                   help="llmgw's admission queue bound per model (default: the gateway's)")
     p.add_argument("--quick", action="store_true", help="a small run, to check the bench works")
     p.add_argument("--router", default="", help="(one) the router to run")
     args = p.parse_args(argv)
@@ -531,7 +542,8 @@ def main(argv: list[str] | None = None) -> int:
         serve_sims([int(x) for x in args.ports.split(",")])
         return 0
     if args.mode == "gateway":
-        serve_gateway(args.port, args.upstreams.split(","), args.policy, args.signals, args.epsilon, args.engine_load)
+        serve_gateway(args.port, args.upstreams.split(","), args.policy, args.signals, args.epsilon, args.engine_load,
+                      args.queue_depth)
         return 0
     if args.quick:
         args.conversations, args.turns, args.independent, args.burst = 8, 3, 40, 100
@@ -549,6 +561,8 @@ def main(argv: list[str] | None = None) -> int:
                "--epsilon", str(args.epsilon)]
         if args.peers:
             cmd += ["--peers", args.peers]
+        if args.queue_depth is not None:
+            cmd += ["--queue-depth", str(args.queue_depth)]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
         if proc.returncode != 0:
             results[name] = {"error": proc.stderr[-2000:]}
@@ -568,7 +582,7 @@ def main(argv: list[str] | None = None) -> int:
             "conversations": {"conversations": args.conversations, "turns": args.turns,
                               "system_prompts": 8, "system_words": SYSTEM_WORDS, "turn_words": TURN_WORDS},
             "independent": {"requests": args.independent, "clients": 32, "prompt_words": 300},
-            "burst": {"requests": args.burst, "prompt_words": 200},
+            "burst": {"requests": args.burst, "prompt_words": 200, "queue_depth": args.queue_depth},
         },
         "routers": results,
         "skipped": skipped,

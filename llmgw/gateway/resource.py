@@ -24,6 +24,7 @@ from typing import Any
 from twisted.logger import Logger
 
 from llmgw.gateway import errors
+from llmgw.gateway.admission import capacity
 from llmgw.gateway.front import FrontFactory, FrontRequest
 from llmgw.gateway.metrics import UNKNOWN_MODEL
 from llmgw.gateway.policy import affinity_key
@@ -115,7 +116,8 @@ class GatewayResource:
         if not routes and not table.knows_model(model):
             raise errors.model_not_found(model)
         admission = gw.admission
-        if admission.must_wait(model, admission.capacity(model)):
+        state = capacity(routes, gw.router.cooling, gw.reactor.seconds(), gw.config.policy)
+        if admission.must_wait(model, state):
             if not getattr(table, "loaded", True):
                 # A standalone gateway with no table yet: every model counts
                 # as known, so none waits (names are the client's to choose).

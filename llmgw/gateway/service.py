@@ -153,6 +153,12 @@ class Options(BaseOptions):
         ["gateway-hosts", None, "",
          "comma-separated Host names the gateway answers to besides loopback names and its "
          "bound address (NAME, NAME:PORT, .DOMAIN, or * for any); a wildcard bind needs them"],
+        ["queue-depth", None, GatewayConfig.queue_depth,
+         "requests that may wait per model when no replica can take them (0: none wait, 503 at "
+         "once); a deployment's queue_depth wins", non_negative_int],
+        ["queue-timeout", None, GatewayConfig.queue_timeout_s,
+         "seconds a request may wait for a replica before its 503; a deployment's "
+         "queue_timeout_s wins", positive_float],
         ["max-connections", None, MAX_CONNECTIONS,
          "most client connections at once; past it new ones are closed at accept (0: no cap)",
          non_negative_int],
@@ -219,6 +225,8 @@ class Options(BaseOptions):
             max_tries=self["max-tries"],
             failure_threshold=self["failure-threshold"],
             cooldown=self["cooldown"],
+            queue_depth=self["queue-depth"],
+            queue_timeout_s=self["queue-timeout"],
         )
 
 
