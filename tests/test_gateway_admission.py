@@ -20,15 +20,18 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from llmgw.control.catalog import CatalogError, parse_catalog
 from llmgw.gateway.admission import FairQueue, Waiter
+from llmgw.gateway.follower import FollowerTable
 from llmgw.gateway.keys import KeyRing
 from llmgw.gateway.proxy import Gateway, GatewayConfig
 from llmgw.gateway.resource import GatewayResource, GatewaySite
+from llmgw.gateway.service import GatewayService
 from llmgw.routing import (
     Demand,
     EngineSignals,
     IDemand,
     QueueLimits,
     Route,
+    RoutingSnapshot,
     RoutingTable,
     snapshot_from_json,
     snapshot_to_json,
@@ -374,6 +377,54 @@ class QueueTests(SynchronousTestCase):
         The gateway provides L{IDemand}.
         """
         self.assertTrue(IDemand.providedBy(Gw().gateway))
+
+
+class StandaloneTests(SynchronousTestCase):
+    def test_follower_table_change_releases_waiters(self) -> None:
+        """
+        A standalone gateway (routing by a L{FollowerTable}) answers 503 at
+        once before its first read; once it holds a table, a request for a
+        declared model without replicas waits, and goes when a read brings
+        a ready replica. Its limits come from the table read.
+        """
+        clock = MemoryReactorClock()
+        table = FollowerTable(clock, "http://127.0.0.1:7480", http=object())
+        gw = Gateway(clock, table, GatewayConfig(default_policy="least_loaded"))
+        site = GatewaySite(GatewayResource(gw))
+
+        def send() -> StringTransport:
+            proto = site.buildProtocol(None)
+            client = StringTransport()
+            proto.makeConnection(client)
+            proto.dataReceived(post(b'{"model": "demo"}'))
+            return client
+
+        status, _, body = parse(send().value())
+        self.assertEqual((status, error_of(body)["code"]), (503, "no_ready_replica"))
+        table._got(RoutingSnapshot([], ["demo"], 1, queues={"demo": QueueLimits(timeout_s=5.0)}), [])
+        expired = send()
+        clock.advance(5.0)
+        self.assertEqual(error_of(parse(expired.value())[2])["code"], "queue_timeout")
+        waiting = send()
+        self.assertEqual((waiting.value(), clock.tcpClients), (b"", []))
+        table._got(RoutingSnapshot([Route("r1", "demo", "10.0.0.1:8000")], ["demo"], 2), [])
+        clock.advance(0)
+        self.assertEqual(len(clock.tcpClients), 1)
+
+    def test_gateway_service_is_a_demand_source(self) -> None:
+        """
+        The gateway service (what the control plane embeds) offers the
+        gateway's L{IDemand}.
+        """
+        clock = MemoryReactorClock()
+        table = RoutingTable(clock)
+        table.set_known(["demo"])
+        svc = GatewayService(clock, table, port=0)
+        self.assertTrue(IDemand.providedBy(svc))
+        proto = svc.site.buildProtocol(None)
+        proto.makeConnection(StringTransport())
+        proto.dataReceived(post(b'{"model": "demo"}'))
+        self.assertEqual(svc.demand(), {"demo": Demand(0, 1)})
 
 
 class LimitsTravelTests(SynchronousTestCase):
