@@ -39,6 +39,7 @@ from zope.interface import implementer
 from llmgw.routing import (
     LONG_POLL_MAX_S,
     IRoutingTable,
+    QueueLimits,
     Route,
     RoutesDataError,
     RoutingSnapshot,
@@ -230,6 +231,9 @@ class FollowerTable:
 
     def policy(self, model: str) -> str | None:
         return self.snapshot.policy(model)
+
+    def queue_limits(self, model: str) -> QueueLimits | None:
+        return self.snapshot.queue_limits(model)
 
     def age(self) -> float:
         if self.last_success is None:
