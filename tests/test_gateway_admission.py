@@ -457,6 +457,32 @@ class LimitsTravelTests(SynchronousTestCase):
             self.assertIn("deployment 'demo'", str(e.exception))
             self.assertIn(text, str(e.exception))
 
+    def test_control_plane_publishes_the_catalogs_limits(self) -> None:
+        """
+        The control plane's hook publishes the catalog's queue limits at
+        once, and the reloaded catalog's when the declared models are
+        published again; the embedded gateway then holds by them.
+        """
+        from types import SimpleNamespace
+
+        from llmgw.control.service import follow_catalog_policies
+
+        clock = MemoryReactorClock()
+        reconciler = SimpleNamespace(routing_table=RoutingTable(clock), catalog=self.catalog(queue_depth=3))
+        follow_catalog_policies(reconciler)
+        table = reconciler.routing_table
+        self.assertEqual(table.queue_limits("demo"), QueueLimits(3, None))
+        reconciler.catalog = self.catalog(queue_timeout_s=1.5)
+        table.set_known(["demo"])
+        self.assertEqual(snapshot_to_json(table, 0.0)["queues"], {"demo": {"timeout_s": 1.5}})
+        gw = Gateway(clock, table)
+        proto = GatewaySite(GatewayResource(gw)).buildProtocol(None)
+        client = StringTransport()
+        proto.makeConnection(client)
+        proto.dataReceived(post(b'{"model": "demo"}'))
+        clock.advance(1.5)
+        self.assertEqual(error_of(parse(client.value())[2])["code"], "queue_timeout")
+
     def test_routes_document_round_trip(self) -> None:
         """
         Queue limits travel in C{GET /api/v1/routes} to standalone gateways;
