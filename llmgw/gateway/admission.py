@@ -279,6 +279,8 @@ class Admission:
         self._tick: IDelayedCall | None = None
         self._soon: IDelayedCall | None = None
         self._pumping: set[str] = set()
+        #: Undoes what feeds this object table changes (L{close}).
+        self.detach: Callable[[], None] | None = None
         registry = registry if registry is not None else CollectorRegistry()
         self.waits = Histogram(
             "llmgw_gateway_queue_wait_seconds",
@@ -448,7 +450,7 @@ class Admission:
         L{pump_all} on the next reactor turn (once, however often asked):
         for table changes, which arrive inside whoever published them.
         """
-        if self._soon is None:
+        if self._soon is None and self._queues:
             self._soon = self.clock.callLater(0, self._soon_fired)
 
     def _soon_fired(self) -> None:
@@ -527,6 +529,9 @@ class Admission:
             if call is not None and call.active():
                 call.cancel()
         self._tick = self._soon = None
+        if self.detach is not None:
+            detach, self.detach = self.detach, None
+            detach()
 
 
 def queue_full(model: str, depth: int, retry_after: int) -> errors.GatewayError:
@@ -581,8 +586,12 @@ def gateway_admission(gateway: Any) -> Admission:
     listeners = getattr(table, "listeners", None)
     if callable(subscribe):
         # The control plane's own table (embedded gateway).
-        subscribe(lambda revision, models, known_changed: admission.pump_soon())
+        admission.detach = subscribe(lambda revision, models, known_changed: admission.pump_soon())
     elif isinstance(listeners, list):
         # A standalone gateway's follower table.
-        listeners.append(lambda snapshot: admission.pump_soon())
+        def listener(snapshot: Any) -> None:
+            admission.pump_soon()
+
+        listeners.append(listener)
+        admission.detach = lambda: listeners.remove(listener) if listener in listeners else None
     return admission
