@@ -44,6 +44,9 @@ Workloads, one after the other on the same replicas:
     concurrent clients.
 (c) C{burst}: C{--burst} requests at once, well over the replicas' batch
     capacity; each must be answered or refused with 503 and Retry-After.
+    llmgw's gateways hold what the replicas cannot take in their admission
+    queue (C{--queue-depth}, default the gateway's 1,000; a smaller one
+    makes the burst overflow it, to see the refusals).
 
 Per workload: time to first token (first byte of the streamed body)
 p50/p99, requests per second, the requests each replica served (busiest /
@@ -111,6 +114,7 @@ def serve_sims(ports: list[int]) -> None:
 def serve_gateway(
     port: int, upstreams: list[str], policy: str, signals: bool, epsilon: float, engine_load: bool,
     slack: int | None = None,
+    queue_depth: int | None = None,
 ) -> None:
     import treq
     from twisted.internet import reactor
@@ -133,7 +137,10 @@ def serve_gateway(
 
     publish()
     table.set_policies({MODEL: policy})
-    GatewayService(reactor, table, "127.0.0.1", port, GatewayConfig(first_byte_timeout=600, policy=PolicyConfig(epsilon=epsilon, engine_load=engine_load, **({} if slack is None else {"slack": slack})))).startService()
+    config = GatewayConfig(first_byte_timeout=600, policy=PolicyConfig(epsilon=epsilon, engine_load=engine_load, **({} if slack is None else {"slack": slack})))
+    if queue_depth is not None:
+        config.queue_depth = queue_depth
+    GatewayService(reactor, table, "127.0.0.1", port, config).startService()
     if signals:
         names = engines.metric_names_for("vllm")
         http = treq.client.HTTPClient(
@@ -425,6 +432,8 @@ def router_command(name: str, port: int, sim_ports: list[int], args: argparse.Na
     ups = ",".join(f"127.0.0.1:{p}" for p in sim_ports)
     me = [sys.executable, str(Path(__file__).resolve()), "gateway", "--port", str(port), "--upstreams", ups]
     slack = [] if args.slack is None else ["--slack", str(args.slack)]
+    if args.queue_depth is not None:
+        me += ["--queue-depth", str(args.queue_depth)]
     if name == "least_in_flight":
         return me + ["--policy", "least_loaded"]
     if name == "prefix_engine_load":
@@ -889,6 +898,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--think-s", type=float, default=1.0, help="(a) mean think time between turns")
     p.add_argument("--independent", type=int, default=240)
     p.add_argument("--burst", type=int, default=600)
+    p.add_argument("--queue-depth", type=int, default=None,
+                   help="llmgw's admission queue bound per model (default: the gateway's)")
     p.add_argument("--quick", action="store_true", help="a small run, to check the bench works")
     p.add_argument("--router", default="", help="(one) the router to run")
     p.add_argument("--baseline", default="", help="(pick-cost) another checkout to compare with")
@@ -909,7 +920,8 @@ def main(argv: list[str] | None = None) -> int:
         serve_sims([int(x) for x in args.ports.split(",")])
         return 0
     if args.mode == "gateway":
-        serve_gateway(args.port, args.upstreams.split(","), args.policy, args.signals, args.epsilon, args.engine_load, args.slack)
+        serve_gateway(args.port, args.upstreams.split(","), args.policy, args.signals, args.epsilon, args.engine_load, args.slack,
+                      args.queue_depth)
         return 0
     if args.mode == "pick-cost":
         load_before = os.getloadavg()
@@ -947,6 +959,8 @@ def main(argv: list[str] | None = None) -> int:
             cmd += ["--slack", str(args.slack)]
         if args.peers:
             cmd += ["--peers", args.peers]
+        if args.queue_depth is not None:
+            cmd += ["--queue-depth", str(args.queue_depth)]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
         if proc.returncode != 0:
             results[name] = {"error": proc.stderr[-2000:]}
@@ -969,7 +983,7 @@ def main(argv: list[str] | None = None) -> int:
                               "system_words": SYSTEM_WORDS, "turn_words": f"{TURN_WORDS - 150}-{TURN_WORDS + 150}",
                               "turns_per_conversation": f"2-{max(2, 2 * args.turns - 2)}"},
             "independent": {"requests": args.independent, "clients": 32, "prompt_words": 300},
-            "burst": {"requests": args.burst, "prompt_words": 200},
+            "burst": {"requests": args.burst, "prompt_words": 200, "queue_depth": args.queue_depth},
         },
         "routers": results,
         "skipped": skipped,

@@ -16,6 +16,13 @@ Each model may name its routing policy (L{POLICIES}; the catalog's
 C{routing} field): the table carries a model -> policy map, and a model it
 does not name is routed by the gateway's default.
 
+Each model may also carry its admission queue's limits (L{QueueLimits}; the
+catalog's C{queue_depth} and C{queue_timeout_s}), which travel the same way
+as its policy.
+
+A gateway that queues requests offers what it holds per model as
+L{IDemand}: the autoscaler's load figures.
+
 Engine signals (queue depth, running requests, KV-cache use) travel with
 each route together with their age, not a timestamp, so that a gateway on
 another host judges staleness by its own clock.
@@ -42,6 +49,34 @@ MAX_WAITERS = 10_000
 
 #: The routing policies a deployment may name (see L{llmgw.gateway.policy}).
 POLICIES = ("prefix", "least_loaded", "round_robin")
+
+#: The admission queue's defaults (L{llmgw.gateway.admission}): requests
+#: that may wait per model, and seconds each may wait.
+DEFAULT_QUEUE_DEPTH = 1000
+DEFAULT_QUEUE_TIMEOUT_S = 60.0
+#: The longest wait a deployment may set (a client holds a connection open).
+MAX_QUEUE_TIMEOUT_S = 3600.0
+
+
+@dataclass(frozen=True)
+class QueueLimits:
+    """
+    One model's admission queue limits as its deployment sets them;
+    C{None} leaves the gateway's default.
+
+    @ivar depth: most requests waiting (0: none wait, all get 503 at once).
+    @ivar timeout_s: the longest a request waits before it gets 503.
+    """
+
+    depth: int | None = None
+    timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.depth is not None and (isinstance(self.depth, bool) or self.depth < 0):
+            raise ValueError(f"queue depth must be a non-negative integer, not {self.depth!r}")
+        t = self.timeout_s
+        if t is not None and not (math.isfinite(t) and 0 < t <= MAX_QUEUE_TIMEOUT_S):
+            raise ValueError(f"queue timeout must be in (0, {MAX_QUEUE_TIMEOUT_S:g}] seconds, not {t!r}")
 
 
 @dataclass(frozen=True)
@@ -174,12 +209,14 @@ class RoutingSnapshot:
         known: Iterable[str] = (),
         revision: int = 0,
         policies: Mapping[str, str] | None = None,
+        queues: Mapping[str, QueueLimits] | None = None,
     ):
         self._routes = _by_model(routes)
         self._known = frozenset(known) | frozenset(self._routes)
         self._models = sorted(m for m, rs in self._routes.items() if any(not r.draining for r in rs))
         self.revision = revision
         self._policies: dict[str, str] = dict(policies or {})
+        self._queues: dict[str, QueueLimits] = dict(queues or {})
 
     def policy(self, model: str) -> str | None:
         """
@@ -190,6 +227,16 @@ class RoutingSnapshot:
 
     def policies(self) -> dict[str, str]:
         return dict(self._policies)
+
+    def queue_limits(self, model: str) -> QueueLimits | None:
+        """
+        C{model}'s admission queue limits, or C{None} (the gateway's
+        defaults).
+        """
+        return self._queues.get(model)
+
+    def all_queue_limits(self) -> dict[str, QueueLimits]:
+        return dict(self._queues)
 
     def routes(self, model: str) -> Sequence[Route]:
         return self._routes.get(model, ())
@@ -235,6 +282,10 @@ class RoutingTable:
         #: (the control plane's catalog), so that whoever publishes the
         #: declared models publishes their policies with them.
         self.policy_source: Callable[[], Mapping[str, str]] | None = None
+        self._queues: dict[str, QueueLimits] = {}
+        #: Where L{set_known} reads the model -> queue limits map from, if
+        #: set (the catalog again).
+        self.queue_source: Callable[[], Mapping[str, QueueLimits]] | None = None
         self.revision = 0
         self._snapshot: RoutingSnapshot | None = RoutingSnapshot()
         self._waiters: dict[Deferred[int], IDelayedCall] = {}
@@ -253,6 +304,9 @@ class RoutingTable:
 
     def policy(self, model: str) -> str | None:
         return self._policies.get(model)
+
+    def queue_limits(self, model: str) -> QueueLimits | None:
+        return self._queues.get(model)
 
     # -- publishing ---------------------------------------------------------------------
 
@@ -297,10 +351,14 @@ class RoutingTable:
         policies = self._policies
         if self.policy_source is not None:
             policies = _checked_policies(self.policy_source())
-        if known_set == self._known and policies == self._policies:
+        queues = self._queues
+        if self.queue_source is not None:
+            queues = dict(self.queue_source())
+        if known_set == self._known and policies == self._policies and queues == self._queues:
             return False
         self._known = known_set
         self._policies = policies
+        self._queues = queues
         self._changed(frozenset(), True)
         return True
 
@@ -318,13 +376,26 @@ class RoutingTable:
         self._changed(frozenset(), True)
         return True
 
+    def set_queue_limits(self, queues: Mapping[str, QueueLimits]) -> bool:
+        """
+        Replace the model -> admission queue limits map (models left out
+        get the gateway's defaults). Returns whether it changed.
+        """
+        new = dict(queues)
+        if new == self._queues:
+            return False
+        self._queues = new
+        self._changed(frozenset(), True)
+        return True
+
     def snapshot(self) -> RoutingSnapshot:
         """
         The table as it stands, immutable (built once per revision).
         """
         if self._snapshot is None:
             self._snapshot = RoutingSnapshot(
-                (r for rs in self._routes.values() for r in rs), self._known, self.revision, self._policies
+                (r for rs in self._routes.values() for r in rs), self._known, self.revision, self._policies,
+                self._queues,
             )
         return self._snapshot
 
@@ -444,7 +515,34 @@ def snapshot_to_json(table: IRoutingTable | RoutingSnapshot, now: float) -> dict
         "known": sorted(snap.known_models()),
         "routes": routes,
         "policies": dict(sorted(snap.policies().items())),
+        "queues": {m: _queue_json(q) for m, q in sorted(snap.all_queue_limits().items())},
     }
+
+
+def _queue_json(q: QueueLimits) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if q.depth is not None:
+        out["depth"] = q.depth
+    if q.timeout_s is not None:
+        out["timeout_s"] = q.timeout_s
+    return out
+
+
+def _queue_from(model: Any, data: Any) -> QueueLimits:
+    """
+    @raise RoutesDataError: C{data} is not what L{_queue_json} writes.
+    """
+    where = f"queues[{model!r}]"
+    if not isinstance(model, str) or not isinstance(data, Mapping):
+        raise RoutesDataError(f"{where} is not an object under a model name")
+    depth = data.get("depth")
+    if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int)):
+        raise RoutesDataError(f"{where}.depth is not an integer")
+    timeout = data.get("timeout_s")
+    try:
+        return QueueLimits(depth, None if timeout is None else _number(timeout, f"{where}.timeout_s"))
+    except ValueError as e:
+        raise RoutesDataError(f"{where}: {e}") from None
 
 
 def _number(value: Any, where: str) -> float:
@@ -520,4 +618,15 @@ def snapshot_from_json(data: Any, now: float) -> tuple[RoutingSnapshot, list[str
                 problems.append(
                     f"policies[{model!r}] is {name!r}, not one of {', '.join(POLICIES)}"
                 )
-    return RoutingSnapshot(routes, names, revision, policies), problems
+    # Absent from documents of control planes that predate admission queues.
+    raw_queues = data.get("queues", {})
+    queues: dict[str, QueueLimits] = {}
+    if not isinstance(raw_queues, Mapping):
+        problems.append("queues is not an object")
+    else:
+        for model, limits in raw_queues.items():
+            try:
+                queues[model] = _queue_from(model, limits)
+            except RoutesDataError as e:
+                problems.append(str(e))
+    return RoutingSnapshot(routes, names, revision, policies, queues), problems

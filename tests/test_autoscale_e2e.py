@@ -5,9 +5,10 @@ replica; a gateway's demand report brings one up, a request through the
 gateway is answered, and once idle for C{scale_to_zero_after_s} the fleet
 is back to zero replicas.
 
-Scale from zero is asked for here by a demand report (what a standalone
-gateway posts, and what the admission queue's held request will report);
-the held-request form belongs with the queue (see docs/operations.md).
+Scale from zero is asked for once by a demand report (what a standalone
+gateway posts) and once by the request itself: held in the embedded
+gateway's admission queue, counted as waiting, answered once the replica
+it brought up is ready.
 
 Bounded: every wait has a deadline, and cleanup kills whatever is left even
 when an assertion fails.
@@ -135,6 +136,43 @@ class ScaleFromAndToZeroTests(SynchronousTestCase):
         self.assertEqual(kinds, ["autoscale_up", "autoscale_to_zero"], events)
         self.assertTrue(any(e["kind"] == "replica_draining" and e["replica"] == ready[0]["id"] for e in events))
 
+        self.stop_fleet()
+
+    def test_first_request_held_until_ready(self) -> None:
+        """
+        With zero replicas, the first request is held (not refused): it
+        counts as waiting, the autoscaler places a replica for it, and it
+        is answered through the gateway once that replica is ready; with
+        no request for the idle time the deployment goes back to zero.
+        """
+        from concurrent.futures import ThreadPoolExecutor
+
+        from openai import OpenAI
+
+        self.wait("the adoption grace over", lambda: self.admin("/api/v1/status").get("placing_after") is None
+                  and len(self.admin("/api/v1/nodes")["nodes"]) == 2)
+        self.assertEqual(self.replicas(), [])
+        client = OpenAI(base_url=f"http://127.0.0.1:{self.gateway_port}/v1", api_key="none",
+                        timeout=DEADLINE, max_retries=0)
+        pool = ThreadPoolExecutor(1)
+        self.addCleanup(pool.shutdown, wait=False)
+        started = time.monotonic()
+        held = pool.submit(client.chat.completions.create, model="demo",
+                           messages=[{"role": "user", "content": "hello"}])
+        reply = held.result(timeout=DEADLINE)
+        self.assertTrue(reply.choices[0].message.content)
+        events = self.admin("/api/v1/events")["events"]
+        up = [e for e in events if e["kind"] == "autoscale_up"]
+        self.assertEqual(len(up), 1, events)
+        self.assertIn("1 queued", up[0]["reason"])
+        # It was held while the replica started, not answered from one
+        # already there.
+        self.assertGreater(time.monotonic() - started, 0.5)
+        self.wait("zero replicas again", lambda: self.replicas() == [] and
+                  self.admin("/api/v1/deployments")["deployments"][0]["desired"] == 0)
+        self.stop_fleet()
+
+    def stop_fleet(self) -> None:
         self.fleet.send_signal(signal.SIGTERM)
         try:
             self.fleet.wait(30)

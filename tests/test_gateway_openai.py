@@ -13,6 +13,7 @@ from twisted.internet.threads import deferToThread
 from twisted.trial.unittest import TestCase
 
 from llmgw.gateway.keys import KeyRing
+from llmgw.gateway.proxy import GatewayConfig
 from tests.gateway_helpers import Harness
 
 KEY = "sk-openai-client-test"
@@ -22,7 +23,9 @@ class OpenAIClientTests(TestCase):
     timeout = 20
 
     def setUp(self) -> None:
-        self.h = Harness(self, keys=KeyRing({"tests": KEY}))
+        # A short admission queue deadline: a model without a replica
+        # answers 503 soon (the gateway's real clock runs).
+        self.h = Harness(self, GatewayConfig(queue_timeout_s=0.2), keys=KeyRing({"tests": KEY}))
         self.h.fakemodel("r1", model="demo", tokens=5)
         self.h.known.add("idle-model")
         self.h.routes_for()
@@ -72,7 +75,8 @@ class OpenAIClientTests(TestCase):
         """
         An unknown model raises the client's C{NotFoundError} with the
         gateway's code; a known model without a ready replica raises its
-        503 error (C{InternalServerError}).
+        503 error (C{InternalServerError}) once the admission queue's
+        deadline has passed.
         """
         call = self.client.chat.completions.create
         msgs = [{"role": "user", "content": "hi"}]
@@ -81,6 +85,7 @@ class OpenAIClientTests(TestCase):
         self.assertEqual(e.code, "model_not_found")
         e = yield self.assertFailure(deferToThread(call, model="idle-model", messages=msgs), openai.InternalServerError)
         self.assertEqual(e.status_code, 503)
+        self.assertEqual(e.code, "queue_timeout")
 
     @inlineCallbacks
     def test_wrong_key(self) -> Any:

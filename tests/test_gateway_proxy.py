@@ -129,9 +129,10 @@ class RoutingTests(TestCase):
     def test_draining_gets_nothing_new(self) -> Any:
         """
         A draining replica gets no new request while another is ready; with
-        only draining replicas the answer is 503.
+        only draining replicas (and the admission queue off) the answer is
+        503 at once.
         """
-        h = Harness(self)
+        h = Harness(self, GatewayConfig(queue_depth=0))
         h.replica("old", draining=True)
         h.replica("new")
         for _ in range(5):
@@ -425,10 +426,11 @@ class ErrorShapeTests(TestCase):
     def test_each_error(self) -> Any:
         """
         Malformed JSON and a missing model get 400, an unknown model 404, a
-        known model without a ready replica 503 with C{Retry-After}, a body
-        over the limit 413: each in OpenAI's error shape.
+        known model without a ready replica 503 with C{Retry-After} (at
+        once, with the admission queue off), a body over the limit 413: each
+        in OpenAI's error shape.
         """
-        h = Harness(self, GatewayConfig(max_body=1000))
+        h = Harness(self, GatewayConfig(max_body=1000, queue_depth=0))
         h.known.add("later")
         h.routes_for()
         yield self._check(h, b'{"model": "demo"', 400, "invalid_json")

@@ -234,9 +234,9 @@ class LabelTests(SynchronousTestCase):
         """
         With a routing table, unknown models (404) share the C{_unknown}
         series; a model the table declares gets its own label even with no
-        ready replica (503).
+        ready replica (503, at once with the admission queue off).
         """
-        front = Front(table=RoutingSnapshot([], known=["later"]))
+        front = Front(table=RoutingSnapshot([], known=["later"]), config=GatewayConfig(queue_depth=0))
         for i in range(2000):
             front.answer(post(json.dumps({"model": f"nope-{i}"}).encode()))
         status, _, _ = front.answer(post(b'{"model": "later"}'))

@@ -61,6 +61,17 @@ class OptionsTests(SynchronousTestCase):
         self.assertEqual(o.config().max_tries, 3)
         c = o.config()
         self.assertEqual((c.head_timeout, c.body_timeout, c.keep_alive_timeout), (30.0, 60.0, 120.0))
+        self.assertEqual((c.queue_depth, c.queue_timeout_s), (1000, 60.0))
+
+    def test_queue_options(self) -> None:
+        """
+        --queue-depth and --queue-timeout set the admission queue's defaults
+        (0 turns it off); a negative depth is refused.
+        """
+        o = Options()
+        o.parseOptions(["--queue-depth", "0", "--queue-timeout", "2.5"])
+        self.assertEqual((o.config().queue_depth, o.config().queue_timeout_s), (0, 2.5))
+        self.assertRaises(usage.UsageError, Options().parseOptions, ["--queue-depth", "-1"])
 
     def test_client_timeouts(self) -> None:
         """

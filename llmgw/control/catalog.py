@@ -30,7 +30,7 @@ from llmgw.control.autoscale import (
     DEFAULT_STABILIZATION_S,
     AutoscalePolicy,
 )
-from llmgw.routing import POLICIES
+from llmgw.routing import POLICIES, QueueLimits
 from llmgw.wire import validate_node_id
 
 #: Placeholders a command or env value may hold. C{{python}} is left for the
@@ -123,6 +123,11 @@ class Deployment:
     #: Autoscaling between bounds instead of a fixed count (C{replicas} is
     #: then C{min_replicas}, the count it starts from); C{None}: fixed.
     autoscale: AutoscalePolicy | None = None
+    #: The gateway's admission queue for this model: most requests waiting,
+    #: and seconds each may wait (L{llmgw.gateway.admission}); C{None}: the
+    #: gateway's defaults.
+    queue_depth: int | None = None
+    queue_timeout_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -143,6 +148,18 @@ class Catalog:
         (L{llmgw.routing.RoutingTable.set_policies}).
         """
         return {m: d.routing for m, d in sorted(self.deployments.items()) if d.routing is not None}
+
+    def queue_limits(self) -> dict[str, QueueLimits]:
+        """
+        The admission queue limits of every deployment that sets either,
+        by model: published in the routing table with the policies
+        (L{llmgw.routing.RoutingTable.set_queue_limits}).
+        """
+        return {
+            m: QueueLimits(d.queue_depth, d.queue_timeout_s)
+            for m, d in sorted(self.deployments.items())
+            if d.queue_depth is not None or d.queue_timeout_s is not None
+        }
 
     def profile_for(self, model: str) -> Profile | None:
         dep = self.deployments.get(model)
@@ -174,6 +191,8 @@ _DEPLOYMENT_FIELDS: dict[str, type | tuple[type, ...]] = {
     "profile": str,
     "replicas": int,
     "routing": str,
+    "queue_depth": int,
+    "queue_timeout_s": (int, float),
     "min_replicas": int,
     "max_replicas": int,
     "target_in_flight": (int, float),
@@ -339,8 +358,18 @@ def parse_deployment(index: int, raw: Any, profiles: Mapping[str, Profile]) -> D
     autoscale = parse_autoscale(where, raw)
     if autoscale is not None:
         replicas = autoscale.min_replicas
+    queue_depth = raw.get("queue_depth")
+    if queue_depth is not None:
+        _positive(where, "queue_depth", queue_depth, 0)
+    queue_timeout = raw.get("queue_timeout_s")
+    if queue_timeout is not None:
+        try:
+            QueueLimits(timeout_s=float(queue_timeout))
+        except ValueError as e:
+            raise CatalogError(f"{where}: field 'queue_timeout_s': {e}") from None
+        queue_timeout = float(queue_timeout)
     return Deployment(model=raw["model"], profile=raw["profile"], replicas=replicas, routing=routing,
-                      autoscale=autoscale)
+                      autoscale=autoscale, queue_depth=queue_depth, queue_timeout_s=queue_timeout)
 
 
 def parse_autoscale(where: str, raw: Mapping[str, Any]) -> AutoscalePolicy | None:

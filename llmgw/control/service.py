@@ -468,21 +468,27 @@ def makeService(options: Options, reactor: Any = None) -> ControlPlane:
         reconciler.set_in_flight(cp.gateway)
         # Autoscaling (issue 12): a router that knows its demand (queue
         # included) is read for it; else the in-flight counts above are.
-        router = cp.gateway.gateway.router
+        # The embedded gateway counts in flight and waiting per model.
+        gateway = cp.gateway.gateway
+        router = gateway.router
         reconciler.set_demand_source(
-            router if IDemand.providedBy(router) else InFlightDemand(router.snapshot, reconciler.model_of))
+            gateway if IDemand.providedBy(gateway) else InFlightDemand(router.snapshot, reconciler.model_of))
     return cp
 
 
 def follow_catalog_policies(reconciler: Any) -> None:
     """
     Have C{reconciler}'s routing table publish the catalog's per-deployment
-    routing policies (C{routing}) whenever it publishes the declared models,
-    and publish them now.
+    routing policies (C{routing}) and admission queue limits
+    (C{queue_depth}, C{queue_timeout_s}) whenever it publishes the declared
+    models, and publish them now.
     """
     table = reconciler.routing_table
     table.policy_source = lambda: reconciler.catalog.routing_policies()
     table.set_policies(reconciler.catalog.routing_policies())
+    # The admission queue's limits (queue_depth, queue_timeout_s) likewise.
+    table.queue_source = lambda: reconciler.catalog.queue_limits()
+    table.set_queue_limits(reconciler.catalog.queue_limits())
 
 
 class ReloadOnHangup(SighupService):

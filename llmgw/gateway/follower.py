@@ -41,6 +41,7 @@ from llmgw.routing import (
     LONG_POLL_MAX_S,
     IDemand,
     IRoutingTable,
+    QueueLimits,
     Route,
     RoutesDataError,
     RoutingSnapshot,
@@ -237,6 +238,9 @@ class FollowerTable:
 
     def policy(self, model: str) -> str | None:
         return self.snapshot.policy(model)
+
+    def queue_limits(self, model: str) -> QueueLimits | None:
+        return self.snapshot.queue_limits(model)
 
     def age(self) -> float:
         if self.last_success is None:

@@ -32,6 +32,7 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from llmgw.gateway import errors
+from llmgw.gateway.admission import gateway_admission
 from llmgw.gateway.front import BODY_TIMEOUT, HEAD_TIMEOUT, KEEP_ALIVE_TIMEOUT, FrontRequest
 from llmgw.gateway.keys import KeyRing
 from llmgw.gateway.metrics import GatewayMetrics
@@ -40,7 +41,15 @@ from llmgw.gateway.router import Router
 from llmgw.gateway.upstream import UpstreamConnection, UpstreamPool, UpstreamProtocolError
 from llmgw.gateway.usage import Usage, UsageCollector, UsageMeter
 from llmgw.hostcheck import HostCheck
-from llmgw.routing import IInFlight, IRoutingTable, Route
+from llmgw.routing import (
+    DEFAULT_QUEUE_DEPTH,
+    DEFAULT_QUEUE_TIMEOUT_S,
+    Demand,
+    IDemand,
+    IInFlight,
+    IRoutingTable,
+    Route,
+)
 
 #: Request headers that are the gateway's business, not the replica's.
 _DROP_REQUEST = frozenset(
@@ -97,9 +106,13 @@ class GatewayConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     #: The share of each API key's limits this gateway enforces (usage).
     limit_share: float = 1.0
+    #: The admission queue (L{llmgw.gateway.admission}) of models whose
+    #: deployment sets no C{queue_depth} / C{queue_timeout_s}.
+    queue_depth: int = DEFAULT_QUEUE_DEPTH
+    queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S
 
 
-@implementer(IInFlight)
+@implementer(IInFlight, IDemand)
 class Gateway:
     """
     What every request shares. C{keys} is C{None} when no API keys are
@@ -130,9 +143,18 @@ class Gateway:
         # usage and limits per key (llmgw.gateway.usage)
         self.usage = Usage(reactor, keys.limits if keys is not None else None, config.limit_share)
         self.registry.register(UsageCollector(lambda: self.usage))
+        #: Requests waiting for a replica, and in flight per model.
+        self.admission = gateway_admission(self)
 
     def in_flight(self, replica_id: str) -> int:
         return self.router.in_flight(replica_id)
+
+    def demand(self) -> dict[str, Demand]:
+        """
+        L{IDemand}: per model, requests in flight from this gateway and
+        waiting in its admission queue (models with neither left out).
+        """
+        return self.admission.demand()
 
     def policy_for(self, model: str) -> str:
         """
@@ -144,6 +166,7 @@ class Gateway:
         return policy or self.config.default_policy
 
     def close(self) -> None:
+        self.admission.close()
         self.pool.close()
 
 
@@ -281,6 +304,7 @@ class ProxyCall:
 
     def start(self) -> None:
         self.request.on_lost = self._client_gone
+        self.gw.admission.started(self.model)
         self._attempt(None)
 
     def _attempt(self, same: Route | None) -> None:
@@ -601,6 +625,8 @@ class ProxyCall:
         m = self.gw.metrics
         m.count(self.model, self.path_label, status)
         m.observe(self.model, time.monotonic() - self.started)
+        # The call is over: its capacity may go to a waiting request.
+        self.gw.admission.ended(self.model)
 
 
 def send_error(request: FrontRequest, err: errors.GatewayError) -> None:

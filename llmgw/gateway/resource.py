@@ -24,10 +24,12 @@ from typing import Any
 from twisted.logger import Logger
 
 from llmgw.gateway import errors
+from llmgw.gateway.admission import capacity
 from llmgw.gateway.front import FrontFactory, FrontRequest
 from llmgw.gateway.metrics import UNKNOWN_MODEL
 from llmgw.gateway.policy import affinity_key
 from llmgw.gateway.proxy import Gateway, ProxyCall, send_error
+from llmgw.gateway.usage import UsageMeter
 from llmgw.routing import IRoutingTable
 from llmgw.untrusted import JSONInputError, clip, load_json
 
@@ -112,27 +114,72 @@ class GatewayResource:
             )
         table = gw.table
         routes = table.routes(model)
-        if not routes:
-            if not table.knows_model(model):
-                raise errors.model_not_found(model)
-            err = errors.no_ready_replica(model, gw.config.retry_after)
-            self._refused(request, err, key_name, _label(table, model), started, path=label)
-            return
+        if not routes and not table.knows_model(model):
+            raise errors.model_not_found(model)
         # usage and limits (llmgw.gateway.usage): a key over its limit is
-        # refused here, before anything is forwarded.
+        # refused here, before it waits or anything is forwarded.
         try:
             meter = gw.usage.admit(key_name, gw.metrics.model_label(model))
         except errors.GatewayError as err:
             self._refused(request, err, key_name, _label(table, model), started, path=label)
             return
+        admission = gw.admission
+        state = capacity(routes, gw.router.cooling, gw.reactor.seconds(), gw.config.policy)
+        if admission.must_wait(model, state):
+            if not getattr(table, "loaded", True):
+                # A standalone gateway with no table yet: every model counts
+                # as known, so none waits (names are the client's to choose).
+                refusal = errors.no_ready_replica(model, gw.config.retry_after)
+                self._refused(request, refusal, key_name, _label(table, model), started, path=label)
+                return
+            self._wait(request, obj, model, label, body, started, key_name, meter)
+            return
         policy = gw.policy_for(model)
         key = None
         if policy == "prefix" and len(routes) > 1:
-            session = request.header(b"x-session-id")
-            key = affinity_key(obj, session.decode("utf-8", "replace") if session else None, gw.config.policy)
+            key = self._key(request, obj)
         call = ProxyCall(gw, request, model, label, body, routes, started, policy, key)
         call.meter = meter
         call.start()
+
+    def _key(self, request: FrontRequest, obj: dict[str, Any]) -> bytes | None:
+        session = request.header(b"x-session-id")
+        return affinity_key(
+            obj, session.decode("utf-8", "replace") if session else None, self.gateway.config.policy
+        )
+
+    def _wait(
+        self,
+        request: FrontRequest,
+        obj: dict[str, Any],
+        model: str,
+        label: str,
+        body: bytes,
+        started: float,
+        key_name: str | None,
+        meter: UsageMeter | None,
+    ) -> None:
+        """
+        Put the request in C{model}'s admission queue, under its API key
+        (else its client's address), to be sent on when a replica can take
+        it, or refused with 503.
+        """
+        gw = self.gateway
+        policy = gw.policy_for(model)
+        # The affinity key now: the parsed body is not kept while waiting.
+        key = self._key(request, obj) if policy == "prefix" else None
+
+        def go() -> None:
+            routes = gw.table.routes(model)
+            call = ProxyCall(gw, request, model, label, body, routes, started, gw.policy_for(model), key)
+            call.meter = meter
+            call.start()
+
+        def refuse(err: errors.GatewayError) -> None:
+            self._refused(request, err, key_name, model, started, path=label)
+
+        who = "key:" + key_name if key_name is not None else "addr:" + (request.client_host or "")
+        gw.admission.enter(model, who, request, go, refuse)
 
     # local answers
 

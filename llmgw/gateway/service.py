@@ -38,7 +38,7 @@ from llmgw.gateway.usage import UsageResource
 from llmgw.hostcheck import HostCheck, HostListError, parse_hosts
 from llmgw.options import Options as BaseOptions
 from llmgw.options import non_negative_int, positive_float, positive_int
-from llmgw.routing import IDemand, IInFlight, IRoutingTable, RoutingSnapshot
+from llmgw.routing import Demand, IDemand, IInFlight, IRoutingTable, RoutingSnapshot
 from llmgw.tlsconf.options import ClientTLSPolicy, TLSConfigError, admin_files
 from llmgw.tlsconf.reload import ClientCertificateReload
 
@@ -47,7 +47,7 @@ DEFAULT_METRICS = "127.0.0.1:7481"
 DEFAULT_CONTROL_ADMIN = "http://127.0.0.1:7480"
 
 
-@implementer(IInFlight)
+@implementer(IInFlight, IDemand)
 class GatewayService(MultiService):
     """
     The gateway's HTTP front on C{host}:C{port}, routing by C{table}.
@@ -92,6 +92,13 @@ class GatewayService(MultiService):
 
     def in_flight(self, replica_id: str) -> int:
         return self.gateway.in_flight(replica_id)
+
+    def demand(self) -> dict[str, Demand]:
+        """
+        L{IDemand}: this gateway's requests in flight and waiting, per model
+        (what the control plane's autoscaler reads of the embedded gateway).
+        """
+        return self.gateway.demand()
 
     def startService(self) -> None:
         super().startService()
@@ -155,6 +162,12 @@ class Options(BaseOptions):
         ["gateway-hosts", None, "",
          "comma-separated Host names the gateway answers to besides loopback names and its "
          "bound address (NAME, NAME:PORT, .DOMAIN, or * for any); a wildcard bind needs them"],
+        ["queue-depth", None, GatewayConfig.queue_depth,
+         "requests that may wait per model when no replica can take them (0: none wait, 503 at "
+         "once); a deployment's queue_depth wins", non_negative_int],
+        ["queue-timeout", None, GatewayConfig.queue_timeout_s,
+         "seconds a request may wait for a replica before its 503; a deployment's "
+         "queue_timeout_s wins", positive_float],
         ["max-connections", None, MAX_CONNECTIONS,
          "most client connections at once; past it new ones are closed at accept (0: no cap)",
          non_negative_int],
@@ -224,6 +237,8 @@ class Options(BaseOptions):
             failure_threshold=self["failure-threshold"],
             cooldown=self["cooldown"],
             limit_share=self["limit-share"],
+            queue_depth=self["queue-depth"],
+            queue_timeout_s=self["queue-timeout"],
         )
 
 

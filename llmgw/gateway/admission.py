@@ -1,0 +1,597 @@
+"""
+The admission queue (DESIGN §16): where a request waits when its model has
+no replica that can take it now, instead of failing at once.
+
+A model "can take" a request when one of its routes is not draining, not
+cooling down (the router's breaker) and not saturated (fresh engine signals
+over the policies' thresholds, L{llmgw.gateway.policy.saturated}). When none
+is, or when others already wait, a request joins its model's queue. It
+leaves it:
+
+ - dispatched, in fair order, as soon as the model can take requests again
+   (a routing table change: a replica turned ready, fresh signals), or when
+   one of the model's requests finishes while all its replicas are
+   saturated (one waiter per request finished: the capacity it freed);
+ - refused with the OpenAI-shaped 503 and C{Retry-After} after waiting the
+   model's C{timeout_s}, or at once when C{depth} requests already wait;
+ - at once, with nothing sent upstream, when its client disconnects.
+
+Fair across clients: each client key (the API key's name, else the client's
+address) has its own sub-queue, and the model's queue takes one request from
+each key in turn. When the queue is full, a newcomer whose key holds fewer
+than the key with the most waiting takes the place of that key's newest
+request (which gets the 503): one key's burst cannot starve another's.
+
+Every operation is O(1): sub-queues are insertion-ordered dicts, and keys are
+indexed by how many they hold, so the longest is found without a scan.
+
+L{Admission} also counts the requests in flight per model, and offers both
+figures as L{llmgw.routing.IDemand}, for the autoscaler.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from zope.interface import implementer
+
+from llmgw.gateway import errors
+from llmgw.gateway.metrics import LATENCY_BUCKETS
+from llmgw.gateway.policy import PolicyConfig, saturated
+from llmgw.routing import DEFAULT_QUEUE_DEPTH, DEFAULT_QUEUE_TIMEOUT_S, Demand, IDemand, Route
+from llmgw.untrusted import clip
+
+#: What L{capacity} says of a model.
+NONE = 0  # no route that is ready, not draining and not cooling down
+SATURATED = 1  # such routes, but every one saturated
+FREE = 2  # a route that can take a request now
+
+#: How often models with waiters are looked at again with no event (a
+#: cool-down ending, signals going stale, which no table change announces).
+TICK_S = 1.0
+
+#: Why a waiter left the queue: the C{outcome} label of the wait metric.
+DISPATCHED = "dispatched"
+TIMEOUT = "timeout"
+FULL = "full"
+DISCONNECTED = "disconnected"
+OUTCOMES = (DISPATCHED, TIMEOUT, FULL, DISCONNECTED)
+
+
+@dataclass(frozen=True)
+class QueueConfig:
+    """
+    One model's queue limits: C{depth} requests waiting at most (0: none
+    wait, all get 503 at once), each for at most C{timeout_s} seconds.
+    """
+
+    depth: int = DEFAULT_QUEUE_DEPTH
+    timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S
+
+
+def capacity(
+    routes: Sequence[Route],
+    cooling: Callable[[str], bool],
+    now: float,
+    config: PolicyConfig,
+) -> int:
+    """
+    L{FREE} if a route in C{routes} can take a request now, L{SATURATED}
+    if some could but for their fresh engine signals, else L{NONE}. Stops
+    at the first free route (the common case costs one look).
+    """
+    state = NONE
+    for r in routes:
+        if r.draining or cooling(r.replica_id):
+            continue
+        if r.signals is None or not saturated(r, now, config):
+            return FREE
+        state = SATURATED
+    return state
+
+
+class Waiter:
+    """
+    One request in a queue. C{go} sends it on (to a replica); C{refuse}
+    answers it with an error; C{request} has the C{on_lost} hook its
+    connection calls if the client goes away.
+    """
+
+    __slots__ = ("model", "who", "request", "go", "refuse", "since", "timer", "done")
+
+    def __init__(
+        self,
+        model: str,
+        who: str,
+        request: Any,
+        go: Callable[[], None],
+        refuse: Callable[[errors.GatewayError], None],
+        since: float,
+    ):
+        self.model = model
+        self.who = who
+        self.request = request
+        self.go = go
+        self.refuse = refuse
+        self.since = since
+        self.timer: IDelayedCall | None = None
+        self.done = False
+
+
+class FairQueue:
+    """
+    One model's waiters: a sub-queue per key, served one key at a time in
+    turn (round robin), each sub-queue first come, first served.
+    """
+
+    def __init__(self) -> None:
+        #: key -> its waiters, oldest first; keys in the order of their turn
+        self._keys: OrderedDict[str, dict[Waiter, None]] = OrderedDict()
+        #: n -> the keys holding exactly n waiters
+        self._by_size: dict[int, dict[str, None]] = {}
+        self._longest = 0
+        self.size = 0
+
+    def __len__(self) -> int:
+        return self.size
+
+    def count(self, key: str) -> int:
+        sub = self._keys.get(key)
+        return len(sub) if sub is not None else 0
+
+    def _resize(self, key: str, old: int, new: int) -> None:
+        if old:
+            bucket = self._by_size[old]
+            del bucket[key]
+            if not bucket:
+                del self._by_size[old]
+        if new:
+            self._by_size.setdefault(new, {})[key] = None
+        if new > self._longest:
+            self._longest = new
+        while self._longest and self._longest not in self._by_size:
+            self._longest -= 1
+
+    def push(self, w: Waiter) -> None:
+        sub = self._keys.get(w.who)
+        if sub is None:
+            sub = self._keys[w.who] = {}
+        sub[w] = None
+        self.size += 1
+        self._resize(w.who, len(sub) - 1, len(sub))
+
+    def pop(self) -> Waiter | None:
+        """
+        The next waiter in fair order, removed; C{None} when empty.
+        """
+        if not self._keys:
+            return None
+        key, sub = next(iter(self._keys.items()))
+        w = next(iter(sub))
+        del sub[w]
+        self.size -= 1
+        if sub:
+            self._keys.move_to_end(key)
+        else:
+            del self._keys[key]
+        self._resize(key, len(sub) + 1, len(sub))
+        return w
+
+    def remove(self, w: Waiter) -> bool:
+        sub = self._keys.get(w.who)
+        if sub is None or w not in sub:
+            return False
+        del sub[w]
+        self.size -= 1
+        if not sub:
+            del self._keys[w.who]
+        self._resize(w.who, len(sub) + 1, len(sub))
+        return True
+
+    def longest(self) -> tuple[str, int] | None:
+        """
+        A key holding the most waiters, and how many; C{None} when empty.
+        """
+        if not self._longest:
+            return None
+        return next(iter(self._by_size[self._longest])), self._longest
+
+    def newest(self, key: str) -> Waiter:
+        return next(reversed(self._keys[key]))
+
+    def __iter__(self) -> Iterator[Waiter]:
+        for sub in list(self._keys.values()):
+            yield from list(sub)
+
+
+class _Episode:
+    """
+    What happened to a model's queue since it last was empty (for the log).
+    """
+
+    __slots__ = ("since", "counts", "longest_wait", "warned_full")
+
+    def __init__(self, since: float):
+        self.since = since
+        self.counts = dict.fromkeys(OUTCOMES, 0)
+        self.longest_wait = 0.0
+        self.warned_full = False
+
+
+class _WaitingCollector(Collector):
+    def __init__(self, admission: Admission):
+        self._admission = admission
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        g = GaugeMetricFamily(
+            "llmgw_gateway_queue_waiting",
+            "Requests waiting in the admission queue now, per model",
+            labels=["model"],
+        )
+        for model, n in sorted(self._admission.waiting_by_label().items()):
+            g.add_metric([model], n)
+        yield g
+
+
+@implementer(IDemand)
+class Admission:
+    """
+    Every model's admission queue, and the count of requests in flight per
+    model (L{IDemand}).
+
+    @param capacity: model -> L{NONE}, L{SATURATED} or L{FREE}, now.
+    @param limits: model -> its L{QueueConfig}.
+    @param label: model -> its metrics label (bounded, see
+        L{llmgw.gateway.metrics.GatewayMetrics.model_label}).
+    @param retry_after: the C{Retry-After} seconds of a refusal.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        clock: IReactorTime,
+        capacity: Callable[[str], int],
+        limits: Callable[[str], QueueConfig],
+        registry: CollectorRegistry | None = None,
+        label: Callable[[str], str] = lambda m: m,
+        retry_after: int = 5,
+    ):
+        self.clock = clock
+        self.capacity = capacity
+        self.limits = limits
+        self.label = label
+        self.retry_after = retry_after
+        self._queues: dict[str, FairQueue] = {}
+        self._episodes: dict[str, _Episode] = {}
+        #: model -> requests finished while it was saturated, not yet used
+        self._credits: dict[str, int] = {}
+        self._in_flight: dict[str, int] = {}
+        self._tick: IDelayedCall | None = None
+        self._soon: IDelayedCall | None = None
+        self._pumping: set[str] = set()
+        #: Undoes what feeds this object table changes (L{close}).
+        self.detach: Callable[[], None] | None = None
+        registry = registry if registry is not None else CollectorRegistry()
+        self.waits = Histogram(
+            "llmgw_gateway_queue_wait_seconds",
+            "Time requests spent in the admission queue, by model and how they left it "
+            "(dispatched, timeout, full, disconnected)",
+            ["model", "outcome"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        registry.register(_WaitingCollector(self))
+
+    # -- IDemand -------------------------------------------------------------------------
+
+    def demand(self) -> dict[str, Demand]:
+        out = {m: Demand(n, 0) for m, n in self._in_flight.items()}
+        for m, q in self._queues.items():
+            out[m] = Demand(self._in_flight.get(m, 0), len(q))
+        return out
+
+    def waiting(self, model: str) -> int:
+        q = self._queues.get(model)
+        return len(q) if q is not None else 0
+
+    def waiting_by_label(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for m, q in self._queues.items():
+            label = self.label(m)
+            out[label] = out.get(label, 0) + len(q)
+        return out
+
+    # -- in flight -------------------------------------------------------------------------
+
+    def started(self, model: str) -> None:
+        """
+        A request of C{model} was sent on to a replica.
+        """
+        self._in_flight[model] = self._in_flight.get(model, 0) + 1
+
+    def ended(self, model: str) -> None:
+        """
+        A request of C{model} that L{started} is over, however it ended:
+        the capacity it held is free for a waiter.
+        """
+        n = self._in_flight.get(model, 0) - 1
+        if n > 0:
+            self._in_flight[model] = n
+        else:
+            self._in_flight.pop(model, None)
+        if model in self._queues:
+            self._credits[model] = self._credits.get(model, 0) + 1
+            self.pump(model)
+
+    # -- entering ----------------------------------------------------------------------------
+
+    def must_wait(self, model: str, state: int) -> bool:
+        """
+        Whether a request of C{model} arriving now, when the model's
+        capacity is C{state}, joins the queue: when others wait (no
+        overtaking them) or the model cannot take it.
+        """
+        return state != FREE or model in self._queues
+
+    def enter(
+        self,
+        model: str,
+        who: str,
+        request: Any,
+        go: Callable[[], None],
+        refuse: Callable[[errors.GatewayError], None],
+    ) -> None:
+        """
+        Queue a request of C{model} from client key C{who}; C{go} or
+        C{refuse} is called exactly once later (or C{refuse} now, when the
+        queue is full or off), unless the client goes away first, which
+        L{Admission} learns through C{request.on_lost}.
+        """
+        limits = self.limits(model)
+        now = self.clock.seconds()
+        if limits.depth <= 0:
+            refuse(errors.no_ready_replica(model, self.retry_after))
+            return
+        q = self._queues.get(model)
+        if q is None:
+            q = self._queues[model] = FairQueue()
+            self._episodes[model] = _Episode(now)
+            self.log.info(
+                "{model}: no replica can take requests now ({why}); queueing them "
+                "(at most {depth}, each for up to {timeout} s)",
+                model=clip(model),
+                why="all saturated" if self.capacity(model) == SATURATED else "none ready",
+                depth=limits.depth,
+                timeout=limits.timeout_s,
+            )
+        if len(q) >= limits.depth:
+            top = q.longest()
+            assert top is not None
+            if q.count(who) + 1 < top[1]:
+                # The newcomer's key holds less than the longest: that
+                # key's newest gives up its place.
+                self._leave(q.newest(top[0]), FULL, now)
+            else:
+                self._refuse_full(model, limits, now, refuse)
+                return
+        w = Waiter(model, who, request, go, refuse, now)
+        q.push(w)
+        w.timer = self.clock.callLater(limits.timeout_s, self._expired, w)
+        request.on_lost = lambda reason, w=w: self._gone(w, reason)
+        if self._tick is None:
+            self._tick = self.clock.callLater(TICK_S, self._ticked)
+        # A model that could take requests (it only had waiters) takes this
+        # one too if they have all gone meanwhile.
+        self.pump(model)
+
+    def _refuse_full(
+        self, model: str, limits: QueueConfig, now: float, refuse: Callable[[errors.GatewayError], None]
+    ) -> None:
+        ep = self._episodes.get(model)
+        if ep is not None:
+            ep.counts[FULL] += 1
+            if not ep.warned_full:
+                ep.warned_full = True
+                self.log.warn(
+                    "{model}: admission queue full ({depth} waiting); refusing more with 503 "
+                    "and Retry-After",
+                    model=clip(model),
+                    depth=limits.depth,
+                )
+        self.waits.labels(self.label(model), FULL).observe(0.0)
+        refuse(queue_full(model, limits.depth, self.retry_after))
+
+    # -- leaving -----------------------------------------------------------------------------
+
+    def pump(self, model: str) -> None:
+        """
+        Dispatch C{model}'s waiters in fair order while it can take them
+        (and, while saturated, one per request finished since the last
+        pump).
+        """
+        if model in self._pumping:
+            return
+        self._pumping.add(model)
+        try:
+            q = self._queues.get(model)
+            now = self.clock.seconds()
+            while q:
+                state = self.capacity(model)
+                if state == SATURATED and self._credits.get(model, 0) > 0:
+                    self._credits[model] -= 1
+                elif state != FREE:
+                    break
+                w = q.pop()
+                assert w is not None
+                self._leave(w, DISPATCHED, now, removed=True)
+                w.go()
+                q = self._queues.get(model)
+            # A finished request's capacity is used now or not at all.
+            self._credits.pop(model, None)
+        finally:
+            self._pumping.discard(model)
+
+    def pump_all(self) -> None:
+        for model in list(self._queues):
+            self.pump(model)
+
+    def pump_soon(self) -> None:
+        """
+        L{pump_all} on the next reactor turn (once, however often asked):
+        for table changes, which arrive inside whoever published them.
+        """
+        if self._soon is None and self._queues:
+            self._soon = self.clock.callLater(0, self._soon_fired)
+
+    def _soon_fired(self) -> None:
+        self._soon = None
+        self.pump_all()
+
+    def _ticked(self) -> None:
+        self._tick = None
+        try:
+            self.pump_all()
+        except Exception:
+            self.log.failure("admission queue: dispatching waiters failed")
+        if self._queues:
+            self._tick = self.clock.callLater(TICK_S, self._ticked)
+
+    def _expired(self, w: Waiter) -> None:
+        w.timer = None
+        if w.done:
+            return
+        now = self.clock.seconds()
+        self._leave(w, TIMEOUT, now)
+
+    def _gone(self, w: Waiter, reason: Failure) -> None:
+        if w.done:
+            return
+        self._leave(w, DISCONNECTED, self.clock.seconds())
+
+    def _leave(self, w: Waiter, outcome: str, now: float, removed: bool = False) -> None:
+        """
+        C{w} leaves its queue: dispatched (the caller calls C{go}), timed
+        out or pushed out (refused here), or its client gone.
+        """
+        w.done = True
+        q = self._queues.get(w.model)
+        if not removed and q is not None:
+            q.remove(w)
+        if w.timer is not None:
+            timer, w.timer = w.timer, None
+            timer.cancel()
+        if w.request.on_lost is not None and outcome != DISCONNECTED:
+            w.request.on_lost = None
+        waited = max(0.0, now - w.since)
+        self.waits.labels(self.label(w.model), outcome).observe(waited)
+        ep = self._episodes.get(w.model)
+        if ep is not None:
+            ep.counts[outcome] += 1
+            ep.longest_wait = max(ep.longest_wait, waited)
+        if outcome == TIMEOUT:
+            w.refuse(queue_timeout(w.model, waited, self.retry_after))
+        elif outcome == FULL:
+            w.refuse(queue_full(w.model, self.limits(w.model).depth, self.retry_after))
+        if q is not None and not q:
+            self._emptied(w.model, now)
+
+    def _emptied(self, model: str, now: float) -> None:
+        del self._queues[model]
+        self._credits.pop(model, None)
+        ep = self._episodes.pop(model, None)
+        if ep is not None:
+            c = ep.counts
+            self.log.info(
+                "{model}: admission queue empty again after {seconds:.1f} s: {dispatched} dispatched, "
+                "{timeout} timed out, {full} refused (queue full), {disconnected} clients left; "
+                "longest wait {longest:.1f} s",
+                model=clip(model),
+                seconds=now - ep.since,
+                longest=ep.longest_wait,
+                **c,
+            )
+
+    def close(self) -> None:
+        """
+        Stop the timers (the gateway is stopping); waiters stay as they are.
+        """
+        for call in (self._tick, self._soon):
+            if call is not None and call.active():
+                call.cancel()
+        self._tick = self._soon = None
+        if self.detach is not None:
+            detach, self.detach = self.detach, None
+            detach()
+
+
+def queue_full(model: str, depth: int, retry_after: int) -> errors.GatewayError:
+    return errors.GatewayError(
+        503,
+        f"No replica of {clip(model)} can take the request now, and {depth} requests already "
+        f"wait for one; retry later",
+        "server_error",
+        "queue_full",
+        {b"Retry-After": b"%d" % retry_after},
+    )
+
+
+def queue_timeout(model: str, waited: float, retry_after: int) -> errors.GatewayError:
+    return errors.GatewayError(
+        503,
+        f"No replica of {clip(model)} could take the request within {waited:.0f} s of waiting; "
+        f"retry later",
+        "server_error",
+        "queue_timeout",
+        {b"Retry-After": b"%d" % retry_after},
+    )
+
+
+def gateway_admission(gateway: Any) -> Admission:
+    """
+    The admission queues of C{gateway} (an L{llmgw.gateway.proxy.Gateway}):
+    capacity judged from its routing table and router, limits from the
+    table's per-model L{llmgw.routing.QueueLimits} over the gateway's
+    defaults, waiters pumped on every routing table change.
+    """
+    clock, table, router, config = gateway.reactor, gateway.table, gateway.router, gateway.config
+    policy = config.policy
+
+    def model_capacity(model: str) -> int:
+        return capacity(table.routes(model), router.cooling, clock.seconds(), policy)
+
+    def limits(model: str) -> QueueConfig:
+        named = getattr(table, "queue_limits", None)
+        q = named(model) if named is not None else None
+        if q is None:
+            return QueueConfig(config.queue_depth, config.queue_timeout_s)
+        return QueueConfig(
+            config.queue_depth if q.depth is None else q.depth,
+            config.queue_timeout_s if q.timeout_s is None else q.timeout_s,
+        )
+
+    admission = Admission(
+        clock, model_capacity, limits, gateway.registry, gateway.metrics.model_label, config.retry_after
+    )
+    subscribe = getattr(table, "subscribe", None)
+    listeners = getattr(table, "listeners", None)
+    if callable(subscribe):
+        # The control plane's own table (embedded gateway).
+        admission.detach = subscribe(lambda revision, models, known_changed: admission.pump_soon())
+    elif isinstance(listeners, list):
+        # A standalone gateway's follower table.
+        def listener(snapshot: Any) -> None:
+            admission.pump_soon()
+
+        listeners.append(listener)
+        admission.detach = lambda: listeners.remove(listener) if listener in listeners else None
+    return admission
