@@ -9,6 +9,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.addresses import AddressError, is_loopback, parse_address
 from llmgw.control.service import Options
+from llmgw.routing import Demand
 from llmgw.testing.pki import make_pki
 
 
@@ -100,13 +101,10 @@ class GatewayOptionTests(SynchronousTestCase):
         assert cp.gateway is not None and cp.reconciler is not None
         self.assertIs(cp.gateway.gateway.table, cp.reconciler.routing_table)
         self.assertIs(cp.reconciler.in_flight, cp.gateway)
-        # Autoscaling reads the embedded gateway's demand: its router's
-        # in-flight counts by model.
-        router = cp.gateway.gateway.router
-        router.begin("r-1")
-        # (No replica r-1 is in the fleet state: name its model for it.)
-        cp.reconciler.autoscaling.source.model_of = {"r-1": "demo"}.get  # type: ignore[union-attr]
-        self.assertEqual({m: d.in_flight for m, d in cp.reconciler.demand().items()}, {"demo": 1})
+        # Autoscaling reads the embedded gateway's demand: requests it is
+        # proxying and holding, per model.
+        cp.gateway.gateway.admission.started("demo")
+        self.assertEqual(cp.reconciler.demand(), {"demo": Demand(1, 0)})
 
     def test_gateway_off(self) -> None:
         """

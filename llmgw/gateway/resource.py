@@ -116,6 +116,15 @@ class GatewayResource:
         routes = table.routes(model)
         if not routes and not table.knows_model(model):
             raise errors.model_not_found(model)
+        admission = gw.admission
+        state = capacity(routes, gw.router.cooling, gw.reactor.seconds(), gw.config.policy)
+        wait = admission.must_wait(model, state)
+        if wait and not getattr(table, "loaded", True):
+            # A standalone gateway with no table yet: every model counts as
+            # known, so none waits (names are the client's to choose).
+            refusal = errors.no_ready_replica(model, gw.config.retry_after)
+            self._refused(request, refusal, key_name, _label(table, model), started, path=label)
+            return
         # usage and limits (llmgw.gateway.usage): a key over its limit is
         # refused here, before it waits or anything is forwarded.
         try:
@@ -123,15 +132,7 @@ class GatewayResource:
         except errors.GatewayError as err:
             self._refused(request, err, key_name, _label(table, model), started, path=label)
             return
-        admission = gw.admission
-        state = capacity(routes, gw.router.cooling, gw.reactor.seconds(), gw.config.policy)
-        if admission.must_wait(model, state):
-            if not getattr(table, "loaded", True):
-                # A standalone gateway with no table yet: every model counts
-                # as known, so none waits (names are the client's to choose).
-                refusal = errors.no_ready_replica(model, gw.config.retry_after)
-                self._refused(request, refusal, key_name, _label(table, model), started, path=label)
-                return
+        if wait:
             self._wait(request, obj, model, label, body, started, key_name, meter)
             return
         policy = gw.policy_for(model)
