@@ -1,0 +1,179 @@
+"""
+L{llmgw.control.ha}: a control-plane member that reconciles while it leads
+and redirects agents while it does not, against the in-memory etcd on a
+Clock.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from twisted.internet.address import IPv4Address
+from twisted.internet.testing import MemoryReactorClock
+from twisted.trial.unittest import SynchronousTestCase
+
+from llmgw.api.v1 import agent_pb2 as pb
+from llmgw.control.catalog import EMPTY
+from llmgw.control.election import MemberInfo, Role
+from llmgw.control.ha import FencedDispatcher, HAMember, epoch_base_key
+from llmgw.control.interfaces import NotConnected, ShardCommand
+from llmgw.control.inventory import Inventory
+from llmgw.control.reconciler import Reconciler
+from llmgw.control.service import ControlPlane
+from llmgw.testing.fakeetcd import FakeEtcd
+from llmgw.testing.stream import PeerCertTransport, frame, register
+from llmgw.wire import parse_redirect
+
+
+class ExpectingDispatcher:
+    """A dispatcher that expects exactly the calls a test names."""
+
+    def __init__(self, test: SynchronousTestCase, expected: list[tuple[str, Any]]):
+        self.test = test
+        self.expected = list(expected)
+
+    def _called(self, name: str, arg: Any) -> None:
+        self.test.assertTrue(self.expected, f"unexpected {name}({arg!r})")
+        self.test.assertEqual(self.expected.pop(0), (name, arg))
+
+    def start_shard(self, command: ShardCommand) -> None:
+        self._called("start", command.shard_id)
+
+    def stop_shard(self, node_id: str, shard_id: str) -> None:
+        self._called("stop", shard_id)
+
+    def drain_shard(self, node_id: str, shard_id: str) -> None:
+        self._called("drain", shard_id)
+
+    def connected_nodes(self) -> list[str]:
+        return ["n1"]
+
+
+class FencedDispatcherTests(SynchronousTestCase):
+    def test_commands_pass_only_while_leading(self) -> None:
+        """
+        Commands reach the agent service while the member may command; once
+        it may not, each is refused with NotConnected and counted, and it
+        reports no connected nodes.
+        """
+        leading = [True]
+        inner = ExpectingDispatcher(self, [("stop", "s1")])
+        fenced = FencedDispatcher(inner, lambda: leading[0])
+        fenced.stop_shard("n1", "s1")
+        self.assertEqual(fenced.connected_nodes(), ["n1"])
+        leading[0] = False
+        self.assertRaises(NotConnected, fenced.stop_shard, "n1", "s2")
+        self.assertRaises(NotConnected, fenced.drain_shard, "n1", "s3")
+        self.assertEqual(fenced.connected_nodes(), [])
+        self.assertEqual(fenced.fenced, 2)
+        self.assertEqual(inner.expected, [])
+
+
+class Member:
+    def __init__(self, reactor: MemoryReactorClock, fake: FakeEtcd, name: str, base_ms: int = 1_700_000_000_000):
+        self.inventory = Inventory()
+        self.reconciler = Reconciler(EMPTY, self.inventory, clock=reactor, adoption_grace=30)
+        self.cp = ControlPlane(
+            reactor, sink=self.reconciler, tls=None, agents_host="127.0.0.1", agents_port=0,
+            inventory=self.inventory,
+        )
+        self.ha = HAMember(
+            reactor, self.cp, self.reconciler, fake, "/llmgw",
+            MemberInfo(name, f"127.0.0.{ord(name[-1]) - 96}:7443"), ttl=10,
+            now_ms=lambda: base_ms,
+        )
+
+
+class HAMemberTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.reactor = MemoryReactorClock()
+        self.fake = FakeEtcd(self.reactor)
+
+    def member(self, name: str, **kw: Any) -> Member:
+        m = Member(self.reactor, self.fake, name, **kw)
+        m.ha.startService()
+        self.addCleanup(m.ha.stopService)
+        return m
+
+    def advance(self, seconds: float, step: float = 0.1) -> None:
+        for _ in range(round(seconds / step)):
+            self.reactor.advance(step)
+
+    def test_leader_reconciles_with_etcd_epoch(self) -> None:
+        """
+        The member that wins runs its reconciler with the command epoch
+        base + winning revision, where the base was stored once in etcd;
+        its status says leader, its own id and agent address, and that
+        epoch.
+        """
+        a = self.member("a")
+        self.advance(0.1)
+        self.assertIs(a.ha.election.role, Role.LEADER)
+        self.assertTrue(a.reconciler.running)
+        base = int(self.fake.kvs[epoch_base_key("/llmgw")].value)
+        self.assertEqual(base, 1_700_000_000_000)
+        epoch = base + a.ha.election.epoch
+        self.assertEqual((a.cp.agents.epoch, a.reconciler.epoch, a.cp.epoch), (epoch, epoch, epoch))
+        st = a.ha.status()
+        self.assertEqual(
+            (st["role"], st["leader_id"], st["leader_agent_address"], st["epoch"]),
+            ("leader", "a", "127.0.0.1:7443", epoch),
+        )
+        self.assertIsNone(a.ha.gate())
+
+    def test_epoch_base_is_kept_by_later_members(self) -> None:
+        """
+        A member started later with another clock uses the base already in
+        etcd, so epochs keep increasing from leader to leader.
+        """
+        a = self.member("a")
+        self.advance(0.1)
+        b = self.member("b", base_ms=5)
+        self.advance(0.1)
+        self.assertEqual(b.ha.epoch_base, a.ha.epoch_base)
+
+    def test_follower_stands_by_and_redirects(self) -> None:
+        """
+        A member that does not lead runs no reconciler, and refuses a
+        Register with a failed-precondition Ack naming the leader's agent
+        address.
+        """
+        self.member("a")
+        self.advance(0.1)
+        b = self.member("b")
+        self.advance(5)
+        self.assertFalse(b.reconciler.running)
+        proto = b.cp.agents.buildProtocol(IPv4Address("TCP", "127.0.0.9", 40000))
+        transport = PeerCertTransport(None, peerAddress=IPv4Address("TCP", "127.0.0.9", 40000))
+        proto.makeConnection(transport)
+        proto.dataReceived(frame(register("node-a")))
+        [msg] = transport.frames()
+        self.assertFalse(msg.ack.ok)
+        self.assertEqual(msg.ack.code, pb.Ack.CODE_FAILED_PRECONDITION)
+        self.assertEqual(parse_redirect(msg.ack.error), "127.0.0.1:7443")
+        self.assertEqual(b.ha.status()["role"], "follower")
+        self.assertEqual(b.ha.status()["leader_id"], "a")
+        self.flushLoggedErrors()
+
+    def test_step_down_stops_reconciler_and_fences(self) -> None:
+        """
+        When etcd becomes unreachable the leader stops its reconciler,
+        refuses commands and registrations, and the other member takes
+        over once etcd answers it, with a larger epoch.
+        """
+        a = self.member("a")
+        self.advance(0.1)
+        first = a.ha.epoch
+        self.fake.available = False
+        self.advance(10)
+        self.assertFalse(a.reconciler.running)
+        self.assertRaises(NotConnected, a.ha.dispatcher.stop_shard, "n1", "s1")
+        code, _ = a.ha.gate()  # type: ignore[misc]
+        self.assertEqual(code, pb.Ack.CODE_RESOURCE_EXHAUSTED)
+        b = self.member("b")
+        self.fake.available = True
+        self.advance(15)
+        leaders = [m for m in (a, b) if m.ha.election.role is Role.LEADER]
+        self.assertEqual(len(leaders), 1)
+        self.assertGreater(leaders[0].ha.epoch, first)
+        self.flushLoggedErrors()
