@@ -192,3 +192,8 @@ def parse_redirect(error: str) -> str | None:
         return None
     address = error[i + len(REDIRECT_MARKER):].strip()
     return address if address and " " not in address else None
+
+
+#: How a member refuses a Register while no member leads: the agent tries
+#: the next member soon, at a fixed delay, rather than backing off.
+NO_LEADER_MARKER = "no control-plane member leads yet"

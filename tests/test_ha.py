@@ -177,3 +177,19 @@ class HAMemberTests(SynchronousTestCase):
         self.assertEqual(len(leaders), 1)
         self.assertGreater(leaders[0].ha.epoch, first)
         self.flushLoggedErrors()
+
+    def test_leader_accepts_register_and_acks_heartbeats(self) -> None:
+        """
+        The leader takes a Register, and acknowledges each heartbeat, so
+        an agent can tell a silent (frozen) member from a quiet one.
+        """
+        a = self.member("a")
+        self.advance(0.1)
+        proto = a.cp.agents.buildProtocol(IPv4Address("TCP", "127.0.0.9", 40000))
+        transport = PeerCertTransport(None, peerAddress=IPv4Address("TCP", "127.0.0.9", 40000))
+        proto.makeConnection(transport)
+        proto.dataReceived(frame(register("node-a")))
+        proto.dataReceived(frame(pb.AgentMessage(heartbeat=pb.Heartbeat())))
+        acks = [(m.ack.message_id, m.ack.ok) for m in transport.frames()]
+        self.assertEqual(acks, [("register", True), ("heartbeat", True)])
+        self.assertEqual(a.cp.agents.connected_nodes(), ["node-a"])

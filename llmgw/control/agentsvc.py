@@ -552,6 +552,9 @@ class AgentStreamProtocol(MessageStream[pb.AgentMessage]):
         record = getattr(self.factory.sink, "record_engine_signals", None)
         if record is not None:
             record(self.node_id, hb.shard_signals)
+        if self.factory.ack_heartbeats:
+            # ha (issue 14): an agent learns that a silent member is gone.
+            self.send_message(ack("heartbeat"))
 
     def _shard_status(self, st: pb.ShardStatus) -> None:
         assert self.node_id is not None
@@ -695,6 +698,8 @@ class AgentService(ServerFactory):
         #: ha (issue 14): asked at each Register; a (code, error) refuses it
         #: (a member that does not lead redirects to the leader).
         self.gate: Callable[[], tuple[int, str] | None] | None = None
+        #: ha (issue 14): acknowledge each heartbeat.
+        self.ack_heartbeats = False
         self.registrations: collections.Counter[str] = collections.Counter()
         self.dispatch_refusals: collections.Counter[str] = collections.Counter()
         #: Agent frames refused, by cause (C{oversized}); for metrics.

@@ -35,7 +35,7 @@ from llmgw.control.commands import ShardCommand
 from llmgw.control.election import Election, MemberInfo, Role
 from llmgw.control.interfaces import IDispatcher, NotConnected
 from llmgw.etcd import Compare, EtcdError, Put, Range
-from llmgw.wire import redirect_error
+from llmgw.wire import NO_LEADER_MARKER, redirect_error
 
 Code = pb.Ack.Code
 
@@ -134,6 +134,7 @@ class HAMember(Service):
         )
         self.dispatcher = FencedDispatcher(cp.agents, self.election.may_command)
         cp.agents.gate = self.gate
+        cp.agents.ack_heartbeats = True
         self._starting: defer.Deferred[None] | None = None
 
     # -- lifecycle ----------------------------------------------------------------
@@ -205,7 +206,7 @@ class HAMember(Service):
             return Code.CODE_FAILED_PRECONDITION, redirect_error(leader.agent_address, leader.member_id)
         return (
             Code.CODE_RESOURCE_EXHAUSTED,
-            "no control-plane member leads yet (an election is under way, or etcd is "
+            f"{NO_LEADER_MARKER} (an election is under way, or etcd is "
             f"unreachable: {self.election.last_error or 'no answer yet'}); try another member",
         )
 
