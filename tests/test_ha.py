@@ -193,3 +193,22 @@ class HAMemberTests(SynchronousTestCase):
         acks = [(m.ack.message_id, m.ack.ok) for m in transport.frames()]
         self.assertEqual(acks, [("register", True), ("heartbeat", True)])
         self.assertEqual(a.cp.agents.connected_nodes(), ["node-a"])
+
+
+class CtlStatusTests(SynchronousTestCase):
+    def test_ctl_status_shows_role_leader_and_epoch(self) -> None:
+        """
+        `llmgw ctl status` against an HA member shows its role, the leader's
+        member id and agent address, and the epoch.
+        """
+        from llmgw.ctl.fleet import render_status
+
+        text = render_status("http://127.0.0.1:7444", {
+            "role": "follower", "member_id": "c2", "leader_id": "c1",
+            "leader_agent_address": "10.0.0.1:7443", "epoch": 1796131490208,
+        }, [], 0.0)
+        lines = {line.split()[0]: line.split()[1] for line in text.splitlines() if len(line.split()) == 2}
+        self.assertEqual(lines["role"], "follower")
+        self.assertEqual(lines["leader_id"], "c1")
+        self.assertEqual(lines["leader_agent_address"], "10.0.0.1:7443")
+        self.assertEqual(lines["epoch"], "1796131490208")
