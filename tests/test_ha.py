@@ -6,16 +6,19 @@ Clock.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from twisted.internet.address import IPv4Address
 from twisted.internet.testing import MemoryReactorClock
+from twisted.logger import globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
+import llmgw
 from llmgw.api.v1 import agent_pb2 as pb
 from llmgw.control.catalog import EMPTY
 from llmgw.control.election import MemberInfo, Role
-from llmgw.control.ha import FencedDispatcher, HAMember, epoch_base_key
+from llmgw.control.ha import FencedDispatcher, HAMember, catalog_key, epoch_base_key
 from llmgw.control.interfaces import NotConnected, ShardCommand
 from llmgw.control.inventory import Inventory
 from llmgw.control.reconciler import Reconciler
@@ -69,8 +72,12 @@ class FencedDispatcherTests(SynchronousTestCase):
         self.assertEqual(inner.expected, [])
 
 
+DEMO = (Path(llmgw.__file__).parent / "demo-catalog.toml").read_bytes()
+
+
 class Member:
-    def __init__(self, reactor: MemoryReactorClock, fake: FakeEtcd, name: str, base_ms: int = 1_700_000_000_000):
+    def __init__(self, reactor: MemoryReactorClock, fake: FakeEtcd, name: str, base_ms: int = 1_700_000_000_000,
+                 catalog_file: str | None = None):
         self.inventory = Inventory()
         self.reconciler = Reconciler(EMPTY, self.inventory, clock=reactor, adoption_grace=30)
         self.cp = ControlPlane(
@@ -80,7 +87,7 @@ class Member:
         self.ha = HAMember(
             reactor, self.cp, self.reconciler, fake, "/llmgw",
             MemberInfo(name, f"127.0.0.{ord(name[-1]) - 96}:7443"), ttl=10,
-            now_ms=lambda: base_ms,
+            now_ms=lambda: base_ms, catalog_file=catalog_file,
         )
 
 
@@ -193,6 +200,82 @@ class HAMemberTests(SynchronousTestCase):
         acks = [(m.ack.message_id, m.ack.ok) for m in transport.frames()]
         self.assertEqual(acks, [("register", True), ("heartbeat", True)])
         self.assertEqual(a.cp.agents.connected_nodes(), ["node-a"])
+
+
+class SharedCatalogTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.reactor = MemoryReactorClock()
+        self.fake = FakeEtcd(self.reactor)
+        self.logged: list[str] = []
+
+        def observe(event: dict[str, Any]) -> None:
+            from twisted.logger import formatEvent
+
+            self.logged.append(formatEvent(event))
+
+        globalLogPublisher.addObserver(observe)
+        self.addCleanup(globalLogPublisher.removeObserver, observe)
+
+    def file(self, text: bytes) -> str:
+        path = Path(self.mktemp())
+        path.write_bytes(text)
+        return str(path)
+
+    def lead(self, catalog_file: str | None) -> Member:
+        m = Member(self.reactor, self.fake, "a", catalog_file=catalog_file)
+        m.ha.startService()
+        self.addCleanup(m.ha.stopService)
+        self.reactor.advance(0.1)
+        self.assertTrue(m.ha.taken_over)
+        return m
+
+    def test_seeds_etcd_when_it_holds_none(self) -> None:
+        """
+        A leader whose etcd holds no catalog stores its --catalog file there
+        (under its lease) and runs it.
+        """
+        m = self.lead(self.file(DEMO))
+        self.assertEqual(self.fake.kvs[catalog_key("/llmgw")].value, DEMO)
+        self.assertEqual(list(m.reconciler.catalog.deployments), ["demo"])
+        self.assertTrue(m.reconciler.running)
+
+    def test_etcd_catalog_wins_over_a_different_file(self) -> None:
+        """
+        A member whose catalog file differs from etcd's says so and runs
+        etcd's.
+        """
+        self.fake.put(catalog_key("/llmgw"), DEMO.replace(b"replicas = 2", b"replicas = 5"))
+        m = self.lead(self.file(DEMO))
+        self.assertEqual(m.reconciler.catalog.deployments["demo"].replicas, 5)
+        self.assertEqual(self.fake.kvs[catalog_key("/llmgw")].value.count(b"replicas = 5"), 1)
+        self.assertTrue([line for line in self.logged if "differs from the catalog in etcd" in line])
+
+    def test_leader_follows_catalog_changes(self) -> None:
+        """
+        A catalog stored in etcd while a member leads is applied by it; an
+        invalid one is refused with a logged reason and the running one stays.
+        """
+        m = self.lead(self.file(DEMO))
+        self.fake.put(catalog_key("/llmgw"), DEMO.replace(b"replicas = 2", b"replicas = 3"))
+        self.assertEqual(m.reconciler.catalog.deployments["demo"].replicas, 3)
+        self.fake.put(catalog_key("/llmgw"), b"[[deployments]]\nmodel = 1\n")
+        self.assertEqual(m.reconciler.catalog.deployments["demo"].replicas, 3)
+        self.assertTrue([line for line in self.logged if "the running catalog stays" in line])
+
+    def test_deposed_leader_cannot_seed(self) -> None:
+        """
+        The seeding write is guarded by the leader's lease: with the lease
+        gone, nothing is written.
+        """
+
+        m = Member(self.reactor, self.fake, "a", catalog_file=self.file(DEMO))
+        m.ha.epoch_base = 1
+        # Drive the load directly with a lease etcd does not hold.
+        from twisted.internet import defer
+
+        d = defer.ensureDeferred(m.ha._load_catalog(lease=424242))
+        self.successResultOf(d)
+        self.assertNotIn(catalog_key("/llmgw"), self.fake.kvs)
 
 
 class CtlStatusTests(SynchronousTestCase):

@@ -20,6 +20,7 @@ and the others stand by.
 from __future__ import annotations
 
 import time
+import tomllib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -31,8 +32,9 @@ from twisted.logger import Logger
 from zope.interface import implementer
 
 from llmgw.api.v1 import agent_pb2 as pb
+from llmgw.control.catalog import Catalog, CatalogError, parse_catalog
 from llmgw.control.commands import ShardCommand
-from llmgw.control.election import Election, MemberInfo, Role
+from llmgw.control.election import Election, MemberInfo, Role, leader_key
 from llmgw.control.interfaces import IDispatcher, NotConnected
 from llmgw.etcd import Compare, EtcdError, Put, Range
 from llmgw.wire import NO_LEADER_MARKER, redirect_error
@@ -42,6 +44,25 @@ Code = pb.Ack.Code
 
 def epoch_base_key(prefix: str) -> bytes:
     return (prefix.rstrip("/") + "/epoch-base").encode()
+
+
+def catalog_key(prefix: str) -> bytes:
+    """Where the catalog's TOML text lives in etcd."""
+    return (prefix.rstrip("/") + "/catalog").encode()
+
+
+def parse_catalog_text(text: bytes, where: str) -> Catalog:
+    """
+    @raise CatalogError: not UTF-8 TOML, or not a valid catalog.
+    """
+    try:
+        data = tomllib.loads(text.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise CatalogError(f"catalog in {where} is not valid TOML: {e}") from e
+    try:
+        return parse_catalog(data, path=None)
+    except CatalogError as e:
+        raise CatalogError(f"catalog in {where}: {e}") from None
 
 
 async def ensure_epoch_base(store: Any, prefix: str, now_ms: int) -> int:
@@ -117,6 +138,7 @@ class HAMember(Service):
         ttl: int = 10,
         now_ms: Callable[[], int] = lambda: int(time.time() * 1000),
         retry_interval: float = 1.0,
+        catalog_file: str | None = None,
     ):
         self.reactor = reactor
         self.cp = cp
@@ -128,6 +150,14 @@ class HAMember(Service):
         self.retry_interval = retry_interval
         self.epoch_base: int | None = None
         self.epoch = 0
+        #: This member's --catalog: seeds etcd when it holds none.
+        self.catalog_file = catalog_file
+        #: True once a won term has its catalog from etcd and its reconciler
+        #: running; Register waits for it.
+        self.taken_over = False
+        #: The mod revision of the catalog applied from etcd.
+        self.catalog_revision = 0
+        self._watch: Any = None
         self.elections = 0
         self.election = Election(
             store, reactor, prefix, member, on_elected=self._elected, on_deposed=self._deposed, ttl=ttl,
@@ -163,6 +193,8 @@ class HAMember(Service):
         super().stopService()
         if self._starting is not None and not self._starting.called:
             self._starting.cancel()
+        self.taken_over = False
+        self._stop_watch()
         d = self.election.stop()
         if self.reconciler.running:
             self.reconciler.stopService()
@@ -177,16 +209,110 @@ class HAMember(Service):
         self.elections += 1
         self.cp.epoch = epoch
         self.cp.agents.epoch = epoch
+        self.taken_over = False
+        lease = self.election.lease
+        d = defer.ensureDeferred(self._take_over(epoch, revision, lease))
+        d.addErrback(lambda f: self.log.failure("taking over as leader failed", f))
+
+    async def _take_over(self, epoch: int, revision: int, lease: int) -> None:
+        """
+        Load the catalog from etcd (seeding it from --catalog under this
+        leader's lease when etcd holds none), then start reconciling.
+        """
+        while self.election.lease == lease and self.election.may_command():
+            try:
+                await self._load_catalog(lease)
+                break
+            except EtcdError as e:
+                self.log.warn("etcd: cannot read the catalog yet ({error}); retrying", error=str(e))
+                await deferLater(self.reactor, self.retry_interval, lambda: None)
+        if self.election.lease != lease or not self.election.may_command():
+            return
         self.reconciler.attach(self.dispatcher, epoch=epoch)
         if not self.reconciler.running:
             self.reconciler.startService()
+        self.taken_over = True
+        self._start_watch(lease)
         self.log.info(
             "HA member {member} leads with command epoch {epoch} (etcd revision {revision}); "
             "the reconciler adopts what agents report before it places anything",
             member=self.member.member_id, epoch=epoch, revision=revision,
         )
 
+    async def _load_catalog(self, lease: int) -> None:
+        key = catalog_key(self.prefix)
+        kv = await defer.ensureDeferred(self.store.get(key))
+        own = None
+        if self.catalog_file is not None:
+            try:
+                with open(self.catalog_file, "rb") as f:
+                    own = f.read()
+            except OSError as e:
+                self.log.warn("catalog {path} cannot be read: {error}", path=self.catalog_file, error=str(e))
+        if kv is None:
+            if own is None:
+                self.log.warn("etcd holds no catalog and this member has no --catalog: nothing is "
+                              "placed until `llmgw ctl catalog apply FILE`")
+                return
+            # Seed it, only under this leader's lease and only if still absent.
+            result = await defer.ensureDeferred(self.store.txn(
+                [Compare.held_by(leader_key(self.prefix), lease), Compare.absent(key)],
+                [Put(key, own)],
+            ))
+            if result.succeeded:
+                self.log.info("etcd held no catalog: stored {path} under {key}",
+                              path=self.catalog_file, key=key.decode())
+                self._apply_catalog(own, result.revision)
+                return
+            kv = await defer.ensureDeferred(self.store.get(key))
+            if kv is None:
+                return
+        self._apply_catalog(kv.value, kv.mod_revision, own)
+
+    def _apply_catalog(self, text: bytes, revision: int, own: bytes | None = None) -> None:
+        where = f"etcd {catalog_key(self.prefix).decode()} (revision {revision})"
+        try:
+            catalog = parse_catalog_text(text, where)
+        except CatalogError as e:
+            self.log.error("{error}; the running catalog stays", error=str(e))
+            return
+        if own is not None and own != text:
+            self.log.warn(
+                "catalog file {path} differs from the catalog in etcd: using etcd's "
+                "(`llmgw ctl catalog apply {path}` stores the file's)",
+                path=self.catalog_file,
+            )
+        changes = self.reconciler.apply_catalog(catalog)
+        self.catalog_revision = revision
+        self.log.info("catalog from {where}: {changes}", where=where,
+                      changes=", ".join(f"{k}: {','.join(v)}" for k, v in changes.items() if v) or "no changes")
+
+    def _start_watch(self, lease: int) -> None:
+        key = catalog_key(self.prefix)
+
+        def on_events(events: list[Any], revision: int) -> None:
+            if not self.taken_over or self.election.lease != lease:
+                return
+            for ev in events:
+                if ev.kind == "PUT" and ev.kv.mod_revision > self.catalog_revision:
+                    self._apply_catalog(ev.kv.value, ev.kv.mod_revision)
+
+        def ended(_: Any) -> None:
+            if self.running and self.taken_over and self.election.lease == lease:
+                self.reactor.callLater(self.retry_interval, self._start_watch, lease)
+
+        start = self.catalog_revision + 1 if self.catalog_revision else 0
+        self._watch = self.store.watch(key, on_events, start_revision=start)
+        self._watch.done.addBoth(ended)
+
+    def _stop_watch(self) -> None:
+        if self._watch is not None:
+            w, self._watch = self._watch, None
+            w.cancel()
+
     def _deposed(self, reason: str) -> None:
+        self.taken_over = False
+        self._stop_watch()
         if self.reconciler.running:
             self.reconciler.stopService()
         closed = self.cp.agents.close_all(f"this control-plane member stepped down: {reason}")
@@ -200,7 +326,10 @@ class HAMember(Service):
     def gate(self) -> tuple[int, str] | None:
         """The refusal a Register gets here now (None while leading)."""
         if self.election.may_command():
-            return None
+            if self.taken_over:
+                return None
+            return (Code.CODE_RESOURCE_EXHAUSTED,
+                    f"{NO_LEADER_MARKER}: this member has just won and is loading the catalog")
         leader = self.election.leader
         if leader is not None and leader.agent_address and leader.member_id != self.member.member_id:
             return Code.CODE_FAILED_PRECONDITION, redirect_error(leader.agent_address, leader.member_id)
@@ -226,6 +355,7 @@ class HAMember(Service):
             "lease_ttl": st["lease_ttl"],
             "terms": st["terms"],
             "commands_fenced": self.dispatcher.fenced,
+            "catalog_revision": self.catalog_revision,
             "etcd_error": st["last_error"],
         }
 

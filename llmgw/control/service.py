@@ -552,7 +552,10 @@ def _attach_ha(cp: ControlPlane, reconciler: Reconciler, options: Options, react
     tls = ClientTLSPolicy(options["etcd_tls"]) if options.get("etcd_tls") is not None else None
     client = EtcdClient(reactor, options["etcd_urls"], tls=tls)
     member = MemberInfo(options["member-id"], options["advertise_agents"], options["advertise-admin"])
-    cp.ha = HAMember(reactor, cp, reconciler, client, options["etcd-prefix"], member, ttl=options["etcd-ttl"])
+    cp.ha = HAMember(
+        reactor, cp, reconciler, client, options["etcd-prefix"], member, ttl=options["etcd-ttl"],
+        catalog_file=options["catalog"] or None,
+    )
     cp.ha.setName("ha")
     cp.ha.setServiceParent(cp)
     cp.registry.register(HACollector(cp.ha))
