@@ -92,3 +92,61 @@ class RealElectionTests(unittest.TestCase):
             self.assertEqual([k for k, n, _ in self.events if n == first.member.member_id][:2],
                              ["elected", "deposed"])
         return defer.Deferred.fromCoroutine(go())  # type: ignore[return-value]
+
+
+class CatalogApplyTests(unittest.TestCase):
+    skip = ETCD_MISSING
+    timeout = 60
+
+    def setUp(self) -> defer.Deferred[None]:
+        self.cluster = EtcdCluster(1)
+        self.addCleanup(lambda: defer.Deferred.fromCoroutine(self.cluster.stop()))
+        return defer.Deferred.fromCoroutine(self.cluster.start(reactor))
+
+    def test_apply_only_under_a_leader(self) -> None:
+        """
+        `llmgw ctl catalog apply` refuses an invalid file and, with no
+        leader, stores nothing; with a leader it stores the file's text
+        under PREFIX/catalog.
+        """
+        import io
+        import tempfile
+        from pathlib import Path
+
+        from llmgw.ctl.main import build_parser
+
+        demo = (Path(__file__).parent.parent / "llmgw" / "demo-catalog.toml").read_bytes()
+        path = Path(tempfile.mkdtemp(dir=".")) / "c.toml"
+        path.write_bytes(b"[[deployments]]\nmodel = 3\n")
+        urls = ",".join(self.cluster.urls)
+
+        def run(args: list[str]) -> tuple[int, str]:
+            ns = build_parser().parse_args(["ctl", "catalog", "apply", str(path), "--etcd", urls, *args])
+            out, err = io.StringIO(), io.StringIO()
+            code = ns.func(ns, out, err)
+            return code, out.getvalue() + err.getvalue()
+
+        async def go() -> None:
+            client = EtcdClient(reactor, self.cluster.urls)
+            self.addCleanup(client.close)
+            # ctl blocks: run it in a thread so the reactor stays free.
+            from twisted.internet.threads import deferToThread
+
+            code, text = await deferToThread(run, [])
+            self.assertEqual(code, 1)
+            self.assertIn("refused, nothing stored", text)
+            path.write_bytes(demo)
+            code, text = await deferToThread(run, [])
+            self.assertEqual(code, 1)
+            self.assertIn("no control-plane member leads", text)
+            self.assertIsNone(await client.get(b"/llmgw/catalog"))
+            e = Election(client, reactor, "/llmgw", MemberInfo("a", "a:7443"), ttl=3)
+            e.start()
+            self.addCleanup(e.stop)
+            await until(lambda: e.role is Role.LEADER, 10, "a leader")
+            code, text = await deferToThread(run, [])
+            self.assertEqual(code, 0, text)
+            kv = await client.get(b"/llmgw/catalog")
+            assert kv is not None
+            self.assertEqual(kv.value, demo)
+        return defer.Deferred.fromCoroutine(go())  # type: ignore[return-value]

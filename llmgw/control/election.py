@@ -139,6 +139,7 @@ class Election:
         self._call: IDelayedCall | None = None
         self._step_down_call: IDelayedCall | None = None
         self._busy = False
+        self._pending: set[defer.Deferred[None]] = set()
 
     # -- public -----------------------------------------------------------------
 
@@ -158,13 +159,15 @@ class Election:
         if self.role is Role.LEADER:
             self._step_down("this member is stopping")
         self.lease = 0
-        if not lease:
-            return defer.succeed(None)
-        d = self._request(self.store.revoke(lease))
-        d.addErrback(lambda f: self.log.warn(
-            "could not revoke lease {lease} while stopping: {error}", lease=lease, error=f.getErrorMessage()
-        ))
-        return d
+        if lease:
+            d = self._request(self.store.revoke(lease))
+            d.addErrback(lambda f: self.log.warn(
+                "could not revoke lease {lease} while stopping: {error}", lease=lease, error=f.getErrorMessage()
+            ))
+        # Every request still on its way ends within its timeout.
+        waits = list(self._pending)
+        done = defer.gatherResults(waits, consumeErrors=True) if waits else defer.succeed(None)
+        return done.addCallback(lambda _: None)
 
     def is_leader(self) -> bool:
         return self.role is Role.LEADER
@@ -209,6 +212,16 @@ class Election:
     def _request(self, result: Any) -> defer.Deferred[Any]:
         d = defer.ensureDeferred(result) if not isinstance(result, defer.Deferred) else result
         d.addTimeout(self.request_timeout, self.clock)
+        # Tracked so that stop() can wait for what is still on its way.
+        tracker: defer.Deferred[None] = defer.Deferred()
+        self._pending.add(tracker)
+
+        def settled(result: Any) -> Any:
+            self._pending.discard(tracker)
+            tracker.callback(None)
+            return result
+
+        d.addBoth(settled)
         return d
 
     def _tick(self) -> None:
