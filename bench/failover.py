@@ -24,12 +24,14 @@ new leader's first accepted Register, all N agents registered with it, its
 first command received (the canary's StopShard); and, from the etcd
 election (the new leader's C{/api/v1/status}), the time to all registered.
 After each kill the dead member is started again (as a follower) before
-the next one. Shards restarted (a C{StartShard} for a replica an agent
+the next one. The baseline, measured in the same run with the same agents'
+code: one standalone control plane (no etcd), killed the same way and
+restarted at once, which is the best recovery without HA. Shards restarted (a C{StartShard} for a replica an agent
 already runs, or any C{StopShard} of a claimed shard) and duplicates (two
 agents running the same replica, or the leader listing more replicas than
 declared) must both be 0.
 
-    python bench/failover.py                 # 20 kills, 1,000 agents, TTL 5 s
+    python bench/failover.py                 # 20 kills (baseline 5), 1,000 agents, TTL 5 s
     python bench/failover.py --kills 3 --agents 200
 
 Prints one JSON document.
@@ -227,8 +229,11 @@ class Member:
 
 
 class Bench:
-    def __init__(self, reactor: Any, agents: int, ttl: int, grace: float, heartbeat: float):
+    def __init__(self, reactor: Any, agents: int, ttl: int, grace: float, heartbeat: float, ha: bool = True):
         self.reactor = reactor
+        #: False: the baseline, one standalone control plane restarted at
+        #: once after each kill (the best an operator can do today).
+        self.ha = ha
         self.n = agents
         self.ttl = ttl
         self.grace = grace
@@ -255,7 +260,7 @@ class Bench:
     def registered(self, node: Node, address: str) -> None:
         now = time.monotonic()
         self.on_leader.setdefault(address, set()).add(node.node_id)
-        if self.phase != "failover" or address == self.killed:
+        if self.phase != "failover" or (self.ha and address == self.killed):
             return
         if self.t_first_register is None:
             self.t_first_register = now
@@ -278,7 +283,7 @@ class Bench:
     def start_members(self, work: Path, etcd_urls: list[str]) -> None:
         catalog = work / "catalog.toml"
         catalog.write_text(CATALOG.format(replicas=self.n))
-        for i in range(3):
+        for i in range(3 if self.ha else 1):
             port, admin = free_port(), free_port()
             self.controls.append(f"127.0.0.1:{port}")
             self.admin.append(f"http://127.0.0.1:{admin}")
@@ -287,9 +292,10 @@ class Bench:
                     "--insecure", "--agents", f"127.0.0.1:{port}", "--admin", f"127.0.0.1:{admin}",
                     "--gateway", "off", "--catalog", str(catalog),
                     "--heartbeat-interval", str(self.heartbeat), "--adoption-grace", str(self.grace),
-                    "--max-connections-per-address", "0", "--etcd", ",".join(etcd_urls),
-                    "--etcd-ttl", str(self.ttl), "--member-id", f"c{i}"]
-            m = Member(f"c{i}", args, work / f"c{i}.log")
+                    "--max-connections-per-address", "0"]
+            if self.ha:
+                args += ["--etcd", ",".join(etcd_urls), "--etcd-ttl", str(self.ttl), "--member-id", f"c{i}"]
+            m = Member(f"c{i}" if self.ha else "standalone", args, work / f"c{i}{'' if self.ha else '-standalone'}.log")
             m.start(self.reactor)
             self.members.append(m)
 
@@ -315,7 +321,7 @@ class Bench:
         for i, m in enumerate(self.members):
             if m.alive:
                 st = await self.status(i)
-                if st is not None and st.get("role") == "leader":
+                if st is not None and (st.get("role") == "leader" or not self.ha):
                     return i
         return None
 
@@ -368,10 +374,12 @@ class Bench:
             self.t_kill = time.monotonic()
             os.kill(self.members[i].proc.pid, signal.SIGKILL)
             await self.members[i].out.ended
+            if not self.ha:
+                self.members[i].start(self.reactor)
 
             async def elected(old: int = i) -> int | None:
                 j = await self.leader()
-                return j if j is not None and j != old else None
+                return j if j is not None and (j != old or not self.ha) else None
 
             j = await self.until("a new leader", elected, self.ttl * 3 + 20)
             t_elected_seen = time.monotonic()
@@ -404,7 +412,8 @@ class Bench:
             })
             print(json.dumps(per_kill[-1]), file=sys.stderr, flush=True)
             self.phase = "steady"
-            self.members[i].start(self.reactor)
+            if self.ha:
+                self.members[i].start(self.reactor)
             await self.until("the killed member back", lambda m=i: self.status(m), 60)
         hb.stop()
         return {"kills": per_kill}
@@ -435,7 +444,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kills", type=int, default=20)
     p.add_argument("--agents", type=int, default=1000)
     p.add_argument("--ttl", type=int, default=5, help="the leader lease TTL (--etcd-ttl)")
-    p.add_argument("--grace", type=float, default=10.0, help="--adoption-grace of the members")
+    p.add_argument("--grace", type=float, default=5.0, help="--adoption-grace of the members")
+    p.add_argument("--baseline-kills", type=int, default=5,
+                   help="kills of the baseline (one standalone control plane, restarted at once)")
     p.add_argument("--heartbeat", type=float, default=5.0)
     args = p.parse_args(argv)
     if ETCD_MISSING:
@@ -445,16 +456,42 @@ def main(argv: list[str] | None = None) -> int:
     from twisted.internet import reactor
 
     work = Path(tempfile.mkdtemp(prefix="llmgw-failover-"))
-    bench = Bench(reactor, args.agents, args.ttl, args.grace, args.heartbeat)
     cluster = EtcdCluster(1)
     out: dict[str, Any] = {}
+    benches: list[Bench] = []
+
+    async def one(ha: bool, kills: int) -> dict[str, Any]:
+        bench = Bench(reactor, args.agents, args.ttl, args.grace, args.heartbeat, ha=ha)
+        benches.append(bench)
+        bench.start_members(work, cluster.urls)
+        started = time.monotonic()
+        try:
+            res = await bench.run(kills)
+        finally:
+            bench.running = False
+            for m in bench.members:
+                if m.alive:
+                    os.kill(m.proc.pid, signal.SIGKILL)
+                    await m.out.ended
+            for node in bench.nodes:
+                if node.stream is not None:
+                    node.stream.transport.abortConnection()
+        return {
+            "seconds": round(time.monotonic() - started, 1),
+            "shards_restarted": bench.restarts,
+            "claimed_shards_stopped": bench.stops_of_claimed,
+            "duplicates": sum(k["duplicates"] for k in res["kills"]),
+            **summarize(res, args.ttl, args.agents),
+            "per_kill": res["kills"],
+        }
 
     async def go() -> None:
         try:
             await cluster.start(reactor)
-            bench.start_members(work, cluster.urls)
-            started = time.monotonic()
-            res = await bench.run(args.kills)
+            ha = await one(True, args.kills)
+            baseline = await one(False, args.baseline_kills)
+            for key in ("bars",):
+                baseline.pop(key, None)
             out.update({
                 "benchmark": "failover",
                 "agents": args.agents, "kills": args.kills, "lease_ttl_s": args.ttl,
@@ -462,23 +499,27 @@ def main(argv: list[str] | None = None) -> int:
                 "transport": "plain TCP on loopback (--insecure)",
                 "etcd_members": 1,
                 "uptime_at_end": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
-                "seconds": round(time.monotonic() - started, 1),
-                "shards_restarted": bench.restarts,
-                "claimed_shards_stopped": bench.stops_of_claimed,
-                "duplicates": sum(k["duplicates"] for k in res["kills"]),
-                **summarize(res, args.ttl, args.agents),
-                "per_kill": res["kills"],
+                "ha": ha,
+                "baseline_standalone_restarted_at_once": baseline,
+                "bars": {
+                    **ha["bars"],
+                    "shards_restarted_0": ha["shards_restarted"] == 0 and ha["claimed_shards_stopped"] == 0,
+                    "duplicates_0": ha["duplicates"] == 0,
+                },
             })
         except Exception as e:  # noqa: BLE001 - reported in the JSON
             out["error"] = f"{e.__class__.__name__}: {e}"
-            for m in bench.members:
-                out.setdefault("member_logs", {})[m.name] = m.log_path.read_text()[-3000:] if m.log_path.exists() else ""
+            for bench in benches:
+                for m in bench.members:
+                    out.setdefault("member_logs", {})[m.name] = (
+                        m.log_path.read_text()[-3000:] if m.log_path.exists() else "")
         finally:
-            bench.running = False
-            for m in bench.members:
-                if m.alive:
-                    os.kill(m.proc.pid, signal.SIGKILL)
-                    await m.out.ended
+            for bench in benches:
+                bench.running = False
+                for m in bench.members:
+                    if m.alive:
+                        os.kill(m.proc.pid, signal.SIGKILL)
+                        await m.out.ended
             await cluster.stop()
             reactor.stop()
 

@@ -516,8 +516,10 @@ def makeService(options: Options, reactor: Any = None) -> ControlPlane:
     # the routing table (read from the catalog as it stands at each
     # publication, so reloads carry new policies too).
     follow_catalog_policies(reconciler)
-    reload = ReloadOnHangup(reactor, reconciler)
-    reload.setServiceParent(cp)
+    if cp.ha is None:
+        # ha (issue 14): with --etcd the catalog is etcd's (ctl catalog apply).
+        reload = ReloadOnHangup(reactor, reconciler)
+        reload.setServiceParent(cp)
     if own_process and options["gc-threshold"]:
         collector = CollectorTuning(options["gc-threshold"])
         collector.setName("collector")
