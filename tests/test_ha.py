@@ -295,3 +295,41 @@ class CtlStatusTests(SynchronousTestCase):
         self.assertEqual(lines["leader_id"], "c1")
         self.assertEqual(lines["leader_agent_address"], "10.0.0.1:7443")
         self.assertEqual(lines["epoch"], "1796131490208")
+
+
+class EtcdOptionsTests(SynchronousTestCase):
+    def parse(self, *args: str) -> Any:
+        from llmgw.control.service import Options
+
+        o = Options()
+        o.parseOptions(["--insecure", "--agents", "127.0.0.1:7443", *args])
+        return o
+
+    def test_defaults_and_without_etcd(self) -> None:
+        """
+        Without --etcd nothing of HA is set up; with it the prefix defaults to
+        /llmgw, the TTL to 10 s and the advertised agent address to --agents.
+        """
+        self.assertEqual(self.parse()["etcd_urls"], [])
+        o = self.parse("--etcd", "http://127.0.0.1:2379,http://127.0.0.2:2379/", "--member-id", "c1")
+        self.assertEqual(o["etcd_urls"], ["http://127.0.0.1:2379", "http://127.0.0.2:2379"])
+        self.assertEqual((o["etcd-prefix"], o["etcd-ttl"], o["advertise_agents"]), ("/llmgw", 10, "127.0.0.1:7443"))
+
+    def test_bad_etcd_options_refused(self) -> None:
+        """
+        A URL that is not an etcd client URL, https without TLS files, TLS
+        files without --etcd, a bad prefix or a TTL under 2 s are refused
+        with a message naming the option.
+        """
+        from twisted.python.usage import UsageError
+
+        for args, words in [
+            (["--etcd", "127.0.0.1:2379"], "--etcd"),
+            (["--etcd", "https://10.0.0.1:2379"], "--etcd-ca"),
+            (["--etcd-ca", "ca.pem"], "only meaningful with --etcd"),
+            (["--etcd", "http://127.0.0.1:2379", "--etcd-prefix", "llmgw"], "--etcd-prefix"),
+            (["--etcd", "http://127.0.0.1:2379", "--etcd-ttl", "1"], "--etcd-ttl"),
+        ]:
+            with self.assertRaises(UsageError) as cm:
+                self.parse(*args)
+            self.assertIn(words, str(cm.exception), args)
