@@ -340,7 +340,7 @@ class Bench:
 
     async def run(self, kills: int) -> dict[str, Any]:
         for node in self.nodes:
-            node.target = random.randrange(3)
+            node.target = random.randrange(len(self.controls))
             self.reactor.callLater(random.random() * 2, node.dial)
         hb = task.LoopingCall(self.heartbeats)
         hb.clock = self.reactor
@@ -489,6 +489,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             await cluster.start(reactor)
             ha = await one(True, args.kills)
+            out["ha"] = ha
             baseline = await one(False, args.baseline_kills)
             for key in ("bars",):
                 baseline.pop(key, None)
