@@ -169,3 +169,31 @@ def state_name(state: int) -> str:
     The lowercase name used in logs and the admin API for a wire state.
     """
     return STATE_NAMES.get(state, f"unknown({state})")  # type: ignore[call-overload]
+
+
+# -- HA redirects (DESIGN §17) ---------------------------------------------------------
+
+#: How a control-plane member that does not lead refuses a Register: a
+#: failed-precondition Ack whose error ends with this marker and the
+#: leader's agent address, which the agent dials next.
+REDIRECT_MARKER = "the leader's agent address is "
+
+
+def redirect_error(leader_address: str, leader_id: str = "") -> str:
+    """The Ack error of a member that is not the leader."""
+    who = f" (member {leader_id})" if leader_id else ""
+    return f"this control-plane member is not the leader{who}; {REDIRECT_MARKER}{leader_address}"
+
+
+def parse_redirect(error: str) -> str | None:
+    """The leader's agent address in a redirect Ack's error, or None."""
+    i = error.rfind(REDIRECT_MARKER)
+    if i < 0:
+        return None
+    address = error[i + len(REDIRECT_MARKER):].strip()
+    return address if address and " " not in address else None
+
+
+#: How a member refuses a Register while no member leads: the agent tries
+#: the next member soon, at a fixed delay, rather than backing off.
+NO_LEADER_MARKER = "no control-plane member leads yet"

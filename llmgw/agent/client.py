@@ -46,7 +46,13 @@ from llmgw.agent.state import ShardSpec
 from llmgw.agent.supervisor import FAILED, STOPPED, Shard, Supervisor
 from llmgw.api.v1 import agent_pb2 as pb
 from llmgw.tlsconf.options import ServerIdentityError
-from llmgw.wire import PROTOCOL_VERSION, STATE_VALUES, MessageStream
+from llmgw.wire import (
+    NO_LEADER_MARKER,
+    PROTOCOL_VERSION,
+    STATE_VALUES,
+    MessageStream,
+    parse_redirect,
+)
 
 Code = pb.Ack
 
@@ -62,6 +68,8 @@ INITIAL_BACKOFF = 1.0
 REGISTER_ACK_TIMEOUT = 30.0
 #: Final statuses (stopped, failed) kept while no stream is open.
 MAX_QUEUED_STATUSES = 64
+#: ha (issue 14): seconds between tries while members say none leads.
+NO_LEADER_RETRY = 1.0
 
 
 @dataclass
@@ -151,6 +159,12 @@ class AgentStreamClient(MessageStream[pb.ControlMessage]):
         self._heartbeat: LoopingCall | None = None
         self._ack_timer: IDelayedCall | None = None
         self._refusal: tuple[str, bool] | None = None
+        #: ha (issue 14): this stream was refused with a redirect that is
+        #: followed; and the control plane acknowledges heartbeats (a member
+        #: of an HA control plane does), so silence means it is gone.
+        self._redirected = False
+        self._heartbeat_acks = False
+        self._last_heartbeat_ack = 0.0
 
     def peer_name(self) -> str:
         return self.core.config.control or super().peer_name()
@@ -185,6 +199,9 @@ class AgentStreamClient(MessageStream[pb.ControlMessage]):
                           "running, reconnecting", control=self.peer_name(),
                           reason=reason.getErrorMessage())
             return
+        if self._redirected:
+            self.registered.callback(False)
+            return
         if self._refusal is not None:
             why, config = self._refusal
         else:
@@ -216,6 +233,9 @@ class AgentStreamClient(MessageStream[pb.ControlMessage]):
         if ack.ok:
             if ack.message_id == "register" and not self.is_registered:
                 self._registered()
+            elif ack.message_id == "heartbeat":
+                self._heartbeat_acks = True
+                self._last_heartbeat_ack = self.core.clock.seconds()
             else:
                 self.log.debug("control plane acknowledged {id}", id=ack.message_id)
             return
@@ -225,7 +245,15 @@ class AgentStreamClient(MessageStream[pb.ControlMessage]):
                           "({code})", shard=ack.message_id[len("shard:"):], error=ack.error,
                           code=code)
             return
-        config = ack.code in CONFIG_REFUSALS
+        # ha (issue 14): a member that does not lead names the leader.
+        leader = parse_redirect(ack.error) if ack.code == Code.CODE_FAILED_PRECONDITION else None
+        if leader is not None and self.core.redirect(leader, self.peer_name()):
+            self._redirected = True
+            self.transport.loseConnection()  # type: ignore[union-attr]
+            return
+        config = ack.code in CONFIG_REFUSALS and leader is None
+        if NO_LEADER_MARKER in ack.error:
+            self.core.no_leader = True
         self._refusal = (f"the control plane refused this agent ({code}): {ack.error}", config)
         self.transport.loseConnection()  # type: ignore[union-attr]
 
@@ -243,6 +271,17 @@ class AgentStreamClient(MessageStream[pb.ControlMessage]):
     # -- outbound --------------------------------------------------------------
 
     def send_heartbeat(self) -> None:
+        interval = self.core.config.heartbeat_interval
+        if self._heartbeat_acks and self.core.clock.seconds() - self._last_heartbeat_ack > 2 * interval + 1:
+            # A member that acknowledged heartbeats fell silent: frozen or
+            # cut off. Its shards keep running; find the leader elsewhere.
+            self.log.warn("the control plane at {control} acknowledged no heartbeat for {silence:.0f}s; "
+                          "trying the other members", control=self.peer_name(),
+                          silence=self.core.clock.seconds() - self._last_heartbeat_ack)
+            if self.core.targets is not None:
+                self.core.targets.failed()
+            self.transport.abortConnection()  # type: ignore[union-attr]
+            return
         try:
             self.send_message(pb.AgentMessage(heartbeat=self.core.heartbeat_message()))
         except Exception:
@@ -292,6 +331,12 @@ class AgentCore(Factory):
         )
         #: Set while the agent shuts down: a closing stream is expected then.
         self.stopping = False
+        #: ha (issue 14): the members this agent knows
+        #: (L{llmgw.agent.targets.ControlTargets}), when it was given them;
+        #: a redirect to follow at once; members said none leads.
+        self.targets: Any = None
+        self._redirect_pending = False
+        self.no_leader = False
         #: Registrations that were acknowledged, for tests and metrics.
         self.registrations = 0
         #: Engine signals for heartbeats (L{llmgw.agent.scrape.Scraper}), or None.
@@ -315,13 +360,34 @@ class AgentCore(Factory):
         """
         if self.config_error is not None:
             return self.max_backoff + self.jitter()
+        if self._redirect_pending:
+            # No backoff for a redirect (they are bounded in ControlTargets).
+            self._redirect_pending = False
+            return 0.0
+        if self.no_leader:
+            self.no_leader = False
+            return NO_LEADER_RETRY + self.jitter() * NO_LEADER_RETRY
         # ClientService's own count resets when TCP connects; ours only when
         # a Register is acknowledged. A registered stream that closed counts 1.
         return self._policy(max(self.failures, 1) - 1)
 
+    def redirect(self, leader: str, by: str) -> bool:
+        """
+        ha (issue 14): the member C{by} does not lead and names C{leader};
+        whether the agent goes there next (at once).
+        """
+        if self.targets is None or not self.targets.redirect(leader):
+            return False
+        self._redirect_pending = True
+        self.log.info("the control plane at {by} is not the leader; going to the leader at {leader}",
+                      by=by, leader=leader)
+        return True
+
     def connection_failed(self, why: str, config: bool) -> None:
         self.failures += 1
         self.last_failure = why
+        if self.targets is not None and not config:
+            self.targets.failed()
         if config:
             self.config_error = why
             self.log.critical(
@@ -440,6 +506,8 @@ class AgentCore(Factory):
     def registered(self, proto: AgentStreamClient) -> None:
         self.registrations += 1
         self.failures = 0
+        if self.targets is not None:
+            self.targets.registered()
         self.last_failure = None
         if self.config_error is not None:
             self.log.info("the configuration error is resolved: registered with the control "

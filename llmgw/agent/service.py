@@ -25,6 +25,7 @@ from llmgw.agent.client import AgentConfig, AgentCore, make_client_service
 from llmgw.agent.gpus import GPUMonitor, GPUSpecError, discover, parse_gpu_spec
 from llmgw.agent.state import StateDir, StateDirError
 from llmgw.agent.supervisor import HttpProber, Supervisor
+from llmgw.agent.targets import ControlTargets
 from llmgw.signals import SighupHandler, owns_signals
 from llmgw.tlsconf.options import (
     AgentClientTLS,
@@ -43,8 +44,6 @@ CERT_WARN_DAYS = 14
 class Options(usage.Options):
     synopsis = "--control HOST:PORT (--certs DIR --node ID | --ca F --cert F --key F) [options]"
     optParameters = [
-        ["control", None, None, "HOST[:PORT] of the control plane (default port 7443); "
-         "its certificate must name HOST"],
         ["certs", None, None, "directory with ca.pem and agent-NODE.pem/.key (with --node)"],
         ["node", None, None, "node id, to find its files in --certs (must be the certificate's CN)"],
         ["ca", None, None, "the CA certificate (PEM)"],
@@ -61,6 +60,14 @@ class Options(usage.Options):
     def __init__(self) -> None:
         super().__init__()
         self["fabrics"] = {}
+        self["controls"] = []
+
+    def opt_control(self, value: str) -> None:
+        """
+        HOST[:PORT] of the control plane (default port 7443); its certificate
+        must name HOST. Repeatable: each member of an HA control plane
+        """
+        self["controls"].append(value)
 
     def opt_fabric(self, value: str) -> None:
         """
@@ -75,18 +82,25 @@ class Options(usage.Options):
         self["fabrics"][name] = address.strip()
 
     def postOptions(self) -> None:
-        if not self["control"]:
+        if not self["controls"]:
             raise usage.UsageError("--control HOST:PORT is required: the control plane to dial")
-        spec = self["control"].strip()
-        if ":" not in spec or (spec.startswith("[") and spec.endswith("]")):
-            spec = f"{spec}:{DEFAULT_CONTROL_PORT}"
-        try:
-            host, port = parse_address(spec, "")
-        except AddressError as e:
-            raise usage.UsageError(f"--control: {e}") from e
-        if not host or not port:
-            raise usage.UsageError(f"--control {self['control']!r}: give HOST:PORT")
-        self["control_host"], self["control_port"] = host, port
+        targets: list[tuple[str, int]] = []
+        for given in self["controls"]:
+            spec = given.strip()
+            if ":" not in spec or (spec.startswith("[") and spec.endswith("]")):
+                spec = f"{spec}:{DEFAULT_CONTROL_PORT}"
+            try:
+                host, port = parse_address(spec, "")
+            except AddressError as e:
+                raise usage.UsageError(f"--control: {e}") from e
+            if not host or not port:
+                raise usage.UsageError(f"--control {given!r}: give HOST:PORT")
+            if (host, port) in targets:
+                raise usage.UsageError(f"--control {given!r} is given twice")
+            targets.append((host, port))
+        self["control_targets"] = targets
+        self["control"] = self["controls"][0]
+        self["control_host"], self["control_port"] = targets[0]
 
         try:
             self["heartbeat"] = float(self["heartbeat"])
@@ -156,6 +170,7 @@ class NodeAgent(MultiService):
         heartbeat: float = 5.0,
         handle_sighup: bool | None = None,
         advertise_address: str = "",
+        other_controls: list[tuple[str, int]] | None = None,
     ):
         super().__init__()
         self.reactor = reactor
@@ -199,12 +214,30 @@ class NodeAgent(MultiService):
         self.client_tls = AgentClientTLS(control_host, tls)
         self.handle_sighup = owns_signals(reactor) if handle_sighup is None else handle_sighup
         self._sighup = SighupHandler(reactor, self.reload_certificate, "this node's certificate")
-        endpoint = wrapClientTLS(
-            self.client_tls,
-            HostnameEndpoint(reactor, control_host, control_port, timeout=10),
+        # ha (issue 14): every member given; one TLS creator per host, as
+        # each checks that the certificate names the host dialled.
+        self._client_tls: dict[str, AgentClientTLS] = {control_host.strip("[]"): self.client_tls}
+        self.targets = ControlTargets(
+            [(control_host, control_port), *(other_controls or [])],
+            lambda host, port: wrapClientTLS(
+                self._tls_for(host), HostnameEndpoint(reactor, host, port, timeout=10)
+            ),
+            on_target=self._dialling,
         )
-        self.client = make_client_service(self.core, endpoint)
+        self.core.targets = self.targets
+        self.client = make_client_service(self.core, self.targets)
         self.client.setServiceParent(self)
+
+    def _tls_for(self, host: str) -> AgentClientTLS:
+        key = host.strip("[]")
+        creator = self._client_tls.get(key)
+        if creator is None:
+            creator = self._client_tls[key] = AgentClientTLS(key, self.tls)
+        return creator
+
+    def _dialling(self, address: str) -> None:
+        self.control = address
+        self.core.config.control = address
 
     def startService(self) -> None:
         self.state.lock()
@@ -237,6 +270,9 @@ class NodeAgent(MultiService):
         """
         try:
             files = self.client_tls.reload()
+            for creator in self._client_tls.values():
+                if creator is not self.client_tls:
+                    creator.reload(files)
         except TLSConfigError as e:
             self.log.error("certificate reload refused, the running certificate stays: {error}",
                            error=str(e))
@@ -284,4 +320,5 @@ def makeService(options: Options, reactor: Any = None) -> NodeAgent:
         fabrics=options["fabrics"],
         heartbeat=options["heartbeat"],
         advertise_address=options["advertise_address"],
+        other_controls=options["control_targets"][1:],
     )

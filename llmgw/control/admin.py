@@ -659,6 +659,13 @@ class AdminResource(Resource):
         status = dict(self.fleet.status())
         if self.agents is not None and "agents_connected" not in status:
             status["agents_connected"] = len(self.agents.connected_nodes())
+        # ha (issue 14): role, leader and epoch of a member on etcd.
+        ha = getattr(self.control, "ha", None)
+        if ha is not None:
+            ha_status = ha.status()
+            status["ha"] = ha_status
+            for key in ("role", "member_id", "leader_id", "leader_agent_address", "epoch"):
+                status[key] = ha_status[key]
         return status
 
     def _node_action(self, request: Any, node_id: str, action: str) -> dict[str, Any]:

@@ -9,7 +9,7 @@ the only thing that can deliver a command to a node).
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from OpenSSL import SSL
@@ -406,6 +406,12 @@ class AgentStreamProtocol(MessageStream[pb.AgentMessage]):
         if problem is not None:
             self._refuse(Code.CODE_INVALID_ARGUMENT, problem)
             return
+        # ha (issue 14): a member that does not lead names the leader.
+        if self.factory.gate is not None:
+            refusal = self.factory.gate()
+            if refusal is not None:
+                self._refuse(*refusal)
+                return
         if not self.factory.admit(reg.node_id):
             self._refuse(
                 Code.CODE_RESOURCE_EXHAUSTED,
@@ -546,6 +552,9 @@ class AgentStreamProtocol(MessageStream[pb.AgentMessage]):
         record = getattr(self.factory.sink, "record_engine_signals", None)
         if record is not None:
             record(self.node_id, hb.shard_signals)
+        if self.factory.ack_heartbeats:
+            # ha (issue 14): an agent learns that a silent member is gone.
+            self.send_message(ack("heartbeat"))
 
     def _shard_status(self, st: pb.ShardStatus) -> None:
         assert self.node_id is not None
@@ -686,6 +695,11 @@ class AgentService(ServerFactory):
         self.message_burst = message_burst
         self._conns: dict[str, AgentStreamProtocol] = {}
         self._open: set[AgentStreamProtocol] = set()
+        #: ha (issue 14): asked at each Register; a (code, error) refuses it
+        #: (a member that does not lead redirects to the leader).
+        self.gate: Callable[[], tuple[int, str] | None] | None = None
+        #: ha (issue 14): acknowledge each heartbeat.
+        self.ack_heartbeats = False
         self.registrations: collections.Counter[str] = collections.Counter()
         self.dispatch_refusals: collections.Counter[str] = collections.Counter()
         #: Agent frames refused, by cause (C{oversized}); for metrics.

@@ -108,6 +108,18 @@ class Options(BaseOptions):
         ["gc-threshold", None, DEFAULT_GC_THRESHOLD,
          "objects allocated between two young-generation runs of Python's cyclic collector "
          "(Python's default: 700); 0 leaves the collector as Python set it", non_negative_int],
+        # ha (issue 14): one member of a control plane on etcd.
+        ["etcd", None, None, "comma-separated etcd client URLs (http:// or https://): run as one "
+         "member of a highly available control plane; without it, the standalone default"],
+        ["etcd-ca", None, None, "CA bundle that etcd's server certificates chain to (https)"],
+        ["etcd-cert", None, None, "this member's client certificate for etcd (https)"],
+        ["etcd-key", None, None, "the key of --etcd-cert"],
+        ["etcd-prefix", None, "/llmgw", "key prefix of this control plane's state in etcd"],
+        ["etcd-ttl", None, 10, "leader lease TTL in seconds (renewed every third of it)", positive_int],
+        ["member-id", None, None, "this member's id in etcd (default: HOSTNAME-AGENTPORT)"],
+        ["advertise-agents", None, None, "HOST:PORT agents dial for this member, named in redirects "
+         "(default: --agents, which must then not be a wildcard address)"],
+        ["advertise-admin", None, "", "URL of this member's admin API, published while it leads"],
         ["config", None, None, "TOML file holding any of these options by name "
          "(pass-interval = 2, insecure = true, ...); the command line wins"],
     ]
@@ -212,6 +224,7 @@ class Options(BaseOptions):
                 "use a loopback address such as 127.0.0.1"
             )
         self["limits"] = _limits(self)
+        _etcd_options(self)
         if not self["insecure"]:
             try:
                 self["tls"] = server_files(Path(self["certs"]))
@@ -220,6 +233,68 @@ class Options(BaseOptions):
                     f"{e}. Make certificates with `llmgw ctl cert init` and "
                     "`llmgw ctl cert server --host ...`, or pass --certs DIR"
                 ) from e
+
+
+def _etcd_options(options: usage.Options) -> None:
+    """
+    ha (issue 14): check the --etcd options; C{etcd_urls} is [] without
+    --etcd.
+    """
+    options["etcd_urls"] = []
+    if not options["etcd"]:
+        for name in ("etcd-ca", "etcd-cert", "etcd-key"):
+            if options[name]:
+                raise usage.UsageError(f"--{name} is only meaningful with --etcd")
+        return
+    urls = [u.strip().rstrip("/") for u in options["etcd"].split(",") if u.strip()]
+    for url in urls:
+        scheme, _, rest = url.partition("://")
+        if scheme not in ("http", "https") or not rest or "/" in rest:
+            raise usage.UsageError(f"--etcd: {url!r} is not an etcd client URL (http://HOST:PORT or https://...)")
+    if not urls:
+        raise usage.UsageError("--etcd: give at least one etcd client URL")
+    options["etcd_urls"] = urls
+    tls_files = [options["etcd-ca"], options["etcd-cert"], options["etcd-key"]]
+    if any(tls_files) and not all(tls_files):
+        raise usage.UsageError("--etcd-ca, --etcd-cert and --etcd-key go together")
+    if any(u.startswith("https://") for u in urls) and not all(tls_files):
+        raise usage.UsageError("https etcd members need --etcd-ca, --etcd-cert and --etcd-key")
+    options["etcd_tls"] = None
+    if all(tls_files):
+        from llmgw.tlsconf.options import TLSFiles
+
+        try:
+            options["etcd_tls"] = TLSFiles.load(*tls_files)
+        except TLSConfigError as e:
+            raise usage.UsageError(f"--etcd-cert: {e}") from e
+    prefix = options["etcd-prefix"].strip()
+    if not prefix.startswith("/") or prefix == "/":
+        raise usage.UsageError(f"--etcd-prefix {prefix!r}: give a key prefix such as /llmgw")
+    options["etcd-prefix"] = prefix.rstrip("/")
+    if options["etcd-ttl"] < 2:
+        raise usage.UsageError("--etcd-ttl must be at least 2 seconds")
+    host, port = options["agents_host"], options["agents_port"]
+    advertised = options["advertise-agents"]
+    if not advertised:
+        if host in ("0.0.0.0", "::", ""):
+            raise usage.UsageError(
+                "--agents listens on every address: give --advertise-agents HOST:PORT, the "
+                "address agents dial for this member (redirects name it)"
+            )
+        advertised = format_address(host, port)
+    else:
+        try:
+            a_host, a_port = parse_address(advertised, "")
+        except AddressError as e:
+            raise usage.UsageError(f"--advertise-agents: {e}") from e
+        if not a_host or not a_port:
+            raise usage.UsageError(f"--advertise-agents {advertised!r}: give HOST:PORT")
+        advertised = format_address(a_host, a_port)
+    options["advertise_agents"] = advertised
+    if not options["member-id"]:
+        import socket
+
+        options["member-id"] = f"{socket.gethostname()}-{port}"
 
 
 def _limits(options: usage.Options) -> LimitsConfig:
@@ -251,6 +326,8 @@ class ControlPlane(MultiService):
     log = Logger()
     reconciler: Reconciler | None = None
     gateway: GatewayService | None = None
+    #: ha (issue 14): this member's L{llmgw.control.ha.HAMember} with --etcd.
+    ha: Any = None
 
     def __init__(
         self,
@@ -432,10 +509,14 @@ def makeService(options: Options, reactor: Any = None) -> ControlPlane:
         admin_tls=options.get("admin_tls", False),
         admin_hosts=options["admin-hosts"],
     )
-    reconciler.attach(cp.agents, epoch=cp.epoch)
     reconciler.setName("reconciler")
-    reconciler.setServiceParent(cp)
     cp.reconciler = reconciler
+    if options.get("etcd_urls"):
+        # ha (issue 14): leadership starts and stops the reconciler.
+        _attach_ha(cp, reconciler, options, reactor)
+    else:
+        reconciler.attach(cp.agents, epoch=cp.epoch)
+        reconciler.setServiceParent(cp)
     if not options["catalog"]:
         cp.log.warn(
             "no --catalog: nothing will be placed, and every shard agents report will be stopped"
@@ -444,8 +525,10 @@ def makeService(options: Options, reactor: Any = None) -> ControlPlane:
     # the routing table (read from the catalog as it stands at each
     # publication, so reloads carry new policies too).
     follow_catalog_policies(reconciler)
-    reload = ReloadOnHangup(reactor, reconciler)
-    reload.setServiceParent(cp)
+    if cp.ha is None:
+        # ha (issue 14): with --etcd the catalog is etcd's (ctl catalog apply).
+        reload = ReloadOnHangup(reactor, reconciler)
+        reload.setServiceParent(cp)
     if own_process and options["gc-threshold"]:
         collector = CollectorTuning(options["gc-threshold"])
         collector.setName("collector")
@@ -474,6 +557,28 @@ def makeService(options: Options, reactor: Any = None) -> ControlPlane:
         reconciler.set_demand_source(
             gateway if IDemand.providedBy(gateway) else InFlightDemand(router.snapshot, reconciler.model_of))
     return cp
+
+
+def _attach_ha(cp: ControlPlane, reconciler: Reconciler, options: Options, reactor: Any) -> None:
+    """
+    ha (issue 14): make C{cp} one member of a control plane on etcd
+    (L{llmgw.control.ha}).
+    """
+    from llmgw.control.election import MemberInfo
+    from llmgw.control.ha import HACollector, HAMember
+    from llmgw.etcd import EtcdClient
+    from llmgw.tlsconf.options import ClientTLSPolicy
+
+    tls = ClientTLSPolicy(options["etcd_tls"]) if options.get("etcd_tls") is not None else None
+    client = EtcdClient(reactor, options["etcd_urls"], tls=tls)
+    member = MemberInfo(options["member-id"], options["advertise_agents"], options["advertise-admin"])
+    cp.ha = HAMember(
+        reactor, cp, reconciler, client, options["etcd-prefix"], member, ttl=options["etcd-ttl"],
+        catalog_file=options["catalog"] or None,
+    )
+    cp.ha.setName("ha")
+    cp.ha.setServiceParent(cp)
+    cp.registry.register(HACollector(cp.ha))
 
 
 def follow_catalog_policies(reconciler: Any) -> None:

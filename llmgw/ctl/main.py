@@ -11,6 +11,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from llmgw.ctl import catalog as catalog_cmd
 from llmgw.ctl import cert, fleet
 
 
@@ -21,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ctl.add_subparsers(dest="ctl_command", required=True, metavar="COMMAND")
     cert.add_parser(sub)
     fleet.add_parsers(sub)
+    catalog_cmd.add_parser(sub)
     local = top.add_parser(
         "local", help="run the local fleet (twistd -n llmgw local); --help lists its options",
         add_help=False,

@@ -1,0 +1,117 @@
+"""
+The control-plane members an agent knows (C{--control}, repeatable) and
+the one it dials next (DESIGN §17).
+
+L{ControlTargets} is the agent's client endpoint. It dials the current
+member; a member that does not lead names the leader in its refusal
+(L{redirect}), and the next attempt goes there, at once. Redirects are
+bounded: more than C{max_redirects} in a row without a registration (two
+members naming each other, say) are not followed, and the agent falls
+back to trying each configured member in turn with its usual backoff. A
+failed attempt, or a stream lost, moves to the next configured member.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from twisted.internet import defer
+from twisted.internet.interfaces import IStreamClientEndpoint
+from twisted.logger import Logger
+from zope.interface import implementer
+
+from llmgw.addresses import AddressError, format_address, parse_address
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """
+    C{HOST:PORT} (IPv6 as C{[addr]:port}) as a pair.
+
+    @raise ValueError: not a HOST:PORT.
+    """
+    try:
+        host, port = parse_address(address, "")
+    except AddressError as e:
+        raise ValueError(str(e)) from e
+    if not host or not port:
+        raise ValueError(f"{address!r} is not HOST:PORT")
+    return host, port
+
+
+@implementer(IStreamClientEndpoint)
+class ControlTargets:
+    """
+    @param addresses: the configured members, C{(host, port)}; at least one.
+    @param make_endpoint: builds the endpoint that dials one member.
+    @param on_target: told the C{HOST:PORT} of each member dialled.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        addresses: Sequence[tuple[str, int]],
+        make_endpoint: Callable[[str, int], Any],
+        on_target: Callable[[str], None] = lambda address: None,
+        max_redirects: int | None = None,
+    ):
+        if not addresses:
+            raise ValueError("an agent needs at least one control-plane address")
+        self.addresses = [format_address(h, p) for h, p in addresses]
+        self.make_endpoint = make_endpoint
+        self.on_target = on_target
+        self.index = 0
+        #: The leader a member named, dialled next instead of the list.
+        self.leader: str | None = None
+        #: Redirects followed since the last registration.
+        self.redirects = 0
+        self.max_redirects = max_redirects if max_redirects is not None else 2 * len(self.addresses) + 1
+
+    @property
+    def current(self) -> str:
+        return self.leader or self.addresses[self.index]
+
+    def connect(self, factory: Any) -> defer.Deferred[Any]:
+        address = self.current
+        try:
+            host, port = split_address(address)
+        except ValueError as e:
+            self.log.warn("cannot dial {address} named as the leader: {error}", address=address, error=str(e))
+            self.leader = None
+            address = self.current
+            host, port = split_address(address)
+        self.on_target(address)
+        return self.make_endpoint(host, port).connect(factory)  # type: ignore[no-any-return]
+
+    def redirect(self, address: str) -> bool:
+        """
+        A member named C{address} as the leader: dial it next, unless that
+        would be one redirect too many. Returns whether it is followed.
+        """
+        if self.redirects >= self.max_redirects:
+            self.log.warn(
+                "not following the redirect to {address}: {count} redirects in a row without "
+                "registering; trying the configured members in turn",
+                address=address, count=self.redirects,
+            )
+            self.leader = None
+            self.redirects = 0
+            self.failed()
+            return False
+        self.redirects += 1
+        self.leader = address
+        return True
+
+    def failed(self) -> None:
+        """The current member did not take us: try the next configured one."""
+        if self.leader is not None:
+            self.leader = None
+        else:
+            self.index = (self.index + 1) % len(self.addresses)
+
+    def registered(self) -> None:
+        self.redirects = 0
+
+    def __repr__(self) -> str:
+        return f"<control plane {self.current} of {','.join(self.addresses)}>"

@@ -1,0 +1,389 @@
+"""
+One member of a highly available control plane (DESIGN §17): the shell
+around L{llmgw.control.election.Election} that makes the leader reconcile
+and the others stand by.
+
+- On winning, the member's command epoch becomes C{base + revision} (the
+  revision at which it won, plus a base stored once in etcd when the
+  cluster was first used: milliseconds since 1970 then, so that HA epochs
+  are above every epoch a standalone control plane handed out before), the
+  reconciler is started with it (the adoption grace of §6.5 begins: it
+  rebuilds replicas from what agents report) and Register is accepted.
+- While it does not lead, a Register is refused with a failed-precondition
+  Ack that names the leader's agent address (the agent goes there).
+- On stepping down, the reconciler stops, every agent stream is closed
+  (agents go to the new leader), and L{FencedDispatcher} refuses any
+  command that is still on its way out: it checks the election's own
+  deadline on the clock at each command.
+"""
+
+from __future__ import annotations
+
+import time
+import tomllib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
+from twisted.application.service import Service
+from twisted.internet import defer
+from twisted.internet.task import deferLater
+from twisted.logger import Logger
+from zope.interface import implementer
+
+from llmgw.api.v1 import agent_pb2 as pb
+from llmgw.control.catalog import Catalog, CatalogError, parse_catalog
+from llmgw.control.commands import ShardCommand
+from llmgw.control.election import Election, MemberInfo, Role, leader_key
+from llmgw.control.interfaces import IDispatcher, NotConnected
+from llmgw.etcd import Compare, EtcdError, Put, Range
+from llmgw.wire import NO_LEADER_MARKER, redirect_error
+
+Code = pb.Ack.Code
+
+
+def epoch_base_key(prefix: str) -> bytes:
+    return (prefix.rstrip("/") + "/epoch-base").encode()
+
+
+def catalog_key(prefix: str) -> bytes:
+    """Where the catalog's TOML text lives in etcd."""
+    return (prefix.rstrip("/") + "/catalog").encode()
+
+
+def parse_catalog_text(text: bytes, where: str) -> Catalog:
+    """
+    @raise CatalogError: not UTF-8 TOML, or not a valid catalog.
+    """
+    try:
+        data = tomllib.loads(text.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise CatalogError(f"catalog in {where} is not valid TOML: {e}") from e
+    try:
+        return parse_catalog(data, path=None)
+    except CatalogError as e:
+        raise CatalogError(f"catalog in {where}: {e}") from None
+
+
+async def ensure_epoch_base(store: Any, prefix: str, now_ms: int) -> int:
+    """
+    The cluster's epoch base: read it, or store C{now_ms} if there is none
+    yet (compare-and-swap: the first member to store it wins).
+
+    @raise EtcdError: etcd could not be asked.
+    """
+    key = epoch_base_key(prefix)
+    result = await defer.ensureDeferred(store.txn(
+        [Compare.absent(key)], [Put(key, str(now_ms).encode())], [Range(key)]
+    ))
+    if result.succeeded:
+        return now_ms
+    kvs = result.kvs(0)
+    return int(kvs[0].value) if kvs else now_ms
+
+
+@implementer(IDispatcher)
+class FencedDispatcher:
+    """
+    The agent service as the reconciler's dispatcher, passing a command on
+    only while the election says this member may command.
+    """
+
+    def __init__(self, inner: Any, may_command: Callable[[], bool]):
+        self.inner = inner
+        self.may_command = may_command
+        #: Commands refused because this member no longer leads.
+        self.fenced = 0
+
+    def _check(self) -> None:
+        if not self.may_command():
+            self.fenced += 1
+            raise NotConnected("this control-plane member no longer leads: no command is sent")
+
+    def start_shard(self, command: ShardCommand) -> None:
+        self._check()
+        self.inner.start_shard(command)
+
+    def stop_shard(self, node_id: str, shard_id: str) -> None:
+        self._check()
+        self.inner.stop_shard(node_id, shard_id)
+
+    def drain_shard(self, node_id: str, shard_id: str) -> None:
+        self._check()
+        self.inner.drain_shard(node_id, shard_id)
+
+    def connected_nodes(self) -> list[str]:
+        return list(self.inner.connected_nodes()) if self.may_command() else []
+
+
+class HAMember(Service):
+    """
+    @param cp: the member's L{llmgw.control.service.ControlPlane} (its agent
+        service is gated and its epoch set here).
+    @param reconciler: the reconciler, not parented to C{cp}: this service
+        starts and stops it with leadership.
+    @param store: the etcd client.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        reactor: Any,
+        cp: Any,
+        reconciler: Any,
+        store: Any,
+        prefix: str,
+        member: MemberInfo,
+        ttl: int = 10,
+        now_ms: Callable[[], int] = lambda: int(time.time() * 1000),
+        retry_interval: float = 1.0,
+        catalog_file: str | None = None,
+    ):
+        self.reactor = reactor
+        self.cp = cp
+        self.reconciler = reconciler
+        self.store = store
+        self.prefix = prefix
+        self.member = member
+        self.now_ms = now_ms
+        self.retry_interval = retry_interval
+        self.epoch_base: int | None = None
+        self.epoch = 0
+        #: This member's --catalog: seeds etcd when it holds none.
+        self.catalog_file = catalog_file
+        #: True once a won term has its catalog from etcd and its reconciler
+        #: running; Register waits for it.
+        self.taken_over = False
+        #: The mod revision of the catalog applied from etcd.
+        self.catalog_revision = 0
+        self._watch: Any = None
+        self.elections = 0
+        self.election = Election(
+            store, reactor, prefix, member, on_elected=self._elected, on_deposed=self._deposed, ttl=ttl,
+        )
+        self.dispatcher = FencedDispatcher(cp.agents, self.election.may_command)
+        cp.agents.gate = self.gate
+        cp.agents.ack_heartbeats = True
+        self._starting: defer.Deferred[None] | None = None
+
+    # -- lifecycle ----------------------------------------------------------------
+
+    def startService(self) -> None:
+        super().startService()
+        self.log.info(
+            "HA member {member} starting: campaigning under {prefix} on etcd (lease TTL {ttl}s); "
+            "agents dial it at {agents}",
+            member=self.member.member_id, prefix=self.prefix, ttl=self.election.ttl,
+            agents=self.member.agent_address,
+        )
+        self._starting = defer.ensureDeferred(self._start())
+
+    async def _start(self) -> None:
+        while self.running and self.epoch_base is None:
+            try:
+                self.epoch_base = await ensure_epoch_base(self.store, self.prefix, self.now_ms())
+            except EtcdError as e:
+                self.log.warn("etcd: cannot read the epoch base yet ({error}); retrying", error=str(e))
+                await deferLater(self.reactor, self.retry_interval, lambda: None)
+        if self.running:
+            self.election.start()
+
+    def stopService(self) -> defer.Deferred[None]:
+        super().stopService()
+        if self._starting is not None and not self._starting.called:
+            self._starting.cancel()
+        self.taken_over = False
+        self._stop_watch()
+        d = self.election.stop()
+        if self.reconciler.running:
+            self.reconciler.stopService()
+        return d
+
+    # -- leadership ------------------------------------------------------------------
+
+    def _elected(self, revision: int) -> None:
+        assert self.epoch_base is not None
+        epoch = self.epoch_base + revision
+        self.epoch = epoch
+        self.elections += 1
+        self.cp.epoch = epoch
+        self.cp.agents.epoch = epoch
+        self.taken_over = False
+        lease = self.election.lease
+        d = defer.ensureDeferred(self._take_over(epoch, revision, lease))
+        d.addErrback(lambda f: self.log.failure("taking over as leader failed", f))
+
+    async def _take_over(self, epoch: int, revision: int, lease: int) -> None:
+        """
+        Load the catalog from etcd (seeding it from --catalog under this
+        leader's lease when etcd holds none), then start reconciling.
+        """
+        while self.election.lease == lease and self.election.may_command():
+            try:
+                await self._load_catalog(lease)
+                break
+            except EtcdError as e:
+                self.log.warn("etcd: cannot read the catalog yet ({error}); retrying", error=str(e))
+                await deferLater(self.reactor, self.retry_interval, lambda: None)
+        if self.election.lease != lease or not self.election.may_command():
+            return
+        self.reconciler.attach(self.dispatcher, epoch=epoch)
+        if not self.reconciler.running:
+            self.reconciler.startService()
+        self.taken_over = True
+        self._start_watch(lease)
+        self.log.info(
+            "HA member {member} leads with command epoch {epoch} (etcd revision {revision}); "
+            "the reconciler adopts what agents report before it places anything",
+            member=self.member.member_id, epoch=epoch, revision=revision,
+        )
+
+    async def _load_catalog(self, lease: int) -> None:
+        key = catalog_key(self.prefix)
+        kv = await defer.ensureDeferred(self.store.get(key))
+        own = None
+        if self.catalog_file is not None:
+            try:
+                with open(self.catalog_file, "rb") as f:
+                    own = f.read()
+            except OSError as e:
+                self.log.warn("catalog {path} cannot be read: {error}", path=self.catalog_file, error=str(e))
+        if kv is None:
+            if own is None:
+                self.log.warn("etcd holds no catalog and this member has no --catalog: nothing is "
+                              "placed until `llmgw ctl catalog apply FILE`")
+                return
+            # Seed it, only under this leader's lease and only if still absent.
+            result = await defer.ensureDeferred(self.store.txn(
+                [Compare.held_by(leader_key(self.prefix), lease), Compare.absent(key)],
+                [Put(key, own)],
+            ))
+            if result.succeeded:
+                self.log.info("etcd held no catalog: stored {path} under {key}",
+                              path=self.catalog_file, key=key.decode())
+                self._apply_catalog(own, result.revision)
+                return
+            kv = await defer.ensureDeferred(self.store.get(key))
+            if kv is None:
+                return
+        self._apply_catalog(kv.value, kv.mod_revision, own)
+
+    def _apply_catalog(self, text: bytes, revision: int, own: bytes | None = None) -> None:
+        where = f"etcd {catalog_key(self.prefix).decode()} (revision {revision})"
+        try:
+            catalog = parse_catalog_text(text, where)
+        except CatalogError as e:
+            self.log.error("{error}; the running catalog stays", error=str(e))
+            return
+        if own is not None and own != text:
+            self.log.warn(
+                "catalog file {path} differs from the catalog in etcd: using etcd's "
+                "(`llmgw ctl catalog apply {path}` stores the file's)",
+                path=self.catalog_file,
+            )
+        changes = self.reconciler.apply_catalog(catalog)
+        self.catalog_revision = revision
+        self.log.info("catalog from {where}: {changes}", where=where,
+                      changes=", ".join(f"{k}: {','.join(v)}" for k, v in changes.items() if v) or "no changes")
+
+    def _start_watch(self, lease: int) -> None:
+        key = catalog_key(self.prefix)
+
+        def on_events(events: list[Any], revision: int) -> None:
+            if not self.taken_over or self.election.lease != lease:
+                return
+            for ev in events:
+                if ev.kind == "PUT" and ev.kv.mod_revision > self.catalog_revision:
+                    self._apply_catalog(ev.kv.value, ev.kv.mod_revision)
+
+        def ended(_: Any) -> None:
+            if self.running and self.taken_over and self.election.lease == lease:
+                self.reactor.callLater(self.retry_interval, self._start_watch, lease)
+
+        start = self.catalog_revision + 1 if self.catalog_revision else 0
+        self._watch = self.store.watch(key, on_events, start_revision=start)
+        self._watch.done.addBoth(ended)
+
+    def _stop_watch(self) -> None:
+        if self._watch is not None:
+            w, self._watch = self._watch, None
+            w.cancel()
+
+    def _deposed(self, reason: str) -> None:
+        self.taken_over = False
+        self._stop_watch()
+        if self.reconciler.running:
+            self.reconciler.stopService()
+        closed = self.cp.agents.close_all(f"this control-plane member stepped down: {reason}")
+        self.log.error(
+            "HA member {member} stepped down ({reason}): the reconciler stopped, {closed} agent "
+            "streams closed; shards keep running",
+            member=self.member.member_id, reason=reason, closed=closed,
+        )
+        self.epoch = 0
+
+    def gate(self) -> tuple[int, str] | None:
+        """The refusal a Register gets here now (None while leading)."""
+        if self.election.may_command():
+            if self.taken_over:
+                return None
+            return (Code.CODE_RESOURCE_EXHAUSTED,
+                    f"{NO_LEADER_MARKER}: this member has just won and is loading the catalog")
+        leader = self.election.leader
+        if leader is not None and leader.agent_address and leader.member_id != self.member.member_id:
+            return Code.CODE_FAILED_PRECONDITION, redirect_error(leader.agent_address, leader.member_id)
+        return (
+            Code.CODE_RESOURCE_EXHAUSTED,
+            f"{NO_LEADER_MARKER} (an election is under way, or etcd is "
+            f"unreachable: {self.election.last_error or 'no answer yet'}); try another member",
+        )
+
+    # -- views --------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        st = self.election.status()
+        leader_epoch = st["leader_epoch"]
+        return {
+            "role": st["role"],
+            "member_id": self.member.member_id,
+            "leader_id": st["leader_id"],
+            "leader_agent_address": st["leader_agent_address"],
+            "leader_admin_url": st["leader_admin_url"],
+            "epoch": (self.epoch_base or 0) + leader_epoch if leader_epoch else 0,
+            "revision": leader_epoch,
+            "lease_ttl": st["lease_ttl"],
+            "terms": st["terms"],
+            "commands_fenced": self.dispatcher.fenced,
+            "catalog_revision": self.catalog_revision,
+            "etcd_error": st["last_error"],
+        }
+
+
+class HACollector:
+    """Prometheus metrics of an L{HAMember}."""
+
+    def __init__(self, member: HAMember):
+        self.member = member
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        m = self.member
+        leading = GaugeMetricFamily(
+            "llmgw_control_leader", "1 while this control-plane member leads, else 0",
+            labels=["member"],
+        )
+        leading.add_metric([m.member.member_id], 1.0 if m.election.role is Role.LEADER else 0.0)
+        yield leading
+        yield GaugeMetricFamily(
+            "llmgw_control_epoch", "the command epoch of the leader as this member knows it",
+            value=float(m.status()["epoch"]),
+        )
+        yield GaugeMetricFamily(
+            "llmgw_control_terms", "how many times this member won an election", value=float(m.election.terms),
+        )
+        info = InfoMetricFamily("llmgw_control_leader_member", "the leader as this member knows it")
+        info.add_metric([], {"leader": m.election.leader.member_id if m.election.leader else ""})
+        yield info

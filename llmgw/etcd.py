@@ -1,0 +1,595 @@
+"""
+A Twisted-native etcd v3 client over etcd's JSON gateway (DESIGN §17).
+
+etcd serves its gRPC API as JSON over HTTP (the grpc-gateway) on the same
+client port: C{POST /v3/kv/range} with C{{"key": base64}} and so on. This
+module speaks that with C{treq}, so nothing blocks the reactor and no gRPC
+stack is needed. Keys and values are bytes here and base64 on the wire;
+the gateway writes 64-bit integers as strings, which are read back as ints.
+
+The path prefix is C{/v3/}: etcd 3.4 (Debian's) serves C{/v3/} and the
+deprecated C{/v3beta/}, and no longer C{/v3alpha/}; 3.5 serves only
+C{/v3/}.
+
+L{EtcdClient} knows several member URLs. A request that cannot reach its
+member (refused, reset, timed out) moves the client to the next member for
+this and later requests; a request whose connection was refused is tried
+on the next member at once (nothing was sent), one that timed out is not
+retried here (it may have been applied) and fails with L{EtcdUnavailable}.
+A request that etcd answered with an error fails with L{EtcdError}
+carrying etcd's code and message.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import treq
+from twisted.internet import defer, error
+from twisted.internet.protocol import Protocol
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web.client import Agent, HTTPConnectionPool, ResponseDone, ResponseFailed
+
+#: The JSON gateway's path prefix (etcd 3.4 and 3.5).
+API_PREFIX = "/v3"
+#: Seconds one unary request may take before the member is taken as gone.
+DEFAULT_TIMEOUT = 2.0
+#: The largest message a watch stream may send before it is closed; a
+#: catalog is far smaller.
+MAX_WATCH_MESSAGE = 4 * 1024 * 1024
+#: The largest unary response read.
+MAX_RESPONSE = 16 * 1024 * 1024
+
+# gRPC status codes etcd answers with.
+GRPC_FAILED_PRECONDITION = 9
+GRPC_NOT_FOUND = 5
+
+_JSON_HEADERS: dict[bytes | str, bytes | str] = {b"Content-Type": b"application/json"}
+
+
+class EtcdError(Exception):
+    """
+    etcd answered a request with an error: C{code} is its gRPC status code,
+    C{message} its text (C{"etcdserver: requested lease not found"}).
+    """
+
+    def __init__(self, code: int, message: str, url: str = ""):
+        super().__init__(f"etcd at {url or '?'} refused the request: {message} (code {code})")
+        self.code = code
+        self.message = message
+        self.url = url
+
+
+class EtcdUnavailable(EtcdError):
+    """
+    No member answered: each was unreachable, or the one asked did not
+    answer in time (it may be cut off from its quorum).
+    """
+
+    def __init__(self, message: str):
+        Exception.__init__(self, message)
+        self.code = -1
+        self.message = message
+        self.url = ""
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def unb64(text: str | None) -> bytes:
+    return base64.b64decode(text) if text else b""
+
+
+def prefix_end(prefix: bytes) -> bytes:
+    """
+    The C{range_end} that makes a range request cover every key starting
+    with C{prefix} (etcd's convention: the prefix with its last byte below
+    0xff incremented, the rest dropped; C{b"\\0"} for the whole keyspace).
+    """
+    p = bytearray(prefix)
+    while p:
+        if p[-1] < 0xFF:
+            p[-1] += 1
+            return bytes(p)
+        p.pop()
+    return b"\0"
+
+
+@dataclass(frozen=True)
+class KeyValue:
+    key: bytes
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    version: int
+    lease: int
+
+    @classmethod
+    def from_json(cls, kv: dict[str, Any]) -> KeyValue:
+        return cls(
+            key=unb64(kv.get("key")),
+            value=unb64(kv.get("value")),
+            create_revision=int(kv.get("create_revision", 0)),
+            mod_revision=int(kv.get("mod_revision", 0)),
+            version=int(kv.get("version", 0)),
+            lease=int(kv.get("lease", 0)),
+        )
+
+
+@dataclass(frozen=True)
+class Compare:
+    """
+    One condition of a transaction: C{target} is C{"CREATE"}, C{"MOD"},
+    C{"VERSION"}, C{"VALUE"} or C{"LEASE"}; C{result} C{"EQUAL"},
+    C{"NOT_EQUAL"}, C{"GREATER"} or C{"LESS"}.
+    """
+
+    key: bytes
+    target: str
+    result: str
+    operand: int | bytes
+
+    _FIELDS = {"CREATE": "create_revision", "MOD": "mod_revision", "VERSION": "version",
+               "VALUE": "value", "LEASE": "lease"}
+
+    def to_json(self) -> dict[str, Any]:
+        name = self._FIELDS[self.target]
+        operand: Any = b64(self.operand) if isinstance(self.operand, bytes) else str(self.operand)
+        return {"key": b64(self.key), "target": self.target, "result": self.result, name: operand}
+
+    @classmethod
+    def absent(cls, key: bytes) -> Compare:
+        """The key does not exist."""
+        return cls(key, "CREATE", "EQUAL", 0)
+
+    @classmethod
+    def mod_revision(cls, key: bytes, revision: int) -> Compare:
+        """The key was last written at C{revision} (0: it does not exist)."""
+        return cls(key, "MOD", "EQUAL", revision)
+
+    @classmethod
+    def held_by(cls, key: bytes, lease: int) -> Compare:
+        """The key exists and is attached to C{lease}."""
+        return cls(key, "LEASE", "EQUAL", lease)
+
+
+@dataclass(frozen=True)
+class Put:
+    key: bytes
+    value: bytes
+    lease: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"key": b64(self.key), "value": b64(self.value)}
+        if self.lease:
+            body["lease"] = str(self.lease)
+        return {"request_put": body}
+
+
+@dataclass(frozen=True)
+class Range:
+    key: bytes
+    range_end: bytes = b""
+
+    def to_json(self) -> dict[str, Any]:
+        body = {"key": b64(self.key)}
+        if self.range_end:
+            body["range_end"] = b64(self.range_end)
+        return {"request_range": body}
+
+
+@dataclass(frozen=True)
+class Delete:
+    key: bytes
+    range_end: bytes = b""
+
+    def to_json(self) -> dict[str, Any]:
+        body = {"key": b64(self.key)}
+        if self.range_end:
+            body["range_end"] = b64(self.range_end)
+        return {"request_delete_range": body}
+
+
+Op = Put | Range | Delete
+
+
+@dataclass(frozen=True)
+class TxnResult:
+    """
+    C{succeeded}: whether every compare held (the success ops ran);
+    C{revision}: the store's revision after the transaction; C{responses}:
+    one per op that ran, each C{{"kvs": [KeyValue, ...]}} for a range and
+    etcd's JSON otherwise.
+    """
+
+    succeeded: bool
+    revision: int
+    responses: list[dict[str, Any]] = field(default_factory=list)
+
+    def kvs(self, index: int) -> list[KeyValue]:
+        """The key-values of the range op at C{index} ([] if none)."""
+        if index >= len(self.responses):
+            return []
+        kvs: list[KeyValue] = self.responses[index].get("kvs", [])
+        return kvs
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    """C{kind}: C{"PUT"} or C{"DELETE"}; C{kv}: the key after the event."""
+
+    kind: str
+    kv: KeyValue
+
+
+class _Body(Protocol):
+    """Reads a unary response into memory, up to L{MAX_RESPONSE}."""
+
+    def __init__(self, done: defer.Deferred[bytes]):
+        self.done = done
+        self.parts: list[bytes] = []
+        self.size = 0
+
+    def dataReceived(self, data: bytes) -> None:  # noqa: N802
+        self.size += len(data)
+        if self.size > MAX_RESPONSE:
+            self.transport.stopProducing()  # type: ignore[union-attr]
+            return
+        self.parts.append(data)
+
+    def connectionLost(self, reason: Failure = Failure(ResponseDone())) -> None:  # noqa: B008,N802
+        if self.size > MAX_RESPONSE:
+            self.done.errback(EtcdUnavailable(f"etcd's response exceeded {MAX_RESPONSE} bytes"))
+        elif reason.check(ResponseDone):
+            self.done.callback(b"".join(self.parts))
+        else:
+            self.done.errback(reason)
+
+
+class _WatchStream(Protocol):
+    """
+    Splits a watch's streamed response into its JSON messages (one a
+    line) and hands each to C{on_message}; a line over
+    L{MAX_WATCH_MESSAGE} closes the stream.
+    """
+
+    def __init__(self, on_message: Callable[[dict[str, Any]], None], done: defer.Deferred[None]):
+        self.on_message = on_message
+        self.done = done
+        self.buf = b""
+        self.too_long = False
+
+    def dataReceived(self, data: bytes) -> None:  # noqa: N802
+        self.buf += data
+        while True:
+            nl = self.buf.find(b"\n")
+            if nl < 0:
+                break
+            line, self.buf = self.buf[:nl], self.buf[nl + 1 :]
+            if line.strip():
+                self.on_message(json.loads(line))
+        if len(self.buf) > MAX_WATCH_MESSAGE:
+            self.too_long = True
+            self.buf = b""
+            self.transport.stopProducing()  # type: ignore[union-attr]
+
+    def connectionLost(self, reason: Failure = Failure(ResponseDone())) -> None:  # noqa: B008,N802
+        if self.done.called:
+            return
+        if self.too_long:
+            self.done.errback(EtcdUnavailable(f"a watch message exceeded {MAX_WATCH_MESSAGE} bytes"))
+        elif reason.check(ResponseDone):
+            self.done.callback(None)
+        else:
+            self.done.errback(reason)
+
+
+class Watch:
+    """
+    A running watch. C{done} fires (with C{None}) when the stream ends, or
+    fails with why; C{cancel()} ends it. C{revision} is the newest revision
+    the stream has reported, so a caller that restarts it can resume from
+    C{revision + 1}.
+    """
+
+    def __init__(self) -> None:
+        self.done: defer.Deferred[None] = defer.Deferred()
+        self.revision = 0
+        self._request: defer.Deferred[Any] | None = None
+        self._stream: _WatchStream | None = None
+
+    def cancel(self) -> None:
+        if not self.done.called:
+            self.done.callback(None)
+        if self._request is not None and not self._request.called:
+            self._request.cancel()
+        if self._stream is not None and self._stream.transport is not None:
+            self._stream.transport.stopProducing()  # type: ignore[attr-defined]
+
+
+#: Failures that mean the member could not be reached at all (nothing was
+#: sent), so the next member may be asked at once.
+_UNREACHED = (error.ConnectionRefusedError, error.ConnectError, error.DNSLookupError)
+
+
+class EtcdClient:
+    """
+    @param reactor: the reactor (for time and connections).
+    @param urls: member client URLs, C{http://127.0.0.1:2379} or
+        C{https://...}; at least one.
+    @param tls: an C{IPolicyForHTTPS} for C{https} members (etcd's CA and
+        this member's client certificate), e.g.
+        L{llmgw.tlsconf.options.ClientTLSPolicy}.
+    @param timeout: seconds a unary request may take.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        reactor: Any,
+        urls: Sequence[str],
+        tls: Any = None,
+        timeout: float = DEFAULT_TIMEOUT,
+    ):
+        if not urls:
+            raise ValueError("an etcd client needs at least one member URL")
+        self.reactor = reactor
+        self.urls = [u.rstrip("/") for u in urls]
+        self.timeout = timeout
+        self._current = 0
+        self.pool = HTTPConnectionPool(reactor, persistent=True)
+        self.pool.maxPersistentPerHost = 4
+        self.pool.retryAutomatically = False
+        agent = Agent(reactor, contextFactory=tls, pool=self.pool) if tls is not None else Agent(
+            reactor, pool=self.pool
+        )
+        self.http = treq.client.HTTPClient(agent)
+        # Watches get their own connections: a long-lived stream must not
+        # hold one that unary requests would queue behind.
+        self._watch_http = treq.client.HTTPClient(
+            Agent(reactor, contextFactory=tls) if tls is not None else Agent(reactor)
+        )
+
+    @property
+    def url(self) -> str:
+        """The member URL requests go to now."""
+        return self.urls[self._current]
+
+    def _next_member(self) -> None:
+        self._current = (self._current + 1) % len(self.urls)
+
+    def close(self) -> defer.Deferred[None]:
+        """Close pooled connections (tests call this before they end)."""
+        return self.pool.closeCachedConnections()  # type: ignore[no-any-return]
+
+    async def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """
+        POST C{body} to C{API_PREFIX + path} and return the decoded answer.
+
+        @raise EtcdError: etcd answered with an error.
+        @raise EtcdUnavailable: no member answered.
+        """
+        data = json.dumps(body).encode()
+        tried = 0
+        last = ""
+        while tried < len(self.urls):
+            url = self.url
+            tried += 1
+            try:
+                response = await self.http.post(
+                    url + API_PREFIX + path, data=data, timeout=self.timeout, unbuffered=True,
+                    headers=_JSON_HEADERS,
+                )
+                done: defer.Deferred[bytes] = defer.Deferred()
+                response.deliverBody(_Body(done))
+                raw = await done
+            except _UNREACHED as e:
+                last = f"{url}: {e.__class__.__name__}: {e}"
+                self._next_member()
+                continue
+            except (defer.CancelledError, error.TimeoutError, ResponseFailed, error.ConnectionLost) as e:
+                self._next_member()
+                raise EtcdUnavailable(
+                    f"etcd member {url} did not answer {path} within {self.timeout}s "
+                    f"({e.__class__.__name__})"
+                ) from e
+            try:
+                answer = json.loads(raw) if raw else {}
+            except ValueError as e:
+                raise EtcdError(-1, f"not JSON: {raw[:200]!r}", url) from e
+            if response.code != 200 or "error" in answer and "header" not in answer:
+                raise EtcdError(
+                    int(answer.get("code", -1)),
+                    str(answer.get("message") or answer.get("error") or f"HTTP {response.code}"),
+                    url,
+                )
+            return answer  # type: ignore[no-any-return]
+        raise EtcdUnavailable(f"no etcd member could be reached ({last})")
+
+    # -- leases -----------------------------------------------------------------
+
+    async def grant(self, ttl: int) -> tuple[int, int]:
+        """A new lease of C{ttl} seconds: C{(lease id, granted TTL)}."""
+        answer = await self.call("/lease/grant", {"TTL": str(ttl)})
+        return int(answer["ID"]), int(answer["TTL"])
+
+    async def keepalive(self, lease: int) -> int:
+        """
+        Renew C{lease} once; the TTL it has now, 0 when etcd no longer
+        holds it (expired or revoked).
+        """
+        answer = await self.call("/lease/keepalive", {"ID": str(lease)})
+        return int(answer.get("result", {}).get("TTL", 0))
+
+    async def revoke(self, lease: int) -> None:
+        """Revoke C{lease}, deleting every key attached to it."""
+        try:
+            await self.call("/lease/revoke", {"ID": str(lease)})
+        except EtcdError as e:
+            if e.code != GRPC_NOT_FOUND:
+                raise
+
+    # -- keys -------------------------------------------------------------------
+
+    async def put(self, key: bytes, value: bytes, lease: int = 0) -> int:
+        """Write C{key}; the store's revision after it."""
+        body: dict[str, Any] = {"key": b64(key), "value": b64(value)}
+        if lease:
+            body["lease"] = str(lease)
+        answer = await self.call("/kv/put", body)
+        return int(answer["header"]["revision"])
+
+    async def range(self, key: bytes, range_end: bytes = b"") -> tuple[list[KeyValue], int]:
+        """
+        The keys from C{key} up to C{range_end} (just C{key} without one),
+        and the store's revision they were read at.
+        """
+        body = {"key": b64(key)}
+        if range_end:
+            body["range_end"] = b64(range_end)
+        answer = await self.call("/kv/range", body)
+        kvs = [KeyValue.from_json(kv) for kv in answer.get("kvs", [])]
+        return kvs, int(answer["header"]["revision"])
+
+    async def get(self, key: bytes) -> KeyValue | None:
+        kvs, _ = await self.range(key)
+        return kvs[0] if kvs else None
+
+    async def get_prefix(self, prefix: bytes) -> tuple[list[KeyValue], int]:
+        return await self.range(prefix, prefix_end(prefix))
+
+    async def delete(self, key: bytes, range_end: bytes = b"") -> int:
+        """Delete C{key} (through C{range_end}); how many keys went."""
+        body = {"key": b64(key)}
+        if range_end:
+            body["range_end"] = b64(range_end)
+        answer = await self.call("/kv/deleterange", body)
+        return int(answer.get("deleted", 0))
+
+    async def txn(
+        self, compare: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = (),
+    ) -> TxnResult:
+        """
+        Run C{success} if every C{compare} holds, else C{failure}, as one
+        atomic step.
+        """
+        answer = await self.call("/kv/txn", {
+            "compare": [c.to_json() for c in compare],
+            "success": [op.to_json() for op in success],
+            "failure": [op.to_json() for op in failure],
+        })
+        responses: list[dict[str, Any]] = []
+        for r in answer.get("responses", []):
+            if "response_range" in r:
+                rr = r["response_range"]
+                responses.append({"kvs": [KeyValue.from_json(kv) for kv in rr.get("kvs", [])]})
+            else:
+                responses.append(r)
+        return TxnResult(bool(answer.get("succeeded", False)), int(answer["header"]["revision"]), responses)
+
+    async def status(self) -> dict[str, Any]:
+        """The member's status: C{member_id}, C{leader}, C{version}, ..."""
+        answer = await self.call("/maintenance/status", {})
+        return {
+            "member_id": int(answer["header"]["member_id"]),
+            "leader": int(answer.get("leader", 0)),
+            "version": answer.get("version", ""),
+            "revision": int(answer["header"]["revision"]),
+        }
+
+    # -- watch ------------------------------------------------------------------
+
+    def watch(
+        self,
+        key: bytes,
+        on_events: Callable[[list[WatchEvent], int], None],
+        range_end: bytes = b"",
+        start_revision: int = 0,
+    ) -> Watch:
+        """
+        Stream changes of C{key} (through C{range_end}) from
+        C{start_revision} (0: from now) to C{on_events(events, revision)},
+        on the member C{url} names now. The caller restarts a watch whose
+        C{done} fired, from C{watch.revision + 1}.
+        """
+        w = Watch()
+        w.revision = max(0, start_revision - 1)
+        req: dict[str, Any] = {"key": b64(key)}
+        if range_end:
+            req["range_end"] = b64(range_end)
+        if start_revision:
+            req["start_revision"] = str(start_revision)
+        url = self.url
+
+        def message(msg: dict[str, Any]) -> None:
+            result = msg.get("result")
+            if result is None:
+                err = msg.get("error", {})
+                if not w.done.called:
+                    w.done.errback(EtcdError(int(err.get("grpc_code", err.get("code", -1))),
+                                             str(err.get("message", msg)), url))
+                return
+            if result.get("canceled"):
+                if not w.done.called:
+                    w.done.errback(EtcdError(
+                        -1, f"watch canceled: {result.get('cancel_reason', '')} "
+                        f"(compacted to {result.get('compact_revision', 0)})", url,
+                    ))
+                return
+            revision = int(result.get("header", {}).get("revision", 0))
+            events = [
+                WatchEvent(e.get("type", "PUT"), KeyValue.from_json(e.get("kv", {})))
+                for e in result.get("events", [])
+            ]
+            if events:
+                w.revision = max(w.revision, max(e.kv.mod_revision for e in events))
+                on_events(events, revision)
+
+        async def run() -> None:
+            response = await self._watch_http.post(
+                url + API_PREFIX + "/watch", data=json.dumps({"create_request": req}).encode(),
+                unbuffered=True, headers=_JSON_HEADERS,
+            )
+            if response.code != 200:
+                raise EtcdError(response.code, f"watch refused with HTTP {response.code}", url)
+            stream_done: defer.Deferred[None] = defer.Deferred()
+            w._stream = _WatchStream(message, stream_done)
+            response.deliverBody(w._stream)
+            await stream_done
+
+        d = defer.Deferred.fromCoroutine(run())
+        w._request = d
+
+        def ended(result: Any) -> None:
+            if w.done.called:
+                return
+            if isinstance(result, Failure):
+                if result.check(*_UNREACHED, error.ConnectionLost, ResponseFailed):
+                    self._next_member()
+                if result.check(defer.CancelledError):
+                    w.done.callback(None)
+                else:
+                    w.done.errback(result)
+            else:
+                w.done.callback(None)
+
+        d.addBoth(ended)
+        return w
+
+
+def as_deferred(coro: Any) -> defer.Deferred[Any]:
+    """Run one of L{EtcdClient}'s coroutines as a Deferred."""
+    return defer.Deferred.fromCoroutine(coro)
+
+
+__all__ = [
+    "API_PREFIX", "Compare", "Delete", "EtcdClient", "EtcdError", "EtcdUnavailable",
+    "KeyValue", "Put", "Range", "TxnResult", "Watch", "WatchEvent", "as_deferred", "prefix_end",
+]

@@ -1,0 +1,159 @@
+"""
+Real etcd members for integration tests: each on free loopback ports with
+its own temporary data directory, started with C{reactor.spawnProcess},
+waited for through its C{/health} endpoint, and always torn down (TERM,
+then KILL after a grace).
+
+Tests that use these skip when the C{etcd} binary is not installed
+(L{ETCD_MISSING} says why); CI installs Debian's C{etcd-server}.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import tempfile
+from typing import Any
+
+import treq
+from twisted.internet import defer
+from twisted.internet.task import deferLater
+
+from llmgw.testing.procs import ProcessOutput, free_port, process_alive
+
+ETCD = shutil.which("etcd")
+#: Why etcd tests are skipped, or None when they can run.
+ETCD_MISSING = (
+    None if ETCD else "etcd is not installed (apt-get install etcd-server): etcd tests need a real member"
+)
+
+
+class EtcdMember:
+    """One etcd process; C{client_url} is where clients speak to it."""
+
+    def __init__(self, name: str, data_root: str, client_port: int, peer_port: int):
+        self.name = name
+        self.data_dir = os.path.join(data_root, name)
+        self.client_port = client_port
+        self.peer_port = peer_port
+        self.client_url = f"http://127.0.0.1:{client_port}"
+        self.peer_url = f"http://127.0.0.1:{peer_port}"
+        self.output: ProcessOutput | None = None
+        self.process: Any = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    def spawn(self, reactor: Any, initial_cluster: str, state: str = "new") -> None:
+        assert ETCD is not None, ETCD_MISSING
+        os.makedirs(self.data_dir, mode=0o700, exist_ok=True)
+        self.output = ProcessOutput()
+        args = [
+            "etcd",
+            "--name", self.name,
+            "--data-dir", self.data_dir,
+            "--listen-client-urls", self.client_url,
+            "--advertise-client-urls", self.client_url,
+            "--listen-peer-urls", self.peer_url,
+            "--initial-advertise-peer-urls", self.peer_url,
+            "--initial-cluster", initial_cluster,
+            "--initial-cluster-state", state,
+            "--initial-cluster-token", "llmgw-test",
+            # Small timings keep elections in a test's time scale.
+            "--heartbeat-interval", "50",
+            "--election-timeout", "500",
+            "--log-level", "warn",
+            "--logger", "zap",
+        ]
+        self.process = reactor.spawnProcess(
+            self.output, ETCD, args, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+        )
+
+    def running(self) -> bool:
+        return self.pid is not None and process_alive(self.pid) and not (
+            self.output is not None and self.output.ended.called
+        )
+
+    def signal(self, sig: int) -> None:
+        if self.pid is not None and self.running():
+            os.kill(self.pid, sig)
+
+    async def stop(self, reactor: Any, grace: float = 5.0) -> None:
+        """TERM, then KILL after C{grace}; returns once the process ended."""
+        if self.output is None or self.output.ended.called or self.pid is None:
+            return
+        try:
+            os.kill(self.pid, signal.SIGCONT)
+            os.kill(self.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        ended = self.output.ended
+        kill = reactor.callLater(grace, lambda: self.signal(signal.SIGKILL))
+        try:
+            await ended
+        finally:
+            if kill.active():
+                kill.cancel()
+
+
+class EtcdCluster:
+    """
+    C{size} etcd members on loopback forming one cluster. C{urls} are their
+    client URLs. Use C{await start(reactor)} and always C{await stop()}
+    (a test's C{addCleanup}).
+    """
+
+    def __init__(self, size: int = 1):
+        self.data_root = tempfile.mkdtemp(prefix="llmgw-etcd-")
+        self.members = [
+            EtcdMember(f"m{i}", self.data_root, free_port(), free_port()) for i in range(size)
+        ]
+        self.reactor: Any = None
+
+    @property
+    def urls(self) -> list[str]:
+        return [m.client_url for m in self.members]
+
+    @property
+    def initial_cluster(self) -> str:
+        return ",".join(f"{m.name}={m.peer_url}" for m in self.members)
+
+    async def start(self, reactor: Any, timeout: float = 30.0) -> None:
+        self.reactor = reactor
+        for m in self.members:
+            m.spawn(reactor, self.initial_cluster)
+        await self.wait_healthy(self.members, timeout)
+
+    async def restart(self, member: EtcdMember, timeout: float = 30.0) -> None:
+        """Start a stopped member again on its data directory."""
+        member.spawn(self.reactor, self.initial_cluster, state="existing")
+        await self.wait_healthy([member], timeout)
+
+    async def wait_healthy(self, members: list[EtcdMember], timeout: float) -> None:
+        deadline = self.reactor.seconds() + timeout
+        pending = list(members)
+        while pending:
+            m = pending[0]
+            if not m.running():
+                out = m.output.text()[-2000:] if m.output else ""
+                raise RuntimeError(f"etcd member {m.name} exited while starting:\n{out}")
+            try:
+                r = await treq.get(m.client_url + "/health", timeout=1.0, persistent=False)
+                body = await r.json()
+                if r.code == 200 and body.get("health") == "true":
+                    pending.pop(0)
+                    continue
+            except Exception:  # noqa: BLE001 - not up yet: try again
+                pass
+            if self.reactor.seconds() > deadline:
+                out = m.output.text()[-2000:] if m.output else ""
+                raise TimeoutError(f"etcd member {m.name} not healthy within {timeout}s:\n{out}")
+            await deferLater(self.reactor, 0.1, lambda: None)
+
+    async def stop(self) -> None:
+        await defer.gatherResults([
+            defer.Deferred.fromCoroutine(m.stop(self.reactor)) for m in self.members
+        ])
+        shutil.rmtree(self.data_root, ignore_errors=True)

@@ -1,0 +1,148 @@
+"""
+L{llmgw.agent.targets} and the agent's following of an HA control plane:
+redirects to the leader at once and bounded, the other members tried on
+failure, and a silent member left.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from twisted.internet import defer
+from twisted.python.failure import Failure
+from twisted.trial.unittest import SynchronousTestCase
+
+from llmgw.agent.targets import ControlTargets
+from llmgw.api.v1 import agent_pb2 as pb
+from llmgw.wire import NO_LEADER_MARKER, ack, redirect_error
+from tests.test_agent_client import Harness, frame
+
+
+class RecordingEndpoint:
+    def __init__(self, dialled: list[str], host: str, port: int):
+        self.dialled = dialled
+        self.address = f"{host}:{port}"
+
+    def connect(self, factory: Any) -> defer.Deferred[Any]:
+        self.dialled.append(self.address)
+        return defer.Deferred()
+
+
+def targets(dialled: list[str], n: int = 3, **kw: Any) -> ControlTargets:
+    return ControlTargets(
+        [(f"10.0.0.{i + 1}", 7443) for i in range(n)],
+        lambda host, port: RecordingEndpoint(dialled, host, port), **kw,
+    )
+
+
+class ControlTargetsTests(SynchronousTestCase):
+    def test_failures_walk_the_members(self) -> None:
+        """Each failure moves to the next configured member, round robin."""
+        dialled: list[str] = []
+        t = targets(dialled)
+        for _ in range(4):
+            t.connect(None)
+            t.failed()
+        self.assertEqual(dialled, ["10.0.0.1:7443", "10.0.0.2:7443", "10.0.0.3:7443", "10.0.0.1:7443"])
+
+    def test_redirect_dialled_next_then_list_after_failure(self) -> None:
+        """
+        A redirect is dialled next (even an address not configured); if it
+        fails, the agent goes back to the configured members.
+        """
+        dialled: list[str] = []
+        t = targets(dialled)
+        self.assertTrue(t.redirect("10.0.0.9:7443"))
+        t.connect(None)
+        t.failed()
+        t.connect(None)
+        self.assertEqual(dialled, ["10.0.0.9:7443", "10.0.0.1:7443"])
+
+    def test_redirect_loop_bounded(self) -> None:
+        """
+        Redirects in a row without a registration are followed only up to
+        the bound; a registration resets the count.
+        """
+        t = targets([], n=2, max_redirects=3)
+        self.assertEqual([t.redirect("10.0.0.2:7443") for _ in range(4)], [True, True, True, False])
+        t.registered()
+        self.assertTrue(t.redirect("10.0.0.2:7443"))
+
+
+class AgentFollowsLeaderTests(SynchronousTestCase):
+    def harness(self) -> tuple[Harness, list[str]]:
+        h = Harness(self)
+        dialled: list[str] = []
+        h.core.targets = targets(dialled)
+        return h, dialled
+
+    def test_redirect_followed_at_once_without_config_error(self) -> None:
+        """
+        A failed-precondition Ack naming the leader is not a configuration
+        error: the next attempt goes to the leader with no delay.
+        """
+        h, dialled = self.harness()
+        proto, transport = h.connect()
+        proto.dataReceived(frame(ack(
+            "register", ok=False, code=pb.Ack.CODE_FAILED_PRECONDITION,
+            error=redirect_error("10.0.0.3:7443", "m3"),
+        )))
+        self.assertTrue(transport.disconnecting)
+        proto.connectionLost(Failure(ConnectionError()))
+        self.assertIsNone(h.core.config_error)
+        self.assertEqual(h.core.retry_delay(1), 0.0)
+        self.assertEqual(h.core.targets.current, "10.0.0.3:7443")
+
+    def test_plain_failed_precondition_still_config_error(self) -> None:
+        """A failed-precondition refusal without a leader stays a configuration error."""
+        h, _ = self.harness()
+        proto, _ = h.connect()
+        proto.dataReceived(frame(ack(
+            "register", ok=False, code=pb.Ack.CODE_FAILED_PRECONDITION, error="protocol version 9",
+        )))
+        proto.connectionLost(Failure(ConnectionError()))
+        self.assertIsNotNone(h.core.config_error)
+        self.flushLoggedErrors()
+
+    def test_no_leader_retries_soon_elsewhere(self) -> None:
+        """
+        While members say none leads, the agent tries the next member at a
+        fixed short delay rather than its growing backoff.
+        """
+        h, _ = self.harness()
+        for _ in range(5):
+            proto, _ = h.connect()
+            proto.dataReceived(frame(ack(
+                "register", ok=False, code=pb.Ack.CODE_RESOURCE_EXHAUSTED,
+                error=f"{NO_LEADER_MARKER} (election under way); try another member",
+            )))
+            proto.connectionLost(Failure(ConnectionError()))
+            self.assertEqual(h.core.retry_delay(h.core.failures), 1.0)
+        self.assertEqual(h.core.targets.index, 5 % 3)
+
+    def test_silent_member_left(self) -> None:
+        """
+        After a member has acknowledged heartbeats, a stream whose
+        heartbeats go unacknowledged for two intervals and a second is
+        aborted and the next member is tried.
+        """
+        h, _ = self.harness()
+        proto, transport = h.connect()
+        proto.dataReceived(frame(ack("register")))
+        h.clock.advance(5)
+        proto.dataReceived(frame(ack("heartbeat")))
+        aborted: list[bool] = []
+        transport.abortConnection = lambda: aborted.append(True)  # type: ignore[method-assign]
+        h.clock.advance(10)
+        self.assertEqual(aborted, [])
+        h.clock.advance(5)
+        self.assertEqual(aborted, [True])
+        self.assertEqual(h.core.targets.index, 1)
+
+    def test_member_that_never_acks_heartbeats_is_kept(self) -> None:
+        """A control plane that does not acknowledge heartbeats (standalone) is never left."""
+        h, _ = self.harness()
+        proto, transport = h.connect()
+        proto.dataReceived(frame(ack("register")))
+        h.clock.advance(60)
+        self.assertFalse(transport.disconnecting)
