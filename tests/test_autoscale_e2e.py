@@ -52,7 +52,7 @@ class ScaleFromAndToZeroTests(SynchronousTestCase):
         self.gateway_port, self.admin_port = free_port(), free_port()
         self.log = open(self.dir / "fleet.log", "w+b")  # noqa: SIM115
         self.addCleanup(self.log.close)
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
         self.fleet = subprocess.Popen(
             [*llmgw_command(), "local", "--gateway", f"127.0.0.1:{self.gateway_port}",
              "--admin", f"127.0.0.1:{self.admin_port}", "--heartbeat", "1", "--catalog", str(catalog)],
@@ -122,8 +122,13 @@ class ScaleFromAndToZeroTests(SynchronousTestCase):
                   and len(self.admin("/api/v1/nodes")["nodes"]) == 2)
         self.assertEqual(self.replicas(), [])
 
-        self.admin("/api/v1/demand", {"gateway_id": "e2e", "models": {"demo": {"in_flight": 0, "waiting": 1}}})
-        ready = self.wait("a ready replica", lambda: [r for r in self.replicas() if r["state"] == "ready"])
+        def report_and_look() -> list[dict[str, Any]]:
+            # As a standalone gateway does: a report every poll, each
+            # counting for a few seconds.
+            self.admin("/api/v1/demand", {"gateway_id": "e2e", "models": {"demo": {"in_flight": 0, "waiting": 1}}})
+            return [r for r in self.replicas() if r["state"] == "ready"]
+
+        ready = self.wait("a ready replica", report_and_look)
         self.assertEqual(len(ready), 1)
         client = OpenAI(base_url=f"http://127.0.0.1:{self.gateway_port}/v1", api_key="none",
                         timeout=10, max_retries=0)

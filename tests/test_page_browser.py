@@ -117,6 +117,7 @@ class PageBrowserTests(TestCase):
         rstate = yield deferToThread(
             wait_for, driver,
             "(document.querySelector('#rep-r1 .rstate') || {}).textContent === 'failed' && "
+            "document.getElementById('events').innerText.includes('killed by signal 9') && "
             "document.getElementById('events').innerText")
         self.assertIn("killed by signal 9", rstate)
         cell = yield deferToThread(driver.execute_script,
