@@ -130,6 +130,10 @@ def _agent_count(value: str) -> int:
 _agent_count.coerceDoc = "Between 1 and 64."  # type: ignore[attr-defined]
 
 #: The control plane's option for each listener, and local's name for it.
+#: The local control plane's adoption grace at most, in seconds; it ends
+#: sooner, once every local agent has registered.
+LOCAL_GRACE_S = 10
+
 LISTENER_OPTIONS = {"--agents": "--agent-port", "--admin": "--admin", "--gateway": "--gateway"}
 
 
@@ -176,9 +180,10 @@ class Options(BaseOptions):
                 "--gateway", self["gateway"],
                 "--catalog", str(catalog),
                 "--heartbeat-interval", str(self["heartbeat"]),
-                # Every agent is on this machine: no point waiting long
-                # for agents that will not come.
-                "--adoption-grace", "2",
+                # Every agent is on this machine: the grace ends as soon
+                # as all of them have registered (LocalFleet), and this is
+                # only its bound, for agents that do not come.
+                "--adoption-grace", str(LOCAL_GRACE_S),
                 "--max-connections-per-address", "0",
             ])
         except usage.UsageError as e:
@@ -203,6 +208,7 @@ class LocalFleet(MultiService):
         self.agents: list[NodeAgent] = []
         self._watch: LoopingCall | None = None
         self.announced = False
+        self.grace_ended = False
 
     def startService(self) -> None:
         if self.options["made"]:
@@ -240,6 +246,13 @@ class LocalFleet(MultiService):
         reconciler = self.control.reconciler
         if reconciler is None or self.announced:
             return
+        if not self.grace_ended and reconciler.connected() >= {a.node_id for a in self.agents}:
+            # Every local agent has registered and said what it runs: place
+            # now, spread over all of them, rather than on whichever came
+            # first (a slow start under load used to put both replicas on
+            # one node).
+            self.grace_ended = True
+            reconciler.end_adoption_grace("every local agent has registered")
         deployments = reconciler.deployments()
         if not deployments or any(d["ready"] < d["desired"] for d in deployments):
             return

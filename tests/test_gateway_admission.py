@@ -177,6 +177,29 @@ class QueueTests(SynchronousTestCase):
             gw.sample("llmgw_gateway_queue_wait_seconds_sum", model="demo", outcome="dispatched"), 30
         )
 
+    def test_a_waiter_that_fails_to_go_is_answered_and_others_go(self) -> None:
+        """
+        A waiter whose sending on raises is answered with an error (and the
+        failure logged); the waiters after it are still sent on.
+        """
+        gw = Gw()
+        adm = gw.gateway.admission
+        went: list[str] = []
+        refused: list[int] = []
+
+        class Request:
+            on_lost = None
+            client_host = "127.0.0.1"
+
+        def broken() -> None:
+            raise RuntimeError("boom")
+
+        adm.enter("demo", "key:alice", Request(), broken, lambda e: refused.append(e.status))
+        adm.enter("demo", "key:bob", Request(), lambda: went.append("bob"), lambda e: refused.append(e.status))
+        gw.ready("r1")
+        self.assertEqual((went, refused), (["bob"], [502]))
+        self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 1)
+
     def test_deadline(self) -> None:
         """
         A request still waiting at the deadline gets the OpenAI-shaped 503

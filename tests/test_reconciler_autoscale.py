@@ -153,6 +153,31 @@ class AutoscaleReconcilerTests(SynchronousTestCase):
         f.step()
         self.assertEqual(self.active(f), 4)
 
+    def test_failing_demand_source_holds_counts(self) -> None:
+        """
+        A demand source that raises changes no count and stops nothing
+        else in the pass: it is logged, and the next pass that can read
+        demand scales as usual.
+        """
+        @implementer(IDemand)
+        class Source:
+            broken = True
+
+            def demand(self) -> dict[str, Demand]:
+                if self.broken:
+                    raise RuntimeError("gateway gone wrong")
+                return {"auto": Demand(0, 2)}
+
+        f = self.fleet("min_replicas = 1\nmax_replicas = 8\ntarget_in_flight = 1")
+        source = Source()
+        f.rec.set_demand_source(source)
+        f.step()
+        self.assertEqual(self.active(f), 1)
+        self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 1)
+        source.broken = False
+        f.step()
+        self.assertEqual(self.active(f), 2)
+
     def test_engine_waiting_scales_up(self) -> None:
         """
         With C{target_waiting}, the engines' waiting figures in heartbeats

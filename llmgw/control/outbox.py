@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.logger import Logger
 
 from llmgw.control import reports
 from llmgw.control.commands import Command, Start
@@ -32,6 +33,8 @@ class Outbox:
     @ivar held: while true (a pass is under way) nothing is scheduled; the
         pass flushes at its end.
     """
+
+    log = Logger()
 
     def __init__(self, clock: IReactorTime, ctx: Context, table: RoutingTable,
                  send: Callable[[Command], str | None], apply: Callable[[Outcome], None]):
@@ -64,19 +67,33 @@ class Outbox:
         """
         self.cancel()
         now = self._clock.seconds()
-        while self._queue:
-            batch, self._queue = self._queue, []
-            for cmd in batch:
-                if isinstance(cmd, Start) and reports.obsolete(self._ctx, cmd):
-                    continue
-                why = self._send(cmd)
-                if why is not None:
-                    out = Outcome()
-                    reports.refused(self._ctx, cmd, why, now, out)
-                    self._apply(out)
-        st = self._ctx.state
-        for model in sorted(st.take_routes_dirty()):
-            self._table.publish_model(model, st.routes(model))
+        try:
+            while self._queue:
+                batch, self._queue = self._queue, []
+                for cmd in batch:
+                    self._one(cmd, now)
+        finally:
+            st = self._ctx.state
+            for model in sorted(st.take_routes_dirty()):
+                self._table.publish_model(model, st.routes(model))
+
+    def _one(self, cmd: Command, now: float) -> None:
+        # One command's failure is its own: the rest of the batch still goes.
+        try:
+            if isinstance(cmd, Start) and reports.obsolete(self._ctx, cmd):
+                return
+            why = self._send(cmd)
+        except Exception as e:
+            self.log.failure("sending {command} failed", command=cmd)
+            why = f"sending it failed: {type(e).__name__}: {e}"
+        if why is None:
+            return
+        out = Outcome()
+        try:
+            reports.refused(self._ctx, cmd, why, now, out)
+        except Exception:
+            self.log.failure("handling the refusal of {command} failed", command=cmd)
+        self._apply(out)
 
     def cancel(self) -> None:
         if self._call is not None and self._call.active():

@@ -520,6 +520,16 @@ class Reconciler(Service):
         rep = self.state.replicas.get(replica_id)
         return rep.model if rep is not None else None
 
+    def end_adoption_grace(self, reason: str) -> None:
+        """
+        Stop waiting for agents to report what they run: every node that is
+        expected has registered (C{reason} says how that is known).
+        """
+        now = self.clock.seconds()
+        if now < self.grace_end:
+            self.adoption_grace = now - self.started_at
+            self._event("adoption_grace_ended", reason=reason)
+
     def retry(self, model: str) -> None:
         placing.deployment(self.ctx, model)
         self._decide(lifecycle.release, model, "an operator asked for a retry")

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from twisted.logger import Logger
+
 from llmgw.control import autoscale
 from llmgw.control.catalog import Catalog
 from llmgw.control.catalog import FleetState as KeptState
@@ -29,6 +31,8 @@ __all__ = ["Autoscaling"]
 
 
 class Autoscaling:
+    log = Logger()
+
     def __init__(self) -> None:
         #: Demand reported by standalone gateways (C{POST /api/v1/demand}).
         self.board = DemandBoard()
@@ -79,38 +83,52 @@ class Autoscaling:
         One pass of autoscaling: set C{ctx.desired} for every autoscaled
         deployment, before placement acts on it.
         """
+        models = self.models(ctx.catalog)
+        if not models:
+            return
+        try:
+            demand = self.demand(ctx, in_flight, now)
+        except Exception:
+            # The counts are unknown this pass: hold every count as it is
+            # (placement and everything else in the pass go on).
+            self.log.failure("autoscaling: reading the gateways' demand failed; no change this pass")
+            return
+        for model in models:
+            try:
+                self._tick_one(ctx, kept, model, demand, now, out)
+            except Exception:
+                self.log.failure("autoscaling {model}: the decision failed; its count stays", model=model)
+
+    def _tick_one(self, ctx: Context, kept: KeptState, model: str, demand: dict[str, Demand], now: float,
+                  out: Outcome) -> None:
         st = ctx.state
-        demand: dict[str, Demand] | None = None
-        for model in self.models(ctx.catalog):
-            dep = ctx.catalog.deployments[model]
-            policy = kept.policy(dep)
-            if policy is None:
-                continue
-            if demand is None:
-                demand = self.demand(ctx, in_flight, now)
-            d = demand.get(model, Demand(0, 0))
-            active = st.active.get(model, set())
-            engine_waiting = 0.0
-            # Only a waiting target reads the engines' figures (one look per
-            # ready replica of that deployment).
-            for rid in st.ready.get(model, ()) if policy.target_waiting else ():
-                leader = st.replicas[rid].shards.get(0)
-                sig = leader.signals if leader is not None else None
-                if sig is not None and sig.waiting is not None and sig.age(now) <= autoscale.SIGNALS_STALE_AFTER_S:
-                    engine_waiting += sig.waiting
-            # What it holds survives a catalog reload, which resets ctx.desired.
-            state = self.scalers.get(model) or autoscale.ScalerState(ctx.desired.get(model, dep.replicas))
-            short = max(0, state.desired - len(active)) if ctx.deps[model].unplaceable else 0
-            seen = autoscale.Observed(
-                active=len(active), in_flight=d.in_flight, waiting=d.waiting, engine_waiting=engine_waiting,
-                short=short, settling=now < ctx.grace_end,
-            )
-            decision = autoscale.decide(policy, state, seen, now)
-            self.scalers[model] = decision.state
-            ctx.desired[model] = decision.desired
-            for ev in decision.events:
-                level = "warn" if ev.kind == autoscale.CAPACITY else "info"
-                out.event(ev.kind, level=level, reason=f"deployment {model}: {ev.reason}")
+        dep = ctx.catalog.deployments[model]
+        policy = kept.policy(dep)
+        if policy is None:
+            return
+        d = demand.get(model, Demand(0, 0))
+        active = st.active.get(model, set())
+        engine_waiting = 0.0
+        # Only a waiting target reads the engines' figures (one look per
+        # ready replica of that deployment).
+        for rid in st.ready.get(model, ()) if policy.target_waiting else ():
+            leader = st.replicas[rid].shards.get(0)
+            sig = leader.signals if leader is not None else None
+            if sig is not None and sig.waiting is not None and sig.age(now) <= autoscale.SIGNALS_STALE_AFTER_S:
+                engine_waiting += sig.waiting
+        # What it holds survives a catalog reload, which resets ctx.desired.
+        state = self.scalers.get(model) or autoscale.ScalerState(ctx.desired.get(model, dep.replicas))
+        short = max(0, state.desired - len(active)) if ctx.deps[model].unplaceable else 0
+        seen = autoscale.Observed(
+            active=len(active), in_flight=d.in_flight, waiting=d.waiting, engine_waiting=engine_waiting,
+            short=short, settling=now < ctx.grace_end,
+        )
+        decision = autoscale.decide(policy, state, seen, now)
+        self.scalers[model] = decision.state
+        ctx.desired[model] = decision.desired
+        for ev in decision.events:
+            level = "warn" if ev.kind == autoscale.CAPACITY else "info"
+            out.event(ev.kind, level=level, reason=f"deployment {model}: {ev.reason}")
 
     def view(self, ctx: Context, kept: KeptState, model: str) -> dict[str, Any] | None:
         """

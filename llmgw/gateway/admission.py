@@ -434,12 +434,25 @@ class Admission:
                 w = q.pop()
                 assert w is not None
                 self._leave(w, DISPATCHED, now, removed=True)
-                w.go()
+                self._dispatch(w)
                 q = self._queues.get(model)
             # A finished request's capacity is used now or not at all.
             self._credits.pop(model, None)
         finally:
             self._pumping.discard(model)
+
+    def _dispatch(self, w: Waiter) -> None:
+        # One waiter's failure to go is its own: the others still go, and
+        # whoever finished the request that made room is not disturbed.
+        try:
+            w.go()
+        except Exception:
+            self.log.failure("admission queue: sending a waiting request for {model} failed",
+                             model=clip(w.model))
+            try:
+                w.refuse(errors.upstream_failed(w.model, "the gateway failed to send the request on"))
+            except Exception:
+                self.log.failure("admission queue: answering the failed request failed too")
 
     def pump_all(self) -> None:
         for model in list(self._queues):
@@ -455,7 +468,10 @@ class Admission:
 
     def _soon_fired(self) -> None:
         self._soon = None
-        self.pump_all()
+        try:
+            self.pump_all()
+        except Exception:
+            self.log.failure("admission queue: dispatching waiters failed")
 
     def _ticked(self) -> None:
         self._tick = None
