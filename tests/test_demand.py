@@ -39,6 +39,7 @@ class ParseTests(SynchronousTestCase):
             ({"gateway_id": "gw", "models": {"a": {"waiting": True}}}, "'waiting' must be a whole number"),
             ({"gateway_id": "gw", "models": {"a": {"queued": 1}}}, "model 'a'"),
             ({"gateway_id": "gw", "models": {"a": 3}}, "model 'a'"),
+            ({"gateway_id": "gw", "models": {"a": {"waiting": 10**9}}}, "from 0 to 1000000"),
         ]:
             e = self.assertRaises(DemandReportError, parse_report, body)
             self.assertIn(words, str(e))

@@ -153,6 +153,15 @@ class AutoscaleReconcilerTests(SynchronousTestCase):
         f.step()
         self.assertEqual(self.active(f), 4)
 
+    def test_reports_keep_only_autoscaled_models(self) -> None:
+        """
+        A report's figures for models that do not autoscale (or do not
+        exist) are not kept.
+        """
+        f = self.fleet("min_replicas = 0\nmax_replicas = 2\ntarget_in_flight = 1")
+        f.rec.report_demand("gw-1", {"auto": Demand(1, 0), "made-up": Demand(5, 5)})
+        self.assertEqual(f.rec.demand(), {"auto": Demand(1, 0)})
+
     def test_failing_demand_source_holds_counts(self) -> None:
         """
         A demand source that raises changes no count and stops nothing

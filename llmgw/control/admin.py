@@ -532,6 +532,11 @@ class AdminResource(Resource):
                 gateway_id, demand = parse_report(self._body(request))
             except DemandReportError as e:
                 raise Refused(400, str(e)) from None
+            # With mutual TLS a report is the certificate's: one gateway
+            # certificate cannot overwrite or crowd out another's reports.
+            cached = getattr(request.channel, "llmgw_admin", None)
+            if self.require_certificate and isinstance(cached, AdminIdentity):
+                gateway_id = f"{cached.name}/{gateway_id}" if cached.name != gateway_id else gateway_id
             return self._demand, (gateway_id, demand)
         if head == "deployments" and len(rest) >= 3 and rest[-1] == "retry":
             only("POST")

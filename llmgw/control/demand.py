@@ -27,6 +27,9 @@ MAX_GATEWAYS = 1024
 MAX_MODELS = 10_000
 #: Longest gateway id accepted.
 MAX_GATEWAY_ID = 128
+#: The most requests in flight or waiting one report may claim for a model
+#: (a gateway holds at most its connection cap; this bounds a bad report).
+MAX_FIGURE = 1_000_000
 
 
 class DemandReportError(ValueError):
@@ -65,9 +68,9 @@ def parse_report(body: Any) -> tuple[str, dict[str, Demand]]:
         values = []
         for key in ("in_flight", "waiting"):
             n = figures.get(key, 0)
-            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-                raise DemandReportError(f"model {model[:100]!r}: {key!r} must be a whole number of at least 0, "
-                                        f"not {str(n)[:40]!r}")
+            if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_FIGURE:
+                raise DemandReportError(f"model {model[:100]!r}: {key!r} must be a whole number from 0 to "
+                                        f"{MAX_FIGURE}, not {str(n)[:40]!r}")
             values.append(n)
         if values[0] or values[1]:
             out[model] = Demand(values[0], values[1])

@@ -505,7 +505,11 @@ class Reconciler(Service):
         A standalone gateway's demand (C{POST /api/v1/demand}); it counts
         until it expires (L{DemandBoard.expire_after}).
         """
-        self.autoscaling.board.report(gateway_id, models, self.clock.seconds())
+        # Only deployments that autoscale are kept: a report cannot grow
+        # the board with names of its choosing.
+        auto = set(self.autoscaling.models(self.catalog))
+        kept = {m: d for m, d in models.items() if m in auto}
+        self.autoscaling.board.report(gateway_id, kept, self.clock.seconds())
 
     def set_demand_source(self, source: IDemand | None) -> None:
         self.autoscaling.source = source
