@@ -198,6 +198,10 @@ class AgentStreamClient(MessageStream[pb.ControlMessage]):
             self.log.warn("stream to the control plane at {control} closed: {reason}; shards keep "
                           "running, reconnecting", control=self.peer_name(),
                           reason=reason.getErrorMessage())
+            if self.core.targets is not None:
+                # The member may be gone (a leader killed): the next dial
+                # goes to the next one, which names the new leader.
+                self.core.targets.failed()
             return
         if self._redirected:
             self.registered.callback(False)
