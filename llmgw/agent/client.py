@@ -282,8 +282,8 @@ class AgentStreamClient(MessageStream[pb.ControlMessage]):
             self.log.warn("the control plane at {control} acknowledged no heartbeat for {silence:.0f}s; "
                           "trying the other members", control=self.peer_name(),
                           silence=self.core.clock.seconds() - self._last_heartbeat_ack)
-            if self.core.targets is not None:
-                self.core.targets.failed()
+            # Losing the stream moves the next dial to the next member
+            # (connectionLost).
             self.transport.abortConnection()  # type: ignore[union-attr]
             return
         try:
