@@ -36,6 +36,7 @@ from llmgw.control.catalog import Catalog, CatalogError, parse_catalog
 from llmgw.control.commands import ShardCommand
 from llmgw.control.election import Election, MemberInfo, Role, leader_key
 from llmgw.control.interfaces import IDispatcher, NotConnected
+from llmgw.control.sharedstate import SharedFleet, SharedFleetState
 from llmgw.etcd import Compare, EtcdError, Put, Range
 from llmgw.wire import NO_LEADER_MARKER, redirect_error
 
@@ -163,6 +164,13 @@ class HAMember(Service):
             store, reactor, prefix, member, on_elected=self._elected, on_deposed=self._deposed, ttl=ttl,
         )
         self.dispatcher = FencedDispatcher(cp.agents, self.election.may_command)
+        # The operator's fleet state lives in etcd (sharedstate); the state
+        # file the reconciler loaded seeds it once, if etcd holds none.
+        self.kept = SharedFleetState(store, prefix)
+        self._seed = reconciler.fleet_state
+        reconciler.fleet_state = self.kept
+        if getattr(cp, "fleet", None) is reconciler:
+            cp.fleet = SharedFleet(reconciler, self.kept)
         cp.agents.gate = self.gate
         cp.agents.ack_heartbeats = True
         self._starting: defer.Deferred[None] | None = None
@@ -222,12 +230,16 @@ class HAMember(Service):
         while self.election.lease == lease and self.election.may_command():
             try:
                 await self._load_catalog(lease)
+                for warning in await self.kept.load_from(lease, self._seed):
+                    self.log.error("{warning}", warning=warning)
                 break
             except EtcdError as e:
-                self.log.warn("etcd: cannot read the catalog yet ({error}); retrying", error=str(e))
+                self.log.warn("etcd: cannot read the catalog or fleet state yet ({error}); retrying",
+                              error=str(e))
                 await deferLater(self.reactor, self.retry_interval, lambda: None)
         if self.election.lease != lease or not self.election.may_command():
             return
+        self.reconciler.take_up_kept()
         self.reconciler.attach(self.dispatcher, epoch=epoch)
         if not self.reconciler.running:
             self.reconciler.startService()
@@ -312,6 +324,7 @@ class HAMember(Service):
 
     def _deposed(self, reason: str) -> None:
         self.taken_over = False
+        self.kept.step_down()
         self._stop_watch()
         if self.reconciler.running:
             self.reconciler.stopService()
@@ -356,6 +369,7 @@ class HAMember(Service):
             "terms": st["terms"],
             "commands_fenced": self.dispatcher.fenced,
             "catalog_revision": self.catalog_revision,
+            "fleet_state_revision": self.kept.revision,
             "etcd_error": st["last_error"],
         }
 
