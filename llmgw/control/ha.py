@@ -230,8 +230,9 @@ class HAMember(Service):
         while self.election.lease == lease and self.election.may_command():
             try:
                 await self._load_catalog(lease)
-                for warning in await self.kept.load_from(lease, self._seed):
-                    self.log.error("{warning}", warning=warning)
+                for problem in await self.kept.load_from(lease, self._seed):
+                    # (Not "warning": a log event with that key reads as a Python warning.)
+                    self.log.error("{problem}", problem=problem)
                 break
             except EtcdError as e:
                 self.log.warn("etcd: cannot read the catalog or fleet state yet ({error}); retrying",
