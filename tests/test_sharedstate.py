@@ -256,3 +256,40 @@ class SharedFleetStateTests(SynchronousTestCase):
         self.advance(1)
         f = self.failureResultOf(b.ha.kept.write(lambda s: None), SharedStateError)
         self.assertIn("does not lead", str(f.value))
+
+    # -- the admin API over an HA member's fleet ---------------------------------------
+
+    def request(self, m: Member, path: str, body: Any = None) -> Any:
+        from treq.testing import StubTreq
+
+        from llmgw.control.admin import AdminResource
+        from llmgw.control.metrics import make_registry
+
+        treq: Any = StubTreq(AdminResource(m.cp.fleet, make_registry(), m.cp.agents))
+        data = json.dumps(body).encode() if body is not None else None
+        d = treq.request("POST", "http://127.0.0.1:7480" + path,
+                         headers={"Content-Type": ["application/json"]}, data=data)
+        treq.flush()
+        return treq, d
+
+    def test_answer_waits_for_etcd_and_refusal_is_409(self) -> None:
+        """
+        A scale over the admin API is answered only once etcd took it (while
+        etcd hangs, no answer and no change); a deposed leader's scale is
+        answered 409 with the reason.
+        """
+        a = self.leader()
+        lease = a.ha.kept.lease
+        a.ha.kept.lease = None
+        treq, d = self.request(a, "/api/v1/nodes/n1/cordon")
+        response = self.successResultOf(d)
+        self.assertEqual(response.code, 409)
+        body = json.loads(self.successResultOf(treq.content(response)))
+        self.assertIn("does not lead", body["error"])
+        self.assertNotIn("n1", a.reconciler.state.cordoned)
+        a.ha.kept.lease = lease
+        self.fake.hang = True
+        treq, d = self.request(a, "/api/v1/deployments/demo/scale", {"replicas": 3})
+        self.assertNoResult(d)
+        self.assertEqual(a.reconciler.desired["demo"], 2)
+        self.flushLoggedErrors()
