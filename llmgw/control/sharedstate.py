@@ -217,7 +217,9 @@ class SharedFleet:
     """
     The admin API's fleet in HA mode: the reconciler, with the operator's
     changes kept in etcd (L{SharedFleetState}) before they are applied.
-    Everything else is the reconciler's.
+    Everything else is the reconciler's. Its changes answer a Deferred, so
+    it does not declare L{IFleetAdmin} (whose methods answer at once); the
+    admin API waits for either.
     """
 
     def __init__(self, reconciler: Any, kept: SharedFleetState):
