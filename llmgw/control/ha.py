@@ -239,6 +239,9 @@ class HAMember(Service):
                               error=str(e))
                 await deferLater(self.reactor, self.retry_interval, lambda: None)
         if self.election.lease != lease or not self.election.may_command():
+            # This term ended while loading: its lease writes nothing more.
+            if self.kept.lease == lease:
+                self.kept.step_down()
             return
         self.reconciler.take_up_kept()
         self.reconciler.attach(self.dispatcher, epoch=epoch)
