@@ -95,6 +95,28 @@ class SharedFleetStateTests(SynchronousTestCase):
         self.assertEqual(a.reconciler.desired["demo"], 3)
         self.assertEqual(a.ha.status()["fleet_state_revision"], self.fake.kvs[KEY].mod_revision)
 
+    def test_autoscale_bounds_kept_in_etcd(self) -> None:
+        """
+        An autoscaled deployment's bounds set through the fleet are stored in
+        etcd (with the catalog's bounds they narrow) and then govern the
+        reconciler's policy; a member that takes over has them.
+        """
+        Path(self.catalog).write_bytes(DEMO.replace(
+            b"replicas = 2", b"min_replicas = 1\nmax_replicas = 4\ntarget_in_flight = 4"))
+        a = self.leader()
+        b = self.member("b")
+        self.successResultOf(a.fleet.scale_bounds("demo", 2, 3))
+        self.assertEqual(self.stored()["bounds"],
+                         {"demo": {"min": 2, "max": 3, "catalog_min": 1, "catalog_max": 4}})
+        self.assertEqual(a.reconciler.autoscale_view("demo")["min_replicas"], 2)
+        self.fake.expire(a.ha.election.lease)  # type: ignore[arg-type]
+        self.advance(1)
+        self.assertTrue(b.ha.taken_over)
+        policy = b.reconciler.fleet_state.policy(b.reconciler.catalog.deployments["demo"])
+        self.assertEqual((policy.min_replicas, policy.max_replicas), (2, 3))
+        self.assertEqual(b.reconciler.desired["demo"], 2)
+        self.flushLoggedErrors()
+
     def test_cordon_drain_uncordon_kept_in_etcd(self) -> None:
         """
         Cordons and drains are stored in etcd and applied to the reconciler;
