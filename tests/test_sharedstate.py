@@ -253,11 +253,35 @@ class SharedFleetStateTests(SynchronousTestCase):
         """
         a = self.leader()
         self.successResultOf(a.fleet.cordon("n1"))
+        a.ha._stop_watch()  # the edit is not seen before the write
         self.fake.put(KEY, json.dumps({"cordoned": ["n2"], "draining": []}).encode())
         self.assertIn("changed by someone else", str(self.refused(a.fleet.scale("demo", 3))))
         self.assertEqual(self.stored()["cordoned"], ["n2"])
         self.successResultOf(a.fleet.scale("demo", 3))
         self.assertEqual((self.stored()["cordoned"], self.stored()["replicas"]["demo"]["replicas"]), (["n2"], 3))
+
+    def test_hand_edit_taken_up_by_the_watch(self) -> None:
+        """
+        The leader takes up a change of the key made in etcd by hand (its
+        own writes are not taken up twice); a deletion clears it, and an
+        unreadable document leaves the running state.
+        """
+        a = self.leader()
+        self.successResultOf(a.fleet.cordon("n1"))
+        # Its own write was applied by the cordon itself, not taken up first.
+        self.assertEqual([e["node"] for e in a.reconciler.events() if e["kind"] == "node_cordoned"], ["n1"])
+        self.fake.put(KEY, json.dumps({"replicas": {"demo": {"replicas": 4, "catalog_replicas": 2}},
+                                       "cordoned": ["n2"], "draining": []}).encode())
+        self.assertEqual(a.reconciler.state.cordoned, {"n2"})
+        self.assertEqual(a.reconciler.desired["demo"], 4)
+        self.assertEqual(a.ha.kept.revision, self.fake.kvs[KEY].mod_revision)
+        self.fake.put(KEY, b"[]")
+        self.assertEqual(a.reconciler.state.cordoned, {"n2"})
+        self.fake.delete(KEY)
+        self.assertEqual((a.reconciler.state.cordoned, a.reconciler.desired["demo"]), (set(), 2))
+        self.successResultOf(a.fleet.cordon("n1"))
+        self.assertEqual(self.stored()["cordoned"], ["n1"])
+        self.assertEqual(a.reconciler.state.cordoned, {"n1"})
 
     def test_nodes_the_reconciler_changes_are_written_behind(self) -> None:
         """

@@ -159,6 +159,7 @@ class HAMember(Service):
         #: The mod revision of the catalog applied from etcd.
         self.catalog_revision = 0
         self._watch: Any = None
+        self._state_watch: Any = None
         self.elections = 0
         self.election = Election(
             store, reactor, prefix, member, on_elected=self._elected, on_deposed=self._deposed, ttl=ttl,
@@ -249,6 +250,7 @@ class HAMember(Service):
             self.reconciler.startService()
         self.taken_over = True
         self._start_watch(lease)
+        self._follow_state(lease)
         self.log.info(
             "HA member {member} leads with command epoch {epoch} (etcd revision {revision}); "
             "the reconciler adopts what agents report before it places anything",
@@ -321,9 +323,27 @@ class HAMember(Service):
         self._watch = self.store.watch(key, on_events, start_revision=start)
         self._watch.done.addBoth(ended)
 
+    def _follow_state(self, lease: int) -> None:
+        """Take up a change of the fleet state made in etcd by hand."""
+        def changed() -> None:
+            if self.taken_over and self.election.lease == lease:
+                self.reconciler.take_up_kept()
+                self.log.warn("fleet state in etcd {key} changed (revision {revision}), not by this "
+                              "member: taken up", key=self.kept.key.decode(), revision=self.kept.revision)
+
+        def ended(_: Any) -> None:
+            if self.running and self.taken_over and self.election.lease == lease:
+                self.reactor.callLater(self.retry_interval, self._follow_state, lease)
+
+        self._state_watch = self.kept.follow(changed)
+        self._state_watch.done.addBoth(ended)
+
     def _stop_watch(self) -> None:
         if self._watch is not None:
             w, self._watch = self._watch, None
+            w.cancel()
+        if self._state_watch is not None:
+            w, self._state_watch = self._state_watch, None
             w.cancel()
 
     def _deposed(self, reason: str) -> None:

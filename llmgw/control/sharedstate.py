@@ -26,9 +26,10 @@ How a change is applied (etcd first, then the reconciler):
   behind, a failure logged (a new leader reads what etcd holds).
 - Reads are of the local copy, loaded at each take-over
   (L{SharedFleetState.load_from}); only the leader writes, so while it
-  leads its copy is what etcd holds. When etcd holds no document yet, the
-  leader seeds it from its own state file (the standalone one), under its
-  lease.
+  leads its copy is what etcd holds. A change made in etcd by hand is seen
+  by a watch (L{SharedFleetState.follow}) and taken up as at a take-over.
+  When etcd holds no document yet, the leader seeds it from its own state
+  file (the standalone one), under its lease.
 
 Writes from one member are serialised (one transaction at a time), so two
 admin requests at once do not refuse each other.
@@ -151,6 +152,43 @@ class SharedFleetState(FleetState):
                     f"and was ignored (no scale overrides, no node cordoned or draining; the next "
                     f"change replaces it): {e}"]
         return []
+
+    def follow(self, on_change: Callable[[], None]) -> Any:
+        """
+        Watch the key: a change this member did not make (the key edited or
+        deleted by hand) is loaded, in turn with this member's writes, and
+        C{on_change} called. Returns the watch (C{cancel}, C{done}).
+        """
+        def on_events(events: list[Any], revision: int) -> None:
+            if any(ev.kv.mod_revision > self.revision for ev in events):
+                d = self._lock.run(lambda: defer.ensureDeferred(self._reload(on_change)))
+                d.addErrback(lambda f: self.log.error(
+                    "fleet state in etcd {key} changed but could not be read: {error}",
+                    key=self.key.decode(), error=f.getErrorMessage()))
+
+        start = self.revision + 1 if self.revision else 0
+        return self.store.watch(self.key, on_events, start_revision=start)
+
+    async def _reload(self, on_change: Callable[[], None]) -> None:
+        kv = await defer.ensureDeferred(self.store.get(self.key))
+        if kv is None:
+            if self.revision == 0:
+                return
+            self.take_data({})
+            self.revision = 0
+        else:
+            if kv.mod_revision <= self.revision:
+                return
+            try:
+                self.take_data(json.loads(kv.value))
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                self.log.error("fleet state in etcd {key} (revision {revision}) is unreadable and was "
+                               "ignored; the running state stays: {error}", key=self.key.decode(),
+                               revision=kv.mod_revision, error=str(e))
+                self.revision = kv.mod_revision
+                return
+            self.revision = kv.mod_revision
+        on_change()
 
     def step_down(self) -> None:
         """This member no longer leads: no write is attempted from now."""
