@@ -46,7 +46,7 @@ from urllib.parse import quote
 from OpenSSL import SSL
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
-from twisted.internet.defer import CancelledError, maybeDeferred
+from twisted.internet.defer import CancelledError, Deferred, maybeDeferred
 from twisted.logger import Logger
 from twisted.protocols.tls import TLSMemoryBIOFactory
 from twisted.python.failure import Failure
@@ -673,34 +673,44 @@ class AdminResource(Resource):
                 status[key] = ha_status[key]
         return status
 
-    def _node_action(self, request: Any, node_id: str, action: str) -> dict[str, Any]:
+    def _node_action(self, request: Any, node_id: str, action: str) -> Deferred[dict[str, Any]]:
+        # ha2: an HA fleet answers once etcd kept the change (a Deferred).
         do = {"cordon": self.fleet.cordon, "uncordon": self.fleet.uncordon, "drain": self.fleet.drain_node}[action]
-        do(node_id)
-        self.log.info(
-            "admin API: {action} {node} (asked by {client})",
-            action=action,
-            node=node_id,
-            client=self.who(request),
-        )
-        return {"node": node_id, "action": action, "ok": True}
 
-    def _scale(self, request: Any, model: str, replicas: int) -> dict[str, Any]:
-        self.fleet.scale(model, replicas)
-        self.log.info(
-            "admin API: scale {model} to {replicas} replicas (asked by {client})",
-            model=model,
-            replicas=replicas,
-            client=self.who(request),
-        )
-        return {"model": model, "replicas": replicas, "ok": True}
+        def done(_: Any = None) -> dict[str, Any]:
+            self.log.info(
+                "admin API: {action} {node} (asked by {client})",
+                action=action,
+                node=node_id,
+                client=self.who(request),
+            )
+            return {"node": node_id, "action": action, "ok": True}
 
-    def _scale_bounds(self, request: Any, model: str, low: int, high: int) -> dict[str, Any]:
-        self.fleet.scale_bounds(model, low, high)
-        self.log.info(
-            "admin API: autoscale {model} between {low} and {high} replicas (asked by {client})",
-            model=model, low=low, high=high, client=self.who(request),
-        )
-        return {"model": model, "min": low, "max": high, "ok": True}
+        return maybeDeferred(do, node_id).addCallback(done)
+
+    def _scale(self, request: Any, model: str, replicas: int) -> Deferred[dict[str, Any]]:
+        # ha2: an HA fleet answers once etcd kept the change (a Deferred).
+        def done(_: Any = None) -> dict[str, Any]:
+            self.log.info(
+                "admin API: scale {model} to {replicas} replicas (asked by {client})",
+                model=model,
+                replicas=replicas,
+                client=self.who(request),
+            )
+            return {"model": model, "replicas": replicas, "ok": True}
+
+        return maybeDeferred(self.fleet.scale, model, replicas).addCallback(done)
+
+    def _scale_bounds(self, request: Any, model: str, low: int, high: int) -> Deferred[dict[str, Any]]:
+        # ha2: an HA fleet answers once etcd kept the change (a Deferred).
+        def done(_: Any = None) -> dict[str, Any]:
+            self.log.info(
+                "admin API: autoscale {model} between {low} and {high} replicas (asked by {client})",
+                model=model, low=low, high=high, client=self.who(request),
+            )
+            return {"model": model, "min": low, "max": high, "ok": True}
+
+        return maybeDeferred(self.fleet.scale_bounds, model, low, high).addCallback(done)
 
     def _demand(self, gateway_id: str, demand: dict[str, Any]) -> dict[str, Any]:
         # A report a second per gateway: not logged, its effect is (events).

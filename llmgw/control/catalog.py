@@ -549,21 +549,7 @@ class FleetState:
         if self.path is None or not self.path.exists():
             return []
         try:
-            data = json.loads(self.path.read_text())
-            if not isinstance(data, dict):
-                raise ValueError(f"expected a JSON object, not {type(data).__name__}")
-            overrides = {}
-            for model, entry in data.get("replicas", {}).items():
-                replicas, base = int(entry["replicas"]), int(entry["catalog_replicas"])
-                if replicas >= 0:
-                    overrides[str(model)] = (replicas, base)
-            bounds: dict[str, tuple[int, int, int, int]] = {}
-            for model, entry in data.get("bounds", {}).items():
-                lo, hi, clo, chi = (int(entry[k]) for k in ("min", "max", "catalog_min", "catalog_max"))
-                if 0 <= lo <= hi and hi >= 1:
-                    bounds[str(model)] = (lo, hi, clo, chi)
-            cordoned = self._node_list(data, "cordoned")
-            draining = self._node_list(data, "draining")
+            self.take_data(json.loads(self.path.read_text()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             aside = self.path.with_name(self.path.name + ".unreadable")
             try:
@@ -575,11 +561,34 @@ class FleetState:
                 f"state file {str(self.path)!r} is unreadable and was ignored "
                 f"(no scale overrides, no node cordoned or draining): {e}{kept}"
             ]
+        return []
+
+    def take_data(self, data: Any) -> None:
+        """
+        Replace the state with C{data}, the JSON form L{to_data} makes (the
+        file's, and etcd's in HA mode).
+
+        @raise ValueError: C{data} is not such a document (also
+            L{KeyError}, L{TypeError}, L{AttributeError}); nothing changed.
+        """
+        if not isinstance(data, dict):
+            raise ValueError(f"expected a JSON object, not {type(data).__name__}")
+        overrides = {}
+        for model, entry in data.get("replicas", {}).items():
+            replicas, base = int(entry["replicas"]), int(entry["catalog_replicas"])
+            if replicas >= 0:
+                overrides[str(model)] = (replicas, base)
+        bounds: dict[str, tuple[int, int, int, int]] = {}
+        for model, entry in data.get("bounds", {}).items():
+            lo, hi, clo, chi = (int(entry[k]) for k in ("min", "max", "catalog_min", "catalog_max"))
+            if 0 <= lo <= hi and hi >= 1:
+                bounds[str(model)] = (lo, hi, clo, chi)
+        cordoned = self._node_list(data, "cordoned")
+        draining = self._node_list(data, "draining")
         self.overrides = overrides
         self.bounds = bounds
         # A drain cordons its node; a file edited by hand may say otherwise.
         self.cordoned, self.draining = cordoned | draining, draining
-        return []
 
     @staticmethod
     def _node_list(data: Mapping[str, Any], key: str) -> frozenset[str]:
@@ -599,7 +608,11 @@ class FleetState:
         """
         if self.path is None:
             return
-        data = {
+        write_atomically(self.path, json.dumps(self.to_data(), indent=2) + "\n")
+
+    def to_data(self) -> dict[str, Any]:
+        """The state as a JSON document (what L{take_data} reads)."""
+        data: dict[str, Any] = {
             "replicas": {
                 m: {"replicas": r, "catalog_replicas": b} for m, (r, b) in sorted(self.overrides.items())
             },
@@ -611,7 +624,7 @@ class FleetState:
                 m: {"min": lo, "max": hi, "catalog_min": clo, "catalog_max": chi}
                 for m, (lo, hi, clo, chi) in sorted(self.bounds.items())
             }
-        write_atomically(self.path, json.dumps(data, indent=2) + "\n")
+        return data
 
     def set(self, model: str, replicas: int, catalog_replicas: int) -> None:
         """

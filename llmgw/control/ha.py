@@ -36,6 +36,7 @@ from llmgw.control.catalog import Catalog, CatalogError, parse_catalog
 from llmgw.control.commands import ShardCommand
 from llmgw.control.election import Election, MemberInfo, Role, leader_key
 from llmgw.control.interfaces import IDispatcher, NotConnected
+from llmgw.control.sharedstate import SharedFleet, SharedFleetState
 from llmgw.etcd import Compare, EtcdError, Put, Range
 from llmgw.wire import NO_LEADER_MARKER, redirect_error
 
@@ -158,11 +159,19 @@ class HAMember(Service):
         #: The mod revision of the catalog applied from etcd.
         self.catalog_revision = 0
         self._watch: Any = None
+        self._state_watch: Any = None
         self.elections = 0
         self.election = Election(
             store, reactor, prefix, member, on_elected=self._elected, on_deposed=self._deposed, ttl=ttl,
         )
         self.dispatcher = FencedDispatcher(cp.agents, self.election.may_command)
+        # The operator's fleet state lives in etcd (sharedstate); the state
+        # file the reconciler loaded seeds it once, if etcd holds none.
+        self.kept = SharedFleetState(store, prefix)
+        self._seed = reconciler.fleet_state
+        reconciler.fleet_state = self.kept
+        if getattr(cp, "fleet", None) is reconciler:
+            cp.fleet = SharedFleet(reconciler, self.kept)
         cp.agents.gate = self.gate
         cp.agents.ack_heartbeats = True
         self._starting: defer.Deferred[None] | None = None
@@ -222,17 +231,26 @@ class HAMember(Service):
         while self.election.lease == lease and self.election.may_command():
             try:
                 await self._load_catalog(lease)
+                for problem in await self.kept.load_from(lease, self._seed):
+                    # (Not "warning": a log event with that key reads as a Python warning.)
+                    self.log.error("{problem}", problem=problem)
                 break
             except EtcdError as e:
-                self.log.warn("etcd: cannot read the catalog yet ({error}); retrying", error=str(e))
+                self.log.warn("etcd: cannot read the catalog or fleet state yet ({error}); retrying",
+                              error=str(e))
                 await deferLater(self.reactor, self.retry_interval, lambda: None)
         if self.election.lease != lease or not self.election.may_command():
+            # This term ended while loading: its lease writes nothing more.
+            if self.kept.lease == lease:
+                self.kept.step_down()
             return
+        self.reconciler.take_up_kept()
         self.reconciler.attach(self.dispatcher, epoch=epoch)
         if not self.reconciler.running:
             self.reconciler.startService()
         self.taken_over = True
         self._start_watch(lease)
+        self._follow_state(lease)
         self.log.info(
             "HA member {member} leads with command epoch {epoch} (etcd revision {revision}); "
             "the reconciler adopts what agents report before it places anything",
@@ -305,13 +323,32 @@ class HAMember(Service):
         self._watch = self.store.watch(key, on_events, start_revision=start)
         self._watch.done.addBoth(ended)
 
+    def _follow_state(self, lease: int) -> None:
+        """Take up a change of the fleet state made in etcd by hand."""
+        def changed() -> None:
+            if self.taken_over and self.election.lease == lease:
+                self.reconciler.take_up_kept()
+                self.log.warn("fleet state in etcd {key} changed (revision {revision}), not by this "
+                              "member: taken up", key=self.kept.key.decode(), revision=self.kept.revision)
+
+        def ended(_: Any) -> None:
+            if self.running and self.taken_over and self.election.lease == lease:
+                self.reactor.callLater(self.retry_interval, self._follow_state, lease)
+
+        self._state_watch = self.kept.follow(changed)
+        self._state_watch.done.addBoth(ended)
+
     def _stop_watch(self) -> None:
         if self._watch is not None:
             w, self._watch = self._watch, None
             w.cancel()
+        if self._state_watch is not None:
+            w, self._state_watch = self._state_watch, None
+            w.cancel()
 
     def _deposed(self, reason: str) -> None:
         self.taken_over = False
+        self.kept.step_down()
         self._stop_watch()
         if self.reconciler.running:
             self.reconciler.stopService()
@@ -356,6 +393,7 @@ class HAMember(Service):
             "terms": st["terms"],
             "commands_fenced": self.dispatcher.fenced,
             "catalog_revision": self.catalog_revision,
+            "fleet_state_revision": self.kept.revision,
             "etcd_error": st["last_error"],
         }
 

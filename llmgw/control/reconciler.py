@@ -472,6 +472,17 @@ class Reconciler(Service):
     def drain_node(self, node_id: str) -> None:
         self._node_action(node_id, nodes.drain, "draining")
 
+    def take_up_kept(self) -> None:
+        """
+        ha2: adopt what L{fleet_state} holds now (an HA leader's, read from
+        etcd at take-over): its cordoned and draining nodes and scale.
+        """
+        st, kept = self.state, self.fleet_state
+        st.eligibility_changed(set(st.cordoned) ^ set(kept.cordoned))
+        st.cordoned.clear(), st.draining_nodes.clear()
+        st.cordoned.update(kept.cordoned), st.draining_nodes.update(kept.draining)
+        self.desired = {m: kept.desired(d) for m, d in self.catalog.deployments.items()}
+
     def scale(self, model: str, replicas: int) -> None:
         dep = placing.check_scale(self.ctx, model, replicas)
         scaler.refuse_fixed_scale(self.catalog, model)
