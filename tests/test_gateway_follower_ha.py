@@ -194,3 +194,27 @@ class OptionsTests(SynchronousTestCase):
                      ["--control-admin", "http://a:1", "--control-admin", "a:2"]):
             with self.assertRaises(usage.UsageError):
                 Options().parseOptions(argv)
+
+
+class DowngradeTests(SynchronousTestCase):
+    def test_redirect_out_of_tls_refused(self) -> None:
+        """
+        A read of an https admin URL that a redirect took to http is a
+        failed read: the routes are not taken from outside TLS.
+        """
+        clock = Clock()
+        published = RoutingTable(clock)
+        published.publish([Route("r1", "alpha", "10.0.0.1:9000")], ["alpha"])
+        fleet: Any = sample_fleet()
+        fleet.routing_table = published
+        hosts = HostCheck(["leader:7480", "cp-1:7480"])
+        leader = AdminResource(fleet, make_registry(), hosts=hosts)
+        follower = AdminResource(sample_fleet(), make_registry(), hosts=hosts,
+                                 control=FakeControl(FakeHA(leader_admin_url="http://leader:7480")))
+        stub = StubTreq(ByHost({b"leader": leader, b"cp-1": follower}))
+        table = FollowerTable(clock, ["https://cp-1:7480"], http=stub, registry=CollectorRegistry())
+        d = table.poll()
+        stub.flush()
+        self.assertFalse(self.successResultOf(d))
+        self.assertFalse(table.loaded)
+        self.assertEqual(table.routes("alpha"), ())

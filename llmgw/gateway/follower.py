@@ -325,6 +325,10 @@ class FollowerTable:
 
         def got_response(response: Any) -> Deferred[tuple[int, bytes]]:
             self._note_answerer(url, response)
+            if url.startswith("https://") and self.answered_by is not None \
+                    and not self.answered_by.startswith("https://"):
+                read_body(response, 0).addErrback(lambda _: None)  # drop the connection
+                raise RoutesFetchError(f"{url} was redirected to {self.answered_by}, out of TLS; refused")
             body = read_body(response)
             body.addTimeout(self.timeout, self.clock)
             current.append(body)
