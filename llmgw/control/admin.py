@@ -164,17 +164,63 @@ def role_allows(role: str, method: str, path: list[str]) -> bool:
     return False
 
 
+#: hadmin (issue 14 item 5): what every member of an HA control plane
+#: answers itself, leading or not: its own status, who it takes the client
+#: for, its metrics, its embedded gateway's usage, its own TLS reload, and
+#: the fleet page's files (whose API calls are sent on like any other).
+LOCAL_PATHS = frozenset({
+    (), ("metrics",), ("api", "v1", "status"), ("api", "v1", "whoami"), ("api", "v1", "usage"),
+    ("api", "v1", "tls", "reload"),
+})
+
+
+def local_path(path: list[str]) -> bool:
+    """
+    Whether a member answers C{path} itself rather than sending the client
+    to the leader (L{LOCAL_PATHS}, and C{/page/...}).
+    """
+    return tuple(path) in LOCAL_PATHS or path[:1] == ["page"]
+
+
+def leader_location(status: dict[str, Any], uri: bytes) -> tuple[str | None, dict[str, Any]] | None:
+    """
+    Where a request for C{uri} (the request target, whose path and query
+    are kept) goes, given an HA member's C{status} (L{HAMember.status}):
+    C{None} when this member leads (it answers itself); else the leader's
+    admin URL with that path and query, or C{None} in its place when no
+    other member is known to lead with an admin URL; and the status.
+    """
+    from urllib.parse import urlsplit
+
+    if status.get("role") == "leader":
+        return None
+    base = status.get("leader_admin_url") or ""
+    leader = status.get("leader_id")
+    if not leader or leader == status.get("member_id") or not isinstance(base, str) or not base:
+        return None, status
+    parts = urlsplit(uri.decode("latin-1"))
+    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    # Bytes past ASCII, as the client sent them, percent-encoded.
+    target = quote(target.encode("latin-1"), safe="/?&=%:@!$'()*+,;~-._")
+    return base.rstrip("/") + target, status
+
+
 class Refused(Exception):
     """
     A request the API refuses before asking the fleet; C{status} is the
     HTTP status it is answered with.
     """
 
-    def __init__(self, status: int, reason: str, allow: tuple[str, ...] = ()):
+    def __init__(self, status: int, reason: str, allow: tuple[str, ...] = (),
+                 headers: dict[bytes, bytes] | None = None, extra: dict[str, Any] | None = None):
         super().__init__(reason)
         self.status = status
         self.reason = reason
         self.allow = allow
+        #: More response headers (C{Location}, C{Retry-After}).
+        self.headers = headers or {}
+        #: More fields of the JSON body.
+        self.extra = extra or {}
 
 
 def client_address(request: Any) -> str:
@@ -352,6 +398,7 @@ class AdminResource(Resource):
             self._check_host(request)
             path = self._path(request)
             self._authorize(request, method, path)
+            self._to_leader(request, path)
             if path == ["api", "v1", "watch"]:
                 return self._watch(request, method)
             handler, args = self._route(method, path, request)
@@ -431,6 +478,46 @@ class AdminResource(Resource):
         if isinstance(cached, AdminIdentity):
             return f"admin {cached} at {addr}"
         return getattr(cached, "who", addr)
+
+    # -- hadmin (issue 14 item 5): a follower sends clients to the leader ----------
+
+    def _to_leader(self, request: Any, path: list[str]) -> None:
+        """
+        On a member of an HA control plane that does not lead: refuse with
+        a C{307} whose C{Location} is the same request on the leader's admin
+        URL (as the leader published it in etcd), or with a C{503} naming
+        the leader when its URL is unknown (no leader, an election under
+        way, or a leader without C{--advertise-admin}). What is this
+        member's own (L{local_path}) is answered here. It runs after
+        L{_authorize}: a request this member refuses is not redirected.
+
+        @raise Refused: 307 or 503, as above.
+        """
+        ha = getattr(self.control, "ha", None)
+        if ha is None or local_path(path):
+            return
+        where = leader_location(ha.status(), request.uri)
+        if where is None:
+            return
+        location, st = where
+        leader = st.get("leader_id")
+        if location is None:
+            raise Refused(
+                503,
+                f"this control-plane member ({st.get('member_id')}) does not lead, and "
+                + (f"the leader {leader} published no admin URL (--advertise-admin)" if leader
+                   else "no leader is known (an election is under way, or etcd is unreachable)")
+                + "; try another member",
+                headers={b"retry-after": b"1"},
+                extra={"leader_id": leader, "leader_admin_url": None},
+            )
+        raise Refused(
+            307,
+            f"this control-plane member ({st.get('member_id')}) does not lead: {leader} does, "
+            f"at {clip(location)}",
+            headers={b"location": location.encode("utf-8", "replace")},
+            extra={"leader_id": leader, "leader_admin_url": st.get("leader_admin_url"), "location": location},
+        )
 
     def _check_host(self, request: Any) -> None:
         hosts = request.requestHeaders.getRawHeaders(b"host") or []
@@ -922,7 +1009,9 @@ class AdminResource(Resource):
         self._log_refusal(request, e.status, e.reason)
         if e.allow:
             request.setHeader(b"allow", ", ".join(e.allow).encode("ascii"))
-        return self._error(request, e.status, e.reason)
+        for name, value in e.headers.items():
+            request.setHeader(name, value)
+        return self._error(request, e.status, e.reason, e.extra)
 
     def _log_refusal(self, request: Any, status: int, reason: str) -> None:
         reason = _bounded(reason)
@@ -935,15 +1024,15 @@ class AdminResource(Resource):
             reason=reason,
         )
 
-    def _error_body(self, request: Any, status: int, reason: str) -> bytes:
+    def _error_body(self, request: Any, status: int, reason: str, extra: dict[str, Any] | None = None) -> bytes:
         request.setResponseCode(status, b"Misdirected Request" if status == 421 else None)
         request.setHeader(b"content-type", JSON_TYPE)
         if status in (413,):
             request.setHeader(b"connection", b"close")
-        return encode_json({"error": _bounded(reason), "status": status})
+        return encode_json({"error": _bounded(reason), "status": status, **(extra or {})})
 
-    def _error(self, request: Any, status: int, reason: str) -> bytes:
-        body = self._error_body(request, status, reason)
+    def _error(self, request: Any, status: int, reason: str, extra: dict[str, Any] | None = None) -> bytes:
+        body = self._error_body(request, status, reason, extra)
         request.setHeader(b"cache-control", b"no-store")
         request.setHeader(b"x-content-type-options", b"nosniff")
         return body

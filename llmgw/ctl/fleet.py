@@ -23,6 +23,11 @@ Exit codes, for scripts:
   - 4: the control plane answered but failed (a 5xx answer, or an answer
     that is not the admin API's JSON).
 
+Against an HA control plane (issue 14) any member's URL does: one that does
+not lead answers fleet reads and writes with C{307} to the leader's admin
+URL, which the ctl follows (at most L{MAX_REDIRECTS} hops, with the same
+certificate, never from C{https} to C{http}); C{status} is each member's own.
+
 This is a plain blocking client (C{urllib}, no reactor): it runs once and
 exits. It ignores C{http_proxy} and friends, because the admin API is
 normally on loopback, and a proxy would see (or fake) the fleet's state.
@@ -42,7 +47,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote, urljoin, urlsplit
 
 from llmgw.tlsconf.options import TLSConfigError, admin_files
 from llmgw.wire import InvalidNodeId, validate_node_id
@@ -72,6 +77,24 @@ class Unreachable(Exception):
     """
     No HTTP answer came from the control plane.
     """
+
+
+class Redirected(Exception):
+    """
+    The admin API answered C{307} or C{308} with C{location}: a member of
+    an HA control plane that does not lead sends the request to the leader
+    (issue 14 item 5).
+    """
+
+    def __init__(self, status: int, location: str):
+        super().__init__(f"HTTP {status} to {location}")
+        self.status = status
+        self.location = location
+
+
+#: Redirects one request follows at most (a member that does not lead sends
+#: the client to the leader: one hop; more means members disagree).
+MAX_REDIRECTS = 3
 
 
 class CtlError(Exception):
@@ -109,8 +132,9 @@ def urllib_http(
     context: ssl.SSLContext | None = None,
 ) -> tuple[int, bytes]:
     """
-    One request with C{urllib}, without proxies or redirects; over TLS
-    with C{context} for an C{https://} URL.
+    One request with C{urllib}, without proxies; over TLS with C{context}
+    for an C{https://} URL. A C{307}/C{308} is not followed here: it raises
+    L{Redirected}, which L{AdminClient} follows.
 
     @raise Unreachable: no HTTP answer (connection refused, timeout, a
         refused TLS handshake, ...).
@@ -134,6 +158,9 @@ def urllib_http(
             return response.status, response.read(MAX_ANSWER)
     except urllib.error.HTTPError as e:
         try:
+            location = e.headers.get("Location") if e.headers is not None else None
+            if e.code in (307, 308) and location:
+                raise Redirected(e.code, location) from None
             return e.code, e.read(MAX_ANSWER)
         finally:
             e.close()
@@ -172,14 +199,7 @@ class AdminClient:
 
     def _call(self, method: str, path: str, body: bytes | None) -> Any:
         url = self.base_url + path
-        try:
-            status, raw = self.http(method, url, body, self.timeout)
-        except Unreachable as e:
-            raise CtlError(
-                EXIT_UNREACHABLE,
-                f"cannot reach the control plane at {self.base_url}: {e}",
-                {"error": f"cannot reach the control plane: {e}", "status": None},
-            ) from None
+        status, raw, url = self._follow(method, url, body)
         try:
             answer = json.loads(raw)
         except (ValueError, UnicodeDecodeError):
@@ -200,6 +220,46 @@ class AdminClient:
         if 400 <= status < 500:
             raise CtlError(EXIT_REFUSED, f"the control plane refused: {reason} (HTTP {status})", body_out)
         raise CtlError(EXIT_SERVER, f"the control plane failed: {reason} (HTTP {status})", body_out)
+
+    def _follow(self, method: str, url: str, body: bytes | None) -> tuple[int, bytes, str]:
+        """
+        One request, following up to L{MAX_REDIRECTS} C{307}/C{308}
+        answers (same method, body, TLS context and admin certificate); a
+        redirect from C{https} to anything else is refused, so that no
+        request leaves mutual TLS. Returns the status, body and the URL
+        that answered.
+
+        @raise CtlError: unreachable, or redirected too often or elsewhere.
+        """
+        for _ in range(MAX_REDIRECTS + 1):
+            try:
+                status, raw = self.http(method, url, body, self.timeout)
+                return status, raw, url
+            except Unreachable as e:
+                where = urlsplit(url)
+                raise CtlError(
+                    EXIT_UNREACHABLE,
+                    f"cannot reach the control plane at {where.scheme}://{where.netloc}: {e}",
+                    {"error": f"cannot reach the control plane: {e}", "status": None},
+                ) from None
+            except Redirected as r:
+                target = urljoin(url, r.location)
+                scheme = urlsplit(target).scheme
+                if scheme not in ("http", "https") or (urlsplit(url).scheme == "https" and scheme != "https"):
+                    raise CtlError(
+                        EXIT_SERVER,
+                        f"{method} {url} was redirected to {_clean(target[:200])}, which is not "
+                        + ("https (the request would leave TLS)" if scheme == "http" else "an http(s) URL")
+                        + "; refusing to follow",
+                        {"error": "redirect refused", "status": r.status},
+                    ) from None
+                url = target
+        raise CtlError(
+            EXIT_SERVER,
+            f"{method} was redirected more than {MAX_REDIRECTS} times (last to {_clean(url[:200])}): "
+            "do the control-plane members agree on the leader? `llmgw ctl status` on each says",
+            {"error": "too many redirects", "status": None},
+        )
 
 
 # -- argument types -------------------------------------------------------------------

@@ -13,6 +13,13 @@ reaches the gateway as soon as it is published.
 When a read fails the table keeps the last snapshot (the gateway fails
 static: replicas keep serving while the control plane is away), logs it and
 shows it in its metrics; L{FollowerService} retries with a backoff.
+
+hadmin (issue 14 item 5): the table may be given several admin URLs, the
+members of an HA control plane. It reads from one; when a read fails it
+tries the next at once, and backs off only once every member failed in a
+row. A member that does not lead answers with a redirect to the leader,
+which the HTTP client follows; the URL that answered (the leader's) is
+where the watch stream is dialled and demand is posted.
 """
 
 from __future__ import annotations
@@ -186,7 +193,7 @@ class FollowerTable:
     def __init__(
         self,
         clock: Any,
-        admin_url: str,
+        admin_url: str | Sequence[str],
         http: Any = None,
         timeout: float = 5.0,
         registry: CollectorRegistry | None = None,
@@ -194,7 +201,15 @@ class FollowerTable:
         hold: float = LONG_POLL_MAX_S,
     ):
         self.clock = clock
-        self.admin_url = admin_url.rstrip("/")
+        urls = [admin_url] if isinstance(admin_url, str) else list(admin_url)
+        if not urls:
+            raise ValueError("a follower needs at least one admin URL")
+        #: hadmin: the admin URLs to read from, tried in turn on failure.
+        self.admin_urls = [u.rstrip("/") for u in urls]
+        self._member = 0
+        #: The admin URL that answered the last read, when a redirect (to
+        #: the leader) took it elsewhere than the one asked.
+        self.answered_by: str | None = None
         #: The TLS policy the watch stream dials with too.
         self.tls = tls
         #: Where the watch stream stands: the fleet revision and epoch of
@@ -257,6 +272,27 @@ class FollowerTable:
 
     # reading
 
+    @property
+    def admin_url(self) -> str:
+        """The admin URL reads go to now (L{admin_urls}, in turn on failure)."""
+        return self.admin_urls[self._member]
+
+    @property
+    def leader_url(self) -> str:
+        """
+        Where the watch stream and demand go: the URL that answered the
+        last read (the leader's, after a member's redirect), else
+        L{admin_url}.
+        """
+        return self.answered_by or self.admin_url
+
+    def untried_members(self) -> bool:
+        """
+        Whether the failures in a row have not yet covered every admin URL:
+        the next read goes to another member at once.
+        """
+        return len(self.admin_urls) > 1 and self.failures_in_a_row % len(self.admin_urls) != 0
+
     def url(self) -> str:
         """
         What the next read asks for: the whole table, or (once one is held
@@ -288,6 +324,11 @@ class FollowerTable:
         current.append(request)
 
         def got_response(response: Any) -> Deferred[tuple[int, bytes]]:
+            self._note_answerer(url, response)
+            if url.startswith("https://") and self.answered_by is not None \
+                    and not self.answered_by.startswith("https://"):
+                read_body(response, 0).addErrback(lambda _: None)  # drop the connection
+                raise RoutesFetchError(f"{url} was redirected to {self.answered_by}, out of TLS; refused")
             body = read_body(response)
             body.addTimeout(self.timeout, self.clock)
             current.append(body)
@@ -320,6 +361,27 @@ class FollowerTable:
         request.addCallback(parse)
         request.addBoth(done)
         return outer
+
+    def _note_answerer(self, asked: str, response: Any) -> None:
+        """
+        Remember the admin URL behind the answer to C{asked}: the redirect
+        target's, when a member sent the read to the leader.
+        """
+        from urllib.parse import urlsplit
+
+        request = getattr(response, "request", None)
+        final = getattr(request, "absoluteURI", None)
+        if isinstance(final, bytes):
+            final = final.decode("ascii", "replace")
+        if not isinstance(final, str) or final == asked:
+            self.answered_by = None
+            return
+        parts = urlsplit(final)
+        base = f"{parts.scheme}://{parts.netloc}"
+        if base != self.answered_by:
+            self.log.info("control plane at {url} sent the gateway to {leader} (the leader)",
+                          url=self.admin_url, leader=base)
+        self.answered_by = base
 
     def _got(self, snapshot: RoutingSnapshot, problems: list[str]) -> None:
         for p in problems[:PROBLEMS_LOGGED]:
@@ -367,7 +429,8 @@ class FollowerTable:
         """
         The watch stream's address, resuming after the last message held.
         """
-        base = "ws" + self.admin_url[len("http"):] if self.admin_url.startswith("http") else self.admin_url
+        leader = self.leader_url
+        base = "ws" + leader[len("http"):] if leader.startswith("http") else leader
         url = base + WATCH_PATH + "?only=routes"
         if self.watch_revision is not None and self.watch_epoch is not None:
             url += f"&since={self.watch_revision}&epoch={self.watch_epoch}"
@@ -413,7 +476,13 @@ class FollowerTable:
         self.poll_failures.inc()
         self.reachable = False
         self._resync = True
+        self.answered_by = None
         self.failures_in_a_row += 1
+        failed_url = self.admin_url
+        if len(self.admin_urls) > 1:
+            self._member = (self._member + 1) % len(self.admin_urls)
+            self.log.info("control plane at {url} failed ({error}); trying {next} next",
+                          url=failed_url, error=reason.getErrorMessage(), next=self.admin_url)
         now = self.clock.seconds()
         if self.failures_in_a_row == 1 or now - self._last_warning >= REPEAT_WARNING_S:
             self._last_warning = now
@@ -421,7 +490,7 @@ class FollowerTable:
                 self.log.warn(
                     "control plane at {url} unreachable ({error}); failing static: keeping "
                     "the {routes} routes known {age:.0f} s ago ({n} failed reads so far)",
-                    url=self.admin_url,
+                    url=failed_url,
                     error=reason.getErrorMessage(),
                     routes=len(self.snapshot),
                     age=self.age(),
@@ -431,7 +500,7 @@ class FollowerTable:
                 self.log.warn(
                     "control plane at {url} unreachable ({error}); no routing table yet, "
                     "answering 503 ({n} failed reads so far)",
-                    url=self.admin_url,
+                    url=failed_url,
                     error=reason.getErrorMessage(),
                     n=self.failures_in_a_row,
                 )
@@ -536,10 +605,12 @@ class FollowerService(Service):
             self._reading = None
             if not self.running or self.watching is not None:
                 return
-            if ok:
+            if ok or self.table.untried_members():
+                # hadmin: after a failure another member is tried at once.
                 delay = max(0.0, self._started_at + self.min_gap - clock.seconds())
             else:
-                delay = self.retry_delay(self.table.failures_in_a_row)
+                rounds = -(-self.table.failures_in_a_row // len(self.table.admin_urls))
+                delay = self.retry_delay(rounds)
             self._next = clock.callLater(delay, self._read)
 
         d.addCallback(answered)
@@ -671,13 +742,17 @@ class DemandReporter(Service):
         self.source = source
         self.gateway_id = gateway_id
         self.interval = interval
-        self.url = table.admin_url + DEMAND_PATH
         self.sent = 0
         self.failures = 0
         self._loop: LoopingCall | None = None
         self._posting: Deferred[Any] | None = None
         self._last_empty = True
         self._last_warning = -REPEAT_WARNING_S
+
+    @property
+    def url(self) -> str:
+        """Where reports go: the leader's admin API, as the table knows it."""
+        return self.table.leader_url + DEMAND_PATH
 
     def startService(self) -> None:
         super().startService()

@@ -120,7 +120,6 @@ class Options(BaseOptions):
     optParameters = [
         ["listen", None, DEFAULT_GATEWAY,
          "[HOST:]PORT the gateway serves on; loopback by default, 0.0.0.0:8000 exposes it"],
-        ["control-admin", None, DEFAULT_CONTROL_ADMIN, "the control plane's admin API to follow"],
         ["admin-certs", None, None, "with an https:// --control-admin: the directory with ca.pem "
          "and this gateway's admin-NAME.pem/.key (`llmgw ctl cert admin NAME --role gateway`)"],
         ["admin-as", None, None, "with an https:// --control-admin: NAME of that certificate"],
@@ -178,6 +177,14 @@ class Options(BaseOptions):
         #: Warnings about the command line, logged when the service is made.
         self.warnings: list[str] = []
 
+    def opt_control_admin(self, url: str) -> None:
+        """
+        URL of the control plane's admin API to follow (default
+        http://127.0.0.1:7480); repeat it for each member of an HA control
+        plane: the gateway reads from one and tries the next when it fails.
+        """
+        self.setdefault("control-admins", []).append(url)
+
     def opt_keys(self, path: str) -> None:
         """
         Old name of --api-keys (warns; will go).
@@ -197,9 +204,18 @@ class Options(BaseOptions):
                 self["metrics_address"] = parse_address(self["metrics"], "127.0.0.1")
             except AddressError as e:
                 raise usage.UsageError(f"--metrics: {e}") from e
-        url = self["control-admin"]
-        if not url.startswith(("http://", "https://")):
-            raise usage.UsageError(f"--control-admin: {url!r} is not an http:// or https:// URL")
+        urls = self.setdefault("control-admins", [])
+        if not urls:
+            urls.append(DEFAULT_CONTROL_ADMIN)
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise usage.UsageError(f"--control-admin: {url!r} is not an http:// or https:// URL")
+        if len(set(urls)) != len(urls):
+            raise usage.UsageError(f"--control-admin: a URL is given twice ({', '.join(urls)})")
+        #: The first, as before several could be given.
+        self["control-admin"] = urls[0]
+        https = [u for u in urls if u.startswith("https://")]
+        url = https[0] if https else urls[0]
         try:
             self["gateway-hosts"] = parse_hosts(self["gateway-hosts"] or "")
         except HostListError as e:
@@ -254,7 +270,7 @@ class StandaloneGateway(MultiService):
     def __init__(
         self,
         reactor: Any,
-        admin_url: str,
+        admin_url: str | list[str],
         host: str,
         port: int,
         config: GatewayConfig | None = None,
@@ -333,7 +349,7 @@ def makeService(options: Options, reactor: Any = None) -> StandaloneGateway:
         StandaloneGateway.log.warn("{problem}", problem=warning)
     gateway = StandaloneGateway(
         reactor,
-        options["control-admin"],
+        options["control-admins"],
         options["listen_host"],
         options["listen_port"],
         config=options.config(),
