@@ -23,7 +23,8 @@ Data flows one way:
      L{routing_table}, whose revision increases.
 
 A pass with more to place than its budget (C{pass_budget}, 20 ms) allows
-stops there, and the next one runs at once. Without a catalog file the
+stops there, and the next one runs at once; so does one that judged
+L{nodes.EXPIRY_BATCH} nodes' checks with more of them due. Without a catalog file the
 catalog is empty: nothing is placed, and every shard reported is stopped.
 """
 
@@ -179,7 +180,8 @@ class Reconciler(Service):
         self.state.draining_nodes.update(self.fleet_state.draining)
         self.last_pass_duration = self.max_pass_duration = self.pass_seconds_total = 0.0
         self.passes = self.pass_errors = 0
-        #: A pass stopped at its budget with placements left to make.
+        #: A pass stopped at its budget with placements left to make, or
+        #: with node checks left (more fell due than L{nodes.EXPIRY_BATCH}).
         self.pass_unfinished = False
         self._pass_started = 0.0
         self._loop: LoopingCall | None = None
@@ -406,15 +408,19 @@ class Reconciler(Service):
 
     def _tick(self, ctx: Context, now: float, out: Outcome) -> None:
         nodes.inventory_changed(ctx, self.inventory.take_changed(), now, out)
-        nodes.expire(ctx, now, out)
+        # Checks left over (many nodes fell due at once) are the next
+        # pass's, which runs at once.
+        expiry_left = nodes.expire(ctx, now, out)
+        self.pass_unfinished = expiry_left
         if self.dispatcher is None:
             return
         deadlines.check(ctx, self.in_flight, now, out)
         self.autoscaling.tick(ctx, self.fleet_state, self.in_flight, now, out)
         p = self._placing
-        self.pass_unfinished = placing.reconcile(
+        placing_left = placing.reconcile(
             ctx, now, p.placer, lambda: p.sync(ctx, self.connected(), self._over_budget),
             self._over_budget, out)
+        self.pass_unfinished = expiry_left or placing_left
 
     # -- IFleetAdmin ----------------------------------------------------------------
 
