@@ -200,7 +200,8 @@ class FleetState:
         call, L{due_left}); those already suspect or lost are checked
         otherwise and dropped.
         """
-        heap, due = self.heap, []
+        heap = self.heap
+        due: list[str] = []
         while heap and heap[0][0] <= now and (limit is None or len(due) < limit):
             _, node_id = heapq.heappop(heap)
             if node_id not in self.suspect and node_id not in self.lost:
