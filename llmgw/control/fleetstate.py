@@ -193,17 +193,26 @@ class FleetState:
     def watch(self, node_id: str, deadline: float) -> None:
         heapq.heappush(self.heap, (deadline, node_id))
 
-    def take_due(self, now: float) -> list[str]:
+    def take_due(self, now: float, limit: int | None = None) -> list[str]:
         """
-        The nodes whose check deadline has come, off the heap; those already
-        suspect or lost are checked otherwise and dropped.
+        The nodes whose check deadline has come, off the heap, earliest
+        first and at most C{limit} of them (the rest stay for the next
+        call, L{due_left}); those already suspect or lost are checked
+        otherwise and dropped.
         """
-        heap, due = self.heap, []
-        while heap and heap[0][0] <= now:
+        heap = self.heap
+        due: list[str] = []
+        while heap and heap[0][0] <= now and (limit is None or len(due) < limit):
             _, node_id = heapq.heappop(heap)
             if node_id not in self.suspect and node_id not in self.lost:
                 due.append(node_id)
         return due
+
+    def due_left(self, now: float) -> bool:
+        """
+        Whether some node's check deadline has come and it is not taken yet.
+        """
+        return bool(self.heap) and self.heap[0][0] <= now
 
     def forget_node(self, node_id: str) -> None:
         self.cap_dirty.add(node_id)

@@ -31,16 +31,25 @@ def _last_heard(ctx: Context, node_id: str) -> float | None:
     return max(node.last_seen, ctx.state.known_since.get(node_id, 0.0))
 
 
-def expire(ctx: Context, now: float, out: Outcome) -> None:
+#: The most nodes whose check came due that one pass judges: when many
+#: fall due at once (all registered together, or heartbeating in step),
+#: the rest are the next pass's, which runs at once, so that no pass holds
+#: the reactor for a whole fleet's checks.
+EXPIRY_BATCH = 1000
+
+
+def expire(ctx: Context, now: float, out: Outcome, limit: int | None = EXPIRY_BATCH) -> bool:
     """
-    Judge the nodes whose check came due (L{judge}) and apply it: suspects,
-    returns, the freeze or its lift (the suspects' lost clock restarts at
-    a lift), and nodes lost, whose replicas are replaced.
+    Judge the nodes whose check came due (L{judge}), at most C{limit} of
+    them, and apply it: suspects, returns, the freeze or its lift (the
+    suspects' lost clock restarts at a lift), and nodes lost, whose
+    replicas are replaced. Returns whether due nodes are left for the next
+    pass.
     """
     st = ctx.state
     r = ctx.rules
     verdict = judge(
-        st.take_due(now), st.suspect, len(st.known_since), len(st.lost),
+        st.take_due(now, limit), st.suspect, len(st.known_since), len(st.lost),
         lambda n: _last_heard(ctx, n), st.lost_clock, ctx.frozen, now,
         ExpiryRules(r.suspect_after, r.lost_after, r.freeze_share),
     )
@@ -78,6 +87,7 @@ def expire(ctx: Context, now: float, out: Outcome) -> None:
         st.watch(node_id, deadline)
     for node_id, silent in verdict.lost:
         lost(ctx, node_id, silent, now, out)
+    return st.due_left(now)
 
 
 def lost(ctx: Context, node_id: str, silent: float, now: float, out: Outcome) -> None:

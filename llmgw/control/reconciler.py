@@ -23,7 +23,8 @@ Data flows one way:
      L{routing_table}, whose revision increases.
 
 A pass with more to place than its budget (C{pass_budget}, 20 ms) allows
-stops there, and the next one runs at once. Without a catalog file the
+stops there, and the next one runs at once; so does one that judged
+L{nodes.EXPIRY_BATCH} nodes' checks with more of them due. Without a catalog file the
 catalog is empty: nothing is placed, and every shard reported is stopped.
 """
 
@@ -74,8 +75,18 @@ DEFAULT_FREEZE_SHARE = 0.5
 #: The longest a pass may hold the reactor before it leaves the rest of
 #: its placements to the next pass.
 DEFAULT_PASS_BUDGET = 0.020
-#: The share of a pass's budget that placement may use.
+#: The share of a pass's budget that placement may use, counting what
+#: the pass is yet to do with what it decided (L{TAIL_COST}): the rest is
+#: the margin for a collection or the machine's load.
 PLACING_SHARE = 0.6
+#: What logging one event or sending one command at the end of a pass is
+#: taken to cost (seconds) until passes have measured it: placing stops
+#: once the time spent and this, for everything decided so far, reach the
+#: placing share.
+TAIL_COST = 20e-6
+#: A pass that decided fewer events and commands than this does not change
+#: the measured cost of them.
+TAIL_SAMPLE = 20
 #: Shards added since the last call of C{after_growth} that make the next
 #: pass call it (the control plane freezes the collector's heap there).
 GROWTH_STEP = 1000
@@ -179,9 +190,24 @@ class Reconciler(Service):
         self.state.draining_nodes.update(self.fleet_state.draining)
         self.last_pass_duration = self.max_pass_duration = self.pass_seconds_total = 0.0
         self.passes = self.pass_errors = 0
-        #: A pass stopped at its budget with placements left to make.
+        #: A pass stopped at its budget with placements left to make, or
+        #: with node checks left (more fell due than L{nodes.EXPIRY_BATCH}).
         self.pass_unfinished = False
         self._pass_started = 0.0
+        #: What the running pass has decided so far (None between passes),
+        #: and when its decisions ended and how many events and commands
+        #: they made, for measuring what those cost.
+        self._pass_out: Outcome | None = None
+        self._decided: tuple[float, int] = (0.0, 0)
+        #: The measured cost of each event logged and command sent at the
+        #: end of a pass (L{TAIL_COST} until measured).
+        self.tail_cost = TAIL_COST
+        #: The connected nodes as a pass that placed last asked the
+        #: dispatcher (a look at every connection), and when: a pass that
+        #: continues an unfinished one within C{pass_interval} uses them
+        #: again, until a command is refused.
+        self._connected_seen: tuple[float, set[str]] | None = None
+        self._continuing = False
         self._loop: LoopingCall | None = None
         #: Commands decided, sent after the handler that decided them.
         self.outbox = Outbox(clock, self.ctx, self.routing_table,
@@ -257,6 +283,9 @@ class Reconciler(Service):
         keep the nodes file if it changed.
         """
         for ev in out.events:
+            if ev.kind == "dispatch_refused":
+                # Its node may have gone: the next pass asks again.
+                self._connected_seen = None
             self._event(ev.kind, level=ev.level, **ev.fields)
         self.outbox.extend(out.commands)
         if out.nodes_changed:
@@ -367,7 +396,9 @@ class Reconciler(Service):
             self._next_pass.cancel()
         self._next_pass = None
         self.outbox.held = True
+        self._continuing = self.pass_unfinished
         self.pass_unfinished = False
+        self._decided = (0.0, 0)
         started = self._pass_started = self._timer()
         try:
             self._pass(self.clock.seconds())
@@ -380,6 +411,7 @@ class Reconciler(Service):
                 self.flush()
             except Exception:
                 self.log.failure("sending a pass's commands failed")
+            self._learn_tail()
             self._grown()
             self.passes += 1
             self.last_pass_duration = self._timer() - started
@@ -396,25 +428,54 @@ class Reconciler(Service):
             self._grown_from = size
             self.after_growth()
 
+    def _connected_for(self, now: float) -> set[str]:
+        # Asking the dispatcher looks at every connection: a burst of
+        # placements over passes that follow at once asks once.
+        seen = self._connected_seen
+        if seen is None or not self._continuing or now - seen[0] >= self.pass_interval:
+            seen = self._connected_seen = (now, self.connected())
+        return seen[1]
+
+    def _learn_tail(self) -> None:
+        # Up at once to a dearer cost measured, down slowly: a pass that
+        # under-estimated it went over its budget.
+        decided_at, items = self._decided
+        if items >= TAIL_SAMPLE:
+            per = (self._timer() - decided_at) / items
+            self.tail_cost = max(per, 0.75 * self.tail_cost + 0.25 * per)
+
     def _over_budget(self) -> bool:
-        # Placing stops short of the budget: the commands it decided are
-        # still to be sent within it.
-        return self._timer() - self._pass_started >= PLACING_SHARE * self.pass_budget
+        # Placing stops short of the budget: the events it decided are
+        # still to be logged and its commands sent within it.
+        out = self._pass_out
+        pending = len(out.events) + len(out.commands) if out is not None else 0
+        spent = self._timer() - self._pass_started + pending * self.tail_cost
+        return spent >= PLACING_SHARE * self.pass_budget
 
     def _pass(self, now: float) -> None:
-        self._decide(self._tick, now)
+        out = self._pass_out = Outcome()
+        try:
+            self._tick(self.ctx, now, out)
+        finally:
+            self._pass_out = None
+            self._decided = (self._timer(), len(out.events) + len(out.commands))
+            self._apply(out)
 
     def _tick(self, ctx: Context, now: float, out: Outcome) -> None:
         nodes.inventory_changed(ctx, self.inventory.take_changed(), now, out)
-        nodes.expire(ctx, now, out)
+        # Checks left over (many nodes fell due at once) are the next
+        # pass's, which runs at once.
+        expiry_left = nodes.expire(ctx, now, out)
+        self.pass_unfinished = expiry_left
         if self.dispatcher is None:
             return
         deadlines.check(ctx, self.in_flight, now, out)
         self.autoscaling.tick(ctx, self.fleet_state, self.in_flight, now, out)
         p = self._placing
-        self.pass_unfinished = placing.reconcile(
-            ctx, now, p.placer, lambda: p.sync(ctx, self.connected(), self._over_budget),
+        placing_left = placing.reconcile(
+            ctx, now, p.placer, lambda: p.sync(ctx, self._connected_for(now), self._over_budget),
             self._over_budget, out)
+        self.pass_unfinished = expiry_left or placing_left
 
     # -- IFleetAdmin ----------------------------------------------------------------
 
