@@ -137,6 +137,19 @@ class AgentFollowsLeaderTests(SynchronousTestCase):
         self.assertEqual(aborted, [])
         h.clock.advance(5)
         self.assertEqual(aborted, [True])
+        # The aborted stream ends; the next dial is the next member.
+        proto.connectionLost(Failure(ConnectionError()))
+        self.assertEqual(h.core.targets.index, 1)
+
+    def test_lost_registered_stream_moves_on(self) -> None:
+        """
+        A registered stream that is lost (its member killed) makes the
+        next dial go to the next member, not the one that went away.
+        """
+        h, _ = self.harness()
+        proto, _ = h.connect()
+        proto.dataReceived(frame(ack("register")))
+        proto.connectionLost(Failure(ConnectionError()))
         self.assertEqual(h.core.targets.index, 1)
 
     def test_member_that_never_acks_heartbeats_is_kept(self) -> None:
