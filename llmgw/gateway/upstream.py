@@ -51,10 +51,6 @@ _VALID_HEAD = re.compile(
     rb"HTTP/1\.[0-9] [0-9]{3}(?: " + _TEXT + rb")?(?:\r\n" + _TOKEN + rb"[ \t]*+:" + _TEXT + rb")*+"
 )
 _IS_TOKEN = re.compile(_TOKEN)
-#: One header line of a head that L{_VALID_HEAD} matched: name, value.
-_FIELD = re.compile(rb"\r\n(" + _TOKEN + rb")[ \t]*+:[ \t]*+(" + _TEXT + rb")")
-#: The header names the parse of a head looks at.
-_FRAMING = frozenset({b"content-length", b"transfer-encoding", b"connection"})
 _IS_TEXT = re.compile(_TEXT)
 
 _HEAD, _LENGTH, _CHUNKED, _UNTIL_CLOSE, _DONE = range(5)
@@ -266,19 +262,21 @@ class UpstreamConnection(Protocol):
         """
         if _VALID_HEAD.fullmatch(head) is None:
             raise UpstreamProtocolError(_head_problem(head))
-        status = int(head[9:12])
+        lines = head.split(b"\r\n")
+        status_line = lines[0]
+        status = int(status_line[9:12])
         if 100 <= status < 200:
             return False
-        http10 = head.startswith(b"HTTP/1.0")
-        line_end = head.find(b"\r\n")
-        reason = head[13:] if line_end < 0 else head[13:line_end]
-        headers = [(name.lower(), value.rstrip(b" \t")) for name, value in _FIELD.findall(head, max(line_end, 0))]
+        http10 = status_line.startswith(b"HTTP/1.0")
+        reason = status_line[13:]
+        headers: list[tuple[bytes, bytes]] = []
         length: int | None = None
         codings: list[bytes] = []
         keep_alive = not http10
-        for name, value in headers:
-            if name not in _FRAMING:
-                continue
+        for line in lines[1:]:
+            name, _, value = line.partition(b":")
+            name = name.rstrip(b" \t").lower()
+            value = value.strip(b" \t")
             if name == b"content-length":
                 if not (value.isdigit() and len(value) <= MAX_LENGTH_DIGITS):
                     raise UpstreamProtocolError(f"bad Content-Length {clip(value)}")
@@ -294,6 +292,7 @@ class UpstreamConnection(Protocol):
                     keep_alive = False
                 elif b"keep-alive" in tokens:
                     keep_alive = True
+            headers.append((name, value))
         chunked = False
         if codings:
             if http10:
