@@ -51,7 +51,6 @@ L{FrontRequest.finish}, or drops the connection with L{FrontRequest.abort}.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -109,19 +108,6 @@ _TCHAR = b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqr
 #: The bytes a head may hold: visible ASCII, obs-text, space and HTAB in
 #: values, and CRLF between lines; anything else is a control character.
 _HEAD_BYTES = bytes(range(0x20, 0x7F)) + bytes(range(0x80, 0x100)) + b"\t\r\n"
-#: A head that is well formed as far as bytes go: a request line of
-#: method, target and HTTP/1.0 or /1.1, then header lines of a token name,
-#: a colon and a value of visible bytes, space and HTAB. Most heads are;
-#: they are parsed by L{_FIELD} alone, and any other is checked line by
-#: line (which says what is wrong with it).
-_TOKEN = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
-_WELL_FORMED = re.compile(
-    _TOKEN + rb" [\x21-\x7e\x80-\xff]+ HTTP/1\.[01](?:\r\n" + _TOKEN + rb":[\t\x20-\x7e\x80-\xff]*)*"
-)
-#: One header line of a well-formed head: its name and its value.
-_FIELD = re.compile(rb"\r\n(" + _TOKEN + rb"):([^\r]*)")
-#: The header names the parse of a head looks at.
-_FRAMING = frozenset({b"content-length", b"transfer-encoding", b"host", b"connection", b"expect"})
 #: How much of a client's string a refusal quotes.
 _QUOTE = 80
 
@@ -565,24 +551,6 @@ class HTTPFront(Protocol):
         return True
 
     def _head(self, head: bytes) -> None:
-        if _WELL_FORMED.fullmatch(head) is not None:
-            line_end = head.find(b"\r\n")
-            request_line = head if line_end < 0 else head[:line_end]
-            method, uri, version = request_line.split(b" ")
-            http10 = version == b"HTTP/1.0"
-            headers = [(name.lower(), value.strip(b" \t")) for name, value in _FIELD.findall(head, max(line_end, 0))]
-            if len(headers) > MAX_HEADERS:
-                self._refuse(431, f"The request has over {MAX_HEADERS} header lines", "too_many_headers")
-                return
-            self._framing(method, uri, http10, headers)
-            return
-        self._head_checked(head)
-
-    def _head_checked(self, head: bytes) -> None:
-        """
-        The head that L{_WELL_FORMED} does not match, checked line by line:
-        refused with what is wrong, or parsed.
-        """
         lines = head.split(b"\r\n")
         if head.count(b"\n") != len(lines) - 1 or head.count(b"\r") != len(lines) - 1:
             self._refuse(400, "The request head has a bare CR or LF", "bad_request")
@@ -609,6 +577,11 @@ class HTTPFront(Protocol):
             self._refuse(431, f"The request has over {MAX_HEADERS} header lines", "too_many_headers")
             return
         headers: list[tuple[bytes, bytes]] = []
+        length: bytes | None = None
+        chunked = False
+        connection: bytes | None = None
+        expect = False
+        hosts = 0
         for line in lines[1:]:
             name, sep, value = line.partition(b":")
             if not sep or not name or name.translate(None, _TCHAR):
@@ -617,23 +590,8 @@ class HTTPFront(Protocol):
                 self._refuse(400, f"Malformed header line {_quote(line)}: the name must be a token",
                              "bad_request")
                 return
-            headers.append((name.lower(), value.strip(b" \t")))
-        self._framing(method, uri, http10, headers)
-
-    def _framing(self, method: bytes, uri: bytes, http10: bool, headers: list[tuple[bytes, bytes]]) -> None:
-        """
-        A parsed head's framing (C{Content-Length}, C{Transfer-Encoding}),
-        C{Host}, C{Connection} and C{Expect} checked: refused, or the request
-        made and its body read next.
-        """
-        length: bytes | None = None
-        chunked = False
-        connection: bytes | None = None
-        expect = False
-        hosts = 0
-        for name, value in headers:
-            if name not in _FRAMING:
-                continue
+            name = name.lower()
+            value = value.strip(b" \t")
             if name == b"content-length":
                 if not value.isdigit() or (length is not None and value != length):
                     self._refuse(400, f"Bad Content-Length {_quote(value)}", "bad_request")
@@ -652,6 +610,7 @@ class HTTPFront(Protocol):
                 connection = value.lower()
             elif name == b"expect":
                 expect = value.lower() == b"100-continue"
+            headers.append((name, value))
         if chunked and length is not None:
             self._refuse(400, "A request cannot have both Content-Length and Transfer-Encoding", "bad_request")
             return
