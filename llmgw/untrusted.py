@@ -116,7 +116,9 @@ def load_json(
             "json_too_deep",
         )
     try:
-        text = raw.decode("utf-8-sig")
+        # What "utf-8-sig" does (one leading BOM dropped), on the C
+        # decoder: that codec runs in Python, at six times the cost.
+        text = (raw[3:] if raw.startswith(_BOM) else raw).decode("utf-8")
     except UnicodeDecodeError as e:
         raise JSONInputError(f"the body is not valid JSON: it is not UTF-8 ({e})", "invalid_json") from None
     if unique is not None:
@@ -154,6 +156,8 @@ def load_json(
 
 
 _QUOTED: dict[str, bytes] = {}
+#: The UTF-8 byte order mark, which a JSON text may start with.
+_BOM = b"\xef\xbb\xbf"
 
 
 def _may_repeat(raw: bytes, key: str) -> bool:

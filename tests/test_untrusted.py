@@ -124,3 +124,18 @@ class LoadTests(SynchronousTestCase):
             e = self.assertRaises(JSONInputError, load_json, body)
             self.assertEqual(e.code, "invalid_json")
             self.assertIn("not valid JSON", str(e))
+
+    def test_byte_order_mark(self) -> None:
+        """
+        One leading UTF-8 byte order mark is dropped (the body then parses
+        as without it); a second is text before the value, and refused;
+        bytes after a mark that are not UTF-8 are refused as not UTF-8.
+        """
+        bom = b"\xef\xbb\xbf"
+        self.assertEqual(load_json(bom + b'{"model": "m\xc3\xa9"}', unique=("model",)), {"model": "m\u00e9"})
+        with self.assertRaises(JSONInputError) as twice:
+            load_json(bom + bom + b'{"model": "m"}')
+        self.assertEqual(twice.exception.code, "invalid_json")
+        with self.assertRaises(JSONInputError) as bad:
+            load_json(bom + b'{"model": "\xff"}')
+        self.assertIn("not UTF-8", str(bad.exception))

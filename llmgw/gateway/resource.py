@@ -139,9 +139,7 @@ class GatewayResource:
         key = None
         if policy == "prefix" and len(routes) > 1:
             key = self._key(request, obj)
-        call = ProxyCall(gw, request, model, label, body, routes, started, policy, key)
-        call.meter = meter
-        call.start()
+        ProxyCall(gw, request, model, label, body, routes, started, policy, key, meter).start()
 
     def _key(self, request: FrontRequest, obj: dict[str, Any]) -> bytes | None:
         session = request.header(b"x-session-id")
@@ -172,9 +170,7 @@ class GatewayResource:
 
         def go() -> None:
             routes = gw.table.routes(model)
-            call = ProxyCall(gw, request, model, label, body, routes, started, gw.policy_for(model), key)
-            call.meter = meter
-            call.start()
+            ProxyCall(gw, request, model, label, body, routes, started, gw.policy_for(model), key, meter).start()
 
         def refuse(err: errors.GatewayError) -> None:
             self._refused(request, err, key_name, model, started, path=label)

@@ -20,7 +20,7 @@ from collections.abc import Collection, Sequence
 from twisted.internet.interfaces import IReactorTime
 from zope.interface import implementer
 
-from llmgw.gateway.policy import PolicyConfig, Ring, choose
+from llmgw.gateway.policy import FIRST_TURN, PolicyConfig, Ring, choose
 from llmgw.routing import IInFlight, Route
 
 #: Rings kept (one per set of replica ids seen recently).
@@ -199,10 +199,19 @@ class Router:
             )
         homes = self._homes
         hkey = key[2:] if key[1:2] == b"\x00" else key
-        chosen = choose(
-            policy, candidates, self.in_flight, self.clock.seconds(), self.policy, key, turn,
-            self.ring(routes), at_sample, homes.get(hkey),
-        )
+        home = homes.get(hkey)
+        if home is None and key.startswith(FIRST_TURN):
+            # A first turn with no home goes to the least loaded (see
+            # bounded_prefix): no ring to walk.
+            chosen = choose(
+                "least_loaded", candidates, self.in_flight, self.clock.seconds(), self.policy, key, turn,
+                None, at_sample,
+            )
+        else:
+            chosen = choose(
+                policy, candidates, self.in_flight, self.clock.seconds(), self.policy, key, turn,
+                self.ring(routes), at_sample, home,
+            )
         homes[hkey] = chosen.replica_id
         homes.move_to_end(hkey)
         if len(homes) > MAX_HOMES:
