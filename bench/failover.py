@@ -13,16 +13,21 @@ What runs, all on 127.0.0.1:
 * N simulated agents in this process speaking the real agent stream: each
   knows the three members' addresses, follows redirects at once (as the
   agent does), reports the shards it runs in every Register, answers
-  C{StartShard} with a READY C{ShardStatus}, and sends heartbeats. One of
-  them (the "canary") also reports a shard that nothing claims, so the new
-  leader's first command (a C{StopShard} for it, sent at once on adoption)
-  can be timed.
+  C{StartShard} with a READY C{ShardStatus}, and sends heartbeats. Before
+  each kill every agent gets one more shard that nothing claims (a stray,
+  as a crashed placement leaves), which it reports in its next Register:
+  stopping what nobody claims is a command adoption allows at once, so a
+  command is due to every agent as soon as the new leader has it, and the
+  leader's first command dispatched is the earliest C{StopShard} any agent
+  receives.
 
 Once every replica is ready, the leader is killed with SIGKILL, K times. For
 each kill, measured on the agents' side from the moment of the kill: the
 new leader's first accepted Register, all N agents registered with it, its
-first command received (the canary's StopShard); and, from the etcd
-election (the new leader's C{/api/v1/status}), the time to all registered.
+first command received by any agent (the earliest StopShard of a stray),
+and every stray stopped. A watch on the leader key in etcd, in this process,
+splits the time to the first command: the old lease expiring (the key's
+DELETE), the new leader's win (its PUT), then its first command.
 After each kill the dead member is started again (as a follower) before
 the next one. The baseline, measured in the same run with the same agents'
 code: one standalone control plane (no etcd), killed the same way and
@@ -88,7 +93,10 @@ profile = "sim"
 replicas = {replicas}
 """
 
-CANARY_STRAY = "stray-canary"
+
+
+def stray_id(node_id: str) -> str:
+    return f"stray-{node_id}"
 
 
 class Node:
@@ -101,13 +109,16 @@ class Node:
         self.registered_with: str | None = None
         #: shard id -> RunningShard (what this node runs).
         self.shards: dict[str, pb.RunningShard] = {}
-        self.canary = False
+        #: Reports a shard nothing claims in its next Register (the
+        #: command due at once from a new leader).
+        self.stray = False
 
     def register(self) -> bytes:
         running = list(self.shards.values())
-        if self.canary:
+        if self.stray:
+            sid = stray_id(self.node_id)
             running.append(pb.RunningShard(
-                shard_id=CANARY_STRAY, replica_id=CANARY_STRAY, model="gone", profile="sim",
+                shard_id=sid, replica_id=sid, model="gone", profile="sim",
                 gpu_indices=[0], port=20999, state=pb.ShardStatus.STATE_READY,
             ))
         return pb.AgentMessage(register=pb.Register(
@@ -179,9 +190,9 @@ class Stream(MessageStream[pb.ControlMessage]):
             )).SerializeToString())
         elif kind == "stop":
             shard_id = msg.stop.shard_id
-            if shard_id == CANARY_STRAY:
-                bench.first_command(self.address)
-                node.canary = False
+            if node.stray and shard_id == stray_id(node.node_id):
+                bench.command_received(self.address)
+                node.stray = False
             elif shard_id in node.shards:
                 bench.stops_of_claimed += 1
                 rs = node.shards.pop(shard_id)
@@ -252,6 +263,12 @@ class Bench:
         self.t_first_register: float | None = None
         self.t_all: float | None = None
         self.t_first_command: float | None = None
+        self.t_all_strays: float | None = None
+        self.strays_stopped = 0
+        #: From the watch on the leader key: the old leader's key gone (its
+        #: lease expired) and the new leader's key put (it won).
+        self.t_key_deleted: float | None = None
+        self.t_key_put: float | None = None
         self.new_leader: str | None = None
         self.killed: str | None = None
 
@@ -268,9 +285,25 @@ class Bench:
         if len(self.on_leader[address]) == self.n and self.t_all is None:
             self.t_all = now
 
-    def first_command(self, address: str) -> None:
-        if self.phase == "failover" and self.t_first_command is None:
-            self.t_first_command = time.monotonic()
+    def command_received(self, address: str) -> None:
+        if self.phase != "failover" or (self.ha and address == self.killed):
+            return
+        now = time.monotonic()
+        if self.t_first_command is None:
+            self.t_first_command = now
+        self.strays_stopped += 1
+        if self.strays_stopped == self.n:
+            self.t_all_strays = now
+
+    def leader_key_events(self, events: list[Any], revision: int) -> None:
+        if self.phase != "failover":
+            return
+        now = time.monotonic()
+        for ev in events:
+            if ev.kind == "DELETE" and self.t_key_deleted is None:
+                self.t_key_deleted = now
+            elif ev.kind == "PUT" and self.t_key_put is None:
+                self.t_key_put = now
 
     def heartbeats(self) -> None:
         msg = pb.AgentMessage(heartbeat=pb.Heartbeat(gpu_memory_used_mb=[0])).SerializeToString()
@@ -338,7 +371,23 @@ class Bench:
                 raise TimeoutError(f"{what}: not within {timeout}s")
             await self.sleep(0.1)
 
-    async def run(self, kills: int) -> dict[str, Any]:
+    async def run(self, kills: int, etcd_urls: list[str] | None = None) -> dict[str, Any]:
+        watch: Any = None
+        etcd: Any = None
+        watching = True
+        if self.ha and etcd_urls:
+            from llmgw.control.election import DEFAULT_PREFIX, leader_key
+            from llmgw.etcd import EtcdClient
+
+            etcd = EtcdClient(self.reactor, etcd_urls)
+
+            def rewatch(_: Any = None) -> None:
+                nonlocal watch
+                if watching:
+                    watch = etcd.watch(leader_key(DEFAULT_PREFIX), self.leader_key_events)
+                    watch.done.addBoth(lambda _: self.reactor.callLater(0.1, rewatch) if watching else None)
+
+            rewatch()
         for node in self.nodes:
             node.target = random.randrange(len(self.controls))
             self.reactor.callLater(random.random() * 2, node.dial)
@@ -365,10 +414,13 @@ class Bench:
                 ),
                 60,
             )
-            random.choice(self.nodes).canary = True
+            for node in self.nodes:
+                node.stray = True
             self.phase = "failover"
             self.killed = self.controls[i]
             self.t_first_register = self.t_all = self.t_first_command = None
+            self.t_all_strays = self.t_key_deleted = self.t_key_put = None
+            self.strays_stopped = 0
             self.new_leader = None
             self.on_leader = {}
             self.t_kill = time.monotonic()
@@ -385,7 +437,7 @@ class Bench:
             t_elected_seen = time.monotonic()
             st = await self.status(j)
             await self.until("all agents on the new leader",
-                             lambda: defer.succeed(self.t_all is not None and self.t_first_command is not None or None),
+                             lambda: defer.succeed(self.t_all is not None and self.t_all_strays is not None or None),
                              60)
             # Past the adoption grace, nothing may be placed again.
             await self.sleep(max(0.0, self.grace - (time.monotonic() - self.t_all)) + 2.0)
@@ -396,7 +448,11 @@ class Bench:
                     owners.setdefault(rs.replica_id, []).append(node.node_id)
             duplicates = sum(len(v) - 1 for v in owners.values()) + max(0, len(reps) - self.n)
             assert self.t_first_register is not None and self.t_all is not None
-            assert self.t_first_command is not None
+            assert self.t_first_command is not None and self.t_all_strays is not None
+
+            def since_kill(t: float | None) -> float | None:
+                return None if t is None else round(t - self.t_kill, 3)
+
             per_kill.append({
                 "kill": k + 1,
                 "old_leader": self.members[i].name,
@@ -405,6 +461,11 @@ class Bench:
                 "to_first_register_s": round(self.t_first_register - self.t_kill, 3),
                 "to_all_registered_s": round(self.t_all - self.t_kill, 3),
                 "to_first_command_s": round(self.t_first_command - self.t_kill, 3),
+                "to_all_strays_stopped_s": round(self.t_all_strays - self.t_kill, 3),
+                "to_lease_expired_s": since_kill(self.t_key_deleted),
+                "to_elected_s": since_kill(self.t_key_put),
+                "elected_to_first_command_s": (
+                    None if self.t_key_put is None else round(self.t_first_command - self.t_key_put, 3)),
                 "all_registered_after_first_s": round(self.t_all - self.t_first_register, 3),
                 "leader_seen_s": round(t_elected_seen - self.t_kill, 3),
                 "replicas_listed": len(reps),
@@ -416,6 +477,10 @@ class Bench:
                 self.members[i].start(self.reactor)
             await self.until("the killed member back", lambda m=i: self.status(m), 60)
         hb.stop()
+        watching = False
+        if watch is not None:
+            watch.cancel()
+            await etcd.close()
         return {"kills": per_kill}
 
 
@@ -425,12 +490,19 @@ def summarize(res: dict[str, Any], ttl: int, n: int) -> dict[str, Any]:
     def col(name: str) -> dict[str, Any]:
         return summary_ms([int(k[name] * 1e9) for k in kills])
 
+    def col_known(name: str) -> dict[str, Any]:
+        return summary_ms([int(k[name] * 1e9) for k in kills if k.get(name) is not None])
+
     first_cmd = col("to_first_command_s")
     after = col("all_registered_after_first_s")
     return {
         "to_first_register": col("to_first_register_s"),
         "to_all_registered": col("to_all_registered_s"),
         "to_first_command": first_cmd,
+        "to_all_strays_stopped": col("to_all_strays_stopped_s"),
+        "to_lease_expired": col_known("to_lease_expired_s"),
+        "to_elected": col_known("to_elected_s"),
+        "elected_to_first_command": col_known("elected_to_first_command_s"),
         "all_registered_after_first_register": after,
         "bars": {
             "first_command_p99_within_ttl_plus_2s": first_cmd.get("p99_ms", 1e12) <= (ttl + 2) * 1000,
@@ -466,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
         bench.start_members(work, cluster.urls)
         started = time.monotonic()
         try:
-            res = await bench.run(kills)
+            res = await bench.run(kills, cluster.urls)
         finally:
             bench.running = False
             for m in bench.members:

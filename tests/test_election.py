@@ -247,6 +247,106 @@ class ElectionTests(unittest.SynchronousTestCase):
             self.advance(leaders[0].election.renew_interval + 1)
         self.assertEqual(epochs, sorted(set(epochs)))
 
+    def dead_leader(self, ttl: int = 10) -> int:
+        """
+        A leader key held under a lease that nobody renews (a leader killed
+        with -9): returns the lease, which expires C{ttl} seconds from now.
+        """
+        lease, _ = self.successResultOf(self.fake.grant(ttl))
+        self.fake.put(leader_key("/llmgw"), MemberInfo("dead", "dead:7443").encode(), lease=lease)
+        return lease
+
+    def slow_poll_member(self, name: str, retry: float = 4.0) -> Member:
+        m = Member(self.fake, self.clock, name)
+        m.election.retry_interval = retry
+        m.election.start()
+        self.addCleanup(m.election.stop)
+        return m
+
+    def test_follower_campaigns_on_the_leader_keys_delete(self) -> None:
+        """
+        When the leader's lease expires, a follower wins at that instant,
+        not at its next campaign attempt: it watches the leader key and
+        campaigns on the key's delete.
+        """
+        lease = self.dead_leader()
+        b = self.slow_poll_member("b", retry=4.0)
+        self.advance(6)
+        self.assertIs(b.election.role, Role.FOLLOWER)
+        self.assertEqual(b.election.leader, MemberInfo("dead", "dead:7443"))
+        self.fake.expire(lease)
+        self.clock.advance(0)
+        self.assertIs(b.election.role, Role.LEADER)
+        self.assertEqual(b.election.woken, 1)
+        self.assertEqual([k for k, _ in b.events], ["elected"])
+
+    def test_one_follower_wins_when_all_wake_at_once(self) -> None:
+        """
+        Several followers woken by the same delete campaign at once, and
+        exactly one of them leads; the others follow it.
+        """
+        lease = self.dead_leader()
+        ms = [self.slow_poll_member(n) for n in "bcd"]
+        self.advance(1)
+        self.fake.expire(lease)
+        self.clock.advance(0)
+        leaders = [m for m in ms if m.election.role is Role.LEADER]
+        self.assertEqual(len(leaders), 1)
+        winner = leaders[0].election.member
+        self.assertEqual({m.election.leader for m in ms}, {winner})
+
+    def test_delete_during_a_campaign_step_campaigns_again_at_once(self) -> None:
+        """
+        A delete that arrives while a campaign step is still waiting for
+        etcd is not lost: the follower campaigns again as soon as that
+        step ends, not at the attempt after it.
+        """
+        lease = self.dead_leader()
+        b = self.slow_poll_member("b", retry=4.0)
+        self.advance(1)
+        # The next step (at 4 s) hangs in its transaction; the key goes
+        # meanwhile.
+        self.fake.hang = True
+        self.advance(4)
+        self.assertTrue(b.election._busy)
+        self.fake.hang = False
+        self.fake.expire(lease)
+        self.assertIs(b.election.role, Role.FOLLOWER)
+        # The hung request times out; the follower campaigns at once then.
+        self.advance(b.election.request_timeout + 0.1)
+        self.assertIs(b.election.role, Role.LEADER)
+
+    def test_broken_watch_polls_and_watches_again(self) -> None:
+        """
+        If the watch on the leader key ends (etcd member gone), the
+        follower still takes over at its next poll, and watches again.
+        """
+        lease = self.dead_leader()
+        b = self.slow_poll_member("b", retry=2.0)
+        self.advance(1)
+        [w] = self.fake.watches
+        w.cancel()
+        self.assertEqual(self.fake.watches, set())
+        self.advance(2.1)
+        self.assertEqual(len(self.fake.watches), 1)
+        w2 = next(iter(self.fake.watches))
+        w2.cancel()
+        self.fake.expire(lease)
+        self.clock.advance(0)
+        self.assertIs(b.election.role, Role.FOLLOWER)
+        self.advance(2.1)
+        self.assertIs(b.election.role, Role.LEADER)
+        self.assertEqual(b.election.woken, 0)
+
+    def test_stop_ends_the_watch(self) -> None:
+        """A stopped election leaves no watch open on etcd."""
+        b = self.slow_poll_member("b")
+        self.advance(1)
+        self.assertEqual(len(self.fake.watches), 1)
+        b.election.stop()
+        self.advance(10)
+        self.assertEqual(self.fake.watches, set())
+
     def test_bad_parameters_refused(self) -> None:
         """A TTL under 2 s, or a margin not below the TTL, is refused."""
         with self.assertRaises(ValueError):

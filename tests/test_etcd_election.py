@@ -52,6 +52,29 @@ class RealElectionTests(unittest.TestCase):
         self.addCleanup(e.stop)
         return e
 
+    def test_follower_takes_over_when_etcd_expires_the_lease(self) -> None:
+        """
+        A leader key under a lease nobody renews (a leader killed with -9):
+        a follower whose next attempt is a minute away still leads within a
+        second of etcd expiring the lease, woken by its watch on the key.
+        """
+        async def go() -> None:
+            client = EtcdClient(reactor, self.cluster.urls)
+            self.addCleanup(client.close)
+            lease, ttl = await client.grant(2)
+            await client.put(leader_key("/llmgw"), MemberInfo("dead", "dead:7443").encode(), lease=lease)
+            granted = reactor.seconds()
+            b = Election(client, reactor, "/llmgw", MemberInfo("b", "b:7443"), ttl=3, retry_interval=60)
+            b.start()
+            self.addCleanup(b.stop)
+            await until(lambda: b.leader is not None, 5, "the follower seeing the dead leader")
+            self.assertIs(b.role, Role.FOLLOWER)
+            await until(lambda: b.role is Role.LEADER, ttl + 3, "the follower leading")
+            # etcd expires a lease up to about half a second late.
+            self.assertLess(reactor.seconds() - granted, ttl + 1.0)
+            self.assertEqual(b.woken, 1)
+        return defer.Deferred.fromCoroutine(go())  # type: ignore[return-value]
+
     def test_campaign_stepdown_and_fenced_write(self) -> None:
         """
         Of two members one leads with the leader key's create revision as

@@ -10,7 +10,10 @@ L{Election} campaigns for one key, C{PREFIX/leader}, with a lease:
   revision it ran at (the key's create revision), so epochs increase
   strictly from leader to leader whatever the clocks say. A member that
   loses learns who leads from the failure branch and tries again every
-  C{retry_interval}.
+  C{retry_interval}; it also watches the leader key and campaigns at once
+  when the key is deleted (the leader's lease expired or was revoked), so
+  a take-over does not wait for the next attempt. The poll stays: it
+  covers a watch that broke or has not been set up yet.
 - B{lead}: renew the lease every C{ttl / 3} and check that the key is
   still ours. The lease was granted after we sent the grant, so etcd
   cannot expire it before C{sent + ttl}; each renewal moves our own
@@ -140,12 +143,20 @@ class Election:
         self._step_down_call: IDelayedCall | None = None
         self._busy = False
         self._pending: set[defer.Deferred[None]] = set()
+        # -- the watch on the leader key (campaign at once on its delete) --
+        self._watch: Any = None
+        self._watch_retry: IDelayedCall | None = None
+        #: A delete arrived while a step was under way: campaign right after it.
+        self._campaign_now = False
+        #: Campaigns started by a delete of the leader key (status, tests).
+        self.woken = 0
 
     # -- public -----------------------------------------------------------------
 
     def start(self) -> None:
         self._running = True
         self._schedule(0)
+        self._start_watch()
 
     def stop(self) -> defer.Deferred[None]:
         """
@@ -155,6 +166,7 @@ class Election:
         self._running = False
         self._cancel(self._call)
         self._call = None
+        self._stop_watch()
         lease = self.lease
         if self.role is Role.LEADER:
             self._step_down("this member is stopping")
@@ -224,6 +236,49 @@ class Election:
         d.addBoth(settled)
         return d
 
+    def _start_watch(self) -> None:
+        self._watch_retry = None
+        watch = getattr(self.store, "watch", None)
+        if not self._running or watch is None:
+            return
+        try:
+            w = watch(self.key, self._leader_key_events)
+        except Exception as e:  # noqa: BLE001 - the poll covers a watch that cannot start
+            self.log.debug("etcd: cannot watch the leader key ({error}); polling only", error=str(e))
+            self._watch_retry = self.clock.callLater(self.retry_interval, self._start_watch)
+            return
+        self._watch = w
+
+        def ended(_: Any) -> None:
+            # Broken or ended (etcd unreachable, member changed): the poll
+            # goes on meanwhile; watch again after a pause.
+            if self._watch is w:
+                self._watch = None
+                if self._running:
+                    self._watch_retry = self.clock.callLater(self.retry_interval, self._start_watch)
+
+        w.done.addBoth(ended)
+
+    def _stop_watch(self) -> None:
+        self._cancel(self._watch_retry)
+        self._watch_retry = None
+        w, self._watch = self._watch, None
+        if w is not None:
+            w.cancel()
+
+    def _leader_key_events(self, events: list[Any], revision: int) -> None:
+        if not self._running or self.role is not Role.FOLLOWER:
+            return
+        if not any(ev.kind == "DELETE" for ev in events):
+            return
+        # The leader's key is gone: nobody leads, so campaign now rather
+        # than at the next attempt.
+        self.woken += 1
+        if self._busy:
+            self._campaign_now = True
+        else:
+            self._schedule(0)
+
     def _tick(self) -> None:
         self._call = None
         if self._busy or not self._running:
@@ -236,11 +291,15 @@ class Election:
             ok = result is True
             if hasattr(result, "getErrorMessage"):
                 self.log.failure("election step failed", result)
-            if self._running and self._call is None:
+            leading = self.role is Role.LEADER
+            if self._campaign_now and not leading and self._running:
+                self._campaign_now = False
+                self._schedule(0)
+            elif self._running and self._call is None:
                 # A leader whose renewal failed tries again soon: its
                 # deadline is running.
-                leading = self.role is Role.LEADER
                 self._schedule(self.renew_interval if leading and ok else self.retry_interval)
+            self._campaign_now = False
 
         d.addBoth(done)
 
