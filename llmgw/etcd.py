@@ -344,6 +344,8 @@ class EtcdClient:
         self.urls = [u.rstrip("/") for u in urls]
         self.timeout = timeout
         self._current = 0
+        #: Requests sent whose answer's head has not come yet.
+        self._inflight: set[defer.Deferred[Any]] = set()
         self.pool = HTTPConnectionPool(reactor, persistent=True)
         self.pool.maxPersistentPerHost = 4
         self.pool.retryAutomatically = False
@@ -366,8 +368,17 @@ class EtcdClient:
         self._current = (self._current + 1) % len(self.urls)
 
     def close(self) -> defer.Deferred[None]:
-        """Close pooled connections (tests call this before they end)."""
+        """
+        Cancel the requests still connecting or waiting for their answer's
+        head, and close pooled connections (tests call this before they end).
+        """
+        for posted in list(self._inflight):
+            posted.cancel()
         return self.pool.closeCachedConnections()  # type: ignore[no-any-return]
+
+    def _landed(self, result: Any, posted: defer.Deferred[Any]) -> Any:
+        self._inflight.discard(posted)
+        return result
 
     async def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """
@@ -383,10 +394,13 @@ class EtcdClient:
             url = self.url
             tried += 1
             try:
-                response = await self.http.post(
+                posted = self.http.post(
                     url + API_PREFIX + path, data=data, timeout=self.timeout, unbuffered=True,
                     headers=_JSON_HEADERS,
                 )
+                self._inflight.add(posted)
+                posted.addBoth(self._landed, posted)
+                response = await posted
                 done: defer.Deferred[bytes] = defer.Deferred()
                 response.deliverBody(_Body(done))
                 raw = await done

@@ -60,6 +60,22 @@ class ElectionTests(unittest.SynchronousTestCase):
         self.assertTrue(e.may_command())
         self.assertEqual(e.status()["role"], "leader")
 
+    def test_deadline_is_on_the_monotonic_clock(self) -> None:
+        """
+        With a monotonic clock given, the lease deadline is reckoned on it:
+        once it has run past the deadline the leader may not command, even
+        though the reactor's (wall) clock has not moved.
+        """
+        mono = Clock()
+        e = Election(self.fake, self.clock, "/llmgw", MemberInfo("a", "a.example:7443"), ttl=10,
+                     monotonic=mono.seconds)
+        e.start()
+        self.addCleanup(e.stop)
+        self.clock.advance(0)
+        self.assertTrue(e.may_command())
+        mono.advance(10)
+        self.assertFalse(e.may_command())
+
     def test_second_member_follows_and_knows_leader(self) -> None:
         """
         A second member stands by, knowing the leader's id, agent address

@@ -95,6 +95,9 @@ class Election:
     @param margin: seconds before the lease could expire at which a leader
         that could not renew steps down (default: a fifth of the TTL, at
         least 1 s).
+    @param monotonic: the time the lease deadline is reckoned on (the
+        control plane passes C{time.monotonic}, so that a wall-clock step
+        cannot keep a leader commanding past its lease); default C{clock}'s.
     """
 
     log = Logger()
@@ -111,11 +114,16 @@ class Election:
         margin: float | None = None,
         retry_interval: float = DEFAULT_RETRY_INTERVAL,
         request_timeout: float | None = None,
+        monotonic: Callable[[], float] | None = None,
     ):
         if ttl < 2:
             raise ValueError(f"the lease TTL must be at least 2 s, not {ttl}")
         self.store = store
         self.clock = clock
+        #: What the lease deadline is reckoned on: a clock that a step of
+        #: the wall clock (NTP) cannot move back; by default C{clock}'s
+        #: own time (a test's L{Clock}).
+        self.now = monotonic if monotonic is not None else clock.seconds
         self.key = leader_key(prefix)
         self.member = member
         self.on_elected = on_elected
@@ -191,7 +199,7 @@ class Election:
         """
         if self.role is not Role.LEADER:
             return False
-        if self.clock.seconds() >= self.deadline:
+        if self.now() >= self.deadline:
             self._step_down("the lease could not be renewed before the step-down deadline")
             return False
         return True
@@ -312,17 +320,17 @@ class Election:
         self.last_error = text
 
     async def _campaign_once(self) -> None:
-        if self.lease and self.clock.seconds() >= self.deadline:
+        if self.lease and self.now() >= self.deadline:
             self.lease = 0  # too close to its expiry to lead on: take a new one
         if not self.lease:
-            sent = self.clock.seconds()
+            sent = self.now()
             try:
                 lease, ttl = await self._request(self.store.grant(self.ttl))
             except (EtcdError, defer.TimeoutError, defer.CancelledError) as e:
                 self._failed("granting a lease", e)
                 return
             self.lease, self.deadline = lease, sent + ttl - self.margin
-        sent = self.clock.seconds()
+        sent = self.now()
         try:
             result = await self._request(self.store.txn(
                 [Compare.absent(self.key)],
@@ -357,7 +365,7 @@ class Election:
         self.leader, self.leader_epoch = info, holder.create_revision
         self.last_error = ""
         # Keep our lease alive while we wait, so a win needs one step only.
-        sent = self.clock.seconds()
+        sent = self.now()
         try:
             ttl = await self._request(self.store.keepalive(self.lease))
         except (EtcdError, defer.TimeoutError, defer.CancelledError) as e:
@@ -386,13 +394,13 @@ class Election:
 
     def _arm_step_down(self) -> None:
         self._cancel(self._step_down_call)
-        delay = max(0.0, self.deadline - self.clock.seconds())
+        delay = max(0.0, self.deadline - self.now())
         self._step_down_call = self.clock.callLater(
             delay, self._step_down, "the lease could not be renewed before the step-down deadline"
         )
 
     async def _lead_once(self) -> bool:
-        sent = self.clock.seconds()
+        sent = self.now()
         lease = self.lease
         try:
             ttl = await self._request(self.store.keepalive(lease))

@@ -140,6 +140,7 @@ class HAMember(Service):
         now_ms: Callable[[], int] = lambda: int(time.time() * 1000),
         retry_interval: float = 1.0,
         catalog_file: str | None = None,
+        monotonic: Callable[[], float] | None = None,
     ):
         self.reactor = reactor
         self.cp = cp
@@ -163,6 +164,7 @@ class HAMember(Service):
         self.elections = 0
         self.election = Election(
             store, reactor, prefix, member, on_elected=self._elected, on_deposed=self._deposed, ttl=ttl,
+            monotonic=monotonic,
         )
         self.dispatcher = FencedDispatcher(cp.agents, self.election.may_command)
         # The operator's fleet state lives in etcd (sharedstate); the state

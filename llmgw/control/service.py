@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from twisted.application.service import MultiService
+from twisted.internet.base import ReactorBase
 from twisted.logger import Logger
 from twisted.protocols.tls import TLSMemoryBIOFactory
 from twisted.python import usage
@@ -575,6 +576,9 @@ def _attach_ha(cp: ControlPlane, reconciler: Reconciler, options: Options, react
     cp.ha = HAMember(
         reactor, cp, reconciler, client, options["etcd-prefix"], member, ttl=options["etcd-ttl"],
         catalog_file=options["catalog"] or None,
+        # The lease deadline on a clock that NTP cannot step back.
+        # (A real reactor; a test's clock is its own time.)
+        monotonic=time.monotonic if isinstance(reactor, ReactorBase) else None,
     )
     cp.ha.setName("ha")
     cp.ha.setServiceParent(cp)
