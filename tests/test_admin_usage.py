@@ -120,6 +120,14 @@ class AdminUsageTests(SynchronousTestCase):
         self.assertEqual(body["share"], 0.5)
         self.assertEqual([(u["key"], u["requests"]) for u in body["usage"]], [("team-a", 1)])
         self.assertEqual(body["limits"][0]["requests_per_minute_here"], 5)
+        # A name this gateway does not serve (a rebound page's) reads nothing.
+        d3 = stub.get("http://rebind.example:7481/api/v1/usage")
+        stub.flush()
+        refused = self.successResultOf(d3)
+        self.assertEqual(refused.code, 421)
+        text = self.successResultOf(stub.content(refused))
+        self.assertIn(b"rebind.example", text)
+        self.assertNotIn(b"team-a", text)
         e = self.assertRaises(usage.UsageError, Options().parseOptions, ["--limit-share", "2"])
         self.assertIn("--limit-share", str(e))
 

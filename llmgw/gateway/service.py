@@ -325,7 +325,9 @@ class StandaloneGateway(MultiService):
             root.putChild(b"api", api)
             v1 = Resource()
             api.putChild(b"v1", v1)
-            v1.putChild(b"usage", UsageResource(self.front.gateway.usage))
+            v1.putChild(b"usage", UsageResource(
+                self.front.gateway.usage,
+                HostCheck(hosts or (), bound=metrics_address[0], option="--gateway-hosts")))
             site = Site(root, reactor=reactor)
             site.log = lambda request: None  # type: ignore[method-assign]
             self.metrics_listener = ListenerService(

@@ -40,6 +40,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.web.resource import Resource
 
 from llmgw.gateway import errors
+from llmgw.hostcheck import HostCheck
 from llmgw.untrusted import clip
 
 #: The key label of requests to a gateway that has no API keys.
@@ -435,10 +436,20 @@ class UsageResource(Resource):
 
     isLeaf = True
 
-    def __init__(self, usage: Usage):
+    def __init__(self, usage: Usage, hosts: HostCheck | None = None):
         super().__init__()
         self.usage = usage
+        #: The names it answers to (a page under another name, rebound to
+        #: this address, must not read key names and limits).
+        self.hosts = hosts if hosts is not None else HostCheck(option="--gateway-hosts")
 
     def render_GET(self, request: Any) -> bytes:
         request.setHeader(b"content-type", b"application/json; charset=utf-8")
+        host = request.getHeader(b"host")
+        if not self.hosts.allows(host):
+            request.setResponseCode(421)
+            message = (f"this gateway does not answer for host {clip(host.decode('latin-1'))!r}; "
+                       f"add it to {self.hosts.option}")
+            return (json.dumps({"error": {"message": message, "type": "invalid_request_error",
+                                          "code": "misdirected_request"}}) + "\n").encode()
         return (json.dumps(self.usage.snapshot()) + "\n").encode()
