@@ -172,16 +172,20 @@ class Put:
         return {"request_put": body}
 
 
+def _key_range(key: bytes, range_end: bytes) -> dict[str, str]:
+    body = {"key": b64(key)}
+    if range_end:
+        body["range_end"] = b64(range_end)
+    return body
+
+
 @dataclass(frozen=True)
 class Range:
     key: bytes
     range_end: bytes = b""
 
     def to_json(self) -> dict[str, Any]:
-        body = {"key": b64(self.key)}
-        if self.range_end:
-            body["range_end"] = b64(self.range_end)
-        return {"request_range": body}
+        return {"request_range": _key_range(self.key, self.range_end)}
 
 
 @dataclass(frozen=True)
@@ -190,10 +194,7 @@ class Delete:
     range_end: bytes = b""
 
     def to_json(self) -> dict[str, Any]:
-        body = {"key": b64(self.key)}
-        if self.range_end:
-            body["range_end"] = b64(self.range_end)
-        return {"request_delete_range": body}
+        return {"request_delete_range": _key_range(self.key, self.range_end)}
 
 
 Op = Put | Range | Delete

@@ -7,23 +7,13 @@ compare-and-swap failing. Skipped when etcd is not installed.
 from __future__ import annotations
 
 import signal
-from typing import Any
 
 from twisted.internet import defer, reactor
-from twisted.internet.task import deferLater
 from twisted.trial import unittest
 
 from llmgw.control.election import Election, MemberInfo, Role, leader_key
 from llmgw.etcd import Compare, EtcdClient, Put
-from llmgw.testing.etcd import ETCD_MISSING, EtcdCluster
-
-
-async def until(predicate: Any, timeout: float, what: str) -> None:
-    deadline = reactor.seconds() + timeout
-    while not predicate():
-        if reactor.seconds() > deadline:
-            raise TimeoutError(f"{what}: not within {timeout}s")
-        await deferLater(reactor, 0.05, lambda: None)
+from llmgw.testing.etcd import ETCD_MISSING, EtcdCluster, until
 
 
 class RealElectionTests(unittest.TestCase):

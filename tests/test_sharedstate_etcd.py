@@ -9,28 +9,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 from twisted.internet import defer, reactor
-from twisted.internet.task import deferLater
 from twisted.trial import unittest
 
 import llmgw
 from llmgw.control.interfaces import AdminError
 from llmgw.control.sharedstate import fleet_state_key
 from llmgw.etcd import EtcdClient
-from llmgw.testing.etcd import ETCD_MISSING, EtcdCluster
+from llmgw.testing.etcd import ETCD_MISSING, EtcdCluster, until
 from tests.test_sharedstate import Member
 
 DEMO = (Path(llmgw.__file__).parent / "demo-catalog.toml").read_bytes()
-
-
-async def until(predicate: Any, timeout: float, what: str) -> None:
-    deadline = reactor.seconds() + timeout
-    while not predicate():
-        if reactor.seconds() > deadline:
-            raise TimeoutError(f"{what}: not within {timeout}s")
-        await deferLater(reactor, 0.05, lambda: None)
 
 
 class RealSharedStateTests(unittest.TestCase):

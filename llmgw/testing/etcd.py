@@ -157,3 +157,19 @@ class EtcdCluster:
             defer.Deferred.fromCoroutine(m.stop(self.reactor)) for m in self.members
         ])
         shutil.rmtree(self.data_root, ignore_errors=True)
+
+
+async def until(predicate: Any, timeout: float, what: str, clock: Any = None) -> None:
+    """
+    Wait, polling every 50 ms on C{clock} (the global reactor by default),
+    until C{predicate()} is true.
+
+    @raise TimeoutError: not within C{timeout} seconds; says C{what}.
+    """
+    if clock is None:
+        from twisted.internet import reactor as clock
+    deadline = clock.seconds() + timeout
+    while not predicate():
+        if clock.seconds() > deadline:
+            raise TimeoutError(f"{what}: not within {timeout}s")
+        await deferLater(clock, 0.05, lambda: None)
