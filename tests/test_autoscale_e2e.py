@@ -17,20 +17,17 @@ when an assertion fails.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import time
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.local import demo_catalog
-from llmgw.testing.procs import free_port, processes_marked
-from tests.test_local_e2e import ROOT, llmgw_command, processes_mentioning
+from tests.test_local_e2e import LocalFleetHarness, processes_mentioning
 
 DEADLINE = 60.0
 AUTOSCALED = """min_replicas = 0
@@ -41,59 +38,15 @@ stabilization_s = 5
 """
 
 
-class ScaleFromAndToZeroTests(SynchronousTestCase):
+class ScaleFromAndToZeroTests(LocalFleetHarness, SynchronousTestCase):
     def setUp(self) -> None:
-        self.dir = Path(self.mktemp()).resolve()
-        self.dir.mkdir(parents=True)
-        catalog = demo_catalog(self.dir)
+        where = Path(self.mktemp()).resolve()
+        where.mkdir(parents=True)
+        catalog = demo_catalog(where)
         text = catalog.read_text()
         self.assertIn("replicas = 2\n", text)
         catalog.write_text(text.replace("replicas = 2\n", AUTOSCALED))
-        self.gateway_port, self.admin_port = free_port(), free_port()
-        self.log = open(self.dir / "fleet.log", "w+b")  # noqa: SIM115
-        self.addCleanup(self.log.close)
-        env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
-        self.fleet = subprocess.Popen(
-            [*llmgw_command(), "local", "--gateway", f"127.0.0.1:{self.gateway_port}",
-             "--admin", f"127.0.0.1:{self.admin_port}", "--heartbeat", "1", "--catalog", str(catalog)],
-            cwd=self.dir, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True,
-        )
-        self.addCleanup(self.kill_everything)
-
-    def kill_everything(self) -> None:
-        if self.fleet.poll() is None:
-            os.killpg(self.fleet.pid, signal.SIGKILL)
-            self.fleet.wait(10)
-        for pid in processes_mentioning(str(self.dir)) + processes_marked(str(self.dir)):
-            for kill in (os.killpg, os.kill):
-                try:
-                    kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
-
-    def output(self) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        text = self.log.read().decode("utf-8", "replace")
-        # The admin API's access log is this test's own polling.
-        return "\n".join(line for line in text.splitlines() if '"GET /api/v1/' not in line)
-
-    def wait(self, what: str, check: Callable[[], Any], timeout: float = DEADLINE) -> Any:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                value = check()
-            except OSError:
-                value = None
-            if value:
-                return value
-            if self.fleet.poll() is not None:
-                self.fail(f"the fleet exited ({self.fleet.returncode}) while waiting for "
-                          f"{what}:\n{self.output()[-4000:]}")
-            if time.monotonic() > deadline:
-                self.fail(f"timed out waiting for {what}:\n{self.output()[-4000:]}")
-            time.sleep(0.2)
+        self.start_fleet("--catalog", str(catalog))
 
     def admin(self, path: str, body: Any = None) -> Any:
         url = f"http://127.0.0.1:{self.admin_port}{path}"

@@ -60,21 +60,31 @@ def processes_mentioning(text: str) -> list[int]:
     return pids
 
 
-class LocalFleetEndToEndTests(SynchronousTestCase):
-    def setUp(self) -> None:
-        self.dir = Path(self.mktemp()).resolve()
+class LocalFleetHarness:
+    """
+    A real C{llmgw local} fleet in its own process for an end-to-end test
+    (mixed into a L{SynchronousTestCase}): started by L{start_fleet},
+    killed with every process it started at cleanup.
+    """
+
+    dir: Path
+    fleet: subprocess.Popen[bytes]
+
+    def start_fleet(self, *extra: str) -> None:
+        case: Any = self
+        self.dir = Path(case.mktemp()).resolve()
         self.dir.mkdir(parents=True)
         self.gateway_port, self.admin_port = free_port(), free_port()
         self.log = open(self.dir / "fleet.log", "w+b")  # noqa: SIM115
-        self.addCleanup(self.log.close)
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        case.addCleanup(self.log.close)
+        env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
         self.fleet = subprocess.Popen(
             [*llmgw_command(), "local", "--gateway", f"127.0.0.1:{self.gateway_port}",
-             "--admin", f"127.0.0.1:{self.admin_port}", "--heartbeat", "1"],
+             "--admin", f"127.0.0.1:{self.admin_port}", "--heartbeat", "1", *extra],
             cwd=self.dir, env=env, stdout=self.log, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True,
         )
-        self.addCleanup(self.kill_everything)
+        case.addCleanup(self.kill_everything)
 
     def kill_everything(self) -> None:
         if self.fleet.poll() is None:
@@ -92,9 +102,12 @@ class LocalFleetEndToEndTests(SynchronousTestCase):
     def output(self) -> str:
         self.log.flush()
         self.log.seek(0)
-        return self.log.read().decode("utf-8", "replace")
+        text = self.log.read().decode("utf-8", "replace")
+        # The admin API's access log is the test's own polling.
+        return "\n".join(line for line in text.splitlines() if '"GET /api/v1/' not in line)
 
     def wait(self, what: str, check: Callable[[], Any], timeout: float = DEADLINE) -> Any:
+        case: Any = self
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -104,11 +117,16 @@ class LocalFleetEndToEndTests(SynchronousTestCase):
             if value:
                 return value
             if self.fleet.poll() is not None:
-                self.fail(f"the fleet exited ({self.fleet.returncode}) while waiting for "
+                case.fail(f"the fleet exited ({self.fleet.returncode}) while waiting for "
                           f"{what}:\n{self.output()[-4000:]}")
             if time.monotonic() > deadline:
-                self.fail(f"timed out waiting for {what}:\n{self.output()[-4000:]}")
+                case.fail(f"timed out waiting for {what}:\n{self.output()[-4000:]}")
             time.sleep(0.2)
+
+
+class LocalFleetEndToEndTests(LocalFleetHarness, SynchronousTestCase):
+    def setUp(self) -> None:
+        self.start_fleet()
 
     def admin(self, path: str) -> Any:
         url = f"http://127.0.0.1:{self.admin_port}{path}"
