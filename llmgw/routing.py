@@ -388,6 +388,26 @@ class RoutingTable:
         self._changed(frozenset(), True)
         return True
 
+    def replace(self, snapshot: RoutingSnapshot) -> bool:
+        """
+        Make the table what C{snapshot} holds (routes, declared models,
+        policies and queue limits) in one change; the revision is this
+        table's own. Returns whether anything changed. (An HA member that
+        does not lead takes the leader's published table so.)
+        """
+        by_model = _by_model(snapshot.all_routes())
+        known = snapshot.known_models()
+        policies, queues = snapshot.policies(), snapshot.all_queue_limits()
+        if (by_model, known, policies, queues) == (self._routes, self._known, self._policies, self._queues):
+            return False
+        models = frozenset(
+            m for m in self._routes.keys() | by_model.keys() if self._routes.get(m) != by_model.get(m)
+        )
+        known_changed = (known, policies, queues) != (self._known, self._policies, self._queues)
+        self._routes, self._known, self._policies, self._queues = by_model, known, policies, queues
+        self._changed(models, known_changed)
+        return True
+
     def snapshot(self) -> RoutingSnapshot:
         """
         The table as it stands, immutable (built once per revision).

@@ -13,6 +13,7 @@ from twisted.logger import Logger
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.control.admin import AdminResource, leader_location, local_path
+from llmgw.routing import Route
 from tests.test_admin import AdminTestCase
 
 LEADER_URL = "https://cp-2.example:7480"
@@ -25,13 +26,18 @@ class FakeHA:
     """
 
     def __init__(self, role: str = "follower", leader_id: str | None = "cp-2",
-                 leader_admin_url: str | None = LEADER_URL, member_id: str = "cp-1"):
+                 leader_admin_url: str | None = LEADER_URL, member_id: str = "cp-1",
+                 routes: bool = False):
+        self.routes = routes
         self.st = {"role": role, "member_id": member_id, "leader_id": leader_id,
                    "leader_agent_address": "cp-2.example:7443", "leader_admin_url": leader_admin_url,
                    "epoch": 7, "revision": 3}
 
     def status(self) -> dict[str, Any]:
         return dict(self.st)
+
+    def serves_routes(self) -> bool:
+        return self.routes
 
 
 class FakeControl:
@@ -129,6 +135,20 @@ class FollowerAdminTests(AdminTestCase):
             self.assertEqual(body["location"], LEADER_URL + path)
             self.assertEqual(body["leader_id"], "cp-2")
             self.assertIn("does not lead", body["error"])
+
+    def test_routes_answered_from_the_followed_table(self) -> None:
+        """
+        ha3: a follower that holds the table the leader published answers
+        GET /api/v1/routes itself, from its own routing table; other reads
+        are still redirected.
+        """
+        self.use(FakeHA(routes=True))
+        self.fleet.routing_table.publish([Route("r1", "demo", "10.0.0.1:9000")], ["demo"])
+        code, body, _ = self.call("GET", "/api/v1/routes")
+        self.assertEqual(code, 200, body)
+        self.assertEqual([r["replica"] for r in body["routes"]], ["r1"])
+        code, body, _ = self.call("GET", "/api/v1/nodes")
+        self.assertEqual(code, 307, body)
 
     def test_writes_redirected_not_done(self) -> None:
         """

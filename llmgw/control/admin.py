@@ -174,6 +174,11 @@ LOCAL_PATHS = frozenset({
 })
 
 
+#: ha3: what a member that does not lead answers from the routing table the
+#: leader published in etcd (L{llmgw.control.published}), once it holds one.
+FOLLOWED_PATHS = frozenset({("api", "v1", "routes")})
+
+
 def local_path(path: list[str]) -> bool:
     """
     Whether a member answers C{path} itself rather than sending the client
@@ -495,6 +500,8 @@ class AdminResource(Resource):
         """
         ha = getattr(self.control, "ha", None)
         if ha is None or local_path(path):
+            return
+        if tuple(path) in FOLLOWED_PATHS and ha.serves_routes():
             return
         where = leader_location(ha.status(), request.uri)
         if where is None:

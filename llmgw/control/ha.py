@@ -15,6 +15,13 @@ and the others stand by.
   (agents go to the new leader), and L{FencedDispatcher} refuses any
   command that is still on its way out: it checks the election's own
   deadline on the clock at each command.
+- ha3: the leader publishes its routing table in etcd
+  (L{llmgw.control.published}); every other member, a deposed leader
+  among them, follows that table with its own (which its embedded gateway
+  routes by and its C{GET /api/v1/routes} answers from), keeping the last
+  one while etcd is away. A new leader starts from the table it followed
+  and, once its adoption grace is over, publishes the whole table from
+  what its agents reported.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from llmgw.control.catalog import Catalog, CatalogError, parse_catalog
 from llmgw.control.commands import ShardCommand
 from llmgw.control.election import Election, MemberInfo, Role, leader_key
 from llmgw.control.interfaces import IDispatcher, NotConnected
+from llmgw.control.published import RoutesFollower, RoutesPublisher
 from llmgw.control.sharedstate import SharedFleet, SharedFleetState
 from llmgw.etcd import Compare, EtcdError, Put, Range
 from llmgw.wire import NO_LEADER_MARKER, redirect_error
@@ -177,6 +185,11 @@ class HAMember(Service):
         cp.agents.gate = self.gate
         cp.agents.ack_heartbeats = True
         self._starting: defer.Deferred[None] | None = None
+        # ha3: the routing table, published by the leader, followed by the rest.
+        table = reconciler.routing_table
+        self.routes_publisher = RoutesPublisher(reactor, store, prefix, table, self.election.may_command)
+        self.routes_follower = RoutesFollower(reactor, store, prefix, table, retry_interval=retry_interval)
+        self._republish: Any = None
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -189,6 +202,7 @@ class HAMember(Service):
             agents=self.member.agent_address,
         )
         self._starting = defer.ensureDeferred(self._start())
+        self.routes_follower.start()
 
     async def _start(self) -> None:
         while self.running and self.epoch_base is None:
@@ -206,6 +220,8 @@ class HAMember(Service):
             self._starting.cancel()
         self.taken_over = False
         self._stop_watch()
+        self._stop_publishing()
+        self.routes_follower.stop()
         d = self.election.stop()
         if self.reconciler.running:
             self.reconciler.stopService()
@@ -221,6 +237,8 @@ class HAMember(Service):
         self.cp.epoch = epoch
         self.cp.agents.epoch = epoch
         self.taken_over = False
+        # This member's own reconciler feeds its table from now on.
+        self.routes_follower.stop()
         lease = self.election.lease
         d = defer.ensureDeferred(self._take_over(epoch, revision, lease))
         d.addErrback(lambda f: self.log.failure("taking over as leader failed", f))
@@ -253,6 +271,7 @@ class HAMember(Service):
         self.taken_over = True
         self._start_watch(lease)
         self._follow_state(lease)
+        self._start_publishing(lease)
         self.log.info(
             "HA member {member} leads with command epoch {epoch} (etcd revision {revision}); "
             "the reconciler adopts what agents report before it places anything",
@@ -340,6 +359,40 @@ class HAMember(Service):
         self._state_watch = self.kept.follow(changed)
         self._state_watch.done.addBoth(ended)
 
+    def _start_publishing(self, lease: int) -> None:
+        """
+        Publish the routing table under C{lease}; once the adoption grace
+        is over, the whole table from what agents reported (the routes
+        followed from the previous leader that nobody reported go).
+        """
+        self.routes_publisher.start(lease, current=self.routes_follower.value)
+
+        def republish() -> None:
+            self._republish = None
+            if self.taken_over and self.election.lease == lease:
+                if self.reconciler.republish_routes():
+                    self.log.info("adoption grace over: the routing table is now all this leader's own")
+
+        delay = max(0.0, self.reconciler.grace_end - self.reactor.seconds())
+        self._republish = self.reactor.callLater(delay, republish)
+
+    def _stop_publishing(self) -> None:
+        self.routes_publisher.stop()
+        if self._republish is not None and self._republish.active():
+            self._republish.cancel()
+        self._republish = None
+
+    def serves_routes(self) -> bool:
+        """
+        Whether this member answers C{GET /api/v1/routes} itself: while it
+        leads with its reconciler running, or, not leading, once it holds a
+        table the leader published (before that it sends the client on: an
+        empty table would make a gateway drop every route).
+        """
+        if self.election.role is Role.LEADER:
+            return self.taken_over
+        return self.routes_follower.applied
+
     def _stop_watch(self) -> None:
         if self._watch is not None:
             w, self._watch = self._watch, None
@@ -352,6 +405,10 @@ class HAMember(Service):
         self.taken_over = False
         self.kept.step_down()
         self._stop_watch()
+        self._stop_publishing()
+        if self.running:
+            # Its gateway serves the new leader's routes, or its last own.
+            self.routes_follower.start()
         if self.reconciler.running:
             self.reconciler.stopService()
         closed = self.cp.agents.close_all(f"this control-plane member stepped down: {reason}")
@@ -396,6 +453,8 @@ class HAMember(Service):
             "commands_fenced": self.dispatcher.fenced,
             "catalog_revision": self.catalog_revision,
             "fleet_state_revision": self.kept.revision,
+            "routes_published": self.routes_publisher.writes,
+            "routes_followed_revision": self.routes_follower.revision,
             "etcd_error": st["last_error"],
         }
 

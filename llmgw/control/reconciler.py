@@ -596,6 +596,19 @@ class Reconciler(Service):
         rep = self.state.replicas.get(replica_id)
         return rep.model if rep is not None else None
 
+    def republish_routes(self) -> bool:
+        """
+        ha3: publish the whole routing table from the fleet state as it
+        stands, dropping routes it does not hold (an HA leader whose table
+        was the previous leader's, once its adoption grace is over).
+        Returns whether anything changed.
+        """
+        st = self.state
+        st.take_routes_dirty()
+        changed = self.routing_table.publish(
+            [r for m in sorted(st.ready) for r in st.routes(m)], self.catalog.deployments)
+        return self.routing_table.set_known(self.catalog.deployments) or changed
+
     def end_adoption_grace(self, reason: str) -> None:
         """
         Stop waiting for agents to report what they run: every node that is

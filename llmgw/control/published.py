@@ -1,0 +1,344 @@
+"""
+The leader's routing table, published in etcd for the members that do not
+lead (DESIGN §17, issue 14 items 5 and 6): their embedded gateways keep
+serving, and they answer C{GET /api/v1/routes} themselves.
+
+One key, C{PREFIX/published/routes}, holds the table as
+C{GET /api/v1/routes} writes it (L{llmgw.routing.snapshot_to_json}),
+zlib-compressed, without engine signals (see below).
+
+- B{The leader} (L{RoutesPublisher}) writes it with a transaction that
+  compares the leader key's lease with the lease it won under, so a deposed
+  leader's write changes nothing (and stops its publisher). Writes are
+  debounced: at most one each L{PUBLISH_INTERVAL} seconds, and only when the
+  document differs from the one last written. Engine signals (queue depth,
+  KV-cache use) are left out: they change with every heartbeat, and etcd
+  keeps every revision until it is compacted; a follower's gateway routes
+  without load figures, as for a replica whose figures are stale.
+- B{Size}: etcd refuses a request over 1.5 MiB (C{--max-request-bytes}).
+  Compressed, a route costs some 30 bytes, so the limit is far above any
+  fleet llmgw serves; a document over L{MAX_PUBLISHED} compressed bytes is
+  not written: the error is logged (once per term) and followers keep the
+  last table written.
+- B{Every other member} (L{RoutesFollower}) reads the key, then watches it,
+  and replaces its routing table with each new document. Fail static: while
+  etcd is away, or when the key is deleted or unreadable, the last table
+  stays, and the follower reads again every C{retry_interval}.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+from twisted.internet import defer
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.logger import Logger
+
+from llmgw.control.election import leader_key
+from llmgw.etcd import Compare, EtcdError, Put, Range
+from llmgw.routing import RoutesDataError, RoutingTable, snapshot_from_json, snapshot_to_json
+
+#: Seconds between two writes of the published table, at least.
+PUBLISH_INTERVAL = 1.0
+#: The most compressed bytes written: under etcd's default 1.5 MiB request
+#: limit with room for the rest of the transaction.
+MAX_PUBLISHED = 1024 * 1024
+#: The most bytes a published document may inflate to when read.
+MAX_INFLATED = 64 * 1024 * 1024
+
+
+def routes_key(prefix: str) -> bytes:
+    """Where the leader's routing table is published in etcd."""
+    return (prefix.rstrip("/") + "/published/routes").encode()
+
+
+def routes_document(table: RoutingTable, now: float) -> dict[str, Any]:
+    """
+    What is published of C{table}: its C{GET /api/v1/routes} document
+    without engine signals and without its revision (which is this process's
+    own count, and would make every publication differ).
+    """
+    doc = snapshot_to_json(table, now)
+    doc.pop("revision", None)
+    for route in doc["routes"]:
+        route.pop("signals", None)
+    return doc
+
+
+def pack(doc: dict[str, Any]) -> bytes:
+    """The etcd value of a routes document: compressed canonical JSON."""
+    return zlib.compress(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode(), 6)
+
+
+def unpack(value: bytes) -> dict[str, Any]:
+    """
+    The routes document an etcd value holds (with revision 0).
+
+    @raise RoutesDataError: not compressed JSON, too large inflated, or not
+        a JSON object.
+    """
+    inflate = zlib.decompressobj()
+    try:
+        raw = inflate.decompress(value, MAX_INFLATED)
+    except zlib.error as e:
+        raise RoutesDataError(f"not zlib-compressed: {e}") from None
+    if inflate.unconsumed_tail:
+        raise RoutesDataError(f"inflates past {MAX_INFLATED} bytes")
+    try:
+        doc = json.loads(raw)
+    except ValueError as e:
+        raise RoutesDataError(f"not JSON: {e}") from None
+    if not isinstance(doc, dict):
+        raise RoutesDataError("not a JSON object")
+    doc["revision"] = 0
+    return doc
+
+
+class RoutesPublisher:
+    """
+    The leader's side: publishes C{table} under C{prefix} while
+    L{start}ed with a lease (see the module docstring).
+
+    @param may_write: whether this member may still write (the election's
+        own deadline); checked before each write, beside etcd's lease check.
+    """
+
+    log = Logger()
+
+    def __init__(self, clock: IReactorTime, store: Any, prefix: str, table: RoutingTable,
+                 may_write: Callable[[], bool] = lambda: True, interval: float = PUBLISH_INTERVAL,
+                 max_size: int = MAX_PUBLISHED):
+        self.clock = clock
+        self.store = store
+        self.prefix = prefix
+        self.key = routes_key(prefix)
+        self.table = table
+        self.may_write = may_write
+        self.interval = interval
+        self.max_size = max_size
+        self.lease: int | None = None
+        #: The value last written (or read as current): an equal one is not
+        #: written again.
+        self.last: bytes | None = None
+        self._last_at = float("-inf")
+        self._call: IDelayedCall | None = None
+        self._writing = False
+        self._unsubscribe: Callable[[], None] | None = None
+        self._too_large_logged = False
+        #: Writes etcd took, writes refused (deposed), documents too large.
+        self.writes = self.refused = self.too_large = 0
+
+    def start(self, lease: int, current: bytes | None = None) -> None:
+        """
+        Publish under C{lease} from now: the table as it stands (unless it
+        is C{current}, the value etcd is known to hold), then each change.
+        """
+        self.stop()
+        self.lease = lease
+        self.last = current
+        self._too_large_logged = False
+        self._unsubscribe = self.table.subscribe(lambda *_: self._schedule())
+        self._schedule()
+
+    def stop(self) -> None:
+        """Write nothing more (a write under way is refused by etcd)."""
+        self.lease = None
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+        if self._call is not None and self._call.active():
+            self._call.cancel()
+        self._call = None
+
+    def _schedule(self) -> None:
+        if self.lease is None or self._call is not None or self._writing:
+            return
+        delay = max(0.0, self._last_at + self.interval - self.clock.seconds())
+        self._call = self.clock.callLater(delay, self._flush)
+
+    def _flush(self) -> None:
+        self._call = None
+        lease = self.lease
+        if lease is None:
+            return
+        value = pack(routes_document(self.table, self.clock.seconds()))
+        if value == self.last:
+            return
+        if len(value) > self.max_size:
+            self.too_large += 1
+            if not self._too_large_logged:
+                self._too_large_logged = True
+                self.log.error(
+                    "the routing table is {size} bytes compressed, over the {limit} bytes that are "
+                    "published in etcd {key}: not published; members that do not lead keep the last "
+                    "table published", size=len(value), limit=self.max_size, key=self.key.decode())
+            return
+        if not self.may_write():
+            return
+        self._writing = True
+        self._last_at = self.clock.seconds()
+        d = defer.ensureDeferred(self._write(lease, value))
+        d.addErrback(lambda f: self.log.failure("publishing the routing table failed", f))
+        d.addBoth(self._written)
+
+    def _written(self, _: Any) -> None:
+        self._writing = False
+        # Changes made while writing (or a failed write) go out next.
+        if self.lease is not None and pack(routes_document(self.table, self.clock.seconds())) != self.last:
+            self._schedule()
+
+    async def _write(self, lease: int, value: bytes) -> None:
+        try:
+            result = await defer.ensureDeferred(self.store.txn(
+                [Compare.held_by(leader_key(self.prefix), lease)],
+                [Put(self.key, value)],
+                [Range(leader_key(self.prefix))],
+            ))
+        except EtcdError as e:
+            self.log.warn("etcd: the routing table could not be published ({error}); trying again",
+                          error=str(e))
+            return
+        if result.succeeded:
+            self.writes += 1
+            self.last = value
+            return
+        self.refused += 1
+        if self.lease == lease:
+            self.stop()
+        self.log.error("etcd refused to publish the routing table: this member no longer leads "
+                       "(its lease is not the leader's); it publishes nothing more")
+
+
+class RoutesFollower:
+    """
+    A member that does not lead: keeps C{table} to what the leader
+    published (see the module docstring).
+    """
+
+    log = Logger()
+
+    def __init__(self, clock: IReactorTime, store: Any, prefix: str, table: RoutingTable,
+                 retry_interval: float = 1.0):
+        self.clock = clock
+        self.store = store
+        self.prefix = prefix
+        self.key = routes_key(prefix)
+        self.table = table
+        self.retry_interval = retry_interval
+        self.following = False
+        #: The mod revision of the document applied last (0: none yet).
+        self.revision = 0
+        #: The value applied last.
+        self.value: bytes | None = None
+        #: Why the last read failed, if it did.
+        self.last_error = ""
+        self._watch: Any = None
+        self._retry: IDelayedCall | None = None
+        self._reading: defer.Deferred[None] | None = None
+        self._generation = 0
+
+    @property
+    def applied(self) -> bool:
+        """Whether a published table was applied (since this process began)."""
+        return self.value is not None
+
+    def start(self) -> None:
+        if self.following:
+            return
+        self.following = True
+        self._generation += 1
+        self._read(self._generation)
+
+    def stop(self) -> None:
+        self.following = False
+        self._generation += 1
+        if self._retry is not None and self._retry.active():
+            self._retry.cancel()
+        self._retry = None
+        if self._reading is not None and not self._reading.called:
+            self._reading.cancel()
+        self._reading = None
+        if self._watch is not None:
+            w, self._watch = self._watch, None
+            w.cancel()
+
+    def _later(self, generation: int) -> None:
+        if self.following and generation == self._generation and self._retry is None:
+            self._retry = self.clock.callLater(self.retry_interval, self._again, generation)
+
+    def _again(self, generation: int) -> None:
+        self._retry = None
+        self._read(generation)
+
+    def _read(self, generation: int) -> None:
+        if not self.following or generation != self._generation:
+            return
+        d = self._reading = defer.ensureDeferred(self.store.get(self.key))
+
+        def read(kv: Any) -> None:
+            self._reading = None
+            if not self.following or generation != self._generation:
+                return
+            self.last_error = ""
+            if kv is not None:
+                self._apply(kv.value, kv.mod_revision)
+            self._follow(generation, kv.mod_revision + 1 if kv is not None else 0)
+
+        def failed(f: Any) -> None:
+            self._reading = None
+            if f.check(defer.CancelledError):
+                return
+            if not self.following or generation != self._generation:
+                return
+            if not self.last_error:
+                self.log.warn("etcd: the published routing table cannot be read ({error}); the last "
+                              "one stays, reading again every {interval}s",
+                              error=f.getErrorMessage(), interval=self.retry_interval)
+            self.last_error = f.getErrorMessage()
+            self._later(generation)
+
+        d.addCallbacks(read, failed)
+
+    def _follow(self, generation: int, start: int) -> None:
+        def on_events(events: list[Any], revision: int) -> None:
+            if not self.following or generation != self._generation:
+                return
+            for ev in events:
+                if ev.kind == "PUT" and ev.kv.mod_revision > self.revision:
+                    self._apply(ev.kv.value, ev.kv.mod_revision)
+                elif ev.kind == "DELETE":
+                    self.log.warn("the published routing table {key} was deleted: the last one stays",
+                                  key=self.key.decode())
+
+        def ended(result: Any) -> None:
+            if self._watch is w:
+                self._watch = None
+            if self.following and generation == self._generation:
+                # Read again (what changed meanwhile), then watch again.
+                self._later(generation)
+            return None
+
+        w = self._watch = self.store.watch(self.key, on_events, start_revision=start)
+        w.done.addBoth(ended)
+
+    def _apply(self, value: bytes, revision: int) -> None:
+        if value == self.value:
+            self.revision = revision
+            return
+        where = f"etcd {self.key.decode()} (revision {revision})"
+        try:
+            snapshot, problems = snapshot_from_json(unpack(value), self.clock.seconds())
+        except RoutesDataError as e:
+            self.revision = revision
+            self.log.error("the routing table published in {where} is unreadable: {error}; the last "
+                           "one stays", where=where, error=str(e))
+            return
+        for problem in problems:
+            self.log.error("the routing table published in {where}: {problem} (left out)",
+                           where=where, problem=problem)
+        self.revision = revision
+        self.value = value
+        self.table.replace(snapshot)

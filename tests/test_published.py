@@ -1,0 +1,364 @@
+"""
+L{llmgw.control.published}: the leader's routing table published in etcd
+(debounced, lease-guarded, bounded) and followed by the other members
+(fail static), against the in-memory etcd on a Clock; and the HA members
+that use it.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+from twisted.internet.task import Clock
+from twisted.internet.testing import MemoryReactorClock
+from twisted.logger import Logger
+from twisted.trial.unittest import SynchronousTestCase
+
+from llmgw.control.election import Role, leader_key
+from llmgw.control.published import (
+    RoutesFollower,
+    RoutesPublisher,
+    pack,
+    routes_document,
+    routes_key,
+    unpack,
+)
+from llmgw.routing import EngineSignals, Route, RoutesDataError, RoutingTable
+from llmgw.testing.fakeetcd import FakeEtcd
+from tests.test_ha import Member
+
+PREFIX = "/llmgw"
+KEY = routes_key(PREFIX)
+
+
+def published(fake: FakeEtcd) -> list[str]:
+    """The replica ids of the table published in C{fake}."""
+    return [r["replica"] for r in unpack(fake.kvs[KEY].value)["routes"]]
+
+
+class Leading:
+    """A lease that holds the leader key in the fake, as a leader's does."""
+
+    def __init__(self, fake: FakeEtcd):
+        granted: list[tuple[int, int]] = []
+        fake.grant(1000).addCallback(granted.append)
+        self.lease = granted[0][0]
+        fake.put(leader_key(PREFIX), b"{}", lease=self.lease)
+
+
+class PublisherTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.fake = FakeEtcd(self.clock)
+        self.table = RoutingTable(self.clock)
+        self.logged: list[dict[str, Any]] = []
+        self.publisher = RoutesPublisher(self.clock, self.fake, PREFIX, self.table)
+        self.publisher.log = Logger(observer=self.logged.append)  # type: ignore[arg-type]
+
+    def route(self, rid: str, **kw: Any) -> Route:
+        return Route(rid, "demo", f"10.0.0.1:{9000 + int(rid[1:])}", **kw)
+
+    def writes(self) -> int:
+        return self.fake.calls.count("txn")
+
+    def test_debounced_and_only_on_change(self) -> None:
+        """
+        The table is written at once at the start, then at most once a
+        second however often it changes (the last state wins), and not at
+        all while it does not change, nor when only engine signals change.
+        """
+        lead = Leading(self.fake)
+        self.table.publish_model("demo", [self.route("r1")])
+        self.publisher.start(lead.lease)
+        self.clock.advance(0)
+        self.assertEqual(self.writes(), 1)
+        self.assertEqual(published(self.fake), ["r1"])
+        for i in range(2, 6):
+            self.table.publish_model("demo", [self.route(f"r{j}") for j in range(1, i + 1)])
+            self.clock.advance(0.1)
+        self.assertEqual(self.writes(), 1)
+        self.clock.advance(0.6)
+        self.assertEqual(self.writes(), 2)
+        self.assertEqual(published(self.fake), ["r1", "r2", "r3", "r4", "r5"])
+        self.clock.advance(5)
+        self.assertEqual(self.writes(), 2)
+        busy = EngineSignals(sampled_at=self.clock.seconds(), waiting=3)
+        self.table.publish_model("demo", [self.route("r1", signals=busy)]
+                                 + [self.route(f"r{j}") for j in range(2, 6)])
+        self.clock.advance(2)
+        self.assertEqual(self.writes(), 2)
+        self.assertNotIn("signals", unpack(self.fake.kvs[KEY].value)["routes"][0])
+
+    def test_start_with_current_value_writes_nothing(self) -> None:
+        """
+        A leader that starts with the table etcd already holds (the one it
+        followed) does not write it again.
+        """
+        lead = Leading(self.fake)
+        self.table.publish_model("demo", [self.route("r1")])
+        current = pack(routes_document(self.table, 0))
+        self.publisher.start(lead.lease, current=current)
+        self.clock.advance(3)
+        self.assertEqual(self.writes(), 0)
+
+    def test_deposed_leaders_publish_refused(self) -> None:
+        """
+        Once another lease holds the leader key, the old leader's write is
+        refused by etcd: the published table stays the new leader's, the
+        publisher stops, and the refusal is logged as an error.
+        """
+        old = Leading(self.fake)
+        self.table.publish_model("demo", [self.route("r1")])
+        self.publisher.start(old.lease)
+        self.clock.advance(0)
+        self.fake.expire(old.lease)
+        new = Leading(self.fake)
+        theirs = RoutingTable(self.clock)
+        theirs.publish_model("demo", [self.route("r7")])
+        other = RoutesPublisher(self.clock, self.fake, PREFIX, theirs)
+        other.start(new.lease)
+        self.clock.advance(0)
+        self.assertEqual(published(self.fake), ["r7"])
+        self.table.publish_model("demo", [self.route("r2")])
+        self.clock.advance(1)
+        self.assertEqual(published(self.fake), ["r7"])
+        self.assertEqual(self.publisher.refused, 1)
+        self.assertIsNone(self.publisher.lease)
+        self.assertTrue(any(e.get("log_level").name == "error" and "no longer leads" in e["log_format"]
+                            for e in self.logged))
+        self.table.publish_model("demo", [self.route("r3")])
+        self.clock.advance(5)
+        self.assertEqual(published(self.fake), ["r7"])
+        other.stop()
+
+    def test_unreachable_etcd_retried(self) -> None:
+        """
+        A write etcd could not take is tried again a second later, until it
+        goes through.
+        """
+        lead = Leading(self.fake)
+        self.table.publish_model("demo", [self.route("r1")])
+        self.fake.available = False
+        self.publisher.start(lead.lease)
+        self.clock.advance(0)
+        self.assertNotIn(KEY, self.fake.kvs)
+        self.clock.advance(1)
+        self.assertNotIn(KEY, self.fake.kvs)
+        self.fake.available = True
+        self.clock.advance(1)
+        self.assertEqual(published(self.fake), ["r1"])
+
+    def test_too_large_not_written(self) -> None:
+        """
+        A table over the size limit compressed is not published (etcd would
+        refuse it): the last one stays in etcd, and the error is logged once.
+        """
+        lead = Leading(self.fake)
+        small = RoutesPublisher(self.clock, self.fake, PREFIX, self.table, max_size=400)
+        small.log = Logger(observer=self.logged.append)  # type: ignore[arg-type]
+        self.table.publish_model("demo", [self.route("r1")])
+        small.start(lead.lease)
+        self.clock.advance(0)
+        self.assertEqual(published(self.fake), ["r1"])
+        import random
+
+        rng = random.Random(1)
+        big = [Route(f"r{i}-{rng.getrandbits(64):x}", "demo", f"10.{rng.randrange(256)}.0.1:{i}")
+               for i in range(1, 60)]
+        self.table.publish_model("demo", big)
+        self.clock.advance(1)
+        self.table.publish_model("demo", big[:-1])
+        self.clock.advance(1)
+        self.assertEqual(published(self.fake), ["r1"])
+        self.assertEqual(small.too_large, 2)
+        errors = [e for e in self.logged if "over the" in e["log_format"]]
+        self.assertEqual(len(errors), 1)
+        small.stop()
+
+
+class FollowerTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.fake = FakeEtcd(self.clock)
+        self.table = RoutingTable(self.clock)
+        self.logged: list[dict[str, Any]] = []
+        self.follower = RoutesFollower(self.clock, self.fake, PREFIX, self.table)
+        self.follower.log = Logger(observer=self.logged.append)  # type: ignore[arg-type]
+        self.addCleanup(self.follower.stop)
+
+    def publish(self, *rids: str, policies: dict[str, str] | None = None) -> None:
+        source = RoutingTable(self.clock)
+        source.publish([Route(r, "demo", "10.0.0.1:9000") for r in rids], ["demo", "other"])
+        if policies:
+            source.set_policies(policies)
+        self.fake.put(KEY, pack(routes_document(source, 0)))
+
+    def ids(self) -> list[str]:
+        return [r.replica_id for r in self.table.routes("demo")]
+
+    def test_applies_what_is_published_and_each_change(self) -> None:
+        """
+        A follower takes the published table (routes, declared models and
+        policies) at start and each new one as it is written.
+        """
+        self.publish("r1", policies={"demo": "round_robin"})
+        self.follower.start()
+        self.assertEqual(self.ids(), ["r1"])
+        self.assertTrue(self.table.knows_model("other"))
+        self.assertEqual(self.table.policy("demo"), "round_robin")
+        revision = self.table.revision
+        self.publish("r1", "r2")
+        self.assertEqual(self.ids(), ["r1", "r2"])
+        self.assertEqual(self.table.policy("demo"), None)
+        self.assertGreater(self.table.revision, revision)
+
+    def test_fail_static(self) -> None:
+        """
+        While etcd is away, after the key is deleted, and when an
+        unreadable value is written, the follower keeps the last table (and
+        logs why); once etcd answers again it reads what is there.
+        """
+        self.publish("r1")
+        self.follower.start()
+        self.fake.available = False
+        for w in list(self.fake.watches):
+            w.done.errback(RuntimeError("connection lost"))
+        self.clock.advance(5)
+        self.assertEqual(self.ids(), ["r1"])
+        self.assertTrue(self.follower.last_error)
+        self.fake.available = True
+        self.publish("r2")  # no watch now: read at the next retry
+        self.clock.advance(1)
+        self.assertEqual(self.ids(), ["r2"])
+        self.fake.delete(KEY)
+        self.assertEqual(self.ids(), ["r2"])
+        self.fake.put(KEY, b"not zlib at all")
+        self.fake.put(KEY, zlib.compress(b"[1, 2]"))
+        self.assertEqual(self.ids(), ["r2"])
+        errors = [e for e in self.logged if e.get("log_level").name == "error"]
+        self.assertEqual(len(errors), 2, errors)
+        self.assertIn("unreadable", errors[0]["log_format"])
+
+    def test_stopped_follower_applies_nothing(self) -> None:
+        """
+        Once stopped (its member leads), a follower leaves the table alone.
+        """
+        self.publish("r1")
+        self.follower.start()
+        self.follower.stop()
+        self.publish("r2")
+        self.clock.advance(5)
+        self.assertEqual(self.ids(), ["r1"])
+
+    def test_unpack_is_bounded(self) -> None:
+        """
+        A value that inflates past the limit is refused, not inflated whole.
+        """
+        from llmgw.control import published
+
+        self.patch(published, "MAX_INFLATED", 1000)
+        self.assertRaises(RoutesDataError, unpack, zlib.compress(b" " * 5000))
+
+
+class HAMemberRoutesTests(SynchronousTestCase):
+    """Two HA members: the leader publishes, the other follows."""
+
+    def setUp(self) -> None:
+        self.reactor = MemoryReactorClock()
+        self.fake = FakeEtcd(self.reactor)
+
+    def member(self, name: str) -> Member:
+        m = Member(self.reactor, self.fake, name)
+        m.ha.startService()
+        self.addCleanup(m.ha.stopService)
+        return m
+
+    def advance(self, seconds: float, step: float = 0.1) -> None:
+        for _ in range(round(seconds / step)):
+            self.reactor.advance(step)
+
+    def ids(self, m: Member) -> list[str]:
+        return [r.replica_id for r in m.reconciler.routing_table.routes("demo")]
+
+    def test_no_table_no_routes_answered(self) -> None:
+        """
+        A member that neither leads nor holds a published table does not
+        answer routes itself (an empty table would make gateways drop every
+        route): etcd does not answer it here.
+        """
+        self.fake.hang = True
+        c = self.member("c")
+        self.advance(1)
+        self.assertFalse(c.ha.serves_routes())
+
+    def test_follower_follows_the_leader(self) -> None:
+        """
+        A follower answers routes itself once it holds a published table;
+        its routing table (its gateway's) becomes the leader's within a
+        second of each change.
+        """
+        a = self.member("a")
+        self.advance(0.1)
+        b = self.member("b")
+        self.advance(0.1)
+        self.assertIs(a.ha.election.role, Role.LEADER)
+        self.assertTrue(a.ha.serves_routes())
+        a.reconciler.routing_table.publish_model("demo", [Route("r1", "demo", "10.0.0.1:9000")])
+        self.advance(1.1)
+        self.assertEqual(self.ids(b), ["r1"])
+        self.assertTrue(b.ha.serves_routes())
+        a.reconciler.routing_table.publish_model("demo", [Route("r2", "demo", "10.0.0.2:9000")])
+        self.advance(1.1)
+        self.assertEqual(self.ids(b), ["r2"])
+        self.assertEqual(b.ha.status()["routes_followed_revision"], self.fake.kvs[KEY].mod_revision)
+
+    def test_new_leader_keeps_the_followed_table_until_its_grace_ends(self) -> None:
+        """
+        When the leader goes, the member that wins keeps routing by the
+        table it followed (nothing dropped while agents come over), and once
+        its adoption grace is over publishes the table of its own state.
+        """
+        a = self.member("a")
+        self.advance(0.1)
+        b = self.member("b")
+        a.reconciler.routing_table.publish_model("demo", [Route("r1", "demo", "10.0.0.1:9000")])
+        self.advance(1.1)
+        self.successResultOf(a.ha.stopService())
+        self.advance(2)
+        self.assertIs(b.ha.election.role, Role.LEADER)
+        self.assertEqual(self.ids(b), ["r1"])
+        self.advance(29)
+        self.assertEqual(self.ids(b), [])
+        self.advance(1.1)
+        self.assertEqual(published(self.fake), [])
+
+    def test_deposed_leader_follows_new_leader(self) -> None:
+        """
+        A leader cut off from etcd steps down and keeps its last table
+        (fail static); once the other member leads and etcd answers it
+        again, it takes the new leader's table.
+        """
+        a = self.member("a")
+        self.advance(0.1)
+        a.reconciler.routing_table.publish_model("demo", [Route("r1", "demo", "10.0.0.1:9000")])
+        self.advance(1.1)
+        self.fake.available = False
+        self.advance(10)
+        self.assertIsNot(a.ha.election.role, Role.LEADER)
+        self.assertEqual([r.replica_id for r in a.reconciler.routing_table.routes("demo")], ["r1"])
+        b = self.member("b")
+        self.fake.available = True
+        self.advance(15)
+        leader, other = (a, b) if a.ha.election.role is Role.LEADER else (b, a)
+        self.assertIs(leader.ha.election.role, Role.LEADER)
+        leader.reconciler.routing_table.publish_model("demo", [Route("r9", "demo", "10.0.0.9:9000")])
+        self.advance(1.1)
+        self.assertEqual([r.replica_id for r in other.reconciler.routing_table.routes("demo")], ["r9"])
+        # The adoption grace (30 s) ends: the leader's table is its own
+        # state's, which holds no replica; followers get that too.
+        self.advance(31)
+        self.assertEqual(list(leader.reconciler.routing_table.routes("demo")), [])
+        self.assertEqual(list(other.reconciler.routing_table.routes("demo")), [])
+        self.flushLoggedErrors()
+
