@@ -159,6 +159,31 @@ class SeveralMembersTests(SynchronousTestCase):
         reporter = DemandReporter(table, Source(), "gw-1")
         self.assertEqual(reporter.url, "http://leader:7480/api/v1/demand")
 
+    def test_follower_answering_names_the_leader(self) -> None:
+        """
+        ha3: a member that does not lead but holds the published table
+        answers the routes itself; the header it sends names the leader,
+        whose URL the table then uses for the watch stream and demand.
+        """
+        followed: Any = sample_fleet()
+        followed.routing_table = RoutingTable(self.clock)
+        followed.routing_table.publish([Route("r2", "alpha", "10.0.0.2:9000")], ["alpha"])
+        hosts = HostCheck(["leader:7480", "cp-1:7480"])
+        self.stub = StubTreq(ByHost({b"leader": self.leader, b"cp-1": AdminResource(
+            followed, make_registry(), hosts=hosts,
+            control=FakeControl(FakeHA(leader_admin_url="http://leader:7480", routes=True)))}))
+        self.http = DeadHosts(self.stub, set())
+        table = self.table("http://cp-1:7480")
+        d = table.poll()
+        self.stub.flush()
+        self.assertTrue(self.successResultOf(d))
+        self.assertEqual([r.replica_id for r in table.routes("alpha")], ["r2"])
+        self.assertEqual(self.http.urls, ["http://cp-1:7480/api/v1/routes"])
+        self.assertEqual(table.answered_by, "http://leader:7480")
+        self.assertTrue(table.watch_url().startswith("ws://leader:7480/api/v1/watch"))
+        self.assertFalse(FollowerTable._named_leader(
+            "https://cp-1:7480/api/v1/routes", type("R", (), {"headers": _headers("http://leader:7480")})()))
+
     def test_forgets_leader_on_failure(self) -> None:
         """
         After a failed read the leader the table learned is forgotten: the
@@ -218,3 +243,9 @@ class DowngradeTests(SynchronousTestCase):
         self.assertFalse(self.successResultOf(d))
         self.assertFalse(table.loaded)
         self.assertEqual(table.routes("alpha"), ())
+
+
+def _headers(leader: str) -> Any:
+    from twisted.web.http_headers import Headers
+
+    return Headers({b"x-llmgw-leader": [leader.encode()]})

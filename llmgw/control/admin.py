@@ -177,6 +177,8 @@ LOCAL_PATHS = frozenset({
 #: ha3: what a member that does not lead answers from the routing table the
 #: leader published in etcd (L{llmgw.control.published}), once it holds one.
 FOLLOWED_PATHS = frozenset({("api", "v1", "routes")})
+#: The header with which such a member names the leader's admin URL.
+LEADER_HEADER = b"x-llmgw-leader"
 
 
 def local_path(path: list[str]) -> bool:
@@ -502,6 +504,11 @@ class AdminResource(Resource):
         if ha is None or local_path(path):
             return
         if tuple(path) in FOLLOWED_PATHS and ha.serves_routes():
+            # Answered here; the header tells a gateway where the leader is
+            # (its watch stream and demand go there).
+            leader_url = ha.status().get("leader_admin_url")
+            if isinstance(leader_url, str) and leader_url:
+                request.setHeader(LEADER_HEADER, leader_url.encode("utf-8", "replace"))
             return
         where = leader_location(ha.status(), request.uri)
         if where is None:

@@ -374,14 +374,39 @@ class FollowerTable:
         if isinstance(final, bytes):
             final = final.decode("ascii", "replace")
         if not isinstance(final, str) or final == asked:
-            self.answered_by = None
-            return
+            # ha3: a member that does not lead answers the routes itself
+            # and names the leader in a header (watch stream and demand).
+            final = self._named_leader(asked, response)
+            if final is None:
+                self.answered_by = None
+                return
         parts = urlsplit(final)
         base = f"{parts.scheme}://{parts.netloc}"
         if base != self.answered_by:
             self.log.info("control plane at {url} sent the gateway to {leader} (the leader)",
                           url=self.admin_url, leader=base)
         self.answered_by = base
+
+    @staticmethod
+    def _named_leader(asked: str, response: Any) -> str | None:
+        """
+        The leader's admin URL as a member that does not lead named it
+        (C{x-llmgw-leader}), if it is an http(s) URL, and https when
+        C{asked} was.
+        """
+        from urllib.parse import urlsplit
+
+        headers = getattr(response, "headers", None)
+        values = headers.getRawHeaders(b"x-llmgw-leader") if headers is not None else None
+        if not values:
+            return None
+        url = values[0].decode("ascii", "replace").strip()
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            return None
+        if asked.startswith("https://") and parts.scheme != "https":
+            return None
+        return url
 
     def _got(self, snapshot: RoutingSnapshot, problems: list[str]) -> None:
         for p in problems[:PROBLEMS_LOGGED]:
