@@ -17,7 +17,11 @@ this and later requests; a request whose connection was refused is tried
 on the next member at once (nothing was sent), one that timed out is not
 retried here (it may have been applied) and fails with L{EtcdUnavailable}.
 A request that etcd answered with an error fails with L{EtcdError}
-carrying etcd's code and message.
+carrying etcd's code and message. A TLS handshake that failed (etcd refused
+this member's client certificate, or etcd's certificate is not from
+C{--etcd-ca}) is taken as an unreachable member (nothing was applied), and
+when no member could be reached for it the request fails with
+L{EtcdTLSError}, which says which side refused and what to check.
 """
 
 from __future__ import annotations
@@ -29,11 +33,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import treq
+from OpenSSL import SSL
 from twisted.internet import defer, error
 from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from twisted.web.client import Agent, HTTPConnectionPool, ResponseDone, ResponseFailed
+from twisted.web.client import (
+    Agent,
+    HTTPConnectionPool,
+    RequestTransmissionFailed,
+    ResponseDone,
+    ResponseFailed,
+)
 
 #: The JSON gateway's path prefix (etcd 3.4 and 3.5).
 API_PREFIX = "/v3"
@@ -76,6 +87,49 @@ class EtcdUnavailable(EtcdError):
         self.code = -1
         self.message = message
         self.url = ""
+
+
+class EtcdTLSError(EtcdUnavailable):
+    """
+    No member could be reached because the TLS handshake failed; the
+    message says what to check.
+    """
+
+
+def tls_problem(e: BaseException, url: str) -> str | None:
+    """
+    What a failed request C{e} to C{url} says about TLS, in words for an
+    operator, or C{None} when TLS is not why it failed.
+    """
+    found: list[BaseException] = []
+
+    def walk(x: BaseException, depth: int = 0) -> None:
+        if depth > 4:
+            return
+        if isinstance(x, SSL.Error):
+            found.append(x)
+            return
+        for reason in getattr(x, "reasons", None) or []:
+            value = getattr(reason, "value", reason)
+            if isinstance(value, BaseException):
+                walk(value, depth + 1)
+
+    walk(e)
+    if not found:
+        return None
+    detail = "; ".join(str(arg[2]) if isinstance(arg, tuple) and len(arg) > 2 else str(arg)
+                       for err in found for arg in (err.args[0] if err.args and isinstance(err.args[0], list)
+                                                     else [err]))
+    if "certificate verify failed" in detail:
+        why = (f"etcd's server certificate is not trusted: it does not chain to --etcd-ca, or does "
+               f"not name the host in {url}")
+    elif "alert" in detail:
+        why = ("etcd refused this member's client certificate (--etcd-cert/--etcd-key): it must be "
+               "issued by the CA etcd trusts (etcd's --trusted-ca-file), be valid now and allow "
+               "client authentication")
+    else:
+        why = "the handshake failed"
+    return f"TLS with etcd member {url} failed: {why} ({detail})"
 
 
 def b64(data: bytes) -> str:
@@ -391,6 +445,7 @@ class EtcdClient:
         data = json.dumps(body).encode()
         tried = 0
         last = ""
+        tls_failed = False
         while tried < len(self.urls):
             url = self.url
             tried += 1
@@ -409,8 +464,14 @@ class EtcdClient:
                 last = f"{url}: {e.__class__.__name__}: {e}"
                 self._next_member()
                 continue
-            except (defer.CancelledError, error.TimeoutError, ResponseFailed, error.ConnectionLost) as e:
+            except (defer.CancelledError, error.TimeoutError, ResponseFailed, RequestTransmissionFailed,
+                    error.ConnectionLost) as e:
                 self._next_member()
+                problem = tls_problem(e, url)
+                if problem is not None:
+                    # The handshake failed: nothing reached etcd.
+                    last, tls_failed = problem, True
+                    continue
                 raise EtcdUnavailable(
                     f"etcd member {url} did not answer {path} within {self.timeout}s "
                     f"({e.__class__.__name__})"
@@ -426,6 +487,8 @@ class EtcdClient:
                     url,
                 )
             return answer  # type: ignore[no-any-return]
+        if tls_failed:
+            raise EtcdTLSError(last)
         raise EtcdUnavailable(f"no etcd member could be reached ({last})")
 
     # -- leases -----------------------------------------------------------------
@@ -586,10 +649,13 @@ class EtcdClient:
             if w.done.called:
                 return
             if isinstance(result, Failure):
-                if result.check(*_UNREACHED, error.ConnectionLost, ResponseFailed):
+                if result.check(*_UNREACHED, error.ConnectionLost, ResponseFailed, RequestTransmissionFailed):
                     self._next_member()
+                problem = tls_problem(result.value, url) if result.value is not None else None
                 if result.check(defer.CancelledError):
                     w.done.callback(None)
+                elif problem is not None:
+                    w.done.errback(EtcdTLSError(problem))
                 else:
                     w.done.errback(result)
             else:
@@ -605,6 +671,6 @@ def as_deferred(coro: Any) -> defer.Deferred[Any]:
 
 
 __all__ = [
-    "API_PREFIX", "Compare", "Delete", "EtcdClient", "EtcdError", "EtcdUnavailable",
+    "API_PREFIX", "Compare", "Delete", "EtcdClient", "EtcdError", "EtcdTLSError", "EtcdUnavailable",
     "KeyValue", "Put", "Range", "TxnResult", "Watch", "WatchEvent", "as_deferred", "prefix_end",
 ]

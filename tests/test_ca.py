@@ -112,6 +112,29 @@ class CLITests(SynchronousTestCase):
             stat.S_IMODE(os.stat(Path(self.dir, "agent-gpu-07.key")).st_mode), 0o600
         )
 
+    def test_etcd(self) -> None:
+        """
+        ha3: an etcd certificate is both server and client (etcd members
+        are both to their peers), names the hosts given as SANs, has a 0600
+        key, and refuses a name outside the node-id grammar.
+        """
+        run("ctl", "cert", "init", "--dir", self.dir)
+        rc, out, err = run("ctl", "cert", "etcd", "etcd1", "--host", "10.0.0.1", "--host", "etcd1.example",
+                           "--dir", self.dir)
+        self.assertEqual((rc, err), (0, ""), out)
+        cert = x509.load_pem_x509_certificate(Path(self.dir, "etcd-etcd1.pem").read_bytes())
+        eku = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+        self.assertEqual(set(eku), {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH})
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        self.assertEqual(sans.get_values_for_type(x509.IPAddress), [ipaddress.ip_address("10.0.0.1")])
+        self.assertEqual(sans.get_values_for_type(x509.DNSName), ["etcd1.example"])
+        self.assertEqual(stat.S_IMODE(os.stat(Path(self.dir, "etcd-etcd1.key")).st_mode), 0o600)
+        rc, _, _ = run("ctl", "cert", "etcd", "cp1", "--dir", self.dir)
+        self.assertEqual(rc, 0)
+        rc, _, err = run("ctl", "cert", "etcd", "Bad_Name", "--dir", self.dir)
+        self.assertEqual(rc, 1)
+        self.assertIn("etcd certificate name", err)
+
     def test_agent_bad_node_id(self) -> None:
         """
         A node id outside the grammar is refused at issue time.

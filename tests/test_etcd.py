@@ -171,3 +171,28 @@ class UnreachableTests(unittest.TestCase):
         self.addCleanup(client.close)
         d = defer.Deferred.fromCoroutine(client.get(b"/x"))
         return self.assertFailure(d, EtcdUnavailable)  # type: ignore[no-any-return]
+
+
+class TLSProblemTests(unittest.SynchronousTestCase):
+    def test_says_which_side_refused(self) -> None:
+        """
+        ha3: a handshake failure inside a failed request is told apart: a
+        refused client certificate points at --etcd-cert/--etcd-key, an
+        untrusted server certificate at --etcd-ca; other failures are not
+        taken for TLS.
+        """
+        from OpenSSL import SSL
+        from twisted.python.failure import Failure
+        from twisted.web.client import ResponseNeverReceived
+
+        from llmgw.etcd import tls_problem
+
+        def failed(text: str) -> Exception:
+            return ResponseNeverReceived([Failure(SSL.Error([("SSL routines", "", text)]))])
+
+        refused = tls_problem(failed("tls alert bad certificate"), "https://e:2379")
+        self.assertIn("etcd refused this member's client certificate (--etcd-cert/--etcd-key)", refused or "")
+        untrusted = tls_problem(failed("certificate verify failed"), "https://e:2379")
+        self.assertIn("does not chain to --etcd-ca", untrusted or "")
+        self.assertIn("https://e:2379", untrusted or "")
+        self.assertIsNone(tls_problem(ResponseNeverReceived([Failure(ConnectionError("reset"))]), "https://e:2379"))

@@ -35,7 +35,7 @@ from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
 from twisted.application.service import Service
 from twisted.internet import defer
 from twisted.internet.task import deferLater
-from twisted.logger import Logger
+from twisted.logger import Logger, LogLevel
 from zope.interface import implementer
 
 from llmgw.api.v1 import agent_pb2 as pb
@@ -45,7 +45,7 @@ from llmgw.control.election import Election, MemberInfo, Role, leader_key
 from llmgw.control.interfaces import IDispatcher, NotConnected
 from llmgw.control.published import RoutesFollower, RoutesPublisher
 from llmgw.control.sharedstate import SharedFleet, SharedFleetState
-from llmgw.etcd import Compare, EtcdError, Put, Range
+from llmgw.etcd import Compare, EtcdError, EtcdTLSError, Put, Range
 from llmgw.wire import NO_LEADER_MARKER, redirect_error
 
 Code = pb.Ack.Code
@@ -185,6 +185,8 @@ class HAMember(Service):
         cp.agents.gate = self.gate
         cp.agents.ack_heartbeats = True
         self._starting: defer.Deferred[None] | None = None
+        #: Why etcd could not be asked at start, while it cannot.
+        self.start_error = ""
         # ha3: the routing table, published by the leader, followed by the rest.
         table = reconciler.routing_table
         self.routes_publisher = RoutesPublisher(reactor, store, prefix, table, self.election.may_command)
@@ -208,8 +210,16 @@ class HAMember(Service):
         while self.running and self.epoch_base is None:
             try:
                 self.epoch_base = await ensure_epoch_base(self.store, self.prefix, self.now_ms())
+                self.start_error = ""
             except EtcdError as e:
-                self.log.warn("etcd: cannot read the epoch base yet ({error}); retrying", error=str(e))
+                if str(e) != self.start_error:
+                    # Said once per cause, not once a retry; a TLS refusal is
+                    # a configuration error, not an outage.
+                    self.log.emit(
+                        LogLevel.error if isinstance(e, EtcdTLSError) else LogLevel.warn,
+                        "etcd: cannot read the epoch base yet ({error}); retrying every {interval}s",
+                        error=str(e), interval=self.retry_interval)
+                self.start_error = str(e)
                 await deferLater(self.reactor, self.retry_interval, lambda: None)
         if self.running:
             self.election.start()
@@ -217,6 +227,7 @@ class HAMember(Service):
     def stopService(self) -> defer.Deferred[None]:
         super().stopService()
         if self._starting is not None and not self._starting.called:
+            self._starting.addErrback(lambda f: f.trap(defer.CancelledError))
             self._starting.cancel()
         self.taken_over = False
         self._stop_watch()
@@ -455,7 +466,7 @@ class HAMember(Service):
             "fleet_state_revision": self.kept.revision,
             "routes_published": self.routes_publisher.writes,
             "routes_followed_revision": self.routes_follower.revision,
-            "etcd_error": st["last_error"],
+            "etcd_error": st["last_error"] or self.start_error,
         }
 
 

@@ -71,6 +71,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.set_defaults(func=cmd_agent)
 
     p = replacing(with_dir(csub.add_parser(
+        "etcd", help="issue a certificate for etcd's own TLS (DIR/etcd-NAME.pem/.key): an etcd "
+        "member's client and peer certificate (--host each address in its URLs), or a control-plane "
+        "member's etcd client certificate (no --host); best from a CA directory of its own",
+    )))
+    p.add_argument("name", metavar="NAME", help="the etcd member's or the control-plane member's name")
+    p.add_argument("--host", action="append", default=[],
+                   help="a name or IP address in the etcd member's client and peer URLs (repeatable)")
+    p.add_argument("--days", type=int, default=DEFAULT_LEAF_DAYS)
+    p.set_defaults(func=cmd_etcd)
+
+    p = replacing(with_dir(csub.add_parser(
         "admin", help="issue an admin API client certificate with a role (DIR/admin-NAME.pem/.key)",
     )))
     p.add_argument("name", metavar="NAME", help="who holds it (logged on every change it makes)")
@@ -187,6 +198,20 @@ def cmd_agent(args: argparse.Namespace, out: TextIO | None = None, err: TextIO |
     except CAError as e:
         return _fail(err, str(e))
     _written(out, f"agent certificate for node {args.node_id}", issued, args.renew)
+    return 0
+
+
+def cmd_etcd(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    out, err = out or sys.stdout, err or sys.stderr
+    if not _positive_days(args, err):
+        return 1
+    try:
+        ca = CertificateAuthority.load(args.dir)
+        issued = ca.issue_etcd(args.name, args.host, days=args.days, replace=_replace_mode(args))
+    except CAError as e:
+        return _fail(err, str(e))
+    hosts = f" for {', '.join(args.host)}" if args.host else ""
+    _written(out, f"etcd certificate {args.name}{hosts} (server and client)", issued, args.renew)
     return 0
 
 

@@ -6,6 +6,12 @@ then KILL after a grace).
 
 Tests that use these skip when the C{etcd} binary is not installed
 (L{ETCD_MISSING} says why); CI installs Debian's C{etcd-server}.
+
+With C{tls=True} an L{EtcdCluster} serves its clients over TLS with client
+certificates required (C{--cert-file --key-file --trusted-ca-file
+--client-cert-auth}), every certificate made at run time by llmgw's own CA
+code in a CA directory of its own (L{EtcdCluster.client_files} issues a
+client's).
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ import os
 import shutil
 import signal
 import tempfile
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import treq
@@ -29,15 +37,27 @@ ETCD_MISSING = (
 )
 
 
+@dataclass(frozen=True)
+class EtcdTLS:
+    """An etcd member's client-facing TLS: its certificate, key, and the CA
+    whose client certificates it takes."""
+
+    cert: str
+    key: str
+    ca: str
+
+
 class EtcdMember:
     """One etcd process; C{client_url} is where clients speak to it."""
 
-    def __init__(self, name: str, data_root: str, client_port: int, peer_port: int):
+    def __init__(self, name: str, data_root: str, client_port: int, peer_port: int,
+                 tls: EtcdTLS | None = None):
         self.name = name
         self.data_dir = os.path.join(data_root, name)
         self.client_port = client_port
         self.peer_port = peer_port
-        self.client_url = f"http://127.0.0.1:{client_port}"
+        self.tls = tls
+        self.client_url = f"{'https' if tls else 'http'}://127.0.0.1:{client_port}"
         self.peer_url = f"http://127.0.0.1:{peer_port}"
         self.output: ProcessOutput | None = None
         self.process: Any = None
@@ -67,6 +87,9 @@ class EtcdMember:
             "--log-level", "warn",
             "--logger", "zap",
         ]
+        if self.tls is not None:
+            args += ["--cert-file", self.tls.cert, "--key-file", self.tls.key,
+                     "--trusted-ca-file", self.tls.ca, "--client-cert-auth"]
         self.process = reactor.spawnProcess(
             self.output, ETCD, args, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
         )
@@ -105,12 +128,45 @@ class EtcdCluster:
     (a test's C{addCleanup}).
     """
 
-    def __init__(self, size: int = 1):
+    def __init__(self, size: int = 1, tls: bool = False):
         self.data_root = tempfile.mkdtemp(prefix="llmgw-etcd-")
+        self.ca: Any = None
+        member_tls = None
+        if tls:
+            from llmgw.tlsconf.ca import CertificateAuthority
+
+            self.ca = CertificateAuthority.init(Path(self.data_root) / "pki")
+            issued = self.ca.issue_etcd("etcd", ["127.0.0.1"])
+            member_tls = EtcdTLS(str(issued.cert_path), str(issued.key_path), str(self.ca.cert_path))
         self.members = [
-            EtcdMember(f"m{i}", self.data_root, free_port(), free_port()) for i in range(size)
+            EtcdMember(f"m{i}", self.data_root, free_port(), free_port(), member_tls) for i in range(size)
         ]
         self.reactor: Any = None
+        self._http: Any = None
+
+    def client_files(self, name: str) -> Any:
+        """
+        A client certificate for C{name} from this cluster's CA (its
+        C{--etcd-ca/--etcd-cert/--etcd-key}), as L{TLSFiles}.
+        """
+        from llmgw.tlsconf.options import TLSFiles
+
+        issued = self.ca.issue_etcd(name, [])
+        return TLSFiles.load(self.ca.cert_path, issued.cert_path, issued.key_path)
+
+    def http(self) -> Any:
+        """A treq client that etcd's members take (their CA and a client certificate)."""
+        if self._http is None:
+            if self.ca is None:
+                self._http = treq
+            else:
+                from twisted.web.client import Agent
+
+                from llmgw.tlsconf.options import ClientTLSPolicy
+
+                self._http = treq.client.HTTPClient(Agent(
+                    self.reactor, contextFactory=ClientTLSPolicy(self.client_files("health"))))
+        return self._http
 
     @property
     def urls(self) -> list[str]:
@@ -140,7 +196,9 @@ class EtcdCluster:
                 out = m.output.text()[-2000:] if m.output else ""
                 raise RuntimeError(f"etcd member {m.name} exited while starting:\n{out}")
             try:
-                r = await treq.get(m.client_url + "/health", timeout=1.0, persistent=False)
+                http = self.http()
+                kw = {"persistent": False} if http is treq else {}
+                r = await http.get(m.client_url + "/health", timeout=1.0, **kw)
                 body = await r.json()
                 if r.code == 200 and body.get("health") == "true":
                     pending.pop(0)

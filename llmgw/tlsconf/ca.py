@@ -561,6 +561,30 @@ class CertificateAuthority:
         key, cert = self._leaf(node_id, days, [], ExtendedKeyUsageOID.CLIENT_AUTH)
         return self._write_leaf(f"agent-{node_id}", key, cert, "agent", replaced)
 
+    def issue_etcd(
+        self, name: str, hosts: Iterable[str] = (), days: int = DEFAULT_LEAF_DAYS, replace: str = FORCE
+    ) -> Issued:
+        """
+        ha3: issue a certificate for etcd's own TLS from this CA (best a CA
+        directory of its own, so that no agent or admin certificate is one
+        etcd takes), and write C{etcd-NAME.pem} and C{.key}. It serves as
+        both server and client (etcd peers are both): an etcd member's
+        client and peer certificate, naming C{hosts} (the addresses in its
+        URLs), or a control-plane member's etcd client certificate (no
+        hosts needed).
+
+        @raise CAError: the name is not a valid id, a host is malformed, or
+            the files exist and C{replace} is L{REFUSE}.
+        """
+        try:
+            validate_node_id(name)
+        except InvalidNodeId as e:
+            raise CAError(str(e).replace("node id", "etcd certificate name")) from e
+        sans = [parse_host(h) for h in hosts]
+        replaced = self._check_replace(f"etcd-{name}", replace)
+        key, cert = self._leaf(name, days, sans, ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH)
+        return self._write_leaf(f"etcd-{name}", key, cert, "etcd", replaced)
+
     def issue_admin(
         self, name: str, role: str, days: int = DEFAULT_LEAF_DAYS, replace: str = FORCE
     ) -> Issued:
