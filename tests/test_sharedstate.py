@@ -339,3 +339,98 @@ class SharedFleetStateTests(SynchronousTestCase):
         self.assertNoResult(d)
         self.assertEqual(a.reconciler.desired["demo"], 2)
         self.flushLoggedErrors()
+
+
+class HeldDeploymentsTests(SynchronousTestCase):
+    """ha3: held deployments kept in etcd beside the rest of the fleet state."""
+
+    setUp = SharedFleetStateTests.setUp
+    member = SharedFleetStateTests.member
+    advance = SharedFleetStateTests.advance
+    leader = SharedFleetStateTests.leader
+    stored = SharedFleetStateTests.stored
+    refused = SharedFleetStateTests.refused
+
+    def hold(self, m: Member) -> None:
+        """
+        A configuration failure of a demo shard, decided and applied as the
+        reconciler does for an agent's failed report (no agent is connected
+        in these tests, so nothing was placed to fail).
+        """
+        import functools
+
+        from llmgw.control import lifecycle
+
+        failed = functools.partial(lifecycle.record_failure, crash_class="config", error="unknown model")
+        m.reconciler._decide(lambda ctx, out: failed(ctx, "demo", "n1", "demo-r1", "demo-r1-s0",
+                                                     self.reactor.seconds(), out))
+
+    def test_hold_kept_and_taken_over(self) -> None:
+        """
+        A deployment held after a configuration failure is stored in etcd;
+        the member that takes over starts with it held (nothing placed for
+        it); the admin API's view says so.
+        """
+        a = self.leader()
+        b = self.member("b")
+        self.hold(a)
+        self.advance(0.1)
+        self.assertIn("configuration error", self.stored()["held"]["demo"]["reason"])
+        self.assertEqual(self.stored()["held"]["demo"]["crash_class"], "config")
+        self.assertIsNone(b.reconciler.ctx.deps["demo"].held)
+        self.fake.expire(a.ha.election.lease)  # type: ignore[arg-type]
+        self.advance(1)
+        self.assertTrue(b.ha.taken_over)
+        held = b.reconciler.ctx.deps["demo"].held
+        self.assertIsNotNone(held)
+        assert held is not None
+        self.assertIn("unknown model", held.reason)
+        self.flushLoggedErrors()
+
+    def test_retry_clears_through_etcd(self) -> None:
+        """
+        A retry removes the hold in etcd under the leader's lease, then
+        releases it in the reconciler; a member that takes over then holds
+        nothing.
+        """
+        a = self.leader()
+        self.hold(a)
+        self.advance(0.1)
+        self.assertIn("demo", self.stored()["held"])
+        self.successResultOf(a.fleet.retry("demo"))
+        self.assertNotIn("held", self.stored())
+        self.assertIsNone(a.reconciler.ctx.deps["demo"].held)
+        self.assertRaises(AdminError, a.fleet.retry, "nope")
+        b = self.member("b")
+        self.fake.expire(a.ha.election.lease)  # type: ignore[arg-type]
+        self.advance(1)
+        self.assertTrue(b.ha.taken_over)
+        self.assertIsNone(b.reconciler.ctx.deps["demo"].held)
+        self.flushLoggedErrors()
+
+    def test_deposed_leaders_retry_changes_nothing(self) -> None:
+        """
+        A retry on a leader that lost its lease is refused (409), and the
+        hold stays, in etcd and in that member's reconciler.
+        """
+        a = self.leader()
+        self.hold(a)
+        self.advance(0.1)
+        lease = a.ha.election.lease
+        a.ha.kept.lease = 424242  # as if deposed while the write was on its way
+        self.refused(a.fleet.retry("demo"))
+        self.assertIn("demo", self.stored()["held"])
+        self.assertIsNotNone(a.reconciler.ctx.deps["demo"].held)
+        a.ha.kept.lease = lease
+        self.flushLoggedErrors()
+
+    def test_standalone_state_file_holds_nothing(self) -> None:
+        """
+        Standalone, holds are not written to the state file (a hold lasts as
+        long as the process, as before).
+        """
+        state = Path(self.mktemp())
+        fs = FleetState(str(state))
+        self.assertFalse(fs.keeps_holds)
+        fs.set("demo", 3, 2)
+        self.assertNotIn("held", json.loads(state.read_text()))

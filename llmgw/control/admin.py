@@ -818,14 +818,17 @@ class AdminResource(Resource):
         self.fleet.report_demand(gateway_id, demand)
         return {"ok": True}
 
-    def _retry(self, request: Any, model: str) -> dict[str, Any]:
-        self.fleet.retry(model)
-        self.log.info(
-            "admin API: retry {model}: hold and backoff cleared (asked by {client})",
-            model=model,
-            client=self.who(request),
-        )
-        return {"model": model, "action": "retry", "ok": True}
+    def _retry(self, request: Any, model: str) -> Deferred[dict[str, Any]]:
+        # ha3: an HA fleet answers once etcd kept the released hold (a Deferred).
+        def done(_: Any = None) -> dict[str, Any]:
+            self.log.info(
+                "admin API: retry {model}: hold and backoff cleared (asked by {client})",
+                model=model,
+                client=self.who(request),
+            )
+            return {"model": model, "action": "retry", "ok": True}
+
+        return maybeDeferred(self.fleet.retry, model).addCallback(done)
 
     def _nodes(self) -> dict[str, Any]:
         """

@@ -30,6 +30,7 @@ from llmgw.control.autoscale import (
     DEFAULT_STABILIZATION_S,
     AutoscalePolicy,
 )
+from llmgw.control.failures import Hold
 from llmgw.routing import POLICIES, QueueLimits
 from llmgw.wire import validate_node_id
 
@@ -532,6 +533,13 @@ class FleetState:
         self.cordoned: frozenset[str] = frozenset()
         #: Nodes whose replicas are being moved off (always also cordoned).
         self.draining: frozenset[str] = frozenset()
+        #: ha3: held deployments (model -> hold), kept only where
+        #: L{keeps_holds} (an HA control plane's etcd); standalone a hold
+        #: lasts as long as the process.
+        self.held: dict[str, Hold] = {}
+
+    #: Whether the reconciler keeps its holds here (L{set_holds}).
+    keeps_holds = False
 
     @classmethod
     def beside(cls, catalog_path: str | None) -> FleetState:
@@ -585,10 +593,18 @@ class FleetState:
                 bounds[str(model)] = (lo, hi, clo, chi)
         cordoned = self._node_list(data, "cordoned")
         draining = self._node_list(data, "draining")
+        held: dict[str, Hold] = {}
+        raw_held = data.get("held", {})
+        if not isinstance(raw_held, dict):
+            raise ValueError(f"'held' must be an object of model: hold, not {type(raw_held).__name__}")
+        for model, entry in raw_held.items():
+            held[str(model)] = Hold(str(entry["reason"]), str(entry.get("crash_class", "")),
+                                    float(entry.get("since", 0.0)))
         self.overrides = overrides
         self.bounds = bounds
         # A drain cordons its node; a file edited by hand may say otherwise.
         self.cordoned, self.draining = cordoned | draining, draining
+        self.held = held
 
     @staticmethod
     def _node_list(data: Mapping[str, Any], key: str) -> frozenset[str]:
@@ -624,7 +640,20 @@ class FleetState:
                 m: {"min": lo, "max": hi, "catalog_min": clo, "catalog_max": chi}
                 for m, (lo, hi, clo, chi) in sorted(self.bounds.items())
             }
+        if self.held:
+            data["held"] = {m: h.as_dict() for m, h in sorted(self.held.items())}
         return data
+
+    def set_holds(self, held: Mapping[str, Hold]) -> bool:
+        """
+        ha3: keep the held deployments (where L{keeps_holds}); returns
+        whether they changed. Here (the file) they are kept in memory only.
+        """
+        new = dict(held)
+        if new == self.held:
+            return False
+        self.held = new
+        return True
 
     def set(self, model: str, replicas: int, catalog_replicas: int) -> None:
         """

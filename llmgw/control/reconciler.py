@@ -72,6 +72,8 @@ DEFAULT_LOST_AFTER = 300.0
 DEFAULT_ADOPTION_GRACE = 30.0
 DEFAULT_PENDING_TIMEOUT = 30.0
 DEFAULT_FREEZE_SHARE = 0.5
+#: The events after which the held deployments are kept again (ha3).
+HOLD_EVENTS = frozenset({"deployment_held", "deployment_released"})
 #: The longest a pass may hold the reactor before it leaves the rest of
 #: its placements to the next pass.
 DEFAULT_PASS_BUDGET = 0.020
@@ -282,14 +284,19 @@ class Reconciler(Service):
         Take what a decision returned: log its events, queue its commands,
         keep the nodes file if it changed.
         """
+        holds = False
         for ev in out.events:
             if ev.kind == "dispatch_refused":
                 # Its node may have gone: the next pass asks again.
                 self._connected_seen = None
+            elif ev.kind in HOLD_EVENTS:
+                holds = True
             self._event(ev.kind, level=ev.level, **ev.fields)
         self.outbox.extend(out.commands)
         if out.nodes_changed:
             self._keep_nodes()
+        if holds and self.fleet_state.keeps_holds:
+            self._keep_holds()
 
     def _decide(self, decide: Callable[..., Any], *args: Any) -> Any:
         """
@@ -518,6 +525,18 @@ class Reconciler(Service):
             err.status = 500
             raise err from e
 
+    def _keep_holds(self) -> None:
+        """
+        ha3: keep the held deployments where the fleet state keeps them (an
+        HA leader's etcd), after a deployment was held or released.
+        """
+        held = {m: st.held for m, st in self.ctx.deps.items() if st.held is not None}
+        try:
+            self.fleet_state.set_holds(held)
+        except OSError as e:
+            self.log.error("could not keep held deployments in {path}: {error}",
+                           path=str(self.fleet_state.path), error=str(e))
+
     def _node_action(self, node_id: str, decide: Callable[[Context, str, Outcome], None],
                      action: str) -> None:
         nodes.known(self.ctx, node_id)
@@ -543,6 +562,14 @@ class Reconciler(Service):
         st.cordoned.clear(), st.draining_nodes.clear()
         st.cordoned.update(kept.cordoned), st.draining_nodes.update(kept.draining)
         self.desired = {m: kept.desired(d) for m, d in self.catalog.deployments.items()}
+        if kept.keeps_holds:
+            # ha3: the held deployments, as the previous leader kept them.
+            deps = self.ctx.deps
+            for model in [m for m, d in deps.items() if d.held is not None and m not in kept.held]:
+                deps[model].held = None
+            for model, hold in kept.held.items():
+                if model in self.catalog.deployments:
+                    deps[model].held = hold
 
     def scale(self, model: str, replicas: int) -> None:
         dep = placing.check_scale(self.ctx, model, replicas)

@@ -1,8 +1,9 @@
 """
 What an operator set through the admin API, kept in etcd for a highly
 available control plane (DESIGN §17, issue 14 item 3): scale overrides,
-autoscaling bounds, cordoned nodes and nodes being drained. Standalone, the
-same state lives in a file beside the catalog (L{FleetState}).
+autoscaling bounds, cordoned nodes and nodes being drained, and (ha3) the
+deployments held after a configuration failure. Standalone, the same state
+but the holds lives in a file beside the catalog (L{FleetState}).
 
 The document is the file's JSON (L{FleetState.to_data}) under one key,
 C{PREFIX/fleet-state}. Every write is a transaction that compares the
@@ -21,9 +22,14 @@ How a change is applied (etcd first, then the reconciler):
   (this member no longer leads) or cannot be reached, the answer is an
   error and nothing changed, here or in etcd.
 - A change the reconciler makes by itself (a node the inventory dropped
-  leaves the cordoned and draining sets) goes through
-  L{SharedFleetState.set_nodes}: applied locally at once and written
-  behind, a failure logged (a new leader reads what etcd holds).
+  leaves the cordoned and draining sets; a deployment is held after a
+  configuration failure, or released when its profile changed) goes
+  through L{SharedFleetState.set_nodes} or L{SharedFleetState.set_holds}:
+  applied locally at once and written behind, a failure logged (a new
+  leader reads what etcd holds).
+- An operator's retry (L{SharedFleet.retry}) removes the hold in etcd
+  first, like the other admin changes, then releases it in the
+  reconciler; a deposed leader's retry changes nothing (409).
 - Reads are of the local copy, loaded at each take-over
   (L{SharedFleetState.load_from}); only the leader writes, so while it
   leads its copy is what etcd holds. A change made in etcd by hand is seen
@@ -38,7 +44,7 @@ admin requests at once do not refuse each other.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +54,7 @@ from twisted.logger import Logger
 from llmgw.control import placing, scaler
 from llmgw.control.catalog import FleetState
 from llmgw.control.election import leader_key
+from llmgw.control.failures import Hold
 from llmgw.control.interfaces import AdminError
 from llmgw.etcd import Compare, EtcdError, Put, Range
 
@@ -73,6 +80,7 @@ class SharedFleetState(FleetState):
     """
 
     log = Logger()
+    keeps_holds = True
 
     def __init__(self, store: Any, prefix: str):
         super().__init__(None)
@@ -116,6 +124,22 @@ class SharedFleetState(FleetState):
         d = self.write(lambda state: state.take_data(self.to_data()))
         d.addErrback(lambda f: self.log.error(
             "cordoned and draining nodes not kept in etcd {key}: {error}", key=self.key.decode(),
+            error=f.getErrorMessage()))
+        return True
+
+    def set_holds(self, held: Mapping[str, Hold]) -> bool:
+        """
+        Keep the held deployments: local at once, written to etcd behind (a
+        failure is logged). An operator's retry has written them already
+        (L{SharedFleet}), so nothing is written then.
+        """
+        new = dict(held)
+        if new == self.held:
+            return False
+        self.held = new
+        d = self.write(lambda state: state.take_data(self.to_data()))
+        d.addErrback(lambda f: self.log.error(
+            "held deployments not kept in etcd {key}: {error}", key=self.key.decode(),
             error=f.getErrorMessage()))
         return True
 
@@ -304,6 +328,18 @@ class SharedFleet:
                 s.draining = s.draining | {node_id}
 
         return self._then(change, lambda: apply(node_id))
+
+    def retry(self, model: str) -> defer.Deferred[None]:
+        """
+        Release C{model}'s hold: removed in etcd under the leader's lease,
+        then in the reconciler (which lifts its backoff too).
+        """
+        r = self.reconciler
+        placing.deployment(r.ctx, model)
+        def change(s: FleetState) -> None:
+            s.held.pop(model, None)
+
+        return self._then(change, lambda: r.retry(model))
 
     def cordon(self, node_id: str) -> defer.Deferred[None]:
         return self._nodes(node_id, True, False, self.reconciler.cordon)
