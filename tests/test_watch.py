@@ -562,3 +562,38 @@ class SignalAgeTests(WatchTestCase):
         self.clock.advance(1)
         [m] = c.read()
         self.assertEqual(m["replica"]["shards"][0]["signals"]["waiting"], 4.0)
+
+
+class FollowerWatchTests(WatchTestCase):
+    """ha3: the watch stream on an HA member that does not lead."""
+
+    def follower(self, routes: bool) -> None:
+        from tests.test_admin_ha import FakeControl, FakeHA
+
+        self.site = admin_site(self.fleet, make_registry(), reactor=self.clock, watch=self.hub,
+                               control=FakeControl(FakeHA(routes=routes)))
+
+    def test_routes_only_served_from_the_followed_table(self) -> None:
+        """
+        A member holding the published table serves a routes-only watch
+        itself (snapshot, then each change of its table); the whole stream
+        is still redirected to the leader.
+        """
+        self.follower(routes=True)
+        c = self.connect("?only=routes")
+        self.assertIn(b" 101 ", c.status)
+        self.assertEqual(c.messages[0]["type"], "snapshot")
+        self.change(1)
+        self.assertEqual([m["type"] for m in c.read()], ["routes"])
+        whole = WatchClient(self.site, "")
+        whole.read()
+        self.assertIn(b" 307 ", whole.status)
+
+    def test_redirected_before_a_table_is_held(self) -> None:
+        """
+        A member that holds no published table yet redirects even a
+        routes-only watch to the leader.
+        """
+        self.follower(routes=False)
+        c = self.connect("?only=routes")
+        self.assertIn(b" 307 ", c.status)

@@ -175,7 +175,9 @@ LOCAL_PATHS = frozenset({
 
 
 #: ha3: what a member that does not lead answers from the routing table the
-#: leader published in etcd (L{llmgw.control.published}), once it holds one.
+#: leader published in etcd (L{llmgw.control.published}), once it holds one;
+#: the watch stream too, when it follows the routes alone (C{?only=routes}
+#: or the C{gateway} role).
 FOLLOWED_PATHS = frozenset({("api", "v1", "routes")})
 #: The header with which such a member names the leader's admin URL.
 LEADER_HEADER = b"x-llmgw-leader"
@@ -503,6 +505,9 @@ class AdminResource(Resource):
         ha = getattr(self.control, "ha", None)
         if ha is None or local_path(path):
             return
+        if tuple(path) == ("api", "v1", "watch") and self._routes_only(request) and ha.serves_routes():
+            # A watch of the routes alone follows the published table here.
+            return
         if tuple(path) in FOLLOWED_PATHS and ha.serves_routes():
             # Answered here; the header tells a gateway where the leader is
             # (its watch stream and demand go there).
@@ -532,6 +537,17 @@ class AdminResource(Resource):
             headers={b"location": location.encode("utf-8", "replace")},
             extra={"leader_id": leader, "leader_admin_url": st.get("leader_admin_url"), "location": location},
         )
+
+    @staticmethod
+    def _routes_only(request: Any) -> bool:
+        """
+        Whether a watch request follows the routes alone: C{?only=routes},
+        or an admin of the C{gateway} role (who gets nothing else).
+        """
+        cached = getattr(request.channel, "llmgw_admin", None)
+        if isinstance(cached, AdminIdentity) and cached.role == "gateway":
+            return True
+        return request.args.get(b"only") == [b"routes"]
 
     def _check_host(self, request: Any) -> None:
         hosts = request.requestHeaders.getRawHeaders(b"host") or []
