@@ -16,8 +16,8 @@ zlib-compressed, without engine signals (see below).
   keeps every revision until it is compacted; a follower's gateway routes
   without load figures, as for a replica whose figures are stale.
 - B{Size}: etcd refuses a request over 1.5 MiB (C{--max-request-bytes}).
-  Compressed, a route costs some 30 bytes, so the limit is far above any
-  fleet llmgw serves; a document over L{MAX_PUBLISHED} compressed bytes is
+  Compressed, a route costs some 13 bytes (C{bench/published_routes.py}),
+  so some 80,000 routes fit; a document over L{MAX_PUBLISHED} compressed bytes is
   not written: the error is logged (once per term) and followers keep the
   last table written.
 - B{Every other member} (L{RoutesFollower}) reads the key, then watches it,
@@ -39,13 +39,15 @@ from twisted.logger import Logger
 
 from llmgw.control.election import leader_key
 from llmgw.etcd import Compare, EtcdError, Put, Range
-from llmgw.routing import RoutesDataError, RoutingTable, snapshot_from_json, snapshot_to_json
+from llmgw.routing import RoutesDataError, RoutingSnapshot, RoutingTable, snapshot_from_json, snapshot_to_json
 
 #: Seconds between two writes of the published table, at least.
 PUBLISH_INTERVAL = 1.0
 #: The most compressed bytes written: under etcd's default 1.5 MiB request
 #: limit with room for the rest of the transaction.
 MAX_PUBLISHED = 1024 * 1024
+#: zlib's level: fast (the leader packs the whole table on the reactor).
+PACK_LEVEL = 1
 #: The most bytes a published document may inflate to when read.
 MAX_INFLATED = 64 * 1024 * 1024
 
@@ -61,16 +63,20 @@ def routes_document(table: RoutingTable, now: float) -> dict[str, Any]:
     without engine signals and without its revision (which is this process's
     own count, and would make every publication differ).
     """
-    doc = snapshot_to_json(table, now)
+    snap = table.snapshot()
+    # The parts other than the routes as GET /api/v1/routes writes them;
+    # the routes built here, without their signals (the bulk of the cost).
+    doc = snapshot_to_json(RoutingSnapshot((), snap.known_models(), 0, snap.policies(),
+                                           snap.all_queue_limits()), now)
     doc.pop("revision", None)
-    for route in doc["routes"]:
-        route.pop("signals", None)
+    doc["routes"] = [{"replica": r.replica_id, "model": r.model, "address": r.address, "draining": r.draining}
+                     for r in snap.all_routes()]
     return doc
 
 
 def pack(doc: dict[str, Any]) -> bytes:
     """The etcd value of a routes document: compressed canonical JSON."""
-    return zlib.compress(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode(), 6)
+    return zlib.compress(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode(), PACK_LEVEL)
 
 
 def unpack(value: bytes) -> dict[str, Any]:
@@ -128,6 +134,8 @@ class RoutesPublisher:
         self._writing = False
         self._unsubscribe: Callable[[], None] | None = None
         self._too_large_logged = False
+        #: The table changed since it was last packed.
+        self._dirty = False
         #: Writes etcd took, writes refused (deposed), documents too large.
         self.writes = self.refused = self.too_large = 0
 
@@ -140,7 +148,8 @@ class RoutesPublisher:
         self.lease = lease
         self.last = current
         self._too_large_logged = False
-        self._unsubscribe = self.table.subscribe(lambda *_: self._schedule())
+        self._dirty = True
+        self._unsubscribe = self.table.subscribe(self._changed)
         self._schedule()
 
     def stop(self) -> None:
@@ -153,6 +162,10 @@ class RoutesPublisher:
             self._call.cancel()
         self._call = None
 
+    def _changed(self, *_: Any) -> None:
+        self._dirty = True
+        self._schedule()
+
     def _schedule(self) -> None:
         if self.lease is None or self._call is not None or self._writing:
             return
@@ -162,8 +175,9 @@ class RoutesPublisher:
     def _flush(self) -> None:
         self._call = None
         lease = self.lease
-        if lease is None:
+        if lease is None or not self._dirty:
             return
+        self._dirty = False
         value = pack(routes_document(self.table, self.clock.seconds()))
         if value == self.last:
             return
@@ -182,12 +196,14 @@ class RoutesPublisher:
         self._last_at = self.clock.seconds()
         d = defer.ensureDeferred(self._write(lease, value))
         d.addErrback(lambda f: self.log.failure("publishing the routing table failed", f))
-        d.addBoth(self._written)
+        d.addBoth(lambda _: self._written(value))
 
-    def _written(self, _: Any) -> None:
+    def _written(self, value: bytes) -> None:
         self._writing = False
+        if value != self.last:
+            self._dirty = True  # not taken: try again
         # Changes made while writing (or a failed write) go out next.
-        if self.lease is not None and pack(routes_document(self.table, self.clock.seconds())) != self.last:
+        if self.lease is not None and self._dirty:
             self._schedule()
 
     async def _write(self, lease: int, value: bytes) -> None:
@@ -276,16 +292,19 @@ class RoutesFollower:
     def _read(self, generation: int) -> None:
         if not self.following or generation != self._generation:
             return
-        d = self._reading = defer.ensureDeferred(self.store.get(self.key))
+        d = self._reading = defer.ensureDeferred(self.store.range(self.key))
 
-        def read(kv: Any) -> None:
+        def read(answer: tuple[list[Any], int]) -> None:
             self._reading = None
             if not self.following or generation != self._generation:
                 return
             self.last_error = ""
-            if kv is not None:
-                self._apply(kv.value, kv.mod_revision)
-            self._follow(generation, kv.mod_revision + 1 if kv is not None else 0)
+            kvs, revision = answer
+            if kvs:
+                self._apply(kvs[0].value, kvs[0].mod_revision)
+            # From the revision read at: no write between the read and the
+            # watch is missed.
+            self._follow(generation, revision + 1)
 
         def failed(f: Any) -> None:
             self._reading = None
