@@ -39,7 +39,13 @@ from twisted.logger import Logger
 
 from llmgw.control.election import leader_key
 from llmgw.etcd import Compare, EtcdError, Put, Range
-from llmgw.routing import RoutesDataError, RoutingSnapshot, RoutingTable, snapshot_from_json, snapshot_to_json
+from llmgw.routing import (
+    RoutesDataError,
+    RoutingSnapshot,
+    RoutingTable,
+    snapshot_from_json,
+    snapshot_to_json,
+)
 
 #: Seconds between two writes of the published table, at least.
 PUBLISH_INTERVAL = 1.0
