@@ -101,7 +101,10 @@ def tls_problem(e: BaseException, url: str) -> str | None:
     What a failed request C{e} to C{url} says about TLS, in words for an
     operator, or C{None} when TLS is not why it failed.
     """
+    from llmgw.tlsconf.options import ServerIdentityError
+
     found: list[BaseException] = []
+    names: list[ServerIdentityError] = []
 
     def walk(x: BaseException, depth: int = 0) -> None:
         if depth > 4:
@@ -109,12 +112,20 @@ def tls_problem(e: BaseException, url: str) -> str | None:
         if isinstance(x, SSL.Error):
             found.append(x)
             return
+        if isinstance(x, ServerIdentityError):
+            names.append(x)
+            return
         for reason in getattr(x, "reasons", None) or []:
             value = getattr(reason, "value", reason)
             if isinstance(value, BaseException):
                 walk(value, depth + 1)
 
     walk(e)
+    if names:
+        held = ", ".join(names[0].sans) or "no subject alternative names"
+        return (f"TLS with etcd member {url} failed: etcd's server certificate does not name "
+                f"{names[0].host!r}, the host in that URL; it holds {held} (reissue it naming it, "
+                f"e.g. `llmgw ctl cert etcd NAME --host {names[0].host}`, or use a name it holds)")
     if not found:
         return None
     detail = "; ".join(str(arg[2]) if isinstance(arg, tuple) and len(arg) > 2 else str(arg)

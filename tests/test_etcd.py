@@ -196,3 +196,9 @@ class TLSProblemTests(unittest.SynchronousTestCase):
         self.assertIn("does not chain to --etcd-ca", untrusted or "")
         self.assertIn("https://e:2379", untrusted or "")
         self.assertIsNone(tls_problem(ResponseNeverReceived([Failure(ConnectionError("reset"))]), "https://e:2379"))
+        from llmgw.tlsconf.options import ServerIdentityError
+
+        misnamed = tls_problem(ResponseNeverReceived([Failure(ServerIdentityError("e", ["IP:10.0.0.1"]))]),
+                               "https://e:2379")
+        self.assertIn("does not name 'e'", misnamed or "")
+        self.assertIn("IP:10.0.0.1", misnamed or "")

@@ -64,7 +64,8 @@ class EtcdTLSTests(TestCase):
         """
         With a certificate from etcd's CA the client writes, reads and
         watches over TLS; with one from another CA every request fails with
-        L{EtcdTLSError}, saying that etcd refused the client certificate.
+        L{EtcdTLSError}, saying that etcd refused the client certificate;
+        dialling a name etcd's certificate does not hold fails saying that.
         """
         async def go() -> None:
             good = EtcdClient(reactor, self.cluster.urls, tls=ClientTLSPolicy(self.cluster.client_files("cp1")))
@@ -84,6 +85,14 @@ class EtcdTLSTests(TestCase):
                 await bad.get(b"/t/k")
             self.assertIn("etcd refused this member's client certificate", str(caught.exception))
             self.assertIn(self.cluster.urls[0], str(caught.exception))
+
+            # etcd's certificate names 127.0.0.1 only: dialled as localhost, refused, saying so.
+            misnamed = EtcdClient(reactor, [self.cluster.urls[0].replace("127.0.0.1", "localhost")],
+                                  tls=ClientTLSPolicy(self.cluster.client_files("cp3")))
+            self.addCleanup(misnamed.close)
+            with self.assertRaises(EtcdTLSError) as caught:
+                await misnamed.get(b"/t/k")
+            self.assertIn("does not name 'localhost'", str(caught.exception))
         return defer.Deferred.fromCoroutine(go())  # type: ignore[return-value]
 
     def member(self, name: str, ca: Path, cert: Path, key: Path) -> tuple[base.Proc, str]:
