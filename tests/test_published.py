@@ -66,7 +66,8 @@ class PublisherTests(SynchronousTestCase):
         """
         The table is written at once at the start, then at most once a
         second however often it changes (the last state wins), and not at
-        all while it does not change, nor when only engine signals change.
+        all while it does not change; a change of engine signals alone is
+        not even packed, a replica starting to drain is written.
         """
         lead = Leading(self.fake)
         self.table.publish_model("demo", [self.route("r1")])
@@ -83,11 +84,16 @@ class PublisherTests(SynchronousTestCase):
         self.assertEqual(published(self.fake), ["r1", "r2", "r3", "r4", "r5"])
         self.clock.advance(5)
         self.assertEqual(self.writes(), 2)
+        packs = self.publisher.packs
         busy = EngineSignals(sampled_at=self.clock.seconds(), waiting=3)
         self.table.publish_model("demo", [self.route("r1", signals=busy)]
                                  + [self.route(f"r{j}") for j in range(2, 6)])
         self.clock.advance(2)
         self.assertEqual(self.writes(), 2)
+        self.assertEqual(self.publisher.packs, packs, "a change of signals alone packed the table")
+        self.table.publish_model("demo", [self.route(f"r{j}", draining=j == 2) for j in range(1, 6)])
+        self.clock.advance(1)
+        self.assertEqual(self.writes(), 3)
         self.assertNotIn("signals", unpack(self.fake.kvs[KEY].value)["routes"][0])
 
     def test_start_with_current_value_writes_nothing(self) -> None:

@@ -109,6 +109,10 @@ def unpack(value: bytes) -> dict[str, Any]:
     return doc
 
 
+def _shape(routes: Any) -> tuple[tuple[str, str, bool], ...]:
+    return tuple((r.replica_id, r.address, r.draining) for r in routes)
+
+
 class RoutesPublisher:
     """
     The leader's side: publishes C{table} under C{prefix} while
@@ -142,8 +146,11 @@ class RoutesPublisher:
         self._too_large_logged = False
         #: The table changed since it was last packed.
         self._dirty = False
-        #: Writes etcd took, writes refused (deposed), documents too large.
-        self.writes = self.refused = self.too_large = 0
+        #: What each model's routes are (not their signals), as last seen.
+        self._shapes: dict[str, tuple[tuple[str, str, bool], ...]] = {}
+        #: Writes etcd took, writes refused (deposed), documents too large,
+        #: and how often the table was packed.
+        self.writes = self.refused = self.too_large = self.packs = 0
 
     def start(self, lease: int, current: bytes | None = None) -> None:
         """
@@ -155,6 +162,8 @@ class RoutesPublisher:
         self.last = current
         self._too_large_logged = False
         self._dirty = True
+        snap = self.table.snapshot()
+        self._shapes = {m: _shape(snap.routes(m)) for m in snap.known_models()}
         self._unsubscribe = self.table.subscribe(self._changed)
         self._schedule()
 
@@ -168,9 +177,18 @@ class RoutesPublisher:
             self._call.cancel()
         self._call = None
 
-    def _changed(self, *_: Any) -> None:
-        self._dirty = True
-        self._schedule()
+    def _changed(self, revision: int, models: frozenset[str], known_changed: bool) -> None:
+        # A change of engine signals alone (every heartbeat) is not published:
+        # only one of what the routes are is worth packing the table for.
+        dirty = known_changed
+        for model in models:
+            shape = _shape(self.table.routes(model))
+            if self._shapes.get(model, ()) != shape:
+                self._shapes[model] = shape
+                dirty = True
+        if dirty:
+            self._dirty = True
+            self._schedule()
 
     def _schedule(self) -> None:
         if self.lease is None or self._call is not None or self._writing:
@@ -184,6 +202,7 @@ class RoutesPublisher:
         if lease is None or not self._dirty:
             return
         self._dirty = False
+        self.packs += 1
         value = pack(routes_document(self.table, self.clock.seconds()))
         if value == self.last:
             return
