@@ -9,8 +9,9 @@ Tests that use these skip when the C{etcd} binary is not installed
 
 With C{tls=True} an L{EtcdCluster} serves its clients over TLS with client
 certificates required (C{--cert-file --key-file --trusted-ca-file
---client-cert-auth}), every certificate made at run time by llmgw's own CA
-code in a CA directory of its own (L{EtcdCluster.client_files} issues a
+--client-cert-auth}) and speaks TLS between its members (C{--peer-*}, peer
+certificates required), every certificate made at run time by llmgw's own
+CA code in a CA directory of its own (L{EtcdCluster.client_files} issues a
 client's).
 """
 
@@ -57,8 +58,9 @@ class EtcdMember:
         self.client_port = client_port
         self.peer_port = peer_port
         self.tls = tls
-        self.client_url = f"{'https' if tls else 'http'}://127.0.0.1:{client_port}"
-        self.peer_url = f"http://127.0.0.1:{peer_port}"
+        scheme = "https" if tls else "http"
+        self.client_url = f"{scheme}://127.0.0.1:{client_port}"
+        self.peer_url = f"{scheme}://127.0.0.1:{peer_port}"
         self.output: ProcessOutput | None = None
         self.process: Any = None
 
@@ -89,7 +91,10 @@ class EtcdMember:
         ]
         if self.tls is not None:
             args += ["--cert-file", self.tls.cert, "--key-file", self.tls.key,
-                     "--trusted-ca-file", self.tls.ca, "--client-cert-auth"]
+                     "--trusted-ca-file", self.tls.ca, "--client-cert-auth",
+                     # Peers too, with the same certificate (server and client use).
+                     "--peer-cert-file", self.tls.cert, "--peer-key-file", self.tls.key,
+                     "--peer-trusted-ca-file", self.tls.ca, "--peer-client-cert-auth"]
         self.process = reactor.spawnProcess(
             self.output, ETCD, args, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
         )
