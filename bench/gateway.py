@@ -55,11 +55,12 @@ STREAM = dict(CHAT, stream=True)
 # -- processes served by this file -------------------------------------------
 
 
-def serve_gateway(port: int, upstream: str, front: str = "lean") -> None:
+def serve_gateway(port: int, upstream: str, front: str = "lean", policy: str = "") -> None:
     """
     The gateway on C{port}, routing to C{upstream} (addresses separated by
     commas: one replica each), on the C{front} named: C{lean} (llmgw's
-    own), C{httptools} or C{twisted_web} (see L{bench.fronts}).
+    own), C{httptools} or C{twisted_web} (see L{bench.fronts}), with the
+    routing C{policy} named (empty: the gateway's default).
     """
     from twisted.internet import reactor
 
@@ -70,7 +71,7 @@ def serve_gateway(port: int, upstream: str, front: str = "lean") -> None:
     from llmgw.routing import RoutingSnapshot
 
     routes = [Route(f"r{i}", MODEL, address) for i, address in enumerate(upstream.split(","), 1)]
-    table = RoutingSnapshot(routes, [MODEL])
+    table = RoutingSnapshot(routes, [MODEL], policies={MODEL: policy} if policy else None)
     svc = GatewayService(reactor, table, "127.0.0.1", port)
     if front != "lean":
         from bench.fronts import HttptoolsSite, twisted_web_site
@@ -689,7 +690,8 @@ def uptime() -> str:
 
 
 def versus(duration: float, rate: float, n_rounds: int, fronts: tuple[str, ...],
-           baseline: Path | None = None) -> dict[str, Any]:
+           baseline: Path | None = None, policy: str = "round_robin",
+           cache_aware: bool = False) -> dict[str, Any]:
     """
     Direct, llmgw on each front in C{fronts}, and C{vllm-router}, with the
     same two fake model servers, C{wrk} at 50 and 200 connections and the
@@ -698,6 +700,12 @@ def versus(duration: float, rate: float, n_rounds: int, fronts: tuple[str, ...],
     added over) direct in the same round. With C{baseline} (another
     checkout of llmgw, such as the code before a change), its gateway on
     its C{lean} front runs in the same rounds as C{llmgw_baseline}.
+
+    Like for like: llmgw routes by C{policy} (round-robin by default, as
+    C{vllm-router} is run; the baseline too). With C{cache_aware}, the
+    prefix-aware policies are compared as well: llmgw's C{prefix}
+    (C{llmgw_prefix}) against C{vllm-router}'s C{cache_aware}
+    (C{vllm_router_cache_aware}).
     """
     if shutil.which("wrk") is None:
         sys.exit("bench/gateway.py needs wrk (apt-get install wrk)")
@@ -717,19 +725,32 @@ def versus(duration: float, rate: float, n_rounds: int, fronts: tuple[str, ...],
         targets: dict[str, tuple[int, Any]] = {"direct": (fms[0], None)}
         for front in fronts:
             port = free_port()
-            targets[f"llmgw_{front}"] = (port, procs.start(__file__, "serve-gateway", str(port), upstreams, front))
+            targets[f"llmgw_{front}"] = (port, procs.start(
+                __file__, "serve-gateway", str(port), upstreams, front, policy))
         if baseline is not None:
+            # This file's serve-gateway (it names the policy) on the
+            # baseline's llmgw.
             port = free_port()
             targets["llmgw_baseline"] = (port, procs.start(
-                str(baseline / "bench" / "gateway.py"), "serve-gateway", str(port), upstreams, "lean", root=baseline))
-        vr_port = free_port()
-        vr = subprocess.Popen(
-            [str(router), "--host", "127.0.0.1", "--port", str(vr_port), "--policy", "round_robin",
-             "--log-level", "warning", "--worker-urls", *[f"http://127.0.0.1:{p}" for p in fms]],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        procs.procs.append(vr)  # type: ignore[arg-type]
-        targets["vllm_router"] = (vr_port, vr)
+                __file__, "serve-gateway", str(port), upstreams, "lean", policy, root=baseline))
+        if cache_aware:
+            port = free_port()
+            targets["llmgw_prefix"] = (port, procs.start(
+                __file__, "serve-gateway", str(port), upstreams, "lean", "prefix"))
+
+        def start_router(router_policy: str) -> tuple[int, Any]:
+            vr_port = free_port()
+            vr = subprocess.Popen(
+                [str(router), "--host", "127.0.0.1", "--port", str(vr_port), "--policy", router_policy,
+                 "--log-level", "warning", "--worker-urls", *[f"http://127.0.0.1:{p}" for p in fms]],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )
+            procs.procs.append(vr)  # type: ignore[arg-type]
+            return vr_port, vr
+
+        targets["vllm_router"] = start_router("round_robin")
+        if cache_aware:
+            targets["vllm_router_cache_aware"] = start_router("cache_aware")
         for name, (port, _) in targets.items():
             wait_answers(port)
             if name != "direct":
@@ -775,8 +796,8 @@ def versus(duration: float, rate: float, n_rounds: int, fronts: tuple[str, ...],
             out["rss_mib"] = rss[name]
         summary[name] = out
 
-    def bar(front: str) -> dict[str, bool]:
-        g, v = summary[f"llmgw_{front}"], summary["vllm_router"]
+    def bar(front: str, peer: str = "vllm_router") -> dict[str, bool]:
+        g, v = summary[f"llmgw_{front}"], summary[peer]
         return {
             "c50_rps_at_least_vllm_router": (g["c50_rps"] or 0) >= (v["c50_rps"] or 0),
             "c200_rps_at_least_vllm_router": (g["c200_rps"] or 0) >= (v["c200_rps"] or 0),
@@ -797,7 +818,11 @@ def versus(duration: float, rate: float, n_rounds: int, fronts: tuple[str, ...],
         "direct": "both fake model servers at once, one wrk each with half the connections (throughput); "
                   "the first one (open-loop latency)",
         "summary": summary,
-        "bars": {front: bar(front) for front in fronts + (("baseline",) if baseline is not None else ())},
+        "policy": {"llmgw": policy, "vllm_router": "round_robin"},
+        "bars": dict(
+            {front: bar(front) for front in fronts + (("baseline",) if baseline is not None else ())},
+            **({"prefix_vs_cache_aware": bar("prefix", "vllm_router_cache_aware")} if cache_aware else {}),
+        ),
         "fronts_skipped": skipped,
         "baseline": None if baseline is None else f"{baseline} at {_commit(baseline)}",
         "per_round": rounds,
@@ -806,7 +831,7 @@ def versus(duration: float, rate: float, n_rounds: int, fronts: tuple[str, ...],
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "serve-gateway":
-        serve_gateway(int(sys.argv[2]), sys.argv[3], *sys.argv[4:5])
+        serve_gateway(int(sys.argv[2]), sys.argv[3], *sys.argv[4:6])
     elif len(sys.argv) > 1 and sys.argv[1] == "serve-bare":
         serve_bare(int(sys.argv[2]), sys.argv[3])
     elif len(sys.argv) > 1 and sys.argv[1] == "serve-fast":
@@ -818,9 +843,13 @@ if __name__ == "__main__":
         vp.add_argument("--rounds", type=int, default=5)
         vp.add_argument("--fronts", default=",".join(FRONTS), help="llmgw fronts to run, comma-separated")
         vp.add_argument("--baseline", type=Path, help="another llmgw checkout to run beside (llmgw_baseline)")
+        vp.add_argument("--policy", default="round_robin",
+                        help="llmgw's routing policy (vllm-router runs round_robin)")
+        vp.add_argument("--cache-aware", action="store_true",
+                        help="also llmgw's prefix policy against vllm-router's cache_aware")
         va = vp.parse_args(sys.argv[2:])
-        print(json.dumps(versus(va.duration, va.rate, va.rounds, tuple(va.fronts.split(",")), va.baseline),
-                         indent=2))
+        print(json.dumps(versus(va.duration, va.rate, va.rounds, tuple(va.fronts.split(",")), va.baseline,
+                                va.policy, va.cache_aware), indent=2))
     elif len(sys.argv) > 1 and sys.argv[1] == "openloop":
         a = sys.argv[2:]
         openloop(a[0], a[1], a[2].encode(), float(a[3]), float(a[4]), float(a[5]))

@@ -419,6 +419,20 @@ class ProxyCall:
         request.set_producer(self)
         self.gw.metrics.first_byte(self.model, time.monotonic() - self.started)
 
+    def response_relayed(self, status: int, reason: bytes, block: bytes, length: int) -> None:
+        # response_started for a head in the common shape (see
+        # llmgw.gateway.upstream.ResponseHandler): its header lines go on
+        # to the client as they came, without the hop's own.
+        if self.done:
+            return
+        self.gw.router.succeeded(self.route.replica_id)  # type: ignore[union-attr]
+        self.status = status
+        self.sent_headers = True
+        request = self.request
+        request.start_response(status, (), length, reason or None, hold=True, block=block)
+        request.set_producer(self)
+        self.gw.metrics.first_byte(self.model, time.monotonic() - self.started)
+
     def response_data(self, data: bytes) -> None:
         if self.done:
             return
