@@ -64,14 +64,14 @@ def serve_gateway(port: int, upstream: str, front: str = "lean", policy: str = "
     """
     from twisted.internet import reactor
 
-    from llmgw.collector import CollectorTuning
     from llmgw.control.interfaces import Route
     from llmgw.gateway.resource import GatewayResource
     from llmgw.gateway.service import GatewayService
     from llmgw.routing import RoutingSnapshot
 
     routes = [Route(f"r{i}", MODEL, address) for i, address in enumerate(upstream.split(","), 1)]
-    table = RoutingSnapshot(routes, [MODEL], policies={MODEL: policy} if policy else None)
+    # Without a policy, as an older llmgw (a baseline) builds it.
+    table = RoutingSnapshot(routes, [MODEL], policies={MODEL: policy}) if policy else RoutingSnapshot(routes, [MODEL])
     svc = GatewayService(reactor, table, "127.0.0.1", port)
     if front != "lean":
         from bench.fronts import HttptoolsSite, twisted_web_site
@@ -79,8 +79,14 @@ def serve_gateway(port: int, upstream: str, front: str = "lean", policy: str = "
         handler = GatewayResource(svc.gateway)
         site = HttptoolsSite(handler, reactor) if front == "httptools" else twisted_web_site(handler)
         svc.listener.factory = site
-    # As twistd's standalone gateway does in its own process.
-    CollectorTuning(threshold=None).startService()
+    # As twistd's standalone gateway does in its own process (where the
+    # llmgw measured has it: an older one, as a baseline, may not).
+    try:
+        from llmgw.collector import CollectorTuning
+    except ImportError:
+        pass
+    else:
+        CollectorTuning(threshold=None).startService()
     svc.startService()
     reactor.run()
 
@@ -689,9 +695,26 @@ def uptime() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
+def routing_guard(summary: dict[str, Any]) -> dict[str, Any]:
+    """
+    Issue 12's guard: today's gateway on its default policy against the
+    gateway from before the routing policies, in the same run: throughput
+    within 5% at 50 and 200 connections, and the added p99 at the open
+    loop's rate.
+    """
+    now, before = summary["llmgw_default"], summary["llmgw_before_routing"]
+    out: dict[str, Any] = {}
+    for c in ("c50", "c200"):
+        ratio = (now[f"{c}_rps"] or 0) / before[f"{c}_rps"] if before[f"{c}_rps"] else None
+        out[f"{c}_rps_ratio"] = None if ratio is None else round(ratio, 3)
+        out[f"{c}_within_5pct"] = ratio is not None and ratio >= 0.95
+    out["added_p99_ms"] = {"now": now["added_p99_ms"], "before": before["added_p99_ms"]}
+    return out
+
+
 def versus(duration: float, rate: float, n_rounds: int, fronts: tuple[str, ...],
            baseline: Path | None = None, policy: str = "round_robin",
-           cache_aware: bool = False) -> dict[str, Any]:
+           cache_aware: bool = False, guard: Path | None = None) -> dict[str, Any]:
     """
     Direct, llmgw on each front in C{fronts}, and C{vllm-router}, with the
     same two fake model servers, C{wrk} at 50 and 200 connections and the
@@ -703,9 +726,12 @@ def versus(duration: float, rate: float, n_rounds: int, fronts: tuple[str, ...],
 
     Like for like: llmgw routes by C{policy} (round-robin by default, as
     C{vllm-router} is run; the baseline too). With C{cache_aware}, the
-    prefix-aware policies are compared as well: llmgw's C{prefix}
-    (C{llmgw_prefix}) against C{vllm-router}'s C{cache_aware}
-    (C{vllm_router_cache_aware}).
+    prefix-aware policies are compared as well: llmgw's default policy
+    (C{prefix}; C{llmgw_default}) against C{vllm-router}'s C{cache_aware}
+    (C{vllm_router_cache_aware}). With C{guard} (a checkout from before
+    the routing policies, issue 12), its gateway runs on its own default
+    as C{llmgw_before_routing}, against today's default (C{llmgw_default}):
+    the guard that routing costs the gateway at most 5%.
     """
     if shutil.which("wrk") is None:
         sys.exit("bench/gateway.py needs wrk (apt-get install wrk)")
@@ -732,11 +758,15 @@ def versus(duration: float, rate: float, n_rounds: int, fronts: tuple[str, ...],
             # baseline's llmgw.
             port = free_port()
             targets["llmgw_baseline"] = (port, procs.start(
-                __file__, "serve-gateway", str(port), upstreams, "lean", policy, root=baseline))
-        if cache_aware:
+                str(Path(__file__).resolve()), "serve-gateway", str(port), upstreams, "lean", policy, root=baseline))
+        if cache_aware or guard is not None:
             port = free_port()
-            targets["llmgw_prefix"] = (port, procs.start(
-                __file__, "serve-gateway", str(port), upstreams, "lean", "prefix"))
+            targets["llmgw_default"] = (port, procs.start(
+                __file__, "serve-gateway", str(port), upstreams, "lean", ""))
+        if guard is not None:
+            port = free_port()
+            targets["llmgw_before_routing"] = (port, procs.start(
+                str(Path(__file__).resolve()), "serve-gateway", str(port), upstreams, "lean", "", root=guard))
 
         def start_router(router_policy: str) -> tuple[int, Any]:
             vr_port = free_port()
@@ -821,8 +851,10 @@ def versus(duration: float, rate: float, n_rounds: int, fronts: tuple[str, ...],
         "policy": {"llmgw": policy, "vllm_router": "round_robin"},
         "bars": dict(
             {front: bar(front) for front in fronts + (("baseline",) if baseline is not None else ())},
-            **({"prefix_vs_cache_aware": bar("prefix", "vllm_router_cache_aware")} if cache_aware else {}),
+            **({"default_vs_cache_aware": bar("default", "vllm_router_cache_aware")} if cache_aware else {}),
         ),
+        "routing_guard": None if guard is None else routing_guard(summary),
+        "guard": None if guard is None else f"{guard} at {_commit(guard)}",
         "fronts_skipped": skipped,
         "baseline": None if baseline is None else f"{baseline} at {_commit(baseline)}",
         "per_round": rounds,
@@ -846,10 +878,12 @@ if __name__ == "__main__":
         vp.add_argument("--policy", default="round_robin",
                         help="llmgw's routing policy (vllm-router runs round_robin)")
         vp.add_argument("--cache-aware", action="store_true",
-                        help="also llmgw's prefix policy against vllm-router's cache_aware")
+                        help="also llmgw's default policy (prefix) against vllm-router's cache_aware")
+        vp.add_argument("--guard", type=Path,
+                        help="a checkout from before the routing policies, on its default (issue 12's guard)")
         va = vp.parse_args(sys.argv[2:])
         print(json.dumps(versus(va.duration, va.rate, va.rounds, tuple(va.fronts.split(",")), va.baseline,
-                                va.policy, va.cache_aware), indent=2))
+                                va.policy, va.cache_aware, va.guard), indent=2))
     elif len(sys.argv) > 1 and sys.argv[1] == "openloop":
         a = sys.argv[2:]
         openloop(a[0], a[1], a[2].encode(), float(a[3]), float(a[4]), float(a[5]))
