@@ -649,7 +649,7 @@ def wait_answers(port: int, timeout: float = 30.0) -> None:
         except OSError:
             pass
         time.sleep(0.2)
-    raise RuntimeError(f"port {port} gives no 200 after {timeout} s")
+    raise RuntimeError(f"port {port} gives no 200 after {timeout} s")  # the caller says whose
 
 
 def rss_mib(pid: int) -> dict[str, float]:
@@ -772,6 +772,8 @@ def versus(duration: float, rate: float, n_rounds: int, fronts: tuple[str, ...],
             vr_port = free_port()
             vr = subprocess.Popen(
                 [str(router), "--host", "127.0.0.1", "--port", str(vr_port), "--policy", router_policy,
+                 # Each its own metrics port (two on 29000 would not both start).
+                 "--prometheus-port", str(free_port()),
                  "--log-level", "warning", "--worker-urls", *[f"http://127.0.0.1:{p}" for p in fms]],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             )
@@ -782,7 +784,10 @@ def versus(duration: float, rate: float, n_rounds: int, fronts: tuple[str, ...],
         if cache_aware:
             targets["vllm_router_cache_aware"] = start_router("cache_aware")
         for name, (port, _) in targets.items():
-            wait_answers(port)
+            try:
+                wait_answers(port)
+            except RuntimeError as e:
+                raise RuntimeError(f"{name}: {e}") from None
             if name != "direct":
                 wrk(f"http://127.0.0.1:{port}/v1/chat/completions", CHAT, 50, 1.0)  # warm up
         rounds: list[dict[str, dict[str, Any]]] = []
