@@ -155,7 +155,7 @@ def load_json(
     return value
 
 
-_SCAN = json.JSONDecoder().scan_once
+_SCAN = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
 _BLANKS = " \t\n\r"
 
 

@@ -262,8 +262,8 @@ class ProxyCall:
     # One per request: slots make it cheaper to make and to read.
     __slots__ = (
         "gw", "policy", "key", "meter", "request", "model", "path_label", "body", "routes", "started", "head",
-        "route", "tried", "conn", "connecting", "timer", "sent_at", "counted", "sent_headers", "done", "paused",
-        "fresh_retry_used", "last_error", "last_was_timeout", "reused", "status",
+        "route", "tried", "conn", "connecting", "timer", "armed", "sent_at", "counted", "sent_headers", "done",
+        "paused", "fresh_retry_used", "last_error", "last_was_timeout", "reused", "status",
     )
 
     def __init__(
@@ -296,6 +296,8 @@ class ProxyCall:
         self.conn: UpstreamConnection | None = None
         self.connecting: Deferred[UpstreamConnection] | None = None
         self.timer: IDelayedCall | None = None
+        #: The connection whose timer is armed for this call.
+        self.armed: UpstreamConnection | None = None
         self.sent_at = 0.0
         self.counted = False
         self.sent_headers = False
@@ -377,7 +379,8 @@ class ProxyCall:
             config = self.gw.config
             reactor = self.gw.reactor
             self.sent_at = reactor.seconds()
-            self.timer = reactor.callLater(min(config.first_byte_timeout, config.idle_timeout), self._timed_out)
+            self.timer = conn.arm(reactor, min(config.first_byte_timeout, config.idle_timeout), self._timed_out)
+            self.armed = conn
 
     # ResponseHandler
 
@@ -568,12 +571,14 @@ class ProxyCall:
 
     def _timed_out(self) -> None:
         self.timer = None
+        self.armed = None
         if self.done:
             return
         if not self.sent_headers and self.conn is not None:
             left = self.sent_at + self.gw.config.first_byte_timeout - self.gw.reactor.seconds()
             if left > 0.001:  # not clock rounding
-                self.timer = self.gw.reactor.callLater(left, self._timed_out)
+                self.timer = self.conn.arm(self.gw.reactor, left, self._timed_out)
+                self.armed = self.conn
                 return
         route = self.route
         assert route is not None
@@ -638,9 +643,12 @@ class ProxyCall:
             self.gw.router.end(self.route.replica_id)
 
     def _cancel_timer(self) -> None:
-        if self.timer is not None:
-            timer, self.timer = self.timer, None
-            timer.cancel()
+        # The timer is the connection's (UpstreamConnection.arm): it stays
+        # for the connection's next response, with nothing to call.
+        conn = self.armed
+        if conn is not None:
+            self.timer = self.armed = None
+            conn.disarm(self._timed_out)
 
     def _record(self, status: int) -> None:
         m = self.gw.metrics

@@ -26,6 +26,7 @@ from twisted.internet.endpoints import (
     TCP6ClientEndpoint,
     connectProtocol,
 )
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -126,6 +127,10 @@ class UpstreamConnection(Protocol):
         self._started = False
         self._keep_alive = True
         self._write: Callable[[bytes], None] = self._write_unconnected
+        #: The connection's one timer (L{arm}), kept from one response to
+        #: the next, and what it calls when it comes due.
+        self._due: IDelayedCall | None = None
+        self._on_due: Callable[[], None] | None = None
 
     def _write_unconnected(self, data: bytes) -> None:
         self.transport.write(data)
@@ -155,6 +160,50 @@ class UpstreamConnection(Protocol):
         self._started = False
         self._keep_alive = True
         self._write(data)
+
+    def arm(self, clock: IReactorTime, delay: float, callback: Callable[[], None]) -> IDelayedCall:
+        """
+        Call C{callback} in C{delay} seconds unless L{disarm}ed first: the
+        handler's timeout on the connection's one timer. A timer made anew
+        for each response and cancelled at its end cost more than the rest
+        of the timeout handling; this one stays set while the connection
+        idles (coming due then does nothing) and is only put later for the
+        next response, which is free until it comes due. Returns the
+        timer, which the caller may put later (C{reset}) while armed.
+        """
+        self._on_due = callback
+        due = self._due
+        if due is not None and due.active():
+            deadline = clock.seconds() + delay
+            at = due.getTime()
+            if at <= deadline:
+                if at < deadline:
+                    due.delay(deadline - at)
+                return due
+            # Sooner: a reactor finds a call by a linear search of its heap
+            # to move it sooner; cancelling is free and a new call log n.
+            due.cancel()
+        self._due = due = clock.callLater(delay, self._came_due)
+        return due
+
+    def disarm(self, callback: Callable[[], None]) -> None:
+        """
+        C{callback}, if armed, is not called (the timer itself stays).
+        """
+        if self._on_due == callback:
+            self._on_due = None
+
+    def _came_due(self) -> None:
+        self._due = None
+        callback, self._on_due = self._on_due, None
+        if callback is not None:
+            callback()
+
+    def _stop_timer(self) -> None:
+        self._on_due = None
+        due, self._due = self._due, None
+        if due is not None and due.active():
+            due.cancel()
 
     def abort(self) -> None:
         """
@@ -193,6 +242,7 @@ class UpstreamConnection(Protocol):
 
     def connectionLost(self, reason: Failure = None) -> None:  # type: ignore[assignment]
         self.connected_ = False
+        self._stop_timer()
         if self.pool is not None:
             self.pool.lost(self)
         handler = self.handler
