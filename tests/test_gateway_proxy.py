@@ -678,6 +678,32 @@ class ReplicaTimeoutTests(SynchronousTestCase):
         gw.close()
 
 
+    def test_timeouts_on_a_reused_connection(self) -> None:
+        """
+        On a replica connection kept from an earlier response, a request
+        gets its own whole first-byte time, from when it was sent, whether
+        the time is shorter or longer than the idle time; and an earlier
+        response's timeout does not end a later one.
+        """
+        for first_byte, idle in ((10, 3), (2, 30)):
+            clock, client, conn, gw = self._start(first_byte=first_byte, idle=idle)
+            conn.dataReceived(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            self.assertTrue(client.value().endswith(b"\r\n\r\nok"))
+            client.clear()
+            clock.advance(1)
+            proto = GatewaySite(GatewayResource(gw)).buildProtocol(None)
+            second = StringTransport()
+            proto.makeConnection(second)
+            proto.dataReceived(raw_request({"model": "demo"}))
+            self.assertEqual(len(clock.tcpClients), 1, "the kept connection is reused")
+            self.assertEqual(conn.transport.value().count(b"POST "), 2)
+            clock.advance(first_byte - 0.1)
+            self.assertEqual(second.value(), b"", (first_byte, idle))
+            clock.advance(0.2)
+            self.assertIn(b"HTTP/1.1 504 ", second.value())
+            gw.close()
+
+
 class ClientTimeoutTests(SynchronousTestCase):
     def test_not_while_proxying(self) -> None:
         """

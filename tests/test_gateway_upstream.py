@@ -475,3 +475,49 @@ class RelayTests(SynchronousTestCase):
         conn.send(b"REQUEST", rec)
         conn.dataReceived(b"HTTP/1.1 200 OK\r\nContent-Length: 1_0\r\n\r\n")
         self.assertEqual(rec.events, [("failed", UpstreamProtocolError, True)])
+
+
+class TimerTests(SynchronousTestCase):
+    def test_one_timer_from_response_to_response(self) -> None:
+        """
+        The timer a handler arms on a connection calls it when it comes
+        due; disarmed, it stays for the connection's next response (armed
+        again, it is the same timer, put later) and calls nothing when it
+        comes due; it goes with the connection.
+        """
+        clock = Clock()
+        conn, t = connection()
+        fired: list[str] = []
+        first = conn.arm(clock, 10, lambda: fired.append("a"))
+        clock.advance(4)
+        cb_b = lambda: fired.append("b")  # noqa: E731
+        conn.disarm(lambda: None)  # not the armed callback: nothing changes
+        second = conn.arm(clock, 10, cb_b)
+        self.assertIs(second, first)
+        clock.advance(9)
+        self.assertEqual(fired, [])
+        clock.advance(1)
+        self.assertEqual(fired, ["b"])
+        conn.arm(clock, 10, cb_b)
+        conn.disarm(cb_b)
+        clock.advance(10)
+        self.assertEqual(fired, ["b"])
+        self.assertEqual(clock.getDelayedCalls(), [])
+        conn.arm(clock, 10, cb_b)
+        conn.connectionLost(Failure(ConnectionDone()))
+        self.assertEqual(clock.getDelayedCalls(), [])
+
+    def test_sooner_is_a_new_timer(self) -> None:
+        """
+        Armed for sooner than its timer is due, the connection calls at the
+        sooner time (the later call is dropped).
+        """
+        clock = Clock()
+        conn, t = connection()
+        fired: list[str] = []
+        conn.arm(clock, 100, lambda: fired.append("late"))
+        conn.arm(clock, 5, lambda: fired.append("soon"))
+        clock.advance(5)
+        self.assertEqual(fired, ["soon"])
+        clock.advance(100)
+        self.assertEqual(fired, ["soon"])
