@@ -110,6 +110,22 @@ class GatewayConfig:
     #: deployment sets no C{queue_depth} / C{queue_timeout_s}.
     queue_depth: int = DEFAULT_QUEUE_DEPTH
     queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S
+    #: Who the client is, told to the replica (L{FORWARDED_HEADERS}); the
+    #: client's own forwarding headers are dropped whatever this says.
+    forwarded_headers: str = "x-forwarded"
+
+    def __post_init__(self) -> None:
+        if self.forwarded_headers not in FORWARDED_HEADERS:
+            raise ValueError(
+                f"forwarded headers {self.forwarded_headers!r} is not one of {', '.join(FORWARDED_HEADERS)}"
+            )
+
+
+#: What the gateway tells a replica of the client, by the name of the
+#: setting: C{x-forwarded}, the pair most servers read (C{X-Forwarded-For},
+#: C{X-Forwarded-Proto}, as Envoy sends); C{full}, those with
+#: C{X-Forwarded-Host}, C{X-Real-IP} and RFC 7239's C{Forwarded}; C{none}.
+FORWARDED_HEADERS = ("x-forwarded", "full", "none")
 
 
 @implementer(IInFlight, IDemand)
@@ -185,7 +201,7 @@ def connection_options(headers: Iterable[tuple[bytes, bytes]]) -> frozenset[byte
     return frozenset(named)
 
 
-def forwarded_head(request: FrontRequest, body_length: int) -> bytes:
+def forwarded_head(request: FrontRequest, body_length: int, forwarded: str = "x-forwarded") -> bytes:
     """
     The request line and the headers to forward, up to (not including) the
     C{Host} header, which depends on the replica.
@@ -214,7 +230,7 @@ def forwarded_head(request: FrontRequest, body_length: int) -> bytes:
             for name, value in headers:
                 if name not in _DROP_FORWARDED and name not in options:
                     parts += (name, b": ", value, b"\r\n")
-    key = (request.client_host, host)
+    key = (request.client_host, host, forwarded)
     block = _FORWARDING_BLOCKS.get(key)
     if block is None:
         block = _forwarding_block(*key)
@@ -226,14 +242,20 @@ def forwarded_head(request: FrontRequest, body_length: int) -> bytes:
 
 #: The forwarding headers per (client address, Host): few clients send
 #: most requests, so most requests find theirs here.
-_FORWARDING_BLOCKS: dict[tuple[str | None, bytes | None], bytes] = {}
+_FORWARDING_BLOCKS: dict[tuple[str | None, bytes | None, str], bytes] = {}
 
 
-def _forwarding_block(client: str | None, host: bytes | None) -> bytes:
+def _forwarding_block(client: str | None, host: bytes | None, which: str) -> bytes:
     """
-    The gateway's own C{X-Forwarded-*}, C{X-Real-IP} and C{Forwarded}
-    headers for a request from C{client} that asked for C{host}.
+    The gateway's own forwarding headers (the set L{FORWARDED_HEADERS}
+    names C{which}) for a request from C{client} that asked for C{host}.
     """
+    if which == "none":
+        return b""
+    if which == "x-forwarded":
+        if client:
+            return b"x-forwarded-for: %s\r\nx-forwarded-proto: %s\r\n" % (client.encode(), _SCHEME)
+        return b"x-forwarded-proto: %s\r\n" % _SCHEME
     parts: list[bytes] = []
     forwarded: list[bytes] = []
     if client:
@@ -290,7 +312,7 @@ class ProxyCall:
         self.body = body
         self.routes = routes
         self.started = started
-        self.head = forwarded_head(request, len(body))
+        self.head = forwarded_head(request, len(body), gateway.config.forwarded_headers)
         self.route: Route | None = None
         self.tried: set[str] = set()
         self.conn: UpstreamConnection | None = None
