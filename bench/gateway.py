@@ -55,22 +55,23 @@ STREAM = dict(CHAT, stream=True)
 # -- processes served by this file -------------------------------------------
 
 
-def serve_gateway(port: int, upstream: str, front: str = "lean") -> None:
+def serve_gateway(port: int, upstream: str, front: str = "lean", policy: str = "") -> None:
     """
     The gateway on C{port}, routing to C{upstream} (addresses separated by
     commas: one replica each), on the C{front} named: C{lean} (llmgw's
-    own), C{httptools} or C{twisted_web} (see L{bench.fronts}).
+    own), C{httptools} or C{twisted_web} (see L{bench.fronts}), with the
+    routing C{policy} named (empty: the gateway's default).
     """
     from twisted.internet import reactor
 
-    from llmgw.collector import CollectorTuning
     from llmgw.control.interfaces import Route
     from llmgw.gateway.resource import GatewayResource
     from llmgw.gateway.service import GatewayService
     from llmgw.routing import RoutingSnapshot
 
     routes = [Route(f"r{i}", MODEL, address) for i, address in enumerate(upstream.split(","), 1)]
-    table = RoutingSnapshot(routes, [MODEL])
+    # Without a policy, as an older llmgw (a baseline) builds it.
+    table = RoutingSnapshot(routes, [MODEL], policies={MODEL: policy}) if policy else RoutingSnapshot(routes, [MODEL])
     svc = GatewayService(reactor, table, "127.0.0.1", port)
     if front != "lean":
         from bench.fronts import HttptoolsSite, twisted_web_site
@@ -78,8 +79,14 @@ def serve_gateway(port: int, upstream: str, front: str = "lean") -> None:
         handler = GatewayResource(svc.gateway)
         site = HttptoolsSite(handler, reactor) if front == "httptools" else twisted_web_site(handler)
         svc.listener.factory = site
-    # As twistd's standalone gateway does in its own process.
-    CollectorTuning(threshold=None).startService()
+    # As twistd's standalone gateway does in its own process (where the
+    # llmgw measured has it: an older one, as a baseline, may not).
+    try:
+        from llmgw.collector import CollectorTuning
+    except ImportError:
+        pass
+    else:
+        CollectorTuning(threshold=None).startService()
     svc.startService()
     reactor.run()
 
@@ -642,7 +649,7 @@ def wait_answers(port: int, timeout: float = 30.0) -> None:
         except OSError:
             pass
         time.sleep(0.2)
-    raise RuntimeError(f"port {port} gives no 200 after {timeout} s")
+    raise RuntimeError(f"port {port} gives no 200 after {timeout} s")  # the caller says whose
 
 
 def rss_mib(pid: int) -> dict[str, float]:
@@ -688,8 +695,26 @@ def uptime() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
+def routing_guard(summary: dict[str, Any]) -> dict[str, Any]:
+    """
+    Issue 12's guard: today's gateway on its default policy against the
+    gateway from before the routing policies, in the same run: throughput
+    within 5% at 50 and 200 connections, and the added p99 at the open
+    loop's rate.
+    """
+    now, before = summary["llmgw_default"], summary["llmgw_before_routing"]
+    out: dict[str, Any] = {}
+    for c in ("c50", "c200"):
+        ratio = (now[f"{c}_rps"] or 0) / before[f"{c}_rps"] if before[f"{c}_rps"] else None
+        out[f"{c}_rps_ratio"] = None if ratio is None else round(ratio, 3)
+        out[f"{c}_within_5pct"] = ratio is not None and ratio >= 0.95
+    out["added_p99_ms"] = {"now": now["added_p99_ms"], "before": before["added_p99_ms"]}
+    return out
+
+
 def versus(duration: float, rate: float, n_rounds: int, fronts: tuple[str, ...],
-           baseline: Path | None = None) -> dict[str, Any]:
+           baseline: Path | None = None, policy: str = "round_robin",
+           cache_aware: bool = False, guard: Path | None = None) -> dict[str, Any]:
     """
     Direct, llmgw on each front in C{fronts}, and C{vllm-router}, with the
     same two fake model servers, C{wrk} at 50 and 200 connections and the
@@ -698,6 +723,15 @@ def versus(duration: float, rate: float, n_rounds: int, fronts: tuple[str, ...],
     added over) direct in the same round. With C{baseline} (another
     checkout of llmgw, such as the code before a change), its gateway on
     its C{lean} front runs in the same rounds as C{llmgw_baseline}.
+
+    Like for like: llmgw routes by C{policy} (round-robin by default, as
+    C{vllm-router} is run; the baseline too). With C{cache_aware}, the
+    prefix-aware policies are compared as well: llmgw's default policy
+    (C{prefix}; C{llmgw_default}) against C{vllm-router}'s C{cache_aware}
+    (C{vllm_router_cache_aware}). With C{guard} (a checkout from before
+    the routing policies, issue 12), its gateway runs on its own default
+    as C{llmgw_before_routing}, against today's default (C{llmgw_default}):
+    the guard that routing costs the gateway at most 5%.
     """
     if shutil.which("wrk") is None:
         sys.exit("bench/gateway.py needs wrk (apt-get install wrk)")
@@ -717,21 +751,43 @@ def versus(duration: float, rate: float, n_rounds: int, fronts: tuple[str, ...],
         targets: dict[str, tuple[int, Any]] = {"direct": (fms[0], None)}
         for front in fronts:
             port = free_port()
-            targets[f"llmgw_{front}"] = (port, procs.start(__file__, "serve-gateway", str(port), upstreams, front))
+            targets[f"llmgw_{front}"] = (port, procs.start(
+                __file__, "serve-gateway", str(port), upstreams, front, policy))
         if baseline is not None:
+            # This file's serve-gateway (it names the policy) on the
+            # baseline's llmgw.
             port = free_port()
             targets["llmgw_baseline"] = (port, procs.start(
-                str(baseline / "bench" / "gateway.py"), "serve-gateway", str(port), upstreams, "lean", root=baseline))
-        vr_port = free_port()
-        vr = subprocess.Popen(
-            [str(router), "--host", "127.0.0.1", "--port", str(vr_port), "--policy", "round_robin",
-             "--log-level", "warning", "--worker-urls", *[f"http://127.0.0.1:{p}" for p in fms]],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        procs.procs.append(vr)  # type: ignore[arg-type]
-        targets["vllm_router"] = (vr_port, vr)
+                str(Path(__file__).resolve()), "serve-gateway", str(port), upstreams, "lean", policy, root=baseline))
+        if cache_aware or guard is not None:
+            port = free_port()
+            targets["llmgw_default"] = (port, procs.start(
+                __file__, "serve-gateway", str(port), upstreams, "lean", ""))
+        if guard is not None:
+            port = free_port()
+            targets["llmgw_before_routing"] = (port, procs.start(
+                str(Path(__file__).resolve()), "serve-gateway", str(port), upstreams, "lean", "", root=guard))
+
+        def start_router(router_policy: str) -> tuple[int, Any]:
+            vr_port = free_port()
+            vr = subprocess.Popen(
+                [str(router), "--host", "127.0.0.1", "--port", str(vr_port), "--policy", router_policy,
+                 # Each its own metrics port (two on 29000 would not both start).
+                 "--prometheus-port", str(free_port()),
+                 "--log-level", "warning", "--worker-urls", *[f"http://127.0.0.1:{p}" for p in fms]],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )
+            procs.procs.append(vr)  # type: ignore[arg-type]
+            return vr_port, vr
+
+        targets["vllm_router"] = start_router("round_robin")
+        if cache_aware:
+            targets["vllm_router_cache_aware"] = start_router("cache_aware")
         for name, (port, _) in targets.items():
-            wait_answers(port)
+            try:
+                wait_answers(port)
+            except RuntimeError as e:
+                raise RuntimeError(f"{name}: {e}") from None
             if name != "direct":
                 wrk(f"http://127.0.0.1:{port}/v1/chat/completions", CHAT, 50, 1.0)  # warm up
         rounds: list[dict[str, dict[str, Any]]] = []
@@ -775,8 +831,8 @@ def versus(duration: float, rate: float, n_rounds: int, fronts: tuple[str, ...],
             out["rss_mib"] = rss[name]
         summary[name] = out
 
-    def bar(front: str) -> dict[str, bool]:
-        g, v = summary[f"llmgw_{front}"], summary["vllm_router"]
+    def bar(front: str, peer: str = "vllm_router") -> dict[str, bool]:
+        g, v = summary[f"llmgw_{front}"], summary[peer]
         return {
             "c50_rps_at_least_vllm_router": (g["c50_rps"] or 0) >= (v["c50_rps"] or 0),
             "c200_rps_at_least_vllm_router": (g["c200_rps"] or 0) >= (v["c200_rps"] or 0),
@@ -797,7 +853,13 @@ def versus(duration: float, rate: float, n_rounds: int, fronts: tuple[str, ...],
         "direct": "both fake model servers at once, one wrk each with half the connections (throughput); "
                   "the first one (open-loop latency)",
         "summary": summary,
-        "bars": {front: bar(front) for front in fronts + (("baseline",) if baseline is not None else ())},
+        "policy": {"llmgw": policy, "vllm_router": "round_robin"},
+        "bars": dict(
+            {front: bar(front) for front in fronts + (("baseline",) if baseline is not None else ())},
+            **({"default_vs_cache_aware": bar("default", "vllm_router_cache_aware")} if cache_aware else {}),
+        ),
+        "routing_guard": None if guard is None else routing_guard(summary),
+        "guard": None if guard is None else f"{guard} at {_commit(guard)}",
         "fronts_skipped": skipped,
         "baseline": None if baseline is None else f"{baseline} at {_commit(baseline)}",
         "per_round": rounds,
@@ -806,7 +868,7 @@ def versus(duration: float, rate: float, n_rounds: int, fronts: tuple[str, ...],
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "serve-gateway":
-        serve_gateway(int(sys.argv[2]), sys.argv[3], *sys.argv[4:5])
+        serve_gateway(int(sys.argv[2]), sys.argv[3], *sys.argv[4:6])
     elif len(sys.argv) > 1 and sys.argv[1] == "serve-bare":
         serve_bare(int(sys.argv[2]), sys.argv[3])
     elif len(sys.argv) > 1 and sys.argv[1] == "serve-fast":
@@ -818,9 +880,15 @@ if __name__ == "__main__":
         vp.add_argument("--rounds", type=int, default=5)
         vp.add_argument("--fronts", default=",".join(FRONTS), help="llmgw fronts to run, comma-separated")
         vp.add_argument("--baseline", type=Path, help="another llmgw checkout to run beside (llmgw_baseline)")
+        vp.add_argument("--policy", default="round_robin",
+                        help="llmgw's routing policy (vllm-router runs round_robin)")
+        vp.add_argument("--cache-aware", action="store_true",
+                        help="also llmgw's default policy (prefix) against vllm-router's cache_aware")
+        vp.add_argument("--guard", type=Path,
+                        help="a checkout from before the routing policies, on its default (issue 12's guard)")
         va = vp.parse_args(sys.argv[2:])
-        print(json.dumps(versus(va.duration, va.rate, va.rounds, tuple(va.fronts.split(",")), va.baseline),
-                         indent=2))
+        print(json.dumps(versus(va.duration, va.rate, va.rounds, tuple(va.fronts.split(",")), va.baseline,
+                                va.policy, va.cache_aware, va.guard), indent=2))
     elif len(sys.argv) > 1 and sys.argv[1] == "openloop":
         a = sys.argv[2:]
         openloop(a[0], a[1], a[2].encode(), float(a[3]), float(a[4]), float(a[5]))

@@ -48,9 +48,10 @@ RESPONSE = (
 )
 
 
-def measure(requests: int, repeats: int) -> dict[str, Any]:
+def measure(requests: int, repeats: int, policy: str = "") -> dict[str, Any]:
     """
-    CPU microseconds per proxied request through the llmgw importable here.
+    CPU microseconds per proxied request through the llmgw importable here,
+    routed by C{policy} (empty: the gateway's default).
     """
     from twisted.internet import reactor
     from twisted.internet.address import IPv4Address
@@ -63,7 +64,10 @@ def measure(requests: int, repeats: int) -> dict[str, Any]:
     from llmgw.routing import RoutingSnapshot
 
     routes = [Route("r1", "bench", "127.0.0.1:18101"), Route("r2", "bench", "127.0.0.1:18102")]
-    gateway = Gateway(reactor, RoutingSnapshot(routes, ["bench"]))
+    # Without a policy, as an older llmgw (a baseline) builds it.
+    table = RoutingSnapshot(routes, ["bench"], policies={"bench": policy}) if policy else RoutingSnapshot(
+        routes, ["bench"])
+    gateway = Gateway(reactor, table)
     site = GatewaySite(GatewayResource(gateway), reactor)
     replicas = []
     for route in routes:
@@ -106,14 +110,15 @@ def measure(requests: int, repeats: int) -> dict[str, Any]:
     return {"us_per_request": round(min(runs), 2), "runs": [round(r, 2) for r in runs]}
 
 
-def in_checkout(root: Path, requests: int, repeats: int) -> dict[str, Any]:
+def in_checkout(root: Path, requests: int, repeats: int, policy: str = "") -> dict[str, Any]:
     """
-    L{measure} in a process of its own, importing llmgw from C{root}.
+    L{measure} (this file's) in a process of its own, importing llmgw from
+    C{root}.
     """
     env = dict(os.environ, PYTHONPATH=str(root))
     out = subprocess.run(
-        [sys.executable, str(root / "bench" / "gateway_path.py") if (root / "bench" / "gateway_path.py").exists()
-         else __file__, "--one", "--requests", str(requests), "--repeats", str(repeats)],
+        [sys.executable, str(Path(__file__).resolve()), "--one", "--requests", str(requests),
+         "--repeats", str(repeats), "--policy", policy],
         env=env, cwd=str(root), capture_output=True, text=True, check=True,
     ).stdout
     return json.loads(out)
@@ -124,23 +129,25 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=50_000, help="requests per run")
     ap.add_argument("--repeats", type=int, default=5, help="runs (the best counts)")
     ap.add_argument("--baseline", type=Path, help="another llmgw checkout to measure beside")
+    ap.add_argument("--policy", default="", help="the routing policy (default: the gateway's default)")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.one:
-        print(json.dumps(measure(a.requests, a.repeats)))
+        print(json.dumps(measure(a.requests, a.repeats, a.policy)))
         return
     here = Path(__file__).resolve().parent.parent
     uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     result: dict[str, Any] = {"what": "gateway CPU per proxied request in process (bench/gateway_path.py)",
-                              "python": sys.version.split()[0], "uptime_before": uptime}
+                              "python": sys.version.split()[0], "uptime_before": uptime,
+                              "policy": a.policy or "the default"}
     if a.baseline is None:
-        result["this"] = in_checkout(here, a.requests, a.repeats)
+        result["this"] = in_checkout(here, a.requests, a.repeats, a.policy)
     else:
         # In turn, twice each, so that a change of load hits both alike.
         this, base = [], []
         for _ in range(2):
-            this.append(in_checkout(here, a.requests, a.repeats))
-            base.append(in_checkout(a.baseline.resolve(), a.requests, a.repeats))
+            this.append(in_checkout(here, a.requests, a.repeats, a.policy))
+            base.append(in_checkout(a.baseline.resolve(), a.requests, a.repeats, a.policy))
         result["this"] = min(this, key=lambda r: r["us_per_request"])
         result["baseline"] = min(base, key=lambda r: r["us_per_request"])
         result["baseline_at"] = str(a.baseline)

@@ -127,7 +127,7 @@ def load_json(
                 break
         else:
             try:
-                return json.loads(text)
+                return _loads(text)
             except ValueError as e:
                 raise JSONInputError(f"the body is not valid JSON: {e}", "invalid_json") from None
     # Objects close innermost first: when the value is an object, the last
@@ -152,6 +152,29 @@ def load_json(
                 + " more than once",
                 "duplicate_key",
             )
+    return value
+
+
+_SCAN = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
+_BLANKS = " \t\n\r"
+
+
+def _loads(text: str) -> Any:
+    """
+    C{json.loads(text)}, the same value and errors, without the layers
+    between it and the C scanner (about half its cost for a small body).
+    """
+    start = 0
+    if text[:1] in _BLANKS:
+        start = len(text) - len(text.lstrip(_BLANKS))
+    try:
+        value, end = _SCAN(text, start)
+    except StopIteration as e:
+        raise json.JSONDecodeError("Expecting value", text, e.value) from None
+    if end != len(text):
+        rest = len(text) - len(text[end:].lstrip(_BLANKS))
+        if rest != len(text):
+            raise json.JSONDecodeError("Extra data", text, rest)
     return value
 
 

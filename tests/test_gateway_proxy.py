@@ -22,6 +22,7 @@ from llmgw.gateway.front import FrontFactory, FrontRequest
 from llmgw.gateway.keys import KeyRing
 from llmgw.gateway.proxy import Gateway, GatewayConfig, ProxyCall
 from llmgw.gateway.resource import GatewayResource, GatewaySite
+from llmgw.gateway.upstream import UpstreamConnection
 from llmgw.routing import RoutingSnapshot
 from tests.gateway_helpers import Harness, dead_address
 
@@ -549,6 +550,44 @@ class FramingTests(SynchronousTestCase):
         self.assertTrue(out.endswith(b"\r\n\r\n3\r\nabc\r\n0\r\n\r\n"), out)
 
 
+class RelayedHeadTests(SynchronousTestCase):
+    def test_replica_head_through_a_real_connection(self) -> None:
+        """
+        A replica's answer in the common shape (one Content-Length), read
+        by the gateway's upstream client, reaches the client with the
+        replica's own headers as sent, the gateway's Date and framing, and
+        none of the replica's Server, Date, Keep-Alive or Content-Length.
+        """
+        clock = MemoryReactorClock()
+        route = Route("r1", "demo", "127.0.0.1:1")
+        gw = Gateway(clock, RoutingSnapshot([route]))
+        conn = UpstreamConnection(gw.pool, route.address)
+        conn.makeConnection(StringTransport())
+        gw.pool.release(conn)
+        proto = GatewaySite(GatewayResource(gw), clock).buildProtocol(None)
+        client = StringTransport()
+        proto.makeConnection(client)
+        proto.dataReceived(raw_request({"model": "demo"}))
+        self.assertIsNotNone(conn.handler)
+        conn.dataReceived(
+            b"HTTP/1.1 200 OK\r\nServer: fake/1\r\nDate: Mon, 01 Jan 2024 00:00:00 GMT\r\n"
+            b"Keep-Alive: timeout=5\r\nX-Instance: a:1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 2\r\n\r\n{}"
+        )
+        head, _, body = client.value().partition(b"\r\n\r\n")
+        lines = head.split(b"\r\n")
+        self.assertEqual(lines[0], b"HTTP/1.1 200 OK")
+        self.assertEqual(body, b"{}")
+        self.assertIn(b"X-Instance: a:1", lines)
+        self.assertIn(b"Content-Type: application/json", lines)
+        self.assertIn(b"Content-Length: 2", lines)
+        lower = [line.lower() for line in lines]
+        self.assertEqual([x for x in lower if x.startswith(b"content-length")], [b"content-length: 2"])
+        self.assertEqual(len([x for x in lower if x.startswith(b"date:")]), 1)
+        self.assertNotIn(b"2024", head)
+        self.assertFalse([x for x in lower if x.startswith((b"server:", b"keep-alive:"))])
+
+
 class OneWriteTests(SynchronousTestCase):
     def _call(self) -> tuple[ProxyCall, list[bytes]]:
         clock = MemoryReactorClock()
@@ -637,6 +676,32 @@ class ReplicaTimeoutTests(SynchronousTestCase):
         clock.advance(0.2)
         self.assertIn(b"HTTP/1.1 504 ", client.value())
         gw.close()
+
+
+    def test_timeouts_on_a_reused_connection(self) -> None:
+        """
+        On a replica connection kept from an earlier response, a request
+        gets its own whole first-byte time, from when it was sent, whether
+        the time is shorter or longer than the idle time; and an earlier
+        response's timeout does not end a later one.
+        """
+        for first_byte, idle in ((10, 3), (2, 30)):
+            clock, client, conn, gw = self._start(first_byte=first_byte, idle=idle)
+            conn.dataReceived(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            self.assertTrue(client.value().endswith(b"\r\n\r\nok"))
+            client.clear()
+            clock.advance(1)
+            proto = GatewaySite(GatewayResource(gw)).buildProtocol(None)
+            second = StringTransport()
+            proto.makeConnection(second)
+            proto.dataReceived(raw_request({"model": "demo"}))
+            self.assertEqual(len(clock.tcpClients), 1, "the kept connection is reused")
+            self.assertEqual(conn.transport.value().count(b"POST "), 2)
+            clock.advance(first_byte - 0.1)
+            self.assertEqual(second.value(), b"", (first_byte, idle))
+            clock.advance(0.2)
+            self.assertIn(b"HTTP/1.1 504 ", second.value())
+            gw.close()
 
 
 class ClientTimeoutTests(SynchronousTestCase):

@@ -264,8 +264,8 @@ class LabelTests(SynchronousTestCase):
 
 
 class ForwardingTests(SynchronousTestCase):
-    def forwarded(self, extra: bytes) -> dict[bytes, list[bytes]]:
-        front = Front()
+    def forwarded(self, extra: bytes, which: str | None = None) -> dict[bytes, list[bytes]]:
+        front = Front(config=None if which is None else GatewayConfig(forwarded_headers=which))
         front.send(post(b'{"model": "demo"}', extra=extra))
         _, upstream = front.upstream()
         head = upstream.value().partition(b"\r\n\r\n")[0]
@@ -275,17 +275,43 @@ class ForwardingTests(SynchronousTestCase):
             headers.setdefault(name.strip().lower(), []).append(value.strip())
         return headers
 
+    _FORGED = (
+        b"Forwarded: for=6.6.6.6;proto=https\r\nX-Forwarded-For: 6.6.6.6\r\n"
+        b"X-Real-IP: 6.6.6.6\r\nX-Forwarded-Proto: https\r\nX-Forwarded-Host: admin.example\r\n"
+    )
+
     def test_client_forwarding_headers_replaced(self) -> None:
         """
-        C{Forwarded}, C{X-Forwarded-For}, C{-Proto}, C{-Host} and
-        C{X-Real-IP} sent by the client are dropped; the replica gets the
-        gateway's own, once each: the client's address, C{http}, the C{Host}
-        it asked for.
+        By default, C{Forwarded}, C{X-Forwarded-For}, C{-Proto}, C{-Host}
+        and C{X-Real-IP} sent by the client are dropped, and the replica
+        gets the gateway's own C{X-Forwarded-For} and C{X-Forwarded-Proto},
+        once each: the client's address and C{http}.
         """
-        headers = self.forwarded(
-            b"Forwarded: for=6.6.6.6;proto=https\r\nX-Forwarded-For: 6.6.6.6\r\n"
-            b"X-Real-IP: 6.6.6.6\r\nX-Forwarded-Proto: https\r\nX-Forwarded-Host: admin.example\r\n"
-        )
+        headers = self.forwarded(self._FORGED)
+        self.assertEqual(headers[b"x-forwarded-for"], [b"192.168.1.1"])
+        self.assertEqual(headers[b"x-forwarded-proto"], [b"http"])
+        for name in (b"x-real-ip", b"x-forwarded-host", b"forwarded"):
+            self.assertNotIn(name, headers)
+        self.assertNotIn(b"6.6.6.6", b"".join(v for vs in headers.values() for v in vs))
+
+    def test_none_forwarded(self) -> None:
+        """
+        With C{forwarded_headers="none"} the replica hears nothing of the
+        client, and nothing of what the client forged.
+        """
+        headers = self.forwarded(self._FORGED, "none")
+        for name in (b"x-forwarded-for", b"x-forwarded-proto", b"x-real-ip", b"x-forwarded-host", b"forwarded"):
+            self.assertNotIn(name, headers)
+        self.assertRaises(ValueError, GatewayConfig, forwarded_headers="some")
+
+    def test_full_forwarding_headers_replaced(self) -> None:
+        """
+        With C{forwarded_headers="full"} the client's are dropped and the
+        replica gets the gateway's own, once each: the client's address,
+        C{http}, the C{Host} it asked for, also as X-Real-IP and RFC 7239's
+        C{Forwarded}.
+        """
+        headers = self.forwarded(self._FORGED, "full")
         self.assertEqual(headers[b"x-forwarded-for"], [b"192.168.1.1"])
         self.assertEqual(headers[b"x-real-ip"], [b"192.168.1.1"])
         self.assertEqual(headers[b"x-forwarded-proto"], [b"http"])

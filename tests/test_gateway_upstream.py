@@ -392,3 +392,132 @@ class StrictHeadTests(SynchronousTestCase):
         self.assertEqual(rec.events[0][3][:3], [(b"x-tab", b"a\tb"), (b"x-latin", b"caf\xe9"), (b"x-empty", b"")])
         rec, _ = self.answer(b"HTTP/1.1 204\r\n\r\n")
         self.assertEqual(rec.events[0][:3], ("start", 204, b""))
+
+
+class Relayer(Recorder):
+    """
+    A L{Recorder} that takes heads in the common shape as one block
+    (C{response_relayed}), as the gateway's proxy does.
+    """
+
+    def response_relayed(self, status: int, reason: bytes, block: bytes, length: int) -> None:
+        self.events.append(("relayed", status, reason, block, length))
+
+
+class RelayTests(SynchronousTestCase):
+    def test_common_head_relayed_without_own_headers(self) -> None:
+        """
+        A head with one Content-Length and neither Transfer-Encoding nor
+        Connection reaches a relaying handler as one block of its lines,
+        as the replica wrote them, less Server, Date, Content-Length,
+        Keep-Alive and the other headers a proxy writes itself; the body
+        and the connection's reuse are as for any response.
+        """
+        raw = (
+            b"HTTP/1.1 201 Made\r\nServer: fake/1\r\nDate: Tue, 01 Dec 2026 13:27:28 GMT\r\n"
+            b"X-Instance: a:1\r\nKeep-Alive: timeout=5\r\nserver-timing: x;dur=1\r\n"
+            b"CONTENT-LENGTH :  5\r\nContent-Type: text/plain\r\n\r\nhello"
+        )
+        for step in (1, 3, len(raw)):
+            pool = UpstreamPool(Clock())
+            conn, t = connection(pool)
+            rec = Relayer()
+            conn.send(b"REQUEST", rec)
+            feed(conn, raw, step)
+            self.assertEqual(
+                rec.events[0],
+                ("relayed", 201, b"Made",
+                 b"\r\nX-Instance: a:1\r\nserver-timing: x;dur=1\r\nContent-Type: text/plain", 5),
+            )
+            self.assertEqual(rec.data(), b"hello")
+            self.assertEqual(rec.events[-1], ("finished",))
+            self.assertIs(pool.take(conn.address), conn)
+
+    def test_other_heads_take_the_general_way(self) -> None:
+        """
+        A head with a Connection or Transfer-Encoding header, two or no
+        Content-Lengths, or no body by its status, is reported to
+        C{response_started} with its headers parsed, even to a relaying
+        handler; and HTTP/1.0 is not kept alive on either way.
+        """
+        heads = [
+            b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok",
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\nok",
+            b"HTTP/1.1 204 No Content\r\nContent-Length: 0\r\n\r\n",
+        ]
+        for raw in heads:
+            conn, t = connection(UpstreamPool(Clock()))
+            rec = Relayer()
+            conn.send(b"REQUEST", rec)
+            conn.dataReceived(raw)
+            self.assertEqual(rec.events[0][0], "start", raw)
+            self.assertEqual(rec.events[-1], ("finished",), raw)
+        pool = UpstreamPool(Clock())
+        conn, t = connection(pool)
+        rec = Relayer()
+        conn.send(b"REQUEST", rec)
+        conn.dataReceived(b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        self.assertEqual(rec.events[0], ("relayed", 200, b"OK", b"", 2))
+        self.assertIsNone(pool.take(conn.address))
+        self.assertTrue(t.disconnecting)
+
+    def test_bad_length_refused_on_either_way(self) -> None:
+        """
+        A relaying handler hears of a Content-Length that is not a plain
+        number as a protocol error, as any handler does.
+        """
+        class RelayingKeeper(FailureKeeper, Relayer):
+            pass
+
+        conn, t = connection()
+        rec = RelayingKeeper()
+        conn.send(b"REQUEST", rec)
+        conn.dataReceived(b"HTTP/1.1 200 OK\r\nContent-Length: 1_0\r\n\r\n")
+        self.assertEqual(rec.events, [("failed", UpstreamProtocolError, True)])
+
+
+class TimerTests(SynchronousTestCase):
+    def test_one_timer_from_response_to_response(self) -> None:
+        """
+        The timer a handler arms on a connection calls it when it comes
+        due; disarmed, it stays for the connection's next response (armed
+        again, it is the same timer, put later) and calls nothing when it
+        comes due; it goes with the connection.
+        """
+        clock = Clock()
+        conn, t = connection()
+        fired: list[str] = []
+        first = conn.arm(clock, 10, lambda: fired.append("a"))
+        clock.advance(4)
+        cb_b = lambda: fired.append("b")  # noqa: E731
+        conn.disarm(lambda: None)  # not the armed callback: nothing changes
+        second = conn.arm(clock, 10, cb_b)
+        self.assertIs(second, first)
+        clock.advance(9)
+        self.assertEqual(fired, [])
+        clock.advance(1)
+        self.assertEqual(fired, ["b"])
+        conn.arm(clock, 10, cb_b)
+        conn.disarm(cb_b)
+        clock.advance(10)
+        self.assertEqual(fired, ["b"])
+        self.assertEqual(clock.getDelayedCalls(), [])
+        conn.arm(clock, 10, cb_b)
+        conn.connectionLost(Failure(ConnectionDone()))
+        self.assertEqual(clock.getDelayedCalls(), [])
+
+    def test_sooner_is_a_new_timer(self) -> None:
+        """
+        Armed for sooner than its timer is due, the connection calls at the
+        sooner time (the later call is dropped).
+        """
+        clock = Clock()
+        conn, t = connection()
+        fired: list[str] = []
+        conn.arm(clock, 100, lambda: fired.append("late"))
+        conn.arm(clock, 5, lambda: fired.append("soon"))
+        clock.advance(5)
+        self.assertEqual(fired, ["soon"])
+        clock.advance(100)
+        self.assertEqual(fired, ["soon"])

@@ -139,3 +139,30 @@ class LoadTests(SynchronousTestCase):
         with self.assertRaises(JSONInputError) as bad:
             load_json(bom + b'{"model": "\xff"}')
         self.assertIn("not UTF-8", str(bad.exception))
+
+
+class SameAsJSONTests(SynchronousTestCase):
+    @settings(max_examples=300, deadline=None)
+    @given(
+        st.one_of(
+            _json.map(json.dumps),
+            st.text(alphabet=' \t\n\r[]{}",:0123456789.-eEtrufalsn\\', max_size=24),
+            st.tuples(st.sampled_from(["", " ", "\n\t"]), _json.map(json.dumps),
+                      st.sampled_from(["", " ", "\r\n", " x", ",1"])).map("".join),
+        )
+    )
+    def test_value_or_refusal_as_json_loads(self, text: str) -> None:
+        """
+        What load_json makes of a body (with no key to check) is what
+        C{json.loads} makes of it: the same value, or a refusal where it
+        raises, with its message.
+        """
+        raw = text.encode()
+        try:
+            expected = json.loads(text)
+        except ValueError as e:
+            err = self.assertRaises(JSONInputError, load_json, raw)
+            self.assertEqual(err.code, "invalid_json")
+            self.assertEqual(str(err), f"the body is not valid JSON: {e}")
+        else:
+            self.assertEqual(load_json(raw), expected)

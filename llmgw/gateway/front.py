@@ -51,7 +51,7 @@ L{FrontRequest.finish}, or drops the connection with L{FrontRequest.abort}.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from twisted.internet.interfaces import IDelayedCall, IPushProducer
@@ -196,15 +196,18 @@ class FrontRequest:
     def start_response(
         self,
         status: int,
-        headers: list[tuple[bytes, bytes]],
+        headers: Sequence[tuple[bytes, bytes]],
         length: int | None = None,
         reason: bytes | None = None,
         hold: bool = False,
+        block: bytes = b"",
     ) -> None:
         """
         Send the status line and C{headers}. With C{length} the body is
         framed by C{Content-Length} (C{headers} must not carry one); without,
-        it is chunked (to an HTTP/1.0 client: ended by closing).
+        it is chunked (to an HTTP/1.0 client: ended by closing). C{block}:
+        header lines ready to send, each after a CRLF, sent before
+        C{headers} (a proxy's relay of its upstream's; the same rules).
 
         With C{hold} the head is kept until the first L{write}, L{finish} or
         L{flush}, and goes out with the body's first bytes in one send: a
@@ -215,7 +218,7 @@ class FrontRequest:
         self.started = True
         channel = self.channel
         no_body = self.method == b"HEAD" or status in (204, 304) or status < 200
-        parts = [b"HTTP/1.1 %d %s\r\n" % (status, reason or REASONS.get(status, b"Unknown"))]
+        parts = [b"HTTP/1.1 %d %s%s\r\n" % (status, reason or REASONS.get(status, b"Unknown"), block)]
         for name, value in headers:
             parts += (name, b": ", value, b"\r\n")
         if length is not None:

@@ -110,6 +110,22 @@ class GatewayConfig:
     #: deployment sets no C{queue_depth} / C{queue_timeout_s}.
     queue_depth: int = DEFAULT_QUEUE_DEPTH
     queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S
+    #: Who the client is, told to the replica (L{FORWARDED_HEADERS}); the
+    #: client's own forwarding headers are dropped whatever this says.
+    forwarded_headers: str = "x-forwarded"
+
+    def __post_init__(self) -> None:
+        if self.forwarded_headers not in FORWARDED_HEADERS:
+            raise ValueError(
+                f"forwarded headers {self.forwarded_headers!r} is not one of {', '.join(FORWARDED_HEADERS)}"
+            )
+
+
+#: What the gateway tells a replica of the client, by the name of the
+#: setting: C{x-forwarded}, the pair most servers read (C{X-Forwarded-For},
+#: C{X-Forwarded-Proto}, as Envoy sends); C{full}, those with
+#: C{X-Forwarded-Host}, C{X-Real-IP} and RFC 7239's C{Forwarded}; C{none}.
+FORWARDED_HEADERS = ("x-forwarded", "full", "none")
 
 
 @implementer(IInFlight, IDemand)
@@ -185,7 +201,7 @@ def connection_options(headers: Iterable[tuple[bytes, bytes]]) -> frozenset[byte
     return frozenset(named)
 
 
-def forwarded_head(request: FrontRequest, body_length: int) -> bytes:
+def forwarded_head(request: FrontRequest, body_length: int, forwarded: str = "x-forwarded") -> bytes:
     """
     The request line and the headers to forward, up to (not including) the
     C{Host} header, which depends on the replica.
@@ -214,7 +230,7 @@ def forwarded_head(request: FrontRequest, body_length: int) -> bytes:
             for name, value in headers:
                 if name not in _DROP_FORWARDED and name not in options:
                     parts += (name, b": ", value, b"\r\n")
-    key = (request.client_host, host)
+    key = (request.client_host, host, forwarded)
     block = _FORWARDING_BLOCKS.get(key)
     if block is None:
         block = _forwarding_block(*key)
@@ -226,14 +242,20 @@ def forwarded_head(request: FrontRequest, body_length: int) -> bytes:
 
 #: The forwarding headers per (client address, Host): few clients send
 #: most requests, so most requests find theirs here.
-_FORWARDING_BLOCKS: dict[tuple[str | None, bytes | None], bytes] = {}
+_FORWARDING_BLOCKS: dict[tuple[str | None, bytes | None, str], bytes] = {}
 
 
-def _forwarding_block(client: str | None, host: bytes | None) -> bytes:
+def _forwarding_block(client: str | None, host: bytes | None, which: str) -> bytes:
     """
-    The gateway's own C{X-Forwarded-*}, C{X-Real-IP} and C{Forwarded}
-    headers for a request from C{client} that asked for C{host}.
+    The gateway's own forwarding headers (the set L{FORWARDED_HEADERS}
+    names C{which}) for a request from C{client} that asked for C{host}.
     """
+    if which == "none":
+        return b""
+    if which == "x-forwarded":
+        if client:
+            return b"x-forwarded-for: %s\r\nx-forwarded-proto: %s\r\n" % (client.encode(), _SCHEME)
+        return b"x-forwarded-proto: %s\r\n" % _SCHEME
     parts: list[bytes] = []
     forwarded: list[bytes] = []
     if client:
@@ -262,8 +284,8 @@ class ProxyCall:
     # One per request: slots make it cheaper to make and to read.
     __slots__ = (
         "gw", "policy", "key", "meter", "request", "model", "path_label", "body", "routes", "started", "head",
-        "route", "tried", "conn", "connecting", "timer", "sent_at", "counted", "sent_headers", "done", "paused",
-        "fresh_retry_used", "last_error", "last_was_timeout", "reused", "status",
+        "route", "tried", "conn", "connecting", "timer", "armed", "sent_at", "counted", "sent_headers", "done",
+        "paused", "fresh_retry_used", "last_error", "last_was_timeout", "reused", "status",
     )
 
     def __init__(
@@ -290,12 +312,14 @@ class ProxyCall:
         self.body = body
         self.routes = routes
         self.started = started
-        self.head = forwarded_head(request, len(body))
+        self.head = forwarded_head(request, len(body), gateway.config.forwarded_headers)
         self.route: Route | None = None
         self.tried: set[str] = set()
         self.conn: UpstreamConnection | None = None
         self.connecting: Deferred[UpstreamConnection] | None = None
         self.timer: IDelayedCall | None = None
+        #: The connection whose timer is armed for this call.
+        self.armed: UpstreamConnection | None = None
         self.sent_at = 0.0
         self.counted = False
         self.sent_headers = False
@@ -377,7 +401,8 @@ class ProxyCall:
             config = self.gw.config
             reactor = self.gw.reactor
             self.sent_at = reactor.seconds()
-            self.timer = reactor.callLater(min(config.first_byte_timeout, config.idle_timeout), self._timed_out)
+            self.timer = conn.arm(reactor, min(config.first_byte_timeout, config.idle_timeout), self._timed_out)
+            self.armed = conn
 
     # ResponseHandler
 
@@ -416,6 +441,20 @@ class ProxyCall:
         # connection reports next, in the same read (b"" when that read
         # held none): one send to the client, not two.
         request.start_response(status, kept, length, reason or None, hold=True)
+        request.set_producer(self)
+        self.gw.metrics.first_byte(self.model, time.monotonic() - self.started)
+
+    def response_relayed(self, status: int, reason: bytes, block: bytes, length: int) -> None:
+        # response_started for a head in the common shape (see
+        # llmgw.gateway.upstream.ResponseHandler): its header lines go on
+        # to the client as they came, without the hop's own.
+        if self.done:
+            return
+        self.gw.router.succeeded(self.route.replica_id)  # type: ignore[union-attr]
+        self.status = status
+        self.sent_headers = True
+        request = self.request
+        request.start_response(status, (), length, reason or None, hold=True, block=block)
         request.set_producer(self)
         self.gw.metrics.first_byte(self.model, time.monotonic() - self.started)
 
@@ -554,12 +593,14 @@ class ProxyCall:
 
     def _timed_out(self) -> None:
         self.timer = None
+        self.armed = None
         if self.done:
             return
         if not self.sent_headers and self.conn is not None:
             left = self.sent_at + self.gw.config.first_byte_timeout - self.gw.reactor.seconds()
             if left > 0.001:  # not clock rounding
-                self.timer = self.gw.reactor.callLater(left, self._timed_out)
+                self.timer = self.conn.arm(self.gw.reactor, left, self._timed_out)
+                self.armed = self.conn
                 return
         route = self.route
         assert route is not None
@@ -624,9 +665,12 @@ class ProxyCall:
             self.gw.router.end(self.route.replica_id)
 
     def _cancel_timer(self) -> None:
-        if self.timer is not None:
-            timer, self.timer = self.timer, None
-            timer.cancel()
+        # The timer is the connection's (UpstreamConnection.arm): it stays
+        # for the connection's next response, with nothing to call.
+        conn = self.armed
+        if conn is not None:
+            self.timer = self.armed = None
+            conn.disarm(self._timed_out)
 
     def _record(self, status: int) -> None:
         m = self.gw.metrics

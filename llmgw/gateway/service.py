@@ -32,7 +32,7 @@ from llmgw.collector import CollectorTuning
 from llmgw.gateway.follower import DemandReporter, FollowerService, FollowerTable
 from llmgw.gateway.front import MAX_CONNECTIONS
 from llmgw.gateway.keys import KeyRing, KeysError, load_keys
-from llmgw.gateway.proxy import Gateway, GatewayConfig
+from llmgw.gateway.proxy import FORWARDED_HEADERS, Gateway, GatewayConfig
 from llmgw.gateway.resource import GatewayResource, GatewaySite
 from llmgw.gateway.usage import UsageResource
 from llmgw.hostcheck import HostCheck, HostListError, parse_hosts
@@ -137,6 +137,9 @@ class Options(BaseOptions):
          positive_int],
         ["connect-timeout", None, GatewayConfig.connect_timeout, "seconds to connect to a replica",
          positive_float],
+        ["forwarded-headers", None, GatewayConfig.forwarded_headers,
+         "what replicas are told of the client: x-forwarded (X-Forwarded-For and -Proto), full (also "
+         "X-Forwarded-Host, X-Real-IP and Forwarded) or none; a client's own are always dropped"],
         ["first-byte-timeout", None, GatewayConfig.first_byte_timeout,
          "seconds a replica may take before the first byte of its answer", positive_float],
         ["idle-timeout", None, GatewayConfig.idle_timeout,
@@ -197,6 +200,10 @@ class Options(BaseOptions):
             self["listen_host"], self["listen_port"] = parse_address(self["listen"], "127.0.0.1")
         except AddressError as e:
             raise usage.UsageError(f"--listen: {e}") from e
+        if self["forwarded-headers"] not in FORWARDED_HEADERS:
+            raise usage.UsageError(
+                f"--forwarded-headers: {self['forwarded-headers']!r} is not one of {', '.join(FORWARDED_HEADERS)}"
+            )
         if self["metrics"] in ("off", "none", ""):
             self["metrics_address"] = None
         else:
@@ -255,6 +262,7 @@ class Options(BaseOptions):
             limit_share=self["limit-share"],
             queue_depth=self["queue-depth"],
             queue_timeout_s=self["queue-timeout"],
+            forwarded_headers=self["forwarded-headers"],
         )
 
 

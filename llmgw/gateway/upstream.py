@@ -26,6 +26,7 @@ from twisted.internet.endpoints import (
     TCP6ClientEndpoint,
     connectProtocol,
 )
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -52,6 +53,14 @@ _VALID_HEAD = re.compile(
 )
 _IS_TOKEN = re.compile(_TOKEN)
 _IS_TEXT = re.compile(_TEXT)
+# The relay (L{ResponseHandler.response_relayed}): in a head already
+# valid and in lower case, its one Content-Length; and, in the head as
+# sent, the lines of the headers the gateway writes itself.
+_ONE_LENGTH = re.compile(rb"\r\ncontent-length[ \t]*+:[ \t]*+([0-9]{1,18})[ \t]*+(?:\r\n|\Z)")
+_OWN_LINES = re.compile(
+    rb"\r\n(?:keep-alive|proxy-authenticate|trailer|upgrade|date|server|content-length)[ \t]*+:[^\r]*+",
+    re.IGNORECASE,
+)
 
 _HEAD, _LENGTH, _CHUNKED, _UNTIL_CLOSE, _DONE = range(5)
 
@@ -71,6 +80,14 @@ class ResponseHandler(TypingProtocol):
     """
 
     def response_started(self, status: int, reason: bytes, headers: list[tuple[bytes, bytes]]) -> None: ...
+
+    # A handler may also have C{response_relayed(status, reason, block,
+    # length)}: then a response in the common shape (one Content-Length,
+    # no Transfer-Encoding, no Connection header) is reported there instead,
+    # with its headers as one C{block} of lines, each after a CRLF, as the
+    # replica wrote them, less those a proxy writes itself (Server, Date,
+    # Content-Length, Keep-Alive and the other hop-by-hop ones): bytes a
+    # proxy can pass on without taking them apart and putting them back.
 
     def response_data(self, data: bytes) -> None:
         """
@@ -99,6 +116,8 @@ class UpstreamConnection(Protocol):
         self.pool = pool
         self.address = address
         self.handler: ResponseHandler | None = None
+        #: The handler's C{response_relayed}, if it has one.
+        self._relay: Callable[[int, bytes, bytes, int], None] | None = None
         self.connected_ = False
         self.requests = 0
         self._state = _DONE
@@ -108,6 +127,10 @@ class UpstreamConnection(Protocol):
         self._started = False
         self._keep_alive = True
         self._write: Callable[[bytes], None] = self._write_unconnected
+        #: The connection's one timer (L{arm}), kept from one response to
+        #: the next, and what it calls when it comes due.
+        self._due: IDelayedCall | None = None
+        self._on_due: Callable[[], None] | None = None
 
     def _write_unconnected(self, data: bytes) -> None:
         self.transport.write(data)
@@ -130,12 +153,57 @@ class UpstreamConnection(Protocol):
         """
         assert self.handler is None, "one request at a time"
         self.handler = handler
+        self._relay = getattr(handler, "response_relayed", None)
         self.requests += 1
         self._state = _HEAD
         self._buf = b""
         self._started = False
         self._keep_alive = True
         self._write(data)
+
+    def arm(self, clock: IReactorTime, delay: float, callback: Callable[[], None]) -> IDelayedCall:
+        """
+        Call C{callback} in C{delay} seconds unless L{disarm}ed first: the
+        handler's timeout on the connection's one timer. A timer made anew
+        for each response and cancelled at its end cost more than the rest
+        of the timeout handling; this one stays set while the connection
+        idles (coming due then does nothing) and is only put later for the
+        next response, which is free until it comes due. Returns the
+        timer, which the caller may put later (C{reset}) while armed.
+        """
+        self._on_due = callback
+        due = self._due
+        if due is not None and due.active():
+            deadline = clock.seconds() + delay
+            at = due.getTime()
+            if at <= deadline:
+                if at < deadline:
+                    due.delay(deadline - at)
+                return due
+            # Sooner: a reactor finds a call by a linear search of its heap
+            # to move it sooner; cancelling is free and a new call log n.
+            due.cancel()
+        self._due = due = clock.callLater(delay, self._came_due)
+        return due
+
+    def disarm(self, callback: Callable[[], None]) -> None:
+        """
+        C{callback}, if armed, is not called (the timer itself stays).
+        """
+        if self._on_due == callback:
+            self._on_due = None
+
+    def _came_due(self) -> None:
+        self._due = None
+        callback, self._on_due = self._on_due, None
+        if callback is not None:
+            callback()
+
+    def _stop_timer(self) -> None:
+        self._on_due = None
+        due, self._due = self._due, None
+        if due is not None and due.active():
+            due.cancel()
 
     def abort(self) -> None:
         """
@@ -174,6 +242,7 @@ class UpstreamConnection(Protocol):
 
     def connectionLost(self, reason: Failure = None) -> None:  # type: ignore[assignment]
         self.connected_ = False
+        self._stop_timer()
         if self.pool is not None:
             self.pool.lost(self)
         handler = self.handler
@@ -262,11 +331,30 @@ class UpstreamConnection(Protocol):
         """
         if _VALID_HEAD.fullmatch(head) is None:
             raise UpstreamProtocolError(_head_problem(head))
-        lines = head.split(b"\r\n")
-        status_line = lines[0]
-        status = int(status_line[9:12])
+        status = int(head[9:12])
         if 100 <= status < 200:
             return False
+        relay = self._relay
+        if relay is not None and status != 204 and status != 304:
+            low = head.lower()
+            if (
+                b"\r\ntransfer-encoding" not in low
+                and b"\r\nconnection" not in low
+                and low.count(b"\r\ncontent-length") == 1
+            ):
+                m = _ONE_LENGTH.search(low)
+                if m is not None:
+                    # The common shape: framed by its one Content-Length,
+                    # kept alive unless HTTP/1.0 (no Connection header).
+                    eol = head.find(b"\r\n")
+                    size = int(m.group(1))
+                    self._keep_alive = head[7] != 48  # HTTP/1.0
+                    self._remaining = size
+                    self._state = _LENGTH if size else _DONE
+                    relay(status, head[13:eol], _OWN_LINES.sub(b"", head[eol:]), size)
+                    return True
+        lines = head.split(b"\r\n")
+        status_line = lines[0]
         http10 = status_line.startswith(b"HTTP/1.0")
         reason = status_line[13:]
         headers: list[tuple[bytes, bytes]] = []

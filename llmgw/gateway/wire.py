@@ -9,12 +9,13 @@ per read, that is two system calls and a reactor turn per write, and the
 bytes wait behind whatever else that turn does (other connections' reads,
 timers): most of the latency a hop adds, and a good share of its CPU.
 
-L{send_now} returns a writer that sends at once with the transport's own
-C{writeSomeData} (the C{send} Twisted would make later) when nothing is
-queued before it, and hands to C{write} whatever the socket did not take,
-or everything when something is queued already (order is kept), when the
-connection is closing, or when the transport is not a plain TCP one (TLS,
-test transports): then it is C{transport.write} itself.
+L{send_now} returns a writer that sends at once on the transport's socket
+(the C{send} Twisted would make later) when nothing is queued before it,
+and hands to C{write} whatever the socket did not take, or everything when
+something is queued already (order is kept), when the connection is
+closing, when the send fails (the transport meets the same error on its
+own turn and closes as usual), or when the transport is not a plain TCP
+one (TLS, test transports): then it is C{transport.write} itself.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def send_now(transport: Any) -> Callable[[bytes], None]:
     write: Callable[[bytes], None] = transport.write
     if not isinstance(transport, FileDescriptor) or getattr(transport, "socket", None) is None:
         return write
-    some = transport.writeSomeData
+    send = transport.socket.send  # type: ignore[attr-defined]
 
     def writer(data: bytes) -> None:
         t = transport
@@ -48,12 +49,15 @@ def send_now(transport: Any) -> Callable[[bytes], None]:
         ):
             write(data)
             return
-        n = some(data)
-        if type(n) is not int:
-            # The connection is lost: the queued write meets the same error
-            # on the reactor's turn, and the transport closes as usual.
+        try:
+            n = send(data)
+        except OSError:
+            # Full (EAGAIN), interrupted, or the connection is lost: queued,
+            # the bytes are sent, or meet the same error, on the reactor's
+            # turn, and the transport carries on or closes as usual.
             write(data)
-        elif n < len(data):
+            return
+        if n < len(data):
             write(data[n:])
 
     return writer
