@@ -62,6 +62,7 @@ import os
 import random
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -446,6 +447,8 @@ def router_command(name: str, port: int, sim_ports: list[int], args: argparse.Na
         return me + ["--policy", "least_loaded"]
     if name == "prefix_no_signals":
         return me + ["--policy", "prefix", "--epsilon", str(args.epsilon)] + slack
+    if name == "prefix_no_spread":
+        return me + ["--policy", "prefix", "--signals", "--epsilon", str(args.epsilon), "--spread-s", "0"] + slack
     if name == "prefix_engine_load":
         return me + ["--policy", "prefix", "--signals", "--engine-load", "--epsilon", str(args.epsilon)] + slack
     if name in ("round_robin", "least_loaded", "prefix"):
@@ -472,7 +475,7 @@ WORKLOADS = ["conversations", "independent", "burst"]
 ROUTERS = ["least_in_flight", "round_robin", "least_loaded", "prefix", "vllm-router cache_aware",
            "sglang-router cache_aware", "prefix_engine_load"]
 #: Routers run only when named in --routers.
-EXTRA_ROUTERS = ["prefix_no_signals"]
+EXTRA_ROUTERS = ["prefix_no_signals", "prefix_no_spread"]
 
 
 def run_router(name: str, args: argparse.Namespace) -> dict[str, Any] | None:
@@ -564,7 +567,9 @@ def load(port: int, sim_ports: list[int], args: argparse.Namespace) -> dict[str,
 # -- simulated time: llmgw's own policies without the machine's noise --------------------
 
 
-def offline_run(policy: str, args: argparse.Namespace, slack: int | None, seed: int) -> dict[str, Any]:
+def offline_run(
+    policy: str, args: argparse.Namespace, slack: int | None, seed: int, spread_s: float | None = None
+) -> dict[str, Any]:
     """
     Workload (a) with four engine simulators and llmgw's L{Router} on one
     L{Clock}, no sockets and no processes: the same schedule, the same
@@ -583,7 +588,10 @@ def offline_run(policy: str, args: argparse.Namespace, slack: int | None, seed: 
     clock = Clock()
     sims = [EngineSim(clock, EngineSimConfig(**SIM_ARGS)) for _ in range(4)]  # type: ignore[arg-type]
     ids = [f"r{i}" for i in range(4)]
-    config = PolicyConfig(epsilon=args.epsilon, **({} if slack is None else {"slack": slack}))
+    knobs: dict[str, Any] = {} if slack is None else {"slack": slack}
+    if spread_s is not None:
+        knobs["spread_s"] = spread_s
+    config = PolicyConfig(epsilon=args.epsilon, **knobs)
     router = Router(clock, policy=config)
     routes = [Route(rid, MODEL, "-") for rid in ids]
     signals = policy != "least_in_flight"
@@ -644,20 +652,108 @@ def offline_run(policy: str, args: argparse.Namespace, slack: int | None, seed: 
     }
 
 
+def offline_independent(policy: str, spread_s: float | None, ramp_s: float, n: int = 240,
+                        clients: int = 32, seed: int = 2) -> dict[str, Any]:
+    """
+    Workload (b) in simulated time: C{clients} closed-loop clients sending
+    C{n} independent 300-word prompts to four engine simulators through
+    llmgw's L{Router} on one L{Clock}, the clients starting over
+    C{ramp_s} seconds (0: all at once, as the real run's do), 1 ms from the
+    router to an engine and back. C{prefix} with C{spread_s} 0 places first
+    turns as C{least_loaded} does.
+    """
+    from twisted.internet.task import Clock
+
+    from llmgw.gateway.policy import affinity_key
+    from llmgw.gateway.router import Router
+    from llmgw.routing import EngineSignals, Route
+    from llmgw.testing.enginesim import EngineSim, EngineSimConfig, chat_tokens
+
+    clock = Clock()
+    sims = [EngineSim(clock, EngineSimConfig(**SIM_ARGS)) for _ in range(4)]  # type: ignore[arg-type]
+    ids = [f"r{i}" for i in range(4)]
+    config = PolicyConfig(**({} if spread_s is None else {"spread_s": spread_s}))
+    router = Router(clock, policy=config)
+    routes = [Route(rid, MODEL, "-") for rid in ids]
+    signals = policy != "least_in_flight"
+    name = "least_loaded" if policy == "least_in_flight" else policy
+    rng = random.Random(seed)
+    prompts = [words(rng, 300) for _ in range(n)]
+    ttft: list[float] = []
+    per = dict.fromkeys(ids, 0)
+    done = [0]
+
+    def scrape() -> None:
+        nonlocal routes
+        if signals:
+            routes = [Route(rid, MODEL, "-", signals=EngineSignals(
+                clock.seconds(), float(len(s.waiting)), float(len(s.running)), s.kv_usage()))
+                for rid, s in zip(ids, sims, strict=True)]
+        clock.callLater(0.25, scrape)
+
+    def client() -> None:
+        if not prompts:
+            return
+        body = chat_body([{"role": "user", "content": prompts.pop()}])
+        route = router.pick(routes, (), name, affinity_key(body, None, config))
+        assert route is not None
+        rid = route.replica_id
+        router.begin(rid)
+        per[rid] += 1
+        t0 = clock.seconds()
+
+        def on_token(k: int) -> None:
+            if k == 1:
+                ttft.append(clock.seconds() - t0)
+
+        def on_done() -> None:
+            router.end(rid)
+            done[0] += 1
+            clock.callLater(0.001, client)
+
+        sim = sims[ids.index(rid)]
+        clock.callLater(0.001, sim.submit, chat_tokens(body["messages"]), MAX_TOKENS, on_token, on_done)
+
+    scrape()
+    for i in range(clients):
+        clock.callLater(ramp_s * i / clients, client)
+    while done[0] < n and clock.seconds() < 3600:
+        clock.advance(0.0005)
+    ttft.sort()
+    mean = sum(per.values()) / len(per)
+    return {
+        "ttft_p50_ms": round(percentile(ttft, 50) * 1000, 1),
+        "ttft_p99_ms": round(percentile(ttft, 99) * 1000, 1),
+        "ttft_mean_ms": round(sum(ttft) / len(ttft) * 1000, 1),
+        "throughput_rps": round(n / clock.seconds(), 2),
+        "busiest_over_mean": round(max(per.values()) / mean, 3),
+    }
+
+
 def offline(args: argparse.Namespace) -> dict[str, Any]:
     runs = [("least_in_flight", None), ("round_robin", None), ("least_loaded", None),
-            ("prefix slack 0", 0), ("prefix", None)]
+            ("prefix slack 0", 0), ("prefix spread 0", None), ("prefix", None)]
     out: dict[str, Any] = {}
     for seed in args.seeds:
         out[f"seed {seed}"] = {
-            label: offline_run(label.split()[0], args, slack, seed) for label, slack in runs
+            label: offline_run(label.split()[0], args, slack, seed, 0.0 if "spread 0" in label else None)
+            for label, slack in runs
         }
     ratio = [r["prefix"]["ttft_p99_ms"] / r["least_in_flight"]["ttft_p99_ms"] for r in out.values()]
+    independent = {
+        f"clients start over {ramp} s": {
+            "least_in_flight": offline_independent("least_in_flight", None, ramp),
+            "prefix spread 0": offline_independent("prefix", 0.0, ramp),
+            "prefix": offline_independent("prefix", None, ramp),
+        }
+        for ramp in (0.0, 0.25, 0.5)
+    }
     return {"bench": "routing-offline", "simulator": SIM_ARGS, "epsilon": args.epsilon,
-            "slack": PolicyConfig().slack,
+            "slack": PolicyConfig().slack, "spread_s": PolicyConfig().spread_s,
             "workload": {"conversations": args.conversations, "turns": args.turns,
                          "arrival_s": args.arrival_s, "think_s": args.think_s},
-            "runs": out, "prefix_p99_over_least_in_flight": [round(x, 3) for x in ratio]}
+            "runs": out, "prefix_p99_over_least_in_flight": [round(x, 3) for x in ratio],
+            "independent": {"requests": 240, "clients": 32, "prompt_words": 300, "runs": independent}}
 
 
 # -- the cost of a routing decision ----------------------------------------------------------
@@ -936,6 +1032,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated, from: " + ", ".join(WORKLOADS))
     p.add_argument("--queue-depth", type=int, default=None,
                    help="llmgw's admission queue bound per model (default: the gateway's)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="rounds of every router, interleaved; figures are the rounds' medians")
     p.add_argument("--quick", action="store_true", help="a small run, to check the bench works")
     p.add_argument("--router", default="", help="(one) the router to run")
     p.add_argument("--baseline", default="", help="(pick-cost) another checkout to compare with")
@@ -985,38 +1083,29 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(run_router(args.router, args)))
         return 0
     load_before = os.getloadavg()
-    results: dict[str, Any] = {}
-    skipped = []
-    for name in args.routers.split(","):
-        cmd = [sys.executable, str(Path(__file__).resolve()), "one", "--router", name,
-               "--conversations", str(args.conversations), "--turns", str(args.turns),
-               "--arrival-s", str(args.arrival_s), "--think-s", str(args.think_s),
-               "--independent", str(args.independent), "--burst", str(args.burst),
-               "--epsilon", str(args.epsilon), "--workloads", args.workloads]
-        if args.slack is not None:
-            cmd += ["--slack", str(args.slack)]
-        if args.spread_s is not None:
-            cmd += ["--spread-s", str(args.spread_s)]
-        cmd += ["--scrape-s", str(args.scrape_s)]
-        if args.peers:
-            cmd += ["--peers", args.peers]
-        if args.queue_depth is not None:
-            cmd += ["--queue-depth", str(args.queue_depth)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
-        if proc.returncode != 0:
-            results[name] = {"error": proc.stderr[-2000:]}
-            continue
-        doc = json.loads(proc.stdout.strip().splitlines()[-1])
-        if doc is None:
-            skipped.append(name)
-        else:
-            results[name] = doc
+    per_round: dict[str, list[dict[str, Any]]] = {}
+    skipped: list[str] = []
+    for _ in range(args.repeat):
+        # Rounds interleaved: each router's figures span the same stretch of
+        # the machine's load.
+        for name in args.routers.split(","):
+            if name in skipped:
+                continue
+            got = run_one(name, args)
+            if got is None:
+                skipped.append(name)
+            else:
+                per_round.setdefault(name, []).append(got)
+    results = {name: merge_rounds(docs) for name, docs in per_round.items()}
     report = {
         "bench": "routing",
         "machine": {"cpus": os.cpu_count(), "load_before": load_before, "load_after": os.getloadavg()},
         "simulator": SIM_ARGS,
         "prefix_policy": {"epsilon": args.epsilon,
-                          "slack": PolicyConfig().slack if args.slack is None else args.slack},
+                          "slack": PolicyConfig().slack if args.slack is None else args.slack,
+                          "spread_s": PolicyConfig().spread_s if args.spread_s is None else args.spread_s},
+        "scrape_s": args.scrape_s,
+        "rounds": args.repeat,
         "max_tokens": MAX_TOKENS,
         "workloads": {
             "conversations": {"conversations": args.conversations, "turns": args.turns,
@@ -1033,6 +1122,73 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(json.dumps(report, indent=2))
     return 0
+
+
+#: Figures of a workload that several rounds sum (the rest: medians).
+_SUMMED = ("requests", "answered", "refused_503_retry_after", "lost")
+
+
+def merge_rounds(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """
+    One router's figures over several rounds: per workload, the median of
+    each figure (TTFT, throughput, busiest / mean, hit share), the sums of
+    the counts (requests, answered, refused, lost, per replica), and each
+    round's TTFT p50 / mean / p99 and throughput. One round: as it came.
+    """
+    if len(docs) == 1 or any("error" in d for d in docs):
+        return docs[0] if len(docs) == 1 else {"error": [d["error"] for d in docs if "error" in d]}
+    out: dict[str, Any] = {"command": docs[0].get("command")}
+    for w in WORKLOADS:
+        runs = [d[w] for d in docs if w in d]
+        if not runs:
+            continue
+        merged: dict[str, Any] = {}
+        for k, v in runs[0].items():
+            if k in _SUMMED:
+                merged[k] = sum(r[k] for r in runs)
+            elif k == "per_replica":
+                merged[k] = {rid: sum(r[k].get(rid, 0) for r in runs) for rid in v}
+            elif k == "errors":
+                errors: dict[str, int] = {}
+                for r in runs:
+                    for e, n in r[k].items():
+                        errors[e] = errors.get(e, 0) + n
+                merged[k] = errors
+            elif isinstance(v, (int, float)) or v is None:
+                xs = [r[k] for r in runs if r[k] is not None]
+                merged[k] = round(statistics.median(xs), 3) if xs else None
+        merged["per_round"] = [
+            {k: r[k] for k in ("ttft_p50_ms", "ttft_mean_ms", "ttft_p99_ms", "throughput_rps", "busiest_over_mean")}
+            for r in runs
+        ]
+        out[w] = merged
+    return out
+
+
+def run_one(name: str, args: argparse.Namespace) -> dict[str, Any] | None:
+    """
+    One router's run, in a process of its own (a fresh reactor for each
+    load generator): its figures, C{None} when it is not installed, or
+    C{{"error": ...}}.
+    """
+    cmd = [sys.executable, str(Path(__file__).resolve()), "one", "--router", name,
+           "--conversations", str(args.conversations), "--turns", str(args.turns),
+           "--arrival-s", str(args.arrival_s), "--think-s", str(args.think_s),
+           "--independent", str(args.independent), "--burst", str(args.burst),
+           "--epsilon", str(args.epsilon), "--workloads", args.workloads, "--scrape-s", str(args.scrape_s)]
+    if args.slack is not None:
+        cmd += ["--slack", str(args.slack)]
+    if args.spread_s is not None:
+        cmd += ["--spread-s", str(args.spread_s)]
+    if args.peers:
+        cmd += ["--peers", args.peers]
+    if args.queue_depth is not None:
+        cmd += ["--queue-depth", str(args.queue_depth)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    if proc.returncode != 0:
+        return {"error": proc.stderr[-2000:]}
+    doc: dict[str, Any] | None = json.loads(proc.stdout.strip().splitlines()[-1])
+    return doc
 
 
 if __name__ == "__main__":
