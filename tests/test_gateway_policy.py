@@ -475,6 +475,26 @@ class PrefixTests(SynchronousTestCase):
         # Missing from recent: nothing sent.
         self.assertEqual(spread(rs, loads, {"r0": 1, "r1": 1, "r3": 1}, 6).replica_id, "r2")
 
+    def test_choose_first_turn(self) -> None:
+        """
+        L{choose} under C{prefix}: a first turn's key with per-replica
+        recent sends goes by L{spread} (a replica sent requests lately is
+        passed over for one sent none, though it is less loaded); without
+        them, to the least loaded. A later turn's key goes by the ring
+        either way.
+        """
+        rs = routes(3)
+        inflight = {"r0": 0, "r1": 2, "r2": 2}.__getitem__
+        first = FIRST_TURN + b"question"
+        spread_pick = choose("prefix", rs, inflight, 0.0, CONFIG, first, 0, recent={"r0": 3})
+        self.assertIn(spread_pick.replica_id, {"r1", "r2"})
+        self.assertEqual(choose("prefix", rs, inflight, 0.0, CONFIG, first, 0).replica_id, "r0")
+        later = b"p\x00" + b"question"
+        self.assertEqual(
+            choose("prefix", rs, inflight, 0.0, CONFIG, later, 0, recent={"r0": 3}).replica_id,
+            choose("prefix", rs, inflight, 0.0, CONFIG, later, 0).replica_id,
+        )
+
     def test_no_key_is_least_loaded(self) -> None:
         """
         Under C{prefix}, a request without a key goes to the least loaded.

@@ -36,11 +36,13 @@ C{prefix}
     first turn (no assistant message), which nothing has cached yet, goes
     instead to the replica under the bound that was sent the fewest
     requests in the last C{spread_s} seconds, the least loaded of those,
-    ties in the ring's order from its key (L{spread}): requests that reach an engine together are prefilled
-    together, each waiting for the others' prompts, so a burst of
-    independent prompts is dealt out rather than heaped on the one replica
-    that just finished a batch. So a conversation stays on the replica
-    whose engine holds its KV blocks while that replica's load allows.
+    ties in the ring's order from its key (L{spread}; with C{spread_s} 0,
+    to the least loaded): requests that reach an engine together are
+    prefilled together, each waiting for the others' prompts, so a burst
+    of independent prompts is dealt out rather than heaped on the one
+    replica that just finished a batch. So a conversation stays on the
+    replica whose engine holds its KV blocks while that replica's load
+    allows.
 
 The ring and the key depend only on the routing table and the request:
 two gateways with the same table and the same loads send a key neither has
@@ -350,7 +352,10 @@ def spread(
     by_id = {r.replica_id: r for r in candidates}
     best: Route | None = None
     best_score = (0, 0)
-    for rid in [*(x for x in order if x in by_id), *(x for x in by_id if x not in order)]:
+    # dict keys: the order's ids first, then the rest, each once.
+    ids = dict.fromkeys(x for x in order if x in by_id)
+    ids.update(dict.fromkeys(by_id))
+    for rid in ids:
         load = loads[rid]
         if load + 1 > bound:
             continue
