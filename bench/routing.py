@@ -62,6 +62,7 @@ import os
 import random
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -115,6 +116,8 @@ def serve_gateway(
     port: int, upstreams: list[str], policy: str, signals: bool, epsilon: float, engine_load: bool,
     slack: int | None = None,
     queue_depth: int | None = None,
+    scrape_s: float = 0.25,
+    spread_s: float | None = None,
 ) -> None:
     import treq
     from twisted.internet import reactor
@@ -137,7 +140,10 @@ def serve_gateway(
 
     publish()
     table.set_policies({MODEL: policy})
-    config = GatewayConfig(first_byte_timeout=600, policy=PolicyConfig(epsilon=epsilon, engine_load=engine_load, **({} if slack is None else {"slack": slack})))
+    knobs: dict[str, Any] = {} if slack is None else {"slack": slack}
+    if spread_s is not None:
+        knobs["spread_s"] = spread_s
+    config = GatewayConfig(first_byte_timeout=600, policy=PolicyConfig(epsilon=epsilon, engine_load=engine_load, **knobs))
     if queue_depth is not None:
         config.queue_depth = queue_depth
     GatewayService(reactor, table, "127.0.0.1", port, config).startService()
@@ -162,7 +168,7 @@ def serve_gateway(
             d.addCallback(lambda _: publish())
             return d
 
-        LoopingCall(scrape).start(0.25)
+        LoopingCall(scrape).start(scrape_s)
     print("ready", flush=True)
     reactor.run()  # type: ignore[attr-defined]
 
@@ -432,10 +438,17 @@ def router_command(name: str, port: int, sim_ports: list[int], args: argparse.Na
     ups = ",".join(f"127.0.0.1:{p}" for p in sim_ports)
     me = [sys.executable, str(Path(__file__).resolve()), "gateway", "--port", str(port), "--upstreams", ups]
     slack = [] if args.slack is None else ["--slack", str(args.slack)]
+    if args.spread_s is not None:
+        slack += ["--spread-s", str(args.spread_s)]
     if args.queue_depth is not None:
         me += ["--queue-depth", str(args.queue_depth)]
+    me += ["--scrape-s", str(args.scrape_s)]
     if name == "least_in_flight":
         return me + ["--policy", "least_loaded"]
+    if name == "prefix_no_signals":
+        return me + ["--policy", "prefix", "--epsilon", str(args.epsilon)] + slack
+    if name == "prefix_no_spread":
+        return me + ["--policy", "prefix", "--signals", "--epsilon", str(args.epsilon), "--spread-s", "0"] + slack
     if name == "prefix_engine_load":
         return me + ["--policy", "prefix", "--signals", "--engine-load", "--epsilon", str(args.epsilon)] + slack
     if name in ("round_robin", "least_loaded", "prefix"):
@@ -457,8 +470,12 @@ def router_command(name: str, port: int, sim_ports: list[int], args: argparse.Na
     return None
 
 
+WORKLOADS = ["conversations", "independent", "burst"]
+
 ROUTERS = ["least_in_flight", "round_robin", "least_loaded", "prefix", "vllm-router cache_aware",
            "sglang-router cache_aware", "prefix_engine_load"]
+#: Routers run only when named in --routers.
+EXTRA_ROUTERS = ["prefix_no_signals", "prefix_no_spread"]
 
 
 def run_router(name: str, args: argparse.Namespace) -> dict[str, Any] | None:
@@ -523,11 +540,15 @@ def load(port: int, sim_ports: list[int], args: argparse.Namespace) -> dict[str,
 
     async def main() -> None:
         await warm()
-        await workload("conversations", Deferred.fromCoroutine(
-            conversations(reactor, port, args.conversations, args.turns, 1, args.arrival_s, args.think_s)))
-        await workload("independent", Deferred.fromCoroutine(independent(reactor, port, args.independent, 32, 2)))
-        await deferLater(reactor, 1.0, lambda: None)
-        await workload("burst", Deferred.fromCoroutine(burst(reactor, port, args.burst, 3)))
+        chosen = args.workloads.split(",")
+        if "conversations" in chosen:
+            await workload("conversations", Deferred.fromCoroutine(
+                conversations(reactor, port, args.conversations, args.turns, 1, args.arrival_s, args.think_s)))
+        if "independent" in chosen:
+            await workload("independent", Deferred.fromCoroutine(independent(reactor, port, args.independent, 32, 2)))
+        if "burst" in chosen:
+            await deferLater(reactor, 1.0, lambda: None)
+            await workload("burst", Deferred.fromCoroutine(burst(reactor, port, args.burst, 3)))
 
     failure: list[Any] = []
 
@@ -546,7 +567,9 @@ def load(port: int, sim_ports: list[int], args: argparse.Namespace) -> dict[str,
 # -- simulated time: llmgw's own policies without the machine's noise --------------------
 
 
-def offline_run(policy: str, args: argparse.Namespace, slack: int | None, seed: int) -> dict[str, Any]:
+def offline_run(
+    policy: str, args: argparse.Namespace, slack: int | None, seed: int, spread_s: float | None = None
+) -> dict[str, Any]:
     """
     Workload (a) with four engine simulators and llmgw's L{Router} on one
     L{Clock}, no sockets and no processes: the same schedule, the same
@@ -565,7 +588,10 @@ def offline_run(policy: str, args: argparse.Namespace, slack: int | None, seed: 
     clock = Clock()
     sims = [EngineSim(clock, EngineSimConfig(**SIM_ARGS)) for _ in range(4)]  # type: ignore[arg-type]
     ids = [f"r{i}" for i in range(4)]
-    config = PolicyConfig(epsilon=args.epsilon, **({} if slack is None else {"slack": slack}))
+    knobs: dict[str, Any] = {} if slack is None else {"slack": slack}
+    if spread_s is not None:
+        knobs["spread_s"] = spread_s
+    config = PolicyConfig(epsilon=args.epsilon, **knobs)
     router = Router(clock, policy=config)
     routes = [Route(rid, MODEL, "-") for rid in ids]
     signals = policy != "least_in_flight"
@@ -626,20 +652,108 @@ def offline_run(policy: str, args: argparse.Namespace, slack: int | None, seed: 
     }
 
 
+def offline_independent(policy: str, spread_s: float | None, ramp_s: float, n: int = 240,
+                        clients: int = 32, seed: int = 2) -> dict[str, Any]:
+    """
+    Workload (b) in simulated time: C{clients} closed-loop clients sending
+    C{n} independent 300-word prompts to four engine simulators through
+    llmgw's L{Router} on one L{Clock}, the clients starting over
+    C{ramp_s} seconds (0: all at once, as the real run's do), 1 ms from the
+    router to an engine and back. C{prefix} with C{spread_s} 0 places first
+    turns as C{least_loaded} does.
+    """
+    from twisted.internet.task import Clock
+
+    from llmgw.gateway.policy import affinity_key
+    from llmgw.gateway.router import Router
+    from llmgw.routing import EngineSignals, Route
+    from llmgw.testing.enginesim import EngineSim, EngineSimConfig, chat_tokens
+
+    clock = Clock()
+    sims = [EngineSim(clock, EngineSimConfig(**SIM_ARGS)) for _ in range(4)]  # type: ignore[arg-type]
+    ids = [f"r{i}" for i in range(4)]
+    config = PolicyConfig(**({} if spread_s is None else {"spread_s": spread_s}))
+    router = Router(clock, policy=config)
+    routes = [Route(rid, MODEL, "-") for rid in ids]
+    signals = policy != "least_in_flight"
+    name = "least_loaded" if policy == "least_in_flight" else policy
+    rng = random.Random(seed)
+    prompts = [words(rng, 300) for _ in range(n)]
+    ttft: list[float] = []
+    per = dict.fromkeys(ids, 0)
+    done = [0]
+
+    def scrape() -> None:
+        nonlocal routes
+        if signals:
+            routes = [Route(rid, MODEL, "-", signals=EngineSignals(
+                clock.seconds(), float(len(s.waiting)), float(len(s.running)), s.kv_usage()))
+                for rid, s in zip(ids, sims, strict=True)]
+        clock.callLater(0.25, scrape)
+
+    def client() -> None:
+        if not prompts:
+            return
+        body = chat_body([{"role": "user", "content": prompts.pop()}])
+        route = router.pick(routes, (), name, affinity_key(body, None, config))
+        assert route is not None
+        rid = route.replica_id
+        router.begin(rid)
+        per[rid] += 1
+        t0 = clock.seconds()
+
+        def on_token(k: int) -> None:
+            if k == 1:
+                ttft.append(clock.seconds() - t0)
+
+        def on_done() -> None:
+            router.end(rid)
+            done[0] += 1
+            clock.callLater(0.001, client)
+
+        sim = sims[ids.index(rid)]
+        clock.callLater(0.001, sim.submit, chat_tokens(body["messages"]), MAX_TOKENS, on_token, on_done)
+
+    scrape()
+    for i in range(clients):
+        clock.callLater(ramp_s * i / clients, client)
+    while done[0] < n and clock.seconds() < 3600:
+        clock.advance(0.0005)
+    ttft.sort()
+    mean = sum(per.values()) / len(per)
+    return {
+        "ttft_p50_ms": round(percentile(ttft, 50) * 1000, 1),
+        "ttft_p99_ms": round(percentile(ttft, 99) * 1000, 1),
+        "ttft_mean_ms": round(sum(ttft) / len(ttft) * 1000, 1),
+        "throughput_rps": round(n / clock.seconds(), 2),
+        "busiest_over_mean": round(max(per.values()) / mean, 3),
+    }
+
+
 def offline(args: argparse.Namespace) -> dict[str, Any]:
     runs = [("least_in_flight", None), ("round_robin", None), ("least_loaded", None),
-            ("prefix slack 0", 0), ("prefix", None)]
+            ("prefix slack 0", 0), ("prefix spread 0", None), ("prefix", None)]
     out: dict[str, Any] = {}
     for seed in args.seeds:
         out[f"seed {seed}"] = {
-            label: offline_run(label.split()[0], args, slack, seed) for label, slack in runs
+            label: offline_run(label.split()[0], args, slack, seed, 0.0 if "spread 0" in label else None)
+            for label, slack in runs
         }
     ratio = [r["prefix"]["ttft_p99_ms"] / r["least_in_flight"]["ttft_p99_ms"] for r in out.values()]
+    independent = {
+        f"clients start over {ramp} s": {
+            "least_in_flight": offline_independent("least_in_flight", None, ramp),
+            "prefix spread 0": offline_independent("prefix", 0.0, ramp),
+            "prefix": offline_independent("prefix", None, ramp),
+        }
+        for ramp in (0.0, 0.25, 0.5)
+    }
     return {"bench": "routing-offline", "simulator": SIM_ARGS, "epsilon": args.epsilon,
-            "slack": PolicyConfig().slack,
+            "slack": PolicyConfig().slack, "spread_s": PolicyConfig().spread_s,
             "workload": {"conversations": args.conversations, "turns": args.turns,
                          "arrival_s": args.arrival_s, "think_s": args.think_s},
-            "runs": out, "prefix_p99_over_least_in_flight": [round(x, 3) for x in ratio]}
+            "runs": out, "prefix_p99_over_least_in_flight": [round(x, 3) for x in ratio],
+            "independent": {"requests": 240, "clients": 32, "prompt_words": 300, "runs": independent}}
 
 
 # -- the cost of a routing decision ----------------------------------------------------------
@@ -650,15 +764,18 @@ from twisted.internet.task import Clock
 from llmgw.gateway.policy import PolicyConfig, affinity_key
 from llmgw.gateway.router import Router
 from llmgw.routing import Route
-n, replicas = int(sys.argv[1]), int(sys.argv[2])
+n, replicas, kind = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 routes = [Route(f"r{i}", "m", f"127.0.0.1:{i + 1}") for i in range(replicas)]
 config = PolicyConfig()
-router = Router(Clock(), policy=config)
+clock = Clock()
+router = Router(clock, policy=config)
+later = [{"role": "assistant", "content": "a"}, {"role": "user", "content": "more"}] if kind == "later" else []
 bodies = [{"model": "m", "messages": [{"role": "system", "content": "s" * 2000},
-          {"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": "a"},
-          {"role": "user", "content": "more"}]} for i in range(1000)]
+          {"role": "user", "content": f"question {i}"}, *later]} for i in range(1000)]
 t0 = time.process_time()
 for i in range(n):
+    # A thousand decisions a second, on the router's clock.
+    clock.rightNow += 0.001
     r = router.pick(routes, (), "prefix", affinity_key(bodies[i % 1000], None, config))
     router.begin(r.replica_id)
     router.end(r.replica_id)
@@ -670,15 +787,17 @@ def pick_cost(args: argparse.Namespace) -> dict[str, Any]:
     """
     CPU microseconds per C{prefix} routing decision (affinity key of a chat
     with a 2,000-character system prompt, then L{Router.pick} over 2 and 4
-    replicas), this tree against C{--baseline} (another checkout), in
-    interleaved rounds; medians.
+    replicas; a later turn, or with C{--pick-kind first} a first turn), this
+    tree against C{--baseline} (another checkout), in interleaved rounds;
+    medians.
     """
     trees = {"branch": ROOT, "baseline": Path(args.baseline)}
     per: dict[str, dict[int, list[float]]] = {t: {2: [], 4: []} for t in trees}
     for _ in range(args.rounds):
         for replicas in (2, 4):
             for name, tree in trees.items():
-                proc = subprocess.run([sys.executable, "-c", PICK_COST_CHILD, str(args.picks), str(replicas)],
+                proc = subprocess.run([sys.executable, "-c", PICK_COST_CHILD, str(args.picks), str(replicas),
+                                       args.pick_kind],
                                       capture_output=True, text=True, check=True,
                                       env=dict(os.environ, PYTHONPATH=str(tree)))
                 per[name][replicas].append(float(proc.stdout.strip()))
@@ -688,6 +807,7 @@ def pick_cost(args: argparse.Namespace) -> dict[str, Any]:
 
     return {
         "bench": "routing-pick-cost", "picks_per_run": args.picks, "rounds": args.rounds,
+        "turn": args.pick_kind,
         "baseline": str(args.baseline),
         "us_per_pick_median": {t: {f"{k}_replicas": med(v) for k, v in d.items()} for t, d in per.items()},
         "branch_over_baseline": {f"{k}_replicas": round(med(per["branch"][k]) / med(per["baseline"][k]), 3)
@@ -855,28 +975,33 @@ def llama_run(args: argparse.Namespace) -> dict[str, Any]:
 
 def verdict(results: dict[str, Any]) -> dict[str, Any]:
     """
-    The issue's bars, checked against the figures.
+    The issue's bars, checked against the figures (those of the workloads
+    that ran).
     """
     base = results.get("least_in_flight")
     new = results.get("prefix")
-    if not base or not new:
+    if not base or not new or "error" in base or "error" in new:
         return {}
-    peers = [results[p] for p in ROUTERS[4:6] if results.get(p)]
-    a_new, a_base = new["conversations"]["ttft_p99_ms"], base["conversations"]["ttft_p99_ms"]
-    best_peer = min((p["conversations"]["ttft_p99_ms"] for p in peers), default=None)
-    b_new, b_base = new["independent"]["throughput_rps"], base["independent"]["throughput_rps"]
-    b_p99_new, b_p99_base = new["independent"]["ttft_p99_ms"], base["independent"]["ttft_p99_ms"]
-    return {
-        "a_p99_at_most_half_of_least_in_flight": a_new <= a_base / 2,
-        "a_p99_no_worse_than_best_peer": None if best_peer is None else a_new <= best_peer,
-        "b_throughput_within_5pct": b_new >= 0.95 * b_base,
-        "b_ttft_p99_within_5pct": b_p99_new <= 1.05 * b_p99_base,
-        "busiest_at_most_1_25_mean": all(
-            new[w]["busiest_over_mean"] is not None and new[w]["busiest_over_mean"] <= 1.25
-            for w in ("conversations", "independent", "burst")
-        ),
-        "c_none_lost": new["burst"]["lost"] == 0,
-    }
+    out: dict[str, Any] = {}
+    if "conversations" in new and "conversations" in base:
+        peers = [results[p] for p in ROUTERS[4:6] if results.get(p) and "conversations" in results[p]]
+        a_new, a_base = new["conversations"]["ttft_p99_ms"], base["conversations"]["ttft_p99_ms"]
+        best_peer = min((p["conversations"]["ttft_p99_ms"] for p in peers), default=None)
+        out["a_p99_at_most_half_of_least_in_flight"] = a_new <= a_base / 2
+        out["a_p99_no_worse_than_best_peer"] = None if best_peer is None else a_new <= best_peer
+    if "independent" in new and "independent" in base:
+        b_new, b_base = new["independent"], base["independent"]
+        out["b_throughput_within_5pct"] = b_new["throughput_rps"] >= 0.95 * b_base["throughput_rps"]
+        for figure in ("p50", "mean", "p99"):
+            name = f"ttft_{figure}_ms"
+            out[f"b_ttft_{figure}_within_5pct"] = b_new[name] <= 1.05 * b_base[name]
+    ran = [w for w in WORKLOADS if w in new]
+    out["busiest_at_most_1_25_mean"] = all(
+        new[w]["busiest_over_mean"] is not None and new[w]["busiest_over_mean"] <= 1.25 for w in ran
+    )
+    if "burst" in new:
+        out["c_none_lost"] = new["burst"]["lost"] == 0
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -891,20 +1016,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epsilon", type=float, default=0.25, help="prefix's load bound (gateway mode)")
     p.add_argument("--slack", type=int, default=None, help="prefix's slack over the bound (default: PolicyConfig's)")
     p.add_argument("--peers", default=None, help="a bin directory holding vllm-router and sglang-router")
-    p.add_argument("--routers", default=",".join(ROUTERS), help="comma-separated, from: " + ", ".join(ROUTERS))
+    p.add_argument("--routers", default=",".join(ROUTERS),
+                   help="comma-separated, from: " + ", ".join(ROUTERS + EXTRA_ROUTERS))
+    p.add_argument("--scrape-s", type=float, default=0.25,
+                   help="seconds between the gateway's scrapes of the replicas' engine signals")
+    p.add_argument("--spread-s", type=float, default=None,
+                   help="prefix's spread window for first turns (default: PolicyConfig's)")
     p.add_argument("--conversations", type=int, default=96)
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--arrival-s", type=float, default=16.0, help="(a) conversations arrive over this long")
     p.add_argument("--think-s", type=float, default=1.0, help="(a) mean think time between turns")
     p.add_argument("--independent", type=int, default=240)
     p.add_argument("--burst", type=int, default=600)
+    p.add_argument("--workloads", default=",".join(WORKLOADS),
+                   help="comma-separated, from: " + ", ".join(WORKLOADS))
     p.add_argument("--queue-depth", type=int, default=None,
                    help="llmgw's admission queue bound per model (default: the gateway's)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="rounds of every router, interleaved; figures are the rounds' medians")
     p.add_argument("--quick", action="store_true", help="a small run, to check the bench works")
     p.add_argument("--router", default="", help="(one) the router to run")
     p.add_argument("--baseline", default="", help="(pick-cost) another checkout to compare with")
     p.add_argument("--picks", type=int, default=20000, help="(pick-cost) decisions per run")
     p.add_argument("--rounds", type=int, default=5, help="(pick-cost) interleaved rounds")
+    p.add_argument("--pick-kind", choices=["later", "first"], default="later",
+                   help="(pick-cost) a conversation's later turn or its first")
     p.add_argument("--seeds", type=lambda v: [int(x) for x in v.split(",")], default=[1, 2, 3],
                    help="(offline) workload (a) schedules to run, comma-separated")
     p.add_argument("--llama-conversations", type=int, default=8, help="(llama) chats at once")
@@ -921,7 +1057,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.mode == "gateway":
         serve_gateway(args.port, args.upstreams.split(","), args.policy, args.signals, args.epsilon, args.engine_load, args.slack,
-                      args.queue_depth)
+                      args.queue_depth, args.scrape_s, args.spread_s)
         return 0
     if args.mode == "pick-cost":
         load_before = os.getloadavg()
@@ -947,35 +1083,29 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(run_router(args.router, args)))
         return 0
     load_before = os.getloadavg()
-    results: dict[str, Any] = {}
-    skipped = []
-    for name in args.routers.split(","):
-        cmd = [sys.executable, str(Path(__file__).resolve()), "one", "--router", name,
-               "--conversations", str(args.conversations), "--turns", str(args.turns),
-               "--arrival-s", str(args.arrival_s), "--think-s", str(args.think_s),
-               "--independent", str(args.independent), "--burst", str(args.burst),
-               "--epsilon", str(args.epsilon)]
-        if args.slack is not None:
-            cmd += ["--slack", str(args.slack)]
-        if args.peers:
-            cmd += ["--peers", args.peers]
-        if args.queue_depth is not None:
-            cmd += ["--queue-depth", str(args.queue_depth)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
-        if proc.returncode != 0:
-            results[name] = {"error": proc.stderr[-2000:]}
-            continue
-        doc = json.loads(proc.stdout.strip().splitlines()[-1])
-        if doc is None:
-            skipped.append(name)
-        else:
-            results[name] = doc
+    per_round: dict[str, list[dict[str, Any]]] = {}
+    skipped: list[str] = []
+    for _ in range(args.repeat):
+        # Rounds interleaved: each router's figures span the same stretch of
+        # the machine's load.
+        for name in args.routers.split(","):
+            if name in skipped:
+                continue
+            got = run_one(name, args)
+            if got is None:
+                skipped.append(name)
+            else:
+                per_round.setdefault(name, []).append(got)
+    results = {name: merge_rounds(docs) for name, docs in per_round.items()}
     report = {
         "bench": "routing",
         "machine": {"cpus": os.cpu_count(), "load_before": load_before, "load_after": os.getloadavg()},
         "simulator": SIM_ARGS,
         "prefix_policy": {"epsilon": args.epsilon,
-                          "slack": PolicyConfig().slack if args.slack is None else args.slack},
+                          "slack": PolicyConfig().slack if args.slack is None else args.slack,
+                          "spread_s": PolicyConfig().spread_s if args.spread_s is None else args.spread_s},
+        "scrape_s": args.scrape_s,
+        "rounds": args.repeat,
         "max_tokens": MAX_TOKENS,
         "workloads": {
             "conversations": {"conversations": args.conversations, "turns": args.turns,
@@ -992,6 +1122,73 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(json.dumps(report, indent=2))
     return 0
+
+
+#: Figures of a workload that several rounds sum (the rest: medians).
+_SUMMED = ("requests", "answered", "refused_503_retry_after", "lost")
+
+
+def merge_rounds(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """
+    One router's figures over several rounds: per workload, the median of
+    each figure (TTFT, throughput, busiest / mean, hit share), the sums of
+    the counts (requests, answered, refused, lost, per replica), and each
+    round's TTFT p50 / mean / p99 and throughput. One round: as it came.
+    """
+    if len(docs) == 1 or any("error" in d for d in docs):
+        return docs[0] if len(docs) == 1 else {"error": [d["error"] for d in docs if "error" in d]}
+    out: dict[str, Any] = {"command": docs[0].get("command")}
+    for w in WORKLOADS:
+        runs = [d[w] for d in docs if w in d]
+        if not runs:
+            continue
+        merged: dict[str, Any] = {}
+        for k, v in runs[0].items():
+            if k in _SUMMED:
+                merged[k] = sum(r[k] for r in runs)
+            elif k == "per_replica":
+                merged[k] = {rid: sum(r[k].get(rid, 0) for r in runs) for rid in v}
+            elif k == "errors":
+                errors: dict[str, int] = {}
+                for r in runs:
+                    for e, n in r[k].items():
+                        errors[e] = errors.get(e, 0) + n
+                merged[k] = errors
+            elif isinstance(v, (int, float)) or v is None:
+                xs = [r[k] for r in runs if r[k] is not None]
+                merged[k] = round(statistics.median(xs), 3) if xs else None
+        merged["per_round"] = [
+            {k: r[k] for k in ("ttft_p50_ms", "ttft_mean_ms", "ttft_p99_ms", "throughput_rps", "busiest_over_mean")}
+            for r in runs
+        ]
+        out[w] = merged
+    return out
+
+
+def run_one(name: str, args: argparse.Namespace) -> dict[str, Any] | None:
+    """
+    One router's run, in a process of its own (a fresh reactor for each
+    load generator): its figures, C{None} when it is not installed, or
+    C{{"error": ...}}.
+    """
+    cmd = [sys.executable, str(Path(__file__).resolve()), "one", "--router", name,
+           "--conversations", str(args.conversations), "--turns", str(args.turns),
+           "--arrival-s", str(args.arrival_s), "--think-s", str(args.think_s),
+           "--independent", str(args.independent), "--burst", str(args.burst),
+           "--epsilon", str(args.epsilon), "--workloads", args.workloads, "--scrape-s", str(args.scrape_s)]
+    if args.slack is not None:
+        cmd += ["--slack", str(args.slack)]
+    if args.spread_s is not None:
+        cmd += ["--spread-s", str(args.spread_s)]
+    if args.peers:
+        cmd += ["--peers", args.peers]
+    if args.queue_depth is not None:
+        cmd += ["--queue-depth", str(args.queue_depth)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    if proc.returncode != 0:
+        return {"error": proc.stderr[-2000:]}
+    doc: dict[str, Any] | None = json.loads(proc.stdout.strip().splitlines()[-1])
+    return doc
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from llmgw.gateway.policy import (
     load_bound,
     prompt_head,
     replica_load,
+    spread,
 )
 from llmgw.gateway.router import Router
 from llmgw.routing import (
@@ -278,9 +279,10 @@ class PrefixTests(SynchronousTestCase):
 
     def test_bad_knobs_refused(self) -> None:
         """
-        A negative epsilon or slack is refused, naming the knobs.
+        A negative epsilon, slack or spread window is refused, naming the
+        knobs.
         """
-        for kw in ({"epsilon": -0.1}, {"slack": -1}):
+        for kw in ({"epsilon": -0.1}, {"slack": -1}, {"spread_s": -0.5}):
             with self.assertRaises(ValueError) as e:
                 PolicyConfig(**kw)  # type: ignore[arg-type]
             self.assertIn("slack", str(e.exception))
@@ -320,7 +322,9 @@ class PrefixTests(SynchronousTestCase):
             for _ in range(loads[i]):
                 a.begin(rid)
                 b.begin(rid)
-        for key in keys:
+        for i, key in enumerate(keys):
+            # First turns too: they go by loads and recent sends, which agree.
+            key = FIRST_TURN + key if i % 3 == 0 else key
             pa = a.pick(table.routes("m"), (), "prefix", key)
             pb = b.pick(list(reversed(other.routes("m"))), (), "prefix", key)
             assert pa is not None and pb is not None
@@ -344,15 +348,152 @@ class PrefixTests(SynchronousTestCase):
     def test_first_turn_least_loaded(self) -> None:
         """
         A chat's first turn goes to the least loaded replica, whatever its
-        prompt.
+        prompt, when nothing was sent in the last C{spread_s} seconds; with
+        C{spread_s} 0, always.
         """
-        r = Router(Clock())
+        clock = Clock()
+        r = Router(clock)
         rs = routes(3)
         r.begin("r0")
         r.begin("r2")
         for i in range(5):
             key = affinity_key(chat("system", f"question {i}"), None, CONFIG)
             self.assertEqual(r.pick(rs, (), "prefix", key).replica_id, "r1")  # type: ignore[union-attr]
+            clock.advance(CONFIG.spread_s + 0.01)
+        now = Router(Clock(), policy=PolicyConfig(spread_s=0))
+        now.begin("r0")
+        now.begin("r2")
+        for i in range(5):
+            key = affinity_key(chat("system", f"question {i}"), None, CONFIG)
+            self.assertEqual(now.pick(rs, (), "prefix", key).replica_id, "r1")  # type: ignore[union-attr]
+
+    def test_burst_of_first_turns_dealt_out(self) -> None:
+        """
+        First turns arriving together are dealt out over the replicas under
+        the bound, fewest sent lately first, rather than all sent to the one
+        replica that has just emptied (which would prefill them all in one
+        batch); once the window has passed, the least loaded takes the next.
+        """
+        clock = Clock()
+        r = Router(clock)
+        rs = routes(4)
+        for rid in ("r1", "r2", "r3"):
+            for _ in range(8):
+                r.begin(rid)
+        got = []
+        for i in range(8):
+            key = affinity_key(chat("system", f"question {i}"), None, CONFIG)
+            chosen = r.pick(rs, (), "prefix", key)
+            assert chosen is not None
+            got.append(chosen.replica_id)
+            r.begin(chosen.replica_id)
+        self.assertEqual(Counter(got), {"r0": 2, "r1": 2, "r2": 2, "r3": 2})
+        # The least loaded (r0, 2 against 10) went first in each round.
+        self.assertEqual(got[0], "r0")
+        self.assertEqual(got[4], "r0")
+        clock.advance(CONFIG.spread_s + 0.01)
+        key = affinity_key(chat("system", "question 9"), None, CONFIG)
+        self.assertEqual(r.pick(rs, (), "prefix", key).replica_id, "r0")  # type: ignore[union-attr]
+        # Without the window the whole burst goes to the emptied replica.
+        plain = Router(Clock(), policy=PolicyConfig(spread_s=0))
+        for rid in ("r1", "r2", "r3"):
+            for _ in range(8):
+                plain.begin(rid)
+        for i in range(8):
+            key = affinity_key(chat("system", f"question {i}"), None, CONFIG)
+            chosen = plain.pick(rs, (), "prefix", key)
+            assert chosen is not None
+            self.assertEqual(chosen.replica_id, "r0")
+            plain.begin("r0")
+
+    def test_recent_sends_do_not_move_a_conversation(self) -> None:
+        """
+        A later turn goes to its conversation's replica while that replica is
+        under the bound, however many requests were sent to it just before.
+        """
+        clock = Clock()
+        r = Router(clock)
+        rs = routes(4)
+        system = "system " * 100
+        first = r.pick(rs, (), "prefix", affinity_key(chat(system, "question"), None, CONFIG))
+        assert first is not None
+        home = first.replica_id
+        # Other conversations' later turns, all sent to home just now.
+        for i in range(3):
+            key = affinity_key(chat(system, f"q{i}", "a", "more"), None, CONFIG)
+            r._homes[key[2:]] = home  # type: ignore[index]
+            self.assertEqual(r.pick(rs, (), "prefix", key).replica_id, home)  # type: ignore[union-attr]
+        later = affinity_key(chat(system, "question", "answer", "more"), None, CONFIG)
+        self.assertEqual(r.pick(rs, (), "prefix", later).replica_id, home)  # type: ignore[union-attr]
+
+    @settings(max_examples=50, deadline=None)
+    @given(
+        steps=st.lists(
+            st.tuples(st.integers(0, 3), st.sampled_from([0.0, 0.01, 0.05, 0.2]), st.booleans()),
+            min_size=1, max_size=200,
+        )
+    )
+    def test_bound_holds_for_first_turns(self, steps: list[tuple[int, float, bool]]) -> None:
+        """
+        A stream of first turns and later turns, some finishing, on a
+        clock, never puts a replica over the bound, spread or not.
+        """
+        clock = Clock()
+        r = Router(clock, policy=PolicyConfig(epsilon=0.25))
+        rs = routes(4)
+        held: list[str] = []
+        for i, (k, dt, finish) in enumerate(steps):
+            clock.advance(dt)
+            if finish and held:
+                r.end(held.pop(0))
+            body = chat("system", f"question {k}") if i % 2 else chat("system", f"question {k}", "a", "b")
+            total = sum(r.in_flight(x.replica_id) for x in rs)
+            got = r.pick(rs, (), "prefix", affinity_key(body, None, CONFIG))
+            assert got is not None
+            self.assertLessEqual(r.in_flight(got.replica_id) + 1, load_bound(total, 4, 0.25, 4))
+            r.begin(got.replica_id)
+            held.append(got.replica_id)
+
+    def test_spread_rule(self) -> None:
+        """
+        L{spread}: of the candidates under the bound, the fewest sent lately,
+        then the least loaded, then the first in the given order (the key's
+        ring walk), whatever the candidates' order; a replica at the bound
+        is passed over however few were sent to it.
+        """
+        rs = routes(4)
+        loads = {"r0": 5, "r1": 1, "r2": 3, "r3": 1}
+        # r1 and r3: none sent lately, equally loaded: the order decides.
+        recent = {"r0": 0, "r1": 0, "r2": 2, "r3": 0}
+        self.assertEqual(spread(rs, loads, recent, 6, ["r1", "r3", "r0", "r2"]).replica_id, "r1")
+        self.assertEqual(spread(rs, loads, recent, 6, ["r3", "r2", "r1", "r0"]).replica_id, "r3")
+        self.assertEqual(spread(rs[::-1], loads, recent, 6, ["r1", "r3", "r0", "r2"]).replica_id, "r1")
+        # Fewest sent beats least loaded.
+        self.assertEqual(spread(rs, loads, {"r1": 1, "r2": 1, "r3": 1}, 6).replica_id, "r0")
+        # ... but not the bound: r0 (5 + 1 > 5) is passed over.
+        self.assertEqual(spread(rs, loads, {"r1": 1, "r2": 1, "r3": 1}, 5).replica_id, "r1")
+        # Missing from recent: nothing sent.
+        self.assertEqual(spread(rs, loads, {"r0": 1, "r1": 1, "r3": 1}, 6).replica_id, "r2")
+
+    def test_choose_first_turn(self) -> None:
+        """
+        L{choose} under C{prefix}: a first turn's key with per-replica
+        recent sends goes by L{spread} (a replica sent requests lately is
+        passed over for one sent none, though it is less loaded); without
+        them, to the least loaded. A later turn's key goes by the ring
+        either way.
+        """
+        rs = routes(3)
+        inflight = {"r0": 0, "r1": 2, "r2": 2}.__getitem__
+        first = FIRST_TURN + b"question"
+        spread_pick = choose("prefix", rs, inflight, 0.0, CONFIG, first, 0, recent={"r0": 3})
+        self.assertIn(spread_pick.replica_id, {"r1", "r2"})
+        self.assertEqual(choose("prefix", rs, inflight, 0.0, CONFIG, first, 0).replica_id, "r0")
+        later = b"p\x00" + b"question"
+        self.assertEqual(
+            choose("prefix", rs, inflight, 0.0, CONFIG, later, 0, recent={"r0": 3}).replica_id,
+            choose("prefix", rs, inflight, 0.0, CONFIG, later, 0).replica_id,
+        )
 
     def test_no_key_is_least_loaded(self) -> None:
         """

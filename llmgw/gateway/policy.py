@@ -34,13 +34,21 @@ C{prefix}
     to the first replica under the bound on a ring of C{vnodes} points per
     replica, hashed from replica ids alone, from the key's point. A chat's
     first turn (no assistant message), which nothing has cached yet, goes
-    to the least loaded instead of the ring. So a conversation stays on the
+    instead to the replica under the bound that was sent the fewest
+    requests in the last C{spread_s} seconds, the least loaded of those,
+    ties in the ring's order from its key (L{spread}; with C{spread_s} 0,
+    to the least loaded): requests that reach an engine together are
+    prefilled together, each waiting for the others' prompts, so a burst
+    of independent prompts is dealt out rather than heaped on the one
+    replica that just finished a batch. So a conversation stays on the
     replica whose engine holds its KV blocks while that replica's load
     allows.
 
 The ring and the key depend only on the routing table and the request:
 two gateways with the same table and the same loads send a key neither has
-seen to the same replica, with no state shared between them.
+seen to the same replica, with no state shared between them. (A first
+turn, like C{least_loaded}, depends on the gateway's own figures: its loads
+and its recent sends.)
 """
 
 from __future__ import annotations
@@ -85,6 +93,10 @@ class PolicyConfig:
         characters.
     @ivar max_chunks: at most this many chunks of the head count.
     @ivar vnodes: ring points per replica.
+    @ivar spread_s: under C{prefix}, a first turn goes to the replica (under
+        the bound) sent the fewest requests in this many seconds, the least
+        loaded of those; about the time an engine takes to start a prompt.
+        0: to the least loaded, as C{least_loaded} does.
     """
 
     stale_after_s: float = 3.0
@@ -96,14 +108,15 @@ class PolicyConfig:
     chunk_chars: int = 256
     max_chunks: int = 64
     vnodes: int = 64
+    spread_s: float = 0.1
 
     def __post_init__(self) -> None:
         if self.stale_after_s < 0 or self.saturated_waiting < 0:
             raise ValueError("stale_after_s and saturated_waiting must not be negative")
         if not 0 < self.saturated_kv <= 1:
             raise ValueError("saturated_kv must be a fraction in (0, 1]")
-        if self.epsilon < 0 or self.slack < 0:
-            raise ValueError("epsilon and slack must not be negative")
+        if self.epsilon < 0 or self.slack < 0 or self.spread_s < 0:
+            raise ValueError("epsilon, slack and spread_s must not be negative")
         if self.chunk_chars < 1 or self.max_chunks < 1 or self.vnodes < 1:
             raise ValueError("chunk_chars, max_chunks and vnodes must be at least 1")
 
@@ -322,31 +335,74 @@ def round_robin(candidates: Sequence[Route], turn: int) -> Route:
     return candidates[turn % len(candidates)]
 
 
+def spread(
+    candidates: Sequence[Route],
+    loads: Mapping[str, int],
+    recent: Mapping[str, int],
+    bound: int,
+    order: Sequence[str] = (),
+) -> Route:
+    """
+    Of the candidates under C{bound} (load + 1 at most C{bound}; the least
+    loaded always is), the one sent the fewest requests lately
+    (C{recent}, missing: none), the least loaded of those; ties go to the
+    first in C{order} (replica ids: the key's ring walk, so that gateways
+    with the same figures agree), then in C{candidates}' order.
+    """
+    by_id = {r.replica_id: r for r in candidates}
+    best: Route | None = None
+    best_score = (0, 0)
+    # dict keys: the order's ids first, then the rest, each once.
+    ids = dict.fromkeys(x for x in order if x in by_id)
+    ids.update(dict.fromkeys(by_id))
+    for rid in ids:
+        load = loads[rid]
+        if load + 1 > bound:
+            continue
+        score = (recent.get(rid, 0), load)
+        if best is None or score < best_score:
+            best, best_score = by_id[rid], score
+    if best is None:
+        # Only with a caller's odd loads (the least loaded is under the mean).
+        return min(candidates, key=lambda r: (loads[r.replica_id], r.replica_id))
+    return best
+
+
 def bounded_prefix(
     candidates: Sequence[Route],
     loads: Mapping[str, int],
-    ring: Ring,
+    ring: Ring | None,
     key: bytes,
     epsilon: float,
     home: str | None = None,
     slack: int = 0,
+    recent: Mapping[str, int] | None = None,
 ) -> Route | None:
     """
     C{home} (where this key's last request went) if it is a candidate under
-    the bound (L{load_bound}), else the first candidate on C{ring} from
-    C{key} under it (one always is: the least loaded). For a first turn's
-    key (L{FIRST_TURN}) without a home, C{None}: it goes to the least loaded.
+    the bound (L{load_bound}), else the first candidate on C{ring} (built
+    from all of C{candidates} when C{None}) from C{key} under it (one always
+    is: the least loaded). A first turn's key (L{FIRST_TURN}) without a
+    home under the bound goes by L{spread} over C{recent} (the requests
+    sent to each replica lately), ties in ring order; without C{recent},
+    C{None}: it goes to the least loaded.
     """
-    if home is None and key.startswith(FIRST_TURN):
+    first = key.startswith(FIRST_TURN)
+    if home is None and first and recent is None:
         return None
     by_id = {r.replica_id: r for r in candidates}
     total = sum(loads[rid] for rid in by_id)
     bound = load_bound(total, len(by_id), epsilon, slack)
     if home is not None and home in by_id and loads[home] + 1 <= bound:
         return by_id[home]
-    if key.startswith(FIRST_TURN):
+    if first and recent is None:
         return None
-    for rid in ring.walk(key):
+    if ring is None:
+        ring = Ring(list(by_id), PolicyConfig().vnodes)
+    walk = ring.walk(key)
+    if recent is not None and first:
+        return spread(candidates, loads, recent, bound, walk)
+    for rid in walk:
         r = by_id.get(rid)
         if r is not None and loads[rid] + 1 <= bound:
             return r
@@ -366,6 +422,7 @@ def choose(
     ring: Ring | None = None,
     at_sample: Mapping[str, int] | None = None,
     home: str | None = None,
+    recent: Mapping[str, int] | None = None,
 ) -> Route:
     """
     The replica C{policy} sends a request to among C{candidates} (not
@@ -380,6 +437,9 @@ def choose(
         first saw the replica's current signals (L{replica_load}).
     @param home: under C{prefix}, the replica this key's last request went
         to, if the caller remembers it.
+    @param recent: under C{prefix}, per replica, the requests sent to it in
+        the last C{config.spread_s} seconds (L{spread}); without it a first
+        turn goes to the least loaded.
     """
     if policy not in POLICIES:
         raise ValueError(f"unknown routing policy {policy!r} (known: {', '.join(POLICIES)})")
@@ -403,9 +463,9 @@ def choose(
         # gateway's own count (what saturated and replica_load say then).
         loads = {r.replica_id: in_flight(r.replica_id) for r in candidates}
     if policy == "prefix" and key is not None:
-        if ring is None:
+        if ring is None and (recent is not None or not key.startswith(FIRST_TURN)):
             ring = Ring([r.replica_id for r in candidates], config.vnodes)
-        chosen = bounded_prefix(candidates, loads, ring, key, config.epsilon, home, config.slack)
+        chosen = bounded_prefix(candidates, loads, ring, key, config.epsilon, home, config.slack, recent)
         if chosen is not None:
             return chosen
     return least_loaded(candidates, loads, turn)

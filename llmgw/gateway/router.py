@@ -14,7 +14,7 @@ counts and the engine signals in the routing table.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Collection, Sequence
 
 from twisted.internet.interfaces import IReactorTime
@@ -27,6 +27,9 @@ from llmgw.routing import IInFlight, Route
 _MAX_RINGS = 1024
 #: Affinity keys whose last replica is remembered (least recently used go).
 MAX_HOMES = 100_000
+#: Send times kept per replica for C{prefix}'s spread (more in a window
+#: count as this many).
+MAX_RECENT = 1024
 
 
 @implementer(IInFlight)
@@ -49,6 +52,8 @@ class Router:
         self._homes: OrderedDict[bytes, str] = OrderedDict()
         #: replica -> (sampled_at of the signals last seen, in flight then)
         self._at_sample: dict[str, tuple[float, int]] = {}
+        #: replica -> times of the requests C{prefix} sent it lately, oldest first
+        self._sent: dict[str, deque[float]] = {}
         self.failure_threshold = failure_threshold
         self.cooldown = cooldown
         self._in_flight: dict[str, int] = {}
@@ -125,7 +130,7 @@ class Router:
         """
         Drop breaker state of replicas not in C{keep} (gone from the table).
         """
-        for d in (self._failures, self._cool_until, self._at_sample):
+        for d in (self._failures, self._cool_until, self._at_sample, self._sent):
             for r in [r for r in d if r not in keep]:
                 del d[r]
 
@@ -200,18 +205,36 @@ class Router:
         homes = self._homes
         hkey = key[2:] if key[1:2] == b"\x00" else key
         home = homes.get(hkey)
-        if home is None and key.startswith(FIRST_TURN):
-            # A first turn with no home goes to the least loaded (see
-            # bounded_prefix): no ring to walk.
+        now = self.clock.seconds()
+        window = self.policy.spread_s
+        sent = self._sent
+        if key.startswith(FIRST_TURN):
+            # Without a spread window, the least loaded: no ring to walk.
+            recent = None
+            ring = None
+            if window > 0:
+                ring = self.ring(routes)
+                recent = {}
+                since = now - window
+                for r in candidates:
+                    times = sent.get(r.replica_id)
+                    if times:
+                        while times and times[0] <= since:
+                            times.popleft()
+                        recent[r.replica_id] = len(times)
             chosen = choose(
-                "least_loaded", candidates, self.in_flight, self.clock.seconds(), self.policy, key, turn,
-                None, at_sample,
+                policy, candidates, self.in_flight, now, self.policy, key, turn, ring, at_sample, home, recent
             )
         else:
             chosen = choose(
-                policy, candidates, self.in_flight, self.clock.seconds(), self.policy, key, turn,
+                policy, candidates, self.in_flight, now, self.policy, key, turn,
                 self.ring(routes), at_sample, home,
             )
+        if window > 0:
+            times = sent.get(chosen.replica_id)
+            if times is None:
+                times = sent[chosen.replica_id] = deque(maxlen=MAX_RECENT)
+            times.append(now)
         homes[hkey] = chosen.replica_id
         homes.move_to_end(hkey)
         if len(homes) > MAX_HOMES:
