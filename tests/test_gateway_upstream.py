@@ -416,7 +416,7 @@ class RelayTests(SynchronousTestCase):
         raw = (
             b"HTTP/1.1 201 Made\r\nServer: fake/1\r\nDate: Tue, 01 Dec 2026 13:27:28 GMT\r\n"
             b"X-Instance: a:1\r\nKeep-Alive: timeout=5\r\nserver-timing: x;dur=1\r\n"
-            b"CONTENT-LENGTH :  5\r\nContent-Type: text/plain\r\n\r\nhello"
+            b"CONTENT-LENGTH:  5\r\nContent-Type: text/plain\r\n\r\nhello"
         )
         for step in (1, 3, len(raw)):
             pool = UpstreamPool(Clock())
@@ -436,15 +436,19 @@ class RelayTests(SynchronousTestCase):
     def test_other_heads_take_the_general_way(self) -> None:
         """
         A head with a Connection or Transfer-Encoding header, two or no
-        Content-Lengths, or no body by its status, is reported to
-        C{response_started} with its headers parsed, even to a relaying
-        handler; and HTTP/1.0 is not kept alive on either way.
+        Content-Lengths, no body by its status, or a blank before a colon
+        (which a proxy must remove), is reported to C{response_started}
+        with its headers parsed, even to a relaying handler; and HTTP/1.0
+        is not kept alive on either way.
         """
         heads = [
             b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok",
             b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n",
             b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\nok",
             b"HTTP/1.1 204 No Content\r\nContent-Length: 0\r\n\r\n",
+            # A blank before a colon: the line is rebuilt, not passed on.
+            b"HTTP/1.1 200 OK\r\nX-Foo : bar\r\nContent-Length: 2\r\n\r\nok",
+            b"HTTP/1.1 200 OK\r\nX-Foo\t: bar\r\nContent-Length: 2\r\n\r\nok",
         ]
         for raw in heads:
             conn, t = connection(UpstreamPool(Clock()))
@@ -453,6 +457,8 @@ class RelayTests(SynchronousTestCase):
             conn.dataReceived(raw)
             self.assertEqual(rec.events[0][0], "start", raw)
             self.assertEqual(rec.events[-1], ("finished",), raw)
+            if b"X-Foo" in raw:
+                self.assertIn((b"x-foo", b"bar"), rec.events[0][3])
         pool = UpstreamPool(Clock())
         conn, t = connection(pool)
         rec = Relayer()

@@ -341,6 +341,10 @@ class UpstreamConnection(Protocol):
                 b"\r\ntransfer-encoding" not in low
                 and b"\r\nconnection" not in low
                 and low.count(b"\r\ncontent-length") == 1
+                # A blank before a colon is allowed here, but a proxy must
+                # remove it (RFC 9112 §5.1): such heads are rebuilt.
+                and b" :" not in head
+                and b"\t:" not in head
             ):
                 m = _ONE_LENGTH.search(low)
                 if m is not None:
