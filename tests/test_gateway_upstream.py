@@ -4,6 +4,8 @@ The gateway's HTTP/1.1 client to replicas, through a StringTransport.
 
 from __future__ import annotations
 
+import gc
+import weakref
 from typing import Any
 
 from twisted.internet.error import ConnectionDone
@@ -527,3 +529,24 @@ class TimerTests(SynchronousTestCase):
         self.assertEqual(fired, ["soon"])
         clock.advance(100)
         self.assertEqual(fired, ["soon"])
+
+
+class ReleaseTests(SynchronousTestCase):
+    def test_kept_connection_holds_no_handler(self) -> None:
+        """
+        A connection kept for the next request holds nothing of the last
+        one's handler (a relaying handler holds the client's request and
+        connection: kept, every idle connection would keep a closed
+        client's).
+        """
+        pool = UpstreamPool(Clock())
+        conn, t = connection(pool)
+        rec = Relayer()
+        ref = weakref.ref(rec)
+        conn.send(b"REQUEST", rec)
+        conn.dataReceived(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        self.assertEqual(rec.events[-1], ("finished",))
+        del rec
+        gc.collect()
+        self.assertIsNone(ref())
+        self.assertIs(pool.take(conn.address), conn)

@@ -211,6 +211,7 @@ class UpstreamConnection(Protocol):
         nothing more.
         """
         self.handler = None
+        self._relay = None
         self._keep_alive = False
         if self.connected_:
             self.connected_ = False
@@ -250,9 +251,11 @@ class UpstreamConnection(Protocol):
             return
         if self._state == _UNTIL_CLOSE:
             self.handler = None
+            self._relay = None
             handler.response_finished()
             return
         self.handler = None
+        self._relay = None
         handler.response_failed(reason, self._started)
 
     # parsing
@@ -441,6 +444,7 @@ class UpstreamConnection(Protocol):
         if handler is None:
             return
         self.handler = None
+        self._relay = None
         self._state = _DONE
         if self._keep_alive and self.connected_ and self.pool is not None:
             self.pool.release(self)
