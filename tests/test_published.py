@@ -155,6 +155,29 @@ class PublisherTests(SynchronousTestCase):
         self.clock.advance(1)
         self.assertEqual(published(self.fake), ["r1"])
 
+    def test_failed_pack_tried_again(self) -> None:
+        """
+        A raise while packing the table is logged, and the table is packed
+        and written an interval later: the publisher does not go quiet.
+        """
+        from llmgw.control import published as mod
+
+        lead = Leading(self.fake)
+        self.table.publish_model("demo", [self.route("r1")])
+        real = mod.routes_document
+
+        def broken(*a: Any) -> Any:
+            raise ValueError("a bug")
+
+        self.patch(mod, "routes_document", broken)
+        self.publisher.start(lead.lease)
+        self.clock.advance(0)
+        self.assertNotIn(KEY, self.fake.kvs)
+        self.assertEqual([e["log_failure"].type for e in self.logged if "log_failure" in e], [ValueError])
+        self.patch(mod, "routes_document", real)
+        self.clock.advance(1)
+        self.assertEqual(published(self.fake), ["r1"])
+
     def test_too_large_not_written(self) -> None:
         """
         A table over the size limit compressed is not published (etcd would
@@ -256,6 +279,43 @@ class FollowerTests(SynchronousTestCase):
         self.publish("r2")
         self.clock.advance(5)
         self.assertEqual(self.ids(), ["r1"])
+
+    def test_restart_applies_the_published_table_again(self) -> None:
+        """
+        A follower started again (its member stepped down) replaces the
+        table with what etcd holds even when that is the document it applied
+        before: meanwhile its own reconciler rewrote the table.
+        """
+        self.publish("r1")
+        self.follower.start()
+        self.follower.stop()
+        self.table.publish_model("demo", [Route("mine", "demo", "10.0.0.9:9000")])
+        self.follower.start()
+        self.assertEqual(self.ids(), ["r1"])
+        self.assertTrue(self.follower.applied)
+
+    def test_follower_survives_a_raise_while_applying(self) -> None:
+        """
+        A document too deeply nested to parse is logged as unreadable, and
+        a raise from the table is logged: either way the follower goes on
+        watching and takes the next document.
+        """
+        self.fake.put(KEY, zlib.compress(b"[" * 100000 + b"]" * 100000))
+        self.follower.start()
+        self.assertTrue(any("unreadable" in e["log_format"] for e in self.logged))
+        self.publish("r1")
+        self.assertEqual(self.ids(), ["r1"])
+        real = self.table.replace
+
+        def broken(snapshot: Any) -> bool:
+            raise RuntimeError("a bug")
+
+        self.patch(self.table, "replace", broken)
+        self.publish("r2")
+        self.assertEqual([e["log_failure"].type for e in self.logged if "log_failure" in e], [RuntimeError])
+        self.patch(self.table, "replace", real)
+        self.publish("r3")
+        self.assertEqual(self.ids(), ["r3"])
 
     def test_unpack_is_bounded(self) -> None:
         """

@@ -203,7 +203,16 @@ class RoutesPublisher:
             return
         self._dirty = False
         self.packs += 1
-        value = pack(routes_document(self.table, self.clock.seconds()))
+        try:
+            value = pack(routes_document(self.table, self.clock.seconds()))
+        except Exception:
+            # Not lost: packed again an interval on (a bug, logged each time).
+            self.log.failure("packing the routing table to publish failed; trying again in {interval}s",
+                             interval=self.interval)
+            self._dirty = True
+            self._last_at = self.clock.seconds()
+            self._schedule()
+            return
         if value == self.last:
             return
         if len(value) > self.max_size:
@@ -272,8 +281,11 @@ class RoutesFollower:
         self.following = False
         #: The mod revision of the document applied last (0: none yet).
         self.revision = 0
-        #: The value applied last.
+        #: The value applied last since L{start} (None: none yet). Cleared at
+        #: each start: while its member led, its own reconciler rewrote the
+        #: table, so the first document read after is applied even if equal.
         self.value: bytes | None = None
+        self._applied = False
         #: Why the last read failed, if it did.
         self.last_error = ""
         self._watch: Any = None
@@ -284,12 +296,13 @@ class RoutesFollower:
     @property
     def applied(self) -> bool:
         """Whether a published table was applied (since this process began)."""
-        return self.value is not None
+        return self._applied
 
     def start(self) -> None:
         if self.following:
             return
         self.following = True
+        self.value = None
         self._generation += 1
         self._read(self._generation)
 
@@ -324,12 +337,19 @@ class RoutesFollower:
             if not self.following or generation != self._generation:
                 return
             self.last_error = ""
-            kvs, revision = answer
-            if kvs:
-                self._apply(kvs[0].value, kvs[0].mod_revision)
-            # From the revision read at: no write between the read and the
-            # watch is missed.
-            self._follow(generation, revision + 1)
+            try:
+                kvs, revision = answer
+                if kvs:
+                    self._apply(kvs[0].value, kvs[0].mod_revision)
+                # From the revision read at: no write between the read and
+                # the watch is missed.
+                self._follow(generation, revision + 1)
+            except Exception:
+                # Following goes on: read again, as after a failed read.
+                self.log.failure("following the published routing table failed; reading again in "
+                                 "{interval}s", interval=self.retry_interval)
+                self.last_error = "following failed"
+                self._later(generation)
 
         def failed(f: Any) -> None:
             self._reading = None
@@ -369,20 +389,31 @@ class RoutesFollower:
         w.done.addBoth(ended)
 
     def _apply(self, value: bytes, revision: int) -> None:
+        try:
+            self._take(value, revision)
+        except Exception:
+            # A bug (a raise in the table, say): said, and the next
+            # document is still taken.
+            self.revision = revision
+            self.log.failure("applying the routing table published in etcd {key} (revision {revision}) "
+                             "failed; the last one stays", key=self.key.decode(), revision=revision)
+
+    def _take(self, value: bytes, revision: int) -> None:
         if value == self.value:
             self.revision = revision
             return
         where = f"etcd {self.key.decode()} (revision {revision})"
         try:
             snapshot, problems = snapshot_from_json(unpack(value), self.clock.seconds())
-        except RoutesDataError as e:
+        except (RoutesDataError, RecursionError) as e:
             self.revision = revision
             self.log.error("the routing table published in {where} is unreadable: {error}; the last "
-                           "one stays", where=where, error=str(e))
+                           "one stays", where=where, error=str(e) or type(e).__name__)
             return
         for problem in problems:
             self.log.error("the routing table published in {where}: {problem} (left out)",
                            where=where, problem=problem)
         self.revision = revision
         self.value = value
+        self._applied = True
         self.table.replace(snapshot)
