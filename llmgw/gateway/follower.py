@@ -360,7 +360,7 @@ class FollowerTable:
                 self._failed(result)
                 outer.callback(False)
             else:
-                self._got(*result, source=asked)
+                self._got(result[0], result[1], asked)
                 outer.callback(True)
 
         request.addCallback(got_response)
