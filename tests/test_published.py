@@ -399,6 +399,28 @@ class HAMemberRoutesTests(SynchronousTestCase):
         self.advance(1.1)
         self.assertEqual(published(self.fake), [])
 
+    def test_grace_ended_early_republishes_then(self) -> None:
+        """
+        A leader whose adoption grace is ended early (every expected agent
+        came) publishes the table of its own state then, not when the grace
+        would have ended.
+        """
+        a = self.member("a")
+        self.advance(0.1)
+        b = self.member("b")
+        a.reconciler.routing_table.publish_model("demo", [Route("r1", "demo", "10.0.0.1:9000")])
+        self.advance(1.1)
+        self.successResultOf(a.ha.stopService())
+        self.advance(2)
+        self.assertIs(b.ha.election.role, Role.LEADER)
+        self.assertEqual(self.ids(b), ["r1"])
+        b.reconciler.end_adoption_grace("every expected agent has registered")
+        self.assertEqual(self.ids(b), [])
+        self.advance(1.1)
+        self.assertEqual(published(self.fake), [])
+        self.advance(30)
+        self.assertEqual(published(self.fake), [])
+
     def test_deposed_leader_follows_new_leader(self) -> None:
         """
         A leader cut off from etcd steps down and keeps its last table

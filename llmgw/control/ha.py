@@ -192,6 +192,7 @@ class HAMember(Service):
         self.routes_publisher = RoutesPublisher(reactor, store, prefix, table, self.election.may_command)
         self.routes_follower = RoutesFollower(reactor, store, prefix, table, retry_interval=retry_interval)
         self._republish: Any = None
+        self._grace_listener: Callable[[], None] | None = None
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -379,19 +380,31 @@ class HAMember(Service):
         self.routes_publisher.start(lease, current=self.routes_follower.value)
 
         def republish() -> None:
+            if self._republish is not None and self._republish.active():
+                self._republish.cancel()
             self._republish = None
+            self._forget_grace_listener()
             if self.taken_over and self.election.lease == lease:
                 if self.reconciler.republish_routes():
                     self.log.info("adoption grace over: the routing table is now all this leader's own")
 
         delay = max(0.0, self.reconciler.grace_end - self.reactor.seconds())
         self._republish = self.reactor.callLater(delay, republish)
+        # A grace ended early (every expected agent came) republishes then.
+        self._grace_listener = republish
+        self.reconciler.grace_ended_listeners.append(republish)
+
+    def _forget_grace_listener(self) -> None:
+        listener, self._grace_listener = self._grace_listener, None
+        if listener is not None and listener in self.reconciler.grace_ended_listeners:
+            self.reconciler.grace_ended_listeners.remove(listener)
 
     def _stop_publishing(self) -> None:
         self.routes_publisher.stop()
         if self._republish is not None and self._republish.active():
             self._republish.cancel()
         self._republish = None
+        self._forget_grace_listener()
 
     def serves_routes(self) -> bool:
         """
