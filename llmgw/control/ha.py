@@ -43,7 +43,7 @@ from llmgw.control.catalog import Catalog, CatalogError, parse_catalog
 from llmgw.control.commands import ShardCommand
 from llmgw.control.election import Election, MemberInfo, Role, leader_key
 from llmgw.control.interfaces import IDispatcher, NotConnected
-from llmgw.control.published import RoutesFollower, RoutesPublisher
+from llmgw.control.published import FleetFollower, FleetPublisher, RoutesFollower, RoutesPublisher
 from llmgw.control.sharedstate import SharedFleet, SharedFleetState
 from llmgw.etcd import Compare, EtcdError, EtcdTLSError, Put, Range
 from llmgw.wire import NO_LEADER_MARKER, redirect_error
@@ -191,6 +191,9 @@ class HAMember(Service):
         table = reconciler.routing_table
         self.routes_publisher = RoutesPublisher(reactor, store, prefix, table, self.election.may_command)
         self.routes_follower = RoutesFollower(reactor, store, prefix, table, retry_interval=retry_interval)
+        # ha4: the admin views (nodes, replicas, events, status), likewise.
+        self.fleet_publisher = FleetPublisher(reactor, store, prefix, self.fleet_views, self.election.may_command)
+        self.fleet_follower = FleetFollower(reactor, store, prefix, retry_interval=retry_interval)
         self._republish: Any = None
         self._grace_listener: Callable[[], None] | None = None
 
@@ -206,6 +209,7 @@ class HAMember(Service):
         )
         self._starting = defer.ensureDeferred(self._start())
         self.routes_follower.start()
+        self.fleet_follower.start()
 
     async def _start(self) -> None:
         while self.running and self.epoch_base is None:
@@ -234,6 +238,7 @@ class HAMember(Service):
         self._stop_watch()
         self._stop_publishing()
         self.routes_follower.stop()
+        self.fleet_follower.stop()
         d = self.election.stop()
         if self.reconciler.running:
             self.reconciler.stopService()
@@ -251,6 +256,7 @@ class HAMember(Service):
         self.taken_over = False
         # This member's own reconciler feeds its table from now on.
         self.routes_follower.stop()
+        self.fleet_follower.stop()
         lease = self.election.lease
         d = defer.ensureDeferred(self._take_over(epoch, revision, lease))
         d.addErrback(lambda f: self.log.failure("taking over as leader failed", f))
@@ -378,6 +384,7 @@ class HAMember(Service):
         followed from the previous leader that nobody reported go).
         """
         self.routes_publisher.start(lease, current=self.routes_follower.value)
+        self.fleet_publisher.start(lease)
 
         def republish() -> None:
             if self._republish is not None and self._republish.active():
@@ -401,6 +408,7 @@ class HAMember(Service):
 
     def _stop_publishing(self) -> None:
         self.routes_publisher.stop()
+        self.fleet_publisher.stop()
         if self._republish is not None and self._republish.active():
             self._republish.cancel()
         self._republish = None
@@ -416,6 +424,35 @@ class HAMember(Service):
         if self.election.role is Role.LEADER:
             return self.taken_over
         return self.routes_follower.applied
+
+    def fleet_views(self) -> dict[str, Any]:
+        """
+        What the leader publishes for the members that do not lead: its
+        admin API's views (built by the same functions its handlers call,
+        so the shapes cannot drift) and who it is.
+        """
+        from llmgw.control.admin import fleet_status, nodes_view
+
+        st = self.election.status()
+        return {
+            "leader": self.member.member_id,
+            "leader_admin_url": st["leader_admin_url"],
+            "nodes": nodes_view(self.reconciler, self.cp.agents)["nodes"],
+            "replicas": self.reconciler.replicas(),
+            "events": self.reconciler.events(),
+            "status": fleet_status(self.reconciler, self.cp.agents),
+        }
+
+    def followed_fleet(self) -> dict[str, Any] | None:
+        """
+        The fleet views the leader published (C{{"published_at": T,
+        "views": ...}}), while this member does not lead and holds some;
+        else C{None} (a leader answers from its own state; a member without
+        a document sends the client to the leader).
+        """
+        if self.election.role is Role.LEADER:
+            return None
+        return self.fleet_follower.document
 
     def _stop_watch(self) -> None:
         if self._watch is not None:
@@ -433,6 +470,7 @@ class HAMember(Service):
         if self.running:
             # Its gateway serves the new leader's routes, or its last own.
             self.routes_follower.start()
+            self.fleet_follower.start()
         if self.reconciler.running:
             self.reconciler.stopService()
         closed = self.cp.agents.close_all(f"this control-plane member stepped down: {reason}")
@@ -479,6 +517,8 @@ class HAMember(Service):
             "fleet_state_revision": self.kept.revision,
             "routes_published": self.routes_publisher.writes,
             "routes_followed_revision": self.routes_follower.revision,
+            "fleet_published": self.fleet_publisher.writes,
+            "fleet_followed_revision": self.fleet_follower.revision,
             "etcd_error": st["last_error"] or self.start_error,
         }
 

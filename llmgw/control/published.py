@@ -28,7 +28,9 @@ zlib-compressed, without engine signals (see below).
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -56,6 +58,12 @@ MAX_PUBLISHED = 1024 * 1024
 PACK_LEVEL = 1
 #: The most bytes a published document may inflate to when read.
 MAX_INFLATED = 64 * 1024 * 1024
+#: Seconds between two packs (and writes) of the published fleet views.
+FLEET_INTERVAL = 2.0
+#: The most events published (the newest).
+FLEET_EVENTS = 1000
+#: A node's C{last_seen} is published rounded down to this many seconds.
+LAST_SEEN_STEP = 10.0
 
 
 def routes_key(prefix: str) -> bytes:
@@ -118,6 +126,35 @@ def unpack_object(value: bytes) -> dict[str, Any]:
     if not isinstance(doc, dict):
         raise RoutesDataError("not a JSON object")
     return doc
+
+
+def fleet_key(prefix: str) -> bytes:
+    """Where the leader's fleet views (nodes, replicas, events) are published."""
+    return (prefix.rstrip("/") + "/published/fleet").encode()
+
+
+def fleet_views(views: dict[str, Any]) -> dict[str, Any]:
+    """
+    What is published of the leader's admin views C{views} (C{nodes},
+    C{replicas}, C{events}, C{status}, as the admin API answers them, and
+    C{leader}, C{leader_admin_url}): the same, coarsened where they change
+    with every heartbeat (each write is kept by etcd until compacted): a
+    node's C{last_seen} rounded down to L{LAST_SEEN_STEP} seconds, a shard's
+    engine C{signals} left out (C{null}), the newest L{FLEET_EVENTS} events.
+    """
+    nodes = []
+    for node in views.get("nodes", []):
+        seen = node.get("last_seen")
+        if isinstance(seen, (int, float)) and not isinstance(seen, bool):
+            node = {**node, "last_seen": math.floor(seen / LAST_SEEN_STEP) * LAST_SEEN_STEP}
+        nodes.append(node)
+    replicas = []
+    for rep in views.get("replicas", []):
+        shards = rep.get("shards")
+        if isinstance(shards, list):
+            rep = {**rep, "shards": [{**sh, "signals": None} if isinstance(sh, dict) else sh for sh in shards]}
+        replicas.append(rep)
+    return {**views, "nodes": nodes, "replicas": replicas, "events": list(views.get("events", []))[-FLEET_EVENTS:]}
 
 
 def _shape(routes: Any) -> tuple[tuple[str, str, bool], ...]:
@@ -322,6 +359,51 @@ class RoutesPublisher(LeasedPublisher):
             self._schedule()
 
 
+class FleetPublisher(LeasedPublisher):
+    """
+    The leader's side: publishes its admin views (C{views()}, a dict as
+    L{fleet_views} takes) under C{prefix} while L{start}ed with a lease:
+    packed every C{interval} seconds, written when they changed (the time
+    stamp aside). Over the size bound, nodes are cut (the rest is whole)
+    and the document says C{"truncated": {"nodes": TOTAL}}.
+    """
+
+    what = "fleet views"
+
+    def __init__(self, clock: IReactorTime, store: Any, prefix: str, views: Callable[[], dict[str, Any]],
+                 may_write: Callable[[], bool] = lambda: True, interval: float = FLEET_INTERVAL,
+                 max_size: int = MAX_PUBLISHED):
+        super().__init__(clock, store, prefix, fleet_key(prefix), may_write, interval, max_size)
+        self.views = views
+
+    def pack(self) -> tuple[bytes, bytes] | None:
+        doc = fleet_views(self.views())
+        nodes = doc["nodes"]
+        keep = len(nodes)
+        for _ in range(6):
+            if keep < len(nodes):
+                doc = {**doc, "nodes": nodes[:keep], "truncated": {"nodes": len(nodes)}}
+            raw = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+            # The time stamp outside the fingerprint: unchanged views are not
+            # written again.
+            value = zlib.compress(b'{"published_at":' + json.dumps(self.clock.seconds()).encode()
+                                  + b',"views":' + raw + b"}", PACK_LEVEL)
+            if len(value) <= self.max_size:
+                return value, hashlib.sha256(raw).digest()
+            keep = int(keep * self.max_size / len(value) * 0.9)
+        self._too_large(len(value), ": not published even with its nodes cut; members that do not "
+                                    "lead answer from the last one published")
+        return None
+
+    def _flush(self) -> None:
+        super()._flush()
+        if self.lease is not None:
+            # Periodic: the views change with no one telling (heartbeats).
+            self._dirty = True
+            self._last_at = max(self._last_at, self.clock.seconds())
+            self._schedule()
+
+
 class KeyFollower:
     """
     A member that does not lead: reads one published key, then watches it,
@@ -500,3 +582,44 @@ class RoutesFollower(KeyFollower):
         self.value = value
         self._applied = True
         self.table.replace(snapshot)
+
+
+class FleetFollower(KeyFollower):
+    """
+    A member that does not lead: holds the fleet views the leader
+    published (L{document}, None before the first), to answer
+    C{GET /api/v1/nodes}, C{/replicas}, C{/events} and C{/status}'s fleet
+    parts from.
+    """
+
+    what = "fleet views"
+
+    def __init__(self, clock: IReactorTime, store: Any, prefix: str, retry_interval: float = 1.0):
+        super().__init__(clock, store, prefix, fleet_key(prefix), retry_interval)
+        #: C{{"published_at": T, "views": {...}}} as last applied.
+        self.document: dict[str, Any] | None = None
+
+    def _take(self, value: bytes, revision: int) -> None:
+        if value == self.value:
+            self.revision = revision
+            return
+        self.revision = revision
+        try:
+            doc = unpack_object(value)
+            views = doc.get("views")
+            at = doc.get("published_at")
+            if not isinstance(views, dict) or isinstance(at, bool) or not isinstance(at, (int, float)):
+                raise RoutesDataError("expected published_at (a time) and views (an object)")
+            for key in ("nodes", "replicas", "events"):
+                if not isinstance(views.get(key), list):
+                    raise RoutesDataError(f"views.{key} is not a list")
+            if not isinstance(views.get("status", {}), dict):
+                raise RoutesDataError("views.status is not an object")
+        except (RoutesDataError, RecursionError) as e:
+            self.log.error("the fleet views published in etcd {key} (revision {revision}) are unreadable: "
+                           "{error}; the last ones stay", key=self.key.decode(), revision=revision,
+                           error=str(e) or type(e).__name__)
+            return
+        self.document = doc
+        self.value = value
+        self._applied = True
