@@ -517,6 +517,25 @@ class FleetPublisherTests(SynchronousTestCase):
         self.assertEqual(self.writes(), 4)
         self.assertEqual(len(self.doc()["views"]["nodes"]), 7)
 
+    def test_large_fleet_packed_less_often(self) -> None:
+        """
+        A pack that takes long (1 s here, by the injected timer) is followed
+        by the next no sooner than ten times that: packing takes at most a
+        tenth of the leader's reactor; a GPU's memory in use is published
+        rounded down to 1 GiB.
+        """
+        ticks = iter(float(i) for i in range(1000))
+        slow = FleetPublisher(self.clock, self.fake, PREFIX, self.views, timer=lambda: next(ticks))
+        self.addCleanup(slow.stop)
+        lead = Leading(self.fake)
+        self.nodes = [{"id": "gpu-1", "gpus": [{"index": 0, "memory_used_mb": 3000}]}]
+        slow.start(lead.lease)
+        self.clock.advance(0)
+        self.assertEqual(self.doc()["views"]["nodes"][0]["gpus"][0]["memory_used_mb"], 2048)
+        for _ in range(290):
+            self.clock.advance(0.1)
+        self.assertEqual(slow.packs, 3)  # at 0, 10 and 20 s (15 at the 2 s interval)
+
     def test_deposed_leader_refused(self) -> None:
         """
         Once another lease holds the leader key the old leader's write is
