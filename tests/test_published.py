@@ -651,3 +651,11 @@ class HAMemberFleetTests(SynchronousTestCase):
         self.assertLessEqual(body["published_at"], reactor.seconds())
         code, body = get("/api/v1/status")
         self.assertEqual((code, body["published_by"], body["role"]), (200, "a", "follower"))
+        # Once it has led, what it followed before is not answered (it
+        # would be stale after it steps down).
+        self.successResultOf(a.ha.stopService())
+        for _ in range(30):
+            reactor.advance(0.1)
+        self.assertIs(b.ha.election.role, Role.LEADER)
+        self.assertIsNone(b.ha.followed_fleet())
+        self.assertIsNone(b.ha.fleet_follower.document)

@@ -257,6 +257,8 @@ class HAMember(Service):
         # This member's own reconciler feeds its table from now on.
         self.routes_follower.stop()
         self.fleet_follower.stop()
+        # What it followed before would be stale when it steps down again.
+        self.fleet_follower.document = None
         lease = self.election.lease
         d = defer.ensureDeferred(self._take_over(epoch, revision, lease))
         d.addErrback(lambda f: self.log.failure("taking over as leader failed", f))
