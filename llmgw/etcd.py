@@ -44,6 +44,7 @@ from twisted.web.client import (
     RequestTransmissionFailed,
     ResponseDone,
     ResponseFailed,
+    ResponseNeverReceived,
 )
 
 #: The JSON gateway's path prefix (etcd 3.4 and 3.5).
@@ -100,17 +101,30 @@ def tls_problem(e: BaseException, url: str) -> str | None:
     """
     What a failed request C{e} to C{url} says about TLS, in words for an
     operator, or C{None} when TLS is not why it failed.
+
+    Only a failed handshake counts (nothing reached etcd, so another member
+    may be asked): no byte of the answer came (L{ResponseNeverReceived}, or
+    the request could not be sent), and OpenSSL said why (a verification
+    failure, an alert). A member that went away mid-request without
+    close_notify raises C{SSL.Error} too ("unexpected eof", or a
+    C{SysCallError}): that is an outage, not TLS, and etcd may have applied
+    the request.
     """
     from llmgw.tlsconf.options import ServerIdentityError
 
+    if not isinstance(e, (ResponseNeverReceived, RequestTransmissionFailed)):
+        return None
     found: list[BaseException] = []
     names: list[ServerIdentityError] = []
 
     def walk(x: BaseException, depth: int = 0) -> None:
         if depth > 4:
             return
+        if isinstance(x, SSL.SysCallError):
+            return
         if isinstance(x, SSL.Error):
-            found.append(x)
+            if "unexpected eof" not in str(x).lower():
+                found.append(x)
             return
         if isinstance(x, ServerIdentityError):
             names.append(x)
@@ -468,9 +482,6 @@ class EtcdClient:
                 self._inflight.add(posted)
                 posted.addBoth(self._landed, posted)
                 response = await posted
-                done: defer.Deferred[bytes] = defer.Deferred()
-                response.deliverBody(_Body(done))
-                raw = await done
             except _UNREACHED as e:
                 last = f"{url}: {e.__class__.__name__}: {e}"
                 self._next_member()
@@ -486,6 +497,21 @@ class EtcdClient:
                 raise EtcdUnavailable(
                     f"etcd member {url} did not answer {path} within {self.timeout}s "
                     f"({e.__class__.__name__})"
+                ) from e
+            # The answer's head came: etcd took the request, so whatever
+            # cuts the body off, it is not sent to another member (it may
+            # have been applied).
+            done: defer.Deferred[bytes] = defer.Deferred()
+            response.deliverBody(_Body(done))
+            try:
+                raw = await done
+            except EtcdUnavailable:
+                raise
+            except Exception as e:
+                self._next_member()
+                raise EtcdUnavailable(
+                    f"etcd member {url}'s answer to {path} was cut off ({e.__class__.__name__}); "
+                    f"it may have been applied"
                 ) from e
             try:
                 answer = json.loads(raw) if raw else {}

@@ -27,8 +27,10 @@ class FakeHA:
 
     def __init__(self, role: str = "follower", leader_id: str | None = "cp-2",
                  leader_admin_url: str | None = LEADER_URL, member_id: str = "cp-1",
-                 routes: bool = False):
+                 routes: bool = False, fleet: dict[str, Any] | None = None):
         self.routes = routes
+        #: ha4: the fleet views this member follows, if any.
+        self.fleet = fleet
         self.st = {"role": role, "member_id": member_id, "leader_id": leader_id,
                    "leader_agent_address": "cp-2.example:7443", "leader_admin_url": leader_admin_url,
                    "epoch": 7, "revision": 3}
@@ -38,6 +40,9 @@ class FakeHA:
 
     def serves_routes(self) -> bool:
         return self.routes
+
+    def followed_fleet(self) -> dict[str, Any] | None:
+        return self.fleet
 
 
 class FakeControl:
@@ -149,6 +154,36 @@ class FollowerAdminTests(AdminTestCase):
         self.assertEqual([r["replica"] for r in body["routes"]], ["r1"])
         code, body, _ = self.call("GET", "/api/v1/nodes")
         self.assertEqual(code, 307, body)
+
+    def test_fleet_reads_answered_from_the_published_views(self) -> None:
+        """
+        ha4: a follower that holds the fleet views the leader published
+        answers nodes, replicas and events itself (the leader's answer, with
+        published_at, published_by and the leader's URL in x-llmgw-leader;
+        events filtered by ?since=), its status carries the leader's fleet
+        parts; writes are still redirected.
+        """
+        views = {"leader": "cp-2", "leader_admin_url": LEADER_URL,
+                 "nodes": [{"id": "gpu-1", "state": "ready"}], "replicas": [{"id": "r1", "model": "demo"}],
+                 "events": [{"time": 3.0, "kind": "a"}, {"time": 9.0, "kind": "b"}],
+                 "status": {"nodes": {"ready": 1, "suspect": 0, "lost": 0}, "connected": 1}}
+        self.use(FakeHA(fleet={"published_at": 1234.5, "views": views}))
+        code, body, headers = self.call("GET", "/api/v1/nodes")
+        self.assertEqual(code, 200, body)
+        self.assertEqual(body, {"nodes": [{"id": "gpu-1", "state": "ready"}], "published_at": 1234.5,
+                                "published_by": "cp-2"})
+        self.assertEqual(headers.getRawHeaders(b"x-llmgw-leader"), [LEADER_URL.encode()])
+        code, body, _ = self.call("GET", "/api/v1/replicas")
+        self.assertEqual((code, body["replicas"]), (200, [{"id": "r1", "model": "demo"}]))
+        code, body, _ = self.call("GET", "/api/v1/events?since=5")
+        self.assertEqual((code, [e["kind"] for e in body["events"]]), (200, ["b"]))
+        code, body, _ = self.call("GET", "/api/v1/events?since=x")
+        self.assertEqual(code, 400, body)
+        code, body, _ = self.call("GET", "/api/v1/status")
+        self.assertEqual((code, body["connected"], body["published_at"], body["role"]), (200, 1, 1234.5, "follower"))
+        code, body, _ = self.call("POST", "/api/v1/nodes/gpu-1/cordon", {})
+        self.assertEqual(code, 307, body)
+        self.assertEqual(self.fleet.calls, [])
 
     def test_writes_redirected_not_done(self) -> None:
         """

@@ -135,6 +135,44 @@ class CLITests(SynchronousTestCase):
         self.assertEqual(rc, 1)
         self.assertIn("etcd certificate name", err)
 
+    def test_etcd_ca_kept_apart(self) -> None:
+        """
+        Security: `cert etcd` refuses a CA directory that issued node or
+        admin certificates (an etcd trusting it would take each as a
+        client), and `cert agent`/`cert admin` refuse one that issued etcd
+        certificates; --shared-ca overrides, and a refusal writes nothing.
+        """
+        fleet, etcd = self.dir, self.mktemp()
+        run("ctl", "cert", "init", "--dir", fleet)
+        run("ctl", "cert", "init", "--dir", etcd)
+        self.assertEqual(run("ctl", "cert", "agent", "gpu-01", "--dir", fleet)[0], 0)
+        rc, _, err = run("ctl", "cert", "etcd", "cp1", "--dir", fleet)
+        self.assertEqual(rc, 1)
+        self.assertIn("issued agent certificates", err)
+        self.assertIn("--shared-ca", err)
+        self.assertFalse(Path(fleet, "etcd-cp1.pem").exists())
+        self.assertEqual(run("ctl", "cert", "etcd", "cp1", "--dir", etcd)[0], 0)
+        for argv in (("agent", "gpu-02"), ("admin", "olga", "--role", "viewer")):
+            rc, _, err = run("ctl", "cert", *argv, "--dir", etcd)
+            self.assertEqual(rc, 1, argv)
+            self.assertIn("issued etcd certificates", err)
+        self.assertEqual(run("ctl", "cert", "etcd", "cp1", "--dir", fleet, "--shared-ca")[0], 0)
+
+    def test_etcd_certificate_is_no_identity(self) -> None:
+        """
+        Security: an etcd certificate (client authentication, a name that is
+        a valid node id) is refused as a node's and as an admin's.
+        """
+        from llmgw.tlsconf.options import IdentityError, peer_admin, peer_node_id
+
+        run("ctl", "cert", "init", "--dir", self.dir)
+        run("ctl", "cert", "etcd", "gpu-01", "--dir", self.dir)
+        cert = x509.load_pem_x509_certificate(Path(self.dir, "etcd-gpu-01.pem").read_bytes())
+        with self.assertRaises(IdentityError) as caught:
+            peer_node_id(cert)
+        self.assertIn("etcd's own TLS", str(caught.exception))
+        self.assertRaises(IdentityError, peer_admin, cert)
+
     def test_agent_bad_node_id(self) -> None:
         """
         A node id outside the grammar is refused at issue time.

@@ -440,3 +440,27 @@ class CrashClassTests(CtlTestCase):
         self.assertIn("STRAYS", lines[0])
         self.assertIn("100 (r0-s0), 101 (r0-s1), 102 (r0-s2), 103 (r0-s3), 104 (r0-s4) +2 more", lines[1])
         self.assertNotIn("(r0-", lines[2])
+
+
+class FollowedAnswerTests(CtlTestCase):
+    def test_published_answer_says_so(self) -> None:
+        """
+        ha4: an answer from a member that does not lead (it carries
+        published_at) prints the same table, and says on stderr which leader
+        published it and when; --json prints it unchanged.
+        """
+        answer = {"nodes": ctl_json_nodes(self), "published_at": 1_700_000_000.0, "published_by": "cp-2"}
+        http = canned(200, json.dumps(answer).encode())
+        code, out, err = self.ctl("nodes", http=http)
+        self.assertEqual(code, 0)
+        self.assertTrue(out.startswith("NODE"), out)
+        self.assertIn("from what leader cp-2 published at 2023-11-14 22:13:20 UTC", err)
+        code, out, err = self.ctl("nodes", "--json", http=http)
+        self.assertEqual((code, err, json.loads(out)), (0, "", answer))
+
+
+def ctl_json_nodes(case: CtlTestCase) -> Any:
+    """The nodes the sample fleet's admin API answers."""
+    code, out, _ = case.ctl("nodes", "--json")
+    assert code == 0
+    return json.loads(out)["nodes"]

@@ -198,7 +198,59 @@ class TLSProblemTests(unittest.SynchronousTestCase):
         self.assertIsNone(tls_problem(ResponseNeverReceived([Failure(ConnectionError("reset"))]), "https://e:2379"))
         from llmgw.tlsconf.options import ServerIdentityError
 
+        # A member gone mid-request without close_notify is an outage, not
+        # TLS; nor is anything once the answer's head came.
+        self.assertIsNone(tls_problem(failed("unexpected eof while reading"), "https://e:2379"))
+        self.assertIsNone(tls_problem(ResponseNeverReceived([Failure(SSL.SysCallError(-1, "Unexpected EOF"))]),
+                                      "https://e:2379"))
+        from twisted.web.client import ResponseFailed
+
+        self.assertIsNone(tls_problem(ResponseFailed([Failure(SSL.Error([("SSL routines", "", "tls alert")]))]),
+                                      "https://e:2379"))
         misnamed = tls_problem(ResponseNeverReceived([Failure(ServerIdentityError("e", ["IP:10.0.0.1"]))]),
                                "https://e:2379")
         self.assertIn("does not name 'e'", misnamed or "")
         self.assertIn("IP:10.0.0.1", misnamed or "")
+
+
+class _CutOff:
+    """An HTTP client whose answers come with a head, then lose the body to
+    an C{SSL.Error}, as a member that resets mid-answer without close_notify."""
+
+    def __init__(self) -> None:
+        self.posted: list[str] = []
+
+    def post(self, url: str, **kw: Any) -> defer.Deferred[Any]:
+        from OpenSSL import SSL
+        from twisted.python.failure import Failure
+        from twisted.web.client import ResponseFailed
+
+        self.posted.append(url)
+
+        class Response:
+            code = 200
+
+            def deliverBody(self, protocol: Any) -> None:  # noqa: N802
+                protocol.connectionLost(Failure(ResponseFailed(
+                    [Failure(SSL.Error([("SSL routines", "", "unexpected eof while reading")]))])))
+
+        return defer.succeed(Response())
+
+
+class CutOffAnswerTests(unittest.SynchronousTestCase):
+    def test_not_sent_again_once_the_head_came(self) -> None:
+        """
+        An answer whose body is cut off (its head came, so etcd took the
+        request) fails with EtcdUnavailable, not a TLS error, and the
+        request is not sent to the next member: it may have been applied.
+        """
+        from twisted.internet.testing import MemoryReactorClock
+
+        from llmgw.etcd import EtcdTLSError
+
+        client = EtcdClient(MemoryReactorClock(), ["https://a:2379", "https://b:2379"])
+        fake = client.http = _CutOff()  # type: ignore[assignment]
+        f = self.failureResultOf(defer.Deferred.fromCoroutine(client.grant(10)), EtcdUnavailable)
+        self.assertNotIsInstance(f.value, EtcdTLSError)
+        self.assertIn("may have been applied", str(f.value))
+        self.assertEqual(fake.posted, ["https://a:2379/v3/lease/grant"])

@@ -242,6 +242,29 @@ class FollowerTests(FollowerTestCase):
         self.assertEqual(heard, [self.published.revision])
 
 
+    def test_watch_revision_not_sent_to_a_poll(self) -> None:
+        """
+        After a watch stream (the leader's, whose count differs from what
+        the member polled counts) the next read asks for the whole table,
+        not C{?since=} the stream's revision; an answer from another source
+        with the same revision number still reaches the listeners.
+        """
+        heard: list[int] = []
+        self.table.listeners.append(lambda snap: heard.append(snap.revision))
+        self.poll()
+        rev = self.published.revision
+        self.table.apply_watch({"type": "snapshot", "epoch": "e1", "revision": 50, "routes": {
+            "revision": rev, "known": ["alpha"], "routes": [
+                {"replica": "w1", "model": "alpha", "address": "10.0.0.9:9000"}]}})
+        self.assertEqual(self.ids(), ["w1"])
+        self.assertEqual(heard, [rev, rev])
+        self.assertEqual(self.table.url(), "http://cp:7480/api/v1/routes")
+        self.assertTrue(self.poll())
+        self.assertEqual(self.ids(), ["r1"])
+        self.assertEqual(heard, [rev, rev, rev])
+        self.assertEqual(self.table.url(), f"http://cp:7480/api/v1/routes?since={rev}")
+
+
 class ServiceTests(FollowerTestCase):
     def test_keeps_one_read_outstanding(self) -> None:
         """

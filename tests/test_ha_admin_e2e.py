@@ -48,7 +48,8 @@ class HAAdminEndToEndTests(TestCase):
     def test_followers_send_clients_to_the_leader(self) -> Any:
         """
         A follower answers a read with 307 to the leader's advertised admin
-        URL; the ctl given the follower's URL gets the leader's answer; a
+        URL (the nodes, once it holds the leader's published views, itself);
+        the ctl given the follower's URL gets the leader's answer; a
         gateway follower whose first URL is dead reads the routes through
         the follower from the leader.
         """
@@ -56,12 +57,22 @@ class HAAdminEndToEndTests(TestCase):
             self.start_members()
             leader = await self.wait("a leader every member names", self.agreed_leader)
             follower = next(m for m in self.members if m != leader)
-            r = await treq.get(self.admin[follower] + "/api/v1/nodes", allow_redirects=False,
+            r = await treq.get(self.admin[follower] + "/api/v1/deployments", allow_redirects=False,
                                timeout=5.0, persistent=False)
             body = await r.json()
             self.assertEqual(r.code, 307, body)
             self.assertEqual(r.headers.getRawHeaders(b"location"),
-                             [f"{self.admin[leader]}/api/v1/nodes".encode()])
+                             [f"{self.admin[leader]}/api/v1/deployments".encode()])
+
+            async def nodes_here() -> Any:
+                # ha4: nodes are answered there, from the leader's published views.
+                r = await treq.get(self.admin[follower] + "/api/v1/nodes", allow_redirects=False,
+                                   timeout=5.0, persistent=False)
+                body = await r.json()
+                return body if r.code == 200 else None
+
+            nodes = await self.wait("the follower answering the nodes itself", nodes_here)
+            self.assertEqual(nodes["published_by"], leader)
             status = await self.get(follower, "/api/v1/status")
             self.assertEqual((status["role"], status["leader_id"]), ("follower", leader))
 

@@ -109,12 +109,22 @@ class HARoutesEndToEndTests(TestCase):
     async def chats(self, member: str) -> bool:
         return await self.chat(member) == 200
 
+    async def followed_nodes(self, member: str) -> dict[str, Any] | None:
+        """C{GET /api/v1/nodes} on C{member}, when answered there (200) and listing L{NODE}."""
+        r = await treq.get(self.admin[member] + "/api/v1/nodes", allow_redirects=False,
+                           timeout=5.0, persistent=False)
+        body = await r.json()
+        if r.code == 200 and NODE in [n["id"] for n in body.get("nodes", [])]:
+            return body  # type: ignore[no-any-return]
+        return None
+
     def test_followers_gateways_serve_through_a_failover(self) -> Any:
         """
         Both followers' gateways answer a chat through the shard; the
         leader is killed (-9); before and after a new leader is elected the
         remaining follower's gateway answers, its admin API answers the
-        routes itself (no redirect), and the shard process is the same.
+        routes and the nodes (listing the agent, published by the new
+        leader) itself (no redirect), and the shard process is the same.
         """
         async def go() -> None:
             self.start()
@@ -141,6 +151,10 @@ class HARoutesEndToEndTests(TestCase):
             routes = await r.json()
             self.assertEqual(r.code, 200, routes)
             self.assertEqual([x["model"] for x in routes["routes"]], ["demo"])
+            # ha4: and the nodes, from the fleet views the new leader published.
+            nodes = await self.wait(f"follower {other} answering the nodes with {NODE}",
+                                    lambda: self.followed_nodes(other))
+            self.assertEqual(nodes["published_by"], second)
             self.assertEqual(self.shard_pids(), pids)
 
         return defer.Deferred.fromCoroutine(go())

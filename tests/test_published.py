@@ -7,6 +7,7 @@ that use it.
 
 from __future__ import annotations
 
+import json
 import zlib
 from typing import Any
 
@@ -17,12 +18,16 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.control.election import Role, leader_key
 from llmgw.control.published import (
+    FleetFollower,
+    FleetPublisher,
     RoutesFollower,
     RoutesPublisher,
+    fleet_key,
     pack,
     routes_document,
     routes_key,
     unpack,
+    unpack_object,
 )
 from llmgw.routing import EngineSignals, Route, RoutesDataError, RoutingTable
 from llmgw.testing.fakeetcd import FakeEtcd
@@ -155,6 +160,29 @@ class PublisherTests(SynchronousTestCase):
         self.clock.advance(1)
         self.assertEqual(published(self.fake), ["r1"])
 
+    def test_failed_pack_tried_again(self) -> None:
+        """
+        A raise while packing the table is logged, and the table is packed
+        and written an interval later: the publisher does not go quiet.
+        """
+        from llmgw.control import published as mod
+
+        lead = Leading(self.fake)
+        self.table.publish_model("demo", [self.route("r1")])
+        real = mod.routes_document
+
+        def broken(*a: Any) -> Any:
+            raise ValueError("a bug")
+
+        self.patch(mod, "routes_document", broken)
+        self.publisher.start(lead.lease)
+        self.clock.advance(0)
+        self.assertNotIn(KEY, self.fake.kvs)
+        self.assertEqual([e["log_failure"].type for e in self.logged if "log_failure" in e], [ValueError])
+        self.patch(mod, "routes_document", real)
+        self.clock.advance(1)
+        self.assertEqual(published(self.fake), ["r1"])
+
     def test_too_large_not_written(self) -> None:
         """
         A table over the size limit compressed is not published (etcd would
@@ -257,6 +285,43 @@ class FollowerTests(SynchronousTestCase):
         self.clock.advance(5)
         self.assertEqual(self.ids(), ["r1"])
 
+    def test_restart_applies_the_published_table_again(self) -> None:
+        """
+        A follower started again (its member stepped down) replaces the
+        table with what etcd holds even when that is the document it applied
+        before: meanwhile its own reconciler rewrote the table.
+        """
+        self.publish("r1")
+        self.follower.start()
+        self.follower.stop()
+        self.table.publish_model("demo", [Route("mine", "demo", "10.0.0.9:9000")])
+        self.follower.start()
+        self.assertEqual(self.ids(), ["r1"])
+        self.assertTrue(self.follower.applied)
+
+    def test_follower_survives_a_raise_while_applying(self) -> None:
+        """
+        A document too deeply nested to parse is logged as unreadable, and
+        a raise from the table is logged: either way the follower goes on
+        watching and takes the next document.
+        """
+        self.fake.put(KEY, zlib.compress(b"[" * 100000 + b"]" * 100000))
+        self.follower.start()
+        self.assertTrue(any("unreadable" in e["log_format"] for e in self.logged))
+        self.publish("r1")
+        self.assertEqual(self.ids(), ["r1"])
+        real = self.table.replace
+
+        def broken(snapshot: Any) -> bool:
+            raise RuntimeError("a bug")
+
+        self.patch(self.table, "replace", broken)
+        self.publish("r2")
+        self.assertEqual([e["log_failure"].type for e in self.logged if "log_failure" in e], [RuntimeError])
+        self.patch(self.table, "replace", real)
+        self.publish("r3")
+        self.assertEqual(self.ids(), ["r3"])
+
     def test_unpack_is_bounded(self) -> None:
         """
         A value that inflates past the limit is refused, not inflated whole.
@@ -339,6 +404,28 @@ class HAMemberRoutesTests(SynchronousTestCase):
         self.advance(1.1)
         self.assertEqual(published(self.fake), [])
 
+    def test_grace_ended_early_republishes_then(self) -> None:
+        """
+        A leader whose adoption grace is ended early (every expected agent
+        came) publishes the table of its own state then, not when the grace
+        would have ended.
+        """
+        a = self.member("a")
+        self.advance(0.1)
+        b = self.member("b")
+        a.reconciler.routing_table.publish_model("demo", [Route("r1", "demo", "10.0.0.1:9000")])
+        self.advance(1.1)
+        self.successResultOf(a.ha.stopService())
+        self.advance(2)
+        self.assertIs(b.ha.election.role, Role.LEADER)
+        self.assertEqual(self.ids(b), ["r1"])
+        b.reconciler.end_adoption_grace("every expected agent has registered")
+        self.assertEqual(self.ids(b), [])
+        self.advance(1.1)
+        self.assertEqual(published(self.fake), [])
+        self.advance(30)
+        self.assertEqual(published(self.fake), [])
+
     def test_deposed_leader_follows_new_leader(self) -> None:
         """
         A leader cut off from etcd steps down and keeps its last table
@@ -368,3 +455,207 @@ class HAMemberRoutesTests(SynchronousTestCase):
         self.assertEqual(list(other.reconciler.routing_table.routes("demo")), [])
         self.flushLoggedErrors()
 
+
+
+FLEET = fleet_key(PREFIX)
+
+
+class FleetPublisherTests(SynchronousTestCase):
+    """ha4: the leader's fleet views, published."""
+
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.fake = FakeEtcd(self.clock)
+        self.logged: list[dict[str, Any]] = []
+        self.nodes: list[dict[str, Any]] = [{"id": "gpu-1", "last_seen": 100.0}]
+        self.publisher = FleetPublisher(self.clock, self.fake, PREFIX, self.views)
+        self.publisher.log = Logger(observer=self.logged.append)  # type: ignore[arg-type]
+        self.addCleanup(self.publisher.stop)
+
+    def views(self) -> dict[str, Any]:
+        return {"leader": "a", "leader_admin_url": "https://a:7480", "nodes": list(self.nodes),
+                "replicas": [{"id": "r1", "shards": [{"id": "s1", "signals": {"waiting": self.clock.seconds()}}]}],
+                "events": [{"time": float(i), "kind": "k"} for i in range(1500)],
+                "status": {"connected": len(self.nodes)}}
+
+    def doc(self) -> dict[str, Any]:
+        return unpack_object(self.fake.kvs[FLEET].value)
+
+    def writes(self) -> int:
+        return self.fake.calls.count("txn")
+
+    def test_published_on_change_debounced(self) -> None:
+        """
+        The views are written at the start, then at most once each 2 s and
+        only when they changed: engine signals and a heartbeat's last_seen
+        within the same 10 s do not count; published_at is the leader's
+        clock at the write; only the newest 1000 events go.
+        """
+        lead = Leading(self.fake)
+        self.clock.advance(100)
+        self.publisher.start(lead.lease)
+        self.clock.advance(0)
+        self.assertEqual(self.writes(), 1)
+        doc = self.doc()
+        self.assertEqual(doc["published_at"], 100)
+        self.assertEqual(doc["views"]["nodes"], [{"id": "gpu-1", "last_seen": 100.0}])
+        self.assertIsNone(doc["views"]["replicas"][0]["shards"][0]["signals"])
+        self.assertEqual(len(doc["views"]["events"]), 1000)
+        self.assertEqual(doc["views"]["events"][-1]["time"], 1499.0)
+        self.nodes = [{"id": "gpu-1", "last_seen": 104.0}]
+        self.clock.advance(6)
+        self.assertEqual(self.writes(), 1)
+        self.nodes.append({"id": "gpu-2", "last_seen": 105.0})
+        self.clock.advance(2)
+        self.assertEqual(self.writes(), 2)
+        self.assertEqual(self.doc()["published_at"], 108)
+        for i in range(3, 8):
+            self.nodes.append({"id": f"gpu-{i}"})
+            self.clock.advance(0.5)
+        self.assertEqual(self.writes(), 3)
+        self.clock.advance(2)
+        self.assertEqual(self.writes(), 4)
+        self.assertEqual(len(self.doc()["views"]["nodes"]), 7)
+
+    def test_large_fleet_packed_less_often(self) -> None:
+        """
+        A pack that takes long (1 s here, by the injected timer) is followed
+        by the next no sooner than ten times that: packing takes at most a
+        tenth of the leader's reactor; a GPU's memory in use is published
+        rounded down to 1 GiB.
+        """
+        ticks = iter(float(i) for i in range(1000))
+        slow = FleetPublisher(self.clock, self.fake, PREFIX, self.views, timer=lambda: next(ticks))
+        self.addCleanup(slow.stop)
+        lead = Leading(self.fake)
+        self.nodes = [{"id": "gpu-1", "gpus": [{"index": 0, "memory_used_mb": 3000}]}]
+        slow.start(lead.lease)
+        self.clock.advance(0)
+        self.assertEqual(self.doc()["views"]["nodes"][0]["gpus"][0]["memory_used_mb"], 2048)
+        for _ in range(290):
+            self.clock.advance(0.1)
+        self.assertEqual(slow.packs, 3)  # at 0, 10 and 20 s (15 at the 2 s interval)
+
+    def test_deposed_leader_refused(self) -> None:
+        """
+        Once another lease holds the leader key the old leader's write is
+        refused and it publishes nothing more.
+        """
+        old = Leading(self.fake)
+        self.publisher.start(old.lease)
+        self.clock.advance(0)
+        self.fake.expire(old.lease)
+        Leading(self.fake)
+        self.nodes.append({"id": "gpu-2"})
+        self.clock.advance(2)
+        self.assertEqual(self.publisher.refused, 1)
+        self.assertIsNone(self.publisher.lease)
+        self.assertEqual(len(self.doc()["views"]["nodes"]), 1)
+        self.nodes.append({"id": "gpu-3"})
+        self.clock.advance(10)
+        self.assertEqual(self.writes(), 2)
+
+    def test_bound_cuts_nodes(self) -> None:
+        """
+        Over the size bound the nodes are cut (replicas, events and status
+        whole) and the document says how many nodes there are.
+        """
+        import random
+
+        rng = random.Random(2)
+        self.nodes = [{"id": f"gpu-{i}", "address": f"{rng.getrandbits(64):x}"} for i in range(2000)]
+        small = FleetPublisher(self.clock, self.fake, PREFIX, self.views, max_size=30000)
+        lead = Leading(self.fake)
+        small.start(lead.lease)
+        self.clock.advance(0)
+        small.stop()
+        self.assertLessEqual(len(self.fake.kvs[FLEET].value), 30000)
+        views = self.doc()["views"]
+        self.assertEqual(views["truncated"], {"nodes": 2000})
+        self.assertGreater(len(views["nodes"]), 0)
+        self.assertLess(len(views["nodes"]), 2000)
+        self.assertEqual(len(views["events"]), 1000)
+
+
+class FleetFollowerTests(SynchronousTestCase):
+    """ha4: a member that does not lead, holding the leader's fleet views."""
+
+    def test_follows_and_fails_static(self) -> None:
+        """
+        The follower holds nothing before a document is published, then
+        each new one; an unreadable one is logged and the last stays.
+        """
+        clock = Clock()
+        fake = FakeEtcd(clock)
+        follower = FleetFollower(clock, fake, PREFIX)
+        logged: list[dict[str, Any]] = []
+        follower.log = Logger(observer=logged.append)  # type: ignore[arg-type]
+        self.addCleanup(follower.stop)
+        follower.start()
+        self.assertIsNone(follower.document)
+        good = {"published_at": 5, "views": {"nodes": [], "replicas": [], "events": [], "status": {}}}
+        fake.put(FLEET, zlib.compress(json.dumps(good).encode()))
+        self.assertEqual(follower.document, good)
+        fake.put(FLEET, zlib.compress(b'{"published_at": 6, "views": {"nodes": 1}}'))
+        self.assertEqual(follower.document, good)
+        self.assertTrue(any("unreadable" in e["log_format"] for e in logged))
+
+
+class HAMemberFleetTests(SynchronousTestCase):
+    """ha4: two HA members: the leader publishes its views, the other answers from them."""
+
+    def test_follower_answers_from_published_views(self) -> None:
+        """
+        A member that does not lead answers GET /api/v1/nodes (listing the
+        node the leader knows) and /status from the leader's published views,
+        with published_at and published_by, within a publish interval.
+        """
+        from treq.testing import StubTreq
+
+        from llmgw.control.admin import AdminResource
+        from llmgw.control.inventory import Node
+        from llmgw.control.metrics import make_registry
+
+        reactor = MemoryReactorClock()
+        fake = FakeEtcd(reactor)
+        a = Member(reactor, fake, "a")
+        a.ha.startService()
+        self.addCleanup(a.ha.stopService)
+        for _ in range(2):
+            reactor.advance(0.1)
+        b = Member(reactor, fake, "b")
+        b.ha.startService()
+        self.addCleanup(b.ha.stopService)
+        self.assertIs(a.ha.election.role, Role.LEADER)
+
+        class Control:
+            ha = b.ha
+
+        resource = AdminResource(b.reconciler, make_registry(), b.cp.agents, control=Control())
+        stub = StubTreq(resource)
+
+        def get(path: str) -> tuple[int, Any]:
+            d = stub.request("GET", "http://127.0.0.1:7480" + path, allow_redirects=False)
+            stub.flush()
+            response = self.successResultOf(d)
+            content = self.successResultOf(stub.content(response))
+            return response.code, json.loads(content)
+
+        a.inventory.upsert(Node("gpu-1", address="10.0.0.1", last_seen=reactor.seconds()))
+        for _ in range(30):
+            reactor.advance(0.1)
+        code, body = get("/api/v1/nodes")
+        self.assertEqual(code, 200, body)
+        self.assertEqual([n["id"] for n in body["nodes"]], ["gpu-1"])
+        self.assertEqual(body["published_by"], "a")
+        self.assertLessEqual(body["published_at"], reactor.seconds())
+        code, body = get("/api/v1/status")
+        self.assertEqual((code, body["published_by"], body["role"]), (200, "a", "follower"))
+        # Once it has led, what it followed before is not answered (it
+        # would be stale after it steps down).
+        self.successResultOf(a.ha.stopService())
+        for _ in range(30):
+            reactor.advance(0.1)
+        self.assertIs(b.ha.election.role, Role.LEADER)
+        self.assertIsNone(b.ha.followed_fleet())
+        self.assertIsNone(b.ha.fleet_follower.document)

@@ -434,3 +434,31 @@ class HeldDeploymentsTests(SynchronousTestCase):
         self.assertFalse(fs.keeps_holds)
         fs.set("demo", 3, 2)
         self.assertNotIn("held", json.loads(state.read_text()))
+
+
+class MalformedHoldTests(SynchronousTestCase):
+    def test_bad_hold_skipped_rest_kept(self) -> None:
+        """
+        One malformed entry under "held" is skipped with a warning naming
+        the deployment; the other holds, the overrides and the cordoned and
+        draining nodes are all taken.
+        """
+        from twisted.logger import Logger
+
+        logged: list[dict[str, Any]] = []
+        state = FleetState(None)
+        state.log = Logger(observer=logged.append)  # type: ignore[arg-type]
+        state.take_data({
+            "replicas": {"demo": {"replicas": 3, "catalog_replicas": 1}},
+            "cordoned": ["gpu-01"], "draining": ["gpu-02"],
+            "held": {"bad": {"crash_class": "config"}, "worse": 7,
+                     "good": {"reason": "configuration error", "crash_class": "config", "since": 5}},
+        })
+        self.assertEqual(state.overrides, {"demo": (3, 1)})
+        self.assertEqual(state.cordoned, frozenset({"gpu-01", "gpu-02"}))
+        self.assertEqual(state.draining, frozenset({"gpu-02"}))
+        self.assertEqual(sorted(state.held), ["good"])
+        warned = sorted(formatEvent(e) for e in logged)
+        self.assertEqual(len(warned), 2, warned)
+        self.assertIn("the hold of bad is malformed", warned[0])
+        self.assertIn("the hold of worse is malformed", warned[1])

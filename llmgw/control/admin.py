@@ -179,6 +179,9 @@ LOCAL_PATHS = frozenset({
 #: the watch stream too, when it follows the routes alone (C{?only=routes}
 #: or the C{gateway} role).
 FOLLOWED_PATHS = frozenset({("api", "v1", "routes")})
+#: ha4: what such a member answers from the fleet views the leader
+#: published (L{llmgw.control.published.FleetFollower}), once it holds them.
+FLEET_FOLLOWED_PATHS = frozenset({("api", "v1", "nodes"), ("api", "v1", "replicas"), ("api", "v1", "events")})
 #: The header with which such a member names the leader's admin URL.
 LEADER_HEADER = b"x-llmgw-leader"
 
@@ -350,6 +353,31 @@ class AdminRequest(server.Request):
         content.write(data)
 
 
+def nodes_view(fleet: Any, agents: Any) -> dict[str, Any]:
+    """
+    C{GET /api/v1/nodes}: the fleet's nodes view, each node with the
+    C{stray_processes} its agent listed in its latest Register (from the
+    inventory, where the fleet's view does not carry them).
+    """
+    nodes = fleet.nodes()
+    inventory = getattr(agents, "inventory", None)
+    out = []
+    for view in nodes:
+        if "stray_processes" not in view:
+            strays = inventory.strays(view.get("id", "")) if inventory is not None else []
+            view = {**view, "stray_processes": [s.as_dict() for s in strays]}
+        out.append(view)
+    return {"nodes": out}
+
+
+def fleet_status(fleet: Any, agents: Any) -> dict[str, Any]:
+    """C{GET /api/v1/status}'s fleet parts (without the HA member's own)."""
+    status = dict(fleet.status())
+    if agents is not None and "agents_connected" not in status:
+        status["agents_connected"] = len(agents.connected_nodes())
+    return status
+
+
 class AdminResource(Resource):
     """
     The admin API's whole tree. Read-only views come from
@@ -407,7 +435,9 @@ class AdminResource(Resource):
             self._check_host(request)
             path = self._path(request)
             self._authorize(request, method, path)
-            self._to_leader(request, path)
+            followed = self._to_leader(request, path)
+            if followed is not None:
+                return self._call(request, followed, ())
             if path == ["api", "v1", "watch"]:
                 return self._watch(request, method)
             handler, args = self._route(method, path, request)
@@ -490,7 +520,7 @@ class AdminResource(Resource):
 
     # -- hadmin (issue 14 item 5): a follower sends clients to the leader ----------
 
-    def _to_leader(self, request: Any, path: list[str]) -> None:
+    def _to_leader(self, request: Any, path: list[str]) -> Callable[[], dict[str, Any]] | None:
         """
         On a member of an HA control plane that does not lead: refuse with
         a C{307} whose C{Location} is the same request on the leader's admin
@@ -499,25 +529,32 @@ class AdminResource(Resource):
         way, or a leader without C{--advertise-admin}). What is this
         member's own (L{local_path}) is answered here. It runs after
         L{_authorize}: a request this member refuses is not redirected.
+        ha4: a read of nodes, replicas or events, once this member holds
+        the fleet views the leader published, is answered from them: the
+        handler to call is returned (C{None}: answer as usual).
 
         @raise Refused: 307 or 503, as above.
         """
         ha = getattr(self.control, "ha", None)
         if ha is None or local_path(path):
-            return
+            return None
         if tuple(path) == ("api", "v1", "watch") and self._routes_only(request) and ha.serves_routes():
             # A watch of the routes alone follows the published table here.
-            return
+            return None
         if tuple(path) in FOLLOWED_PATHS and ha.serves_routes():
             # Answered here; the header tells a gateway where the leader is
             # (its watch stream and demand go there).
             leader_url = ha.status().get("leader_admin_url")
             if isinstance(leader_url, str) and leader_url:
                 request.setHeader(LEADER_HEADER, leader_url.encode("utf-8", "replace"))
-            return
+            return None
+        if tuple(path) in FLEET_FOLLOWED_PATHS and request.method in (b"GET", b"HEAD"):
+            followed = ha.followed_fleet()
+            if followed is not None:
+                return self._followed_view(request, path[-1], followed)
         where = leader_location(ha.status(), request.uri)
         if where is None:
-            return
+            return None
         location, st = where
         leader = st.get("leader_id")
         if location is None:
@@ -537,6 +574,32 @@ class AdminResource(Resource):
             headers={b"location": location.encode("utf-8", "replace")},
             extra={"leader_id": leader, "leader_admin_url": st.get("leader_admin_url"), "location": location},
         )
+
+    def _followed_view(self, request: Any, kind: str, followed: dict[str, Any]) -> Callable[[], dict[str, Any]]:
+        """
+        ha4: C{GET /api/v1/nodes}, C{/replicas} or C{/events} on a member
+        that does not lead, from the fleet views the leader published: the
+        leader's answer, with C{published_at} (the leader's clock when it
+        wrote them) and C{published_by} (the leader), and the leader's admin
+        URL in the L{LEADER_HEADER} header.
+
+        @raise Refused: 400, a malformed C{?since=} (events).
+        """
+        views = followed["views"]
+        since = self._since(request) if kind == "events" else 0.0
+        leader_url = views.get("leader_admin_url")
+        if isinstance(leader_url, str) and leader_url:
+            request.setHeader(LEADER_HEADER, leader_url.encode("utf-8", "replace"))
+        answer: dict[str, Any] = {"published_at": followed["published_at"], "published_by": views.get("leader")}
+        if kind == "events":
+            answer["events"] = [e for e in views["events"]
+                                if isinstance(e, dict) and isinstance(e.get("time"), (int, float))
+                                and e["time"] > since]
+        else:
+            answer[kind] = views[kind]
+        if kind == "nodes" and "truncated" in views:
+            answer["truncated"] = views["truncated"]
+        return lambda: answer
 
     @staticmethod
     def _routes_only(request: Any) -> bool:
@@ -778,12 +841,16 @@ class AdminResource(Resource):
         return body
 
     def _status(self) -> dict[str, Any]:
-        status = dict(self.fleet.status())
-        if self.agents is not None and "agents_connected" not in status:
-            status["agents_connected"] = len(self.agents.connected_nodes())
+        status = fleet_status(self.fleet, self.agents)
         # ha (issue 14): role, leader and epoch of a member on etcd.
         ha = getattr(self.control, "ha", None)
         if ha is not None:
+            # ha4: a member that does not lead says the leader's fleet, as
+            # published (its own reconciler does not run).
+            followed = ha.followed_fleet()
+            if followed is not None:
+                status = {**followed["views"].get("status", {}), "published_at": followed["published_at"],
+                          "published_by": followed["views"].get("leader")}
             ha_status = ha.status()
             status["ha"] = ha_status
             for key in ("role", "member_id", "leader_id", "leader_agent_address", "epoch"):
@@ -847,20 +914,7 @@ class AdminResource(Resource):
         return maybeDeferred(self.fleet.retry, model).addCallback(done)
 
     def _nodes(self) -> dict[str, Any]:
-        """
-        The fleet's nodes view, each node with the C{stray_processes} its
-        agent listed in its latest Register (from the inventory, where the
-        fleet's view does not carry them).
-        """
-        nodes = self.fleet.nodes()
-        inventory = getattr(self.agents, "inventory", None)
-        out = []
-        for view in nodes:
-            if "stray_processes" not in view:
-                strays = inventory.strays(view.get("id", "")) if inventory is not None else []
-                view = {**view, "stray_processes": [s.as_dict() for s in strays]}
-            out.append(view)
-        return {"nodes": out}
+        return nodes_view(self.fleet, self.agents)
 
     def _reload(self, request: Any) -> Any:
         def done(changes: Any) -> dict[str, Any]:

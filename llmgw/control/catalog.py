@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from twisted.logger import Logger
+
 from llmgw import engines
 from llmgw.control.autoscale import (
     DEFAULT_SCALE_TO_ZERO_AFTER_S,
@@ -538,6 +540,8 @@ class FleetState:
         #: lasts as long as the process.
         self.held: dict[str, Hold] = {}
 
+    log = Logger()
+
     #: Whether the reconciler keeps its holds here (L{set_holds}).
     keeps_holds = False
 
@@ -593,18 +597,33 @@ class FleetState:
                 bounds[str(model)] = (lo, hi, clo, chi)
         cordoned = self._node_list(data, "cordoned")
         draining = self._node_list(data, "draining")
-        held: dict[str, Hold] = {}
-        raw_held = data.get("held", {})
-        if not isinstance(raw_held, dict):
-            raise ValueError(f"'held' must be an object of model: hold, not {type(raw_held).__name__}")
-        for model, entry in raw_held.items():
-            held[str(model)] = Hold(str(entry["reason"]), str(entry.get("crash_class", "")),
-                                    float(entry.get("since", 0.0)))
+        held = self._holds(data.get("held", {}))
         self.overrides = overrides
         self.bounds = bounds
         # A drain cordons its node; a file edited by hand may say otherwise.
         self.cordoned, self.draining = cordoned | draining, draining
         self.held = held
+
+    def _holds(self, raw: Any) -> dict[str, Hold]:
+        """
+        The holds in C{raw} (the document's C{"held"}); a malformed entry is
+        skipped with a warning, not fatal: the rest of the fleet state
+        (overrides, cordons, drains) matters more than one hold, which the
+        reconciler finds again at the deployment's next crash.
+        """
+        if not isinstance(raw, dict):
+            self.log.warn("fleet state: 'held' must be an object of model: hold, not {kind}; no "
+                          "deployment held", kind=type(raw).__name__)
+            return {}
+        held: dict[str, Hold] = {}
+        for model, entry in raw.items():
+            try:
+                held[str(model)] = Hold(str(entry["reason"]), str(entry.get("crash_class", "")),
+                                        float(entry.get("since", 0.0)))
+            except (KeyError, TypeError, ValueError, AttributeError) as e:
+                self.log.warn("fleet state: the hold of {model} is malformed ({error}); skipped",
+                              model=str(model)[:200], error=repr(e)[:200])
+        return held
 
     @staticmethod
     def _node_list(data: Mapping[str, Any], key: str) -> frozenset[str]:

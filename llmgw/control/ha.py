@@ -43,7 +43,7 @@ from llmgw.control.catalog import Catalog, CatalogError, parse_catalog
 from llmgw.control.commands import ShardCommand
 from llmgw.control.election import Election, MemberInfo, Role, leader_key
 from llmgw.control.interfaces import IDispatcher, NotConnected
-from llmgw.control.published import RoutesFollower, RoutesPublisher
+from llmgw.control.published import FleetFollower, FleetPublisher, RoutesFollower, RoutesPublisher
 from llmgw.control.sharedstate import SharedFleet, SharedFleetState
 from llmgw.etcd import Compare, EtcdError, EtcdTLSError, Put, Range
 from llmgw.wire import NO_LEADER_MARKER, redirect_error
@@ -191,7 +191,11 @@ class HAMember(Service):
         table = reconciler.routing_table
         self.routes_publisher = RoutesPublisher(reactor, store, prefix, table, self.election.may_command)
         self.routes_follower = RoutesFollower(reactor, store, prefix, table, retry_interval=retry_interval)
+        # ha4: the admin views (nodes, replicas, events, status), likewise.
+        self.fleet_publisher = FleetPublisher(reactor, store, prefix, self.fleet_views, self.election.may_command)
+        self.fleet_follower = FleetFollower(reactor, store, prefix, retry_interval=retry_interval)
         self._republish: Any = None
+        self._grace_listener: Callable[[], None] | None = None
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -205,6 +209,7 @@ class HAMember(Service):
         )
         self._starting = defer.ensureDeferred(self._start())
         self.routes_follower.start()
+        self.fleet_follower.start()
 
     async def _start(self) -> None:
         while self.running and self.epoch_base is None:
@@ -233,6 +238,7 @@ class HAMember(Service):
         self._stop_watch()
         self._stop_publishing()
         self.routes_follower.stop()
+        self.fleet_follower.stop()
         d = self.election.stop()
         if self.reconciler.running:
             self.reconciler.stopService()
@@ -250,6 +256,9 @@ class HAMember(Service):
         self.taken_over = False
         # This member's own reconciler feeds its table from now on.
         self.routes_follower.stop()
+        self.fleet_follower.stop()
+        # What it followed before would be stale when it steps down again.
+        self.fleet_follower.document = None
         lease = self.election.lease
         d = defer.ensureDeferred(self._take_over(epoch, revision, lease))
         d.addErrback(lambda f: self.log.failure("taking over as leader failed", f))
@@ -377,21 +386,35 @@ class HAMember(Service):
         followed from the previous leader that nobody reported go).
         """
         self.routes_publisher.start(lease, current=self.routes_follower.value)
+        self.fleet_publisher.start(lease)
 
         def republish() -> None:
+            if self._republish is not None and self._republish.active():
+                self._republish.cancel()
             self._republish = None
+            self._forget_grace_listener()
             if self.taken_over and self.election.lease == lease:
                 if self.reconciler.republish_routes():
                     self.log.info("adoption grace over: the routing table is now all this leader's own")
 
         delay = max(0.0, self.reconciler.grace_end - self.reactor.seconds())
         self._republish = self.reactor.callLater(delay, republish)
+        # A grace ended early (every expected agent came) republishes then.
+        self._grace_listener = republish
+        self.reconciler.grace_ended_listeners.append(republish)
+
+    def _forget_grace_listener(self) -> None:
+        listener, self._grace_listener = self._grace_listener, None
+        if listener is not None and listener in self.reconciler.grace_ended_listeners:
+            self.reconciler.grace_ended_listeners.remove(listener)
 
     def _stop_publishing(self) -> None:
         self.routes_publisher.stop()
+        self.fleet_publisher.stop()
         if self._republish is not None and self._republish.active():
             self._republish.cancel()
         self._republish = None
+        self._forget_grace_listener()
 
     def serves_routes(self) -> bool:
         """
@@ -403,6 +426,35 @@ class HAMember(Service):
         if self.election.role is Role.LEADER:
             return self.taken_over
         return self.routes_follower.applied
+
+    def fleet_views(self) -> dict[str, Any]:
+        """
+        What the leader publishes for the members that do not lead: its
+        admin API's views (built by the same functions its handlers call,
+        so the shapes cannot drift) and who it is.
+        """
+        from llmgw.control.admin import fleet_status, nodes_view
+
+        st = self.election.status()
+        return {
+            "leader": self.member.member_id,
+            "leader_admin_url": st["leader_admin_url"],
+            "nodes": nodes_view(self.reconciler, self.cp.agents)["nodes"],
+            "replicas": self.reconciler.replicas(),
+            "events": self.reconciler.events(),
+            "status": fleet_status(self.reconciler, self.cp.agents),
+        }
+
+    def followed_fleet(self) -> dict[str, Any] | None:
+        """
+        The fleet views the leader published (C{{"published_at": T,
+        "views": ...}}), while this member does not lead and holds some;
+        else C{None} (a leader answers from its own state; a member without
+        a document sends the client to the leader).
+        """
+        if self.election.role is Role.LEADER:
+            return None
+        return self.fleet_follower.document
 
     def _stop_watch(self) -> None:
         if self._watch is not None:
@@ -420,6 +472,7 @@ class HAMember(Service):
         if self.running:
             # Its gateway serves the new leader's routes, or its last own.
             self.routes_follower.start()
+            self.fleet_follower.start()
         if self.reconciler.running:
             self.reconciler.stopService()
         closed = self.cp.agents.close_all(f"this control-plane member stepped down: {reason}")
@@ -466,6 +519,8 @@ class HAMember(Service):
             "fleet_state_revision": self.kept.revision,
             "routes_published": self.routes_publisher.writes,
             "routes_followed_revision": self.routes_follower.revision,
+            "fleet_published": self.fleet_publisher.writes,
+            "fleet_followed_revision": self.fleet_follower.revision,
             "etcd_error": st["last_error"] or self.start_error,
         }
 

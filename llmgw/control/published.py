@@ -28,7 +28,10 @@ zlib-compressed, without engine signals (see below).
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
+import time
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -56,6 +59,18 @@ MAX_PUBLISHED = 1024 * 1024
 PACK_LEVEL = 1
 #: The most bytes a published document may inflate to when read.
 MAX_INFLATED = 64 * 1024 * 1024
+#: Seconds between two packs (and writes) of the published fleet views.
+FLEET_INTERVAL = 2.0
+#: The most events published (the newest).
+FLEET_EVENTS = 1000
+#: A node's C{last_seen} is published rounded down to this many seconds.
+LAST_SEEN_STEP = 10.0
+#: A GPU's C{memory_used_mb} is published rounded down to this many MB.
+MEMORY_STEP_MB = 1024
+#: The most of the leader's reactor time packing the fleet views may take:
+#: a pack that took C{t} seconds is followed by the next C{t / FLEET_SHARE}
+#: seconds later at the soonest (about 0.5 s at 10,000 nodes: every 5 s).
+FLEET_SHARE = 0.1
 
 
 def routes_key(prefix: str) -> bytes:
@@ -92,6 +107,18 @@ def unpack(value: bytes) -> dict[str, Any]:
     @raise RoutesDataError: not compressed JSON, too large inflated, or not
         a JSON object.
     """
+    doc = unpack_object(value)
+    doc["revision"] = 0
+    return doc
+
+
+def unpack_object(value: bytes) -> dict[str, Any]:
+    """
+    The JSON object a published etcd value holds (compressed JSON).
+
+    @raise RoutesDataError: not compressed JSON, too large inflated, or not
+        a JSON object.
+    """
     inflate = zlib.decompressobj()
     try:
         raw = inflate.decompress(value, MAX_INFLATED)
@@ -105,33 +132,75 @@ def unpack(value: bytes) -> dict[str, Any]:
         raise RoutesDataError(f"not JSON: {e}") from None
     if not isinstance(doc, dict):
         raise RoutesDataError("not a JSON object")
-    doc["revision"] = 0
     return doc
+
+
+def fleet_key(prefix: str) -> bytes:
+    """Where the leader's fleet views (nodes, replicas, events) are published."""
+    return (prefix.rstrip("/") + "/published/fleet").encode()
+
+
+def fleet_views(views: dict[str, Any]) -> dict[str, Any]:
+    """
+    What is published of the leader's admin views C{views} (C{nodes},
+    C{replicas}, C{events}, C{status}, as the admin API answers them, and
+    C{leader}, C{leader_admin_url}): the same, coarsened where they change
+    with every heartbeat (each write is kept by etcd until compacted): a
+    node's C{last_seen} rounded down to L{LAST_SEEN_STEP} seconds, a GPU's
+    C{memory_used_mb} to L{MEMORY_STEP_MB}, a shard's engine C{signals} left
+    out (C{null}), the newest L{FLEET_EVENTS} events.
+    """
+    nodes = []
+    for node in views.get("nodes", []):
+        seen = node.get("last_seen")
+        if isinstance(seen, (int, float)) and not isinstance(seen, bool):
+            node = {**node, "last_seen": math.floor(seen / LAST_SEEN_STEP) * LAST_SEEN_STEP}
+        gpus = node.get("gpus")
+        if isinstance(gpus, list):
+            node = {**node, "gpus": [_coarse_gpu(g) for g in gpus]}
+        nodes.append(node)
+    replicas = []
+    for rep in views.get("replicas", []):
+        shards = rep.get("shards")
+        if isinstance(shards, list):
+            rep = {**rep, "shards": [{**sh, "signals": None} if isinstance(sh, dict) else sh for sh in shards]}
+        replicas.append(rep)
+    return {**views, "nodes": nodes, "replicas": replicas, "events": list(views.get("events", []))[-FLEET_EVENTS:]}
+
+
+def _coarse_gpu(gpu: Any) -> Any:
+    used = gpu.get("memory_used_mb") if isinstance(gpu, dict) else None
+    if isinstance(used, int) and not isinstance(used, bool):
+        return {**gpu, "memory_used_mb": used // MEMORY_STEP_MB * MEMORY_STEP_MB}
+    return gpu
 
 
 def _shape(routes: Any) -> tuple[tuple[str, str, bool], ...]:
     return tuple((r.replica_id, r.address, r.draining) for r in routes)
 
 
-class RoutesPublisher:
+class LeasedPublisher:
     """
-    The leader's side: publishes C{table} under C{prefix} while
-    L{start}ed with a lease (see the module docstring).
+    The leader's side of one published key: writes what L{pack} makes under
+    C{prefix} while L{start}ed with a lease, with the transaction, the
+    debounce and the size bound the module docstring describes. Subclasses
+    say what is packed (L{pack}) and when it may have changed (L{_dirty}).
 
     @param may_write: whether this member may still write (the election's
         own deadline); checked before each write, beside etcd's lease check.
     """
 
     log = Logger()
+    #: What is published, in log lines.
+    what = "document"
 
-    def __init__(self, clock: IReactorTime, store: Any, prefix: str, table: RoutingTable,
+    def __init__(self, clock: IReactorTime, store: Any, prefix: str, key: bytes,
                  may_write: Callable[[], bool] = lambda: True, interval: float = PUBLISH_INTERVAL,
                  max_size: int = MAX_PUBLISHED):
         self.clock = clock
         self.store = store
         self.prefix = prefix
-        self.key = routes_key(prefix)
-        self.table = table
+        self.key = key
         self.may_write = may_write
         self.interval = interval
         self.max_size = max_size
@@ -139,56 +208,53 @@ class RoutesPublisher:
         #: The value last written (or read as current): an equal one is not
         #: written again.
         self.last: bytes | None = None
+        #: What L{pack} said of the value last written, to compare with.
+        self._last_print: bytes | None = None
         self._last_at = float("-inf")
         self._call: IDelayedCall | None = None
         self._writing = False
-        self._unsubscribe: Callable[[], None] | None = None
         self._too_large_logged = False
-        #: The table changed since it was last packed.
+        #: What is published may have changed since it was last packed.
         self._dirty = False
-        #: What each model's routes are (not their signals), as last seen.
-        self._shapes: dict[str, tuple[tuple[str, str, bool], ...]] = {}
         #: Writes etcd took, writes refused (deposed), documents too large,
-        #: and how often the table was packed.
+        #: and how often the document was packed.
         self.writes = self.refused = self.too_large = self.packs = 0
+
+    def pack(self) -> tuple[bytes, bytes] | None:
+        """
+        The value to write now and its fingerprint (what must differ from
+        the last one's for it to be written: the value without a time
+        stamp, say); C{None}: nothing under the size bound (logged).
+        """
+        raise NotImplementedError
 
     def start(self, lease: int, current: bytes | None = None) -> None:
         """
-        Publish under C{lease} from now: the table as it stands (unless it
-        is C{current}, the value etcd is known to hold), then each change.
+        Publish under C{lease} from now: the document as it stands (unless
+        it is C{current}, the value etcd is known to hold), then each change.
         """
         self.stop()
         self.lease = lease
-        self.last = current
+        self.last = self._last_print = current
         self._too_large_logged = False
         self._dirty = True
-        snap = self.table.snapshot()
-        self._shapes = {m: _shape(snap.routes(m)) for m in snap.known_models()}
-        self._unsubscribe = self.table.subscribe(self._changed)
         self._schedule()
 
     def stop(self) -> None:
         """Write nothing more (a write under way is refused by etcd)."""
         self.lease = None
-        if self._unsubscribe is not None:
-            self._unsubscribe()
-            self._unsubscribe = None
         if self._call is not None and self._call.active():
             self._call.cancel()
         self._call = None
 
-    def _changed(self, revision: int, models: frozenset[str], known_changed: bool) -> None:
-        # A change of engine signals alone (every heartbeat) is not published:
-        # only one of what the routes are is worth packing the table for.
-        dirty = known_changed
-        for model in models:
-            shape = _shape(self.table.routes(model))
-            if self._shapes.get(model, ()) != shape:
-                self._shapes[model] = shape
-                dirty = True
-        if dirty:
-            self._dirty = True
-            self._schedule()
+    def _too_large(self, size: int, extra: str = "") -> None:
+        self.too_large += 1
+        if not self._too_large_logged:
+            self._too_large_logged = True
+            self.log.error(
+                "the published {what} is {size} bytes compressed, over the {limit} bytes that are "
+                "published in etcd {key}{extra}", what=self.what, size=size, limit=self.max_size,
+                key=self.key.decode(), extra=extra)
 
     def _schedule(self) -> None:
         if self.lease is None or self._call is not None or self._writing:
@@ -203,35 +269,42 @@ class RoutesPublisher:
             return
         self._dirty = False
         self.packs += 1
-        value = pack(routes_document(self.table, self.clock.seconds()))
-        if value == self.last:
+        try:
+            packed = self.pack()
+        except Exception:
+            # Not lost: packed again an interval on (a bug, logged each time).
+            self.log.failure("packing the {what} to publish failed; trying again in {interval}s",
+                             what=self.what, interval=self.interval)
+            self._dirty = True
+            self._last_at = self.clock.seconds()
+            self._schedule()
             return
-        if len(value) > self.max_size:
-            self.too_large += 1
-            if not self._too_large_logged:
-                self._too_large_logged = True
-                self.log.error(
-                    "the routing table is {size} bytes compressed, over the {limit} bytes that are "
-                    "published in etcd {key}: not published; members that do not lead keep the last "
-                    "table published", size=len(value), limit=self.max_size, key=self.key.decode())
+        self._packed()
+        if packed is None:
+            return
+        value, fingerprint = packed
+        if fingerprint == self._last_print:
             return
         if not self.may_write():
             return
         self._writing = True
         self._last_at = self.clock.seconds()
-        d = defer.ensureDeferred(self._write(lease, value))
-        d.addErrback(lambda f: self.log.failure("publishing the routing table failed", f))
-        d.addBoth(lambda _: self._written(value))
+        d = defer.ensureDeferred(self._write(lease, value, fingerprint))
+        d.addErrback(lambda f: self.log.failure("publishing the {what} failed", f, what=self.what))
+        d.addBoth(lambda _: self._written(fingerprint))
 
-    def _written(self, value: bytes) -> None:
+    def _packed(self) -> None:
+        """Called after each pack (a periodic publisher schedules the next)."""
+
+    def _written(self, fingerprint: bytes) -> None:
         self._writing = False
-        if value != self.last:
+        if fingerprint != self._last_print:
             self._dirty = True  # not taken: try again
         # Changes made while writing (or a failed write) go out next.
         if self.lease is not None and self._dirty:
             self._schedule()
 
-    async def _write(self, lease: int, value: bytes) -> None:
+    async def _write(self, lease: int, value: bytes, fingerprint: bytes) -> None:
         try:
             result = await defer.ensureDeferred(self.store.txn(
                 [Compare.held_by(leader_key(self.prefix), lease)],
@@ -239,41 +312,153 @@ class RoutesPublisher:
                 [Range(leader_key(self.prefix))],
             ))
         except EtcdError as e:
-            self.log.warn("etcd: the routing table could not be published ({error}); trying again",
-                          error=str(e))
+            self.log.warn("etcd: the {what} could not be published ({error}); trying again",
+                          what=self.what, error=str(e))
             return
         if result.succeeded:
             self.writes += 1
-            self.last = value
+            self.last, self._last_print = value, fingerprint
             return
         self.refused += 1
         if self.lease == lease:
             self.stop()
-        self.log.error("etcd refused to publish the routing table: this member no longer leads "
-                       "(its lease is not the leader's); it publishes nothing more")
+        self.log.error("etcd refused to publish the {what}: this member no longer leads "
+                       "(its lease is not the leader's); it publishes nothing more", what=self.what)
 
 
-class RoutesFollower:
+class RoutesPublisher(LeasedPublisher):
     """
-    A member that does not lead: keeps C{table} to what the leader
-    published (see the module docstring).
+    The leader's side: publishes C{table} under C{prefix} while
+    L{start}ed with a lease (see the module docstring).
+    """
+
+    what = "routing table"
+
+    def __init__(self, clock: IReactorTime, store: Any, prefix: str, table: RoutingTable,
+                 may_write: Callable[[], bool] = lambda: True, interval: float = PUBLISH_INTERVAL,
+                 max_size: int = MAX_PUBLISHED):
+        super().__init__(clock, store, prefix, routes_key(prefix), may_write, interval, max_size)
+        self.table = table
+        self._unsubscribe: Callable[[], None] | None = None
+        #: What each model's routes are (not their signals), as last seen.
+        self._shapes: dict[str, tuple[tuple[str, str, bool], ...]] = {}
+
+    def start(self, lease: int, current: bytes | None = None) -> None:
+        super().start(lease, current)
+        snap = self.table.snapshot()
+        self._shapes = {m: _shape(snap.routes(m)) for m in snap.known_models()}
+        self._unsubscribe = self.table.subscribe(self._changed)
+
+    def stop(self) -> None:
+        super().stop()
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+
+    def pack(self) -> tuple[bytes, bytes] | None:
+        value = pack(routes_document(self.table, self.clock.seconds()))
+        if len(value) > self.max_size:
+            self._too_large(len(value), ": not published; members that do not lead keep the last table "
+                                        "published")
+            return None
+        return value, value
+
+    def _changed(self, revision: int, models: frozenset[str], known_changed: bool) -> None:
+        # A change of engine signals alone (every heartbeat) is not published:
+        # only one of what the routes are is worth packing the table for.
+        dirty = known_changed
+        for model in models:
+            shape = _shape(self.table.routes(model))
+            if self._shapes.get(model, ()) != shape:
+                self._shapes[model] = shape
+                dirty = True
+        if dirty:
+            self._dirty = True
+            self._schedule()
+
+
+class FleetPublisher(LeasedPublisher):
+    """
+    The leader's side: publishes its admin views (C{views()}, a dict as
+    L{fleet_views} takes) under C{prefix} while L{start}ed with a lease:
+    packed every C{interval} seconds, written when they changed (the time
+    stamp aside). Over the size bound, nodes are cut (the rest is whole)
+    and the document says C{"truncated": {"nodes": TOTAL}}.
+    """
+
+    what = "fleet views"
+
+    def __init__(self, clock: IReactorTime, store: Any, prefix: str, views: Callable[[], dict[str, Any]],
+                 may_write: Callable[[], bool] = lambda: True, interval: float = FLEET_INTERVAL,
+                 max_size: int = MAX_PUBLISHED, timer: Callable[[], float] = time.perf_counter):
+        super().__init__(clock, store, prefix, fleet_key(prefix), may_write, interval, max_size)
+        self.views = views
+        self.timer = timer
+        #: Seconds the last pack took (on the reactor).
+        self.pack_seconds = 0.0
+
+    def pack(self) -> tuple[bytes, bytes] | None:
+        began = self.timer()
+        try:
+            return self._pack()
+        finally:
+            self.pack_seconds = self.timer() - began
+
+    def _pack(self) -> tuple[bytes, bytes] | None:
+        doc = fleet_views(self.views())
+        nodes = doc["nodes"]
+        keep = len(nodes)
+        for _ in range(6):
+            if keep < len(nodes):
+                doc = {**doc, "nodes": nodes[:keep], "truncated": {"nodes": len(nodes)}}
+            raw = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+            # The time stamp outside the fingerprint: unchanged views are not
+            # written again.
+            value = zlib.compress(b'{"published_at":' + json.dumps(self.clock.seconds()).encode()
+                                  + b',"views":' + raw + b"}", PACK_LEVEL)
+            if len(value) <= self.max_size:
+                return value, hashlib.sha256(raw).digest()
+            keep = int(keep * self.max_size / len(value) * 0.9)
+        self._too_large(len(value), ": not published even with its nodes cut; members that do not "
+                                    "lead answer from the last one published")
+        return None
+
+    def _flush(self) -> None:
+        super()._flush()
+        if self.lease is not None:
+            # Periodic: the views change with no one telling (heartbeats);
+            # a large fleet is packed less often (FLEET_SHARE).
+            self._dirty = True
+            stretch = max(0.0, self.pack_seconds / FLEET_SHARE - self.interval)
+            self._last_at = max(self._last_at, self.clock.seconds() + stretch)
+            self._schedule()
+
+
+class KeyFollower:
+    """
+    A member that does not lead: reads one published key, then watches it,
+    and hands each new value to L{_take} (see the module docstring: fail
+    static, read again every C{retry_interval} while etcd is away).
     """
 
     log = Logger()
+    #: What is followed, in log lines.
+    what = "document"
 
-    def __init__(self, clock: IReactorTime, store: Any, prefix: str, table: RoutingTable,
-                 retry_interval: float = 1.0):
+    def __init__(self, clock: IReactorTime, store: Any, prefix: str, key: bytes, retry_interval: float = 1.0):
         self.clock = clock
         self.store = store
         self.prefix = prefix
-        self.key = routes_key(prefix)
-        self.table = table
+        self.key = key
         self.retry_interval = retry_interval
         self.following = False
-        #: The mod revision of the document applied last (0: none yet).
+        #: The mod revision of the value applied last (0: none yet).
         self.revision = 0
-        #: The value applied last.
+        #: The value applied last since L{start} (None: none yet). Cleared at
+        #: each start: while its member led, its own reconciler rewrote the
+        #: table, so the first document read after is applied even if equal.
         self.value: bytes | None = None
+        self._applied = False
         #: Why the last read failed, if it did.
         self.last_error = ""
         self._watch: Any = None
@@ -283,13 +468,14 @@ class RoutesFollower:
 
     @property
     def applied(self) -> bool:
-        """Whether a published table was applied (since this process began)."""
-        return self.value is not None
+        """Whether a published value was applied (since this process began)."""
+        return self._applied
 
     def start(self) -> None:
         if self.following:
             return
         self.following = True
+        self.value = None
         self._generation += 1
         self._read(self._generation)
 
@@ -324,12 +510,19 @@ class RoutesFollower:
             if not self.following or generation != self._generation:
                 return
             self.last_error = ""
-            kvs, revision = answer
-            if kvs:
-                self._apply(kvs[0].value, kvs[0].mod_revision)
-            # From the revision read at: no write between the read and the
-            # watch is missed.
-            self._follow(generation, revision + 1)
+            try:
+                kvs, revision = answer
+                if kvs:
+                    self._apply(kvs[0].value, kvs[0].mod_revision)
+                # From the revision read at: no write between the read and
+                # the watch is missed.
+                self._follow(generation, revision + 1)
+            except Exception:
+                # Following goes on: read again, as after a failed read.
+                self.log.failure("following the published {what} failed; reading again in "
+                                 "{interval}s", what=self.what, interval=self.retry_interval)
+                self.last_error = "following failed"
+                self._later(generation)
 
         def failed(f: Any) -> None:
             self._reading = None
@@ -338,9 +531,9 @@ class RoutesFollower:
             if not self.following or generation != self._generation:
                 return
             if not self.last_error:
-                self.log.warn("etcd: the published routing table cannot be read ({error}); the last "
+                self.log.warn("etcd: the published {what} cannot be read ({error}); the last "
                               "one stays, reading again every {interval}s",
-                              error=f.getErrorMessage(), interval=self.retry_interval)
+                              what=self.what, error=f.getErrorMessage(), interval=self.retry_interval)
             self.last_error = f.getErrorMessage()
             self._later(generation)
 
@@ -354,8 +547,8 @@ class RoutesFollower:
                 if ev.kind == "PUT" and ev.kv.mod_revision > self.revision:
                     self._apply(ev.kv.value, ev.kv.mod_revision)
                 elif ev.kind == "DELETE":
-                    self.log.warn("the published routing table {key} was deleted: the last one stays",
-                                  key=self.key.decode())
+                    self.log.warn("the published {what} {key} was deleted: the last one stays",
+                                  what=self.what, key=self.key.decode())
 
         def ended(result: Any) -> None:
             if self._watch is w:
@@ -369,20 +562,94 @@ class RoutesFollower:
         w.done.addBoth(ended)
 
     def _apply(self, value: bytes, revision: int) -> None:
+        try:
+            self._take(value, revision)
+        except Exception:
+            # A bug (a raise in the table, say): said, and the next
+            # document is still taken.
+            self.revision = revision
+            self.log.failure("applying the {what} published in etcd {key} (revision {revision}) "
+                             "failed; the last one stays", what=self.what, key=self.key.decode(),
+                             revision=revision)
+
+    def _take(self, value: bytes, revision: int) -> None:
+        """
+        Apply C{value}, written at C{revision}: set L{value}, L{revision}
+        and L{_applied} once applied; log (and keep the last) if unreadable.
+        """
+        raise NotImplementedError
+
+
+class RoutesFollower(KeyFollower):
+    """
+    A member that does not lead: keeps C{table} to what the leader
+    published (see the module docstring).
+    """
+
+    what = "routing table"
+
+    def __init__(self, clock: IReactorTime, store: Any, prefix: str, table: RoutingTable,
+                 retry_interval: float = 1.0):
+        super().__init__(clock, store, prefix, routes_key(prefix), retry_interval)
+        self.table = table
+
+    def _take(self, value: bytes, revision: int) -> None:
         if value == self.value:
             self.revision = revision
             return
         where = f"etcd {self.key.decode()} (revision {revision})"
         try:
             snapshot, problems = snapshot_from_json(unpack(value), self.clock.seconds())
-        except RoutesDataError as e:
+        except (RoutesDataError, RecursionError) as e:
             self.revision = revision
             self.log.error("the routing table published in {where} is unreadable: {error}; the last "
-                           "one stays", where=where, error=str(e))
+                           "one stays", where=where, error=str(e) or type(e).__name__)
             return
         for problem in problems:
             self.log.error("the routing table published in {where}: {problem} (left out)",
                            where=where, problem=problem)
         self.revision = revision
         self.value = value
+        self._applied = True
         self.table.replace(snapshot)
+
+
+class FleetFollower(KeyFollower):
+    """
+    A member that does not lead: holds the fleet views the leader
+    published (L{document}, None before the first), to answer
+    C{GET /api/v1/nodes}, C{/replicas}, C{/events} and C{/status}'s fleet
+    parts from.
+    """
+
+    what = "fleet views"
+
+    def __init__(self, clock: IReactorTime, store: Any, prefix: str, retry_interval: float = 1.0):
+        super().__init__(clock, store, prefix, fleet_key(prefix), retry_interval)
+        #: C{{"published_at": T, "views": {...}}} as last applied.
+        self.document: dict[str, Any] | None = None
+
+    def _take(self, value: bytes, revision: int) -> None:
+        if value == self.value:
+            self.revision = revision
+            return
+        self.revision = revision
+        try:
+            doc = unpack_object(value)
+            views = doc.get("views")
+            at = doc.get("published_at")
+            if not isinstance(views, dict) or isinstance(at, bool) or not isinstance(at, (int, float)):
+                raise RoutesDataError("expected published_at (a time) and views (an object)")
+            for key in ("nodes", "replicas", "events"):
+                if not isinstance(views.get(key), list):
+                    raise RoutesDataError(f"views.{key} is not a list")
+            if not isinstance(views.get("status", {}), dict):
+                raise RoutesDataError("views.status is not an object")
+        except (RoutesDataError, RecursionError) as e:
+            self.log.error("the fleet views published in etcd {key} (revision {revision}) are unreadable: "
+                           "{error}; the last ones stay", key=self.key.decode(), revision=revision,
+                           error=str(e) or type(e).__name__)
+            return
+        self.document = doc
+        self.value = value
+        self._applied = True

@@ -220,6 +220,9 @@ class Reconciler(Service):
         self.desired = {m: self.fleet_state.desired(d) for m, d in catalog.deployments.items()}
         #: Autoscaled deployments' memory and the demand they follow (issue 12).
         self.autoscaling = scaler.Autoscaling()
+        #: Called (no arguments) when L{end_adoption_grace} ends the grace
+        #: early: an HA leader republishes its routes then, not at the old end.
+        self.grace_ended_listeners: list[Callable[[], None]] = []
 
     # -- compatibility views of the state -----------------------------------------------
 
@@ -645,6 +648,11 @@ class Reconciler(Service):
         if now < self.grace_end:
             self.adoption_grace = now - self.started_at
             self._event("adoption_grace_ended", reason=reason)
+            for listener in list(self.grace_ended_listeners):
+                try:
+                    listener()
+                except Exception:
+                    self.log.failure("a listener of the adoption grace's end failed")
 
     def retry(self, model: str) -> None:
         placing.deployment(self.ctx, model)

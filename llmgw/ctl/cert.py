@@ -57,6 +57,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         group.add_argument("--force", action="store_true", help="replace an existing key silently")
         return p
 
+    def shared_ca(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--shared-ca", action="store_true",
+            help="issue it even if the CA directory issues both etcd and node/admin certificates "
+            "(then etcd takes every agent's certificate as a client: not for production)",
+        )
+
     p = replacing(with_dir(csub.add_parser("server", help="issue the control plane's certificate")))
     p.add_argument(
         "--host", action="append", default=[],
@@ -68,17 +75,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p = replacing(with_dir(csub.add_parser("agent", help="issue a node's client certificate")))
     p.add_argument("node_id", metavar="NODE_ID")
     p.add_argument("--days", type=int, default=DEFAULT_LEAF_DAYS)
+    shared_ca(p)
     p.set_defaults(func=cmd_agent)
 
     p = replacing(with_dir(csub.add_parser(
         "etcd", help="issue a certificate for etcd's own TLS (DIR/etcd-NAME.pem/.key): an etcd "
         "member's client and peer certificate (--host each address in its URLs), or a control-plane "
-        "member's etcd client certificate (no --host); best from a CA directory of its own",
+        "member's etcd client certificate (no --host); from a CA directory of its own (refused "
+        "from one that issued node or admin certificates)",
     )))
     p.add_argument("name", metavar="NAME", help="the etcd member's or the control-plane member's name")
     p.add_argument("--host", action="append", default=[],
                    help="a name or IP address in the etcd member's client and peer URLs (repeatable)")
     p.add_argument("--days", type=int, default=DEFAULT_LEAF_DAYS)
+    shared_ca(p)
     p.set_defaults(func=cmd_etcd)
 
     p = replacing(with_dir(csub.add_parser(
@@ -91,6 +101,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "gateway: reads routes only (a standalone gateway)",
     )
     p.add_argument("--days", type=int, default=DEFAULT_LEAF_DAYS)
+    shared_ca(p)
     p.set_defaults(func=cmd_admin)
 
     p = with_dir(csub.add_parser(
@@ -194,7 +205,7 @@ def cmd_agent(args: argparse.Namespace, out: TextIO | None = None, err: TextIO |
         return 1
     try:
         ca = CertificateAuthority.load(args.dir)
-        issued = ca.issue_agent(args.node_id, days=args.days, replace=_replace_mode(args))
+        issued = ca.issue_agent(args.node_id, days=args.days, replace=_replace_mode(args), shared=args.shared_ca)
     except CAError as e:
         return _fail(err, str(e))
     _written(out, f"agent certificate for node {args.node_id}", issued, args.renew)
@@ -207,7 +218,8 @@ def cmd_etcd(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | 
         return 1
     try:
         ca = CertificateAuthority.load(args.dir)
-        issued = ca.issue_etcd(args.name, args.host, days=args.days, replace=_replace_mode(args))
+        issued = ca.issue_etcd(args.name, args.host, days=args.days, replace=_replace_mode(args),
+                               shared=args.shared_ca)
     except CAError as e:
         return _fail(err, str(e))
     hosts = f" for {', '.join(args.host)}" if args.host else ""
@@ -221,7 +233,8 @@ def cmd_admin(args: argparse.Namespace, out: TextIO | None = None, err: TextIO |
         return 1
     try:
         ca = CertificateAuthority.load(args.dir)
-        issued = ca.issue_admin(args.name, args.role, days=args.days, replace=_replace_mode(args))
+        issued = ca.issue_admin(args.name, args.role, days=args.days, replace=_replace_mode(args),
+                                shared=args.shared_ca)
     except CAError as e:
         return _fail(err, str(e))
     _written(out, f"admin certificate for {args.name} (role {args.role})", issued, args.renew)

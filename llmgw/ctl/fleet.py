@@ -459,7 +459,22 @@ def _run(
         )
         return EXIT_SERVER
     out.write(text)
+    if not args.json and isinstance(answer, dict) and "published_at" in answer:
+        # ha4: a member that does not lead answered from what the leader
+        # published: say how fresh it is (on stderr: the table stays as is).
+        err.write(f"llmgw ctl {args.ctl_command}: answered by a control-plane member that does not lead, "
+                  f"from what leader {answer.get('published_by')} published at "
+                  f"{_when(answer['published_at'])}\n")
     return EXIT_OK
+
+
+def _when(t: Any) -> str:
+    import datetime
+
+    try:
+        return datetime.datetime.fromtimestamp(float(t), datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    except (TypeError, ValueError, OverflowError, OSError):
+        return repr(t)[:40]
 
 
 def _http_for(args: argparse.Namespace) -> HTTPFunction:

@@ -230,6 +230,10 @@ class FollowerTable:
         # After a failure the next read asks for the whole table at once: a
         # control plane that restarted counts its revisions from zero again.
         self._resync = True
+        #: Whose count C{snapshot.revision} is: the admin URL a read asked,
+        #: or C{"watch " + URL} for the watch stream (the leader's, while a
+        #: member that does not lead answers reads with its own count).
+        self._source: str | None = None
         self._last_warning = -REPEAT_WARNING_S
         self.listeners: list[Callable[[RoutingSnapshot], None]] = []
         registry = registry if registry is not None else CollectorRegistry()
@@ -298,7 +302,8 @@ class FollowerTable:
         What the next read asks for: the whole table, or (once one is held
         and nothing failed since) the next revision after it.
         """
-        if self._resync or not self.loaded:
+        if self._resync or not self.loaded or self._source != self.admin_url:
+            # A revision counted elsewhere means nothing to this member.
             return self.admin_url + ROUTES_PATH
         return f"{self.admin_url}{ROUTES_PATH}?since={self.snapshot.revision}"
 
@@ -310,6 +315,7 @@ class FollowerTable:
         except with L{CancelledError} when cancelled.
         """
         url = self.url()
+        asked = self.admin_url
         cancelled = False
         current: list[Deferred[Any]] = []
 
@@ -354,7 +360,7 @@ class FollowerTable:
                 self._failed(result)
                 outer.callback(False)
             else:
-                self._got(*result)
+                self._got(result[0], result[1], asked)
                 outer.callback(True)
 
         request.addCallback(got_response)
@@ -408,7 +414,7 @@ class FollowerTable:
             return None
         return url
 
-    def _got(self, snapshot: RoutingSnapshot, problems: list[str]) -> None:
+    def _got(self, snapshot: RoutingSnapshot, problems: list[str], source: str = "") -> None:
         for p in problems[:PROBLEMS_LOGGED]:
             self.log.warn("control plane's routes: {problem}; entry skipped", problem=p)
         if len(problems) > PROBLEMS_LOGGED:
@@ -433,7 +439,9 @@ class FollowerTable:
                 models=len(snapshot.models()),
                 revision=snapshot.revision,
             )
-        changed = not self.loaded or snapshot.revision != self.snapshot.revision
+        # Revisions of two sources do not compare: a new source is a change.
+        changed = not self.loaded or source != self._source or snapshot.revision != self.snapshot.revision
+        self._source = source
         self.snapshot = snapshot
         self.loaded = True
         self.reachable = True
@@ -476,7 +484,7 @@ class FollowerTable:
         if kind == "snapshot":
             if not isinstance(message.get("epoch"), str):
                 raise RoutesDataError("a snapshot carries the stream's epoch")
-            self._got(*snapshot_from_json(message.get("routes"), now))
+            self._got(*snapshot_from_json(message.get("routes"), now), source="watch " + self.leader_url)
             self.watch_epoch = message["epoch"]
         elif kind == "routes":
             models = message.get("models")
@@ -491,7 +499,8 @@ class FollowerTable:
                 {"revision": routes_revision, "known": known, "routes": entries}, now
             )
             kept = [r for r in self.snapshot.all_routes() if r.model not in models]
-            self._got(RoutingSnapshot(kept + delta.all_routes(), delta.known_models(), delta.revision), problems)
+            self._got(RoutingSnapshot(kept + delta.all_routes(), delta.known_models(), delta.revision), problems,
+                      source="watch " + self.leader_url)
         else:
             self.last_success = now
         if isinstance(revision, int) and not isinstance(revision, bool):

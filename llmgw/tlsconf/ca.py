@@ -67,6 +67,13 @@ ADMIN_ROLE_OIDS: dict[str, x509.ObjectIdentifier] = {
 }
 ADMIN_ROLES = tuple(ADMIN_ROLE_OIDS)
 ROLE_BY_OID = {oid: role for role, oid in ADMIN_ROLE_OIDS.items()}
+#: What the common name of a certificate for etcd's own TLS starts with: the
+#: control plane takes it neither as a node's nor as an admin's. (Not an
+#: extended key usage of llmgw's own: etcd refuses a certificate with one.)
+ETCD_CN_PREFIX = "etcd:"
+#: The kinds of certificates (C{issued.jsonl}) that are identities to the
+#: control plane; an etcd CA issues none of them (see L{_check_separate}).
+FLEET_KINDS = ("agent", "admin-")
 
 #: A leaf's key usage: digitalSignature only (TLS 1.2 ECDHE and TLS 1.3 sign
 #: with the key; nothing agrees keys with it).
@@ -544,65 +551,106 @@ class CertificateAuthority:
         return self._write_leaf("server", key, cert, "server", replaced)
 
     def issue_agent(
-        self, node_id: str, days: int = DEFAULT_LEAF_DAYS, replace: str = FORCE
+        self, node_id: str, days: int = DEFAULT_LEAF_DAYS, replace: str = FORCE, shared: bool = False
     ) -> Issued:
         """
         Issue node C{node_id}'s client certificate and write
         C{agent-NODE_ID.pem} and C{.key}.
 
-        @raise CAError: C{node_id} is not a valid node id, or the files
-            exist and C{replace} is L{REFUSE}.
+        @param shared: issue it even if this CA issued etcd certificates.
+        @raise CAError: C{node_id} is not a valid node id, the files exist
+            and C{replace} is L{REFUSE}, or this is an etcd CA (see
+            L{_check_separate}) and not C{shared}.
         """
         try:
             validate_node_id(node_id)
         except InvalidNodeId as e:
             raise CAError(str(e)) from e
+        self._check_separate("agent", shared)
         replaced = self._check_replace(f"agent-{node_id}", replace)
         key, cert = self._leaf(node_id, days, [], ExtendedKeyUsageOID.CLIENT_AUTH)
         return self._write_leaf(f"agent-{node_id}", key, cert, "agent", replaced)
 
     def issue_etcd(
-        self, name: str, hosts: Iterable[str] = (), days: int = DEFAULT_LEAF_DAYS, replace: str = FORCE
+        self, name: str, hosts: Iterable[str] = (), days: int = DEFAULT_LEAF_DAYS, replace: str = FORCE,
+        shared: bool = False,
     ) -> Issued:
         """
-        ha3: issue a certificate for etcd's own TLS from this CA (best a CA
-        directory of its own, so that no agent or admin certificate is one
-        etcd takes), and write C{etcd-NAME.pem} and C{.key}. It serves as
-        both server and client (etcd peers are both): an etcd member's
-        client and peer certificate, naming C{hosts} (the addresses in its
-        URLs), or a control-plane member's etcd client certificate (no
-        hosts needed).
+        ha3: issue a certificate for etcd's own TLS from this CA, which must
+        be a CA directory of its own (an etcd that trusted the fleet's CA
+        would take every agent's certificate), and write C{etcd-NAME.pem}
+        and C{.key}. It serves as both server and client (etcd peers are
+        both): an etcd member's client and peer certificate, naming C{hosts}
+        (the addresses in its URLs), or a control-plane member's etcd client
+        certificate (no hosts needed). Its common name is C{etcd:NAME}
+        (L{ETCD_CN_PREFIX}), so the control plane takes it neither as a
+        node's nor as an admin's.
 
-        @raise CAError: the name is not a valid id, a host is malformed, or
-            the files exist and C{replace} is L{REFUSE}.
+        @param shared: issue it even if this CA issued node or admin
+            certificates.
+        @raise CAError: the name is not a valid id, a host is malformed, the
+            files exist and C{replace} is L{REFUSE}, or this CA issued node
+            or admin certificates and not C{shared}.
         """
         try:
             validate_node_id(name)
         except InvalidNodeId as e:
             raise CAError(str(e).replace("node id", "etcd certificate name")) from e
         sans = [parse_host(h) for h in hosts]
+        self._check_separate("etcd", shared)
         replaced = self._check_replace(f"etcd-{name}", replace)
-        key, cert = self._leaf(name, days, sans, ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH)
+        key, cert = self._leaf(ETCD_CN_PREFIX + name, days, sans, ExtendedKeyUsageOID.SERVER_AUTH,
+                               ExtendedKeyUsageOID.CLIENT_AUTH)
         return self._write_leaf(f"etcd-{name}", key, cert, "etcd", replaced)
 
     def issue_admin(
-        self, name: str, role: str, days: int = DEFAULT_LEAF_DAYS, replace: str = FORCE
+        self, name: str, role: str, days: int = DEFAULT_LEAF_DAYS, replace: str = FORCE,
+        shared: bool = False,
     ) -> Issued:
         """
         Issue an admin client certificate for C{name} with C{role} (one of
         L{ADMIN_ROLES}) and write C{admin-NAME.pem} and C{.key}.
 
-        @raise CAError: the name or role is not valid, or the files exist and
-            C{replace} is L{REFUSE}.
+        @param shared: issue it even if this CA issued etcd certificates.
+        @raise CAError: the name or role is not valid, the files exist and
+            C{replace} is L{REFUSE}, or this is an etcd CA and not C{shared}.
         """
         admin_name(name)
         if role not in ADMIN_ROLE_OIDS:
             raise CAError(f"unknown admin role {role!r}; choose one of {', '.join(ADMIN_ROLES)}")
+        self._check_separate("admin", shared)
         replaced = self._check_replace(f"admin-{name}", replace)
         key, cert = self._leaf(
             name, days, [], ExtendedKeyUsageOID.CLIENT_AUTH, ADMIN_ROLE_OIDS[role]
         )
         return self._write_leaf(f"admin-{name}", key, cert, f"admin-{role}", replaced)
+
+    def _check_separate(self, kind: str, shared: bool) -> None:
+        """
+        Keep etcd's CA apart from the fleet's: an etcd that trusts a CA takes
+        every client certificate it issued, so a GPU host's agent
+        certificate would be an etcd client that may rewrite the leader key,
+        the fleet state and the published routes.
+
+        @raise CAError: C{kind} is C{"etcd"} and this CA issued node or
+            admin certificates, or the other way round; unless C{shared}.
+        """
+        if shared:
+            return
+        kinds = {str(e.get("kind", "")) for e in self.issued()}
+        if kind == "etcd":
+            fleet = sorted(k for k in kinds if k.startswith(FLEET_KINDS))
+            if fleet:
+                raise CAError(
+                    f"the CA in {self.directory} issued {', '.join(fleet)} certificates: an etcd that "
+                    f"trusted it would take each as a client (any GPU host could rewrite the leader "
+                    f"key and the fleet state); make etcd a CA of its own (`llmgw ctl cert init --dir "
+                    f"etcd-pki`), or give --shared-ca to issue from this one anyway")
+        elif "etcd" in kinds:
+            raise CAError(
+                f"the CA in {self.directory} issued etcd certificates: etcd trusts it, so a {kind} "
+                f"certificate from it would be an etcd client too; issue {kind} certificates from the "
+                f"fleet's CA, or give --shared-ca to issue from this one anyway")
 
     def issued(self) -> list[dict[str, object]]:
         """

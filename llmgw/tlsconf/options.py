@@ -43,6 +43,7 @@ from twisted.web.iweb import IPolicyForHTTPS
 from zope.interface import implementer
 
 from llmgw.tlsconf.ca import (
+    ETCD_CN_PREFIX,
     ROLE_BY_OID,
     CAError,
     admin_name,
@@ -394,6 +395,9 @@ def _client_leaf(cert: x509.Certificate, what: str) -> str:
     cn = cns[0].value
     if isinstance(cn, bytes):
         cn = cn.decode("utf-8", "replace")
+    if cn.startswith(ETCD_CN_PREFIX):
+        raise IdentityError(f"the client certificate {cn!r} is one for etcd's own TLS (`ctl cert etcd`), "
+                            f"not {what}")
     return cn
 
 
