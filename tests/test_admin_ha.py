@@ -13,6 +13,7 @@ from twisted.logger import Logger
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.control.admin import AdminResource, leader_location, local_path
+from llmgw.control.published import FleetDocument, pack_fleet
 from llmgw.routing import Route
 from tests.test_admin import AdminTestCase
 
@@ -27,7 +28,7 @@ class FakeHA:
 
     def __init__(self, role: str = "follower", leader_id: str | None = "cp-2",
                  leader_admin_url: str | None = LEADER_URL, member_id: str = "cp-1",
-                 routes: bool = False, fleet: dict[str, Any] | None = None):
+                 routes: bool = False, fleet: FleetDocument | None = None):
         self.routes = routes
         #: ha4: the fleet views this member follows, if any.
         self.fleet = fleet
@@ -41,7 +42,7 @@ class FakeHA:
     def serves_routes(self) -> bool:
         return self.routes
 
-    def followed_fleet(self) -> dict[str, Any] | None:
+    def followed_fleet(self) -> FleetDocument | None:
         return self.fleet
 
 
@@ -167,7 +168,7 @@ class FollowerAdminTests(AdminTestCase):
                  "nodes": [{"id": "gpu-1", "state": "ready"}], "replicas": [{"id": "r1", "model": "demo"}],
                  "events": [{"time": 3.0, "kind": "a"}, {"time": 9.0, "kind": "b"}],
                  "status": {"nodes": {"ready": 1, "suspect": 0, "lost": 0}, "connected": 1}}
-        self.use(FakeHA(fleet={"published_at": 1234.5, "views": views}))
+        self.use(FakeHA(fleet=FleetDocument(pack_fleet(views, 1234.5) or b"")))
         code, body, headers = self.call("GET", "/api/v1/nodes")
         self.assertEqual(code, 200, body)
         self.assertEqual(body, {"nodes": [{"id": "gpu-1", "state": "ready"}], "published_at": 1234.5,

@@ -24,10 +24,11 @@ from llmgw.control.published import (
     RoutesPublisher,
     fleet_key,
     pack,
+    pack_fleet,
     routes_document,
     routes_key,
     unpack,
-    unpack_object,
+    unpack_fleet,
 )
 from llmgw.routing import EngineSignals, Route, RoutesDataError, RoutingTable
 from llmgw.testing.fakeetcd import FakeEtcd
@@ -479,7 +480,7 @@ class FleetPublisherTests(SynchronousTestCase):
                 "status": {"connected": len(self.nodes)}}
 
     def doc(self) -> dict[str, Any]:
-        return unpack_object(self.fake.kvs[FLEET].value)
+        return unpack_fleet(self.fake.kvs[FLEET].value)
 
     def writes(self) -> int:
         return self.fake.calls.count("txn")
@@ -519,9 +520,9 @@ class FleetPublisherTests(SynchronousTestCase):
 
     def test_large_fleet_packed_less_often(self) -> None:
         """
-        A pack that takes long (1 s here, by the injected timer) is followed
-        by the next no sooner than ten times that: packing takes at most a
-        tenth of the leader's reactor; a GPU's memory in use is published
+        A pack that takes long (1 s a turn here, by the injected timer) is
+        followed by the next no sooner than ten times its reactor time (all
+        its turns): packing takes at most a tenth of the leader's reactor; a GPU's memory in use is published
         rounded down to 1 GiB.
         """
         ticks = iter(float(i) for i in range(1000))
@@ -532,9 +533,14 @@ class FleetPublisherTests(SynchronousTestCase):
         slow.start(lead.lease)
         self.clock.advance(0)
         self.assertEqual(self.doc()["views"]["nodes"][0]["gpus"][0]["memory_used_mb"], 2048)
-        for _ in range(290):
-            self.clock.advance(0.1)
-        self.assertEqual(slow.packs, 3)  # at 0, 10 and 20 s (15 at the 2 s interval)
+        # A second a turn by the timer: the pack's reactor time is its turns'.
+        took = slow.pack_seconds
+        self.assertEqual(took, float(slow.pack_turns))
+        self.assertGreater(took, 2.0)
+        self.clock.advance(took * 10 - 0.5)
+        self.assertEqual(slow.packs, 1)
+        self.clock.advance(1)
+        self.assertEqual(slow.packs, 2)
 
     def test_deposed_leader_refused(self) -> None:
         """
@@ -593,11 +599,13 @@ class FleetFollowerTests(SynchronousTestCase):
         self.addCleanup(follower.stop)
         follower.start()
         self.assertIsNone(follower.document)
-        good = {"published_at": 5, "views": {"nodes": [], "replicas": [], "events": [], "status": {}}}
-        fake.put(FLEET, zlib.compress(json.dumps(good).encode()))
-        self.assertEqual(follower.document, good)
+        good = pack_fleet({"leader": "a", "nodes": [], "replicas": [], "events": [], "status": {}}, 5)
+        assert good is not None
+        fake.put(FLEET, good)
+        assert follower.document is not None
+        self.assertEqual(follower.document.value, good)
         fake.put(FLEET, zlib.compress(b'{"published_at": 6, "views": {"nodes": 1}}'))
-        self.assertEqual(follower.document, good)
+        self.assertEqual(follower.document.value, good)
         self.assertTrue(any("unreadable" in e["log_format"] for e in logged))
 
 

@@ -43,7 +43,13 @@ from llmgw.control.catalog import Catalog, CatalogError, parse_catalog
 from llmgw.control.commands import ShardCommand
 from llmgw.control.election import Election, MemberInfo, Role, leader_key
 from llmgw.control.interfaces import IDispatcher, NotConnected
-from llmgw.control.published import FleetFollower, FleetPublisher, RoutesFollower, RoutesPublisher
+from llmgw.control.published import (
+    FleetDocument,
+    FleetFollower,
+    FleetPublisher,
+    RoutesFollower,
+    RoutesPublisher,
+)
 from llmgw.control.sharedstate import SharedFleet, SharedFleetState
 from llmgw.etcd import Compare, EtcdError, EtcdTLSError, Put, Range
 from llmgw.wire import NO_LEADER_MARKER, redirect_error
@@ -445,10 +451,10 @@ class HAMember(Service):
             "status": fleet_status(self.reconciler, self.cp.agents),
         }
 
-    def followed_fleet(self) -> dict[str, Any] | None:
+    def followed_fleet(self) -> FleetDocument | None:
         """
-        The fleet views the leader published (C{{"published_at": T,
-        "views": ...}}), while this member does not lead and holds some;
+        The fleet views the leader published (a L{FleetDocument}), while
+        this member does not lead and holds some;
         else C{None} (a leader answers from its own state; a member without
         a document sends the client to the leader).
         """
