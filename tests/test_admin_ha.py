@@ -6,6 +6,7 @@ answers its own status, metrics and TLS reload itself.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from treq.testing import StubTreq
@@ -185,6 +186,26 @@ class FollowerAdminTests(AdminTestCase):
         code, body, _ = self.call("POST", "/api/v1/nodes/gpu-1/cordon", {})
         self.assertEqual(code, 307, body)
         self.assertEqual(self.fleet.calls, [])
+
+    def test_unreadable_part_redirected(self) -> None:
+        """
+        ha5: a part of the published views that cannot be inflated (the
+        header was fine) is logged and the read sent to the leader; the
+        other parts are still answered here.
+        """
+        views = {"leader": "cp-2", "leader_admin_url": LEADER_URL, "nodes": [{"id": "gpu-1"}],
+                 "replicas": [], "events": [], "status": {}}
+        value = pack_fleet(views, 1234.5)
+        assert value is not None
+        head, _, body = value.partition(b"\n")
+        at, size = json.loads(head)["parts"]["nodes"]
+        self.use(FakeHA(fleet=FleetDocument(head + b"\n" + body[:at] + b"x" * size + body[at + size:])))
+        code, body_, headers = self.call("GET", "/api/v1/nodes")
+        self.assertEqual(code, 307, body_)
+        self.assertEqual(headers.getRawHeaders(b"location"), [f"{LEADER_URL}/api/v1/nodes".encode()])
+        code, body_, _ = self.call("GET", "/api/v1/replicas")
+        self.assertEqual((code, body_["replicas"]), (200, []))
+        self.flushLoggedErrors()
 
     def test_writes_redirected_not_done(self) -> None:
         """
