@@ -730,6 +730,29 @@ class FleetFollowerTests(SynchronousTestCase):
 class HAMemberFleetTests(SynchronousTestCase):
     """ha4: two HA members: the leader publishes its views, the other answers from them."""
 
+    def test_leader_nodes_built_a_slice_at_a_time(self) -> None:
+        """
+        ha5: the nodes the leader publishes are its GET /api/v1/nodes view,
+        built for the slice asked (by index or slice); a node removed after
+        the view was taken is left out of its slice.
+        """
+        from llmgw.control.admin import nodes_view
+        from llmgw.control.inventory import GPUInfo, Node
+
+        reactor = MemoryReactorClock()
+        m = Member(reactor, FakeEtcd(reactor), "a")
+        for i in range(7):
+            m.inventory.upsert(Node(f"gpu-{i}", gpus=[GPUInfo(0, f"GPU-{i}", "H100", 81559, 4000 + i)],
+                                    address="10.0.0.1", last_seen=float(i)))
+        whole = nodes_view(m.reconciler, m.cp.agents)["nodes"]
+        sliced = m.ha.fleet_views()["nodes"]
+        self.assertEqual(len(sliced), 7)
+        self.assertEqual(sliced[0:3] + sliced[3:7], whole)
+        self.assertEqual(sliced[5], whole[5])
+        m.inventory.remove("gpu-4")
+        self.assertEqual([n["id"] for n in sliced[3:6]], ["gpu-3", "gpu-5"])
+        self.assertRaises(IndexError, lambda: sliced[4])
+
     def test_follower_answers_from_published_views(self) -> None:
         """
         A member that does not lead answers GET /api/v1/nodes (listing the

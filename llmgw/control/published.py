@@ -350,8 +350,9 @@ class RoutesPublisher(LeasedPublisher):
 
 
 #: Nodes (or replicas) coarsened, encoded and compressed in one reactor
-#: turn by L{FleetPublisher} (some 5 ms at 200 nodes of 8 GPUs).
-FLEET_SLICE = 200
+#: turn by L{FleetPublisher} (the leader builds a node's view in that turn too:
+#: some 8 ms at 100 nodes of 8 GPUs in all, on 2 CPUs).
+FLEET_SLICE = 100
 #: The parts of a published fleet document, in the order they are packed
 #: (the nodes last: they are what is cut to fit).
 FLEET_PARTS = ("status", "events", "replicas", "nodes")
