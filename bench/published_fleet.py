@@ -26,6 +26,9 @@ signals), 1,500 events, a status; and:
   header only), and the first answer of each part (inflating it; later
   answers are the bytes kept).
 
+- C{leader_views}: the leader's nodes view from a real reconciler and
+  inventory: built whole in one turn (ha4) against a slice per turn (ha5).
+
 In-process, no etcd and no sockets: llmgw's own work, not etcd's.
 """
 
@@ -47,8 +50,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from twisted.internet.task import Clock  # noqa: E402
 
 from bench.common import summary_ms  # noqa: E402
+from llmgw.control.admin import nodes_view  # noqa: E402
+from llmgw.control.catalog import EMPTY  # noqa: E402
+from llmgw.control.ha import SlicedNodes  # noqa: E402
+from llmgw.control.inventory import GPUInfo, Inventory, Node  # noqa: E402
 from llmgw.control.published import (  # noqa: E402
     FLEET_EVENTS,
+    FLEET_SLICE,
     MAX_PUBLISHED,
     PACK_LEVEL,
     FleetDocument,
@@ -57,6 +65,7 @@ from llmgw.control.published import (  # noqa: E402
     _coarse_replica,
     unpack_object,
 )
+from llmgw.control.reconciler import Reconciler  # noqa: E402
 
 
 def views_of(n: int, now: float, seed: int = 1) -> dict[str, Any]:
@@ -203,6 +212,43 @@ def measure(n: int, rounds: int) -> dict[str, Any]:
     }
 
 
+def measure_leader_views(n: int, rounds: int) -> dict[str, Any]:
+    """
+    The leader's nodes view at C{n} nodes of 8 GPUs from a real
+    L{Reconciler} and L{Inventory}: ha4 built it whole in the pack's first
+    turn (C{admin.nodes_view}); ha5 builds it a slice of L{FLEET_SLICE} per
+    turn (L{SlicedNodes}), measured here per slice (the pack's own work for
+    the slice comes on top: C{publish.max_turn_without_full_gc_ms}).
+    """
+    clock = Clock()
+    inventory = Inventory()
+    rec = Reconciler(EMPTY, inventory, clock=clock)
+    rng = random.Random(3)
+    for i in range(n):
+        inventory.upsert(Node(f"gpu-{i:05d}", address=f"10.{rng.randrange(256)}.{rng.randrange(256)}.1",
+                              gpus=[GPUInfo(g, f"GPU-{rng.getrandbits(64):016x}", "NVIDIA H100 80GB HBM3", 81559,
+                                            rng.randrange(81559)) for g in range(8)]))
+    whole_ns, slice_max_ns, slice_no_gc_ns = [], [], []
+    for _ in range(rounds):
+        t0 = time.perf_counter_ns()
+        nodes_view(rec, None)
+        whole_ns.append(time.perf_counter_ns() - t0)
+        sliced = SlicedNodes(rec, None)
+        longest = longest_no_gc = 0
+        for i in range(0, len(sliced), FLEET_SLICE):
+            s0, c0 = time.perf_counter_ns(), GC_FULL["count"]
+            sliced[i:i + FLEET_SLICE]
+            took = time.perf_counter_ns() - s0
+            longest = max(longest, took)
+            if GC_FULL["count"] == c0:
+                longest_no_gc = max(longest_no_gc, took)
+        slice_max_ns.append(longest)
+        slice_no_gc_ns.append(longest_no_gc)
+    return {"nodes": n, "ha4_nodes_view_one_turn": {"ms": summary_ms(whole_ns)},
+            "ha5_slice": {"nodes": FLEET_SLICE, "max_ms": summary_ms(slice_max_ns),
+                          "max_without_full_gc_ms": summary_ms(slice_no_gc_ns)}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", default="1000,10000")
@@ -216,6 +262,7 @@ def main() -> None:
         "load": os.getloadavg(),
         "cpus": os.cpu_count(),
         "results": [measure(n, args.rounds) for n in sizes],
+        "leader_views": [measure_leader_views(n, args.rounds) for n in sizes],
         "full_gc": {"count": GC_FULL["count"], "ms": round(GC_FULL["ns"] / 1e6, 3)},
     }
     print(json.dumps(out, indent=2))
