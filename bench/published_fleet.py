@@ -13,11 +13,21 @@ signals), 1,500 events, a status; and:
 - C{baseline}: C{json.dumps} of the C{GET /api/v1/nodes} and
   C{/api/v1/replicas} answers (what a leader's handler costs to encode),
   measured in the same run;
-- C{publish}: L{FleetPublisher.pack} (coarsening, canonical JSON, zlib,
-  fingerprint), milliseconds p50/p99, compressed bytes, bytes per node, and
-  whether the nodes had to be cut (over L{MAX_PUBLISHED});
-- C{follow}: what L{FleetFollower} does with a new value (inflate, parse,
-  check), milliseconds p50/p99.
+- C{ha4_publish_one_turn} / C{ha4_follow_one_turn}: the ha4 pack (the
+  whole document in one call) and the ha4 follower's apply (inflate and
+  parse it all), kept here as the baseline, in the same run;
+- C{publish}: L{FleetPack} (ha5), a step per reactor turn: the longest
+  turn and the sum of the turns (ms p50/p99), the turns, compressed bytes,
+  bytes per node, whether the nodes had to be cut (over L{MAX_PUBLISHED});
+  and the longest turn in which no full collection of Python's cyclic GC
+  ran (one is a pause over every live object, whatever code runs then:
+  C{full_gc} counts them and their time over the run);
+- C{follow}: a follower's apply of a new value (L{FleetDocument}: the
+  header only), and the first answer of each part (inflating it; later
+  answers are the bytes kept).
+
+- C{leader_views}: the leader's nodes view from a real reconciler and
+  inventory: built whole in one turn (ha4) against a slice per turn (ha5).
 
 In-process, no etcd and no sockets: llmgw's own work, not etcd's.
 """
@@ -25,11 +35,14 @@ In-process, no etcd and no sockets: llmgw's own work, not etcd's.
 from __future__ import annotations
 
 import argparse
+import gc
+import hashlib
 import json
 import os
 import random
 import sys
 import time
+import zlib
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -37,7 +50,22 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from twisted.internet.task import Clock  # noqa: E402
 
 from bench.common import summary_ms  # noqa: E402
-from llmgw.control.published import MAX_PUBLISHED, FleetFollower, FleetPublisher, unpack_object  # noqa: E402
+from llmgw.control.admin import nodes_view  # noqa: E402
+from llmgw.control.catalog import EMPTY  # noqa: E402
+from llmgw.control.ha import SlicedNodes  # noqa: E402
+from llmgw.control.inventory import GPUInfo, Inventory, Node  # noqa: E402
+from llmgw.control.published import (  # noqa: E402
+    FLEET_EVENTS,
+    FLEET_SLICE,
+    MAX_PUBLISHED,
+    PACK_LEVEL,
+    FleetDocument,
+    FleetPack,
+    _coarse_node,
+    _coarse_replica,
+    unpack_object,
+)
+from llmgw.control.reconciler import Reconciler  # noqa: E402
 
 
 def views_of(n: int, now: float, seed: int = 1) -> dict[str, Any]:
@@ -70,38 +98,155 @@ def views_of(n: int, now: float, seed: int = 1) -> dict[str, Any]:
             "status": {"nodes": {"ready": n, "suspect": 0, "lost": 0}, "connected": n}}
 
 
+def ha4_pack(views: dict[str, Any], now: float) -> bytes:
+    """The ha4 pack, kept here as the baseline: the whole document in one call."""
+    nodes = [_coarse_node(n) for n in views["nodes"]]
+    replicas = [_coarse_replica(r) for r in views["replicas"]]
+    doc = {**views, "nodes": nodes, "replicas": replicas, "events": list(views["events"])[-FLEET_EVENTS:]}
+    raw = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    value = zlib.compress(b'{"published_at":' + json.dumps(now).encode() + b',"views":' + raw + b"}", PACK_LEVEL)
+    hashlib.sha256(raw).digest()
+    return value
+
+
+def ha4_follow(value: bytes) -> dict[str, Any]:
+    """The ha4 follower's apply, the baseline: inflate and parse the whole document."""
+    doc = unpack_object(value)
+    assert isinstance(doc.get("views"), dict)
+    return doc
+
+
+#: Full (generation 2) collections of Python's cyclic GC seen: each is a
+#: pause over every live object (the views' hundreds of thousands of dicts),
+#: not the pack's own work, and falls in whichever turn allocates then.
+GC_FULL = {"count": 0, "ns": 0, "began": 0}
+
+
+def _gc_seen(phase: str, info: dict[str, Any]) -> None:
+    if info.get("generation") != 2:
+        return
+    if phase == "start":
+        GC_FULL["began"] = time.perf_counter_ns()
+    else:
+        GC_FULL["count"] += 1
+        GC_FULL["ns"] += time.perf_counter_ns() - GC_FULL["began"]
+
+
 def measure(n: int, rounds: int) -> dict[str, Any]:
     clock = Clock()
     clock.advance(1_700_000_000)
     views = views_of(n, clock.seconds())
-    publisher = FleetPublisher(clock, None, "/llmgw", lambda: views)
-    follower = FleetFollower(clock, None, "/llmgw")
-    base_ns, pub_ns, follow_ns = [], [], []
+    base_ns, ha4_pack_ns, ha4_follow_ns = [], [], []
+    turn_max_ns, pack_total_ns, turns, turn_max_no_gc_ns = [], [], [], []
+    gc_full = 0
+    apply_ns, nodes_ns, replicas_ns, events_ns = [], [], [], []
     value = raw = b""
-    for i in range(rounds):
+    job: FleetPack | None = None
+    for _ in range(rounds):
         t0 = time.perf_counter_ns()
         raw = json.dumps({"nodes": views["nodes"]}).encode() + json.dumps({"replicas": views["replicas"]}).encode()
         t1 = time.perf_counter_ns()
-        packed = publisher.pack()
+        old = ha4_pack(views, clock.seconds())
         t2 = time.perf_counter_ns()
-        assert packed is not None
-        value = packed[0]
-        follower.value = None
-        follower._take(value, i + 1)
+        ha4_follow(old)
         t3 = time.perf_counter_ns()
-        assert follower.document is not None
         base_ns.append(t1 - t0)
-        pub_ns.append(t2 - t1)
-        follow_ns.append(t3 - t2)
-    published = unpack_object(value)["views"]
+        ha4_pack_ns.append(t2 - t1)
+        ha4_follow_ns.append(t3 - t2)
+        # ha5: each step is one reactor turn of the leader's.
+        job = FleetPack(views, clock.seconds())
+        longest = total = longest_no_gc = 0
+        steps = 0
+        it = job.steps_iter()
+        while True:
+            s0, c0 = time.perf_counter_ns(), GC_FULL["count"]
+            try:
+                next(it)
+                done = False
+            except StopIteration:
+                done = True
+            took = time.perf_counter_ns() - s0
+            longest, total, steps = max(longest, took), total + took, steps + 1
+            if GC_FULL["count"] == c0:
+                longest_no_gc = max(longest_no_gc, took)
+            else:
+                gc_full += GC_FULL["count"] - c0
+            if done:
+                break
+        assert job.value is not None
+        value = job.value
+        turn_max_ns.append(longest)
+        turn_max_no_gc_ns.append(longest_no_gc)
+        pack_total_ns.append(total)
+        turns.append(steps)
+        # The follower: apply (header), then the first answer of each part.
+        f0 = time.perf_counter_ns()
+        doc = FleetDocument(value)
+        f1 = time.perf_counter_ns()
+        doc.part("nodes")
+        f2 = time.perf_counter_ns()
+        doc.part("replicas")
+        f3 = time.perf_counter_ns()
+        doc.events()
+        doc.status()
+        f4 = time.perf_counter_ns()
+        apply_ns.append(f1 - f0)
+        nodes_ns.append(f2 - f1)
+        replicas_ns.append(f3 - f2)
+        events_ns.append(f4 - f3)
+    assert job is not None
     return {
         "nodes": n,
         "replicas": len(views["replicas"]),
         "baseline_get_nodes_and_replicas": {"ms": summary_ms(base_ns), "bytes": len(raw)},
-        "publish": {"ms": summary_ms(pub_ns), "bytes": len(value), "bytes_per_node": round(len(value) / n, 1),
-                    "nodes_published": len(published["nodes"]), "truncated": "truncated" in published},
-        "follow": {"ms": summary_ms(follow_ns)},
+        "ha4_publish_one_turn": {"ms": summary_ms(ha4_pack_ns), "bytes": len(old)},
+        "ha4_follow_one_turn": {"ms": summary_ms(ha4_follow_ns)},
+        "publish": {"max_turn_ms": summary_ms(turn_max_ns),
+                    "max_turn_without_full_gc_ms": summary_ms(turn_max_no_gc_ns),
+                    "full_gc_in_turns": gc_full, "total_ms": summary_ms(pack_total_ns),
+                    "turns": max(turns), "bytes": len(value), "bytes_per_node": round(len(value) / n, 1),
+                    "nodes_published": job.nodes_published, "truncated": job.nodes_published < n},
+        "follow": {"apply_ms": summary_ms(apply_ns), "first_nodes_answer_ms": summary_ms(nodes_ns),
+                   "first_replicas_answer_ms": summary_ms(replicas_ns),
+                   "first_events_and_status_ms": summary_ms(events_ns)},
     }
+
+
+def measure_leader_views(n: int, rounds: int) -> dict[str, Any]:
+    """
+    The leader's nodes view at C{n} nodes of 8 GPUs from a real
+    L{Reconciler} and L{Inventory}: ha4 built it whole in the pack's first
+    turn (C{admin.nodes_view}); ha5 builds it a slice of L{FLEET_SLICE} per
+    turn (L{SlicedNodes}), measured here per slice (the pack's own work for
+    the slice comes on top: C{publish.max_turn_without_full_gc_ms}).
+    """
+    clock = Clock()
+    inventory = Inventory()
+    rec = Reconciler(EMPTY, inventory, clock=clock)
+    rng = random.Random(3)
+    for i in range(n):
+        inventory.upsert(Node(f"gpu-{i:05d}", address=f"10.{rng.randrange(256)}.{rng.randrange(256)}.1",
+                              gpus=[GPUInfo(g, f"GPU-{rng.getrandbits(64):016x}", "NVIDIA H100 80GB HBM3", 81559,
+                                            rng.randrange(81559)) for g in range(8)]))
+    whole_ns, slice_max_ns, slice_no_gc_ns = [], [], []
+    for _ in range(rounds):
+        t0 = time.perf_counter_ns()
+        nodes_view(rec, None)
+        whole_ns.append(time.perf_counter_ns() - t0)
+        sliced = SlicedNodes(rec, None)
+        longest = longest_no_gc = 0
+        for i in range(0, len(sliced), FLEET_SLICE):
+            s0, c0 = time.perf_counter_ns(), GC_FULL["count"]
+            sliced[i:i + FLEET_SLICE]
+            took = time.perf_counter_ns() - s0
+            longest = max(longest, took)
+            if GC_FULL["count"] == c0:
+                longest_no_gc = max(longest_no_gc, took)
+        slice_max_ns.append(longest)
+        slice_no_gc_ns.append(longest_no_gc)
+    return {"nodes": n, "ha4_nodes_view_one_turn": {"ms": summary_ms(whole_ns)},
+            "ha5_slice": {"nodes": FLEET_SLICE, "max_ms": summary_ms(slice_max_ns),
+                          "max_without_full_gc_ms": summary_ms(slice_no_gc_ns)}}
 
 
 def main() -> None:
@@ -110,12 +255,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     args = parser.parse_args()
     sizes = [int(x) for x in args.nodes.split(",") if x]
+    gc.callbacks.append(_gc_seen)
     out = {
         "bench": "published_fleet",
         "limit_bytes": MAX_PUBLISHED,
         "load": os.getloadavg(),
         "cpus": os.cpu_count(),
         "results": [measure(n, args.rounds) for n in sizes],
+        "leader_views": [measure_leader_views(n, args.rounds) for n in sizes],
+        "full_gc": {"count": GC_FULL["count"], "ms": round(GC_FULL["ns"] / 1e6, 3)},
     }
     print(json.dumps(out, indent=2))
 

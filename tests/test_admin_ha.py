@@ -6,6 +6,7 @@ answers its own status, metrics and TLS reload itself.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from treq.testing import StubTreq
@@ -13,6 +14,7 @@ from twisted.logger import Logger
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.control.admin import AdminResource, leader_location, local_path
+from llmgw.control.published import FleetDocument, pack_fleet
 from llmgw.routing import Route
 from tests.test_admin import AdminTestCase
 
@@ -27,7 +29,7 @@ class FakeHA:
 
     def __init__(self, role: str = "follower", leader_id: str | None = "cp-2",
                  leader_admin_url: str | None = LEADER_URL, member_id: str = "cp-1",
-                 routes: bool = False, fleet: dict[str, Any] | None = None):
+                 routes: bool = False, fleet: FleetDocument | None = None):
         self.routes = routes
         #: ha4: the fleet views this member follows, if any.
         self.fleet = fleet
@@ -41,7 +43,7 @@ class FakeHA:
     def serves_routes(self) -> bool:
         return self.routes
 
-    def followed_fleet(self) -> dict[str, Any] | None:
+    def followed_fleet(self) -> FleetDocument | None:
         return self.fleet
 
 
@@ -167,7 +169,7 @@ class FollowerAdminTests(AdminTestCase):
                  "nodes": [{"id": "gpu-1", "state": "ready"}], "replicas": [{"id": "r1", "model": "demo"}],
                  "events": [{"time": 3.0, "kind": "a"}, {"time": 9.0, "kind": "b"}],
                  "status": {"nodes": {"ready": 1, "suspect": 0, "lost": 0}, "connected": 1}}
-        self.use(FakeHA(fleet={"published_at": 1234.5, "views": views}))
+        self.use(FakeHA(fleet=FleetDocument(pack_fleet(views, 1234.5) or b"")))
         code, body, headers = self.call("GET", "/api/v1/nodes")
         self.assertEqual(code, 200, body)
         self.assertEqual(body, {"nodes": [{"id": "gpu-1", "state": "ready"}], "published_at": 1234.5,
@@ -184,6 +186,26 @@ class FollowerAdminTests(AdminTestCase):
         code, body, _ = self.call("POST", "/api/v1/nodes/gpu-1/cordon", {})
         self.assertEqual(code, 307, body)
         self.assertEqual(self.fleet.calls, [])
+
+    def test_unreadable_part_redirected(self) -> None:
+        """
+        ha5: a part of the published views that cannot be inflated (the
+        header was fine) is logged and the read sent to the leader; the
+        other parts are still answered here.
+        """
+        views = {"leader": "cp-2", "leader_admin_url": LEADER_URL, "nodes": [{"id": "gpu-1"}],
+                 "replicas": [], "events": [], "status": {}}
+        value = pack_fleet(views, 1234.5)
+        assert value is not None
+        head, _, body = value.partition(b"\n")
+        at, size = json.loads(head)["parts"]["nodes"]
+        self.use(FakeHA(fleet=FleetDocument(head + b"\n" + body[:at] + b"x" * size + body[at + size:])))
+        code, body_, headers = self.call("GET", "/api/v1/nodes")
+        self.assertEqual(code, 307, body_)
+        self.assertEqual(headers.getRawHeaders(b"location"), [f"{LEADER_URL}/api/v1/nodes".encode()])
+        code, body_, _ = self.call("GET", "/api/v1/replicas")
+        self.assertEqual((code, body_["replicas"]), (200, []))
+        self.flushLoggedErrors()
 
     def test_writes_redirected_not_done(self) -> None:
         """

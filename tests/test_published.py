@@ -24,10 +24,11 @@ from llmgw.control.published import (
     RoutesPublisher,
     fleet_key,
     pack,
+    pack_fleet,
     routes_document,
     routes_key,
     unpack,
-    unpack_object,
+    unpack_fleet,
 )
 from llmgw.routing import EngineSignals, Route, RoutesDataError, RoutingTable
 from llmgw.testing.fakeetcd import FakeEtcd
@@ -479,7 +480,7 @@ class FleetPublisherTests(SynchronousTestCase):
                 "status": {"connected": len(self.nodes)}}
 
     def doc(self) -> dict[str, Any]:
-        return unpack_object(self.fake.kvs[FLEET].value)
+        return unpack_fleet(self.fake.kvs[FLEET].value)
 
     def writes(self) -> int:
         return self.fake.calls.count("txn")
@@ -519,9 +520,9 @@ class FleetPublisherTests(SynchronousTestCase):
 
     def test_large_fleet_packed_less_often(self) -> None:
         """
-        A pack that takes long (1 s here, by the injected timer) is followed
-        by the next no sooner than ten times that: packing takes at most a
-        tenth of the leader's reactor; a GPU's memory in use is published
+        A pack that takes long (1 s a turn here, by the injected timer) is
+        followed by the next no sooner than ten times its reactor time (all
+        its turns): packing takes at most a tenth of the leader's reactor; a GPU's memory in use is published
         rounded down to 1 GiB.
         """
         ticks = iter(float(i) for i in range(1000))
@@ -532,9 +533,14 @@ class FleetPublisherTests(SynchronousTestCase):
         slow.start(lead.lease)
         self.clock.advance(0)
         self.assertEqual(self.doc()["views"]["nodes"][0]["gpus"][0]["memory_used_mb"], 2048)
-        for _ in range(290):
-            self.clock.advance(0.1)
-        self.assertEqual(slow.packs, 3)  # at 0, 10 and 20 s (15 at the 2 s interval)
+        # A second a turn by the timer: the pack's reactor time is its turns'.
+        took = slow.pack_seconds
+        self.assertEqual(took, float(slow.pack_turns))
+        self.assertGreater(took, 2.0)
+        self.clock.advance(took * 10 - 0.5)
+        self.assertEqual(slow.packs, 1)
+        self.clock.advance(1)
+        self.assertEqual(slow.packs, 2)
 
     def test_deposed_leader_refused(self) -> None:
         """
@@ -577,6 +583,84 @@ class FleetPublisherTests(SynchronousTestCase):
         self.assertEqual(len(views["events"]), 1000)
 
 
+    def test_packed_over_several_turns(self) -> None:
+        """
+        ha5: a pack is done a slice per reactor turn (no turn packs more
+        than a slice of nodes or replicas): the document is written once the
+        last slice is, whole, with the nodes and replicas in order.
+        """
+        self.nodes = [{"id": f"gpu-{i}", "last_seen": 100.0} for i in range(1000)]
+        sliced = FleetPublisher(self.clock, self.fake, PREFIX, self.views, slice_size=100)
+        self.addCleanup(sliced.stop)
+        lead = Leading(self.fake)
+        sliced.start(lead.lease)
+        self.clock.advance(0)
+        self.assertEqual(sliced.pack_turns, 1 + 2 + 1 + 10 + 1)
+        self.assertEqual(self.writes(), 1)
+        views = self.doc()["views"]
+        self.assertEqual([n["id"] for n in views["nodes"]], [f"gpu-{i}" for i in range(1000)])
+        self.assertNotIn("truncated", views)
+
+    def test_pack_waits_for_its_turns(self) -> None:
+        """
+        ha5: while a pack is under way (its slices each a turn of their
+        own), nothing is written; a turn runs one slice.
+        """
+        turns: list[float] = []
+        calls = iter(float(i) for i in range(10000))
+
+        def timer() -> float:
+            t = next(calls)
+            turns.append(t)
+            return t
+
+        self.nodes = [{"id": f"gpu-{i}"} for i in range(500)]
+        sliced = FleetPublisher(self.clock, self.fake, PREFIX, self.views, slice_size=100, timer=timer)
+        self.addCleanup(sliced.stop)
+        lead = Leading(self.fake)
+        sliced.start(lead.lease)
+        self.assertEqual(self.writes(), 0)
+        # The reactor's calls, run one at a time: each is one slice.
+        done = 0
+        while not self.writes():
+            call = self.clock.getDelayedCalls()[0]
+            self.assertEqual(call.getTime(), self.clock.seconds())
+            self.clock.calls.remove(call)  # type: ignore[attr-defined]
+            call.func(*call.args, **call.kw)
+            done += 1
+        self.assertEqual(done, 1 + 2 + 1 + 5 + 1)
+        self.assertEqual(sliced.pack_max_turn, 1.0)
+
+    def test_leadership_change_mid_pack_drops_it(self) -> None:
+        """
+        ha5: a pack under way when this member stops leading (or starts
+        again under another lease) is dropped, never written; the new term
+        packs afresh.
+        """
+        self.nodes = [{"id": f"gpu-{i}"} for i in range(1000)]
+        sliced = FleetPublisher(self.clock, self.fake, PREFIX, self.views, slice_size=100)
+        self.addCleanup(sliced.stop)
+        lead = Leading(self.fake)
+        sliced.start(lead.lease)
+        for _ in range(4):
+            call = self.clock.getDelayedCalls()[0]
+            self.clock.calls.remove(call)  # type: ignore[attr-defined]
+            call.func(*call.args, **call.kw)
+        sliced.stop()
+        self.clock.advance(0)
+        self.assertEqual((self.writes(), sliced.dropped), (0, 1))
+        self.assertEqual([c for c in self.clock.getDelayedCalls() if c.getTime() <= self.clock.seconds()], [])
+        sliced.start(lead.lease)
+        call = self.clock.getDelayedCalls()[0]
+        self.clock.calls.remove(call)  # type: ignore[attr-defined]
+        call.func(*call.args, **call.kw)
+        self.nodes.append({"id": "gpu-new"})
+        sliced.start(lead.lease)  # led again: the pack under way is the old term's
+        self.clock.advance(0)
+        self.assertEqual((self.writes(), sliced.dropped), (1, 2))
+        self.assertEqual(self.doc()["views"]["nodes"][-1], {"id": "gpu-new"})
+
+
 class FleetFollowerTests(SynchronousTestCase):
     """ha4: a member that does not lead, holding the leader's fleet views."""
 
@@ -593,16 +677,81 @@ class FleetFollowerTests(SynchronousTestCase):
         self.addCleanup(follower.stop)
         follower.start()
         self.assertIsNone(follower.document)
-        good = {"published_at": 5, "views": {"nodes": [], "replicas": [], "events": [], "status": {}}}
-        fake.put(FLEET, zlib.compress(json.dumps(good).encode()))
-        self.assertEqual(follower.document, good)
+        good = pack_fleet({"leader": "a", "nodes": [], "replicas": [], "events": [], "status": {}}, 5)
+        assert good is not None
+        fake.put(FLEET, good)
+        assert follower.document is not None
+        self.assertEqual(follower.document.value, good)
         fake.put(FLEET, zlib.compress(b'{"published_at": 6, "views": {"nodes": 1}}'))
-        self.assertEqual(follower.document, good)
+        self.assertEqual(follower.document.value, good)
         self.assertTrue(any("unreadable" in e["log_format"] for e in logged))
+
+    def test_parts_answered_as_packed(self) -> None:
+        """
+        ha5: applying a document reads its header only: the nodes part is
+        the leader's answer as bytes (published_at, published_by, nodes,
+        truncated), inflated when first asked; a part that is not what the
+        header says is refused when asked, not at apply; a header whose
+        parts lie outside the value is refused at apply.
+        """
+        clock = Clock()
+        fake = FakeEtcd(clock)
+        follower = FleetFollower(clock, fake, PREFIX)
+        follower.log = Logger(observer=lambda e: None)  # type: ignore[arg-type]
+        self.addCleanup(follower.stop)
+        follower.start()
+        value = pack_fleet({"leader": "a", "leader_admin_url": "https://a:7480", "nodes": [{"id": "n1"}],
+                            "replicas": [{"id": "r1", "shards": [{"id": "s", "signals": {"w": 1}}]}],
+                            "events": [{"time": 1.0}], "status": {"connected": 1}}, 7.5)
+        assert value is not None
+        fake.put(FLEET, value)
+        doc = follower.document
+        assert doc is not None
+        self.assertEqual((doc.published_at, doc.leader, doc.leader_admin_url), (7.5, "a", "https://a:7480"))
+        self.assertEqual(doc._raw, {})
+        self.assertEqual(json.loads(doc.part("nodes")),
+                         {"published_at": 7.5, "published_by": "a", "nodes": [{"id": "n1"}]})
+        self.assertEqual(json.loads(doc.part("replicas"))["replicas"][0]["shards"][0]["signals"], None)
+        self.assertEqual((doc.events(), doc.status()), ([{"time": 1.0}], {"connected": 1}))
+        head, _, body = value.partition(b"\n")
+        header = json.loads(head)
+        at, size = header["parts"]["nodes"]
+        broken = head + b"\n" + body[:at] + b"x" * size + body[at + size:]
+        fake.put(FLEET, broken)
+        doc = follower.document
+        assert doc is not None
+        self.assertEqual(doc.value, broken)
+        self.assertRaises(RoutesDataError, doc.part, "nodes")
+        header["parts"]["nodes"] = [at, size + 1]
+        fake.put(FLEET, json.dumps(header).encode() + b"\n" + body)
+        self.assertEqual(follower.document.value, broken)  # type: ignore[union-attr]
 
 
 class HAMemberFleetTests(SynchronousTestCase):
     """ha4: two HA members: the leader publishes its views, the other answers from them."""
+
+    def test_leader_nodes_built_a_slice_at_a_time(self) -> None:
+        """
+        ha5: the nodes the leader publishes are its GET /api/v1/nodes view,
+        built for the slice asked (by index or slice); a node removed after
+        the view was taken is left out of its slice.
+        """
+        from llmgw.control.admin import nodes_view
+        from llmgw.control.inventory import GPUInfo, Node
+
+        reactor = MemoryReactorClock()
+        m = Member(reactor, FakeEtcd(reactor), "a")
+        for i in range(7):
+            m.inventory.upsert(Node(f"gpu-{i}", gpus=[GPUInfo(0, f"GPU-{i}", "H100", 81559, 4000 + i)],
+                                    address="10.0.0.1", last_seen=float(i)))
+        whole = nodes_view(m.reconciler, m.cp.agents)["nodes"]
+        sliced = m.ha.fleet_views()["nodes"]
+        self.assertEqual(len(sliced), 7)
+        self.assertEqual(sliced[0:3] + sliced[3:7], whole)
+        self.assertEqual(sliced[5], whole[5])
+        m.inventory.remove("gpu-4")
+        self.assertEqual([n["id"] for n in sliced[3:6]], ["gpu-3", "gpu-5"])
+        self.assertRaises(IndexError, lambda: sliced[4])
 
     def test_follower_answers_from_published_views(self) -> None:
         """

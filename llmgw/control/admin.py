@@ -66,7 +66,7 @@ from llmgw.control.watch import (
     upgrade,
 )
 from llmgw.hostcheck import HostCheck
-from llmgw.routing import LONG_POLL_MAX_S, RoutingTable, snapshot_to_json
+from llmgw.routing import LONG_POLL_MAX_S, RoutesDataError, RoutingTable, snapshot_to_json
 from llmgw.tlsconf.ca import subject_alt_names
 from llmgw.tlsconf.options import AdminIdentity, IdentityError, ServerTLS, peer_admin
 from llmgw.untrusted import CLIP, JSONInputError, clip, load_json
@@ -520,7 +520,7 @@ class AdminResource(Resource):
 
     # -- hadmin (issue 14 item 5): a follower sends clients to the leader ----------
 
-    def _to_leader(self, request: Any, path: list[str]) -> Callable[[], dict[str, Any]] | None:
+    def _to_leader(self, request: Any, path: list[str]) -> Callable[[], Any] | None:
         """
         On a member of an HA control plane that does not lead: refuse with
         a C{307} whose C{Location} is the same request on the leader's admin
@@ -550,8 +550,9 @@ class AdminResource(Resource):
             return None
         if tuple(path) in FLEET_FOLLOWED_PATHS and request.method in (b"GET", b"HEAD"):
             followed = ha.followed_fleet()
-            if followed is not None:
-                return self._followed_view(request, path[-1], followed)
+            view = self._followed_view(request, path[-1], followed) if followed is not None else None
+            if view is not None:
+                return view
         where = leader_location(ha.status(), request.uri)
         if where is None:
             return None
@@ -575,30 +576,39 @@ class AdminResource(Resource):
             extra={"leader_id": leader, "leader_admin_url": st.get("leader_admin_url"), "location": location},
         )
 
-    def _followed_view(self, request: Any, kind: str, followed: dict[str, Any]) -> Callable[[], dict[str, Any]]:
+    def _followed_view(self, request: Any, kind: str, followed: Any) -> Callable[[], Any] | None:
         """
         ha4: C{GET /api/v1/nodes}, C{/replicas} or C{/events} on a member
-        that does not lead, from the fleet views the leader published: the
+        that does not lead, from the fleet views the leader published
+        (C{followed}, a L{llmgw.control.published.FleetDocument}): the
         leader's answer, with C{published_at} (the leader's clock when it
         wrote them) and C{published_by} (the leader), and the leader's admin
-        URL in the L{LEADER_HEADER} header.
+        URL in the L{LEADER_HEADER} header. ha5: nodes and replicas are the
+        bytes the leader packed, answered as they are (not parsed here).
+        C{None}: the part is unreadable (logged; the client is sent to the
+        leader).
 
         @raise Refused: 400, a malformed C{?since=} (events).
         """
-        views = followed["views"]
         since = self._since(request) if kind == "events" else 0.0
-        leader_url = views.get("leader_admin_url")
-        if isinstance(leader_url, str) and leader_url:
+        try:
+            if kind == "events":
+                events = [e for e in followed.events()
+                          if isinstance(e, dict) and isinstance(e.get("time"), (int, float)) and e["time"] > since]
+                answer: Any = {"published_at": followed.published_at, "published_by": followed.leader,
+                               "events": events}
+            else:
+                answer = followed.part(kind) + b"\n"
+        except RoutesDataError as e:
+            self.log.error("admin API: the {kind} the leader published are unreadable ({error}); {client} "
+                           "is sent to the leader", kind=kind, error=str(e), client=self.who(request))
+            return None
+        leader_url = followed.leader_admin_url
+        if leader_url:
             request.setHeader(LEADER_HEADER, leader_url.encode("utf-8", "replace"))
-        answer: dict[str, Any] = {"published_at": followed["published_at"], "published_by": views.get("leader")}
-        if kind == "events":
-            answer["events"] = [e for e in views["events"]
-                                if isinstance(e, dict) and isinstance(e.get("time"), (int, float))
-                                and e["time"] > since]
-        else:
-            answer[kind] = views[kind]
-        if kind == "nodes" and "truncated" in views:
-            answer["truncated"] = views["truncated"]
+        if isinstance(answer, bytes):
+            request.setResponseCode(200)
+            request.setHeader(b"content-type", JSON_TYPE)
         return lambda: answer
 
     @staticmethod
@@ -849,8 +859,13 @@ class AdminResource(Resource):
             # published (its own reconciler does not run).
             followed = ha.followed_fleet()
             if followed is not None:
-                status = {**followed["views"].get("status", {}), "published_at": followed["published_at"],
-                          "published_by": followed["views"].get("leader")}
+                try:
+                    status = {**followed.status(), "published_at": followed.published_at,
+                              "published_by": followed.leader}
+                except RoutesDataError as e:
+                    # This member's own view of the fleet stays.
+                    self.log.error("admin API: the status the leader published is unreadable ({error})",
+                                   error=str(e))
             ha_status = ha.status()
             status["ha"] = ha_status
             for key in ("role", "member_id", "leader_id", "leader_agent_address", "epoch"):
