@@ -18,7 +18,9 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.control.election import Role, leader_key
 from llmgw.control.published import (
+    FleetDocument,
     FleetFollower,
+    FleetPack,
     FleetPublisher,
     RoutesFollower,
     RoutesPublisher,
@@ -688,11 +690,12 @@ class FleetFollowerTests(SynchronousTestCase):
 
     def test_parts_answered_as_packed(self) -> None:
         """
-        ha5: applying a document reads its header only: the nodes part is
-        the leader's answer as bytes (published_at, published_by, nodes,
-        truncated), inflated when first asked; a part that is not what the
-        header says is refused when asked, not at apply; a header whose
-        parts lie outside the value is refused at apply.
+        ha5: the nodes part is the leader's answer as bytes (published_at,
+        published_by, nodes, truncated); a document with a part that is
+        not what the header says (not zlib, or a stream cut short, which
+        inflates to a plausible prefix without an error), or whose parts
+        lie outside the value, is refused at apply, and the last good
+        document stays.
         """
         clock = Clock()
         fake = FakeEtcd(clock)
@@ -708,7 +711,6 @@ class FleetFollowerTests(SynchronousTestCase):
         doc = follower.document
         assert doc is not None
         self.assertEqual((doc.published_at, doc.leader, doc.leader_admin_url), (7.5, "a", "https://a:7480"))
-        self.assertEqual(doc._raw, {})
         self.assertEqual(json.loads(doc.part("nodes")),
                          {"published_at": 7.5, "published_by": "a", "nodes": [{"id": "n1"}]})
         self.assertEqual(json.loads(doc.part("replicas"))["replicas"][0]["shards"][0]["signals"], None)
@@ -718,13 +720,49 @@ class FleetFollowerTests(SynchronousTestCase):
         at, size = header["parts"]["nodes"]
         broken = head + b"\n" + body[:at] + b"x" * size + body[at + size:]
         fake.put(FLEET, broken)
-        doc = follower.document
-        assert doc is not None
-        self.assertEqual(doc.value, broken)
-        self.assertRaises(RoutesDataError, doc.part, "nodes")
+        self.assertIs(follower.document, doc)
+        # The nodes stream cut at a sync flush: it inflates, but is not whole.
+        cut_header = json.loads(head)
+        cut_header["parts"]["nodes"] = [at, size - 6]
+        fake.put(FLEET, json.dumps(cut_header).encode() + b"\n" + body[:at + size - 6])
+        self.assertIs(follower.document, doc)
+        self.assertRaises(RoutesDataError, FleetDocument(
+            json.dumps(cut_header).encode() + b"\n" + body[:at + size - 6]).part, "nodes")
         header["parts"]["nodes"] = [at, size + 1]
         fake.put(FLEET, json.dumps(header).encode() + b"\n" + body)
-        self.assertEqual(follower.document.value, broken)  # type: ignore[union-attr]
+        self.assertIs(follower.document, doc)
+        self.assertEqual(follower.document.value, value)  # type: ignore[union-attr]
+
+
+class GoneWhilePackingTests(SynchronousTestCase):
+    def test_empty_slices_leave_valid_json(self) -> None:
+        """
+        ha5: slices whose nodes (or replicas) all went while the pack ran,
+        first, in the middle or last, leave the published answers valid
+        JSON with the rest; NaN is refused rather than published.
+        """
+
+        class Gone:
+            # Six items in slices of two; the slices asked for in `gone` come back empty.
+            def __init__(self, gone: set[int]):
+                self.gone = gone
+
+            def __len__(self) -> int:
+                return 6
+
+            def __getitem__(self, s: slice) -> list[dict[str, str]]:
+                return [] if s.start // 2 in self.gone else [{"id": f"x{i}"} for i in range(s.start, s.stop)]
+
+        for gone in ({0}, {1}, {2}, {0, 2}, {0, 1, 2}):
+            value = FleetPack({"leader": "a", "nodes": Gone(gone), "replicas": Gone(gone), "events": [],
+                               "status": {}}, 1.0, slice_size=2).run()
+            assert value is not None
+            doc = FleetDocument(value)
+            left = [f"x{i}" for i in range(6) if i // 2 not in gone]
+            self.assertEqual([n["id"] for n in json.loads(doc.part("nodes"))["nodes"]], left, gone)
+            self.assertEqual([r["id"] for r in json.loads(doc.part("replicas"))["replicas"]], left, gone)
+        self.assertRaises(ValueError, FleetPack({"leader": "a", "nodes": [], "replicas": [], "events": [],
+                                                 "status": {"x": float("nan")}}, 1.0).run)
 
 
 class HAMemberFleetTests(SynchronousTestCase):

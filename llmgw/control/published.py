@@ -359,7 +359,8 @@ FLEET_PARTS = ("status", "events", "replicas", "nodes")
 
 
 def _canon(value: Any) -> bytes:
-    return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
+    # No NaN or Infinity: followers pass these bytes on as JSON answers.
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
 
 def _coarse_node(node: Any) -> Any:
@@ -462,10 +463,12 @@ class FleetPack:
         out = [co.compress(self._prefix() + b',"replicas":[')]
         self.digest.update(b"replicas")
         replicas = views.get("replicas", [])
+        emitted = False
         for i in range(0, len(replicas), self.slice_size):
             raw = _canon([_coarse_replica(r) for r in replicas[i:i + self.slice_size]])[1:-1]
-            if i:
+            if raw and emitted:
                 raw = b"," + raw
+            emitted = emitted or bool(raw)
             self.digest.update(raw)
             out.append(co.compress(raw))
             yield
@@ -482,10 +485,15 @@ class FleetPack:
         self.digest.update(b"nodes")
         nodes = views.get("nodes", [])
         cut = False
+        emitted = False
         for i in range(0, len(nodes), self.slice_size):
             chunk = nodes[i:i + self.slice_size]
             raw = _canon([_coarse_node(n) for n in chunk])[1:-1]
-            if i:
+            if not raw:
+                # Every node of the slice went while the pack ran.
+                yield
+                continue
+            if emitted:
                 raw = b"," + raw
             before = co.copy()
             more = co.compress(raw) + co.flush(zlib.Z_SYNC_FLUSH)
@@ -494,6 +502,7 @@ class FleetPack:
                 break
             out.append(more)
             used += len(more)
+            emitted = True
             self.digest.update(raw)
             self.nodes_published += len(chunk)
             yield
@@ -897,6 +906,10 @@ class FleetDocument:
                 raise RoutesDataError(f"the part {name} is not zlib-compressed: {e}") from None
             if inflate.unconsumed_tail:
                 raise RoutesDataError(f"the part {name} inflates past {MAX_INFLATED} bytes")
+            if not inflate.eof or inflate.unused_data:
+                # A stream cut short inflates to a plausible prefix without
+                # an error: only its end says it is whole.
+                raise RoutesDataError(f"the part {name} is not one whole zlib stream")
             self._raw[name] = raw
         return raw
 
@@ -957,6 +970,15 @@ class FleetFollower(KeyFollower):
         self.revision = revision
         try:
             doc = FleetDocument(value)
+            # Every part whole, and the small ones JSON, before the last
+            # good document is replaced (nodes and replicas are answered
+            # as they are: their bytes are checked for a whole stream and
+            # for the answer's shape only).
+            doc.status(), doc.events()
+            for name in ("nodes", "replicas"):
+                raw = doc.part(name)
+                if not (raw.startswith(b'{"published_at":') and raw.endswith(b"}")):
+                    raise RoutesDataError(f"the part {name} is not a published answer")
         except RoutesDataError as e:
             self.log.error("the fleet views published in etcd {key} (revision {revision}) are unreadable: "
                            "{error}; the last ones stay", key=self.key.decode(), revision=revision,
