@@ -234,13 +234,30 @@ class LeasedPublisher:
         delay = max(0.0, self._last_at + self.interval - self.clock.seconds())
         self._call = self.clock.callLater(delay, self._flush)
 
-    def _flush(self) -> None:
+    def _take_flush(self) -> int | None:
+        """
+        The scheduled flush came: the lease to write under, or C{None} when
+        there is no lease or nothing changed (then nothing is done).
+        """
         self._call = None
         lease = self.lease
         if lease is None or not self._dirty:
-            return
+            return None
         self._dirty = False
         self.packs += 1
+        return lease
+
+    def _start_write(self, lease: int, value: bytes, fingerprint: bytes) -> None:
+        self._writing = True
+        self._last_at = self.clock.seconds()
+        d = defer.ensureDeferred(self._write(lease, value, fingerprint))
+        d.addErrback(lambda f: self.log.failure("publishing the {what} failed", f, what=self.what))
+        d.addBoth(lambda _: self._written(fingerprint))
+
+    def _flush(self) -> None:
+        lease = self._take_flush()
+        if lease is None:
+            return
         try:
             packed = self.pack()
         except Exception:
@@ -259,11 +276,7 @@ class LeasedPublisher:
             return
         if not self.may_write():
             return
-        self._writing = True
-        self._last_at = self.clock.seconds()
-        d = defer.ensureDeferred(self._write(lease, value, fingerprint))
-        d.addErrback(lambda f: self.log.failure("publishing the {what} failed", f, what=self.what))
-        d.addBoth(lambda _: self._written(fingerprint))
+        self._start_write(lease, value, fingerprint)
 
     def _packed(self) -> None:
         """Called after each pack (a periodic publisher schedules the next)."""
@@ -586,12 +599,9 @@ class FleetPublisher(LeasedPublisher):
         return value, job.fingerprint
 
     def _flush(self) -> None:
-        self._call = None
-        lease = self.lease
-        if lease is None or not self._dirty:
+        lease = self._take_flush()
+        if lease is None:
             return
-        self._dirty = False
-        self.packs += 1
         self.pack_seconds = self.pack_max_turn = 0.0
         self.pack_turns = 0
         began = self.timer()
@@ -647,12 +657,7 @@ class FleetPublisher(LeasedPublisher):
             self._too_large(job.size, ": not published even with its nodes cut; members that do not "
                                       "lead answer from the last one published")
         elif job.fingerprint != self._last_print and self.may_write():
-            fingerprint = job.fingerprint
-            self._writing = True
-            self._last_at = self.clock.seconds()
-            d = defer.ensureDeferred(self._write(lease, job.value, fingerprint))
-            d.addErrback(lambda f: self.log.failure("publishing the {what} failed", f, what=self.what))
-            d.addBoth(lambda _: self._written(fingerprint))
+            self._start_write(lease, job.value, job.fingerprint)
         self._again()
 
     def _again(self) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
@@ -186,59 +187,51 @@ def _written(out: TextIO, what: str, issued: Issued, renew: bool) -> None:
         )
 
 
-def cmd_server(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
+def _issue(
+    args: argparse.Namespace,
+    out: TextIO | None,
+    err: TextIO | None,
+    issue: Callable[[CertificateAuthority, str], Issued],
+    what: str,
+) -> int:
+    """
+    What every C{ctl cert} command that issues a leaf does: check
+    C{--days}, load the CA, C{issue} (given the CA and the replace mode),
+    and say what was written (and, with C{--renew}, what it replaced).
+    """
     out, err = out or sys.stdout, err or sys.stderr
     if not _positive_days(args, err):
         return 1
     try:
-        ca = CertificateAuthority.load(args.dir)
-        issued = ca.issue_server(args.host, days=args.days, replace=_replace_mode(args))
+        issued = issue(CertificateAuthority.load(args.dir), _replace_mode(args))
     except CAError as e:
         return _fail(err, str(e))
-    _written(out, f"server certificate for {', '.join(args.host)}", issued, args.renew)
+    _written(out, what, issued, args.renew)
     return 0
+
+
+def cmd_server(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    return _issue(args, out, err, lambda ca, replace: ca.issue_server(args.host, days=args.days, replace=replace),
+                  f"server certificate for {', '.join(args.host)}")
 
 
 def cmd_agent(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
-    out, err = out or sys.stdout, err or sys.stderr
-    if not _positive_days(args, err):
-        return 1
-    try:
-        ca = CertificateAuthority.load(args.dir)
-        issued = ca.issue_agent(args.node_id, days=args.days, replace=_replace_mode(args), shared=args.shared_ca)
-    except CAError as e:
-        return _fail(err, str(e))
-    _written(out, f"agent certificate for node {args.node_id}", issued, args.renew)
-    return 0
+    return _issue(args, out, err, lambda ca, replace: ca.issue_agent(
+        args.node_id, days=args.days, replace=replace, shared=args.shared_ca),
+        f"agent certificate for node {args.node_id}")
 
 
 def cmd_etcd(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
-    out, err = out or sys.stdout, err or sys.stderr
-    if not _positive_days(args, err):
-        return 1
-    try:
-        ca = CertificateAuthority.load(args.dir)
-        issued = ca.issue_etcd(args.name, args.host, days=args.days, replace=_replace_mode(args),
-                               shared=args.shared_ca)
-    except CAError as e:
-        return _fail(err, str(e))
     hosts = f" for {', '.join(args.host)}" if args.host else ""
-    _written(out, f"etcd certificate {args.name}{hosts} (server and client)", issued, args.renew)
-    return 0
+    return _issue(args, out, err, lambda ca, replace: ca.issue_etcd(
+        args.name, args.host, days=args.days, replace=replace, shared=args.shared_ca),
+        f"etcd certificate {args.name}{hosts} (server and client)")
 
 
 def cmd_admin(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
-    out, err = out or sys.stdout, err or sys.stderr
-    if not _positive_days(args, err):
-        return 1
-    try:
-        ca = CertificateAuthority.load(args.dir)
-        issued = ca.issue_admin(args.name, args.role, days=args.days, replace=_replace_mode(args),
-                                shared=args.shared_ca)
-    except CAError as e:
-        return _fail(err, str(e))
-    _written(out, f"admin certificate for {args.name} (role {args.role})", issued, args.renew)
-    return 0
+    return _issue(args, out, err, lambda ca, replace: ca.issue_admin(
+        args.name, args.role, days=args.days, replace=replace, shared=args.shared_ca),
+        f"admin certificate for {args.name} (role {args.role})")
 
 
 def cmd_rotate_ca(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
