@@ -116,8 +116,6 @@ class UpstreamConnection(Protocol):
         self.pool = pool
         self.address = address
         self.handler: ResponseHandler | None = None
-        #: The handler's C{response_relayed}, if it has one.
-        self._relay: Callable[[int, bytes, bytes, int], None] | None = None
         self.connected_ = False
         self.requests = 0
         self._state = _DONE
@@ -153,7 +151,6 @@ class UpstreamConnection(Protocol):
         """
         assert self.handler is None, "one request at a time"
         self.handler = handler
-        self._relay = getattr(handler, "response_relayed", None)
         self.requests += 1
         self._state = _HEAD
         self._buf = b""
@@ -211,7 +208,6 @@ class UpstreamConnection(Protocol):
         nothing more.
         """
         self.handler = None
-        self._relay = None
         self._keep_alive = False
         if self.connected_:
             self.connected_ = False
@@ -251,11 +247,9 @@ class UpstreamConnection(Protocol):
             return
         if self._state == _UNTIL_CLOSE:
             self.handler = None
-            self._relay = None
             handler.response_finished()
             return
         self.handler = None
-        self._relay = None
         handler.response_failed(reason, self._started)
 
     # parsing
@@ -337,7 +331,9 @@ class UpstreamConnection(Protocol):
         status = int(head[9:12])
         if 100 <= status < 200:
             return False
-        relay = self._relay
+        # Looked up per response, not kept: a kept connection must hold
+        # nothing of its last handler (nor, through it, that client).
+        relay = getattr(self.handler, "response_relayed", None)
         if relay is not None and status != 204 and status != 304:
             low = head.lower()
             if (
@@ -444,7 +440,6 @@ class UpstreamConnection(Protocol):
         if handler is None:
             return
         self.handler = None
-        self._relay = None
         self._state = _DONE
         if self._keep_alive and self.connected_ and self.pool is not None:
             self.pool.release(self)
