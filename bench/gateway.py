@@ -62,6 +62,14 @@ def serve_gateway(port: int, upstream: str, front: str = "lean", policy: str = "
     own), C{httptools} or C{twisted_web} (see L{bench.fronts}), with the
     routing C{policy} named (empty: the gateway's default).
     """
+    # On the reactor twistd's standalone gateway runs on (where the llmgw
+    # measured has one: an older one, as a baseline, may not).
+    try:
+        from llmgw.reactor import install_default
+    except ImportError:
+        pass
+    else:
+        install_default()
     from twisted.internet import reactor
 
     from llmgw.control.interfaces import Route

@@ -27,6 +27,12 @@ KINDS: dict[str, tuple[str, str]] = {
 
 def _options_for(module: str) -> Callable[[], usage.Options]:
     def make() -> usage.Options:
+        # Before the module (which may import the reactor): llmgw's own
+        # processes run on llmgw.reactor's, unless twistd --reactor (parsed
+        # before this) chose one.
+        from llmgw.reactor import install_default
+
+        install_default()
         return importlib.import_module(module).Options()
 
     return make

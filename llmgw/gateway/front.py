@@ -656,7 +656,7 @@ class HTTPFront(Protocol):
             self._dispatch()
             return
         if expect and not http10:
-            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            self.send(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def _too_large(self, request: FrontRequest) -> None:
         """
@@ -805,7 +805,7 @@ class HTTPFront(Protocol):
         )
         body = error_body(message, "invalid_request_error", code)
         reason = REASONS.get(status, b"Bad Request")
-        self.transport.write(
+        self.send(
             b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
             b"Connection: close\r\n%s\r\n%s" % (status, reason, len(body), self.factory.date_line(), body)
         )
