@@ -55,12 +55,14 @@ STREAM = dict(CHAT, stream=True)
 # -- processes served by this file -------------------------------------------
 
 
-def serve_gateway(port: int, upstream: str, front: str = "lean", policy: str = "") -> None:
+def serve_gateway(port: int, upstream: str, front: str = "lean", policy: str = "", forwarded: str = "") -> None:
     """
     The gateway on C{port}, routing to C{upstream} (addresses separated by
     commas: one replica each), on the C{front} named: C{lean} (llmgw's
     own), C{httptools} or C{twisted_web} (see L{bench.fronts}), with the
-    routing C{policy} named (empty: the gateway's default).
+    routing C{policy} named (empty: the gateway's default) and the
+    C{forwarded} headers setting (C{--forwarded-headers}; empty: the
+    gateway's default).
     """
     # On the reactor twistd's standalone gateway runs on (where the llmgw
     # measured has one: an older one, as a baseline, may not).
@@ -80,7 +82,16 @@ def serve_gateway(port: int, upstream: str, front: str = "lean", policy: str = "
     routes = [Route(f"r{i}", MODEL, address) for i, address in enumerate(upstream.split(","), 1)]
     # Without a policy, as an older llmgw (a baseline) builds it.
     table = RoutingSnapshot(routes, [MODEL], policies={MODEL: policy}) if policy else RoutingSnapshot(routes, [MODEL])
-    svc = GatewayService(reactor, table, "127.0.0.1", port)
+    config = None
+    if forwarded:
+        from llmgw.gateway.proxy import GatewayConfig
+
+        try:
+            config = GatewayConfig(forwarded_headers=forwarded)
+        except TypeError:
+            # An older llmgw (a baseline) without the setting.
+            print(f"this llmgw has no forwarded-headers setting; {forwarded!r} ignored", file=sys.stderr)
+    svc = GatewayService(reactor, table, "127.0.0.1", port, config=config)
     if front != "lean":
         from bench.fronts import HttptoolsSite, twisted_web_site
 
@@ -722,7 +733,8 @@ def routing_guard(summary: dict[str, Any]) -> dict[str, Any]:
 
 def versus(duration: float, rate: float, n_rounds: int, fronts: tuple[str, ...],
            baseline: Path | None = None, policy: str = "round_robin",
-           cache_aware: bool = False, guard: Path | None = None) -> dict[str, Any]:
+           cache_aware: bool = False, guard: Path | None = None,
+           forwarded: str = "none", default_headers: bool = False) -> dict[str, Any]:
     """
     Direct, llmgw on each front in C{fronts}, and C{vllm-router}, with the
     same two fake model servers, C{wrk} at 50 and 200 connections and the
@@ -740,6 +752,13 @@ def versus(duration: float, rate: float, n_rounds: int, fronts: tuple[str, ...],
     the routing policies, issue 12), its gateway runs on its own default
     as C{llmgw_before_routing}, against today's default (C{llmgw_default}):
     the guard that routing costs the gateway at most 5%.
+
+    Like for like in what the replicas are told: C{vllm-router} sends no
+    forwarded headers, so llmgw (and the baseline) run with
+    C{--forwarded-headers} C{forwarded} (C{none} by default). With
+    C{default_headers}, llmgw on its lean front with the gateway's default
+    (C{X-Forwarded-For} and C{-Proto}) runs as well
+    (C{llmgw_lean_default_headers}): what those two headers cost.
     """
     if shutil.which("wrk") is None:
         sys.exit("bench/gateway.py needs wrk (apt-get install wrk)")
@@ -760,13 +779,18 @@ def versus(duration: float, rate: float, n_rounds: int, fronts: tuple[str, ...],
         for front in fronts:
             port = free_port()
             targets[f"llmgw_{front}"] = (port, procs.start(
-                __file__, "serve-gateway", str(port), upstreams, front, policy))
+                __file__, "serve-gateway", str(port), upstreams, front, policy, forwarded))
+        if default_headers:
+            port = free_port()
+            targets["llmgw_lean_default_headers"] = (port, procs.start(
+                __file__, "serve-gateway", str(port), upstreams, "lean", policy, ""))
         if baseline is not None:
             # This file's serve-gateway (it names the policy) on the
             # baseline's llmgw.
             port = free_port()
             targets["llmgw_baseline"] = (port, procs.start(
-                str(Path(__file__).resolve()), "serve-gateway", str(port), upstreams, "lean", policy, root=baseline))
+                str(Path(__file__).resolve()), "serve-gateway", str(port), upstreams, "lean", policy, forwarded,
+                root=baseline))
         if cache_aware or guard is not None:
             port = free_port()
             targets["llmgw_default"] = (port, procs.start(
@@ -862,8 +886,11 @@ def versus(duration: float, rate: float, n_rounds: int, fronts: tuple[str, ...],
                   "the first one (open-loop latency)",
         "summary": summary,
         "policy": {"llmgw": policy, "vllm_router": "round_robin"},
+        "forwarded_headers": {"llmgw": forwarded, "vllm_router": "none (it sends no forwarded headers)",
+                              "llmgw_lean_default_headers": "the gateway's default" if default_headers else None},
         "bars": dict(
-            {front: bar(front) for front in fronts + (("baseline",) if baseline is not None else ())},
+            {front: bar(front) for front in fronts + (("baseline",) if baseline is not None else ())
+             + (("lean_default_headers",) if default_headers else ())},
             **({"default_vs_cache_aware": bar("default", "vllm_router_cache_aware")} if cache_aware else {}),
         ),
         "routing_guard": None if guard is None else routing_guard(summary),
@@ -876,7 +903,7 @@ def versus(duration: float, rate: float, n_rounds: int, fronts: tuple[str, ...],
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "serve-gateway":
-        serve_gateway(int(sys.argv[2]), sys.argv[3], *sys.argv[4:6])
+        serve_gateway(int(sys.argv[2]), sys.argv[3], *sys.argv[4:7])
     elif len(sys.argv) > 1 and sys.argv[1] == "serve-bare":
         serve_bare(int(sys.argv[2]), sys.argv[3])
     elif len(sys.argv) > 1 and sys.argv[1] == "serve-fast":
@@ -894,9 +921,13 @@ if __name__ == "__main__":
                         help="also llmgw's default policy (prefix) against vllm-router's cache_aware")
         vp.add_argument("--guard", type=Path,
                         help="a checkout from before the routing policies, on its default (issue 12's guard)")
+        vp.add_argument("--forwarded", default="none",
+                        help="llmgw's --forwarded-headers (default none: vllm-router sends none)")
+        vp.add_argument("--default-headers", action="store_true",
+                        help="also llmgw on the gateway's default forwarded headers")
         va = vp.parse_args(sys.argv[2:])
         print(json.dumps(versus(va.duration, va.rate, va.rounds, tuple(va.fronts.split(",")), va.baseline,
-                                va.policy, va.cache_aware, va.guard), indent=2))
+                                va.policy, va.cache_aware, va.guard, va.forwarded, va.default_headers), indent=2))
     elif len(sys.argv) > 1 and sys.argv[1] == "openloop":
         a = sys.argv[2:]
         openloop(a[0], a[1], a[2].encode(), float(a[3]), float(a[4]), float(a[5]))
