@@ -731,10 +731,29 @@ def routing_guard(summary: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def build_compiled(dest: Path) -> Path:
+    """
+    This checkout, built with its hot path compiled (setup.py,
+    C{LLMGW_COMPILE=1}), installed into C{dest} (put it on C{PYTHONPATH});
+    returns C{dest}.
+    """
+    if importlib.util.find_spec("mypyc") is None:
+        sys.exit("--compiled needs mypyc: pip install -e '.[compile]'")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps", "--target", str(dest),
+         str(ROOT)],
+        env=dict(os.environ, LLMGW_COMPILE="1"), check=True, stdout=subprocess.DEVNULL,
+    )
+    if not list(dest.rglob("llmgw/gateway/*.so")):
+        sys.exit(f"the compiled build in {dest} holds no compiled module")
+    return dest
+
+
 def versus(duration: float, rate: float, n_rounds: int, fronts: tuple[str, ...],
            baseline: Path | None = None, policy: str = "round_robin",
            cache_aware: bool = False, guard: Path | None = None,
-           forwarded: str = "none", default_headers: bool = False) -> dict[str, Any]:
+           forwarded: str = "none", default_headers: bool = False,
+           compiled: Path | None = None) -> dict[str, Any]:
     """
     Direct, llmgw on each front in C{fronts}, and C{vllm-router}, with the
     same two fake model servers, C{wrk} at 50 and 200 connections and the
@@ -759,6 +778,11 @@ def versus(duration: float, rate: float, n_rounds: int, fronts: tuple[str, ...],
     C{default_headers}, llmgw on its lean front with the gateway's default
     (C{X-Forwarded-For} and C{-Proto}) runs as well
     (C{llmgw_lean_default_headers}): what those two headers cost.
+
+    With C{compiled} (a directory holding llmgw built with its hot path
+    compiled, L{build_compiled}), that build's gateway on its lean front
+    runs as well (C{llmgw_lean_compiled}), with the same settings as
+    C{llmgw_lean}.
     """
     if shutil.which("wrk") is None:
         sys.exit("bench/gateway.py needs wrk (apt-get install wrk)")
@@ -780,6 +804,11 @@ def versus(duration: float, rate: float, n_rounds: int, fronts: tuple[str, ...],
             port = free_port()
             targets[f"llmgw_{front}"] = (port, procs.start(
                 __file__, "serve-gateway", str(port), upstreams, front, policy, forwarded))
+        if compiled is not None:
+            port = free_port()
+            targets["llmgw_lean_compiled"] = (port, procs.start(
+                str(Path(__file__).resolve()), "serve-gateway", str(port), upstreams, "lean", policy, forwarded,
+                root=compiled))
         if default_headers:
             port = free_port()
             targets["llmgw_lean_default_headers"] = (port, procs.start(
@@ -890,13 +919,16 @@ def versus(duration: float, rate: float, n_rounds: int, fronts: tuple[str, ...],
                               "llmgw_lean_default_headers": "the gateway's default" if default_headers else None},
         "bars": dict(
             {front: bar(front) for front in fronts + (("baseline",) if baseline is not None else ())
-             + (("lean_default_headers",) if default_headers else ())},
+             + (("lean_default_headers",) if default_headers else ())
+             + (("lean_compiled",) if compiled is not None else ())},
             **({"default_vs_cache_aware": bar("default", "vllm_router_cache_aware")} if cache_aware else {}),
         ),
         "routing_guard": None if guard is None else routing_guard(summary),
         "guard": None if guard is None else f"{guard} at {_commit(guard)}",
         "fronts_skipped": skipped,
         "baseline": None if baseline is None else f"{baseline} at {_commit(baseline)}",
+        "compiled": None if compiled is None else sorted(
+            str(p.relative_to(compiled)) for p in compiled.rglob("llmgw/**/*.so")),
         "per_round": rounds,
     }
 
@@ -925,9 +957,14 @@ if __name__ == "__main__":
                         help="llmgw's --forwarded-headers (default none: vllm-router sends none)")
         vp.add_argument("--default-headers", action="store_true",
                         help="also llmgw on the gateway's default forwarded headers")
+        vp.add_argument("--compiled", action="store_true",
+                        help="also this checkout built with its hot path compiled (setup.py, LLMGW_COMPILE=1)")
         va = vp.parse_args(sys.argv[2:])
-        print(json.dumps(versus(va.duration, va.rate, va.rounds, tuple(va.fronts.split(",")), va.baseline,
-                                va.policy, va.cache_aware, va.guard, va.forwarded, va.default_headers), indent=2))
+        with tempfile.TemporaryDirectory(prefix="llmgw-compiled-") as built:
+            compiled_at = build_compiled(Path(built)) if va.compiled else None
+            print(json.dumps(versus(va.duration, va.rate, va.rounds, tuple(va.fronts.split(",")), va.baseline,
+                                    va.policy, va.cache_aware, va.guard, va.forwarded, va.default_headers,
+                                    compiled_at), indent=2))
     elif len(sys.argv) > 1 and sys.argv[1] == "openloop":
         a = sys.argv[2:]
         openloop(a[0], a[1], a[2].encode(), float(a[3]), float(a[4]), float(a[5]))

@@ -20,7 +20,8 @@ Twisted's own.
 
 C{twistd llmgw ...} installs it unless C{twistd --reactor} chose one (see
 L{install_default}); an application embedding llmgw's services runs them
-on whatever reactor it has.
+on whatever reactor it has. Linux only (epoll): elsewhere this module
+does not import, and twistd's default reactor is used.
 """
 
 from __future__ import annotations
@@ -28,93 +29,87 @@ from __future__ import annotations
 import errno
 import sys
 from collections.abc import Callable
+from select import EPOLLIN as _IN
 from typing import Any
 
+from twisted.internet.epollreactor import EPollReactor
 from twisted.internet.posixbase import _NO_FILEDESC
 from twisted.python import log
 
-try:
-    from select import EPOLLIN as _IN
-
-    from twisted.internet.epollreactor import EPollReactor
-except ImportError:  # no epoll: not Linux
-    EPollReactor = None  # type: ignore[assignment,misc]
-
-#: What L{install_default} logs once the reactor has started, if anything.
+#: What L{install_default} installed, if anything.
 installed: str | None = None
 
-if EPollReactor is not None:
 
-    class LeanEPollReactor(EPollReactor):  # type: ignore[valid-type,misc]
+class LeanEPollReactor(EPollReactor):  # type: ignore[misc]
+    """
+    An epoll reactor that dispatches events without a log context
+    per event (see the module's docstring).
+    """
+
+    def __init__(self) -> None:
+        self._after: list[Callable[[], object]] = []
+        super().__init__()
+
+    def afterEvents(self, f: Callable[[], object]) -> None:
         """
-        An epoll reactor that dispatches events without a log context
-        per event (see the module's docstring).
+        Call C{f} once the events of this poll have all been handled
+        (when called from outside the handling of events, from a timer
+        say: before the reactor next waits). Each call is one call of
+        C{f}, in order; an exception from one is logged and the rest
+        still run.
         """
+        self._after.append(f)
 
-        def __init__(self) -> None:
-            self._after: list[Callable[[], object]] = []
-            super().__init__()
-
-        def afterEvents(self, f: Callable[[], object]) -> None:
-            """
-            Call C{f} once the events of this poll have all been handled
-            (when called from outside the handling of events, from a timer
-            say: before the reactor next waits). Each call is one call of
-            C{f}, in order; an exception from one is logged and the rest
-            still run.
-            """
-            self._after.append(f)
-
-        def _run_after(self) -> None:
-            calls = self._after
-            self._after = []
-            for f in calls:
-                try:
-                    f()
-                except BaseException:
-                    log.err(None, "Unhandled error in a call after events")
-
-        def doPoll(self, timeout: float | None) -> None:
-            if self._after:
-                # Asked for since the last poll: by timers, or threads'
-                # calls. Done before waiting, which could be for long.
-                self._run_after()
-            if timeout is None:
-                timeout = -1  # wait until something is ready
+    def _run_after(self) -> None:
+        calls = self._after
+        self._after = []
+        for f in calls:
             try:
-                events = self._poller.poll(timeout, len(self._selectables))
-            except OSError as err:
-                if err.errno == errno.EINTR:
-                    return
-                raise
-            selectables = self._selectables
-            dispatch = self._doReadOrWrite
-            for fd, event in events:
-                selectable = selectables.get(fd)
-                if selectable is None:
-                    # Removed by an earlier event's handler in this batch.
-                    continue
-                try:
-                    if event == _IN:
-                        # The common case, handled as _doReadOrWrite does
-                        # (a read, and nothing else to look at), inline.
-                        try:
-                            why = _NO_FILEDESC if selectable.fileno() == -1 else selectable.doRead()
-                        except BaseException:
-                            why = sys.exc_info()[1]
-                            log.err()
-                        if why:
-                            self._disconnectSelectable(selectable, why, True)
-                    else:
-                        dispatch(selectable, fd, event)
-                except KeyboardInterrupt:
-                    raise
-                except BaseException:
-                    log.err(None, "Unhandled error dispatching an event", system=_prefix(selectable))
-            if self._after:
-                self._run_after()
+                f()
+            except BaseException:
+                log.err(None, "Unhandled error in a call after events")
 
-        doIteration = doPoll
+    def doPoll(self, timeout: float | None) -> None:
+        if self._after:
+            # Asked for since the last poll: by timers, or threads'
+            # calls. Done before waiting, which could be for long.
+            self._run_after()
+        if timeout is None:
+            timeout = -1  # wait until something is ready
+        try:
+            events = self._poller.poll(timeout, len(self._selectables))
+        except OSError as err:
+            if err.errno == errno.EINTR:
+                return
+            raise
+        selectables = self._selectables
+        dispatch = self._doReadOrWrite
+        for fd, event in events:
+            selectable = selectables.get(fd)
+            if selectable is None:
+                # Removed by an earlier event's handler in this batch.
+                continue
+            try:
+                if event == _IN:
+                    # The common case, handled as _doReadOrWrite does
+                    # (a read, and nothing else to look at), inline.
+                    try:
+                        why = _NO_FILEDESC if selectable.fileno() == -1 else selectable.doRead()
+                    except BaseException:
+                        why = sys.exc_info()[1]
+                        log.err()
+                    if why:
+                        self._disconnectSelectable(selectable, why, True)
+                else:
+                    dispatch(selectable, fd, event)
+            except KeyboardInterrupt:
+                raise
+            except BaseException:
+                log.err(None, "Unhandled error dispatching an event", system=_prefix(selectable))
+        if self._after:
+            self._run_after()
+
+    doIteration = doPoll
 
 
 def _prefix(selectable: Any) -> str:
@@ -140,12 +135,11 @@ def install() -> Any:
 
 def install_default() -> bool:
     """
-    Install L{LeanEPollReactor} when no reactor is installed yet and epoll
-    is there (Linux); otherwise leave things as they are. Returns whether
-    it installed it.
+    Install L{LeanEPollReactor} when no reactor is installed yet; otherwise
+    leave things as they are. Returns whether it installed it.
     """
     global installed
-    if "twisted.internet.reactor" in sys.modules or EPollReactor is None:
+    if "twisted.internet.reactor" in sys.modules:
         return False
     install()
     installed = f"{__name__}.LeanEPollReactor"

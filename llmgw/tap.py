@@ -30,9 +30,12 @@ def _options_for(module: str) -> Callable[[], usage.Options]:
         # Before the module (which may import the reactor): llmgw's own
         # processes run on llmgw.reactor's, unless twistd --reactor (parsed
         # before this) chose one.
-        from llmgw.reactor import install_default
-
-        install_default()
+        try:
+            from llmgw.reactor import install_default
+        except ImportError:  # no epoll (not Linux): twistd's default
+            pass
+        else:
+            install_default()
         return importlib.import_module(module).Options()
 
     return make

@@ -54,6 +54,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from mypy_extensions import mypyc_attr
 from twisted.internet.interfaces import IDelayedCall, IPushProducer
 from twisted.internet.protocol import Protocol, ServerFactory
 from twisted.logger import Logger
@@ -310,6 +311,8 @@ class FrontRequest:
         self.producer = None
 
 
+# Compiled (setup.py), it may still be subclassed by uncompiled code.
+@mypyc_attr(allow_interpreted_subclasses=True)
 @implementer(IPushProducer)
 class HTTPFront(Protocol):
     """
@@ -844,6 +847,8 @@ class HTTPFront(Protocol):
         pass
 
 
+# Compiled (setup.py), it may still be subclassed by uncompiled code.
+@mypyc_attr(allow_interpreted_subclasses=True)
 class FrontFactory(ServerFactory):
     """
     Serves C{handle} (a callable taking a L{FrontRequest}) with bodies up

@@ -158,9 +158,12 @@ class Gateway:
         self.metrics = GatewayMetrics(self.registry, self.router.snapshot)
         # usage and limits per key (llmgw.gateway.usage)
         self.usage = Usage(reactor, keys.limits if keys is not None else None, config.limit_share)
-        self.registry.register(UsageCollector(lambda: self.usage))
+        self.registry.register(UsageCollector(self._usage))
         #: Requests waiting for a replica, and in flight per model.
         self.admission = gateway_admission(self)
+
+    def _usage(self) -> Usage:
+        return self.usage
 
     def in_flight(self, replica_id: str) -> int:
         return self.router.in_flight(replica_id)

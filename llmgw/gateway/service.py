@@ -116,6 +116,11 @@ class GatewayService(MultiService):
         return d
 
 
+#: The defaults the options show (an instance's: a compiled dataclass keeps
+#: no defaults on the class).
+_DEFAULTS = GatewayConfig()
+
+
 class Options(BaseOptions):
     optParameters = [
         ["listen", None, DEFAULT_GATEWAY,
@@ -133,41 +138,41 @@ class Options(BaseOptions):
         ["limit-share", None, 1.0,
          "the share of each API key's limits this gateway enforces, in (0, 1]: 1/N for N gateways "
          "behind one address", positive_float],
-        ["max-body", None, GatewayConfig.max_body, "largest request body accepted, in bytes",
+        ["max-body", None, _DEFAULTS.max_body, "largest request body accepted, in bytes",
          positive_int],
-        ["connect-timeout", None, GatewayConfig.connect_timeout, "seconds to connect to a replica",
+        ["connect-timeout", None, _DEFAULTS.connect_timeout, "seconds to connect to a replica",
          positive_float],
-        ["forwarded-headers", None, GatewayConfig.forwarded_headers,
+        ["forwarded-headers", None, _DEFAULTS.forwarded_headers,
          "what replicas are told of the client: x-forwarded (X-Forwarded-For and -Proto), full (also "
          "X-Forwarded-Host, X-Real-IP and Forwarded) or none; a client's own are always dropped"],
-        ["first-byte-timeout", None, GatewayConfig.first_byte_timeout,
+        ["first-byte-timeout", None, _DEFAULTS.first_byte_timeout,
          "seconds a replica may take before the first byte of its answer", positive_float],
-        ["idle-timeout", None, GatewayConfig.idle_timeout,
+        ["idle-timeout", None, _DEFAULTS.idle_timeout,
          "seconds a replica may stay silent in the middle of an answer", positive_float],
-        ["head-timeout", None, GatewayConfig.head_timeout,
+        ["head-timeout", None, _DEFAULTS.head_timeout,
          "seconds a client may take to send a request's head, from its first byte (then 408)",
          positive_float],
-        ["body-timeout", None, GatewayConfig.body_timeout,
+        ["body-timeout", None, _DEFAULTS.body_timeout,
          "seconds a client's request body may go without a byte arriving (then 408)",
          positive_float],
-        ["keep-alive-timeout", None, GatewayConfig.keep_alive_timeout,
+        ["keep-alive-timeout", None, _DEFAULTS.keep_alive_timeout,
          "seconds a kept-alive client connection may wait for its next request", positive_float],
-        ["max-tries", None, GatewayConfig.max_tries, "replicas tried when connections fail",
+        ["max-tries", None, _DEFAULTS.max_tries, "replicas tried when connections fail",
          positive_int],
         ["gateway-id", None, None, "the name this gateway reports its demand under, for the "
          "autoscaler (default HOSTNAME-PID)"],
-        ["failure-threshold", None, GatewayConfig.failure_threshold,
+        ["failure-threshold", None, _DEFAULTS.failure_threshold,
          "failures in a row that take a replica out of rotation", positive_int],
-        ["cooldown", None, GatewayConfig.cooldown, "seconds a failing replica stays out of rotation",
+        ["cooldown", None, _DEFAULTS.cooldown, "seconds a failing replica stays out of rotation",
          positive_float],
         ["backlog", None, 1024, "listen backlog", positive_int],
         ["gateway-hosts", None, "",
          "comma-separated Host names the gateway answers to besides loopback names and its "
          "bound address (NAME, NAME:PORT, .DOMAIN, or * for any); a wildcard bind needs them"],
-        ["queue-depth", None, GatewayConfig.queue_depth,
+        ["queue-depth", None, _DEFAULTS.queue_depth,
          "requests that may wait per model when no replica can take them (0: none wait, 503 at "
          "once); a deployment's queue_depth wins", non_negative_int],
-        ["queue-timeout", None, GatewayConfig.queue_timeout_s,
+        ["queue-timeout", None, _DEFAULTS.queue_timeout_s,
          "seconds a request may wait for a replica before its 503; a deployment's "
          "queue_timeout_s wins", positive_float],
         ["max-connections", None, MAX_CONNECTIONS,

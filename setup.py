@@ -1,0 +1,46 @@
+"""
+The project's metadata is in setup.cfg. This file adds one thing: when the
+build is asked for it (C{LLMGW_COMPILE=1}), the modules every proxied
+request runs through are compiled with mypyc (they are plain, fully typed
+Python; compiled, the gateway spends about 40% less CPU per request). A
+build without it is pure Python and needs no compiler. See
+docs/operations.md, "A compiled gateway".
+
+    LLMGW_COMPILE=1 pip install --no-build-isolation '.[compile]'
+
+(C{--no-build-isolation}: mypyc comes with mypy, which the C{compile}
+extra installs first; a C compiler and Python's headers are needed.)
+"""
+
+import os
+
+from setuptools import setup
+
+#: Compiled when asked: the gateway's hot path, from the reactor's
+#: dispatch to the upstream client. Nothing else changes with it.
+COMPILED = [
+    "llmgw/reactor.py",
+    "llmgw/untrusted.py",
+    "llmgw/gateway/chunked.py",
+    "llmgw/gateway/errors.py",
+    "llmgw/gateway/front.py",
+    "llmgw/gateway/metrics.py",
+    "llmgw/gateway/policy.py",
+    "llmgw/gateway/proxy.py",
+    "llmgw/gateway/resource.py",
+    "llmgw/gateway/router.py",
+    "llmgw/gateway/upstream.py",
+    "llmgw/gateway/usage.py",
+    "llmgw/gateway/wire.py",
+]
+
+
+def ext_modules() -> list:
+    if os.environ.get("LLMGW_COMPILE", "").lower() not in ("1", "yes", "true"):
+        return []
+    from mypyc.build import mypycify
+
+    return mypycify(COMPILED, opt_level="3")
+
+
+setup(ext_modules=ext_modules())
