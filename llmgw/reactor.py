@@ -72,8 +72,11 @@ class LeanEPollReactor(EPollReactor):  # type: ignore[misc]
     def doPoll(self, timeout: float | None) -> None:
         if self._after:
             # Asked for since the last poll: by timers, or threads'
-            # calls. Done before waiting, which could be for long.
+            # calls. Done before waiting, which could be for long; and
+            # the wait is worked out again after them, since they may
+            # have set a timer or stopped the reactor.
             self._run_after()
+            return
         if timeout is None:
             timeout = -1  # wait until something is ready
         try:
