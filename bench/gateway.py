@@ -739,11 +739,20 @@ def build_compiled(dest: Path) -> Path:
     """
     if importlib.util.find_spec("mypyc") is None:
         sys.exit("--compiled needs mypyc: pip install -e '.[compile]'")
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps", "--target", str(dest),
-         str(ROOT)],
-        env=dict(os.environ, LLMGW_COMPILE="1"), check=True, stdout=subprocess.DEVNULL,
-    )
+    with tempfile.TemporaryDirectory(prefix="llmgw-source-") as source:
+        # From a copy: a build in the checkout would leave build/ there, and
+        # reuse what an earlier build left in it.
+        for name in ("llmgw", "twisted", "setup.py", "setup.cfg", "pyproject.toml", "README.md"):
+            if (ROOT / name).is_dir():
+                shutil.copytree(ROOT / name, Path(source) / name,
+                                ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+            else:
+                shutil.copy2(ROOT / name, Path(source) / name)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps", "--target",
+             str(dest), source],
+            env=dict(os.environ, LLMGW_COMPILE="1"), check=True, stdout=subprocess.DEVNULL,
+        )
     if not list(dest.rglob("llmgw/gateway/*.so")):
         sys.exit(f"the compiled build in {dest} holds no compiled module")
     return dest
