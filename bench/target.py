@@ -339,6 +339,15 @@ def main(argv: list[str] | None = None) -> None:
 
     from twisted.internet import epollreactor
 
+    if args.kind == "control":
+        # The reactor twistd llmgw control runs on, where the llmgw measured
+        # has one (an older one, as a baseline, may not).
+        try:
+            from llmgw.reactor import install_default
+        except ImportError:
+            pass
+        else:
+            install_default()
     if "twisted.internet.reactor" not in sys.modules:
         epollreactor.install()
     # prometheus_client's Twisted support (the control plane's metrics)

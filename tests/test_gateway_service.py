@@ -17,7 +17,7 @@ from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.internet.protocol import ProcessProtocol
 from twisted.internet.task import Clock, deferLater
 from twisted.internet.testing import MemoryReactorClock, StringTransport
-from twisted.logger import globalLogPublisher
+from twisted.logger import formatEvent, globalLogPublisher
 from twisted.python import usage
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
@@ -239,6 +239,37 @@ class EmbeddedTests(TestCase):
         yield h.pool.closeCachedConnections()
         yield svc.stopService()
         self.assertIsNone(svc.listener.port)
+
+
+class BuildTests(SynchronousTestCase):
+    def test_start_says_which_build(self) -> None:
+        """
+        The gateway's start-up line says whether its per-request modules
+        are compiled (mypyc, setup.py's C{LLMGW_COMPILE=1}) or pure Python,
+        as they were loaded here (CI runs these tests both ways; with
+        C{LLMGW_EXPECT_COMPILED=1} the compiled build must be the one loaded).
+        """
+        from llmgw.gateway import front, upstream
+        from llmgw.gateway.service import hot_path_build
+
+        loaded = {m.__file__.rsplit(".", 1)[-1] for m in (front, upstream)}  # type: ignore[union-attr]
+        self.assertEqual(len(loaded), 1, "one build, not a mix")
+        expected = "compiled" if os.environ.get("LLMGW_EXPECT_COMPILED") == "1" else None
+        build = hot_path_build()
+        self.assertEqual(build, "pure Python" if loaded == {"py"} else "compiled")
+        if expected is not None:
+            self.assertEqual(build, expected)
+        events: list[dict[str, Any]] = []
+        svc = GatewayService(MemoryReactorClock(), RoutingSnapshot([], []), "127.0.0.1", 0)
+        observer = events.append
+        globalLogPublisher.addObserver(observer)
+        try:
+            svc.startService()
+        finally:
+            globalLogPublisher.removeObserver(observer)
+            svc.stopService()
+        (line,) = [formatEvent(e) for e in events if "gateway listening on" in formatEvent(e)]
+        self.assertIn(f"hot path {build}", line)
 
 
 class _Admin(ProcessProtocol):

@@ -47,6 +47,16 @@ DEFAULT_METRICS = "127.0.0.1:7481"
 DEFAULT_CONTROL_ADMIN = "http://127.0.0.1:7480"
 
 
+def hot_path_build() -> str:
+    """
+    How the gateway's per-request modules were built: C{"compiled"} (by
+    mypyc, setup.py's C{LLMGW_COMPILE=1}) or C{"pure Python"}.
+    """
+    from llmgw.gateway import front
+
+    return "pure Python" if (front.__file__ or "").endswith(".py") else "compiled"
+
+
 @implementer(IInFlight, IDemand)
 class GatewayService(MultiService):
     """
@@ -104,10 +114,11 @@ class GatewayService(MultiService):
         super().startService()
         host, port = self.listener.address()
         self.log.info(
-            "gateway listening on {address}{exposed}; API keys {keys}",
+            "gateway listening on {address}{exposed}; API keys {keys}; hot path {build}",
             address=format_address(host, port),
             exposed="" if is_loopback(host) else " (reachable from other machines)",
             keys=f"required ({len(self.gateway.keys)} configured)" if self.gateway.keys else "not required",
+            build=hot_path_build(),
         )
 
     def stopService(self) -> Any:
