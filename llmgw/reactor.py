@@ -66,6 +66,8 @@ class LeanEPollReactor(EPollReactor):  # type: ignore[misc]
         for f in calls:
             try:
                 f()
+            except KeyboardInterrupt:
+                raise
             except BaseException:
                 log.err(None, "Unhandled error in a call after events")
 
@@ -73,10 +75,10 @@ class LeanEPollReactor(EPollReactor):  # type: ignore[misc]
         if self._after:
             # Asked for since the last poll: by timers, or threads'
             # calls. Done before waiting, which could be for long; and
-            # the wait is worked out again after them, since they may
-            # have set a timer or stopped the reactor.
+            # then no wait at all (they may have set a timer, or stopped
+            # the reactor): the loop works it out again after this poll.
             self._run_after()
-            return
+            timeout = 0
         if timeout is None:
             timeout = -1  # wait until something is ready
         try:
@@ -96,13 +98,19 @@ class LeanEPollReactor(EPollReactor):  # type: ignore[misc]
                 if event == _IN:
                     # The common case, handled as _doReadOrWrite does
                     # (a read, and nothing else to look at), inline.
+                    in_read = False
+                    why: BaseException | None
                     try:
-                        why = _NO_FILEDESC if selectable.fileno() == -1 else selectable.doRead()
+                        if selectable.fileno() == -1:
+                            why = _NO_FILEDESC
+                        else:
+                            why = selectable.doRead()
+                            in_read = True
                     except BaseException:
                         why = sys.exc_info()[1]
-                        log.err()
+                        log.err(None, system=_prefix(selectable))
                     if why:
-                        self._disconnectSelectable(selectable, why, True)
+                        self._disconnectSelectable(selectable, why, in_read)
                 else:
                     dispatch(selectable, fd, event)
             except KeyboardInterrupt:

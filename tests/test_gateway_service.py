@@ -271,6 +271,22 @@ class BuildTests(SynchronousTestCase):
         (line,) = [formatEvent(e) for e in events if "gateway listening on" in formatEvent(e)]
         self.assertIn(f"hot path {build}", line)
 
+    def test_loggers_named_after_their_class(self) -> None:
+        """
+        The loggers of the per-request classes are named after their class,
+        compiled or not (compiled, a Logger on a class is not a descriptor:
+        unnamed, it would take the name of whatever frame it found).
+        """
+        from llmgw.gateway import front, metrics, proxy, resource, upstream
+
+        for cls in (front.HTTPFront, front.FrontFactory, metrics.GatewayMetrics, proxy.Gateway,
+                    proxy.ProxyCall, resource.GatewayResource, upstream.UpstreamConnection,
+                    upstream.UpstreamPool):
+            self.assertEqual(cls.log.namespace, f"{cls.__module__}.{cls.__name__}")
+        from llmgw.gateway import wire
+
+        self.assertEqual(wire.log.namespace, "llmgw.gateway.wire")
+
 
 class _Admin(ProcessProtocol):
     def __init__(self) -> None:

@@ -91,6 +91,32 @@ class LoopbackTests(TestCase):
         yield closed
         self.assertEqual(sink.data, b"bye")
 
+    @inlineCallbacks
+    def test_closed_in_the_same_turn_as_the_queue_drains(self) -> Any:
+        """
+        Bytes written while the transport has bytes of its own queued go
+        behind them at once, not to the burst: within the same turn the
+        reactor may find the socket writable, send the queue and, the
+        connection closing, close it (a slow client that has just read what
+        was queued), before the burst would have sent them.
+        """
+        from llmgw.gateway import wire
+
+        transport, sink = yield self._pair(7)
+        closed: Deferred[None] = Deferred()
+        sink.connectionLost = lambda reason: closed.callback(None)  # type: ignore[method-assign]
+        write = send_now(transport)
+        transport.write(b"abc")  # queued: the reactor has not turned
+        write(b"TAIL")
+        transport.loseConnection()
+        # The turn's write event for this socket, before the burst's flush.
+        why = transport.doWrite()
+        if why:
+            reactor._disconnectSelectable(transport, why, False)  # type: ignore[attr-defined]
+        wire._burst_for(reactor).flush()
+        yield closed
+        self.assertEqual(sink.data, b"abcTAIL")
+
     def test_not_bytes(self) -> Any:
         """
         Anything but bytes is refused at the call, as the transport's own

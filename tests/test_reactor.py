@@ -271,6 +271,27 @@ class AfterEventsTestsBuilder(_LeanTestsMixin, ReactorBuilder):
         self.runReactor(reactor, timeout=10)
         self.assertEqual(events, ["after", "timer"])
 
+    def test_io_not_starved_by_timers_asking(self) -> None:
+        """
+        A chain of C{callLater(0)} steps each asking C{afterEvents} (as a
+        step writing through C{send_now} does) does not keep the reactor
+        from polling: a connection readable meanwhile is read.
+        """
+        reactor = self.buildReactor()
+        events: list[str] = []
+        end = self.end(reactor, "a", events)
+        steps = [0]
+
+        def step() -> None:
+            steps[0] += 1
+            reactor.afterEvents(lambda: None)
+            reactor.callLater(0, step)
+
+        end.on_read = reactor.stop
+        reactor.callLater(0, step)
+        self.runReactor(reactor, timeout=10)
+        self.assertIn("read a", events)
+
     def test_each_once_in_order_errors_logged(self) -> None:
         """
         Each call of afterEvents runs its function once, in the order

@@ -311,15 +311,14 @@ class FrontRequest:
         self.producer = None
 
 
-# Compiled (setup.py), it may still be subclassed by uncompiled code.
-@mypyc_attr(allow_interpreted_subclasses=True)
 @implementer(IPushProducer)
 class HTTPFront(Protocol):
     """
     One client connection; see the module's description.
     """
 
-    log = Logger()
+    # Named here: compiled (setup.py), a Logger on a class is no descriptor.
+    log = Logger(namespace=f"{__name__}.HTTPFront")
     transport: Any
 
     def __init__(self, factory: FrontFactory):
@@ -866,7 +865,8 @@ class FrontFactory(ServerFactory):
     a warning when the hard limit does not allow it.
     """
 
-    log = Logger()
+    # Named here: compiled (setup.py), a Logger on a class is no descriptor.
+    log = Logger(namespace=f"{__name__}.FrontFactory")
     noisy = False
 
     def __init__(

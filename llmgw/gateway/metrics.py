@@ -117,7 +117,8 @@ class GatewayMetrics:
     C{max_models} distinct ones are kept, the rest count as unknown.
     """
 
-    log = Logger()
+    # Named here: compiled (setup.py), a Logger on a class is no descriptor.
+    log = Logger(namespace=f"{__name__}.GatewayMetrics")
 
     def __init__(
         self,

@@ -136,7 +136,8 @@ class Gateway:
     served (loopback names when not given).
     """
 
-    log = Logger()
+    # Named here: compiled (setup.py), a Logger on a class is no descriptor.
+    log = Logger(namespace=f"{__name__}.Gateway")
 
     def __init__(
         self,
@@ -283,7 +284,8 @@ class ProxyCall:
     One client request on its way to a replica and back.
     """
 
-    log = Logger()
+    # Named here: compiled (setup.py), a Logger on a class is no descriptor.
+    log = Logger(namespace=f"{__name__}.ProxyCall")
     # One per request: slots make it cheaper to make and to read.
     __slots__ = (
         "gw", "policy", "key", "meter", "request", "model", "path_label", "body", "routes", "started", "head",

@@ -49,7 +49,8 @@ class GatewayResource:
     The gateway's request handler: call it with a L{FrontRequest}.
     """
 
-    log = Logger()
+    # Named here: compiled (setup.py), a Logger on a class is no descriptor.
+    log = Logger(namespace=f"{__name__}.GatewayResource")
 
     def __init__(self, gateway: Gateway):
         self.gateway = gateway

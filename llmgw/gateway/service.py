@@ -52,9 +52,11 @@ def hot_path_build() -> str:
     How the gateway's per-request modules were built: C{"compiled"} (by
     mypyc, setup.py's C{LLMGW_COMPILE=1}) or C{"pure Python"}.
     """
+    from importlib.machinery import EXTENSION_SUFFIXES
+
     from llmgw.gateway import front
 
-    return "pure Python" if (front.__file__ or "").endswith(".py") else "compiled"
+    return "compiled" if (front.__file__ or "").endswith(tuple(EXTENSION_SUFFIXES)) else "pure Python"
 
 
 @implementer(IInFlight, IDemand)

@@ -109,7 +109,8 @@ class UpstreamConnection(Protocol):
     never reused).
     """
 
-    log = Logger()
+    # Named here: compiled (setup.py), a Logger on a class is no descriptor.
+    log = Logger(namespace=f"{__name__}.UpstreamConnection")
     transport: Any
 
     def __init__(self, pool: UpstreamPool | None, address: str):
@@ -477,7 +478,8 @@ class UpstreamPool:
     C{max_idle} connections per address are kept idle; more are closed.
     """
 
-    log = Logger()
+    # Named here: compiled (setup.py), a Logger on a class is no descriptor.
+    log = Logger(namespace=f"{__name__}.UpstreamPool")
 
     def __init__(self, reactor: Any, connect_timeout: float = 5.0, max_idle: int = 256):
         self.reactor = reactor

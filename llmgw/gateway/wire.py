@@ -20,25 +20,30 @@ still has reads to handle: on a loaded machine, fewer wakeups and context
 switches for everyone.
 
 Order is kept per connection (each connection's bytes go out in the order
-written, and all bytes a writer was given go through the writer). What the
-socket does not take is handed to C{write}, as is everything when
-something is queued there already, when the connection is closing (the
-transport sends it before it closes), when the send fails (the transport
-meets the same error on its own turn and closes as usual), or when the
-transport is not a plain TCP one (TLS, test transports): then the writer
-is C{transport.write} itself.
+written, and all bytes a writer was given go through the writer). Bytes
+written when the transport has bytes of its own queued already, or is
+closing or aborting, with none of this writer's waiting for the burst, go
+to C{write} at once: the transport may send its queue and close within the
+same turn (a slow client that has just drained it), and bytes kept for the
+burst would then find it closed. What the socket does not take at the
+burst is handed to C{write} too, as is everything when the send fails (the
+transport meets the same error on its own turn and closes as usual). A
+transport that is not a plain TCP one (TLS, test transports) gets
+C{transport.write} itself as its writer.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
-from weakref import WeakKeyDictionary
+from weakref import WeakKeyDictionary, ref
 
 from twisted.internet.abstract import FileDescriptor
 from twisted.logger import Logger
 
-log = Logger()
+# An explicit namespace: compiled (setup.py), the module is not a frame
+# Logger could find its name from.
+log = Logger(namespace=__name__)
 
 
 class _Burst:
@@ -50,18 +55,22 @@ class _Burst:
     def __init__(self, reactor: Any):
         self._sends: list[Callable[[bytes], None]] = []
         self._data: list[bytes] = []
-        after = getattr(reactor, "afterEvents", None)
-        if after is not None:
-            self._schedule: Callable[[], object] = lambda: after(self.flush)
-        else:
-            self._schedule = lambda: reactor.callLater(0, self.flush)
+        # Weakly: the registry of bursts must not keep a reactor alive.
+        self._reactor = ref(reactor)
+        self._after = hasattr(reactor, "afterEvents")
 
     def add(self, send: Callable[[bytes], None], data: bytes) -> None:
         sends = self._sends
         sends.append(send)
         self._data.append(data)
         if len(sends) == 1:
-            self._schedule()
+            reactor = self._reactor()
+            if reactor is None:
+                return
+            if self._after:
+                reactor.afterEvents(self.flush)
+            else:
+                reactor.callLater(0, self.flush)
 
     def flush(self) -> None:
         sends, data = self._sends, self._data
@@ -70,7 +79,8 @@ class _Burst:
             try:
                 send(chunk)
             except Exception:
-                # One connection's failure is not the others'.
+                # One connection's failure is not the others' (the writer
+                # aborts its own connection first: see send_now).
                 log.failure("sending on a connection failed")
 
 
@@ -95,29 +105,44 @@ def send_now(transport: Any) -> Callable[[bytes], None]:
         return write
     send = transport.socket.send  # type: ignore[attr-defined]
     add = _burst_for(transport.reactor).add
+    # How many of this writer's writes wait for the burst.
+    waiting = [0]
 
-    def send_or_queue(data: bytes) -> None:
-        t = transport
-        if (
+    def busy(t: Any) -> bool:
+        # Something queued in the transport, or it is closing or aborting:
+        # its own write, not the socket.
+        return bool(
             t._tempDataLen
             or t.offset != len(t.dataBuffer)
             or t.disconnecting
             or not t.connected
             or t._writeDisconnecting
             or t._writeDisconnected
-        ):
-            write(data)
-            return
+            or getattr(t, "_aborting", False)
+        )
+
+    def send_or_queue(data: bytes) -> None:
+        waiting[0] -= 1
+        t: Any = transport
         try:
-            n = send(data)
-        except OSError:
-            # Full (EAGAIN), interrupted, or the connection is lost: queued,
-            # the bytes are sent, or meet the same error, on the reactor's
-            # turn, and the transport carries on or closes as usual.
-            write(data)
-            return
-        if n < len(data):
-            write(data[n:])
+            if busy(t):
+                write(data)
+                return
+            try:
+                n = send(data)
+            except OSError:
+                # Full (EAGAIN), interrupted, or the connection is lost:
+                # queued, the bytes are sent, or meet the same error, on the
+                # reactor's turn, and the transport carries on or closes.
+                write(data)
+                return
+            if n < len(data):
+                write(data[n:])
+        except Exception:
+            # Not a socket error (a producer's pauseProducing raising, say):
+            # the rest of this connection's bytes must not follow a hole.
+            t.abortConnection()
+            raise
 
     def writer(data: bytes) -> None:
         if type(data) is not bytes:
@@ -125,7 +150,12 @@ def send_now(transport: Any) -> Callable[[bytes], None]:
             if not isinstance(data, bytes):
                 raise TypeError(f"Data must be bytes, not {type(data).__name__}")
             data = bytes(data)
-        if data:
-            add(send_or_queue, data)
+        if not data:
+            return
+        if not waiting[0] and busy(transport):
+            write(data)
+            return
+        waiting[0] += 1
+        add(send_or_queue, data)
 
     return writer
