@@ -21,11 +21,13 @@ switches for everyone.
 
 Order is kept per connection (each connection's bytes go out in the order
 written, and all bytes a writer was given go through the writer). Bytes
-written when the transport has bytes of its own queued already, or is
-closing or aborting, with none of this writer's waiting for the burst, go
-to C{write} at once: the transport may send its queue and close within the
-same turn (a slow client that has just drained it), and bytes kept for the
-burst would then find it closed. What the socket does not take at the
+written when the transport has bytes of its own queued already (a slow
+client), with none of this writer's waiting for the burst, go to C{write}
+at once: the reactor may find that socket writable later in the same turn,
+send the queue and, the connection closing, close it, and bytes kept for
+the burst would then find it closed. (A transport with nothing queued is
+not watched for writability in the turn's events, so it cannot close
+before the burst.) What the socket does not take at the
 burst is handed to C{write} too, as is everything when the send fails (the
 transport meets the same error on its own turn and closes as usual). A
 transport that is not a plain TCP one (TLS, test transports) gets
@@ -152,9 +154,11 @@ def send_now(transport: Any) -> Callable[[bytes], None]:
             data = bytes(data)
         if not data:
             return
-        if not waiting[0] and busy(transport):
-            write(data)
-            return
+        if not waiting[0]:
+            t: Any = transport
+            if t._tempDataLen or t.offset != len(t.dataBuffer):
+                write(data)
+                return
         waiting[0] += 1
         add(send_or_queue, data)
 
