@@ -277,11 +277,25 @@ class BuildTests(SynchronousTestCase):
         compiled or not (compiled, a Logger on a class is not a descriptor:
         unnamed, it would take the name of whatever frame it found).
         """
+        from prometheus_client import CollectorRegistry
+
         from llmgw.gateway import front, metrics, proxy, resource, upstream
 
-        for cls in (front.HTTPFront, front.FrontFactory, metrics.GatewayMetrics, proxy.Gateway,
-                    proxy.ProxyCall, resource.GatewayResource, upstream.UpstreamConnection,
-                    upstream.UpstreamPool):
+        clock = MemoryReactorClock()
+        gateway = proxy.Gateway(clock, RoutingSnapshot([], []))
+        pool = upstream.UpstreamPool(clock)
+        # Through instances: compiled, a class's own attribute is a slot's
+        # descriptor, not the logger.
+        instances = [
+            gateway, pool, upstream.UpstreamConnection(pool, "127.0.0.1:1"),
+            front.FrontFactory(lambda request: None, clock, 1000), metrics.GatewayMetrics(CollectorRegistry(), dict),
+            resource.GatewayResource(gateway),
+        ]
+        for obj in instances:
+            cls = type(obj)
+            self.assertEqual(obj.log.namespace, f"{cls.__module__}.{cls.__name__}")
+        # Plain classes in both builds (interface declarations keep them so).
+        for cls in (front.HTTPFront, proxy.ProxyCall):
             self.assertEqual(cls.log.namespace, f"{cls.__module__}.{cls.__name__}")
         from llmgw.gateway import wire
 
