@@ -36,9 +36,6 @@ from twisted.internet.epollreactor import EPollReactor
 from twisted.internet.posixbase import _NO_FILEDESC
 from twisted.python import log
 
-#: What L{install_default} installed, if anything.
-installed: str | None = None
-
 
 class LeanEPollReactor(EPollReactor):  # type: ignore[misc]
     """
@@ -149,9 +146,7 @@ def install_default() -> bool:
     Install L{LeanEPollReactor} when no reactor is installed yet; otherwise
     leave things as they are. Returns whether it installed it.
     """
-    global installed
     if "twisted.internet.reactor" in sys.modules:
         return False
     install()
-    installed = f"{__name__}.LeanEPollReactor"
     return True

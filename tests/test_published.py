@@ -387,11 +387,11 @@ class HAMemberRoutesTests(SynchronousTestCase):
         self.assertEqual(self.ids(b), ["r2"])
         self.assertEqual(b.ha.status()["routes_followed_revision"], self.fake.kvs[KEY].mod_revision)
 
-    def test_new_leader_keeps_the_followed_table_until_its_grace_ends(self) -> None:
+    def leader_after_handover(self) -> Any:
         """
-        When the leader goes, the member that wins keeps routing by the
-        table it followed (nothing dropped while agents come over), and once
-        its adoption grace is over publishes the table of its own state.
+        Member C{a} leads and publishes a table of one route; C{b} follows
+        it; C{a} stops and C{b} wins, routing by the table it followed.
+        Returns C{b}.
         """
         a = self.member("a")
         self.advance(0.1)
@@ -402,6 +402,15 @@ class HAMemberRoutesTests(SynchronousTestCase):
         self.advance(2)
         self.assertIs(b.ha.election.role, Role.LEADER)
         self.assertEqual(self.ids(b), ["r1"])
+        return b
+
+    def test_new_leader_keeps_the_followed_table_until_its_grace_ends(self) -> None:
+        """
+        When the leader goes, the member that wins keeps routing by the
+        table it followed (nothing dropped while agents come over), and once
+        its adoption grace is over publishes the table of its own state.
+        """
+        b = self.leader_after_handover()
         self.advance(29)
         self.assertEqual(self.ids(b), [])
         self.advance(1.1)
@@ -413,15 +422,7 @@ class HAMemberRoutesTests(SynchronousTestCase):
         came) publishes the table of its own state then, not when the grace
         would have ended.
         """
-        a = self.member("a")
-        self.advance(0.1)
-        b = self.member("b")
-        a.reconciler.routing_table.publish_model("demo", [Route("r1", "demo", "10.0.0.1:9000")])
-        self.advance(1.1)
-        self.successResultOf(a.ha.stopService())
-        self.advance(2)
-        self.assertIs(b.ha.election.role, Role.LEADER)
-        self.assertEqual(self.ids(b), ["r1"])
+        b = self.leader_after_handover()
         b.reconciler.end_adoption_grace("every expected agent has registered")
         self.assertEqual(self.ids(b), [])
         self.advance(1.1)
