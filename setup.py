@@ -23,6 +23,7 @@ from setuptools import setup
 COMPILED = [
     "llmgw/hostcheck.py",
     "llmgw/untrusted.py",
+    "llmgw/gateway/admission.py",
     "llmgw/gateway/chunked.py",
     "llmgw/gateway/errors.py",
     "llmgw/gateway/front.py",

@@ -72,13 +72,16 @@ class EtcdTLSTests(TestCase):
         async def go() -> None:
             good = EtcdClient(reactor, self.cluster.urls, tls=ClientTLSPolicy(self.cluster.client_files("cp1")))
             self.addCleanup(good.close)
-            seen: list[bytes] = []
-            w = good.watch(b"/t/k", lambda events, rev: seen.extend(e.kv.value for e in events))
-            self.addCleanup(w.cancel)
             await good.put(b"/t/k", b"v1")
             kv = await good.get(b"/t/k")
             assert kv is not None
             self.assertEqual(kv.value, b"v1")
+            # From the write's revision: a watch from now could reach etcd
+            # after the write, and never see it.
+            seen: list[bytes] = []
+            w = good.watch(b"/t/k", lambda events, rev: seen.extend(e.kv.value for e in events),
+                           start_revision=kv.mod_revision)
+            self.addCleanup(w.cancel)
             await until(lambda: seen == [b"v1"], 5, "the watch over TLS")
 
             bad = EtcdClient(reactor, self.cluster.urls, tls=ClientTLSPolicy(TLSFiles.load(*self.wrong_files())))

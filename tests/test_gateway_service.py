@@ -275,31 +275,58 @@ class BuildTests(SynchronousTestCase):
         """
         The loggers of the per-request classes are named after their class,
         compiled or not (compiled, a Logger on a class is not a descriptor:
-        unnamed, it would take the name of whatever frame it found).
+        unnamed, it would take the name of whatever frame it found), read
+        through an instance or the class.
         """
         from prometheus_client import CollectorRegistry
 
-        from llmgw.gateway import front, metrics, proxy, resource, upstream
+        from llmgw.gateway import admission, front, metrics, proxy, resource, upstream
 
         clock = MemoryReactorClock()
         gateway = proxy.Gateway(clock, RoutingSnapshot([], []))
         pool = upstream.UpstreamPool(clock)
-        # Through instances: compiled, a class's own attribute is a slot's
-        # descriptor, not the logger.
         instances = [
             gateway, pool, upstream.UpstreamConnection(pool, "127.0.0.1:1"),
             front.FrontFactory(lambda request: None, clock, 1000), metrics.GatewayMetrics(CollectorRegistry(), dict),
-            resource.GatewayResource(gateway),
+            resource.GatewayResource(gateway), gateway.admission,
         ]
         for obj in instances:
             cls = type(obj)
             self.assertEqual(obj.log.namespace, f"{cls.__module__}.{cls.__name__}")
-        # Plain classes in both builds (interface declarations keep them so).
-        for cls in (front.HTTPFront, proxy.ProxyCall):
+            self.assertEqual(cls.log.namespace, f"{cls.__module__}.{cls.__name__}")
+        for cls in (front.HTTPFront, proxy.ProxyCall, admission.Admission):
             self.assertEqual(cls.log.namespace, f"{cls.__module__}.{cls.__name__}")
         from llmgw.gateway import wire
 
         self.assertEqual(wire.log.namespace, "llmgw.gateway.wire")
+
+    def test_per_request_classes_native_when_compiled(self) -> None:
+        """
+        The per-request classes declare their interfaces in both builds;
+        compiled, each is a native class (mypyc compiles a class with a
+        decorator it does not know, such as C{@implementer}, as a plain
+        Python class, whose every attribute read is a dictionary lookup).
+        """
+        from twisted.internet.interfaces import IPushProducer
+
+        from llmgw.gateway import admission, front, proxy, router
+        from llmgw.routing import IDemand, IInFlight
+
+        self.assertTrue(IPushProducer.implementedBy(front.HTTPFront))
+        self.assertTrue(IPushProducer.implementedBy(proxy.ProxyCall))
+        self.assertTrue(IInFlight.implementedBy(proxy.Gateway))
+        self.assertTrue(IDemand.implementedBy(proxy.Gateway))
+        self.assertTrue(IInFlight.implementedBy(router.Router))
+        self.assertTrue(IDemand.implementedBy(admission.Admission))
+        gateway = proxy.Gateway(MemoryReactorClock(), RoutingSnapshot([], []))
+        self.assertTrue(IDemand.providedBy(gateway.admission))
+        self.assertTrue(IInFlight.providedBy(gateway.router))
+        if os.environ.get("LLMGW_EXPECT_COMPILED") != "1":
+            return
+        classes = (front.HTTPFront, front.FrontRequest, proxy.ProxyCall, proxy.Gateway, router.Router,
+                   admission.Admission)
+        # mypyc marks its native classes with the attributes they hold.
+        self.assertEqual([c.__name__ for c in classes if not hasattr(c, "__mypyc_attrs__")], [])
 
 
 class _Admin(ProcessProtocol):

@@ -34,7 +34,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import Any, ClassVar
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -42,7 +43,7 @@ from prometheus_client.registry import Collector
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from zope.interface import implementer
+from zope.interface import classImplements
 
 from llmgw.gateway import errors
 from llmgw.gateway.metrics import LATENCY_BUCKETS
@@ -242,7 +243,6 @@ class _WaitingCollector(Collector):
         yield g
 
 
-@implementer(IDemand)
 class Admission:
     """
     Every model's admission queue, and the count of requests in flight per
@@ -255,7 +255,9 @@ class Admission:
     @param retry_after: the C{Retry-After} seconds of a refusal.
     """
 
-    log = Logger()
+    # Named, and a ClassVar: compiled (setup.py), a plain class attribute
+    # is an instance default, made anew for each instance.
+    log: ClassVar[Logger] = Logger(namespace=f"{__name__}.Admission")
 
     def __init__(
         self,
@@ -263,7 +265,7 @@ class Admission:
         capacity: Callable[[str], int],
         limits: Callable[[str], QueueConfig],
         registry: CollectorRegistry | None = None,
-        label: Callable[[str], str] = lambda m: m,
+        label: Callable[[str], str] = lambda model: model,
         retry_after: int = 5,
     ):
         self.clock = clock
@@ -387,7 +389,7 @@ class Admission:
         w = Waiter(model, who, request, go, refuse, now)
         q.push(w)
         w.timer = self.clock.callLater(limits.timeout_s, self._expired, w)
-        request.on_lost = lambda reason, w=w: self._gone(w, reason)
+        request.on_lost = partial(self._gone, w)
         if self._tick is None:
             self._tick = self.clock.callLater(TICK_S, self._ticked)
         # A model that could take requests (it only had waiters) takes this
@@ -548,6 +550,11 @@ class Admission:
         if self.detach is not None:
             detach, self.detach = self.detach, None
             detach()
+
+
+# Declared after the class, not by a decorator: mypyc (setup.py) compiles a
+# class with a decorator it does not know as a plain Python class.
+classImplements(Admission, IDemand)
 
 
 def queue_full(model: str, depth: int, retry_after: int) -> errors.GatewayError:

@@ -52,7 +52,7 @@ L{FrontRequest.finish}, or drops the connection with L{FrontRequest.abort}.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from mypy_extensions import mypyc_attr
 from twisted.internet.interfaces import IDelayedCall, IPushProducer
@@ -60,7 +60,7 @@ from twisted.internet.protocol import Protocol, ServerFactory
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.http import RESPONSES, datetimeToString
-from zope.interface import implementer
+from zope.interface import classImplements
 
 from llmgw.gateway.chunked import ChunkedDecoder, ChunkError
 from llmgw.gateway.errors import error_body
@@ -311,14 +311,14 @@ class FrontRequest:
         self.producer = None
 
 
-@implementer(IPushProducer)
 class HTTPFront(Protocol):
     """
     One client connection; see the module's description.
     """
 
-    # Named here: compiled (setup.py), a Logger on a class is no descriptor.
-    log = Logger(namespace=f"{__name__}.HTTPFront")
+    # Named, and a ClassVar: compiled (setup.py), a plain class attribute
+    # is an instance default, made anew for each instance.
+    log: ClassVar[Logger] = Logger(namespace=f"{__name__}.HTTPFront")
     transport: Any
 
     def __init__(self, factory: FrontFactory):
@@ -846,6 +846,11 @@ class HTTPFront(Protocol):
         pass
 
 
+# Declared after the class, not by a decorator: mypyc (setup.py) compiles a
+# class with a decorator it does not know as a plain Python class.
+classImplements(HTTPFront, IPushProducer)
+
+
 # Compiled (setup.py), it may still be subclassed by uncompiled code.
 @mypyc_attr(allow_interpreted_subclasses=True)
 class FrontFactory(ServerFactory):
@@ -865,8 +870,9 @@ class FrontFactory(ServerFactory):
     a warning when the hard limit does not allow it.
     """
 
-    # Named here: compiled (setup.py), a Logger on a class is no descriptor.
-    log = Logger(namespace=f"{__name__}.FrontFactory")
+    # Named, and a ClassVar: compiled (setup.py), a plain class attribute
+    # is an instance default, made anew for each instance.
+    log: ClassVar[Logger] = Logger(namespace=f"{__name__}.FrontFactory")
     noisy = False
 
     def __init__(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
+from typing import ClassVar
 
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -117,8 +118,9 @@ class GatewayMetrics:
     C{max_models} distinct ones are kept, the rest count as unknown.
     """
 
-    # Named here: compiled (setup.py), a Logger on a class is no descriptor.
-    log = Logger(namespace=f"{__name__}.GatewayMetrics")
+    # Named, and a ClassVar: compiled (setup.py), a plain class attribute
+    # is an instance default, made anew for each instance.
+    log: ClassVar[Logger] = Logger(namespace=f"{__name__}.GatewayMetrics")
 
     def __init__(
         self,

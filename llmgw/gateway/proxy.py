@@ -21,7 +21,7 @@ import re
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from prometheus_client import CollectorRegistry
 from twisted.internet.defer import CancelledError, Deferred
@@ -29,7 +29,7 @@ from twisted.internet.error import TimeoutError as ConnectTimeout
 from twisted.internet.interfaces import IDelayedCall, IPushProducer
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from zope.interface import implementer
+from zope.interface import classImplements
 
 from llmgw.gateway import errors
 from llmgw.gateway.admission import gateway_admission
@@ -128,7 +128,6 @@ class GatewayConfig:
 FORWARDED_HEADERS = ("x-forwarded", "full", "none")
 
 
-@implementer(IInFlight, IDemand)
 class Gateway:
     """
     What every request shares. C{keys} is C{None} when no API keys are
@@ -136,8 +135,9 @@ class Gateway:
     served (loopback names when not given).
     """
 
-    # Named here: compiled (setup.py), a Logger on a class is no descriptor.
-    log = Logger(namespace=f"{__name__}.Gateway")
+    # Named, and a ClassVar: compiled (setup.py), a plain class attribute
+    # is an instance default, made anew for each instance.
+    log: ClassVar[Logger] = Logger(namespace=f"{__name__}.Gateway")
 
     def __init__(
         self,
@@ -188,6 +188,11 @@ class Gateway:
     def close(self) -> None:
         self.admission.close()
         self.pool.close()
+
+
+# Declared after the class, not by a decorator: mypyc (setup.py) compiles a
+# class with a decorator it does not know as a plain Python class.
+classImplements(Gateway, IInFlight, IDemand)
 
 
 def connection_options(headers: Iterable[tuple[bytes, bytes]]) -> frozenset[bytes]:
@@ -278,14 +283,14 @@ def _forwarding_block(client: str | None, host: bytes | None, which: str) -> byt
 _HOST_LINES: dict[str, bytes] = {}
 
 
-@implementer(IPushProducer)
 class ProxyCall:
     """
     One client request on its way to a replica and back.
     """
 
-    # Named here: compiled (setup.py), a Logger on a class is no descriptor.
-    log = Logger(namespace=f"{__name__}.ProxyCall")
+    # Named, and a ClassVar: compiled (setup.py), a plain class attribute
+    # is an instance default, made anew for each instance.
+    log: ClassVar[Logger] = Logger(namespace=f"{__name__}.ProxyCall")
     # One per request: slots make it cheaper to make and to read.
     __slots__ = (
         "gw", "policy", "key", "meter", "request", "model", "path_label", "body", "routes", "started", "head",
@@ -683,6 +688,11 @@ class ProxyCall:
         m.observe(self.model, time.monotonic() - self.started)
         # The call is over: its capacity may go to a waiting request.
         self.gw.admission.ended(self.model)
+
+
+# Declared after the class, not by a decorator: mypyc (setup.py) compiles a
+# class with a decorator it does not know as a plain Python class.
+classImplements(ProxyCall, IPushProducer)
 
 
 def send_error(request: FrontRequest, err: errors.GatewayError) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 from twisted.logger import Logger
 
@@ -49,8 +49,9 @@ class GatewayResource:
     The gateway's request handler: call it with a L{FrontRequest}.
     """
 
-    # Named here: compiled (setup.py), a Logger on a class is no descriptor.
-    log = Logger(namespace=f"{__name__}.GatewayResource")
+    # Named, and a ClassVar: compiled (setup.py), a plain class attribute
+    # is an instance default, made anew for each instance.
+    log: ClassVar[Logger] = Logger(namespace=f"{__name__}.GatewayResource")
 
     def __init__(self, gateway: Gateway):
         self.gateway = gateway

@@ -18,7 +18,7 @@ from collections import OrderedDict, deque
 from collections.abc import Collection, Sequence
 
 from twisted.internet.interfaces import IReactorTime
-from zope.interface import implementer
+from zope.interface import classImplements
 
 from llmgw.gateway.policy import FIRST_TURN, PolicyConfig, Ring, choose
 from llmgw.routing import IInFlight, Route
@@ -32,7 +32,6 @@ MAX_HOMES = 100_000
 MAX_RECENT = 1024
 
 
-@implementer(IInFlight)
 class Router:
     def __init__(
         self,
@@ -240,3 +239,8 @@ class Router:
         if len(homes) > MAX_HOMES:
             homes.popitem(last=False)
         return chosen
+
+
+# Declared after the class, not by a decorator: mypyc (setup.py) compiles a
+# class with a decorator it does not know as a plain Python class.
+classImplements(Router, IInFlight)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 from typing import Protocol as TypingProtocol
 
 from twisted.internet.defer import Deferred
@@ -109,8 +109,9 @@ class UpstreamConnection(Protocol):
     never reused).
     """
 
-    # Named here: compiled (setup.py), a Logger on a class is no descriptor.
-    log = Logger(namespace=f"{__name__}.UpstreamConnection")
+    # Named, and a ClassVar: compiled (setup.py), a plain class attribute
+    # is an instance default, made anew for each instance.
+    log: ClassVar[Logger] = Logger(namespace=f"{__name__}.UpstreamConnection")
     transport: Any
 
     def __init__(self, pool: UpstreamPool | None, address: str):
@@ -478,8 +479,9 @@ class UpstreamPool:
     C{max_idle} connections per address are kept idle; more are closed.
     """
 
-    # Named here: compiled (setup.py), a Logger on a class is no descriptor.
-    log = Logger(namespace=f"{__name__}.UpstreamPool")
+    # Named, and a ClassVar: compiled (setup.py), a plain class attribute
+    # is an instance default, made anew for each instance.
+    log: ClassVar[Logger] = Logger(namespace=f"{__name__}.UpstreamPool")
 
     def __init__(self, reactor: Any, connect_timeout: float = 5.0, max_idle: int = 256):
         self.reactor = reactor
