@@ -25,6 +25,7 @@ COMPILED = [
     "llmgw/untrusted.py",
     "llmgw/gateway/admission.py",
     "llmgw/gateway/chunked.py",
+    "llmgw/gateway/deadline.py",
     "llmgw/gateway/errors.py",
     "llmgw/gateway/front.py",
     "llmgw/gateway/metrics.py",

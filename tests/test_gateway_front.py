@@ -1003,8 +1003,9 @@ class TimeoutTests(SynchronousTestCase):
         """
         A connection holds at most one timer, and a kept-alive connection
         serving many requests (each in one read, or a body a byte at a
-        time) makes no new timer per request or per byte: later deadlines
-        move the one timer (C{reset}, C{delay}).
+        time) makes no new timer per request or per byte: a later deadline
+        is only noted, and the timer, coming due before it, is made again
+        for the rest (once per timeout, not per request).
         """
         s = Server(auto=True)
         made: list[Any] = []
@@ -1019,12 +1020,14 @@ class TimeoutTests(SynchronousTestCase):
             s.feed(post(b"/%d" % i, b"x"))
             s.clock.advance(1)
             self.assertEqual(len(s.clock.getDelayedCalls()), 1)
-        self.assertEqual(made, [])
+        timeout = s.factory.keep_alive_timeout
+        self.assertLessEqual(len(made), 100 // timeout + 1)
         self.assertEqual(len(responses(s.output())), 100)
         # A body a byte at a time: the head's deadline is sooner than the
-        # idle wait's (one new call), the body's progress only resets it.
+        # idle wait's (one new call), the body's progress only moves it.
+        before = len(made)
         s.feed(post(b"/slow", b"y" * 50), bytewise=True)
-        self.assertEqual(len(made), 1)
+        self.assertEqual(len(made), before + 1)
         self.assertEqual(len(s.clock.getDelayedCalls()), 1)
 
 

@@ -490,18 +490,19 @@ class TimerTests(SynchronousTestCase):
         """
         The timer a handler arms on a connection calls it when it comes
         due; disarmed, it stays for the connection's next response (armed
-        again, it is the same timer, put later) and calls nothing when it
-        comes due; it goes with the connection.
+        again for later, no new reactor call is made until it comes due)
+        and calls nothing when it comes due; it goes with the connection.
         """
         clock = Clock()
         conn, t = connection()
         fired: list[str] = []
-        first = conn.arm(clock, 10, lambda: fired.append("a"))
+        conn.arm(clock, 10, lambda: fired.append("a"))
+        (first,) = clock.getDelayedCalls()
         clock.advance(4)
         cb_b = lambda: fired.append("b")  # noqa: E731
         conn.disarm(lambda: None)  # not the armed callback: nothing changes
-        second = conn.arm(clock, 10, cb_b)
-        self.assertIs(second, first)
+        conn.arm(clock, 10, cb_b)
+        self.assertEqual(clock.getDelayedCalls(), [first])
         clock.advance(9)
         self.assertEqual(fired, [])
         clock.advance(1)
@@ -514,6 +515,32 @@ class TimerTests(SynchronousTestCase):
         conn.arm(clock, 10, cb_b)
         conn.connectionLost(Failure(ConnectionDone()))
         self.assertEqual(clock.getDelayedCalls(), [])
+
+    def test_later_while_armed(self) -> None:
+        """
+        L{UpstreamConnection.later} puts the armed callback's time later
+        (or sooner); disarmed, it does nothing.
+        """
+        clock = Clock()
+        conn, t = connection()
+        fired: list[str] = []
+        cb = lambda: fired.append("x")  # noqa: E731
+        conn.arm(clock, 10, cb)
+        clock.advance(8)
+        conn.later(10)
+        clock.advance(9)
+        self.assertEqual(fired, [])
+        clock.advance(1)
+        self.assertEqual(fired, ["x"])
+        conn.arm(clock, 10, cb)
+        conn.later(2)
+        clock.advance(2)
+        self.assertEqual(fired, ["x", "x"])
+        conn.arm(clock, 10, cb)
+        conn.disarm(cb)
+        conn.later(1)
+        clock.advance(20)
+        self.assertEqual(fired, ["x", "x"])
 
     def test_sooner_is_a_new_timer(self) -> None:
         """

@@ -63,6 +63,7 @@ from twisted.web.http import RESPONSES, datetimeToString
 from zope.interface import classImplements
 
 from llmgw.gateway.chunked import ChunkedDecoder, ChunkError
+from llmgw.gateway.deadline import Deadline
 from llmgw.gateway.errors import error_body
 from llmgw.gateway.wire import send_now
 from llmgw.oslimits import ensure_fd_limit
@@ -342,8 +343,12 @@ class HTTPFront(Protocol):
         self._closing = False
         self._in_consume = False
         self._reading_paused = False
-        self._timer: IDelayedCall | None = None
+        #: The one deadline of the head, the body or the idle wait, as
+        #: C{_watching} says (not before the connection is made).
+        self._deadline: Deadline = Deadline(factory.reactor, self._timed_out)
         self._watching = _W_NONE
+        #: After L{close}: the connection is aborted when it comes due.
+        self._linger: IDelayedCall | None = None
         #: Writes to the client: at once when nothing is queued (see
         #: L{llmgw.gateway.wire}).
         self.send: Callable[[bytes], None] = self._send_unconnected
@@ -375,34 +380,16 @@ class HTTPFront(Protocol):
 
     def _watch(self, delay: float, what: int) -> None:
         """
-        Time out C{what} C{delay} seconds from now, on the one timer.
+        Time out C{what} C{delay} seconds from now, on the one deadline.
         """
         self._watching = what
-        timer = self._timer
-        clock = self.factory.reactor
-        if timer is None:
-            self._timer = clock.callLater(delay, self._timed_out)
-            return
-        deadline = clock.seconds() + delay
-        due = timer.getTime()
-        if due > deadline:
-            # Sooner: a reactor finds the call by a linear search of its
-            # heap to reset it sooner; cancelling is free, a new call log n.
-            timer.cancel()
-            self._timer = clock.callLater(delay, self._timed_out)
-        elif due < deadline:
-            # Later (what DelayedCall.reset does, without reading the
-            # clock again): the reactor only looks at it when it comes due.
-            timer.delay(deadline - due)
+        self._deadline.set(delay)
 
     def _stop_timer(self) -> None:
         self._watching = _W_NONE
-        timer, self._timer = self._timer, None
-        if timer is not None and timer.active():
-            timer.cancel()
+        self._deadline.stop()
 
     def _timed_out(self) -> None:
-        self._timer = None
         what = self._watching
         self._watching = _W_NONE
         if self._closing or what == _W_NONE:
@@ -517,7 +504,7 @@ class HTTPFront(Protocol):
         elif self._state != _HEAD:
             # A body is arriving: each read of it puts the deadline later.
             if self._watching == _W_BODY:
-                self._timer.reset(self.factory.body_timeout)  # type: ignore[union-attr]
+                self._deadline.set(self.factory.body_timeout)
             else:
                 self._watch(self.factory.body_timeout, _W_BODY)
         elif self._buf:
@@ -780,7 +767,7 @@ class HTTPFront(Protocol):
                 self.transport.loseConnection()
             # A client that never reads what is left must not hold the
             # socket: the one timer now aborts the connection.
-            self._timer = self.factory.reactor.callLater(CLOSE_LINGER, self._linger_expired)
+            self._linger = self.factory.reactor.callLater(CLOSE_LINGER, self._linger_expired)
 
     def _drained(self, n: int) -> None:
         """
@@ -796,7 +783,7 @@ class HTTPFront(Protocol):
             self.transport.abortConnection()
 
     def _linger_expired(self) -> None:
-        self._timer = None
+        self._linger = None
         self.log.debug("aborting connection from {peer}: it did not read its last {linger} s",
                        peer=self.peer, linger=CLOSE_LINGER)
         self.transport.abortConnection()
@@ -818,6 +805,9 @@ class HTTPFront(Protocol):
         self._closing = True
         self._buf = bytearray()
         self._stop_timer()
+        linger, self._linger = self._linger, None
+        if linger is not None and linger.active():
+            linger.cancel()
         self.factory.connection_ended()
         request, self._request = self._request, None
         if request is not None and not request.finished:

@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 from prometheus_client import CollectorRegistry
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.error import TimeoutError as ConnectTimeout
-from twisted.internet.interfaces import IDelayedCall, IPushProducer
+from twisted.internet.interfaces import IPushProducer
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import classImplements
@@ -294,7 +294,7 @@ class ProxyCall:
     # One per request: slots make it cheaper to make and to read.
     __slots__ = (
         "gw", "policy", "key", "meter", "request", "model", "path_label", "body", "routes", "started", "head",
-        "route", "tried", "conn", "connecting", "timer", "armed", "sent_at", "counted", "sent_headers", "done",
+        "route", "tried", "conn", "connecting", "armed", "sent_at", "counted", "sent_headers", "done",
         "paused", "fresh_retry_used", "last_error", "last_was_timeout", "reused", "status",
     )
 
@@ -327,7 +327,6 @@ class ProxyCall:
         self.tried: set[str] = set()
         self.conn: UpstreamConnection | None = None
         self.connecting: Deferred[UpstreamConnection] | None = None
-        self.timer: IDelayedCall | None = None
         #: The connection whose timer is armed for this call.
         self.armed: UpstreamConnection | None = None
         self.sent_at = 0.0
@@ -411,7 +410,7 @@ class ProxyCall:
             config = self.gw.config
             reactor = self.gw.reactor
             self.sent_at = reactor.seconds()
-            self.timer = conn.arm(reactor, min(config.first_byte_timeout, config.idle_timeout), self._timed_out)
+            conn.arm(reactor, min(config.first_byte_timeout, config.idle_timeout), self._timed_out)
             self.armed = conn
 
     # ResponseHandler
@@ -471,9 +470,10 @@ class ProxyCall:
     def response_data(self, data: bytes) -> None:
         if self.done:
             return
-        if self.timer is not None:
+        armed = self.armed
+        if armed is not None:
             # Later than it is due (see _send): cheap.
-            self.timer.reset(self.gw.config.idle_timeout)
+            armed.later(self.gw.config.idle_timeout)
         if not data:
             self.request.flush()
             return
@@ -602,14 +602,13 @@ class ProxyCall:
         self._refuse(err)
 
     def _timed_out(self) -> None:
-        self.timer = None
         self.armed = None
         if self.done:
             return
         if not self.sent_headers and self.conn is not None:
             left = self.sent_at + self.gw.config.first_byte_timeout - self.gw.reactor.seconds()
             if left > 0.001:  # not clock rounding
-                self.timer = self.conn.arm(self.gw.reactor, left, self._timed_out)
+                self.conn.arm(self.gw.reactor, left, self._timed_out)
                 self.armed = self.conn
                 return
         route = self.route
@@ -679,7 +678,7 @@ class ProxyCall:
         # for the connection's next response, with nothing to call.
         conn = self.armed
         if conn is not None:
-            self.timer = self.armed = None
+            self.armed = None
             conn.disarm(self._timed_out)
 
     def _record(self, status: int) -> None:

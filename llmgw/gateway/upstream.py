@@ -26,13 +26,14 @@ from twisted.internet.endpoints import (
     TCP6ClientEndpoint,
     connectProtocol,
 )
-from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.internet.interfaces import IReactorTime
 from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from llmgw.addresses import AddressError, is_ipv6, parse_address
 from llmgw.gateway.chunked import ChunkedDecoder, ChunkError
+from llmgw.gateway.deadline import Deadline
 from llmgw.gateway.wire import send_now
 from llmgw.untrusted import clip
 
@@ -129,7 +130,7 @@ class UpstreamConnection(Protocol):
         self._write: Callable[[bytes], None] = self._write_unconnected
         #: The connection's one timer (L{arm}), kept from one response to
         #: the next, and what it calls when it comes due.
-        self._due: IDelayedCall | None = None
+        self._deadline: Deadline | None = None
         self._on_due: Callable[[], None] | None = None
 
     def _write_unconnected(self, data: bytes) -> None:
@@ -160,30 +161,29 @@ class UpstreamConnection(Protocol):
         self._keep_alive = True
         self._write(data)
 
-    def arm(self, clock: IReactorTime, delay: float, callback: Callable[[], None]) -> IDelayedCall:
+    def arm(self, clock: IReactorTime, delay: float, callback: Callable[[], None]) -> None:
         """
         Call C{callback} in C{delay} seconds unless L{disarm}ed first: the
-        handler's timeout on the connection's one timer. A timer made anew
-        for each response and cancelled at its end cost more than the rest
-        of the timeout handling; this one stays set while the connection
-        idles (coming due then does nothing) and is only put later for the
-        next response, which is free until it comes due. Returns the
-        timer, which the caller may put later (C{reset}) while armed.
+        handler's timeout, on the connection's one L{Deadline}. A timer
+        made anew for each response and cancelled at its end cost more than
+        the rest of the timeout handling; this one stays while the
+        connection idles (coming due then, it does nothing), and the next
+        response's deadline, later, only changes a number. The handler puts
+        it later with L{later} while armed.
         """
         self._on_due = callback
-        due = self._due
-        if due is not None and due.active():
-            deadline = clock.seconds() + delay
-            at = due.getTime()
-            if at <= deadline:
-                if at < deadline:
-                    due.delay(deadline - at)
-                return due
-            # Sooner: a reactor finds a call by a linear search of its heap
-            # to move it sooner; cancelling is free and a new call log n.
-            due.cancel()
-        self._due = due = clock.callLater(delay, self._came_due)
-        return due
+        deadline = self._deadline
+        if deadline is None:
+            deadline = self._deadline = Deadline(clock, self._came_due)
+        deadline.set(delay)
+
+    def later(self, delay: float) -> None:
+        """
+        The armed callback is due C{delay} seconds from now instead.
+        """
+        deadline = self._deadline
+        if deadline is not None and deadline.armed:
+            deadline.set(delay)
 
     def disarm(self, callback: Callable[[], None]) -> None:
         """
@@ -191,18 +191,18 @@ class UpstreamConnection(Protocol):
         """
         if self._on_due == callback:
             self._on_due = None
+            if self._deadline is not None:
+                self._deadline.clear()
 
     def _came_due(self) -> None:
-        self._due = None
         callback, self._on_due = self._on_due, None
         if callback is not None:
             callback()
 
     def _stop_timer(self) -> None:
         self._on_due = None
-        due, self._due = self._due, None
-        if due is not None and due.active():
-            due.cancel()
+        if self._deadline is not None:
+            self._deadline.stop()
 
     def abort(self) -> None:
         """
