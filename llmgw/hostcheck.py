@@ -20,11 +20,12 @@ from __future__ import annotations
 import ipaddress
 import re
 from collections.abc import Iterable
+from typing import Final
 
-LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
-_WILDCARDS = frozenset({"", "0.0.0.0", "::", "[::]", "*"})
-_SEEN_MAX = 256
-_NAME = re.compile(r"[a-z0-9_](?:[a-z0-9_.-]*[a-z0-9_])?")
+LOOPBACK_NAMES: Final = ("localhost", "127.0.0.1", "[::1]")
+_WILDCARDS: Final = frozenset({"", "0.0.0.0", "::", "[::]", "*"})
+_SEEN_MAX: Final = 256
+_NAME: Final = re.compile(r"[a-z0-9_](?:[a-z0-9_.-]*[a-z0-9_])?")
 
 
 class HostListError(ValueError):

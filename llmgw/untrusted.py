@@ -22,16 +22,16 @@ import json
 from collections.abc import Collection
 from itertools import accumulate, count
 from operator import sub
-from typing import Any
+from typing import Any, Final
 
 #: Characters of a client string quoted in an error or a log line.
-CLIP = 64
+CLIP: Final = 64
 #: Deepest nesting of arrays and objects a JSON body may have.
-MAX_JSON_DEPTH = 64
+MAX_JSON_DEPTH: Final = 64
 
-_NOT_STRUCTURE = bytes(sorted(set(range(256)) - set(b'"[]{}')))
-_BLOCK = 4096
-_DEPTH_STEP = bytes.maketrans(b"[]{}", b"\x02\x00\x02\x00")
+_NOT_STRUCTURE: Final = bytes(sorted(set(range(256)) - set(b'"[]{}')))
+_BLOCK: Final = 4096
+_DEPTH_STEP: Final = bytes.maketrans(b"[]{}", b"\x02\x00\x02\x00")
 
 
 def clip(value: str | bytes, limit: int = CLIP) -> str:
@@ -155,8 +155,8 @@ def load_json(
     return value
 
 
-_SCAN = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
-_BLANKS = " \t\n\r"
+_SCAN: Final = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
+_BLANKS: Final = " \t\n\r"
 
 
 def _loads(text: str) -> Any:
@@ -178,9 +178,9 @@ def _loads(text: str) -> Any:
     return value
 
 
-_QUOTED: dict[str, bytes] = {}
+_QUOTED: Final[dict[str, bytes]] = {}
 #: The UTF-8 byte order mark, which a JSON text may start with.
-_BOM = b"\xef\xbb\xbf"
+_BOM: Final = b"\xef\xbb\xbf"
 
 
 def _may_repeat(raw: bytes, key: str) -> bool:

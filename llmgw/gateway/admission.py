@@ -35,7 +35,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Final
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -52,20 +52,20 @@ from llmgw.routing import DEFAULT_QUEUE_DEPTH, DEFAULT_QUEUE_TIMEOUT_S, Demand, 
 from llmgw.untrusted import clip
 
 #: What L{capacity} says of a model.
-NONE = 0  # no route that is ready, not draining and not cooling down
-SATURATED = 1  # such routes, but every one saturated
-FREE = 2  # a route that can take a request now
+NONE: Final = 0  # no route that is ready, not draining and not cooling down
+SATURATED: Final = 1  # such routes, but every one saturated
+FREE: Final = 2  # a route that can take a request now
 
 #: How often models with waiters are looked at again with no event (a
 #: cool-down ending, signals going stale, which no table change announces).
-TICK_S = 1.0
+TICK_S: Final = 1.0
 
 #: Why a waiter left the queue: the C{outcome} label of the wait metric.
-DISPATCHED = "dispatched"
-TIMEOUT = "timeout"
-FULL = "full"
-DISCONNECTED = "disconnected"
-OUTCOMES = (DISPATCHED, TIMEOUT, FULL, DISCONNECTED)
+DISPATCHED: Final = "dispatched"
+TIMEOUT: Final = "timeout"
+FULL: Final = "full"
+DISCONNECTED: Final = "disconnected"
+OUTCOMES: Final = (DISPATCHED, TIMEOUT, FULL, DISCONNECTED)
 
 
 @dataclass(frozen=True)

@@ -31,14 +31,14 @@ Trailer fields are skipped, never kept.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 #: The most a chunk-size line (with extensions and its CRLF) may take.
-MAX_SIZE_LINE = 1024
+MAX_SIZE_LINE: Final = 1024
 #: The most one trailer line (with its CRLF) may take.
-MAX_TRAILER_LINE = 64 * 1024
+MAX_TRAILER_LINE: Final = 64 * 1024
 
-_HEX = b"0123456789abcdefABCDEF"
+_HEX: Final = b"0123456789abcdefABCDEF"
 _SIZE, _DATA, _CRLF, _TRAILER, _DONE = range(5)
 
 

@@ -20,13 +20,13 @@ move it sooner; cancelling is free and a new call is log n).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 from twisted.internet.interfaces import IDelayedCall
 
 #: A call that comes due this close before its deadline (clock rounding)
 #: calls the callback rather than waiting out the rest.
-SLACK = 1e-6
+SLACK: Final = 1e-6
 
 
 class Deadline:

@@ -52,7 +52,7 @@ L{FrontRequest.finish}, or drops the connection with L{FrontRequest.abort}.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Final
 
 from mypy_extensions import mypyc_attr
 from twisted.internet.interfaces import IDelayedCall, IPushProducer
@@ -69,49 +69,49 @@ from llmgw.gateway.wire import send_now
 from llmgw.oslimits import ensure_fd_limit
 
 #: The most a request line and its headers may take.
-MAX_HEAD = 64 * 1024
+MAX_HEAD: Final = 64 * 1024
 #: The most header lines a request may have.
-MAX_HEADERS = 100
+MAX_HEADERS: Final = 100
 #: Bytes read ahead (pipelined requests) while a response is in progress;
 #: past this the connection stops reading until the response is done.
-READ_AHEAD = 64 * 1024
+READ_AHEAD: Final = 64 * 1024
 
 #: Default seconds from a request's first byte until its head is complete.
-HEAD_TIMEOUT = 30.0
+HEAD_TIMEOUT: Final = 30.0
 #: Default seconds a request body may go without a byte arriving.
-BODY_TIMEOUT = 60.0
+BODY_TIMEOUT: Final = 60.0
 #: Default seconds a kept-alive connection may wait for its next request.
-KEEP_ALIVE_TIMEOUT = 120.0
+KEEP_ALIVE_TIMEOUT: Final = 120.0
 #: After the gateway closes a connection, how long the client gets to read
 #: what is left before the connection is aborted.
-CLOSE_LINGER = 30.0
+CLOSE_LINGER: Final = 30.0
 #: After a 413 for a body not read, the most the client may still send
 #: (read and dropped, so that its answer is not lost to a reset) before
 #: the connection is aborted.
-DRAIN_MAX = 1024 * 1024
+DRAIN_MAX: Final = 1024 * 1024
 #: Default cap on client connections at once; past it a new connection is
 #: closed at accept.
-MAX_CONNECTIONS = 10_000
+MAX_CONNECTIONS: Final = 10_000
 #: Open files needed beyond one per client connection: each proxied request
 #: holds an upstream connection too, plus logs and listeners.
-FD_HEADROOM = 1024
+FD_HEADROOM: Final = 1024
 #: Refused connections are logged at most this often.
-REFUSAL_LOG_INTERVAL = 10.0
+REFUSAL_LOG_INTERVAL: Final = 10.0
 
 #: Reason phrases, with those twisted.web lacks.
-REASONS = dict(RESPONSES)
+REASONS: Final = dict(RESPONSES)
 REASONS.update({
     413: b"Content Too Large",
     421: b"Misdirected Request",
     431: b"Request Header Fields Too Large",
 })
 #: tchar (RFC 9110 §5.6.2): what header names and methods are made of.
-_TCHAR = b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+_TCHAR: Final = b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 #: The bytes a head may hold: visible ASCII, obs-text, space and HTAB in
 #: values, and CRLF between lines; anything else is a control character.
-_HEAD_BYTES = bytes(range(0x20, 0x7F)) + bytes(range(0x80, 0x100)) + b"\t\r\n"
+_HEAD_BYTES: Final = bytes(range(0x20, 0x7F)) + bytes(range(0x80, 0x100)) + b"\t\r\n"
 #: How much of a client's string a refusal quotes.
-_QUOTE = 80
+_QUOTE: Final = 80
 
 
 def _quote(data: bytes) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
-from typing import ClassVar
+from typing import ClassVar, Final
 
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -19,17 +19,19 @@ from twisted.logger import Logger
 
 #: Label for the model of a request whose model the routing table does not
 #: know, so that clients cannot grow the label set without bound.
-UNKNOWN_MODEL = "_unknown"
+UNKNOWN_MODEL: Final = "_unknown"
 #: Most distinct model labels; past it every new model counts as unknown.
 #: Callers label only models the routing table knows, so this is a
 #: backstop, far above any catalog's size.
-MAX_MODEL_LABELS = 2000
+MAX_MODEL_LABELS: Final = 2000
 
+# Not Final: compiled, mypyc (2.4) leaves a Final tuple of numbers unset
+# for the module's own code that reads it below.
 LATENCY_BUCKETS = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
     1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
 )
-LATENCY_BOUNDS = tuple(float(b) for b in LATENCY_BUCKETS)
+LATENCY_BOUNDS: Final = tuple([float(b) for b in LATENCY_BUCKETS])
 
 
 class _InFlightCollector(Collector):

@@ -58,13 +58,13 @@ import hashlib
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from llmgw.routing import POLICIES, Route
 
 #: The policy of a model the routing table names none for: the one
 #: bench/routing.py measured best overall (see docs/operations.md).
-DEFAULT_POLICY = "prefix"
+DEFAULT_POLICY: Final = "prefix"
 
 
 @dataclass(frozen=True)
@@ -256,7 +256,7 @@ def affinity_key(
 
 
 #: The mark of a first turn's key (same ring point as its later turns).
-FIRST_TURN = b"f\x00"
+FIRST_TURN: Final = b"f\x00"
 
 
 # -- the ring -------------------------------------------------------------------------------

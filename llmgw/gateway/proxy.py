@@ -21,7 +21,7 @@ import re
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Final
 
 from prometheus_client import CollectorRegistry
 from twisted.internet.defer import CancelledError, Deferred
@@ -52,7 +52,7 @@ from llmgw.routing import (
 )
 
 #: Request headers that are the gateway's business, not the replica's.
-_DROP_REQUEST = frozenset(
+_DROP_REQUEST: Final = frozenset(
     {
         b"connection", b"keep-alive", b"proxy-authorization", b"proxy-connection", b"te",
         b"trailer", b"transfer-encoding", b"upgrade", b"host", b"content-length",
@@ -61,18 +61,18 @@ _DROP_REQUEST = frozenset(
 )
 #: Request headers that say who the client is and how it came: the gateway
 #: writes its own, never passes on the client's (which anyone can forge).
-_FORWARDING = frozenset(
+_FORWARDING: Final = frozenset(
     {b"forwarded", b"x-forwarded-for", b"x-forwarded-proto", b"x-forwarded-host", b"x-real-ip"}
 )
-_DROP_FORWARDED = _DROP_REQUEST | _FORWARDING
+_DROP_FORWARDED: Final = _DROP_REQUEST | _FORWARDING
 #: The scheme clients reach the gateway by (its front serves plain HTTP).
-_SCHEME = b"http"
+_SCHEME: Final = b"http"
 #: A C{Host} value safe to copy into X-Forwarded-Host and Forwarded.
-_HOST_VALUE = re.compile(rb"[A-Za-z0-9._\-]{1,253}(?::[0-9]{1,5})?|\[[0-9A-Fa-f:.]{2,45}\](?::[0-9]{1,5})?")
+_HOST_VALUE: Final = re.compile(rb"[A-Za-z0-9._\-]{1,253}(?::[0-9]{1,5})?|\[[0-9A-Fa-f:.]{2,45}\](?::[0-9]{1,5})?")
 #: Reason phrases that twisted.web's table lacks.
-_REASONS = {421: b"Misdirected Request", 429: b"Too Many Requests"}
+_REASONS: Final = {421: b"Misdirected Request", 429: b"Too Many Requests"}
 #: Response headers the gateway writes itself.
-_DROP_RESPONSE = frozenset(
+_DROP_RESPONSE: Final = frozenset(
     {
         b"connection", b"keep-alive", b"proxy-authenticate", b"trailer", b"transfer-encoding",
         b"upgrade", b"date", b"server", b"content-length",
@@ -125,7 +125,7 @@ class GatewayConfig:
 #: setting: C{x-forwarded}, the pair most servers read (C{X-Forwarded-For},
 #: C{X-Forwarded-Proto}, as Envoy sends); C{full}, those with
 #: C{X-Forwarded-Host}, C{X-Real-IP} and RFC 7239's C{Forwarded}; C{none}.
-FORWARDED_HEADERS = ("x-forwarded", "full", "none")
+FORWARDED_HEADERS: Final = ("x-forwarded", "full", "none")
 
 
 class Gateway:
@@ -251,7 +251,7 @@ def forwarded_head(request: FrontRequest, body_length: int, forwarded: str = "x-
 
 #: The forwarding headers per (client address, Host): few clients send
 #: most requests, so most requests find theirs here.
-_FORWARDING_BLOCKS: dict[tuple[str | None, bytes | None, str], bytes] = {}
+_FORWARDING_BLOCKS: Final[dict[tuple[str | None, bytes | None, str], bytes]] = {}
 
 
 def _forwarding_block(client: str | None, host: bytes | None, which: str) -> bytes:
@@ -280,7 +280,7 @@ def _forwarding_block(client: str | None, host: bytes | None, which: str) -> byt
 
 
 #: The C{Host} line (and the head's end) per replica address.
-_HOST_LINES: dict[str, bytes] = {}
+_HOST_LINES: Final[dict[str, bytes]] = {}
 
 
 class ProxyCall:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Final
 
 from twisted.logger import Logger
 
@@ -33,15 +33,15 @@ from llmgw.gateway.usage import UsageMeter
 from llmgw.routing import IRoutingTable
 from llmgw.untrusted import JSONInputError, clip, load_json
 
-PROXIED = {
+PROXIED: Final = {
     b"/v1/chat/completions": "/v1/chat/completions",
     b"/v1/completions": "/v1/completions",
     b"/v1/embeddings": "/v1/embeddings",
 }
-MODELS = b"/v1/models"
-MODELS_PREFIX = b"/v1/models/"
-HEALTH = b"/health"
-_JSON = [(b"Content-Type", b"application/json")]
+MODELS: Final = b"/v1/models"
+MODELS_PREFIX: Final = b"/v1/models/"
+HEALTH: Final = b"/health"
+_JSON: Final = [(b"Content-Type", b"application/json")]
 
 
 class GatewayResource:

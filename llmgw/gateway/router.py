@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Collection, Sequence
+from typing import Final
 
 from twisted.internet.interfaces import IReactorTime
 from zope.interface import classImplements
@@ -24,12 +25,12 @@ from llmgw.gateway.policy import FIRST_TURN, PolicyConfig, Ring, choose
 from llmgw.routing import IInFlight, Route
 
 #: Rings kept (one per set of replica ids seen recently).
-_MAX_RINGS = 1024
+_MAX_RINGS: Final = 1024
 #: Affinity keys whose last replica is remembered (least recently used go).
-MAX_HOMES = 100_000
+MAX_HOMES: Final = 100_000
 #: Send times kept per replica for C{prefix}'s spread (more in a window
 #: count as this many).
-MAX_RECENT = 1024
+MAX_RECENT: Final = 1024
 
 
 class Router:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Final
 from typing import Protocol as TypingProtocol
 
 from twisted.internet.defer import Deferred
@@ -38,27 +38,27 @@ from llmgw.gateway.wire import send_now
 from llmgw.untrusted import clip
 
 #: The most a response's status line and headers may take.
-MAX_HEAD = 64 * 1024
+MAX_HEAD: Final = 64 * 1024
 #: Most digits of a Content-Length (10**18 bytes is past any response).
-MAX_LENGTH_DIGITS = 18
+MAX_LENGTH_DIGITS: Final = 18
 
 # RFC 9110 §5.1 and §5.5, RFC 9112 §4: a status line, then header lines
 # whose names are tokens and whose values hold no control character but
 # HTAB (so no bare CR or LF either: a line break inside a value would be a
 # header of the replica's choosing at the client). One C scan of the head.
 # Possessive quantifiers: nothing to backtrack into, a fifth faster.
-_TOKEN = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]++"
-_TEXT = rb"[\t\x20-\x7e\x80-\xff]*+"
-_VALID_HEAD = re.compile(
+_TOKEN: Final = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]++"
+_TEXT: Final = rb"[\t\x20-\x7e\x80-\xff]*+"
+_VALID_HEAD: Final = re.compile(
     rb"HTTP/1\.[0-9] [0-9]{3}(?: " + _TEXT + rb")?(?:\r\n" + _TOKEN + rb"[ \t]*+:" + _TEXT + rb")*+"
 )
-_IS_TOKEN = re.compile(_TOKEN)
-_IS_TEXT = re.compile(_TEXT)
+_IS_TOKEN: Final = re.compile(_TOKEN)
+_IS_TEXT: Final = re.compile(_TEXT)
 # The relay (L{ResponseHandler.response_relayed}): in a head already
 # valid and in lower case, its one Content-Length; and, in the head as
 # sent, the lines of the headers the gateway writes itself.
-_ONE_LENGTH = re.compile(rb"\r\ncontent-length[ \t]*+:[ \t]*+([0-9]{1,18})[ \t]*+(?:\r\n|\Z)")
-_OWN_LINES = re.compile(
+_ONE_LENGTH: Final = re.compile(rb"\r\ncontent-length[ \t]*+:[ \t]*+([0-9]{1,18})[ \t]*+(?:\r\n|\Z)")
+_OWN_LINES: Final = re.compile(
     rb"\r\n(?:keep-alive|proxy-authenticate|trailer|upgrade|date|server|content-length)[ \t]*+:[^\r]*+",
     re.IGNORECASE,
 )

@@ -32,7 +32,7 @@ import math
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -44,23 +44,23 @@ from llmgw.hostcheck import HostCheck
 from llmgw.untrusted import clip
 
 #: The key label of requests to a gateway that has no API keys.
-ANONYMOUS = "_anonymous"
+ANONYMOUS: Final = "_anonymous"
 #: How much of a response's end is kept to find its C{usage} in.
-TAIL = 8 * 1024
+TAIL: Final = 8 * 1024
 #: Token counts past this in a replica's C{usage} are not believed.
-MAX_TOKENS = 2**31
+MAX_TOKENS: Final = 2**31
 #: What a limit's window is: the bucket holds a minute's worth.
-WINDOW = 60.0
-_SPACE = b" \t\r\n"
-_KEY_BEFORE = b"{,"
+WINDOW: Final = 60.0
+_SPACE: Final = b" \t\r\n"
+_KEY_BEFORE: Final = b"{,"
 #: A C{"usage"} key whose value is an object, and that object's fields up
 #: to its end or its first nested object; the counts among them.
-_USAGE_AT = re.compile(rb'"usage"[ \t\r\n]*:[ \t\r\n]*\{([^{}]*)')
-_USUAL = re.compile(
+_USAGE_AT: Final = re.compile(rb'"usage"[ \t\r\n]*:[ \t\r\n]*\{([^{}]*)')
+_USUAL: Final = re.compile(
     rb'"usage"[ \t\r\n]*:[ \t\r\n]*\{[^{}]*?"prompt_tokens"[ \t\r\n]*:[ \t\r\n]*([0-9]{1,12})(?![0-9])'
     rb'[^{}]*?"completion_tokens"[ \t\r\n]*:[ \t\r\n]*([0-9]{1,12})(?![0-9])'
 )
-_COUNT = re.compile(rb'"(prompt|completion)_tokens"[ \t\r\n]*:[ \t\r\n]*([0-9]{1,12})(?![0-9])')
+_COUNT: Final = re.compile(rb'"(prompt|completion)_tokens"[ \t\r\n]*:[ \t\r\n]*([0-9]{1,12})(?![0-9])')
 
 
 @dataclass(frozen=True)

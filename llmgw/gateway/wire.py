@@ -37,7 +37,7 @@ C{transport.write} itself as its writer.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 from weakref import WeakKeyDictionary, ref
 
 from twisted.internet.abstract import FileDescriptor
@@ -45,7 +45,7 @@ from twisted.logger import Logger
 
 # An explicit namespace: compiled (setup.py), the module is not a frame
 # Logger could find its name from.
-log = Logger(namespace=__name__)
+log: Final = Logger(namespace=__name__)
 
 
 class _Burst:
@@ -86,7 +86,7 @@ class _Burst:
                 log.failure("sending on a connection failed")
 
 
-_bursts: WeakKeyDictionary[Any, _Burst] = WeakKeyDictionary()
+_bursts: Final[WeakKeyDictionary[Any, _Burst]] = WeakKeyDictionary()
 
 
 def _burst_for(reactor: Any) -> _Burst:
