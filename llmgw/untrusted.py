@@ -80,7 +80,9 @@ def too_deep(raw: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
     # Escaped backslashes, then escaped quotes, cannot end a string: drop
     # them; then every quote opens or closes a string. Keep only quotes and
     # brackets, and of those only what lies between strings.
-    if b"\\" in raw:
+    # find, not in: bytes' in tries its operand as a number first, making
+    # and dropping a TypeError each time.
+    if raw.find(b"\\") >= 0:
         raw = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
     outside = raw.translate(None, _NOT_STRUCTURE).split(b'"')[::2]
     steps = b"".join(outside).translate(_DEPTH_STEP)
@@ -194,7 +196,7 @@ def _may_repeat(raw: bytes, key: str) -> bool:
         if len(_QUOTED) < 64:
             _QUOTED[key] = quoted
     # memchr for a backslash first: most bodies have none, so no escapes at all.
-    return raw.count(quoted) > 1 or (b"\\" in raw and b"\\u" in raw)
+    return raw.count(quoted) > 1 or (raw.find(b"\\") >= 0 and raw.find(b"\\u") >= 0)
 
 
 def _repeated(pairs: list[tuple[str, Any]]) -> list[str]:

@@ -551,7 +551,7 @@ class HTTPFront(Protocol):
             self._refuse(400, "The request head has a control character", "bad_request")
             return
         parts = lines[0].split(b" ")
-        if len(parts) != 3 or not parts[0] or parts[0].translate(None, _TCHAR) or not parts[1] or b"\t" in lines[0]:
+        if len(parts) != 3 or not parts[0] or parts[0].translate(None, _TCHAR) or not parts[1] or lines[0].find(b"\t") >= 0:
             self._refuse(400, f"Malformed request line {_quote(lines[0])}", "bad_request")
             return
         method, uri, version = parts

@@ -339,13 +339,15 @@ class UpstreamConnection(Protocol):
         if relay is not None and status != 204 and status != 304:
             low = head.lower()
             if (
-                b"\r\ntransfer-encoding" not in low
-                and b"\r\nconnection" not in low
+                # find, not in: bytes' in tries its operand as a number
+                # first, making and dropping a TypeError each time.
+                low.find(b"\r\ntransfer-encoding") < 0
+                and low.find(b"\r\nconnection") < 0
                 and low.count(b"\r\ncontent-length") == 1
                 # A blank before a colon is allowed here, but a proxy must
                 # remove it (RFC 9112 §5.1): such heads are rebuilt.
-                and b" :" not in head
-                and b"\t:" not in head
+                and head.find(b" :") < 0
+                and head.find(b"\t:") < 0
             ):
                 m = _ONE_LENGTH.search(low)
                 if m is not None:
