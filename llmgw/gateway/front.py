@@ -36,13 +36,14 @@ without re-encoding them, so this server does only what that needs:
   them runs while a request is with its handler (waiting for a replica, or
   streaming the response): the proxy's own timeouts govern that.
 
-Each connection has one C{DelayedCall} for all three. Moving a deadline
-later (a body's progress, the idle wait after a response) is
-C{DelayedCall.reset} or C{delay}, which cost the reactor nothing until the
-call comes due; moving it sooner (a head or body starting while the idle wait runs) is
-a cancel and a new call, because a sooner C{reset} makes the reactor search
-its whole timer heap. A request that arrives in one read and is answered
-touches the timer once, when its response ends.
+Each connection has one L{Deadline} for all three
+(L{llmgw.gateway.deadline}). Moving it later (a body's progress, the idle
+wait after a response) only changes a number: its one reactor call, coming
+due early, is made again for the rest. Moving it sooner (a head or body
+starting while the idle wait runs) is a cancel and a new call. A request
+that arrives in one read and is answered touches the deadline once, when
+its response ends. After L{HTTPFront.close}, a call of its own aborts a
+connection that does not finish closing within C{CLOSE_LINGER}.
 
 A handler is a callable taking a L{FrontRequest}; it answers (now or later)
 with L{FrontRequest.start_response}, L{FrontRequest.write} and
@@ -766,7 +767,7 @@ class HTTPFront(Protocol):
             else:
                 self.transport.loseConnection()
             # A client that never reads what is left must not hold the
-            # socket: the one timer now aborts the connection.
+            # socket: this call aborts the connection.
             self._linger = self.factory.reactor.callLater(CLOSE_LINGER, self._linger_expired)
 
     def _drained(self, n: int) -> None:

@@ -169,7 +169,8 @@ class UpstreamConnection(Protocol):
         the rest of the timeout handling; this one stays while the
         connection idles (coming due then, it does nothing), and the next
         response's deadline, later, only changes a number. The handler puts
-        it later with L{later} while armed.
+        it later with L{later} while armed. (The connection's deadline
+        keeps the clock of its first arming: one pool, one reactor.)
         """
         self._on_due = callback
         deadline = self._deadline
