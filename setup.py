@@ -2,7 +2,7 @@
 The project's metadata is in setup.cfg. This file adds one thing: when the
 build is asked for it (C{LLMGW_COMPILE=1}), the modules every proxied
 request runs through are compiled with mypyc (they are plain, fully typed
-Python; compiled, the gateway spends about 40% less CPU per request). A
+Python; compiled, the gateway spends less than half the CPU per request). A
 build without it is pure Python and needs no compiler. See
 docs/operations.md, "A compiled gateway".
 
