@@ -345,7 +345,7 @@ class HTTPFront(Protocol):
         self._in_consume = False
         self._reading_paused = False
         #: The one deadline of the head, the body or the idle wait, as
-        #: C{_watching} says (not before the connection is made).
+        #: C{_watching} says (first set when the connection is made).
         self._deadline: Deadline = Deadline(factory.reactor, self._timed_out)
         self._watching = _W_NONE
         #: After L{close}: the connection is aborted when it comes due.
