@@ -96,6 +96,13 @@ def _burst_for(reactor: Any) -> _Burst:
     return burst
 
 
+def _queued(t: Any) -> bool:
+    """
+    Whether the transport C{t} holds bytes of its own, not yet sent.
+    """
+    return bool(t._tempDataLen or t.offset != len(t.dataBuffer))
+
+
 def send_now(transport: Any) -> Callable[[bytes], None]:
     """
     A writer for C{transport}: each call's bytes are sent on its socket
@@ -114,8 +121,7 @@ def send_now(transport: Any) -> Callable[[bytes], None]:
         # Something queued in the transport, or it is closing or aborting:
         # its own write, not the socket.
         return bool(
-            t._tempDataLen
-            or t.offset != len(t.dataBuffer)
+            _queued(t)
             or t.disconnecting
             or not t.connected
             or t._writeDisconnecting
@@ -155,8 +161,7 @@ def send_now(transport: Any) -> Callable[[bytes], None]:
         if not data:
             return
         if not waiting[0]:
-            t: Any = transport
-            if t._tempDataLen or t.offset != len(t.dataBuffer):
+            if _queued(transport):
                 write(data)
                 return
         waiting[0] += 1
