@@ -163,48 +163,83 @@ def serve_fast(port: int) -> None:
     reactor.run()
 
 
-def openloop(address: str, path: str, body: bytes, rate: float, duration: float, warmup: float) -> None:
+#: Between two slices of an open-loop run nothing is due for this long, so
+#: that what the last slice left in flight is answered before the next
+#: address is called.
+SLICE_GAP = 0.05
+
+
+def openloop(addresses: list[str], path: str, body: bytes, rate: float, duration: float, warmup: float,
+             slice_s: float = 0.0) -> None:
     """
-    Send C{rate} requests a second for C{warmup + duration} seconds over
-    kept-alive connections (opened as needed); print latency and time to
-    first byte of those due after the warm-up, from their due time.
+    Send C{rate} requests a second over kept-alive connections (opened as
+    needed) to each of C{addresses}, one address at a time: first a warm-up
+    of C{warmup} seconds each, then C{duration} seconds each. With
+    C{slice_s}, each address's C{duration} is cut into slices of about
+    C{slice_s} seconds and the addresses take turns, one slice each, the
+    order rotated from one turn to the next; a change in the machine's
+    load during the run then falls on every address alike instead of on
+    whichever was running. Print, per address, latency and time to first
+    byte of the requests due after its warm-up, each timed from when it
+    was due (so that queueing in the generator cannot hide latency).
     """
     from twisted.internet import reactor
 
     from llmgw.gateway.upstream import UpstreamPool
 
     pool = UpstreamPool(reactor, connect_timeout=5, max_idle=1024)
-    head = (
-        b"POST " + path.encode() + b" HTTP/1.1\r\nHost: " + address.encode()
-        + b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
-    ) + body
+    heads = [
+        (b"POST " + path.encode() + b" HTTP/1.1\r\nHost: " + address.encode()
+         + b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)) + body
+        for address in addresses
+    ]
+    # The whole run as one schedule: (due, address index, measured), due
+    # in seconds from the start.
+    schedule: list[tuple[float, int, bool]] = []
+    at = 0.0
+
+    def burst(index: int, seconds: float, measured: bool) -> None:
+        nonlocal at
+        n = int(rate * seconds)
+        schedule.extend((at + i / rate, index, measured) for i in range(n))
+        at += n / rate + SLICE_GAP
+
+    for index in range(len(addresses)):
+        burst(index, warmup, False)
+    slices = max(1, round(duration / slice_s)) if slice_s > 0 else 1
+    for turn in range(slices):
+        for k in range(len(addresses)):
+            burst((turn + k) % len(addresses), duration / slices, True)
+
     clock = time.perf_counter
-    total = int(rate * (warmup + duration))
+    total = len(schedule)
     t0 = clock() + 0.2
-    results: list[tuple[float, float]] = []
-    state = {"sent": 0, "done": 0, "errors": 0}
+    results: list[list[tuple[float, float]]] = [[] for _ in addresses]
+    errors = [0] * len(addresses)
+    state = {"sent": 0, "done": 0}
 
     class Call:
-        def __init__(self, due: float, measured: bool):
+        def __init__(self, due: float, index: int, measured: bool):
             self.due = due
+            self.index = index
             self.measured = measured
             self.ttfb = 0.0
 
         def response_started(self, status: int, reason: bytes, headers: Any) -> None:
             self.ttfb = clock() - self.due
             if status != 200:
-                state["errors"] += 1
+                errors[self.index] += 1
 
         def response_data(self, data: bytes) -> None:
             pass
 
         def response_finished(self) -> None:
             if self.measured:
-                results.append((self.ttfb, clock() - self.due))
+                results[self.index].append((self.ttfb, clock() - self.due))
             self._end()
 
         def response_failed(self, reason: Any, started: bool) -> None:
-            state["errors"] += 1
+            errors[self.index] += 1
             self._end()
 
         def _end(self) -> None:
@@ -213,6 +248,7 @@ def openloop(address: str, path: str, body: bytes, rate: float, duration: float,
                 reactor.stop()
 
     def launch(call: Call) -> None:
+        address, head = addresses[call.index], heads[call.index]
         conn = pool.take(address)
         if conn is not None:
             conn.send(head, call)
@@ -223,23 +259,27 @@ def openloop(address: str, path: str, body: bytes, rate: float, duration: float,
     def tick() -> None:
         now = clock()
         while state["sent"] < total:
-            due = t0 + state["sent"] / rate
+            offset, index, measured = schedule[state["sent"]]
+            due = t0 + offset
             if due > now:
                 reactor.callLater(max(0.0, due - clock()), tick)
                 return
-            launch(Call(due, due - t0 >= warmup))
+            launch(Call(due, index, measured))
             state["sent"] += 1
 
     reactor.callLater(0.2, tick)
-    reactor.callLater(warmup + duration + 30, reactor.stop)
+    reactor.callLater(at + 30, reactor.stop)
     reactor.run()
-    ttfb = sorted(r[0] for r in results)
-    lat = sorted(r[1] for r in results)
-    print(json.dumps({
-        "requests": len(results), "errors": state["errors"],
-        "p50_ms": _pct(lat, 50), "p90_ms": _pct(lat, 90), "p99_ms": _pct(lat, 99),
-        "ttfb_p50_ms": _pct(ttfb, 50), "ttfb_p99_ms": _pct(ttfb, 99),
-    }))
+    out = {}
+    for index, address in enumerate(addresses):
+        ttfb = sorted(r[0] for r in results[index])
+        lat = sorted(r[1] for r in results[index])
+        out[address] = {
+            "requests": len(lat), "errors": errors[index],
+            "p50_ms": _pct(lat, 50), "p90_ms": _pct(lat, 90), "p99_ms": _pct(lat, 99),
+            "ttfb_p50_ms": _pct(ttfb, 50), "ttfb_p99_ms": _pct(ttfb, 99),
+        }
+    print(json.dumps({"by_address": out, "slices": slices}))
 
 
 def _median(values: list[Any]) -> float | None:
@@ -388,16 +428,26 @@ def wrk(url: str, body: dict[str, Any], connections: int, duration: float,
 
 def run_openloop(address: str, body: dict[str, Any], rate: float, duration: float,
                  cpus: set[int] | None = None) -> dict[str, Any]:
+    return run_openloop_turns([address], body, rate, duration, 0.0, cpus)[address]
+
+
+def run_openloop_turns(addresses: list[str], body: dict[str, Any], rate: float, duration: float,
+                       slice_s: float, cpus: set[int] | None = None) -> dict[str, dict[str, Any]]:
+    """
+    One open-loop generator for C{addresses} (L{openloop}): the figures for
+    each address, or C{{"error": ...}} for each if the generator gave none.
+    """
     out = subprocess.run(
-        [sys.executable, __file__, "openloop", address, "/v1/chat/completions",
-         json.dumps(body), str(rate), str(duration), "1.0"],
+        [sys.executable, __file__, "openloop", ",".join(addresses), "/v1/chat/completions",
+         json.dumps(body), str(rate), str(duration), "1.0", str(slice_s)],
         capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)),
-        timeout=duration + 60, preexec_fn=_affinity(cpus),
+        timeout=len(addresses) * (duration + 2) + 60,
+        preexec_fn=_affinity(cpus),
     )
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
     if not lines:
-        return {"error": out.stderr[-500:]}
-    return json.loads(lines[-1])  # type: ignore[no-any-return]
+        return {address: {"error": out.stderr[-500:]} for address in addresses}
+    return json.loads(lines[-1])["by_address"]  # type: ignore[no-any-return]
 
 
 def open_loop(
@@ -762,13 +812,18 @@ def versus(duration: float, rate: float, n_rounds: int, fronts: tuple[str, ...],
            baseline: Path | None = None, policy: str = "round_robin",
            cache_aware: bool = False, guard: Path | None = None,
            forwarded: str = "none", default_headers: bool = False,
-           compiled: Path | None = None) -> dict[str, Any]:
+           compiled: Path | None = None, slice_s: float = 1.0) -> dict[str, Any]:
     """
     Direct, llmgw on each front in C{fronts}, and C{vllm-router}, with the
     same two fake model servers, C{wrk} at 50 and 200 connections and the
     open-loop generator at C{rate} (plain and streamed), in C{n_rounds}
     interleaved rounds; medians, and per round the ratio to (or the latency
-    added over) direct in the same round. With C{baseline} (another
+    added over) direct in the same round. In a round each target has its
+    C{wrk} runs in turn (the order rotated from round to round); then one
+    open-loop generator calls them all, taking turns in slices of about
+    C{slice_s} seconds (L{openloop}), so that the latencies compared were
+    measured under the same background load; C{slice_s} 0 gives each
+    target its whole run in one go. With C{baseline} (another
     checkout of llmgw, such as the code before a change), its gateway on
     its C{lean} front runs in the same rounds as C{llmgw_baseline}.
 
@@ -861,17 +916,24 @@ def versus(duration: float, rate: float, n_rounds: int, fronts: tuple[str, ...],
             if name != "direct":
                 wrk(f"http://127.0.0.1:{port}/v1/chat/completions", CHAT, 50, 1.0)  # warm up
         rounds: list[dict[str, dict[str, Any]]] = []
-        for _ in range(n_rounds):
+        names = list(targets)
+        for n in range(n_rounds):
             this: dict[str, dict[str, Any]] = {}
-            for name, (port, _) in targets.items():
+            # Each round starts from the next target, so that none always
+            # runs first or right after another.
+            for name in names[n % len(names):] + names[:n % len(names)]:
+                port = targets[name][0]
                 url = f"http://127.0.0.1:{port}/v1/chat/completions"
-                entry: dict[str, Any] = {}
-                for c in (50, 200):
-                    entry[f"c{c}"] = wrk_direct(fms, c, duration) if name == "direct" else wrk(url, CHAT, c, duration)
-                entry["open_loop"] = run_openloop(f"127.0.0.1:{port}", CHAT, rate, duration)
-                entry["open_loop_streaming"] = run_openloop(f"127.0.0.1:{port}", STREAM, rate, duration)
-                this[name] = entry
-            rounds.append(this)
+                this[name] = {
+                    f"c{c}": wrk_direct(fms, c, duration) if name == "direct" else wrk(url, CHAT, c, duration)
+                    for c in (50, 200)
+                }
+            addresses = {name: f"127.0.0.1:{targets[name][0]}" for name in names}
+            for mode, body in (("open_loop", CHAT), ("open_loop_streaming", STREAM)):
+                turns = run_openloop_turns(list(addresses.values()), body, rate, duration, slice_s)
+                for name, address in addresses.items():
+                    this[name][mode] = turns[address]
+            rounds.append({name: this[name] for name in names})
         rss = {name: rss_mib(proc.pid) for name, (_, proc) in targets.items() if proc is not None}
         rss["model_servers"] = {str(i): rss_mib(p.pid)["VmRSS"] for i, p in enumerate(fm_procs)}
     finally:
@@ -920,6 +982,9 @@ def versus(duration: float, rate: float, n_rounds: int, fronts: tuple[str, ...],
         "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
         "uptime": {"before": started_uptime, "after": uptime()},
         "seconds_per_run": duration, "rate_rps": rate, "rounds": n_rounds,
+        "open_loop_slices": (f"each target's {duration} s in slices of about {slice_s} s, the targets "
+                             "taking turns, the order rotated each turn" if slice_s > 0
+                             else "each target's run in one go, the targets in turn"),
         "direct": "both fake model servers at once, one wrk each with half the connections (throughput); "
                   "the first one (open-loop latency)",
         "summary": summary,
@@ -954,6 +1019,8 @@ if __name__ == "__main__":
         vp.add_argument("--duration", type=float, default=3.0, help="seconds per run")
         vp.add_argument("--rate", type=float, default=500.0, help="open-loop requests per second")
         vp.add_argument("--rounds", type=int, default=5)
+        vp.add_argument("--slice", type=float, default=1.0,
+                        help="open-loop slice in seconds, the targets taking turns (0: each target's run in one go)")
         vp.add_argument("--fronts", default=",".join(FRONTS), help="llmgw fronts to run, comma-separated")
         vp.add_argument("--baseline", type=Path, help="another llmgw checkout to run beside (llmgw_baseline)")
         vp.add_argument("--policy", default="round_robin",
@@ -973,9 +1040,10 @@ if __name__ == "__main__":
             compiled_at = build_compiled(Path(built)) if va.compiled else None
             print(json.dumps(versus(va.duration, va.rate, va.rounds, tuple(va.fronts.split(",")), va.baseline,
                                     va.policy, va.cache_aware, va.guard, va.forwarded, va.default_headers,
-                                    compiled_at), indent=2))
+                                    compiled_at, va.slice), indent=2))
     elif len(sys.argv) > 1 and sys.argv[1] == "openloop":
         a = sys.argv[2:]
-        openloop(a[0], a[1], a[2].encode(), float(a[3]), float(a[4]), float(a[5]))
+        openloop(a[0].split(","), a[1], a[2].encode(), float(a[3]), float(a[4]), float(a[5]),
+                 float(a[6]) if len(a) > 6 else 0.0)
     else:
         main()
