@@ -10,6 +10,7 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.gateway.deadline import Deadline
+from tests.gateway_helpers import cyclic_leftovers
 
 
 class CountingClock(Clock):
@@ -137,3 +138,48 @@ class DeadlineTests(SynchronousTestCase):
         self.clock.advance(2)
         self.assertEqual(seen, [2.0, 4.0, 6.0])
         self.assertEqual(self.clock.getDelayedCalls(), [])
+
+
+class Owner:
+    """
+    What a deadline's owner usually is: its callback is a method of the
+    object that holds it.
+    """
+
+    def __init__(self, clock: Clock):
+        self.deadline = Deadline(clock, self.due)
+        self.calls = 0
+
+    def due(self) -> None:
+        self.calls += 1
+
+
+class CloseTests(SynchronousTestCase):
+    def test_closed_calls_nothing(self) -> None:
+        """
+        A closed deadline does not call its callback, whether it was set
+        before it was closed or is set after.
+        """
+        clock = Clock()
+        owner = Owner(clock)
+        owner.deadline.set(1)
+        owner.deadline.close()
+        clock.advance(2)
+        owner.deadline.set(1)
+        clock.advance(2)
+        self.assertEqual(owner.calls, 0)
+        self.assertEqual(clock.getDelayedCalls(), [])
+
+    def test_closed_lets_go_of_its_owner(self) -> None:
+        """
+        Closed, a deadline no longer holds its callback, so an owner whose
+        method it is goes when the owner's last reference does, not when
+        the cyclic garbage collector comes by.
+        """
+
+        def run() -> None:
+            owner = Owner(Clock())
+            owner.deadline.set(1)
+            owner.deadline.close()
+
+        self.assertEqual(cyclic_leftovers(run, Owner, Deadline), 0)

@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from twisted.internet.defer import Deferred, inlineCallbacks
+from twisted.internet.error import ConnectionDone
 from twisted.internet.interfaces import IPushProducer
 from twisted.internet.protocol import ClientCreator, Protocol
 from twisted.internet.task import Clock
@@ -19,6 +20,7 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import SkipTest, SynchronousTestCase, TestCase
 from zope.interface import implementer
 
+from llmgw.gateway.deadline import Deadline
 from llmgw.gateway.front import (
     DRAIN_MAX,
     MAX_HEAD,
@@ -28,6 +30,7 @@ from llmgw.gateway.front import (
     FrontRequest,
     HTTPFront,
 )
+from tests.gateway_helpers import cyclic_leftovers
 
 
 class HalfCloseTransport(StringTransport):
@@ -1087,3 +1090,29 @@ class LoopbackTests(TestCase):
         self.assertEqual((request.too_large, request.body), (True, b""))
         # The gateway's side closes once the client has closed its own.
         yield server_gone
+
+
+class EndTests(SynchronousTestCase):
+    def test_ended_connection_freed_at_once(self) -> None:
+        """
+        A client connection that has ended, with a request answered on it
+        and its idle wait armed, is freed when its last reference goes: it
+        leaves nothing for the cyclic garbage collector, which a gateway
+        serving many short connections would otherwise keep busy (and
+        pausing) with every one of them.
+        """
+
+        def run() -> None:
+            # Not L{Server}: its handler, a method of its own, would hold
+            # it (and the factory, and the connection) in a cycle.
+            factory = FrontFactory(lambda request: answer(request, request.body), Clock(), 1000)
+            proto = factory.buildProtocol(None)
+            transport = StringTransport()
+            proto.makeConnection(transport)
+            proto.dataReceived(post(b"/v1/x", b"hello"))
+            self.assertEqual(responses(transport.value())[0][2], b"hello")
+            # As a socket's transport does at the end.
+            transport.unregisterProducer()
+            proto.connectionLost(Failure(ConnectionDone()))
+
+        self.assertEqual(cyclic_leftovers(run, HTTPFront, FrontRequest, Deadline), 0)

@@ -8,13 +8,16 @@ import gc
 import weakref
 from typing import Any
 
+from twisted.internet.address import IPv4Address
 from twisted.internet.error import ConnectionDone
 from twisted.internet.task import Clock
-from twisted.internet.testing import StringTransport
+from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 
+from llmgw.gateway.deadline import Deadline
 from llmgw.gateway.upstream import UpstreamConnection, UpstreamPool, UpstreamProtocolError
+from tests.gateway_helpers import cyclic_leftovers
 
 
 class Recorder:
@@ -577,3 +580,45 @@ class ReleaseTests(SynchronousTestCase):
         gc.collect()
         self.assertIsNone(ref())
         self.assertIs(pool.take(conn.address), conn)
+
+
+class EndTests(SynchronousTestCase):
+    def test_ended_connection_freed_at_once(self) -> None:
+        """
+        A replica connection that has ended, after a response (its timeout
+        armed) and kept idle until then, is freed when its last reference
+        goes: nothing of it is left for the cyclic garbage collector.
+        """
+
+        def run() -> None:
+            clock = Clock()
+            pool = UpstreamPool(clock)
+            conn, t = connection(pool)
+            rec = Recorder()
+            conn.send(b"REQUEST", rec)
+            conn.arm(clock, 30, lambda: None)
+            conn.dataReceived(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            self.assertEqual(rec.events[-1], ("finished",))
+            self.assertEqual(pool.idle_count(), 1)
+            conn.connectionLost(Failure(ConnectionDone()))
+            self.assertEqual(pool.idle_count(), 0)
+
+        self.assertEqual(cyclic_leftovers(run, UpstreamConnection, Deadline), 0)
+
+    def test_connect_builds_the_pools_connection(self) -> None:
+        """
+        L{UpstreamPool.connect} connects to the address given and fires with
+        the connection built for it, once the connection is made.
+        """
+        reactor = MemoryReactorClock()
+        pool = UpstreamPool(reactor)
+        made: list[UpstreamConnection] = []
+        pool.connect("127.0.0.1:8000").addCallback(made.append)
+        host, port, factory = reactor.tcpClients[0][:3]
+        self.assertEqual((host, port), ("127.0.0.1", 8000))
+        self.assertEqual(made, [])
+        factory.buildProtocol(IPv4Address("TCP", host, port)).makeConnection(StringTransport())
+        self.assertEqual(len(made), 1)
+        self.assertIsInstance(made[0], UpstreamConnection)
+        self.assertEqual(made[0].address, "127.0.0.1:8000")
+        self.assertTrue(made[0].connected_)

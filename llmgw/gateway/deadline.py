@@ -29,13 +29,18 @@ from twisted.internet.interfaces import IDelayedCall
 SLACK: Final = 1e-6
 
 
+def _nothing() -> None:
+    pass
+
+
 class Deadline:
     """
     C{callback}, called once when C{clock} reaches the deadline last
     L{set}, unless L{clear}ed or L{stop}ped first.
 
     Cleared, the reactor call stays (coming due, it does nothing) for the
-    next L{set}, which is then free when it is later; L{stop} drops it too.
+    next L{set}, which is then free when it is later; L{stop} drops it too,
+    and L{close} the callback as well, at the owner's end.
     """
 
     def __init__(self, clock: Any, callback: Callable[[], object]):
@@ -80,6 +85,16 @@ class Deadline:
         call, self._call = self._call, None
         if call is not None:
             call.cancel()
+
+    def close(self) -> None:
+        """
+        As L{stop}, and the callback is let go of for good: set again, the
+        deadline calls nothing. (The callback is often a method of the
+        deadline's owner, which holds the deadline: kept, the two would
+        outlive the owner's end until the cyclic garbage collector came by.)
+        """
+        self.stop()
+        self._callback = _nothing
 
     def _came_due(self) -> None:
         self._call = None

@@ -806,6 +806,8 @@ class HTTPFront(Protocol):
         self._closing = True
         self._buf = bytearray()
         self._stop_timer()
+        # Freed when the last reference goes, not by the cyclic collector.
+        self._deadline.close()
         linger, self._linger = self._linger, None
         if linger is not None and linger.active():
             linger.cancel()

@@ -24,10 +24,9 @@ from twisted.internet.endpoints import (
     HostnameEndpoint,
     TCP4ClientEndpoint,
     TCP6ClientEndpoint,
-    connectProtocol,
 )
 from twisted.internet.interfaces import IReactorTime
-from twisted.internet.protocol import Protocol
+from twisted.internet.protocol import Factory, Protocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
@@ -243,6 +242,9 @@ class UpstreamConnection(Protocol):
     def connectionLost(self, reason: Failure = None) -> None:  # type: ignore[assignment]
         self.connected_ = False
         self._stop_timer()
+        if self._deadline is not None:
+            # Freed when the last reference goes, not by the cyclic collector.
+            self._deadline.close()
         if self.pool is not None:
             self.pool.lost(self)
         handler = self.handler
@@ -473,6 +475,24 @@ def _head_problem(head: bytes) -> str:
     return "malformed response head"
 
 
+class _Connecting(Factory):
+    """
+    The factory of one outgoing connection: it builds the protocol it was
+    given, once, and then lets go of it. (Twisted's C{connectProtocol} does
+    the same with a class defined anew for each connection, which, with the
+    connection it holds, waits for the cyclic garbage collector.)
+    """
+
+    noisy = False
+
+    def __init__(self, protocol: UpstreamConnection):
+        self._protocol: UpstreamConnection | None = protocol
+
+    def buildProtocol(self, addr: Any) -> UpstreamConnection | None:  # type: ignore[override]
+        protocol, self._protocol = self._protocol, None
+        return protocol
+
+
 class UpstreamPool:
     """
     Idle connections per replica address, and new ones on demand.
@@ -511,7 +531,7 @@ class UpstreamPool:
         endpoint = self._endpoints.get(address)
         if endpoint is None:
             endpoint = self._endpoints[address] = self._endpoint(address)
-        return connectProtocol(endpoint, UpstreamConnection(self, address))
+        return endpoint.connect(_Connecting(UpstreamConnection(self, address)))  # type: ignore[no-any-return]
 
     def _endpoint(self, address: str) -> Any:
         host, port = parse_address(address, "")
