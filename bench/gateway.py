@@ -441,7 +441,9 @@ def run_openloop_turns(addresses: list[str], body: dict[str, Any], rate: float, 
         [sys.executable, __file__, "openloop", ",".join(addresses), "/v1/chat/completions",
          json.dumps(body), str(rate), str(duration), "1.0", str(slice_s)],
         capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)),
-        timeout=len(addresses) * (duration + 2) + 60,
+        # The whole schedule (L{openloop}: warm-ups of 1 s, the gaps) and
+        # the generator's own 30 s to wait for stragglers, with room.
+        timeout=len(addresses) * (1.0 + duration + (duration / slice_s + 2 if slice_s > 0 else 2) * SLICE_GAP) + 60,
         preexec_fn=_affinity(cpus),
     )
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]

@@ -372,11 +372,13 @@ def cyclic_leftovers(run: Callable[[], object], *types: type) -> int:
     that only that collector would free. 0 when each went as its last
     reference did.
     """
+    enabled = gc.isenabled()
     gc.collect()
     gc.disable()
     try:
-        before = sum(1 for o in gc.get_objects() if type(o) in types)
+        before = {id(o) for o in gc.get_objects() if type(o) in types}
         run()
-        return sum(1 for o in gc.get_objects() if type(o) in types) - before
+        return sum(1 for o in gc.get_objects() if type(o) in types and id(o) not in before)
     finally:
-        gc.enable()
+        if enabled:
+            gc.enable()

@@ -158,17 +158,20 @@ class CloseTests(SynchronousTestCase):
     def test_closed_calls_nothing(self) -> None:
         """
         A closed deadline does not call its callback, whether it was set
-        before it was closed or is set after.
+        before it was closed or is set after, and set after, it makes no
+        reactor call.
         """
         clock = Clock()
         owner = Owner(clock)
         owner.deadline.set(1)
         owner.deadline.close()
+        self.assertEqual(clock.getDelayedCalls(), [])
         clock.advance(2)
         owner.deadline.set(1)
+        self.assertEqual(clock.getDelayedCalls(), [])
+        self.assertFalse(owner.deadline.armed)
         clock.advance(2)
         self.assertEqual(owner.calls, 0)
-        self.assertEqual(clock.getDelayedCalls(), [])
 
     def test_closed_lets_go_of_its_owner(self) -> None:
         """

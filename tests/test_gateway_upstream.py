@@ -605,6 +605,27 @@ class EndTests(SynchronousTestCase):
 
         self.assertEqual(cyclic_leftovers(run, UpstreamConnection, Deadline), 0)
 
+    def test_connected_through_the_pool_freed_at_once(self) -> None:
+        """
+        So is a connection the pool made (L{UpstreamPool.connect}): what
+        built it does not keep it.
+        """
+
+        def run() -> None:
+            reactor = MemoryReactorClock()
+            pool = UpstreamPool(reactor)
+            made: list[UpstreamConnection] = []
+            pool.connect("127.0.0.1:8000").addCallback(made.append)
+            host, port, factory = reactor.tcpClients[0][:3]
+            factory.buildProtocol(IPv4Address("TCP", host, port)).makeConnection(StringTransport())
+            conn = made.pop()
+            conn.send(b"REQUEST", Recorder())
+            conn.arm(reactor, 30, lambda: None)
+            conn.dataReceived(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            conn.connectionLost(Failure(ConnectionDone()))
+
+        self.assertEqual(cyclic_leftovers(run, UpstreamConnection, Deadline), 0)
+
     def test_connect_builds_the_pools_connection(self) -> None:
         """
         L{UpstreamPool.connect} connects to the address given and fires with

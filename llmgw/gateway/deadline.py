@@ -52,12 +52,15 @@ class Deadline:
         #: When the callback is due, while armed.
         self.at = 0.0
         self.armed = False
+        self._closed = False
 
     def set(self, delay: float) -> None:
         """
         Call the callback C{delay} seconds from now (instead of when it was
         due, if it was).
         """
+        if self._closed:
+            return
         clock = self._clock
         at = clock.seconds() + delay
         self.at = at
@@ -89,11 +92,12 @@ class Deadline:
     def close(self) -> None:
         """
         As L{stop}, and the callback is let go of for good: set again, the
-        deadline calls nothing. (The callback is often a method of the
+        deadline does nothing (it makes no reactor call either). (The callback is often a method of the
         deadline's owner, which holds the deadline: kept, the two would
         outlive the owner's end until the cyclic garbage collector came by.)
         """
         self.stop()
+        self._closed = True
         self._callback = _nothing
 
     def _came_due(self) -> None:
