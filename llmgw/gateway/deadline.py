@@ -92,9 +92,10 @@ class Deadline:
     def close(self) -> None:
         """
         As L{stop}, and the callback is let go of for good: set again, the
-        deadline does nothing (it makes no reactor call either). (The callback is often a method of the
-        deadline's owner, which holds the deadline: kept, the two would
-        outlive the owner's end until the cyclic garbage collector came by.)
+        deadline does nothing, and makes no reactor call. (The callback is
+        often a method of the deadline's owner, which holds the deadline:
+        kept, the two would outlive the owner's end until the cyclic
+        garbage collector came by.)
         """
         self.stop()
         self._closed = True
