@@ -20,6 +20,17 @@ from setuptools import setup
 #: upstream client. Nothing else changes with it. (Not llmgw/reactor.py: a
 #: compiled subclass of Twisted's reactor would no longer be the shape
 #: Twisted's own reactor tests, run against it, rely on.)
+# Three rules keep a compiled class native (its attributes C struct fields,
+# not dictionary entries; docs/operations.md, "A compiled gateway"):
+# - no class decorator mypyc does not know: it compiles such a class as a
+#   plain Python class. Interfaces are declared after the class
+#   (classImplements), not with @implementer;
+# - class-level objects, such as loggers, are ClassVars: a plain class
+#   attribute of a native class is an instance default, made anew for each
+#   instance (and a Logger is named, since compiled code has no frame for it
+#   to find its name from);
+# - module constants are Final, read from a C static, not the module's
+#   dictionary.
 COMPILED = [
     "llmgw/hostcheck.py",
     "llmgw/untrusted.py",

@@ -255,8 +255,7 @@ class Admission:
     @param retry_after: the C{Retry-After} seconds of a refusal.
     """
 
-    # Named, and a ClassVar: compiled (setup.py), a plain class attribute
-    # is an instance default, made anew for each instance.
+    # Named, and a ClassVar (setup.py's rules for compiled classes).
     log: ClassVar[Logger] = Logger(namespace=f"{__name__}.Admission")
 
     def __init__(
@@ -552,8 +551,7 @@ class Admission:
             detach()
 
 
-# Declared after the class, not by a decorator: mypyc (setup.py) compiles a
-# class with a decorator it does not know as a plain Python class.
+# Not @implementer (setup.py's rules for compiled classes).
 classImplements(Admission, IDemand)
 
 

@@ -318,8 +318,7 @@ class HTTPFront(Protocol):
     One client connection; see the module's description.
     """
 
-    # Named, and a ClassVar: compiled (setup.py), a plain class attribute
-    # is an instance default, made anew for each instance.
+    # Named, and a ClassVar (setup.py's rules for compiled classes).
     log: ClassVar[Logger] = Logger(namespace=f"{__name__}.HTTPFront")
     transport: Any
 
@@ -839,8 +838,7 @@ class HTTPFront(Protocol):
         pass
 
 
-# Declared after the class, not by a decorator: mypyc (setup.py) compiles a
-# class with a decorator it does not know as a plain Python class.
+# Not @implementer (setup.py's rules for compiled classes).
 classImplements(HTTPFront, IPushProducer)
 
 
@@ -863,8 +861,7 @@ class FrontFactory(ServerFactory):
     a warning when the hard limit does not allow it.
     """
 
-    # Named, and a ClassVar: compiled (setup.py), a plain class attribute
-    # is an instance default, made anew for each instance.
+    # Named, and a ClassVar (setup.py's rules for compiled classes).
     log: ClassVar[Logger] = Logger(namespace=f"{__name__}.FrontFactory")
     noisy = False
 

@@ -120,8 +120,7 @@ class GatewayMetrics:
     C{max_models} distinct ones are kept, the rest count as unknown.
     """
 
-    # Named, and a ClassVar: compiled (setup.py), a plain class attribute
-    # is an instance default, made anew for each instance.
+    # Named, and a ClassVar (setup.py's rules for compiled classes).
     log: ClassVar[Logger] = Logger(namespace=f"{__name__}.GatewayMetrics")
 
     def __init__(

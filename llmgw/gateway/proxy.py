@@ -135,8 +135,7 @@ class Gateway:
     served (loopback names when not given).
     """
 
-    # Named, and a ClassVar: compiled (setup.py), a plain class attribute
-    # is an instance default, made anew for each instance.
+    # Named, and a ClassVar (setup.py's rules for compiled classes).
     log: ClassVar[Logger] = Logger(namespace=f"{__name__}.Gateway")
 
     def __init__(
@@ -190,8 +189,7 @@ class Gateway:
         self.pool.close()
 
 
-# Declared after the class, not by a decorator: mypyc (setup.py) compiles a
-# class with a decorator it does not know as a plain Python class.
+# Not @implementer (setup.py's rules for compiled classes).
 classImplements(Gateway, IInFlight, IDemand)
 
 
@@ -288,8 +286,7 @@ class ProxyCall:
     One client request on its way to a replica and back.
     """
 
-    # Named, and a ClassVar: compiled (setup.py), a plain class attribute
-    # is an instance default, made anew for each instance.
+    # Named, and a ClassVar (setup.py's rules for compiled classes).
     log: ClassVar[Logger] = Logger(namespace=f"{__name__}.ProxyCall")
     # One per request: slots make it cheaper to make and to read.
     __slots__ = (
@@ -689,8 +686,7 @@ class ProxyCall:
         self.gw.admission.ended(self.model)
 
 
-# Declared after the class, not by a decorator: mypyc (setup.py) compiles a
-# class with a decorator it does not know as a plain Python class.
+# Not @implementer (setup.py's rules for compiled classes).
 classImplements(ProxyCall, IPushProducer)
 
 

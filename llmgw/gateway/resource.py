@@ -49,8 +49,7 @@ class GatewayResource:
     The gateway's request handler: call it with a L{FrontRequest}.
     """
 
-    # Named, and a ClassVar: compiled (setup.py), a plain class attribute
-    # is an instance default, made anew for each instance.
+    # Named, and a ClassVar (setup.py's rules for compiled classes).
     log: ClassVar[Logger] = Logger(namespace=f"{__name__}.GatewayResource")
 
     def __init__(self, gateway: Gateway):

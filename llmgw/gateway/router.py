@@ -242,6 +242,5 @@ class Router:
         return chosen
 
 
-# Declared after the class, not by a decorator: mypyc (setup.py) compiles a
-# class with a decorator it does not know as a plain Python class.
+# Not @implementer (setup.py's rules for compiled classes).
 classImplements(Router, IInFlight)

@@ -109,8 +109,7 @@ class UpstreamConnection(Protocol):
     never reused).
     """
 
-    # Named, and a ClassVar: compiled (setup.py), a plain class attribute
-    # is an instance default, made anew for each instance.
+    # Named, and a ClassVar (setup.py's rules for compiled classes).
     log: ClassVar[Logger] = Logger(namespace=f"{__name__}.UpstreamConnection")
     transport: Any
 
@@ -502,8 +501,7 @@ class UpstreamPool:
     C{max_idle} connections per address are kept idle; more are closed.
     """
 
-    # Named, and a ClassVar: compiled (setup.py), a plain class attribute
-    # is an instance default, made anew for each instance.
+    # Named, and a ClassVar (setup.py's rules for compiled classes).
     log: ClassVar[Logger] = Logger(namespace=f"{__name__}.UpstreamPool")
 
     def __init__(self, reactor: Any, connect_timeout: float = 5.0, max_idle: int = 256):
