@@ -376,7 +376,7 @@ class Bench:
         etcd: Any = None
         watching = True
         if self.ha and etcd_urls:
-            from llmgw.control.election import DEFAULT_PREFIX, leader_key
+            from llmgw.control.ha.election import DEFAULT_PREFIX, leader_key
             from llmgw.etcd import EtcdClient
 
             etcd = EtcdClient(self.reactor, etcd_urls)

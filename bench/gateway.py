@@ -74,7 +74,7 @@ def serve_gateway(port: int, upstream: str, front: str = "lean", policy: str = "
         install_default()
     from twisted.internet import reactor
 
-    from llmgw.control.interfaces import Route
+    from llmgw.control.state.interfaces import Route
     from llmgw.gateway.resource import GatewayResource
     from llmgw.gateway.service import GatewayService
     from llmgw.routing import RoutingSnapshot

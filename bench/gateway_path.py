@@ -57,7 +57,7 @@ def measure(requests: int, repeats: int, policy: str = "") -> dict[str, Any]:
     from twisted.internet.address import IPv4Address
     from twisted.internet.testing import StringTransport
 
-    from llmgw.control.interfaces import Route
+    from llmgw.control.state.interfaces import Route
     from llmgw.gateway.proxy import Gateway
     from llmgw.gateway.resource import GatewayResource, GatewaySite
     from llmgw.gateway.upstream import UpstreamConnection

@@ -1,5 +1,5 @@
 """
-The published fleet views (ha4, L{llmgw.control.published.FleetPublisher}):
+The published fleet views (ha4, L{llmgw.control.ha.published.FleetPublisher}):
 what the HA leader packs every 2 s and writes to etcd when its views
 changed, and what each other member does with a new document, at fleet
 sizes. Prints JSON.
@@ -50,11 +50,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from twisted.internet.task import Clock  # noqa: E402
 
 from bench.common import summary_ms  # noqa: E402
-from llmgw.control.admin import nodes_view  # noqa: E402
-from llmgw.control.catalog import EMPTY  # noqa: E402
-from llmgw.control.ha import SlicedNodes  # noqa: E402
-from llmgw.control.inventory import GPUInfo, Inventory, Node  # noqa: E402
-from llmgw.control.published import (  # noqa: E402
+from llmgw.control.admin.api import nodes_view  # noqa: E402
+from llmgw.control.core.catalog import EMPTY  # noqa: E402
+from llmgw.control.ha.member import SlicedNodes  # noqa: E402
+from llmgw.control.ha.published import (  # noqa: E402
     FLEET_EVENTS,
     FLEET_SLICE,
     MAX_PUBLISHED,
@@ -65,7 +64,8 @@ from llmgw.control.published import (  # noqa: E402
     _coarse_replica,
     unpack_object,
 )
-from llmgw.control.reconciler import Reconciler  # noqa: E402
+from llmgw.control.shell.reconciler import Reconciler  # noqa: E402
+from llmgw.control.state.inventory import GPUInfo, Inventory, Node  # noqa: E402
 
 
 def views_of(n: int, now: float, seed: int = 1) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """
-The published routing table (ha3, L{llmgw.control.published}): what the
+The published routing table (ha3, L{llmgw.control.ha.published}): what the
 HA leader writes to etcd per change and what each other member does with
 it, at fleet sizes. Prints JSON.
 
@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from twisted.internet.task import Clock  # noqa: E402
 
 from bench.common import summary_ms  # noqa: E402
-from llmgw.control.published import MAX_PUBLISHED, pack, routes_document, unpack  # noqa: E402
+from llmgw.control.ha.published import MAX_PUBLISHED, pack, routes_document, unpack  # noqa: E402
 from llmgw.routing import EngineSignals, Route, RoutingTable, snapshot_from_json, snapshot_to_json  # noqa: E402
 
 

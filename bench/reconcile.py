@@ -52,10 +52,11 @@ from pathlib import Path
 
 from twisted.internet.task import Clock
 
-from llmgw.control.catalog import FleetState, parse_catalog
-from llmgw.control.interfaces import ShardReport
-from llmgw.control.inventory import Inventory
-from llmgw.control.reconciler import Reconciler
+from llmgw.control.core.catalog import parse_catalog
+from llmgw.control.core.kept import KeptState
+from llmgw.control.shell.reconciler import Reconciler
+from llmgw.control.state.interfaces import ShardReport
+from llmgw.control.state.inventory import Inventory
 from llmgw.testing.simfleet import FakeDispatcher, sim_fleet
 
 PROFILE = """
@@ -134,7 +135,7 @@ def run(nodes: int, steady_passes: int, autoscaled: bool = False) -> dict[str, o
     cat = parse_catalog(tomllib.loads(catalog_text(per_dep, 0, autoscaled)))
     dispatcher = FakeDispatcher(connected=set(ids))
     rec = Reconciler(
-        cat, inv, clock, dispatcher, adoption_grace=0, pending_timeout=1e9, fleet_state=FleetState(None)
+        cat, inv, clock, dispatcher, adoption_grace=0, pending_timeout=1e9, fleet_state=KeptState(None)
     )
     if TUNED and hasattr(rec, "after_growth"):
         # As the control plane's CollectorTuning.freeze_grown does.

@@ -62,8 +62,8 @@ from twisted.protocols.tls import TLSMemoryBIOFactory
 
 from bench.common import ControlChannel, Profiler, pin, raise_nofile
 from llmgw.api.v1 import agent_pb2 as pb
-from llmgw.control.interfaces import NotConnected, NotKeepingUp
 from llmgw.control.service import ControlPlane, Options, makeService
+from llmgw.control.state.interfaces import NotConnected, NotKeepingUp
 from llmgw.tlsconf.options import ServerTLS, server_files
 from llmgw.wire import DEFAULT_MAX_FRAME
 

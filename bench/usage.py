@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from twisted.internet.testing import MemoryReactorClock, StringTransport  # noqa: E402
 
-from llmgw.control.interfaces import Route  # noqa: E402
+from llmgw.control.state.interfaces import Route  # noqa: E402
 from llmgw.gateway.keys import KeyRing  # noqa: E402
 from llmgw.gateway.proxy import Gateway, GatewayConfig  # noqa: E402
 from llmgw.gateway.resource import GatewayResource, GatewaySite  # noqa: E402

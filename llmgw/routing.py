@@ -160,7 +160,7 @@ class Demand:
     A model's load as a gateway sees it: requests being proxied to its
     replicas (C{in_flight}) and requests held for want of a replica that can
     take them (C{waiting}, the admission queue). What the autoscaler scales
-    on (L{llmgw.control.autoscale}).
+    on (L{llmgw.control.core.autoscale}).
     """
 
     in_flight: int

@@ -23,7 +23,7 @@ from twisted.web.client import Agent, HTTPConnectionPool
 from twisted.web.resource import Resource
 from zope.interface import implementer
 
-from llmgw.control.interfaces import Route
+from llmgw.control.state.interfaces import Route
 from llmgw.gateway.proxy import Gateway, GatewayConfig
 from llmgw.gateway.resource import GatewayResource, GatewaySite
 from llmgw.routing import RoutingSnapshot

@@ -11,10 +11,11 @@ from typing import Any
 
 from twisted.internet.task import Clock
 
-from llmgw.control.catalog import Catalog, FleetState, parse_catalog
-from llmgw.control.interfaces import ReportedShard, ShardCommand, ShardReport
-from llmgw.control.inventory import Inventory
-from llmgw.control.reconciler import Reconciler
+from llmgw.control.core.catalog import Catalog, parse_catalog
+from llmgw.control.core.kept import KeptState
+from llmgw.control.shell.reconciler import Reconciler
+from llmgw.control.state.interfaces import ReportedShard, ShardCommand, ShardReport
+from llmgw.control.state.inventory import Inventory
 from llmgw.testing.simfleet import FakeDispatcher, sim_fleet
 
 ONE_GPU = """
@@ -61,7 +62,7 @@ class Fleet:
         clock: Clock | None = None,
         register: bool = True,
         epoch: int = 1,
-        fleet_state: FleetState | None = None,
+        fleet_state: KeptState | None = None,
         cat: Catalog | None = None,
         **kwargs: Any,
     ):
@@ -79,7 +80,7 @@ class Fleet:
             self.dispatcher,
             epoch=epoch,
             adoption_grace=grace,
-            fleet_state=fleet_state or FleetState(None),
+            fleet_state=fleet_state or KeptState(None),
             **kwargs,
         )
         self.alive: set[str] = set(self.ids)

@@ -1,5 +1,5 @@
 """
-Tests for L{llmgw.control.admin}: the admin API against a fake fleet.
+Tests for L{llmgw.control.admin.api}: the admin API against a fake fleet.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from twisted.python import usage
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.control import service
-from llmgw.control.admin import (
+from llmgw.control.admin.api import (
     ABORT_BODY,
     MAX_BODY,
     AdminResource,
@@ -26,9 +26,9 @@ from llmgw.control.admin import (
     admin_site,
     model_path,
 )
-from llmgw.control.interfaces import AdminError
-from llmgw.control.inventory import Node, StrayProcess
-from llmgw.control.metrics import make_registry, register_control_metrics
+from llmgw.control.shell.metrics import make_registry, register_control_metrics
+from llmgw.control.state.interfaces import AdminError
+from llmgw.control.state.inventory import Node, StrayProcess
 from llmgw.hostcheck import HostCheck
 from llmgw.testing.fleet import FakeAgents, FakeFleet, sample_fleet
 from llmgw.testing.pki import make_pki

@@ -16,8 +16,8 @@ from twisted.internet.defer import inlineCallbacks
 from twisted.trial.unittest import TestCase
 from twisted.web.client import Agent, HTTPConnectionPool
 
-from llmgw.control.admin import admin_service
-from llmgw.control.metrics import make_registry
+from llmgw.control.admin.api import admin_service
+from llmgw.control.shell.metrics import make_registry
 from llmgw.testing.fleet import sample_fleet
 from llmgw.testing.pki import make_pki
 from llmgw.tlsconf.options import ClientTLSPolicy, ServerTLS, TLSFiles, server_files

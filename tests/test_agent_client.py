@@ -32,9 +32,9 @@ from llmgw.agent.gpus import GPUMonitor, Problem, SimulatedGPUs
 from llmgw.agent.state import ShardSpec
 from llmgw.agent.supervisor import Supervisor
 from llmgw.api.v1 import agent_pb2 as pb
-from llmgw.control.agentsvc import AgentService
-from llmgw.control.interfaces import ShardCommand
-from llmgw.control.inventory import Inventory
+from llmgw.control.shell.agentsvc import AgentService
+from llmgw.control.state.interfaces import ShardCommand
+from llmgw.control.state.inventory import Inventory
 from llmgw.testing.pki import issue_raw, make_pki
 from llmgw.testing.sinks import RecordingSink
 from llmgw.tlsconf.ca import CertificateAuthority

@@ -22,8 +22,8 @@ from twisted.trial.unittest import TestCase
 
 import llmgw
 from llmgw.agent.state import StateDir
-from llmgw.control.interfaces import ShardCommand
 from llmgw.control.service import ControlPlane
+from llmgw.control.state.interfaces import ShardCommand
 from llmgw.testing.pki import issue_raw, make_pki
 from llmgw.testing.procs import ProcessOutput, free_port, process_alive
 from llmgw.testing.sinks import RecordingSink

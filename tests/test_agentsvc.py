@@ -1,5 +1,5 @@
 """
-Tests for L{llmgw.control.agentsvc}: the control plane's side of the agent
+Tests for L{llmgw.control.shell.agentsvc}: the control plane's side of the agent
 stream, driven through C{StringTransport} and a C{Clock}.
 """
 
@@ -15,9 +15,9 @@ from twisted.logger import Logger, LogLevel, formatEvent
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.api.v1 import agent_pb2 as pb
-from llmgw.control.agentsvc import AgentService, AgentStreamProtocol
-from llmgw.control.interfaces import NotConnected, NotKeepingUp, ShardCommand
-from llmgw.control.inventory import (
+from llmgw.control.shell.agentsvc import AgentService, AgentStreamProtocol
+from llmgw.control.state.interfaces import NotConnected, NotKeepingUp, ShardCommand
+from llmgw.control.state.inventory import (
     MAX_STRAY_TEXT,
     MAX_STRAYS_PER_NODE,
     Inventory,
@@ -618,7 +618,7 @@ class InventoryProblemTests(SynchronousTestCase):
         A GPU keeps at most 32 problems however many new texts arrive; it is
         out of placement from the first.
         """
-        from llmgw.control.inventory import MAX_PROBLEMS_PER_GPU, GPUInfo, Inventory, Node
+        from llmgw.control.state.inventory import MAX_PROBLEMS_PER_GPU, GPUInfo, Inventory, Node
 
         inventory = Inventory()
         inventory.upsert(Node(id="n", gpus=[GPUInfo(index=0)]))

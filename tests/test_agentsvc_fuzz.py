@@ -13,8 +13,8 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.api.v1 import agent_pb2 as pb
-from llmgw.control.agentsvc import AgentService
-from llmgw.control.inventory import Inventory
+from llmgw.control.shell.agentsvc import AgentService
+from llmgw.control.state.inventory import Inventory
 from llmgw.testing.sinks import RecordingSink
 from llmgw.testing.stream import PeerCertTransport, frame
 

@@ -18,8 +18,8 @@ from twisted.internet.protocol import Protocol
 from twisted.trial.unittest import TestCase
 
 from llmgw.api.v1 import agent_pb2 as pb
-from llmgw.control.interfaces import NotKeepingUp
 from llmgw.control.service import ControlPlane
+from llmgw.control.state.interfaces import NotKeepingUp
 from llmgw.testing.pki import issue_raw, make_pki
 from llmgw.testing.sinks import RecordingSink
 from llmgw.testing.stream import RecordingAgent, frame, register
@@ -206,7 +206,7 @@ class LoopbackTLSTests(TestCase):
         slow.transport.pauseProducing()
         big = {"PAD": "x" * 256 * 1024}
         sent = 0
-        from llmgw.control.interfaces import ShardCommand
+        from llmgw.control.state.interfaces import ShardCommand
 
         with self.assertRaises(NotKeepingUp):
             for i in range(2000):

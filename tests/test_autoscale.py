@@ -1,5 +1,5 @@
 """
-The autoscaling decision (L{llmgw.control.autoscale}) as a pure function,
+The autoscaling decision (L{llmgw.control.core.autoscale}) as a pure function,
 driven pass by pass on a L{Clock}.
 """
 
@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.control import autoscale as a
-from llmgw.control.autoscale import AutoscalePolicy, Observed, ScalerState, decide, recommend
+from llmgw.control.core import autoscale as a
+from llmgw.control.core.autoscale import AutoscalePolicy, Observed, ScalerState, decide, recommend
 
 
 class Driver:

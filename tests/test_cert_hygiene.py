@@ -19,9 +19,9 @@ from twisted.internet.task import Clock
 from twisted.protocols.tls import TLSMemoryBIOFactory
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.control.agentsvc import AgentService
-from llmgw.control.inventory import Inventory
-from llmgw.control.metrics import make_registry, register_control_metrics
+from llmgw.control.shell.agentsvc import AgentService
+from llmgw.control.shell.metrics import make_registry, register_control_metrics
+from llmgw.control.state.inventory import Inventory
 from llmgw.ctl.main import build_parser
 from llmgw.testing.pki import agent_tls, connect_in_memory, issue_raw, make_pki
 from llmgw.testing.sinks import RecordingSink

@@ -18,9 +18,9 @@ from twisted.internet import threads
 from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
-from llmgw.control.admin import AdminResource, admin_site
-from llmgw.control.interfaces import AdminError
-from llmgw.control.metrics import make_registry
+from llmgw.control.admin.api import AdminResource, admin_site
+from llmgw.control.shell.metrics import make_registry
+from llmgw.control.state.interfaces import AdminError
 from llmgw.ctl import fleet as ctl
 from llmgw.ctl.main import build_parser
 from llmgw.testing.fleet import FakeFleet, sample_fleet

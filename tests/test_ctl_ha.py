@@ -11,8 +11,8 @@ from typing import Any
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.control.admin import AdminResource
-from llmgw.control.metrics import make_registry
+from llmgw.control.admin.api import AdminResource
+from llmgw.control.shell.metrics import make_registry
 from llmgw.ctl import fleet as ctl
 from llmgw.ctl.main import build_parser
 from llmgw.testing.fleet import sample_fleet

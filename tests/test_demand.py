@@ -1,5 +1,5 @@
 """
-Tests for L{llmgw.control.demand}: gateways' demand reports, parsed,
+Tests for L{llmgw.control.state.demand}: gateways' demand reports, parsed,
 summed and expired.
 """
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.control.demand import DemandBoard, DemandReportError, parse_report
+from llmgw.control.state.demand import DemandBoard, DemandReportError, parse_report
 from llmgw.routing import Demand
 
 
@@ -79,7 +79,7 @@ class InFlightDemandTests(SynchronousTestCase):
         A router's in-flight snapshot becomes in-flight demand per model;
         replicas no longer known are left out.
         """
-        from llmgw.control.demand import InFlightDemand
+        from llmgw.control.state.demand import InFlightDemand
 
         models = {"r1": "a", "r2": "a", "r3": "b"}
         source = InFlightDemand(lambda: {"r1": 2, "r2": 3, "r3": 1, "gone": 7}, models.get)

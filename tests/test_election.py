@@ -1,5 +1,5 @@
 """
-L{llmgw.control.election}: campaign, renewal and fencing against the
+L{llmgw.control.ha.election}: campaign, renewal and fencing against the
 in-memory etcd, on a Clock.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 from twisted.internet.task import Clock
 from twisted.trial import unittest
 
-from llmgw.control.election import Election, MemberInfo, Role, leader_key
+from llmgw.control.ha.election import Election, MemberInfo, Role, leader_key
 from llmgw.testing.fakeetcd import FakeEtcd
 
 

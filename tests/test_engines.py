@@ -13,7 +13,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw import engines
 from llmgw.agent.state import ShardSpec
-from llmgw.control.catalog import CatalogError, parse_catalog, parse_profile
+from llmgw.control.core.catalog import CatalogError, parse_catalog, parse_profile
 
 DATA = Path(__file__).parent / "data"
 

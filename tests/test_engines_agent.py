@@ -17,8 +17,8 @@ from llmgw.agent.client import AgentConfig, AgentCore
 from llmgw.agent.service import Options
 from llmgw.agent.state import ShardSpec
 from llmgw.api.v1 import agent_pb2 as pb
-from llmgw.control.agentsvc import start_message
-from llmgw.control.interfaces import ShardCommand
+from llmgw.control.shell.agentsvc import start_message
+from llmgw.control.state.interfaces import ShardCommand
 from llmgw.testing.stream import frame, register
 from tests.test_agentsvc import Harness, only_ack
 from tests.test_supervisor import FakeOps, FakeProber, FakeSpawner, spec

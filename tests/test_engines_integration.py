@@ -23,8 +23,8 @@ from twisted.trial.unittest import TestCase
 import llmgw
 from llmgw.agent.state import StateDir
 from llmgw.api.v1 import agent_pb2 as pb
-from llmgw.control.interfaces import ShardCommand
 from llmgw.control.service import ControlPlane
+from llmgw.control.state.interfaces import ShardCommand
 from llmgw.engines import metric_names_for
 from llmgw.testing.pki import make_pki
 from llmgw.testing.procs import ProcessOutput, free_port

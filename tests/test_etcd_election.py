@@ -1,5 +1,5 @@
 """
-L{llmgw.control.election} against a real etcd member on loopback:
+L{llmgw.control.ha.election} against a real etcd member on loopback:
 campaign, step-down when etcd stops answering, and a deposed leader's
 compare-and-swap failing. Skipped when etcd is not installed.
 """
@@ -11,7 +11,7 @@ import signal
 from twisted.internet import defer, reactor
 from twisted.trial import unittest
 
-from llmgw.control.election import Election, MemberInfo, Role, leader_key
+from llmgw.control.ha.election import Election, MemberInfo, Role, leader_key
 from llmgw.etcd import Compare, EtcdClient, Put
 from llmgw.testing.etcd import ETCD_MISSING, EtcdCluster, until
 

@@ -1,5 +1,5 @@
 """
-Tests for L{llmgw.control.expiry}: the pure expiry decision.
+Tests for L{llmgw.control.core.expiry}: the pure expiry decision.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.control.expiry import ExpiryRules, judge
+from llmgw.control.core.expiry import ExpiryRules, judge
 
 RULES = ExpiryRules(suspect_after=15, lost_after=300, freeze_share=0.5)
 

@@ -18,7 +18,7 @@ from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
-from llmgw.control.catalog import CatalogError, parse_catalog
+from llmgw.control.core.catalog import CatalogError, parse_catalog
 from llmgw.gateway.admission import FairQueue, Waiter
 from llmgw.gateway.follower import FollowerTable
 from llmgw.gateway.keys import KeyRing

@@ -14,8 +14,8 @@ from twisted.logger import Logger
 from twisted.trial.unittest import SynchronousTestCase
 from zope.interface import implementer
 
-from llmgw.control.admin import AdminResource
-from llmgw.control.metrics import make_registry
+from llmgw.control.admin.api import AdminResource
+from llmgw.control.shell.metrics import make_registry
 from llmgw.gateway.follower import DemandReporter, FollowerTable
 from llmgw.routing import Demand, IDemand
 from llmgw.testing.fleet import sample_fleet

@@ -19,8 +19,8 @@ from twisted.logger import globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.resource import Resource
 
-from llmgw.control.admin import AdminResource
-from llmgw.control.metrics import make_registry
+from llmgw.control.admin.api import AdminResource
+from llmgw.control.shell.metrics import make_registry
 from llmgw.gateway.follower import FollowerService, FollowerTable, RoutesFetchError, read_body
 from llmgw.gateway.router import Router
 from llmgw.hostcheck import HostCheck

@@ -17,8 +17,8 @@ from twisted.python import usage
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.resource import Resource
 
-from llmgw.control.admin import AdminResource
-from llmgw.control.metrics import make_registry
+from llmgw.control.admin.api import AdminResource
+from llmgw.control.shell.metrics import make_registry
 from llmgw.gateway.follower import DemandReporter, FollowerService, FollowerTable
 from llmgw.gateway.service import Options
 from llmgw.hostcheck import HostCheck

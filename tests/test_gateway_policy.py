@@ -14,7 +14,7 @@ from twisted.internet.defer import inlineCallbacks
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
-from llmgw.control.catalog import CatalogError, parse_catalog
+from llmgw.control.core.catalog import CatalogError, parse_catalog
 from llmgw.gateway.policy import (
     FIRST_TURN,
     PolicyConfig,

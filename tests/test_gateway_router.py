@@ -9,7 +9,7 @@ from collections import Counter
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.control.interfaces import IInFlight, Route
+from llmgw.control.state.interfaces import IInFlight, Route
 from llmgw.gateway.router import Router
 
 

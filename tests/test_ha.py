@@ -1,5 +1,5 @@
 """
-L{llmgw.control.ha}: a control-plane member that reconciles while it leads
+L{llmgw.control.ha.member}: a control-plane member that reconciles while it leads
 and redirects agents while it does not, against the in-memory etcd on a
 Clock.
 """
@@ -16,13 +16,13 @@ from twisted.trial.unittest import SynchronousTestCase
 
 import llmgw
 from llmgw.api.v1 import agent_pb2 as pb
-from llmgw.control.catalog import EMPTY
-from llmgw.control.election import MemberInfo, Role
-from llmgw.control.ha import FencedDispatcher, HAMember, catalog_key, epoch_base_key
-from llmgw.control.interfaces import NotConnected, ShardCommand
-from llmgw.control.inventory import Inventory
-from llmgw.control.reconciler import Reconciler
+from llmgw.control.core.catalog import EMPTY
+from llmgw.control.ha.election import MemberInfo, Role
+from llmgw.control.ha.member import FencedDispatcher, HAMember, catalog_key, epoch_base_key
 from llmgw.control.service import ControlPlane
+from llmgw.control.shell.reconciler import Reconciler
+from llmgw.control.state.interfaces import NotConnected, ShardCommand
+from llmgw.control.state.inventory import Inventory
 from llmgw.testing.fakeetcd import FakeEtcd
 from llmgw.testing.stream import PeerCertTransport, frame, register
 from llmgw.wire import parse_redirect

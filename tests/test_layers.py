@@ -2,7 +2,8 @@
 The packages' layering: C{llmgw.gateway} and C{llmgw.control} do not
 import each other (both sit on C{llmgw.routing}); composition happens only
 in C{llmgw/control/service.py} (the control plane with its embedded
-gateway) and the tap/local modules above both.
+gateway) and the tap/local modules above both. Inside C{llmgw.control},
+each subpackage imports only those below it (L{CONTROL_LAYERS}).
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ import llmgw
 ROOT = Path(llmgw.__file__).parent
 #: Modules allowed to compose the two packages.
 COMPOSERS = {"llmgw/control/service.py"}
+#: The control plane's subpackages, lowest first: each may import those
+#: before it, never one after it.
+CONTROL_LAYERS = ("state", "core", "shell", "admin", "ha")
 
 
 def imported(path: Path, top: Path = ROOT.parent) -> set[str]:
@@ -89,20 +93,49 @@ class LayerTests(SynchronousTestCase):
         root = Path(self.mktemp()) / "llmgw"
         (root / "gateway").mkdir(parents=True)
         (root / "gateway" / "probe.py").write_text(
-            "import llmgw.control.admin\n"
+            "import llmgw.control.admin.api\n"
             "def f():\n    from llmgw.control import agentsvc\n    from ..control import x\n"
         )
         (root / "gateway" / "clean.py").write_text("from llmgw.routing import Route\nfrom . import probe\n")
         self.assertEqual(
             offenders("gateway", "llmgw.control", root),
-            {"llmgw/gateway/probe.py": ["llmgw.control", "llmgw.control.admin",
+            {"llmgw/gateway/probe.py": ["llmgw.control", "llmgw.control.admin.api",
                                         "llmgw.control.agentsvc", "llmgw.control.x"]},
         )
+
+    def test_control_layers(self) -> None:
+        """
+        Each of the control plane's subpackages imports none above it, and
+        C{llmgw/control/} holds nothing but those subpackages and the
+        composing service.py.
+        """
+        found = {}
+        for i, layer in enumerate(CONTROL_LAYERS):
+            for above in CONTROL_LAYERS[i + 1:]:
+                found.update(offenders(f"control/{layer}", f"llmgw.control.{above}"))
+            found.update(offenders(f"control/{layer}", "llmgw.control.service"))
+        self.assertEqual(found, {})
+        top = sorted(p.name for p in (ROOT / "control").iterdir() if p.name != "__pycache__")
+        self.assertEqual(top, sorted(["__init__.py", "service.py", *CONTROL_LAYERS]))
+
+    def test_layer_checker_sees_upward_imports(self) -> None:
+        """
+        An import from a higher control layer is found (so the test above
+        can fail).
+        """
+        root = Path(self.mktemp()) / "llmgw"
+        (root / "control" / "state").mkdir(parents=True)
+        (root / "control" / "state" / "probe.py").write_text("from llmgw.control.core import catalog\n")
+        self.assertEqual(offenders("control/state", "llmgw.control.core", root),
+                         {"llmgw/control/state/probe.py": ["llmgw.control.core", "llmgw.control.core.catalog"]})
 
     def test_every_module_imports(self) -> None:
         """
         Each module of both packages imports.
         """
         for package in ("gateway", "control"):
-            for path in sorted((ROOT / package).glob("*.py")):
-                importlib.import_module(f"llmgw.{package}.{path.stem}")
+            for path in sorted((ROOT / package).rglob("*.py")):
+                parts = path.relative_to(ROOT).with_suffix("").parts
+                if parts[-1] == "__init__":
+                    parts = parts[:-1]
+                importlib.import_module(".".join(("llmgw", *parts)))

@@ -1,5 +1,5 @@
 """
-Tests for L{llmgw.control.limits}: connection caps below TLS and the
+Tests for L{llmgw.control.shell.limits}: connection caps below TLS and the
 per-agent message rate.
 """
 
@@ -24,9 +24,9 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import SkipTest, SynchronousTestCase, TestCase
 
 from llmgw.api.v1 import agent_pb2 as pb
-from llmgw.control.agentsvc import AgentService
-from llmgw.control.inventory import Inventory
-from llmgw.control.limits import (
+from llmgw.control.service import ControlPlane, Options, makeService
+from llmgw.control.shell.agentsvc import AgentService
+from llmgw.control.shell.limits import (
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_REGISTERING,
     REFUSAL_LOG_INTERVAL,
@@ -37,7 +37,7 @@ from llmgw.control.limits import (
     connection_registered,
     pause_reading,
 )
-from llmgw.control.service import ControlPlane, Options, makeService
+from llmgw.control.state.inventory import Inventory
 from llmgw.oslimits import ensure_fd_limit
 from llmgw.testing.pki import AgentFactory, agent_tls, connect_in_memory, make_pki
 from llmgw.testing.sinks import RecordingSink

@@ -10,7 +10,7 @@ from pathlib import Path
 from twisted.python import usage
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.control.catalog import load_catalog
+from llmgw.control.core.catalog import load_catalog
 from llmgw.local import LocalError, Options, demo_catalog, ensure_certs
 from llmgw.testing.pki import make_pki
 from llmgw.tlsconf.options import TLSFiles

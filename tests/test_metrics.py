@@ -1,5 +1,5 @@
 """
-Tests for L{llmgw.control.metrics}: the control plane's Prometheus metrics,
+Tests for L{llmgw.control.shell.metrics}: the control plane's Prometheus metrics,
 read at scrape time.
 """
 
@@ -12,14 +12,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from twisted.logger import Logger
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.control.inventory import Node, StrayProcess
-from llmgw.control.metrics import (
+from llmgw.control.shell.metrics import (
     NODE_STATES,
     SHARD_STATES,
     ControlCollector,
     make_registry,
     register_control_metrics,
 )
+from llmgw.control.state.inventory import Node, StrayProcess
 from llmgw.testing.fleet import FakeAgents, FakeFleet, sample_fleet
 
 

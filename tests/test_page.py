@@ -11,8 +11,8 @@ from typing import Any
 from treq.testing import StubTreq
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.control.admin import AdminResource
-from llmgw.control.metrics import make_registry
+from llmgw.control.admin.api import AdminResource
+from llmgw.control.shell.metrics import make_registry
 from llmgw.testing.fleet import sample_fleet
 
 BASE = "http://127.0.0.1:7480"

@@ -1,5 +1,5 @@
 """
-Tests for L{llmgw.control.placement}: pure decisions over plain data.
+Tests for L{llmgw.control.state.placement}: pure decisions over plain data.
 """
 
 from __future__ import annotations
@@ -10,7 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.control.placement import NodeCapacity, NoPortFree, Placer, PortBook, Request, place_all
+from llmgw.control.state.placement import (
+    NodeCapacity,
+    NoPortFree,
+    Placer,
+    PortBook,
+    Request,
+    place_all,
+)
 
 
 def node(node_id: str, free: list[int], fabrics: dict[str, str] | None = None, host: str = "") -> NodeCapacity:

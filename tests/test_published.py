@@ -1,5 +1,5 @@
 """
-L{llmgw.control.published}: the leader's routing table published in etcd
+L{llmgw.control.ha.published}: the leader's routing table published in etcd
 (debounced, lease-guarded, bounded) and followed by the other members
 (fail static), against the in-memory etcd on a Clock; and the HA members
 that use it.
@@ -16,8 +16,8 @@ from twisted.internet.testing import MemoryReactorClock
 from twisted.logger import Logger
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.control.election import Role, leader_key
-from llmgw.control.published import (
+from llmgw.control.ha.election import Role, leader_key
+from llmgw.control.ha.published import (
     FleetDocument,
     FleetFollower,
     FleetPack,
@@ -168,7 +168,7 @@ class PublisherTests(SynchronousTestCase):
         A raise while packing the table is logged, and the table is packed
         and written an interval later: the publisher does not go quiet.
         """
-        from llmgw.control import published as mod
+        from llmgw.control.ha import published as mod
 
         lead = Leading(self.fake)
         self.table.publish_model("demo", [self.route("r1")])
@@ -329,7 +329,7 @@ class FollowerTests(SynchronousTestCase):
         """
         A value that inflates past the limit is refused, not inflated whole.
         """
-        from llmgw.control import published
+        from llmgw.control.ha import published
 
         self.patch(published, "MAX_INFLATED", 1000)
         self.assertRaises(RoutesDataError, unpack, zlib.compress(b" " * 5000))
@@ -775,8 +775,8 @@ class HAMemberFleetTests(SynchronousTestCase):
         built for the slice asked (by index or slice); a node removed after
         the view was taken is left out of its slice.
         """
-        from llmgw.control.admin import nodes_view
-        from llmgw.control.inventory import GPUInfo, Node
+        from llmgw.control.admin.api import nodes_view
+        from llmgw.control.state.inventory import GPUInfo, Node
 
         reactor = MemoryReactorClock()
         m = Member(reactor, FakeEtcd(reactor), "a")
@@ -800,9 +800,9 @@ class HAMemberFleetTests(SynchronousTestCase):
         """
         from treq.testing import StubTreq
 
-        from llmgw.control.admin import AdminResource
-        from llmgw.control.inventory import Node
-        from llmgw.control.metrics import make_registry
+        from llmgw.control.admin.api import AdminResource
+        from llmgw.control.shell.metrics import make_registry
+        from llmgw.control.state.inventory import Node
 
         reactor = MemoryReactorClock()
         fake = FakeEtcd(reactor)

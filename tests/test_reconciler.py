@@ -1,5 +1,5 @@
 """
-Tests for L{llmgw.control.reconciler}: pure logic with a C{Clock} and a fake
+Tests for L{llmgw.control.shell.reconciler}: pure logic with a C{Clock} and a fake
 dispatcher, at fleet sizes that matter.
 """
 
@@ -14,8 +14,9 @@ from twisted.logger import Logger, LogLevel, formatEvent
 from twisted.trial.unittest import SynchronousTestCase
 from zope.interface.verify import verifyObject
 
-from llmgw.control.catalog import FleetState
-from llmgw.control.interfaces import (
+from llmgw.control.core.kept import KeptState
+from llmgw.control.shell.reconciler import Reconciler
+from llmgw.control.state.interfaces import (
     AdminError,
     IFleetAdmin,
     IRoutingTable,
@@ -26,8 +27,7 @@ from llmgw.control.interfaces import (
     UnknownDeployment,
     UnknownNode,
 )
-from llmgw.control.inventory import Inventory
-from llmgw.control.reconciler import Reconciler
+from llmgw.control.state.inventory import Inventory
 from tests.reconciler_harness import ONE_GPU, Fleet, catalog
 
 
@@ -507,7 +507,7 @@ class FailureTests(SynchronousTestCase):
         A live status for a shard the control plane does not hold is
         answered with a stop.
         """
-        from llmgw.control.interfaces import ShardReport
+        from llmgw.control.state.interfaces import ShardReport
 
         f = Fleet({"demo": ("one", 0)}, nodes=1, grace=0)
         f.rec.on_shard_status(ShardReport("node-00000", "r", "ghost", "ready"))
@@ -614,9 +614,9 @@ class ScaleDrainTests(SynchronousTestCase):
         path = self.mktemp()
         Path(path).write_text("")
         cat = catalog({"demo": ("one", 2)}, path=path)
-        f = Fleet({}, nodes=1, cat=cat, fleet_state=FleetState.beside(path))
+        f = Fleet({}, nodes=1, cat=cat, fleet_state=KeptState.beside(path))
         f.rec.scale("demo", 7)
-        g = Fleet({}, nodes=1, cat=cat, fleet_state=FleetState.beside(path))
+        g = Fleet({}, nodes=1, cat=cat, fleet_state=KeptState.beside(path))
         self.assertEqual(g.rec.deployments()[0]["desired"], 7)
         self.assertRaises(UnknownDeployment, f.rec.scale, "nope", 1)
         self.assertRaises(AdminError, f.rec.scale, "demo", -1)
@@ -641,10 +641,10 @@ class CordonKeptTests(SynchronousTestCase):
         """
         path, state = self.state_path()
         cat = catalog({"demo": ("one", 0)}, path=path)
-        f = Fleet({}, nodes=2, cat=cat, grace=0, fleet_state=FleetState.beside(path))
+        f = Fleet({}, nodes=2, cat=cat, grace=0, fleet_state=KeptState.beside(path))
         f.rec.cordon("node-00000")
         self.assertEqual(json.loads(state.read_text())["cordoned"], ["node-00000"])
-        g = Fleet({}, nodes=2, cat=cat, grace=0, register=False, fleet_state=FleetState.beside(path))
+        g = Fleet({}, nodes=2, cat=cat, grace=0, register=False, fleet_state=KeptState.beside(path))
         self.assertEqual(g.rec.cordoned, {"node-00000"})
         for node_id in g.ids:
             g.rec.adopt(node_id, [])
@@ -662,13 +662,13 @@ class CordonKeptTests(SynchronousTestCase):
         """
         path, state = self.state_path()
         cat = catalog({}, path=path)
-        f = Fleet({}, nodes=2, cat=cat, fleet_state=FleetState.beside(path))
+        f = Fleet({}, nodes=2, cat=cat, fleet_state=KeptState.beside(path))
         f.rec.cordon("node-00001")
-        g = Fleet({}, nodes=0, cat=cat, register=False, fleet_state=FleetState.beside(path))
+        g = Fleet({}, nodes=0, cat=cat, register=False, fleet_state=KeptState.beside(path))
         self.assertRaises(UnknownNode, g.rec.uncordon, "node-00000")
         g.rec.uncordon("node-00001")
         self.assertEqual(json.loads(state.read_text())["cordoned"], [])
-        self.assertEqual(FleetState.beside(path).cordoned, frozenset())
+        self.assertEqual(KeptState.beside(path).cordoned, frozenset())
 
     def test_uncordon_removes_from_file(self) -> None:
         """
@@ -677,7 +677,7 @@ class CordonKeptTests(SynchronousTestCase):
         """
         path, state = self.state_path()
         cat = catalog({"demo": ("one", 0)}, path=path)
-        f = Fleet({}, nodes=2, cat=cat, grace=0, fleet_state=FleetState.beside(path))
+        f = Fleet({}, nodes=2, cat=cat, grace=0, fleet_state=KeptState.beside(path))
         f.rec.cordon("node-00000")
         f.rec.drain_node("node-00001")
         data = json.loads(state.read_text())
@@ -686,7 +686,7 @@ class CordonKeptTests(SynchronousTestCase):
         f.rec.uncordon("node-00001")
         data = json.loads(state.read_text())
         self.assertEqual((data["cordoned"], data["draining"]), ([], []))
-        g = Fleet({}, nodes=2, cat=cat, grace=0, fleet_state=FleetState.beside(path))
+        g = Fleet({}, nodes=2, cat=cat, grace=0, fleet_state=KeptState.beside(path))
         g.rec.scale("demo", 2)
         g.step()
         self.assertEqual({c.node_id for c in g.dispatcher.starts}, {"node-00000", "node-00001"})
@@ -702,7 +702,7 @@ class CordonKeptTests(SynchronousTestCase):
         """
         path, state = self.state_path()
         cat = catalog({"demo": ("one", 1)}, path=path)
-        f = Fleet({}, nodes=2, cat=cat, grace=0, fleet_state=FleetState.beside(path))
+        f = Fleet({}, nodes=2, cat=cat, grace=0, fleet_state=KeptState.beside(path))
         f.step()
         f.make_ready()
         [old] = f.dispatcher.starts
@@ -711,7 +711,7 @@ class CordonKeptTests(SynchronousTestCase):
 
         inflight = FakeInFlight()
         g = Fleet({}, inventory=f.inventory, clock=f.clock, cat=cat, register=False, grace=5, epoch=2,
-                  fleet_state=FleetState.beside(path), in_flight=inflight)
+                  fleet_state=KeptState.beside(path), in_flight=inflight)
         self.assertEqual(g.rec.draining_nodes, {old.node_id})
         g.step(1.0, 2)
         self.assertEqual(g.rec.draining_nodes, {old.node_id})
@@ -749,7 +749,7 @@ class CordonKeptTests(SynchronousTestCase):
         logged: list[dict[str, Any]] = []
         self.patch(Reconciler, "log", Logger(observer=logged.append))  # type: ignore[arg-type]
         cat = catalog({"demo": ("one", 2)}, path=path)
-        f = Fleet({}, nodes=2, cat=cat, grace=0, fleet_state=FleetState.beside(path))
+        f = Fleet({}, nodes=2, cat=cat, grace=0, fleet_state=KeptState.beside(path))
         [event] = [e for e in logged if e["log_level"] == LogLevel.error]
         self.assertIn("unreadable", formatEvent(event))
         self.assertIn(str(state), formatEvent(event))
@@ -768,11 +768,11 @@ class CordonKeptTests(SynchronousTestCase):
         path, state = self.state_path()
         state.write_text(json.dumps({"replicas": {"demo": {"replicas": 3, "catalog_replicas": 1}}}))
         cat = catalog({"demo": ("one", 1)}, path=path)
-        f = Fleet({}, nodes=2, cat=cat, fleet_state=FleetState.beside(path))
+        f = Fleet({}, nodes=2, cat=cat, fleet_state=KeptState.beside(path))
         self.assertEqual(f.rec.deployments()[0]["desired"], 3)
         self.assertEqual(f.rec.cordoned, set())
         f.rec.cordon("node-00000")
-        g = Fleet({}, nodes=2, cat=cat, fleet_state=FleetState.beside(path))
+        g = Fleet({}, nodes=2, cat=cat, fleet_state=KeptState.beside(path))
         self.assertEqual(g.rec.deployments()[0]["desired"], 3)
         self.assertEqual(g.rec.cordoned, {"node-00000"})
 
@@ -781,7 +781,7 @@ class CordonKeptTests(SynchronousTestCase):
         Without a catalog file there is nowhere to keep a cordon: it holds
         for this process only, and no file is written.
         """
-        f = Fleet({"demo": ("one", 1)}, nodes=1, fleet_state=FleetState.beside(None))
+        f = Fleet({"demo": ("one", 1)}, nodes=1, fleet_state=KeptState.beside(None))
         before = sorted(Path(".").iterdir())
         f.rec.cordon("node-00000")
         f.rec.drain_node("node-00000")
@@ -794,7 +794,7 @@ class CordonKeptTests(SynchronousTestCase):
         the operator is told it will not survive a restart.
         """
         missing = Path(self.mktemp()) / "catalog.toml"
-        f = Fleet({}, nodes=1, fleet_state=FleetState.beside(str(missing)))
+        f = Fleet({}, nodes=1, fleet_state=KeptState.beside(str(missing)))
         with self.assertRaises(AdminError) as ctx:
             f.rec.cordon("node-00000")
         self.assertIn("will not survive a restart", str(ctx.exception))
@@ -897,7 +897,7 @@ class MetricsTests(SynchronousTestCase):
         """
         from prometheus_client import generate_latest
 
-        from llmgw.control.metrics import make_registry, register_control_metrics
+        from llmgw.control.shell.metrics import make_registry, register_control_metrics
         from llmgw.testing.fleet import FakeAgents
 
         f = Fleet({"demo": ("one", 2)}, nodes=2, grace=0)

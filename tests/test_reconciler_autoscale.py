@@ -1,6 +1,6 @@
 """
 Autoscaling through the real reconciler (issue 12, item 4): the decision of
-L{llmgw.control.autoscale} fed by its passes and applied by its ordinary
+L{llmgw.control.core.autoscale} fed by its passes and applied by its ordinary
 scale path, against simulated nodes and a fake dispatcher.
 """
 
@@ -12,8 +12,9 @@ import tomllib
 from twisted.trial.unittest import SynchronousTestCase
 from zope.interface import implementer
 
-from llmgw.control.catalog import FleetState, parse_catalog
-from llmgw.control.interfaces import AdminError
+from llmgw.control.core.catalog import parse_catalog
+from llmgw.control.core.kept import KeptState
+from llmgw.control.state.interfaces import AdminError
 from llmgw.routing import Demand, IDemand, IInFlight
 from tests.reconciler_harness import ONE_GPU, Fleet
 
@@ -278,14 +279,14 @@ class ScaleCommandTests(SynchronousTestCase):
         path = self.mktemp()
         extra = "min_replicas = 1\nmax_replicas = 4\ntarget_in_flight = 2"
         cat = autoscaled(extra, path=path)
-        f = Fleet({}, grace=0, cat=cat, fleet_state=FleetState.beside(path))
+        f = Fleet({}, grace=0, cat=cat, fleet_state=KeptState.beside(path))
         f.step()
         f.rec.scale_bounds("auto", 3, 6)
         f.step()
         self.assertEqual(len(f.rec.state.active["auto"]), 3)
         kept = json.loads(open(path + ".scale.json").read())
         self.assertEqual(kept["bounds"]["auto"]["min"], 3)
-        again = FleetState.beside(path)
+        again = KeptState.beside(path)
         self.assertEqual(again.load(), [])
         policy = again.policy(cat.deployments["auto"])  # type: ignore[attr-defined]
         self.assertEqual((policy.min_replicas, policy.max_replicas), (3, 6))

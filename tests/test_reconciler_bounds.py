@@ -11,7 +11,7 @@ from typing import Any
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.control import nodes
+from llmgw.control.core import nodes
 
 from .reconciler_harness import Fleet
 

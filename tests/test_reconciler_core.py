@@ -13,11 +13,11 @@ from typing import Any
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.control.catalog import FleetState as KeptState
-from llmgw.control.catalog import parse_catalog
-from llmgw.control.interfaces import ReportedShard, ShardReport
-from llmgw.control.inventory import Inventory
-from llmgw.control.reconciler import Reconciler
+from llmgw.control.core.catalog import parse_catalog
+from llmgw.control.core.kept import KeptState
+from llmgw.control.shell.reconciler import Reconciler
+from llmgw.control.state.interfaces import ReportedShard, ShardReport
+from llmgw.control.state.inventory import Inventory
 from llmgw.routing import EngineSignals
 from llmgw.states import ReplicaState, ShardState
 from llmgw.testing.simfleet import FakeDispatcher, sim_node

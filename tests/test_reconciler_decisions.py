@@ -12,17 +12,17 @@ from hypothesis import strategies as st
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.control import deadlines, lifecycle, nodes, placing, reports
-from llmgw.control.commands import Drain, Start, Stop
-from llmgw.control.interfaces import (
+from llmgw.control.core import deadlines, lifecycle, nodes, placing, reports
+from llmgw.control.core.commands import Drain, Start, Stop
+from llmgw.control.core.outcome import Outcome
+from llmgw.control.shell.reconciler import GROWTH_STEP
+from llmgw.control.state.interfaces import (
     AdminError,
     ReportedShard,
     ShardReport,
     UnknownDeployment,
     UnknownNode,
 )
-from llmgw.control.outcome import Outcome
-from llmgw.control.reconciler import GROWTH_STEP
 from tests.reconciler_harness import Fleet
 
 

@@ -14,8 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.control.failures import Hold, ShardFailure, on_failure
-from llmgw.control.interfaces import UnknownDeployment
+from llmgw.control.core.failures import Hold, ShardFailure, on_failure
+from llmgw.control.state.interfaces import UnknownDeployment
 from tests.reconciler_harness import Fleet, catalog
 
 FIXED = """

@@ -24,7 +24,7 @@ from twisted.trial.unittest import TestCase
 
 import llmgw
 from llmgw.agent.state import StateDir
-from llmgw.control.backoff import Backoff
+from llmgw.control.core.backoff import Backoff
 from llmgw.control.service import ControlPlane, Options, makeService
 from llmgw.testing.pki import make_pki
 from llmgw.testing.procs import ProcessOutput, free_port

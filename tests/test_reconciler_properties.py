@@ -16,16 +16,16 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 from zope.interface import implementer
 
-from llmgw.control.catalog import FleetState as KeptState
-from llmgw.control.interfaces import (
+from llmgw.control.core.kept import KeptState
+from llmgw.control.shell.reconciler import Reconciler
+from llmgw.control.state.interfaces import (
     IDispatcher,
     NotConnected,
     ReportedShard,
     ShardCommand,
     ShardReport,
 )
-from llmgw.control.inventory import Inventory
-from llmgw.control.reconciler import Reconciler
+from llmgw.control.state.inventory import Inventory
 from llmgw.testing.simfleet import sim_node
 from tests.reconciler_harness import catalog
 

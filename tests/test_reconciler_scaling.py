@@ -1,5 +1,5 @@
 """
-Property tests for L{llmgw.control.scaling}: the scale decisions as pure
+Property tests for L{llmgw.control.core.scaling}: the scale decisions as pure
 functions of counts and candidates.
 """
 
@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.control.scaling import Candidate, scale_step, victims
+from llmgw.control.core.scaling import Candidate, scale_step, victims
 
 candidates = st.lists(
     st.builds(Candidate, id=st.text("abc", min_size=1, max_size=3), ready=st.booleans(),

@@ -14,8 +14,8 @@ from twisted.internet.testing import MemoryReactorClock
 from twisted.python import usage
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.control.reconciler import Reconciler
 from llmgw.control.service import Options, ReloadOnHangup, makeService
+from llmgw.control.shell.reconciler import Reconciler
 
 EXAMPLE = str(Path(__file__).parent.parent / "llmgw" / "demo-catalog.toml")
 

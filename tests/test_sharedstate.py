@@ -1,5 +1,5 @@
 """
-L{llmgw.control.sharedstate}: in HA mode an operator's scale overrides,
+L{llmgw.control.ha.sharedstate}: in HA mode an operator's scale overrides,
 cordons and drains live in etcd, written under the leader's lease before
 they are applied, against the in-memory etcd on a Clock.
 """
@@ -15,14 +15,15 @@ from twisted.logger import formatEvent, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
 import llmgw
-from llmgw.control.catalog import EMPTY, FleetState
-from llmgw.control.election import MemberInfo, Role
-from llmgw.control.ha import HAMember
-from llmgw.control.interfaces import AdminError
-from llmgw.control.inventory import Inventory, Node
-from llmgw.control.reconciler import Reconciler
+from llmgw.control.core.catalog import EMPTY
+from llmgw.control.core.kept import KeptState
+from llmgw.control.ha.election import MemberInfo, Role
+from llmgw.control.ha.member import HAMember
+from llmgw.control.ha.sharedstate import SharedFleet, SharedStateError, fleet_state_key
 from llmgw.control.service import ControlPlane
-from llmgw.control.sharedstate import SharedFleet, SharedStateError, fleet_state_key
+from llmgw.control.shell.reconciler import Reconciler
+from llmgw.control.state.interfaces import AdminError
+from llmgw.control.state.inventory import Inventory, Node
 from llmgw.testing.fakeetcd import FakeEtcd
 
 DEMO = (Path(llmgw.__file__).parent / "demo-catalog.toml").read_bytes()
@@ -36,7 +37,7 @@ class Member:
         for node_id in ("n1", "n2"):
             self.inventory.upsert(Node(id=node_id))
         self.reconciler = Reconciler(EMPTY, self.inventory, clock=reactor, adoption_grace=30,
-                                     fleet_state=FleetState(state_file))
+                                     fleet_state=KeptState(state_file))
         self.cp = ControlPlane(
             reactor, sink=self.reconciler, tls=None, agents_host="127.0.0.1", agents_port=0,
             inventory=self.inventory, fleet=self.reconciler,
@@ -50,7 +51,7 @@ class Member:
         self.fleet: SharedFleet = self.cp.fleet
 
 
-class SharedFleetStateTests(SynchronousTestCase):
+class SharedKeptStateTests(SynchronousTestCase):
     def setUp(self) -> None:
         self.reactor = MemoryReactorClock()
         self.fake = FakeEtcd(self.reactor)
@@ -308,8 +309,8 @@ class SharedFleetStateTests(SynchronousTestCase):
     def request(self, m: Member, path: str, body: Any = None) -> Any:
         from treq.testing import StubTreq
 
-        from llmgw.control.admin import AdminResource
-        from llmgw.control.metrics import make_registry
+        from llmgw.control.admin.api import AdminResource
+        from llmgw.control.shell.metrics import make_registry
 
         treq: Any = StubTreq(AdminResource(m.cp.fleet, make_registry(), m.cp.agents))
         data = json.dumps(body).encode() if body is not None else None
@@ -344,12 +345,12 @@ class SharedFleetStateTests(SynchronousTestCase):
 class HeldDeploymentsTests(SynchronousTestCase):
     """ha3: held deployments kept in etcd beside the rest of the fleet state."""
 
-    setUp = SharedFleetStateTests.setUp
-    member = SharedFleetStateTests.member
-    advance = SharedFleetStateTests.advance
-    leader = SharedFleetStateTests.leader
-    stored = SharedFleetStateTests.stored
-    refused = SharedFleetStateTests.refused
+    setUp = SharedKeptStateTests.setUp
+    member = SharedKeptStateTests.member
+    advance = SharedKeptStateTests.advance
+    leader = SharedKeptStateTests.leader
+    stored = SharedKeptStateTests.stored
+    refused = SharedKeptStateTests.refused
 
     def hold(self, m: Member) -> None:
         """
@@ -359,7 +360,7 @@ class HeldDeploymentsTests(SynchronousTestCase):
         """
         import functools
 
-        from llmgw.control import lifecycle
+        from llmgw.control.core import lifecycle
 
         failed = functools.partial(lifecycle.record_failure, crash_class="config", error="unknown model")
         m.reconciler._decide(lambda ctx, out: failed(ctx, "demo", "n1", "demo-r1", "demo-r1-s0",
@@ -430,7 +431,7 @@ class HeldDeploymentsTests(SynchronousTestCase):
         long as the process, as before).
         """
         state = Path(self.mktemp())
-        fs = FleetState(str(state))
+        fs = KeptState(str(state))
         self.assertFalse(fs.keeps_holds)
         fs.set("demo", 3, 2)
         self.assertNotIn("held", json.loads(state.read_text()))
@@ -446,7 +447,7 @@ class MalformedHoldTests(SynchronousTestCase):
         from twisted.logger import Logger
 
         logged: list[dict[str, Any]] = []
-        state = FleetState(None)
+        state = KeptState(None)
         state.log = Logger(observer=logged.append)  # type: ignore[arg-type]
         state.take_data({
             "replicas": {"demo": {"replicas": 3, "catalog_replicas": 1}},

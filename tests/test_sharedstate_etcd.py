@@ -1,5 +1,5 @@
 """
-L{llmgw.control.sharedstate} against a real etcd member on loopback: the
+L{llmgw.control.ha.sharedstate} against a real etcd member on loopback: the
 leader's scale and cordon are stored in etcd, a member that takes over
 starts from them, and the deposed leader's write is refused by etcd.
 Skipped when etcd is not installed.
@@ -14,8 +14,8 @@ from twisted.internet import defer, reactor
 from twisted.trial import unittest
 
 import llmgw
-from llmgw.control.interfaces import AdminError
-from llmgw.control.sharedstate import fleet_state_key
+from llmgw.control.ha.sharedstate import fleet_state_key
+from llmgw.control.state.interfaces import AdminError
 from llmgw.etcd import EtcdClient
 from llmgw.testing.etcd import ETCD_MISSING, EtcdCluster, until
 from tests.test_sharedstate import Member

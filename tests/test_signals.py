@@ -14,7 +14,7 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.api.v1 import agent_pb2 as pb
-from llmgw.control.signals import EngineSignalsCollector, SignalStore, from_message
+from llmgw.control.state.signals import EngineSignalsCollector, SignalStore, from_message
 from llmgw.ctl.fleet import render_replicas
 from tests.reconciler_harness import Fleet, catalog
 

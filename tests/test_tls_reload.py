@@ -1,5 +1,5 @@
 """
-Tests for reloading TLS files without a restart (L{llmgw.control.trust},
+Tests for reloading TLS files without a restart (L{llmgw.control.shell.trust},
 L{llmgw.tlsconf.options}) and for expiry visibility.
 """
 
@@ -18,7 +18,7 @@ from twisted.logger import capturedLogs
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.control.service import ControlPlane
-from llmgw.control.trust import TrustService, expiry_problems
+from llmgw.control.shell.trust import TrustService, expiry_problems
 from llmgw.testing.pki import agent_tls, connect_in_memory, make_pki
 from llmgw.testing.sinks import RecordingSink
 from llmgw.tlsconf.crl import renew

@@ -20,8 +20,8 @@ from twisted.test.iosim import connectedServerAndClient
 from twisted.trial.unittest import SkipTest, SynchronousTestCase
 
 from llmgw.api.v1 import agent_pb2 as pb
-from llmgw.control.agentsvc import AgentService
-from llmgw.control.inventory import Inventory
+from llmgw.control.shell.agentsvc import AgentService
+from llmgw.control.state.inventory import Inventory
 from llmgw.testing.pki import issue_raw, make_pki
 from llmgw.testing.sinks import RecordingSink
 from llmgw.testing.stream import RecordingAgent, register

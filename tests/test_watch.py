@@ -1,5 +1,5 @@
 """
-Tests for L{llmgw.control.watch}: the watch stream on the admin API, over
+Tests for L{llmgw.control.admin.watch}: the watch stream on the admin API, over
 in-memory transports on a Clock, against a fake fleet with a real
 L{RoutingTable}.
 """
@@ -18,9 +18,9 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.control.admin import admin_site
-from llmgw.control.metrics import make_registry
-from llmgw.control.watch import WatchHub
+from llmgw.control.admin.api import admin_site
+from llmgw.control.admin.watch import WatchHub
+from llmgw.control.shell.metrics import make_registry
 from llmgw.routing import Route, RoutingTable
 from llmgw.testing.fleet import sample_fleet
 
@@ -523,7 +523,7 @@ class RevocationTests(WatchTestCase):
         at the next check (every REVOCATION_CHECK_S seconds), logged;
         others stay.
         """
-        from llmgw.control.watch import REVOCATION_CHECK_S
+        from llmgw.control.admin.watch import REVOCATION_CHECK_S
 
         revoked: set[int] = set()
         self.hub.stop()

@@ -17,8 +17,8 @@ from twisted.internet.defer import Deferred, DeferredQueue, inlineCallbacks
 from twisted.internet.endpoints import HostnameEndpoint, wrapClientTLS
 from twisted.trial.unittest import TestCase
 
-from llmgw.control.admin import admin_service
-from llmgw.control.metrics import make_registry
+from llmgw.control.admin.api import admin_service
+from llmgw.control.shell.metrics import make_registry
 from llmgw.gateway.follower import FollowerService, FollowerTable
 from llmgw.routing import Route, RoutingTable
 from llmgw.testing.fleet import sample_fleet

@@ -27,21 +27,21 @@ from llmgw.addresses import (
     server_endpoint,
 )
 from llmgw.collector import DEFAULT_GC_THRESHOLD, CollectorTuning
-from llmgw.control.admin import (
+from llmgw.control.admin.api import (
     DEFAULT_ADMIN_HOST,
     DEFAULT_ADMIN_PORT,
     admin_service,
     admin_tls_problem,
 )
-from llmgw.control.agentsvc import AgentService
-from llmgw.control.catalog import EMPTY, CatalogError, load_catalog
-from llmgw.control.demand import InFlightDemand
-from llmgw.control.interfaces import AdminError, IFleetAdmin, IStatusSink
-from llmgw.control.inventory import Inventory
-from llmgw.control.limits import ConnectionLimiter, LimitsConfig, backlog_problem
-from llmgw.control.metrics import make_registry, register_control_metrics
-from llmgw.control.reconciler import Reconciler
-from llmgw.control.trust import TrustService
+from llmgw.control.core.catalog import EMPTY, CatalogError, load_catalog
+from llmgw.control.shell.agentsvc import AgentService
+from llmgw.control.shell.limits import ConnectionLimiter, LimitsConfig, backlog_problem
+from llmgw.control.shell.metrics import make_registry, register_control_metrics
+from llmgw.control.shell.reconciler import Reconciler
+from llmgw.control.shell.trust import TrustService
+from llmgw.control.state.demand import InFlightDemand
+from llmgw.control.state.interfaces import AdminError, IFleetAdmin, IStatusSink
+from llmgw.control.state.inventory import Inventory
 from llmgw.gateway.keys import KeysError, load_keys
 from llmgw.gateway.proxy import GatewayConfig
 from llmgw.gateway.service import DEFAULT_GATEWAY, GatewayService
@@ -55,7 +55,7 @@ from llmgw.wire import DEFAULT_MAX_FRAME
 
 DEFAULT_AGENT_PORT = 7443
 #: The agent port's listen backlog: where a registration storm waits while
-#: the admission gate is shut (see L{llmgw.control.limits}). The kernel caps
+#: the admission gate is shut (see L{llmgw.control.shell.limits}). The kernel caps
 #: it at net.core.somaxconn (4096 on current Linux).
 DEFAULT_BACKLOG = 4096
 
@@ -327,7 +327,7 @@ class ControlPlane(MultiService):
     log = Logger()
     reconciler: Reconciler | None = None
     gateway: GatewayService | None = None
-    #: ha (issue 14): this member's L{llmgw.control.ha.HAMember} with --etcd.
+    #: ha (issue 14): this member's L{llmgw.control.ha.member.HAMember} with --etcd.
     ha: Any = None
 
     def __init__(
@@ -400,7 +400,7 @@ class ControlPlane(MultiService):
             limiter=lambda: getattr(self, "limiter", None),
         )
         # engines (issue 11): engine signals per shard, with their age
-        from llmgw.control.signals import EngineSignalsCollector
+        from llmgw.control.state.signals import EngineSignalsCollector
 
         self.registry.register(EngineSignalsCollector(
             lambda: getattr(self.fleet, "engine_signal_rows", list)(), self.reactor.seconds,
@@ -563,10 +563,10 @@ def makeService(options: Options, reactor: Any = None) -> ControlPlane:
 def _attach_ha(cp: ControlPlane, reconciler: Reconciler, options: Options, reactor: Any) -> None:
     """
     ha (issue 14): make C{cp} one member of a control plane on etcd
-    (L{llmgw.control.ha}).
+    (L{llmgw.control.ha.member}).
     """
-    from llmgw.control.election import MemberInfo
-    from llmgw.control.ha import HACollector, HAMember
+    from llmgw.control.ha.election import MemberInfo
+    from llmgw.control.ha.member import HACollector, HAMember
     from llmgw.etcd import EtcdClient
     from llmgw.tlsconf.options import ClientTLSPolicy
 

@@ -22,9 +22,9 @@ import urllib.error
 import urllib.request
 from typing import Any, TextIO
 
-from llmgw.control.catalog import CatalogError, load_catalog
-from llmgw.control.election import MemberInfo, leader_key
-from llmgw.control.ha import catalog_key
+from llmgw.control.core.catalog import CatalogError, load_catalog
+from llmgw.control.ha.election import MemberInfo, leader_key
+from llmgw.control.ha.member import catalog_key
 
 
 class CatalogApplyError(Exception):

@@ -3,7 +3,7 @@ An in-memory etcd for unit tests: the subset of L{llmgw.etcd.EtcdClient}
 that llmgw uses (leases on an injected clock, put/range/delete, txn with
 compares, watch from now), with knobs for the faults tests need.
 
-Several L{llmgw.control.election.Election}s may share one L{FakeEtcd}, as
+Several L{llmgw.control.ha.election.Election}s may share one L{FakeEtcd}, as
 members share a cluster. L{FakeEtcd.available} C{False} makes every call
 fail with L{EtcdUnavailable} (no member reachable); L{FakeEtcd.hang}
 C{True} makes every call wait forever (a member cut off from its quorum:

@@ -15,8 +15,8 @@ from typing import Any
 from twisted.internet.task import Clock
 from zope.interface import implementer
 
-from llmgw.control.interfaces import AdminError, IFleetAdmin, UnknownDeployment, UnknownNode
-from llmgw.control.inventory import Inventory
+from llmgw.control.state.interfaces import AdminError, IFleetAdmin, UnknownDeployment, UnknownNode
+from llmgw.control.state.inventory import Inventory
 from llmgw.routing import Route, RoutingTable
 
 
@@ -66,7 +66,7 @@ class FakeFleet:
         """
         C{held} is C{None} or C{{"reason", "crash_class", "since"}}, as the
         reconciler shows a deployment held after a configuration failure;
-        C{last_failure} as a L{llmgw.control.failures.ShardFailure}'s dict.
+        C{last_failure} as a L{llmgw.control.core.failures.ShardFailure}'s dict.
         """
         view = {"model": model, "profile": profile, "desired": desired, "ready": ready,
                 "backoff_until": None, "failures": 0, "last_failure": last_failure,
@@ -228,7 +228,7 @@ class FakeFleet:
 
 class FakeAgents:
     """
-    The parts of the agent service (L{llmgw.control.agentsvc.AgentService})
+    The parts of the agent service (L{llmgw.control.shell.agentsvc.AgentService})
     that the admin API and the metrics read; its C{inventory} is a real,
     empty L{Inventory} that tests fill.
     """

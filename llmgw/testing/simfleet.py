@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 from zope.interface import implementer
 
-from llmgw.control.interfaces import IDispatcher, NotConnected, ShardCommand
-from llmgw.control.inventory import GPUInfo, Inventory, Node
+from llmgw.control.state.interfaces import IDispatcher, NotConnected, ShardCommand
+from llmgw.control.state.inventory import GPUInfo, Inventory, Node
 
 
 @implementer(IDispatcher)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from twisted.internet.interfaces import IReactorTime
 from zope.interface import implementer
 
-from llmgw.control.interfaces import IDispatcher, IStatusSink, ReportedShard, ShardReport
+from llmgw.control.state.interfaces import IDispatcher, IStatusSink, ReportedShard, ShardReport
 
 
 @implementer(IStatusSink)

@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from llmgw.control.catalog import Profile, fill
-from llmgw.control.fleetstate import ReplicaRec, ShardRec, format_address
-from llmgw.control.interfaces import IDispatcher, NotConnected, NotKeepingUp, ShardCommand
+from llmgw.control.core.catalog import Profile, fill
+from llmgw.control.state.fleetstate import ReplicaRec, ShardRec, format_address
+from llmgw.control.state.interfaces import IDispatcher, NotConnected, NotKeepingUp, ShardCommand
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,10 +18,10 @@ from collections.abc import Callable, Iterable
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
-from llmgw.control import reports
-from llmgw.control.commands import Command, Start
-from llmgw.control.context import Context
-from llmgw.control.outcome import Outcome
+from llmgw.control.core import reports
+from llmgw.control.core.commands import Command, Start
+from llmgw.control.core.context import Context
+from llmgw.control.core.outcome import Outcome
 from llmgw.routing import RoutingTable
 
 

@@ -19,8 +19,8 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
-from llmgw.control.agentsvc import AgentService
-from llmgw.control.inventory import Inventory
+from llmgw.control.shell.agentsvc import AgentService
+from llmgw.control.state.inventory import Inventory
 from llmgw.signals import SighupHandler, owns_signals
 from llmgw.tlsconf.crl import crl_number, revoked_serials
 from llmgw.tlsconf.options import ServerTLS, TLSConfigError, TLSFiles

@@ -8,12 +8,12 @@ from __future__ import annotations
 import collections
 from typing import TYPE_CHECKING, Any
 
-from llmgw.control.fleetstate import Phase
-from llmgw.control.signals import ShardSignals, signals_json
+from llmgw.control.state.fleetstate import Phase
+from llmgw.control.state.signals import ShardSignals, signals_json
 from llmgw.states import SEVERITY, ReplicaState, ShardState
 
 if TYPE_CHECKING:
-    from llmgw.control.reconciler import Reconciler
+    from llmgw.control.shell.reconciler import Reconciler
 
 
 def metrics_snapshot(rec: Reconciler) -> dict[str, Any]:

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from llmgw.control import lifecycle
-from llmgw.control.context import Context
-from llmgw.control.expiry import ExpiryRules, judge
-from llmgw.control.fleetstate import Phase
-from llmgw.control.interfaces import UnknownNode
-from llmgw.control.outcome import Outcome
+from llmgw.control.core import lifecycle
+from llmgw.control.core.context import Context
+from llmgw.control.core.expiry import ExpiryRules, judge
+from llmgw.control.core.outcome import Outcome
+from llmgw.control.state.fleetstate import Phase
+from llmgw.control.state.interfaces import UnknownNode
 
 
 def _last_heard(ctx: Context, node_id: str) -> float | None:

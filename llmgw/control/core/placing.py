@@ -17,13 +17,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from llmgw.control import lifecycle
-from llmgw.control.catalog import Deployment, Profile
-from llmgw.control.context import Context
-from llmgw.control.interfaces import AdminError, UnknownDeployment
-from llmgw.control.outcome import Outcome
-from llmgw.control.placement import BUSY, Placer, Request
-from llmgw.control.scaling import Candidate, scale_step, victims
+from llmgw.control.core import lifecycle
+from llmgw.control.core.catalog import Deployment, Profile
+from llmgw.control.core.context import Context
+from llmgw.control.core.outcome import Outcome
+from llmgw.control.core.scaling import Candidate, scale_step, victims
+from llmgw.control.state.interfaces import AdminError, UnknownDeployment
+from llmgw.control.state.placement import BUSY, Placer, Request
 
 
 class Placing:

@@ -4,11 +4,11 @@ the fleet state, the catalog, the inventory, the timing rules, and each
 deployment's failure bookkeeping (crash backoff, hold, last failure).
 
 A L{Context} is plain data owned by the reconciler's shell; decisions
-(L{llmgw.control.lifecycle}, L{llmgw.control.reports},
-L{llmgw.control.nodes}, L{llmgw.control.deadlines},
-L{llmgw.control.placing}) change it through its methods and those of its
+(L{llmgw.control.core.lifecycle}, L{llmgw.control.core.reports},
+L{llmgw.control.core.nodes}, L{llmgw.control.core.deadlines},
+L{llmgw.control.core.placing}) change it through its methods and those of its
 L{FleetState}, and return what to send and log in an
-L{llmgw.control.outcome.Outcome}. Nothing here reads a clock, sends a
+L{llmgw.control.core.outcome.Outcome}. Nothing here reads a clock, sends a
 command or touches a transport.
 """
 
@@ -18,11 +18,11 @@ import collections
 import re
 from dataclasses import dataclass, field
 
-from llmgw.control.backoff import Backoff
-from llmgw.control.catalog import Catalog, Profile
-from llmgw.control.failures import Hold, ShardFailure
-from llmgw.control.fleetstate import FleetState
-from llmgw.control.inventory import Inventory
+from llmgw.control.core.backoff import Backoff
+from llmgw.control.core.catalog import Catalog, Profile
+from llmgw.control.core.failures import Hold, ShardFailure
+from llmgw.control.state.fleetstate import FleetState
+from llmgw.control.state.inventory import Inventory
 
 #: How long past its stop grace a stopping shard may stay unconfirmed.
 STOP_SLACK = 30.0

@@ -1,6 +1,6 @@
 """
 The reconciler's autoscaling (DESIGN §16, issue 12): what feeds the pure
-decision of L{llmgw.control.autoscale} on every pass, and where its counts
+decision of L{llmgw.control.core.autoscale} on every pass, and where its counts
 go.
 
 L{Autoscaling} holds what the decision needs between passes: each
@@ -9,7 +9,7 @@ standalone gateways report (L{DemandBoard}) and the embedded gateway's own
 (an L{IDemand}). On a pass, L{Autoscaling.tick} reads the context, asks
 the decision for each autoscaled deployment and writes the count into
 C{ctx.desired}; placement and drain then act on it as on any scale
-(L{llmgw.control.placing}). Its events go into the pass's L{Outcome}.
+(L{llmgw.control.core.placing}). Its events go into the pass's L{Outcome}.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ from typing import Any
 
 from twisted.logger import Logger
 
-from llmgw.control import autoscale
-from llmgw.control.catalog import Catalog
-from llmgw.control.catalog import FleetState as KeptState
-from llmgw.control.context import Context
-from llmgw.control.demand import DemandBoard
-from llmgw.control.interfaces import AdminError, IInFlight, UnknownDeployment
-from llmgw.control.outcome import Outcome
+from llmgw.control.core import autoscale
+from llmgw.control.core.catalog import Catalog
+from llmgw.control.core.context import Context
+from llmgw.control.core.kept import KeptState
+from llmgw.control.core.outcome import Outcome
+from llmgw.control.state.demand import DemandBoard
+from llmgw.control.state.interfaces import AdminError, IInFlight, UnknownDeployment
 from llmgw.routing import Demand, IDemand
 
 __all__ = ["Autoscaling"]

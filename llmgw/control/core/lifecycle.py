@@ -14,13 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from llmgw.control.catalog import Catalog, diff
-from llmgw.control.commands import Drain, Start, Stop, start_command
-from llmgw.control.context import STOP_SLACK, Context
-from llmgw.control.failures import ShardFailure, on_failure
-from llmgw.control.fleetstate import Phase, ReplicaRec, ShardRec
-from llmgw.control.outcome import Outcome
-from llmgw.control.placement import Slot
+from llmgw.control.core.catalog import Catalog, diff
+from llmgw.control.core.commands import Drain, Start, Stop, start_command
+from llmgw.control.core.context import STOP_SLACK, Context
+from llmgw.control.core.failures import ShardFailure, on_failure
+from llmgw.control.core.outcome import Outcome
+from llmgw.control.state.fleetstate import Phase, ReplicaRec, ShardRec
+from llmgw.control.state.placement import Slot
 from llmgw.states import ENDED, ShardState
 
 

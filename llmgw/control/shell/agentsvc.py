@@ -25,7 +25,13 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from llmgw.api.v1 import agent_pb2 as pb
-from llmgw.control.interfaces import (
+from llmgw.control.shell.limits import (
+    MessageRate,
+    connection_registered,
+    pause_reading,
+    resume_reading,
+)
+from llmgw.control.state.interfaces import (
     IDispatcher,
     IStatusSink,
     NotConnected,
@@ -34,13 +40,7 @@ from llmgw.control.interfaces import (
     ShardCommand,
     ShardReport,
 )
-from llmgw.control.inventory import GPUInfo, Inventory, Node, StrayProcess, bounded_strays
-from llmgw.control.limits import (
-    MessageRate,
-    connection_registered,
-    pause_reading,
-    resume_reading,
-)
+from llmgw.control.state.inventory import GPUInfo, Inventory, Node, StrayProcess, bounded_strays
 from llmgw.tlsconf.options import IdentityError, peer_node_id
 from llmgw.wire import (
     DEFAULT_MAX_FRAME,
@@ -690,7 +690,7 @@ class AgentService(ServerFactory):
         #: 0 means no limit on registered nodes.
         self.max_nodes = max_nodes
         #: Messages per second one agent may send (0: no limit), and the
-        #: burst above it (see L{llmgw.control.limits.MessageRate}).
+        #: burst above it (see L{llmgw.control.shell.limits.MessageRate}).
         self.message_rate = message_rate
         self.message_burst = message_burst
         self._conns: dict[str, AgentStreamProtocol] = {}

@@ -1,6 +1,6 @@
 """
 One member of a highly available control plane (DESIGN §17): the shell
-around L{llmgw.control.election.Election} that makes the leader reconcile
+around L{llmgw.control.ha.election.Election} that makes the leader reconcile
 and the others stand by.
 
 - On winning, the member's command epoch becomes C{base + revision} (the
@@ -16,7 +16,7 @@ and the others stand by.
   command that is still on its way out: it checks the election's own
   deadline on the clock at each command.
 - ha3: the leader publishes its routing table in etcd
-  (L{llmgw.control.published}); every other member, a deposed leader
+  (L{llmgw.control.ha.published}); every other member, a deposed leader
   among them, follows that table with its own (which its embedded gateway
   routes by and its C{GET /api/v1/routes} answers from), keeping the last
   one while etcd is away. A new leader starts from the table it followed
@@ -39,18 +39,18 @@ from twisted.logger import Logger, LogLevel
 from zope.interface import implementer
 
 from llmgw.api.v1 import agent_pb2 as pb
-from llmgw.control.catalog import Catalog, CatalogError, parse_catalog
-from llmgw.control.commands import ShardCommand
-from llmgw.control.election import Election, MemberInfo, Role, leader_key
-from llmgw.control.interfaces import IDispatcher, NotConnected
-from llmgw.control.published import (
+from llmgw.control.core.catalog import Catalog, CatalogError, parse_catalog
+from llmgw.control.core.commands import ShardCommand
+from llmgw.control.ha.election import Election, MemberInfo, Role, leader_key
+from llmgw.control.ha.published import (
     FleetDocument,
     FleetFollower,
     FleetPublisher,
     RoutesFollower,
     RoutesPublisher,
 )
-from llmgw.control.sharedstate import SharedFleet, SharedFleetState
+from llmgw.control.ha.sharedstate import SharedFleet, SharedKeptState
+from llmgw.control.state.interfaces import IDispatcher, NotConnected
 from llmgw.etcd import Compare, EtcdError, EtcdTLSError, Put, Range
 from llmgw.wire import NO_LEADER_MARKER, redirect_error
 
@@ -60,7 +60,7 @@ Code = pb.Ack.Code
 class SlicedNodes(Sequence[dict[str, Any]]):
     """
     ha5: the leader's C{GET /api/v1/nodes} view, built for a slice of its
-    nodes at a time (by the handler's own L{llmgw.control.admin.nodes_view},
+    nodes at a time (by the handler's own L{llmgw.control.admin.api.nodes_view},
     over a L{_SomeNodes} of the fleet): the ids and the connected set are
     taken when made, each node's view when its slice is asked for (a node
     gone meanwhile is left out of its slice).
@@ -82,7 +82,7 @@ class SlicedNodes(Sequence[dict[str, Any]]):
     def __getitem__(self, index: slice) -> list[dict[str, Any]]: ...
 
     def __getitem__(self, index: int | slice) -> dict[str, Any] | list[dict[str, Any]]:
-        from llmgw.control.admin import nodes_view
+        from llmgw.control.admin.api import nodes_view
 
         if isinstance(index, slice):
             return nodes_view(_SomeNodes(self.fleet, self.ids[index], self._connected), self.agents)["nodes"]
@@ -108,7 +108,7 @@ class _SomeNodes:
         return self._connected
 
     def nodes(self) -> list[dict[str, Any]]:
-        from llmgw.control import views
+        from llmgw.control.shell import views
 
         return views.nodes(self)  # type: ignore[arg-type]
 
@@ -124,7 +124,7 @@ class _SomeInventory:
         return getattr(self._inventory, name)
 
     def list(self) -> list[Any]:
-        from llmgw.control.inventory import _copy_node
+        from llmgw.control.state.inventory import _copy_node
 
         out = []
         for node_id in self._ids:
@@ -260,7 +260,7 @@ class HAMember(Service):
         self.dispatcher = FencedDispatcher(cp.agents, self.election.may_command)
         # The operator's fleet state lives in etcd (sharedstate); the state
         # file the reconciler loaded seeds it once, if etcd holds none.
-        self.kept = SharedFleetState(store, prefix)
+        self.kept = SharedKeptState(store, prefix)
         self._seed = reconciler.fleet_state
         reconciler.fleet_state = self.kept
         if getattr(cp, "fleet", None) is reconciler:
@@ -518,7 +518,7 @@ class HAMember(Service):
         L{SlicedNodes}, built a slice at a time as the publisher packs them
         (the whole view at once is some 700 ms at 10,000 nodes).
         """
-        from llmgw.control.admin import fleet_status
+        from llmgw.control.admin.api import fleet_status
 
         st = self.election.status()
         return {

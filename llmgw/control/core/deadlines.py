@@ -13,11 +13,11 @@ L{Outcome}. None reads a clock, sends a command or touches a transport.
 
 from __future__ import annotations
 
-from llmgw.control import lifecycle
-from llmgw.control.context import MAX_SENDS, STOP_SLACK, Context
-from llmgw.control.fleetstate import ShardRec
-from llmgw.control.interfaces import IInFlight
-from llmgw.control.outcome import Outcome
+from llmgw.control.core import lifecycle
+from llmgw.control.core.context import MAX_SENDS, STOP_SLACK, Context
+from llmgw.control.core.outcome import Outcome
+from llmgw.control.state.fleetstate import ShardRec
+from llmgw.control.state.interfaces import IInFlight
 from llmgw.states import ShardState
 
 

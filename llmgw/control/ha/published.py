@@ -40,7 +40,7 @@ from twisted.internet import defer
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
-from llmgw.control.election import leader_key
+from llmgw.control.ha.election import leader_key
 from llmgw.etcd import Compare, EtcdError, Put, Range
 from llmgw.routing import (
     RoutesDataError,

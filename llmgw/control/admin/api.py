@@ -55,9 +55,7 @@ from twisted.web.http import HTTPChannel, _GenericHTTPChannelProtocol
 from twisted.web.resource import Resource
 
 from llmgw.addresses import ListenerService, format_address, is_loopback, server_endpoint
-from llmgw.control.demand import DemandReportError, parse_report
-from llmgw.control.interfaces import AdminError, IFleetAdmin
-from llmgw.control.watch import (
+from llmgw.control.admin.watch import (
     ResumeError,
     SocketRequest,
     WatchFactory,
@@ -65,6 +63,8 @@ from llmgw.control.watch import (
     parse_resume,
     upgrade,
 )
+from llmgw.control.state.demand import DemandReportError, parse_report
+from llmgw.control.state.interfaces import AdminError, IFleetAdmin
 from llmgw.hostcheck import HostCheck
 from llmgw.routing import LONG_POLL_MAX_S, RoutesDataError, RoutingTable, snapshot_to_json
 from llmgw.tlsconf.ca import subject_alt_names
@@ -131,7 +131,7 @@ def page_file(name: str) -> tuple[bytes, bytes] | None:
     if name not in _page_cache:
         from importlib.resources import files
 
-        body = files("llmgw.control").joinpath("page", name).read_bytes()
+        body = files("llmgw.control.admin").joinpath("page", name).read_bytes()
         _page_cache[name] = (body, PAGE_FILES[name])
     return _page_cache[name]
 
@@ -175,12 +175,12 @@ LOCAL_PATHS = frozenset({
 
 
 #: ha3: what a member that does not lead answers from the routing table the
-#: leader published in etcd (L{llmgw.control.published}), once it holds one;
+#: leader published in etcd (L{llmgw.control.ha.published}), once it holds one;
 #: the watch stream too, when it follows the routes alone (C{?only=routes}
 #: or the C{gateway} role).
 FOLLOWED_PATHS = frozenset({("api", "v1", "routes")})
 #: ha4: what such a member answers from the fleet views the leader
-#: published (L{llmgw.control.published.FleetFollower}), once it holds them.
+#: published (L{llmgw.control.ha.published.FleetFollower}), once it holds them.
 FLEET_FOLLOWED_PATHS = frozenset({("api", "v1", "nodes"), ("api", "v1", "replicas"), ("api", "v1", "events")})
 #: The header with which such a member names the leader's admin URL.
 LEADER_HEADER = b"x-llmgw-leader"
@@ -580,7 +580,7 @@ class AdminResource(Resource):
         """
         ha4: C{GET /api/v1/nodes}, C{/replicas} or C{/events} on a member
         that does not lead, from the fleet views the leader published
-        (C{followed}, a L{llmgw.control.published.FleetDocument}): the
+        (C{followed}, a L{llmgw.control.ha.published.FleetDocument}): the
         leader's answer, with C{published_at} (the leader's clock when it
         wrote them) and C{published_by} (the leader), and the leader's admin
         URL in the L{LEADER_HEADER} header. ha5: nodes and replicas are the
@@ -839,7 +839,7 @@ class AdminResource(Resource):
 
     def _page(self, request: Any, name: str) -> bytes:
         """
-        A file of the fleet page (C{llmgw/control/page/}), from the package.
+        A file of the fleet page (C{llmgw/control/admin/page/}), from the package.
         """
         found = page_file(name)
         assert found is not None  # the route checked the name
@@ -1026,7 +1026,7 @@ class AdminResource(Resource):
     def _watch(self, request: Any, method: str) -> Any:
         """
         Upgrade an authorised C{GET /api/v1/watch} to the watch stream
-        (L{llmgw.control.watch}); the C{gateway} role is sent routes only.
+        (L{llmgw.control.admin.watch}); the C{gateway} role is sent routes only.
         """
         if method != "GET":
             raise Refused(405, f"/api/v1/watch takes GET, not {method}", allow=("GET",))

@@ -14,14 +14,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from llmgw.control import adoption, lifecycle
-from llmgw.control.commands import Command, Start, Stop
-from llmgw.control.context import Context
-from llmgw.control.fleetstate import Phase, ReplicaRec, ShardRec
-from llmgw.control.interfaces import ReportedShard, ShardReport
-from llmgw.control.outcome import Outcome
-from llmgw.control.signals import SignalStore
-from llmgw.control.signals import from_message as signals_from_message
+from llmgw.control.core import adoption, lifecycle
+from llmgw.control.core.commands import Command, Start, Stop
+from llmgw.control.core.context import Context
+from llmgw.control.core.outcome import Outcome
+from llmgw.control.state.fleetstate import Phase, ReplicaRec, ShardRec
+from llmgw.control.state.interfaces import ReportedShard, ShardReport
+from llmgw.control.state.signals import SignalStore
+from llmgw.control.state.signals import from_message as signals_from_message
 from llmgw.routing import EngineSignals
 from llmgw.states import ENDED, LIVE, ShardState
 

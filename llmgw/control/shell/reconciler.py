@@ -40,15 +40,18 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from zope.interface import implementer
 
-from llmgw.control import deadlines, lifecycle, nodes, placing, reports, scaler, views
-from llmgw.control.backoff import Backoff
-from llmgw.control.catalog import Catalog, CatalogError, load_catalog
-from llmgw.control.catalog import FleetState as KeptState
-from llmgw.control.commands import send
-from llmgw.control.context import MAX_SENDS, STOP_SLACK, Context, DeploymentState, Rules
-from llmgw.control.events import EventLog, log_event
-from llmgw.control.fleetstate import FleetState, ReplicaRec, format_address
-from llmgw.control.interfaces import (
+from llmgw.control.core import deadlines, lifecycle, nodes, placing, reports, scaler
+from llmgw.control.core.backoff import Backoff
+from llmgw.control.core.catalog import Catalog, CatalogError, load_catalog
+from llmgw.control.core.commands import send
+from llmgw.control.core.context import MAX_SENDS, STOP_SLACK, Context, DeploymentState, Rules
+from llmgw.control.core.kept import KeptState
+from llmgw.control.core.outcome import Outcome
+from llmgw.control.shell import views
+from llmgw.control.shell.outbox import Outbox
+from llmgw.control.state.events import EventLog, log_event
+from llmgw.control.state.fleetstate import FleetState, ReplicaRec, format_address
+from llmgw.control.state.interfaces import (
     AdminError,
     IDispatcher,
     IFleetAdmin,
@@ -57,11 +60,9 @@ from llmgw.control.interfaces import (
     ReportedShard,
     ShardReport,
 )
-from llmgw.control.inventory import Inventory
-from llmgw.control.outbox import Outbox
-from llmgw.control.outcome import Outcome
-from llmgw.control.placement import PortBook
-from llmgw.control.signals import ShardSignals, SignalStore  # engines (issue 11)
+from llmgw.control.state.inventory import Inventory
+from llmgw.control.state.placement import PortBook
+from llmgw.control.state.signals import ShardSignals, SignalStore  # engines (issue 11)
 from llmgw.routing import Demand, EngineSignals, IDemand, IRoutingTable, Route, RoutingTable
 
 __all__ = ["MAX_SENDS", "STOP_SLACK", "DeploymentState", "Reconciler", "format_address"]

@@ -692,7 +692,7 @@ def parse_request(payload: bytes) -> tuple[Any, str, str, Any]:
 class SocketRequest:
     """
     A request that came over the watch socket, shaped as much like a
-    C{twisted.web} request as L{llmgw.control.admin.AdminResource} needs,
+    C{twisted.web} request as L{llmgw.control.admin.api.AdminResource} needs,
     so that the admin API's own C{render} (authorisation, routing,
     handlers, errors) answers it. The answer goes back as a C{response}
     message with the same C{id}, the HTTP status and the JSON body.

@@ -12,13 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmgw.control.commands import Command
+from llmgw.control.core.commands import Command
 
 
 @dataclass(frozen=True, slots=True)
 class Notice:
     """
-    An event decided, to be logged by the shell (L{llmgw.control.events}).
+    An event decided, to be logged by the shell (L{llmgw.control.state.events}).
     """
 
     kind: str

@@ -29,8 +29,8 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from llmgw.control.inventory import Inventory
-from llmgw.control.placement import NodeCapacity, Placer, PortBook
+from llmgw.control.state.inventory import Inventory
+from llmgw.control.state.placement import NodeCapacity, Placer, PortBook
 from llmgw.routing import EngineSignals, Route
 from llmgw.states import SERVING, SEVERITY, ReplicaState, ShardState
 

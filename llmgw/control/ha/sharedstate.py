@@ -3,9 +3,9 @@ What an operator set through the admin API, kept in etcd for a highly
 available control plane (DESIGN §17, issue 14 item 3): scale overrides,
 autoscaling bounds, cordoned nodes and nodes being drained, and (ha3) the
 deployments held after a configuration failure. Standalone, the same state
-but the holds lives in a file beside the catalog (L{FleetState}).
+but the holds lives in a file beside the catalog (L{KeptState}).
 
-The document is the file's JSON (L{FleetState.to_data}) under one key,
+The document is the file's JSON (L{KeptState.to_data}) under one key,
 C{PREFIX/fleet-state}. Every write is a transaction that compares the
 leader key's lease with the lease this member won under, and the key's
 mod revision with the one this member last read or wrote: a deposed
@@ -16,7 +16,7 @@ How a change is applied (etcd first, then the reconciler):
 - An operator's change comes through L{SharedFleet}, the admin API's fleet
   in HA mode. It checks the request as the reconciler would, writes the
   new document to etcd, and only once etcd accepted it applies the change
-  to the reconciler, whose own call to L{SharedFleetState.set} (and the
+  to the reconciler, whose own call to L{SharedKeptState.set} (and the
   others) then finds the local copy already current and writes nothing.
   The admin handler answers when the write is done; if etcd refuses it
   (this member no longer leads) or cannot be reached, the answer is an
@@ -24,16 +24,16 @@ How a change is applied (etcd first, then the reconciler):
 - A change the reconciler makes by itself (a node the inventory dropped
   leaves the cordoned and draining sets; a deployment is held after a
   configuration failure, or released when its profile changed) goes
-  through L{SharedFleetState.set_nodes} or L{SharedFleetState.set_holds}:
+  through L{SharedKeptState.set_nodes} or L{SharedKeptState.set_holds}:
   applied locally at once and written behind, a failure logged (a new
   leader reads what etcd holds).
 - An operator's retry (L{SharedFleet.retry}) removes the hold in etcd
   first, like the other admin changes, then releases it in the
   reconciler; a deposed leader's retry changes nothing (409).
 - Reads are of the local copy, loaded at each take-over
-  (L{SharedFleetState.load_from}); only the leader writes, so while it
+  (L{SharedKeptState.load_from}); only the leader writes, so while it
   leads its copy is what etcd holds. A change made in etcd by hand is seen
-  by a watch (L{SharedFleetState.follow}) and taken up as at a take-over.
+  by a watch (L{SharedKeptState.follow}) and taken up as at a take-over.
   When etcd holds no document yet, the leader seeds it from its own state
   file (the standalone one), under its lease.
 
@@ -51,11 +51,11 @@ from typing import Any
 from twisted.internet import defer
 from twisted.logger import Logger
 
-from llmgw.control import placing, scaler
-from llmgw.control.catalog import FleetState
-from llmgw.control.election import leader_key
-from llmgw.control.failures import Hold
-from llmgw.control.interfaces import AdminError
+from llmgw.control.core import placing, scaler
+from llmgw.control.core.failures import Hold
+from llmgw.control.core.kept import KeptState
+from llmgw.control.ha.election import leader_key
+from llmgw.control.state.interfaces import AdminError
 from llmgw.etcd import Compare, EtcdError, Put, Range
 
 
@@ -72,9 +72,9 @@ class SharedStateError(OSError):
     """
 
 
-class SharedFleetState(FleetState):
+class SharedKeptState(KeptState):
     """
-    L{FleetState} whose document lives in etcd; see the module docstring.
+    L{KeptState} whose document lives in etcd; see the module docstring.
 
     @param store: the etcd client (or L{llmgw.testing.fakeetcd.FakeEtcd}).
     """
@@ -145,7 +145,7 @@ class SharedFleetState(FleetState):
 
     # -- etcd ---------------------------------------------------------------------------
 
-    async def load_from(self, lease: int, seed: FleetState | None = None) -> list[str]:
+    async def load_from(self, lease: int, seed: KeptState | None = None) -> list[str]:
         """
         Read the document from etcd into the local copy, for a leader that
         won under C{lease}; returns warnings. If etcd holds none, C{seed}'s
@@ -159,7 +159,7 @@ class SharedFleetState(FleetState):
         if kv is None:
             self.take_data({})
             self.revision = 0
-            if seed is not None and seed.to_data() != FleetState(None).to_data():
+            if seed is not None and seed.to_data() != KeptState(None).to_data():
                 try:
                     await self.write(lambda state: state.take_data(seed.to_data()))
                 except SharedStateError as e:
@@ -218,7 +218,7 @@ class SharedFleetState(FleetState):
         """This member no longer leads: no write is attempted from now."""
         self.lease = None
 
-    def write(self, change: Callable[[FleetState], None]) -> defer.Deferred[None]:
+    def write(self, change: Callable[[KeptState], None]) -> defer.Deferred[None]:
         """
         Write the local state changed by C{change} (called on a copy) to
         etcd; once etcd took it, the local copy becomes it. Fails with
@@ -227,12 +227,12 @@ class SharedFleetState(FleetState):
         """
         return self._lock.run(lambda: defer.ensureDeferred(self._write(change)))
 
-    async def _write(self, change: Callable[[FleetState], None]) -> None:
+    async def _write(self, change: Callable[[KeptState], None]) -> None:
         lease = self.lease
         if lease is None:
             self.refused += 1
             raise SharedStateError("this control-plane member does not lead: nothing changed")
-        new = FleetState(None)
+        new = KeptState(None)
         new.take_data(self.to_data())
         change(new)
         value = json.dumps(new.to_data(), sort_keys=True).encode()
@@ -278,20 +278,20 @@ def _refused(e: SharedStateError) -> AdminError:
 class SharedFleet:
     """
     The admin API's fleet in HA mode: the reconciler, with the operator's
-    changes kept in etcd (L{SharedFleetState}) before they are applied.
+    changes kept in etcd (L{SharedKeptState}) before they are applied.
     Everything else is the reconciler's. Its changes answer a Deferred, so
     it does not declare L{IFleetAdmin} (whose methods answer at once); the
     admin API waits for either.
     """
 
-    def __init__(self, reconciler: Any, kept: SharedFleetState):
+    def __init__(self, reconciler: Any, kept: SharedKeptState):
         self.reconciler = reconciler
         self.kept = kept
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.reconciler, name)
 
-    def _then(self, change: Callable[[FleetState], None], apply: Callable[[], None]) -> defer.Deferred[None]:
+    def _then(self, change: Callable[[KeptState], None], apply: Callable[[], None]) -> defer.Deferred[None]:
         def failed(f: Any) -> None:
             f.trap(SharedStateError)
             raise _refused(f.value)
@@ -315,11 +315,11 @@ class SharedFleet:
                           lambda: r.scale_bounds(model, min_replicas, max_replicas))
 
     def _nodes(self, node_id: str, cordon: bool, drain: bool, apply: Callable[[str], None]) -> defer.Deferred[None]:
-        from llmgw.control import nodes
+        from llmgw.control.core import nodes
 
         nodes.known(self.reconciler.ctx, node_id)
 
-        def change(s: FleetState) -> None:
+        def change(s: KeptState) -> None:
             if cordon:
                 s.cordoned = s.cordoned | {node_id}
             else:
@@ -336,7 +336,7 @@ class SharedFleet:
         """
         r = self.reconciler
         placing.deployment(r.ctx, model)
-        def change(s: FleetState) -> None:
+        def change(s: KeptState) -> None:
             s.held.pop(model, None)
 
         return self._then(change, lambda: r.retry(model))

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmgw.control.catalog import Catalog
-from llmgw.control.fleetstate import FleetState, Phase
-from llmgw.control.interfaces import ReportedShard
+from llmgw.control.core.catalog import Catalog
+from llmgw.control.state.fleetstate import FleetState, Phase
+from llmgw.control.state.interfaces import ReportedShard
 from llmgw.states import LIVE
 
 
