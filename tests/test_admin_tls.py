@@ -26,13 +26,9 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.client import Agent, HTTPConnectionPool
 
 from llmgw.control import service as control_service
-from llmgw.control.admin.api import (
-    AdminChannel,
-    AdminResource,
-    AdminTLSRequired,
-    admin_service,
-    role_allows,
-)
+from llmgw.control.admin.api import AdminResource
+from llmgw.control.admin.auth import role_allows
+from llmgw.control.admin.site import AdminChannel, AdminTLSRequired, admin_service
 from llmgw.control.shell.metrics import make_registry
 from llmgw.ctl import fleet as ctl_fleet
 from llmgw.ctl.main import build_parser
