@@ -1,5 +1,5 @@
 """
-The admin API's autoscaling surface (issue 12): bounds through
+The admin API's autoscaling surface: bounds through
 C{POST /api/v1/deployments/{model}/scale}, gateways' demand through
 C{POST /api/v1/demand}, and the C{gateway} role's right to post it.
 """

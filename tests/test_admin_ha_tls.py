@@ -1,5 +1,5 @@
 """
-Mutual TLS on a member that does not lead (issue 14 item 5): it checks the
+Mutual TLS on a member that does not lead: it checks the
 client's certificate and role itself, with the same rules as the leader,
 before it sends the client on, so a redirect never widens access.
 """

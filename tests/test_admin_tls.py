@@ -1,5 +1,5 @@
 """
-The admin API over mutual TLS with roles (issue 13, item 3), on real
+The admin API over mutual TLS with roles, on real
 loopback sockets with certificates made by llmgw's CA at test time: who may
 read, who may change state, what is refused and how it is logged; and the
 two clients, C{llmgw ctl} (blocking, in a thread) and the standalone

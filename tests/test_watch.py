@@ -565,7 +565,7 @@ class SignalAgeTests(WatchTestCase):
 
 
 class FollowerWatchTests(WatchTestCase):
-    """ha3: the watch stream on an HA member that does not lead."""
+    """The watch stream on an HA member that does not lead."""
 
     def follower(self, routes: bool) -> None:
         from tests.test_admin_ha import FakeControl, FakeHA
