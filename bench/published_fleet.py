@@ -50,7 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from twisted.internet.task import Clock  # noqa: E402
 
 from bench.common import summary_ms  # noqa: E402
-from llmgw.control.admin.api import nodes_view  # noqa: E402
+from llmgw.control.admin.fleet import nodes_view  # noqa: E402
 from llmgw.control.core.catalog import EMPTY  # noqa: E402
 from llmgw.control.ha.member import SlicedNodes  # noqa: E402
 from llmgw.control.ha.published import (  # noqa: E402

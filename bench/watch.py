@@ -6,7 +6,7 @@ changes R times a second.
     python bench/watch.py --clients 200 --seconds 5
 
 Two phases in one run, each against a fresh server process: the admin API
-(L{llmgw.control.admin.api.admin_service}, its L{WatchHub} and all) on 127.0.0.1
+(L{llmgw.control.admin.site.admin_service}, its L{WatchHub} and all) on 127.0.0.1
 over a fake fleet (L{llmgw.testing.fleet.sample_fleet}) whose real
 L{RoutingTable} is republished R times a second; first with no watchers
 (the baseline), then with N. Clients are raw WebSocket readers in
@@ -59,7 +59,7 @@ def serve(rate: float, seconds: float) -> None:
     from twisted.internet.task import LoopingCall
     from twisted.protocols.basic import LineReceiver
 
-    from llmgw.control.admin.api import admin_service
+    from llmgw.control.admin.site import admin_service
     from llmgw.control.shell.metrics import make_registry
     from llmgw.routing import Route, RoutingTable
     from llmgw.testing.fleet import sample_fleet

@@ -18,14 +18,10 @@ from twisted.python import usage
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.control import service
-from llmgw.control.admin.api import (
-    ABORT_BODY,
-    MAX_BODY,
-    AdminResource,
-    admin_service,
-    admin_site,
-    model_path,
-)
+from llmgw.control.admin.actions import model_path
+from llmgw.control.admin.api import AdminResource
+from llmgw.control.admin.base import MAX_BODY
+from llmgw.control.admin.site import ABORT_BODY, admin_service, admin_site
 from llmgw.control.shell.metrics import make_registry, register_control_metrics
 from llmgw.control.state.interfaces import AdminError
 from llmgw.control.state.inventory import Node, StrayProcess

@@ -1,12 +1,12 @@
 """
-The admin API's autoscaling surface (issue 12): bounds through
+The admin API's autoscaling surface: bounds through
 C{POST /api/v1/deployments/{model}/scale}, gateways' demand through
 C{POST /api/v1/demand}, and the C{gateway} role's right to post it.
 """
 
 from __future__ import annotations
 
-from llmgw.control.admin.api import role_allows
+from llmgw.control.admin.auth import role_allows
 from llmgw.routing import Demand
 from tests.test_admin import AdminTestCase
 

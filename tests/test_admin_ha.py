@@ -1,5 +1,5 @@
 """
-Tests for the admin API of an HA control plane's members (issue 14 item 5):
+Tests for the admin API of an HA control plane's members:
 a member that does not lead sends clients to the leader's admin URL, and
 answers its own status, metrics and TLS reload itself.
 """
@@ -13,7 +13,8 @@ from treq.testing import StubTreq
 from twisted.logger import Logger
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.control.admin.api import AdminResource, leader_location, local_path
+from llmgw.control.admin.api import AdminResource
+from llmgw.control.admin.leader import leader_location, local_path
 from llmgw.control.ha.published import FleetDocument, pack_fleet
 from llmgw.routing import Route
 from tests.test_admin import AdminTestCase
@@ -31,7 +32,7 @@ class FakeHA:
                  leader_admin_url: str | None = LEADER_URL, member_id: str = "cp-1",
                  routes: bool = False, fleet: FleetDocument | None = None):
         self.routes = routes
-        #: ha4: the fleet views this member follows, if any.
+        #: The fleet views this member follows, if any.
         self.fleet = fleet
         self.st = {"role": role, "member_id": member_id, "leader_id": leader_id,
                    "leader_agent_address": "cp-2.example:7443", "leader_admin_url": leader_admin_url,
@@ -145,7 +146,7 @@ class FollowerAdminTests(AdminTestCase):
 
     def test_routes_answered_from_the_followed_table(self) -> None:
         """
-        ha3: a follower that holds the table the leader published answers
+        A follower that holds the table the leader published answers
         GET /api/v1/routes itself, from its own routing table; other reads
         are still redirected.
         """
@@ -159,7 +160,7 @@ class FollowerAdminTests(AdminTestCase):
 
     def test_fleet_reads_answered_from_the_published_views(self) -> None:
         """
-        ha4: a follower that holds the fleet views the leader published
+        A follower that holds the fleet views the leader published
         answers nodes, replicas and events itself (the leader's answer, with
         published_at, published_by and the leader's URL in x-llmgw-leader;
         events filtered by ?since=), its status carries the leader's fleet
@@ -189,7 +190,7 @@ class FollowerAdminTests(AdminTestCase):
 
     def test_unreadable_part_redirected(self) -> None:
         """
-        ha5: a part of the published views that cannot be inflated (the
+        A part of the published views that cannot be inflated (the
         header was fine) is logged and the read sent to the leader; the
         other parts are still answered here.
         """

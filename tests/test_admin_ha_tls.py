@@ -1,5 +1,5 @@
 """
-Mutual TLS on a member that does not lead (issue 14 item 5): it checks the
+Mutual TLS on a member that does not lead: it checks the
 client's certificate and role itself, with the same rules as the leader,
 before it sends the client on, so a redirect never widens access.
 """
@@ -16,7 +16,7 @@ from twisted.internet.defer import inlineCallbacks
 from twisted.trial.unittest import TestCase
 from twisted.web.client import Agent, HTTPConnectionPool
 
-from llmgw.control.admin.api import admin_service
+from llmgw.control.admin.site import admin_service
 from llmgw.control.shell.metrics import make_registry
 from llmgw.testing.fleet import sample_fleet
 from llmgw.testing.pki import make_pki

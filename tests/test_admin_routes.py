@@ -16,7 +16,8 @@ from twisted.logger import Logger, LogLevel
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.control.admin.api import AdminResource, admin_site
+from llmgw.control.admin.api import AdminResource
+from llmgw.control.admin.site import admin_site
 from llmgw.control.shell.metrics import make_registry
 from llmgw.routing import LONG_POLL_MAX_S, EngineSignals, Route, RoutingTable
 from llmgw.testing.fleet import sample_fleet

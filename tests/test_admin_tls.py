@@ -1,5 +1,5 @@
 """
-The admin API over mutual TLS with roles (issue 13, item 3), on real
+The admin API over mutual TLS with roles, on real
 loopback sockets with certificates made by llmgw's CA at test time: who may
 read, who may change state, what is refused and how it is logged; and the
 two clients, C{llmgw ctl} (blocking, in a thread) and the standalone
@@ -26,13 +26,9 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.client import Agent, HTTPConnectionPool
 
 from llmgw.control import service as control_service
-from llmgw.control.admin.api import (
-    AdminChannel,
-    AdminResource,
-    AdminTLSRequired,
-    admin_service,
-    role_allows,
-)
+from llmgw.control.admin.api import AdminResource
+from llmgw.control.admin.auth import role_allows
+from llmgw.control.admin.site import AdminChannel, AdminTLSRequired, admin_service
 from llmgw.control.shell.metrics import make_registry
 from llmgw.ctl import fleet as ctl_fleet
 from llmgw.ctl.main import build_parser

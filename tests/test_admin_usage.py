@@ -22,7 +22,8 @@ from twisted.python import usage
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.client import Agent, HTTPConnectionPool
 
-from llmgw.control.admin.api import AdminResource, admin_service
+from llmgw.control.admin.api import AdminResource
+from llmgw.control.admin.site import admin_service
 from llmgw.control.shell.metrics import make_registry
 from llmgw.ctl.main import build_parser
 from llmgw.ctl.usage import cmd_usage

@@ -18,7 +18,8 @@ from twisted.internet import threads
 from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
-from llmgw.control.admin.api import AdminResource, admin_site
+from llmgw.control.admin.api import AdminResource
+from llmgw.control.admin.site import admin_site
 from llmgw.control.shell.metrics import make_registry
 from llmgw.control.state.interfaces import AdminError
 from llmgw.ctl import fleet as ctl

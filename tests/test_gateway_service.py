@@ -22,7 +22,7 @@ from twisted.python import usage
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from llmgw import tap
-from llmgw.control.admin.api import admin_service
+from llmgw.control.admin.site import admin_service
 from llmgw.control.shell.metrics import make_registry
 from llmgw.gateway.service import GatewayService, Options, StandaloneGateway, makeService
 from llmgw.routing import Route, RoutingSnapshot, RoutingTable
@@ -32,7 +32,7 @@ from tests.gateway_helpers import FakeReplica, Harness
 ADMIN_SCRIPT = r"""
 import json, sys
 from twisted.internet import reactor
-from llmgw.control.admin.api import admin_site
+from llmgw.control.admin.site import admin_site
 from llmgw.control.shell.metrics import make_registry
 from llmgw.routing import Route, RoutingTable
 from llmgw.testing.fleet import sample_fleet

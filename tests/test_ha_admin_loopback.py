@@ -14,7 +14,7 @@ from twisted.internet import threads
 from twisted.internet.defer import inlineCallbacks
 from twisted.trial.unittest import TestCase
 
-from llmgw.control.admin.api import admin_site
+from llmgw.control.admin.site import admin_site
 from llmgw.control.shell.metrics import make_registry
 from llmgw.ctl import fleet as ctl
 from llmgw.ctl.main import build_parser

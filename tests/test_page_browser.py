@@ -18,7 +18,7 @@ from twisted.internet.defer import inlineCallbacks
 from twisted.internet.threads import deferToThread
 from twisted.trial.unittest import SkipTest, TestCase
 
-from llmgw.control.admin.api import admin_service
+from llmgw.control.admin.site import admin_service
 from llmgw.control.shell.metrics import make_registry
 from llmgw.routing import RoutingTable
 from llmgw.testing.fleet import FakeFleet, sample_fleet

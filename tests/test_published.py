@@ -775,7 +775,7 @@ class HAMemberFleetTests(SynchronousTestCase):
         built for the slice asked (by index or slice); a node removed after
         the view was taken is left out of its slice.
         """
-        from llmgw.control.admin.api import nodes_view
+        from llmgw.control.admin.fleet import nodes_view
         from llmgw.control.state.inventory import GPUInfo, Node
 
         reactor = MemoryReactorClock()

@@ -18,7 +18,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.control.admin.api import admin_site
+from llmgw.control.admin.site import admin_site
 from llmgw.control.admin.watch import WatchHub
 from llmgw.control.shell.metrics import make_registry
 from llmgw.routing import Route, RoutingTable
@@ -565,7 +565,7 @@ class SignalAgeTests(WatchTestCase):
 
 
 class FollowerWatchTests(WatchTestCase):
-    """ha3: the watch stream on an HA member that does not lead."""
+    """The watch stream on an HA member that does not lead."""
 
     def follower(self, routes: bool) -> None:
         from tests.test_admin_ha import FakeControl, FakeHA

@@ -17,7 +17,7 @@ from twisted.internet.defer import Deferred, DeferredQueue, inlineCallbacks
 from twisted.internet.endpoints import HostnameEndpoint, wrapClientTLS
 from twisted.trial.unittest import TestCase
 
-from llmgw.control.admin.api import admin_service
+from llmgw.control.admin.site import admin_service
 from llmgw.control.shell.metrics import make_registry
 from llmgw.gateway.follower import FollowerService, FollowerTable
 from llmgw.routing import Route, RoutingTable
@@ -155,7 +155,7 @@ class FollowerWatchTests(TestCase):
         self.fleet.publish_routes()
         self.svc = admin_service(reactor, "127.0.0.1", 0, self.fleet, make_registry())
         if not watch:
-            self.svc.factory.resource._watch_factory = None
+            self.svc.factory.resource.watch_factory = None
         self.svc.startService()
         self.addCleanup(self.svc.stopService)
         url = f"http://127.0.0.1:{self.svc.address()[1]}"

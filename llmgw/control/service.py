@@ -27,7 +27,7 @@ from llmgw.addresses import (
     server_endpoint,
 )
 from llmgw.collector import DEFAULT_GC_THRESHOLD, CollectorTuning
-from llmgw.control.admin.api import (
+from llmgw.control.admin.site import (
     DEFAULT_ADMIN_HOST,
     DEFAULT_ADMIN_PORT,
     admin_service,

@@ -36,6 +36,10 @@ A client that does not read is dropped: once its transport's buffer is
 full (the transport pauses us), what is sent to it is held up to
 C{max_buffer} bytes; past that the connection is aborted and logged.
 The C{gateway} role sees only C{snapshot} routes and C{routes} messages.
+
+This module is the stream's source, L{WatchHub}; its clients' side (the
+upgrade, the WebSocket protocol, requests over the socket) is
+L{llmgw.control.admin.websocket}.
 """
 
 from __future__ import annotations
@@ -44,17 +48,17 @@ import collections
 import json
 import secrets
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from autobahn.twisted.websocket import WebSocketServerFactory, WebSocketServerProtocol
-from twisted.internet import tcp
-from twisted.internet.interfaces import IDelayedCall, IPushProducer
+from autobahn.twisted.websocket import WebSocketServerFactory
+from twisted.internet.interfaces import IDelayedCall
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
-from twisted.web.http_headers import Headers
-from zope.interface import implementer
 
 from llmgw.routing import RoutingTable, snapshot_to_json
+
+if TYPE_CHECKING:
+    from llmgw.control.admin.websocket import WatchProtocol
 
 #: Messages kept for resuming.
 RING_SIZE = 10_000
@@ -75,8 +79,6 @@ REVOCATION_CHECK_S = 2.0
 SNAPSHOT_EVENTS = 50
 #: Seconds the views are diffed on after the last fleet reader left.
 RESUME_GRACE = 60.0
-#: Largest message a client may send, in bytes.
-MAX_CLIENT_MESSAGE = 64 * 1024
 
 #: Message classes: what every role sees, and what needs a fleet reader.
 ROUTES, FLEET = "routes", "fleet"
@@ -85,7 +87,10 @@ ROUTES, FLEET = "routes", "fleet"
 VOLATILE = {"node": ("last_seen",)}
 
 
-def _encode(message: dict[str, Any]) -> bytes:
+def encode_message(message: dict[str, Any]) -> bytes:
+    """
+    C{message} as compact JSON, the text of one WebSocket message.
+    """
     return json.dumps(message, allow_nan=False, separators=(",", ":"), default=_default).encode("utf-8")
 
 
@@ -291,10 +296,17 @@ class WatchHub:
 
     # -- producing messages ----------------------------------------------------------
 
+    def frame(self, message: dict[str, Any]) -> bytes:
+        """
+        C{message} framed as one WebSocket text message, ready to write.
+        """
+        framed: bytes = self._framer.prepareMessage(encode_message(message)).payloadHybi
+        return framed
+
     def _append(self, message: dict[str, Any], cls: str) -> None:
         self.revision += 1
         message["revision"] = self.revision
-        framed = self._framer.prepareMessage(_encode(message)).payloadHybi
+        framed = self.frame(message)
         self._ring.append((self.revision, cls, framed))
         for batch in self._batches:
             if batch.clients and (cls == ROUTES or batch.fleet):
@@ -415,11 +427,11 @@ class WatchHub:
             if isinstance(seq, int):
                 if seq <= last_seq:
                     continue
-            elif t < last_time or (t == last_time and _encode(e) in self._seen_at_time):
+            elif t < last_time or (t == last_time and encode_message(e) in self._seen_at_time):
                 continue
             if t > last_time:
                 self._seen_at_time = set()
-            self._seen_at_time.add(_encode(e))
+            self._seen_at_time.add(encode_message(e))
             last_time = max(last_time, t)
             if isinstance(seq, int):
                 last_seq = seq
@@ -473,10 +485,10 @@ class WatchHub:
             return
         out = []
         if problem is not None:
-            out.append(_encode({"type": "reset", "revision": self.revision, "epoch": self.epoch,
-                                "reason": problem}))
-        out.append(_encode(self.snapshot(client.fleet_reader)))
-        client.send_framed(b"".join(self._framer.prepareMessage(m).payloadHybi for m in out))
+            out.append(self.frame({"type": "reset", "revision": self.revision, "epoch": self.epoch,
+                                   "reason": problem}))
+        out.append(self.frame(self.snapshot(client.fleet_reader)))
+        client.send_framed(b"".join(out))
 
     def _resume_problem(self, since: int | None, epoch: str | None, fleet_reader: bool) -> str | None:
         if since is None:
@@ -504,356 +516,3 @@ class WatchHub:
                 self._stop_views()
             elif self._fleet_readers == 0 and self._views_stop is None:
                 self._views_stop = self.clock.callLater(self.resume_grace, self._stop_views)
-
-
-def _write_now(transport: Any, data: bytes) -> None:
-    """
-    C{transport.write(data)}, but straight to the socket when the transport
-    is a TCP connection with nothing buffered: a flush to a thousand
-    clients then costs a C{send} each, not also two C{epoll_ctl} and a
-    reactor round. Whatever the socket does not take, and any error, goes
-    the ordinary way.
-    """
-    if (
-        type(transport) is tcp.Server
-        and transport.connected
-        and not transport.disconnecting
-        and not transport.dataBuffer
-        and not transport._tempDataBuffer
-        and transport.producer is not None
-        and not transport.producerPaused
-    ):
-        sent = transport.writeSomeData(data)
-        if isinstance(sent, int) and sent >= 0:
-            if sent < len(data):
-                transport.write(data[sent:])
-            return
-    transport.write(data)
-
-
-@implementer(IPushProducer)
-class _Backpressure:
-    """
-    Registered on a watch client's transport: its pauses tell the client to
-    hold what it is sent.
-    """
-
-    def __init__(self, client: WatchProtocol):
-        self.client = client
-
-    def pauseProducing(self) -> None:
-        self.client.paused = True
-
-    def resumeProducing(self) -> None:
-        self.client.resumed()
-
-    def stopProducing(self) -> None:
-        self.client.paused = True
-
-
-class WatchProtocol(WebSocketServerProtocol):
-    """
-    One watch client. Its C{hub}, C{fleet_reader}, C{since}, C{epoch} and
-    C{who} are set before the connection is handed over.
-    """
-
-    log = Logger()
-    hub: WatchHub
-    fleet_reader = True
-    since: int | None = None
-    epoch: str | None = None
-    who = "?"
-    paused = False
-    attached = False
-
-    resource: Any = None
-    serial: int | None = None
-    channel: Any = None
-    host: bytes = b""
-    address: Any = None
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.requests: set[SocketRequest] = set()
-        self._held: list[bytes] = []
-        self._held_bytes = 0
-
-    def onOpen(self) -> None:
-        transport: Any = self.transport
-        if getattr(transport, "producer", None) is not None:
-            transport.unregisterProducer()
-        transport.registerProducer(_Backpressure(self), True)
-        self.attached = True
-        self.hub.attach(self, self.since, self.epoch)
-
-    def onMessage(self, payload: bytes, isBinary: bool) -> None:  # noqa: N803
-        try:
-            rid, method, path, body = parse_request(payload)
-        except RequestError as e:
-            self.log.info("watch: refused a message from {who}: {reason}", who=self.who, reason=str(e))
-            self._answer(getattr(e, "rid", None), 400, {"error": str(e), "status": 400})
-            return
-        if len(self.requests) >= MAX_REQUESTS_IN_FLIGHT:
-            self._answer(rid, 429, {"error": f"over {MAX_REQUESTS_IN_FLIGHT} requests in flight on this "
-                                    "socket; wait for answers", "status": 429})
-            return
-        if self.resource is None:
-            self._answer(rid, 404, {"error": "this stream serves no requests", "status": 404})
-            return
-        request = SocketRequest(self, rid, method, path, body)
-        self.requests.add(request)
-        request.run(self.resource)
-
-    def _answer(self, rid: Any, status: int, body: Any) -> None:
-        message = {"type": "response", "id": rid, "status": status, "body": body}
-        self.send_framed(self.hub._framer.prepareMessage(_encode(message)).payloadHybi)
-
-    def onClose(self, wasClean: bool, code: int | None, reason: str | None) -> None:  # noqa: N803
-        for request in list(self.requests):
-            request.gone()
-        if self.attached:
-            self.attached = False
-            self.hub.detach(self)
-
-    def send_framed(self, data: bytes) -> None:
-        """
-        Write already framed messages, or hold them while the transport is
-        full; past the hub's C{max_buffer} held bytes, drop the client.
-        """
-        if not self.attached or self.transport is None:
-            return
-        if not self.paused:
-            _write_now(self.transport, data)
-            return
-        self._held.append(data)
-        self._held_bytes += len(data)
-        if self._held_bytes > self.hub.max_buffer:
-            self.log.warn(
-                "watch: dropping {who}: it reads too slowly ({n} bytes waiting over {limit})",
-                who=self.who, n=self._held_bytes, limit=self.hub.max_buffer,
-            )
-            self.hub.dropped += 1
-            self._held, self._held_bytes = [], 0
-            self.attached = False
-            self.hub.detach(self)
-            transport: Any = self.transport
-            transport.abortConnection()
-
-    def resumed(self) -> None:
-        self.paused = False
-        held, self._held, self._held_bytes = self._held, [], 0
-        if held and self.attached and self.transport is not None:
-            self.transport.write(b"".join(held))
-
-
-#: Requests a socket may have unanswered at once.
-MAX_REQUESTS_IN_FLIGHT = 16
-
-
-class RequestError(ValueError):
-    """
-    A message from a client is not a request.
-    """
-
-
-def parse_request(payload: bytes) -> tuple[Any, str, str, Any]:
-    """
-    A C{{"type": "request", "id": ID, "method": "GET"|"POST", "path":
-    "/api/v1/...", "body": {...}}} message's id, method, path and body.
-
-    @raise RequestError: it is not one (its C{rid} attribute is the id,
-        when one could be read).
-    """
-    try:
-        message = json.loads(payload)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise RequestError(f"a message is a JSON request object: {e}") from None
-    if not isinstance(message, dict):
-        raise RequestError("a message is a JSON request object")
-    rid = message.get("id")
-    problem = None
-    if message.get("type") != "request":
-        problem = 'a message is a request: "type": "request"'
-    elif isinstance(rid, bool) or not isinstance(rid, int | str):
-        problem = '"id" must be a number or a string'
-    elif message.get("method") not in ("GET", "POST"):
-        problem = '"method" must be "GET" or "POST"'
-    elif not isinstance(message.get("path"), str) or not message["path"].startswith("/"):
-        problem = '"path" must be a string starting with /'
-    elif "body" in message and not isinstance(message["body"], dict):
-        problem = '"body" must be a JSON object'
-    if problem is not None:
-        err = RequestError(problem)
-        err.rid = rid if isinstance(rid, int | str) and not isinstance(rid, bool) else None  # type: ignore[attr-defined]
-        raise err
-    return rid, message["method"], message["path"], message.get("body")
-
-
-class SocketRequest:
-    """
-    A request that came over the watch socket, shaped as much like a
-    C{twisted.web} request as L{llmgw.control.admin.api.AdminResource} needs,
-    so that the admin API's own C{render} (authorisation, routing,
-    handlers, errors) answers it. The answer goes back as a C{response}
-    message with the same C{id}, the HTTP status and the JSON body.
-    """
-
-    def __init__(self, protocol: WatchProtocol, rid: Any, method: str, path: str, body: Any):
-        from io import BytesIO
-        from urllib.parse import parse_qs, urlsplit
-
-        self.protocol = protocol
-        self.rid = rid
-        parts = urlsplit(path)
-        self.method = method.encode("ascii")
-        self.uri = path.encode("utf-8")
-        self.path = parts.path.encode("utf-8")
-        self.prepath: list[bytes] = []
-        self.postpath = [seg.encode("utf-8") for seg in parts.path.split("/")[1:]]
-        self.args = {
-            k.encode("utf-8"): [v.encode("utf-8") for v in vs]
-            for k, vs in parse_qs(parts.query, keep_blank_values=True).items()
-        }
-        self.content = BytesIO(json.dumps(body).encode("utf-8") if body is not None else b"")
-        self.channel = protocol.channel
-        self.transport = None
-        # The upgrade's own request line and Host, which the admin API
-        # checked when the socket opened; the checks at the API's entry
-        # read them again for each request that comes over it.
-        self.clientproto = b"HTTP/1.1"
-        self.requestHeaders = Headers({b"content-type": [b"application/json"]})
-        if protocol.host:
-            self.requestHeaders.setRawHeaders(b"host", [protocol.host])
-        self.code = 200
-        self._out: list[bytes] = []
-        self._finish_waiters: list[Any] = []
-        self.finished = False
-
-    # -- what the resource reads -------------------------------------------------------
-
-    def getHeader(self, name: bytes) -> bytes | None:  # noqa: N802
-        values = self.requestHeaders.getRawHeaders(name)
-        return values[-1] if values else None
-
-    def getClientAddress(self) -> Any:  # noqa: N802
-        return self.protocol.address
-
-    # -- what it writes ------------------------------------------------------------------
-
-    def setResponseCode(self, code: int, message: bytes | None = None) -> None:  # noqa: N802
-        self.code = code
-
-    def setHeader(self, name: bytes, value: bytes) -> None:  # noqa: N802
-        pass
-
-    def write(self, data: bytes) -> None:
-        self._out.append(data)
-
-    def notifyFinish(self) -> Any:  # noqa: N802
-        from twisted.internet.defer import Deferred
-
-        d: Deferred[None] = Deferred()
-        self._finish_waiters.append(d)
-        return d
-
-    def finish(self) -> None:
-        if self.finished:
-            return
-        self.finished = True
-        self.protocol.requests.discard(self)
-        raw = b"".join(self._out)
-        try:
-            body: Any = json.loads(raw) if raw else None
-        except ValueError:
-            body = raw.decode("utf-8", "replace")  # /metrics is text
-        self.protocol._answer(self.rid, self.code, body)
-        waiters, self._finish_waiters = self._finish_waiters, []
-        for d in waiters:
-            d.callback(None)
-
-    def gone(self) -> None:
-        """
-        The socket closed before the answer: handlers waiting (a long-poll)
-        are told, as a web request's are.
-        """
-        from twisted.internet.error import ConnectionLost
-        from twisted.python.failure import Failure
-
-        self.finished = True
-        waiters, self._finish_waiters = self._finish_waiters, []
-        for d in waiters:
-            d.errback(Failure(ConnectionLost("the watch socket closed")))
-
-    def run(self, resource: Any) -> None:
-        from twisted.web.server import NOT_DONE_YET
-
-        result = resource.render(self)
-        if result is not NOT_DONE_YET and not self.finished:
-            if isinstance(result, bytes):
-                self.write(result)
-            self.finish()
-
-
-class WatchFactory(WebSocketServerFactory):
-    protocol = WatchProtocol
-
-    def __init__(self, hub: WatchHub):
-        super().__init__()
-        self.hub = hub
-        self.setProtocolOptions(
-            maxFramePayloadSize=MAX_CLIENT_MESSAGE,
-            maxMessagePayloadSize=MAX_CLIENT_MESSAGE,
-            autoPingInterval=30 if hub.timeouts else 0,
-            autoPingTimeout=15 if hub.timeouts else 0,
-            openHandshakeTimeout=10 if hub.timeouts else 0,
-            closeHandshakeTimeout=1 if hub.timeouts else 0,
-            perMessageCompressionAccept=lambda offers: None,
-        )
-
-
-def upgrade(request: Any, factory: WatchFactory, fleet_reader: bool, since: int | None,
-            epoch: str | None, who: str, resource: Any = None) -> Any:
-    """
-    Hand C{request}'s connection over to a L{WatchProtocol} (as autobahn's
-    C{WebSocketResource} does), already authorised by the admin API.
-    """
-    from twisted.protocols.policies import ProtocolWrapper
-    from twisted.web.server import NOT_DONE_YET
-
-    channel = request.channel
-    if channel.transport is None:
-        request.setResponseCode(426)
-        request.setHeader(b"upgrade", b"websocket")
-        return b'{"error": "the watch stream needs an HTTP/1.1 WebSocket upgrade", "status": 426}\n'
-    protocol: Any = factory.buildProtocol(request.transport.getPeer())
-    protocol.hub = factory.hub
-    protocol.fleet_reader = fleet_reader
-    protocol.since = since
-    protocol.epoch = epoch
-    protocol.who = who
-    # Requests over the socket are rendered by the admin API's own resource
-    # as this connection's (its admin identity, its Host).
-    protocol.resource = resource
-    protocol.channel = channel
-    protocol.serial = getattr(channel, "llmgw_admin_serial", None)
-    protocol.host = request.getHeader(b"host") or b""
-    protocol.address = request.getClientAddress()
-    channel.setTimeout(None)
-    transport, channel.transport = channel.transport, None
-    if isinstance(transport, ProtocolWrapper):
-        transport.wrappedProtocol = protocol
-    elif isinstance(getattr(transport, "protocol", None), ProtocolWrapper):
-        transport.protocol.wrappedProtocol = protocol
-    else:
-        transport.protocol = protocol
-    if getattr(transport, "producer", None) is not None:
-        transport.unregisterProducer()
-    protocol.makeConnection(transport)
-    if hasattr(transport, "resumeProducing"):
-        transport.resumeProducing()
-    data = request.method + b" " + request.uri + b" HTTP/1.1\r\n"
-    for name, values in request.requestHeaders.getAllRawHeaders():
-        data += name + b": " + b",".join(values) + b"\r\n"
-    data += b"\r\n"
-    protocol.dataReceived(data)
-    return NOT_DONE_YET

@@ -60,7 +60,7 @@ Code = pb.Ack.Code
 class SlicedNodes(Sequence[dict[str, Any]]):
     """
     ha5: the leader's C{GET /api/v1/nodes} view, built for a slice of its
-    nodes at a time (by the handler's own L{llmgw.control.admin.api.nodes_view},
+    nodes at a time (by the handler's own L{llmgw.control.admin.fleet.nodes_view},
     over a L{_SomeNodes} of the fleet): the ids and the connected set are
     taken when made, each node's view when its slice is asked for (a node
     gone meanwhile is left out of its slice).
@@ -82,7 +82,7 @@ class SlicedNodes(Sequence[dict[str, Any]]):
     def __getitem__(self, index: slice) -> list[dict[str, Any]]: ...
 
     def __getitem__(self, index: int | slice) -> dict[str, Any] | list[dict[str, Any]]:
-        from llmgw.control.admin.api import nodes_view
+        from llmgw.control.admin.fleet import nodes_view
 
         if isinstance(index, slice):
             return nodes_view(_SomeNodes(self.fleet, self.ids[index], self._connected), self.agents)["nodes"]
@@ -518,7 +518,7 @@ class HAMember(Service):
         L{SlicedNodes}, built a slice at a time as the publisher packs them
         (the whole view at once is some 700 ms at 10,000 nodes).
         """
-        from llmgw.control.admin.api import fleet_status
+        from llmgw.control.admin.fleet import fleet_status
 
         st = self.election.status()
         return {

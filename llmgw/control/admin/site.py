@@ -1,0 +1,272 @@
+"""
+The admin API's C{Site} and listener: requests whose bodies are bounded
+(L{AdminRequest}), a channel that logs refused TLS handshakes, the rule
+that keeps an unauthenticated API on loopback (L{admin_tls_problem}), and
+L{admin_service}, which serves the tree (L{AdminResource}) while it runs.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+from typing import Any
+
+from OpenSSL import SSL
+from prometheus_client import CollectorRegistry
+from twisted.logger import Logger
+from twisted.protocols.tls import TLSMemoryBIOFactory
+from twisted.python.failure import Failure
+from twisted.web import server
+from twisted.web.http import HTTPChannel, _GenericHTTPChannelProtocol
+
+from llmgw.addresses import ListenerService, format_address, is_loopback, server_endpoint
+from llmgw.control.admin.api import AdminResource
+from llmgw.control.admin.base import MAX_BODY, client_address
+from llmgw.control.admin.watch import WatchHub
+from llmgw.control.state.interfaces import IFleetAdmin
+from llmgw.hostcheck import HostCheck
+from llmgw.tlsconf.ca import subject_alt_names
+from llmgw.tlsconf.options import ServerTLS
+
+DEFAULT_ADMIN_HOST = "127.0.0.1"
+DEFAULT_ADMIN_PORT = 7480
+#: Past this many body bytes the connection is aborted instead of read to
+#: the end for a polite 413.
+ABORT_BODY = 16 * MAX_BODY
+#: Idle HTTP connections are closed after this many seconds.
+IDLE_TIMEOUT = 60
+
+
+class AdminRequest(server.Request):
+    """
+    A request whose body is kept in memory up to L{MAX_BODY} bytes.
+
+    A longer body is read and dropped (so the client still reads its 413);
+    past L{ABORT_BODY} the connection is aborted.
+    """
+
+    log = Logger()
+    max_body = MAX_BODY
+    abort_body = ABORT_BODY
+    body_too_large = False
+    _body_seen = 0
+
+    def gotLength(self, length: int | None) -> None:
+        self._body_seen = 0
+        self.content = io.BytesIO()
+        if length is not None and length > self.max_body:
+            self.body_too_large = True
+
+    def handleContentChunk(self, data: bytes) -> None:
+        self._body_seen += len(data)
+        if self._body_seen > self.abort_body:
+            if self._body_seen - len(data) <= self.abort_body:
+                self.log.warn(
+                    "admin API: aborting the connection of {client}: request body over {limit} bytes",
+                    client=client_address(self),
+                    limit=self.abort_body,
+                )
+                transport: Any = self.transport
+                transport.abortConnection()
+            return
+        if self.body_too_large or self._body_seen > self.max_body:
+            self.body_too_large = True
+            return
+        content: Any = self.content
+        content.write(data)
+
+
+class AdminChannel(HTTPChannel):
+    """
+    The admin API's connection: logs a refused TLS handshake (a
+    certificate from another CA, revoked, expired, or not for client
+    authentication, such as the control plane's own) with the peer's
+    address, since no request ever reaches the resource to say so.
+    """
+
+    log = Logger()
+
+    def connectionLost(self, reason: Failure = Failure(ConnectionError())) -> None:  # noqa: B008, N802
+        if reason.check(SSL.Error):
+            peer = self.transport.getPeer() if self.transport is not None else None
+            host, port = getattr(peer, "host", "?"), getattr(peer, "port", "?")
+            self.log.warn(
+                "admin API: TLS handshake from {client} refused: {reason}",
+                client=format_address(host, port) if isinstance(port, int) else f"{host}:{port}",
+                reason=reason.getErrorMessage(),
+            )
+        super().connectionLost(reason)
+
+
+def _admin_channel() -> _GenericHTTPChannelProtocol:
+    # As twisted.web's default factory does, with our channel inside.
+    return _GenericHTTPChannelProtocol(AdminChannel())
+
+
+class AdminSite(server.Site):
+    """
+    A C{Site} with bounded request bodies and a short idle timeout.
+    """
+
+    requestFactory = AdminRequest
+    protocol = staticmethod(_admin_channel)
+    displayTracebacks = False
+
+
+def admin_site(
+    fleet: IFleetAdmin,
+    registry: CollectorRegistry,
+    agents: Any = None,
+    reactor: Any = None,
+    timeout: float = IDLE_TIMEOUT,
+    control: Any = None,
+    require_certificate: bool = False,
+    revoked: Callable[[], frozenset[int]] | None = None,
+    hosts: HostCheck | None = None,
+    watch: WatchHub | None = None,
+) -> AdminSite:
+    """
+    The admin API's C{Site}; with C{require_certificate}, every request
+    needs an admin certificate (serve it over L{ServerTLS}); C{hosts} as
+    for L{AdminResource}. The watch stream is served from C{watch}, by
+    default a L{WatchHub} on C{reactor} (none without a reactor);
+    L{AdminListenerService} starts and stops it.
+    """
+    if watch is None and reactor is not None:
+        watch = WatchHub(fleet, reactor)
+    if watch is not None and revoked is not None:
+        watch.revoked = revoked
+    site = AdminSite(
+        AdminResource(
+            fleet, registry, agents, control=control, require_certificate=require_certificate,
+            revoked=revoked, hosts=hosts, watch=watch,
+        ),
+        timeout=timeout,
+        reactor=reactor,
+    )
+    site.watch = watch  # type: ignore[attr-defined]
+    return site
+
+
+class AdminTLSRequired(ValueError):
+    """
+    The admin API would listen beyond loopback without mutual TLS.
+    """
+
+
+def admin_tls_problem(host: str, tls: bool) -> str | None:
+    """
+    Why the admin API may not listen on C{host} (with or without mutual
+    TLS), in one line; C{None} when it may.
+    """
+    if tls or is_loopback(host):
+        return None
+    return (
+        f"the admin API on {host} is beyond loopback and needs --admin-tls (mutual TLS with "
+        "admin certificates, which needs the control plane's certificates in --certs); "
+        "refusing to serve it unauthenticated"
+    )
+
+
+def _revoked_by(tls: ServerTLS) -> Callable[[], frozenset[int]]:
+    """
+    The serials revoked by C{tls}'s CRLs now, computed again only when a
+    reload brought new files.
+    """
+    cache: list[Any] = [None, frozenset()]
+
+    def revoked() -> frozenset[int]:
+        files = tls.files
+        if cache[0] is not files:
+            crls = files.crls or ((files.crl,) if files.crl is not None else ())
+            cache[0], cache[1] = files, frozenset(e.serial_number for c in crls for e in c)
+        result: frozenset[int] = cache[1]
+        return result
+
+    return revoked
+
+
+class AdminListenerService(ListenerService):
+    """
+    The admin API's listener; its watch hub (C{watch}) follows the fleet
+    while it runs, and its clients are dropped when it stops.
+    """
+
+    watch: WatchHub | None = None
+
+    def startService(self) -> None:
+        if self.watch is not None:
+            self.watch.start()
+        try:
+            super().startService()
+        except BaseException:
+            if self.watch is not None:
+                self.watch.stop()
+            raise
+
+    def stopService(self) -> Any:
+        if self.watch is not None:
+            self.watch.stop()
+        return super().stopService()
+
+
+def admin_service(
+    reactor: Any,
+    host: str,
+    port: int,
+    fleet: IFleetAdmin,
+    registry: CollectorRegistry,
+    agents: Any = None,
+    control: Any = None,
+    tls: ServerTLS | None = None,
+    hosts: list[str] | None = None,
+) -> ListenerService:
+    """
+    A service that serves the admin API on C{host}:C{port} while running.
+    Its C{port} attribute is the listening port once started. It answers to
+    the loopback names, C{host} unless it is a wildcard, and C{hosts}
+    (entries as L{llmgw.hostcheck.parse_hosts} returns them).
+
+    With C{tls} (the control plane's L{ServerTLS}, shared with the agent
+    port so that one reload renews both), the API is HTTPS and every client
+    needs an admin certificate from llmgw's CA, and the names in the server
+    certificate are served besides C{hosts}.
+
+    @raise AdminTLSRequired: C{host} is not loopback and C{tls} is C{None}.
+    """
+    problem = admin_tls_problem(host, tls is not None)
+    if problem is not None:
+        raise AdminTLSRequired(problem)
+    site = admin_site(
+        fleet, registry, agents, reactor, control=control, require_certificate=tls is not None,
+        revoked=_revoked_by(tls) if tls is not None else None,
+        hosts=HostCheck([*(hosts or ()), *_certificate_hosts(tls)], bound=host, option="--admin-hosts"),
+    )
+    factory: Any = site
+    if tls is not None:
+        # The Site's idle timeout starts at TCP accept, so it bounds the
+        # handshake too.
+        factory = TLSMemoryBIOFactory(tls, False, site, clock=reactor)
+    svc = AdminListenerService(server_endpoint(reactor, host, port), factory)
+    svc.watch = site.watch  # type: ignore[attr-defined]
+    svc.setName("admin-listener")
+    svc.tls = tls is not None  # type: ignore[attr-defined]
+    return svc
+
+
+def _certificate_hosts(tls: ServerTLS | None) -> list[str]:
+    """
+    Over mutual TLS, the names the server certificate carries: clients can
+    only verify the API under one of them, so each is a name it serves.
+    """
+    if tls is None:
+        return []
+    names = []
+    for san in subject_alt_names(tls.files.cert):
+        kind, name = san.split(":", 1)
+        if kind == "IP" and ":" in name:
+            name = f"[{name}]"
+        elif name.startswith("*."):
+            name = name[1:]  # a wildcard name serves its subdomains
+        names.append(name)
+    return names
