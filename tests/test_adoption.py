@@ -8,9 +8,13 @@ found.
 from __future__ import annotations
 
 import signal
+from typing import Any
 
-from llmgw.agent.processes import AGENT_MARKER, MarkedProcess
-from llmgw.agent.shard import UNKNOWN_EXIT
+from twisted.trial.unittest import SynchronousTestCase
+
+from llmgw.agent import adoption
+from llmgw.agent.processes import AGENT_MARKER, SHARD_MARKER, MarkedProcess
+from llmgw.agent.shard import FAILED, READY, STOPPED, STOPPING, UNKNOWN_EXIT
 from llmgw.agent.state import ShardRecord
 from llmgw.agent.supervisor import Supervisor
 from tests.supervisor_harness import SupervisorCase, spec
@@ -248,3 +252,84 @@ class RecoverGroupTests(SupervisorCase):
         self.ops.alive[501] = None  # type: ignore[assignment]
         self.clock.advance(1)
         self.assertEqual(sup.get("a").state, "stopped")  # type: ignore[union-attr]
+
+
+def proc(pid: int, pgid: int, shard_id: str, **env: str) -> MarkedProcess:
+    return MarkedProcess(pid=pid, pgid=pgid, start_time=5, env={SHARD_MARKER: shard_id, **env},
+                         command="engine")
+
+
+class AdoptTests(SynchronousTestCase):
+    """
+    The adoption decisions as plain functions.
+    """
+
+    def record(self, state: str = "ready", **kw: Any) -> ShardRecord:
+        return ShardRecord(spec("a"), 501, 77, state, "/dev/null", **kw)
+
+    def test_main_alive(self) -> None:
+        """
+        A recorded shard whose main process is the recorded one keeps its
+        state and groups; one gone with nothing left of it is not adopted.
+        """
+        shard = adoption.adopt(self.record(pgids=[501, 600]), [], 77)
+        assert shard is not None
+        self.assertEqual((shard.state, shard.adopted, shard.pid, shard.pgids, shard.stopping),
+                         (READY, True, 501, {501, 600}, False))
+        self.assertIsNone(adoption.adopt(self.record(), [], None))
+        self.assertIsNone(adoption.adopt(self.record(), [], 78))  # the pid was reused
+
+    def test_main_gone_group_lives(self) -> None:
+        """
+        A shard whose main process ended while the agent was away, but whose
+        marked processes live on, is stopping and fails (exit unknown); one
+        that was stopping at the agent's request is stopped; one whose end
+        was recorded keeps what the record says.
+        """
+        procs = [proc(502, 501, "a")]
+        failed = adoption.adopt(self.record(), procs, None)
+        assert failed is not None
+        self.assertEqual((failed.state, failed.main_ended, failed.final_state, failed.exit_code,
+                          failed.pgids), (STOPPING, True, FAILED, UNKNOWN_EXIT, {501}))
+        self.assertIn("while the agent was away", failed.error)
+        stopped = adoption.adopt(self.record("stopping"), procs, None)
+        assert stopped is not None
+        self.assertEqual((stopped.final_state, stopped.error), (STOPPED, ""))
+        ended = adoption.adopt(self.record("stopping", main_ended=True, error="boom",
+                                           exit_code=3), procs, 77)
+        assert ended is not None
+        self.assertEqual((ended.final_state, ended.error, ended.exit_code), (FAILED, "boom", 3))
+
+    def test_outside_group(self) -> None:
+        """
+        Marked processes outside the main process's group are named.
+        """
+        procs = [proc(502, 501, "a"), proc(610, 610, "a")]
+        self.assertEqual(adoption.outside_group(self.record(), procs), [610])
+
+    def test_lost_record(self) -> None:
+        """
+        A shard with no record is what its group leader's environment says,
+        with its profile and command unknown.
+        """
+        procs = [proc(9, 8, "lost"), proc(8, 8, "lost", LLMGW_PORT="x", LLMGW_MODEL="m2",
+                                          CUDA_VISIBLE_DEVICES="1, 2,z")]
+        shard = adoption.lost_record("lost", procs)
+        self.assertEqual((shard.pid, shard.pgids, shard.record_lost, shard.main_ended),
+                         (8, {8}, True, True))
+        self.assertEqual((shard.spec.model, shard.spec.port, shard.spec.gpu_indices,
+                          shard.spec.world_size, shard.spec.profile, shard.spec.argv),
+                         ("m2", 0, [1, 2], 1, "", []))
+
+    def test_strays_and_grouping(self) -> None:
+        """
+        Marked processes are grouped by the shard they name; those naming
+        no usable shard are strays, with the reason.
+        """
+        procs = [proc(1, 1, "a"), proc(2, 2, "../x"), proc(3, 1, "a")]
+        groups = adoption.by_shard(procs)
+        self.assertEqual({k: [p.pid for p in v] for k, v in groups.items()},
+                         {"a": [1, 3], "../x": [2]})
+        (stray,) = adoption.strays("../x", groups["../x"])
+        self.assertEqual((stray.pid, stray.start_time, stray.reason),
+                         (2, 5, f"its {SHARD_MARKER} '../x' is not a shard id"))

@@ -7,7 +7,14 @@ from __future__ import annotations
 
 import signal
 
-from tests.supervisor_harness import SupervisorCase, spec
+from twisted.internet import defer
+from twisted.internet.task import Clock
+from twisted.python.failure import Failure
+from twisted.trial.unittest import SynchronousTestCase
+
+from llmgw.agent.health import HealthWatch, probe_error
+from llmgw.agent.shard import DRAINING, READY, STARTING, Shard
+from tests.supervisor_harness import FakeProber, SupervisorCase, spec
 
 
 class SupervisorHealthTests(SupervisorCase):
@@ -63,3 +70,107 @@ class SupervisorHealthTests(SupervisorCase):
         self.spawner.processes[0].end(0)
         self.assertEqual(self.reports[-1][1], "failed")
         self.assertIn("failed 3 health checks in a row", self.reports[-1][2])
+
+
+class HealthWatchTests(SynchronousTestCase):
+    """
+    A L{HealthWatch} alone, on a Clock with a fake prober.
+    """
+
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.prober = FakeProber()
+        self.changes: list[str] = []
+        self.unhealthy: list[str] = []
+        self.watch = HealthWatch(
+            self.clock, self.prober, lambda: "10.0.0.2",
+            changed=lambda s: self.changes.append(s.state),
+            unhealthy=lambda s, why: self.unhealthy.append(why),
+            interval_starting=1, interval_ready=10, unhealthy_after=2,
+        )
+
+    def test_ready(self) -> None:
+        """
+        A starting shard is probed at once at the advertised host; a good
+        answer makes it ready (once), and the startup timeout no longer
+        runs.
+        """
+        shard = Shard(spec(startup_timeout_s=5))
+        self.watch.watch_start(shard)
+        self.clock.advance(0)
+        self.assertEqual(self.prober.answer(True), "http://10.0.0.2:8001/health")
+        self.assertEqual((shard.state, self.changes), (READY, [READY]))
+        self.clock.advance(10)
+        self.prober.answer(True)
+        self.assertEqual(self.changes, [READY])
+        self.assertEqual(self.unhealthy, [])
+
+    def test_startup_timeout(self) -> None:
+        """
+        A shard not ready within its startup timeout is unhealthy, with the
+        last probe's error.
+        """
+        shard = Shard(spec(startup_timeout_s=2))
+        self.watch.watch_start(shard)
+        self.clock.advance(0)
+        self.prober.answer(False)
+        self.clock.advance(2)
+        self.assertEqual(self.unhealthy, ["not healthy within its startup timeout of 2s "
+                                          "(last health check: HTTP 503)"])
+
+    def test_failures_in_a_row(self) -> None:
+        """
+        A ready or draining shard is unhealthy after so many failed probes
+        in a row; a good answer between them starts the count again.
+        """
+        shard = Shard(spec(), DRAINING)
+        self.watch.first_probe(shard)
+        self.prober.answer(True)
+        for ok in (False, True, False, False):
+            self.clock.advance(10)
+            self.prober.answer(ok)
+        self.assertEqual(self.unhealthy, ["failed 2 health checks in a row (last: HTTP 503)"])
+        self.clock.advance(100)
+        self.assertEqual(self.prober.pending, [])
+
+    def test_first_probe_fails(self) -> None:
+        """
+        A re-adopted ready shard that does not answer its first probe is
+        starting again; the Deferred fires all the same.
+        """
+        shard = Shard(spec(), READY)
+        d = self.watch.first_probe(shard)
+        self.prober.answer(False)
+        self.assertIsNone(self.successResultOf(d))
+        self.assertEqual((shard.state, self.changes), (STARTING, [STARTING]))
+        self.assertIn("startup", shard.timers)
+
+    def test_forget(self) -> None:
+        """
+        A forgotten shard has no startup timeout or probe left.
+        """
+        shard = Shard(spec())
+        self.watch.watch_start(shard)
+        self.watch.forget(shard)
+        self.assertEqual((shard.timers, self.clock.getDelayedCalls()), ({}, []))
+
+    def test_no_prober(self) -> None:
+        """
+        Without a prober nothing is probed: the startup timeout decides.
+        """
+        watch = HealthWatch(self.clock, None, lambda: "h", changed=lambda s: None,
+                            unhealthy=lambda s, why: self.unhealthy.append(why))
+        shard = Shard(spec(startup_timeout_s=3))
+        self.assertIsNone(self.successResultOf(watch.first_probe(shard)))
+        watch.watch_start(shard)
+        self.clock.advance(3)
+        self.assertEqual(len(self.unhealthy), 1)
+
+    def test_probe_error(self) -> None:
+        """
+        A timeout reads "no answer in time"; another error its message, or
+        its type when it has none.
+        """
+        self.assertEqual(probe_error(Failure(defer.TimeoutError())), "no answer in time")
+        self.assertEqual(probe_error(Failure(ValueError("HTTP 500"))), "HTTP 500")
+        self.assertEqual(probe_error(Failure(ConnectionRefusedError())), "ConnectionRefusedError")

@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import signal
 
-from llmgw.agent.stopping import KILL_WAIT_S
-from tests.supervisor_harness import SupervisorCase, spec
+from twisted.internet.task import Clock
+from twisted.trial.unittest import SynchronousTestCase
+
+from llmgw.agent.shard import FAILED, STOPPED, STOPPING, UNKNOWN_EXIT, Shard
+from llmgw.agent.stopping import KILL_WAIT_S, Stopper, exit_how, final_state, main_exit
+from tests.supervisor_harness import FakeOps, SupervisorCase, spec
 
 
 class StopTests(SupervisorCase):
@@ -188,3 +192,111 @@ class ProcessGroupTests(SupervisorCase):
         self.clock.advance(2)
         self.spawner.processes[0].end(0, signal.SIGTERM)
         self.assertEqual((shard.state, shard.crash_class), ("failed", "unknown"))
+
+
+class EndingTests(SynchronousTestCase):
+    """
+    How a shard ended, as plain functions: L{exit_how}, L{main_exit},
+    L{final_state}.
+    """
+
+    def test_exit_how(self) -> None:
+        """
+        A signal, an unknown status and an exit code each read as such.
+        """
+        self.assertEqual([exit_how(0, 9), exit_how(UNKNOWN_EXIT, 0), exit_how(3, 0)],
+                         ["killed by signal 9", "exit status unknown (not this agent's child)",
+                          "exit code 3"])
+
+    def test_asked_stop(self) -> None:
+        """
+        A main process that ends after a stop the control plane asked for
+        ends stopped, with no error or crash class.
+        """
+        shard = Shard(spec())
+        shard.stopping = True
+        self.assertEqual(main_exit(shard, 0, signal.SIGTERM), "killed by signal 15")
+        self.assertEqual((shard.final_state, shard.error, shard.crash_class, shard.signal),
+                         (STOPPED, "", "", signal.SIGTERM))
+
+    def test_unasked_and_own_stop(self) -> None:
+        """
+        An exit nobody asked for fails with it; a stop that was the agent's
+        own doing fails with its reason first.
+        """
+        shard = Shard(spec())
+        main_exit(shard, 2, 0)
+        self.assertEqual((shard.final_state, shard.error, shard.exit_code),
+                         (FAILED, "exited without being asked to (exit code 2)", 2))
+        self.assertTrue(shard.crash_class)
+        timed_out = Shard(spec())
+        timed_out.stopping, timed_out.stop_error = True, "not healthy"
+        main_exit(timed_out, UNKNOWN_EXIT, 0)
+        self.assertEqual(timed_out.error,
+                         "not healthy; exit status unknown (not this agent's child)")
+
+    def test_final_state(self) -> None:
+        """
+        A decided final state stands; with none, a group that emptied by
+        itself failed and one the agent stopped is stopped.
+        """
+        shard = Shard(spec(), STOPPING)
+        self.assertEqual(final_state(shard), (FAILED, "its processes ended"))
+        shard.stopping = True
+        self.assertEqual(final_state(shard), (STOPPED, ""))
+        shard.stop_error = "too slow"
+        self.assertEqual(final_state(shard), (FAILED, "too slow"))
+        shard.final_state, shard.error = STOPPED, ""
+        self.assertEqual(final_state(shard), (STOPPED, ""))
+
+
+class StopperTests(SynchronousTestCase):
+    """
+    A L{Stopper} alone, on a Clock with fake process operations.
+    """
+
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.ops = FakeOps()
+        self.emptied: list[Shard] = []
+        self.stopper = Stopper(self.clock, self.ops, self.emptied.append, poll_interval=1.0)
+        self.shard = Shard(spec(stop_grace_s=5), STOPPING)
+        self.shard.pid, self.shard.pgids = 700, {700, 710}
+        self.ops.add_child(700, 700, ignores_term=True)
+
+    def test_escalate(self) -> None:
+        """
+        The stop signal goes to every group of the shard now, KILL after its
+        grace; with the main process running, nobody watches the group yet.
+        """
+        self.stopper.escalate(self.shard, signal.SIGINT)
+        self.assertEqual(self.ops.signals, [(700, signal.SIGINT), (710, signal.SIGINT)])
+        self.assertFalse(self.shard.term_sent)
+        self.clock.advance(5)
+        self.assertEqual(self.ops.signals[2:], [(700, signal.SIGKILL), (710, signal.SIGKILL)])
+        self.assertEqual(self.emptied, [])
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def test_watch_until_empty(self) -> None:
+        """
+        Once the main process has ended the group is watched, and the shard
+        is emptied as soon as its group is.
+        """
+        self.shard.main_ended = True
+        self.stopper.escalate(self.shard, signal.SIGTERM)
+        self.assertTrue(self.shard.term_sent)
+        self.clock.advance(0.05)
+        self.assertEqual(self.emptied, [])
+        self.ops.groups[700].clear()
+        self.clock.advance(0.1)
+        self.assertEqual(self.emptied, [self.shard])
+
+    def test_adopted_pid_reused(self) -> None:
+        """
+        A re-adopted shard whose main process is no longer the recorded one
+        is not signalled: its pid may be someone else's now.
+        """
+        self.shard.adopted, self.shard.start_time = True, 1
+        self.ops.alive[700] = 2
+        self.assertFalse(self.stopper.signal(self.shard, signal.SIGTERM))
+        self.assertEqual(self.ops.signals, [])
