@@ -39,9 +39,11 @@ from twisted.internet import defer, reactor, task
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from llmgw.agent.probe import HttpProber  # noqa: E402
 from llmgw.agent.scrape import HttpFetcher, Scraper  # noqa: E402
+from llmgw.agent.shard import READY, Shard  # noqa: E402
 from llmgw.agent.state import ShardSpec, StateDir  # noqa: E402
-from llmgw.agent.supervisor import READY, HttpProber, Shard, Supervisor  # noqa: E402
+from llmgw.agent.supervisor import Supervisor  # noqa: E402
 from llmgw.engines import metric_names_for  # noqa: E402
 from llmgw.testing.engines import find_llama_server  # noqa: E402
 from llmgw.testing.procs import free_port  # noqa: E402

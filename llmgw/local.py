@@ -27,7 +27,7 @@ from llmgw.addresses import AddressError, ListenRefused, format_address, parse_a
 from llmgw.agent.gpus import GPUSpecError, discover, parse_gpu_spec
 from llmgw.agent.service import NodeAgent
 from llmgw.agent.state import StateDir, StateDirError
-from llmgw.agent.supervisor import KILL_WAIT_S
+from llmgw.agent.stopping import KILL_WAIT_S
 from llmgw.control import service as control_service
 from llmgw.options import Options as BaseOptions
 from llmgw.options import positive_float, positive_int

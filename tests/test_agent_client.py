@@ -46,7 +46,7 @@ from llmgw.tlsconf.options import (
     server_files,
 )
 from llmgw.wire import ack
-from tests.test_supervisor import FakeOps, FakeProber, FakeSpawner
+from tests.supervisor_harness import FakeOps, FakeProber, FakeSpawner
 
 
 def frame(msg: Any) -> bytes:
@@ -205,7 +205,8 @@ class ClientProtocolTests(SynchronousTestCase):
         unknown), and the stray processes the agent cannot account for that
         still run.
         """
-        from llmgw.agent.supervisor import STOPPING, Shard, Stray
+        from llmgw.agent.adoption import Stray
+        from llmgw.agent.shard import STOPPING, Shard
 
         h = Harness(self)
         h.supervisor.start(ShardSpec.from_message(spec_msg().start))

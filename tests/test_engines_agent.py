@@ -20,8 +20,8 @@ from llmgw.api.v1 import agent_pb2 as pb
 from llmgw.control.shell.agentsvc import start_message
 from llmgw.control.state.interfaces import ShardCommand
 from llmgw.testing.stream import frame, register
+from tests.supervisor_harness import FakeOps, FakeProber, FakeSpawner, spec
 from tests.test_agentsvc import Harness, only_ack
-from tests.test_supervisor import FakeOps, FakeProber, FakeSpawner, spec
 
 
 class AdvertiseTests(SynchronousTestCase):

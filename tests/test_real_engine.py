@@ -318,8 +318,9 @@ class LlamaServerReadinessTests(TestCase):
             raise SkipTest(llama_server_missing_reason())
         from twisted.internet import reactor
 
+        from llmgw.agent.probe import HttpProber
         from llmgw.agent.state import ShardSpec
-        from llmgw.agent.supervisor import HttpProber, Supervisor
+        from llmgw.agent.supervisor import Supervisor
         from llmgw.testing.tinygguf import write
 
         directory = Path(self.mktemp()).resolve()

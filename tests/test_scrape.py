@@ -15,7 +15,7 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from llmgw.agent.client import AgentConfig, AgentCore
 from llmgw.agent.scrape import HttpFetcher, ResponseTooLarge, Scraper
-from llmgw.agent.supervisor import READY, STARTING, Shard
+from llmgw.agent.shard import READY, STARTING, Shard
 from llmgw.api.v1 import agent_pb2 as pb
 from llmgw.engines import metric_names_for
 from llmgw.testing.fakemodel import FakeModelConfig, listen

@@ -19,8 +19,9 @@ from twisted.internet import defer, reactor
 from twisted.trial.unittest import TestCase
 
 from llmgw.agent.client import running_shard
+from llmgw.agent.shard import Shard
 from llmgw.agent.state import ShardSpec, StateDir
-from llmgw.agent.supervisor import Shard, Supervisor
+from llmgw.agent.supervisor import Supervisor
 from llmgw.testing.procs import (
     CRASH_SCRIPTS,
     PARENT_WITH_CHILD,

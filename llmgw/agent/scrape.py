@@ -29,7 +29,8 @@ from twisted.python.failure import Failure
 from twisted.web.iweb import IAgentEndpointFactory
 from zope.interface import implementer
 
-from llmgw.agent.supervisor import DRAINING, READY, Shard, Supervisor
+from llmgw.agent.shard import DRAINING, READY, Shard
+from llmgw.agent.supervisor import Supervisor
 from llmgw.api.v1 import agent_pb2 as pb
 from llmgw.engines import SIGNALS, MetricsError, normalise
 from llmgw.routing import EngineSignals

@@ -23,8 +23,9 @@ from twisted.python import usage
 from llmgw.addresses import AddressError, format_address, parse_address
 from llmgw.agent.client import AgentConfig, AgentCore, make_client_service
 from llmgw.agent.gpus import GPUMonitor, GPUSpecError, discover, parse_gpu_spec
+from llmgw.agent.probe import HttpProber
 from llmgw.agent.state import StateDir, StateDirError
-from llmgw.agent.supervisor import HttpProber, Supervisor
+from llmgw.agent.supervisor import Supervisor
 from llmgw.agent.targets import ControlTargets
 from llmgw.signals import SighupHandler, owns_signals
 from llmgw.tlsconf.options import (
