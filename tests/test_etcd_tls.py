@@ -1,5 +1,5 @@
 """
-etcd over TLS (ha3, issue 14 item 1): a real three-member etcd cluster
+etcd over TLS: a real three-member etcd cluster
 serving its clients and its peers over TLS with client certificates
 required, every certificate made at run
 time by llmgw's own CA code (L{llmgw.tlsconf.ca.CertificateAuthority.issue_etcd}).
