@@ -29,7 +29,9 @@ from llmgw.addresses import (
     server_endpoint,
 )
 from llmgw.collector import CollectorTuning
-from llmgw.gateway.follower import DemandReporter, FollowerService, FollowerTable
+from llmgw.gateway.demand import DemandReporter
+from llmgw.gateway.follower import FollowerTable
+from llmgw.gateway.follower_service import FollowerService
 from llmgw.gateway.front import MAX_CONNECTIONS
 from llmgw.gateway.keys import KeyRing, KeysError, load_keys
 from llmgw.gateway.proxy import FORWARDED_HEADERS, Gateway, GatewayConfig
