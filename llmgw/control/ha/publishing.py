@@ -35,7 +35,8 @@ from llmgw.control.ha.election import leader_key
 from llmgw.etcd import Compare, EtcdError, Put, Range
 from llmgw.routing import RoutesDataError
 
-#: Seconds between two writes of the published table, at least.
+#: Seconds between two writes of a published key, at least (the routing
+#: table's; the fleet views have their own interval).
 PUBLISH_INTERVAL = 1.0
 #: The most compressed bytes written: under etcd's default 1.5 MiB request
 #: limit with room for the rest of the transaction.
