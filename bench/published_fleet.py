@@ -53,17 +53,15 @@ from bench.common import summary_ms  # noqa: E402
 from llmgw.control.admin.fleet import nodes_view  # noqa: E402
 from llmgw.control.core.catalog import EMPTY  # noqa: E402
 from llmgw.control.ha.member import SlicedNodes  # noqa: E402
-from llmgw.control.ha.published import (  # noqa: E402
+from llmgw.control.ha.published_fleet import (  # noqa: E402
     FLEET_EVENTS,
     FLEET_SLICE,
-    MAX_PUBLISHED,
-    PACK_LEVEL,
     FleetDocument,
     FleetPack,
     _coarse_node,
     _coarse_replica,
-    unpack_object,
 )
+from llmgw.control.ha.publishing import MAX_PUBLISHED, PACK_LEVEL, unpack_object  # noqa: E402
 from llmgw.control.shell.reconciler import Reconciler  # noqa: E402
 from llmgw.control.state.inventory import GPUInfo, Inventory, Node  # noqa: E402
 

@@ -37,7 +37,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from twisted.internet.task import Clock  # noqa: E402
 
 from bench.common import summary_ms  # noqa: E402
-from llmgw.control.ha.published import MAX_PUBLISHED, pack, routes_document, unpack  # noqa: E402
+from llmgw.control.ha.published import pack, routes_document, unpack  # noqa: E402
+from llmgw.control.ha.publishing import MAX_PUBLISHED  # noqa: E402
 from llmgw.routing import EngineSignals, Route, RoutingTable, snapshot_from_json, snapshot_to_json  # noqa: E402
 
 

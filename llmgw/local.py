@@ -31,13 +31,14 @@ from llmgw.agent.stopping import KILL_WAIT_S
 from llmgw.control import service as control_service
 from llmgw.options import Options as BaseOptions
 from llmgw.options import positive_float, positive_int
-from llmgw.tlsconf.ca import CAError, CertificateAuthority
+from llmgw.tlsconf.ca import CertificateAuthority
 from llmgw.tlsconf.options import (
     ServerIdentityError,
     TLSConfigError,
     TLSFiles,
     verify_server_identity,
 )
+from llmgw.tlsconf.pem import CAError
 
 #: The demo catalog, shipped in the package; see L{demo_catalog}.
 DEMO_CATALOG = Path(__file__).with_name("demo-catalog.toml")

@@ -15,7 +15,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.control.admin.api import AdminResource
 from llmgw.control.admin.leader import leader_location, local_path
-from llmgw.control.ha.published import FleetDocument, pack_fleet
+from llmgw.control.ha.published_fleet import FleetDocument, pack_fleet
 from llmgw.routing import Route
 from tests.test_admin import AdminTestCase
 

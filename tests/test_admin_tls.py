@@ -36,8 +36,8 @@ from llmgw.gateway import service as gateway_service
 from llmgw.gateway.follower import FollowerTable
 from llmgw.testing.fleet import sample_fleet
 from llmgw.testing.pki import issue_raw, make_pki
-from llmgw.tlsconf.ca import ADMIN_ROLE_OIDS
 from llmgw.tlsconf.options import ClientTLSPolicy, ServerTLS, TLSFiles, admin_files, server_files
+from llmgw.tlsconf.roles import ADMIN_ROLE_OIDS
 
 reactor: Any = global_reactor
 

@@ -255,7 +255,7 @@ class ExpiredCATests(TestCase):
         """
         Loading a CA from an empty directory says how to make one.
         """
-        from llmgw.tlsconf.ca import CAError
+        from llmgw.tlsconf.pem import CAError
 
         with self.assertRaises(CAError) as e:
             CertificateAuthority.load(self.mktemp())

@@ -16,7 +16,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.ctl.main import main
-from llmgw.tlsconf.ca import CertificateAuthority, describe
+from llmgw.tlsconf.ca import CertificateAuthority
+from llmgw.tlsconf.describe import describe
 
 
 def run(*argv: str) -> tuple[int, str, str]:
@@ -114,7 +115,7 @@ class CLITests(SynchronousTestCase):
 
     def test_etcd(self) -> None:
         """
-        ha3: an etcd certificate is both server and client (etcd members
+        An etcd certificate is both server and client (etcd members
         are both to their peers), names the hosts given as SANs, has a 0600
         key, and refuses a name outside the node-id grammar.
         """

@@ -1,5 +1,5 @@
 """
-CA rollover (issue 13, item 4): C{ca.pem} with several roots, trusted at
+CA rollover: C{ca.pem} with several roots, trusted at
 both ends; agents of the old and the new root connected at once during a
 rollover, with and without a CRL; after C{retire}, only the new root's.
 Real TLS in memory (C{iosim}) with certificates made by llmgw's CA.
@@ -23,12 +23,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from llmgw.control.service import ControlPlane
 from llmgw.testing.pki import agent_tls, connect_in_memory, make_pki
 from llmgw.testing.sinks import RecordingSink
-from llmgw.tlsconf.ca import (
-    RENEW,
-    CAError,
-    CertificateAuthority,
-    cert_pem,
-)
+from llmgw.tlsconf.ca import RENEW, CertificateAuthority
 from llmgw.tlsconf.crl import parse_crls, renew, revoke
 from llmgw.tlsconf.options import (
     ClientTLSPolicy,
@@ -38,6 +33,7 @@ from llmgw.tlsconf.options import (
     admin_files,
     server_files,
 )
+from llmgw.tlsconf.pem import CAError, cert_pem
 from llmgw.tlsconf.reload import ClientCertificateReload
 
 from .test_tls_reload import ThreadCallReactor

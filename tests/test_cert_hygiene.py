@@ -26,7 +26,6 @@ from llmgw.ctl.main import build_parser
 from llmgw.testing.pki import agent_tls, connect_in_memory, issue_raw, make_pki
 from llmgw.testing.sinks import RecordingSink
 from llmgw.testing.stream import PeerCertTransport
-from llmgw.tlsconf.ca import load_certificate
 from llmgw.tlsconf.options import (
     AdminIdentity,
     IdentityError,
@@ -35,6 +34,7 @@ from llmgw.tlsconf.options import (
     peer_node_id,
     server_files,
 )
+from llmgw.tlsconf.pem import load_certificate
 
 KEY_AGREEMENT_ONLY = x509.KeyUsage(
     digital_signature=False, content_commitment=False, key_encipherment=False,

@@ -176,7 +176,7 @@ class UnreachableTests(unittest.TestCase):
 class TLSProblemTests(unittest.SynchronousTestCase):
     def test_says_which_side_refused(self) -> None:
         """
-        ha3: a handshake failure inside a failed request is told apart: a
+        A handshake failure inside a failed request is told apart: a
         refused client certificate points at --etcd-cert/--etcd-key, an
         untrusted server certificate at --etcd-ca; other failures are not
         taken for TLS.

@@ -1,5 +1,5 @@
 """
-etcd over TLS (ha3, issue 14 item 1): a real three-member etcd cluster
+etcd over TLS: a real three-member etcd cluster
 serving its clients and its peers over TLS with client certificates
 required, every certificate made at run
 time by llmgw's own CA code (L{llmgw.tlsconf.ca.CertificateAuthority.issue_etcd}).
@@ -24,8 +24,9 @@ from llmgw.etcd import EtcdClient, EtcdTLSError
 from llmgw.testing.etcd import ETCD_MISSING, EtcdCluster, until
 from llmgw.testing.pki import make_pki
 from llmgw.testing.procs import free_port
-from llmgw.tlsconf.ca import CertificateAuthority, cert_pem
+from llmgw.tlsconf.ca import CertificateAuthority
 from llmgw.tlsconf.options import ClientTLSPolicy, TLSFiles
+from llmgw.tlsconf.pem import cert_pem
 from tests import test_ha_e2e as base
 
 

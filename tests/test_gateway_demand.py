@@ -1,5 +1,5 @@
 """
-L{llmgw.gateway.follower.DemandReporter}: a standalone gateway's demand
+L{llmgw.gateway.demand.DemandReporter}: a standalone gateway's demand
 posted to the admin API every second, driven on a L{Clock} through the real
 admin resource in process.
 """
@@ -16,7 +16,8 @@ from zope.interface import implementer
 
 from llmgw.control.admin.api import AdminResource
 from llmgw.control.shell.metrics import make_registry
-from llmgw.gateway.follower import DemandReporter, FollowerTable
+from llmgw.gateway.demand import DemandReporter
+from llmgw.gateway.follower import FollowerTable
 from llmgw.routing import Demand, IDemand
 from llmgw.testing.fleet import sample_fleet
 

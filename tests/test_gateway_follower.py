@@ -21,7 +21,8 @@ from twisted.web.resource import Resource
 
 from llmgw.control.admin.api import AdminResource
 from llmgw.control.shell.metrics import make_registry
-from llmgw.gateway.follower import FollowerService, FollowerTable, RoutesFetchError, read_body
+from llmgw.gateway.follower import FollowerTable, RoutesFetchError, read_body
+from llmgw.gateway.follower_service import FollowerService
 from llmgw.gateway.router import Router
 from llmgw.hostcheck import HostCheck
 from llmgw.routing import IRoutingTable, Route, RoutingTable

@@ -19,7 +19,9 @@ from twisted.web.resource import Resource
 
 from llmgw.control.admin.api import AdminResource
 from llmgw.control.shell.metrics import make_registry
-from llmgw.gateway.follower import DemandReporter, FollowerService, FollowerTable
+from llmgw.gateway.demand import DemandReporter
+from llmgw.gateway.follower import FollowerTable
+from llmgw.gateway.follower_service import FollowerService
 from llmgw.gateway.service import Options
 from llmgw.hostcheck import HostCheck
 from llmgw.routing import Demand, Route, RoutingTable

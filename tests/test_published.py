@@ -1,8 +1,9 @@
 """
-L{llmgw.control.ha.published}: the leader's routing table published in etcd
-(debounced, lease-guarded, bounded) and followed by the other members
-(fail static), against the in-memory etcd on a Clock; and the HA members
-that use it.
+L{llmgw.control.ha.published}, L{llmgw.control.ha.published_fleet} and
+L{llmgw.control.ha.publishing}: the leader's routing table and fleet views
+published in etcd (debounced, lease-guarded, bounded) and followed by the
+other members (fail static), against the in-memory etcd on a Clock; and the
+HA members that use them.
 """
 
 from __future__ import annotations
@@ -18,18 +19,20 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.control.ha.election import Role, leader_key
 from llmgw.control.ha.published import (
+    RoutesFollower,
+    RoutesPublisher,
+    pack,
+    routes_document,
+    routes_key,
+    unpack,
+)
+from llmgw.control.ha.published_fleet import (
     FleetDocument,
     FleetFollower,
     FleetPack,
     FleetPublisher,
-    RoutesFollower,
-    RoutesPublisher,
     fleet_key,
-    pack,
     pack_fleet,
-    routes_document,
-    routes_key,
-    unpack,
     unpack_fleet,
 )
 from llmgw.routing import EngineSignals, Route, RoutesDataError, RoutingTable
@@ -329,9 +332,9 @@ class FollowerTests(SynchronousTestCase):
         """
         A value that inflates past the limit is refused, not inflated whole.
         """
-        from llmgw.control.ha import published
+        from llmgw.control.ha import publishing
 
-        self.patch(published, "MAX_INFLATED", 1000)
+        self.patch(publishing, "MAX_INFLATED", 1000)
         self.assertRaises(RoutesDataError, unpack, zlib.compress(b" " * 5000))
 
 
@@ -465,7 +468,7 @@ FLEET = fleet_key(PREFIX)
 
 
 class FleetPublisherTests(SynchronousTestCase):
-    """ha4: the leader's fleet views, published."""
+    """The leader's fleet views, published."""
 
     def setUp(self) -> None:
         self.clock = Clock()
@@ -588,7 +591,7 @@ class FleetPublisherTests(SynchronousTestCase):
 
     def test_packed_over_several_turns(self) -> None:
         """
-        ha5: a pack is done a slice per reactor turn (no turn packs more
+        A pack is done a slice per reactor turn (no turn packs more
         than a slice of nodes or replicas): the document is written once the
         last slice is, whole, with the nodes and replicas in order.
         """
@@ -606,7 +609,7 @@ class FleetPublisherTests(SynchronousTestCase):
 
     def test_pack_waits_for_its_turns(self) -> None:
         """
-        ha5: while a pack is under way (its slices each a turn of their
+        While a pack is under way (its slices each a turn of their
         own), nothing is written; a turn runs one slice.
         """
         turns: list[float] = []
@@ -636,7 +639,7 @@ class FleetPublisherTests(SynchronousTestCase):
 
     def test_leadership_change_mid_pack_drops_it(self) -> None:
         """
-        ha5: a pack under way when this member stops leading (or starts
+        A pack under way when this member stops leading (or starts
         again under another lease) is dropped, never written; the new term
         packs afresh.
         """
@@ -665,7 +668,7 @@ class FleetPublisherTests(SynchronousTestCase):
 
 
 class FleetFollowerTests(SynchronousTestCase):
-    """ha4: a member that does not lead, holding the leader's fleet views."""
+    """A member that does not lead, holding the leader's fleet views."""
 
     def test_follows_and_fails_static(self) -> None:
         """
@@ -691,7 +694,7 @@ class FleetFollowerTests(SynchronousTestCase):
 
     def test_parts_answered_as_packed(self) -> None:
         """
-        ha5: the nodes part is the leader's answer as bytes (published_at,
+        The nodes part is the leader's answer as bytes (published_at,
         published_by, nodes, truncated); a document with a part that is
         not what the header says (not zlib, or a stream cut short, which
         inflates to a plausible prefix without an error), or whose parts
@@ -738,7 +741,7 @@ class FleetFollowerTests(SynchronousTestCase):
 class GoneWhilePackingTests(SynchronousTestCase):
     def test_empty_slices_leave_valid_json(self) -> None:
         """
-        ha5: slices whose nodes (or replicas) all went while the pack ran,
+        Slices whose nodes (or replicas) all went while the pack ran,
         first, in the middle or last, leave the published answers valid
         JSON with the rest; NaN is refused rather than published.
         """
@@ -767,11 +770,11 @@ class GoneWhilePackingTests(SynchronousTestCase):
 
 
 class HAMemberFleetTests(SynchronousTestCase):
-    """ha4: two HA members: the leader publishes its views, the other answers from them."""
+    """Two HA members: the leader publishes its views, the other answers from them."""
 
     def test_leader_nodes_built_a_slice_at_a_time(self) -> None:
         """
-        ha5: the nodes the leader publishes are its GET /api/v1/nodes view,
+        The nodes the leader publishes are its GET /api/v1/nodes view,
         built for the slice asked (by index or slice); a node removed after
         the view was taken is left out of its slice.
         """

@@ -19,7 +19,8 @@ from twisted.trial.unittest import TestCase
 
 from llmgw.control.admin.site import admin_service
 from llmgw.control.shell.metrics import make_registry
-from llmgw.gateway.follower import FollowerService, FollowerTable
+from llmgw.gateway.follower import FollowerTable
+from llmgw.gateway.follower_service import FollowerService
 from llmgw.routing import Route, RoutingTable
 from llmgw.testing.fleet import sample_fleet
 from llmgw.testing.pki import make_pki

@@ -12,17 +12,13 @@ from pathlib import Path
 from typing import TextIO
 
 from llmgw.tlsconf.ca import (
-    ADMIN_ROLES,
     DEFAULT_CA_DAYS,
     DEFAULT_LEAF_DAYS,
     FORCE,
     REFUSE,
     RENEW,
-    CAError,
     CertificateAuthority,
     Issued,
-    describe,
-    load_certificate,
 )
 from llmgw.tlsconf.crl import (
     CRL_FILE,
@@ -35,6 +31,9 @@ from llmgw.tlsconf.crl import (
     renew,
     revoke,
 )
+from llmgw.tlsconf.describe import describe
+from llmgw.tlsconf.pem import CAError, load_certificate
+from llmgw.tlsconf.roles import ADMIN_ROLES
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

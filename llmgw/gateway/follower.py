@@ -12,32 +12,30 @@ reaches the gateway as soon as it is published.
 
 When a read fails the table keeps the last snapshot (the gateway fails
 static: replicas keep serving while the control plane is away), logs it and
-shows it in its metrics; L{FollowerService} retries with a backoff.
+shows it in its metrics; L{llmgw.gateway.follower_service.FollowerService}
+keeps a read (or the watch stream) going and retries with a backoff, and
+L{llmgw.gateway.demand.DemandReporter} posts the gateway's demand to the
+leader this table found.
 
-hadmin (issue 14 item 5): the table may be given several admin URLs, the
-members of an HA control plane. It reads from one; when a read fails it
-tries the next at once, and backs off only once every member failed in a
-row. A member that does not lead answers with a redirect to the leader,
-which the HTTP client follows; the URL that answered (the leader's) is
-where the watch stream is dialled and demand is posted.
+The table may be given several admin URLs, the members of an HA control
+plane. It reads from one; when a read fails it tries the next at once, and
+backs off only once every member failed in a row. A member that does not
+lead answers with a redirect to the leader, which the HTTP client follows;
+the URL that answered (the leader's) is where the watch stream is dialled
+and demand is posted.
 """
 
 from __future__ import annotations
 
 import json
-import random
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from autobahn.twisted.websocket import WebSocketClientFactory, WebSocketClientProtocol
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
-from twisted.application.service import Service
-from twisted.internet.defer import CancelledError, Deferred
-from twisted.internet.interfaces import IDelayedCall
+from twisted.internet.defer import Deferred
 from twisted.internet.protocol import Protocol, connectionDone
-from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.client import ResponseDone
@@ -46,7 +44,6 @@ from zope.interface import implementer
 
 from llmgw.routing import (
     LONG_POLL_MAX_S,
-    IDemand,
     IRoutingTable,
     QueueLimits,
     Route,
@@ -63,14 +60,6 @@ MAX_ROUTES_BODY = 32 * 1024 * 1024
 PROBLEMS_LOGGED = 5
 ROUTES_PATH = "/api/v1/routes"
 WATCH_PATH = "/api/v1/watch"
-DEMAND_PATH = "/api/v1/demand"
-#: Seconds between demand reports (the control plane keeps one for 5 s).
-DEMAND_INTERVAL_S = 1.0
-#: Largest answer to a demand report read, in bytes.
-MAX_DEMAND_ANSWER = 64 * 1024
-#: Seconds between the watch stream's pings; as long again without a pong
-#: and the stream counts as lost.
-WATCH_PING_S = 5.0
 
 
 class RoutesFetchError(Exception):
@@ -204,7 +193,7 @@ class FollowerTable:
         urls = [admin_url] if isinstance(admin_url, str) else list(admin_url)
         if not urls:
             raise ValueError("a follower needs at least one admin URL")
-        #: hadmin: the admin URLs to read from, tried in turn on failure.
+        #: The admin URLs to read from, tried in turn on failure.
         self.admin_urls = [u.rstrip("/") for u in urls]
         self._member = 0
         #: The admin URL that answered the last read, when a redirect (to
@@ -380,7 +369,7 @@ class FollowerTable:
         if isinstance(final, bytes):
             final = final.decode("ascii", "replace")
         if not isinstance(final, str) or final == asked:
-            # ha3: a member that does not lead answers the routes itself
+            # A member that does not lead answers the routes itself
             # and names the leader in a header (watch stream and demand).
             final = self._named_leader(asked, response)
             if final is None:
@@ -538,328 +527,3 @@ class FollowerTable:
                     error=reason.getErrorMessage(),
                     n=self.failures_in_a_row,
                 )
-
-
-class _WatchProtocol(WebSocketClientProtocol):
-    """
-    The follower's end of the watch stream: each message goes to its
-    service's table.
-    """
-
-    service: FollowerService
-
-    def onOpen(self) -> None:
-        self.service._watch_opened(self)
-
-    def onMessage(self, payload: bytes, isBinary: bool) -> None:  # noqa: N803
-        try:
-            self.service.table.apply_watch(json.loads(payload))
-        except (ValueError, RoutesDataError) as e:
-            self.service.log.warn(
-                "watch stream of {url}: a message is not what the stream sends ({error}); reconnecting",
-                url=self.service.table.admin_url, error=str(e),
-            )
-            self.service.table.watch_revision = None
-            self.dropConnection(abort=True)
-
-    def onPong(self, payload: bytes) -> None:
-        self.service.table.last_success = self.service.table.clock.seconds()
-
-    def onClose(self, wasClean: bool, code: int | None, reason: str | None) -> None:  # noqa: N803
-        self.service._watch_closed(self, reason)
-
-
-class FollowerService(Service):
-    """
-    Keeps one read of C{table}'s routes outstanding while running: the next
-    starts when one answers (at least C{min_gap} seconds after the last
-    began), or after a failure waits C{retry} seconds, doubled on each
-    failure in a row up to C{max_retry}, with up to C{jitter} of it added at
-    random so that many gateways do not retry in step.
-
-    With C{watch}, the table follows the admin API's watch stream
-    (C{/api/v1/watch}) instead, a change reaching it as it is published;
-    while the stream is down (refused, lost, or from a control plane
-    without one) it reads the long-poll as above, and dials the stream
-    again after the same backoff, resuming from the last revision held.
-
-    C{stopService} cancels the read in flight, the stream and the retry
-    timers, so a stopped follower leaves nothing behind on its reactor.
-    """
-
-    log = Logger()
-
-    def __init__(
-        self,
-        table: FollowerTable,
-        retry: float = 2.0,
-        max_retry: float = 30.0,
-        min_gap: float = 0.1,
-        jitter: float = 0.2,
-        rng: random.Random | None = None,
-        watch: bool = False,
-    ):
-        self.table = table
-        self.watch = watch
-        self.watching: _WatchProtocol | None = None
-        self._dialing: Deferred[Any] | None = None
-        self._redial: IDelayedCall | None = None
-        self.watch_failures = 0
-        self.retry = retry
-        self.max_retry = max(retry, max_retry)
-        self.min_gap = min_gap
-        self.jitter = jitter
-        self.rng = rng if rng is not None else random.Random()
-        self._reading: Deferred[bool] | None = None
-        self._next: IDelayedCall | None = None
-        self._started_at = 0.0
-
-    def startService(self) -> None:
-        super().startService()
-        if self.watch:
-            self._dial()
-        self._read()
-
-    def retry_delay(self, failures: int) -> float:
-        """
-        Seconds to wait after C{failures} failed reads in a row.
-        """
-        base = min(self.max_retry, self.retry * 2 ** max(0, failures - 1))
-        return base * (1 + self.jitter * self.rng.random())
-
-    def _read(self) -> None:
-        self._next = None
-        if not self.running or self.watching is not None:
-            return
-        clock = self.table.clock
-        self._started_at = clock.seconds()
-        d = self._reading = self.table.poll()
-
-        def answered(ok: bool) -> None:
-            self._reading = None
-            if not self.running or self.watching is not None:
-                return
-            if ok or self.table.untried_members():
-                # hadmin: after a failure another member is tried at once.
-                delay = max(0.0, self._started_at + self.min_gap - clock.seconds())
-            else:
-                rounds = -(-self.table.failures_in_a_row // len(self.table.admin_urls))
-                delay = self.retry_delay(rounds)
-            self._next = clock.callLater(delay, self._read)
-
-        d.addCallback(answered)
-        d.addErrback(lambda f: f.trap(CancelledError))
-
-    # the watch stream
-
-    def _dial(self) -> None:
-        self._redial = None
-        if not self.running or self.watching is not None or self._dialing is not None:
-            return
-        from urllib.parse import urlsplit
-
-        from twisted.internet.endpoints import HostnameEndpoint, wrapClientTLS
-        from twisted.web.client import BrowserLikePolicyForHTTPS
-
-        url = self.table.watch_url()
-        parts = urlsplit(url)
-        host = parts.hostname or "127.0.0.1"
-        secure = parts.scheme == "wss"
-        port = parts.port or (443 if secure else 80)
-        clock = self.table.clock
-        endpoint: Any = HostnameEndpoint(clock, host, port, timeout=self.table.timeout)
-        if secure:
-            policy = self.table.tls if self.table.tls is not None else BrowserLikePolicyForHTTPS()
-            endpoint = wrapClientTLS(policy.creatorForNetloc(host.encode("idna"), port), endpoint)
-        factory = WebSocketClientFactory(url, reactor=clock)
-        factory.protocol = _WatchProtocol
-        factory.setProtocolOptions(
-            autoPingInterval=WATCH_PING_S, autoPingTimeout=WATCH_PING_S,
-            openHandshakeTimeout=self.table.timeout, maxMessagePayloadSize=MAX_ROUTES_BODY,
-            maxFramePayloadSize=MAX_ROUTES_BODY,
-        )
-        service = self
-
-        def build(addr: Any) -> Any:
-            p: Any = WebSocketClientFactory.buildProtocol(factory, addr)
-            p.service = service
-            return p
-
-        factory.buildProtocol = build  # type: ignore[method-assign]
-        d = self._dialing = endpoint.connect(factory)
-
-        def failed(f: Failure) -> None:
-            if self._dialing is d:
-                self._dialing = None
-                if not f.check(CancelledError):
-                    self._watch_closed(None, f.getErrorMessage())
-
-        d.addCallbacks(lambda _: None, failed)
-
-    def _watch_opened(self, protocol: _WatchProtocol) -> None:
-        self._dialing = None
-        if not self.running:
-            protocol.dropConnection(abort=True)
-            return
-        self.watching = protocol
-        if self.watch_failures:
-            self.log.info("watch stream of {url} open again; following it", url=self.table.admin_url)
-        self.watch_failures = 0
-        # The stream carries the changes now: stop the long-poll.
-        nxt, self._next = self._next, None
-        if nxt is not None and nxt.active():
-            nxt.cancel()
-        reading, self._reading = self._reading, None
-        if reading is not None:
-            reading.cancel()
-
-    def _watch_closed(self, protocol: _WatchProtocol | None, reason: str | None) -> None:
-        if protocol is not None and self.watching is not protocol:
-            if self._dialing is not None:
-                self._dialing = None  # the upgrade was refused
-            else:
-                return
-        self.watching = None
-        self._dialing = None
-        if not self.running:
-            return
-        self.watch_failures += 1
-        delay = self.retry_delay(self.watch_failures)
-        if self.watch_failures == 1:
-            self.log.info(
-                "watch stream of {url} closed ({reason}); reading the long-poll, dialling the "
-                "stream again in {delay:.1f} s",
-                url=self.table.admin_url, reason=reason or "no reason given", delay=delay,
-            )
-        self._redial = self.table.clock.callLater(delay, self._dial)
-        if self._reading is None and self._next is None:
-            self._read()
-
-    def stopService(self) -> Any:
-        super().stopService()
-        redial, self._redial = self._redial, None
-        if redial is not None and redial.active():
-            redial.cancel()
-        dialing, self._dialing = self._dialing, None
-        if dialing is not None:
-            dialing.cancel()
-        watching, self.watching = self.watching, None
-        if watching is not None:
-            watching.dropConnection(abort=True)
-        nxt, self._next = self._next, None
-        if nxt is not None and nxt.active():
-            nxt.cancel()
-        reading, self._reading = self._reading, None
-        if reading is not None:
-            reading.cancel()
-        return self.table.close()
-
-
-class DemandReporter(Service):
-    """
-    Posts a standalone gateway's demand (C{source.demand()}, an L{IDemand})
-    to the control plane's admin API every C{interval} seconds, as
-    C{POST /api/v1/demand}, for the autoscaler (issue 12). It posts through
-    the follower C{table}'s HTTP client (its TLS and admin certificate).
-
-    One report at a time: a pass that finds the last still unanswered
-    skips. Nothing is posted while there is nothing to say (no demand now
-    and none in the last report). A failing control plane is logged once,
-    then at most every L{REPEAT_WARNING_S}; the gateway keeps serving.
-    """
-
-    log = Logger()
-
-    def __init__(self, table: FollowerTable, source: IDemand, gateway_id: str,
-                 interval: float = DEMAND_INTERVAL_S):
-        self.table = table
-        self.source = source
-        self.gateway_id = gateway_id
-        self.interval = interval
-        self.sent = 0
-        self.failures = 0
-        self._loop: LoopingCall | None = None
-        self._posting: Deferred[Any] | None = None
-        self._last_empty = True
-        self._last_warning = -REPEAT_WARNING_S
-
-    @property
-    def url(self) -> str:
-        """Where reports go: the leader's admin API, as the table knows it."""
-        return self.table.leader_url + DEMAND_PATH
-
-    def startService(self) -> None:
-        super().startService()
-        loop = self._loop = LoopingCall(self.report)
-        loop.clock = self.table.clock
-        loop.start(self.interval, now=False)
-
-    def stopService(self) -> Any:
-        super().stopService()
-        loop, self._loop = self._loop, None
-        if loop is not None and loop.running:
-            loop.stop()
-        posting, self._posting = self._posting, None
-        if posting is not None:
-            posting.cancel()
-        return None
-
-    def body(self) -> dict[str, Any] | None:
-        """
-        The next report's body, or C{None} when there is nothing to say.
-        """
-        models = {
-            m: {"in_flight": d.in_flight, "waiting": d.waiting}
-            for m, d in sorted(self.source.demand().items()) if d.in_flight or d.waiting
-        }
-        if not models and self._last_empty:
-            return None
-        return {"gateway_id": self.gateway_id, "models": models}
-
-    def report(self) -> None:
-        if self._posting is not None:
-            return
-        try:
-            body = self.body()
-        except Exception:
-            self.log.failure("reading the gateway's demand failed; nothing reported this time")
-            return
-        if body is None:
-            return
-        clock = self.table.clock
-        d: Deferred[Any] = self.table.http.post(
-            self.url, data=json.dumps(body).encode("utf-8"),
-            headers={b"Content-Type": [b"application/json"]},
-        )
-        d.addTimeout(self.table.timeout, clock)
-        self._posting = d
-
-        def answered(response: Any) -> Deferred[None]:
-            read = read_body(response, MAX_DEMAND_ANSWER)
-            read.addTimeout(self.table.timeout, clock)
-
-            def check(raw: bytes) -> None:
-                if response.code != 200:
-                    raise RoutesFetchError(f"{self.url} answered HTTP {response.code}: {raw[:200]!r}")
-
-            return read.addCallback(check)
-
-        def done(result: Any) -> None:
-            if self._posting is d:
-                self._posting = None
-            if isinstance(result, Failure):
-                if result.check(CancelledError) and not self.running:
-                    return
-                self.failures += 1
-                now = clock.seconds()
-                if now - self._last_warning >= REPEAT_WARNING_S:
-                    self._last_warning = now
-                    self.log.warn("demand report to {url} failed: {why}; the gateway keeps serving, "
-                                  "the autoscaler sees no demand from it meanwhile",
-                                  url=self.url, why=result.getErrorMessage())
-                return
-            self.sent += 1
-            self._last_empty = not body["models"]
-
-        d.addCallback(answered)
-        d.addBoth(done)

@@ -8,6 +8,7 @@ soon as they come, each piece of the body as soon as it is read. It is the
 downstream request's streaming producer, so a client that reads slowly
 pauses the replica's connection instead of growing a buffer; a client that
 goes away aborts the replica's connection, which cancels the generation.
+The request head the replica gets is L{llmgw.gateway.forwarding}'s.
 
 A connection failure before any byte of the response went to the client is
 retried: on a fresh connection to the same replica when a kept-alive one
@@ -17,9 +18,8 @@ replicas. Timeouts: connect, first byte, and idle between bytes.
 
 from __future__ import annotations
 
-import re
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Final
 
@@ -33,6 +33,7 @@ from zope.interface import classImplements
 
 from llmgw.gateway import errors
 from llmgw.gateway.admission import gateway_admission
+from llmgw.gateway.forwarding import FORWARDED_HEADERS, connection_options, forwarded_head
 from llmgw.gateway.front import BODY_TIMEOUT, HEAD_TIMEOUT, KEEP_ALIVE_TIMEOUT, FrontRequest
 from llmgw.gateway.keys import KeyRing
 from llmgw.gateway.metrics import GatewayMetrics
@@ -51,24 +52,6 @@ from llmgw.routing import (
     Route,
 )
 
-#: Request headers that are the gateway's business, not the replica's.
-_DROP_REQUEST: Final = frozenset(
-    {
-        b"connection", b"keep-alive", b"proxy-authorization", b"proxy-connection", b"te",
-        b"trailer", b"transfer-encoding", b"upgrade", b"host", b"content-length",
-        b"authorization", b"expect",
-    }
-)
-#: Request headers that say who the client is and how it came: the gateway
-#: writes its own, never passes on the client's (which anyone can forge).
-_FORWARDING: Final = frozenset(
-    {b"forwarded", b"x-forwarded-for", b"x-forwarded-proto", b"x-forwarded-host", b"x-real-ip"}
-)
-_DROP_FORWARDED: Final = _DROP_REQUEST | _FORWARDING
-#: The scheme clients reach the gateway by (its front serves plain HTTP).
-_SCHEME: Final = b"http"
-#: A C{Host} value safe to copy into X-Forwarded-Host and Forwarded.
-_HOST_VALUE: Final = re.compile(rb"[A-Za-z0-9._\-]{1,253}(?::[0-9]{1,5})?|\[[0-9A-Fa-f:.]{2,45}\](?::[0-9]{1,5})?")
 #: Reason phrases that twisted.web's table lacks.
 _REASONS: Final = {421: b"Misdirected Request", 429: b"Too Many Requests"}
 #: Response headers the gateway writes itself.
@@ -119,13 +102,6 @@ class GatewayConfig:
             raise ValueError(
                 f"forwarded headers {self.forwarded_headers!r} is not one of {', '.join(FORWARDED_HEADERS)}"
             )
-
-
-#: What the gateway tells a replica of the client, by the name of the
-#: setting: C{x-forwarded}, the pair most servers read (C{X-Forwarded-For},
-#: C{X-Forwarded-Proto}, as Envoy sends); C{full}, those with
-#: C{X-Forwarded-Host}, C{X-Real-IP} and RFC 7239's C{Forwarded}; C{none}.
-FORWARDED_HEADERS: Final = ("x-forwarded", "full", "none")
 
 
 class Gateway:
@@ -191,90 +167,6 @@ class Gateway:
 
 # Not @implementer (setup.py's rules for compiled classes).
 classImplements(Gateway, IInFlight, IDemand)
-
-
-def connection_options(headers: Iterable[tuple[bytes, bytes]]) -> frozenset[bytes]:
-    """
-    The header names (lower case) that the C{Connection} headers among
-    C{headers} list: they are for this hop only.
-    """
-    named: set[bytes] = set()
-    for name, value in headers:
-        if name == b"connection":
-            for token in value.split(b","):
-                token = token.strip(b" \t").lower()
-                if token:
-                    named.add(token)
-    return frozenset(named)
-
-
-def forwarded_head(request: FrontRequest, body_length: int, forwarded: str = "x-forwarded") -> bytes:
-    """
-    The request line and the headers to forward, up to (not including) the
-    C{Host} header, which depends on the replica.
-
-    Hop-by-hop headers (and those the client's C{Connection} names) are
-    dropped; C{Forwarded}, C{X-Forwarded-For}, C{-Proto}, C{-Host} and
-    C{X-Real-IP} are the gateway's own, replacing any the client sent.
-    """
-    headers = request.headers
-    parts = [request.method, b" ", request.uri, b" HTTP/1.1\r\n"]
-    host = None
-    named = False
-    for name, value in headers:
-        if name not in _DROP_FORWARDED:
-            parts += (name, b": ", value, b"\r\n")
-        elif name == b"connection":
-            named = True
-        elif name == b"host" and host is None:
-            host = value
-    if named:
-        # Rare enough to pay a second pass: a Connection header naming
-        # more than the hop-by-hop headers already dropped.
-        options = connection_options(headers) - _DROP_FORWARDED
-        if options:
-            parts = parts[:4]
-            for name, value in headers:
-                if name not in _DROP_FORWARDED and name not in options:
-                    parts += (name, b": ", value, b"\r\n")
-    key = (request.client_host, host, forwarded)
-    block = _FORWARDING_BLOCKS.get(key)
-    if block is None:
-        block = _forwarding_block(*key)
-        if len(_FORWARDING_BLOCKS) < 1024:
-            _FORWARDING_BLOCKS[key] = block
-    parts += (block, b"content-length: %d\r\n" % body_length)
-    return b"".join(parts)
-
-
-#: The forwarding headers per (client address, Host): few clients send
-#: most requests, so most requests find theirs here.
-_FORWARDING_BLOCKS: Final[dict[tuple[str | None, bytes | None, str], bytes]] = {}
-
-
-def _forwarding_block(client: str | None, host: bytes | None, which: str) -> bytes:
-    """
-    The gateway's own forwarding headers (the set L{FORWARDED_HEADERS}
-    names C{which}) for a request from C{client} that asked for C{host}.
-    """
-    if which == "none":
-        return b""
-    if which == "x-forwarded":
-        if client:
-            return b"x-forwarded-for: %s\r\nx-forwarded-proto: %s\r\n" % (client.encode(), _SCHEME)
-        return b"x-forwarded-proto: %s\r\n" % _SCHEME
-    parts: list[bytes] = []
-    forwarded: list[bytes] = []
-    if client:
-        ip = client.encode()
-        parts += (b"x-forwarded-for: ", ip, b"\r\nx-real-ip: ", ip, b"\r\n")
-        forwarded.append(b'for="[%s]"' % ip if b":" in ip else b"for=" + ip)
-    if host is not None and _HOST_VALUE.fullmatch(host) is not None:
-        parts += (b"x-forwarded-host: ", host, b"\r\n")
-        forwarded.append(b'host="%s"' % host)
-    forwarded.append(b"proto=" + _SCHEME)
-    parts += (b"x-forwarded-proto: ", _SCHEME, b"\r\nforwarded: ", b";".join(forwarded), b"\r\n")
-    return b"".join(parts)
 
 
 #: The C{Host} line (and the head's end) per replica address.

@@ -29,10 +29,13 @@ from llmgw.addresses import (
     server_endpoint,
 )
 from llmgw.collector import CollectorTuning
-from llmgw.gateway.follower import DemandReporter, FollowerService, FollowerTable
+from llmgw.gateway.demand import DemandReporter
+from llmgw.gateway.follower import FollowerTable
+from llmgw.gateway.follower_service import FollowerService
+from llmgw.gateway.forwarding import FORWARDED_HEADERS
 from llmgw.gateway.front import MAX_CONNECTIONS
 from llmgw.gateway.keys import KeyRing, KeysError, load_keys
-from llmgw.gateway.proxy import FORWARDED_HEADERS, Gateway, GatewayConfig
+from llmgw.gateway.proxy import Gateway, GatewayConfig
 from llmgw.gateway.resource import GatewayResource, GatewaySite
 from llmgw.gateway.usage import UsageResource
 from llmgw.hostcheck import HostCheck, HostListError, parse_hosts

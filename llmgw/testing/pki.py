@@ -25,15 +25,10 @@ from twisted.python.failure import Failure
 from twisted.test import iosim
 
 from llmgw.api.v1 import agent_pb2 as pb
-from llmgw.tlsconf.ca import (
-    LEAF_KEY_USAGE,
-    CertificateAuthority,
-    cert_pem,
-    key_pem,
-    random_serial,
-    write_private,
-)
+from llmgw.tlsconf.ca import CertificateAuthority
+from llmgw.tlsconf.certs import LEAF_KEY_USAGE, random_serial
 from llmgw.tlsconf.options import AgentClientTLS, agent_files
+from llmgw.tlsconf.pem import cert_pem, key_pem, write_private
 from llmgw.wire import PROTOCOL_VERSION, MessageStream
 
 

@@ -20,142 +20,55 @@ Files in the CA directory (default C{./certs}):
 
 Leaves carry the key usage TLS needs of an ECDSA key, digitalSignature,
 and nothing else; the extended key usage says what they are for
-(serverAuth, clientAuth, and for admin clients an llmgw role, below).
+(serverAuth, clientAuth, and for admin clients an llmgw role, see
+L{llmgw.tlsconf.roles}); no node or server certificate carries a role.
 
-An admin certificate's role is an extended key usage under llmgw's own
-object identifier arc (L{ADMIN_ROLE_OIDS}): it is inside the signed
-certificate, so only the CA can set it, and no node or server certificate
-carries one.
-
-Keys are written with mode 0600, through a temporary file and a rename, so a
-reader never sees half a key.
+This module is the CA directory: what is issued, what is recorded, the
+rollover. Making a certificate is L{llmgw.tlsconf.certs}, reading and
+writing PEM files (keys with mode 0600, through a temporary file and a
+rename, so a reader never sees half a key) L{llmgw.tlsconf.pem}, and
+showing one to an operator L{llmgw.tlsconf.describe}.
 """
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import json
-import os
 import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from cryptography.x509.oid import ExtendedKeyUsageOID
 
+from llmgw.tlsconf.certs import (
+    common_name_of,
+    issued_by,
+    make_leaf,
+    now_utc,
+    parse_host,
+    same_key,
+    self_signed_root,
+)
+
+from llmgw.tlsconf.pem import (
+    CAError,
+    cert_pem,
+    key_pem,
+    load_bundle,
+    load_key,
+    write_private,
+    write_public,
+)
+from llmgw.tlsconf.roles import ADMIN_ROLE_OIDS, ADMIN_ROLES, ETCD_CN_PREFIX, admin_name
 from llmgw.wire import InvalidNodeId, validate_node_id
 
-#: Certificates start this far in the past, so a node whose clock is a little
-#: behind does not see them as not yet valid.
-BACKDATE = datetime.timedelta(minutes=5)
 DEFAULT_CA_DAYS = 3650
 DEFAULT_LEAF_DAYS = 365
-
-#: llmgw's object identifier arc: a UUID-derived OID (ITU-T X.667, the
-#: 2.25 arc), which needs no registration and collides with nobody's.
-LLMGW_OID_ARC = "2.25.207025164388289127420234717139102062531"
-#: The extended key usage that makes a client certificate an admin
-#: certificate with that role.
-ADMIN_ROLE_OIDS: dict[str, x509.ObjectIdentifier] = {
-    "viewer": x509.ObjectIdentifier(LLMGW_OID_ARC + ".1.1"),
-    "operator": x509.ObjectIdentifier(LLMGW_OID_ARC + ".1.2"),
-    "gateway": x509.ObjectIdentifier(LLMGW_OID_ARC + ".1.3"),
-}
-ADMIN_ROLES = tuple(ADMIN_ROLE_OIDS)
-ROLE_BY_OID = {oid: role for role, oid in ADMIN_ROLE_OIDS.items()}
-#: What the common name of a certificate for etcd's own TLS starts with: the
-#: control plane takes it neither as a node's nor as an admin's. (Not an
-#: extended key usage of llmgw's own: etcd refuses a certificate with one.)
-ETCD_CN_PREFIX = "etcd:"
 #: The kinds of certificates (C{issued.jsonl}) that are identities to the
 #: control plane; an etcd CA issues none of them (see L{_check_separate}).
 FLEET_KINDS = ("agent", "admin-")
-
-#: A leaf's key usage: digitalSignature only (TLS 1.2 ECDHE and TLS 1.3 sign
-#: with the key; nothing agrees keys with it).
-LEAF_KEY_USAGE = x509.KeyUsage(
-    digital_signature=True, content_commitment=False, key_encipherment=False,
-    data_encipherment=False, key_agreement=False, key_cert_sign=False,
-    crl_sign=False, encipher_only=False, decipher_only=False,
-)
-
-
-class CAError(Exception):
-    """
-    A CA operation was refused; the message says why, for an operator.
-    """
-
-
-def _now() -> datetime.datetime:
-    return datetime.datetime.now(datetime.UTC)
-
-
-def write_private(path: Path, data: bytes) -> None:
-    """
-    Write C{data} to C{path} with mode 0600, atomically.
-    """
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def write_public(path: Path, data: bytes) -> None:
-    """
-    Write C{data} to C{path} with mode 0644, atomically.
-    """
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    tmp.write_bytes(data)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
-
-
-def key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.private_bytes(
-        serialization.Encoding.PEM,
-        serialization.PrivateFormat.PKCS8,
-        serialization.NoEncryption(),
-    )
-
-
-def cert_pem(cert: x509.Certificate) -> bytes:
-    return cert.public_bytes(serialization.Encoding.PEM)
-
-
-def random_serial() -> int:
-    # 159 random bits: positive, under the 20-octet limit, never repeated in practice.
-    return secrets.randbits(159) | 1
-
-
-def parse_host(host: str) -> x509.GeneralName:
-    """
-    The subject alternative name for C{host}: an IP entry for an address, a
-    DNS entry for a name.
-
-    @raise CAError: C{host} is empty or not a plausible DNS name.
-    """
-    host = host.strip()
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if not host:
-        raise CAError("empty --host")
-    try:
-        return x509.IPAddress(ipaddress.ip_address(host))
-    except ValueError:
-        pass
-    if any(c.isspace() or c in "/:@" for c in host) or len(host) > 253:
-        raise CAError(f"--host {host!r} is neither an IP address nor a DNS name")
-    return x509.DNSName(host.lower())
 
 
 @dataclass(frozen=True)
@@ -176,97 +89,6 @@ class Issued:
 #: C{replace} values of the C{issue_*} methods: what to do when the files
 #: already exist.
 REFUSE, FORCE, RENEW = "refuse", "force", "renew"
-
-
-def load_bundle(path: Path) -> list[x509.Certificate]:
-    """
-    Every certificate in the PEM file C{path}, in order.
-
-    @raise CAError: the file is unreadable or holds no certificate.
-    """
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise CAError(f"cannot read {path}: {e.strerror}") from e
-    try:
-        certs = x509.load_pem_x509_certificates(data)
-    except ValueError as e:
-        raise CAError(f"{path} is not a PEM certificate bundle: {e}") from e
-    if not certs:
-        raise CAError(f"{path} holds no certificate")
-    return certs
-
-
-def _load_key(path: Path) -> ec.EllipticCurvePrivateKey:
-    try:
-        key = serialization.load_pem_private_key(path.read_bytes(), password=None)
-    except OSError as e:
-        raise CAError(f"cannot read {path}: {e.strerror}") from e
-    except (ValueError, TypeError) as e:
-        raise CAError(f"{path} is not an unencrypted PEM private key: {e}") from e
-    if not isinstance(key, ec.EllipticCurvePrivateKey):
-        raise CAError(f"{path} is not an ECDSA key")
-    return key
-
-
-def _same_key(key: ec.EllipticCurvePrivateKey, cert: x509.Certificate) -> bool:
-    pub = cert.public_key()
-    return isinstance(pub, ec.EllipticCurvePublicKey) and (
-        key.public_key().public_numbers() == pub.public_numbers()
-    )
-
-
-def _self_signed_root(
-    key: ec.EllipticCurvePrivateKey, name: str, days: int
-) -> x509.Certificate:
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-    now = _now()
-    return (
-        x509.CertificateBuilder()
-        .subject_name(subject)
-        .issuer_name(subject)
-        .public_key(key.public_key())
-        .serial_number(random_serial())
-        .not_valid_before(now - BACKDATE)
-        .not_valid_after(now + datetime.timedelta(days=days))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True, content_commitment=False, key_encipherment=False,
-                data_encipherment=False, key_agreement=False, key_cert_sign=True,
-                crl_sign=True, encipher_only=False, decipher_only=False,
-            ),
-            critical=True,
-        )
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-        .sign(key, hashes.SHA256())
-    )
-
-
-def issued_by(cert: x509.Certificate, root: x509.Certificate) -> bool:
-    """
-    Whether C{root} issued C{cert} (issuer name and signature).
-    """
-    if cert.issuer != root.subject:
-        return False
-    try:
-        cert.verify_directly_issued_by(root)
-    except Exception:
-        return False
-    return True
-
-
-def admin_name(name: str) -> str:
-    """
-    C{name} if it is a valid admin name (the same rules as node ids: it
-    goes into file names and log lines).
-
-    @raise CAError: it is not.
-    """
-    try:
-        return validate_node_id(name)
-    except InvalidNodeId as e:
-        raise CAError(f"admin name: {e}") from e
 
 
 class CertificateAuthority:
@@ -316,7 +138,7 @@ class CertificateAuthority:
                 "(`llmgw ctl cert rotate-ca` replaces it without a fleet-wide outage)"
             )
         key = ec.generate_private_key(ec.SECP256R1())
-        cert = _self_signed_root(key, name, days)
+        cert = self_signed_root(key, name, days)
         write_private(directory / "ca.key", key_pem(key))
         write_public(directory / "ca.pem", cert_pem(cert))
         (directory / "ca-previous.key").unlink(missing_ok=True)
@@ -342,8 +164,8 @@ class CertificateAuthority:
                 "make one with `llmgw ctl cert init`"
             )
         roots = load_bundle(cert_file)
-        key = _load_key(key_file)
-        active = [c for c in roots if _same_key(key, c)]
+        key = load_key(key_file)
+        active = [c for c in roots if same_key(key, c)]
         if not active:
             raise CAError(f"{key_file} belongs to none of the certificates in {cert_file}")
         cert = active[0]
@@ -351,9 +173,9 @@ class CertificateAuthority:
         previous = None
         prev_cert, prev_key = directory / "ca-previous.pem", directory / "ca-previous.key"
         if prev_key.exists() and prev_cert.exists():
-            pkey = _load_key(prev_key)
+            pkey = load_key(prev_key)
             pcert = load_bundle(prev_cert)[0]
-            if not _same_key(pkey, pcert):
+            if not same_key(pkey, pcert):
                 raise CAError(f"{prev_key} does not belong to {prev_cert}")
             previous = (pkey, pcert)
         return cls(directory, key, cert, ordered, previous)
@@ -386,12 +208,12 @@ class CertificateAuthority:
                 f"{self.previous[1].subject.rfc4514_string()}); finish it with "
                 "`llmgw ctl cert retire-ca` first"
             )
-        now = _now()
+        now = now_utc()
         key = ec.generate_private_key(ec.SECP256R1())
-        base = _common_name_of(self.certificate) or "llmgw CA"
+        base = common_name_of(self.certificate) or "llmgw CA"
         base = base.split(" (", 1)[0]
         name = f"{base} ({now:%Y-%m-%d %H:%M:%S}, {secrets.token_hex(3)})"
-        cert = _self_signed_root(key, name, days)
+        cert = self_signed_root(key, name, days)
         old_key, old_cert = self.key, self.certificate
         d = self.directory
         # Previous first, then the bundle, then the new key: a crash midway
@@ -461,37 +283,6 @@ class CertificateAuthority:
 
     # -- issuing ----------------------------------------------------------------
 
-    def _leaf(
-        self, subject_cn: str, days: int, sans: Sequence[x509.GeneralName],
-        *usages: x509.ObjectIdentifier,
-    ) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
-        key = ec.generate_private_key(ec.SECP256R1())
-        now = _now()
-        not_after = min(
-            now + datetime.timedelta(days=days), self.certificate.not_valid_after_utc
-        )
-        builder = (
-            x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject_cn)]))
-            .issuer_name(self.certificate.subject)
-            .public_key(key.public_key())
-            .serial_number(random_serial())
-            .not_valid_before(now - BACKDATE)
-            .not_valid_after(not_after)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(LEAF_KEY_USAGE, critical=True)
-            .add_extension(x509.ExtendedKeyUsage(list(usages)), critical=False)
-            .add_extension(
-                x509.AuthorityKeyIdentifier.from_issuer_public_key(
-                    self.key.public_key()
-                ),
-                critical=False,
-            )
-        )
-        if sans:
-            builder = builder.add_extension(x509.SubjectAlternativeName(list(sans)), critical=False)
-        return key, builder.sign(self.key, hashes.SHA256())
-
     def _check_replace(self, stem: str, replace: str) -> x509.Certificate | None:
         """
         The certificate already at C{stem}, if any, when C{replace} allows
@@ -547,7 +338,8 @@ class CertificateAuthority:
             )
         replaced = self._check_replace("server", replace)
         first = sans[0].value
-        key, cert = self._leaf(str(first), days, sans, ExtendedKeyUsageOID.SERVER_AUTH)
+        key, cert = make_leaf(self.key, self.certificate, str(first), days, sans,
+                              ExtendedKeyUsageOID.SERVER_AUTH)
         return self._write_leaf("server", key, cert, "server", replaced)
 
     def issue_agent(
@@ -568,7 +360,8 @@ class CertificateAuthority:
             raise CAError(str(e)) from e
         self._check_separate("agent", shared)
         replaced = self._check_replace(f"agent-{node_id}", replace)
-        key, cert = self._leaf(node_id, days, [], ExtendedKeyUsageOID.CLIENT_AUTH)
+        key, cert = make_leaf(self.key, self.certificate, node_id, days, [],
+                              ExtendedKeyUsageOID.CLIENT_AUTH)
         return self._write_leaf(f"agent-{node_id}", key, cert, "agent", replaced)
 
     def issue_etcd(
@@ -576,7 +369,7 @@ class CertificateAuthority:
         shared: bool = False,
     ) -> Issued:
         """
-        ha3: issue a certificate for etcd's own TLS from this CA, which must
+        Issue a certificate for etcd's own TLS from this CA, which must
         be a CA directory of its own (an etcd that trusted the fleet's CA
         would take every agent's certificate), and write C{etcd-NAME.pem}
         and C{.key}. It serves as both server and client (etcd peers are
@@ -599,8 +392,8 @@ class CertificateAuthority:
         sans = [parse_host(h) for h in hosts]
         self._check_separate("etcd", shared)
         replaced = self._check_replace(f"etcd-{name}", replace)
-        key, cert = self._leaf(ETCD_CN_PREFIX + name, days, sans, ExtendedKeyUsageOID.SERVER_AUTH,
-                               ExtendedKeyUsageOID.CLIENT_AUTH)
+        key, cert = make_leaf(self.key, self.certificate, ETCD_CN_PREFIX + name, days, sans,
+                              ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH)
         return self._write_leaf(f"etcd-{name}", key, cert, "etcd", replaced)
 
     def issue_admin(
@@ -620,8 +413,9 @@ class CertificateAuthority:
             raise CAError(f"unknown admin role {role!r}; choose one of {', '.join(ADMIN_ROLES)}")
         self._check_separate("admin", shared)
         replaced = self._check_replace(f"admin-{name}", replace)
-        key, cert = self._leaf(
-            name, days, [], ExtendedKeyUsageOID.CLIENT_AUTH, ADMIN_ROLE_OIDS[role]
+        key, cert = make_leaf(
+            self.key, self.certificate, name, days, [], ExtendedKeyUsageOID.CLIENT_AUTH,
+            ADMIN_ROLE_OIDS[role],
         )
         return self._write_leaf(f"admin-{name}", key, cert, f"admin-{role}", replaced)
 
@@ -688,115 +482,3 @@ class CertificateAuthority:
         signature).
         """
         return any(issued_by(cert, root) for root in self.roots)
-
-
-def _common_name_of(cert: x509.Certificate) -> str | None:
-    cns = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
-    if len(cns) != 1:
-        return None
-    value = cns[0].value
-    return value if isinstance(value, str) else value.decode("utf-8", "replace")
-
-
-def load_certificate(path: Path | str) -> x509.Certificate:
-    """
-    Read one PEM certificate.
-
-    @raise CAError: the file is missing or is not a PEM certificate.
-    """
-    path = Path(path)
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise CAError(f"cannot read {path}: {e.strerror}") from e
-    try:
-        return x509.load_pem_x509_certificate(data)
-    except ValueError as e:
-        raise CAError(f"{path} is not a PEM certificate: {e}") from e
-
-
-def subject_alt_names(cert: x509.Certificate) -> list[str]:
-    """
-    The certificate's DNS and IP subject alternative names, as strings.
-    """
-    try:
-        ext = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName)
-    except x509.ExtensionNotFound:
-        return []
-    names = [f"DNS:{n}" for n in ext.value.get_values_for_type(x509.DNSName)]
-    names += [f"IP:{n}" for n in ext.value.get_values_for_type(x509.IPAddress)]
-    return names
-
-
-def extended_key_usages(cert: x509.Certificate) -> list[str]:
-    try:
-        ext = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage)
-    except x509.ExtensionNotFound:
-        return []
-    names = {
-        ExtendedKeyUsageOID.SERVER_AUTH: "serverAuth",
-        ExtendedKeyUsageOID.CLIENT_AUTH: "clientAuth",
-        **{oid: f"llmgw-admin-{role}" for role, oid in ADMIN_ROLE_OIDS.items()},
-    }
-    return [names.get(oid, oid.dotted_string) for oid in ext.value]
-
-
-def key_usages(cert: x509.Certificate) -> list[str]:
-    """
-    The certificate's key usage bits, by their RFC 5280 names.
-    """
-    try:
-        ku = cert.extensions.get_extension_for_class(x509.KeyUsage).value
-    except x509.ExtensionNotFound:
-        return []
-    out = []
-    for attr, name in (
-        ("digital_signature", "digitalSignature"), ("content_commitment", "nonRepudiation"),
-        ("key_encipherment", "keyEncipherment"), ("data_encipherment", "dataEncipherment"),
-        ("key_agreement", "keyAgreement"), ("key_cert_sign", "keyCertSign"),
-        ("crl_sign", "cRLSign"),
-    ):
-        if getattr(ku, attr):
-            out.append(name)
-    return out
-
-
-def describe(path: Path | str, ca_dir: Path | str | None = None) -> dict[str, object]:
-    """
-    What C{llmgw ctl cert show} prints: subject, SANs, usages, validity,
-    serial, and whether the certificate chains to the CA in C{ca_dir}.
-
-    @raise CAError: the file is not a certificate.
-    """
-    cert = load_certificate(path)
-    now = _now()
-    info: dict[str, object] = {
-        "file": str(path),
-        "subject": cert.subject.rfc4514_string(),
-        "issuer": cert.issuer.rfc4514_string(),
-        "serial": format(cert.serial_number, "x"),
-        "sans": subject_alt_names(cert),
-        "usages": extended_key_usages(cert),
-        "key_usages": key_usages(cert),
-        "not_before": cert.not_valid_before_utc.isoformat(),
-        "not_after": cert.not_valid_after_utc.isoformat(),
-        "expires_in_days": round((cert.not_valid_after_utc - now).total_seconds() / 86400, 1),
-    }
-    try:
-        bc = cert.extensions.get_extension_for_class(x509.BasicConstraints).value
-        info["is_ca"] = bc.ca
-    except x509.ExtensionNotFound:
-        info["is_ca"] = False
-    if ca_dir is not None:
-        ca_file = Path(ca_dir) / "ca.pem"
-        if ca_file.exists():
-            roots = load_bundle(ca_file)
-            issuer = next((r for r in roots if issued_by(cert, r)), None)
-            info["chains_to_ca"] = issuer is not None
-            info["ca"] = str(ca_file) + (
-                f" root {issuer.subject.rfc4514_string()}" if issuer is not None and len(roots) > 1 else ""
-            )
-        else:
-            info["chains_to_ca"] = None
-            info["ca"] = f"{ca_file} (missing)"
-    return info

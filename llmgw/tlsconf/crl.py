@@ -31,7 +31,9 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.x509.oid import NameOID
 
-from llmgw.tlsconf.ca import BACKDATE, CAError, CertificateAuthority, write_public
+from llmgw.tlsconf.ca import CertificateAuthority
+from llmgw.tlsconf.certs import BACKDATE
+from llmgw.tlsconf.pem import CAError, write_public
 
 CRL_FILE = "crl.pem"
 STATE_FILE = "revoked.json"

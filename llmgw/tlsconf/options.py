@@ -42,15 +42,11 @@ from twisted.python.failure import Failure
 from twisted.web.iweb import IPolicyForHTTPS
 from zope.interface import implementer
 
-from llmgw.tlsconf.ca import (
-    ETCD_CN_PREFIX,
-    ROLE_BY_OID,
-    CAError,
-    admin_name,
-    issued_by,
-    subject_alt_names,
-)
+from llmgw.tlsconf.certs import issued_by
 from llmgw.tlsconf.crl import CRLError, load_crls
+from llmgw.tlsconf.describe import subject_alt_names
+from llmgw.tlsconf.pem import CAError
+from llmgw.tlsconf.roles import ETCD_CN_PREFIX, ROLE_BY_OID, admin_name
 from llmgw.wire import InvalidNodeId, validate_node_id
 
 #: Key exchange (DESIGN §4). The agent sends a key share for the first group

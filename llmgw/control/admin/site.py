@@ -25,7 +25,7 @@ from llmgw.control.admin.base import MAX_BODY, client_address
 from llmgw.control.admin.watch import WatchHub
 from llmgw.control.state.interfaces import IFleetAdmin
 from llmgw.hostcheck import HostCheck
-from llmgw.tlsconf.ca import subject_alt_names
+from llmgw.tlsconf.describe import subject_alt_names
 from llmgw.tlsconf.options import ServerTLS
 
 DEFAULT_ADMIN_HOST = "127.0.0.1"

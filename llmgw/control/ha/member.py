@@ -42,13 +42,8 @@ from llmgw.api.v1 import agent_pb2 as pb
 from llmgw.control.core.catalog import Catalog, CatalogError, parse_catalog
 from llmgw.control.core.commands import ShardCommand
 from llmgw.control.ha.election import Election, MemberInfo, Role, leader_key
-from llmgw.control.ha.published import (
-    FleetDocument,
-    FleetFollower,
-    FleetPublisher,
-    RoutesFollower,
-    RoutesPublisher,
-)
+from llmgw.control.ha.published import RoutesFollower, RoutesPublisher
+from llmgw.control.ha.published_fleet import FleetDocument, FleetFollower, FleetPublisher
 from llmgw.control.ha.sharedstate import SharedFleet, SharedKeptState
 from llmgw.control.state.interfaces import IDispatcher, NotConnected
 from llmgw.etcd import Compare, EtcdError, EtcdTLSError, Put, Range

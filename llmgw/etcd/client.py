@@ -1,15 +1,5 @@
 """
-A Twisted-native etcd v3 client over etcd's JSON gateway (DESIGN §17).
-
-etcd serves its gRPC API as JSON over HTTP (the grpc-gateway) on the same
-client port: C{POST /v3/kv/range} with C{{"key": base64}} and so on. This
-module speaks that with C{treq}, so nothing blocks the reactor and no gRPC
-stack is needed. Keys and values are bytes here and base64 on the wire;
-the gateway writes 64-bit integers as strings, which are read back as ints.
-
-The path prefix is C{/v3/}: etcd 3.4 (Debian's) serves C{/v3/} and the
-deprecated C{/v3beta/}, and no longer C{/v3alpha/}; 3.5 serves only
-C{/v3/}.
+L{EtcdClient}: etcd's v3 API over its JSON gateway, with C{treq}.
 
 L{EtcdClient} knows several member URLs. A request that cannot reach its
 member (refused, reset, timed out) moves the client to the next member for
@@ -26,14 +16,11 @@ L{EtcdTLSError}, which says which side refused and what to check.
 
 from __future__ import annotations
 
-import base64
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import treq
-from OpenSSL import SSL
 from twisted.internet import defer, error
 from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
@@ -44,268 +31,20 @@ from twisted.web.client import (
     RequestTransmissionFailed,
     ResponseDone,
     ResponseFailed,
-    ResponseNeverReceived,
 )
+
+from llmgw.etcd.errors import GRPC_NOT_FOUND, EtcdError, EtcdTLSError, EtcdUnavailable, tls_problem
+from llmgw.etcd.kv import Compare, KeyValue, Op, TxnResult, WatchEvent, b64, prefix_end
+from llmgw.etcd.watch import Watch, WatchStream
 
 #: The JSON gateway's path prefix (etcd 3.4 and 3.5).
 API_PREFIX = "/v3"
 #: Seconds one unary request may take before the member is taken as gone.
 DEFAULT_TIMEOUT = 2.0
-#: The largest message a watch stream may send before it is closed; a
-#: catalog is far smaller.
-MAX_WATCH_MESSAGE = 4 * 1024 * 1024
 #: The largest unary response read.
 MAX_RESPONSE = 16 * 1024 * 1024
 
-# gRPC status codes etcd answers with.
-GRPC_FAILED_PRECONDITION = 9
-GRPC_NOT_FOUND = 5
-
 _JSON_HEADERS: dict[bytes | str, bytes | str] = {b"Content-Type": b"application/json"}
-
-
-class EtcdError(Exception):
-    """
-    etcd answered a request with an error: C{code} is its gRPC status code,
-    C{message} its text (C{"etcdserver: requested lease not found"}).
-    """
-
-    def __init__(self, code: int, message: str, url: str = ""):
-        super().__init__(f"etcd at {url or '?'} refused the request: {message} (code {code})")
-        self.code = code
-        self.message = message
-        self.url = url
-
-
-class EtcdUnavailable(EtcdError):
-    """
-    No member answered: each was unreachable, or the one asked did not
-    answer in time (it may be cut off from its quorum).
-    """
-
-    def __init__(self, message: str):
-        Exception.__init__(self, message)
-        self.code = -1
-        self.message = message
-        self.url = ""
-
-
-class EtcdTLSError(EtcdUnavailable):
-    """
-    No member could be reached because the TLS handshake failed; the
-    message says what to check.
-    """
-
-
-def tls_problem(e: BaseException, url: str) -> str | None:
-    """
-    What a failed request C{e} to C{url} says about TLS, in words for an
-    operator, or C{None} when TLS is not why it failed.
-
-    Only a failed handshake counts (nothing reached etcd, so another member
-    may be asked): no byte of the answer came (L{ResponseNeverReceived}, or
-    the request could not be sent), and OpenSSL said why (a verification
-    failure, an alert). A member that went away mid-request without
-    close_notify raises C{SSL.Error} too ("unexpected eof", or a
-    C{SysCallError}): that is an outage, not TLS, and etcd may have applied
-    the request.
-    """
-    from llmgw.tlsconf.options import ServerIdentityError
-
-    if not isinstance(e, (ResponseNeverReceived, RequestTransmissionFailed)):
-        return None
-    found: list[BaseException] = []
-    names: list[ServerIdentityError] = []
-
-    def walk(x: BaseException, depth: int = 0) -> None:
-        if depth > 4:
-            return
-        if isinstance(x, SSL.SysCallError):
-            return
-        if isinstance(x, SSL.Error):
-            if "unexpected eof" not in str(x).lower():
-                found.append(x)
-            return
-        if isinstance(x, ServerIdentityError):
-            names.append(x)
-            return
-        for reason in getattr(x, "reasons", None) or []:
-            value = getattr(reason, "value", reason)
-            if isinstance(value, BaseException):
-                walk(value, depth + 1)
-
-    walk(e)
-    if names:
-        held = ", ".join(names[0].sans) or "no subject alternative names"
-        return (f"TLS with etcd member {url} failed: etcd's server certificate does not name "
-                f"{names[0].host!r}, the host in that URL; it holds {held} (reissue it naming it, "
-                f"e.g. `llmgw ctl cert etcd NAME --host {names[0].host}`, or use a name it holds)")
-    if not found:
-        return None
-    detail = "; ".join(str(arg[2]) if isinstance(arg, tuple) and len(arg) > 2 else str(arg)
-                       for err in found for arg in (err.args[0] if err.args and isinstance(err.args[0], list)
-                                                     else [err]))
-    if "certificate verify failed" in detail:
-        why = (f"etcd's server certificate is not trusted: it does not chain to --etcd-ca, or does "
-               f"not name the host in {url}")
-    elif "alert" in detail:
-        why = ("etcd refused this member's client certificate (--etcd-cert/--etcd-key): it must be "
-               "issued by the CA etcd trusts (etcd's --trusted-ca-file), be valid now and allow "
-               "client authentication")
-    else:
-        why = "the handshake failed"
-    return f"TLS with etcd member {url} failed: {why} ({detail})"
-
-
-def b64(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")
-
-
-def unb64(text: str | None) -> bytes:
-    return base64.b64decode(text) if text else b""
-
-
-def prefix_end(prefix: bytes) -> bytes:
-    """
-    The C{range_end} that makes a range request cover every key starting
-    with C{prefix} (etcd's convention: the prefix with its last byte below
-    0xff incremented, the rest dropped; C{b"\\0"} for the whole keyspace).
-    """
-    p = bytearray(prefix)
-    while p:
-        if p[-1] < 0xFF:
-            p[-1] += 1
-            return bytes(p)
-        p.pop()
-    return b"\0"
-
-
-@dataclass(frozen=True)
-class KeyValue:
-    key: bytes
-    value: bytes
-    create_revision: int
-    mod_revision: int
-    version: int
-    lease: int
-
-    @classmethod
-    def from_json(cls, kv: dict[str, Any]) -> KeyValue:
-        return cls(
-            key=unb64(kv.get("key")),
-            value=unb64(kv.get("value")),
-            create_revision=int(kv.get("create_revision", 0)),
-            mod_revision=int(kv.get("mod_revision", 0)),
-            version=int(kv.get("version", 0)),
-            lease=int(kv.get("lease", 0)),
-        )
-
-
-@dataclass(frozen=True)
-class Compare:
-    """
-    One condition of a transaction: C{target} is C{"CREATE"}, C{"MOD"},
-    C{"VERSION"}, C{"VALUE"} or C{"LEASE"}; C{result} C{"EQUAL"},
-    C{"NOT_EQUAL"}, C{"GREATER"} or C{"LESS"}.
-    """
-
-    key: bytes
-    target: str
-    result: str
-    operand: int | bytes
-
-    _FIELDS = {"CREATE": "create_revision", "MOD": "mod_revision", "VERSION": "version",
-               "VALUE": "value", "LEASE": "lease"}
-
-    def to_json(self) -> dict[str, Any]:
-        name = self._FIELDS[self.target]
-        operand: Any = b64(self.operand) if isinstance(self.operand, bytes) else str(self.operand)
-        return {"key": b64(self.key), "target": self.target, "result": self.result, name: operand}
-
-    @classmethod
-    def absent(cls, key: bytes) -> Compare:
-        """The key does not exist."""
-        return cls(key, "CREATE", "EQUAL", 0)
-
-    @classmethod
-    def mod_revision(cls, key: bytes, revision: int) -> Compare:
-        """The key was last written at C{revision} (0: it does not exist)."""
-        return cls(key, "MOD", "EQUAL", revision)
-
-    @classmethod
-    def held_by(cls, key: bytes, lease: int) -> Compare:
-        """The key exists and is attached to C{lease}."""
-        return cls(key, "LEASE", "EQUAL", lease)
-
-
-@dataclass(frozen=True)
-class Put:
-    key: bytes
-    value: bytes
-    lease: int = 0
-
-    def to_json(self) -> dict[str, Any]:
-        body: dict[str, Any] = {"key": b64(self.key), "value": b64(self.value)}
-        if self.lease:
-            body["lease"] = str(self.lease)
-        return {"request_put": body}
-
-
-def _key_range(key: bytes, range_end: bytes) -> dict[str, str]:
-    body = {"key": b64(key)}
-    if range_end:
-        body["range_end"] = b64(range_end)
-    return body
-
-
-@dataclass(frozen=True)
-class Range:
-    key: bytes
-    range_end: bytes = b""
-
-    def to_json(self) -> dict[str, Any]:
-        return {"request_range": _key_range(self.key, self.range_end)}
-
-
-@dataclass(frozen=True)
-class Delete:
-    key: bytes
-    range_end: bytes = b""
-
-    def to_json(self) -> dict[str, Any]:
-        return {"request_delete_range": _key_range(self.key, self.range_end)}
-
-
-Op = Put | Range | Delete
-
-
-@dataclass(frozen=True)
-class TxnResult:
-    """
-    C{succeeded}: whether every compare held (the success ops ran);
-    C{revision}: the store's revision after the transaction; C{responses}:
-    one per op that ran, each C{{"kvs": [KeyValue, ...]}} for a range and
-    etcd's JSON otherwise.
-    """
-
-    succeeded: bool
-    revision: int
-    responses: list[dict[str, Any]] = field(default_factory=list)
-
-    def kvs(self, index: int) -> list[KeyValue]:
-        """The key-values of the range op at C{index} ([] if none)."""
-        if index >= len(self.responses):
-            return []
-        kvs: list[KeyValue] = self.responses[index].get("kvs", [])
-        return kvs
-
-
-@dataclass(frozen=True)
-class WatchEvent:
-    """C{kind}: C{"PUT"} or C{"DELETE"}; C{kv}: the key after the event."""
-
-    kind: str
-    kv: KeyValue
 
 
 class _Body(Protocol):
@@ -331,66 +70,6 @@ class _Body(Protocol):
         else:
             self.done.errback(reason)
 
-
-class _WatchStream(Protocol):
-    """
-    Splits a watch's streamed response into its JSON messages (one a
-    line) and hands each to C{on_message}; a line over
-    L{MAX_WATCH_MESSAGE} closes the stream.
-    """
-
-    def __init__(self, on_message: Callable[[dict[str, Any]], None], done: defer.Deferred[None]):
-        self.on_message = on_message
-        self.done = done
-        self.buf = b""
-        self.too_long = False
-
-    def dataReceived(self, data: bytes) -> None:  # noqa: N802
-        self.buf += data
-        while True:
-            nl = self.buf.find(b"\n")
-            if nl < 0:
-                break
-            line, self.buf = self.buf[:nl], self.buf[nl + 1 :]
-            if line.strip():
-                self.on_message(json.loads(line))
-        if len(self.buf) > MAX_WATCH_MESSAGE:
-            self.too_long = True
-            self.buf = b""
-            self.transport.stopProducing()  # type: ignore[union-attr]
-
-    def connectionLost(self, reason: Failure = Failure(ResponseDone())) -> None:  # noqa: B008,N802
-        if self.done.called:
-            return
-        if self.too_long:
-            self.done.errback(EtcdUnavailable(f"a watch message exceeded {MAX_WATCH_MESSAGE} bytes"))
-        elif reason.check(ResponseDone):
-            self.done.callback(None)
-        else:
-            self.done.errback(reason)
-
-
-class Watch:
-    """
-    A running watch. C{done} fires (with C{None}) when the stream ends, or
-    fails with why; C{cancel()} ends it. C{revision} is the newest revision
-    the stream has reported, so a caller that restarts it can resume from
-    C{revision + 1}.
-    """
-
-    def __init__(self) -> None:
-        self.done: defer.Deferred[None] = defer.Deferred()
-        self.revision = 0
-        self._request: defer.Deferred[Any] | None = None
-        self._stream: _WatchStream | None = None
-
-    def cancel(self) -> None:
-        if not self.done.called:
-            self.done.callback(None)
-        if self._request is not None and not self._request.called:
-            self._request.cancel()
-        if self._stream is not None and self._stream.transport is not None:
-            self._stream.transport.stopProducing()  # type: ignore[attr-defined]
 
 
 #: Failures that mean the member could not be reached at all (nothing was
@@ -675,7 +354,7 @@ class EtcdClient:
             if response.code != 200:
                 raise EtcdError(response.code, f"watch refused with HTTP {response.code}", url)
             stream_done: defer.Deferred[None] = defer.Deferred()
-            w._stream = _WatchStream(message, stream_done)
+            w._stream = WatchStream(message, stream_done)
             response.deliverBody(w._stream)
             await stream_done
 
@@ -705,9 +384,3 @@ class EtcdClient:
 def as_deferred(coro: Any) -> defer.Deferred[Any]:
     """Run one of L{EtcdClient}'s coroutines as a Deferred."""
     return defer.Deferred.fromCoroutine(coro)
-
-
-__all__ = [
-    "API_PREFIX", "Compare", "Delete", "EtcdClient", "EtcdError", "EtcdTLSError", "EtcdUnavailable",
-    "KeyValue", "Put", "Range", "TxnResult", "Watch", "WatchEvent", "as_deferred", "prefix_end",
-]
