@@ -51,7 +51,6 @@ from llmgw.tlsconf.certs import (
     same_key,
     self_signed_root,
 )
-
 from llmgw.tlsconf.pem import (
     CAError,
     cert_pem,
