@@ -352,7 +352,7 @@ class ControlPlaneCRLTests(SynchronousTestCase):
         (self.dir / CRL_FILE).write_text("garbage")
         opts = Options()
         e = self.assertRaises(
-            usage.UsageError, opts.parseOptions, ["--certs", str(self.dir), "--agents", "127.0.0.1:0"]
+            usage.UsageError, opts.parseOptions, ["--certs", str(self.dir), "--agent-listen", "127.0.0.1:0"]
         )
         self.assertIn("crl.pem", str(e))
         self.assertRaises(TLSConfigError, server_files, self.dir)

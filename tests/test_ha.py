@@ -302,7 +302,7 @@ class EtcdOptionsTests(SynchronousTestCase):
         from llmgw.control.service import Options
 
         o = Options()
-        o.parseOptions(["--insecure", "--agents", "127.0.0.1:7443", *args])
+        o.parseOptions(["--insecure", "--agent-listen", "127.0.0.1:7443", *args])
         return o
 
     def test_defaults_and_without_etcd(self) -> None:

@@ -23,7 +23,7 @@ Exit codes, for scripts:
   - 4: the control plane answered but failed (a 5xx answer, or an answer
     that is not the admin API's JSON).
 
-Against an HA control plane (issue 14) any member's URL does: one that does
+Against an HA control plane any member's URL does: one that does
 not lead answers fleet reads and writes with C{307} to the leader's admin
 URL, which the ctl follows (at most L{MAX_REDIRECTS} hops, with the same
 certificate, never from C{https} to C{http}); C{status} is each member's own.
@@ -82,8 +82,7 @@ class Unreachable(Exception):
 class Redirected(Exception):
     """
     The admin API answered C{307} or C{308} with C{location}: a member of
-    an HA control plane that does not lead sends the request to the leader
-    (issue 14 item 5).
+    an HA control plane that does not lead sends the request to the leader.
     """
 
     def __init__(self, status: int, location: str):
@@ -460,7 +459,7 @@ def _run(
         return EXIT_SERVER
     out.write(text)
     if not args.json and isinstance(answer, dict) and "published_at" in answer:
-        # ha4: a member that does not lead answered from what the leader
+        # A member that does not lead answered from what the leader
         # published: say how fresh it is (on stderr: the table stays as is).
         err.write(f"llmgw ctl {args.ctl_command}: answered by a control-plane member that does not lead, "
                   f"from what leader {answer.get('published_by')} published at "
