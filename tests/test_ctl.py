@@ -454,7 +454,7 @@ class FollowedAnswerTests(CtlTestCase):
         code, out, err = self.ctl("nodes", http=http)
         self.assertEqual(code, 0)
         self.assertTrue(out.startswith("NODE"), out)
-        self.assertIn("from what leader cp-2 published at 2023-11-14 22:13:20 UTC", err)
+        self.assertIn("from what leader cp-2 published at 2023-11-14T22:13:20Z", err)
         code, out, err = self.ctl("nodes", "--json", http=http)
         self.assertEqual((code, err, json.loads(out)), (0, "", answer))
 
