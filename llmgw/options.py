@@ -9,6 +9,7 @@ API keys, backlog and connection caps).
 
 from __future__ import annotations
 
+import argparse
 import math
 import sys
 from collections.abc import Callable
@@ -305,3 +306,37 @@ def api_keys(options: usage.Options) -> None:
             options["keyring"] = load_keys(Path(options["api-keys"]))
         except KeysError as e:
             raise usage.UsageError(f"--api-keys: {e}") from e
+
+
+# -- the same for argparse (llmgw ctl) ----------------------------------------------------
+
+
+class _OldName(argparse.Action):
+    """
+    An old option name in argparse: stores into the new option's C{dest}
+    as the new one would, and warns once on stderr.
+    """
+
+    def __init__(self, option_strings: list[str], dest: str, new: str = "", **kwargs: Any):
+        super().__init__(option_strings, dest, **kwargs)
+        self.new = new
+        self.warned = False
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        if not self.warned:
+            self.warned = True
+            old = (option_string or self.option_strings[0]).lstrip("-")
+            sys.stderr.write(f"{parser.prog}: {renamed_warning(old, self.new)}\n")
+        setattr(namespace, self.dest, values)
+
+
+def add_old_name(parser: argparse.ArgumentParser, old: str, new: str, dest: str, **kwargs: Any) -> None:
+    """
+    Add C{--old} to C{parser}: it works as C{--new} (give the same C{dest},
+    C{type} and C{metavar}) and warns once, with L{renamed_warning}.
+    """
+    parser.add_argument(
+        f"--{old}", dest=dest, action=_OldName, new=new, default=argparse.SUPPRESS,
+        help=f"old name of --{new}: works the same, warns; removed in the next release", **kwargs,
+    )

@@ -139,7 +139,7 @@ def urllib_http(
         if isinstance(e.reason, ssl.SSLCertVerificationError):
             raise Unreachable(
                 f"TLS: {e.reason.verify_message or e.reason} (is the control plane's certificate "
-                "from the CA in --certs, and does it name the host in --admin? "
+                "from the CA in --certs, and does it name the host in --admin-url? "
                 "`llmgw ctl cert server --host HOST --renew` adds a name)"
             ) from e
         raise Unreachable(str(e.reason)) from e
@@ -180,7 +180,7 @@ class AdminClient:
                 raise CtlError(
                     EXIT_SERVER,
                     f"{method} {url} answered {status} with something that is not JSON: "
-                    "is --admin the control plane's admin API?",
+                    "is --admin-url the control plane's admin API?",
                     {"error": "the answer is not JSON", "status": status},
                 )
             return answer

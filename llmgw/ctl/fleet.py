@@ -3,7 +3,7 @@
 the operator's view of the admin API (DESIGN §9).
 
 Each command makes one or two requests to the control plane's admin API
-(C{--admin URL}, default C{$LLMGW_ADMIN_URL}, C{$LLMGW_ADMIN} or
+(C{--admin-url URL}, default C{$LLMGW_ADMIN_URL}, C{$LLMGW_ADMIN} or
 C{http://127.0.0.1:7480}) and prints a table, or the API's JSON with
 C{--json}.
 
@@ -81,6 +81,7 @@ from llmgw.ctl.render import (  # noqa: F401 (the renderers' names, as before th
 )
 from llmgw.ctl.render import clean as _clean  # noqa: F401
 from llmgw.ctl.render import value as _value
+from llmgw.options import add_old_name
 from llmgw.tlsconf.options import TLSConfigError
 from llmgw.wire import InvalidNodeId, validate_node_id
 
@@ -162,21 +163,23 @@ def resolve_since(value: str, now: float) -> float:
 def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
-        "--admin",
+        "--admin-url",
+        dest="admin",
         type=admin_url,
         default=os.environ.get(ADMIN_ENV) or os.environ.get(ADMIN_ENV_OLD) or DEFAULT_ADMIN_URL,
         metavar="URL",
         help=f"the control plane's admin API (default ${ADMIN_ENV} or {DEFAULT_ADMIN_URL}); "
         "https:// for one behind mutual TLS",
     )
+    add_old_name(common, "admin", "admin-url", "admin", type=admin_url, metavar="URL")
     common.add_argument(
         "--certs", default=os.environ.get(CERTS_ENV), metavar="DIR",
-        help=f"with an https:// --admin: the directory with ca.pem and admin-NAME.pem/.key "
+        help=f"with an https:// --admin-url: the directory with ca.pem and admin-NAME.pem/.key "
         f"(default ${CERTS_ENV})",
     )
     common.add_argument(
         "--as", dest="as_name", default=os.environ.get(AS_ENV), metavar="NAME",
-        help=f"with an https:// --admin: whose admin certificate to present (default ${AS_ENV})",
+        help=f"with an https:// --admin-url: whose admin certificate to present (default ${AS_ENV})",
     )
     common.add_argument("--json", action="store_true", help="print the API's JSON instead of a table")
     common.add_argument(
@@ -205,11 +208,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
         ("drain", "cordon a node and move its replicas off it, make-before-break"),
     ):
         p = add(name, help, cmd_node_action)
-        p.add_argument("node", type=node_id, metavar="NODE")
+        p.add_argument("node", type=node_id, metavar="NODE", help="the node's id")
     p = add("scale", "set a deployment's desired replica count, or an autoscaled one's bounds with "
                      "--min/--max (kept across restarts)", cmd_scale)
     p.add_argument("model", metavar="MODEL")
-    p.add_argument("replicas", type=replica_count, metavar="REPLICAS", nargs="?", default=None)
+    p.add_argument("replicas", type=replica_count, metavar="REPLICAS", nargs="?", default=None,
+                   help="the desired replica count (not with --min/--max)")
     p.add_argument("--min", dest="min_replicas", type=replica_count, default=None, metavar="N",
                    help="an autoscaled deployment's fewest replicas (0: it may scale to zero)")
     p.add_argument("--max", dest="max_replicas", type=replica_count, default=None, metavar="N",
@@ -217,7 +221,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     _count_or_bounds(p)
     p = add("retry", "place a held deployment again (after a configuration failure), clearing its backoff",
             cmd_retry)
-    p.add_argument("model", metavar="MODEL")
+    p.add_argument("model", metavar="MODEL", help="the held deployment's model")
 
     from llmgw.ctl import watch
 
