@@ -211,7 +211,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
         p.add_argument("node", type=node_id, metavar="NODE", help="the node's id")
     p = add("scale", "set a deployment's desired replica count, or an autoscaled one's bounds with "
                      "--min/--max (kept across restarts)", cmd_scale)
-    p.add_argument("model", metavar="MODEL")
+    p.add_argument("model", metavar="MODEL", help="the deployment's model")
     p.add_argument("replicas", type=replica_count, metavar="REPLICAS", nargs="?", default=None,
                    help="the desired replica count (not with --min/--max)")
     p.add_argument("--min", dest="min_replicas", type=replica_count, default=None, metavar="N",
