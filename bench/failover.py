@@ -322,9 +322,9 @@ class Bench:
             self.admin.append(f"http://127.0.0.1:{admin}")
             args = [sys.executable, "-c", "from twisted.scripts.twistd import run; run()", "-n",
                     "--pidfile=", "--logfile", str(work / f"c{i}.log"), "llmgw", "control",
-                    "--insecure", "--agents", f"127.0.0.1:{port}", "--admin", f"127.0.0.1:{admin}",
+                    "--insecure", "--agent-listen", f"127.0.0.1:{port}", "--admin", f"127.0.0.1:{admin}",
                     "--gateway", "off", "--catalog", str(catalog),
-                    "--heartbeat-interval", str(self.heartbeat), "--adoption-grace", str(self.grace),
+                    "--heartbeat", str(self.heartbeat), "--adoption-grace", str(self.grace),
                     "--max-connections-per-address", "0"]
             if self.ha:
                 args += ["--etcd", ",".join(etcd_urls), "--etcd-ttl", str(self.ttl), "--member-id", f"c{i}"]

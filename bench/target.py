@@ -118,10 +118,10 @@ def control_argv(certs: Path, heartbeat_interval: float) -> list[str]:
     """
     return [
         "--certs", str(certs),
-        "--agents", "127.0.0.1:0",
+        "--agent-listen", "127.0.0.1:0",
         "--admin", "127.0.0.1:0",
         "--gateway", "off",
-        "--heartbeat-interval", str(heartbeat_interval),
+        "--heartbeat", str(heartbeat_interval),
         "--max-connections-per-address", "0",
     ]
 

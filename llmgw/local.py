@@ -23,14 +23,14 @@ from twisted.logger import Logger
 from twisted.python import usage
 
 import llmgw
-from llmgw.addresses import AddressError, ListenRefused, format_address, parse_address
+from llmgw.addresses import ListenRefused, format_address
 from llmgw.agent.gpus import GPUSpecError, discover, parse_gpu_spec
 from llmgw.agent.service import NodeAgent
 from llmgw.agent.state import StateDir, StateDirError
 from llmgw.agent.stopping import KILL_WAIT_S
 from llmgw.control import service as control_service
 from llmgw.options import Options as BaseOptions
-from llmgw.options import positive_float, positive_int
+from llmgw.options import certs_row, heartbeat_row, listen_address, log_warnings, positive_int
 from llmgw.tlsconf.ca import CertificateAuthority
 from llmgw.tlsconf.options import (
     ServerIdentityError,
@@ -130,25 +130,27 @@ def _agent_count(value: str) -> int:
 
 _agent_count.coerceDoc = "Between 1 and 64."  # type: ignore[attr-defined]
 
-#: The control plane's option for each listener, and local's name for it.
 #: The local control plane's adoption grace at most, in seconds; it ends
 #: sooner, once every local agent has registered.
 LOCAL_GRACE_S = 10
 
-LISTENER_OPTIONS = {"--agents": "--agent-port", "--admin": "--admin", "--gateway": "--gateway"}
+#: The control plane's option for each listener, and local's name for it
+#: (the same names today: a refused listener names what the user typed).
+LISTENER_OPTIONS = {"--agent-listen": "--agent-listen", "--admin": "--admin", "--gateway": "--gateway"}
 
 
 class Options(BaseOptions):
+    aliases = {"agent-port": "agent-listen"}
     optParameters = [
         ["agents", "n", 2, "how many agents (simulated GPU nodes)", _agent_count],
         ["gpus", None, "sim:2x24GiB", "each agent's GPUs (sim:COUNTxSIZE)"],
         ["catalog", None, None, "catalog TOML (default: the demo catalog on the fake model server)"],
-        ["certs", None, "certs", "where the dev CA and certificates are made and kept"],
+        certs_row("certs", "where the dev CA and certificates are made and kept"),
         ["state-dir", None, "local-state", "where each agent keeps its state"],
-        ["gateway", None, "127.0.0.1:8000", "[HOST:]PORT of the OpenAI-compatible gateway"],
-        ["admin", None, "127.0.0.1:7480", "[HOST:]PORT of the admin API and /metrics"],
-        ["agent-port", None, "127.0.0.1:0", "[HOST:]PORT of the agent stream (0: any free port)"],
-        ["heartbeat", None, 2.0, "agents' heartbeat interval, seconds", positive_float],
+        ["gateway", None, "127.0.0.1:8000", "[HOST:]PORT the OpenAI-compatible gateway listens on"],
+        ["admin", None, "127.0.0.1:7480", "[HOST:]PORT the admin API and /metrics listen on"],
+        ["agent-listen", None, "127.0.0.1:0", "[HOST:]PORT the agent stream listens on (0: any free port)"],
+        heartbeat_row(2.0, "agents' heartbeat interval, seconds"),
     ]
 
     def postOptions(self) -> None:
@@ -158,12 +160,10 @@ class Options(BaseOptions):
             raise usage.UsageError(f"--gpus: {e}") from e
         if not self["gpus"].startswith("sim:"):
             raise usage.UsageError("--gpus: the local fleet simulates its GPUs: use sim:COUNTxSIZE")
-        for name in ("gateway", "admin", "agent-port"):
-            try:
-                host, port = parse_address(self[name], "127.0.0.1")
-            except AddressError as e:
-                raise usage.UsageError(f"--{name}: {e}") from e
-            self[name] = format_address(host, port)
+        for name in ("gateway", "admin", "agent-listen"):
+            address = listen_address(self, name, "127.0.0.1")
+            assert address is not None
+            self[name] = format_address(*address)
         self["certs"] = Path(self["certs"]).resolve()
         self["state-dir"] = Path(self["state-dir"]).resolve()
         try:
@@ -176,11 +176,11 @@ class Options(BaseOptions):
         try:
             self["control"].parseOptions([
                 "--certs", str(self["certs"]),
-                "--agents", self["agent-port"],
+                "--agent-listen", self["agent-listen"],
                 "--admin", self["admin"],
                 "--gateway", self["gateway"],
                 "--catalog", str(catalog),
-                "--heartbeat-interval", str(self["heartbeat"]),
+                "--heartbeat", str(self["heartbeat"]),
                 # Every agent is on this machine: the grace ends as soon
                 # as all of them have registered (LocalFleet), and this is
                 # only its bound, for agents that do not come.
@@ -290,7 +290,7 @@ class LocalFleet(MultiService):
                 f"  curl -s http://{gw}/v1/chat/completions "
                 f"-H 'Content-Type: application/json' -d '{body}'"
             )
-            lines.append(f"  llmgw ctl replicas --admin http://{adm}")
+            lines.append(f"  llmgw ctl replicas --admin-url http://{adm}")
         lines.append("Ctrl-C stops the fleet and every shard it started.")
         return "\n".join(lines) + "\n\n"
 
@@ -331,6 +331,7 @@ class LocalFleet(MultiService):
 
 
 def makeService(options: Options, reactor: Any = None) -> LocalFleet:
+    log_warnings(options, LocalFleet.log)
     if reactor is None:
         from twisted.internet import reactor as _reactor
 

@@ -642,7 +642,7 @@ class SurfaceTests(AdminTestCase):
 class ServiceTests(SynchronousTestCase):
     def options(self, *argv: str) -> service.Options:
         opts = service.Options()
-        opts.parseOptions(["--insecure", "--agents", "127.0.0.1:0", *argv])
+        opts.parseOptions(["--insecure", "--agent-listen", "127.0.0.1:0", *argv])
         return opts
 
     def test_admin_option(self) -> None:

@@ -89,17 +89,17 @@ class ListenRefusalTests(SynchronousTestCase):
         d = Path(self.mktemp())
         make_pki(d)
         o = control_service.Options()
-        o.parseOptions(["--certs", str(d), "--agents", "127.0.0.1:0", "--admin", "0.0.0.0:0"])
+        o.parseOptions(["--certs", str(d), "--agent-listen", "127.0.0.1:0", "--admin", "0.0.0.0:0"])
         self.assertTrue(o["admin_tls"])
         o = control_service.Options()
-        o.parseOptions(["--certs", str(d), "--agents", "127.0.0.1:0"])
+        o.parseOptions(["--certs", str(d), "--agent-listen", "127.0.0.1:0"])
         self.assertFalse(o["admin_tls"])
         o = control_service.Options()
-        o.parseOptions(["--certs", str(d), "--agents", "127.0.0.1:0", "--admin-tls"])
+        o.parseOptions(["--certs", str(d), "--agent-listen", "127.0.0.1:0", "--admin-tls"])
         self.assertTrue(o["admin_tls"])
         o = control_service.Options()
         with self.assertRaises(usage.UsageError) as caught:
-            o.parseOptions(["--insecure", "--agents", "127.0.0.1:0", "--admin", "0.0.0.0:7480"])
+            o.parseOptions(["--insecure", "--agent-listen", "127.0.0.1:0", "--admin", "0.0.0.0:7480"])
         self.assertIn("beyond loopback", str(caught.exception))
 
     def test_gateway_options(self) -> None:
@@ -112,16 +112,14 @@ class ListenRefusalTests(SynchronousTestCase):
         ca.issue_admin("gw-1", "gateway")
         o = gateway_service.Options()
         with self.assertRaises(usage.UsageError) as caught:
-            o.parseOptions(["--control-admin", "https://127.0.0.1:7480"])
-        self.assertIn("--admin-certs", str(caught.exception))
+            o.parseOptions(["--admin-url", "https://127.0.0.1:7480"])
+        self.assertIn("--certs DIR and --as NAME", str(caught.exception))
         o = gateway_service.Options()
-        o.parseOptions(["--control-admin", "https://127.0.0.1:7480", "--admin-certs", str(d),
-                        "--admin-as", "gw-1"])
+        o.parseOptions(["--admin-url", "https://127.0.0.1:7480", "--certs", str(d), "--as", "gw-1"])
         self.assertIsInstance(o["admin_tls"], ClientTLSPolicy)
         o = gateway_service.Options()
         with self.assertRaises(usage.UsageError) as caught:
-            o.parseOptions(["--control-admin", "https://127.0.0.1:7480", "--admin-certs", str(d),
-                            "--admin-as", "nobody"])
+            o.parseOptions(["--admin-url", "https://127.0.0.1:7480", "--certs", str(d), "--as", "nobody"])
         self.assertIn("admin-nobody", str(caught.exception))
 
 

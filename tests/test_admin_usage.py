@@ -263,7 +263,7 @@ class ControlPlaneTests(SynchronousTestCase):
         keys.write_text('[keys.team-a]\nkey = "sk-team-a-0001"\ntokens_per_minute = 1000\n')
         os.chmod(keys, 0o600)
         o = ControlOptions()
-        o.parseOptions(["--insecure", "--agents", "127.0.0.1:0", "--api-keys", str(keys),
+        o.parseOptions(["--insecure", "--agent-listen", "127.0.0.1:0", "--api-keys", str(keys),
                         "--limit-share", "0.25"])
         cp = control_service(o, reactor=MemoryReactorClock())
         assert cp.admin_listener is not None and cp.gateway is not None

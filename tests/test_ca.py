@@ -40,7 +40,7 @@ class CLITests(SynchronousTestCase):
         """
         `cert init` writes ca.pem and a 0600 ca.key: an ECDSA P-256 CA.
         """
-        rc, out, _ = run("ctl", "cert", "init", "--dir", self.dir)
+        rc, out, _ = run("ctl", "cert", "init", "--certs", self.dir)
         self.assertEqual(rc, 0)
         key = Path(self.dir, "ca.key")
         self.assertEqual(stat.S_IMODE(os.stat(key).st_mode), 0o600)
@@ -53,13 +53,13 @@ class CLITests(SynchronousTestCase):
         A second init without --force fails and leaves the CA as it was;
         with --force it is replaced.
         """
-        run("ctl", "cert", "init", "--dir", self.dir)
+        run("ctl", "cert", "init", "--certs", self.dir)
         before = Path(self.dir, "ca.pem").read_bytes()
-        rc, _, err = run("ctl", "cert", "init", "--dir", self.dir)
+        rc, _, err = run("ctl", "cert", "init", "--certs", self.dir)
         self.assertEqual(rc, 1)
         self.assertIn("already exists", err)
         self.assertEqual(Path(self.dir, "ca.pem").read_bytes(), before)
-        rc, _, _ = run("ctl", "cert", "init", "--dir", self.dir, "--force")
+        rc, _, _ = run("ctl", "cert", "init", "--certs", self.dir, "--force")
         self.assertEqual(rc, 0)
         self.assertNotEqual(Path(self.dir, "ca.pem").read_bytes(), before)
 
@@ -68,8 +68,8 @@ class CLITests(SynchronousTestCase):
         Every --host goes into the SANs: an IP as an IP entry, a name as a
         DNS entry; the usage is serverAuth only.
         """
-        run("ctl", "cert", "init", "--dir", self.dir)
-        rc, _, _ = run("ctl", "cert", "server", "--dir", self.dir, "--host", "10.0.0.5",
+        run("ctl", "cert", "init", "--certs", self.dir)
+        rc, _, _ = run("ctl", "cert", "server", "--certs", self.dir, "--host", "10.0.0.5",
                        "--host", "control.example", "--host", "[::1]")
         self.assertEqual(rc, 0)
         cert = x509.load_pem_x509_certificate(Path(self.dir, "server.pem").read_bytes())
@@ -87,8 +87,8 @@ class CLITests(SynchronousTestCase):
         """
         A server certificate without --host is refused.
         """
-        run("ctl", "cert", "init", "--dir", self.dir)
-        rc, _, err = run("ctl", "cert", "server", "--dir", self.dir)
+        run("ctl", "cert", "init", "--certs", self.dir)
+        rc, _, err = run("ctl", "cert", "server", "--certs", self.dir)
         self.assertEqual(rc, 1)
         self.assertIn("--host", err)
         self.assertFalse(Path(self.dir, "server.pem").exists())
@@ -98,8 +98,8 @@ class CLITests(SynchronousTestCase):
         An agent certificate has CN = node id, clientAuth only, 0600 key,
         validity starting a few minutes in the past.
         """
-        run("ctl", "cert", "init", "--dir", self.dir)
-        rc, _, _ = run("ctl", "cert", "agent", "gpu-07", "--dir", self.dir, "--days", "30")
+        run("ctl", "cert", "init", "--certs", self.dir)
+        rc, _, _ = run("ctl", "cert", "agent", "gpu-07", "--certs", self.dir, "--days", "30")
         self.assertEqual(rc, 0)
         cert = x509.load_pem_x509_certificate(Path(self.dir, "agent-gpu-07.pem").read_bytes())
         self.assertEqual(
@@ -119,9 +119,9 @@ class CLITests(SynchronousTestCase):
         are both to their peers), names the hosts given as SANs, has a 0600
         key, and refuses a name outside the node-id grammar.
         """
-        run("ctl", "cert", "init", "--dir", self.dir)
+        run("ctl", "cert", "init", "--certs", self.dir)
         rc, out, err = run("ctl", "cert", "etcd", "etcd1", "--host", "10.0.0.1", "--host", "etcd1.example",
-                           "--dir", self.dir)
+                           "--certs", self.dir)
         self.assertEqual((rc, err), (0, ""), out)
         cert = x509.load_pem_x509_certificate(Path(self.dir, "etcd-etcd1.pem").read_bytes())
         eku = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
@@ -130,9 +130,9 @@ class CLITests(SynchronousTestCase):
         self.assertEqual(sans.get_values_for_type(x509.IPAddress), [ipaddress.ip_address("10.0.0.1")])
         self.assertEqual(sans.get_values_for_type(x509.DNSName), ["etcd1.example"])
         self.assertEqual(stat.S_IMODE(os.stat(Path(self.dir, "etcd-etcd1.key")).st_mode), 0o600)
-        rc, _, _ = run("ctl", "cert", "etcd", "cp1", "--dir", self.dir)
+        rc, _, _ = run("ctl", "cert", "etcd", "cp1", "--certs", self.dir)
         self.assertEqual(rc, 0)
-        rc, _, err = run("ctl", "cert", "etcd", "Bad_Name", "--dir", self.dir)
+        rc, _, err = run("ctl", "cert", "etcd", "Bad_Name", "--certs", self.dir)
         self.assertEqual(rc, 1)
         self.assertIn("etcd certificate name", err)
 
@@ -144,20 +144,20 @@ class CLITests(SynchronousTestCase):
         certificates; --shared-ca overrides, and a refusal writes nothing.
         """
         fleet, etcd = self.dir, self.mktemp()
-        run("ctl", "cert", "init", "--dir", fleet)
-        run("ctl", "cert", "init", "--dir", etcd)
-        self.assertEqual(run("ctl", "cert", "agent", "gpu-01", "--dir", fleet)[0], 0)
-        rc, _, err = run("ctl", "cert", "etcd", "cp1", "--dir", fleet)
+        run("ctl", "cert", "init", "--certs", fleet)
+        run("ctl", "cert", "init", "--certs", etcd)
+        self.assertEqual(run("ctl", "cert", "agent", "gpu-01", "--certs", fleet)[0], 0)
+        rc, _, err = run("ctl", "cert", "etcd", "cp1", "--certs", fleet)
         self.assertEqual(rc, 1)
         self.assertIn("issued agent certificates", err)
         self.assertIn("--shared-ca", err)
         self.assertFalse(Path(fleet, "etcd-cp1.pem").exists())
-        self.assertEqual(run("ctl", "cert", "etcd", "cp1", "--dir", etcd)[0], 0)
+        self.assertEqual(run("ctl", "cert", "etcd", "cp1", "--certs", etcd)[0], 0)
         for argv in (("agent", "gpu-02"), ("admin", "olga", "--role", "viewer")):
-            rc, _, err = run("ctl", "cert", *argv, "--dir", etcd)
+            rc, _, err = run("ctl", "cert", *argv, "--certs", etcd)
             self.assertEqual(rc, 1, argv)
             self.assertIn("issued etcd certificates", err)
-        self.assertEqual(run("ctl", "cert", "etcd", "cp1", "--dir", fleet, "--shared-ca")[0], 0)
+        self.assertEqual(run("ctl", "cert", "etcd", "cp1", "--certs", fleet, "--shared-ca")[0], 0)
 
     def test_etcd_certificate_is_no_identity(self) -> None:
         """
@@ -166,8 +166,8 @@ class CLITests(SynchronousTestCase):
         """
         from llmgw.tlsconf.options import IdentityError, peer_admin, peer_node_id
 
-        run("ctl", "cert", "init", "--dir", self.dir)
-        run("ctl", "cert", "etcd", "gpu-01", "--dir", self.dir)
+        run("ctl", "cert", "init", "--certs", self.dir)
+        run("ctl", "cert", "etcd", "gpu-01", "--certs", self.dir)
         cert = x509.load_pem_x509_certificate(Path(self.dir, "etcd-gpu-01.pem").read_bytes())
         with self.assertRaises(IdentityError) as caught:
             peer_node_id(cert)
@@ -178,8 +178,8 @@ class CLITests(SynchronousTestCase):
         """
         A node id outside the grammar is refused at issue time.
         """
-        run("ctl", "cert", "init", "--dir", self.dir)
-        rc, _, err = run("ctl", "cert", "agent", "GPU_07", "--dir", self.dir)
+        run("ctl", "cert", "init", "--certs", self.dir)
+        rc, _, err = run("ctl", "cert", "agent", "GPU_07", "--certs", self.dir)
         self.assertEqual(rc, 1)
         self.assertIn("GPU_07", err)
         self.assertFalse(Path(self.dir, "agent-GPU_07.pem").exists())
@@ -188,7 +188,7 @@ class CLITests(SynchronousTestCase):
         """
         Issuing without a CA says how to make one.
         """
-        rc, _, err = run("ctl", "cert", "agent", "a", "--dir", self.dir)
+        rc, _, err = run("ctl", "cert", "agent", "a", "--certs", self.dir)
         self.assertEqual(rc, 1)
         self.assertIn("cert init", err)
 
@@ -206,20 +206,20 @@ class CLITests(SynchronousTestCase):
         whether the certificate chains to the CA; a certificate from another
         CA does not.
         """
-        run("ctl", "cert", "init", "--dir", self.dir)
-        run("ctl", "cert", "server", "--dir", self.dir, "--host", "127.0.0.1")
+        run("ctl", "cert", "init", "--certs", self.dir)
+        run("ctl", "cert", "server", "--certs", self.dir, "--host", "127.0.0.1")
         rc, out, _ = run("ctl", "cert", "show", str(Path(self.dir, "server.pem")),
-                         "--dir", self.dir)
+                         "--certs", self.dir)
         self.assertEqual(rc, 0)
         for word in ("subject", "IP:127.0.0.1", "serverAuth", "not after", "serial",
                      "chains to CA  yes"):
             self.assertIn(word, out)
         other = self.mktemp()
-        run("ctl", "cert", "init", "--dir", other)
+        run("ctl", "cert", "init", "--certs", other)
         info = describe(Path(self.dir, "server.pem"), other)
         self.assertIs(info["chains_to_ca"], False)
         rc, out, _ = run("ctl", "cert", "show", str(Path(self.dir, "server.pem")),
-                         "--dir", self.dir, "--json")
+                         "--certs", self.dir, "--json")
         self.assertEqual(json.loads(out)["sans"], ["IP:127.0.0.1"])
 
     def test_show_not_a_certificate(self) -> None:

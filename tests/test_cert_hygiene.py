@@ -138,7 +138,7 @@ class AdminIdentityTests(PKITestCase):
         """
         C{ctl cert show} names the admin role and the key usages.
         """
-        code, out, err = run_ctl("cert", "show", str(self.dir / "admin-olga.pem"), "--dir", str(self.dir))
+        code, out, err = run_ctl("cert", "show", str(self.dir / "admin-olga.pem"), "--certs", str(self.dir))
         self.assertEqual(code, 0, err)
         self.assertIn("llmgw-admin-operator", out)
         self.assertIn("digitalSignature", out)
@@ -147,7 +147,7 @@ class AdminIdentityTests(PKITestCase):
 
 class ReplaceTests(PKITestCase):
     def attempt(self, *argv: str) -> tuple[int, str, str]:
-        return run_ctl("cert", *argv, "--dir", str(self.dir))
+        return run_ctl("cert", *argv, "--certs", str(self.dir))
 
     def test_refuses_to_replace_a_key(self) -> None:
         """

@@ -50,7 +50,7 @@ def control_plane(case: TestCase) -> Any:
     d.mkdir()
     (d / "catalog.toml").write_text(CATALOG)
     o = control_service.Options()
-    o.parseOptions(["--insecure", "--agents", "127.0.0.1:0", "--admin", "127.0.0.1:0", "--gateway", "off",
+    o.parseOptions(["--insecure", "--agent-listen", "127.0.0.1:0", "--admin", "127.0.0.1:0", "--gateway", "off",
                     "--catalog", str(d / "catalog.toml")])
     cp = control_service.makeService(o, reactor=reactor)
     cp.startService()

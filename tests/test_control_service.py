@@ -47,10 +47,10 @@ class OptionsTests(SynchronousTestCase):
         --insecure is refused unless the agent listener is on loopback.
         """
         with self.assertRaises(usage.UsageError) as e:
-            Options().parseOptions(["--insecure", "--agents", "0.0.0.0:7443"])
+            Options().parseOptions(["--insecure", "--agent-listen", "0.0.0.0:7443"])
         self.assertIn("loopback", str(e.exception))
         o = Options()
-        o.parseOptions(["--insecure", "--agents", "7443"])
+        o.parseOptions(["--insecure", "--agent-listen", "7443"])
         self.assertEqual((o["agents_host"], o["agents_port"]), ("127.0.0.1", 7443))
 
     def test_missing_certificates(self) -> None:
@@ -78,7 +78,7 @@ class OptionsTests(SynchronousTestCase):
         """
         Non-numeric or non-positive limits are usage errors.
         """
-        for args in (["--max-frame", "x"], ["--max-frame", "0"], ["--heartbeat-interval", "-1"]):
+        for args in (["--max-frame", "x"], ["--max-frame", "0"], ["--heartbeat", "-1"]):
             self.assertRaises(usage.UsageError, Options().parseOptions, ["--insecure", *args])
 
 
@@ -95,7 +95,7 @@ class GatewayOptionTests(SynchronousTestCase):
         from llmgw.control.service import makeService
 
         o = Options()
-        o.parseOptions(["--insecure", "--agents", "127.0.0.1:0", "--admin", "off"])
+        o.parseOptions(["--insecure", "--agent-listen", "127.0.0.1:0", "--admin", "off"])
         self.assertEqual(o["gateway_address"], ("127.0.0.1", 8000))
         cp = makeService(o, reactor=MemoryReactorClock())
         assert cp.gateway is not None and cp.reconciler is not None
@@ -115,7 +115,7 @@ class GatewayOptionTests(SynchronousTestCase):
         from llmgw.control.service import makeService
 
         o = Options()
-        o.parseOptions(["--insecure", "--agents", "127.0.0.1:0", "--gateway", "off"])
+        o.parseOptions(["--insecure", "--agent-listen", "127.0.0.1:0", "--gateway", "off"])
         self.assertIsNone(makeService(o, reactor=MemoryReactorClock()).gateway)
         self.assertRaises(usage.UsageError, Options().parseOptions,
                           ["--insecure", "--gateway", "x:y"])

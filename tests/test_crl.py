@@ -352,7 +352,7 @@ class ControlPlaneCRLTests(SynchronousTestCase):
         (self.dir / CRL_FILE).write_text("garbage")
         opts = Options()
         e = self.assertRaises(
-            usage.UsageError, opts.parseOptions, ["--certs", str(self.dir), "--agents", "127.0.0.1:0"]
+            usage.UsageError, opts.parseOptions, ["--certs", str(self.dir), "--agent-listen", "127.0.0.1:0"]
         )
         self.assertIn("crl.pem", str(e))
         self.assertRaises(TLSConfigError, server_files, self.dir)
@@ -369,17 +369,17 @@ class CLITests(SynchronousTestCase):
         C{show} then prints the CRL's next update and that the certificate
         is revoked; C{crl} lists the serial.
         """
-        rc, out, err = run_cli("ctl", "cert", "revoke", "node-a", "--dir", str(self.dir),
+        rc, out, err = run_cli("ctl", "cert", "revoke", "node-a", "--certs", str(self.dir),
                                "--reason", "keyCompromise")
         self.assertEqual((rc, err), (0, ""))
         serial = format(next(iter(serials_of(self.ca, "node-a"))), "x")
         self.assertIn(f"revoked serial {serial}", out)
         self.assertIn("CRL number 1", out)
-        rc, out, _ = run_cli("ctl", "cert", "show", str(self.dir / "agent-node-a.pem"), "--dir", str(self.dir))
+        rc, out, _ = run_cli("ctl", "cert", "show", str(self.dir / "agent-node-a.pem"), "--certs", str(self.dir))
         self.assertEqual(rc, 0)
         self.assertIn("next update", out)
         self.assertIn("REVOKED", out)
-        rc, out, _ = run_cli("ctl", "cert", "crl", "--dir", str(self.dir), "--json")
+        rc, out, _ = run_cli("ctl", "cert", "crl", "--certs", str(self.dir), "--json")
         info = json.loads(out)
         self.assertEqual([r["serial"] for r in info["revoked"]], [serial])
         self.assertTrue(info["valid"])
@@ -389,9 +389,9 @@ class CLITests(SynchronousTestCase):
         C{llmgw ctl cert crl --renew --days N} re-signs the CRL with the next
         number and the new next-update, even with nothing revoked.
         """
-        rc, out, _ = run_cli("ctl", "cert", "crl", "--renew", "--days", "7", "--dir", str(self.dir))
+        rc, out, _ = run_cli("ctl", "cert", "crl", "--renew", "--days", "7", "--certs", str(self.dir))
         self.assertEqual(rc, 0)
-        rc, out, _ = run_cli("ctl", "cert", "crl", "--renew", "--days", "7", "--dir", str(self.dir))
+        rc, out, _ = run_cli("ctl", "cert", "crl", "--renew", "--days", "7", "--certs", str(self.dir))
         crl = load_crl(self.dir / CRL_FILE, self.ca.certificate)
         self.assertEqual(crl_number(crl), 2)
         assert crl.next_update_utc is not None
@@ -402,13 +402,13 @@ class CLITests(SynchronousTestCase):
         """
         Bad input exits 1 with a message and writes no CRL.
         """
-        rc, _, err = run_cli("ctl", "cert", "revoke", "--dir", str(self.dir))
+        rc, _, err = run_cli("ctl", "cert", "revoke", "--certs", str(self.dir))
         self.assertEqual(rc, 1)
         self.assertIn("NODE_ID", err)
-        rc, _, err = run_cli("ctl", "cert", "revoke", "--serial", "nothex", "--dir", str(self.dir))
+        rc, _, err = run_cli("ctl", "cert", "revoke", "--serial", "nothex", "--certs", str(self.dir))
         self.assertEqual(rc, 1)
         self.assertIn("hexadecimal", err)
-        rc, _, err = run_cli("ctl", "cert", "crl", "--dir", str(self.dir))
+        rc, _, err = run_cli("ctl", "cert", "crl", "--certs", str(self.dir))
         self.assertEqual(rc, 1)
         self.assertIn("--renew", err)
         self.assertFalse((self.dir / CRL_FILE).exists())

@@ -56,7 +56,7 @@ class RedirectTests(SynchronousTestCase):
         method and body, to the leader the redirect names, and done there.
         """
         http = redirecting("http://localhost:7481", self.leader, self.calls)
-        code, out, err = self.ctl(http, "scale", "demo", "3", "--admin", "http://127.0.0.1:7480")
+        code, out, err = self.ctl(http, "scale", "demo", "3", "--admin-url", "http://127.0.0.1:7480")
         self.assertEqual((code, err), (0, ""), out)
         self.assertEqual(self.calls, ["http://127.0.0.1:7480/api/v1/deployments/demo/scale",
                                       "http://localhost:7481/api/v1/deployments/demo/scale"])
@@ -70,7 +70,7 @@ class RedirectTests(SynchronousTestCase):
         then the ctl stops with exit 4 and says why.
         """
         http = redirecting("http://localhost:7481", self.leader, self.calls, times=100)
-        code, _, err = self.ctl(http, "nodes", "--admin", "http://127.0.0.1:7480")
+        code, _, err = self.ctl(http, "nodes", "--admin-url", "http://127.0.0.1:7480")
         self.assertEqual(code, ctl.EXIT_SERVER)
         self.assertIn("redirected more than", err)
         self.assertEqual(len(self.calls), ctl.MAX_REDIRECTS + 1)
@@ -81,7 +81,7 @@ class RedirectTests(SynchronousTestCase):
         A redirect from https to http is refused: nothing is sent in clear.
         """
         http = redirecting("http://localhost:7481", self.leader, self.calls)
-        code, _, err = self.ctl(http, "nodes", "--admin", "https://127.0.0.1:7480")
+        code, _, err = self.ctl(http, "nodes", "--admin-url", "https://127.0.0.1:7480")
         self.assertEqual(code, ctl.EXIT_SERVER)
         self.assertIn("would leave TLS", err)
         self.assertEqual(self.stub_calls, [])
@@ -91,6 +91,6 @@ class RedirectTests(SynchronousTestCase):
         --json prints the leader's answer.
         """
         http = redirecting("http://localhost:7481", self.leader, self.calls)
-        code, out, _ = self.ctl(http, "nodes", "--json", "--admin", "http://127.0.0.1:7480")
+        code, out, _ = self.ctl(http, "nodes", "--json", "--admin-url", "http://127.0.0.1:7480")
         self.assertEqual(code, 0)
         self.assertIn("gpu-1", [n["id"] for n in json.loads(out)["nodes"]])

@@ -107,7 +107,7 @@ class EtcdTLSTests(TestCase):
         make_pki(certs, [], ["127.0.0.1"])
         admin = f"http://127.0.0.1:{free_port()}"
         p = base.Proc(name, base.twistd(
-            "control", "--certs", str(certs), "--agents", f"127.0.0.1:{free_port()}",
+            "control", "--certs", str(certs), "--agent-listen", f"127.0.0.1:{free_port()}",
             "--admin", admin.removeprefix("http://"), "--gateway", "off",
             "--etcd", ",".join(self.cluster.urls), "--etcd-ca", str(ca), "--etcd-cert", str(cert),
             "--etcd-key", str(key), "--etcd-ttl", "4", "--member-id", name, "--advertise-admin", admin,

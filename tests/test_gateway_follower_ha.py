@@ -207,18 +207,18 @@ class SeveralMembersTests(SynchronousTestCase):
 class OptionsTests(SynchronousTestCase):
     def test_repeatable(self) -> None:
         """
-        --control-admin may be given once per member; the first is still
-        C{control-admin}, and a URL given twice or not http(s) is refused.
+        --admin-url may be given once per member; the first is still
+        C{admin-url}, and a URL given twice or not http(s) is refused.
         """
         o = Options()
-        o.parseOptions(["--control-admin", "http://127.0.0.1:7480", "--control-admin", "http://127.0.0.1:7481"])
-        self.assertEqual(o["control-admins"], ["http://127.0.0.1:7480", "http://127.0.0.1:7481"])
-        self.assertEqual(o["control-admin"], "http://127.0.0.1:7480")
+        o.parseOptions(["--admin-url", "http://127.0.0.1:7480", "--admin-url", "http://127.0.0.1:7481"])
+        self.assertEqual(o["admin-urls"], ["http://127.0.0.1:7480", "http://127.0.0.1:7481"])
+        self.assertEqual(o["admin-url"], "http://127.0.0.1:7480")
         default = Options()
         default.parseOptions([])
-        self.assertEqual(default["control-admins"], ["http://127.0.0.1:7480"])
-        for argv in (["--control-admin", "http://a:1", "--control-admin", "http://a:1"],
-                     ["--control-admin", "http://a:1", "--control-admin", "a:2"]):
+        self.assertEqual(default["admin-urls"], ["http://127.0.0.1:7480"])
+        for argv in (["--admin-url", "http://a:1", "--admin-url", "http://a:1"],
+                     ["--admin-url", "http://a:1", "--admin-url", "a:2"]):
             with self.assertRaises(usage.UsageError):
                 Options().parseOptions(argv)
 

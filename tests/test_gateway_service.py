@@ -55,7 +55,7 @@ class OptionsTests(SynchronousTestCase):
         o = Options()
         o.parseOptions([])
         self.assertEqual((o["listen_host"], o["listen_port"]), ("127.0.0.1", 8000))
-        self.assertEqual(o["control-admin"], "http://127.0.0.1:7480")
+        self.assertEqual(o["admin-url"], "http://127.0.0.1:7480")
         self.assertEqual(o["metrics_address"], ("127.0.0.1", 7481))
         self.assertIsNone(o["keyring"])
         self.assertEqual(o.config().max_tries, 3)
@@ -122,8 +122,8 @@ class OptionsTests(SynchronousTestCase):
         option named.
         """
         for argv, name in [
-            (["--listen", "[::1"], "--listen"),
-            (["--control-admin", "cp:7480"], "--control-admin"),
+            (["--gateway", "[::1"], "--gateway"),
+            (["--admin-url", "cp:7480"], "--admin-url"),
             (["--connect-timeout", "soon"], "--connect-timeout"),
             (["--head-timeout", "0"], "--head-timeout"),
             (["--body-timeout", "-1"], "--body-timeout"),
@@ -142,7 +142,7 @@ class OptionsTests(SynchronousTestCase):
         p.write_text("sk-test-key-1\n")
         os.chmod(p, 0o600)
         o = Options()
-        o.parseOptions(["--api-keys", str(p), "--metrics", "off", "--listen", "0.0.0.0:9000"])
+        o.parseOptions(["--api-keys", str(p), "--metrics", "off", "--gateway", "0.0.0.0:9000"])
         self.assertEqual(len(o["keyring"]), 1)
         self.assertEqual(o.warnings, [])
         self.assertIsNone(o["metrics_address"])
@@ -158,7 +158,7 @@ class OptionsTests(SynchronousTestCase):
         p.write_text("sk-test-key-1\n")
         os.chmod(p, 0o600)
         o = Options()
-        o.parseOptions(["--keys", str(p), "--metrics", "off", "--listen", "0"])
+        o.parseOptions(["--keys", str(p), "--metrics", "off", "--gateway", "0"])
         self.assertEqual(len(o["keyring"]), 1)
         events: list[dict[str, Any]] = []
         globalLogPublisher.addObserver(events.append)
@@ -185,7 +185,7 @@ class OptionsTests(SynchronousTestCase):
         and refuses a malformed one. A request naming another host is 421.
         """
         o = Options()
-        o.parseOptions(["--listen", "0.0.0.0:9000", "--metrics", "off", "--gateway-hosts", "gw.example,.lb.example"])
+        o.parseOptions(["--gateway", "0.0.0.0:9000", "--metrics", "off", "--gateway-hosts", "gw.example,.lb.example"])
         self.assertEqual(o["gateway-hosts"], ["gw.example", ".lb.example"])
         from llmgw.gateway.service import makeService
 
@@ -210,7 +210,7 @@ class OptionsTests(SynchronousTestCase):
         C{twistd llmgw gateway} builds a standalone gateway.
         """
         o = tap.Options()
-        o.parseOptions(["gateway", "--listen", "0", "--metrics", "off"])
+        o.parseOptions(["gateway", "--gateway", "0", "--metrics", "off"])
         svc = tap.makeService(o, reactor=reactor)
         self.assertIsInstance(svc, StandaloneGateway)
 
@@ -489,7 +489,7 @@ class CollectorTests(SynchronousTestCase):
         from llmgw.collector import CollectorTuning
 
         o = Options()
-        o.parseOptions(["--metrics", "off", "--listen", "0"])
+        o.parseOptions(["--metrics", "off", "--gateway", "0"])
         own = makeService(o)
         collector = own.getServiceNamed("collector")
         self.assertIsInstance(collector, CollectorTuning)

@@ -290,7 +290,7 @@ class CtlStatusTests(SynchronousTestCase):
             "role": "follower", "member_id": "c2", "leader_id": "c1",
             "leader_agent_address": "10.0.0.1:7443", "epoch": 1796131490208,
         }, [], 0.0)
-        lines = {line.split()[0]: line.split()[1] for line in text.splitlines() if len(line.split()) == 2}
+        lines = {line.split()[0]: line.split()[1] for line in text.splitlines() if len(line.split()) >= 2}
         self.assertEqual(lines["role"], "follower")
         self.assertEqual(lines["leader_id"], "c1")
         self.assertEqual(lines["leader_agent_address"], "10.0.0.1:7443")
@@ -302,7 +302,7 @@ class EtcdOptionsTests(SynchronousTestCase):
         from llmgw.control.service import Options
 
         o = Options()
-        o.parseOptions(["--insecure", "--agents", "127.0.0.1:7443", *args])
+        o.parseOptions(["--insecure", "--agent-listen", "127.0.0.1:7443", *args])
         return o
 
     def test_defaults_and_without_etcd(self) -> None:

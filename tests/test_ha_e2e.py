@@ -117,9 +117,9 @@ class HAEndToEndTests(TestCase):
             admin = free_port()
             self.admin[m] = f"http://127.0.0.1:{admin}"
             p = Proc(m, twistd(
-                "control", "--certs", str(self.dir), "--agents", f"127.0.0.1:{ports[m]}",
+                "control", "--certs", str(self.dir), "--agent-listen", f"127.0.0.1:{ports[m]}",
                 "--admin", f"127.0.0.1:{admin}", "--gateway", "off", "--catalog", str(catalog),
-                "--heartbeat-interval", str(HEARTBEAT), "--pass-interval", "0.2",
+                "--heartbeat", str(HEARTBEAT), "--pass-interval", "0.2",
                 "--adoption-grace", "2", "--etcd", ",".join(self.cluster.urls),
                 "--etcd-ttl", str(TTL), "--member-id", m, "--advertise-admin", self.admin[m],
             ))

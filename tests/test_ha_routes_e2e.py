@@ -64,10 +64,10 @@ class HARoutesEndToEndTests(TestCase):
             self.admin[m] = f"http://127.0.0.1:{free_port()}"
             self.gateway[m] = f"http://127.0.0.1:{free_port()}"
             p = base.Proc(m, base.twistd(
-                "control", "--certs", str(self.dir), "--agents", f"127.0.0.1:{agents[m]}",
+                "control", "--certs", str(self.dir), "--agent-listen", f"127.0.0.1:{agents[m]}",
                 "--admin", self.admin[m].removeprefix("http://"),
                 "--gateway", self.gateway[m].removeprefix("http://"), "--catalog", str(catalog),
-                "--heartbeat-interval", str(base.HEARTBEAT), "--pass-interval", "0.2",
+                "--heartbeat", str(base.HEARTBEAT), "--pass-interval", "0.2",
                 "--adoption-grace", "2", "--etcd", ",".join(self.cluster.urls),
                 "--etcd-ttl", str(base.TTL), "--member-id", m, "--advertise-admin", self.admin[m],
             ))

@@ -448,7 +448,7 @@ class OptionsTests(SynchronousTestCase):
         """
         opts = Options()
         opts.parseOptions([
-            "--insecure", "--agents", "127.0.0.1:0", "--max-connections", "100",
+            "--insecure", "--agent-listen", "127.0.0.1:0", "--max-connections", "100",
             "--max-connections-per-address", "5", "--agent-message-rate", "2.5",
             "--agent-message-burst", "7",
         ])
@@ -458,7 +458,7 @@ class OptionsTests(SynchronousTestCase):
         self.assertEqual(cp.agents.message_rate, 2.5)
         for bad in (["--max-connections", "-1"], ["--agent-message-rate", "fast"]):
             e = self.assertRaises(
-                usage.UsageError, Options().parseOptions, ["--insecure", "--agents", "127.0.0.1:0", *bad]
+                usage.UsageError, Options().parseOptions, ["--insecure", "--agent-listen", "127.0.0.1:0", *bad]
             )
             self.assertIn(bad[0], str(e))
         self.assertEqual(Options()["max-connections"], DEFAULT_MAX_CONNECTIONS)
@@ -470,17 +470,17 @@ class OptionsTests(SynchronousTestCase):
         allows by default, and at least the 1024 the design asks.
         """
         opts = Options()
-        opts.parseOptions(["--insecure", "--agents", "127.0.0.1:0", "--max-registering", "32"])
+        opts.parseOptions(["--insecure", "--agent-listen", "127.0.0.1:0", "--max-registering", "32"])
         cp = makeService(opts, reactor=MemoryReactorClock())
         self.assertEqual((cp.limiter.max_registering, cp.limiter.resume_registering), (32, 16))
         opts = Options()
-        opts.parseOptions(["--insecure", "--agents", "127.0.0.1:0"])
+        opts.parseOptions(["--insecure", "--agent-listen", "127.0.0.1:0"])
         self.assertEqual(opts["limits"].max_registering, DEFAULT_MAX_REGISTERING)
         self.assertEqual(DEFAULT_MAX_REGISTERING, 128)
         self.assertGreaterEqual(opts["backlog"], 1024)
         e = self.assertRaises(
             usage.UsageError, Options().parseOptions,
-            ["--insecure", "--agents", "127.0.0.1:0", "--max-registering", "-5"],
+            ["--insecure", "--agent-listen", "127.0.0.1:0", "--max-registering", "-5"],
         )
         self.assertIn("--max-registering", str(e))
 

@@ -51,7 +51,7 @@ class RefusalTests(TestCase):
         self.assertEqual(e.code, message)  # SystemExit: twistd prints it and exits 1
 
     def control(self, **addresses: str) -> Any:
-        argv = ["--insecure", "--agents", "127.0.0.1:0", "--admin", "127.0.0.1:0", "--gateway", "127.0.0.1:0"]
+        argv = ["--insecure", "--agent-listen", "127.0.0.1:0", "--admin", "127.0.0.1:0", "--gateway", "127.0.0.1:0"]
         for name, value in addresses.items():
             argv += [f"--{name}", value]
         o = control_service.Options()
@@ -60,10 +60,10 @@ class RefusalTests(TestCase):
 
     def test_control_agent_port(self) -> None:
         """
-        The control plane's agent port names --agents.
+        The control plane's agent port names --agent-listen.
         """
         port = taken_port(self)
-        self.assertRefused(self.control(agents=f"127.0.0.1:{port}"), port, "--agents", "the agent stream")
+        self.assertRefused(self.control(agents=f"127.0.0.1:{port}"), port, "--agent-listen", "the agent stream")
 
     def test_control_admin(self) -> None:
         """
@@ -81,15 +81,15 @@ class RefusalTests(TestCase):
 
     def gateway(self, *argv: str) -> Any:
         o = gateway_service.Options()
-        o.parseOptions(["--listen", "127.0.0.1:0", "--metrics", "127.0.0.1:0", *argv])
+        o.parseOptions(["--gateway", "127.0.0.1:0", "--metrics", "127.0.0.1:0", *argv])
         return gateway_service.makeService(o, reactor=reactor)
 
     def test_gateway_listen(self) -> None:
         """
-        The standalone gateway's front names --listen.
+        The standalone gateway's front names --gateway.
         """
         port = taken_port(self)
-        self.assertRefused(self.gateway("--listen", f"127.0.0.1:{port}"), port, "--listen", "the gateway")
+        self.assertRefused(self.gateway("--gateway", f"127.0.0.1:{port}"), port, "--gateway", "the gateway")
 
     def test_gateway_metrics(self) -> None:
         """
@@ -110,9 +110,9 @@ class RefusalTests(TestCase):
     def test_local_listeners(self) -> None:
         """
         Each listener of the local fleet names the local fleet's own option:
-        --agent-port (the control plane's --agents), --admin, --gateway.
+        --agent-listen, --admin, --gateway.
         """
-        for option, what in (("--agent-port", "the agent stream"), ("--admin", "the admin API"),
+        for option, what in (("--agent-listen", "the agent stream"), ("--admin", "the admin API"),
                              ("--gateway", "the gateway")):
             port = taken_port(self)
             self.assertRefused(self.fleet(option, f"127.0.0.1:{port}"), port, option, what)
@@ -146,7 +146,7 @@ class TwistdTests(TestCase):
         twistd = [sys.executable, "-c", "from twisted.scripts.twistd import run; run()"]
         reactor.spawnProcess(
             p, sys.executable,
-            [*twistd, "-n", "--pidfile=", "llmgw", "gateway", "--listen", f"127.0.0.1:{port}",
+            [*twistd, "-n", "--pidfile=", "llmgw", "gateway", "--gateway", f"127.0.0.1:{port}",
              "--metrics", "off"],
             env={"PYTHONPATH": os.pathsep.join(sys.path), "PATH": os.environ.get("PATH", "")},
             path=str(Path(__file__).resolve().parent.parent),
@@ -157,4 +157,4 @@ class TwistdTests(TestCase):
         self.assertNotIn("Traceback", text)
         last = text.strip().splitlines()[-1]
         self.assertIn(f"cannot listen on 127.0.0.1:{port} for the gateway", last)
-        self.assertIn("--listen", last)
+        self.assertIn("--gateway", last)

@@ -61,10 +61,10 @@ class OptionsTests(SynchronousTestCase):
         coercion, refused with the file and the option named.
         """
         path = Path(self.mktemp())
-        path.write_text('insecure = true\nagents = "127.0.0.1:0"\nmax-frame = 1024\nheartbeat-interval = 2.5\n')
+        path.write_text('insecure = true\nagent-listen = "127.0.0.1:0"\nmax-frame = 1024\nheartbeat = 2.5\n')
         o = control_service.Options()
         o.parseOptions(["--config", str(path)])
-        self.assertEqual((o["max-frame"], o["heartbeat-interval"]), (1024, 2.5))
+        self.assertEqual((o["max-frame"], o["heartbeat"]), (1024, 2.5))
         path.write_text("insecure = true\nbacklog = 0\n")
         e = self.assertRaises(usage.UsageError, control_service.Options().parseOptions, ["--config", str(path)])
         self.assertIn(str(path), str(e))

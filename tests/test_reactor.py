@@ -534,8 +534,8 @@ class InstallDefaultTests(TestCase):
         argv = [
             sys.executable, "-c", "from twisted.scripts.twistd import run; run()",
             "-n", "--logfile=-", "--pidfile=", *twistd_options,
-            "llmgw", "gateway", "--listen", "127.0.0.1:0", "--metrics", "off",
-            "--control-admin", "http://127.0.0.1:1",
+            "llmgw", "gateway", "--gateway", "127.0.0.1:0", "--metrics", "off",
+            "--admin-url", "http://127.0.0.1:1",
         ]
         proc = reactor.spawnProcess(p, sys.executable, argv, env=_env(), path=str(ROOT))
         bound = reactor.callLater(15, proc.signalProcess, "KILL")

@@ -85,9 +85,9 @@ class ReconcilerIntegrationTests(TestCase):
         catalog.write_text(text)
         opts = Options()
         opts.parseOptions([
-            "--certs", str(self.dir), "--agents", f"127.0.0.1:{self.port}", "--admin", "127.0.0.1:0",
+            "--certs", str(self.dir), "--agent-listen", f"127.0.0.1:{self.port}", "--admin", "127.0.0.1:0",
             "--gateway", "127.0.0.1:0",
-            "--catalog", str(catalog), "--heartbeat-interval", str(HEARTBEAT),
+            "--catalog", str(catalog), "--heartbeat", str(HEARTBEAT),
             "--pass-interval", "0.2", "--adoption-grace", "1",
         ])
         plane = makeService(opts, reactor=reactor)

@@ -22,7 +22,7 @@ EXAMPLE = str(Path(__file__).parent.parent / "llmgw" / "demo-catalog.toml")
 
 def parse(*args: str) -> Options:
     opts = Options()
-    opts.parseOptions(["--insecure", "--agents", "127.0.0.1:0", *args])
+    opts.parseOptions(["--insecure", "--agent-listen", "127.0.0.1:0", *args])
     return opts
 
 

@@ -27,6 +27,8 @@ from llmgw.agent.probe import HttpProber
 from llmgw.agent.state import StateDir, StateDirError
 from llmgw.agent.supervisor import Supervisor
 from llmgw.agent.targets import ControlTargets
+from llmgw.options import Options as BaseOptions
+from llmgw.options import certs_row, heartbeat_row, log_warnings
 from llmgw.signals import SighupHandler, owns_signals
 from llmgw.tlsconf.options import (
     AgentClientTLS,
@@ -42,17 +44,17 @@ DEFAULT_CONTROL_PORT = 7443
 CERT_WARN_DAYS = 14
 
 
-class Options(usage.Options):
+class Options(BaseOptions):
     synopsis = "--control HOST:PORT (--certs DIR --node ID | --ca F --cert F --key F) [options]"
     optParameters = [
-        ["certs", None, None, "directory with ca.pem and agent-NODE.pem/.key (with --node)"],
+        certs_row(None, "directory with ca.pem and agent-NODE.pem/.key (with --node)"),
         ["node", None, None, "node id, to find its files in --certs (must be the certificate's CN)"],
         ["ca", None, None, "the CA certificate (PEM)"],
         ["cert", None, None, "this node's certificate (PEM); its common name is the node id"],
         ["key", None, None, "this node's private key (PEM)"],
         ["gpus", None, "auto", "auto, nvml, nvidia-smi, none, or sim:COUNTxSIZE (e.g. sim:2x80GiB)"],
         ["state-dir", None, "agent-state", "where shard records and logs are kept"],
-        ["heartbeat", None, "5", "seconds between heartbeats"],
+        heartbeat_row(5.0, "seconds between heartbeats, at most 3600"),
         ["advertise-address", None, "", "the address the gateway and probes reach this node's "
          "shards at, and {host} in commands (default: the local address of the connection to "
          "the control plane)"],
@@ -66,7 +68,7 @@ class Options(usage.Options):
     def opt_control(self, value: str) -> None:
         """
         HOST[:PORT] of the control plane (default port 7443); its certificate
-        must name HOST. Repeatable: each member of an HA control plane
+        must name HOST. Repeatable: each member of an HA control plane.
         """
         self["controls"].append(value)
 
@@ -103,11 +105,7 @@ class Options(usage.Options):
         self["control"] = self["controls"][0]
         self["control_host"], self["control_port"] = targets[0]
 
-        try:
-            self["heartbeat"] = float(self["heartbeat"])
-        except ValueError:
-            raise usage.UsageError("--heartbeat must be a number of seconds") from None
-        if not 0 < self["heartbeat"] <= 3600:
+        if self["heartbeat"] > 3600:
             raise usage.UsageError("--heartbeat must be between 0 and 3600 seconds")
 
         from llmgw.engines import advertise_address_problem
@@ -302,6 +300,7 @@ class NodeAgent(MultiService):
 
 
 def makeService(options: Options, reactor: Any = None) -> NodeAgent:
+    log_warnings(options, NodeAgent.log)
     if reactor is None:
         from twisted.internet import reactor as _reactor
 

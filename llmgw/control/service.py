@@ -42,12 +42,27 @@ from llmgw.control.shell.trust import TrustService
 from llmgw.control.state.demand import InFlightDemand
 from llmgw.control.state.interfaces import AdminError, IFleetAdmin, IStatusSink
 from llmgw.control.state.inventory import Inventory
-from llmgw.gateway.keys import KeysError, load_keys
 from llmgw.gateway.proxy import GatewayConfig
 from llmgw.gateway.service import DEFAULT_GATEWAY, GatewayService
-from llmgw.hostcheck import HostListError, parse_hosts
+from llmgw.options import (
+    HOSTS_DOC,
+    api_keys,
+    api_keys_row,
+    backlog_row,
+    certs_row,
+    gateway_hosts_row,
+    heartbeat_row,
+    host_list,
+    limit_share_row,
+    listen_address,
+    log_warnings,
+    max_connections_row,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from llmgw.options import Options as BaseOptions
-from llmgw.options import non_negative_float, non_negative_int, positive_float, positive_int
 from llmgw.routing import IDemand
 from llmgw.signals import SighupService
 from llmgw.tlsconf.options import ServerTLS, TLSConfigError, server_files
@@ -61,19 +76,18 @@ DEFAULT_BACKLOG = 4096
 
 
 class Options(BaseOptions):
+    aliases = {"agents": "agent-listen", "heartbeat-interval": "heartbeat"}
     optParameters = [
-        ["certs", None, "certs", "directory with ca.pem, server.pem and server.key"],
-        ["agents", None, str(DEFAULT_AGENT_PORT), "[HOST:]PORT for the agent stream (IPv6 as [addr]:port)"],
+        certs_row("certs", "directory with ca.pem, server.pem and server.key"),
+        ["agent-listen", None, str(DEFAULT_AGENT_PORT),
+         "[HOST:]PORT the agent stream listens on (IPv6 as [addr]:port)"],
         ["max-frame", None, DEFAULT_MAX_FRAME, "largest agent frame accepted, in bytes", positive_int],
-        ["heartbeat-interval", None, 5.0,
-         "agents' heartbeat interval in seconds; 3 silent intervals close a stream", positive_float],
-        ["backlog", None, DEFAULT_BACKLOG, "listen backlog of the agent port (capped by net.core.somaxconn)",
-         positive_int],
+        heartbeat_row(5.0, "agents' heartbeat interval in seconds; 3 silent intervals close a stream"),
+        backlog_row(DEFAULT_BACKLOG, "listen backlog of the agent port (capped by net.core.somaxconn)"),
         ["admin", None, f"{DEFAULT_ADMIN_HOST}:{DEFAULT_ADMIN_PORT}",
-         "[HOST:]PORT for the admin API and /metrics, or 'off'; beyond loopback it needs "
+         "[HOST:]PORT the admin API and /metrics listen on, or 'off'; beyond loopback it needs "
          "mutual TLS with admin certificates (--admin-tls, implied there)"],
-        ["max-connections", None, LimitsConfig.max_connections, "most connections on the agent port (0: no cap)",
-         non_negative_int],
+        max_connections_row(LimitsConfig.max_connections, "most connections on the agent port (0: no cap)"),
         ["max-connections-per-address", None, LimitsConfig.max_per_address,
          "most agent-port connections from one source address (0: no cap)", non_negative_int],
         ["agent-message-rate", None, LimitsConfig.message_rate,
@@ -93,23 +107,15 @@ class Options(BaseOptions):
         ["adoption-grace", None, 30.0, "seconds after start during which nothing is placed, "
          "while agents report what they run", non_negative_float],
         ["gateway", None, DEFAULT_GATEWAY,
-         "[HOST:]PORT for the OpenAI-compatible gateway (0.0.0.0:8000 exposes it), or 'off'"],
-        ["admin-hosts", None, "",
-         "comma-separated Host names the admin API answers to besides loopback names and its "
-         "bound address (NAME, NAME:PORT, .DOMAIN, or * for any); a wildcard bind needs them"],
-        ["gateway-hosts", None, "",
-         "comma-separated Host names the gateway answers to besides loopback names and its "
-         "bound address (NAME, NAME:PORT, .DOMAIN, or * for any); a wildcard bind needs them"],
-        ["api-keys", None, None,
-         "gateway API keys file (one per line, or TOML [keys] name = \"key\" and [keys.NAME] "
-         "tables with limits); none: no keys"],
-        ["limit-share", None, 1.0,
-         "the share of each API key's limits the embedded gateway enforces, in (0, 1]",
-         positive_float],
+         "[HOST:]PORT the OpenAI-compatible gateway listens on (0.0.0.0:8000 exposes it), or 'off'"],
+        ["admin-hosts", None, "", HOSTS_DOC.format(what="the admin API")],
+        gateway_hosts_row(),
+        api_keys_row("gateway API keys file"),
+        limit_share_row("the share of each API key's limits the embedded gateway enforces, in (0, 1]"),
         ["gc-threshold", None, DEFAULT_GC_THRESHOLD,
          "objects allocated between two young-generation runs of Python's cyclic collector "
          "(Python's default: 700); 0 leaves the collector as Python set it", non_negative_int],
-        # ha (issue 14): one member of a control plane on etcd.
+        # One member of a highly available control plane on etcd.
         ["etcd", None, None, "comma-separated etcd client URLs (http:// or https://): run as one "
          "member of a highly available control plane; without it, the standalone default"],
         ["etcd-ca", None, None, "CA bundle that etcd's server certificates chain to (https)"],
@@ -119,7 +125,7 @@ class Options(BaseOptions):
         ["etcd-ttl", None, 10, "leader lease TTL in seconds (renewed every third of it)", positive_int],
         ["member-id", None, None, "this member's id in etcd (default: HOSTNAME-AGENTPORT)"],
         ["advertise-agents", None, None, "HOST:PORT agents dial for this member, named in redirects "
-         "(default: --agents, which must then not be a wildcard address)"],
+         "(default: --agent-listen, which must then not be a wildcard address)"],
         ["advertise-admin", None, "", "URL of this member's admin API, published while it leads"],
         ["config", None, None, "TOML file holding any of these options by name "
          "(pass-interval = 2, insecure = true, ...); the command line wins"],
@@ -137,7 +143,7 @@ class Options(BaseOptions):
         for arg in options or []:
             if arg.startswith("--"):
                 name = arg[2:].split("=", 1)[0]
-                self.given.add(self.synonyms.get(name) or self.synonyms.get(name.replace("-", "_"), name))
+                self.given.add(self.canonical(name) or name)
         super().parseOptions(options)
 
     def _apply_config(self, path: str) -> None:
@@ -149,8 +155,8 @@ class Options(BaseOptions):
             raise usage.UsageError(f"--config {path}: not valid TOML: {e}") from e
         given: set[str] = getattr(self, "given", set())
         for key, value in data.items():
-            name = self.synonyms.get(key) or self.synonyms.get(key.replace("_", "-"))
-            if name is None or name == "config":
+            name = self.canonical(key)
+            if name is None or name in ("config", "help", "version"):
                 raise usage.UsageError(f"--config {path}: {key!r} is not an option of this command")
             if name in given:
                 continue
@@ -181,17 +187,11 @@ class Options(BaseOptions):
         if self["config"]:
             self._apply_config(self["config"])
         self._reconciler_options()
-        try:
-            host, port = parse_address(self["agents"], "0.0.0.0" if not self["insecure"] else "127.0.0.1")
-        except AddressError as e:
-            raise usage.UsageError(f"--agents: {e}") from e
+        agents = listen_address(self, "agent-listen", "0.0.0.0" if not self["insecure"] else "127.0.0.1")
+        assert agents is not None
+        host, port = agents
         self["agents_host"], self["agents_port"] = host, port
-        self["admin_address"] = None
-        if self["admin"].strip().lower() != "off":
-            try:
-                self["admin_address"] = parse_address(self["admin"], DEFAULT_ADMIN_HOST)
-            except AddressError as e:
-                raise usage.UsageError(f"--admin: {e}") from e
+        self["admin_address"] = listen_address(self, "admin", DEFAULT_ADMIN_HOST, off=True)
         self["admin_tls"] = bool(self["admin-tls"])
         if self["admin_address"] is not None and not is_loopback(self["admin_address"][0]):
             self["admin_tls"] = True
@@ -200,25 +200,10 @@ class Options(BaseOptions):
                 admin_tls_problem(self["admin_address"][0], False)
                 or "--admin-tls needs the control plane's certificates, and --insecure runs without them"
             )
-        self["gateway_address"] = None
-        if self["gateway"].strip().lower() != "off":
-            try:
-                self["gateway_address"] = parse_address(self["gateway"], "127.0.0.1")
-            except AddressError as e:
-                raise usage.UsageError(f"--gateway: {e}") from e
-        for name in ("admin-hosts", "gateway-hosts"):
-            try:
-                self[name] = parse_hosts(self[name] or "")
-            except HostListError as e:
-                raise usage.UsageError(f"--{name}: {e}") from e
-        if self["limit-share"] > 1:
-            raise usage.UsageError(f"--limit-share: {self['limit-share']} is over 1")
-        self["keyring"] = None
-        if self["api-keys"]:
-            try:
-                self["keyring"] = load_keys(Path(self["api-keys"]))
-            except KeysError as e:
-                raise usage.UsageError(f"--api-keys: {e}") from e
+        self["gateway_address"] = listen_address(self, "gateway", "127.0.0.1", off=True)
+        host_list(self, "admin-hosts")
+        host_list(self, "gateway-hosts")
+        api_keys(self)
         if self["insecure"] and not is_loopback(host):
             raise usage.UsageError(
                 f"--insecure serves the agent stream without TLS and is refused on {host}: "
@@ -238,8 +223,8 @@ class Options(BaseOptions):
 
 def _etcd_options(options: usage.Options) -> None:
     """
-    ha (issue 14): check the --etcd options; C{etcd_urls} is [] without
-    --etcd.
+    Check the --etcd options (one member of a highly available control
+    plane); C{etcd_urls} is [] without --etcd.
     """
     options["etcd_urls"] = []
     if not options["etcd"]:
@@ -279,7 +264,7 @@ def _etcd_options(options: usage.Options) -> None:
     if not advertised:
         if host in ("0.0.0.0", "::", ""):
             raise usage.UsageError(
-                "--agents listens on every address: give --advertise-agents HOST:PORT, the "
+                "--agent-listen is every address: give --advertise-agents HOST:PORT, the "
                 "address agents dial for this member (redirects name it)"
             )
         advertised = format_address(host, port)
@@ -384,7 +369,7 @@ class ControlPlane(MultiService):
             self.trust.setServiceParent(self)
         self.backlog = backlog
         endpoint = server_endpoint(reactor, agents_host, agents_port, backlog=backlog)
-        self.agent_listener = ListenerService(endpoint, self.limiter, "the agent stream", "--agents")
+        self.agent_listener = ListenerService(endpoint, self.limiter, "the agent stream", "--agent-listen")
         self.agent_listener.setName("agent-listener")
         self.agent_listener.setServiceParent(self)
         self.agents_address = (agents_host, agents_port)
@@ -478,6 +463,7 @@ class ControlPlane(MultiService):
 
 
 def makeService(options: Options, reactor: Any = None) -> ControlPlane:
+    log_warnings(options, ControlPlane.log)
     own_process = reactor is None
     if reactor is None:
         from twisted.internet import reactor as _reactor
@@ -502,7 +488,7 @@ def makeService(options: Options, reactor: Any = None) -> ControlPlane:
         agents_host=options["agents_host"],
         agents_port=options["agents_port"],
         max_frame=options["max-frame"],
-        heartbeat_interval=options["heartbeat-interval"],
+        heartbeat_interval=options["heartbeat"],
         backlog=options["backlog"],
         admin_address=options["admin_address"],
         limits=options["limits"],

@@ -94,12 +94,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     cat = sub.add_parser("catalog", help="the catalog of an HA control plane, in etcd")
     csub = cat.add_subparsers(dest="catalog_command", required=True, metavar="COMMAND")
     p = csub.add_parser("apply", help="validate FILE and store it in etcd; the leader applies it")
-    p.add_argument("file", metavar="FILE")
+    p.add_argument("file", metavar="FILE", help="the catalog TOML")
     p.add_argument("--etcd", required=True, help="comma-separated etcd client URLs")
     p.add_argument("--etcd-ca", help="CA bundle of etcd's server certificates (https)")
     p.add_argument("--etcd-cert", help="client certificate for etcd (https)")
     p.add_argument("--etcd-key", help="the key of --etcd-cert")
-    p.add_argument("--etcd-prefix", default="/llmgw")
+    p.add_argument("--etcd-prefix", default="/llmgw",
+                   help="key prefix of the control plane's state in etcd (default /llmgw)")
     p.set_defaults(func=cmd_apply)
 
 

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
+from llmgw.options import add_old_name
 from llmgw.tlsconf.ca import (
     DEFAULT_CA_DAYS,
     DEFAULT_LEAF_DAYS,
@@ -41,7 +42,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     csub = cert.add_subparsers(dest="cert_command", required=True, metavar="COMMAND")
 
     def with_dir(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        p.add_argument("--dir", default="certs", help="the CA directory (default ./certs)")
+        p.add_argument("--certs", dest="dir", default="certs", metavar="DIR",
+                       help="the certificates directory, where the CA is (default ./certs)")
+        add_old_name(p, "dir", "certs", "dir", metavar="DIR")
         return p
 
     p = with_dir(csub.add_parser("init", help="make the CA (ca.pem, ca.key)"))
@@ -69,12 +72,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "--host", action="append", default=[],
         help="a name or IP address agents (and admin clients) dial (repeatable); each goes into the SANs",
     )
-    p.add_argument("--days", type=int, default=DEFAULT_LEAF_DAYS)
+    p.add_argument("--days", type=int, default=DEFAULT_LEAF_DAYS,
+                   help=f"how long the certificate is valid, in days (default {DEFAULT_LEAF_DAYS})")
     p.set_defaults(func=cmd_server)
 
     p = replacing(with_dir(csub.add_parser("agent", help="issue a node's client certificate")))
-    p.add_argument("node_id", metavar="NODE_ID")
-    p.add_argument("--days", type=int, default=DEFAULT_LEAF_DAYS)
+    p.add_argument("node_id", metavar="NODE_ID", help="the node's id (the certificate's common name)")
+    p.add_argument("--days", type=int, default=DEFAULT_LEAF_DAYS,
+                   help=f"how long the certificate is valid, in days (default {DEFAULT_LEAF_DAYS})")
     shared_ca(p)
     p.set_defaults(func=cmd_agent)
 
@@ -87,7 +92,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("name", metavar="NAME", help="the etcd member's or the control-plane member's name")
     p.add_argument("--host", action="append", default=[],
                    help="a name or IP address in the etcd member's client and peer URLs (repeatable)")
-    p.add_argument("--days", type=int, default=DEFAULT_LEAF_DAYS)
+    p.add_argument("--days", type=int, default=DEFAULT_LEAF_DAYS,
+                   help=f"how long the certificate is valid, in days (default {DEFAULT_LEAF_DAYS})")
     shared_ca(p)
     p.set_defaults(func=cmd_etcd)
 
@@ -100,7 +106,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         help="viewer: reads; operator: also cordon, uncordon, drain, scale, reload; "
         "gateway: reads routes only (a standalone gateway)",
     )
-    p.add_argument("--days", type=int, default=DEFAULT_LEAF_DAYS)
+    p.add_argument("--days", type=int, default=DEFAULT_LEAF_DAYS,
+                   help=f"how long the certificate is valid, in days (default {DEFAULT_LEAF_DAYS})")
     shared_ca(p)
     p.set_defaults(func=cmd_admin)
 
@@ -109,7 +116,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         help="start a CA rollover: a new root beside the old, ca.pem holding both; "
         "new certificates come from the new one",
     ))
-    p.add_argument("--days", type=int, default=DEFAULT_CA_DAYS)
+    p.add_argument("--days", type=int, default=DEFAULT_CA_DAYS,
+                   help=f"how long the new root is valid, in days (default {DEFAULT_CA_DAYS})")
     p.set_defaults(func=cmd_rotate_ca)
 
     p = with_dir(csub.add_parser(
@@ -122,7 +130,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.set_defaults(func=cmd_retire_ca)
 
     p = with_dir(csub.add_parser("show", help="describe a certificate file"))
-    p.add_argument("file", metavar="FILE")
+    p.add_argument("file", metavar="FILE", help="a PEM certificate")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_show)
 
@@ -134,12 +142,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--serial", action="append", default=[], help="a serial in hex, as `show` prints it (repeatable)")
     p.add_argument("--admin", metavar="NAME", help="revoke every admin certificate issued to NAME")
     p.add_argument("--reason", default="unspecified", help=f"one of {', '.join(REASONS)}")
-    p.add_argument("--days", type=int, default=DEFAULT_CRL_DAYS, help="the CRL's next-update, in days (default 30)")
+    p.add_argument("--days", type=int, default=DEFAULT_CRL_DAYS, help=f"the CRL's next-update, in days (default {DEFAULT_CRL_DAYS})")
     p.set_defaults(func=cmd_revoke)
 
     p = with_dir(csub.add_parser("crl", help="show DIR/crl.pem, or re-sign it with --renew"))
     p.add_argument("--renew", action="store_true", help="re-sign the CRL with a new next-update")
-    p.add_argument("--days", type=int, default=DEFAULT_CRL_DAYS, help="the CRL's next-update, in days (default 30)")
+    p.add_argument("--days", type=int, default=DEFAULT_CRL_DAYS, help=f"the CRL's next-update, in days (default {DEFAULT_CRL_DAYS})")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_crl)
 

@@ -3,7 +3,7 @@
 the operator's view of the admin API (DESIGN §9).
 
 Each command makes one or two requests to the control plane's admin API
-(C{--admin URL}, default C{$LLMGW_ADMIN_URL}, C{$LLMGW_ADMIN} or
+(C{--admin-url URL}, default C{$LLMGW_ADMIN_URL}, C{$LLMGW_ADMIN} or
 C{http://127.0.0.1:7480}) and prints a table, or the API's JSON with
 C{--json}.
 
@@ -23,7 +23,7 @@ Exit codes, for scripts:
   - 4: the control plane answered but failed (a 5xx answer, or an answer
     that is not the admin API's JSON).
 
-Against an HA control plane (issue 14) any member's URL does: one that does
+Against an HA control plane any member's URL does: one that does
 not lead answers fleet reads and writes with C{307} to the leader's admin
 URL, which the ctl follows (at most L{MAX_REDIRECTS} hops, with the same
 certificate, never from C{https} to C{http}); C{status} is each member's own.
@@ -36,231 +36,54 @@ normally on loopback, and a proxy would see (or fake) the fleet's state.
 from __future__ import annotations
 
 import argparse
-import datetime
-import http.client
 import json
 import os
 import ssl
 import sys
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, TextIO
-from urllib.parse import quote, urljoin, urlsplit
+from urllib.parse import quote, urlsplit
 
-from llmgw.tlsconf.options import TLSConfigError, admin_files
+from llmgw.ctl.client import (  # noqa: F401 (the client's names, as before the split)
+    ADMIN_ENV,
+    ADMIN_ENV_OLD,
+    AS_ENV,
+    CERTS_ENV,
+    DEFAULT_ADMIN_URL,
+    DEFAULT_TIMEOUT,
+    EXIT_OK,
+    EXIT_REFUSED,
+    EXIT_SERVER,
+    EXIT_UNREACHABLE,
+    EXIT_USAGE,
+    MAX_ANSWER,
+    MAX_REDIRECTS,
+    AdminClient,
+    CtlError,
+    HTTPFunction,
+    Redirected,
+    Unreachable,
+    admin_ssl_context,
+    urllib_http,
+)
+from llmgw.ctl.render import (  # noqa: F401 (the renderers' names, as before the split)
+    ago,
+    clock_time,
+    engine_columns,
+    iso_time,
+    render_deployments,
+    render_events,
+    render_nodes,
+    render_replicas,
+    render_status,
+    table,
+)
+from llmgw.ctl.render import clean as _clean  # noqa: F401
+from llmgw.ctl.render import value as _value
+from llmgw.options import add_old_name
+from llmgw.tlsconf.options import TLSConfigError
 from llmgw.wire import InvalidNodeId, validate_node_id
-
-DEFAULT_ADMIN_URL = "http://127.0.0.1:7480"
-ADMIN_ENV = "LLMGW_ADMIN_URL"
-#: The older name of L{ADMIN_ENV}, still read.
-ADMIN_ENV_OLD = "LLMGW_ADMIN"
-CERTS_ENV = "LLMGW_ADMIN_CERTS"
-AS_ENV = "LLMGW_ADMIN_AS"
-DEFAULT_TIMEOUT = 10.0
-#: Largest answer read from the admin API, in bytes.
-MAX_ANSWER = 128 * 1024 * 1024
-
-EXIT_OK = 0
-EXIT_REFUSED = 1
-EXIT_USAGE = 2
-EXIT_UNREACHABLE = 3
-EXIT_SERVER = 4
-
-#: C{http(method, url, body, timeout) -> (status, body)}; raises
-#: L{Unreachable} when no answer comes.
-HTTPFunction = Callable[[str, str, bytes | None, float], tuple[int, bytes]]
-
-
-class Unreachable(Exception):
-    """
-    No HTTP answer came from the control plane.
-    """
-
-
-class Redirected(Exception):
-    """
-    The admin API answered C{307} or C{308} with C{location}: a member of
-    an HA control plane that does not lead sends the request to the leader
-    (issue 14 item 5).
-    """
-
-    def __init__(self, status: int, location: str):
-        super().__init__(f"HTTP {status} to {location}")
-        self.status = status
-        self.location = location
-
-
-#: Redirects one request follows at most (a member that does not lead sends
-#: the client to the leader: one hop; more means members disagree).
-MAX_REDIRECTS = 3
-
-
-class CtlError(Exception):
-    """
-    A command ends with C{exit_code}; C{message} goes to stderr and C{body}
-    (if any) is what C{--json} prints.
-    """
-
-    def __init__(self, exit_code: int, message: str, body: Any = None):
-        super().__init__(message)
-        self.exit_code = exit_code
-        self.message = message
-        self.body = body
-
-
-def admin_ssl_context(certs_dir: str, name: str) -> ssl.SSLContext:
-    """
-    A TLS client context for the admin API: trust every root in
-    C{certs_dir/ca.pem}, present C{admin-NAME.pem/.key}, check the server's
-    name, TLS 1.2 at least. The files are checked first by the project's
-    loader (expiry, key, issuer), so a mistake is named before dialling.
-
-    @raise TLSConfigError: naming the file and what is wrong.
-    """
-    files = admin_files(certs_dir, name)
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
-    context.load_verify_locations(cafile=str(files.ca_path))
-    context.load_cert_chain(str(files.cert_path), str(files.key_path))
-    return context
-
-
-def urllib_http(
-    method: str, url: str, body: bytes | None, timeout: float,
-    context: ssl.SSLContext | None = None,
-) -> tuple[int, bytes]:
-    """
-    One request with C{urllib}, without proxies; over TLS with C{context}
-    for an C{https://} URL. A C{307}/C{308} is not followed here: it raises
-    L{Redirected}, which L{AdminClient} follows.
-
-    @raise Unreachable: no HTTP answer (connection refused, timeout, a
-        refused TLS handshake, ...).
-    """
-    handlers: list[Any] = [urllib.request.ProxyHandler({}), _NoRedirect()]
-    if context is not None:
-        handlers.append(urllib.request.HTTPSHandler(context=context))
-    opener = urllib.request.build_opener(*handlers)
-    request = urllib.request.Request(
-        url,
-        data=body,
-        method=method,
-        headers={
-            "Content-Type": "application/json",
-            "Accept": "application/json",
-            "User-Agent": "llmgw-ctl",
-        },
-    )
-    try:
-        with opener.open(request, timeout=timeout) as response:
-            return response.status, response.read(MAX_ANSWER)
-    except urllib.error.HTTPError as e:
-        try:
-            location = e.headers.get("Location") if e.headers is not None else None
-            if e.code in (307, 308) and location:
-                raise Redirected(e.code, location) from None
-            return e.code, e.read(MAX_ANSWER)
-        finally:
-            e.close()
-    except urllib.error.URLError as e:
-        if isinstance(e.reason, ssl.SSLCertVerificationError):
-            raise Unreachable(
-                f"TLS: {e.reason.verify_message or e.reason} (is the control plane's certificate "
-                "from the CA in --certs, and does it name the host in --admin? "
-                "`llmgw ctl cert server --host HOST --renew` adds a name)"
-            ) from e
-        raise Unreachable(str(e.reason)) from e
-    except (OSError, http.client.HTTPException) as e:
-        raise Unreachable(str(e) or type(e).__name__) from e
-
-
-class _NoRedirect(urllib.request.HTTPRedirectHandler):
-    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
-        return None
-
-
-class AdminClient:
-    """
-    The admin API over an L{HTTPFunction}.
-    """
-
-    def __init__(self, base_url: str, http: HTTPFunction = urllib_http, timeout: float = DEFAULT_TIMEOUT):
-        self.base_url = base_url.rstrip("/")
-        self.http = http
-        self.timeout = timeout
-
-    def get(self, path: str) -> Any:
-        return self._call("GET", path, None)
-
-    def post(self, path: str, body: Any = None) -> Any:
-        return self._call("POST", path, json.dumps(body if body is not None else {}).encode())
-
-    def _call(self, method: str, path: str, body: bytes | None) -> Any:
-        url = self.base_url + path
-        status, raw, url = self._follow(method, url, body)
-        try:
-            answer = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            answer = None
-        if 200 <= status < 300:
-            if answer is None:
-                raise CtlError(
-                    EXIT_SERVER,
-                    f"{method} {url} answered {status} with something that is not JSON: "
-                    "is --admin the control plane's admin API?",
-                    {"error": "the answer is not JSON", "status": status},
-                )
-            return answer
-        reason = answer.get("error") if isinstance(answer, dict) else None
-        if not isinstance(reason, str):
-            reason = _clean(raw[:200].decode("utf-8", "replace")) or "(no reason given)"
-        body_out = answer if isinstance(answer, dict) else {"error": reason, "status": status}
-        if 400 <= status < 500:
-            raise CtlError(EXIT_REFUSED, f"the control plane refused: {reason} (HTTP {status})", body_out)
-        raise CtlError(EXIT_SERVER, f"the control plane failed: {reason} (HTTP {status})", body_out)
-
-    def _follow(self, method: str, url: str, body: bytes | None) -> tuple[int, bytes, str]:
-        """
-        One request, following up to L{MAX_REDIRECTS} C{307}/C{308}
-        answers (same method, body, TLS context and admin certificate); a
-        redirect from C{https} to anything else is refused, so that no
-        request leaves mutual TLS. Returns the status, body and the URL
-        that answered.
-
-        @raise CtlError: unreachable, or redirected too often or elsewhere.
-        """
-        for _ in range(MAX_REDIRECTS + 1):
-            try:
-                status, raw = self.http(method, url, body, self.timeout)
-                return status, raw, url
-            except Unreachable as e:
-                where = urlsplit(url)
-                raise CtlError(
-                    EXIT_UNREACHABLE,
-                    f"cannot reach the control plane at {where.scheme}://{where.netloc}: {e}",
-                    {"error": f"cannot reach the control plane: {e}", "status": None},
-                ) from None
-            except Redirected as r:
-                target = urljoin(url, r.location)
-                scheme = urlsplit(target).scheme
-                if scheme not in ("http", "https") or (urlsplit(url).scheme == "https" and scheme != "https"):
-                    raise CtlError(
-                        EXIT_SERVER,
-                        f"{method} {url} was redirected to {_clean(target[:200])}, which is not "
-                        + ("https (the request would leave TLS)" if scheme == "http" else "an http(s) URL")
-                        + "; refusing to follow",
-                        {"error": "redirect refused", "status": r.status},
-                    ) from None
-                url = target
-        raise CtlError(
-            EXIT_SERVER,
-            f"{method} was redirected more than {MAX_REDIRECTS} times (last to {_clean(url[:200])}): "
-            "do the control-plane members agree on the leader? `llmgw ctl status` on each says",
-            {"error": "too many redirects", "status": None},
-        )
-
 
 # -- argument types -------------------------------------------------------------------
 
@@ -340,21 +163,23 @@ def resolve_since(value: str, now: float) -> float:
 def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
-        "--admin",
+        "--admin-url",
+        dest="admin",
         type=admin_url,
         default=os.environ.get(ADMIN_ENV) or os.environ.get(ADMIN_ENV_OLD) or DEFAULT_ADMIN_URL,
         metavar="URL",
         help=f"the control plane's admin API (default ${ADMIN_ENV} or {DEFAULT_ADMIN_URL}); "
         "https:// for one behind mutual TLS",
     )
+    add_old_name(common, "admin", "admin-url", "admin", type=admin_url, metavar="URL")
     common.add_argument(
         "--certs", default=os.environ.get(CERTS_ENV), metavar="DIR",
-        help=f"with an https:// --admin: the directory with ca.pem and admin-NAME.pem/.key "
+        help=f"with an https:// --admin-url: the directory with ca.pem and admin-NAME.pem/.key "
         f"(default ${CERTS_ENV})",
     )
     common.add_argument(
         "--as", dest="as_name", default=os.environ.get(AS_ENV), metavar="NAME",
-        help=f"with an https:// --admin: whose admin certificate to present (default ${AS_ENV})",
+        help=f"with an https:// --admin-url: whose admin certificate to present (default ${AS_ENV})",
     )
     common.add_argument("--json", action="store_true", help="print the API's JSON instead of a table")
     common.add_argument(
@@ -383,11 +208,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
         ("drain", "cordon a node and move its replicas off it, make-before-break"),
     ):
         p = add(name, help, cmd_node_action)
-        p.add_argument("node", type=node_id, metavar="NODE")
+        p.add_argument("node", type=node_id, metavar="NODE", help="the node's id")
     p = add("scale", "set a deployment's desired replica count, or an autoscaled one's bounds with "
                      "--min/--max (kept across restarts)", cmd_scale)
-    p.add_argument("model", metavar="MODEL")
-    p.add_argument("replicas", type=replica_count, metavar="REPLICAS", nargs="?", default=None)
+    p.add_argument("model", metavar="MODEL", help="the deployment's model")
+    p.add_argument("replicas", type=replica_count, metavar="REPLICAS", nargs="?", default=None,
+                   help="the desired replica count (not with --min/--max)")
     p.add_argument("--min", dest="min_replicas", type=replica_count, default=None, metavar="N",
                    help="an autoscaled deployment's fewest replicas (0: it may scale to zero)")
     p.add_argument("--max", dest="max_replicas", type=replica_count, default=None, metavar="N",
@@ -395,7 +221,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     _count_or_bounds(p)
     p = add("retry", "place a held deployment again (after a configuration failure), clearing its backoff",
             cmd_retry)
-    p.add_argument("model", metavar="MODEL")
+    p.add_argument("model", metavar="MODEL", help="the held deployment's model")
 
     from llmgw.ctl import watch
 
@@ -460,7 +286,7 @@ def _run(
         return EXIT_SERVER
     out.write(text)
     if not args.json and isinstance(answer, dict) and "published_at" in answer:
-        # ha4: a member that does not lead answered from what the leader
+        # A member that does not lead answered from what the leader
         # published: say how fresh it is (on stderr: the table stays as is).
         err.write(f"llmgw ctl {args.ctl_command}: answered by a control-plane member that does not lead, "
                   f"from what leader {answer.get('published_by')} published at "
@@ -469,11 +295,9 @@ def _run(
 
 
 def _when(t: Any) -> str:
-    import datetime
-
     try:
-        return datetime.datetime.fromtimestamp(float(t), datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
-    except (TypeError, ValueError, OverflowError, OSError):
+        return iso_time(float(t))
+    except (TypeError, ValueError):
         return repr(t)[:40]
 
 
@@ -650,218 +474,3 @@ def cmd_reload(args: argparse.Namespace, out: TextIO | None = None, err: TextIO 
     return _run(args, out, err, http, body)
 
 
-# -- rendering ----------------------------------------------------------------------------
-
-
-def _clean(text: str) -> str:
-    """
-    C{text} on one line with control characters escaped: what reaches the
-    terminal from a node or a model process cannot move the cursor or
-    change colours.
-    """
-    text = text.replace("\r\n", " ").replace("\n", " ").replace("\t", " ")
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
-
-
-def _value(v: Any) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, bool):
-        return "yes" if v else "no"
-    if isinstance(v, dict):
-        return " ".join(f"{_clean(str(k))}={_value(x)}" for k, x in v.items()) or "-"
-    if isinstance(v, list | tuple):
-        return ", ".join(_value(x) for x in v) or "-"
-    return _clean(str(v))
-
-
-def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """
-    Left-aligned columns two spaces apart; the last column is not padded.
-    """
-    cells = [[_value(c) if not isinstance(c, str) else _clean(c) for c in row] for row in rows]
-    widths = [len(h) for h in headers]
-    for row in cells:
-        for i, c in enumerate(row):
-            widths[i] = max(widths[i], len(c))
-    lines = []
-    for row in [list(headers), *cells]:
-        parts = [c.ljust(widths[i]) for i, c in enumerate(row[:-1])] + [row[-1]]
-        lines.append("  ".join(parts).rstrip())
-    return "\n".join(lines) + "\n"
-
-
-def ago(when: Any, now: float) -> str:
-    if not isinstance(when, int | float) or isinstance(when, bool) or when <= 0:
-        return "-"
-    d = now - when
-    if d < 0:
-        return "in " + _duration(-d)
-    return _duration(d) + " ago"
-
-
-def _duration(d: float) -> str:
-    if d < 120:
-        return f"{d:.0f}s"
-    if d < 7200:
-        return f"{d / 60:.0f}m"
-    if d < 172800:
-        return f"{d / 3600:.0f}h"
-    return f"{d / 86400:.0f}d"
-
-
-def clock_time(when: Any) -> str:
-    if not isinstance(when, int | float) or isinstance(when, bool):
-        return "-"
-    return datetime.datetime.fromtimestamp(when).strftime("%Y-%m-%d %H:%M:%S")
-
-
-def render_status(admin: str, status: dict[str, Any], deployments: list[dict[str, Any]], now: float) -> str:
-    lines = [f"control plane  {admin}"]
-    if status.get("replacements_frozen"):
-        reason = status.get("frozen_reason") or status.get("frozen_because") or ""
-        lines.append("WARNING        replacements are FROZEN" + (f": {_clean(str(reason))}" if reason else ""))
-    skip = {"frozen_reason", "frozen_because"}
-    width = max([len(k) for k in status if k not in skip] + [13])
-    for key, value in status.items():
-        if key in skip:
-            continue
-        lines.append(f"{_clean(key).ljust(width)}  {_value(value)}")
-    for d in deployments:
-        if isinstance(d.get("held"), dict):
-            lines.append(f"WARNING        deployment {_clean(str(d['model']))} is HELD after a "
-                         f"{_clean(str(d['held'].get('crash_class') or '?'))} failure; "
-                         f"`llmgw ctl retry {_clean(str(d['model']))}` places it again")
-    lines.append("")
-    lines.append(render_deployments(deployments, now).rstrip("\n"))
-    return "\n".join(lines) + "\n"
-
-
-def _failure_text(failure: Any, now: float) -> str:
-    if not isinstance(failure, dict):
-        return "-"
-    what = failure.get("error") or (
-        f"exit {failure.get('exit_code')}" if failure.get("exit_code") else
-        f"signal {failure.get('signal')}" if failure.get("signal") else "failed"
-    )
-    cls = failure.get("crash_class")
-    return f"{ago(failure.get('time'), now)} on {failure.get('node') or '?'}: " + (
-        f"[{cls}] {what}" if cls else str(what)
-    )
-
-
-def _held_text(held: Any, now: float) -> str:
-    if not isinstance(held, dict):
-        return "-"
-    reason = held.get("reason")
-    return f"since {ago(held.get('since'), now)} [{held.get('crash_class') or '?'}]" + (
-        f": {reason}" if reason else ""
-    )
-
-
-def render_deployments(deployments: list[dict[str, Any]], now: float) -> str:
-    """
-    One row a deployment; a held one says so with its class and reason,
-    and the last failure shows its class.
-    """
-    if not deployments:
-        return "no deployments\n"
-    rows = []
-    for d in deployments:
-        backoff = d.get("backoff_until")
-        backoff_text = ago(backoff, now) if isinstance(backoff, int | float) and backoff > now else "-"
-        desired: Any = d.get("desired")
-        auto = d.get("autoscale")
-        if isinstance(auto, dict):
-            desired = f"{desired} (auto {auto.get('min_replicas')}-{auto.get('max_replicas')})"
-        rows.append([d["model"], d.get("profile"), desired, d.get("ready"), backoff_text,
-                     _held_text(d.get("held"), now), _failure_text(d.get("last_failure"), now)])
-    return table(["MODEL", "PROFILE", "DESIRED", "READY", "BACKOFF", "HELD", "LAST FAILURE"], rows)
-
-
-def render_nodes(nodes: list[dict[str, Any]], now: float) -> str:
-    if not nodes:
-        return "no nodes\n"
-    rows = []
-    for n in nodes:
-        gpus = n.get("gpus") or []
-        total = sum(g.get("memory_total_mb", 0) for g in gpus)
-        used = sum(g.get("memory_used_mb", 0) for g in gpus)
-        problems = [f"gpu{g.get('index')}: {', '.join(map(str, g['problems']))}" for g in gpus if g.get("problems")]
-        sched = "draining" if n.get("draining") else "cordoned" if n.get("cordoned") else "ok"
-        rows.append([
-            n["id"], n.get("state"), bool(n.get("connected")), sched, len(gpus),
-            f"{(total - used) / 1024:.0f}/{total / 1024:.0f} GiB", len(n.get("shards") or []),
-            ago(n.get("last_seen"), now), _strays_text(n.get("stray_processes")), "; ".join(problems) or "-",
-        ])
-    return table(["NODE", "STATE", "CONNECTED", "SCHEDULING", "GPUS", "MEM FREE", "SHARDS", "LAST SEEN",
-                  "STRAYS", "PROBLEMS"], rows)
-
-
-def _strays_text(strays: Any) -> str:
-    """
-    A node's stray processes as C{pid (shard)} items, at most five shown.
-    """
-    if not isinstance(strays, list) or not strays:
-        return "-"
-    items = [f"{s.get('pid')} ({s.get('shard_id') or '?'})" for s in strays[:5] if isinstance(s, dict)]
-    more = len(strays) - 5
-    return ", ".join(items) + (f" +{more} more" if more > 0 else "")
-
-
-def render_replicas(replicas: list[dict[str, Any]]) -> str:
-    if not replicas:
-        return "no replicas\n"
-    rows = []
-    for r in replicas:
-        shards = sorted(r.get("shards") or [], key=lambda s: s.get("rank", 0))
-        leader = shards[0].get("address") if shards else None
-        state = str(r.get("state")) + (" (draining)" if r.get("draining") else "")
-        signals = shards[0].get("signals") if shards else None
-        rows.append([
-            r["id"], r.get("model"), r.get("profile"), state, leader or "-",
-            *engine_columns(signals),
-            " ".join(f"{s.get('node')}/{s.get('rank')}:{s.get('state')}" for s in shards) or "-",
-        ])
-    return table(["REPLICA", "MODEL", "PROFILE", "STATE", "ADDRESS", "WAITING", "RUNNING", "KV",
-                  "SIGNALS AGE", "SHARDS (NODE/RANK:STATE)"], rows)
-
-
-def engine_columns(signals: dict[str, Any] | None) -> list[str]:
-    """
-    The leader's engine signals as table cells: waiting, running, KV-cache
-    use, and their age ("-" where the engine has no such figure; the age
-    says "stale" with the scrape's error when the last scrape failed).
-    """
-    if not signals:
-        return ["-", "-", "-", "-"]
-
-    def count(v: Any) -> str:
-        return "-" if v is None else f"{v:g}"
-
-    kv = signals.get("kv_cache_usage")
-    age = signals.get("age_s")
-    age_text = "-" if age is None else f"{age:.1f}s"
-    if signals.get("error"):
-        age_text += f" (stale: {signals['error']})"
-    return [count(signals.get("waiting")), count(signals.get("running")),
-            "-" if kv is None else f"{kv * 100:.0f}%", age_text]
-
-
-def render_events(events: list[dict[str, Any]]) -> str:
-    if not events:
-        return "no events\n"
-    rows = []
-    for e in events:
-        reason = str(e.get("reason") or "")
-        if e.get("exit_code"):
-            reason += f" (exit {e['exit_code']})"
-        elif e.get("signal"):
-            reason += f" (signal {e['signal']})"
-        if e.get("crash_class"):
-            reason += f" [{e['crash_class']}]"
-        rows.append([
-            clock_time(e.get("time")), e.get("kind"), e.get("node") or "-",
-            e.get("replica") or "-", e.get("shard") or "-", reason,
-        ])
-    return table(["TIME", "KIND", "NODE", "REPLICA", "SHARD", "REASON"], rows)

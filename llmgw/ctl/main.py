@@ -8,15 +8,19 @@ The ``llmgw`` console script.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
 from llmgw.ctl import catalog as catalog_cmd
 from llmgw.ctl import cert, fleet
+from llmgw.options import version_text
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llmgw")
+    parser.add_argument("--version", action="version", version=version_text(),
+                        help="print llmgw's version (and Twisted's) and exit")
     top = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     ctl = top.add_parser("ctl", help="operator commands")
     sub = ctl.add_subparsers(dest="ctl_command", required=True, metavar="COMMAND")
@@ -44,6 +48,29 @@ def run_local(args: Sequence[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """
+    Run the C{llmgw} command line; returns the exit status. Output into a
+    pipe closed early (C{llmgw ctl nodes | head -1}) ends quietly with
+    status 1, as Python's documentation on SIGPIPE recommends.
+    """
+    try:
+        try:
+            code = _main(argv)
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            if not isinstance(e.code, int | None):
+                sys.stderr.write(f"{e.code}\n")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader is gone: point stdout at /dev/null, so that the flush
+        # at exit does not fail again with a traceback.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+    return code
+
+
+def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["local"]:
         # Everything after `local` is twistd's to parse.

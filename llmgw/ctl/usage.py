@@ -2,7 +2,7 @@
 C{llmgw ctl usage}: requests and tokens per API key and model, and each
 key's limits, from C{GET /api/v1/usage}: the control plane's admin API for
 its embedded gateway, or a standalone gateway's C{--metrics} address
-(C{--admin http://127.0.0.1:7481}). A table, or the API's JSON with
+(C{--admin-url http://127.0.0.1:7481}). A table, or the API's JSON with
 C{--json}.
 """
 

@@ -81,7 +81,7 @@ async def _watch(args: argparse.Namespace, out: TextIO) -> int:
         from pathlib import Path
 
         if not args.certs or not args.as_name:
-            sys.stderr.write("llmgw ctl watch: an https:// --admin needs --certs DIR and --as NAME\n")
+            sys.stderr.write("llmgw ctl watch: an https:// --admin-url needs --certs DIR and --as NAME\n")
             return 2
         d = Path(args.certs)
         ca, cert, key = str(d / "ca.pem"), str(d / f"admin-{args.as_name}.pem"), str(d / f"admin-{args.as_name}.key")
@@ -95,19 +95,47 @@ async def _watch(args: argparse.Namespace, out: TextIO) -> int:
             if args.count and seen >= args.count:
                 break
     finally:
-        await client.close()
+        try:
+            await client.close()
+        except asyncio.InvalidStateError:
+            # Interrupted mid-handshake: the connection's futures are already
+            # settled by the cancellation; there is nothing left to close.
+            pass
     return 0
+
+
+#: The exit status after Ctrl-C: the shell's convention for SIGINT (128 + 2).
+EXIT_INTERRUPTED = 130
 
 
 def cmd_watch(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None,
               http: Any = None) -> int:
+    """
+    Print the watch stream until C{--count} messages (exit 0) or Ctrl-C,
+    which ends it quietly with L{EXIT_INTERRUPTED}.
+    """
     import txaio
 
     txaio.use_asyncio()
-    try:
-        return asyncio.run(_watch(args, out if out is not None else sys.stdout))
-    except KeyboardInterrupt:
-        return 0
+    interrupted = False
+
+    def quiet(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        # After Ctrl-C, callbacks of the cancelled connection may find their
+        # futures settled; that is the interruption, not a fault to report.
+        if interrupted and isinstance(context.get("exception"), asyncio.InvalidStateError | asyncio.CancelledError):
+            return
+        loop.default_exception_handler(context)
+
+    with asyncio.Runner() as runner:
+        runner.get_loop().set_exception_handler(quiet)
+        try:
+            return runner.run(_watch(args, out if out is not None else sys.stdout))
+        except KeyboardInterrupt:
+            interrupted = True
+            return EXIT_INTERRUPTED
+        except asyncio.InvalidStateError:
+            interrupted = True
+            return EXIT_INTERRUPTED
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import socket
-from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -21,11 +20,9 @@ from twisted.web.server import Site
 from zope.interface import implementer
 
 from llmgw.addresses import (
-    AddressError,
     ListenerService,
     format_address,
     is_loopback,
-    parse_address,
     server_endpoint,
 )
 from llmgw.collector import CollectorTuning
@@ -34,13 +31,29 @@ from llmgw.gateway.follower import FollowerTable
 from llmgw.gateway.follower_service import FollowerService
 from llmgw.gateway.forwarding import FORWARDED_HEADERS
 from llmgw.gateway.front import MAX_CONNECTIONS
-from llmgw.gateway.keys import KeyRing, KeysError, load_keys
+from llmgw.gateway.keys import KeyRing
 from llmgw.gateway.proxy import Gateway, GatewayConfig
 from llmgw.gateway.resource import GatewayResource, GatewaySite
 from llmgw.gateway.usage import UsageResource
-from llmgw.hostcheck import HostCheck, HostListError, parse_hosts
-from llmgw.options import Options as BaseOptions
-from llmgw.options import non_negative_int, positive_float, positive_int
+from llmgw.hostcheck import HostCheck
+from llmgw.options import (
+    Options as BaseOptions,
+)
+from llmgw.options import (
+    api_keys,
+    api_keys_row,
+    backlog_row,
+    certs_row,
+    gateway_hosts_row,
+    host_list,
+    limit_share_row,
+    listen_address,
+    log_warnings,
+    max_connections_row,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from llmgw.routing import Demand, IDemand, IInFlight, IRoutingTable, RoutingSnapshot
 from llmgw.tlsconf.options import ClientTLSPolicy, TLSConfigError, admin_files
 from llmgw.tlsconf.reload import ClientCertificateReload
@@ -99,7 +112,7 @@ class GatewayService(MultiService):
         # the site raises the open-file limit to what the cap needs.
         self.site.max_connections = max_connections
         self.listener = ListenerService(
-            server_endpoint(reactor, host, port, backlog), self.site, "the gateway", "--listen"
+            server_endpoint(reactor, host, port, backlog), self.site, "the gateway", "--gateway"
         )
         self.listener.setName("gateway-listener")
         self.listener.setServiceParent(self)
@@ -138,22 +151,23 @@ _DEFAULTS = GatewayConfig()
 
 
 class Options(BaseOptions):
+    aliases = {
+        "listen": "gateway", "control-admin": "admin-url", "admin-certs": "certs", "admin-as": "as",
+    }
     optParameters = [
-        ["listen", None, DEFAULT_GATEWAY,
-         "[HOST:]PORT the gateway serves on; loopback by default, 0.0.0.0:8000 exposes it"],
-        ["admin-certs", None, None, "with an https:// --control-admin: the directory with ca.pem "
-         "and this gateway's admin-NAME.pem/.key (`llmgw ctl cert admin NAME --role gateway`)"],
-        ["admin-as", None, None, "with an https:// --control-admin: NAME of that certificate"],
+        ["gateway", None, DEFAULT_GATEWAY,
+         "[HOST:]PORT the gateway listens on; loopback by default, 0.0.0.0:8000 exposes it"],
+        certs_row(None, "with an https:// --admin-url: the directory with ca.pem and this "
+                  "gateway's admin-NAME.pem/.key (`llmgw ctl cert admin NAME --role gateway`)"),
+        ["as", None, None, "with an https:// --admin-url: NAME of the certificate in --certs"],
         ["poll-interval", None, 2.0,
          "seconds before retrying a failed read of the control plane's routes (doubled on each "
          "failure in a row, up to 30); while it answers, the routes are long-polled",
          positive_float],
         ["metrics", None, DEFAULT_METRICS, "[HOST:]PORT for /metrics (Prometheus), or 'off'"],
-        ["api-keys", None, None, "API keys file (one per line, or TOML [keys] name = \"key\" and "
-         "[keys.NAME] tables with limits); none: no keys"],
-        ["limit-share", None, 1.0,
-         "the share of each API key's limits this gateway enforces, in (0, 1]: 1/N for N gateways "
-         "behind one address", positive_float],
+        api_keys_row("API keys file"),
+        limit_share_row("the share of each API key's limits this gateway enforces, in (0, 1]: 1/N "
+                        "for N gateways behind one address"),
         ["max-body", None, _DEFAULTS.max_body, "largest request body accepted, in bytes",
          positive_int],
         ["connect-timeout", None, _DEFAULTS.connect_timeout, "seconds to connect to a replica",
@@ -181,92 +195,67 @@ class Options(BaseOptions):
          "failures in a row that take a replica out of rotation", positive_int],
         ["cooldown", None, _DEFAULTS.cooldown, "seconds a failing replica stays out of rotation",
          positive_float],
-        ["backlog", None, 1024, "listen backlog", positive_int],
-        ["gateway-hosts", None, "",
-         "comma-separated Host names the gateway answers to besides loopback names and its "
-         "bound address (NAME, NAME:PORT, .DOMAIN, or * for any); a wildcard bind needs them"],
+        backlog_row(1024, "listen backlog"),
+        gateway_hosts_row(),
         ["queue-depth", None, _DEFAULTS.queue_depth,
          "requests that may wait per model when no replica can take them (0: none wait, 503 at "
          "once); a deployment's queue_depth wins", non_negative_int],
         ["queue-timeout", None, _DEFAULTS.queue_timeout_s,
          "seconds a request may wait for a replica before its 503; a deployment's "
          "queue_timeout_s wins", positive_float],
-        ["max-connections", None, MAX_CONNECTIONS,
-         "most client connections at once; past it new ones are closed at accept (0: no cap)",
-         non_negative_int],
+        max_connections_row(
+            MAX_CONNECTIONS, "most client connections at once; past it new ones are closed at accept (0: no cap)"),
     ]
 
-    def __init__(self) -> None:
-        super().__init__()
-        #: Warnings about the command line, logged when the service is made.
-        self.warnings: list[str] = []
-
-    def opt_control_admin(self, url: str) -> None:
+    def opt_admin_url(self, url: str) -> None:
         """
         URL of the control plane's admin API to follow (default
         http://127.0.0.1:7480); repeat it for each member of an HA control
         plane: the gateway reads from one and tries the next when it fails.
         """
-        self.setdefault("control-admins", []).append(url)
+        self.setdefault("admin-urls", []).append(url)
 
     def opt_keys(self, path: str) -> None:
         """
         Old name of --api-keys (warns; will go).
         """
         self["api-keys"] = path
-        self.warnings.append("--keys is now called --api-keys, as on the control plane; --keys will go")
+        self.warn_renamed("keys", "api-keys")
 
     def postOptions(self) -> None:
-        try:
-            self["listen_host"], self["listen_port"] = parse_address(self["listen"], "127.0.0.1")
-        except AddressError as e:
-            raise usage.UsageError(f"--listen: {e}") from e
+        listen = listen_address(self, "gateway", "127.0.0.1")
+        assert listen is not None
+        self["listen_host"], self["listen_port"] = listen
         if self["forwarded-headers"] not in FORWARDED_HEADERS:
             raise usage.UsageError(
                 f"--forwarded-headers: {self['forwarded-headers']!r} is not one of {', '.join(FORWARDED_HEADERS)}"
             )
-        if self["metrics"] in ("off", "none", ""):
-            self["metrics_address"] = None
-        else:
-            try:
-                self["metrics_address"] = parse_address(self["metrics"], "127.0.0.1")
-            except AddressError as e:
-                raise usage.UsageError(f"--metrics: {e}") from e
-        urls = self.setdefault("control-admins", [])
+        self["metrics_address"] = listen_address(self, "metrics", "127.0.0.1", off=True)
+        urls = self.setdefault("admin-urls", [])
         if not urls:
             urls.append(DEFAULT_CONTROL_ADMIN)
         for url in urls:
             if not url.startswith(("http://", "https://")):
-                raise usage.UsageError(f"--control-admin: {url!r} is not an http:// or https:// URL")
+                raise usage.UsageError(f"--admin-url: {url!r} is not an http:// or https:// URL")
         if len(set(urls)) != len(urls):
-            raise usage.UsageError(f"--control-admin: a URL is given twice ({', '.join(urls)})")
+            raise usage.UsageError(f"--admin-url: a URL is given twice ({', '.join(urls)})")
         #: The first, as before several could be given.
-        self["control-admin"] = urls[0]
+        self["admin-url"] = urls[0]
         https = [u for u in urls if u.startswith("https://")]
         url = https[0] if https else urls[0]
-        try:
-            self["gateway-hosts"] = parse_hosts(self["gateway-hosts"] or "")
-        except HostListError as e:
-            raise usage.UsageError(f"--gateway-hosts: {e}") from e
+        host_list(self, "gateway-hosts")
         self["admin_tls"] = None
         if url.startswith("https://"):
-            if not self["admin-certs"] or not self["admin-as"]:
+            if not self["certs"] or not self["as"]:
                 raise usage.UsageError(
-                    f"--control-admin {url} is https: give this gateway's admin certificate "
-                    "with --admin-certs DIR and --admin-as NAME"
+                    f"--admin-url {url} is https: give this gateway's admin certificate "
+                    "with --certs DIR and --as NAME"
                 )
             try:
-                self["admin_tls"] = ClientTLSPolicy(admin_files(self["admin-certs"], self["admin-as"]))
+                self["admin_tls"] = ClientTLSPolicy(admin_files(self["certs"], self["as"]))
             except TLSConfigError as e:
-                raise usage.UsageError(f"--admin-certs/--admin-as: {e}") from e
-        if self["limit-share"] > 1:
-            raise usage.UsageError(f"--limit-share: {self['limit-share']} is over 1")
-        self["keyring"] = None
-        if self["api-keys"]:
-            try:
-                self["keyring"] = load_keys(Path(self["api-keys"]))
-            except KeysError as e:
-                raise usage.UsageError(f"--api-keys: {e}") from e
+                raise usage.UsageError(f"--certs/--as: {e}") from e
+        api_keys(self)
 
     def config(self) -> GatewayConfig:
         return GatewayConfig(
@@ -376,11 +365,10 @@ def makeService(options: Options, reactor: Any = None) -> StandaloneGateway:
         own_process = True
     else:
         own_process = False
-    for warning in options.warnings:
-        StandaloneGateway.log.warn("{problem}", problem=warning)
+    log_warnings(options, StandaloneGateway.log)
     gateway = StandaloneGateway(
         reactor,
-        options["control-admins"],
+        options["admin-urls"],
         options["listen_host"],
         options["listen_port"],
         config=options.config(),

@@ -437,7 +437,7 @@ class CertificateAuthority:
                 raise CAError(
                     f"the CA in {self.directory} issued {', '.join(fleet)} certificates: an etcd that "
                     f"trusted it would take each as a client (any GPU host could rewrite the leader "
-                    f"key and the fleet state); make etcd a CA of its own (`llmgw ctl cert init --dir "
+                    f"key and the fleet state); make etcd a CA of its own (`llmgw ctl cert init --certs "
                     f"etcd-pki`), or give --shared-ca to issue from this one anyway")
         elif "etcd" in kinds:
             raise CAError(
