@@ -14,7 +14,6 @@ cleanup. Skipped when etcd is not installed.
 from __future__ import annotations
 
 import os
-import random
 import signal
 import sys
 from pathlib import Path
@@ -29,6 +28,7 @@ import llmgw
 from llmgw.agent.state import StateDir
 from llmgw.testing.etcd import ETCD_MISSING, EtcdCluster
 from llmgw.testing.pki import make_pki
+from llmgw.testing.ports import port_block, with_ports
 from llmgw.testing.procs import ProcessOutput, free_port, process_alive
 
 ROOT = str(Path(llmgw.__file__).resolve().parent.parent)
@@ -103,9 +103,8 @@ class HAEndToEndTests(TestCase):
 
     def catalog(self) -> Path:
         path = Path(self.mktemp()).resolve()
-        first = random.randrange(21000, 32000, 1000)
         text = EXAMPLE.read_text().replace("env = {}", f'env = {{ PYTHONPATH = "{ROOT}" }}')
-        text = text.replace("first = 20000", f"first = {first}").replace("last = 20999", f"last = {first + 999}")
+        text = with_ports(text, *port_block(self))
         text = text.replace("replicas = 2", "replicas = 3")
         path.write_text(text)
         return path
