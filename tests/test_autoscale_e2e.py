@@ -1,5 +1,5 @@
 """
-End to end (issue 12): a deployment with C{min_replicas = 0} in a real
+End to end: a deployment with C{min_replicas = 0} in a real
 C{llmgw local} fleet (a process, real agents and fake model servers) has no
 replica; a gateway's demand report brings one up, a request through the
 gateway is answered, and once idle for C{scale_to_zero_after_s} the fleet

@@ -2,7 +2,7 @@
 End to end, on loopback: a real 3-member etcd cluster, three control-plane
 members (real C{twistd llmgw control --etcd ...} processes) and three
 agents (real C{twistd llmgw agent} with every member's address) running
-fake-model shards. The faults of issue 14 item 6, in turn: the leader
+fake-model shards. Three faults, in turn: the leader
 killed (-9), the leader frozen (SIGSTOP) and woken, etcd losing its quorum
 and getting it back; after each, the shard processes are the same pids, no
 replica is duplicated, and the shards keep answering.
@@ -215,7 +215,7 @@ class HAEndToEndTests(TestCase):
 
     def test_failover_restarts_nothing(self) -> Any:
         """
-        The three faults of issue 14 item 6, each leaving the same shard
+        The three faults (leader killed, leader frozen, quorum lost), each leaving the same shard
         processes, three replicas and answering shards.
         """
         async def go() -> None:

@@ -1,5 +1,5 @@
 """
-End to end with real inference engines (issue 11 item 5).
+End to end with real inference engines.
 
 llama.cpp's C{llama-server} (built by C{.ci/build-llama-server}, which
 C{.ci/run} runs first) serves a tiny random-weight model written at test

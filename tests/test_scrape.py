@@ -1,5 +1,5 @@
 """
-The agent's engine scraper (issue 11 item 3), driven by a Clock and a fake
+The agent's engine scraper, driven by a Clock and a fake
 fetch: who is scraped, one scrape in flight per shard, what a failure
 keeps, and what goes into heartbeats; then the real HTTP fetcher against
 the fake model server on loopback, bounded in time and size.
