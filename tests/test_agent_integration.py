@@ -139,8 +139,8 @@ class AgentIntegrationTests(TestCase):
         """
         A real agent registers over mutual TLS, runs the fake model server
         for a StartShard (starting, then ready); killing the process gives
-        failed with its signal and last output; Stop gives stopped within
-        the grace.
+        failed with its signal and last output; Stop gives stopped, by KILL
+        after the grace for a shard that ignores TERM.
         """
         plane = self.control_plane()
         self.start_agent()
@@ -158,12 +158,10 @@ class AgentIntegrationTests(TestCase):
 
         self.start_shard(plane, "s-b", free_port(), "--ignore-term", grace=1)
         yield self.wait_for("s-b ready", lambda: "ready" in self.states("s-b"))
-        began = time.monotonic()
         plane.agents.stop_shard("node-1", "s-b")
         yield self.wait_for("s-b stopped", lambda: "stopped" in self.states("s-b"))
-        took = time.monotonic() - began
-        self.assertLess(took, 1 + 2.5, "stopped within the grace (plus polling)")
-        self.assertGreaterEqual(took, 1, "a shard that ignores TERM is KILLed after the grace")
+        stopped = [s for s in self.sink.statuses if s.shard_id == "s-b"][-1]
+        self.assertEqual(stopped.signal, signal.SIGKILL, "a shard that ignores TERM is KILLed after the grace")
 
     @defer.inlineCallbacks
     def test_shards_outlive_control_plane_and_agent(self) -> Any:

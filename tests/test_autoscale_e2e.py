@@ -1,5 +1,5 @@
 """
-End to end (issue 12): a deployment with C{min_replicas = 0} in a real
+End to end: a deployment with C{min_replicas = 0} in a real
 C{llmgw local} fleet (a process, real agents and fake model servers) has no
 replica; a gateway's demand report brings one up, a request through the
 gateway is answered, and once idle for C{scale_to_zero_after_s} the fleet
@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -116,7 +115,6 @@ class ScaleFromAndToZeroTests(LocalFleetHarness, SynchronousTestCase):
                         timeout=DEADLINE, max_retries=0)
         pool = ThreadPoolExecutor(1)
         self.addCleanup(pool.shutdown, wait=False)
-        started = time.monotonic()
         held = pool.submit(client.chat.completions.create, model="demo",
                            messages=[{"role": "user", "content": "hello"}])
         reply = held.result(timeout=DEADLINE)
@@ -124,10 +122,9 @@ class ScaleFromAndToZeroTests(LocalFleetHarness, SynchronousTestCase):
         events = self.admin("/api/v1/events")["events"]
         up = [e for e in events if e["kind"] == "autoscale_up"]
         self.assertEqual(len(up), 1, events)
-        self.assertIn("1 queued", up[0]["reason"])
         # It was held while the replica started, not answered from one
-        # already there.
-        self.assertGreater(time.monotonic() - started, 0.5)
+        # already there: the only replica was placed for it, queued.
+        self.assertIn("1 queued", up[0]["reason"])
         self.wait("zero replicas again", lambda: self.replicas() == [] and
                   self.admin("/api/v1/deployments")["deployments"][0]["desired"] == 0)
         self.stop_fleet()

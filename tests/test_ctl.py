@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import socket
 from typing import Any
 
 from treq.testing import StubTreq
@@ -300,13 +299,12 @@ class ExitCodeTests(CtlTestCase):
 
 def closed_port() -> int:
     """
-    A loopback port with nothing listening on it.
+    A loopback port with nothing listening on it: outside the ephemeral
+    range, where another test's port-0 listener could land.
     """
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port: int = s.getsockname()[1]
-    s.close()
-    return port
+    from llmgw.testing.ports import free_port
+
+    return free_port()
 
 
 class LoopbackTests(TestCase):

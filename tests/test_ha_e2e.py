@@ -2,7 +2,7 @@
 End to end, on loopback: a real 3-member etcd cluster, three control-plane
 members (real C{twistd llmgw control --etcd ...} processes) and three
 agents (real C{twistd llmgw agent} with every member's address) running
-fake-model shards. The faults of issue 14 item 6, in turn: the leader
+fake-model shards. Three faults, in turn: the leader
 killed (-9), the leader frozen (SIGSTOP) and woken, etcd losing its quorum
 and getting it back; after each, the shard processes are the same pids, no
 replica is duplicated, and the shards keep answering.
@@ -14,7 +14,6 @@ cleanup. Skipped when etcd is not installed.
 from __future__ import annotations
 
 import os
-import random
 import signal
 import sys
 from pathlib import Path
@@ -29,6 +28,7 @@ import llmgw
 from llmgw.agent.state import StateDir
 from llmgw.testing.etcd import ETCD_MISSING, EtcdCluster
 from llmgw.testing.pki import make_pki
+from llmgw.testing.ports import port_block, with_ports
 from llmgw.testing.procs import ProcessOutput, free_port, process_alive
 
 ROOT = str(Path(llmgw.__file__).resolve().parent.parent)
@@ -103,9 +103,8 @@ class HAEndToEndTests(TestCase):
 
     def catalog(self) -> Path:
         path = Path(self.mktemp()).resolve()
-        first = random.randrange(21000, 32000, 1000)
         text = EXAMPLE.read_text().replace("env = {}", f'env = {{ PYTHONPATH = "{ROOT}" }}')
-        text = text.replace("first = 20000", f"first = {first}").replace("last = 20999", f"last = {first + 999}")
+        text = with_ports(text, *port_block(self))
         text = text.replace("replicas = 2", "replicas = 3")
         path.write_text(text)
         return path
@@ -216,7 +215,7 @@ class HAEndToEndTests(TestCase):
 
     def test_failover_restarts_nothing(self) -> Any:
         """
-        The three faults of issue 14 item 6, each leaving the same shard
+        The three faults (leader killed, leader frozen, quorum lost), each leaving the same shard
         processes, three replicas and answering shards.
         """
         async def go() -> None:

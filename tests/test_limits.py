@@ -6,7 +6,6 @@ per-agent message rate.
 from __future__ import annotations
 
 import resource
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -767,7 +766,6 @@ class AgentPortIntegrationTests(TestCase):
                 "127.0.0.1", self.port,
                 TLSMemoryBIOFactory(agent_tls(self.certs, "node-a"), True, silent), timeout=5,
             ))
-        started = time.monotonic()
         for _ in range(500):
             self.dial(flood)
         while len(flood.clients) < 500:
@@ -789,8 +787,6 @@ class AgentPortIntegrationTests(TestCase):
         yield within(
             defer.gatherResults([c.closed for c in flood.clients + silent.clients]), deadline + 5
         )
-        elapsed = time.monotonic() - started
-        self.assertLess(elapsed, deadline + 5)
         self.assertEqual(len(silent.clients), 20)
         self.assertEqual(cp.agents.registrations["handshake_timeout"], 500)
         self.assertEqual(cp.agents.registrations["register_timeout"], 20)

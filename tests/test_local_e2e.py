@@ -23,7 +23,9 @@ from typing import Any
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.agent.state import StateDir
-from llmgw.testing.procs import free_port, processes_marked
+from llmgw.local import demo_catalog
+from llmgw.testing.ports import free_port, port_block, wait_bound, with_ports
+from llmgw.testing.procs import processes_marked
 
 ROOT = Path(__file__).resolve().parent.parent
 DEADLINE = 60.0
@@ -71,20 +73,37 @@ class LocalFleetHarness:
     fleet: subprocess.Popen[bytes]
 
     def start_fleet(self, *extra: str) -> None:
+        """
+        Start the fleet on ports of its own: the gateway's and admin's free
+        at the time (picked again if another process took one before the
+        fleet bound it), shards in a block of test ports rather than the
+        demo catalog's, so a developer's own C{llmgw local} may run alongside.
+        """
         case: Any = self
         self.dir = Path(case.mktemp()).resolve()
         self.dir.mkdir(parents=True)
-        self.gateway_port, self.admin_port = free_port(), free_port()
+        args = list(extra)
+        if "--catalog" in args:
+            catalog = Path(args[args.index("--catalog") + 1])
+        else:
+            catalog = demo_catalog(self.dir)
+            args += ["--catalog", str(catalog)]
+        catalog.write_text(with_ports(catalog.read_text(), *port_block(case)))
         self.log = open(self.dir / "fleet.log", "w+b")  # noqa: SIM115
         case.addCleanup(self.log.close)
-        env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
-        self.fleet = subprocess.Popen(
-            [*llmgw_command(), "local", "--gateway", f"127.0.0.1:{self.gateway_port}",
-             "--admin", f"127.0.0.1:{self.admin_port}", "--heartbeat", "1", *extra],
-            cwd=self.dir, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True,
-        )
         case.addCleanup(self.kill_everything)
+        env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+        for _ in range(3):
+            self.gateway_port, self.admin_port = free_port(), free_port()
+            self.log.truncate(0)
+            self.fleet = subprocess.Popen(
+                [*llmgw_command(), "local", "--gateway", f"127.0.0.1:{self.gateway_port}",
+                 "--admin", f"127.0.0.1:{self.admin_port}", "--heartbeat", "1", *args],
+                cwd=self.dir, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True,
+            )
+            if wait_bound(self.fleet, [self.admin_port, self.gateway_port], self.output, DEADLINE):
+                break
 
     def kill_everything(self) -> None:
         if self.fleet.poll() is None:

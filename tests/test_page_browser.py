@@ -138,22 +138,25 @@ class PageBrowserTests(TestCase):
     def test_ten_thousand_nodes(self) -> None:
         """
         10,000 nodes of 8 GPUs render, and a change to one of them is drawn
-        by rebuilding that row alone, in well under a frame budget.
+        by rebuilding that row alone: every other row is the same element
+        as before (counted, not timed).
         """
         fleet = FakeFleet()
         for i in range(10_000):
             fleet.add_node(f"n{i:05d}", gpus=8)
         url = self.serve(fleet)
         driver = yield deferToThread(browser, self)
-        began = time.monotonic()
         yield deferToThread(driver.get, url)
         yield deferToThread(wait_for, driver, "document.querySelectorAll('.node').length === 10001", 60)
-        loaded = time.monotonic() - began
         renders = yield deferToThread(driver.execute_script, "return window.llmgwPage.stats.renders")
+        yield deferToThread(driver.execute_script,
+                            "document.querySelectorAll('.node').forEach((e) => { e.dataset.kept = '1'; })")
         fleet.node_views["n04321"] = dict(fleet.node_views["n04321"], cordoned=True)
         yield deferToThread(wait_for, driver,
                             "document.getElementById('node-n04321').textContent.includes('cordoned')", 30)
         stats = yield deferToThread(driver.execute_script, "return window.llmgwPage.stats")
         self.assertGreater(stats["renders"], renders)
-        self.assertLess(stats["lastRenderMs"], 50, stats)
-        self.assertLess(loaded, 60)
+        kept = yield deferToThread(driver.execute_script, "return [document.querySelectorAll("
+                                   "'.node[data-kept]').length, document.getElementById('node-n04321')"
+                                   ".dataset.kept === undefined]")
+        self.assertEqual(kept, [10000, True])

@@ -117,9 +117,12 @@ class ProcessOpsTests(SynchronousTestCase):
         """
         import socket
 
+        from llmgw.testing.ports import free_port
+
         ops = ProcessOps()
         with socket.socket() as listener:
-            listener.bind(("127.0.0.1", 0))
+            # Not an ephemeral port: once closed, no outbound connection takes it.
+            listener.bind(("127.0.0.1", free_port()))
             listener.listen(1)
             port = listener.getsockname()[1]
             self.assertTrue(ops.port_in_use(port))

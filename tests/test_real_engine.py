@@ -1,5 +1,5 @@
 """
-End to end with real inference engines (issue 11 item 5).
+End to end with real inference engines.
 
 llama.cpp's C{llama-server} (built by C{.ci/build-llama-server}, which
 C{.ci/run} runs first) serves a tiny random-weight model written at test
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -36,7 +35,7 @@ from twisted.trial.unittest import SkipTest, SynchronousTestCase, TestCase
 
 from llmgw.agent.state import StateDir
 from llmgw.testing.engines import find_llama_server, llama_server_missing_reason
-from llmgw.testing.procs import free_port
+from llmgw.testing.ports import free_port, port_block, wait_bound, with_ports
 from tests.test_local_e2e import llmgw_command, processes_mentioning
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,23 +81,26 @@ class RealEngineFleet:
         self.dir = Path(case.mktemp()).resolve()
         self.dir.mkdir(parents=True)
         self.catalog = self.dir / "catalog.toml"
-        # Shard ports away from the default range, which other local fleets
-        # on this machine (other tests, a developer's own) use, and below
-        # Linux's ephemeral range (32768 up), where connections take ports.
-        first = random.randrange(21000, 32700, 100)
-        self.catalog.write_text(catalog(self.dir) + f"\n[ports]\nfirst = {first}\nlast = {first + 99}\n")
-        self.gateway_port, self.admin_port = free_port(), free_port()
+        # Shard ports from a block of test ports, away from the range other
+        # local fleets on this machine (other tests, a developer's own) use.
+        self.catalog.write_text(with_ports(catalog(self.dir), *port_block(case)))
         self.log = open(self.dir / "fleet.log", "w+b")  # noqa: SIM115
         case.addCleanup(self.log.close)
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
-        self.proc = subprocess.Popen(
-            [*llmgw_command(), "local", "--agents", "1", "--catalog", str(self.catalog),
-             "--gateway", f"127.0.0.1:{self.gateway_port}", "--admin",
-             f"127.0.0.1:{self.admin_port}", "--heartbeat", "1"],
-            cwd=self.dir, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True,
-        )
         case.addCleanup(self.kill_everything)
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        # The gateway's and admin's ports again if another process bound one first.
+        for _ in range(3):
+            self.gateway_port, self.admin_port = free_port(), free_port()
+            self.log.truncate(0)
+            self.proc = subprocess.Popen(
+                [*llmgw_command(), "local", "--agents", "1", "--catalog", str(self.catalog),
+                 "--gateway", f"127.0.0.1:{self.gateway_port}", "--admin",
+                 f"127.0.0.1:{self.admin_port}", "--heartbeat", "1"],
+                cwd=self.dir, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True,
+            )
+            if wait_bound(self.proc, [self.admin_port, self.gateway_port], self.output, DEADLINE):
+                break
 
     def kill_everything(self) -> None:
         if self.proc.poll() is None:

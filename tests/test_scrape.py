@@ -1,5 +1,5 @@
 """
-The agent's engine scraper (issue 11 item 3), driven by a Clock and a fake
+The agent's engine scraper, driven by a Clock and a fake
 fetch: who is scraped, one scrape in flight per shard, what a failure
 keeps, and what goes into heartbeats; then the real HTTP fetcher against
 the fake model server on loopback, bounded in time and size.
@@ -262,15 +262,12 @@ class FetcherTests(TestCase):
     @defer.inlineCallbacks
     def test_hang_is_bounded(self) -> Any:
         """
-        An endpoint that never answers fails with a timeout after the bound.
+        An endpoint that never answers fails with a timeout (the fetch's
+        own bound, not the test's: the endpoint would hang for ever).
         """
-        import time
-
         f = self.fetcher(timeout=0.3)
-        began = time.monotonic()
         with self.assertRaises(defer.TimeoutError):
             yield f.get(self.serve(metrics="hang"))
-        self.assertLess(time.monotonic() - began, 2.0)
 
     @defer.inlineCallbacks
     def test_size_cap(self) -> Any:

@@ -29,7 +29,8 @@ import treq
 from twisted.internet import defer
 from twisted.internet.task import deferLater
 
-from llmgw.testing.procs import ProcessOutput, free_port, process_alive
+from llmgw.testing.ports import free_port, in_use
+from llmgw.testing.procs import ProcessOutput, process_alive
 
 ETCD = shutil.which("etcd")
 #: Why etcd tests are skipped, or None when they can run.
@@ -143,11 +144,16 @@ class EtcdCluster:
             self.ca = CertificateAuthority.init(Path(self.data_root) / "pki")
             issued = self.ca.issue_etcd("etcd", ["127.0.0.1"])
             member_tls = EtcdTLS(str(issued.cert_path), str(issued.key_path), str(self.ca.cert_path))
-        self.members = [
-            EtcdMember(f"m{i}", self.data_root, free_port(), free_port(), member_tls) for i in range(size)
-        ]
+        self.size, self.member_tls = size, member_tls
+        self.members = self._new_members()
         self.reactor: Any = None
         self._http: Any = None
+
+    def _new_members(self) -> list[EtcdMember]:
+        return [
+            EtcdMember(f"m{i}", self.data_root, free_port(), free_port(), self.member_tls)
+            for i in range(self.size)
+        ]
 
     def client_files(self, name: str) -> Any:
         """
@@ -181,11 +187,30 @@ class EtcdCluster:
     def initial_cluster(self) -> str:
         return ",".join(f"{m.name}={m.peer_url}" for m in self.members)
 
-    async def start(self, reactor: Any, timeout: float = 30.0) -> None:
+    async def start(self, reactor: Any, timeout: float = 30.0, attempts: int = 3) -> None:
+        """
+        Start every member and wait until each is healthy. A member that
+        could not bind its port (another process took it after it was
+        picked) has the whole cluster started afresh on new ports, at most
+        C{attempts} times in all: the members' peer URLs name each other.
+        """
         self.reactor = reactor
-        for m in self.members:
-            m.spawn(reactor, self.initial_cluster)
-        await self.wait_healthy(self.members, timeout)
+        for attempt in range(attempts):
+            for m in self.members:
+                m.spawn(reactor, self.initial_cluster)
+            try:
+                await self.wait_healthy(self.members, timeout)
+                return
+            except RuntimeError:
+                refused = any(m.output is not None and in_use(m.output.text()) for m in self.members)
+                if not refused or attempt == attempts - 1:
+                    raise
+            await defer.gatherResults([
+                defer.Deferred.fromCoroutine(m.stop(reactor)) for m in self.members
+            ])
+            for m in self.members:
+                shutil.rmtree(m.data_dir, ignore_errors=True)
+            self.members = self._new_members()
 
     async def restart(self, member: EtcdMember, timeout: float = 30.0) -> None:
         """Start a stopped member again on its data directory."""
@@ -196,10 +221,12 @@ class EtcdCluster:
         deadline = self.reactor.seconds() + timeout
         pending = list(members)
         while pending:
+            # Any member gone ends the wait: the others may wait on it forever.
+            for gone in pending:
+                if not gone.running():
+                    out = gone.output.text()[-2000:] if gone.output else ""
+                    raise RuntimeError(f"etcd member {gone.name} exited while starting:\n{out}")
             m = pending[0]
-            if not m.running():
-                out = m.output.text()[-2000:] if m.output else ""
-                raise RuntimeError(f"etcd member {m.name} exited while starting:\n{out}")
             try:
                 http = self.http()
                 kw = {"persistent": False} if http is treq else {}

@@ -5,24 +5,17 @@ Helpers for integration tests that run real processes on loopback.
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Callable
 from typing import Any
 
 from twisted.internet import defer
 from twisted.internet.protocol import ProcessProtocol
 
+# Where tests get the ports their children bind; kept importable from here.
+from llmgw.testing.ports import free_port as free_port
+
 #: How much of a child's output L{ProcessOutput} keeps.
 KEEP_BYTES = 200_000
-
-
-def free_port() -> int:
-    """
-    A TCP port on 127.0.0.1 that was free a moment ago.
-    """
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class ProcessOutput(ProcessProtocol):
