@@ -356,7 +356,7 @@ class MutualTLSTests(TestCase):
         response = yield kept.get(self.url + "/api/v1/nodes")
         yield treq.content(response)
         self.assertEqual(response.code, 200)
-        code, out, err = yield self.ctl("cert", "revoke", "--admin", "olga", "--dir", str(self.dir))
+        code, out, err = yield self.ctl("cert", "revoke", "--admin", "olga", "--certs", str(self.dir))
         self.assertEqual(code, 0, err)
         self.assertIn("CN=olga", out)
         self.tls.reload(server_files(self.dir))
