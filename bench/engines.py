@@ -1,5 +1,5 @@
 """
-Engines benchmark (issue 11): prints JSON.
+Engines benchmark: prints JSON.
 
     python bench/engines.py [--runs 3] [--scrape-seconds 20] [--shards 16]
 

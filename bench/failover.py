@@ -1,5 +1,5 @@
 """
-Failover of an HA control plane on etcd (issue 14): repeated kill -9 of the
+Failover of an HA control plane on etcd: repeated kill -9 of the
 leader with many simulated agents connected.
 
 What runs, all on 127.0.0.1:

@@ -1,6 +1,6 @@
 """
 The gateway's HTTP front on two other parsers, for L{bench.gateway}'s
-comparison (issue 13): the same L{GatewayResource} behind
+comparison: the same L{GatewayResource} behind
 
 - L{HttptoolsSite}: the lean front's request and response code with the
   parsing done by C{httptools} (llhttp, the C parser uvicorn uses);
@@ -10,7 +10,7 @@ comparison (issue 13): the same L{GatewayResource} behind
 They are measurement candidates, not production code: enough to answer the
 benchmark's requests the way the lean front does (bodies, keep-alive,
 streamed responses with backpressure). L{check_cases} says which of the
-malformed requests of issue 13 each parser refuses on its own.
+malformed requests of the front's hostile-input tests each parser refuses on its own.
 """
 
 from __future__ import annotations
@@ -235,7 +235,7 @@ def twisted_web_site(handle: Any) -> server.Site:
     return site
 
 
-#: The malformed requests of issue 13, and what a front must answer.
+#: The malformed requests the front is tested with, and what a front must answer.
 CASES: list[tuple[str, bytes, str]] = [
     ("header name not a token (VT)", b"GET / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding\x0b: chunked\r\n\r\n", "400"),
     ("header name with a space", b"GET / HTTP/1.1\r\nHost: a\r\nX Y: z\r\n\r\n", "400"),

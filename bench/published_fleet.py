@@ -1,5 +1,5 @@
 """
-The published fleet views (ha4, L{llmgw.control.ha.published.FleetPublisher}):
+The published fleet views (L{llmgw.control.ha.published_fleet.FleetPublisher}):
 what the HA leader packs every 2 s and writes to etcd when its views
 changed, and what each other member does with a new document, at fleet
 sizes. Prints JSON.
@@ -13,10 +13,10 @@ signals), 1,500 events, a status; and:
 - C{baseline}: C{json.dumps} of the C{GET /api/v1/nodes} and
   C{/api/v1/replicas} answers (what a leader's handler costs to encode),
   measured in the same run;
-- C{ha4_publish_one_turn} / C{ha4_follow_one_turn}: the ha4 pack (the
-  whole document in one call) and the ha4 follower's apply (inflate and
+- C{ha4_publish_one_turn} / C{ha4_follow_one_turn}: the earlier pack (the
+  whole document in one call) and the earlier follower's apply (inflate and
   parse it all), kept here as the baseline, in the same run;
-- C{publish}: L{FleetPack} (ha5), a step per reactor turn: the longest
+- C{publish}: L{FleetPack}, a step per reactor turn: the longest
   turn and the sum of the turns (ms p50/p99), the turns, compressed bytes,
   bytes per node, whether the nodes had to be cut (over L{MAX_PUBLISHED});
   and the longest turn in which no full collection of Python's cyclic GC
@@ -27,7 +27,7 @@ signals), 1,500 events, a status; and:
   answers are the bytes kept).
 
 - C{leader_views}: the leader's nodes view from a real reconciler and
-  inventory: built whole in one turn (ha4) against a slice per turn (ha5).
+  inventory: built whole in one turn against a slice per turn.
 
 In-process, no etcd and no sockets: llmgw's own work, not etcd's.
 """
@@ -97,7 +97,7 @@ def views_of(n: int, now: float, seed: int = 1) -> dict[str, Any]:
 
 
 def ha4_pack(views: dict[str, Any], now: float) -> bytes:
-    """The ha4 pack, kept here as the baseline: the whole document in one call."""
+    """The earlier pack, kept here as the baseline: the whole document in one call."""
     nodes = [_coarse_node(n) for n in views["nodes"]]
     replicas = [_coarse_replica(r) for r in views["replicas"]]
     doc = {**views, "nodes": nodes, "replicas": replicas, "events": list(views["events"])[-FLEET_EVENTS:]}
@@ -108,7 +108,7 @@ def ha4_pack(views: dict[str, Any], now: float) -> bytes:
 
 
 def ha4_follow(value: bytes) -> dict[str, Any]:
-    """The ha4 follower's apply, the baseline: inflate and parse the whole document."""
+    """The earlier follower's apply, the baseline: inflate and parse the whole document."""
     doc = unpack_object(value)
     assert isinstance(doc.get("views"), dict)
     return doc
@@ -151,7 +151,7 @@ def measure(n: int, rounds: int) -> dict[str, Any]:
         base_ns.append(t1 - t0)
         ha4_pack_ns.append(t2 - t1)
         ha4_follow_ns.append(t3 - t2)
-        # ha5: each step is one reactor turn of the leader's.
+        # Each step is one reactor turn of the leader's.
         job = FleetPack(views, clock.seconds())
         longest = total = longest_no_gc = 0
         steps = 0
@@ -213,8 +213,8 @@ def measure(n: int, rounds: int) -> dict[str, Any]:
 def measure_leader_views(n: int, rounds: int) -> dict[str, Any]:
     """
     The leader's nodes view at C{n} nodes of 8 GPUs from a real
-    L{Reconciler} and L{Inventory}: ha4 built it whole in the pack's first
-    turn (C{admin.nodes_view}); ha5 builds it a slice of L{FLEET_SLICE} per
+    L{Reconciler} and L{Inventory}: the earlier pack built it whole in its first
+    turn (C{admin.nodes_view}); now it is built a slice of L{FLEET_SLICE} per
     turn (L{SlicedNodes}), measured here per slice (the pack's own work for
     the slice comes on top: C{publish.max_turn_without_full_gc_ms}).
     """

@@ -1,5 +1,5 @@
 """
-The published routing table (ha3, L{llmgw.control.ha.published}): what the
+The published routing table (L{llmgw.control.ha.published}): what the
 HA leader writes to etcd per change and what each other member does with
 it, at fleet sizes. Prints JSON.
 

@@ -17,7 +17,7 @@ For 100, 1,000 and 10,000 nodes of 8 simulated GPUs:
   - baseline: a bare Python loop over the same nodes and GPUs, measured in
     the same run.
 
-The bar (issue 10): steady p99 under 5 ms at 10,000 nodes; no pass over
+The bar: steady p99 under 5 ms at 10,000 nodes; no pass over
 the 20 ms budget; 1,000 replicas placed within 1 s of wall time; a cold
 fill of 10,000 nodes under 3 s; growth no worse than linear. The collector
 runs as in a control-plane process (C{--gc-threshold}, default 50,000, with
@@ -31,7 +31,7 @@ reported.
 
 With C{--autoscaled}, the ten deployments autoscale (bounds pinned at the
 same count, so nothing changes) and the autoscaling decision runs on every
-pass: what it costs (issue 12). It applies to this tree only, not to
+pass: what it costs. It applies to this tree only, not to
 C{--before}.
 
 Run: PYTHONPATH=. python bench/reconcile.py [--sizes 100,1000,10000] [--before DIR] [--autoscaled]

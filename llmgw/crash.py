@@ -1,6 +1,6 @@
 """
 Crash classes: why a shard ended, from its exit code, the signal that ended
-it and the last lines it wrote (DESIGN §15, issue 11 item 4).
+it and the last lines it wrote (DESIGN §15).
 
 L{classify} is a pure function below C{control/} and C{agent/}: the agent
 calls it when a shard ends, and the class travels in C{ShardStatus.crash_class}

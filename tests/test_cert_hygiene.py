@@ -1,5 +1,5 @@
 """
-Certificate hygiene (issue 13, item 4): leaves carry digitalSignature only,
+Certificate hygiene: leaves carry digitalSignature only,
 a client identity must be able to sign, admin roles live in the certificate,
 C{ctl cert} does not replace a key unless told, and oversized agent frames
 are counted by cause.

@@ -444,7 +444,7 @@ class CrashClassTests(CtlTestCase):
 class FollowedAnswerTests(CtlTestCase):
     def test_published_answer_says_so(self) -> None:
         """
-        ha4: an answer from a member that does not lead (it carries
+        An answer from a member that does not lead (it carries
         published_at) prints the same table, and says on stderr which leader
         published it and when; --json prints it unchanged.
         """

@@ -1,5 +1,5 @@
 """
-C{llmgw ctl scale} on autoscaled deployments (issue 12): bounds with
+C{llmgw ctl scale} on autoscaled deployments: bounds with
 C{--min}/C{--max}, a fixed count refused, usage errors.
 """
 

@@ -1,5 +1,5 @@
 """
-Tests for C{llmgw ctl} against an HA control plane (issue 14 item 5): it
+Tests for C{llmgw ctl} against an HA control plane: it
 follows a member's redirect to the leader, bounded, and never out of TLS.
 """
 

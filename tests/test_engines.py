@@ -1,5 +1,5 @@
 """
-Engines (issue 11): the normalisation of vLLM's, SGLang's and llama.cpp's
+Engines: the normalisation of vLLM's, SGLang's and llama.cpp's
 metrics against samples of their real output (tests/data/metrics-*.txt say
 where each came from), and the engine defaults a profile gets.
 """

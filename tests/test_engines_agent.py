@@ -1,5 +1,5 @@
 """
-Engines on both ends of the agent stream (issue 11 item 2): the advertised
+Engines on both ends of the agent stream: the advertised
 address becomes the node's (and is checked), StartShard carries the engine
 fields, heartbeats' signals reach the sink; the supervisor probes the
 advertised host, treats a shard without a health path as ready while its

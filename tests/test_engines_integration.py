@@ -1,5 +1,5 @@
 """
-Integration (issue 11): a real ``twistd -n llmgw agent`` against a control
+Integration: a real ``twistd -n llmgw agent`` against a control
 plane in this process (127.0.0.1, mutual TLS), running fake engines whose
 /metrics are shaped like vLLM's, SGLang's and llama.cpp's, garbage, or
 hanging after a while; and a worker rank that serves no HTTP. Bounded:

@@ -1,5 +1,5 @@
 """
-A standalone gateway following an HA control plane (issue 14 item 5):
+A standalone gateway following an HA control plane:
 several admin URLs tried in turn, a member's redirect to the leader
 followed, and the leader's URL used for the watch stream and demand.
 """
@@ -163,7 +163,7 @@ class SeveralMembersTests(SynchronousTestCase):
 
     def test_follower_answering_names_the_leader(self) -> None:
         """
-        ha3: a member that does not lead but holds the published table
+        A member that does not lead but holds the published table
         answers the routes itself; the header it sends names the leader,
         whose URL the table then uses for the watch stream and demand.
         """

@@ -2,8 +2,7 @@
 End to end, on loopback: a real 3-member etcd cluster and three real
 control-plane members (C{twistd llmgw control --etcd ... --advertise-admin
 URL}); the admin API of a member that does not lead redirects to the
-leader, and the ctl and a gateway follower given several URLs reach it
-(issue 14 item 5). Bounded; skipped when etcd is not installed.
+leader, and the ctl and a gateway follower given several URLs reach it. Bounded; skipped when etcd is not installed.
 """
 
 from __future__ import annotations
@@ -65,7 +64,7 @@ class HAAdminEndToEndTests(TestCase):
                              [f"{self.admin[leader]}/api/v1/deployments".encode()])
 
             async def nodes_here() -> Any:
-                # ha4: nodes are answered there, from the leader's published views.
+                # Nodes are answered there, from the leader's published views.
                 r = await treq.get(self.admin[follower] + "/api/v1/nodes", allow_redirects=False,
                                    timeout=5.0, persistent=False)
                 body = await r.json()

@@ -1,7 +1,7 @@
 """
 Two admin APIs on loopback, a leader and a member that does not lead (its
 leader information injected, no etcd), with the real ctl and the real
-gateway follower against them (issue 14 item 5).
+gateway follower against them.
 """
 
 from __future__ import annotations

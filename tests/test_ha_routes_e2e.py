@@ -1,5 +1,5 @@
 """
-End to end, on loopback (ha3, issue 14 items 5 and 6): a real etcd, three
+End to end, on loopback: a real etcd, three
 real control-plane members (C{twistd llmgw control --etcd ...}) each with
 its embedded gateway, and one real agent running a fake-model shard. The
 gateways of the members that do not lead answer a chat completion through
@@ -151,7 +151,7 @@ class HARoutesEndToEndTests(TestCase):
             routes = await r.json()
             self.assertEqual(r.code, 200, routes)
             self.assertEqual([x["model"] for x in routes["routes"]], ["demo"])
-            # ha4: and the nodes, from the fleet views the new leader published.
+            # And the nodes, from the fleet views the new leader published.
             nodes = await self.wait(f"follower {other} answering the nodes with {NODE}",
                                     lambda: self.followed_nodes(other))
             self.assertEqual(nodes["published_by"], second)

@@ -1,5 +1,5 @@
 """
-Autoscaling through the real reconciler (issue 12, item 4): the decision of
+Autoscaling through the real reconciler: the decision of
 L{llmgw.control.core.autoscale} fed by its passes and applied by its ordinary
 scale path, against simulated nodes and a fake dispatcher.
 """

@@ -1,6 +1,6 @@
 """
 Tests for the hold on a deployment whose shard failed with a configuration
-error (issue 11 item 4): nothing is placed for it until its profile changes
+error: nothing is placed for it until its profile changes
 on a catalog reload or an operator retries; other crash classes back off as
 before. All on a C{Clock}; the decision itself (L{on_failure}) also gets
 property tests.

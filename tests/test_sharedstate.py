@@ -343,7 +343,7 @@ class SharedKeptStateTests(SynchronousTestCase):
 
 
 class HeldDeploymentsTests(SynchronousTestCase):
-    """ha3: held deployments kept in etcd beside the rest of the fleet state."""
+    """Held deployments kept in etcd beside the rest of the fleet state."""
 
     setUp = SharedKeptStateTests.setUp
     member = SharedKeptStateTests.member

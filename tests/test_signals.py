@@ -1,5 +1,5 @@
 """
-Engine signals on the control plane's side (issue 11 item 3): reading them
+Engine signals on the control plane's side: reading them
 from heartbeats, keeping them per shard, and showing them with their age in
 the routing table, the admin API's replicas view, C{/metrics} and C{llmgw
 ctl replicas}; and the per-rank commands a multi-node engine profile sends.

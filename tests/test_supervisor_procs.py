@@ -1,5 +1,5 @@
 """
-Real-process tests for L{llmgw.agent.supervisor} (issue 11 items 1 and 4):
+Real-process tests for L{llmgw.agent.supervisor}:
 a shard is its whole process group, re-adoption finds a shard whose record
 is damaged, and each crash class comes from a real exit. Bounded, loopback,
 small Python scripts from L{llmgw.testing.procs}; every process they start

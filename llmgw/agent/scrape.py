@@ -1,5 +1,5 @@
 """
-The agent's engine scraper (DESIGN §15, issue 11 item 3): about once a
+The agent's engine scraper (DESIGN §15): about once a
 second it GETs the metrics endpoint of every ready (or draining) shard whose profile has
 one, normalises what the engine exports (L{llmgw.engines.normalise}) and
 keeps the newest sample per shard for the next heartbeat.

@@ -4,7 +4,7 @@ deployment's last failure, shown by the admin API; and what a failure
 makes of its deployment (L{on_failure}), decided from data alone.
 
 A failure of class C{config} (the engine refused its arguments, the model
-was not found: issue 11) would fail the same way on every retry, so its
+was not found) would fail the same way on every retry, so its
 deployment is held: nothing is placed for it until its profile changes on
 a catalog reload or an operator asks for a retry. Every other class backs
 off as before.

@@ -49,7 +49,7 @@ class KeptState:
         self.cordoned: frozenset[str] = frozenset()
         #: Nodes whose replicas are being moved off (always also cordoned).
         self.draining: frozenset[str] = frozenset()
-        #: ha3: held deployments (model -> hold), kept only where
+        #: Held deployments (model -> hold), kept only where
         #: L{keeps_holds} (an HA control plane's etcd); standalone a hold
         #: lasts as long as the process.
         self.held: dict[str, Hold] = {}
@@ -179,7 +179,7 @@ class KeptState:
 
     def set_holds(self, held: Mapping[str, Hold]) -> bool:
         """
-        ha3: keep the held deployments (where L{keeps_holds}); returns
+        Keep the held deployments (where L{keeps_holds}); returns
         whether they changed. Here (the file) they are kept in memory only.
         """
         new = dict(held)

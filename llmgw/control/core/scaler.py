@@ -1,5 +1,5 @@
 """
-The reconciler's autoscaling (DESIGN §16, issue 12): what feeds the pure
+The reconciler's autoscaling (DESIGN §16): what feeds the pure
 decision of L{llmgw.control.core.autoscale} on every pass, and where its counts
 go.
 

@@ -15,7 +15,7 @@ and the others stand by.
   (agents go to the new leader), and L{FencedDispatcher} refuses any
   command that is still on its way out: it checks the election's own
   deadline on the clock at each command.
-- ha3: the leader publishes its routing table in etcd
+- The leader publishes its routing table in etcd
   (L{llmgw.control.ha.published}); every other member, a deposed leader
   among them, follows that table with its own (which its embedded gateway
   routes by and its C{GET /api/v1/routes} answers from), keeping the last
@@ -54,7 +54,7 @@ Code = pb.Ack.Code
 
 class SlicedNodes(Sequence[dict[str, Any]]):
     """
-    ha5: the leader's C{GET /api/v1/nodes} view, built for a slice of its
+    The leader's C{GET /api/v1/nodes} view, built for a slice of its
     nodes at a time (by the handler's own L{llmgw.control.admin.fleet.nodes_view},
     over a L{_SomeNodes} of the fleet): the ids and the connected set are
     taken when made, each node's view when its slice is asked for (a node
@@ -265,11 +265,11 @@ class HAMember(Service):
         self._starting: defer.Deferred[None] | None = None
         #: Why etcd could not be asked at start, while it cannot.
         self.start_error = ""
-        # ha3: the routing table, published by the leader, followed by the rest.
+        # The routing table, published by the leader, followed by the rest.
         table = reconciler.routing_table
         self.routes_publisher = RoutesPublisher(reactor, store, prefix, table, self.election.may_command)
         self.routes_follower = RoutesFollower(reactor, store, prefix, table, retry_interval=retry_interval)
-        # ha4: the admin views (nodes, replicas, events, status), likewise.
+        # The admin views (nodes, replicas, events, status), likewise.
         self.fleet_publisher = FleetPublisher(reactor, store, prefix, self.fleet_views, self.election.may_command)
         self.fleet_follower = FleetFollower(reactor, store, prefix, retry_interval=retry_interval)
         self._republish: Any = None
@@ -509,7 +509,7 @@ class HAMember(Service):
         """
         What the leader publishes for the members that do not lead: its
         admin API's views (built by the same functions its handlers call,
-        so the shapes cannot drift) and who it is. ha5: the nodes are a
+        so the shapes cannot drift) and who it is. The nodes are a
         L{SlicedNodes}, built a slice at a time as the publisher packs them
         (the whole view at once is some 700 ms at 10,000 nodes).
         """

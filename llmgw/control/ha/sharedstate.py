@@ -1,7 +1,7 @@
 """
 What an operator set through the admin API, kept in etcd for a highly
-available control plane (DESIGN §17, issue 14 item 3): scale overrides,
-autoscaling bounds, cordoned nodes and nodes being drained, and (ha3) the
+available control plane (DESIGN §17): scale overrides,
+autoscaling bounds, cordoned nodes and nodes being drained, and the
 deployments held after a configuration failure. Standalone, the same state
 but the holds lives in a file beside the catalog (L{KeptState}).
 

@@ -185,7 +185,7 @@ class ControlCollector(Collector):
         yield g
 
     def _frame_metrics(self) -> Iterable[Metric]:
-        # Kept apart from the agent metrics above (issue 13).
+        # Kept apart from the agent metrics above.
         frames = getattr(self.agents, "frames_refused", None)
         if frames is None:
             return

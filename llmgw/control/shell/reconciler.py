@@ -62,7 +62,7 @@ from llmgw.control.state.interfaces import (
 )
 from llmgw.control.state.inventory import Inventory
 from llmgw.control.state.placement import PortBook
-from llmgw.control.state.signals import ShardSignals, SignalStore  # engines (issue 11)
+from llmgw.control.state.signals import ShardSignals, SignalStore  # engines
 from llmgw.routing import Demand, EngineSignals, IDemand, IRoutingTable, Route, RoutingTable
 
 __all__ = ["MAX_SENDS", "STOP_SLACK", "DeploymentState", "Reconciler", "format_address"]
@@ -73,7 +73,7 @@ DEFAULT_LOST_AFTER = 300.0
 DEFAULT_ADOPTION_GRACE = 30.0
 DEFAULT_PENDING_TIMEOUT = 30.0
 DEFAULT_FREEZE_SHARE = 0.5
-#: The events after which the held deployments are kept again (ha3).
+#: The events after which the held deployments are kept again.
 HOLD_EVENTS = frozenset({"deployment_held", "deployment_released"})
 #: The longest a pass may hold the reactor before it leaves the rest of
 #: its placements to the next pass.
@@ -180,7 +180,7 @@ class Reconciler(Service):
         for warning in self.fleet_state.load():
             self.log.error("{warning}", warning=warning)
         self.event_log = EventLog(event_limit)
-        #: Engine signals from heartbeats, per shard (engines, issue 11).
+        #: Engine signals from heartbeats, per shard (engines).
         self.engine_signals = SignalStore()
         self._timer = timer
         #: The routing table, a projection of L{state}.
@@ -219,7 +219,7 @@ class Reconciler(Service):
         self._placing = placing.Placing(self.ctx)
         self._grown_from = 0
         self.desired = {m: self.fleet_state.desired(d) for m, d in catalog.deployments.items()}
-        #: Autoscaled deployments' memory and the demand they follow (issue 12).
+        #: Autoscaled deployments' memory and the demand they follow.
         self.autoscaling = scaler.Autoscaling()
         #: Called (no arguments) when L{end_adoption_grace} ends the grace
         #: early: an HA leader republishes its routes then, not at the old end.
@@ -531,7 +531,7 @@ class Reconciler(Service):
 
     def _keep_holds(self) -> None:
         """
-        ha3: keep the held deployments where the fleet state keeps them (an
+        Keep the held deployments where the fleet state keeps them (an
         HA leader's etcd), after a deployment was held or released.
         """
         held = {m: st.held for m, st in self.ctx.deps.items() if st.held is not None}
@@ -558,7 +558,7 @@ class Reconciler(Service):
 
     def take_up_kept(self) -> None:
         """
-        ha2: adopt what L{fleet_state} holds now (an HA leader's, read from
+        Adopt what L{fleet_state} holds now (an HA leader's, read from
         etcd at take-over): its cordoned and draining nodes and scale.
         """
         st, kept = self.state, self.fleet_state
@@ -567,7 +567,7 @@ class Reconciler(Service):
         st.cordoned.update(kept.cordoned), st.draining_nodes.update(kept.draining)
         self.desired = {m: kept.desired(d) for m, d in self.catalog.deployments.items()}
         if kept.keeps_holds:
-            # ha3: the held deployments, as the previous leader kept them.
+            # The held deployments, as the previous leader kept them.
             deps = self.ctx.deps
             for model in [m for m, d in deps.items() if d.held is not None and m not in kept.held]:
                 deps[model].held = None
@@ -629,7 +629,7 @@ class Reconciler(Service):
 
     def republish_routes(self) -> bool:
         """
-        ha3: publish the whole routing table from the fleet state as it
+        Publish the whole routing table from the fleet state as it
         stands, dropping routes it does not hold (an HA leader whose table
         was the previous leader's, once its adoption grace is over).
         Returns whether anything changed.

@@ -138,7 +138,7 @@ def deployments(rec: Reconciler) -> list[dict[str, Any]]:
                 "last_failure": state.last_failure.as_dict() if state.last_failure else None,
                 "unplaceable": state.unplaceable or None,
                 "held": state.held.as_dict() if state.held else None,
-                # Bounds and targets of an autoscaled deployment (issue 12); None: fixed.
+                # Bounds and targets of an autoscaled deployment; None: fixed.
                 "autoscale": rec.autoscale_view(model),
             }
         )
@@ -170,7 +170,7 @@ def replicas(rec: Reconciler) -> list[dict[str, Any]]:
                         "state": str(s.shown_state),
                         "address": s.address,
                         "gpus": list(s.gpus),
-                        # engines (issue 11)
+                        # engines
                         "signals": signals_json(rec.engine_signals.get(s.id), now),
                     }
                     for _, s in sorted(rep.shards.items())

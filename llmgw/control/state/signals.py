@@ -1,5 +1,5 @@
 """
-Engine signals on the control plane's side (DESIGN §15, issue 11 item 3):
+Engine signals on the control plane's side (DESIGN §15):
 what agents send in heartbeats, kept per shard with the sample's age on
 this process's clock, for the routing table, the admin API and C{/metrics}.
 
