@@ -29,7 +29,15 @@ from llmgw.control.core.autoscale import (
     AutoscalePolicy,
 )
 from llmgw.routing import POLICIES, QueueLimits
-from llmgw.shards import ShardSpec
+from llmgw.shards import (
+    DEFAULT_DRAIN_TIMEOUT_S,
+    DEFAULT_ENGINE,
+    DEFAULT_HEALTH_PATH,
+    DEFAULT_STARTUP_TIMEOUT_S,
+    DEFAULT_STOP_GRACE_S,
+    DEFAULT_STOP_SIGNAL,
+    ShardSpec,
+)
 
 #: Placeholders a command or env value may hold. C{{python}} is left for the
 #: agent, which replaces it with its own interpreter; the control plane fills
@@ -66,12 +74,12 @@ class Profile:
     gpu_memory_mb: int = 0
     fabric: str = ""
     env: Mapping[str, str] = field(default_factory=dict)
-    health_path: str = "/health"
-    startup_timeout_s: int = 600
-    drain_timeout_s: int = 60
-    stop_grace_s: int = 30
+    health_path: str = DEFAULT_HEALTH_PATH
+    startup_timeout_s: int = DEFAULT_STARTUP_TIMEOUT_S
+    drain_timeout_s: int = DEFAULT_DRAIN_TIMEOUT_S
+    stop_grace_s: int = DEFAULT_STOP_GRACE_S
     #: The engine whose defaults fill what the profile leaves out.
-    engine: str = "generic"
+    engine: str = DEFAULT_ENGINE
     #: What ranks 1..N-1 run; empty: the same C{command} as rank 0.
     worker_command: tuple[str, ...] = ()
     #: The workers' health path; "" means ready while the process lives.
@@ -80,7 +88,7 @@ class Profile:
     metrics_path: str = ""
     #: Signal -> metric names ("a,b": first present; "a+b": summed).
     metric_names: Mapping[str, str] = field(default_factory=dict)
-    stop_signal: str = "SIGTERM"
+    stop_signal: str = DEFAULT_STOP_SIGNAL
 
     def launch(self, rank: int) -> ShardSpec:
         """

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable, Iterable
-from dataclasses import replace
 from typing import Any
 
 from OpenSSL import SSL
@@ -45,7 +44,10 @@ def start_message(cmd: ShardCommand, epoch: int) -> pb.ControlMessage:
     """
     The C{StartShard} of C{cmd}, sent by the control plane of C{epoch}.
     """
-    return pb.ControlMessage(start=replace(cmd, epoch=epoch).to_message())
+    start = cmd.to_message()
+    # The sender's epoch, stamped as it goes: a command's own is 0 until then.
+    start.epoch = epoch
+    return pb.ControlMessage(start=start)
 
 
 @implementer(IDispatcher)
