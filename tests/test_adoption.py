@@ -153,7 +153,7 @@ class RecoverGroupTests(SupervisorCase):
                          ("lost", True, "starting", 601))
         s = shard.spec
         self.assertEqual((s.replica_id, s.model, s.profile, s.gpu_indices, s.port, s.rank,
-                          s.world_size), ("rep-9", "m", "", [2, 3], 9100, 1, 2))
+                          s.world_size), ("rep-9", "m", "", (2, 3), 9100, 1, 2))
         sup.start(spec("n", gpus=(3,), port=9200))
         self.assertEqual(self.reports[-1][2], "GPU 3 is in use by shard lost")
         sup.stop("lost")

@@ -7,6 +7,7 @@ where each came from), and the engine defaults a profile gets.
 from __future__ import annotations
 
 import signal
+from dataclasses import replace
 from pathlib import Path
 
 from twisted.trial.unittest import SynchronousTestCase
@@ -158,12 +159,12 @@ class ProfileDefaultsTests(SynchronousTestCase):
             "shards": 2, "fabric": "ib0",
         })
         lead, work = p.launch(0), p.launch(1)
-        self.assertEqual((lead.command, lead.health_path, lead.metrics_path),
+        self.assertEqual((lead.argv, lead.health_path, lead.metrics_path),
                          (("lead", "{rank}"), "/health", "/metrics"))
-        self.assertEqual((work.command, work.health_path, work.metrics_path),
+        self.assertEqual((work.argv, work.health_path, work.metrics_path),
                          (("work", "{host}"), "", ""))
         same = parse_profile("q", {"engine": "vllm", "command": ["x"], "shards": 2, "fabric": "ib0"})
-        self.assertEqual(same.launch(1).command, ("x",))
+        self.assertEqual(same.launch(1).argv, ("x",))
         self.assertEqual(same.launch(1).health_path, "/health")
         self.assertEqual((same.launch(0).metrics_path, same.launch(1).metrics_path), ("/metrics", ""))
 
@@ -207,8 +208,7 @@ class HelpersTests(SynchronousTestCase):
                          gpu_indices=[], port=8001, health_path="/health")
         self.assertEqual(engines.health_url("10.0.0.7", spec), "http://10.0.0.7:8001/health")
         self.assertEqual(engines.health_url("::1", spec), "http://[::1]:8001/health")
-        spec.health_path = ""
-        self.assertEqual(engines.health_url("10.0.0.7", spec), "")
+        self.assertEqual(engines.health_url("10.0.0.7", replace(spec, health_path="")), "")
 
     def test_stop_signals(self) -> None:
         """
@@ -249,6 +249,6 @@ class ReadmeProfilesTests(SynchronousTestCase):
         for name in ("llama-405b-2x8", "llama-405b-sglang"):
             p = cat.profiles[name]
             self.assertEqual(p.shards, 2)
-            self.assertNotEqual(p.launch(1).command, p.launch(0).command)
+            self.assertNotEqual(p.launch(1).argv, p.launch(0).argv)
             self.assertEqual(p.launch(1).health_path, "")
         self.assertIn("--headless", cat.profiles["llama-405b-2x8"].worker_command)

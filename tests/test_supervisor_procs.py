@@ -18,7 +18,7 @@ from typing import Any
 from twisted.internet import defer, reactor
 from twisted.trial.unittest import TestCase
 
-from llmgw.agent.client import running_shard
+from llmgw.agent.client import reported_shard
 from llmgw.agent.shard import Shard
 from llmgw.agent.state import ShardSpec, StateDir
 from llmgw.agent.supervisor import Supervisor
@@ -162,9 +162,9 @@ class RealShards(RealShardCase):
         (found,) = again.held_shards()
         self.assertEqual((found.shard_id, found.record_lost, found.pid, found.spec.replica_id,
                           found.spec.model, found.spec.gpu_indices, found.spec.port),
-                         ("s1", True, shard.pid, "rep-1", "m", [1], shard.spec.port))
+                         ("s1", True, shard.pid, "rep-1", "m", (1,), shard.spec.port))
         self.assertEqual(found.pgids, {shard.pid})
-        wire = running_shard(found)
+        wire = reported_shard("node-1", found).to_message()
         self.assertEqual((wire.shard_id, wire.profile, wire.record_lost, wire.pgid),
                          ("s1", "", True, shard.pid))
         again.stop("s1")

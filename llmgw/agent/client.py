@@ -42,14 +42,13 @@ from zope.interface import implementer
 
 import llmgw
 from llmgw.agent.gpus import GPUMonitor
-from llmgw.agent.state import ShardSpec
 from llmgw.agent.supervisor import FAILED, STOPPED, Shard, Supervisor
 from llmgw.api.v1 import agent_pb2 as pb
+from llmgw.shards import ReportedShard, ShardReport, ShardSpec
 from llmgw.tlsconf.options import ServerIdentityError
 from llmgw.wire import (
     NO_LEADER_MARKER,
     PROTOCOL_VERSION,
-    STATE_VALUES,
     MessageStream,
     parse_redirect,
 )
@@ -68,7 +67,7 @@ INITIAL_BACKOFF = 1.0
 REGISTER_ACK_TIMEOUT = 30.0
 #: Final statuses (stopped, failed) kept while no stream is open.
 MAX_QUEUED_STATUSES = 64
-#: ha (issue 14): seconds between tries while members say none leads.
+#: Seconds between tries while the control plane's members say none leads.
 NO_LEADER_RETRY = 1.0
 
 
@@ -90,11 +89,16 @@ class AgentConfig:
     advertise_address: str = ""
 
 
-def shard_status(shard: Shard) -> pb.ShardStatus:
-    return pb.ShardStatus(
+def shard_report(node_id: str, shard: Shard) -> ShardReport:
+    """
+    What the agent of C{node_id} reports of C{shard}'s state now; the end of
+    its output goes only with a failure.
+    """
+    return ShardReport(
+        node_id=node_id,
         replica_id=shard.spec.replica_id,
         shard_id=shard.shard_id,
-        state=STATE_VALUES[shard.state],  # type: ignore[arg-type]
+        state=shard.state,
         error=shard.error,
         exit_code=shard.exit_code,
         signal=shard.signal,
@@ -103,22 +107,12 @@ def shard_status(shard: Shard) -> pb.ShardStatus:
     )
 
 
-def running_shard(shard: Shard) -> pb.RunningShard:
-    s = shard.spec
-    return pb.RunningShard(
-        shard_id=s.shard_id,
-        replica_id=s.replica_id,
-        model=s.model,
-        profile=s.profile,
-        rank=s.rank,
-        gpu_indices=list(s.gpu_indices),
-        port=s.port,
-        state=STATE_VALUES[shard.state],  # type: ignore[arg-type]
-        world_size=s.world_size,
-        epoch=s.epoch,
-        pgid=shard.pid or 0,
-        record_lost=shard.record_lost,
-    )
+def reported_shard(node_id: str, shard: Shard) -> ReportedShard:
+    """
+    How the agent of C{node_id} lists C{shard} in its C{Register}.
+    """
+    return ReportedShard.of_spec(node_id, shard.spec, shard.state, pgid=shard.pid or 0,
+                                 record_lost=shard.record_lost)
 
 
 def describe_failure(failure: Failure) -> tuple[str, bool]:
@@ -159,9 +153,9 @@ class AgentStreamClient(MessageStream[pb.ControlMessage]):
         self._heartbeat: LoopingCall | None = None
         self._ack_timer: IDelayedCall | None = None
         self._refusal: tuple[str, bool] | None = None
-        #: ha (issue 14): this stream was refused with a redirect that is
-        #: followed; and the control plane acknowledges heartbeats (a member
-        #: of an HA control plane does), so silence means it is gone.
+        #: This stream was refused with a redirect that is followed; and the
+        #: control plane acknowledges heartbeats (a member of an HA control
+        #: plane does), so silence means it is gone.
         self._redirected = False
         self._heartbeat_acks = False
         self._last_heartbeat_ack = 0.0
@@ -249,7 +243,7 @@ class AgentStreamClient(MessageStream[pb.ControlMessage]):
                           "({code})", shard=ack.message_id[len("shard:"):], error=ack.error,
                           code=code)
             return
-        # ha (issue 14): a member that does not lead names the leader.
+        # A member of an HA control plane that does not lead names the leader.
         leader = parse_redirect(ack.error) if ack.code == Code.CODE_FAILED_PRECONDITION else None
         if leader is not None and self.core.redirect(leader, self.peer_name()):
             self._redirected = True
@@ -335,7 +329,7 @@ class AgentCore(Factory):
         )
         #: Set while the agent shuts down: a closing stream is expected then.
         self.stopping = False
-        #: ha (issue 14): the members this agent knows
+        #: The control plane's members this agent knows
         #: (L{llmgw.agent.targets.ControlTargets}), when it was given them;
         #: a redirect to follow at once; members said none leads.
         self.targets: Any = None
@@ -377,7 +371,7 @@ class AgentCore(Factory):
 
     def redirect(self, leader: str, by: str) -> bool:
         """
-        ha (issue 14): the member C{by} does not lead and names C{leader};
+        The control-plane member C{by} does not lead and names C{leader};
         whether the agent goes there next (at once).
         """
         if self.targets is None or not self.targets.redirect(leader):
@@ -460,7 +454,8 @@ class AgentCore(Factory):
             fabrics=[pb.Fabric(name=n, address=a) for n, a in sorted(self.config.fabrics.items())],
             # Stopping shards too: their GPUs and ports are held until their
             # process groups are empty.
-            running_shards=[running_shard(s) for s in self.supervisor.held_shards()],
+            running_shards=[reported_shard(self.config.node_id, s).to_message()
+                            for s in self.supervisor.held_shards()],
             certificate_not_after=self.config.certificate_not_after,
             stray_processes=[
                 pb.StrayProcess(pid=p.pid, pgid=p.pgid, shard_id=p.shard_id, reason=p.reason,
@@ -531,7 +526,7 @@ class AgentCore(Factory):
         A shard transition: send it now, or keep a final one for the next
         stream (live states travel in the next Register anyway).
         """
-        status = shard_status(shard)
+        status = shard_report(self.config.node_id, shard).to_message()
         if self.proto is not None and self.proto.transport is not None:
             self.proto.send_status(status)
         elif shard.state in (STOPPED, FAILED):

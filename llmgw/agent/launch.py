@@ -67,7 +67,7 @@ def refusal(spec: ShardSpec, node_gpus: set[int] | None, held: Iterable[Shard],
     if not 0 < spec.port < 65536:
         return f"port {spec.port} is not a usable port"
     if len(set(spec.gpu_indices)) != len(spec.gpu_indices):
-        return f"GPU indices repeat: {spec.gpu_indices}"
+        return f"GPU indices repeat: {list(spec.gpu_indices)}"
     if node_gpus is not None:
         missing = sorted(set(spec.gpu_indices) - node_gpus)
         if missing:

@@ -1,6 +1,6 @@
 """
 The agent's state directory: what it needs to find its shards again after
-a restart (DESIGN §7, issue 3 item 6).
+a restart (DESIGN §7).
 
 Layout::
 
@@ -10,7 +10,10 @@ Layout::
 
 A record is written when a shard starts and on every state change, and
 removed when the shard has ended. Files that cannot be read are moved
-aside (C{.bad}) with a log line, never silently dropped.
+aside (C{.bad}) with a log line, never silently dropped. A record is a
+JSON object of its fields by name, the shard's L{ShardSpec} an object under
+C{spec}, so a record an older agent wrote (fewer fields) loads with the
+defaults of those it lacks.
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ from typing import Any
 
 from twisted.logger import Logger
 
-from llmgw.api.v1 import agent_pb2 as pb
+from llmgw.shards import ShardSpec
+
+__all__ = ["ShardRecord", "ShardSpec", "StateDir", "StateDirError", "valid_shard_id"]
 
 log = Logger()
 
@@ -42,60 +47,6 @@ class StateDirError(Exception):
 
 def valid_shard_id(shard_id: str) -> bool:
     return bool(_SHARD_ID.fullmatch(shard_id))
-
-
-@dataclass
-class ShardSpec:
-    """
-    What a C{StartShard} asks for, in plain data.
-    """
-
-    shard_id: str
-    replica_id: str
-    model: str
-    profile: str
-    argv: list[str]
-    gpu_indices: list[int]
-    port: int
-    rank: int = 0
-    world_size: int = 1
-    leader_address: str = ""
-    env: dict[str, str] = field(default_factory=dict)
-    health_path: str = "/health"
-    startup_timeout_s: int = 600
-    stop_grace_s: int = 30
-    drain_timeout_s: int = 60
-    epoch: int = 0
-    # Engines (issue 11): health_path "" means ready while the process lives.
-    engine: str = "generic"
-    metrics_path: str = ""
-    metric_names: dict[str, str] = field(default_factory=dict)
-    stop_signal: str = "SIGTERM"
-
-    @classmethod
-    def from_message(cls, m: pb.StartShard) -> ShardSpec:
-        return cls(
-            shard_id=m.shard_id,
-            replica_id=m.replica_id,
-            model=m.model,
-            profile=m.profile,
-            argv=list(m.argv),
-            gpu_indices=list(m.gpu_indices),
-            port=m.port,
-            rank=m.rank,
-            world_size=m.world_size or 1,
-            leader_address=m.leader_address,
-            env=dict(m.env),
-            health_path="" if m.ready_while_alive else (m.health_path or "/health"),
-            startup_timeout_s=m.startup_timeout_s or 600,
-            stop_grace_s=m.stop_grace_s or 30,
-            drain_timeout_s=m.drain_timeout_s or 60,
-            epoch=m.epoch,
-            engine=m.engine or "generic",
-            metrics_path=m.metrics_path,
-            metric_names=dict(m.metric_names),
-            stop_signal=m.stop_signal or "SIGTERM",
-        )
 
 
 @dataclass
@@ -123,10 +74,20 @@ class ShardRecord:
     stop_error: str = ""
 
     def to_json(self) -> bytes:
+        """
+        The record as the state directory stores it.
+        """
         return json.dumps(asdict(self), sort_keys=True, indent=1).encode()
 
     @classmethod
     def from_json(cls, data: bytes) -> ShardRecord:
+        """
+        A stored record; the fields it lacks take their defaults.
+
+        @raise ValueError: it is not JSON.
+        @raise TypeError: it names a field no record has, or is not an object.
+        @raise KeyError: it has no C{spec}.
+        """
         raw: dict[str, Any] = json.loads(data)
         spec = ShardSpec(**raw.pop("spec"))
         return cls(spec=spec, **raw)

@@ -29,6 +29,15 @@ from llmgw.control.core.autoscale import (
     AutoscalePolicy,
 )
 from llmgw.routing import POLICIES, QueueLimits
+from llmgw.shards import (
+    DEFAULT_DRAIN_TIMEOUT_S,
+    DEFAULT_ENGINE,
+    DEFAULT_HEALTH_PATH,
+    DEFAULT_STARTUP_TIMEOUT_S,
+    DEFAULT_STOP_GRACE_S,
+    DEFAULT_STOP_SIGNAL,
+    ShardSpec,
+)
 
 #: Placeholders a command or env value may hold. C{{python}} is left for the
 #: agent, which replaces it with its own interpreter; the control plane fills
@@ -65,12 +74,12 @@ class Profile:
     gpu_memory_mb: int = 0
     fabric: str = ""
     env: Mapping[str, str] = field(default_factory=dict)
-    health_path: str = "/health"
-    startup_timeout_s: int = 600
-    drain_timeout_s: int = 60
-    stop_grace_s: int = 30
-    #: The engine whose defaults fill what the profile leaves out (issue 11).
-    engine: str = "generic"
+    health_path: str = DEFAULT_HEALTH_PATH
+    startup_timeout_s: int = DEFAULT_STARTUP_TIMEOUT_S
+    drain_timeout_s: int = DEFAULT_DRAIN_TIMEOUT_S
+    stop_grace_s: int = DEFAULT_STOP_GRACE_S
+    #: The engine whose defaults fill what the profile leaves out.
+    engine: str = DEFAULT_ENGINE
     #: What ranks 1..N-1 run; empty: the same C{command} as rank 0.
     worker_command: tuple[str, ...] = ()
     #: The workers' health path; "" means ready while the process lives.
@@ -79,34 +88,31 @@ class Profile:
     metrics_path: str = ""
     #: Signal -> metric names ("a,b": first present; "a+b": summed).
     metric_names: Mapping[str, str] = field(default_factory=dict)
-    stop_signal: str = "SIGTERM"
+    stop_signal: str = DEFAULT_STOP_SIGNAL
 
-    def launch(self, rank: int) -> Launch:
+    def launch(self, rank: int) -> ShardSpec:
         """
-        What rank C{rank} of a replica runs and how its readiness and
-        metrics are read: ranks 1..N-1 run C{worker_command} when there is
-        one, with C{worker_health_path} and no metrics.
+        The spec each shard of rank C{rank} starts from: this profile's
+        command and environment with their placeholders unfilled, its
+        readiness, metrics, timeouts, engine and stop signal. Which shard
+        it is and where it runs are left empty (shard, replica and model
+        "", no GPUs, port 0) for the reconciler to fill in.
+
+        Ranks 1..N-1 run C{worker_command} when there is one, with
+        C{worker_health_path}; only rank 0 is scraped (its metrics cover the
+        replica, and routes carry the leader's).
         """
+        argv, health_path = self.command, self.health_path
         if rank > 0 and self.worker_command:
-            return Launch(self.worker_command, self.worker_health_path, "", {})
-        if rank > 0:
-            # Same command, same health check; only the leader is scraped
-            # (its metrics cover the replica, and routes carry the leader's).
-            return Launch(self.command, self.health_path, "", {})
-        return Launch(self.command, self.health_path, self.metrics_path, dict(self.metric_names))
-
-
-@dataclass(frozen=True)
-class Launch:
-    """
-    One rank's command, health path ("" = ready while alive), metrics path
-    ("" = not scraped) and metric names.
-    """
-
-    command: tuple[str, ...]
-    health_path: str
-    metrics_path: str
-    metric_names: dict[str, str]
+            argv, health_path = self.worker_command, self.worker_health_path
+        return ShardSpec(
+            shard_id="", replica_id="", model="", profile=self.name, argv=argv, gpu_indices=(),
+            port=0, rank=rank, env=self.env, health_path=health_path,
+            startup_timeout_s=self.startup_timeout_s, stop_grace_s=self.stop_grace_s,
+            drain_timeout_s=self.drain_timeout_s, engine=self.engine,
+            metrics_path=self.metrics_path if rank == 0 else "",
+            metric_names=self.metric_names if rank == 0 else {}, stop_signal=self.stop_signal,
+        )
 
 
 @dataclass(frozen=True)

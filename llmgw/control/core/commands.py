@@ -10,7 +10,7 @@ from inside its own message handling.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from llmgw.control.core.catalog import Profile, fill
 from llmgw.control.state.fleetstate import ReplicaRec, ShardRec, format_address
@@ -89,31 +89,22 @@ def start_command(
         "world_size": str(rep.world_size),
         "leader": leader_address,
         "gpus": ",".join(str(g) for g in shard.gpus),
-        # engines (issue 11): the node's advertised address, the leader's host
+        # The node's advertised address, and the leader's.
         "host": shard.host,
         "leader_host": leader.host if leader is not None else "",
     }
-    launch = profile.launch(shard.rank)  # engines (issue 11): per-rank command
-    return ShardCommand(
-        node_id=shard.node_id,
+    launch = profile.launch(shard.rank)
+    spec = replace(
+        launch,
         shard_id=shard.id,
         replica_id=rep.id,
         model=rep.model,
         profile=rep.profile,
-        argv=tuple(fill(a, values) for a in launch.command),
+        argv=[fill(a, values) for a in launch.argv],
+        env={k: fill(v, values) for k, v in launch.env.items()},
         gpu_indices=shard.gpus,
         port=shard.port,
-        rank=shard.rank,
         world_size=rep.world_size,
         leader_address=leader_address,
-        env={k: fill(v, values) for k, v in profile.env.items()},
-        health_path=launch.health_path,
-        startup_timeout_s=profile.startup_timeout_s,
-        stop_grace_s=profile.stop_grace_s,
-        drain_timeout_s=profile.drain_timeout_s,
-        # engines (issue 11)
-        engine=profile.engine,
-        metrics_path=launch.metrics_path,
-        metric_names=launch.metric_names,
-        stop_signal=profile.stop_signal,
     )
+    return ShardCommand.to_node(shard.node_id, spec)

@@ -6,13 +6,16 @@ Each side is tested against a fake of the other through these interfaces.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 
 from zope.interface import Interface
 
 from llmgw.routing import IInFlight, IRoutingTable, Route
+from llmgw.shards import ReportedShard, ShardReport, ShardSpec
 
-__all__ = ["IInFlight", "IRoutingTable", "Route"]  # re-exported: they live in llmgw.routing
+# Re-exported: they live in llmgw.routing, and in llmgw.shards, which the
+# agent shares.
+__all__ = ["IInFlight", "IRoutingTable", "ReportedShard", "Route", "ShardReport", "ShardSpec"]
 
 
 class NotConnected(Exception):
@@ -28,72 +31,20 @@ class NotKeepingUp(Exception):
     """
 
 
-@dataclass(frozen=True)
-class ShardCommand:
+@dataclass(frozen=True, kw_only=True)
+class ShardCommand(ShardSpec):
     """
-    Everything an agent needs to start one shard without asking back.
-    """
-
-    node_id: str
-    shard_id: str
-    replica_id: str
-    model: str
-    profile: str
-    argv: tuple[str, ...]
-    gpu_indices: tuple[int, ...]
-    port: int
-    rank: int = 0
-    world_size: int = 1
-    leader_address: str = ""
-    env: dict[str, str] = field(default_factory=dict)
-    health_path: str = "/health"
-    startup_timeout_s: int = 600
-    stop_grace_s: int = 30
-    drain_timeout_s: int = 60
-    # Engines (issue 11); health_path "" means ready while the process lives.
-    engine: str = "generic"
-    metrics_path: str = ""
-    metric_names: dict[str, str] = field(default_factory=dict)
-    stop_signal: str = "SIGTERM"
-
-
-@dataclass(frozen=True)
-class ReportedShard:
-    """
-    A shard an agent says it is running (from C{Register.running_shards}).
+    A shard's spec addressed to the node that is to run it.
     """
 
     node_id: str
-    shard_id: str
-    replica_id: str
-    model: str
-    profile: str
-    rank: int
-    gpu_indices: tuple[int, ...]
-    port: int
-    state: str
-    world_size: int = 1
 
-
-@dataclass(frozen=True)
-class ShardReport:
-    """
-    A shard transition an agent reported (from C{ShardStatus}).
-
-    C{state} is one of C{starting}, C{ready}, C{draining}, C{stopped},
-    C{failed}.
-    """
-
-    node_id: str
-    replica_id: str
-    shard_id: str
-    state: str
-    error: str = ""
-    exit_code: int = 0
-    signal: int = 0
-    last_output: str = ""
-    #: The agent's reading of a failure ("oom", ...), "" when none.
-    crash_class: str = ""
+    @classmethod
+    def to_node(cls, node_id: str, spec: ShardSpec) -> ShardCommand:
+        """
+        C{spec}, addressed to C{node_id}.
+        """
+        return cls(node_id=node_id, **{f.name: getattr(spec, f.name) for f in fields(ShardSpec)})
 
 
 class IDispatcher(Interface):
