@@ -319,7 +319,7 @@ class AdoptTests(SynchronousTestCase):
                          (8, {8}, True, True))
         self.assertEqual((shard.spec.model, shard.spec.port, shard.spec.gpu_indices,
                           shard.spec.world_size, shard.spec.profile, shard.spec.argv),
-                         ("m2", 0, [1, 2], 1, "", []))
+                         ("m2", 0, (1, 2), 1, "", ()))
 
     def test_strays_and_grouping(self) -> None:
         """

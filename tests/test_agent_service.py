@@ -17,6 +17,7 @@ from llmgw import tap
 from llmgw.agent.gpus import discover
 from llmgw.agent.service import NodeAgent, Options, makeService
 from llmgw.testing.pki import make_pki
+from llmgw.tlsconf.certs import make_leaf
 
 
 class OptionsTests(SynchronousTestCase):
@@ -82,7 +83,8 @@ class OptionsTests(SynchronousTestCase):
         """
         An expired certificate is named with its expiry.
         """
-        key, cert = self.ca._leaf("node-3", 0, [], ExtendedKeyUsageOID.CLIENT_AUTH)
+        key, cert = make_leaf(self.ca.key, self.ca.certificate, "node-3", 0, [],
+                              ExtendedKeyUsageOID.CLIENT_AUTH)
         self.ca._write_leaf("agent-node-3", key, cert, "agent")
         msg = self.refused("--control", "h:1", "--certs", str(self.dir), "--node", "node-3")
         self.assertIn("agent-node-3.pem expired", msg)
