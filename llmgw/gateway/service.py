@@ -35,9 +35,10 @@ from llmgw.gateway.keys import KeyRing, KeysError, load_keys
 from llmgw.gateway.proxy import FORWARDED_HEADERS, Gateway, GatewayConfig
 from llmgw.gateway.resource import GatewayResource, GatewaySite
 from llmgw.gateway.usage import UsageResource
-from llmgw.hostcheck import HostCheck, HostListError, parse_hosts
+from llmgw.hostcheck import HostCheck, HostListError, parse_hosts, unlisted_names_warning
 from llmgw.options import Options as BaseOptions
 from llmgw.options import non_negative_int, positive_float, positive_int
+from llmgw.oslimits import FdNeed, fd_limit_problem
 from llmgw.routing import Demand, IDemand, IInFlight, IRoutingTable, RoutingSnapshot
 from llmgw.tlsconf.options import ClientTLSPolicy, TLSConfigError, admin_files
 from llmgw.tlsconf.reload import ClientCertificateReload
@@ -101,6 +102,16 @@ class GatewayService(MultiService):
         self.listener.setName("gateway-listener")
         self.listener.setServiceParent(self)
         self.host, self.port = host, port
+        self.hosts = list(hosts or ())
+
+    def fd_need(self, option: str | None) -> FdNeed:
+        """
+        The open files this gateway's front may hold at once: each client
+        connection and an upstream connection for it. C{option} is the one
+        that sets its cap in this process, if any.
+        """
+        cap = self.site.max_connections
+        return FdNeed(2 * cap, f"the gateway's {cap} client connections and their upstream ones", option)
 
     def in_flight(self, replica_id: str) -> int:
         return self.gateway.in_flight(replica_id)
@@ -122,6 +133,9 @@ class GatewayService(MultiService):
             keys=f"required ({len(self.gateway.keys)} configured)" if self.gateway.keys else "not required",
             build=hot_path_build(),
         )
+        warning = unlisted_names_warning("the gateway", self.host, self.hosts, "--gateway-hosts")
+        if warning:
+            self.log.warn("{problem}", problem=warning)
 
     def stopService(self) -> Any:
         d = super().stopService()
@@ -363,6 +377,12 @@ class StandaloneGateway(MultiService):
                 "--metrics",
             )
             self.metrics_listener.setServiceParent(self)
+
+    def startService(self) -> None:
+        problem = fd_limit_problem([self.front.fd_need("--max-connections")])
+        if problem:
+            self.log.warn("{problem}", problem=problem)
+        super().startService()
 
 
 def makeService(options: Options, reactor: Any = None) -> StandaloneGateway:
