@@ -55,6 +55,7 @@ from twisted.web.http_headers import Headers
 from zope.interface import implementer
 
 from llmgw.routing import RoutingTable, snapshot_to_json
+from llmgw.wslog import WebSocketLogger
 
 #: Messages kept for resuming.
 RING_SIZE = 10_000
@@ -557,7 +558,8 @@ class WatchProtocol(WebSocketServerProtocol):
     C{who} are set before the connection is handed over.
     """
 
-    log = Logger()
+    # Autobahn's handshake and frame dumps stay out of the log (debug).
+    log = WebSocketLogger()
     hub: WatchHub
     fleet_reader = True
     since: int | None = None
