@@ -114,6 +114,38 @@ def parse_hosts(spec: str) -> list[str]:
     return out
 
 
+def _is_loopback(host: str) -> bool:
+    host = host.strip().lower().strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def unlisted_names_warning(what: str, bound: str, names: Iterable[str], option: str) -> str | None:
+    """
+    The start-up warning for C{what} (a listener bound to C{bound}) that
+    other machines can reach but whose C{option} lists no names
+    (C{names} empty): their requests name it by an address or a name it
+    does not serve, and are answered 421. C{None} on loopback, or when
+    names are listed.
+    """
+    if _is_loopback(bound) or any(n.strip() for n in names):
+        return None
+    if bound.strip().lower() in _WILDCARDS:
+        where = (f"listens on every address ({bound or '*'}) but answers only to the loopback "
+                 f"names: every request from another machine")
+    else:
+        where = (f"listens on {bound} but answers only to that address and the loopback names: "
+                 f"a request from another machine that names it otherwise")
+    return (
+        f"{what} {where} is answered 421 Misdirected Request. Add {option} NAME,... with the "
+        f"names and addresses clients use (or {option} '*' for any name)"
+    )
+
+
 class HostCheck:
     """
     The C{Host} values a server answers to (see the module's docstring).

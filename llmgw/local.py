@@ -29,6 +29,7 @@ from llmgw.agent.service import NodeAgent
 from llmgw.agent.state import StateDir, StateDirError
 from llmgw.agent.stopping import KILL_WAIT_S
 from llmgw.control import service as control_service
+from llmgw.control.shell.reconciler import Reconciler
 from llmgw.options import Options as BaseOptions
 from llmgw.options import certs_row, heartbeat_row, listen_address, log_warnings, positive_int
 from llmgw.tlsconf.ca import CertificateAuthority
@@ -298,9 +299,13 @@ class LocalFleet(MultiService):
     def stopService(self) -> Any:
         if self._watch is not None and self._watch.running:
             self._watch.stop()
-        # First stop deciding, so nothing is replaced while shards stop.
-        if self.control.reconciler is not None and self.control.reconciler.running:
-            yield self.control.reconciler.stopService()
+        # First stop deciding, so nothing is replaced while shards stop,
+        # and say that their stops are this shutdown's, not news.
+        reconciler = self.control.reconciler
+        if reconciler is not None:
+            if reconciler.running:
+                yield reconciler.stopService()
+            stops_expected(reconciler)
         yield self.stop_shards()
         yield super().stopService()
 
@@ -330,6 +335,19 @@ class LocalFleet(MultiService):
             yield deferLater(self.reactor, poll, lambda: None)
 
 
+def stops_expected(reconciler: Reconciler) -> None:
+    """
+    Mark every shard C{reconciler} holds as stopping: the local fleet stops
+    them itself at shutdown, behind the control plane's back, and their
+    C{stopped} reports then end them quietly instead of being logged as
+    shards that stopped without being told to.
+    """
+    state, now = reconciler.state, reconciler.clock.seconds()
+    for shard in list(state.shards.values()):
+        if not shard.stopping:
+            state.mark_stopping(shard, now)
+
+
 def makeService(options: Options, reactor: Any = None) -> LocalFleet:
     log_warnings(options, LocalFleet.log)
     if reactor is None:
@@ -344,4 +362,4 @@ def makeService(options: Options, reactor: Any = None) -> LocalFleet:
     return LocalFleet(reactor, options)
 
 
-__all__ = ["LocalFleet", "Options", "ensure_certs", "makeService"]
+__all__ = ["LocalFleet", "Options", "ensure_certs", "makeService", "stops_expected"]

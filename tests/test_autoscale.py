@@ -230,6 +230,32 @@ class ScaleToZeroTests(SynchronousTestCase):
         self.assertEqual(d.kinds(), [a.UP, a.TO_ZERO])
         self.assertIn("for 60s", d.events[-1].reason)
 
+    def test_default_target_from_the_catalog(self) -> None:
+        """
+        A deployment with C{min_replicas = 0} and C{scale_to_zero_after_s}
+        but no target (given L{a.DEFAULT_TARGET_IN_FLIGHT} by the catalog)
+        comes up from zero on its first request, asks for one replica per
+        eight in flight, and goes back to zero when idle.
+        """
+        import tomllib
+
+        from llmgw.control.core.catalog import parse_catalog
+
+        text = (
+            '[profiles.p]\ngpus_per_shard = 1\ngpu_memory_mb = 1\ncommand = ["x"]\n'
+            '[[deployments]]\nmodel = "demo"\nprofile = "p"\nmin_replicas = 0\nmax_replicas = 4\n'
+            "scale_to_zero_after_s = 60\nstabilization_s = 0\n"
+        )
+        pol = parse_catalog(tomllib.loads(text)).deployments["demo"].autoscale
+        assert pol is not None
+        d = Driver(pol)
+        self.assertEqual(d.run(1, waiting=1), [1])
+        self.assertEqual(d.run(1, in_flight=17), [3])
+        d.run(1, in_flight=8)
+        self.assertEqual(d.desired, 1)
+        d.run(59)
+        self.assertEqual(d.run(1), [0])
+
     def test_any_request_restarts_the_idle_clock(self) -> None:
         """
         One request in flight during the idle time starts it again.

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from twisted.trial.unittest import SynchronousTestCase
 
+from llmgw.control.core.autoscale import DEFAULT_TARGET_IN_FLIGHT
 from llmgw.control.core.catalog import (
     Catalog,
     CatalogError,
@@ -202,6 +203,23 @@ class AutoscaleCatalogTests(SynchronousTestCase):
         self.assertEqual((dep.replicas, dep.autoscale.min_replicas, dep.autoscale.stabilization_s), (1, 1, 300.0))
         self.assertIsNone(parse(GOOD).deployments["demo"].autoscale)
 
+    def test_default_target(self) -> None:
+        """
+        A deployment that scales to zero but names no target is given
+        C{target_in_flight} L{DEFAULT_TARGET_IN_FLIGHT} (8), not refused;
+        one that names C{target_waiting} alone keeps that target alone.
+        """
+        dep = parse(AUTOSCALED + "min_replicas = 0\nmax_replicas = 4\nscale_to_zero_after_s = 600\n"
+                    ).deployments["demo"]
+        assert dep.autoscale is not None
+        self.assertEqual(dep.autoscale.target_in_flight, DEFAULT_TARGET_IN_FLIGHT)
+        self.assertEqual(DEFAULT_TARGET_IN_FLIGHT, 8.0)
+        self.assertIsNone(dep.autoscale.target_waiting)
+        self.assertEqual((dep.autoscale.min_replicas, dep.autoscale.scale_to_zero_after_s), (0, 600.0))
+        only_waiting = parse(AUTOSCALED + "max_replicas = 3\ntarget_waiting = 2\n").deployments["demo"]
+        assert only_waiting.autoscale is not None
+        self.assertIsNone(only_waiting.autoscale.target_in_flight)
+
     def test_refusals(self) -> None:
         """
         Contradictory or out-of-range autoscaling fields are refused with a
@@ -210,7 +228,6 @@ class AutoscaleCatalogTests(SynchronousTestCase):
         self.assertRefused("replicas = 2\nmax_replicas = 3\ntarget_in_flight = 1\n",
                            "deployment 'demo'", "'replicas' fixes", "min_replicas")
         self.assertRefused("min_replicas = 1\ntarget_in_flight = 1\n", "'max_replicas' is required")
-        self.assertRefused("max_replicas = 3\n", "needs a target", "target_in_flight")
         self.assertRefused("min_replicas = 4\nmax_replicas = 3\ntarget_in_flight = 1\n", "below 'min_replicas'")
         self.assertRefused("max_replicas = 0\nmin_replicas = 0\ntarget_in_flight = 1\n", "'max_replicas' must be at least 1")
         self.assertRefused("max_replicas = 3\ntarget_in_flight = 0\n", "'target_in_flight' must be a number above 0")

@@ -496,3 +496,57 @@ class CollectorTests(SynchronousTestCase):
         self.assertIsNone(collector.threshold)
         embedded = makeService(o, reactor=MemoryReactorClock())
         self.assertNotIn("collector", [s.name for s in embedded])
+
+
+class StartupWarningTests(SynchronousTestCase):
+    """
+    What a gateway says at start-up about traps in its configuration.
+    """
+
+    def start(self, svc: Any) -> list[str]:
+        events: list[dict[str, Any]] = []
+        globalLogPublisher.addObserver(events.append)
+        try:
+            svc.startService()
+        finally:
+            globalLogPublisher.removeObserver(events.append)
+            svc.stopService()
+        return [formatEvent(e) for e in events if e.get("log_level") is not None
+                and e["log_level"].name == "warn"]
+
+    def test_exposed_without_names(self) -> None:
+        """
+        A gateway on every address with no C{--gateway-hosts} warns once
+        that other machines' requests get 421 and what to add; one with
+        names listed, or on loopback, says nothing of the sort.
+        """
+        exposed = GatewayService(MemoryReactorClock(), RoutingSnapshot([], []), "0.0.0.0", 8000)
+        [line] = [w for w in self.start(exposed) if "421" in w]
+        self.assertIn("--gateway-hosts", line)
+        named = GatewayService(MemoryReactorClock(), RoutingSnapshot([], []), "0.0.0.0", 8000,
+                               hosts=["gw.example"])
+        self.assertEqual([w for w in self.start(named) if "421" in w], [])
+        local = GatewayService(MemoryReactorClock(), RoutingSnapshot([], []), "127.0.0.1", 8000)
+        self.assertEqual([w for w in self.start(local) if "421" in w], [])
+
+    def test_open_file_check_names_its_option(self) -> None:
+        """
+        The standalone gateway checks the open-file limit once at start-up
+        for its client connections and their upstream ones, naming its own
+        C{--max-connections}; the warning, when there is one, is logged.
+        """
+        import llmgw.gateway.service as service
+
+        asked: list[Any] = []
+
+        def problem(needs: Any) -> str:
+            asked.append(list(needs))
+            return "the open-file limit is too small"
+
+        self.patch(service, "fd_limit_problem", problem)
+        gw = StandaloneGateway(MemoryReactorClock(), "http://127.0.0.1:7480", "127.0.0.1", 0,
+                               max_connections=500)
+        warnings = self.start(gw)
+        [[need]] = asked
+        self.assertEqual((need.count, need.option), (1000, "--max-connections"))
+        self.assertIn("the open-file limit is too small", warnings)

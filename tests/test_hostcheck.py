@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.hostcheck import HostCheck, HostListError, parse_hosts
+from llmgw.hostcheck import HostCheck, HostListError, parse_hosts, unlisted_names_warning
 
 
 class DefaultTests(SynchronousTestCase):
@@ -93,3 +93,38 @@ class ConfiguredTests(SynchronousTestCase):
             check.served(),
             ["10.0.0.5", "127.0.0.1", "[::1]", "gw.example", "localhost", "api.example:443", ".fleet.example"],
         )
+
+
+class UnlistedNamesWarningTests(SynchronousTestCase):
+    def test_wildcard_without_names(self) -> None:
+        """
+        A listener on every address with no names listed is warned about
+        in one line: every request from another machine gets 421, and the
+        option to add is named.
+        """
+        for bound in ("0.0.0.0", "::", ""):
+            warning = unlisted_names_warning("the gateway", bound, [], "--gateway-hosts")
+            assert warning is not None
+            self.assertIn("every request from another machine is answered 421", warning)
+            self.assertIn("Add --gateway-hosts NAME,...", warning)
+            self.assertNotIn("\n", warning)
+
+    def test_one_address_without_names(self) -> None:
+        """
+        A listener on one non-loopback address without names serves that
+        address only; the warning says requests by another name get 421.
+        """
+        warning = unlisted_names_warning("the gateway", "10.0.0.5", [], "--gateway-hosts")
+        assert warning is not None
+        self.assertIn("listens on 10.0.0.5 but answers only to that address", warning)
+        self.assertIn("421", warning)
+
+    def test_loopback_or_names_listed(self) -> None:
+        """
+        Nothing to say on loopback (only this machine reaches it) or once
+        names are listed.
+        """
+        for bound in ("127.0.0.1", "::1", "[::1]", "localhost", "127.0.0.2"):
+            self.assertIsNone(unlisted_names_warning("the gateway", bound, [], "--gateway-hosts"), bound)
+        self.assertIsNone(unlisted_names_warning("the gateway", "0.0.0.0", ["gw.example"], "--gateway-hosts"))
+        self.assertIsNone(unlisted_names_warning("the gateway", "0.0.0.0", ["*"], "--gateway-hosts"))

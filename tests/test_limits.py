@@ -37,7 +37,6 @@ from llmgw.control.shell.limits import (
     pause_reading,
 )
 from llmgw.control.state.inventory import Inventory
-from llmgw.oslimits import ensure_fd_limit
 from llmgw.testing.pki import AgentFactory, agent_tls, connect_in_memory, make_pki
 from llmgw.testing.sinks import RecordingSink
 from llmgw.tlsconf.options import ServerTLS, server_files
@@ -495,22 +494,6 @@ class OptionsTests(SynchronousTestCase):
         self.assertIn("somaxconn = 512", problem)
         self.assertIsNone(backlog_problem(512, str(path)))
         self.assertIsNone(backlog_problem(4096, str(path) + ".missing"))
-
-
-class FileLimitTests(SynchronousTestCase):
-    def test_fd_limit(self) -> None:
-        """
-        A need within the current limit is met silently; one past the hard
-        limit is reported, saying how to fix it.
-        """
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        self.addCleanup(resource.setrlimit, resource.RLIMIT_NOFILE, (soft, hard))
-        self.assertIsNone(ensure_fd_limit(min(soft, 64)))
-        if hard == resource.RLIM_INFINITY:
-            raise SkipTest("no hard open-file limit to exceed")
-        problem = ensure_fd_limit(hard + 1)
-        assert problem is not None
-        self.assertIn("--max-connections", problem)
 
 
 class MessageRateTests(SynchronousTestCase):

@@ -167,7 +167,8 @@ class LocalFleetEndToEndTests(LocalFleetHarness, SynchronousTestCase):
         """
         The fleet comes up with two ready replicas and says so; a chat
         completion and a streamed one go through the gateway; a killed shard
-        is replaced and its replica ready again; SIGTERM stops everything.
+        is replaced and its replica ready again; SIGTERM stops everything,
+        with no warning that a shard stopped unasked.
         """
         from openai import OpenAI
 
@@ -212,6 +213,8 @@ class LocalFleetEndToEndTests(LocalFleetHarness, SynchronousTestCase):
             self.fleet.wait(30)
         except subprocess.TimeoutExpired:
             self.fail(f"the fleet did not stop on SIGTERM:\n{self.output()[-4000:]}")
+        # Its own stop is not news: no shard "stopped without being told to".
+        self.assertNotIn("stopped without being told to", self.output())
         self.assertEqual(processes_mentioning(str(self.dir)), [])
         self.assertEqual(processes_marked(str(self.dir)), [])
         for pid in shard_pids:

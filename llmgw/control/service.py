@@ -63,6 +63,7 @@ from llmgw.options import (
     positive_int,
 )
 from llmgw.options import Options as BaseOptions
+from llmgw.oslimits import FdNeed, fd_limit_problem
 from llmgw.routing import IDemand
 from llmgw.signals import SighupService
 from llmgw.tlsconf.options import ServerTLS, TLSConfigError, server_files
@@ -420,9 +421,9 @@ class ControlPlane(MultiService):
         self._attach_admin()
         if self.admin_address is not None and self.admin_listener is None:
             self.log.warn("no reconciler is running: the admin API and /metrics are not served")
-        problem = backlog_problem(self.backlog)
-        if problem:
-            self.log.warn("{problem}", problem=problem)
+        for problem in (backlog_problem(self.backlog), fd_limit_problem(self.fd_needs())):
+            if problem:
+                self.log.warn("{problem}", problem=problem)
         super().startService()
         # The admission gate stops and starts reading the listening port.
         self.limiter.attach_port(self.agent_listener.port)
@@ -435,6 +436,19 @@ class ControlPlane(MultiService):
                 address=format_address(host, port),
                 auth=" (mutual TLS: admin certificates only)" if tls else "",
             )
+
+    def fd_needs(self) -> list[FdNeed]:
+        """
+        The open files this control plane's listeners may hold at once, for
+        the start-up check of the open-file limit: the agent port's
+        connections and the embedded gateway's (the admin API's few are in
+        the headroom).
+        """
+        needs = [FdNeed(self.limits.max_connections, "the agent port's connections", "--max-connections")]
+        if self.gateway is not None:
+            # No option of the control plane sets the embedded gateway's cap.
+            needs.append(self.gateway.fd_need(None))
+        return needs
 
     def stopService(self) -> Any:
         # Stop listening first, then drop the streams still open: an embedded

@@ -285,9 +285,12 @@ def render_events(events: list[dict[str, Any]]) -> str:
     rows = []
     for e in events:
         reason = str(e.get("reason") or "")
+        # An agent's reason says how the process ended ("killed by signal
+        # 9"); the figure is added only where it does not.
         if e.get("exit_code"):
-            reason += f" (exit {e['exit_code']})"
-        elif e.get("signal"):
+            if f"exit code {e['exit_code']}" not in reason:
+                reason += f" (exit {e['exit_code']})"
+        elif e.get("signal") and f"signal {e['signal']}" not in reason:
             reason += f" (signal {e['signal']})"
         if e.get("crash_class"):
             reason += f" [{e['crash_class']}]"

@@ -69,7 +69,9 @@ def render_message(m: dict[str, Any]) -> str:
         e = m.get("event") or {}
         when = time.strftime("%H:%M:%S", time.localtime(float(e.get("time", 0))))
         where = " ".join(_clean(e[k]) for k in ("node", "replica", "shard") if e.get(k))
-        return f"{rev} event {when} {_clean(e.get('kind'))} {where}: {_clean(e.get('reason'))}".replace("  ", " ")
+        # No empty field before the colon for an event that names no node.
+        head = " ".join(p for p in (rev, "event", when, _clean(e.get("kind")), where) if p)
+        return f"{head}: {_clean(e.get('reason'))}"
     return f"{rev} {_clean(kind)}"
 
 

@@ -67,7 +67,7 @@ from llmgw.gateway.chunked import ChunkedDecoder, ChunkError
 from llmgw.gateway.deadline import Deadline
 from llmgw.gateway.errors import error_body
 from llmgw.gateway.wire import send_now
-from llmgw.oslimits import ensure_fd_limit
+from llmgw.oslimits import raise_fd_limit
 
 #: The most a request line and its headers may take.
 MAX_HEAD: Final = 64 * 1024
@@ -857,8 +857,9 @@ class FrontFactory(ServerFactory):
     cap); a connection past the cap is closed at accept, before a byte is
     read, and counted in C{refused_connections}. Starting the factory raises
     the process's open-file limit to what the cap needs (one file per
-    client and one per upstream connection, plus L{FD_HEADROOM}), and logs
-    a warning when the hard limit does not allow it.
+    client and one per upstream connection, plus L{FD_HEADROOM}) as far as
+    the hard limit allows; the process's start-up check
+    (L{llmgw.oslimits.fd_limit_problem}) warns when that is not enough.
     """
 
     # Named, and a ClassVar (setup.py's rules for compiled classes).
@@ -892,9 +893,7 @@ class FrontFactory(ServerFactory):
 
     def startFactory(self) -> None:
         if self.max_connections:
-            problem = ensure_fd_limit(2 * self.max_connections + FD_HEADROOM)
-            if problem:
-                self.log.warn("{problem}", problem=problem)
+            raise_fd_limit(2 * self.max_connections + FD_HEADROOM)
 
     def buildProtocol(self, addr: Any) -> HTTPFront | None:  # type: ignore[override]
         if self.max_connections and self.connections >= self.max_connections:

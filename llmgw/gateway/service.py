@@ -35,7 +35,7 @@ from llmgw.gateway.keys import KeyRing
 from llmgw.gateway.proxy import Gateway, GatewayConfig
 from llmgw.gateway.resource import GatewayResource, GatewaySite
 from llmgw.gateway.usage import UsageResource
-from llmgw.hostcheck import HostCheck
+from llmgw.hostcheck import HostCheck, unlisted_names_warning
 from llmgw.options import (
     Options as BaseOptions,
 )
@@ -54,6 +54,7 @@ from llmgw.options import (
     positive_float,
     positive_int,
 )
+from llmgw.oslimits import FdNeed, fd_limit_problem
 from llmgw.routing import Demand, IDemand, IInFlight, IRoutingTable, RoutingSnapshot
 from llmgw.tlsconf.options import ClientTLSPolicy, TLSConfigError, admin_files
 from llmgw.tlsconf.reload import ClientCertificateReload
@@ -117,6 +118,16 @@ class GatewayService(MultiService):
         self.listener.setName("gateway-listener")
         self.listener.setServiceParent(self)
         self.host, self.port = host, port
+        self.hosts = list(hosts or ())
+
+    def fd_need(self, option: str | None) -> FdNeed:
+        """
+        The open files this gateway's front may hold at once: each client
+        connection and an upstream connection for it. C{option} is the one
+        that sets its cap in this process, if any.
+        """
+        cap = self.site.max_connections
+        return FdNeed(2 * cap, f"the gateway's {cap} client connections and their upstream ones", option)
 
     def in_flight(self, replica_id: str) -> int:
         return self.gateway.in_flight(replica_id)
@@ -138,6 +149,9 @@ class GatewayService(MultiService):
             keys=f"required ({len(self.gateway.keys)} configured)" if self.gateway.keys else "not required",
             build=hot_path_build(),
         )
+        warning = unlisted_names_warning("the gateway", self.host, self.hosts, "--gateway-hosts")
+        if warning:
+            self.log.warn("{problem}", problem=warning)
 
     def stopService(self) -> Any:
         d = super().stopService()
@@ -355,6 +369,12 @@ class StandaloneGateway(MultiService):
                 "--metrics",
             )
             self.metrics_listener.setServiceParent(self)
+
+    def startService(self) -> None:
+        problem = fd_limit_problem([self.front.fd_need("--max-connections")])
+        if problem:
+            self.log.warn("{problem}", problem=problem)
+        super().startService()
 
 
 def makeService(options: Options, reactor: Any = None) -> StandaloneGateway:

@@ -15,13 +15,13 @@ from typing import Any
 from autobahn.twisted.websocket import WebSocketServerFactory, WebSocketServerProtocol
 from twisted.internet import tcp
 from twisted.internet.interfaces import IPushProducer
-from twisted.logger import Logger
 from twisted.web.http_headers import Headers
 from zope.interface import implementer
 
 from llmgw.control.admin.auth import known_admin, same_origin
 from llmgw.control.admin.base import AdminNode, Refused, printable
 from llmgw.control.admin.watch import ResumeError, WatchHub, parse_resume
+from llmgw.wslog import WebSocketLogger
 
 #: Largest message a client may send, in bytes.
 MAX_CLIENT_MESSAGE = 64 * 1024
@@ -78,7 +78,8 @@ class WatchProtocol(WebSocketServerProtocol):
     C{who} are set before the connection is handed over.
     """
 
-    log = Logger()
+    # Autobahn's handshake and frame dumps stay out of the log (debug).
+    log = WebSocketLogger()
     hub: WatchHub
     fleet_reader = True
     since: int | None = None

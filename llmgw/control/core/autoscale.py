@@ -40,6 +40,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+#: Requests in flight (and queued) per replica when a deployment names no
+#: target: a replica of a batching engine serves several requests at once,
+#: and eight keeps each well inside its batch while one more replica is
+#: asked for per eight concurrent requests.
+DEFAULT_TARGET_IN_FLIGHT = 8.0
 #: The stabilization window when a deployment names none, in seconds.
 DEFAULT_STABILIZATION_S = 300.0
 #: Idleness before scaling to zero when C{min_replicas = 0} names none.

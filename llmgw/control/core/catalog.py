@@ -26,6 +26,7 @@ from llmgw import engines
 from llmgw.control.core.autoscale import (
     DEFAULT_SCALE_TO_ZERO_AFTER_S,
     DEFAULT_STABILIZATION_S,
+    DEFAULT_TARGET_IN_FLIGHT,
     AutoscalePolicy,
 )
 from llmgw.routing import POLICIES, QueueLimits
@@ -379,6 +380,8 @@ def parse_autoscale(where: str, raw: Mapping[str, Any]) -> AutoscalePolicy | Non
     """
     The autoscaling policy of a deployment entry whose fields were
     type-checked, or C{None} when it names none of L{AUTOSCALE_FIELDS}.
+    An entry that names no target gets C{target_in_flight =}
+    L{DEFAULT_TARGET_IN_FLIGHT}.
 
     @raise CatalogError: the fields contradict each other or are out of
         range; the message names the field.
@@ -398,11 +401,6 @@ def parse_autoscale(where: str, raw: Mapping[str, Any]) -> AutoscalePolicy | Non
     _positive(where, "max_replicas", high, 1)
     if high < low:
         raise CatalogError(f"{where}: field 'max_replicas' ({high}) is below 'min_replicas' ({low})")
-    if "target_in_flight" not in raw and "target_waiting" not in raw:
-        raise CatalogError(
-            f"{where}: an autoscaled deployment needs a target: field 'target_in_flight' "
-            f"(requests in flight per replica) or 'target_waiting' (requests waiting per replica)"
-        )
     for key in ("target_in_flight", "target_waiting"):
         value = raw.get(key)
         if value is not None and not (math.isfinite(value) and value > 0):
@@ -418,9 +416,11 @@ def parse_autoscale(where: str, raw: Mapping[str, Any]) -> AutoscalePolicy | Non
         if not (math.isfinite(value) and value >= least):
             raise CatalogError(f"{where}: field {key!r} must be a number of seconds of at least {least}, "
                                f"not {value!r}")
+    # Without a target, DEFAULT_TARGET_IN_FLIGHT requests in flight per replica.
+    in_flight = raw.get("target_in_flight", None if "target_waiting" in raw else DEFAULT_TARGET_IN_FLIGHT)
     return AutoscalePolicy(
         min_replicas=low, max_replicas=high,
-        target_in_flight=float(raw["target_in_flight"]) if "target_in_flight" in raw else None,
+        target_in_flight=float(in_flight) if in_flight is not None else None,
         target_waiting=float(raw["target_waiting"]) if "target_waiting" in raw else None,
         scale_to_zero_after_s=float(idle), stabilization_s=float(window),
     )

@@ -176,8 +176,8 @@ def check_bounds(catalog: Catalog, model: str, min_replicas: int, max_replicas: 
     if dep.autoscale is None:
         raise AdminError(
             f"deployment {model} has a fixed count of replicas and does not autoscale: "
-            f"scale it with a count (llmgw ctl scale {model} N), or give it min_replicas, "
-            f"max_replicas and a target in the catalog"
+            f"scale it with a count (llmgw ctl scale {model} N), or give it min_replicas and "
+            f"max_replicas in the catalog"
         )
     for name, n in (("min", min_replicas), ("max", max_replicas)):
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:

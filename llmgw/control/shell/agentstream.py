@@ -519,8 +519,7 @@ class AgentStreamProtocol(MessageStream[pb.AgentMessage]):
         report = ShardReport.from_message(self.node_id, st)
         if st.state == pb.ShardStatus.STATE_FAILED:
             self.log.error(
-                "shard {shard} of replica {replica} failed on {node}: {error} "
-                "(exit code {exit_code}, signal {signal}); last output:\n{last_output}",
+                "shard {shard} of replica {replica} failed on {node}: {error}; last output:\n{last_output}",
                 node=self.node_id,
                 shard=st.shard_id,
                 replica=st.replica_id,

@@ -48,7 +48,7 @@ from twisted.logger import Logger
 from twisted.protocols.policies import ProtocolWrapper, WrappingFactory
 from twisted.python.failure import Failure
 
-from llmgw.oslimits import ensure_fd_limit
+from llmgw.oslimits import raise_fd_limit
 
 #: Defaults sized for a fleet of 10,000 nodes: one stream each, plus room for
 #: a reconnect storm in which old streams linger until their silence timeout.
@@ -217,9 +217,9 @@ class ConnectionLimiter(WrappingFactory):
     def startFactory(self) -> None:
         super().startFactory()
         if self.max_connections:
-            problem = ensure_fd_limit(self.max_connections + FD_HEADROOM)
-            if problem:
-                self.log.warn("{problem}", problem=problem)
+            # As far as the hard limit allows; the control plane's start-up
+            # check warns, once, when that is not enough for all it holds.
+            raise_fd_limit(self.max_connections + FD_HEADROOM)
 
     def buildProtocol(self, addr: IAddress) -> _Counted | None:  # type: ignore[override]
         host = _host(addr)

@@ -266,7 +266,7 @@ function renderEvents() {
   $("events").innerHTML = state.events.slice().reverse().map((e) => {
     const when = new Date((e.time || 0) * 1000).toLocaleTimeString();
     const where = [e.node, e.replica, e.shard].filter(Boolean).join(" ");
-    return "<div>" + esc(when + " " + e.kind + " " + where + ": " + (e.reason || "")) + "</div>";
+    return "<div>" + esc([when, e.kind, where].filter(Boolean).join(" ") + ": " + (e.reason || "")) + "</div>";
   }).join("");
 }
 
