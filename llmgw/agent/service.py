@@ -187,7 +187,7 @@ class NodeAgent(MultiService):
             prober=HttpProber(reactor),
         )
         self.supervisor.setServiceParent(self)
-        # engines (issue 11): engine signals for the heartbeats
+        # engines: engine signals for the heartbeats
         from llmgw.agent.scrape import HttpFetcher, Scraper
 
         self.fetcher = HttpFetcher(reactor)
@@ -213,7 +213,7 @@ class NodeAgent(MultiService):
         self.client_tls = AgentClientTLS(control_host, tls)
         self.handle_sighup = owns_signals(reactor) if handle_sighup is None else handle_sighup
         self._sighup = SighupHandler(reactor, self.reload_certificate, "this node's certificate")
-        # ha (issue 14): every member given; one TLS creator per host, as
+        # HA: every member given; one TLS creator per host, as
         # each checks that the certificate names the host dialled.
         self._client_tls: dict[str, AgentClientTLS] = {control_host.strip("[]"): self.client_tls}
         self.targets = ControlTargets(
@@ -289,7 +289,7 @@ class NodeAgent(MultiService):
     def stopService(self) -> Any:
         self._sighup.uninstall()
         self.core.stopping = True
-        self.fetcher.close()  # engines (issue 11): kept-alive scrape connections
+        self.fetcher.close()  # engines: kept-alive scrape connections
         d = super().stopService()
 
         def unlock(result: Any) -> Any:

@@ -313,7 +313,7 @@ class ControlPlane(MultiService):
     log = Logger()
     reconciler: Reconciler | None = None
     gateway: GatewayService | None = None
-    #: ha (issue 14): this member's L{llmgw.control.ha.member.HAMember} with --etcd.
+    #: HA: this member's L{llmgw.control.ha.member.HAMember} with --etcd.
     ha: Any = None
 
     def __init__(
@@ -385,7 +385,7 @@ class ControlPlane(MultiService):
             self.registry, self.agents, lambda: self.fleet, self.tls_expiry_snapshot,
             limiter=lambda: getattr(self, "limiter", None),
         )
-        # engines (issue 11): engine signals per shard, with their age
+        # engines: engine signals per shard, with their age
         from llmgw.control.state.signals import EngineSignalsCollector
 
         self.registry.register(EngineSignalsCollector(
@@ -513,7 +513,7 @@ def makeService(options: Options, reactor: Any = None) -> ControlPlane:
     reconciler.setName("reconciler")
     cp.reconciler = reconciler
     if options.get("etcd_urls"):
-        # ha (issue 14): leadership starts and stops the reconciler.
+        # HA: leadership starts and stops the reconciler.
         _attach_ha(cp, reconciler, options, reactor)
     else:
         reconciler.attach(cp.agents, epoch=cp.epoch)
@@ -527,7 +527,7 @@ def makeService(options: Options, reactor: Any = None) -> ControlPlane:
     # publication, so reloads carry new policies too).
     follow_catalog_policies(reconciler)
     if cp.ha is None:
-        # ha (issue 14): with --etcd the catalog is etcd's (ctl catalog apply).
+        # HA: with --etcd the catalog is etcd's (ctl catalog apply).
         reload = ReloadOnHangup(reactor, reconciler)
         reload.setServiceParent(cp)
     if own_process and options["gc-threshold"]:
@@ -550,7 +550,7 @@ def makeService(options: Options, reactor: Any = None) -> ControlPlane:
         # The gateway's in-flight counts let a draining replica stop as soon
         # as it is idle.
         reconciler.set_in_flight(cp.gateway)
-        # Autoscaling (issue 12): a router that knows its demand (queue
+        # Autoscaling: a router that knows its demand (queue
         # included) is read for it; else the in-flight counts above are.
         # The embedded gateway counts in flight and waiting per model.
         gateway = cp.gateway.gateway
@@ -562,7 +562,7 @@ def makeService(options: Options, reactor: Any = None) -> ControlPlane:
 
 def _attach_ha(cp: ControlPlane, reconciler: Reconciler, options: Options, reactor: Any) -> None:
     """
-    ha (issue 14): make C{cp} one member of a control plane on etcd
+    HA: make C{cp} one member of a control plane on etcd
     (L{llmgw.control.ha.member}).
     """
     from llmgw.control.ha.election import MemberInfo

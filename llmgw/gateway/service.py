@@ -340,7 +340,7 @@ class StandaloneGateway(MultiService):
             router.forget(snapshot.replica_ids())
 
         self.table.listeners.append(forget_gone)
-        # Autoscaling (issue 12): a gateway whose router knows its demand
+        # Autoscaling: a gateway whose router knows its demand
         # reports it to the control plane every second.
         self.demand_reporter: DemandReporter | None = None
         source = next((o for o in (router, self.front.gateway) if IDemand.providedBy(o)), None)

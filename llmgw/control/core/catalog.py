@@ -283,7 +283,7 @@ def parse_profile(name: str, raw: Any) -> Profile:
             f"{where}: field 'stop_signal' must be one of {', '.join(sorted(engines.STOP_SIGNALS))}, "
             f"not {stop_signal!r}"
         )
-    # The engine's defaults for what the profile leaves out (issue 11).
+    # The engine's defaults for what the profile leaves out.
     defaults = {
         "health_path": engine.health_path,
         "metrics_path": engine.metrics_path,
