@@ -134,6 +134,9 @@ _agent_count.coerceDoc = "Between 1 and 64."  # type: ignore[attr-defined]
 #: The local control plane's adoption grace at most, in seconds; it ends
 #: sooner, once every local agent has registered.
 LOCAL_GRACE_S = 10
+#: The local fleet's caps: agent-port connections (at least) and gateway clients.
+LOCAL_MIN_CONNECTIONS = 64
+LOCAL_GATEWAY_CONNECTIONS = 4096
 
 #: The control plane's option for each listener, and local's name for it
 #: (the same names today: a refused listener names what the user typed).
@@ -187,6 +190,11 @@ class Options(BaseOptions):
                 # only its bound, for agents that do not come.
                 "--adoption-grace", str(LOCAL_GRACE_S),
                 "--max-connections-per-address", "0",
+                # A fleet on one machine needs a few agent and client
+                # connections, not a data centre's: sized so, it fits the
+                # open-file limit a desktop has and says nothing about it.
+                "--max-connections", str(max(LOCAL_MIN_CONNECTIONS, 4 * self["agents"])),
+                "--gateway-max-connections", str(LOCAL_GATEWAY_CONNECTIONS),
             ])
         except usage.UsageError as e:
             raise usage.UsageError(f"the control plane refused its options: {e}") from e

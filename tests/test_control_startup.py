@@ -62,14 +62,26 @@ class StartupWarningTests(SynchronousTestCase):
         """
         The open-file limit is checked once for the whole process: the
         agent port's connections under its C{--max-connections}, and the
-        embedded gateway's client and upstream connections under no option
-        of the control plane; the one warning is logged once.
+        embedded gateway's client and upstream connections under its
+        C{--gateway-max-connections}; the one warning is logged once.
         """
         warned = warnings_of_start(self, control("--max-connections", "100"))
         [needs] = self.asked
-        self.assertEqual([(n.count, n.option) for n in needs], [(100, "--max-connections"), (20_000, None)])
+        self.assertEqual([(n.count, n.option) for n in needs],
+                         [(100, "--max-connections"), (20_000, "--gateway-max-connections")])
         self.assertIn("agent port", needs[0].what)
         self.assertEqual(warned.count("the open-file limit is too small"), 1)
+
+    def test_gateway_cap(self) -> None:
+        """
+        C{--gateway-max-connections} caps the embedded gateway's clients, and
+        the check counts two files for each.
+        """
+        cp = control("--gateway-max-connections", "50")
+        self.assertEqual(cp.gateway.site.max_connections, 50)
+        warnings_of_start(self, cp)
+        [needs] = self.asked
+        self.assertEqual(needs[1].count, 100)
 
     def test_without_gateway(self) -> None:
         """

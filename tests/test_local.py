@@ -7,6 +7,7 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 
+from twisted.internet.testing import MemoryReactorClock
 from twisted.python import usage
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -116,6 +117,24 @@ class OptionsTests(SynchronousTestCase):
         self.assertEqual(control["admin_address"], ("127.0.0.1", 7480))
         self.assertEqual(control["agents_host"], "127.0.0.1")
         self.assertTrue((root / "certs" / "agent-local-3.pem").exists())
+
+    def test_sized_for_one_machine(self) -> None:
+        """
+        The local fleet's control plane is capped for a few agents and
+        clients, so what it may hold fits a desktop's open-file limit (and
+        it does not warn about it): not the 15,000 agent connections and
+        10,000 gateway clients a data centre's control plane allows.
+        """
+        from llmgw.control.service import makeService
+        from llmgw.oslimits import FD_HEADROOM
+
+        root = Path(self.mktemp())
+        o = Options()
+        o.parseOptions(["--certs", str(root / "certs"), "--state-dir", str(root / "state"),
+                        "--agents", "3", "--gateway", "0", "--admin", "0", "--agent-listen", "0"])
+        self.assertEqual(o["control"]["max-connections"], 64)
+        cp = makeService(o["control"], reactor=MemoryReactorClock())
+        self.assertLessEqual(sum(n.count for n in cp.fd_needs()) + FD_HEADROOM, 10_000)
 
     def test_refused(self) -> None:
         """

@@ -42,6 +42,7 @@ from llmgw.control.shell.trust import TrustService
 from llmgw.control.state.demand import InFlightDemand
 from llmgw.control.state.interfaces import AdminError, IFleetAdmin, IStatusSink
 from llmgw.control.state.inventory import Inventory
+from llmgw.gateway.front import MAX_CONNECTIONS
 from llmgw.gateway.proxy import GatewayConfig
 from llmgw.gateway.service import DEFAULT_GATEWAY, GatewayService
 from llmgw.options import (
@@ -89,6 +90,9 @@ class Options(BaseOptions):
          "[HOST:]PORT the admin API and /metrics listen on, or 'off'; beyond loopback it needs "
          "mutual TLS with admin certificates (--admin-tls, implied there)"],
         max_connections_row(LimitsConfig.max_connections, "most connections on the agent port (0: no cap)"),
+        ["gateway-max-connections", None, MAX_CONNECTIONS,
+         "most client connections of the embedded gateway at once; past it new ones are closed at "
+         "accept (0: no cap)", non_negative_int],
         ["max-connections-per-address", None, LimitsConfig.max_per_address,
          "most agent-port connections from one source address (0: no cap)", non_negative_int],
         ["agent-message-rate", None, LimitsConfig.message_rate,
@@ -446,8 +450,7 @@ class ControlPlane(MultiService):
         """
         needs = [FdNeed(self.limits.max_connections, "the agent port's connections", "--max-connections")]
         if self.gateway is not None:
-            # No option of the control plane sets the embedded gateway's cap.
-            needs.append(self.gateway.fd_need(None))
+            needs.append(self.gateway.fd_need("--gateway-max-connections"))
         return needs
 
     def stopService(self) -> Any:
@@ -543,6 +546,7 @@ def makeService(options: Options, reactor: Any = None) -> ControlPlane:
         cp.gateway = GatewayService(
             reactor, reconciler.routing_table, host, port, keys=options["keyring"], registry=cp.registry,
             hosts=options["gateway-hosts"], config=GatewayConfig(limit_share=options["limit-share"]),
+            max_connections=options["gateway-max-connections"],
         )
         cp.gateway.listener.option = "--gateway"
         cp.gateway.setName("gateway")
