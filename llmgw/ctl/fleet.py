@@ -243,7 +243,9 @@ EXIT_CODES_HELP = """exit codes:
   1  the control plane refused the request (the reason is printed)
   2  usage error (nothing was sent)
   3  the control plane cannot be reached
-  4  the control plane answered with a failure, or not with the admin API's JSON"""
+  4  the control plane answered with a failure, or not with the admin API's JSON
+  130  interrupted (Ctrl-C)
+  141  the output's reader went away (`llmgw ctl ... | head`)"""
 
 
 # -- running ----------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -47,11 +48,16 @@ def run_local(args: Sequence[str]) -> int:
     return 0
 
 
+#: The status when the reader of our output went away: 128 + SIGPIPE.
+EXIT_PIPE = 128 + signal.SIGPIPE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """
     Run the C{llmgw} command line; returns the exit status. Output into a
     pipe closed early (C{llmgw ctl nodes | head -1}) ends quietly with
-    status 1, as Python's documentation on SIGPIPE recommends.
+    L{EXIT_PIPE}, what a shell reports for a command ended by SIGPIPE; 1
+    would read as "the control plane refused" to a script.
     """
     try:
         try:
@@ -66,7 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # at exit does not fail again with a traceback.
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
-        return 1
+        return EXIT_PIPE
     return code
 
 
