@@ -64,14 +64,15 @@ def serve_gateway(port: int, upstream: str, front: str = "lean", policy: str = "
     C{forwarded} headers setting (C{--forwarded-headers}; empty: the
     gateway's default).
     """
-    # On the reactor twistd's standalone gateway runs on (where the llmgw
-    # measured has one: an older one, as a baseline, may not).
+    # On the reactor twistd's standalone gateway runs on by default (where
+    # the llmgw measured has one: an older one, as a baseline, may not).
+    # install(), not a newer name: a baseline runs this file on its llmgw.
     try:
-        from llmgw.reactor import install_default
+        from llmgw.reactor import install
     except ImportError:
         pass
     else:
-        install_default()
+        install()
     from twisted.internet import reactor
 
     from llmgw.control.state.interfaces import Route
