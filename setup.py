@@ -39,6 +39,8 @@ COMPILED = [
     "llmgw/gateway/deadline.py",
     "llmgw/gateway/errors.py",
     "llmgw/gateway/front.py",
+    "llmgw/gateway/frontrequest.py",
+    "llmgw/gateway/httphead.py",
     "llmgw/gateway/metrics.py",
     "llmgw/gateway/policy.py",
     "llmgw/gateway/proxy.py",

@@ -24,12 +24,12 @@ from llmgw.gateway.deadline import Deadline
 from llmgw.gateway.front import (
     DRAIN_MAX,
     MAX_HEAD,
-    MAX_HEADERS,
     READ_AHEAD,
     FrontFactory,
-    FrontRequest,
     HTTPFront,
 )
+from llmgw.gateway.frontrequest import FrontRequest
+from llmgw.gateway.httphead import MAX_HEADERS
 from tests.gateway_helpers import cyclic_leftovers
 
 
