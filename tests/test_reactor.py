@@ -394,6 +394,24 @@ class DispatchTestsBuilder(_LeanTestsMixin, ReactorBuilder):
         for end in ends:
             end.on_read = asked
 
+    def test_one_poll_reads(self) -> None:
+        """
+        One poll with a descriptor readable calls its C{doRead} (the inline
+        read), without the loop running: a read path that stops reading
+        fails here at once, not at a timeout.
+        """
+        reactor = self.buildReactor()
+        events: list[str] = []
+        a = self.end(reactor, "a", events)
+        reactor.doPoll(0)
+        self.assertEqual(events, ["read a"])
+        self.assertEqual(a.lost, [])
+        # Read: the next poll finds nothing.
+        reactor.doPoll(0)
+        self.assertEqual(events, ["read a"])
+        # Before its socket is closed (the cleanups run in reverse order).
+        reactor.removeReader(a)
+
     def test_escaping_exception_logged_others_handled(self) -> None:
         """
         An exception escaping the dispatch of one event (its disconnection
