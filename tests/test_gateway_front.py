@@ -553,8 +553,9 @@ class LimitTests(SynchronousTestCase):
 
 class HardeningTests(SynchronousTestCase):
     """
-    What an attacker's raw socket found (issue 13): each refused with the
-    status that says why, before the handler sees anything.
+    What an attacker's raw socket found (in the security review of the
+    front): each refused with the status that says why, before the
+    handler sees anything.
     """
 
     def refused(self, data: bytes, bytewise: bool = False) -> tuple[int, bytes, str]:
