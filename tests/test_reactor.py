@@ -4,13 +4,13 @@ L{llmgw.reactor.LeanEPollReactor}; its C{afterEvents}; how it dispatches
 events when a handler fails; and how twistd picks it (C{--reactor
 llmgw-epoll}, the default of C{twistd llmgw gateway} alone).
 
-Every test that runs the reactor is bounded twice (L{_Bounded}): the
-reactor is stopped and the test fails after L{REACTOR_TEST_TIMEOUT}
-seconds (a broken read path spins: epoll keeps reporting the socket
-nobody reads), and the process ends itself, with every thread's
-traceback, after L{WATCHDOG_S} (a loop that never comes back to its
-timers, or a hang after the reactor stopped, ignores TERM: the reactor's
-own handler only asks the loop to stop).
+Every test that runs the reactor is bounded (L{_Bounded}): the reactor
+is stopped and the test fails after L{REACTOR_TEST_TIMEOUT} seconds (a
+broken read path spins: epoll keeps reporting the socket nobody reads);
+the process ends itself, with every thread's traceback, after
+L{WATCHDOG_S} (a loop that never comes back to its timers); and TERM ends
+it while a reactor under test runs (the reactor's own handler would only
+stop that reactor, and trial would go on to the next test).
 
 Everything built on Twisted's C{ReactorBuilder} is skipped (by it) where
 epoll is missing, since C{llmgw.reactor.LeanEPollReactor} then does not
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -75,6 +76,22 @@ class _Bounded:
         faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
         self.addCleanup(faulthandler.cancel_dump_traceback_later)  # type: ignore[attr-defined]
         super().setUp()  # type: ignore[misc]
+
+    def buildReactor(self) -> Any:
+        reactor = super().buildReactor()  # type: ignore[misc]
+        # Read when the reactor starts running, to install its handler.
+        reactor.sigTerm = _end_process
+        return reactor
+
+
+def _end_process(number: int, frame: Any = None) -> None:
+    """
+    TERM while a reactor under test runs ends the test process, as it
+    would any program, rather than stopping that reactor (its own handler
+    would, and trial would go on with the next test).
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 # Tests of Twisted's suites that do not apply to LeanEPollReactor, and why.
