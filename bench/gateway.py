@@ -64,14 +64,15 @@ def serve_gateway(port: int, upstream: str, front: str = "lean", policy: str = "
     C{forwarded} headers setting (C{--forwarded-headers}; empty: the
     gateway's default).
     """
-    # On the reactor twistd's standalone gateway runs on (where the llmgw
-    # measured has one: an older one, as a baseline, may not).
+    # On the reactor twistd's standalone gateway runs on by default (where
+    # the llmgw measured has one: an older one, as a baseline, may not).
+    # install(), not a newer name: a baseline runs this file on its llmgw.
     try:
-        from llmgw.reactor import install_default
+        from llmgw.reactor import install
     except ImportError:
         pass
     else:
-        install_default()
+        install()
     from twisted.internet import reactor
 
     from llmgw.control.state.interfaces import Route
@@ -684,7 +685,7 @@ def main() -> None:
         procs.stop()
 
 
-# -- against the Rust routers (issue 13) ---------------------------------------
+# -- against the Rust routers ---------------------------------------------------
 
 #: The candidates, in the order each round runs them.
 FRONTS = ("lean", "httptools", "twisted_web")
@@ -834,7 +835,7 @@ def versus(duration: float, rate: float, n_rounds: int, fronts: tuple[str, ...],
     prefix-aware policies are compared as well: llmgw's default policy
     (C{prefix}; C{llmgw_default}) against C{vllm-router}'s C{cache_aware}
     (C{vllm_router_cache_aware}). With C{guard} (a checkout from before
-    the routing policies, issue 12), its gateway runs on its own default
+    the routing policies), its gateway runs on its own default
     as C{llmgw_before_routing}, against today's default (C{llmgw_default}):
     the guard that routing costs the gateway at most 5%.
 
@@ -979,7 +980,7 @@ def versus(duration: float, rate: float, n_rounds: int, fronts: tuple[str, ...],
         }
 
     return {
-        "what": "issue 13: llmgw's front on each parser against vllm-router, same two fake model servers, "
+        "what": "llmgw's front on each parser against vllm-router, same two fake model servers, "
                 "wrk (closed loop) and an open-loop generator at a fixed rate; interleaved rounds, medians",
         "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
         "uptime": {"before": started_uptime, "after": uptime()},
@@ -1030,7 +1031,7 @@ if __name__ == "__main__":
         vp.add_argument("--cache-aware", action="store_true",
                         help="also llmgw's default policy (prefix) against vllm-router's cache_aware")
         vp.add_argument("--guard", type=Path,
-                        help="a checkout from before the routing policies, on its default (issue 12's guard)")
+                        help="a checkout from before the routing policies, on its default (the guard that routing costs at most 5%%)")
         vp.add_argument("--forwarded", default="none",
                         help="llmgw's --forwarded-headers (default none: vllm-router sends none)")
         vp.add_argument("--default-headers", action="store_true",

@@ -30,7 +30,6 @@ Both answer the orchestrator on stdin/stdout (L{bench.common.ControlChannel}):
 Run by L{bench.agent_stream}; not meant to be started by hand.
 """
 
-# ruff: noqa: E402 (the reactor is chosen before the imports that import it)
 from __future__ import annotations
 
 import argparse
@@ -40,18 +39,6 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
-
-# The control plane on the reactor twistd llmgw control runs it on, where
-# the llmgw measured has one (an older one, as a baseline, may not); chosen
-# before the imports below, which import the reactor.
-_ARGS = sys.argv[1:]
-if "--kind" in _ARGS and _ARGS[_ARGS.index("--kind") + 1 :][:1] == ["control"]:
-    try:
-        from llmgw.reactor import install_default
-    except ImportError:
-        pass
-    else:
-        install_default()
 
 from twisted.internet.defer import Deferred
 from twisted.internet.protocol import ServerFactory
@@ -355,7 +342,8 @@ def main(argv: list[str] | None = None) -> None:
     if "twisted.internet.reactor" not in sys.modules:
         epollreactor.install()
     # prometheus_client's Twisted support (the control plane's metrics)
-    # imports the global reactor: Linux's default, epoll, already.
+    # imports the global reactor: Linux's default, epoll, already; the
+    # reactor twistd llmgw control runs on unless --reactor picks another.
     from twisted.internet import reactor
 
     if not isinstance(reactor, epollreactor.EPollReactor):

@@ -1,5 +1,5 @@
 """
-The reactor llmgw's own processes run on: Twisted's epoll reactor, less
+The reactor the gateway's own process runs on: Twisted's epoll reactor, less
 the log context it builds around every event.
 
 For each ready descriptor, L{twisted.internet.epollreactor.EPollReactor}
@@ -13,15 +13,18 @@ two such events, a read from the client and one from the replica.
 
 L{LeanEPollReactor} dispatches each event with the same handling as the
 epoll reactor (C{_doReadOrWrite}: reads, writes, disconnection; a plain
-read, the usual event, handled inline) and the same last resort: an exception that escapes it is logged, with the
-descriptor's log prefix as its system, and the loop goes on with the next
-event. Nothing else differs; it is a subclass, and every other method is
-Twisted's own.
+read, the usual event, handled inline) and the same last resort: an
+exception that escapes it is logged, with the descriptor's log prefix as
+its system, and the loop goes on with the next event. Nothing else
+differs; it is a subclass, and every other method is Twisted's own.
 
-C{twistd llmgw ...} installs it unless C{twistd --reactor} chose one (see
-L{install_default}); an application embedding llmgw's services runs them
-on whatever reactor it has. Linux only (epoll): elsewhere this module
-does not import, and twistd's default reactor is used.
+The operator picks it like any of Twisted's reactors, C{twistd --reactor
+llmgw-epoll} (the dropin C{twisted/plugins/llmgw_reactors.py} names this
+module, whose L{install} twistd calls); C{twistd llmgw gateway} runs on it
+when no C{--reactor} was given (L{llmgw.tap.DEFAULT_REACTORS}), every
+other process on twistd's default. An application embedding llmgw's
+services runs them on whatever reactor it has. Linux only (epoll):
+elsewhere this module does not import.
 """
 
 from __future__ import annotations
@@ -140,13 +143,3 @@ def install() -> Any:
     installReactor(reactor)
     return reactor
 
-
-def install_default() -> bool:
-    """
-    Install L{LeanEPollReactor} when no reactor is installed yet; otherwise
-    leave things as they are. Returns whether it installed it.
-    """
-    if "twisted.internet.reactor" in sys.modules:
-        return False
-    install()
-    return True

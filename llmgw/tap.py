@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from twisted.application.reactors import installReactor
 from twisted.application.service import IService
 from twisted.python import usage
 
@@ -28,20 +29,42 @@ KINDS: dict[str, tuple[str, str]] = {
 }
 
 
-def _options_for(module: str) -> Callable[[], usage.Options]:
+#: sub-command -> the reactor (a ``twistd --reactor`` name) it runs on when
+#: the operator named none. Only the gateway's own process: its front and
+#: upstream pass every proxied byte, and llmgw.reactor's epoll reactor
+#: saves them a log context per event. The others run on twistd's default.
+DEFAULT_REACTORS: dict[str, str] = {"gateway": "llmgw-epoll"}
+
+
+def _options_for(kind: str, module: str) -> Callable[[], usage.Options]:
     def make() -> usage.Options:
-        # Before the module (which may import the reactor): llmgw's own
-        # processes run on llmgw.reactor's, unless twistd --reactor (parsed
-        # before this) chose one.
-        try:
-            from llmgw.reactor import install_default
-        except ImportError:  # no epoll (not Linux): twistd's default
-            pass
-        else:
-            install_default()
+        # Called when the command line names this sub-command, after
+        # twistd's own options (--reactor among them) and before the
+        # module, which may import the global reactor (the gateway's does,
+        # through prometheus_client's Twisted support).
+        install_default_reactor(kind)
         return importlib.import_module(module).Options()
 
     return make
+
+
+def install_default_reactor(kind: str) -> str | None:
+    """
+    Install the reactor L{DEFAULT_REACTORS} names for C{kind} when no
+    reactor is installed yet (twistd installs the one C{--reactor} names
+    while it parses its options, before any sub-command's). Returns the
+    name installed, or C{None} when it left things as they were: C{kind}
+    has no default of its own, a reactor is installed already, or this
+    platform lacks the default's (no epoll).
+    """
+    name = DEFAULT_REACTORS.get(kind)
+    if name is None or "twisted.internet.reactor" in sys.modules:
+        return None
+    try:
+        installReactor(name)
+    except ImportError:  # no epoll (not Linux): twistd's default
+        return None
+    return name
 
 
 class Options(BaseOptions):
@@ -58,7 +81,7 @@ class Options(BaseOptions):
     """
 
     synopsis = "[options] {" + "|".join(KINDS) + "} [options]"
-    subCommands = [[name, None, _options_for(mod), doc] for name, (mod, doc) in KINDS.items()]
+    subCommands = [[name, None, _options_for(name, mod), doc] for name, (mod, doc) in KINDS.items()]
 
     def parseOptions(self, options: Any = None) -> None:
         try:

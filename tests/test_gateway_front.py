@@ -24,12 +24,12 @@ from llmgw.gateway.deadline import Deadline
 from llmgw.gateway.front import (
     DRAIN_MAX,
     MAX_HEAD,
-    MAX_HEADERS,
     READ_AHEAD,
     FrontFactory,
-    FrontRequest,
     HTTPFront,
 )
+from llmgw.gateway.frontrequest import FrontRequest
+from llmgw.gateway.httphead import MAX_HEADERS
 from tests.gateway_helpers import cyclic_leftovers
 
 
@@ -553,8 +553,9 @@ class LimitTests(SynchronousTestCase):
 
 class HardeningTests(SynchronousTestCase):
     """
-    What an attacker's raw socket found (issue 13): each refused with the
-    status that says why, before the handler sees anything.
+    What an attacker's raw socket found (in the security review of the
+    front): each refused with the status that says why, before the
+    handler sees anything.
     """
 
     def refused(self, data: bytes, bytewise: bool = False) -> tuple[int, bytes, str]:

@@ -16,6 +16,7 @@ from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
+from llmgw.gateway.transportpeek import queued
 from llmgw.gateway.wire import _Burst, send_now
 
 
@@ -59,7 +60,7 @@ class LoopbackTests(TestCase):
         watched = []
         transport.startWriting = lambda: watched.append(True)  # type: ignore[method-assign]
         send_now(transport)(b"hello")
-        self.assertEqual((transport._tempDataLen, transport.dataBuffer), (0, b""))
+        self.assertFalse(queued(transport))
         self.assertEqual((yield sink.got), b"hello")
         self.assertEqual(watched, [])
 

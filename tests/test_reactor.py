@@ -1,8 +1,16 @@
 """
 Tests for L{llmgw.reactor}: Twisted's own reactor test suites run against
 L{llmgw.reactor.LeanEPollReactor}; its C{afterEvents}; how it dispatches
-events when a handler fails; and L{llmgw.reactor.install_default}, in
-C{twistd llmgw} too.
+events when a handler fails; and how twistd picks it (C{--reactor
+llmgw-epoll}, the default of C{twistd llmgw gateway} alone).
+
+Every test that runs the reactor is bounded (L{_Bounded}): the reactor
+is stopped and the test fails after L{REACTOR_TEST_TIMEOUT} seconds (a
+broken read path spins: epoll keeps reporting the socket nobody reads);
+the process ends itself, with every thread's traceback, after
+L{WATCHDOG_S} (a loop that never comes back to its timers); and TERM ends
+it while a reactor under test runs (the reactor's own handler would only
+stop that reactor, and trial would go on to the next test).
 
 Everything built on Twisted's C{ReactorBuilder} is skipped (by it) where
 epoll is missing, since C{llmgw.reactor.LeanEPollReactor} then does not
@@ -11,7 +19,9 @@ exist.
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -41,7 +51,47 @@ except ImportError as e:  # it needs PyHamcrest, not one of llmgw's dependencies
     _NO_PROCESS_TESTS = f"twisted.internet.test.test_process cannot be imported: {e}"
 
 LEAN = "llmgw.reactor.LeanEPollReactor"
+EPOLL = "twisted.internet.epollreactor.EPollReactor"
 ROOT = Path(__file__).resolve().parent.parent
+
+#: Seconds a test may run a reactor (C{runReactor}'s timeout, which
+#: trial's C{timeout} attribute sets): every test here takes well under
+#: one, so a reactor that stops reading fails in seconds, not trial's 120.
+REACTOR_TEST_TIMEOUT = 10
+#: Seconds after which a test's process is ended outright, by
+#: faulthandler's watchdog: a C thread, which needs neither the reactor
+#: nor the GIL, so it ends a loop that never returns.
+WATCHDOG_S = 45
+
+
+class _Bounded:
+    """
+    A mixin for test classes that run a reactor: see the module's
+    docstring.
+    """
+
+    timeout = REACTOR_TEST_TIMEOUT
+
+    def setUp(self) -> None:
+        faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
+        self.addCleanup(faulthandler.cancel_dump_traceback_later)  # type: ignore[attr-defined]
+        super().setUp()  # type: ignore[misc]
+
+    def buildReactor(self) -> Any:
+        reactor = super().buildReactor()  # type: ignore[misc]
+        # Read when the reactor starts running, to install its handler.
+        reactor.sigTerm = _end_process
+        return reactor
+
+
+def _end_process(number: int, frame: Any = None) -> None:
+    """
+    TERM while a reactor under test runs ends the test process, as it
+    would any program, rather than stopping that reactor (its own handler
+    would, and trial would go on with the next test).
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 # Tests of Twisted's suites that do not apply to LeanEPollReactor, and why.
@@ -75,11 +125,12 @@ def _lean(builder: type[ReactorBuilder]) -> type[ReactorBuilder]:
     """
     A subclass of C{builder} (one of Twisted's reactor test builders) that
     builds only L{llmgw.reactor.LeanEPollReactor}, named after it and
-    living in this module, less the tests in L{_NOT_HERE}.
+    living in this module, bounded in time (L{_Bounded}), less the tests
+    in L{_NOT_HERE}.
     """
     attrs: dict[str, Any] = {"_reactors": [LEAN], "__module__": __name__}
     attrs.update({name: _not_here(why) for name, why in _NOT_HERE.items() if hasattr(builder, name)})
-    return type(builder.__name__, (builder,), attrs)
+    return type(builder.__name__, (_Bounded, builder), attrs)
 
 
 # Twisted's own suites, against our reactor. Each generated class is named
@@ -168,7 +219,7 @@ class _End:
         return f"end-{self.name}"
 
 
-class _LeanTestsMixin:
+class _LeanTestsMixin(_Bounded):
     """
     Helpers for tests of L{llmgw.reactor.LeanEPollReactor} on a real
     instance (built by C{ReactorBuilder}, run by its C{runReactor}, which
@@ -225,7 +276,7 @@ class AfterEventsTestsBuilder(_LeanTestsMixin, ReactorBuilder):
             reactor.stop()
 
         a.on_read = b.on_read = first_read_asks
-        self.runReactor(reactor, timeout=10)
+        self.runReactor(reactor)
         self.assertEqual(sorted(events[:2]), ["read a", "read b"])
         self.assertEqual(events[2:], ["after"])
 
@@ -247,7 +298,7 @@ class AfterEventsTestsBuilder(_LeanTestsMixin, ReactorBuilder):
         reactor.callLater(0, lambda: reactor.afterEvents(after))
         # Were it to wait, the next thing to wake it is runReactor's own
         # timeout, which fails the test.
-        self.runReactor(reactor, timeout=10)
+        self.runReactor(reactor)
         self.assertEqual(events, ["after"])
 
     def test_timer_set_by_it_runs_promptly(self) -> None:
@@ -268,7 +319,7 @@ class AfterEventsTestsBuilder(_LeanTestsMixin, ReactorBuilder):
             reactor.stop()
 
         reactor.callLater(0, lambda: reactor.afterEvents(after))
-        self.runReactor(reactor, timeout=10)
+        self.runReactor(reactor)
         self.assertEqual(events, ["after", "timer"])
 
     def test_io_not_starved_by_timers_asking(self) -> None:
@@ -289,7 +340,7 @@ class AfterEventsTestsBuilder(_LeanTestsMixin, ReactorBuilder):
 
         end.on_read = reactor.stop
         reactor.callLater(0, step)
-        self.runReactor(reactor, timeout=10)
+        self.runReactor(reactor)
         self.assertIn("read a", events)
 
     def test_each_once_in_order_errors_logged(self) -> None:
@@ -318,7 +369,7 @@ class AfterEventsTestsBuilder(_LeanTestsMixin, ReactorBuilder):
                 reactor.afterEvents(f)
 
         reactor.callLater(0, give)
-        self.runReactor(reactor, timeout=10)
+        self.runReactor(reactor)
         self.assertEqual(events, ["one", "fails", "one", "two"])
         self.assertEqual(len(self.flushLoggedErrors(ZeroDivisionError)), 1)
 
@@ -360,6 +411,24 @@ class DispatchTestsBuilder(_LeanTestsMixin, ReactorBuilder):
         for end in ends:
             end.on_read = asked
 
+    def test_one_poll_reads(self) -> None:
+        """
+        One poll with a descriptor readable calls its C{doRead} (the inline
+        read), without the loop running: a read path that stops reading
+        fails here at once, not at a timeout.
+        """
+        reactor = self.buildReactor()
+        events: list[str] = []
+        a = self.end(reactor, "a", events)
+        reactor.doPoll(0)
+        self.assertEqual(events, ["read a"])
+        self.assertEqual(a.lost, [])
+        # Read: the next poll finds nothing.
+        reactor.doPoll(0)
+        self.assertEqual(events, ["read a"])
+        # Before its socket is closed (the cleanups run in reverse order).
+        reactor.removeReader(a)
+
     def test_escaping_exception_logged_others_handled(self) -> None:
         """
         An exception escaping the dispatch of one event (its disconnection
@@ -374,7 +443,7 @@ class DispatchTestsBuilder(_LeanTestsMixin, ReactorBuilder):
         bad.read_result = error.ConnectionLost()
         bad.lost_raises = RuntimeError("connectionLost failed")
         self.stop_after(reactor, bad, good)
-        self.runReactor(reactor, timeout=10)
+        self.runReactor(reactor)
         self.assertEqual(sorted(events), ["read bad", "read good"])
         self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 1)
         errors = [e for e in self.logged if e.get("isError")]
@@ -399,7 +468,7 @@ class DispatchTestsBuilder(_LeanTestsMixin, ReactorBuilder):
         bad.write_result = error.ConnectionLost()
         bad.lost_raises = RuntimeError("connectionLost failed")
         self.stop_after(reactor, good)
-        self.runReactor(reactor, timeout=10)
+        self.runReactor(reactor)
         self.assertEqual(sorted(events), ["read good", "write bad"])
         self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 1)
         self.assertNotIn(bad, self.writers)
@@ -417,7 +486,7 @@ class DispatchTestsBuilder(_LeanTestsMixin, ReactorBuilder):
         good = self.end(reactor, "good", events)
         self.stop_after(reactor, good)
         bad.fileno_raises = 1
-        self.runReactor(reactor, timeout=10)
+        self.runReactor(reactor)
         self.assertEqual(events, ["read good"])
         self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 1)
         self.assertEqual(self.lost, {"bad": 1, "good": 0})
@@ -437,7 +506,7 @@ class DispatchTestsBuilder(_LeanTestsMixin, ReactorBuilder):
         good = self.end(reactor, "good", events)
         bad.read_result = error.ConnectionLost()
         self.stop_after(reactor, bad, good)
-        self.runReactor(reactor, timeout=10)
+        self.runReactor(reactor)
         self.assertEqual(sorted(events), ["read bad", "read good"])
         self.assertEqual(self.lost, {"bad": 1, "good": 0})
         bad.lost[0].trap(error.ConnectionLost)
@@ -453,14 +522,20 @@ def _env() -> dict[str, str]:
     return {"PYTHONPATH": str(ROOT), "PATH": os.environ.get("PATH", "")}
 
 
-_WHICH_REACTOR = (
-    "import sys\n"
-    "{before}\n"
-    "from llmgw.reactor import install_default\n"
-    "print(install_default())\n"
+_OPTIONS_REACTOR = (
+    "from llmgw import tap\n"
+    "make = {{name: make for name, _, make, _ in tap.Options.subCommands}}[{kind!r}]\n"
+    "make()\n"
     "from twisted.internet import reactor\n"
     "print(type(reactor).__module__ + '.' + type(reactor).__qualname__)\n"
 )
+
+#: Each kind's command line, on loopback, for as long as it takes to log
+#: its reactor class.
+_KIND_ARGS = {
+    "gateway": ["--gateway", "127.0.0.1:0", "--metrics", "off", "--admin-url", "http://127.0.0.1:1"],
+    "control": ["--insecure", "--agent-listen", "127.0.0.1:0", "--admin", "127.0.0.1:0", "--gateway", "off"],
+}
 
 
 class _WaitForLine(ProcessProtocol):
@@ -486,10 +561,11 @@ class _WaitForLine(ProcessProtocol):
         self.ended.callback(None)
 
 
-class InstallDefaultTests(TestCase):
+class TwistdReactorTests(TestCase):
     """
-    L{llmgw.reactor.install_default}, in a fresh Python, and under
-    C{twistd llmgw}.
+    How twistd picks the reactor: C{--reactor llmgw-epoll} (the dropin
+    C{twisted/plugins/llmgw_reactors.py}), by default for C{twistd llmgw
+    gateway} alone; each in a fresh process.
     """
 
     timeout = 60
@@ -499,45 +575,59 @@ class InstallDefaultTests(TestCase):
             self.skipTest("no epoll here")
 
     @inlineCallbacks
-    def which(self, before: str) -> Any:
+    def python(self, *args: str) -> Any:
         out, err, code = yield getProcessOutputAndValue(
-            sys.executable, ["-c", _WHICH_REACTOR.format(before=before)],
-            env=_env(), path=str(ROOT), reactor=reactor,
+            sys.executable, args, env=_env(), path=self.mktemp_dir(), reactor=reactor,
         )
         self.assertEqual(code, 0, err)
-        return out.decode().split()
+        return out.decode()
+
+    def mktemp_dir(self) -> str:
+        path = Path(self.mktemp())
+        path.mkdir(parents=True)
+        return str(path)
 
     @inlineCallbacks
-    def test_installs_when_none(self) -> Any:
+    def test_help_reactors_lists_it(self) -> Any:
         """
-        With no reactor installed, install_default installs
-        LeanEPollReactor (and says so).
+        C{twistd --help-reactors} lists C{llmgw-epoll} as available (not
+        marked as missing a dependency).
         """
-        self.assertEqual((yield self.which("")), ["True", LEAN])
+        out = yield self.python("-c", "from twisted.scripts.twistd import run; run()", "--help-reactors")
+        names = [line.split()[0] for line in out.splitlines() if line.strip()]
+        self.assertIn("llmgw-epoll", names)
 
     @inlineCallbacks
-    def test_keeps_installed(self) -> Any:
+    def options_reactor(self, kind: str) -> Any:
         """
-        With a reactor installed already (the select reactor),
-        install_default leaves it and says it did nothing.
+        The reactor a fresh Python has after building C{kind}'s Options
+        as C{twistd llmgw KIND} does, then importing the global reactor.
         """
-        lines = yield self.which("from twisted.internet import selectreactor; selectreactor.install()")
-        self.assertEqual(lines, ["False", "twisted.internet.selectreactor.SelectReactor"])
+        return (yield self.python("-c", _OPTIONS_REACTOR.format(kind=kind))).strip()
 
     @inlineCallbacks
-    def twistd_reactor(self, *twistd_options: str) -> Any:
+    def test_other_kinds_options_install_nothing(self) -> Any:
         """
-        Run C{twistd llmgw gateway} on loopback until its log names its
+        Building the control plane's, an agent's or the local fleet's
+        Options installs no reactor of llmgw's: the global one is then
+        Twisted's default (epoll on Linux). The gateway's installs ours.
+        """
+        for kind in ("control", "agent", "local"):
+            self.assertEqual((kind, (yield self.options_reactor(kind))), (kind, EPOLL))
+        self.assertEqual((yield self.options_reactor("gateway")), LEAN)
+
+    @inlineCallbacks
+    def twistd_reactor(self, kind: str, *twistd_options: str) -> Any:
+        """
+        Run C{twistd llmgw KIND} on loopback until its log names its
         reactor class (at most 15 s), kill it, and return that class name.
         """
         p = _WaitForLine(b"reactor class: ")
         argv = [
             sys.executable, "-c", "from twisted.scripts.twistd import run; run()",
-            "-n", "--logfile=-", "--pidfile=", *twistd_options,
-            "llmgw", "gateway", "--gateway", "127.0.0.1:0", "--metrics", "off",
-            "--admin-url", "http://127.0.0.1:1",
+            "-n", "--logfile=-", "--pidfile=", *twistd_options, "llmgw", kind, *_KIND_ARGS[kind],
         ]
-        proc = reactor.spawnProcess(p, sys.executable, argv, env=_env(), path=str(ROOT))
+        proc = reactor.spawnProcess(p, sys.executable, argv, env=_env(), path=self.mktemp_dir())
         bound = reactor.callLater(15, proc.signalProcess, "KILL")
         yield p.ended
         if bound.active():
@@ -552,9 +642,10 @@ class InstallDefaultTests(TestCase):
     @inlineCallbacks
     def test_twistd_gateway_runs_on_it(self) -> Any:
         """
-        C{twistd llmgw gateway} (no --reactor) runs on LeanEPollReactor.
+        C{twistd llmgw gateway} (no --reactor) runs on LeanEPollReactor,
+        and twistd's start-up line says so.
         """
-        self.assertEqual((yield self.twistd_reactor()), LEAN)
+        self.assertEqual((yield self.twistd_reactor("gateway")), LEAN)
 
     @inlineCallbacks
     def test_twistd_reactor_option_wins(self) -> Any:
@@ -562,8 +653,24 @@ class InstallDefaultTests(TestCase):
         C{twistd --reactor=poll llmgw gateway} runs on the poll reactor,
         not ours.
         """
-        self.assertEqual((yield self.twistd_reactor("--reactor=poll")),
+        self.assertEqual((yield self.twistd_reactor("gateway", "--reactor=poll")),
                          "twisted.internet.pollreactor.PollReactor")
+
+    @inlineCallbacks
+    def test_twistd_control_runs_on_twisted_default(self) -> Any:
+        """
+        C{twistd llmgw control} (no --reactor) runs on Twisted's default
+        reactor, not ours.
+        """
+        self.assertEqual((yield self.twistd_reactor("control")), EPOLL)
+
+    @inlineCallbacks
+    def test_reactor_option_picks_it_for_control(self) -> Any:
+        """
+        C{twistd --reactor llmgw-epoll llmgw control} runs the control
+        plane on LeanEPollReactor.
+        """
+        self.assertEqual((yield self.twistd_reactor("control", "--reactor", "llmgw-epoll")), LEAN)
 
 
 class SuitesBuildOursTests(SynchronousTestCase):

@@ -15,7 +15,7 @@ without re-encoding them, so this server does only what that needs:
   whose chunked body passes it) goes to the handler at once, marked
   C{too_large} and with no body, the rest of the body is never read, and
   the connection closes after the answer;
-- bounded heads (L{MAX_HEAD} bytes, L{MAX_HEADERS} lines), read from one
+- bounded heads (L{MAX_HEAD} bytes, L{httphead.MAX_HEADERS} lines), read from one
   buffer with a scan offset, so a head trickling in costs linear time;
   header names must be tokens, no control bytes anywhere in the head, one
   C{Host} (required in HTTP/1.1), a bare CR or LF refused as it arrives;
@@ -48,11 +48,15 @@ connection that does not finish closing within C{CLOSE_LINGER}.
 A handler is a callable taking a L{FrontRequest}; it answers (now or later)
 with L{FrontRequest.start_response}, L{FrontRequest.write} and
 L{FrontRequest.finish}, or drops the connection with L{FrontRequest.abort}.
+
+This module is the connection (L{HTTPFront}) and its factory; a request
+and its answer are L{llmgw.gateway.frontrequest}, and reading a request
+head is L{llmgw.gateway.httphead}.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, ClassVar, Final
 
 from mypy_extensions import mypyc_attr
@@ -60,19 +64,19 @@ from twisted.internet.interfaces import IDelayedCall, IPushProducer
 from twisted.internet.protocol import Protocol, ServerFactory
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from twisted.web.http import RESPONSES, datetimeToString
+from twisted.web.http import datetimeToString
 from zope.interface import classImplements
 
 from llmgw.gateway.chunked import ChunkedDecoder, ChunkError
 from llmgw.gateway.deadline import Deadline
 from llmgw.gateway.errors import error_body
+from llmgw.gateway.frontrequest import REASONS, FrontRequest
+from llmgw.gateway.httphead import HeadRefused, parse_head
 from llmgw.gateway.wire import send_now
 from llmgw.oslimits import raise_fd_limit
 
 #: The most a request line and its headers may take.
 MAX_HEAD: Final = 64 * 1024
-#: The most header lines a request may have.
-MAX_HEADERS: Final = 100
 #: Bytes read ahead (pipelined requests) while a response is in progress;
 #: past this the connection stops reading until the response is done.
 READ_AHEAD: Final = 64 * 1024
@@ -99,218 +103,10 @@ FD_HEADROOM: Final = 1024
 #: Refused connections are logged at most this often.
 REFUSAL_LOG_INTERVAL: Final = 10.0
 
-#: Reason phrases, with those twisted.web lacks.
-REASONS: Final = dict(RESPONSES)
-REASONS.update({
-    413: b"Content Too Large",
-    421: b"Misdirected Request",
-    431: b"Request Header Fields Too Large",
-})
-#: tchar (RFC 9110 §5.6.2): what header names and methods are made of.
-_TCHAR: Final = b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
-#: The bytes a head may hold: visible ASCII, obs-text, space and HTAB in
-#: values, and CRLF between lines; anything else is a control character.
-_HEAD_BYTES: Final = bytes(range(0x20, 0x7F)) + bytes(range(0x80, 0x100)) + b"\t\r\n"
-#: How much of a client's string a refusal quotes.
-_QUOTE: Final = 80
-
-
-def _quote(data: bytes) -> str:
-    """
-    A bounded, printable quotation of what a client sent.
-    """
-    if len(data) > _QUOTE:
-        return f"{data[:_QUOTE]!r}... ({len(data)} bytes)"
-    return repr(data)
-
 _HEAD, _BODY, _CHUNKED = range(3)
 # What the connection's timer watches: nothing (a request is with its
 # handler), the wait for a request, a head arriving, a body arriving.
 _W_NONE, _W_IDLE, _W_HEAD, _W_BODY = range(4)
-
-
-class FrontRequest:
-    """
-    One request, its body read in full, and the way to answer it.
-
-    C{headers} are C{(name, value)} pairs in arrival order, names in lower
-    case. C{on_lost}, when set, is called with the reason if the connection
-    goes before the response is finished.
-    """
-
-    __slots__ = (
-        "channel", "method", "uri", "path", "http10", "headers", "body", "too_large",
-        "keep_alive", "on_lost", "started", "finished", "producer", "_chunked", "_no_body", "_held",
-    )
-
-    def __init__(
-        self,
-        channel: HTTPFront,
-        method: bytes,
-        uri: bytes,
-        http10: bool,
-        headers: list[tuple[bytes, bytes]],
-        keep_alive: bool,
-    ):
-        self.channel = channel
-        self.method = method
-        self.uri = uri
-        self.path = uri.partition(b"?")[0]
-        self.http10 = http10
-        self.headers = headers
-        self.keep_alive = keep_alive
-        self.body = b""
-        self.too_large = False
-        self.on_lost: Callable[[Failure], None] | None = None
-        self.started = False
-        self.finished = False
-        self.producer: IPushProducer | None = None
-        self._chunked = False
-        self._no_body = False
-        self._held = b""
-
-    # what the handler reads
-
-    def header(self, name: bytes) -> bytes | None:
-        """
-        The first value of header C{name} (lower case), or C{None}.
-        """
-        for n, v in self.headers:
-            if n == name:
-                return v
-        return None
-
-    @property
-    def client_host(self) -> str | None:
-        """
-        The client's IP address, when it has one.
-        """
-        return self.channel.peer_host
-
-    @property
-    def peer(self) -> str:
-        """
-        Who sent the request, for log lines.
-        """
-        return self.channel.peer
-
-    # answering
-
-    def start_response(
-        self,
-        status: int,
-        headers: Sequence[tuple[bytes, bytes]],
-        length: int | None = None,
-        reason: bytes | None = None,
-        hold: bool = False,
-        block: bytes = b"",
-    ) -> None:
-        """
-        Send the status line and C{headers}. With C{length} the body is
-        framed by C{Content-Length} (C{headers} must not carry one); without,
-        it is chunked (to an HTTP/1.0 client: ended by closing). C{block}:
-        header lines ready to send, each after a CRLF, sent before
-        C{headers} (a proxy's relay of its upstream's; the same rules).
-
-        With C{hold} the head is kept until the first L{write}, L{finish} or
-        L{flush}, and goes out with the body's first bytes in one send: a
-        caller that has body bytes at hand passes C{hold} and writes them.
-        """
-        if self.started:
-            raise RuntimeError("the response has already started")
-        self.started = True
-        channel = self.channel
-        no_body = self.method == b"HEAD" or status in (204, 304) or status < 200
-        parts = [b"HTTP/1.1 %d %s%s\r\n" % (status, reason or REASONS.get(status, b"Unknown"), block)]
-        for name, value in headers:
-            parts += (name, b": ", value, b"\r\n")
-        if length is not None:
-            parts.append(b"Content-Length: %d\r\n" % length)
-        elif not no_body:
-            if self.http10:
-                self.keep_alive = False
-            else:
-                self._chunked = True
-                parts.append(b"Transfer-Encoding: chunked\r\n")
-        if not self.keep_alive:
-            parts.append(b"Connection: close\r\n")
-        elif self.http10:
-            parts.append(b"Connection: keep-alive\r\n")
-        parts.append(channel.factory.date_line())
-        parts.append(b"\r\n")
-        self._no_body = no_body
-        if hold:
-            self._held = b"".join(parts)
-        else:
-            channel.send(b"".join(parts))
-
-    def write(self, data: bytes) -> None:
-        """
-        Send part of the body (after L{start_response}), with the head if
-        it was held.
-        """
-        if not data or self.finished or self._no_body:
-            self.flush()
-            return
-        if self._chunked:
-            data = b"%x\r\n%s\r\n" % (len(data), data)
-        held = self._held
-        if held:
-            self._held = b""
-            data = held + data
-        self.channel.send(data)
-
-    def flush(self) -> None:
-        """
-        Send the head now if L{start_response} held it.
-        """
-        held = self._held
-        if held:
-            self._held = b""
-            self.channel.send(held)
-
-    def finish(self) -> None:
-        """
-        The response is complete; the connection goes on to the next
-        request (or closes, if it is not kept alive).
-        """
-        if self.finished:
-            return
-        self.finished = True
-        self.on_lost = None
-        self.producer = None
-        held, self._held = self._held, b""
-        if self._chunked:
-            held += b"0\r\n\r\n"
-        if held:
-            self.channel.send(held)
-        self.channel.request_done(self)
-
-    def abort(self) -> None:
-        """
-        End the response unfinished: what was written goes out, then the
-        connection closes (a chunked response lacks its last chunk, so the
-        client knows it is incomplete).
-        """
-        if self.finished:
-            return
-        self.flush()
-        self.finished = True
-        self.on_lost = None
-        self.producer = None
-        self.channel.close()
-
-    def set_producer(self, producer: IPushProducer) -> None:
-        """
-        C{producer} feeds this response: it is paused while the client's
-        connection has too much unsent, and resumed when it drains.
-        """
-        self.producer = producer
-        if self.channel.paused:
-            producer.pauseProducing()
-
-    def clear_producer(self) -> None:
-        self.producer = None
 
 
 class HTTPFront(Protocol):
@@ -543,87 +339,11 @@ class HTTPFront(Protocol):
         return True
 
     def _head(self, head: bytes) -> None:
-        lines = head.split(b"\r\n")
-        if head.count(b"\n") != len(lines) - 1 or head.count(b"\r") != len(lines) - 1:
-            self._refuse(400, "The request head has a bare CR or LF", "bad_request")
+        try:
+            method, uri, http10, headers, length, chunked, keep_alive, expect = parse_head(head)
+        except HeadRefused as e:
+            self._refuse(e.status, e.message, e.code)
             return
-        if head.translate(None, _HEAD_BYTES):
-            self._refuse(400, "The request head has a control character", "bad_request")
-            return
-        parts = lines[0].split(b" ")
-        if len(parts) != 3 or not parts[0] or parts[0].translate(None, _TCHAR) or not parts[1] or lines[0].find(b"\t") >= 0:
-            self._refuse(400, f"Malformed request line {_quote(lines[0])}", "bad_request")
-            return
-        method, uri, version = parts
-        if version == b"HTTP/1.1":
-            http10 = False
-        elif version == b"HTTP/1.0":
-            http10 = True
-        elif version.startswith(b"HTTP/"):
-            self._refuse(505, f"HTTP version {version[:20]!r} is not supported", "bad_request")
-            return
-        else:
-            self._refuse(400, f"Malformed request line {_quote(lines[0])}", "bad_request")
-            return
-        if len(lines) > MAX_HEADERS + 1:
-            self._refuse(431, f"The request has over {MAX_HEADERS} header lines", "too_many_headers")
-            return
-        headers: list[tuple[bytes, bytes]] = []
-        length: bytes | None = None
-        chunked = False
-        connection: bytes | None = None
-        expect = False
-        hosts = 0
-        for line in lines[1:]:
-            name, sep, value = line.partition(b":")
-            if not sep or not name or name.translate(None, _TCHAR):
-                # Also an obs-fold line (it starts with a blank) and a
-                # blank before the colon, which smuggling relies on.
-                self._refuse(400, f"Malformed header line {_quote(line)}: the name must be a token",
-                             "bad_request")
-                return
-            name = name.lower()
-            value = value.strip(b" \t")
-            if name == b"content-length":
-                if not value.isdigit() or (length is not None and value != length):
-                    self._refuse(400, f"Bad Content-Length {_quote(value)}", "bad_request")
-                    return
-                length = value
-            elif name == b"transfer-encoding":
-                if value.lower() != b"chunked" or chunked:
-                    self._refuse(
-                        501, f"Transfer-Encoding {_quote(value)} is not supported (only chunked)", "bad_request"
-                    )
-                    return
-                chunked = True
-            elif name == b"host":
-                hosts += 1
-            elif name == b"connection":
-                connection = value.lower()
-            elif name == b"expect":
-                expect = value.lower() == b"100-continue"
-            headers.append((name, value))
-        if chunked and length is not None:
-            self._refuse(400, "A request cannot have both Content-Length and Transfer-Encoding", "bad_request")
-            return
-        if hosts > 1 or (hosts == 0 and not http10):
-            self._refuse(
-                400,
-                "An HTTP/1.1 request needs exactly one Host header" if hosts == 0
-                else "A request cannot have more than one Host header",
-                "bad_request",
-            )
-            return
-        keep_alive = not http10
-        if connection is not None:
-            if b"close" in connection:
-                keep_alive = False
-            elif http10 and b"keep-alive" in connection:
-                keep_alive = True
-        if chunked and http10:
-            # RFC 9112 §6.1: an HTTP/1.0 message with Transfer-Encoding has
-            # faulty framing; the connection closes after the response.
-            keep_alive = False
         request = FrontRequest(self, method, uri, http10, headers, keep_alive)
         self._reading = request
         self._parts = []

@@ -27,11 +27,15 @@ at once: the reactor may find that socket writable later in the same turn,
 send the queue and, the connection closing, close it, and bytes kept for
 the burst would then find it closed. (A transport with nothing queued is
 not watched for writability in the turn's events, so it cannot close
-before the burst.) What the socket does not take at the
-burst is handed to C{write} too, as is everything when the send fails (the
-transport meets the same error on its own turn and closes as usual). A
-transport that is not a plain TCP one (TLS, test transports) gets
-C{transport.write} itself as its writer.
+before the burst.) What the socket does not take at the burst is handed to
+C{write} too, as is everything when the send fails (the transport meets
+the same error on its own turn and closes as usual).
+
+What this needs to know of the transport beyond its public interface
+(whether it holds bytes, whether it is closing) is read through
+L{llmgw.gateway.transportpeek} alone; a transport it does not vouch for
+(not a plain TCP one: TLS, test transports; or a Twisted outside the range
+it was checked against) gets C{transport.write} itself as its writer.
 """
 
 from __future__ import annotations
@@ -40,8 +44,9 @@ from collections.abc import Callable
 from typing import Any, Final
 from weakref import WeakKeyDictionary, ref
 
-from twisted.internet.abstract import FileDescriptor
 from twisted.logger import Logger
+
+from llmgw.gateway.transportpeek import busy, queued, raw_socket, reactor_of
 
 # An explicit namespace: compiled (setup.py), the module is not a frame
 # Logger could find its name from.
@@ -96,13 +101,6 @@ def _burst_for(reactor: Any) -> _Burst:
     return burst
 
 
-def _queued(t: Any) -> bool:
-    """
-    Whether the transport C{t} holds bytes of its own, not yet sent.
-    """
-    return bool(t._tempDataLen or t.offset != len(t.dataBuffer))
-
-
 def send_now(transport: Any) -> Callable[[bytes], None]:
     """
     A writer for C{transport}: each call's bytes are sent on its socket
@@ -110,29 +108,20 @@ def send_now(transport: Any) -> Callable[[bytes], None]:
     the rest written through it.
     """
     write: Callable[[bytes], None] = transport.write
-    if not isinstance(transport, FileDescriptor) or getattr(transport, "socket", None) is None:
+    sock = raw_socket(transport)
+    if sock is None:
         return write
-    send = transport.socket.send  # type: ignore[attr-defined]
-    add = _burst_for(transport.reactor).add
+    send = sock.send
+    add = _burst_for(reactor_of(transport)).add
     # How many of this writer's writes wait for the burst.
     waiting = [0]
-
-    def busy(t: Any) -> bool:
-        # Something queued in the transport, or it is closing or aborting:
-        # its own write, not the socket.
-        return bool(
-            _queued(t)
-            or t.disconnecting
-            or not t.connected
-            or t._writeDisconnecting
-            or t._writeDisconnected
-            or getattr(t, "_aborting", False)
-        )
 
     def send_or_queue(data: bytes) -> None:
         waiting[0] -= 1
         t: Any = transport
         try:
+            # Bytes queued in the transport, or it is closing or aborting:
+            # its own write, not the socket.
             if busy(t):
                 write(data)
                 return
@@ -161,7 +150,7 @@ def send_now(transport: Any) -> Callable[[bytes], None]:
         if not data:
             return
         if not waiting[0]:
-            if _queued(transport):
+            if queued(transport):
                 write(data)
                 return
         waiting[0] += 1

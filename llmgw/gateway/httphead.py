@@ -1,0 +1,136 @@
+"""
+Reading an HTTP/1.1 request head: the request line and the header lines,
+checked as strictly as the gateway's front needs (L{llmgw.gateway.front}).
+
+L{parse_head} is pure: it takes the head's bytes (without the blank line
+that ends it) and returns what the connection needs to frame the body and
+build the request, or raises L{HeadRefused} with the answer to give.
+"""
+
+from __future__ import annotations
+
+from typing import Final, TypeAlias
+
+#: The most header lines a request may have.
+MAX_HEADERS: Final = 100
+#: tchar (RFC 9110 §5.6.2): what header names and methods are made of.
+_TCHAR: Final = b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+#: The bytes a head may hold: visible ASCII, obs-text, space and HTAB in
+#: values, and CRLF between lines; anything else is a control character.
+_HEAD_BYTES: Final = bytes(range(0x20, 0x7F)) + bytes(range(0x80, 0x100)) + b"\t\r\n"
+#: How much of a client's string a refusal quotes.
+_QUOTE: Final = 80
+
+
+def _quote(data: bytes) -> str:
+    """
+    A bounded, printable quotation of what a client sent.
+    """
+    if len(data) > _QUOTE:
+        return f"{data[:_QUOTE]!r}... ({len(data)} bytes)"
+    return repr(data)
+
+
+class HeadRefused(Exception):
+    """
+    A head the front does not accept: answer C{status} with C{message}
+    (OpenAI's error C{code}), then close.
+    """
+
+    def __init__(self, status: int, message: str, code: str) -> None:
+        super().__init__(status, message, code)
+        self.status = status
+        self.message = message
+        self.code = code
+
+
+#: What L{parse_head} returns: method, URI, whether HTTP/1.0, the headers
+#: (names in lower case, in arrival order), the Content-Length value as
+#: sent (or None), whether the body is chunked, whether the connection may
+#: be kept alive after the response, and whether the client expects a
+#: 100 Continue.
+Head: TypeAlias = tuple[bytes, bytes, bool, list[tuple[bytes, bytes]], bytes | None, bool, bool, bool]
+
+
+def parse_head(head: bytes) -> Head:
+    """
+    Read a request head: lines ending in CRLF (a bare CR or LF refused),
+    no control bytes, a request line of three parts, HTTP/1.1 or 1.0, at
+    most L{MAX_HEADERS} header lines whose names are tokens, one
+    C{Content-Length} value (repeats must agree) or chunked
+    C{Transfer-Encoding} and not both, exactly one C{Host} in HTTP/1.1
+    (at most one in 1.0).
+
+    @raise HeadRefused: with the status (400, 431, 501, 505) and message
+        to answer with.
+    """
+    lines = head.split(b"\r\n")
+    if head.count(b"\n") != len(lines) - 1 or head.count(b"\r") != len(lines) - 1:
+        raise HeadRefused(400, "The request head has a bare CR or LF", "bad_request")
+    if head.translate(None, _HEAD_BYTES):
+        raise HeadRefused(400, "The request head has a control character", "bad_request")
+    parts = lines[0].split(b" ")
+    if len(parts) != 3 or not parts[0] or parts[0].translate(None, _TCHAR) or not parts[1] or lines[0].find(b"\t") >= 0:
+        raise HeadRefused(400, f"Malformed request line {_quote(lines[0])}", "bad_request")
+    method, uri, version = parts
+    if version == b"HTTP/1.1":
+        http10 = False
+    elif version == b"HTTP/1.0":
+        http10 = True
+    elif version.startswith(b"HTTP/"):
+        raise HeadRefused(505, f"HTTP version {version[:20]!r} is not supported", "bad_request")
+    else:
+        raise HeadRefused(400, f"Malformed request line {_quote(lines[0])}", "bad_request")
+    if len(lines) > MAX_HEADERS + 1:
+        raise HeadRefused(431, f"The request has over {MAX_HEADERS} header lines", "too_many_headers")
+    headers: list[tuple[bytes, bytes]] = []
+    length: bytes | None = None
+    chunked = False
+    connection: bytes | None = None
+    expect = False
+    hosts = 0
+    for line in lines[1:]:
+        name, sep, value = line.partition(b":")
+        if not sep or not name or name.translate(None, _TCHAR):
+            # Also an obs-fold line (it starts with a blank) and a
+            # blank before the colon, which smuggling relies on.
+            raise HeadRefused(400, f"Malformed header line {_quote(line)}: the name must be a token", "bad_request")
+        name = name.lower()
+        value = value.strip(b" \t")
+        if name == b"content-length":
+            if not value.isdigit() or (length is not None and value != length):
+                raise HeadRefused(400, f"Bad Content-Length {_quote(value)}", "bad_request")
+            length = value
+        elif name == b"transfer-encoding":
+            if value.lower() != b"chunked" or chunked:
+                raise HeadRefused(
+                    501, f"Transfer-Encoding {_quote(value)} is not supported (only chunked)", "bad_request"
+                )
+            chunked = True
+        elif name == b"host":
+            hosts += 1
+        elif name == b"connection":
+            connection = value.lower()
+        elif name == b"expect":
+            expect = value.lower() == b"100-continue"
+        headers.append((name, value))
+    if chunked and length is not None:
+        raise HeadRefused(400, "A request cannot have both Content-Length and Transfer-Encoding", "bad_request")
+    if hosts > 1 or (hosts == 0 and not http10):
+        raise HeadRefused(
+            400,
+            "An HTTP/1.1 request needs exactly one Host header" if hosts == 0
+            else "A request cannot have more than one Host header",
+            "bad_request",
+        )
+    keep_alive = not http10
+    if connection is not None:
+        if b"close" in connection:
+            keep_alive = False
+        elif http10 and b"keep-alive" in connection:
+            keep_alive = True
+    if chunked and http10:
+        # RFC 9112 §6.1: an HTTP/1.0 message with Transfer-Encoding has
+        # faulty framing; the connection closes after the response.
+        keep_alive = False
+    return method, uri, http10, headers, length, chunked, keep_alive, expect
