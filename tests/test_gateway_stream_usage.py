@@ -20,6 +20,7 @@ from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
+from llmgw.gateway.errors import GatewayError
 from llmgw.gateway.follower import RoutingSnapshot
 from llmgw.gateway.keys import KeyRing
 from llmgw.gateway.proxy import Gateway, GatewayConfig
@@ -199,7 +200,7 @@ class MeterTests(SynchronousTestCase):
         meter.finish(200)
         row = self.usage.row("k", "demo")
         self.assertEqual((row.completion_tokens, row.estimated, row.unreported), (60, 1, 0))
-        self.assertRaises(Exception, self.usage.admit, "k", "demo")
+        self.assertRaises(GatewayError, self.usage.admit, "k", "demo")
         self.assertEqual(row.limited_tokens, 1)
 
     def test_long_event_is_let_go(self) -> None:
