@@ -3,8 +3,9 @@ Usage and limits per API key (DESIGN §18).
 
 The gateway counts, per key name and model, the requests it forwards and
 the tokens the replicas report in their answers' C{usage} (prompt and
-completion; a stream reports them in its last chunk when the client asked
-for C{stream_options.include_usage}). L{Usage} holds the counts and each
+completion; a stream reports them in its last chunk when asked with
+C{stream_options.include_usage}, else they are counted from its chunks, see
+below). L{Usage} holds the counts and each
 key's limits; L{UsageCollector} shows the counts in C{/metrics};
 L{UsageResource} serves them as JSON (C{GET /api/v1/usage}).
 

@@ -103,8 +103,7 @@ class FakeModelConfig:
     metrics_hang_after: float | None = None
     #: Time generation with this engine simulator (None: --tokens-per-second).
     engine_sim: EngineSimConfig | None = None
-    #: False: ignore C{stream_options}, as some engines do: a stream never
-    #: carries C{usage}.
+    #: False: ignore C{stream_options}, as some engines do (no usage in streams).
     stream_usage: bool = True
 
 
@@ -444,8 +443,7 @@ class FakeModelApp:
         self._count(kind)
         if stream:
             opts = body.get("stream_options")
-            include_usage = (self.config.stream_usage and isinstance(opts, dict)
-                         and opts.get("include_usage") is True)
+            include_usage = self.config.stream_usage and isinstance(opts, dict) and opts.get("include_usage") is True
             return StreamedReply(self, request, kind, words, finish, usage if include_usage else None).begin()
         return self._whole(request, kind, words, finish, usage)
 
