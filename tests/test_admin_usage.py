@@ -75,9 +75,9 @@ class AdminUsageTests(SynchronousTestCase):
         self.assertEqual(body["since"], 1000)
         self.assertEqual(body["usage"], [
             {"key": "batch", "model": "demo", "requests": 1, "prompt_tokens": 0, "completion_tokens": 0,
-             "total_tokens": 0, "unreported": 0, "limited_requests": 0, "limited_tokens": 0},
+             "total_tokens": 0, "unreported": 0, "estimated": 0, "limited_requests": 0, "limited_tokens": 0},
             {"key": "team-a", "model": "demo", "requests": 1, "prompt_tokens": 11, "completion_tokens": 22,
-             "total_tokens": 33, "unreported": 0, "limited_requests": 0, "limited_tokens": 0},
+             "total_tokens": 33, "unreported": 0, "estimated": 0, "limited_requests": 0, "limited_tokens": 0},
         ])
         self.assertEqual([(lim["key"], lim["requests_available"], lim["tokens_available"]) for lim in body["limits"]],
                          [("team-a", 59, 967)])

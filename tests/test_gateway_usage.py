@@ -355,9 +355,9 @@ class LoopbackTests(TestCase):
     @inlineCallbacks
     def test_counts(self) -> Any:
         """
-        A non-streamed answer and a stream with C{include_usage} count
-        their prompt and completion tokens under the key and model; a
-        stream without it counts the request, as unreported; the fourth
+        A non-streamed answer, a stream with C{include_usage} and one
+        without it (the gateway asks the engine for usage) count their
+        prompt and completion tokens under the key and model; the fourth
         request in the minute is a 429 that OpenAI's error shape carries.
         """
         r = yield self.h.chat(headers=self.auth())
@@ -372,7 +372,7 @@ class LoopbackTests(TestCase):
         prompt = whole["usage"]["prompt_tokens"]
         self.assertEqual(whole["usage"]["completion_tokens"], 4)
         self.assertEqual(
-            (row.requests, row.prompt_tokens, row.completion_tokens, row.unreported), (3, 2 * prompt, 8, 1)
+            (row.requests, row.prompt_tokens, row.completion_tokens, row.unreported), (3, 3 * prompt, 12, 0)
         )
         r = yield self.h.chat(headers=self.auth())
         body = yield r.json()

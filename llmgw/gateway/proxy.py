@@ -2,8 +2,9 @@
 The streaming proxy: one L{ProxyCall} per request, and the L{Gateway} that
 holds what calls share (routing table, router, connection pool, metrics).
 
-A call sends the client's body unchanged to the leader shard of the replica
-the router picks, and passes the response through as it arrives: headers as
+A call sends the client's body to the leader shard of the replica the router
+picks (unchanged, but that a streamed completion whose client set no
+C{stream_options} asks for usage: L{llmgw.gateway.usage.ask_for_usage}), and passes the response through as it arrives: headers as
 soon as they come, each piece of the body as soon as it is read. It is the
 downstream request's streaming producer, so a client that reads slowly
 pauses the replica's connection instead of growing a buffer; a client that
@@ -40,7 +41,7 @@ from llmgw.gateway.metrics import GatewayMetrics
 from llmgw.gateway.policy import DEFAULT_POLICY, PolicyConfig
 from llmgw.gateway.router import Router
 from llmgw.gateway.upstream import UpstreamConnection, UpstreamPool, UpstreamProtocolError
-from llmgw.gateway.usage import Usage, UsageCollector, UsageMeter
+from llmgw.gateway.usage import Usage, UsageCollector, UsageMeter, ask_for_usage
 from llmgw.hostcheck import HostCheck
 from llmgw.routing import (
     DEFAULT_QUEUE_DEPTH,
@@ -52,6 +53,9 @@ from llmgw.routing import (
     Route,
 )
 
+#: The proxied paths whose streams can be asked for usage.
+_COMPLETIONS: Final = frozenset({"/v1/chat/completions", "/v1/completions"})
+_EVENT_STREAM: Final = b"text/event-stream"
 #: Reason phrases that twisted.web's table lacks.
 _REASONS: Final = {421: b"Misdirected Request", 429: b"Too Many Requests"}
 #: Response headers the gateway writes itself.
@@ -208,6 +212,13 @@ class ProxyCall:
         self.request = request
         self.model = model
         self.path_label = path_label
+        if meter is not None and path_label in _COMPLETIONS:
+            # So that a stream's tokens count whether or not its client
+            # asked for usage (the usage chunk is then kept from it).
+            asking = ask_for_usage(body)
+            if asking is not None:
+                body = asking
+                meter.asked = True
         self.body = body
         self.routes = routes
         self.started = started
@@ -332,6 +343,15 @@ class ProxyCall:
             # The body came chunked (a Content-Length beside it is void): its
             # length is not known, and the client's framing is chosen anew.
             length = None
+        meter = self.meter
+        if meter is not None and 200 <= status < 300:
+            for name, value in kept:
+                if name == b"content-type" and value.lower().startswith(_EVENT_STREAM):
+                    meter.stream = True
+                    if meter.asked:
+                        # A chunk may be taken out: the length no longer holds.
+                        length = None
+                    break
         self.status = status
         self.sent_headers = True
         request = self.request
@@ -349,10 +369,17 @@ class ProxyCall:
         if self.done:
             return
         self.gw.router.succeeded(self.route.replica_id)  # type: ignore[union-attr]
+        framed: int | None = length
+        meter = self.meter
+        if meter is not None and 200 <= status < 300 and _EVENT_STREAM in block:
+            meter.stream = True
+            if meter.asked:
+                # A chunk may be taken out: the length no longer holds.
+                framed = None
         self.status = status
         self.sent_headers = True
         request = self.request
-        request.start_response(status, (), length, reason or None, hold=True, block=block)
+        request.start_response(status, (), framed, reason or None, hold=True, block=block)
         request.set_producer(self)
         self.gw.metrics.first_byte(self.model, time.monotonic() - self.started)
 
@@ -363,12 +390,13 @@ class ProxyCall:
         if armed is not None:
             # Later than it is due (see _send): cheap.
             armed.later(self.gw.config.idle_timeout)
+        meter = self.meter
+        if meter is not None and data:
+            data = meter.feed(data)
         if not data:
             self.request.flush()
             return
         self.request.write(data)
-        if self.meter is not None:
-            self.meter.feed(data)
 
     def response_finished(self) -> None:
         if self.done:
@@ -377,9 +405,14 @@ class ProxyCall:
         self.conn = None
         self._cancel_timer()
         self._end_attempt()
+        meter = self.meter
+        if meter is not None:
+            rest = meter.flush()
+            if rest:
+                self.request.write(rest)
         self.request.finish()
-        if self.meter is not None:
-            self.meter.finish(self.status)
+        if meter is not None:
+            meter.finish(self.status)
         self._record(self.status)
 
     def response_failed(self, reason: Failure, started: bool) -> None:
@@ -536,6 +569,7 @@ class ProxyCall:
     def _abort_client(self, status: int) -> None:
         self.done = True
         self._end_attempt()
+        self._count_cut()
         # Closing without the last chunk tells the client the response is
         # incomplete.
         self.request.abort()
@@ -553,8 +587,16 @@ class ProxyCall:
         if conn is not None:
             conn.abort()
         self._end_attempt()
+        self._count_cut()
         self.gw.metrics.client_disconnect(self.model)
         self._record(499)
+
+    def _count_cut(self) -> None:
+        # A response cut short still spent the engine's tokens: what was
+        # streamed of it counts (its usage, if it got that far, else its
+        # chunks).
+        if self.sent_headers and self.meter is not None:
+            self.meter.finish(self.status)
 
     def _end_attempt(self) -> None:
         if self.counted:

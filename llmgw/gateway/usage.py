@@ -3,8 +3,9 @@ Usage and limits per API key (DESIGN §18).
 
 The gateway counts, per key name and model, the requests it forwards and
 the tokens the replicas report in their answers' C{usage} (prompt and
-completion; a stream reports them in its last chunk when the client asked
-for C{stream_options.include_usage}). L{Usage} holds the counts and each
+completion; a stream reports them in its last chunk when asked with
+C{stream_options.include_usage}, else they are counted from its chunks, see
+below). L{Usage} holds the counts and each
 key's limits; L{UsageCollector} shows the counts in C{/metrics};
 L{UsageResource} serves them as JSON (C{GET /api/v1/usage}).
 
@@ -19,7 +20,17 @@ once), and the next ones wait for the refill.
 
 Finding C{usage} costs little: a response's body is passed through as it
 comes, and L{UsageMeter} keeps only its last L{TAIL} bytes, in which it
-looks for the last C{"usage"} key once, at the end. Label sets are bounded:
+looks for the last C{"usage"} key once, at the end.
+
+Streams count whether or not the client asked for usage. A streamed chat
+or text completion whose client did not set C{stream_options} is sent on
+with C{"stream_options": {"include_usage": true}} added (L{ask_for_usage});
+its answer's usage-only chunk, which that client did not ask for, is taken
+out of what the client gets. When a stream ends without usage (an engine
+that ignores C{stream_options}, a stream cut short), its completion tokens
+are estimated from its chunks as they pass: each C{content}, C{text},
+C{reasoning_content} or tool-call C{arguments} string counts one token per
+four bytes, at least one (L{count_streamed}). Label sets are bounded:
 key names come from the keys file (L{ANONYMOUS} when the gateway has
 none), models are the labels L{llmgw.gateway.metrics.GatewayMetrics}
 gives (known models, capped).
@@ -51,6 +62,31 @@ TAIL: Final = 8 * 1024
 MAX_TOKENS: Final = 2**31
 #: What a limit's window is: the bucket holds a minute's worth.
 WINDOW: Final = 60.0
+#: An unfinished server-sent event held longer than this is let go: its
+#: bytes are passed on (and not counted) rather than held without bound.
+MAX_EVENT: Final = 64 * 1024
+#: What is added to a streamed request whose client set no C{stream_options}.
+INCLUDE_USAGE: Final = b'"stream_options":{"include_usage":true},'
+_STREAM_KEY: Final = b'"stream"'
+_OPTIONS_KEY: Final = b'"stream_options"'
+#: A C{"stream": true} member (after its C{{} or C{,}).
+_STREAM_TRUE: Final = re.compile(rb'"stream"[ \t\r\n]*:[ \t\r\n]*true(?=[ \t\r\n,}])')
+#: Most C{"stream"} strings that are looked at.
+_MAX_CANDIDATES: Final = 16
+#: A whole JSON string (a key or a value).
+_STRING: Final = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_OPEN: Final = re.compile(rb"[ \t\r\n]*\{")
+#: The bytes of a body that L{ask_for_usage} reads past its regular
+#: expressions' scan, at most: a few milliseconds.
+SCAN_BUDGET: Final = 256 * 1024
+#: A string member that holds generated text in a streamed chunk.
+_GENERATED: Final = re.compile(
+    rb'"(?:content|text|reasoning_content|reasoning|arguments)"[ \t\r\n]*:[ \t\r\n]*"([^"\\]*(?:\\.[^"\\]*)*)"',
+    re.S,
+)
+#: A C{"usage"} member whose value is an object (not C{null}).
+_USAGE_OBJECT: Final = re.compile(rb'"usage"[ \t\r\n]*:[ \t\r\n]*\{')
+_NO_CHOICES: Final = re.compile(rb'"choices"[ \t\r\n]*:[ \t\r\n]*\[[ \t\r\n]*\]')
 _SPACE: Final = b" \t\r\n"
 _KEY_BEFORE: Final = b"{,"
 #: A C{"usage"} key whose value is an object, and that object's fields up
@@ -196,20 +232,149 @@ def find_usage(tail: bytes, start: int = 0) -> tuple[int, int] | None:
     return None
 
 
+def ask_for_usage(body: bytes) -> bytes | None:
+    """
+    C{body} with C{"stream_options": {"include_usage": true}} added first in
+    its object, when it is a streamed request (C{"stream": true} a member of
+    the top-level object) that names no C{stream_options} anywhere; else
+    C{None}, and the body goes on unchanged.
+
+    Found, not parsed, in C (regular expressions and byte counts) and
+    within L{SCAN_BUDGET} bytes, so it costs a bounded time whatever the
+    body: C{body} is valid JSON (the front has checked it), so a
+    C{"stream": true} after C{{} or C{,} is a key, and it is the top-level
+    one when the brackets outside strings on the shorter side of it (to the
+    body's start or to its end) leave it one deep. A body it cannot decide
+    within the budget is left alone, as is every doubtful one: an engine
+    refuses C{stream_options} on a request that does not stream.
+    """
+    # Literal searches first: regular expressions that start with a class
+    # try every position, ten times slower over a large body.
+    if _OPTIONS_KEY in body:
+        return None
+    opened = _OPEN.match(body)
+    if opened is None:
+        return None
+    first = opened.end()
+    budget = SCAN_BUDGET
+    i = body.find(_STREAM_KEY, first)
+    looked = 0
+    while i >= 0:
+        looked += 1
+        if looked > _MAX_CANDIDATES:
+            return None
+        # What precedes it, past a little whitespace (more: not decided).
+        before = body[max(0, i - 64) : i].rstrip(_SPACE)
+        at = i - 1 - (min(i, 64) - len(before))
+        m = _STREAM_TRUE.match(body, i) if before and before[-1] in _KEY_BEFORE else None
+        i = body.find(_STREAM_KEY, i + 8)
+        if m is None:
+            continue
+        after = m.end()
+        if at == first - 1:
+            # The body's own "{" before it: the first member.
+            top = True
+        elif at - first <= len(body) - after:
+            budget -= at - first
+            if budget < 0:
+                return None
+            top = _nesting(body[first:at]) == 0
+        else:
+            budget -= len(body) - after
+            if budget < 0:
+                return None
+            # From the member's end, only the body's closing brace is left open.
+            top = _nesting(body[after:]) == -1
+        if top:
+            return body[:first] + INCLUDE_USAGE + body[first:]
+    return None
+
+
+def _nesting(stretch: bytes) -> int:
+    """
+    Brackets opened less those closed in C{stretch}, a stretch of JSON that
+    starts outside any string, not counting those inside strings.
+    """
+    if b"\\" in stretch:
+        outside = _STRING.sub(b"", stretch)
+    else:
+        # Without escapes strings are what lies between quotes.
+        outside = b"".join(stretch.split(b'"')[::2])
+    return outside.count(b"{") + outside.count(b"[") - outside.count(b"}") - outside.count(b"]")
+
+
+def count_streamed(events: bytes) -> int:
+    """
+    The completion tokens estimated from whole server-sent events: each
+    generated string (C{content}, C{text}, C{reasoning_content},
+    C{reasoning}, tool-call C{arguments}) that is not empty counts a token
+    per four bytes as sent, at least one.
+    """
+    n = 0
+    for m in _GENERATED.finditer(events):
+        size = m.end(1) - m.start(1)
+        if size:
+            n += max(1, size >> 2)
+    return n
+
+
+def _event_end(data: bytes) -> int:
+    """
+    Where the last whole event in C{data} ends (after its blank line), or
+    -1 when none does.
+    """
+    end = data.rfind(b"\n\n")
+    if end >= 0:
+        end += 2
+    crlf = data.rfind(b"\r\n\r\n")
+    if crlf >= 0 and crlf + 4 > end:
+        end = crlf + 4
+    return end
+
+
+def drop_usage_events(events: bytes) -> bytes:
+    """
+    C{events} (whole server-sent events) without those that only carry
+    C{usage}: an object there, and C{"choices": []}. A chunk that carries
+    usage beside choices stays.
+    """
+    pos = 0
+    while True:
+        m = _USAGE_OBJECT.search(events, pos)
+        if m is None:
+            return events
+        at = m.start()
+        start = max(events.rfind(b"\n\n", 0, at), events.rfind(b"\r\n\r\n", 0, at))
+        start = 0 if start < 0 else start + (2 if events[start] == 10 else 4)
+        lf = events.find(b"\n\n", at)
+        crlf = events.find(b"\r\n\r\n", at)
+        ends = [e + k for e, k in ((lf, 2), (crlf, 4)) if e >= 0]
+        end = min(ends) if ends else len(events)
+        if _NO_CHOICES.search(events, start, end) is not None:
+            events = events[:start] + events[end:]
+            pos = start
+        else:
+            pos = end
+
+
 class UsageRow:
     """
     The counts of one key and model.
     """
 
-    __slots__ = ("requests", "prompt_tokens", "completion_tokens", "unreported",
+    __slots__ = ("requests", "prompt_tokens", "completion_tokens", "unreported", "estimated",
                  "limited_requests", "limited_tokens")
 
     def __init__(self) -> None:
         self.requests = 0
         self.prompt_tokens = 0
         self.completion_tokens = 0
-        #: Answers (2xx) that reported no usage: their tokens are not counted.
+        #: Answers (2xx) that reported no usage and streamed no text either:
+        #: their tokens are not counted.
         self.unreported = 0
+        #: Streamed answers (2xx) that reported no usage: their completion
+        #: tokens are counted from their chunks (L{count_streamed}).
+        self.estimated = 0
         self.limited_requests = 0
         self.limited_tokens = 0
 
@@ -220,6 +385,7 @@ class UsageRow:
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
             "unreported": self.unreported,
+            "estimated": self.estimated,
             "limited_requests": self.limited_requests,
             "limited_tokens": self.limited_tokens,
         }
@@ -228,11 +394,19 @@ class UsageRow:
 class UsageMeter:
     """
     One forwarded request's share of the accounting: fed the response's
-    body as it passes (L{feed}), it finds the tokens at the end
-    (L{finish}). It holds at most about 2 * L{TAIL} bytes.
+    body as it passes (L{feed}, which returns what the client gets), it
+    finds the tokens at the end (L{finish}). It holds at most about
+    2 * L{TAIL} bytes, and for a stream one unfinished event of at most
+    L{MAX_EVENT} bytes more.
+
+    C{asked}: the gateway asked the engine for usage on the client's behalf
+    (L{ask_for_usage}), so the usage-only chunk is taken out of the stream.
+    C{stream}: the answer is a stream of server-sent events (set when its
+    head says so, before the first L{feed}).
     """
 
-    __slots__ = ("usage", "row", "budget", "tail", "parts", "size")
+    __slots__ = ("usage", "row", "budget", "tail", "parts", "size", "asked", "stream", "held", "streamed",
+                 "finished")
 
     def __init__(self, usage: Usage, row: UsageRow, budget: KeyBudget | None):
         self.usage = usage
@@ -242,14 +416,28 @@ class UsageMeter:
         self.tail = b""
         self.parts: list[bytes] | None = None
         self.size = 0
+        self.asked = False
+        self.stream = False
+        #: The stream's unfinished last event, not yet counted (nor, when
+        #: C{asked}, passed on).
+        self.held = b""
+        #: Completion tokens counted from the stream's chunks so far.
+        self.streamed = 0
+        self.finished = False
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes) -> bytes:
+        """
+        Take in the next piece of the body; return what of it goes to the
+        client now: C{data} itself, except in a stream the gateway asked
+        usage for, where an unfinished event waits for its end and the
+        usage-only chunk is left out.
+        """
         parts = self.parts
         if parts is None:
             first = self.tail
             if not first:
                 self.tail = data
-                return
+                return self._events(data) if self.stream else data
             parts = self.parts = [first]
             self.size = len(first)
         parts.append(data)
@@ -259,11 +447,52 @@ class UsageMeter:
             parts.clear()
             parts.append(kept)
             self.size = len(kept)
+        return self._events(data) if self.stream else data
+
+    def _events(self, piece: bytes) -> bytes:
+        held = self.held
+        data = held + piece if held else piece
+        end = _event_end(data)
+        if end < 0:
+            whole, rest = b"", data
+        elif end == len(data):
+            whole, rest = data, b""
+        else:
+            whole, rest = data[:end], data[end:]
+        if len(rest) > MAX_EVENT:
+            # An event this long is no token chunk: let it go uncounted.
+            whole, rest = data, b""
+        self.held = rest
+        if whole:
+            self.streamed += count_streamed(whole)
+            if self.asked:
+                return drop_usage_events(whole)
+        if self.asked:
+            return whole
+        # Nothing is held back from the client: only counted later.
+        return piece
+
+    def flush(self) -> bytes:
+        """
+        The stream ended: what it still holds (an unfinished last event) to
+        pass on, counted.
+        """
+        held, self.held = self.held, b""
+        if held and self.stream:
+            self.streamed += count_streamed(held)
+            if self.asked:
+                return held
+        return b""
 
     def finish(self, status: int) -> None:
         """
-        The response (of HTTP C{status}) is complete: count its tokens.
+        The response (of HTTP C{status}) is complete, or was cut short:
+        count its tokens, once.
         """
+        if self.finished:
+            return
+        self.finished = True
+        self.held = b""
         if not 200 <= status < 300:
             return
         parts = self.parts
@@ -272,8 +501,11 @@ class UsageMeter:
         found = find_usage(tail, len(tail) - 2 * TAIL)
         row = self.row
         if found is None:
-            row.unreported += 1
-            return
+            if not self.streamed:
+                row.unreported += 1
+                return
+            found = (0, self.streamed)
+            row.estimated += 1
         prompt, completion = found
         row.prompt_tokens += prompt
         row.completion_tokens += completion
@@ -406,11 +638,16 @@ class UsageCollector(Collector):
                 labels=["key", "model"]),
             "completion_tokens": CounterMetricFamily(
                 "llmgw_gateway_usage_completion_tokens",
-                "Completion tokens the replicas reported, by key and model", labels=["key", "model"]),
+                "Completion tokens the replicas reported (or counted from streamed chunks), by key and model",
+                labels=["key", "model"]),
             "unreported": CounterMetricFamily(
                 "llmgw_gateway_usage_unreported",
                 "Successful answers that reported no usage (their tokens are not counted), by key and model",
                 labels=["key", "model"]),
+            "estimated": CounterMetricFamily(
+                "llmgw_gateway_usage_estimated",
+                "Streamed answers that reported no usage: completion tokens counted from their chunks, "
+                "by key and model", labels=["key", "model"]),
         }
         limited = CounterMetricFamily(
             "llmgw_gateway_usage_limited", "Requests refused with 429 over a key's limit, by key, model and limit",

@@ -103,6 +103,8 @@ class FakeModelConfig:
     metrics_hang_after: float | None = None
     #: Time generation with this engine simulator (None: --tokens-per-second).
     engine_sim: EngineSimConfig | None = None
+    #: False: ignore C{stream_options}, as some engines do (no usage in streams).
+    stream_usage: bool = True
 
 
 METRICS_SHAPES = ("vllm", "sglang", "llamacpp", "garbage", "hang")
@@ -441,7 +443,7 @@ class FakeModelApp:
         self._count(kind)
         if stream:
             opts = body.get("stream_options")
-            include_usage = isinstance(opts, dict) and opts.get("include_usage") is True
+            include_usage = self.config.stream_usage and isinstance(opts, dict) and opts.get("include_usage") is True
             return StreamedReply(self, request, kind, words, finish, usage if include_usage else None).begin()
         return self._whole(request, kind, words, finish, usage)
 
@@ -452,7 +454,8 @@ class FakeModelApp:
         words = reply_words(n)
         self._count(kind)
         opts = body.get("stream_options")
-        include_usage = isinstance(opts, dict) and opts.get("include_usage") is True
+        include_usage = (self.config.stream_usage and isinstance(opts, dict)
+                         and opts.get("include_usage") is True)
         out = SimReply(self, request, kind, words, stream, include_usage, len(tokens))
         try:
             out.sim_request = self.sim.submit(tokens, n, out.token, out.done)
