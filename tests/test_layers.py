@@ -129,6 +129,20 @@ class LayerTests(SynchronousTestCase):
         self.assertEqual(offenders("control/state", "llmgw.control.core", root),
                          {"llmgw/control/state/probe.py": ["llmgw.control.core", "llmgw.control.core.catalog"]})
 
+    def test_no_module_too_long(self) -> None:
+        """
+        No module of llmgw/ (generated protobuf aside) is over 700 lines: a
+        longer one holds more than one concept.
+        """
+        long = {}
+        for path in sorted(ROOT.rglob("*.py")):
+            if path.name.endswith("_pb2.py"):
+                continue
+            lines = len(path.read_text().splitlines())
+            if lines > 700:
+                long[str(path.relative_to(ROOT.parent))] = lines
+        self.assertEqual(long, {})
+
     def test_every_module_imports(self) -> None:
         """
         Each module of both packages imports.
