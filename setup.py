@@ -47,7 +47,7 @@ COMPILED = [
     "llmgw/gateway/proxy.py",
     "llmgw/gateway/resource.py",
     "llmgw/gateway/router.py",
-    "llmgw/gateway/transportpeek.py",
+    "llmgw/transportpeek.py",
     "llmgw/gateway/upstream.py",
     "llmgw/gateway/usage.py",
     "llmgw/gateway/wire.py",

@@ -16,8 +16,8 @@ from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
-from llmgw.gateway.transportpeek import queued
 from llmgw.gateway.wire import _Burst, send_now
+from llmgw.transportpeek import queued
 
 
 class Sink(Protocol):

@@ -33,7 +33,7 @@ the same error on its own turn and closes as usual).
 
 What this needs to know of the transport beyond its public interface
 (whether it holds bytes, whether it is closing) is read through
-L{llmgw.gateway.transportpeek} alone; a transport it does not vouch for
+L{llmgw.transportpeek} alone; a transport it does not vouch for
 (not a plain TCP one: TLS, test transports; or a Twisted outside the range
 it was checked against) gets C{transport.write} itself as its writer.
 """
@@ -46,7 +46,7 @@ from weakref import WeakKeyDictionary, ref
 
 from twisted.logger import Logger
 
-from llmgw.gateway.transportpeek import busy, queued, raw_socket, reactor_of
+from llmgw.transportpeek import busy, queued, raw_socket, reactor_of
 
 # An explicit namespace: compiled (setup.py), the module is not a frame
 # Logger could find its name from.

@@ -8,7 +8,7 @@ would have to go first) and that it is not closing or aborting. Twisted
 says neither publicly: it is in the attributes L{ATTRIBUTES} lists, which
 this module alone reads. They were checked against the Twisted releases
 L{TWISTED_RANGE} gives (setup.cfg bounds the install to the same range,
-and tests/test_gateway_transportpeek.py pins each attribute's meaning).
+and tests/test_transportpeek.py pins each attribute's meaning).
 
 L{raw_socket} is the gate: it returns the socket to send on only for a
 TCP transport of a Twisted inside that range that has every attribute;

@@ -1,5 +1,5 @@
 """
-Tests for L{llmgw.gateway.transportpeek}: each private attribute of
+Tests for L{llmgw.transportpeek}: each private attribute of
 Twisted's TCP transport it reads, pinned by a test that fails when Twisted
 renames, drops or changes the meaning of it; the Twisted range it vouches
 for, and setup.cfg's bound on Twisted, the same; and its fallback.
@@ -23,8 +23,8 @@ from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.gateway import transportpeek
-from llmgw.gateway.transportpeek import (
+from llmgw import transportpeek
+from llmgw.transportpeek import (
     ATTRIBUTES,
     TWISTED_RANGE,
     busy,
