@@ -159,3 +159,106 @@ class AgentFollowsLeaderTests(SynchronousTestCase):
         proto.dataReceived(frame(ack("register")))
         h.clock.advance(60)
         self.assertFalse(transport.disconnecting)
+
+
+class FrozenLeaderTests(SynchronousTestCase):
+    """
+    A member frozen while leading (SIGSTOP: its connection open, nothing
+    answered) is left within a bound of the heartbeat, at once, and not
+    dialled again until another member leads.
+    """
+
+    def harness(self) -> tuple[Harness, list[str]]:
+        h = Harness(self)
+        dialled: list[str] = []
+        h.core.targets = targets(dialled)
+        h.config.control = h.core.targets.current
+        return h, dialled
+
+    def registered(self, h: Harness) -> tuple[Any, Any, list[bool]]:
+        proto, transport = h.connect()
+        proto.dataReceived(frame(ack("register")))
+        aborted: list[bool] = []
+        transport.abortConnection = lambda: aborted.append(True)  # type: ignore[method-assign]
+        return proto, transport, aborted
+
+    def test_left_at_the_bound_not_at_a_heartbeat(self) -> None:
+        """
+        The stream is aborted when two heartbeat intervals and a second
+        have passed since the last acknowledgement (16 s after an ack at
+        5 s with 5 s heartbeats), not at the heartbeat tick after that.
+        """
+        h, _ = self.harness()
+        proto, _, aborted = self.registered(h)
+        h.clock.advance(5)
+        proto.dataReceived(frame(ack("heartbeat")))
+        h.clock.advance(10.9)
+        self.assertEqual(aborted, [])
+        h.clock.advance(0.2)
+        self.assertEqual(aborted, [True])
+
+    def test_each_ack_moves_the_bound(self) -> None:
+        """A member that keeps acknowledging is never left."""
+        h, _ = self.harness()
+        proto, _, aborted = self.registered(h)
+        for _ in range(20):
+            h.clock.advance(5)
+            proto.dataReceived(frame(ack("heartbeat")))
+        self.assertEqual(aborted, [])
+
+    def test_next_member_at_once_and_silent_one_avoided(self) -> None:
+        """
+        After leaving a silent member the next is dialled with no delay; a
+        redirect back to the silent member (the others name it until its
+        lease runs out) is not followed but retried soon, the rotation
+        passes it by, and a registration ends the avoidance.
+        """
+        h, _ = self.harness()
+        proto, _, aborted = self.registered(h)
+        proto.dataReceived(frame(ack("heartbeat")))
+        h.clock.advance(11.1)
+        self.assertEqual(aborted, [True])
+        proto.connectionLost(Failure(ConnectionError()))
+        self.assertEqual(h.core.retry_delay(1), 0.0)
+        self.assertEqual(h.core.targets.current, "10.0.0.2:7443")
+        # 10.0.0.2 still names the frozen 10.0.0.1 as leader.
+        h.config.control = h.core.targets.current
+        proto, _ = h.connect()
+        proto.dataReceived(frame(ack("register", ok=False, code=pb.Ack.CODE_FAILED_PRECONDITION,
+                                     error=redirect_error("10.0.0.1:7443", "m1"))))
+        proto.connectionLost(Failure(ConnectionError()))
+        self.assertIsNone(h.core.config_error)
+        self.assertEqual(h.core.retry_delay(h.core.failures), 1.0)
+        self.assertEqual(h.core.targets.current, "10.0.0.3:7443")
+        h.core.targets.failed()
+        # 10.0.0.1 is passed by.
+        self.assertEqual(h.core.targets.current, "10.0.0.2:7443")
+        # Once 10.0.0.2 leads and takes the agent, the avoidance ends.
+        h.config.control = h.core.targets.current
+        self.registered(h)
+        self.assertIsNone(h.core.targets.silent)
+
+    def test_silence_counts_from_registration(self) -> None:
+        """
+        On a later stream to a control plane known to acknowledge
+        heartbeats, silence counts from the registration: a leader frozen
+        before its first acknowledgement is left too.
+        """
+        h, _ = self.harness()
+        proto, _, _ = self.registered(h)
+        proto.dataReceived(frame(ack("heartbeat")))
+        proto.connectionLost(Failure(ConnectionError()))
+        _, _, aborted = self.registered(h)
+        h.clock.advance(11.1)
+        self.assertEqual(aborted, [True])
+
+    def test_avoidance_bounded(self) -> None:
+        """
+        Redirects to the silent member are refused at most C{max_redirects}
+        times; after that it is followed (it may lead again after all).
+        """
+        t = targets([], n=2, max_redirects=2)
+        t.left_silent("10.0.0.1:7443")
+        self.assertEqual([t.is_silent("10.0.0.1:7443") for _ in range(3)], [True, True, False])
+        self.assertFalse(t.is_silent("10.0.0.2:7443"))
+        self.assertIsNone(t.silent)

@@ -269,3 +269,83 @@ class RenderTests(TestCase):
         line = render_message({"type": "event", "revision": 8, "event": {
             "time": 0, "kind": "shard_failed", "node": "n1", "reason": "exit 1"}})
         self.assertRegex(line, r"^#8 event \d\d:\d\d:\d\d shard_failed n1: exit 1$")
+
+
+class FollowsLeaderTests(TestCase):
+    """
+    Against an HA control plane: a member that does not lead sends the
+    client to the leader, for the socket's upgrade and for each request,
+    and the client follows, bounded.
+    """
+
+    def setUp(self) -> None:
+        from tests.test_admin_ha import FakeHA
+
+        self.FakeHA = FakeHA
+        self.leader = control_plane(self)
+        self.member = control_plane(self)
+        self.leader_url = f"http://127.0.0.1:{self.leader.admin_listener.address()[1]}"
+        self.member_url = f"http://127.0.0.1:{self.member.admin_listener.address()[1]}"
+
+    def client(self, url: str) -> FleetClient:
+        client = FleetClient(url, timeout=10)
+        self.addCleanup(client.close)
+        return client
+
+    def desired(self, cp: Any) -> int:
+        return int(cp.reconciler.deployments()[0]["desired"])
+
+    @inlineCallbacks
+    def test_write_to_a_standby_reaches_the_leader(self) -> None:
+        """
+        A scale sent through a member that does not lead (it answers the
+        socket's upgrade with 307) is done by the leader it names, not by
+        that member; the client says where it went.
+        """
+        self.member.ha = self.FakeHA(leader_id="cp-2", leader_admin_url=self.leader_url)
+        client = self.client(self.member_url)
+        answer = yield client.scale("demo", 3)
+        self.assertEqual(answer["replicas"], 3)
+        self.assertEqual((self.desired(self.leader), self.desired(self.member)), (3, 0))
+        self.assertEqual(client.redirected_to, self.leader_url)
+
+    @inlineCallbacks
+    def test_member_that_stops_leading(self) -> None:
+        """
+        A member the client was talking to that stops leading answers the
+        next write with 307 over the open socket; the write is sent again
+        to the leader and done there.
+        """
+        client = self.client(self.member_url)
+        yield client.nodes()
+        self.member.ha = self.FakeHA(leader_id="cp-2", leader_admin_url=self.leader_url)
+        answer = yield client.scale("demo", 2)
+        self.assertEqual(answer["replicas"], 2)
+        self.assertEqual((self.desired(self.leader), self.desired(self.member)), (2, 0))
+        self.assertEqual(client.redirected_to, self.leader_url)
+
+    @inlineCallbacks
+    def test_members_naming_each_other_are_not_followed_forever(self) -> None:
+        """
+        Two members that each name the other are followed a bounded number
+        of times; the request then fails with a FleetError instead of
+        going round.
+        """
+        from llmgw.client import fleet
+
+        self.member.ha = self.FakeHA(leader_id="cp-2", leader_admin_url=self.leader_url)
+        self.leader.ha = self.FakeHA(member_id="cp-2", leader_id="cp-1", leader_admin_url=self.member_url)
+        client = FleetClient(self.member_url, timeout=3)
+        self.addCleanup(client.close)
+        moves: list[str] = []
+        move = client._move
+
+        def counted(location: str, why: str) -> bool:
+            moves.append(location)
+            return move(location, why)
+
+        client._move = counted  # type: ignore[method-assign]
+        with self.assertRaises(FleetError):
+            yield client.scale("demo", 2)
+        self.assertEqual(len(moves), fleet.MAX_REDIRECTS + 1)
+        self.assertEqual((self.desired(self.leader), self.desired(self.member)), (0, 0))

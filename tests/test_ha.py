@@ -11,7 +11,7 @@ from typing import Any
 
 from twisted.internet.address import IPv4Address
 from twisted.internet.testing import MemoryReactorClock
-from twisted.logger import globalLogPublisher
+from twisted.logger import Logger, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
 import llmgw
@@ -333,3 +333,171 @@ class EtcdOptionsTests(SynchronousTestCase):
             with self.assertRaises(UsageError) as cm:
                 self.parse(*args)
             self.assertIn(words, str(cm.exception), args)
+
+
+class _Listener:
+    """What L{admin_url_to_publish} reads of an admin listener."""
+
+    def __init__(self, host: str, port: int, tls: bool = False):
+        self.port = object()
+        self.tls = tls
+        self._address = (host, port)
+
+    def address(self) -> tuple[str, int]:
+        return self._address
+
+
+class _Control:
+    def __init__(self, listener: _Listener | None):
+        self.admin_listener = listener
+
+
+class AdminURLTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.reactor = MemoryReactorClock()
+        self.fake = FakeEtcd(self.reactor)
+
+    def test_what_is_published(self) -> None:
+        """
+        --advertise-admin is published as given; without it, the admin
+        listener's bound host and port with the scheme it serves; a listener
+        on every address, or none, publishes nothing and says why, naming
+        --advertise-admin.
+        """
+        from llmgw.control.service import admin_url_to_publish
+
+        self.assertEqual(admin_url_to_publish(_Control(_Listener("0.0.0.0", 1)), "https://cp.example:7480"),  # type: ignore[arg-type]
+                         ("https://cp.example:7480", ""))
+        self.assertEqual(admin_url_to_publish(_Control(_Listener("127.0.0.1", 7481)), ""),  # type: ignore[arg-type]
+                         ("http://127.0.0.1:7481", ""))
+        self.assertEqual(admin_url_to_publish(_Control(_Listener("10.0.0.5", 7480, tls=True)), ""),  # type: ignore[arg-type]
+                         ("https://10.0.0.5:7480", ""))
+        self.assertEqual(admin_url_to_publish(_Control(_Listener("::1", 7480)), ""),  # type: ignore[arg-type]
+                         ("http://[::1]:7480", ""))
+        for control in (_Control(_Listener("0.0.0.0", 7480)), _Control(_Listener("::", 7480)), _Control(None)):
+            url, problem = admin_url_to_publish(control, "")  # type: ignore[arg-type]
+            self.assertEqual(url, "")
+            self.assertIn("--advertise-admin", problem)
+
+    def member(self, name: str, published: tuple[str, str]) -> Member:
+        m = Member(self.reactor, self.fake, name)
+        m.ha.admin_url = lambda: published
+        m.ha.startService()
+        self.addCleanup(m.ha.stopService)
+        self.reactor.advance(0.1)
+        return m
+
+    def test_followers_name_the_listener(self) -> None:
+        """
+        A leader without --advertise-admin publishes its listener's URL in
+        etcd; a member that does not lead names it as the leader's admin URL
+        (where its admin API sends clients).
+        """
+        a = self.member("a", ("http://127.0.0.1:7481", ""))
+        b = self.member("b", ("http://127.0.0.1:7482", ""))
+        self.assertIs(a.ha.election.role, Role.LEADER)
+        st = b.ha.status()
+        self.assertEqual((st["role"], st["leader_id"]), ("follower", "a"))
+        self.assertEqual(st["leader_admin_url"], "http://127.0.0.1:7481")
+        self.assertEqual(a.ha.status()["leader_admin_url"], "http://127.0.0.1:7481")
+
+    def test_wildcard_leader_says_why(self) -> None:
+        """
+        A leader with nothing to publish publishes why; the other members
+        show it, and their admin API's 503 gives it (set --advertise-admin).
+        """
+        from llmgw.control.admin.base import Refused
+        from llmgw.control.admin.leader import to_leader
+
+        self.member("a", ("", "its admin API listens on every address: set --advertise-admin URL"))
+        b = self.member("b", ("http://127.0.0.1:7482", ""))
+        st = b.ha.status()
+        self.assertEqual(st["leader_id"], "a")
+        self.assertEqual(st["leader_admin_url"], "")
+        self.assertIn("--advertise-admin", st["leader_admin_problem"])
+
+        class Request:
+            method = b"POST"
+            uri = b"/api/v1/nodes/gpu-1/cordon"
+            args: dict[bytes, list[bytes]] = {}
+
+        refused = self.assertRaises(Refused, to_leader, Request(), ["api", "v1", "nodes", "gpu-1", "cordon"],
+                                    b.ha, "test", Logger())
+        self.assertEqual(refused.status, 503)
+        self.assertIn("listens on every address: set --advertise-admin", str(refused))
+
+
+class CatalogFileCheckTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.reactor = MemoryReactorClock()
+        self.fake = FakeEtcd(self.reactor)
+        self.logged: list[str] = []
+
+        def observe(event: dict[str, Any]) -> None:
+            from twisted.logger import formatEvent
+
+            self.logged.append(formatEvent(event))
+
+        globalLogPublisher.addObserver(observe)
+        self.addCleanup(globalLogPublisher.removeObserver, observe)
+
+    def file(self, text: bytes) -> str:
+        path = Path(self.mktemp())
+        path.write_bytes(text)
+        return str(path)
+
+    def member(self, name: str, catalog_file: str) -> Member:
+        m = Member(self.reactor, self.fake, name, catalog_file=catalog_file)
+        m.ha.startService()
+        self.addCleanup(m.ha.stopService)
+        self.reactor.advance(0.1)
+        return m
+
+    def events(self, m: Member) -> list[Any]:
+        return [e for e in m.reconciler.event_log if e.kind == "catalog_file_differs"]
+
+    def test_follower_with_a_different_file_says_so(self) -> None:
+        """
+        A member that does not lead, started with a catalog file that
+        differs from etcd's, logs a warning, shows it in its status and
+        records an event; the leader with the same file as etcd's shows no
+        difference.
+        """
+        a = self.member("a", self.file(DEMO))
+        b = self.member("b", self.file(DEMO.replace(b"replicas = 2", b"replicas = 4")))
+        self.assertIs(b.ha.election.role, Role.FOLLOWER)
+        self.assertEqual(a.ha.status()["catalog_file"]["differs_from_etcd"], False)
+        self.assertEqual(self.events(a), [])
+        st = b.ha.status()["catalog_file"]
+        self.assertEqual(st["differs_from_etcd"], True)
+        self.assertEqual(st["etcd_revision"], self.fake.kvs[catalog_key("/llmgw")].mod_revision)
+        self.assertEqual(len(self.events(b)), 1)
+        self.assertIn("llmgw ctl catalog apply", self.events(b)[0].reason)
+        self.assertEqual(len([line for line in self.logged if "differs from the catalog in etcd" in line]), 1)
+
+    def test_said_again_when_etcd_changes(self) -> None:
+        """
+        A change of etcd's catalog is compared again: one that now matches
+        the file clears the field (and says so), one that differs again is
+        another warning and event. Spacing and comments are no difference.
+        """
+        own = DEMO.replace(b"replicas = 2", b"replicas = 4")
+        self.member("a", self.file(DEMO))
+        b = self.member("b", self.file(own))
+        self.fake.put(catalog_key("/llmgw"), b"# applied by hand\n" + own.replace(b"replicas = 4", b"replicas    = 4"))
+        self.assertEqual(b.ha.status()["catalog_file"]["differs_from_etcd"], False)
+        self.assertTrue([line for line in self.logged if "now says what the catalog in etcd says" in line])
+        self.fake.put(catalog_key("/llmgw"), DEMO)
+        self.assertEqual(b.ha.status()["catalog_file"]["differs_from_etcd"], True)
+        self.assertEqual(len(self.events(b)), 2)
+
+    def test_no_file_no_field(self) -> None:
+        """
+        A member without --catalog has nothing to compare: the field is
+        None, and an etcd without a catalog leaves the answer unknown.
+        """
+        a = Member(self.reactor, self.fake, "a")
+        self.assertIsNone(a.ha.status()["catalog_file"])
+        b = self.member("b", self.file(DEMO))
+        # b leads and seeds etcd from its file: the same.
+        self.assertEqual(b.ha.status()["catalog_file"]["differs_from_etcd"], False)

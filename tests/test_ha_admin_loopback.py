@@ -57,11 +57,15 @@ class TwoMembersTests(TestCase):
     def test_ctl_through_a_follower(self) -> Any:
         """
         A cordon sent to the member that does not lead is done by the leader
-        (the ctl follows the redirect over the socket); the follower's own
-        fleet is untouched; status is the follower's own.
+        (the ctl follows the redirect over the socket, and says on stderr
+        which leader, as the 307's body names it); the follower's own fleet
+        is untouched; status is the follower's own.
         """
         code, out, err = yield self.ctl("cordon", "gpu-2")
-        self.assertEqual((code, out, err), (0, "node gpu-2 cordoned\n", ""))
+        self.assertEqual((code, out), (0, "node gpu-2 cordoned\n"))
+        leader = self.leader_url.split("://", 1)[1]
+        self.assertEqual(err, f"llmgw ctl cordon: {self.follower_url} does not lead; POST sent to the leader "
+                              f"cp-2 at http://{leader}\n")
         self.assertTrue(self.leader_fleet.node_views["gpu-2"]["cordoned"])
         self.assertFalse(self.follower_fleet.node_views["gpu-2"].get("cordoned"))
         code, out, err = yield self.ctl("status", "--json")

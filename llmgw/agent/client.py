@@ -69,6 +69,18 @@ REGISTER_ACK_TIMEOUT = 30.0
 MAX_QUEUED_STATUSES = 64
 #: Seconds between tries while the control plane's members say none leads.
 NO_LEADER_RETRY = 1.0
+#: Heartbeat intervals without an acknowledgement (plus a second of slack
+#: for a loaded machine) after which a control plane that acknowledges
+#: heartbeats is taken for frozen or cut off, and left.
+SILENT_HEARTBEATS = 2
+
+
+def silence_bound(heartbeat_interval: float) -> float:
+    """
+    Seconds without a heartbeat acknowledgement after which an agent
+    leaves a control-plane member that acknowledges them (an HA member).
+    """
+    return SILENT_HEARTBEATS * heartbeat_interval + 1.0
 
 
 @dataclass
@@ -157,8 +169,10 @@ class AgentStreamClient(MessageStream[pb.ControlMessage]):
         #: control plane acknowledges heartbeats (a member of an HA control
         #: plane does), so silence means it is gone.
         self._redirected = False
-        self._heartbeat_acks = False
         self._last_heartbeat_ack = 0.0
+        #: Fires when the member has acknowledged nothing for
+        #: L{silence_bound}: re-armed by every acknowledgement.
+        self._silence: IDelayedCall | None = None
 
     def peer_name(self) -> str:
         return self.core.config.control or super().peer_name()
@@ -181,6 +195,7 @@ class AgentStreamClient(MessageStream[pb.ControlMessage]):
         if self._ack_timer is not None and self._ack_timer.active():
             self._ack_timer.cancel()
         self._ack_timer = None
+        self._disarm_silence()
         if self._heartbeat is not None and self._heartbeat.running:
             self._heartbeat.stop()
         self.core.detach(self)
@@ -232,8 +247,9 @@ class AgentStreamClient(MessageStream[pb.ControlMessage]):
             if ack.message_id == "register" and not self.is_registered:
                 self._registered()
             elif ack.message_id == "heartbeat":
-                self._heartbeat_acks = True
+                self.core.heartbeat_acks = True
                 self._last_heartbeat_ack = self.core.clock.seconds()
+                self._arm_silence()
             else:
                 self.log.debug("control plane acknowledged {id}", id=ack.message_id)
             return
@@ -263,23 +279,40 @@ class AgentStreamClient(MessageStream[pb.ControlMessage]):
         self._heartbeat = LoopingCall(self.send_heartbeat)
         self._heartbeat.clock = self.core.clock
         self._heartbeat.start(self.core.config.heartbeat_interval, now=False)
+        self._last_heartbeat_ack = self.core.clock.seconds()
+        if self.core.heartbeat_acks:
+            # This control plane acknowledged heartbeats before: silence
+            # counts from now, before its first acknowledgement.
+            self._arm_silence()
         self.core.registered(self)
         self.registered.callback(True)
+
+    def _arm_silence(self) -> None:
+        self._disarm_silence()
+        self._silence = self.core.clock.callLater(
+            silence_bound(self.core.config.heartbeat_interval), self._silent)
+
+    def _disarm_silence(self) -> None:
+        if self._silence is not None and self._silence.active():
+            self._silence.cancel()
+        self._silence = None
+
+    def _silent(self) -> None:
+        # On its own timer rather than at the next heartbeat: a frozen
+        # member (SIGSTOP: the connection stays open, nothing answers) is
+        # left as soon as the bound passes.
+        self._silence = None
+        if self.transport is None or self.transport.disconnecting:  # type: ignore[attr-defined]
+            return
+        silence = self.core.clock.seconds() - self._last_heartbeat_ack
+        self.log.warn("the control plane at {control} acknowledged no heartbeat for {silence:.1f}s; "
+                      "leaving it for the other members at once", control=self.peer_name(), silence=silence)
+        self.core.left_silent(self.peer_name())
+        self.transport.abortConnection()  # type: ignore[union-attr]
 
     # -- outbound --------------------------------------------------------------
 
     def send_heartbeat(self) -> None:
-        interval = self.core.config.heartbeat_interval
-        if self._heartbeat_acks and self.core.clock.seconds() - self._last_heartbeat_ack > 2 * interval + 1:
-            # A member that acknowledged heartbeats fell silent: frozen or
-            # cut off. Its shards keep running; find the leader elsewhere.
-            self.log.warn("the control plane at {control} acknowledged no heartbeat for {silence:.0f}s; "
-                          "trying the other members", control=self.peer_name(),
-                          silence=self.core.clock.seconds() - self._last_heartbeat_ack)
-            # Losing the stream moves the next dial to the next member
-            # (connectionLost).
-            self.transport.abortConnection()  # type: ignore[union-attr]
-            return
         try:
             self.send_message(pb.AgentMessage(heartbeat=self.core.heartbeat_message()))
         except Exception:
@@ -335,6 +368,9 @@ class AgentCore(Factory):
         self.targets: Any = None
         self._redirect_pending = False
         self.no_leader = False
+        #: The control plane acknowledges heartbeats (an HA member does):
+        #: its silence means it is frozen or cut off.
+        self.heartbeat_acks = False
         #: Registrations that were acknowledged, for tests and metrics.
         self.registrations = 0
         #: Engine signals for heartbeats (L{llmgw.agent.scrape.Scraper}), or None.
@@ -359,7 +395,8 @@ class AgentCore(Factory):
         if self.config_error is not None:
             return self.max_backoff + self.jitter()
         if self._redirect_pending:
-            # No backoff for a redirect (they are bounded in ControlTargets).
+            # No backoff for a redirect (they are bounded in ControlTargets),
+            # nor after leaving a silent member: the others are alive.
             self._redirect_pending = False
             return 0.0
         if self.no_leader:
@@ -369,11 +406,29 @@ class AgentCore(Factory):
         # a Register is acknowledged. A registered stream that closed counts 1.
         return self._policy(max(self.failures, 1) - 1)
 
+    def left_silent(self, member: str) -> None:
+        """
+        The stream to C{member} was left because it fell silent: dial the
+        next member at once, and follow no redirect back to C{member} until
+        a registration (the members name it as leader until etcd's lease
+        on it runs out).
+        """
+        self._redirect_pending = True
+        if self.targets is not None:
+            self.targets.left_silent(member)
+
     def redirect(self, leader: str, by: str) -> bool:
         """
         The control-plane member C{by} does not lead and names C{leader};
         whether the agent goes there next (at once).
         """
+        if self.targets is not None and self.targets.is_silent(leader):
+            # The member just left for its silence: the others name it until
+            # a new leader is elected, so ask again soon rather than wait on it.
+            self.no_leader = True
+            self.log.info("the control plane at {by} names {leader} as the leader, which fell silent; "
+                          "asking again until another leads", by=by, leader=leader)
+            return False
         if self.targets is None or not self.targets.redirect(leader):
             return False
         self._redirect_pending = True

@@ -9,6 +9,12 @@ bounded: more than C{max_redirects} in a row without a registration (two
 members naming each other, say) are not followed, and the agent falls
 back to trying each configured member in turn with its usual backoff. A
 failed attempt, or a stream lost, moves to the next configured member.
+
+A member left because it fell silent (frozen: its connection open, nothing
+answered) is avoided until the agent registers somewhere: the rotation
+passes it by and a redirect to it is not followed, since the other members
+name it as leader until its lease in etcd runs out, and a dial to it would
+wait out the Register timeout.
 """
 
 from __future__ import annotations
@@ -66,6 +72,10 @@ class ControlTargets:
         self.leader: str | None = None
         #: Redirects followed since the last registration.
         self.redirects = 0
+        #: The member left for its silence, avoided until a registration.
+        self.silent: str | None = None
+        #: Redirects to it refused; past C{max_redirects} it is tried again.
+        self.silent_refusals = 0
         self.max_redirects = max_redirects if max_redirects is not None else 2 * len(self.addresses) + 1
 
     @property
@@ -109,9 +119,34 @@ class ControlTargets:
             self.leader = None
         else:
             self.index = (self.index + 1) % len(self.addresses)
+        if self.leader is None and self.addresses[self.index] == self.silent and len(self.addresses) > 1:
+            self.index = (self.index + 1) % len(self.addresses)
+
+    def left_silent(self, address: str) -> None:
+        """
+        The stream to C{address} was left for its silence: avoid it (see
+        the module docstring) until a registration.
+        """
+        self.silent = address
+        self.silent_refusals = 0
+
+    def is_silent(self, address: str) -> bool:
+        """
+        Whether a redirect to C{address} is refused because it is the
+        member left for its silence; after C{max_redirects} such refusals
+        it is no longer avoided (it may lead again after all).
+        """
+        if address != self.silent:
+            return False
+        self.silent_refusals += 1
+        if self.silent_refusals > self.max_redirects:
+            self.silent = None
+            return False
+        return True
 
     def registered(self) -> None:
         self.redirects = 0
+        self.silent = None
 
     def __repr__(self) -> str:
         return f"<control plane {self.current} of {','.join(self.addresses)}>"

@@ -28,6 +28,9 @@ REQUEST_TIMEOUT = 30.0
 #: Messages kept for C{async for} when the consumer falls behind; past it
 #: the oldest are dropped and a C{reset}-like C{gap} message says so.
 MAX_QUEUED = 10_000
+#: Redirects followed in a row (a member that does not lead sends the
+#: client to the leader: one hop; more means the members disagree).
+MAX_REDIRECTS = 3
 
 
 class FleetError(Exception):
@@ -80,6 +83,15 @@ def _socket_class() -> Any:
         def onClose(self, wasClean: bool, code: Any, reason: Any) -> None:  # noqa: N803
             self.client._closed(self, reason)
 
+        def failHandshake(self, reason: str, *args: Any) -> None:  # noqa: N802
+            # A member that does not lead answers the socket's upgrade with
+            # a 307 to the leader: kept, and followed once this one closes.
+            status = (getattr(self, "http_status_line", "") or "").split()
+            location = (getattr(self, "http_headers", None) or {}).get("location")
+            if len(status) > 1 and status[1] in ("307", "308") and location:
+                self.llmgw_moved = location
+            super().failHandshake(reason, *args)
+
     _classes[key] = Socket
     return Socket
 
@@ -94,7 +106,15 @@ class FleetClient:
     Reads (L{nodes}, L{deployments}, L{replicas}, L{events}, L{status},
     L{routes}) and commands (L{scale}, L{cordon}, L{uncordon}, L{drain},
     L{reload}) return a future of the API's answer, or fail with
-    L{FleetError}. The connection opens on first use; L{watch} keeps it
+    L{FleetError}. Against an HA control plane any member's URL does: a
+    member that does not lead sends the client to the leader (a C{307} to
+    the socket's upgrade, or to a request), which it follows at once, at
+    most L{MAX_REDIRECTS} hops in a row and never from TLS to plain; it
+    logs each, and C{redirected_to} is the leader's URL it talks to then.
+    Requests that member left unanswered are sent to the leader (a member
+    that does not lead runs no command). A lost connection to the leader
+    is dialled again at the URL first given, which names the leader of
+    the moment. The connection opens on first use; L{watch} keeps it
     open, reconnecting after a loss with a backoff (C{retry} seconds,
     doubled to C{max_retry}, a fifth of jitter) and resuming from the last
     revision seen, so a watcher sees every message once (or a C{reset} and
@@ -121,6 +141,13 @@ class FleetClient:
         if self.secure and not (ca and cert and key):
             raise ValueError("an https:// admin API needs ca, cert and key (an admin certificate)")
         self.ca, self.cert, self.key = ca, cert, key
+        #: The URL first given: dialled again when a leader's socket is lost.
+        self._home = (self.host, self.port, self.secure)
+        #: The leader's URL this client was sent to, while it talks there.
+        self.redirected_to: str | None = None
+        self._redirects = 0
+        #: A redirect to follow once the current socket has closed.
+        self._moving: str | None = None
         self.retry, self.max_retry, self.timeout = retry, max(retry, max_retry), timeout
         self.log = txaio.make_logger()
         self.revision: int | None = None
@@ -130,7 +157,7 @@ class FleetClient:
         self._closing = False
         self._failures = 0
         self._next_id = 0
-        self._pending: dict[int, tuple[Any, Any]] = {}
+        self._pending: dict[int, tuple[Any, Any, bytes]] = {}
         self._queued: list[bytes] = []
         self._watchers: list[Callable[[dict[str, Any]], None]] = []
         self._keep_open = False
@@ -311,6 +338,16 @@ class FleetClient:
         self._socket = None
         self._dialing = False
         why = str(reason or "the connection closed")
+        moving, self._moving = self._moving or getattr(socket, "llmgw_moved", None), None
+        if moving is not None and not self._closing and self._move(moving, why):
+            # Unanswered requests go to the leader, in the order they were made.
+            self._queued = [payload for _, (_, _, payload) in sorted(self._pending.items())]
+            self._dial()
+            return
+        if self.redirected_to is not None:
+            # The leader went away: the member first given names the next.
+            self.host, self.port, self.secure = self._home
+            self.redirected_to = None
         # Every state change first: a caller told of its failed request
         # below may ask again at once, and that request must be kept.
         pending, self._pending = self._pending, {}
@@ -326,9 +363,41 @@ class FleetClient:
             delay = min(self.max_retry, self.retry * 2 ** (self._failures - 1)) * (1 + 0.2 * self._rng.random())
             self.log.info("llmgw admin socket closed ({why}); reconnecting in {delay:.1f} s", why=why, delay=delay)
             self._redial = txaio.call_later(delay, self._dial)
-        for future, call in pending.values():
+        for future, call, _ in pending.values():
             call.cancel()
             txaio.reject(future, FleetError(0, f"the admin API's socket closed: {why}"))
+
+    def _move(self, location: str, why: str) -> bool:
+        """
+        Point the client at C{location} (a leader's URL, named by a member
+        that does not lead); whether it is followed: not past
+        L{MAX_REDIRECTS} in a row, not from TLS to plain, not to TLS
+        without an admin certificate.
+        """
+        parts = urlsplit(location)
+        secure = parts.scheme in ("https", "wss")
+        refusal = None
+        if parts.scheme not in ("http", "https", "ws", "wss") or not parts.hostname:
+            refusal = "it is not an http(s) URL"
+        elif self.secure and not secure:
+            refusal = "it is not https (the client would leave TLS)"
+        elif secure and not (self.ca and self.cert and self.key):
+            refusal = "it is https and this client has no admin certificate"
+        elif self._redirects >= MAX_REDIRECTS:
+            refusal = f"{MAX_REDIRECTS} redirects in a row: do the members agree on the leader?"
+        if refusal is not None:
+            self.log.warn("llmgw admin: not following the redirect to {location}: {refusal}",
+                          location=location[:200], refusal=refusal)
+            return False
+        self._redirects += 1
+        was = f"{'https' if self.secure else 'http'}://{self.host}:{self.port}"
+        self.host = parts.hostname or self.host
+        self.port = parts.port or (443 if secure else 80)
+        self.secure = secure
+        self.redirected_to = f"{'https' if secure else 'http'}://{self.host}:{self.port}"
+        self.log.info("llmgw admin: {was} does not lead; going to the leader at {leader}",
+                      was=was, leader=self.redirected_to)
+        return True
 
     def _received(self, socket: Any, payload: bytes) -> None:
         try:
@@ -342,15 +411,27 @@ class FleetClient:
             entry = self._pending.pop(message.get("id"), None)  # type: ignore[arg-type]
             if entry is None:
                 return
-            future, call = entry
-            call.cancel()
+            future, call, payload = entry
             status, body = message.get("status"), message.get("body")
+            location = body.get("location") if isinstance(body, dict) else None
+            if status in (307, 308) and isinstance(location, str) and self._socket is socket:
+                # This member no longer leads: the request goes to the
+                # leader, on a socket there, once this one has closed.
+                self._pending[message["id"]] = entry  # type: ignore[index]
+                self._moving = location
+                socket.sendClose()
+                return
+            call.cancel()
+            if status not in (307, 308):
+                self._redirects = 0
             if status == 200:
                 txaio.resolve(future, body)
             else:
                 reason = body.get("error") if isinstance(body, dict) else str(body)
                 txaio.reject(future, FleetError(int(status or 0), str(reason)))
             return
+        # A member that streams to this client serves it: redirects counted anew.
+        self._redirects = 0
         revision = message.get("revision")
         if isinstance(revision, int):
             self.revision = revision
@@ -388,8 +469,8 @@ class FleetClient:
             if self._pending.pop(rid, None) is not None:
                 txaio.reject(future, FleetError(0, f"no answer to {method} {path} within {self.timeout} s"))
 
-        self._pending[rid] = (future, txaio.call_later(self.timeout, expire))
         payload = json.dumps(message).encode("utf-8")
+        self._pending[rid] = (future, txaio.call_later(self.timeout, expire), payload)
         if self._socket is not None:
             self._socket.sendMessage(payload)
         else:

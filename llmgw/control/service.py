@@ -131,7 +131,8 @@ class Options(BaseOptions):
         ["member-id", None, None, "this member's id in etcd (default: HOSTNAME-AGENTPORT)"],
         ["advertise-agents", None, None, "HOST:PORT agents dial for this member, named in redirects "
          "(default: --agent-listen, which must then not be a wildcard address)"],
-        ["advertise-admin", None, "", "URL of this member's admin API, published while it leads"],
+        ["advertise-admin", None, "", "URL of this member's admin API, published while it leads "
+         "(default: the admin listener's own address, which a wildcard --admin is not)"],
         ["config", None, None, "TOML file holding any of these options by name "
          "(pass-interval = 2, insecure = true, ...); the command line wins"],
     ]
@@ -580,6 +581,7 @@ def _attach_ha(cp: ControlPlane, reconciler: Reconciler, options: Options, react
     cp.ha = HAMember(
         reactor, cp, reconciler, client, options["etcd-prefix"], member, ttl=options["etcd-ttl"],
         catalog_file=options["catalog"] or None,
+        admin_url=lambda: admin_url_to_publish(cp, options["advertise-admin"]),
         # The lease deadline on a clock that NTP cannot step back.
         # (A real reactor; a test's clock is its own time.)
         monotonic=time.monotonic if isinstance(reactor, ReactorBase) else None,
@@ -587,6 +589,27 @@ def _attach_ha(cp: ControlPlane, reconciler: Reconciler, options: Options, react
     cp.ha.setName("ha")
     cp.ha.setServiceParent(cp)
     cp.registry.register(HACollector(cp.ha))
+
+
+def admin_url_to_publish(cp: ControlPlane, advertised: str) -> tuple[str, str]:
+    """
+    The admin URL an HA member publishes while it leads, and why there is
+    none when there is none: C{advertised} (C{--advertise-admin}) when the
+    operator set it; else the admin listener's bound address, with the
+    scheme it serves (C{https} under mutual TLS). A listener on every
+    address (C{0.0.0.0}, C{::}) names no address another host could dial.
+    """
+    if advertised:
+        return advertised, ""
+    listener = cp.admin_listener
+    if listener is None or listener.port is None:
+        return "", "its admin API is off (--admin off), and it has no --advertise-admin"
+    host, port = listener.address()
+    if host in ("0.0.0.0", "::", ""):
+        return "", (f"its admin API listens on every address ({format_address(host, port)}), which is no "
+                    "address to send a client to: set --advertise-admin URL on each member")
+    scheme = "https" if getattr(listener, "tls", False) else "http"
+    return f"{scheme}://{format_address(host, port)}", ""
 
 
 def follow_catalog_policies(reconciler: Any) -> None:

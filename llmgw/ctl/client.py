@@ -57,10 +57,12 @@ class Redirected(Exception):
     an HA control plane that does not lead sends the request to the leader.
     """
 
-    def __init__(self, status: int, location: str):
+    def __init__(self, status: int, location: str, body: bytes = b""):
         super().__init__(f"HTTP {status} to {location}")
         self.status = status
         self.location = location
+        #: The answer's body: the admin API's names the member that leads.
+        self.body = body
 
 
 #: Redirects one request follows at most (a member that does not lead sends
@@ -131,7 +133,7 @@ def urllib_http(
         try:
             location = e.headers.get("Location") if e.headers is not None else None
             if e.code in (307, 308) and location:
-                raise Redirected(e.code, location) from None
+                raise Redirected(e.code, location, e.read(64 * 1024)) from None
             return e.code, e.read(MAX_ANSWER)
         finally:
             e.close()
@@ -147,6 +149,24 @@ def urllib_http(
         raise Unreachable(str(e) or type(e).__name__) from e
 
 
+def redirect_note(method: str, url: str, target: str, body: bytes) -> str:
+    """
+    The sentence saying that C{method} to C{url} went on to C{target}: who
+    leads, as the redirecting member named it in C{body}, when it did.
+    """
+    leader = None
+    try:
+        answer = json.loads(body) if body else None
+        if isinstance(answer, dict) and isinstance(answer.get("leader_id"), str):
+            leader = answer["leader_id"]
+    except (ValueError, UnicodeDecodeError):
+        pass
+    where = urlsplit(url)
+    to = urlsplit(target)
+    return (f"{where.scheme}://{_clean(where.netloc)} does not lead; {method} sent to the leader"
+            + (f" {_clean(leader[:100])}" if leader else "") + f" at {to.scheme}://{_clean(to.netloc)}")
+
+
 class _NoRedirect(urllib.request.HTTPRedirectHandler):
     def redirect_request(self, *args: Any, **kwargs: Any) -> None:
         return None
@@ -157,10 +177,14 @@ class AdminClient:
     The admin API over an L{HTTPFunction}.
     """
 
-    def __init__(self, base_url: str, http: HTTPFunction = urllib_http, timeout: float = DEFAULT_TIMEOUT):
+    def __init__(self, base_url: str, http: HTTPFunction = urllib_http, timeout: float = DEFAULT_TIMEOUT,
+                 on_redirect: Callable[[str], None] = lambda note: None):
         self.base_url = base_url.rstrip("/")
         self.http = http
         self.timeout = timeout
+        #: Told a sentence for each redirect followed (C{llmgw ctl} writes
+        #: it on stderr: the operator learns which member leads).
+        self.on_redirect = on_redirect
 
     def get(self, path: str) -> Any:
         return self._call("GET", path, None)
@@ -224,6 +248,7 @@ class AdminClient:
                         + "; refusing to follow",
                         {"error": "redirect refused", "status": r.status},
                     ) from None
+                self.on_redirect(redirect_note(method, url, target, r.body))
                 url = target
         raise CtlError(
             EXIT_SERVER,

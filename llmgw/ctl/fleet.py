@@ -270,7 +270,13 @@ def _run(
         except CtlError as e:
             err.write(f"llmgw ctl {args.ctl_command}: {e.message}\n")
             return e.exit_code
-    client = AdminClient(args.admin, http, args.timeout)
+    says = err
+
+    def redirected(note: str) -> None:
+        # Which member leads is worth knowing: on stderr, the answer stays as is.
+        says.write(f"llmgw ctl {args.ctl_command}: {note}\n")
+
+    client = AdminClient(args.admin, http, args.timeout, on_redirect=redirected)
     try:
         answer, render = body(client)
         text = json.dumps(answer, indent=2) + "\n" if args.json else render()
@@ -339,9 +345,24 @@ def cmd_status(args: argparse.Namespace, out: TextIO | None = None, err: TextIO 
         t = now if now is not None else time.time()
         return {"status": status, "deployments": deployments}, lambda: render_status(
             args.admin, status, deployments, t
-        )
+        ) + _catalog_file_warning(status)
 
     return _run(args, out, err, http, body)
+
+
+def _catalog_file_warning(status: Any) -> str:
+    """
+    A line for an HA member whose catalog file differs from etcd's (which
+    it runs), else nothing.
+    """
+    ha = status.get("ha") if isinstance(status, dict) else None
+    check = ha.get("catalog_file") if isinstance(ha, dict) else None
+    if not isinstance(check, dict) or check.get("differs_from_etcd") is not True:
+        return ""
+    path = _clean(str(check.get("path")))
+    return (f"WARNING        catalog file {path} differs from the catalog in etcd (revision "
+            f"{_clean(str(check.get('etcd_revision')))}), which runs: `llmgw ctl catalog apply {path}` "
+            "stores the file's\n")
 
 
 def cmd_deployments(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None,

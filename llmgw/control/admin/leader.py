@@ -85,7 +85,8 @@ def to_leader(request: Any, path: list[str], ha: Any, who: str, log: Logger) -> 
     with a C{307} whose C{Location} is the same request on the leader's
     admin URL (as the leader published it in etcd), or with a C{503} naming
     the leader when its URL is unknown (no leader, an election under way,
-    or a leader without C{--advertise-admin}). What is this member's own
+    or a leader whose admin API listens on every address and that has no
+    C{--advertise-admin}: the leader's own reason is given). What is this member's own
     (L{local_path}) is answered here, and so are the routes once it follows
     the published table. A read of nodes, replicas or events, once this
     member holds the fleet views the leader published, is answered from
@@ -122,7 +123,8 @@ def to_leader(request: Any, path: list[str], ha: Any, who: str, log: Logger) -> 
         raise Refused(
             503,
             f"this control-plane member ({st.get('member_id')}) does not lead, and "
-            + (f"the leader {leader} published no admin URL (--advertise-admin)" if leader
+            + (f"the leader {leader} published no admin URL "
+               f"({st.get('leader_admin_problem') or 'set --advertise-admin on each member'})" if leader
                else "no leader is known (an election is under way, or etcd is unreachable)")
             + "; try another member",
             headers={b"retry-after": b"1"},

@@ -60,12 +60,15 @@ class Role(enum.Enum):
 class MemberInfo:
     """
     What a member publishes under the leader key when it leads: its id, the
-    address agents dial (C{HOST:PORT}) and its admin API URL.
+    address agents dial (C{HOST:PORT}) and its admin API URL; when it has
+    no admin URL to publish, C{admin_problem} says why (the other members
+    name it when they cannot send a client on).
     """
 
     member_id: str
     agent_address: str = ""
     admin_url: str = ""
+    admin_problem: str = ""
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -74,7 +77,8 @@ class MemberInfo:
     def decode(cls, data: bytes) -> MemberInfo | None:
         try:
             d = json.loads(data)
-            return cls(str(d["member_id"]), str(d.get("agent_address", "")), str(d.get("admin_url", "")))
+            return cls(str(d["member_id"]), str(d.get("agent_address", "")), str(d.get("admin_url", "")),
+                       str(d.get("admin_problem", "")))
         except (ValueError, KeyError, TypeError):
             return None
 
@@ -213,6 +217,7 @@ class Election:
             "leader_id": leader.member_id if leader else None,
             "leader_agent_address": leader.agent_address if leader else None,
             "leader_admin_url": leader.admin_url if leader else None,
+            "leader_admin_problem": leader.admin_problem if leader else None,
             "leader_epoch": self.leader_epoch,
             "lease_ttl": self.ttl,
             "terms": self.terms,

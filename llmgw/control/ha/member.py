@@ -29,6 +29,7 @@ from __future__ import annotations
 import time
 import tomllib
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from typing import Any, overload
 
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
@@ -41,6 +42,7 @@ from zope.interface import implementer
 from llmgw.api.v1 import agent_pb2 as pb
 from llmgw.control.core.catalog import Catalog, CatalogError, parse_catalog
 from llmgw.control.core.commands import ShardCommand
+from llmgw.control.ha.catalogcheck import CatalogFileCheck
 from llmgw.control.ha.election import Election, MemberInfo, Role, leader_key
 from llmgw.control.ha.published import RoutesFollower, RoutesPublisher
 from llmgw.control.ha.published_fleet import FleetDocument, FleetFollower, FleetPublisher
@@ -227,6 +229,7 @@ class HAMember(Service):
         retry_interval: float = 1.0,
         catalog_file: str | None = None,
         monotonic: Callable[[], float] | None = None,
+        admin_url: Callable[[], tuple[str, str]] | None = None,
     ):
         self.reactor = reactor
         self.cp = cp
@@ -234,6 +237,10 @@ class HAMember(Service):
         self.store = store
         self.prefix = prefix
         self.member = member
+        #: The admin URL to publish while leading and, when there is none,
+        #: why: asked once the listeners are bound (a port 0 is known then).
+        #: C{None}: the member record's own C{admin_url}.
+        self.admin_url = admin_url
         self.now_ms = now_ms
         self.retry_interval = retry_interval
         self.epoch_base: int | None = None
@@ -274,6 +281,12 @@ class HAMember(Service):
         self.fleet_follower = FleetFollower(reactor, store, prefix, retry_interval=retry_interval)
         self._republish: Any = None
         self._grace_listener: Callable[[], None] | None = None
+        # Whether --catalog says what etcd's catalog says, on every member.
+        self.catalog_check = (
+            CatalogFileCheck(reactor, store, catalog_key(prefix), catalog_file, self._catalog_differs,
+                             retry_interval=retry_interval)
+            if catalog_file is not None else None
+        )
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -288,6 +301,13 @@ class HAMember(Service):
         self._starting = defer.ensureDeferred(self._start())
         self.routes_follower.start()
         self.fleet_follower.start()
+        if self.catalog_check is not None:
+            self.catalog_check.start()
+
+    def _catalog_differs(self, message: str) -> None:
+        # An event in this member's own log: the leader's API shows it while
+        # this member leads; its status field shows it always.
+        self.reconciler.event_log.add(self.reactor.seconds(), "catalog_file_differs", reason=message)
 
     async def _start(self) -> None:
         while self.running and self.epoch_base is None:
@@ -305,7 +325,29 @@ class HAMember(Service):
                 self.start_error = str(e)
                 await deferLater(self.reactor, self.retry_interval, lambda: None)
         if self.running:
+            self._name_admin_url()
             self.election.start()
+
+    def _name_admin_url(self) -> None:
+        """
+        Put the admin URL this member publishes while it leads into its
+        record: the operator's (C{--advertise-admin}) when set, else its
+        admin listener's own address; or, when neither can be published,
+        the reason, which the other members give a client they cannot send
+        on.
+        """
+        if self.admin_url is None or self.member.admin_url:
+            return
+        url, problem = self.admin_url()
+        self.member = replace(self.member, admin_url=url, admin_problem="" if url else problem)
+        self.election.member = self.member
+        if url:
+            self.log.info("HA member {member} publishes its admin API as {url} while it leads "
+                          "(--advertise-admin names another)", member=self.member.member_id, url=url)
+        else:
+            self.log.warn("HA member {member} has no admin URL to publish: {problem}; while it leads, "
+                          "the other members cannot send admin clients to it",
+                          member=self.member.member_id, problem=problem)
 
     def stopService(self) -> defer.Deferred[None]:
         super().stopService()
@@ -317,6 +359,8 @@ class HAMember(Service):
         self._stop_publishing()
         self.routes_follower.stop()
         self.fleet_follower.stop()
+        if self.catalog_check is not None:
+            self.catalog_check.stop()
         d = self.election.stop()
         if self.reconciler.running:
             self.reconciler.stopService()
@@ -404,21 +448,16 @@ class HAMember(Service):
             kv = await defer.ensureDeferred(self.store.get(key))
             if kv is None:
                 return
-        self._apply_catalog(kv.value, kv.mod_revision, own)
+        # A file that differs is said by the catalog check, on every member.
+        self._apply_catalog(kv.value, kv.mod_revision)
 
-    def _apply_catalog(self, text: bytes, revision: int, own: bytes | None = None) -> None:
+    def _apply_catalog(self, text: bytes, revision: int) -> None:
         where = f"etcd {catalog_key(self.prefix).decode()} (revision {revision})"
         try:
             catalog = parse_catalog_text(text, where)
         except CatalogError as e:
             self.log.error("{error}; the running catalog stays", error=str(e))
             return
-        if own is not None and own != text:
-            self.log.warn(
-                "catalog file {path} differs from the catalog in etcd: using etcd's "
-                "(`llmgw ctl catalog apply {path}` stores the file's)",
-                path=self.catalog_file,
-            )
         changes = self.reconciler.apply_catalog(catalog)
         self.catalog_revision = revision
         self.log.info("catalog from {where}: {changes}", where=where,
@@ -590,12 +629,14 @@ class HAMember(Service):
             "leader_id": st["leader_id"],
             "leader_agent_address": st["leader_agent_address"],
             "leader_admin_url": st["leader_admin_url"],
+            "leader_admin_problem": st["leader_admin_problem"],
             "epoch": (self.epoch_base or 0) + leader_epoch if leader_epoch else 0,
             "revision": leader_epoch,
             "lease_ttl": st["lease_ttl"],
             "terms": st["terms"],
             "commands_fenced": self.dispatcher.fenced,
             "catalog_revision": self.catalog_revision,
+            "catalog_file": self.catalog_check.status() if self.catalog_check is not None else None,
             "fleet_state_revision": self.kept.revision,
             "routes_published": self.routes_publisher.writes,
             "routes_followed_revision": self.routes_follower.revision,
