@@ -40,6 +40,7 @@ COMPILED = [
     "llmgw/gateway/errors.py",
     "llmgw/gateway/forwarding.py",
     "llmgw/gateway/front.py",
+    "llmgw/gateway/frontaccept.py",
     "llmgw/gateway/frontrequest.py",
     "llmgw/gateway/httphead.py",
     "llmgw/gateway/metrics.py",

@@ -9,6 +9,7 @@ import json
 import time
 from typing import Any
 
+from twisted.internet.address import IPv4Address
 from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.internet.error import ConnectionDone
 from twisted.internet.interfaces import IPushProducer
@@ -73,12 +74,12 @@ class Server:
     (or answers at once when C{auto} is set).
     """
 
-    def __init__(self, max_body: int = 1000, auto: bool = False):
+    def __init__(self, max_body: int = 1000, auto: bool = False, **factory_args: Any):
         self.requests: list[FrontRequest] = []
         self.auto = auto
         self.clock = Clock()
         self.clock.advance(1_700_000_000)
-        self.factory = FrontFactory(self.handle, self.clock, max_body)
+        self.factory = FrontFactory(self.handle, self.clock, max_body, **factory_args)
         self.proto: HTTPFront = self.factory.buildProtocol(None)
         self.transport = StringTransport()
         self.proto.makeConnection(self.transport)
@@ -807,12 +808,13 @@ class TimeoutTests(SynchronousTestCase):
 
     def test_defaults(self) -> None:
         """
-        By default a head has 30 s, a stalled body 60 s and an idle
-        kept-alive connection 120 s.
+        By default a head has 10 s, a whole request 30 s, a stalled body
+        60 s and an idle kept-alive connection 120 s.
         """
         factory = FrontFactory(lambda r: None, Clock())
         self.assertEqual(
-            (factory.head_timeout, factory.body_timeout, factory.keep_alive_timeout), (30.0, 60.0, 120.0)
+            (factory.head_timeout, factory.request_timeout, factory.body_timeout, factory.keep_alive_timeout),
+            (10.0, 30.0, 60.0, 120.0),
         )
 
     def test_head_timeout(self) -> None:
@@ -823,14 +825,14 @@ class TimeoutTests(SynchronousTestCase):
         """
         s = Server()
         s.feed(b"POST /v1/chat/completions HTTP/1.1\r\n")
-        for _ in range(29):
+        for _ in range(9):
             s.clock.advance(1)
             s.feed(b"X")
         s.clock.advance(0.9)
         self.assertFalse(s.transport.disconnecting)
         self.assertEqual(s.output(), b"")
         s.clock.advance(0.1)
-        self.assertTimedOut408(s, "not complete within 30 s")
+        self.assertTimedOut408(s, "not complete within 10 s")
         self.assertEqual(s.requests, [])
 
     def test_head_timeout_from_first_byte(self) -> None:
@@ -844,10 +846,10 @@ class TimeoutTests(SynchronousTestCase):
         s.output()
         s.clock.advance(50)
         s.feed(b"POST /2 HT")
-        s.clock.advance(29.9)
+        s.clock.advance(9.9)
         self.assertFalse(s.transport.disconnecting)
         s.clock.advance(0.1)
-        self.assertTimedOut408(s, "not complete within 30 s")
+        self.assertTimedOut408(s, "not complete within 10 s")
 
     def test_nothing_sent(self) -> None:
         """
@@ -856,13 +858,13 @@ class TimeoutTests(SynchronousTestCase):
         answer.
         """
         s = Server()
-        s.clock.advance(29.9)
+        s.clock.advance(9.9)
         self.assertFalse(s.transport.disconnecting)
         s.clock.advance(0.1)
         self.assertClosedQuietly(s)
 
         s = Server()
-        for _ in range(30):
+        for _ in range(10):
             s.feed(b"\r\n")
             s.clock.advance(1)
         self.assertClosedQuietly(s)
@@ -887,10 +889,11 @@ class TimeoutTests(SynchronousTestCase):
     def test_body_timeout(self) -> None:
         """
         A body that keeps arriving may take longer than C{body_timeout} in
-        all; one that stalls for C{body_timeout} seconds gets a 408 and
-        the connection closes, Content-Length framed or chunked.
+        all (within the whole request's time); one that stalls for
+        C{body_timeout} seconds gets a 408 and the connection closes,
+        Content-Length framed or chunked.
         """
-        s = Server()
+        s = Server(request_timeout=1000)
         s.feed(b"POST /p HTTP/1.1\r\nHost: gw\r\nContent-Length: 10\r\n\r\n")
         for _ in range(5):
             s.clock.advance(59)
@@ -901,7 +904,7 @@ class TimeoutTests(SynchronousTestCase):
         self.assertTimedOut408(s, "nothing arrived for 60 s")
         self.assertEqual(s.requests, [])
 
-        s = Server()
+        s = Server(request_timeout=1000)
         s.feed(b"POST /p HTTP/1.1\r\nHost: gw\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nab")
         s.clock.advance(59)
         s.feed(b"cde\r\n")
@@ -909,6 +912,42 @@ class TimeoutTests(SynchronousTestCase):
         self.assertFalse(s.transport.disconnecting)
         s.clock.advance(1)
         self.assertTimedOut408(s, "nothing arrived for 60 s")
+
+    def test_request_timeout_despite_trickle(self) -> None:
+        """
+        A request whose bytes keep trickling in (a byte every 5 s, never a
+        stall) gets a 408 once C{request_timeout} (30 s by default) has
+        passed since its first byte, head or body, and its handler never
+        sees it; the head alone is due within 10 s whatever the body's
+        time.
+        """
+        s = Server()
+        s.clock.advance(3)
+        s.feed(b"POST /p HTTP/1.1\r\nHost: gw\r\nContent-Length: 100\r\n\r\n")
+        for _ in range(5):
+            s.clock.advance(5)
+            s.feed(b"x")
+        # 28 s since the connection (the request's start) by now.
+        s.clock.advance(1.9)
+        self.assertFalse(s.transport.disconnecting)
+        s.clock.advance(0.1)
+        self.assertTimedOut408(s, "not complete within 30 s")
+        self.assertEqual(s.requests, [])
+
+        s = Server(auto=True, request_timeout=20)
+        s.feed(post(b"/1", b"x"))
+        s.output()
+        s.clock.advance(50)
+        # The next request's time starts at its first byte.
+        s.feed(b"POST /2 HTTP/1.1\r\nHost: gw\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for _ in range(19):
+            s.clock.advance(1)
+            s.feed(b"1\r\nx\r\n")
+        s.clock.advance(0.9)
+        self.assertFalse(s.transport.disconnecting)
+        s.clock.advance(0.1)
+        self.assertTimedOut408(s, "not complete within 20 s")
+        self.assertEqual(len(s.requests), 1)
 
     def test_configured(self) -> None:
         """
@@ -948,9 +987,9 @@ class TimeoutTests(SynchronousTestCase):
         out = s.output()
         self.assertIn(b"data: 9\n\n", out)
         self.assertNotIn(b"408", out)
-        # The read-ahead head of /2 now has its 30 s.
-        s.clock.advance(30)
-        self.assertTimedOut408(s, "not complete within 30 s")
+        # The read-ahead head of /2 now has its 10 s.
+        s.clock.advance(10)
+        self.assertTimedOut408(s, "not complete within 10 s")
 
         s = Server()
         s.feed(post(b"/1", b"x"))
@@ -1117,3 +1156,92 @@ class EndTests(SynchronousTestCase):
             proto.connectionLost(Failure(ConnectionDone()))
 
         self.assertEqual(cyclic_leftovers(run, HTTPFront, FrontRequest, Deadline), 0)
+
+
+class ScreenTests(SynchronousTestCase):
+    """
+    The factory's C{screen} sees each request's head before its body.
+    """
+
+    def test_refused_before_body(self) -> None:
+        """
+        A request the screen refuses goes to the handler as soon as its
+        head is read, with no body and no C{100 Continue} sent; with a body
+        announced the connection is not kept alive, and after the answer
+        only its sending side closes (what the client still sends is read
+        and dropped).
+        """
+        heads: list[bytes] = []
+
+        def screen(request: FrontRequest) -> bool:
+            heads.append(request.path)
+            return False
+
+        s = Server(screen=screen)
+        s.transport.loseWriteConnection = lambda: setattr(s.transport, "half_closed", True)  # type: ignore[attr-defined]
+        s.feed(b"POST /p HTTP/1.1\r\nHost: gw\r\nContent-Length: 1000\r\nExpect: 100-continue\r\n\r\n")
+        (r,) = s.requests
+        self.assertEqual((heads, r.body, r.keep_alive, r.too_large), ([b"/p"], b"", False, False))
+        self.assertEqual(s.output(), b"")
+        answer(r, b"no")
+        self.assertNotIn(b"100 Continue", s.output())
+        self.assertTrue(getattr(s.transport, "half_closed", False))
+        s.feed(b"x" * 1000)
+        self.assertEqual(len(s.requests), 1)
+
+    def test_refused_without_body_kept_alive(self) -> None:
+        """
+        A request with no body that the screen refuses is answered and the
+        connection goes on to the next request.
+        """
+        s = Server(auto=True, screen=lambda request: request.path != b"/no")
+        s.feed(b"GET /no HTTP/1.1\r\nHost: gw\r\n\r\n" + post(b"/yes", b"body"))
+        self.assertEqual([r.body for r in s.requests], [b"", b"body"])
+        self.assertFalse(s.transport.disconnecting)
+
+    def test_allowed_reads_body(self) -> None:
+        """
+        A request the screen lets through is read whole before its handler
+        sees it.
+        """
+        s = Server(screen=lambda request: True)
+        s.feed(post(b"/p", b"hello"), bytewise=True)
+        self.assertEqual([r.body for r in s.requests], [b"hello"])
+
+
+class PerAddressTests(SynchronousTestCase):
+    """
+    The optional cap on client connections from one address.
+    """
+
+    def test_cap(self) -> None:
+        """
+        With C{max_per_address}, a connection from an address that holds
+        that many already is refused at accept (no protocol), counted and
+        logged with the address; other addresses are not affected, and a
+        connection's end frees its place. Without it there is no cap.
+        """
+        clock = Clock()
+        factory = FrontFactory(lambda r: None, clock, max_per_address=2)
+        a = IPv4Address("TCP", "10.0.0.1", 1000)
+        b = IPv4Address("TCP", "10.0.0.2", 1000)
+        logged: list[dict[str, Any]] = []
+        globalLogPublisher.addObserver(logged.append)
+        self.addCleanup(globalLogPublisher.removeObserver, logged.append)
+        first, second = factory.buildProtocol(a), factory.buildProtocol(a)
+        for proto in (first, second):
+            assert proto is not None
+            proto.makeConnection(StringTransport(peerAddress=a))
+        self.assertIsNone(factory.buildProtocol(a))
+        self.assertEqual(factory.refused_connections, 1)
+        self.assertTrue(any(e.get("peer") == "10.0.0.1" and "per-address" in e.get("log_format", "")
+                            for e in logged))
+        self.assertIsNotNone(factory.buildProtocol(b))
+        assert first is not None
+        first.connectionLost(Failure(ConnectionError("gone")))
+        self.assertIsNotNone(factory.buildProtocol(a))
+        self.assertIsNone(factory.buildProtocol(a))
+
+        unlimited = FrontFactory(lambda r: None, clock)
+        for _ in range(100):
+            self.assertIsNotNone(unlimited.buildProtocol(a))

@@ -385,3 +385,42 @@ class UpstreamHeadTests(SynchronousTestCase):
             self.assertTrue(upstream.disconnecting)
             self.assertEqual(len(front.clock.tcpClients), 1)
         self.assertIn("malformed response", log.text())
+
+
+class KeyOnHeadTests(SynchronousTestCase):
+    """
+    The API key is checked on the request's head, before its body.
+    """
+
+    def front(self) -> Front:
+        from llmgw.gateway.keys import KeyRing
+
+        front = Front()
+        front.gateway.keys = KeyRing({"team": "sk-good"})
+        return front
+
+    def test_refused_before_body(self) -> None:
+        """
+        A request with a missing or wrong key gets its 401 (OpenAI's shape)
+        as soon as its head is read, though its body has not come (and
+        never will), and the connection closes after the answer.
+        """
+        for auth in (b"", b"Authorization: Bearer sk-bad\r\n"):
+            front = self.front()
+            head = post(b"{}" * 500, extra=auth).partition(b"\r\n\r\n")[0] + b"\r\n\r\n"
+            t = front.send(head)
+            status, _, body = parse(t.value())
+            self.assertEqual(status, 401)
+            self.assertEqual(error_of(body)["type"], "invalid_request_error")
+            self.assertTrue(t.disconnecting)
+            self.assertEqual(front.clock.tcpClients, [])
+
+    def test_valid_key_reads_body(self) -> None:
+        """
+        With a valid key the body is read and the request forwarded, under
+        the key the head's check found.
+        """
+        front = self.front()
+        t = front.send(post(b'{"model": "demo"}', extra=b"Authorization: Bearer sk-good\r\n"))
+        self.assertEqual(t.value(), b"")
+        self.assertEqual(len(front.clock.tcpClients), 1)

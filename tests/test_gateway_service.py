@@ -60,8 +60,24 @@ class OptionsTests(SynchronousTestCase):
         self.assertIsNone(o["keyring"])
         self.assertEqual(o.config().max_tries, 3)
         c = o.config()
-        self.assertEqual((c.head_timeout, c.body_timeout, c.keep_alive_timeout), (30.0, 60.0, 120.0))
+        self.assertEqual(
+            (c.head_timeout, c.request_timeout, c.body_timeout, c.keep_alive_timeout), (10.0, 30.0, 60.0, 120.0)
+        )
         self.assertEqual((c.queue_depth, c.queue_timeout_s), (1000, 60.0))
+        self.assertEqual(c.max_per_address, 0)
+
+    def test_client_bounds(self) -> None:
+        """
+        --request-timeout bounds a whole request and
+        --max-connections-per-address caps one address's connections, on
+        the gateway's front.
+        """
+        o = Options()
+        o.parseOptions(["--request-timeout", "45", "--max-connections-per-address", "8"])
+        c = o.config()
+        self.assertEqual((c.request_timeout, c.max_per_address), (45.0, 8))
+        site = GatewayService(Clock(), RoutingSnapshot([]), config=c).site
+        self.assertEqual((site.request_timeout, site.max_per_address), (45.0, 8))
 
     def test_queue_options(self) -> None:
         """

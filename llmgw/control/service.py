@@ -42,7 +42,7 @@ from llmgw.control.shell.trust import TrustService
 from llmgw.control.state.demand import InFlightDemand
 from llmgw.control.state.interfaces import AdminError, IFleetAdmin, IStatusSink
 from llmgw.control.state.inventory import Inventory
-from llmgw.gateway.front import MAX_CONNECTIONS
+from llmgw.gateway.front import MAX_CONNECTIONS, REQUEST_TIMEOUT
 from llmgw.gateway.proxy import GatewayConfig
 from llmgw.gateway.service import DEFAULT_GATEWAY, GatewayService
 from llmgw.options import (
@@ -95,6 +95,12 @@ class Options(BaseOptions):
          "accept (0: no cap)", non_negative_int],
         ["max-connections-per-address", None, LimitsConfig.max_per_address,
          "most agent-port connections from one source address (0: no cap)", non_negative_int],
+        ["gateway-max-connections-per-address", None, 0,
+         "most client connections of the embedded gateway from one address; past it new ones are "
+         "closed at accept (0: no cap; for a gateway with no load balancer in front)", non_negative_int],
+        ["gateway-request-timeout", None, REQUEST_TIMEOUT,
+         "seconds a client of the embedded gateway may take to send a whole request, head and body, "
+         "from its first byte, however its bytes trickle (then 408)", positive_float],
         ["agent-message-rate", None, LimitsConfig.message_rate,
          "messages per second one agent may send before it is not read (0: no limit)", non_negative_float],
         ["agent-message-burst", None, LimitsConfig.message_burst,
@@ -546,7 +552,10 @@ def makeService(options: Options, reactor: Any = None) -> ControlPlane:
         # same one standalone gateways follow through GET /api/v1/routes.
         cp.gateway = GatewayService(
             reactor, reconciler.routing_table, host, port, keys=options["keyring"], registry=cp.registry,
-            hosts=options["gateway-hosts"], config=GatewayConfig(limit_share=options["limit-share"]),
+            hosts=options["gateway-hosts"], config=GatewayConfig(
+                limit_share=options["limit-share"], request_timeout=options["gateway-request-timeout"],
+                max_per_address=options["gateway-max-connections-per-address"],
+            ),
             max_connections=options["gateway-max-connections"],
         )
         cp.gateway.listener.option = "--gateway"

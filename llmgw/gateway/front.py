@@ -28,13 +28,22 @@ without re-encoding them, so this server does only what that needs:
 - the connection is the transport's streaming producer and passes
   pause/resume on to the current response's producer (backpressure);
 - a connection that goes away tells the current request's C{on_lost};
+- at most C{max_per_address} client connections from one address, when
+  set (see L{FrontFactory});
+- a request's head goes to the factory's C{screen}, when it has one, before
+  any of its body is read: a request it refuses (a missing API key) is
+  answered at once, its body never read (with a body announced, the
+  connection closes after the answer, as for a body over the limit);
 - slow or idle clients are timed out (see L{FrontFactory}): a request head
   must be complete within C{head_timeout} of its first byte (else 408 and
-  close; a connection that sent nothing is just closed), a body must keep
-  arriving (C{body_timeout} without a byte: 408 and close), and a kept-alive
-  connection with no request is closed after C{keep_alive_timeout}. None of
-  them runs while a request is with its handler (waiting for a replica, or
-  streaming the response): the proxy's own timeouts govern that.
+  close; a connection that sent nothing is just closed), the whole request,
+  head and body, within C{request_timeout} of its first byte however it
+  trickles, a body must keep arriving (C{body_timeout} without a byte: 408
+  and close), and a kept-alive connection with no request is closed after
+  C{keep_alive_timeout}. None of them runs while a request is with its
+  handler (waiting for a replica, or streaming the response): the proxy's
+  own timeouts govern that. (A head's time starts at the connection, or at
+  the previous response's end when the next head is already buffered.)
 
 Each connection has one L{Deadline} for all three
 (L{llmgw.gateway.deadline}). Moving it later (a body's progress, the idle
@@ -61,19 +70,19 @@ from typing import Any, ClassVar, Final
 
 from mypy_extensions import mypyc_attr
 from twisted.internet.interfaces import IDelayedCall, IPushProducer
-from twisted.internet.protocol import Protocol, ServerFactory
+from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.http import datetimeToString
 from zope.interface import classImplements
 
 from llmgw.gateway.chunked import ChunkedDecoder, ChunkError
-from llmgw.gateway.deadline import Deadline
+from llmgw.gateway.deadline import SLACK, Deadline
 from llmgw.gateway.errors import error_body
+from llmgw.gateway.frontaccept import MAX_CONNECTIONS, CappedFactory
 from llmgw.gateway.frontrequest import REASONS, FrontRequest
 from llmgw.gateway.httphead import HeadRefused, parse_head
 from llmgw.gateway.wire import send_now
-from llmgw.oslimits import raise_fd_limit
 
 #: The most a request line and its headers may take.
 MAX_HEAD: Final = 64 * 1024
@@ -82,7 +91,10 @@ MAX_HEAD: Final = 64 * 1024
 READ_AHEAD: Final = 64 * 1024
 
 #: Default seconds from a request's first byte until its head is complete.
-HEAD_TIMEOUT: Final = 30.0
+HEAD_TIMEOUT: Final = 10.0
+#: Default seconds from a request's first byte until all of it (head and
+#: body) has arrived, however slowly its bytes trickle in.
+REQUEST_TIMEOUT: Final = 30.0
 #: Default seconds a request body may go without a byte arriving.
 BODY_TIMEOUT: Final = 60.0
 #: Default seconds a kept-alive connection may wait for its next request.
@@ -94,15 +106,6 @@ CLOSE_LINGER: Final = 30.0
 #: (read and dropped, so that its answer is not lost to a reset) before
 #: the connection is aborted.
 DRAIN_MAX: Final = 1024 * 1024
-#: Default cap on client connections at once; past it a new connection is
-#: closed at accept.
-MAX_CONNECTIONS: Final = 10_000
-#: Open files needed beyond one per client connection: each proxied request
-#: holds an upstream connection too, plus logs and listeners.
-FD_HEADROOM: Final = 1024
-#: Refused connections are logged at most this often.
-REFUSAL_LOG_INTERVAL: Final = 10.0
-
 _HEAD, _BODY, _CHUNKED = range(3)
 # What the connection's timer watches: nothing (a request is with its
 # handler), the wait for a request, a head arriving, a body arriving.
@@ -143,6 +146,11 @@ class HTTPFront(Protocol):
         #: C{_watching} says (first set when the connection is made).
         self._deadline: Deadline = Deadline(factory.reactor, self._timed_out)
         self._watching = _W_NONE
+        #: When the request being read must be complete (the reactor's
+        #: seconds), set as its first byte arrives.
+        self._request_at = 0.0
+        #: The address counted against the factory's per-address cap.
+        self.counted_host: str | None = None
         #: After L{close}: the connection is aborted when it comes due.
         self._linger: IDelayedCall | None = None
         #: Writes to the client: at once when nothing is queued (see
@@ -167,7 +175,7 @@ class HTTPFront(Protocol):
         self.send = send_now(transport)
         # A new connection is there to send a request: it gets the head's
         # time, not the idle wait's.
-        self._watch(self.factory.head_timeout, _W_HEAD)
+        self._watch_head()
 
     def _send_unconnected(self, data: bytes) -> None:
         self.transport.write(data)
@@ -180,6 +188,24 @@ class HTTPFront(Protocol):
         """
         self._watching = what
         self._deadline.set(delay)
+
+    def _watch_head(self) -> None:
+        """
+        A request starts now: its head is due within C{head_timeout}, all
+        of it within C{request_timeout}.
+        """
+        factory = self.factory
+        self._request_at = factory.reactor.seconds() + factory.request_timeout
+        self._watch(min(factory.head_timeout, factory.request_timeout), _W_HEAD)
+
+    def _body_delay(self) -> float:
+        """
+        Seconds the body may now go without a byte: C{body_timeout}, and
+        never past the whole request's deadline, so that a byte now and
+        then does not keep a request open.
+        """
+        left = self._request_at - self.factory.reactor.seconds()
+        return max(0.0, min(self.factory.body_timeout, left))
 
     def _stop_timer(self) -> None:
         self._watching = _W_NONE
@@ -198,13 +224,16 @@ class HTTPFront(Protocol):
             self.close()
         elif what == _W_HEAD:
             if self._buf:
-                self._refuse(
-                    408, f"The request head was not complete within {factory.head_timeout:g} s", "request_timeout"
-                )
+                limit = min(factory.head_timeout, factory.request_timeout)
+                self._refuse(408, f"The request head was not complete within {limit:g} s", "request_timeout")
             else:
                 self.log.debug("closing connection from {peer}: no request within {timeout} s",
                                peer=self.peer, timeout=factory.head_timeout)
                 self.close()
+        elif self._request_at - factory.reactor.seconds() <= SLACK:
+            self._refuse(
+                408, f"The request was not complete within {factory.request_timeout:g} s", "request_timeout"
+            )
         else:
             self._refuse(
                 408, f"The request body stalled: nothing arrived for {factory.body_timeout:g} s", "request_timeout"
@@ -298,15 +327,21 @@ class HTTPFront(Protocol):
                 self._reading_paused = True
                 self.transport.pauseProducing()
         elif self._state != _HEAD:
-            # A body is arriving: each read of it puts the deadline later.
-            if self._watching == _W_BODY:
-                self._deadline.set(self.factory.body_timeout)
+            # A body is arriving: each read of it puts the deadline later,
+            # up to the whole request's.
+            watching = self._watching
+            if watching == _W_BODY:
+                self._deadline.set(self._body_delay())
             else:
-                self._watch(self.factory.body_timeout, _W_BODY)
+                if watching != _W_HEAD:
+                    # The whole head came in this read: the request's
+                    # time starts now.
+                    self._request_at = self.factory.reactor.seconds() + self.factory.request_timeout
+                self._watch(self._body_delay(), _W_BODY)
         elif self._buf:
             # Part of a head: its time runs from its first byte.
             if self._watching != _W_HEAD:
-                self._watch(self.factory.head_timeout, _W_HEAD)
+                self._watch_head()
         elif self._watching == _W_NONE:
             # A response ended and nothing more is here: wait for the next.
             self._watch(self.factory.keep_alive_timeout, _W_IDLE)
@@ -348,6 +383,15 @@ class HTTPFront(Protocol):
         self._reading = request
         self._parts = []
         self._received = 0
+        screen = self.factory.screen
+        if screen is not None and not screen(request):
+            # Refused on its head: answered now, before a byte of its body
+            # is read (and none is: the connection closes after the answer).
+            if chunked or (length is not None and length.lstrip(b"0")):
+                self._unread(request)
+            else:
+                self._dispatch()
+            return
         if chunked:
             self._decoder = ChunkedDecoder()
             self._state = _CHUNKED
@@ -374,6 +418,13 @@ class HTTPFront(Protocol):
         let the answer reach the client (see L{close}).
         """
         request.too_large = True
+        self._unread(request)
+
+    def _unread(self, request: FrontRequest) -> None:
+        """
+        Hand C{request} to the handler now, its body unread, and read no
+        more of this connection except to let the answer reach the client.
+        """
         request.keep_alive = False
         self._unread_body = True
         self._decoder = None
@@ -530,7 +581,11 @@ class HTTPFront(Protocol):
         linger, self._linger = self._linger, None
         if linger is not None and linger.active():
             linger.cancel()
-        self.factory.connection_ended()
+        factory = self.factory
+        factory.connection_ended()
+        if self.counted_host is not None:
+            factory.address_released(self.counted_host)
+            self.counted_host = None
         request, self._request = self._request, None
         if request is not None and not request.finished:
             request.finished = True
@@ -564,27 +619,28 @@ classImplements(HTTPFront, IPushProducer)
 
 # Compiled (setup.py), it may still be subclassed by uncompiled code.
 @mypyc_attr(allow_interpreted_subclasses=True)
-class FrontFactory(ServerFactory):
+class FrontFactory(CappedFactory):
     """
     Serves C{handle} (a callable taking a L{FrontRequest}) with bodies up
     to C{max_body} bytes. C{reactor} is the clock of every timeout: a
     request head must be complete within C{head_timeout} seconds of its
-    first byte (or of the connection's start), a body may go
-    C{body_timeout} seconds without a byte, and a kept-alive connection may
-    wait C{keep_alive_timeout} seconds for its next request.
+    first byte (or of the connection's start), the whole request within
+    C{request_timeout} seconds of it, a body may go C{body_timeout} seconds
+    without a byte, and a kept-alive connection may wait
+    C{keep_alive_timeout} seconds for its next request.
 
-    At most C{max_connections} client connections are open at once (0: no
-    cap); a connection past the cap is closed at accept, before a byte is
-    read, and counted in C{refused_connections}. Starting the factory raises
-    the process's open-file limit to what the cap needs (one file per
-    client and one per upstream connection, plus L{FD_HEADROOM}) as far as
-    the hard limit allows; the process's start-up check
-    (L{llmgw.oslimits.fd_limit_problem}) warns when that is not enough.
+    C{screen}, when set, is called with each request as soon as its head is
+    read, before any of its body: C{True} lets the request go on (its body
+    read, then the handler called); C{False} hands it to the handler at
+    once, its body unread, for the handler to refuse (as it would anyway:
+    the screen only says so sooner).
+
+    The caps on connections at accept, C{max_connections} in all and
+    C{max_per_address} from one address (0: none), are L{CappedFactory}'s.
     """
 
     # Named, and a ClassVar (setup.py's rules for compiled classes).
     log: ClassVar[Logger] = Logger(namespace=f"{__name__}.FrontFactory")
-    noisy = False
 
     def __init__(
         self,
@@ -595,53 +651,27 @@ class FrontFactory(ServerFactory):
         body_timeout: float = BODY_TIMEOUT,
         keep_alive_timeout: float = KEEP_ALIVE_TIMEOUT,
         max_connections: int = MAX_CONNECTIONS,
+        request_timeout: float = REQUEST_TIMEOUT,
+        max_per_address: int = 0,
+        screen: Callable[[FrontRequest], bool] | None = None,
     ):
         self.handle = handle
-        self.max_connections = max_connections
-        #: Client connections open now, and refused at the cap so far.
-        self.connections = 0
-        self.refused_connections = 0
-        self._last_refusal_log = -REFUSAL_LOG_INTERVAL
-        self._unlogged_refusals = 0
-        self.reactor = reactor
+        self.screen = screen
+        super().__init__(reactor, max_connections, max_per_address)
         self.max_body = max_body
         self.head_timeout = head_timeout
         self.body_timeout = body_timeout
+        self.request_timeout = request_timeout
         self.keep_alive_timeout = keep_alive_timeout
         self._date_second = -1
         self._date = b""
 
-    def startFactory(self) -> None:
-        if self.max_connections:
-            raise_fd_limit(2 * self.max_connections + FD_HEADROOM)
-
     def buildProtocol(self, addr: Any) -> HTTPFront | None:  # type: ignore[override]
-        if self.max_connections and self.connections >= self.max_connections:
-            self._refuse_connection(addr)
+        if not self.admit(addr):
             return None
-        self.connections += 1
-        return HTTPFront(self)
-
-    def connection_ended(self) -> None:
-        """
-        A client connection built by this factory has closed.
-        """
-        self.connections -= 1
-
-    def _refuse_connection(self, addr: Any) -> None:
-        self.refused_connections += 1
-        self._unlogged_refusals += 1
-        now = self.reactor.seconds()
-        if now - self._last_refusal_log < REFUSAL_LOG_INTERVAL:
-            return
-        self.log.warn(
-            "refusing client connections at accept: the gateway holds its maximum of "
-            "{cap} (--max-connections); {count} refused since the last such message, "
-            "the latest from {peer}",
-            cap=self.max_connections, count=self._unlogged_refusals, peer=getattr(addr, "host", addr),
-        )
-        self._last_refusal_log = now
-        self._unlogged_refusals = 0
+        proto = HTTPFront(self)
+        proto.counted_host = self.counted_host(addr)
+        return proto
 
     def dispatch(self, request: FrontRequest) -> None:
         try:

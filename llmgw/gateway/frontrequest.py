@@ -44,6 +44,7 @@ class FrontRequest:
     __slots__ = (
         "channel", "method", "uri", "path", "http10", "headers", "body", "too_large",
         "keep_alive", "on_lost", "started", "finished", "producer", "_chunked", "_no_body", "_held",
+        "key_name",
     )
 
     def __init__(
@@ -71,6 +72,8 @@ class FrontRequest:
         self._chunked = False
         self._no_body = False
         self._held = b""
+        #: The name of the API key the factory's screen found, if any.
+        self.key_name: str | None = None
 
     # what the handler reads
 

@@ -35,7 +35,13 @@ from zope.interface import classImplements
 from llmgw.gateway import errors
 from llmgw.gateway.admission import gateway_admission
 from llmgw.gateway.forwarding import FORWARDED_HEADERS, connection_options, forwarded_head
-from llmgw.gateway.front import BODY_TIMEOUT, HEAD_TIMEOUT, KEEP_ALIVE_TIMEOUT, FrontRequest
+from llmgw.gateway.front import (
+    BODY_TIMEOUT,
+    HEAD_TIMEOUT,
+    KEEP_ALIVE_TIMEOUT,
+    REQUEST_TIMEOUT,
+    FrontRequest,
+)
 from llmgw.gateway.keys import KeyRing
 from llmgw.gateway.metrics import GatewayMetrics
 from llmgw.gateway.policy import DEFAULT_POLICY, PolicyConfig
@@ -71,13 +77,16 @@ _DROP_RESPONSE: Final = frozenset(
 class GatewayConfig:
     """
     The gateway's tunables; times in seconds. C{head_timeout},
-    C{body_timeout} and C{keep_alive_timeout} bound slow or idle clients
-    (see L{llmgw.gateway.front}); the others bound replicas.
+    C{request_timeout}, C{body_timeout} and C{keep_alive_timeout} bound
+    slow or idle clients, C{max_per_address} (0: none) caps the connections
+    from one address (see L{llmgw.gateway.front}); the others bound replicas.
     """
 
     max_body: int = 8 * 1024 * 1024
     head_timeout: float = HEAD_TIMEOUT
+    request_timeout: float = REQUEST_TIMEOUT
     body_timeout: float = BODY_TIMEOUT
+    max_per_address: int = 0
     keep_alive_timeout: float = KEEP_ALIVE_TIMEOUT
     connect_timeout: float = 5.0
     first_byte_timeout: float = 300.0

@@ -70,7 +70,9 @@ class GatewayResource:
                 assert host is not None
                 raise errors.misdirected(host, hosts.option)
             if keys is not None:
-                key_name = keys.authenticate(request.header(b"authorization"))
+                key_name = request.key_name
+                if key_name is None:
+                    key_name = keys.authenticate(request.header(b"authorization"))
                 if key_name is None:
                     raise errors.unauthorized(
                         "A valid API key is required: send `Authorization: Bearer KEY`"
@@ -92,6 +94,27 @@ class GatewayResource:
             raise errors.not_found(f"No such endpoint: {clip(path)}")
         except errors.GatewayError as e:
             self._refused(request, e, key_name, UNKNOWN_MODEL, started)
+
+    def screen(self, request: FrontRequest) -> bool:
+        """
+        Whether C{request}, its head read and none of its body, may go on:
+        C{False} when L{__call__} would refuse it on its head alone (a
+        missing or wrong API key, a host not served), so that the front
+        answers it before reading a byte of its body. The API key's name
+        found is kept on the request for L{__call__}.
+        """
+        path = request.path
+        if path == HEALTH:
+            return True
+        gateway = self.gateway
+        if not gateway.hosts.allows(request.header(b"host")):
+            return False
+        keys = gateway.keys
+        if keys is None:
+            return True
+        key_name = keys.authenticate(request.header(b"authorization"))
+        request.key_name = key_name
+        return key_name is not None
 
     # the proxied endpoints
 
@@ -245,8 +268,9 @@ def _model_entry(model: str) -> dict[str, Any]:
 
 class GatewaySite(FrontFactory):
     """
-    Serves a L{GatewayResource}, with its gateway's body limit and client
-    timeouts. No access
+    Serves a L{GatewayResource}, with its gateway's body limit, client
+    timeouts and per-address cap; a request's API key (and host) is checked
+    on its head, before its body is read. No access
     log: the metrics count every request, and refusals are logged with who
     sent them.
     """
@@ -262,5 +286,8 @@ class GatewaySite(FrontFactory):
             head_timeout=config.head_timeout,
             body_timeout=config.body_timeout,
             keep_alive_timeout=config.keep_alive_timeout,
+            request_timeout=config.request_timeout,
+            max_per_address=config.max_per_address,
+            screen=resource.screen,
         )
         self.resource = resource

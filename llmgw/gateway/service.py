@@ -196,6 +196,9 @@ class Options(BaseOptions):
         ["head-timeout", None, _DEFAULTS.head_timeout,
          "seconds a client may take to send a request's head, from its first byte (then 408)",
          positive_float],
+        ["request-timeout", None, _DEFAULTS.request_timeout,
+         "seconds a client may take to send a whole request, head and body, from its first "
+         "byte, however its bytes trickle (then 408)", positive_float],
         ["body-timeout", None, _DEFAULTS.body_timeout,
          "seconds a client's request body may go without a byte arriving (then 408)",
          positive_float],
@@ -219,6 +222,9 @@ class Options(BaseOptions):
          "queue_timeout_s wins", positive_float],
         max_connections_row(
             MAX_CONNECTIONS, "most client connections at once; past it new ones are closed at accept (0: no cap)"),
+        ["max-connections-per-address", None, 0,
+         "most client connections from one address; past it new ones are closed at accept (0: no "
+         "cap; for a gateway with no load balancer in front)", non_negative_int],
     ]
 
     def opt_admin_url(self, url: str) -> None:
@@ -278,7 +284,9 @@ class Options(BaseOptions):
             first_byte_timeout=self["first-byte-timeout"],
             idle_timeout=self["idle-timeout"],
             head_timeout=self["head-timeout"],
+            request_timeout=self["request-timeout"],
             body_timeout=self["body-timeout"],
+            max_per_address=self["max-connections-per-address"],
             keep_alive_timeout=self["keep-alive-timeout"],
             max_tries=self["max-tries"],
             failure_threshold=self["failure-threshold"],
