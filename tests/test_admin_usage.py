@@ -182,7 +182,7 @@ ANSWER = {
     "share": 0.5,
     "usage": [
         {"key": "team-a", "model": "demo", "requests": 12, "prompt_tokens": 300, "completion_tokens": 700,
-         "total_tokens": 1000, "unreported": 2, "limited_requests": 3, "limited_tokens": 1},
+         "total_tokens": 1000, "unreported": 2, "estimated": 4, "limited_requests": 3, "limited_tokens": 1},
         {"key": "batch", "model": "other/\x1b[31mmodel", "requests": 1, "prompt_tokens": 5,
          "completion_tokens": 6, "total_tokens": 11, "unreported": 0, "limited_requests": 0,
          "limited_tokens": 0},
@@ -211,18 +211,19 @@ class CtlUsageTests(SynchronousTestCase):
     def test_table(self) -> None:
         """
         C{llmgw ctl usage} prints a row per key and model (requests,
-        tokens, answers without usage, 429s) and the limits with this
+        tokens, answers without usage, streams counted from their chunks,
+        429s) and the limits with this
         gateway's share and what is available; control characters from
         names are escaped.
         """
-        code, out, _, urls = self.run_ctl("--admin", "http://127.0.0.1:7481")
+        code, out, _, urls = self.run_ctl("--admin-url", "http://127.0.0.1:7481")
         self.assertEqual(code, 0)
         self.assertEqual(urls, ["GET http://127.0.0.1:7481/api/v1/usage"])
         lines = out.splitlines()
         self.assertIn("this gateway enforces 0.5 of each limit", lines[0])
         self.assertEqual(lines[1].split(), ["KEY", "MODEL", "REQUESTS", "PROMPT", "COMPLETION", "TOTAL",
-                                            "UNREPORTED", "429", "(REQ/TOK)"])
-        self.assertEqual(lines[2].split(), ["team-a", "demo", "12", "300", "700", "1000", "2", "3/1"])
+                                            "UNREPORTED", "ESTIMATED", "429", "(REQ/TOK)"])
+        self.assertEqual(lines[2].split(), ["team-a", "demo", "12", "300", "700", "1000", "2", "4", "3/1"])
         self.assertNotIn("\x1b", out)
         self.assertIn("\\x1b[31mmodel", lines[3])
         limits = [line for line in lines if line.startswith("team-a") and "here" in line]

@@ -26,7 +26,7 @@ def render_usage(answer: dict[str, Any]) -> str:
     """
     rows = [
         [u["key"], u["model"], u["requests"], u["prompt_tokens"], u["completion_tokens"],
-         u["total_tokens"], u.get("unreported", 0),
+         u["total_tokens"], u.get("unreported", 0), u.get("estimated", 0),
          f"{u.get('limited_requests', 0)}/{u.get('limited_tokens', 0)}"]
         for u in answer["usage"]
     ]
@@ -37,7 +37,7 @@ def render_usage(answer: dict[str, Any]) -> str:
     text += "\n"
     if rows:
         text += table(["KEY", "MODEL", "REQUESTS", "PROMPT", "COMPLETION", "TOTAL", "UNREPORTED",
-                       "429 (REQ/TOK)"], rows)
+                       "ESTIMATED", "429 (REQ/TOK)"], rows)
     else:
         text += "no requests yet\n"
     limits = answer.get("limits") or []
