@@ -6,11 +6,13 @@ L{clip} quotes a client string in an error body or a log line: at most a
 bounded prefix, control characters escaped, with its full length, so that a
 1 MB model name costs neither a 1 MB answer nor a 1 MB log line.
 
-L{load_json} parses a request body, refusing what would make C{json.loads}
-recurse past a bounded depth (measured by a linear scan before parsing, so
-no C{RecursionError} is possible) and, where asked, a top-level key given
-twice (two C{"model"} keys would be routed by one and read by the replica
-as the other).
+L{load_json} parses a request body as RFC 8259 has JSON, refusing what would
+make C{json.loads} recurse past a bounded depth (measured by a linear scan
+before parsing, so no C{RecursionError} is possible), what Python's C{json}
+takes but JSON has not (C{NaN}, C{Infinity}, a leading byte order mark: a
+body is forwarded as it came, and the replica may read these otherwise)
+and, where asked, a top-level key given twice (two C{"model"} keys would be
+routed by one and read by the replica as the other).
 
 This module sits below C{llmgw.control} and C{llmgw.gateway} and imports
 neither.
@@ -108,7 +110,8 @@ def load_json(
 
     @param unique: top-level keys that may appear only once; C{None}: every
         top-level key.
-    @raise JSONInputError: the body is not UTF-8 or not JSON, nests arrays
+    @raise JSONInputError: the body is not UTF-8 or not JSON (C{NaN},
+        C{Infinity} and a leading byte order mark included), nests arrays
         and objects deeper than C{max_depth}, or repeats a top-level key
         that C{unique} covers.
     """
@@ -117,10 +120,15 @@ def load_json(
             f"the JSON body nests arrays and objects more than {max_depth} levels deep",
             "json_too_deep",
         )
+    if raw.startswith(_BOM):
+        # RFC 8259 §8.1: JSON sent over a network has none; a replica that
+        # reads the forwarded body may not skip it.
+        raise JSONInputError(
+            "the body is not valid JSON: it starts with a byte order mark (JSON sent over a network has none)",
+            "invalid_json",
+        )
     try:
-        # What "utf-8-sig" does (one leading BOM dropped), on the C
-        # decoder: that codec runs in Python, at six times the cost.
-        text = (raw[3:] if raw.startswith(_BOM) else raw).decode("utf-8")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise JSONInputError(f"the body is not valid JSON: it is not UTF-8 ({e})", "invalid_json") from None
     if unique is not None:
@@ -130,6 +138,8 @@ def load_json(
         else:
             try:
                 return _loads(text)
+            except JSONInputError:
+                raise
             except ValueError as e:
                 raise JSONInputError(f"the body is not valid JSON: {e}", "invalid_json") from None
     # Objects close innermost first: when the value is an object, the last
@@ -142,7 +152,9 @@ def load_json(
         return d
 
     try:
-        value = json.loads(text, object_pairs_hook=pairs_hook)
+        value = json.loads(text, object_pairs_hook=pairs_hook, parse_constant=_no_constant)
+    except JSONInputError:
+        raise
     except ValueError as e:
         raise JSONInputError(f"the body is not valid JSON: {e}", "invalid_json") from None
     if isinstance(value, dict):
@@ -157,7 +169,15 @@ def load_json(
     return value
 
 
-_SCAN: Final = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
+def _no_constant(name: str) -> Any:
+    """
+    Refuse C{NaN}, C{Infinity} or C{-Infinity}, which Python's C{json}
+    reads as numbers and JSON does not have.
+    """
+    raise JSONInputError(f"the body is not valid JSON: {name} is not a JSON value", "invalid_json")
+
+
+_SCAN: Final = json.JSONDecoder(parse_constant=_no_constant).scan_once  # type: ignore[attr-defined]
 _BLANKS: Final = " \t\n\r"
 
 
@@ -181,7 +201,8 @@ def _loads(text: str) -> Any:
 
 
 _QUOTED: Final[dict[str, bytes]] = {}
-#: The UTF-8 byte order mark, which a JSON text may start with.
+#: The UTF-8 byte order mark, which a JSON text sent over a network must
+#: not start with.
 _BOM: Final = b"\xef\xbb\xbf"
 
 

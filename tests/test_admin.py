@@ -615,6 +615,21 @@ class SurfaceTests(AdminTestCase):
                            "more than once")
         self.assertEqual(self.fleet.calls, [])
 
+    def test_nan_infinity_and_bom_are_400(self) -> None:
+        """
+        C{NaN}, C{Infinity} and a leading byte order mark, which Python's
+        C{json} would take and JSON has not, are a 400 saying which; the
+        fleet is not asked.
+        """
+        path = "/api/v1/deployments/demo/scale"
+        for raw, reason in (
+            (b'{"replicas": NaN}', "NaN is not a JSON value"),
+            (b'{"replicas": -Infinity}', "-Infinity is not a JSON value"),
+            (b'\xef\xbb\xbf{"replicas": 1}', "byte order mark"),
+        ):
+            self.assertRefused(self.call("POST", path, raw=raw), 400, reason)
+        self.assertEqual(self.fleet.calls, [])
+
     def test_long_client_strings_clipped(self) -> None:
         """
         A 10 KB path, model name, query value, field name or C{Host} comes

@@ -7,7 +7,14 @@ from __future__ import annotations
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.gateway.chunked import MAX_SIZE_LINE, MAX_TRAILER_LINE, ChunkedDecoder, ChunkError
+from llmgw.gateway.chunked import (
+    MAX_SIZE_LINE,
+    MAX_TRAILER,
+    MAX_TRAILER_LINE,
+    MAX_TRAILER_LINES,
+    ChunkedDecoder,
+    ChunkError,
+)
 
 BODY = b"5;ext=1;q=\"a b\"\r\nhello\r\nA\r\n 012345678\r\n1 \t; e\r\n!\r\n0\r\nX-Trailer: t\r\nY: u\r\n\r\n"
 DATA = b"hello 012345678!"
@@ -156,10 +163,11 @@ class DecoderTests(SynchronousTestCase):
     def test_bad_size(self) -> None:
         """
         A chunk size that is empty, not hexadecimal (signs, C{0x},
-        underscores and blanks inside included), or over 15 digits is
-        refused, saying which size.
+        underscores and blanks inside included), over 15 digits, with a
+        blank before it or a blank after it and no extension, is refused,
+        saying which size.
         """
-        for line in (b"", b";ext", b"zz", b"-1", b"+1", b"0x1", b"1_0", b"1 0", b"1\x0b", b"1" * 16):
+        for line in (b"", b";ext", b"zz", b"-1", b"+1", b"0x1", b"1_0", b"1 0", b"1\x0b", b"1" * 16, b" 1", b"1 "):
             self.assert_refused(line + b"\r\nx\r\n0\r\n\r\n", "Bad chunk size")
         self.assert_refused(b"5\r\nhello\r\nzz\r\n", "Bad chunk size b'zz'")
 
@@ -200,3 +208,58 @@ class DecoderTests(SynchronousTestCase):
         self.assertEqual((pieces, decoder.done, left), ([], True, b""))
         self.assert_refused(b"0\r\nX: " + b"t" * (MAX_TRAILER_LINE - 4) + b"\r\n\r\n", "trailer", trailer=True)
         self.assert_refused(b"0\r\nX: " + b"t" * MAX_TRAILER_LINE, "trailer", trailer=True)
+
+    def test_extensions_checked(self) -> None:
+        """
+        Chunk extensions are RFC 9112's: C{;name} or C{;name=value} with
+        blanks around the C{;} and C{=}, a token or quoted-string value
+        (escapes included). Anything else on the size line (a bare LF or CR,
+        a control byte, an empty name, a value that is neither, an
+        unclosed quote) is refused as a bad extension.
+        """
+        good = [b"1;a", b"1 ;a", b"1; a = b", b"1;a;b=c", b'1;a="x \\" y\t\xff"', b"1;a=b \t;c"]
+        for line in good:
+            pieces, decoder, _ = feed_in_pieces(line + b"\r\nx\r\n0\r\n\r\n", [])
+            self.assertEqual((pieces, decoder.done), ([b"x"], True), line)
+        bad = [
+            b"1;a\nb", b"1;a\rb", b"1;a=b\nc", b"1;", b"1;=b", b"1;a=", b"1;a b", b"1;a=b c",
+            b'1;a="b', b'1;a="b\x01"', b"1;a=\x00", b"1;a@b", b'1;a=b"c"', b"1;;a",
+        ]
+        for line in bad:
+            self.assert_refused(line + b"\r\nx\r\n0\r\n\r\n", "Bad chunk extension")
+
+    def test_trailer_lines_checked(self) -> None:
+        """
+        A trailer line must be a field line (a token name, a colon, a value
+        with no control byte): a bare LF or CR in it, a name that is not a
+        token or a line with no colon is refused (not as the trailer's
+        length).
+        """
+        for line in (b"X: a\nb", b"X: a\rb", b"X : a", b" X: a", b"NoColon", b"X: \x01"):
+            self.assert_refused(b"0\r\n" + line + b"\r\n\r\n", "Malformed trailer line")
+
+    def test_trailer_count_bounded(self) -> None:
+        """
+        At most L{MAX_TRAILER_LINES} trailer lines are skipped; one more is
+        refused as the trailer's fault, however it arrives.
+        """
+        at_limit = b"0\r\n" + b"X: y\r\n" * MAX_TRAILER_LINES + b"\r\n"
+        pieces, decoder, left = feed_in_pieces(at_limit, [])
+        self.assertEqual((pieces, decoder.done, left), ([], True, b""))
+        over = b"0\r\n" + b"X: y\r\n" * (MAX_TRAILER_LINES + 1) + b"\r\n"
+        self.assert_refused(over, "trailer", trailer=True)
+
+    def test_trailer_total_bounded(self) -> None:
+        """
+        The trailer lines together take at most L{MAX_TRAILER} bytes (CRLFs
+        included): lines each under their own bound but over it together are
+        refused as the trailer's fault, however they arrive; exactly at it
+        they are skipped.
+        """
+        line = b"X: " + b"t" * 1019 + b"\r\n"
+        self.assertEqual(MAX_TRAILER % len(line), 0)
+        at_limit = b"0\r\n" + line * (MAX_TRAILER // len(line)) + b"\r\n"
+        pieces, decoder, left = feed_in_pieces(at_limit, [])
+        self.assertEqual((pieces, decoder.done, left), ([], True, b""))
+        self.assert_refused(b"0\r\n" + line * (MAX_TRAILER // len(line)) + b"X: y\r\n\r\n", "trailer", trailer=True)
+        self.assert_refused(b"0\r\n" + line * (MAX_TRAILER // len(line)) + b"XY", "trailer", trailer=True)

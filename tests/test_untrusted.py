@@ -139,18 +139,34 @@ class LoadTests(SynchronousTestCase):
 
     def test_byte_order_mark(self) -> None:
         """
-        One leading UTF-8 byte order mark is dropped (the body then parses
-        as without it); a second is text before the value, and refused;
-        bytes after a mark that are not UTF-8 are refused as not UTF-8.
+        A body starting with a UTF-8 byte order mark is refused as not valid
+        JSON, saying so (RFC 8259: JSON sent over a network has none, and
+        the body is forwarded as it came); a mark inside a string is text.
         """
         bom = b"\xef\xbb\xbf"
-        self.assertEqual(load_json(bom + b'{"model": "m\xc3\xa9"}', unique=("model",)), {"model": "m\u00e9"})
-        with self.assertRaises(JSONInputError) as twice:
-            load_json(bom + bom + b'{"model": "m"}')
-        self.assertEqual(twice.exception.code, "invalid_json")
-        with self.assertRaises(JSONInputError) as bad:
-            load_json(bom + b'{"model": "\xff"}')
-        self.assertIn("not UTF-8", str(bad.exception))
+        for body in (bom + b'{"model": "m"}', bom + bom + b"{}", bom + b"[]"):
+            for unique in ((), None, ("model",)):
+                with self.assertRaises(JSONInputError) as refused:
+                    load_json(body, unique=unique)
+                self.assertEqual(refused.exception.code, "invalid_json")
+                self.assertIn("byte order mark", str(refused.exception))
+        self.assertEqual(load_json(b'{"model": "' + bom + b'"}'), {"model": "\ufeff"})
+
+    def test_nan_and_infinity(self) -> None:
+        """
+        C{NaN}, C{Infinity} and C{-Infinity}, which Python's C{json} reads
+        as numbers, are refused as not valid JSON, naming the one found,
+        at the top level or nested, whichever keys are to be unique; the
+        strings C{"NaN"} and numbers with exponents are still read.
+        """
+        for name in ("NaN", "Infinity", "-Infinity"):
+            for body in (name, f'{{"model": "m", "t": {name}}}', f'{{"x": [1, {{"y": {name}}}]}}'):
+                for unique in ((), None, ("model",)):
+                    with self.assertRaises(JSONInputError) as refused:
+                        load_json(body.encode(), unique=unique)
+                    self.assertEqual(refused.exception.code, "invalid_json")
+                    self.assertIn(f"{name} is not a JSON value", str(refused.exception))
+        self.assertEqual(load_json(b'{"a": "NaN", "b": 1e5}'), {"a": "NaN", "b": 1e5})
 
 
 class SameAsJSONTests(SynchronousTestCase):

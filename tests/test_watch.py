@@ -14,7 +14,7 @@ from typing import Any
 from treq.testing import StubTreq
 from twisted.internet.error import ConnectionDone
 from twisted.internet.testing import MemoryReactorClock, StringTransport
-from twisted.logger import Logger
+from twisted.logger import Logger, globalLogPublisher
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -502,6 +502,42 @@ class SocketRequestTests(WatchTestCase):
         [bad] = c.read()
         self.assertEqual((bad["id"], bad["status"]), (None, 400))
         self.assertEqual(self.ask(c, "GET", "/api/v1/watch")["status"], 400)
+
+    def test_malformed_json_refused(self) -> None:
+        """
+        A message nesting 30,000 levels, one with C{NaN}, and one with a
+        key given twice are each answered with a 400 naming what was wrong
+        (not a C{RecursionError} traceback: trial fails a test that logs
+        one), logged with who sent it; the socket goes on serving requests.
+        """
+        events: list[dict[str, Any]] = []
+        observer: Any = events.append
+        globalLogPublisher.addObserver(observer)
+        self.addCleanup(globalLogPublisher.removeObserver, observer)
+        c = self.connect()
+        deep = b'{"type": "request", "id": 1, "method": "GET", "path": "/", "body": {"x": '
+        deep += b"[" * 30_000 + b"]" * 30_000 + b"}}"
+        cases = [
+            (deep, "levels deep"),
+            (b'{"type": "request", "id": NaN, "method": "GET", "path": "/"}', "NaN is not a JSON value"),
+            (b'{"type": "request", "id": 1, "id": 2, "method": "GET", "path": "/"}', "more than once"),
+        ]
+        for payload, reason in cases:
+            c.send(payload)
+            [bad] = c.read()
+            self.assertEqual((bad["id"], bad["status"]), (None, 400))
+            self.assertIn(reason, bad["body"]["error"])
+        refusals = [e for e in events if e.get("log_format", "").startswith("watch: refused a message")]
+        self.assertEqual(len(refusals), len(cases))
+        self.assertTrue(all(e["who"] not in ("", "?") for e in refusals))
+        self.assertEqual(self.ask(c, "GET", "/api/v1/nodes")["status"], 200)
+        # A body as deep as a REST body may be (64 levels) still goes through.
+        nested: Any = []
+        for _ in range(62):
+            nested = [nested]
+        answer = self.ask(c, "POST", "/api/v1/deployments/alpha/scale", {"replicas": nested})
+        self.assertEqual(answer["status"], 400)
+        self.assertNotIn("levels deep", answer["body"]["error"])
 
     def test_long_poll_cancelled_on_close(self) -> None:
         """

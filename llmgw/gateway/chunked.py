@@ -18,10 +18,17 @@ byte. Malformed framing raises L{ChunkError}:
 
 - a chunk-size line (with extensions and its CRLF) over L{MAX_SIZE_LINE}
   bytes;
-- a chunk size that is empty, not hexadecimal or over 15 digits
-  (extensions after C{;} and blanks around the size are allowed);
+- a chunk size that is empty, not hexadecimal or over 15 digits;
+- chunk extensions that are not RFC 9112's (§7.1.1):
+  C{*( BWS ";" BWS name [ BWS "=" BWS value ] )}, a name a token, a value
+  a token or a quoted string (so no bare CR or LF, no control byte, no
+  blank before the size or after it without an extension);
 - chunk data not followed by CRLF;
-- a trailer line (with its CRLF) over L{MAX_TRAILER_LINE} bytes.
+- a trailer line (with its CRLF) over L{MAX_TRAILER_LINE} bytes, more than
+  L{MAX_TRAILER_LINES} trailer lines, or over L{MAX_TRAILER} bytes of them
+  in all (the head's bounds: trailer fields are header fields sent late);
+- a trailer line that is not a field line (C{name: value}, the name a
+  token, no bare CR or LF, no control byte).
 
 The line bounds hold however the bytes are split across calls: a line that
 arrives whole is held to the same bound as one that arrives in pieces.
@@ -30,6 +37,7 @@ Trailer fields are skipped, never kept.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -37,8 +45,24 @@ from typing import Any, Final
 MAX_SIZE_LINE: Final = 1024
 #: The most one trailer line (with its CRLF) may take.
 MAX_TRAILER_LINE: Final = 64 * 1024
+#: The most trailer lines a body may end with (as many as a head's header
+#: lines, L{llmgw.gateway.httphead.MAX_HEADERS}).
+MAX_TRAILER_LINES: Final = 100
+#: The most the trailer lines (with their CRLFs) may take in all (as much
+#: as a request head, L{llmgw.gateway.front.MAX_HEAD}).
+MAX_TRAILER: Final = 64 * 1024
 
 _HEX: Final = b"0123456789abcdefABCDEF"
+#: RFC 9112 §7.1.1's chunk-ext, after the size: BWS is blanks, a name is a
+#: token, a value a token or a quoted string (RFC 9110 §5.6.2, §5.6.4).
+_TOKEN_RE: Final = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
+_EXTENSIONS: Final = re.compile(
+    rb"(?:[ \t]*;[ \t]*" + _TOKEN_RE + rb"(?:[ \t]*=[ \t]*(?:" + _TOKEN_RE
+    + rb'|"(?:[\t !#-\[\]-~\x80-\xff]|\\[\t -~\x80-\xff])*"))?)*'
+)
+#: A trailer field line: a token, a colon, then a value of visible bytes,
+#: blanks and obs-text (RFC 9110 §5.5).
+_FIELD_LINE: Final = re.compile(_TOKEN_RE + rb":[\t -~\x80-\xff]*")
 _SIZE, _DATA, _CRLF, _TRAILER, _DONE = range(5)
 
 
@@ -59,7 +83,7 @@ class ChunkedDecoder:
     description. After a L{ChunkError} the decoder is not to be used again.
     """
 
-    __slots__ = ("_state", "_remaining", "_seen", "done")
+    __slots__ = ("_state", "_remaining", "_seen", "_trailer_lines", "_trailer_bytes", "done")
 
     def __init__(self) -> None:
         self._state = _SIZE
@@ -68,6 +92,9 @@ class ChunkedDecoder:
         # the caller passes that line again, and it is not searched again
         # (a line arriving a byte at a time costs its length, not its square).
         self._seen = 0
+        # The trailer lines read so far, and their bytes.
+        self._trailer_lines = 0
+        self._trailer_bytes = 0
         #: Whether the last chunk and the trailer have been read.
         self.done = False
 
@@ -96,10 +123,15 @@ class ChunkedDecoder:
                 self._seen = 0
                 size = buf[pos:eol]
                 if size.strip(_HEX):
-                    # Not bare hex digits: drop extensions and blanks.
-                    size = size.split(b";", 1)[0].strip(b" \t")
-                    if size.strip(_HEX):
-                        raise ChunkError(f"Bad chunk size {bytes(size[:20])!r}")
+                    # Not bare hex digits: the size, then extensions.
+                    line = bytes(size)
+                    digits = len(line) - len(line.lstrip(_HEX))
+                    size = line[:digits]
+                    # A blank may come after the size only before a ";".
+                    if not digits or not line[digits:].lstrip(b" \t").startswith(b";"):
+                        raise ChunkError(f"Bad chunk size {line[:20]!r}")
+                    if _EXTENSIONS.fullmatch(line, digits) is None:
+                        raise ChunkError(f"Bad chunk extension in {line[:40]!r} (RFC 9112 §7.1.1)")
                 if not 0 < len(size) < 16:
                     raise ChunkError(f"Bad chunk size {bytes(size[:20])!r}")
                 remaining = int(size, 16)
@@ -130,20 +162,31 @@ class ChunkedDecoder:
                 pos += 2
                 state = _SIZE
             elif state == _TRAILER:
-                # Trailer fields are skipped up to the empty line.
-                eol = buf.find(b"\r\n", pos + self._seen, pos + MAX_TRAILER_LINE)
+                # Trailer fields are checked and skipped up to the empty
+                # line. A line may take what the trailer's whole bound has
+                # left, and its empty line's CRLF besides.
+                bound = min(MAX_TRAILER_LINE, MAX_TRAILER - self._trailer_bytes + 2)
+                eol = buf.find(b"\r\n", pos + self._seen, pos + bound)
                 if eol < 0:
-                    if end - pos >= MAX_TRAILER_LINE:
+                    if end - pos >= bound:
                         raise ChunkError("The trailer is too long", trailer=True)
                     self._seen = max(0, end - pos - 1)
                     break
                 self._seen = 0
-                empty = eol == pos
-                pos = eol + 2
-                if empty:
+                if eol == pos:
+                    pos = eol + 2
                     state = _DONE
                     self.done = True
                     break
+                if _FIELD_LINE.fullmatch(buf, pos, eol) is None:
+                    raise ChunkError(f"Malformed trailer line {bytes(buf[pos:min(eol, pos + 40)])!r}")
+                self._trailer_lines += 1
+                self._trailer_bytes += eol + 2 - pos
+                if self._trailer_lines > MAX_TRAILER_LINES or self._trailer_bytes > MAX_TRAILER:
+                    raise ChunkError(
+                        f"The trailer has over {MAX_TRAILER_LINES} lines or {MAX_TRAILER} bytes", trailer=True
+                    )
+                pos = eol + 2
             else:  # _DONE: nothing more belongs to this body.
                 break
         self._state = state

@@ -59,7 +59,13 @@ def parse_head(head: bytes) -> Head:
     most L{MAX_HEADERS} header lines whose names are tokens, one
     C{Content-Length} value (repeats must agree) or chunked
     C{Transfer-Encoding} and not both, exactly one C{Host} in HTTP/1.1
-    (at most one in 1.0).
+    (at most one in 1.0), at most one C{Authorization}.
+
+    A target in absolute form (C{http://host/path}, RFC 9112 §3.2.2; the
+    scheme C{http} or C{https}, no user info) is returned as its path and
+    query (origin form), and its authority replaces the C{Host} header
+    (added in HTTP/1.0 when there was none), as an origin server must read
+    it. Any other target that does not start with C{/} is refused.
 
     @raise HeadRefused: with the status (400, 431, 501, 505) and message
         to answer with.
@@ -89,6 +95,7 @@ def parse_head(head: bytes) -> Head:
     connection: bytes | None = None
     expect = False
     hosts = 0
+    authorizations = 0
     for line in lines[1:]:
         name, sep, value = line.partition(b":")
         if not sep or not name or name.translate(None, _TCHAR):
@@ -109,6 +116,8 @@ def parse_head(head: bytes) -> Head:
             chunked = True
         elif name == b"host":
             hosts += 1
+        elif name == b"authorization":
+            authorizations += 1
         elif name == b"connection":
             connection = value.lower()
         elif name == b"expect":
@@ -123,6 +132,14 @@ def parse_head(head: bytes) -> Head:
             else "A request cannot have more than one Host header",
             "bad_request",
         )
+    if authorizations > 1:
+        # Which one counts would differ between the gateway and whatever
+        # reads the request after it.
+        raise HeadRefused(400, "A request cannot have more than one Authorization header", "bad_request")
+    if uri[:1] != b"/":
+        uri, authority = _absolute_form(uri)
+        headers = [(n, v) for n, v in headers if n != b"host"]
+        headers.append((b"host", authority))
     keep_alive = not http10
     if connection is not None:
         if b"close" in connection:
@@ -134,3 +151,34 @@ def parse_head(head: bytes) -> Head:
         # faulty framing; the connection closes after the response.
         keep_alive = False
     return method, uri, http10, headers, length, chunked, keep_alive, expect
+
+
+def _absolute_form(uri: bytes) -> tuple[bytes, bytes]:
+    """
+    The path and query (origin form) and the authority of the absolute-form
+    target C{uri}.
+
+    @raise HeadRefused: 400, C{uri} is not an C{http} or C{https} URL with
+        a host and no user info.
+    """
+    scheme, sep, rest = uri.partition(b"://")
+    if not sep or scheme.lower() not in (b"http", b"https"):
+        raise HeadRefused(
+            400,
+            f"Malformed request target {_quote(uri)}: it must be a path, or an http or https URL",
+            "bad_request",
+        )
+    cut = len(rest)
+    for mark in (b"/", b"?"):
+        i = rest.find(mark)
+        if 0 <= i < cut:
+            cut = i
+    authority = rest[:cut]
+    path = rest[cut:]
+    if not authority or authority.find(b"@") >= 0:
+        raise HeadRefused(
+            400, f"Malformed request target {_quote(uri)}: its URL needs a host and no user info", "bad_request"
+        )
+    if path[:1] != b"/":
+        path = b"/" + path
+    return path, authority

@@ -9,7 +9,8 @@ from the routing table, and C{GET /health} for load balancers. Bodies over
 the limit are refused (413) without being kept.
 
 Every request but C{/health} must name in C{Host} a host the gateway serves
-(L{llmgw.hostcheck}), else 421. A body must be JSON nested at most
+(L{llmgw.hostcheck}), else 421. A body must be JSON (RFC 8259's: no
+C{NaN}, C{Infinity} or byte order mark) nested at most
 L{llmgw.untrusted.MAX_JSON_DEPTH} deep and name C{"model"} once. Client
 strings are quoted in errors and logs by L{llmgw.untrusted.clip}; metrics
 label a model only when the routing table knows it.

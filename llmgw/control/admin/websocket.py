@@ -21,6 +21,7 @@ from llmgw.control.admin.auth import known_admin, same_origin
 from llmgw.control.admin.base import AdminNode, Refused, printable
 from llmgw.control.admin.watch import ResumeError, WatchHub, parse_resume
 from llmgw.transportpeek import busy, raw_socket
+from llmgw.untrusted import MAX_JSON_DEPTH, JSONInputError, load_json
 from llmgw.wslog import WebSocketLogger
 
 #: Largest message a client may send, in bytes.
@@ -180,12 +181,18 @@ def parse_request(payload: bytes) -> tuple[Any, str, str, Any]:
     A C{{"type": "request", "id": ID, "method": "GET"|"POST", "path":
     "/api/v1/...", "body": {...}}} message's id, method, path and body.
 
+    The message is read as the REST API reads a body (L{load_json}): its
+    C{body} nests at most as deep as a REST body may, and a message that
+    nests deeper, repeats a key or is not JSON (C{NaN}, C{Infinity}, a byte
+    order mark) is refused, never a C{RecursionError}.
+
     @raise RequestError: it is not one (its C{rid} attribute is the id,
         when one could be read).
     """
     try:
-        message = json.loads(payload)
-    except (ValueError, UnicodeDecodeError) as e:
+        # One level more than a REST body: the body is inside the message.
+        message = load_json(payload, max_depth=MAX_JSON_DEPTH + 1, unique=None)
+    except JSONInputError as e:
         raise RequestError(f"a message is a JSON request object: {e}") from None
     if not isinstance(message, dict):
         raise RequestError("a message is a JSON request object")
