@@ -18,10 +18,9 @@ without re-encoding them, so this server does only what that needs:
 - bounded heads (L{MAX_HEAD} bytes, L{httphead.MAX_HEADERS} lines), read from one
   buffer with a scan offset, so a head trickling in costs linear time;
   header names must be tokens, no control bytes anywhere in the head, one
-  C{Host} (required in HTTP/1.1), at most one C{Authorization}, a bare CR
-  or LF refused as it arrives; an absolute-form target is read as its
-  path, its authority as the C{Host}; chunk extensions and trailer lines
-  are checked, and a trailer bounded as a head is;
+  C{Host} (required in HTTP/1.1), one C{Authorization}, no bare CR or LF;
+  an absolute-form target is its path, its authority the C{Host}; chunk
+  extensions checked, trailers bounded as a head is;
   malformed input gets a 400 (431, 501, 505 where those say more) in
   OpenAI's error shape, is logged with who sent it, and closes that
   connection only;
