@@ -24,14 +24,13 @@ without re-encoding them, so this server does only what that needs:
   malformed input gets a 400 (431, 501, 505 where those say more) in
   OpenAI's error shape, is logged with who sent it, and closes that
   connection only;
-- at most C{max_connections} client connections (see L{FrontFactory});
 - responses framed by C{Content-Length} when the handler knows it, else
   chunked (HTTP/1.0: until the connection closes), written as they come;
 - the connection is the transport's streaming producer and passes
   pause/resume on to the current response's producer (backpressure);
 - a connection that goes away tells the current request's C{on_lost};
-- at most C{max_per_address} client connections from one address, when
-  set (see L{FrontFactory});
+- at most C{max_connections} client connections, and C{max_per_address}
+  from one address when set (see L{FrontFactory});
 - a request's head goes to the factory's C{screen}, when it has one, before
   any of its body is read: a request it refuses (a missing API key) is
   answered at once, its body never read (with a body announced, the
