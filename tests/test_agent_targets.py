@@ -262,3 +262,64 @@ class FrozenLeaderTests(SynchronousTestCase):
         self.assertEqual([t.is_silent("10.0.0.1:7443") for _ in range(3)], [True, True, False])
         self.assertFalse(t.is_silent("10.0.0.2:7443"))
         self.assertIsNone(t.silent)
+
+    def refuse_with_redirect(self, h: Harness, leader: str) -> None:
+        """A stream to the current member, refused with a redirect to C{leader}."""
+        h.config.control = h.core.targets.current
+        proto, _ = h.connect()
+        proto.dataReceived(frame(ack("register", ok=False, code=pb.Ack.CODE_FAILED_PRECONDITION,
+                                     error=redirect_error(leader, "m1"))))
+        proto.connectionLost(Failure(ConnectionError()))
+
+    def test_member_still_silent_when_tried_again_left_at_the_bound(self) -> None:
+        """
+        Once the avoidance lapses and the redirect to the silent member is
+        followed, a member still frozen (connected, no Ack) is left after
+        two heartbeat intervals and a second, not the Register timeout:
+        avoided again, the next member dialled at once.
+        """
+        h = Harness(self)
+        h.core.targets = targets([], max_redirects=1)
+        h.config.control = h.core.targets.current
+        proto, _, aborted = self.registered(h)
+        proto.dataReceived(frame(ack("heartbeat")))
+        h.clock.advance(11.1)
+        proto.connectionLost(Failure(ConnectionError()))
+        self.refuse_with_redirect(h, "10.0.0.1:7443")
+        self.refuse_with_redirect(h, "10.0.0.1:7443")
+        # The second redirect is followed: 10.0.0.1 is tried again.
+        self.assertEqual(h.core.targets.current, "10.0.0.1:7443")
+        self.assertEqual(h.core.retry_delay(h.core.failures), 0.0)
+        h.config.control = h.core.targets.current
+        proto, transport = h.connect()
+        again: list[bool] = []
+        transport.abortConnection = lambda: again.append(True)  # type: ignore[method-assign]
+        h.clock.advance(10.9)
+        self.assertEqual(again, [])
+        h.clock.advance(0.2)
+        self.assertEqual(again, [True])
+        proto.connectionLost(Failure(ConnectionError()))
+        self.assertEqual(h.core.targets.silent, "10.0.0.1:7443")
+        self.assertNotEqual(h.core.targets.current, "10.0.0.1:7443")
+        self.assertEqual(h.core.retry_delay(h.core.failures), 0.0)
+
+    def test_member_tried_again_that_answers_is_kept(self) -> None:
+        """
+        A member tried again after its avoidance lapsed that acknowledges
+        the Register (woken, it leads after all) ends the probation; other
+        members' Registers keep the full Register timeout.
+        """
+        t = targets([], n=2, max_redirects=0)
+        t.left_silent("10.0.0.1:7443")
+        self.assertFalse(t.is_silent("10.0.0.1:7443"))
+        self.assertEqual(t.probing, "10.0.0.1:7443")
+        t.registered()
+        self.assertIsNone(t.probing)
+        h, _ = self.harness()
+        _, transport = h.connect()
+        aborted: list[bool] = []
+        transport.abortConnection = lambda: aborted.append(True)  # type: ignore[method-assign]
+        h.clock.advance(29)
+        self.assertEqual(aborted, [])
+        h.clock.advance(2)
+        self.assertEqual(aborted, [True])

@@ -164,6 +164,9 @@ class AgentStreamClient(MessageStream[pb.ControlMessage]):
         self.is_registered = False
         self._heartbeat: LoopingCall | None = None
         self._ack_timer: IDelayedCall | None = None
+        #: This stream dials the member whose avoidance for its silence
+        #: lapsed (L{ControlTargets.probing}).
+        self._probing = False
         self._refusal: tuple[str, bool] | None = None
         #: This stream was refused with a redirect that is followed; and the
         #: control plane acknowledges heartbeats (a member of an HA control
@@ -183,10 +186,22 @@ class AgentStreamClient(MessageStream[pb.ControlMessage]):
         self.core.attach(self)
         self.core.learn_address(self.transport)
         self.send_message(pb.AgentMessage(register=self.core.register_message()))
-        self._ack_timer = self.core.clock.callLater(REGISTER_ACK_TIMEOUT, self._ack_expired)
+        targets = self.core.targets
+        self._probing = targets is not None and targets.probing == self.peer_name()
+        # A member left for its silence and dialled again may still be
+        # frozen (its kernel accepts the connection, nothing answers): it
+        # gets as long as its silence was allowed, not the Register timeout.
+        timeout = silence_bound(self.core.config.heartbeat_interval) if self._probing else REGISTER_ACK_TIMEOUT
+        self._ack_timer = self.core.clock.callLater(timeout, self._ack_expired)
 
     def _ack_expired(self) -> None:
         self._ack_timer = None
+        if self._probing:
+            self.log.warn("the control plane at {control}, left for its silence, is silent still; "
+                          "leaving it for the other members at once", control=self.peer_name())
+            self.core.left_silent(self.peer_name())
+            self.transport.abortConnection()  # type: ignore[union-attr]
+            return
         self.log.warn("no Register Ack from the control plane at {control} within {timeout}s; "
                       "reconnecting", control=self.peer_name(), timeout=REGISTER_ACK_TIMEOUT)
         self.transport.abortConnection()  # type: ignore[union-attr]

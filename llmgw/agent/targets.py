@@ -14,7 +14,12 @@ A member left because it fell silent (frozen: its connection open, nothing
 answered) is avoided until the agent registers somewhere: the rotation
 passes it by and a redirect to it is not followed, since the other members
 name it as leader until its lease in etcd runs out, and a dial to it would
-wait out the Register timeout.
+wait out the Register timeout. The avoidance is bounded (it may lead again
+after all: woken before its lease ran out); the member it lapses for is
+then on probation (L{ControlTargets.probing}) until a registration, and a
+dial to it waits for the Register's acknowledgement only as long as its
+silence was allowed, so a member still frozen costs seconds, not the
+Register timeout.
 """
 
 from __future__ import annotations
@@ -76,6 +81,9 @@ class ControlTargets:
         self.silent: str | None = None
         #: Redirects to it refused; past C{max_redirects} it is tried again.
         self.silent_refusals = 0
+        #: The member whose avoidance lapsed, until a registration or until
+        #: it is left for its silence again.
+        self.probing: str | None = None
         self.max_redirects = max_redirects if max_redirects is not None else 2 * len(self.addresses) + 1
 
     @property
@@ -129,6 +137,7 @@ class ControlTargets:
         """
         self.silent = address
         self.silent_refusals = 0
+        self.probing = None
 
     def is_silent(self, address: str) -> bool:
         """
@@ -140,6 +149,7 @@ class ControlTargets:
             return False
         self.silent_refusals += 1
         if self.silent_refusals > self.max_redirects:
+            self.probing = self.silent
             self.silent = None
             return False
         return True
@@ -147,6 +157,7 @@ class ControlTargets:
     def registered(self) -> None:
         self.redirects = 0
         self.silent = None
+        self.probing = None
 
     def __repr__(self) -> str:
         return f"<control plane {self.current} of {','.join(self.addresses)}>"
