@@ -313,7 +313,10 @@ class LlamaServerReadinessTests(TestCase):
         Every health check before the shard became ready failed (nothing
         listening yet, or 503 while the model loads) and the one that made
         it ready answered 200; a chat works at once; the stop leaves no
-        process.
+        process. The engine is held back until a check has failed (its
+        shell waits for a file the first failed check writes), so the
+        first check never finds it already up, however the machine is
+        loaded.
         """
         binary = find_llama_server()
         if binary is None:
@@ -331,11 +334,17 @@ class LlamaServerReadinessTests(TestCase):
         results: list[str] = []
         real = HttpProber(reactor, timeout=2)
 
+        gate = directory / "go"
+
+        def failed(f: Any) -> Any:
+            results.append(f.getErrorMessage())
+            gate.touch()
+            return f
+
         class Recording:
             def probe(self, url: str) -> Any:
                 d = real.probe(url)
-                d.addCallbacks(lambda r: (results.append("ok"), r)[1],
-                               lambda f: (results.append(f.getErrorMessage()), f)[1])
+                d.addCallbacks(lambda r: (results.append("ok"), r)[1], failed)
                 return d
 
         sup = Supervisor(reactor, lambda *a, **kw: reactor.spawnProcess(*a, **kw),
@@ -356,10 +365,14 @@ class LlamaServerReadinessTests(TestCase):
         shard = sup.start(ShardSpec(
             shard_id="llama", replica_id="r", model="tiny", profile="p", gpu_indices=[],
             port=port, stop_grace_s=5, startup_timeout_s=30,
-            argv=[str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", "{port}",
+            argv=["/bin/sh", "-c",
+                  f'while [ ! -e "{gate}" ]; do sleep 0.05; done; exec "$0" "$@"',
+                  str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", "{port}",
                   "-c", "512", "-np", "1", "-t", "1"]))
         self.addCleanup(lambda: engine_processes(directory) and [
             os.killpg(p, signal.SIGKILL) for p in engine_processes(directory)])
+        # On a failure before the stop below, no probe timer outlives the test.
+        self.addCleanup(sup.stopService)
         probes_at_ready = yield ready.addTimeout(30, reactor)
         self.assertEqual(results[probes_at_ready - 1], "ok")
         self.assertNotIn("ok", results[: probes_at_ready - 1])
