@@ -1,6 +1,7 @@
 """
 The admin API's C{Site} and listener: requests whose bodies are bounded
-(L{AdminRequest}), a channel that logs refused TLS handshakes, the rule
+(L{AdminRequest}), a channel that times each request's arrival and the TLS
+handshake and logs refused handshakes, per-address connection caps, the rule
 that keeps an unauthenticated API on loopback (L{admin_tls_problem}), and
 L{admin_service}, which serves the tree (L{AdminResource}) while it runs.
 """
@@ -13,19 +14,24 @@ from typing import Any
 
 from OpenSSL import SSL
 from prometheus_client import CollectorRegistry
+from twisted.internet.interfaces import IHandshakeListener
 from twisted.logger import Logger
 from twisted.protocols.tls import TLSMemoryBIOFactory
 from twisted.python.failure import Failure
 from twisted.web import server
-from twisted.web.http import HTTPChannel, _GenericHTTPChannelProtocol
+from twisted.web.http import _GenericHTTPChannelProtocol
+from zope.interface import implementer
 
 from llmgw.addresses import ListenerService, format_address, is_loopback, server_endpoint
 from llmgw.control.admin.api import AdminResource
 from llmgw.control.admin.base import MAX_BODY, client_address
 from llmgw.control.admin.watch import WatchHub
+from llmgw.control.shell.limits import DEFAULT_MAX_PER_ADDRESS, ConnectionLimiter
 from llmgw.control.state.interfaces import IFleetAdmin
 from llmgw.hostcheck import HostCheck
+from llmgw.httpdeadline import DeadlineChannel, DeadlineSite
 from llmgw.tlsconf.describe import subject_alt_names
+from llmgw.tlsconf.handshake import HANDSHAKE_TIMEOUT, HandshakeDeadline
 from llmgw.tlsconf.options import ServerTLS
 
 DEFAULT_ADMIN_HOST = "127.0.0.1"
@@ -76,41 +82,89 @@ class AdminRequest(server.Request):
         content.write(data)
 
 
-class AdminChannel(HTTPChannel):
+class AdminChannel(DeadlineChannel):
     """
-    The admin API's connection: logs a refused TLS handshake (a
-    certificate from another CA, revoked, expired, or not for client
-    authentication, such as the control plane's own) with the peer's
-    address, since no request ever reaches the resource to say so.
+    The admin API's connection: each request must arrive in time
+    (L{DeadlineChannel}); over TLS, the handshake must be done within its
+    site's C{handshake_timeout} of accept, or the connection is aborted;
+    and a refused TLS handshake (a certificate from another CA, revoked,
+    expired, or not for client authentication, such as the control plane's
+    own) is logged with the peer's address, since no request ever reaches
+    the resource to say so.
     """
 
     log = Logger()
+    what = "admin API"
+    _handshake: HandshakeDeadline | None = None
+
+    def connectionMade(self) -> None:
+        super().connectionMade()
+        timeout = getattr(getattr(self, "site", None), "handshake_timeout", None)
+        if timeout:
+            # Over TLS this runs at TCP accept, before the handshake.
+            self._handshake = HandshakeDeadline(self.callLater, self._handshake_expired, timeout)
+
+    def handshakeCompleted(self) -> None:
+        if self._handshake is not None:
+            self._handshake.done()
+
+    def _handshake_expired(self) -> None:
+        self.log.warn(
+            "admin API: aborting the connection of {client}: TLS handshake not done within {timeout}s",
+            client=self._peer(),
+            timeout=getattr(getattr(self, "site", None), "handshake_timeout", None),
+        )
+        transport: Any = self.transport
+        if transport is not None:
+            transport.abortConnection()
+
+    def _peer(self) -> str:
+        peer = self.transport.getPeer() if self.transport is not None else None
+        host, port = getattr(peer, "host", "?"), getattr(peer, "port", "?")
+        return format_address(host, port) if isinstance(port, int) else f"{host}:{port}"
 
     def connectionLost(self, reason: Failure = Failure(ConnectionError())) -> None:  # noqa: B008, N802
+        if self._handshake is not None:
+            self._handshake.done()
         if reason.check(SSL.Error):
-            peer = self.transport.getPeer() if self.transport is not None else None
-            host, port = getattr(peer, "host", "?"), getattr(peer, "port", "?")
             self.log.warn(
                 "admin API: TLS handshake from {client} refused: {reason}",
-                client=format_address(host, port) if isinstance(port, int) else f"{host}:{port}",
+                client=self._peer(),
                 reason=reason.getErrorMessage(),
             )
         super().connectionLost(reason)
 
 
+@implementer(IHandshakeListener)
+class _AdminProtocol(_GenericHTTPChannelProtocol):  # type: ignore[misc]
+    """
+    twisted.web's per-connection proxy, telling its channel when the TLS
+    handshake is done (the TLS layer tells only a protocol that says it
+    listens).
+    """
+
+    def handshakeCompleted(self) -> None:
+        channel: Any = self._channel
+        done = getattr(channel, "handshakeCompleted", None)
+        if done is not None:
+            done()
+
+
 def _admin_channel() -> _GenericHTTPChannelProtocol:
     # As twisted.web's default factory does, with our channel inside.
-    return _GenericHTTPChannelProtocol(AdminChannel())
+    return _AdminProtocol(AdminChannel())
 
 
-class AdminSite(server.Site):
+class AdminSite(DeadlineSite):
     """
-    A C{Site} with bounded request bodies and a short idle timeout.
+    A C{Site} with bounded request bodies, requests that must arrive in
+    time, and a short idle timeout; with C{handshake_timeout} set (seconds;
+    served over TLS), a handshake deadline.
     """
 
     requestFactory = AdminRequest
     protocol = staticmethod(_admin_channel)
-    displayTracebacks = False
+    handshake_timeout: float | None = None
 
 
 def admin_site(
@@ -220,6 +274,7 @@ def admin_service(
     control: Any = None,
     tls: ServerTLS | None = None,
     hosts: list[str] | None = None,
+    max_per_address: int = DEFAULT_MAX_PER_ADDRESS,
 ) -> ListenerService:
     """
     A service that serves the admin API on C{host}:C{port} while running.
@@ -230,7 +285,13 @@ def admin_service(
     With C{tls} (the control plane's L{ServerTLS}, shared with the agent
     port so that one reload renews both), the API is HTTPS and every client
     needs an admin certificate from llmgw's CA, and the names in the server
-    certificate are served besides C{hosts}.
+    certificate are served besides C{hosts}; a connection whose handshake
+    is not done within L{HANDSHAKE_TIMEOUT} seconds of accept is aborted.
+
+    Beyond loopback, a source address may hold C{max_per_address}
+    connections at once (0: no cap); past it a new one is closed at accept,
+    before any TLS handshake, and the refusal logged. A loopback listener
+    has no cap: its clients are all this host's.
 
     @raise AdminTLSRequired: C{host} is not loopback and C{tls} is C{None}.
     """
@@ -244,10 +305,17 @@ def admin_service(
     )
     factory: Any = site
     if tls is not None:
-        # The Site's idle timeout starts at TCP accept, so it bounds the
-        # handshake too.
+        site.handshake_timeout = HANDSHAKE_TIMEOUT
         factory = TLSMemoryBIOFactory(tls, False, site, clock=reactor)
+    limiter = None
+    if max_per_address and not is_loopback(host):
+        # Below TLS: a connection over the cap costs no handshake.
+        limiter = factory = ConnectionLimiter(
+            factory, reactor, max_connections=0, max_per_address=max_per_address, max_registering=0,
+            name="the admin API",
+        )
     svc = AdminListenerService(server_endpoint(reactor, host, port), factory)
+    svc.limiter = limiter  # type: ignore[attr-defined]
     svc.watch = site.watch  # type: ignore[attr-defined]
     svc.setName("admin-listener")
     svc.tls = tls is not None  # type: ignore[attr-defined]

@@ -29,14 +29,14 @@ from llmgw.control.state.interfaces import (
     ShardCommand,
 )
 from llmgw.control.state.inventory import Inventory
+from llmgw.tlsconf.handshake import HANDSHAKE_TIMEOUT
 from llmgw.wire import DEFAULT_MAX_FRAME
 
-__all__ = ["AgentService", "AgentStreamProtocol", "start_message"]
+__all__ = ["HANDSHAKE_TIMEOUT", "AgentService", "AgentStreamProtocol", "start_message"]
 
 #: Commands that may wait behind a paused transport before the dispatcher
 #: says the node is not keeping up (DESIGN §5).
 MAX_PENDING_COMMANDS = 64
-HANDSHAKE_TIMEOUT = 10.0
 REGISTER_TIMEOUT = 10.0
 
 

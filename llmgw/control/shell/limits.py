@@ -153,7 +153,8 @@ class ConnectionLimiter(WrappingFactory):
     """
     Wraps a server factory and refuses a connection at accept when its
     source address holds C{max_per_address} connections already, or the
-    port holds C{max_connections}.
+    port holds C{max_connections} (0: no such cap). C{name} names the
+    listener in the refusals' log lines.
 
     A refused connection gets no protocol: C{buildProtocol} returns C{None},
     on which Twisted closes the socket at once.
@@ -180,8 +181,11 @@ class ConnectionLimiter(WrappingFactory):
         max_registering: int = DEFAULT_MAX_REGISTERING,
         resume_registering: int | None = None,
         registering_hold: float = DEFAULT_REGISTERING_HOLD,
+        name: str = "the agent port",
     ):
         super().__init__(wrapped)
+        #: The listener, as refusals are logged (C{"the admin API"}).
+        self.name = name
         self.clock = clock
         self.max_connections = max_connections
         self.max_per_address = max_per_address
@@ -390,10 +394,11 @@ class ConnectionLimiter(WrappingFactory):
         if cause == "per_address":
             why = f"{host} already holds {self.max_per_address} connections (the per-address cap)"
         else:
-            why = f"the agent port holds its maximum of {self.max_connections} connections"
+            why = f"{self.name} holds its maximum of {self.max_connections} connections"
         self.log.warn(
-            "refusing connections before TLS: {why}; {count} refused since the last "
+            "{name}: refusing connections before TLS: {why}; {count} refused since the last "
             "such message",
+            name=self.name,
             why=why,
             peer=host,
             cause=cause,

@@ -1,0 +1,151 @@
+"""
+A twisted.web channel that bounds how long a client may take to send a
+request, however its bytes trickle.
+
+twisted.web's C{timeOut} is an idle timeout: every byte resets it, so a
+client sending one byte every few seconds holds a connection (and a
+request's buffers) for ever. L{DeadlineChannel} adds a deadline on the
+reactor's clock per request: from the request's first byte, its head must
+be complete within C{head_timeout} and the whole request, head and body,
+within C{request_timeout}; past either the client gets a 408 and the
+connection is closed. The deadline covers receiving the request only: it
+ends when the request is complete, so a long-poll or a WebSocket upgrade
+answered slowly is not cut by it.
+
+L{DeadlineSite} is a C{Site} whose connections are L{DeadlineChannel}s.
+Neither the gateway nor the control plane owns this module: both serve
+HTTP listeners with it (the admin API, the gateway's /metrics).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Final
+
+from twisted.internet.error import ConnectionDone
+from twisted.internet.interfaces import IDelayedCall
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web import server
+from twisted.web.http import HTTPChannel, _GenericHTTPChannelProtocol
+
+#: Seconds from a request's first byte to the end of its head.
+HEAD_TIMEOUT: Final = 10.0
+#: Seconds from a request's first byte to the end of its body.
+REQUEST_TIMEOUT: Final = 30.0
+
+
+class DeadlineChannel(HTTPChannel):
+    """
+    An C{HTTPChannel} whose requests must arrive in time: each request's
+    head within C{head_timeout} seconds of its first byte, all of it within
+    C{request_timeout}; else a 408 is sent and the connection closed (and
+    aborted, as twisted.web's own timeout does, if it has not closed within
+    C{abortTimeout}). A request's first byte is the first one read after the
+    previous request was answered (or, when the client pipelined, the
+    moment the previous answer ended). Nothing is timed while a request is
+    with its resource.
+    """
+
+    log = Logger()
+    head_timeout: float = HEAD_TIMEOUT
+    request_timeout: float = REQUEST_TIMEOUT
+    #: Who serves the connection, for the log.
+    what = "HTTP"
+    _deadline: IDelayedCall | None = None
+    #: When the request being received is due in full (reactor seconds).
+    _due = 0.0
+    _head_done = False
+    _timed_out = False
+
+    def dataReceived(self, data: bytes) -> None:
+        if self._timed_out:
+            return  # answered with a 408 already; the rest is not read
+        if data and self._deadline is None and not self._handlingRequest:
+            self._request_started()
+        super().dataReceived(data)
+
+    def _request_started(self) -> None:
+        now = self._now()
+        self._due = now + self.request_timeout
+        self._head_done = False
+        self._deadline = self.callLater(min(self.head_timeout, self.request_timeout), self._expired)
+
+    def _now(self) -> float:
+        # The clock the channel's timers run on: its Site's reactor.
+        reactor: Any = getattr(self.factory, "reactor", None)
+        if reactor is None:
+            from twisted.internet import reactor
+        result: float = reactor.seconds()
+        return result
+
+    def allHeadersReceived(self) -> None:
+        if self._deadline is not None and self._deadline.active():
+            self._deadline.cancel()
+            self._head_done = True
+            self._deadline = self.callLater(max(0.0, self._due - self._now()), self._expired)
+        super().allHeadersReceived()
+
+    def allContentReceived(self) -> None:
+        self._stop_deadline()
+        super().allContentReceived()
+
+    def connectionLost(self, reason: Failure = Failure(ConnectionDone())) -> None:  # noqa: B008
+        self._stop_deadline()
+        super().connectionLost(reason)
+
+    def _stop_deadline(self) -> None:
+        if self._deadline is not None and self._deadline.active():
+            self._deadline.cancel()
+        self._deadline = None
+
+    def _expired(self) -> None:
+        self._deadline = None
+        transport: Any = self.transport
+        if transport is None or self._handlingRequest:
+            return
+        self._timed_out = True
+        peer = transport.getPeer()
+        client = f"{getattr(peer, 'host', '?')}:{getattr(peer, 'port', '?')}"
+        if self._head_done:
+            why = f"The request was not complete within {self.request_timeout:g} s"
+        else:
+            why = f"The request head was not complete within {self.head_timeout:g} s"
+        if getattr(transport, "disconnecting", False):
+            # An answer (a 400) is already on its way out and the peer does
+            # not take it: nothing more can be said on this connection.
+            self.log.info("{what}: aborting the connection of {client}: {why}",
+                          what=self.what, client=client, why=why)
+            transport.abortConnection()
+            return
+        self.log.info("{what}: 408 to {client}: {why}", what=self.what, client=client, why=why)
+        body = json.dumps({"error": why, "status": 408}).encode() + b"\n"
+        transport.write(
+            b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body
+        )
+        self.loseConnection()
+        if self.abortTimeout is not None and self._abortingCall is None:
+            # As twisted.web's own timeout: a peer that does not read the
+            # answer is cut off.
+            self._abortingCall = self.callLater(self.abortTimeout, self.forceAbortClient)
+
+
+def deadline_channel() -> _GenericHTTPChannelProtocol:
+    """
+    A connection for L{DeadlineSite}: as twisted.web's default factory
+    builds, with a L{DeadlineChannel} inside.
+    """
+    return _GenericHTTPChannelProtocol(DeadlineChannel())
+
+
+class DeadlineSite(server.Site):
+    """
+    A C{Site} whose requests must arrive in time (L{DeadlineChannel}).
+    """
+
+    protocol = staticmethod(deadline_channel)
+    displayTracebacks = False
+
+
+__all__ = ["HEAD_TIMEOUT", "REQUEST_TIMEOUT", "DeadlineChannel", "DeadlineSite", "deadline_channel"]
