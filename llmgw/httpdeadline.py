@@ -105,6 +105,8 @@ class DeadlineChannel(HTTPChannel):
         if transport is None or self._handlingRequest:
             return
         self._timed_out = True
+        # Our own abort timer below governs what is left of the connection.
+        self.setTimeout(None)
         peer = transport.getPeer()
         client = f"{getattr(peer, 'host', '?')}:{getattr(peer, 'port', '?')}"
         if self._head_done:

@@ -95,6 +95,9 @@ class Options(BaseOptions):
          "accept (0: no cap)", non_negative_int],
         ["max-connections-per-address", None, LimitsConfig.max_per_address,
          "most agent-port connections from one source address (0: no cap)", non_negative_int],
+        ["admin-max-connections-per-address", None, LimitsConfig.max_per_address,
+         "most admin API connections from one source address when --admin is beyond loopback; past "
+         "it new ones are closed at accept, before TLS (0: no cap)", non_negative_int],
         ["gateway-max-connections-per-address", None, 0,
          "most client connections of the embedded gateway from one address; past it new ones are "
          "closed at accept (0: no cap; for a gateway with no load balancer in front)", non_negative_int],
@@ -344,8 +347,12 @@ class ControlPlane(MultiService):
         handle_sighup: bool | None = None,
         admin_tls: bool = False,
         admin_hosts: list[str] | None = None,
+        admin_max_per_address: int = LimitsConfig.max_per_address,
     ):
         super().__init__()
+        #: Admin API connections one source address may hold beyond
+        #: loopback (0: no cap).
+        self.admin_max_per_address = admin_max_per_address
         self.reactor = reactor
         #: Serve the admin API over mutual TLS with the agent port's
         #: certificates (always beyond loopback).
@@ -417,6 +424,7 @@ class ControlPlane(MultiService):
             self.reactor, host, port, self.fleet, self.registry, self.agents, control=self,
             tls=tls,
             hosts=self.admin_hosts,
+            max_per_address=self.admin_max_per_address,
         )
         self.admin_listener.what, self.admin_listener.option = "the admin API", "--admin"
         self.admin_listener.setServiceParent(self)
@@ -519,6 +527,7 @@ def makeService(options: Options, reactor: Any = None) -> ControlPlane:
         fleet=reconciler,
         admin_tls=options.get("admin_tls", False),
         admin_hosts=options["admin-hosts"],
+        admin_max_per_address=options["admin-max-connections-per-address"],
     )
     reconciler.setName("reconciler")
     cp.reconciler = reconciler

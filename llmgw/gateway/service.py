@@ -16,7 +16,6 @@ from twisted.application.service import MultiService
 from twisted.logger import Logger
 from twisted.python import usage
 from twisted.web.resource import Resource
-from twisted.web.server import Site
 from zope.interface import implementer
 
 from llmgw.addresses import (
@@ -36,6 +35,7 @@ from llmgw.gateway.proxy import Gateway, GatewayConfig
 from llmgw.gateway.resource import GatewayResource, GatewaySite
 from llmgw.gateway.usage import UsageResource
 from llmgw.hostcheck import HostCheck, unlisted_names_warning
+from llmgw.httpdeadline import DeadlineSite
 from llmgw.options import (
     Options as BaseOptions,
 )
@@ -368,7 +368,8 @@ class StandaloneGateway(MultiService):
             v1.putChild(b"usage", UsageResource(
                 self.front.gateway.usage,
                 HostCheck(hosts or (), bound=metrics_address[0], option="--gateway-hosts")))
-            site = Site(root, reactor=reactor)
+            # Each request must arrive in time, however its bytes trickle.
+            site = DeadlineSite(root, reactor=reactor)
             site.log = lambda request: None  # type: ignore[method-assign]
             self.metrics_listener = ListenerService(
                 server_endpoint(reactor, metrics_address[0], metrics_address[1]),
