@@ -583,7 +583,11 @@ class SurfaceTests(AdminTestCase):
         def check(host: str, hosts: list[str] | None = None) -> HostCheck:
             svc = admin_service(MemoryReactorClock(), host, 7480, self.fleet, self.registry,
                                 tls=tls, hosts=hosts)
-            return svc.factory.wrappedFactory.resource.hosts  # type: ignore[no-any-return]
+            factory: Any = svc.factory
+            while not hasattr(factory, "resource"):
+                # Beyond loopback: the per-address cap, then TLS, then the site.
+                factory = factory.wrappedFactory
+            return factory.resource.hosts  # type: ignore[no-any-return]
 
         self.assertTrue(check("10.0.0.7").allows(b"10.0.0.7:7480"))
         self.assertFalse(check("0.0.0.0").allows(b"10.0.0.7:7480"))
