@@ -76,7 +76,17 @@ class Front:
         self.client = StringTransport()
         proto.makeConnection(self.client)
         proto.dataReceived(raw)
+        self.drain()
         return self.client
+
+    def drain(self) -> None:
+        """
+        Run the calls due now, and those they schedule for now: a large
+        body is parsed over several reactor turns.
+        """
+        now = self.clock.seconds()
+        while any(c.getTime() <= now for c in self.clock.getDelayedCalls()):
+            self.clock.advance(0)
 
     def answer(self, raw: bytes) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
         t = self.send(raw)
