@@ -179,6 +179,10 @@ def _no_constant(name: str) -> Any:
 
 _SCAN: Final = json.JSONDecoder(parse_constant=_no_constant).scan_once  # type: ignore[attr-defined]
 _BLANKS: Final = " \t\n\r"
+#: The C scanner C{json.loads} uses, refusing C{NaN} and C{Infinity}:
+#: C{scan_once(text, index)} is the one JSON value at C{index} and where it
+#: ends (C{StopIteration} when none starts there).
+scan_once: Final = _SCAN
 
 
 def _loads(text: str) -> Any:

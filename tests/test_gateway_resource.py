@@ -76,7 +76,17 @@ class Front:
         self.client = StringTransport()
         proto.makeConnection(self.client)
         proto.dataReceived(raw)
+        self.drain()
         return self.client
+
+    def drain(self) -> None:
+        """
+        Run the calls due now, and those they schedule for now: a large
+        body is parsed over several reactor turns.
+        """
+        now = self.clock.seconds()
+        while any(c.getTime() <= now for c in self.clock.getDelayedCalls()):
+            self.clock.advance(0)
 
     def answer(self, raw: bytes) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
         t = self.send(raw)
@@ -424,3 +434,24 @@ class KeyOnHeadTests(SynchronousTestCase):
         t = front.send(post(b'{"model": "demo"}', extra=b"Authorization: Bearer sk-good\r\n"))
         self.assertEqual(t.value(), b"")
         self.assertEqual(len(front.clock.tcpClients), 1)
+
+
+class LargeBodyTests(SynchronousTestCase):
+    def test_large_body_parsed_over_turns(self) -> None:
+        """
+        A body over 256 KiB is not parsed in the turn it arrives in: it is
+        answered only after later reactor turns, and refused as load_json
+        would refuse it.
+        """
+        front = Front(config=GatewayConfig(max_body=8 * 1024 * 1024))
+        body = json.dumps({"model": "nope", **{f"k{i}": i for i in range(40_000)}}).encode()
+        proto = front.site.buildProtocol(None)
+        client = StringTransport()
+        proto.makeConnection(client)
+        proto.dataReceived(post(body))
+        self.assertEqual(client.value(), b"")
+        front.drain()
+        status, _, answer = parse(client.value())
+        self.assertEqual(status, 404)
+        bad = front.answer(post(b'{"model":"demo","x":[' + b"1," * 200_000 + b"NaN]}"))
+        self.assertEqual((bad[0], error_of(bad[2])["code"]), (400, "invalid_json"))

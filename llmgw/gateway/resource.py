@@ -26,6 +26,7 @@ from twisted.logger import Logger
 
 from llmgw.gateway import errors
 from llmgw.gateway.admission import capacity
+from llmgw.gateway.bigbody import SLICED_ABOVE, SlicedParses
 from llmgw.gateway.front import FrontFactory, FrontRequest
 from llmgw.gateway.metrics import UNKNOWN_MODEL
 from llmgw.gateway.policy import affinity_key
@@ -39,6 +40,9 @@ PROXIED: Final = {
     b"/v1/completions": "/v1/completions",
     b"/v1/embeddings": "/v1/embeddings",
 }
+#: Top-level keys of a large body that the gateway reads (routing, the
+#: prefix policy's key); the rest of a sliced parse is checked, not kept.
+KEPT_KEYS: Final = ("model", "user", "messages", "prompt")
 MODELS: Final = b"/v1/models"
 MODELS_PREFIX: Final = b"/v1/models/"
 HEALTH: Final = b"/health"
@@ -55,6 +59,7 @@ class GatewayResource:
 
     def __init__(self, gateway: Gateway):
         self.gateway = gateway
+        self.parses = SlicedParses(gateway.reactor)
 
     def __call__(self, request: FrontRequest) -> None:
         started = time.monotonic()
@@ -125,10 +130,50 @@ class GatewayResource:
         body = request.body
         if request.too_large or len(body) > limit:
             raise errors.too_large(limit)
+        if len(body) > SLICED_ABOVE:
+            self._parse_later(request, label, started, key_name, body)
+            return
         try:
             obj = load_json(body, unique=("model",))
         except JSONInputError as e:
             raise errors.bad_request(f"The request body is refused: {e}", e.code) from None
+        self._route(request, label, started, key_name, body, obj)
+
+    def _parse_later(
+        self, request: FrontRequest, label: str, started: float, key_name: str | None, body: bytes
+    ) -> None:
+        """
+        Parse a large body in slices over later reactor turns (a single
+        parse of megabytes of small keys holds the reactor for a second),
+        then go on as L{_proxy} does; the request waits meanwhile.
+        """
+
+        def done(obj: Any) -> None:
+            request.on_lost = None
+            try:
+                self._route(request, label, started, key_name, body, obj)
+            except errors.GatewayError as e:
+                self._refused(request, e, key_name, UNKNOWN_MODEL, started)
+
+        def failed(e: JSONInputError) -> None:
+            request.on_lost = None
+            err = errors.bad_request(f"The request body is refused: {e}", e.code)
+            self._refused(request, err, key_name, UNKNOWN_MODEL, started)
+
+        cancel = self.parses.parse(body, done, failed, unique=("model",), keep=KEPT_KEYS)
+        if cancel is None:
+            busy = errors.GatewayError(
+                503, "Too many large request bodies wait to be read; retry later", "server_error",
+                "overloaded", {b"Retry-After": b"%d" % self.gateway.config.retry_after},
+            )
+            self._refused(request, busy, key_name, UNKNOWN_MODEL, started, path=label)
+            return
+        request.on_lost = lambda reason: cancel()
+
+    def _route(
+        self, request: FrontRequest, label: str, started: float, key_name: str | None, body: bytes, obj: Any
+    ) -> None:
+        gw = self.gateway
         if not isinstance(obj, dict):
             raise errors.bad_request("The request body must be a JSON object", "invalid_json")
         model = obj.get("model")
