@@ -377,7 +377,7 @@ class MutualTLSTests(TestCase):
         An https:// admin URL without --certs/--as, or naming a certificate
         that is not there, is a usage error (exit 2) before anything is sent.
         """
-        code, _, err = yield self.ctl("nodes", "--admin", self.url)
+        code, _, err = yield self.ctl("nodes", "--admin-url", self.url)
         self.assertEqual(code, ctl_fleet.EXIT_USAGE)
         self.assertIn("--certs DIR and --as NAME", err)
         code, _, err = yield self.ctl("nodes", "--admin", self.url, "--certs", str(self.dir),
@@ -394,7 +394,7 @@ class MutualTLSTests(TestCase):
         port = self.svc.address()[1]
         self.ca.issue_server(["cp.example"])
         self.tls.reload(server_files(self.dir))
-        code, _, err = yield self.ctl("nodes", "--admin", f"https://127.0.0.1:{port}",
+        code, _, err = yield self.ctl("nodes", "--admin-url", f"https://127.0.0.1:{port}",
                                       "--certs", str(self.dir), "--as", "alice")
         self.assertEqual(code, ctl_fleet.EXIT_UNREACHABLE)
         self.assertIn("--host HOST --renew", err)

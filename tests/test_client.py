@@ -235,7 +235,7 @@ class CtlWatchTests(TestCase):
         root = Path(__file__).resolve().parent.parent
         out = _Lines(lambda: cp.reconciler.scale("demo", 5))
         reactor.spawnProcess(out, sys.executable,
-                             [sys.executable, "-m", "llmgw.ctl.main", "ctl", "watch", "--admin", url, "--count", "2"],
+                             [sys.executable, "-m", "llmgw.ctl.main", "ctl", "watch", "--admin-url", url, "--count", "2"],
                              env=dict(os.environ, PYTHONPATH=str(root)), path=str(root))
         code = yield out.ended.addTimeout(30, reactor)
         self.assertEqual(code, 0, out.err.decode(errors="replace")[-2000:])

@@ -47,7 +47,7 @@ class TwoMembersTests(TestCase):
 
     def ctl(self, *argv: str) -> Any:
         def run() -> tuple[int, str, str]:
-            args = build_parser().parse_args(["ctl", *argv, "--admin", self.follower_url, "--timeout", "5"])
+            args = build_parser().parse_args(["ctl", *argv, "--admin-url", self.follower_url, "--timeout", "5"])
             out, err = io.StringIO(), io.StringIO()
             return args.func(args, out=out, err=err), out.getvalue(), err.getvalue()
 

@@ -224,7 +224,7 @@ class RealEngineTests(SynchronousTestCase):
         metrics = fleet.admin("/metrics", raw=True)
         self.assertIn(f'llmgw_engine_requests_running{{model="tiny",replica="{replica_id}"', metrics)
         table = subprocess.run(
-            [*llmgw_command(), "ctl", "replicas", "--admin", f"http://127.0.0.1:{fleet.admin_port}"],
+            [*llmgw_command(), "ctl", "replicas", "--admin-url", f"http://127.0.0.1:{fleet.admin_port}"],
             capture_output=True, text=True, timeout=30, env=dict(os.environ, PYTHONPATH=str(ROOT)))
         self.assertIn("WAITING", table.stdout, table.stderr)
 

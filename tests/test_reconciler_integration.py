@@ -167,7 +167,7 @@ class ReconcilerIntegrationTests(TestCase):
         assert plane.admin_listener is not None
         host, port = plane.admin_listener.address()
         out, err, code = yield getProcessOutputAndValue(
-            sys.executable, ["-m", "llmgw.ctl.main", "ctl", "replicas", "--admin", f"http://{host}:{port}"],
+            sys.executable, ["-m", "llmgw.ctl.main", "ctl", "replicas", "--admin-url", f"http://{host}:{port}"],
             env=dict(os.environ, PYTHONPATH=ROOT), path=ROOT,
         )
         self.assertEqual(code, 0, err)
