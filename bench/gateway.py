@@ -75,10 +75,9 @@ def serve_gateway(port: int, upstream: str, front: str = "lean", policy: str = "
         install()
     from twisted.internet import reactor
 
-    from llmgw.control.state.interfaces import Route
     from llmgw.gateway.resource import GatewayResource
     from llmgw.gateway.service import GatewayService
-    from llmgw.routing import RoutingSnapshot
+    from llmgw.routing import Route, RoutingSnapshot
 
     routes = [Route(f"r{i}", MODEL, address) for i, address in enumerate(upstream.split(","), 1)]
     # Without a policy, as an older llmgw (a baseline) builds it.

@@ -57,11 +57,10 @@ def measure(requests: int, repeats: int, policy: str = "") -> dict[str, Any]:
     from twisted.internet.address import IPv4Address
     from twisted.internet.testing import StringTransport
 
-    from llmgw.control.state.interfaces import Route
     from llmgw.gateway.proxy import Gateway
     from llmgw.gateway.resource import GatewayResource, GatewaySite
     from llmgw.gateway.upstream import UpstreamConnection
-    from llmgw.routing import RoutingSnapshot
+    from llmgw.routing import Route, RoutingSnapshot
 
     routes = [Route("r1", "bench", "127.0.0.1:18101"), Route("r2", "bench", "127.0.0.1:18102")]
     # Without a policy, as an older llmgw (a baseline) builds it.

@@ -29,12 +29,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from twisted.internet.testing import MemoryReactorClock, StringTransport  # noqa: E402
 
-from llmgw.control.state.interfaces import Route  # noqa: E402
 from llmgw.gateway.keys import KeyRing  # noqa: E402
 from llmgw.gateway.proxy import Gateway, GatewayConfig  # noqa: E402
 from llmgw.gateway.resource import GatewayResource, GatewaySite  # noqa: E402
 from llmgw.gateway.usage import KeyLimits  # noqa: E402
-from llmgw.routing import RoutingSnapshot  # noqa: E402
+from llmgw.routing import (
+    Route,  # noqa: E402
+    RoutingSnapshot,  # noqa: E402
+)
 
 MODEL = "bench"
 KEY = "sk-bench-key-0001"

@@ -23,10 +23,9 @@ from twisted.web.client import Agent, HTTPConnectionPool
 from twisted.web.resource import Resource
 from zope.interface import implementer
 
-from llmgw.control.state.interfaces import Route
 from llmgw.gateway.proxy import Gateway, GatewayConfig
 from llmgw.gateway.resource import GatewayResource, GatewaySite
-from llmgw.routing import RoutingSnapshot
+from llmgw.routing import Route, RoutingSnapshot
 from llmgw.testing.fakemodel import FakeModelConfig, make_resource
 
 

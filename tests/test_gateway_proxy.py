@@ -17,13 +17,12 @@ from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.logger import globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
-from llmgw.control.state.interfaces import Route
 from llmgw.gateway.front import FrontFactory, FrontRequest
 from llmgw.gateway.keys import KeyRing
 from llmgw.gateway.proxy import Gateway, GatewayConfig, ProxyCall
 from llmgw.gateway.resource import GatewayResource, GatewaySite
 from llmgw.gateway.upstream import UpstreamConnection
-from llmgw.routing import RoutingSnapshot
+from llmgw.routing import Route, RoutingSnapshot
 from tests.gateway_helpers import Harness, dead_address
 
 
