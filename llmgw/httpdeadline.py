@@ -27,7 +27,7 @@ from twisted.internet.interfaces import IDelayedCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web import server
-from twisted.web.http import HTTPChannel, _GenericHTTPChannelProtocol
+from twisted.web.http import HTTPChannel
 
 #: Seconds from a request's first byte to the end of its head.
 HEAD_TIMEOUT: Final = 10.0
@@ -53,6 +53,11 @@ class DeadlineChannel(HTTPChannel):
     #: Who serves the connection, for the log.
     what = "HTTP"
     _deadline: IDelayedCall | None = None
+    #: A request is complete and with its resource until its answer ends
+    #: (twisted.web keeps the same fact privately; this is ours).
+    _answering = False
+    #: Our abort of a client that does not take its 408.
+    _abort: IDelayedCall | None = None
     #: When the request being received is due in full (reactor seconds).
     _due = 0.0
     _head_done = False
@@ -61,7 +66,7 @@ class DeadlineChannel(HTTPChannel):
     def dataReceived(self, data: bytes) -> None:
         if self._timed_out:
             return  # answered with a 408 already; the rest is not read
-        if data and self._deadline is None and not self._handlingRequest:
+        if data and self._deadline is None and not self._answering:
             self._request_started()
         super().dataReceived(data)
 
@@ -88,10 +93,20 @@ class DeadlineChannel(HTTPChannel):
 
     def allContentReceived(self) -> None:
         self._stop_deadline()
+        self._answering = True
         super().allContentReceived()
+
+    def requestDone(self, request: Any) -> None:
+        # Before twisted.web feeds this connection's pipelined bytes to
+        # dataReceived, which starts the next request's deadline.
+        self._answering = False
+        super().requestDone(request)
 
     def connectionLost(self, reason: Failure = Failure(ConnectionDone())) -> None:  # noqa: B008
         self._stop_deadline()
+        if self._abort is not None and self._abort.active():
+            self._abort.cancel()
+        self._abort = None
         super().connectionLost(reason)
 
     def _stop_deadline(self) -> None:
@@ -102,7 +117,7 @@ class DeadlineChannel(HTTPChannel):
     def _expired(self) -> None:
         self._deadline = None
         transport: Any = self.transport
-        if transport is None or self._handlingRequest:
+        if transport is None or self._answering:
             return
         self._timed_out = True
         # Our own abort timer below governs what is left of the connection.
@@ -127,27 +142,28 @@ class DeadlineChannel(HTTPChannel):
             b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body
         )
         self.loseConnection()
-        if self.abortTimeout is not None and self._abortingCall is None:
+        if self.abortTimeout is not None and self._abort is None:
             # As twisted.web's own timeout: a peer that does not read the
             # answer is cut off.
-            self._abortingCall = self.callLater(self.abortTimeout, self.forceAbortClient)
+            self._abort = self.callLater(self.abortTimeout, self._abort_client)
 
-
-def deadline_channel() -> _GenericHTTPChannelProtocol:
-    """
-    A connection for L{DeadlineSite}: as twisted.web's default factory
-    builds, with a L{DeadlineChannel} inside.
-    """
-    return _GenericHTTPChannelProtocol(DeadlineChannel())
+    def _abort_client(self) -> None:
+        self._abort = None
+        transport: Any = self.transport
+        if transport is not None:
+            transport.abortConnection()
 
 
 class DeadlineSite(server.Site):
     """
-    A C{Site} whose requests must arrive in time (L{DeadlineChannel}).
+    A C{Site} whose requests must arrive in time (L{DeadlineChannel}). Its
+    connections are the channel itself, not twisted.web's default wrapper
+    (a private class that would only add HTTP/2 negotiation, which these
+    listeners do not offer).
     """
 
-    protocol = staticmethod(deadline_channel)
+    protocol = DeadlineChannel  # type: ignore[assignment]  # typed as the wrapper it replaces
     displayTracebacks = False
 
 
-__all__ = ["HEAD_TIMEOUT", "REQUEST_TIMEOUT", "DeadlineChannel", "DeadlineSite", "deadline_channel"]
+__all__ = ["HEAD_TIMEOUT", "REQUEST_TIMEOUT", "DeadlineChannel", "DeadlineSite"]

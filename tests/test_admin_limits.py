@@ -75,8 +75,9 @@ class AdminHandshakeTests(SynchronousTestCase):
 
     def test_completed_handshake_stops_deadline(self) -> None:
         """
-        The admin connection hears of a completed handshake (it listens
-        for it through twisted.web's proxy), and that ends the deadline.
+        The admin connection hears of a completed handshake (the site's
+        protocol is the channel itself, which says it listens, so the TLS
+        layer tells it), and that ends the deadline.
         """
         site = admin_site(sample_fleet(), make_registry(), reactor=self.clock)
         site.handshake_timeout = HANDSHAKE_TIMEOUT

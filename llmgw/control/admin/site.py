@@ -19,7 +19,6 @@ from twisted.logger import Logger
 from twisted.protocols.tls import TLSMemoryBIOFactory
 from twisted.python.failure import Failure
 from twisted.web import server
-from twisted.web.http import _GenericHTTPChannelProtocol
 from zope.interface import implementer
 
 from llmgw.addresses import ListenerService, format_address, is_loopback, server_endpoint
@@ -82,6 +81,7 @@ class AdminRequest(server.Request):
         content.write(data)
 
 
+@implementer(IHandshakeListener)
 class AdminChannel(DeadlineChannel):
     """
     The admin API's connection: each request must arrive in time
@@ -135,26 +135,6 @@ class AdminChannel(DeadlineChannel):
         super().connectionLost(reason)
 
 
-@implementer(IHandshakeListener)
-class _AdminProtocol(_GenericHTTPChannelProtocol):  # type: ignore[misc]
-    """
-    twisted.web's per-connection proxy, telling its channel when the TLS
-    handshake is done (the TLS layer tells only a protocol that says it
-    listens).
-    """
-
-    def handshakeCompleted(self) -> None:
-        channel: Any = self._channel
-        done = getattr(channel, "handshakeCompleted", None)
-        if done is not None:
-            done()
-
-
-def _admin_channel() -> _GenericHTTPChannelProtocol:
-    # As twisted.web's default factory does, with our channel inside.
-    return _AdminProtocol(AdminChannel())
-
-
 class AdminSite(DeadlineSite):
     """
     A C{Site} with bounded request bodies, requests that must arrive in
@@ -163,7 +143,7 @@ class AdminSite(DeadlineSite):
     """
 
     requestFactory = AdminRequest
-    protocol = staticmethod(_admin_channel)
+    protocol = AdminChannel
     handshake_timeout: float | None = None
 
 
