@@ -65,18 +65,26 @@ class Proc:
             os.kill(self.proc.pid, getattr(signal, f"SIG{name}"))
 
 
-class HAEndToEndTests(TestCase):
+class HAProcessCase(TestCase):
+    """
+    Real control-plane members and agents on loopback around a real etcd
+    of C{etcd_members}: certificates for L{NODES}, the processes started
+    kept in C{members} and C{agents}, and every one of them (stopped ones
+    woken first) killed, with the shards the agents recorded in
+    C{states}, and etcd stopped, at the end.
+    """
+
     skip = ETCD_MISSING
-    timeout = 300
+    etcd_members = 3
 
     def setUp(self) -> defer.Deferred[None]:
         self.dir = Path(self.mktemp()).resolve()
         make_pki(self.dir, NODES, ["127.0.0.1"])
-        self.states = {n: Path(self.mktemp()).resolve() for n in NODES}
+        self.states: dict[str, Path] = {}
         self.members: dict[str, Proc] = {}
         self.admin: dict[str, str] = {}
         self.agents: list[Proc] = []
-        self.cluster = EtcdCluster(3)
+        self.cluster = EtcdCluster(self.etcd_members)
         self.addCleanup(self.cleanup)
         return defer.Deferred.fromCoroutine(self.cluster.start(reactor))
 
@@ -100,6 +108,15 @@ class HAEndToEndTests(TestCase):
 
     def cleanup(self) -> defer.Deferred[None]:
         return defer.Deferred.fromCoroutine(self._cleanup())
+
+
+class HAEndToEndTests(HAProcessCase):
+    timeout = 300
+
+    def setUp(self) -> defer.Deferred[None]:
+        d = super().setUp()
+        self.states.update({n: Path(self.mktemp()).resolve() for n in NODES})
+        return d
 
     def catalog(self) -> Path:
         path = Path(self.mktemp()).resolve()

@@ -23,14 +23,10 @@ import treq
 from twisted.internet import defer, reactor
 from twisted.internet.task import deferLater
 from twisted.logger import Logger
-from twisted.trial.unittest import TestCase
 
-from llmgw.testing.etcd import ETCD_MISSING, EtcdCluster
-from llmgw.testing.pki import make_pki
 from llmgw.testing.procs import free_port
-from tests.test_ha_e2e import Proc, twistd
+from tests.test_ha_e2e import NODES, HAProcessCase, Proc, twistd
 
-NODES = ("node-1", "node-2", "node-3")
 MEMBERS = ("c1", "c2", "c3")
 #: Heartbeat interval of members and agents: an agent leaves a member that
 #: acknowledged no heartbeat for 2 intervals plus 1 s (2 s here).
@@ -48,34 +44,10 @@ BOUND = 10.0
 POLL = 0.1
 
 
-class FrozenLeaderTests(TestCase):
-    skip = ETCD_MISSING
+class FrozenLeaderTests(HAProcessCase):
+    etcd_members = 1
     timeout = 180
     log = Logger()
-
-    def setUp(self) -> defer.Deferred[None]:
-        self.dir = Path(self.mktemp()).resolve()
-        make_pki(self.dir, NODES, ["127.0.0.1"])
-        self.members: dict[str, Proc] = {}
-        self.admin: dict[str, str] = {}
-        self.agents: list[Proc] = []
-        self.cluster = EtcdCluster(1)
-        self.addCleanup(self.cleanup)
-        return defer.Deferred.fromCoroutine(self.cluster.start(reactor))
-
-    async def _cleanup(self) -> None:
-        for p in [*self.members.values(), *self.agents]:
-            if p.alive:
-                try:
-                    p.signal("CONT")
-                    p.signal("KILL")
-                except OSError:
-                    pass
-                await p.out.ended
-        await self.cluster.stop()
-
-    def cleanup(self) -> defer.Deferred[None]:
-        return defer.Deferred.fromCoroutine(self._cleanup())
 
     def start_members(self, ttl: int) -> list[str]:
         ports = {m: free_port() for m in MEMBERS}
