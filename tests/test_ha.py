@@ -202,7 +202,12 @@ class HAMemberTests(SynchronousTestCase):
         self.assertEqual(a.cp.agents.connected_nodes(), ["node-a"])
 
 
-class SharedCatalogTests(SynchronousTestCase):
+class EtcdLogCase(SynchronousTestCase):
+    """
+    A fake etcd on a memory reactor, what is logged as text in C{logged},
+    and catalog files written by L{file}.
+    """
+
     def setUp(self) -> None:
         self.reactor = MemoryReactorClock()
         self.fake = FakeEtcd(self.reactor)
@@ -220,6 +225,9 @@ class SharedCatalogTests(SynchronousTestCase):
         path = Path(self.mktemp())
         path.write_bytes(text)
         return str(path)
+
+
+class SharedCatalogTests(EtcdLogCase):
 
     def lead(self, catalog_file: str | None) -> Member:
         m = Member(self.reactor, self.fake, "a", catalog_file=catalog_file)
@@ -427,24 +435,7 @@ class AdminURLTests(SynchronousTestCase):
         self.assertIn("listens on every address: set --advertise-admin", str(refused))
 
 
-class CatalogFileCheckTests(SynchronousTestCase):
-    def setUp(self) -> None:
-        self.reactor = MemoryReactorClock()
-        self.fake = FakeEtcd(self.reactor)
-        self.logged: list[str] = []
-
-        def observe(event: dict[str, Any]) -> None:
-            from twisted.logger import formatEvent
-
-            self.logged.append(formatEvent(event))
-
-        globalLogPublisher.addObserver(observe)
-        self.addCleanup(globalLogPublisher.removeObserver, observe)
-
-    def file(self, text: bytes) -> str:
-        path = Path(self.mktemp())
-        path.write_bytes(text)
-        return str(path)
+class CatalogFileCheckTests(EtcdLogCase):
 
     def member(self, name: str, catalog_file: str) -> Member:
         m = Member(self.reactor, self.fake, name, catalog_file=catalog_file)
