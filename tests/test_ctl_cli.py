@@ -135,8 +135,11 @@ class ProcessTests(SynchronousTestCase):
         listener.listen()
         listener.settimeout(120)
         port = listener.getsockname()[1]
+        # SIGINT as a terminal delivers it: a test run started in the
+        # background (no job control) would hand the child SIGINT ignored.
         p = subprocess.Popen([*LLMGW, "ctl", "watch", "--admin-url", f"http://127.0.0.1:{port}"],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV, cwd=str(ROOT))
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV, cwd=str(ROOT),
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         self.addCleanup(lambda: p.poll() is None and p.kill())
         conn, _ = listener.accept()
         self.addCleanup(conn.close)
