@@ -12,23 +12,17 @@ from typing import Any
 
 import treq
 from twisted.internet import defer, reactor, threads
-from twisted.trial.unittest import TestCase
 
 from llmgw.ctl.main import build_parser
 from llmgw.gateway.follower import FollowerTable
-from llmgw.testing.etcd import ETCD_MISSING
 from llmgw.testing.procs import free_port
 from tests import test_ha_e2e as base
 
 
-class HAAdminEndToEndTests(TestCase):
-    skip = ETCD_MISSING
+class HAAdminEndToEndTests(base.HAProcessCase):
     timeout = 120
 
-    # The e2e harness of the failover tests: etcd, members, waits, cleanup.
-    setUp = base.HAEndToEndTests.setUp
-    _cleanup = base.HAEndToEndTests._cleanup
-    cleanup = base.HAEndToEndTests.cleanup
+    # The failover tests' helpers: catalog, members, waits.
     catalog = base.HAEndToEndTests.catalog
     start_members = base.HAEndToEndTests.start_members
     get = base.HAEndToEndTests.get

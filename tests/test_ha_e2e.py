@@ -76,11 +76,14 @@ class HAProcessCase(TestCase):
 
     skip = ETCD_MISSING
     etcd_members = 3
+    #: Whether each node gets a state directory (its agent runs shards).
+    shard_states = True
 
     def setUp(self) -> defer.Deferred[None]:
         self.dir = Path(self.mktemp()).resolve()
         make_pki(self.dir, NODES, ["127.0.0.1"])
-        self.states: dict[str, Path] = {}
+        self.states: dict[str, Path] = (
+            {n: Path(self.mktemp()).resolve() for n in NODES} if self.shard_states else {})
         self.members: dict[str, Proc] = {}
         self.admin: dict[str, str] = {}
         self.agents: list[Proc] = []
@@ -112,11 +115,6 @@ class HAProcessCase(TestCase):
 
 class HAEndToEndTests(HAProcessCase):
     timeout = 300
-
-    def setUp(self) -> defer.Deferred[None]:
-        d = super().setUp()
-        self.states.update({n: Path(self.mktemp()).resolve() for n in NODES})
-        return d
 
     def catalog(self) -> Path:
         path = Path(self.mktemp()).resolve()

@@ -46,6 +46,7 @@ POLL = 0.1
 
 class FrozenLeaderTests(HAProcessCase):
     etcd_members = 1
+    shard_states = False
     timeout = 180
     log = Logger()
 
