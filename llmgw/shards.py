@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from llmgw.api.v1 import agent_pb2 as pb
+from llmgw.sourcespec import ModelSource
 from llmgw.wire import STATE_VALUES, state_name
 
 DEFAULT_HEALTH_PATH = "/health"
@@ -69,6 +70,9 @@ class ShardSpec:
     #: The epoch of the control plane that sent it (DESIGN §5): the
     #: dispatcher stamps its own as it sends; 0 in a command not yet sent.
     epoch: int = 0
+    #: Where the weights come from, when the agent is to put them on the
+    #: node and fill C{{weights}} in C{argv}; C{None}: C{argv} names them.
+    source: ModelSource | None = None
 
     def __post_init__(self) -> None:
         # Frozen means no caller's list or dict can change a spec afterwards,
@@ -77,6 +81,9 @@ class ShardSpec:
         object.__setattr__(self, "gpu_indices", tuple(self.gpu_indices))
         object.__setattr__(self, "env", dict(self.env))
         object.__setattr__(self, "metric_names", dict(self.metric_names))
+        # A state file keeps the source as the object of its fields.
+        if isinstance(self.source, Mapping):
+            object.__setattr__(self, "source", ModelSource(**self.source))
 
     def to_message(self) -> pb.StartShard:
         """
@@ -106,6 +113,7 @@ class ShardSpec:
             # An older agent knows no ready_while_alive and reads an empty
             # health path as the default one.
             ready_while_alive=not self.health_path,
+            source=source_message(self.source) if self.source is not None else None,
         )
 
     @classmethod
@@ -135,7 +143,26 @@ class ShardSpec:
             metrics_path=m.metrics_path,
             metric_names=m.metric_names,
             stop_signal=m.stop_signal or DEFAULT_STOP_SIGNAL,
+            source=source_of(m.source) if m.HasField("source") else None,
         )
+
+
+def source_message(source: ModelSource) -> pb.ModelSource:
+    """
+    The C{ModelSource} message that carries C{source}.
+    """
+    return pb.ModelSource(scheme=source.scheme, repo=source.repo, revision=source.revision,
+                          file=source.file, url=source.url, sha256=source.sha256,
+                          path=source.path)
+
+
+def source_of(m: pb.ModelSource) -> ModelSource:
+    """
+    The source a C{ModelSource} message carries, as sent: whoever uses it
+    checks it (L{ModelSource.problem}).
+    """
+    return ModelSource(scheme=m.scheme, repo=m.repo, revision=m.revision, file=m.file,
+                       url=m.url, sha256=m.sha256, path=m.path)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """
 What a shard is started with, and whether it may start: the checks a start
-must pass (L{refusal}), its command line (L{fill_argv}, L{launcher_args}),
+must pass (L{refusal}, and L{weights_refusal} for one whose command llmgw
+wrote from a model source), its command line (L{fill_argv}, L{launcher_args}),
 its environment (L{environment}), and the process protocol that sees its
 launcher's first words and its end (L{ShardProcess}). Plain functions of
 the shard's spec, apart from the protocol.
@@ -16,6 +17,8 @@ restart.
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
@@ -98,12 +101,81 @@ def refusal_class(problem: str) -> CrashClass:
     return CrashClass.UNKNOWN
 
 
-def fill_argv(spec: ShardSpec, python: str, host: str) -> list[str]:
+class ProgramMissing(LookupError):
+    """
+    An engine's program cannot be run on this node; the message names it
+    and says where it was looked for.
+    """
+
+
+def find_program(program: str, search_path: str) -> str:
+    """
+    The executable C{program} names: itself when it holds a C{/}, else the
+    first match on C{search_path} (a C{PATH} value), as C{execvp} finds it.
+
+    @raise ProgramMissing: there is no such executable.
+    """
+    if "/" in program:
+        if os.path.isfile(program) and os.access(program, os.X_OK):
+            return program
+        raise ProgramMissing(f"engine program {program!r} is not an executable file on this node")
+    found = shutil.which(program, path=search_path)
+    if found is None:
+        raise ProgramMissing(
+            f"engine program {program!r} is not on this agent's PATH ({search_path or 'empty'}); "
+            "install it there, or name it with the profile's 'program'"
+        )
+    return found
+
+
+#: The start of the refusal of a source whose weights would need fetching.
+NO_FETCHING = "fetching is not available in this build"
+
+
+def local_weights(spec: ShardSpec) -> str:
+    """
+    Where the weights of C{spec}'s source are on this node without
+    fetching: a C{file://} source's path; "" for any other, or none.
+    """
+    source = spec.source
+    return source.path if source is not None and source.scheme == "file" else ""
+
+
+def weights_refusal(spec: ShardSpec, env: Mapping[str, str], python: str) -> str | None:
+    """
+    Why a shard whose command llmgw wrote from a model source cannot start
+    on this node, or C{None} (always for a spec without a source): a
+    source that is not well-formed, one that needs fetching, a C{file://}
+    path that is not here, an engine program that is not on the shard's
+    C{PATH} (C{env}'s). Each is the catalog's or the node's setup, which a
+    retry cannot mend.
+    """
+    source = spec.source
+    if source is None:
+        return None
+    problem = source.problem()
+    if problem is not None:
+        return f"the model source is not usable: {problem}"
+    if source.scheme != "file":
+        return f"{NO_FETCHING}: {source.uri} cannot be put on this node (only file:// sources run)"
+    if not os.path.exists(source.path):
+        return f"model {source.path} (source {source.uri}) is not on this node"
+    if not spec.argv:
+        return NO_ARGV
+    try:
+        find_program(spec.argv[0].replace("{python}", python), env.get("PATH", os.defpath))
+    except ProgramMissing as e:
+        return str(e)
+    return None
+
+
+def fill_argv(spec: ShardSpec, python: str, host: str, weights: str = "") -> list[str]:
     """
     The shard's argv with its placeholders filled: C{{python}}, C{{port}},
     C{{rank}}, C{{world_size}}, C{{leader}}, C{{model}}, C{{shard_id}},
-    C{{replica_id}}, C{{gpus}} (comma-separated) and C{{host}} (the address
-    the agent advertises, where the control plane left it to the agent).
+    C{{replica_id}}, C{{gpus}} (comma-separated), C{{host}} (the address
+    the agent advertises, where the control plane left it to the agent) and,
+    for a spec with a model source, C{{weights}} (their path on the node).
     """
     values = {
         "{python}": python,
@@ -117,6 +189,8 @@ def fill_argv(spec: ShardSpec, python: str, host: str) -> list[str]:
         "{gpus}": ",".join(map(str, spec.gpu_indices)),
         "{host}": host,
     }
+    if spec.source is not None:
+        values["{weights}"] = weights
     out = []
     for arg in spec.argv:
         for key, value in values.items():

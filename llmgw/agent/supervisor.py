@@ -67,6 +67,7 @@ from llmgw.agent.shard import (
 )
 from llmgw.agent.state import ShardSpec, StateDir, valid_shard_id
 from llmgw.agent.stopping import Stopper, final_state, main_exit
+from llmgw.crash import CrashClass
 from llmgw.engines import stop_signal_number
 
 __all__ = ["FAILED", "STOPPED", "STOPPING", "Shard", "Stray", "Supervisor"]
@@ -229,10 +230,13 @@ class Supervisor(Service):
             return existing
         problem = launch.refusal(spec, self.gpu_indices, self.held_shards(),
                                  self.ops.port_in_use)
+        crash_class = launch.refusal_class(problem) if problem is not None else CrashClass.CONFIG
+        if problem is None:
+            problem = launch.weights_refusal(spec, self.environment(spec), self.python)
         if problem is not None:
             shard = Shard(spec, FAILED)
             shard.error = problem
-            shard.crash_class = launch.refusal_class(problem).value
+            shard.crash_class = crash_class.value
             self.log.error("refusing to start shard {shard}: {error}",
                            shard=spec.shard_id, error=problem)
             self._report(shard)
@@ -303,7 +307,7 @@ class Supervisor(Service):
         log_path = self.records.new_log(spec.shard_id)
         if log_path is not None:
             shard.tail = LogTail(log_path)
-        argv = launch.fill_argv(spec, self.python, self.probe_host)
+        argv = launch.fill_argv(spec, self.python, self.probe_host, launch.local_weights(spec))
         args = launch.launcher_args(self.python, log_path or Path(os.devnull), argv)
         proto = launch.ShardProcess(shard, self._process_ended)
         shard.process = self.spawn(proto, self.python, args, env=self.environment(spec), path=None)

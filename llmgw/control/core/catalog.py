@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llmgw import engines
+from llmgw import engineargv, engines
 from llmgw.control.core.autoscale import (
     DEFAULT_SCALE_TO_ZERO_AFTER_S,
     DEFAULT_STABILIZATION_S,
@@ -39,6 +39,7 @@ from llmgw.shards import (
     DEFAULT_STOP_SIGNAL,
     ShardSpec,
 )
+from llmgw.sourcespec import ModelSource, SourceError, parse_source
 
 #: Placeholders a command or env value may hold. C{{python}} is left for the
 #: agent, which replaces it with its own interpreter; the control plane fills
@@ -48,9 +49,15 @@ PLACEHOLDERS = frozenset({
     # The address the agent advertises for its shards, and the leader's alone.
     "host", "leader_host",
 })
-AGENT_PLACEHOLDERS = frozenset({"python"})
+AGENT_PLACEHOLDERS = frozenset({"python", "weights"})
 
 _PLACEHOLDER = re.compile(r"\{([^{}]*)\}")
+# In a deployment's args only {name} is a placeholder: engines take JSON
+# values ('{"level": 3}'), which must pass as written.
+_ARGS_PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
+#: What a deployment's args may hold: the command's placeholders and the
+#: path of the weights, filled by the agent once they are on the node.
+ARGS_PLACEHOLDERS = PLACEHOLDERS | {"weights"}
 
 DEFAULT_PORT_RANGE = (20000, 29999)
 
@@ -66,6 +73,9 @@ class Profile:
     """
     How a model runs: C{shards} nodes per replica, each with
     C{gpus_per_shard} GPUs that have C{gpu_memory_mb} free.
+
+    C{command} is empty when llmgw writes it (L{llmgw.engineargv}) from the
+    profile's C{engine} and a deployment's C{source}.
     """
 
     name: str
@@ -90,8 +100,11 @@ class Profile:
     #: Signal -> metric names ("a,b": first present; "a+b": summed).
     metric_names: Mapping[str, str] = field(default_factory=dict)
     stop_signal: str = DEFAULT_STOP_SIGNAL
+    #: The engine's executable when llmgw writes the command; "": the
+    #: engine's usual one (L{engineargv.DEFAULT_PROGRAMS}) on the agent's PATH.
+    program: str = ""
 
-    def launch(self, rank: int) -> ShardSpec:
+    def launch(self, rank: int, deployment: Deployment | None = None) -> ShardSpec:
         """
         The spec each shard of rank C{rank} starts from: this profile's
         command and environment with their placeholders unfilled, its
@@ -102,8 +115,21 @@ class Profile:
         Ranks 1..N-1 run C{worker_command} when there is one, with
         C{worker_health_path}; only rank 0 is scraped (its metrics cover the
         replica, and routes carry the leader's).
+
+        For a C{deployment} with a C{source}, the command is the one llmgw
+        writes for the profile's engine, serving C{{weights}} as C{{model}}
+        on C{{host}}:C{{port}} with the deployment's C{args}, and the spec
+        carries the source for the agent to put the weights on the node.
         """
         argv, health_path = self.command, self.health_path
+        source: ModelSource | None = None
+        if deployment is not None and deployment.source is not None:
+            source = deployment.source
+            argv = engineargv.build_argv(
+                self.engine, weights=engineargv.WEIGHTS, host="{host}", port="{port}",
+                served_name="{model}", tensor_parallel=self.gpus_per_shard,
+                args=deployment.args, program=self.program, metrics=bool(self.metrics_path),
+            )
         if rank > 0 and self.worker_command:
             argv, health_path = self.worker_command, self.worker_health_path
         return ShardSpec(
@@ -113,6 +139,7 @@ class Profile:
             drain_timeout_s=self.drain_timeout_s, engine=self.engine,
             metrics_path=self.metrics_path if rank == 0 else "",
             metric_names=self.metric_names if rank == 0 else {}, stop_signal=self.stop_signal,
+            source=source,
         )
 
 
@@ -132,6 +159,10 @@ class Deployment:
     #: gateway's defaults.
     queue_depth: int | None = None
     queue_timeout_s: float | None = None
+    #: Where the weights come from; C{None}: the profile's C{command} names them.
+    source: ModelSource | None = None
+    #: Extra engine flags after the ones llmgw writes (with C{source} only).
+    args: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -189,6 +220,7 @@ _PROFILE_FIELDS: dict[str, type | tuple[type, ...]] = {
     "metrics_path": str,
     "metric_names": dict,
     "stop_signal": str,
+    "program": str,
 }
 _DEPLOYMENT_FIELDS: dict[str, type | tuple[type, ...]] = {
     "model": str,
@@ -203,6 +235,10 @@ _DEPLOYMENT_FIELDS: dict[str, type | tuple[type, ...]] = {
     "target_waiting": (int, float),
     "scale_to_zero_after_s": (int, float),
     "stabilization_s": (int, float),
+    "source": str,
+    "file": str,
+    "sha256": str,
+    "args": list,
 }
 #: The fields that make a deployment autoscaled.
 AUTOSCALE_FIELDS = ("min_replicas", "max_replicas", "target_in_flight", "target_waiting",
@@ -254,13 +290,6 @@ def parse_profile(name: str, raw: Any) -> Profile:
                 f"{where}: unknown field {key!r} (known: {', '.join(sorted(_PROFILE_FIELDS))})"
             )
         _check_type(where, key, value, _PROFILE_FIELDS[key])
-    if "command" not in raw:
-        raise CatalogError(f"{where}: field 'command' is required")
-    command = raw["command"]
-    if not command or not all(isinstance(a, str) for a in command):
-        raise CatalogError(f"{where}: field 'command' must be a non-empty list of strings")
-    for arg in command:
-        check_placeholders(where, "command", arg)
     engine_name = raw.get("engine", "generic")
     if engine_name not in engines.ENGINES:
         raise CatalogError(
@@ -268,6 +297,10 @@ def parse_profile(name: str, raw: Any) -> Profile:
             f"(known: {', '.join(engines.known_engines())})"
         )
     engine = engines.ENGINES[engine_name]
+    command = raw.get("command", [])
+    _check_command_or_engine(where, raw, engine_name)
+    for arg in command:
+        check_placeholders(where, "command", arg)
     worker_command = raw.get("worker_command", [])
     if not all(isinstance(a, str) for a in worker_command) or ("worker_command" in raw and not worker_command):
         raise CatalogError(f"{where}: field 'worker_command' must be a non-empty list of strings")
@@ -331,6 +364,92 @@ def parse_profile(name: str, raw: Any) -> Profile:
     return profile
 
 
+def _check_command_or_engine(where: str, raw: Mapping[str, Any], engine: str) -> None:
+    """
+    A profile has a C{command}, or an engine whose command llmgw writes
+    (for one shard a replica); C{program} only with the latter.
+
+    @raise CatalogError: neither, or C{program} or C{shards} that do not fit.
+    """
+    launchable = ", ".join(repr(e) for e in engineargv.LAUNCHABLE)
+    if "command" in raw:
+        command = raw["command"]
+        if not command or not all(isinstance(a, str) for a in command):
+            raise CatalogError(f"{where}: field 'command' must be a non-empty list of strings")
+        if "program" in raw:
+            raise CatalogError(
+                f"{where}: field 'program' names the executable of a command llmgw writes; "
+                "this profile has its own 'command' (put the program in it)"
+            )
+        return
+    if engine not in engineargv.LAUNCHABLE:
+        raise CatalogError(
+            f"{where}: field 'command' is required (or an 'engine' whose command llmgw "
+            f"writes from a deployment's 'source': {launchable})"
+        )
+    if "program" in raw and not raw["program"].strip():
+        raise CatalogError(f"{where}: field 'program' must name an executable, not {raw['program']!r}")
+    if raw.get("shards", 1) > 1:
+        raise CatalogError(
+            f"{where}: field 'command' is required when shards > 1: llmgw writes command "
+            "lines for one shard a replica (write 'command' and 'worker_command')"
+        )
+
+
+def parse_source_fields(where: str, raw: Mapping[str, Any], profile: Profile) -> ModelSource | None:
+    """
+    A type-checked deployment entry's C{source} (with C{file} and
+    C{sha256}), checked against its C{profile}: C{None} when it names none.
+
+    @raise CatalogError: the source is malformed, or does not fit the
+        profile (no engine llmgw launches, a C{command} of its own, a
+        llama.cpp engine given a whole repository), or C{file}, C{sha256}
+        or C{args} come without a source, or the profile needs one.
+    """
+    if "source" not in raw:
+        for key in ("file", "sha256", "args"):
+            if key in raw:
+                raise CatalogError(f"{where}: field {key!r} applies only with a 'source'")
+        if not profile.command:
+            raise CatalogError(
+                f"{where}: field 'source' is required: profile {profile.name!r} has no "
+                "'command', so llmgw writes one, and it serves the weights the source names"
+            )
+        return None
+    try:
+        source = parse_source(raw["source"], file=raw.get("file", ""), sha256=raw.get("sha256", ""))
+    except SourceError as e:
+        raise CatalogError(f"{where}: field {e.field!r}: {e}") from None
+    if profile.engine not in engineargv.LAUNCHABLE:
+        raise CatalogError(
+            f"{where}: field 'source' needs an engine llmgw can launch, but profile "
+            f"{profile.name!r} has engine {profile.engine!r} (set engine = one of "
+            f"{', '.join(repr(e) for e in engineargv.LAUNCHABLE)} in the profile)"
+        )
+    if profile.command:
+        raise CatalogError(
+            f"{where}: field 'source': profile {profile.name!r} has its own 'command', which "
+            "would not serve these weights; drop the profile's command (llmgw writes it) "
+            "or the deployment's source"
+        )
+    if profile.engine == "llamacpp" and source.scheme == "hf" and not source.file:
+        raise CatalogError(
+            f"{where}: field 'file' is required: llama.cpp loads one GGUF file, so an hf "
+            "source for engine 'llamacpp' names it (file = \"NAME.gguf\")"
+        )
+    args = raw.get("args", [])
+    if not all(isinstance(a, str) for a in args):
+        raise CatalogError(f"{where}: field 'args' must be a list of strings, not {args!r}")
+    for arg in args:
+        for m in _ARGS_PLACEHOLDER.finditer(arg):
+            if m.group(1) not in ARGS_PLACEHOLDERS:
+                known = ", ".join("{" + p + "}" for p in sorted(ARGS_PLACEHOLDERS))
+                raise CatalogError(
+                    f"{where}: field 'args' has unknown placeholder {m.group(0)!r} (known: {known})"
+                )
+    return source
+
+
 def parse_deployment(index: int, raw: Any, profiles: Mapping[str, Profile]) -> Deployment:
     where = f"deployments[{index}]"
     if not isinstance(raw, dict):
@@ -351,6 +470,7 @@ def parse_deployment(index: int, raw: Any, profiles: Mapping[str, Profile]) -> D
             f"{where}: field 'profile' names {raw['profile']!r}, which is not a profile "
             f"(profiles: {', '.join(sorted(profiles)) or 'none'})"
         )
+    source = parse_source_fields(where, raw, profiles[raw["profile"]])
     replicas = raw.get("replicas", 1)
     _positive(where, "replicas", replicas, 0)
     routing = raw.get("routing")
@@ -373,7 +493,8 @@ def parse_deployment(index: int, raw: Any, profiles: Mapping[str, Profile]) -> D
             raise CatalogError(f"{where}: field 'queue_timeout_s': {e}") from None
         queue_timeout = float(queue_timeout)
     return Deployment(model=raw["model"], profile=raw["profile"], replicas=replicas, routing=routing,
-                      autoscale=autoscale, queue_depth=queue_depth, queue_timeout_s=queue_timeout)
+                      autoscale=autoscale, queue_depth=queue_depth, queue_timeout_s=queue_timeout,
+                      source=source, args=tuple(raw.get("args", ())))
 
 
 def parse_autoscale(where: str, raw: Mapping[str, Any]) -> AutoscalePolicy | None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from llmgw.control.core.catalog import Profile, fill
+from llmgw.control.core.catalog import Deployment, Profile, fill
 from llmgw.control.state.fleetstate import ReplicaRec, ShardRec, format_address
 from llmgw.control.state.interfaces import IDispatcher, NotConnected, NotKeepingUp, ShardCommand
 
@@ -67,10 +67,12 @@ def send(dispatcher: IDispatcher | None, cmd: Command) -> str | None:
 
 
 def start_command(
-    rep: ReplicaRec, shard: ShardRec, profile: Profile, leader_fabrics: Mapping[str, str]
+    rep: ReplicaRec, shard: ShardRec, profile: Profile, leader_fabrics: Mapping[str, str],
+    deployment: Deployment | None = None,
 ) -> ShardCommand:
     """
-    The start command for C{shard} of C{rep}: the profile's command and
+    The start command for C{shard} of C{rep}: the profile's command (or
+    the one llmgw writes for C{deployment}'s source, L{Profile.launch}) and
     environment with their placeholders filled. A multi-shard replica's
     leader is reached on the profile's fabric where its node has one
     (C{leader_fabrics}: the leader node's fabric addresses).
@@ -93,7 +95,7 @@ def start_command(
         "host": shard.host,
         "leader_host": leader.host if leader is not None else "",
     }
-    launch = profile.launch(shard.rank)
+    launch = profile.launch(shard.rank, deployment)
     spec = replace(
         launch,
         shard_id=shard.id,

@@ -54,7 +54,8 @@ def send_start(ctx: Context, rep: ReplicaRec, shard: ShardRec, now: float, first
         leader = rep.shards.get(0)
         node = ctx.inventory.peek(leader.node_id) if leader is not None else None
         fabrics = node.fabrics if node is not None else {}
-        out.send(Start(start_command(rep, shard, profile, fabrics), first=first))
+        deployment = ctx.catalog.deployments.get(rep.model)
+        out.send(Start(start_command(rep, shard, profile, fabrics, deployment), first=first))
 
 
 def create_replica(ctx: Context, model: str, profile_name: str, world_size: int,
