@@ -69,7 +69,9 @@ class ModelSource:
             return f"hf://{self.repo}" + (f"@{self.revision}" if self.revision else "")
         if self.scheme == "https":
             return self.url
-        return "file://" + quote(self.path)
+        if self.scheme == "file":
+            return "file://" + quote(self.path)
+        return f"{self.scheme}://"
 
     @property
     def single_file(self) -> bool:

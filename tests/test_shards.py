@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from hypothesis import given
 from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
@@ -14,6 +15,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from llmgw.api.v1 import agent_pb2 as pb
 from llmgw.control.state.interfaces import ShardCommand
 from llmgw.shards import ReportedShard, ShardReport, ShardSpec
+from llmgw.sourcespec import ModelSource
 from llmgw.wire import STATE_VALUES
 
 # Protobuf strings are UTF-8: no lone surrogates.
@@ -24,6 +26,12 @@ positive32 = st.integers(1, 2**32 - 1)
 names = st.dictionaries(text, text, max_size=4)
 states = st.sampled_from(sorted(STATE_VALUES))
 
+# Any field values at all: the wire carries a source as sent, and the agent
+# checks it before use.
+sources = st.none() | st.builds(
+    ModelSource, scheme=st.sampled_from(["hf", "https", "file", ""]), repo=text, revision=text,
+    file=text, url=text, sha256=text, path=text,
+)
 specs = st.builds(
     ShardSpec,
     shard_id=text, replica_id=text, model=text, profile=text,
@@ -31,7 +39,7 @@ specs = st.builds(
     rank=uint32, world_size=positive32, leader_address=text, env=names, health_path=text,
     startup_timeout_s=positive32, stop_grace_s=positive32, drain_timeout_s=positive32,
     engine=text.filter(bool), metrics_path=text, metric_names=names,
-    stop_signal=text.filter(bool), epoch=st.integers(0, 2**64 - 1),
+    stop_signal=text.filter(bool), epoch=st.integers(0, 2**64 - 1), source=sources,
 )
 reported = st.builds(
     ReportedShard,
@@ -82,6 +90,38 @@ class ShardSpecTests(SynchronousTestCase):
              spec.drain_timeout_s, spec.engine, spec.stop_signal, spec.metrics_path),
             (1, "/health", 600, 30, 60, "generic", "SIGTERM", ""),
         )
+
+    def test_source(self) -> None:
+        """
+        A spec with a model source sends it as a ModelSource that reads back
+        equal; one without sends none, and a StartShard of a control plane
+        from before sources (no field 22) reads as no source. An agent from
+        before sources reads a StartShard with one, its other fields intact.
+        """
+        source = ModelSource(scheme="hf", repo="org/repo", revision="main", file="x.gguf")
+        spec = ShardSpec(shard_id="s", replica_id="r", model="m", profile="p",
+                         argv=["llama-server", "-m", "{weights}"], gpu_indices=[0], port=1,
+                         source=source)
+        wire = over_the_wire(spec.to_message())
+        self.assertEqual(ShardSpec.from_message(pb.StartShard.FromString(wire)).source, source)
+        plain = ShardSpec(shard_id="s", replica_id="r", model="m", profile="p", argv=["x"],
+                          gpu_indices=[], port=1)
+        self.assertFalse(plain.to_message().HasField("source"))
+        # The StartShard of a schema from before sources, in a pool of its own.
+        old_schema = descriptor_pb2.FileDescriptorProto()
+        pb.DESCRIPTOR.CopyToProto(old_schema)
+        old_schema.name = "before_sources.proto"
+        [start] = [m for m in old_schema.message_type if m.name == "StartShard"]
+        [field_22] = [f for f in start.field if f.number == 22]
+        start.field.remove(field_22)
+        pool = descriptor_pool.DescriptorPool()
+        pool.Add(old_schema)
+        OldStartShard = message_factory.GetMessageClass(pool.FindMessageTypeByName("llmgw.v1.StartShard"))
+        seen_by_old_agent = OldStartShard.FromString(wire)
+        self.assertEqual((list(seen_by_old_agent.argv), seen_by_old_agent.port, seen_by_old_agent.model),
+                         (["llama-server", "-m", "{weights}"], 1, "m"))
+        from_old_plane = OldStartShard(shard_id="s", argv=["x"]).SerializeToString()
+        self.assertIsNone(ShardSpec.from_message(pb.StartShard.FromString(from_old_plane)).source)
 
     def test_ready_while_alive(self) -> None:
         """

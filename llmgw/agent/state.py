@@ -77,7 +77,12 @@ class ShardRecord:
         """
         The record as the state directory stores it.
         """
-        return json.dumps(asdict(self), sort_keys=True, indent=1).encode()
+        raw = asdict(self)
+        # A spec without a model source is written as before the field
+        # existed, so an older agent (which refuses unknown fields) reads it.
+        if raw["spec"]["source"] is None:
+            del raw["spec"]["source"]
+        return json.dumps(raw, sort_keys=True, indent=1).encode()
 
     @classmethod
     def from_json(cls, data: bytes) -> ShardRecord:
