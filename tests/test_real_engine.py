@@ -54,6 +54,21 @@ profile = "llama-tiny"
 replicas = 1
 """
 
+# No command: llmgw writes llama-server's from the engine, the source and args.
+LLAMA_SOURCE_CATALOG = """
+[profiles.llama-cpu]
+engine = "llamacpp"
+gpus_per_shard = 1
+program = {binary}
+
+[[deployments]]
+model = "tiny"
+profile = "llama-cpu"
+replicas = 1
+source = {source}
+args = ["-c", "512", "-np", "2", "-t", "1", "--no-warmup", "-ngl", "0"]
+"""
+
 VLLM_CATALOG = """
 [profiles.vllm-cpu]
 engine = "vllm"
@@ -276,6 +291,52 @@ class RealEngineTests(SynchronousTestCase):
             return LLAMA_CATALOG.format(binary=json.dumps(str(binary)), model=json.dumps(str(model)))
 
         self.run_engine(catalog, ("prefix_cache_queries",))
+
+    def test_llama_server_by_source(self) -> None:
+        """
+        A deployment that names a local GGUF by file:// source, with a
+        llamacpp profile that names llama-server as its program and has no
+        command, becomes ready and answers a chat through the gateway; the
+        engine runs the command llmgw wrote (the model's path, the shard's
+        port, the deployment's name and args); the fleet's stop leaves no
+        engine process.
+        """
+        binary = find_llama_server()
+        if binary is None:
+            raise SkipTest(llama_server_missing_reason())
+        from openai import OpenAI
+
+        from llmgw.testing.tinygguf import write
+
+        models: list[Path] = []
+
+        def catalog(directory: Path) -> str:
+            models.append(write(directory / "tiny.gguf"))
+            return LLAMA_SOURCE_CATALOG.format(binary=json.dumps(str(binary)),
+                                               source=json.dumps(models[0].as_uri()))
+
+        fleet = RealEngineFleet(self, catalog)
+        ready = fleet.wait("a ready replica", lambda: fleet.ready_replicas())
+        [(replica_id, replica)] = ready.items()
+        address = replica["shards"][0]["address"]
+        self.assertEqual(health(address), 200)
+        cmdline = Path(f"/proc/{fleet.shard_pids()[replica_id]}/cmdline").read_bytes()
+        self.assertEqual(cmdline.split(b"\0")[:-1], [os.fsencode(a) for a in (
+            str(binary), "-m", str(models[0]), "--host", address.rsplit(":", 1)[0], "--port",
+            address.rsplit(":", 1)[1], "--alias", "tiny", "--metrics", "-c", "512", "-np", "2",
+            "-t", "1", "--no-warmup", "-ngl", "0")])
+        client = OpenAI(base_url=f"http://127.0.0.1:{fleet.gateway_port}/v1", api_key="none",
+                        timeout=30, max_retries=0)
+        reply = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=4,
+            extra_body={"ignore_eos": True})
+        self.assertEqual(reply.usage.completion_tokens, 4)
+        fleet.proc.send_signal(signal.SIGTERM)
+        try:
+            fleet.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.fail(f"the fleet did not stop on SIGTERM:\n{fleet.output()[-4000:]}")
+        self.assertEqual(engine_processes(fleet.dir), [])
 
     def test_vllm_cpu(self) -> None:
         """
