@@ -136,6 +136,9 @@ class SourceCatalogTests(SynchronousTestCase):
         with self.assertRaises(CatalogError) as ctx:
             parse('[profiles.p]\nengine = "vllm"\nprogram = " "\n')
         self.assertIn("field 'program' must name an executable", str(ctx.exception))
+        with self.assertRaises(CatalogError) as ctx:
+            parse('[profiles.p]\nengine = "vllm"\nprogram = "{nope}/vllm"\n')
+        self.assertIn("field 'program' has unknown placeholder '{nope}'", str(ctx.exception))
         self.assertEqual(parse('[profiles.p]\nengine = "sglang"\nprogram = "/opt/sgl/bin/python"\n')
                          .profiles["p"].program, "/opt/sgl/bin/python")
 
@@ -189,6 +192,17 @@ class StartCommandTests(SynchronousTestCase):
                                 "--port", "20001", "--served-model-name", "tiny",
                                 "--tensor-parallel-size", "4", "--max-model-len", "4096"])
         self.assertEqual(source, ModelSource(scheme="hf", repo="org/repo", revision="main"))
+
+    def test_deployment_moved_to_another_profile(self) -> None:
+        """
+        A replica placed on a profile with a command, whose deployment has
+        since moved to a profile of its own with a source, keeps that
+        command when its shards are sent again.
+        """
+        old = catalog("replicas = 1", profile_extra='command = ["srv", "--port", "{port}"]')
+        new = catalog('source = "file:///m.gguf"')
+        spec = old.profiles["llama-cpu"].launch(0, new.deployments["tiny"])
+        self.assertEqual((spec.argv, spec.source), (("srv", "--port", "{port}"), None))
 
     def test_command_profiles_unchanged(self) -> None:
         """

@@ -116,14 +116,18 @@ class Profile:
         C{worker_health_path}; only rank 0 is scraped (its metrics cover the
         replica, and routes carry the leader's).
 
-        For a C{deployment} with a C{source}, the command is the one llmgw
-        writes for the profile's engine, serving C{{weights}} as C{{model}}
-        on C{{host}}:C{{port}} with the deployment's C{args}, and the spec
-        carries the source for the agent to put the weights on the node.
+        For a C{deployment} with a C{source}, on a profile without a
+        command, the command is the one llmgw writes for the profile's
+        engine, serving C{{weights}} as C{{model}} on C{{host}}:C{{port}}
+        with the deployment's C{args}, and the spec carries the source for
+        the agent to put the weights on the node. A profile with a command
+        runs it whatever the deployment says: a replica placed on it before
+        its deployment moved to another profile keeps it.
         """
         argv, health_path = self.command, self.health_path
         source: ModelSource | None = None
-        if deployment is not None and deployment.source is not None:
+        if (deployment is not None and deployment.source is not None and not self.command
+                and self.engine in engineargv.LAUNCHABLE):
             source = deployment.source
             argv = engineargv.build_argv(
                 self.engine, weights=engineargv.WEIGHTS, host="{host}", port="{port}",
@@ -387,8 +391,10 @@ def _check_command_or_engine(where: str, raw: Mapping[str, Any], engine: str) ->
             f"{where}: field 'command' is required (or an 'engine' whose command llmgw "
             f"writes from a deployment's 'source': {launchable})"
         )
-    if "program" in raw and not raw["program"].strip():
-        raise CatalogError(f"{where}: field 'program' must name an executable, not {raw['program']!r}")
+    if "program" in raw:
+        if not raw["program"].strip():
+            raise CatalogError(f"{where}: field 'program' must name an executable, not {raw['program']!r}")
+        check_placeholders(where, "program", raw["program"])
     if raw.get("shards", 1) > 1:
         raise CatalogError(
             f"{where}: field 'command' is required when shards > 1: llmgw writes command "
