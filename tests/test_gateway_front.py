@@ -23,12 +23,12 @@ from zope.interface import implementer
 
 from llmgw.gateway.deadline import Deadline
 from llmgw.gateway.front import (
-    DRAIN_MAX,
     MAX_HEAD,
     READ_AHEAD,
     FrontFactory,
     HTTPFront,
 )
+from llmgw.gateway.frontflow import DRAIN_MAX
 from llmgw.gateway.frontrequest import FrontRequest
 from llmgw.gateway.httphead import MAX_HEADERS
 from tests.gateway_helpers import cyclic_leftovers
