@@ -12,6 +12,17 @@ connection is closed. The deadline covers receiving the request only: it
 ends when the request is complete, so a long-poll or a WebSocket upgrade
 answered slowly is not cut by it.
 
+A L{DeadlineChannel} also stops answering while its answers wait to be
+written. twisted.web's channel pauses reading when the transport's buffer
+is full only if no request is being handled at that moment, and a request
+answered at once is always being handled when its answer fills the buffer;
+and the pipelined requests of a read already taken (thousands of small
+ones in 64 KiB) are answered all the same. So a client that pipelines and
+reads nothing would grow the process without bound. Here, when the
+transport pauses the channel, reading stops and so does the parsing of
+what is buffered (through C{LineReceiver}'s own pausing), until the
+transport drains.
+
 L{DeadlineSite} is a C{Site} whose connections are L{DeadlineChannel}s.
 Neither the gateway nor the control plane owns this module: both serve
 HTTP listeners with it (the admin API, the gateway's /metrics).
@@ -101,6 +112,26 @@ class DeadlineChannel(HTTPChannel):
         # dataReceived, which starts the next request's deadline.
         self._answering = False
         super().requestDone(request)
+
+    def pauseProducing(self) -> None:
+        # The transport's buffer is full: twisted.web pauses the request's
+        # producer; we stop reading, and stop feeding buffered lines (the
+        # LineReceiver loop honours C{paused}), whether or not a request is
+        # being handled.
+        super().pauseProducing()
+        self.paused = True
+        transport: Any = self.transport
+        if transport is not None:
+            transport.pauseProducing()
+
+    def resumeProducing(self) -> None:
+        # Drained: twisted.web resumes reading unless a request is being
+        # handled (its end resumes it then); the buffered lines go on.
+        super().resumeProducing()
+        if self.paused:
+            self.paused = False
+            if self.transport is not None:
+                self.dataReceived(b"")
 
     def connectionLost(self, reason: Failure = Failure(ConnectionDone())) -> None:  # noqa: B008
         self._stop_deadline()

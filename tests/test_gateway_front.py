@@ -23,12 +23,12 @@ from zope.interface import implementer
 
 from llmgw.gateway.deadline import Deadline
 from llmgw.gateway.front import (
-    DRAIN_MAX,
     MAX_HEAD,
     READ_AHEAD,
     FrontFactory,
     HTTPFront,
 )
+from llmgw.gateway.frontflow import DRAIN_MAX, PASS_OUTPUT, SEND_TIMEOUT
 from llmgw.gateway.frontrequest import FrontRequest
 from llmgw.gateway.httphead import MAX_HEADERS
 from tests.gateway_helpers import cyclic_leftovers
@@ -74,14 +74,15 @@ class Server:
     (or answers at once when C{auto} is set).
     """
 
-    def __init__(self, max_body: int = 1000, auto: bool = False, **factory_args: Any):
+    def __init__(self, max_body: int = 1000, auto: bool = False, transport: StringTransport | None = None,
+                 **factory_args: Any):
         self.requests: list[FrontRequest] = []
         self.auto = auto
         self.clock = Clock()
         self.clock.advance(1_700_000_000)
         self.factory = FrontFactory(self.handle, self.clock, max_body, **factory_args)
         self.proto: HTTPFront = self.factory.buildProtocol(None)
-        self.transport = StringTransport()
+        self.transport = transport or StringTransport()
         self.proto.makeConnection(self.transport)
 
     def handle(self, request: FrontRequest) -> None:
@@ -774,6 +775,154 @@ class FlowTests(SynchronousTestCase):
         answer(s.requests[0], b"ok")
         s.proto.connectionLost(Failure(ConnectionError("gone")))
         self.assertEqual(len(lost), 1)
+
+
+GET = b"GET /v1/models HTTP/1.1\r\nHost: gw\r\n\r\n"
+
+
+class FullTransport(HalfCloseTransport):
+    """
+    A transport whose buffer passes its high-water mark at C{mark} bytes
+    written, as a TCP transport's does when its client reads nothing: it
+    pauses its producer then, and resumes it on L{drain}.
+    """
+
+    def __init__(self, mark: int) -> None:
+        super().__init__()
+        self.mark = mark
+
+    def write(self, data: bytes) -> None:
+        super().write(data)
+        if len(self.value()) > self.mark and self.producer is not None:
+            self.producer.pauseProducing()
+
+    def drain(self) -> None:
+        self.clear()
+        self.producer.resumeProducing()
+
+
+def turn(clock: Clock) -> None:
+    """
+    One reactor turn's timed calls: those due now, not those they make.
+    """
+    for call in [c for c in clock.getDelayedCalls() if c.getTime() <= clock.seconds()]:
+        clock.calls.remove(call)
+        call.func(*call.args, **call.kw)
+
+
+class OutputWaitTests(SynchronousTestCase):
+    """
+    A connection whose answers wait to be written neither reads nor parses.
+    """
+
+    def test_nothing_parsed_while_paused(self) -> None:
+        """
+        While the transport has paused the connection (its buffer full),
+        pipelined requests that arrive are kept, not parsed or answered, and
+        the socket is not read; when the transport drains they are answered
+        on a later turn, and reading resumes.
+        """
+        s = Server(auto=True)
+        s.proto.pauseProducing()
+        self.assertEqual(s.transport.producerState, "paused")
+        s.feed(GET * 10)
+        self.assertEqual(s.requests, [])
+        s.proto.resumeProducing()
+        self.assertEqual(s.requests, [])
+        s.clock.advance(0)
+        self.assertEqual(len(s.requests), 10)
+        self.assertEqual(len(responses(s.output())), 10)
+        self.assertEqual(s.transport.producerState, "producing")
+
+    def test_pass_output_bounded(self) -> None:
+        """
+        One read of many pipelined requests answered at once is answered
+        only until about L{PASS_OUTPUT} bytes are written; the rest waits
+        for a later turn, and reading stops meanwhile. Paused by the
+        transport in between, the connection goes on only when it drains.
+        """
+        s = Server(auto=True)
+        body = b"m" * 10_000
+        s.handle = lambda r: (s.requests.append(r), answer(r, body))  # type: ignore[method-assign]
+        s.factory.handle = s.handle
+        s.feed(GET * 100)
+        first = len(s.requests)
+        self.assertLessEqual(first * 10_000, PASS_OUTPUT + 10_000)
+        self.assertGreater(first, 1)
+        self.assertEqual(s.transport.producerState, "paused")
+        turn(s.clock)
+        second = len(s.requests)
+        self.assertEqual(second, 2 * first)
+        s.proto.pauseProducing()
+        turn(s.clock)
+        self.assertEqual(len(s.requests), second)
+        s.proto.resumeProducing()
+        for _ in range(10):
+            s.clock.advance(0)
+        self.assertEqual(len(s.requests), 100)
+        self.assertEqual([b for _, _, b in responses(s.output())], [body] * 100)
+        self.assertEqual(s.transport.producerState, "producing")
+
+    def test_paused_mid_pass(self) -> None:
+        """
+        When the transport pauses the connection in the middle of a pass
+        (an answer filled its buffer), no further request is parsed until
+        it drains.
+        """
+        s = Server(auto=True, transport=FullTransport(1000))
+        s.feed(GET * 100)
+        n = len(s.requests)
+        self.assertLessEqual(n, 11)
+        s.clock.advance(0)
+        self.assertEqual(len(s.requests), n)
+        self.assertEqual(s.transport.producerState, "paused")
+        s.feed(GET * 100)
+        self.assertEqual(len(s.requests), n)
+        while len(s.requests) < 200:
+            s.transport.drain()
+            s.clock.advance(0)
+        self.assertEqual(len(s.requests), 200)
+
+    def test_handled_request_ends_while_paused(self) -> None:
+        """
+        A request answered later (proxied) whose answer ends while the
+        transport has paused the connection: the next pipelined request is
+        not dispatched until the transport drains.
+        """
+        s = Server()
+        s.feed(GET + GET)
+        s.proto.pauseProducing()
+        answer(s.requests[0], b"one")
+        self.assertEqual(len(s.requests), 1)
+        self.assertEqual(s.transport.producerState, "paused")
+        s.proto.resumeProducing()
+        s.clock.advance(0)
+        self.assertEqual(len(s.requests), 2)
+
+    def test_client_that_never_reads_is_aborted(self) -> None:
+        """
+        A connection stalled with requests buffered whose output does not
+        drain within C{send_timeout} is aborted; one that drains in time
+        goes on.
+        """
+        s = Server(auto=True, transport=FullTransport(1000))
+        s.feed(GET * 100)
+        s.clock.advance(SEND_TIMEOUT - 1)
+        self.assertFalse(s.transport.aborted)
+        s.clock.advance(1)
+        self.assertTrue(s.transport.aborted)
+        s.proto.connectionLost(Failure(ConnectionDone()))
+        self.assertEqual(s.clock.getDelayedCalls(), [])
+
+        s = Server(auto=True, transport=FullTransport(1000), send_timeout=5)
+        s.feed(GET * 100)
+        for _ in range(3):
+            s.clock.advance(4)
+            s.transport.drain()
+            s.clock.advance(0)
+        self.assertFalse(s.transport.aborted)
+        s.clock.advance(5)
+        self.assertTrue(s.transport.aborted)
 
 
 class TimeoutTests(SynchronousTestCase):

@@ -160,3 +160,80 @@ class RequestDeadlineTests(SynchronousTestCase):
         self.assertFalse(self.transport.disconnected)
         self.clock.advance(15)
         self.assertTrue(self.transport.disconnected)
+
+
+class FullTransport(StringTransport):
+    """
+    A transport whose buffer passes its high-water mark at C{mark} bytes, as
+    a TCP transport's does when its client reads nothing: it pauses its
+    producer then, and resumes it on L{drain}.
+    """
+
+    def __init__(self, mark: int) -> None:
+        super().__init__(peerAddress=PEER)
+        self.mark = mark
+
+    def write(self, data: bytes) -> None:
+        super().write(data)
+        if len(self.value()) > self.mark and self.producer is not None:
+            self.producer.pauseProducing()
+
+    def drain(self) -> bytes:
+        out = self.value()
+        self.clear()
+        self.producer.resumeProducing()
+        return out
+
+
+class OutputWaitTests(SynchronousTestCase):
+    """
+    A channel whose answers wait to be written reads and answers nothing
+    more until they drain.
+    """
+
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.resource = Answer()
+        self.site = DeadlineSite(self.resource, reactor=self.clock, timeout=600)
+
+    def test_pipelined_answers_stop_while_paused(self) -> None:
+        """
+        One read of many small pipelined requests answered at once: once
+        the transport's buffer is full, the rest are neither answered nor
+        is the socket read; as it drains, they are answered in order.
+        """
+        proto = self.site.buildProtocol(PEER)
+        transport = FullTransport(1000)
+        proto.makeConnection(transport)
+        proto.dataReceived(b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n" * 1000)
+        first = transport.value().count(b"HTTP/1.1 200")
+        self.assertLess(first, 20)
+        self.assertEqual(transport.producerState, "paused")
+        answered = 0
+        for _ in range(1000):
+            answered += transport.drain().count(b"HTTP/1.1 200")
+            if answered == 1000:
+                break
+        self.assertEqual(answered, 1000)
+        self.assertEqual(transport.producerState, "producing")
+        self.assertFalse(transport.disconnecting)
+
+    def test_paused_while_handling(self) -> None:
+        """
+        Paused while a request is with its resource (a long-poll writing),
+        the channel stops reading too, and pipelined bytes that arrive stay
+        unanswered until the transport drains and the request ends.
+        """
+        proto, transport = connect(self.site)
+        proto.dataReceived(b"GET /hold HTTP/1.1\r\nHost: a\r\n\r\n")
+        (held,) = self.resource.held
+        proto.pauseProducing()
+        self.assertEqual(transport.producerState, "paused")
+        proto.dataReceived(b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n" * 3)
+        held.write(b"late")
+        held.finish()
+        self.assertEqual(transport.value().count(b"HTTP/1.1 200"), 1)
+        self.assertEqual(transport.producerState, "paused")
+        proto.resumeProducing()
+        self.assertEqual(transport.value().count(b"HTTP/1.1 200"), 4)
+        self.assertEqual(transport.producerState, "producing")

@@ -35,25 +35,9 @@ without re-encoding them, so this server does only what that needs:
   any of its body is read: a request it refuses (a missing API key) is
   answered at once, its body never read (with a body announced, the
   connection closes after the answer, as for a body over the limit);
-- slow or idle clients are timed out (see L{FrontFactory}): a request head
-  must be complete within C{head_timeout} of its first byte (else 408 and
-  close; a connection that sent nothing is just closed), the whole request,
-  head and body, within C{request_timeout} of its first byte however it
-  trickles, a body must keep arriving (C{body_timeout} without a byte: 408
-  and close), and a kept-alive connection with no request is closed after
-  C{keep_alive_timeout}. None of them runs while a request is with its
-  handler (waiting for a replica, or streaming the response): the proxy's
-  own timeouts govern that. (A head's time starts at the connection, or at
-  the previous response's end when the next head is already buffered.)
-
-Each connection has one L{Deadline} for all three
-(L{llmgw.gateway.deadline}). Moving it later (a body's progress, the idle
-wait after a response) only changes a number: its one reactor call, coming
-due early, is made again for the rest. Moving it sooner (a head or body
-starting while the idle wait runs) is a cancel and a new call. A request
-that arrives in one read and is answered touches the deadline once, when
-its response ends. After L{HTTPFront.close}, a call of its own aborts a
-connection that does not finish closing within C{CLOSE_LINGER}.
+- slow or idle clients are timed out (see L{FrontFactory}), and a client
+  that does not read its answers is not read either: the timeouts, and the
+  holding back, are described in L{llmgw.gateway.frontflow}.
 
 A handler is a callable taking a L{FrontRequest}; it answers (now or later)
 with L{FrontRequest.start_response}, L{FrontRequest.write} and
@@ -70,7 +54,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar, Final
 
 from mypy_extensions import mypyc_attr
-from twisted.internet.interfaces import IDelayedCall, IPushProducer
+from twisted.internet.interfaces import IPushProducer
 from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -81,36 +65,27 @@ from llmgw.gateway.chunked import ChunkedDecoder, ChunkError
 from llmgw.gateway.deadline import SLACK, Deadline
 from llmgw.gateway.errors import error_body
 from llmgw.gateway.frontaccept import MAX_CONNECTIONS, CappedFactory
+from llmgw.gateway.frontflow import (
+    BODY_TIMEOUT,
+    HEAD_TIMEOUT,
+    KEEP_ALIVE_TIMEOUT,
+    PASS_OUTPUT,
+    READ_AHEAD,
+    REQUEST_TIMEOUT,
+    SEND_TIMEOUT,
+    Outflow,
+)
 from llmgw.gateway.frontrequest import REASONS, FrontRequest
 from llmgw.gateway.httphead import HeadRefused, parse_head
 from llmgw.gateway.wire import send_now
 
 #: The most a request line and its headers may take.
 MAX_HEAD: Final = 64 * 1024
-#: Bytes read ahead (pipelined requests) while a response is in progress;
-#: past this the connection stops reading until the response is done.
-READ_AHEAD: Final = 64 * 1024
-
-#: Default seconds from a request's first byte until its head is complete.
-HEAD_TIMEOUT: Final = 10.0
-#: Default seconds from a request's first byte until all of it (head and
-#: body) has arrived, however slowly its bytes trickle in.
-REQUEST_TIMEOUT: Final = 30.0
-#: Default seconds a request body may go without a byte arriving.
-BODY_TIMEOUT: Final = 60.0
-#: Default seconds a kept-alive connection may wait for its next request.
-KEEP_ALIVE_TIMEOUT: Final = 120.0
-#: After the gateway closes a connection, how long the client gets to read
-#: what is left before the connection is aborted.
-CLOSE_LINGER: Final = 30.0
-#: After a 413 for a body not read, the most the client may still send
-#: (read and dropped, so that its answer is not lost to a reset) before
-#: the connection is aborted.
-DRAIN_MAX: Final = 1024 * 1024
 _HEAD, _BODY, _CHUNKED = range(3)
 # What the connection's timer watches: nothing (a request is with its
-# handler), the wait for a request, a head arriving, a body arriving.
-_W_NONE, _W_IDLE, _W_HEAD, _W_BODY = range(4)
+# handler), the wait for a request, a head arriving, a body arriving, the
+# output draining (stalled: see L{llmgw.gateway.frontflow}).
+_W_NONE, _W_IDLE, _W_HEAD, _W_BODY, _W_SEND = range(5)
 
 
 class HTTPFront(Protocol):
@@ -131,7 +106,6 @@ class HTTPFront(Protocol):
         self._buf = bytearray()
         self._scan = 0
         self._unread_body = False
-        self._drain_left = 0
         self._state = _HEAD
         self._request: FrontRequest | None = None
         self._reading: FrontRequest | None = None
@@ -142,7 +116,8 @@ class HTTPFront(Protocol):
         self._busy = False
         self._closing = False
         self._in_consume = False
-        self._reading_paused = False
+        #: What holds the connection back while its answers wait.
+        self.flow = Outflow(factory.reactor, self._go_on)
         #: The one deadline of the head, the body or the idle wait, as
         #: C{_watching} says (first set when the connection is made).
         self._deadline: Deadline = Deadline(factory.reactor, self._timed_out)
@@ -152,8 +127,6 @@ class HTTPFront(Protocol):
         self._request_at = 0.0
         #: The address counted against the factory's per-address cap.
         self.counted_host: str | None = None
-        #: After L{close}: the connection is aborted when it comes due.
-        self._linger: IDelayedCall | None = None
         #: Writes to the client: at once when nothing is queued (see
         #: L{llmgw.gateway.wire}).
         self.send: Callable[[bytes], None] = self._send_unconnected
@@ -173,7 +146,7 @@ class HTTPFront(Protocol):
         except AttributeError:
             pass
         transport.registerProducer(self, True)
-        self.send = send_now(transport)
+        self.send = self.flow.counting(send_now(transport))
         # A new connection is there to send a request: it gets the head's
         # time, not the idle wait's.
         self._watch_head()
@@ -223,6 +196,11 @@ class HTTPFront(Protocol):
         if what == _W_IDLE:
             self.log.debug("closing idle connection from {peer}", peer=self.peer)
             self.close()
+        elif what == _W_SEND:
+            self.log.info("aborting connection from {peer}: it took none of its answers for {timeout:g} s",
+                          peer=self.peer, timeout=factory.send_timeout)
+            self._closing = True
+            self.transport.abortConnection()
         elif what == _W_HEAD:
             if self._buf:
                 limit = min(factory.head_timeout, factory.request_timeout)
@@ -244,15 +222,19 @@ class HTTPFront(Protocol):
 
     def dataReceived(self, data: bytes) -> None:
         if self._closing:
-            self._drained(len(data))
+            self.flow.drained(len(data), self.transport, self.peer)
             return
         buf = self._buf
-        if self._busy:
+        flow = self.flow
+        if self._busy or self.paused or flow.stalled:
+            # Kept for later: a request is with its handler, or the
+            # answers wait to be written.
             buf += data
-            if len(buf) > READ_AHEAD and not self._reading_paused:
-                self._reading_paused = True
-                self.transport.pauseProducing()
+            if not self._busy:
+                self._stall()
+            self._update_reading()
             return
+        flow.written = 0
         if buf:
             buf += data
             self._consume(buf)
@@ -270,8 +252,13 @@ class HTTPFront(Protocol):
         self._in_consume = True
         pos = 0
         size = len(buf)
+        flow = self.flow
         try:
             while pos < size and not self._busy and not self._closing:
+                if self.paused or flow.written > PASS_OUTPUT:
+                    # The answers so far must reach the client first.
+                    self._stall()
+                    break
                 state = self._state
                 if state == _HEAD:
                     c = buf[pos]
@@ -323,10 +310,9 @@ class HTTPFront(Protocol):
                 self._buf += memoryview(buf)[pos:]
         if self._closing:
             return
-        if self._busy:
-            if len(self._buf) > READ_AHEAD and not self._reading_paused:
-                self._reading_paused = True
-                self.transport.pauseProducing()
+        self._update_reading()
+        if self._busy or flow.stalled:
+            pass
         elif self._state != _HEAD:
             # A body is arriving: each read of it puts the deadline later,
             # up to the whole request's.
@@ -503,16 +489,46 @@ class HTTPFront(Protocol):
         if not request.keep_alive:
             self.close()
             return
-        if self._reading_paused:
-            self._reading_paused = False
-            self.transport.resumeProducing()
         if self._in_consume or self._closing:
             # _consume goes on with what is buffered, and sets the timer.
             return
         if self._buf:
             self._consume(self._buf)
         else:
+            self._update_reading()
             self._watch(self.factory.keep_alive_timeout, _W_IDLE)
+
+    # holding back while the answers wait (see llmgw.gateway.frontflow)
+
+    def _stall(self) -> None:
+        # Go on when the answers so far are taken: on a later turn if the
+        # transport has them, else when it drains.
+        flow = self.flow
+        flow.stalled = True
+        if not self.paused:
+            flow.later()
+        if self._watching != _W_SEND:
+            self._watch(self.factory.send_timeout, _W_SEND)
+
+    def _go_on(self) -> None:
+        flow = self.flow
+        if self._closing or self.paused or not flow.stalled:
+            # Paused meanwhile: its resumeProducing goes on.
+            return
+        flow.stalled = False
+        flow.written = 0
+        self._watching = _W_NONE
+        self._deadline.clear()
+        # It sets the reading and the timer, even with nothing buffered.
+        self._consume(self._buf)
+
+    def _update_reading(self) -> None:
+        # Read unless the answers wait, or the read-ahead is full.
+        if self._closing:
+            return
+        flow = self.flow
+        hold = self.paused or flow.stalled or (self._busy and len(self._buf) > READ_AHEAD)
+        flow.hold_reading(self.transport, hold)
 
     def close(self) -> None:
         """
@@ -522,43 +538,21 @@ class HTTPFront(Protocol):
         would reset a connection the client is still sending on, and the
         reset can destroy the answer before the client reads it; so the
         gateway closes its sending side only and reads and drops up to
-        L{DRAIN_MAX} more bytes (within the linger time) before it closes.
+        C{frontflow.DRAIN_MAX} more bytes (within the linger time) before it closes.
         """
         if not self._closing:
             self._closing = True
             self._buf = bytearray()
             self._stop_timer()
             half_close = getattr(self.transport, "loseWriteConnection", None)
-            if self._unread_body and half_close is not None:
-                self._drain_left = DRAIN_MAX
-                if self._reading_paused:
-                    self._reading_paused = False
-                    self.transport.resumeProducing()
+            drain = self._unread_body and half_close is not None
+            # A client that never reads what is left must not hold the
+            # socket: the flow aborts the connection after a while.
+            self.flow.closing(self.transport, self.peer, drain)
+            if half_close is not None and drain:
                 half_close()
             else:
                 self.transport.loseConnection()
-            # A client that never reads what is left must not hold the
-            # socket: this call aborts the connection.
-            self._linger = self.factory.reactor.callLater(CLOSE_LINGER, self._linger_expired)
-
-    def _drained(self, n: int) -> None:
-        """
-        C{n} bytes arrived after L{close}: dropped, and the connection is
-        aborted once more than L{DRAIN_MAX} did.
-        """
-        if self._drain_left <= 0:
-            return
-        self._drain_left -= n
-        if self._drain_left <= 0:
-            self.log.debug("aborting connection from {peer}: it sent over {limit} bytes after its 413",
-                           peer=self.peer, limit=DRAIN_MAX)
-            self.transport.abortConnection()
-
-    def _linger_expired(self) -> None:
-        self._linger = None
-        self.log.debug("aborting connection from {peer}: it did not read its last {linger} s",
-                       peer=self.peer, linger=CLOSE_LINGER)
-        self.transport.abortConnection()
 
     def _refuse(self, status: int, message: str, code: str) -> None:
         self.log.info(
@@ -579,9 +573,7 @@ class HTTPFront(Protocol):
         self._stop_timer()
         # Freed when the last reference goes, not by the cyclic collector.
         self._deadline.close()
-        linger, self._linger = self._linger, None
-        if linger is not None and linger.active():
-            linger.cancel()
+        self.flow.close()
         factory = self.factory
         factory.connection_ended()
         if self.counted_host is not None:
@@ -602,12 +594,16 @@ class HTTPFront(Protocol):
         request = self._request
         if request is not None and request.producer is not None:
             request.producer.pauseProducing()
+        self._update_reading()
 
     def resumeProducing(self) -> None:
         self.paused = False
         request = self._request
         if request is not None and request.producer is not None:
             request.producer.resumeProducing()
+        if self.flow.stalled and not self._closing:
+            self.flow.later()
+        self._update_reading()
 
     def stopProducing(self) -> None:
         # The connection is going; connectionLost tells the request.
@@ -628,7 +624,9 @@ class FrontFactory(CappedFactory):
     first byte (or of the connection's start), the whole request within
     C{request_timeout} seconds of it, a body may go C{body_timeout} seconds
     without a byte, and a kept-alive connection may wait
-    C{keep_alive_timeout} seconds for its next request.
+    C{keep_alive_timeout} seconds for its next request. A connection that
+    stopped for its answers to be written is aborted when they do not drain
+    within C{send_timeout} (L{llmgw.gateway.frontflow}).
 
     C{screen}, when set, is called with each request as soon as its head is
     read, before any of its body: C{True} lets the request go on (its body
@@ -655,6 +653,7 @@ class FrontFactory(CappedFactory):
         request_timeout: float = REQUEST_TIMEOUT,
         max_per_address: int = 0,
         screen: Callable[[FrontRequest], bool] | None = None,
+        send_timeout: float = SEND_TIMEOUT,
     ):
         self.handle = handle
         self.screen = screen
@@ -664,6 +663,7 @@ class FrontFactory(CappedFactory):
         self.body_timeout = body_timeout
         self.request_timeout = request_timeout
         self.keep_alive_timeout = keep_alive_timeout
+        self.send_timeout = send_timeout
         self._date_second = -1
         self._date = b""
 
