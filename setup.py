@@ -41,6 +41,7 @@ COMPILED = [
     "llmgw/gateway/forwarding.py",
     "llmgw/gateway/front.py",
     "llmgw/gateway/frontaccept.py",
+    "llmgw/gateway/frontflow.py",
     "llmgw/gateway/frontrequest.py",
     "llmgw/gateway/httphead.py",
     "llmgw/gateway/metrics.py",
