@@ -287,7 +287,7 @@ class ModelCache:
     async def _drive(self, fetch: _Fetch) -> None:
         try:
             path = await self._obtain(fetch)
-        except BaseException:
+        except Exception:
             failure = Failure()
             self._finish(fetch)
             if failure.check(FetchCancelled) and fetch.waiters:
