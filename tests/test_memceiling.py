@@ -4,7 +4,8 @@ resident memory read on a clock, never per request; shedding from the
 high-water mark until under the low one, logged when it starts and stops;
 new requests refused with 503 on their head, before their body is read;
 requests already admitted carry on; options for the standalone and the
-embedded gateway, refused where the process's memory cannot be read.
+embedded gateway, refused where the process's memory cannot be read; and
+freed memory returned to the system after a large burst (llmgw.memtrim).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from llmgw.gateway.proxy import GatewayConfig
 from llmgw.gateway.service import GatewayService
 from llmgw.gateway.service import Options as GatewayOptions
 from llmgw.memceiling import POLL_S, MemoryCeiling, MemoryCeilingError, check_readable, read_rss
+from llmgw.memtrim import Trimmer, malloc_trim
 from llmgw.routing import RoutingTable
 from tests.test_gateway_admission import KEYS, OK, Gw
 from tests.test_gateway_resource import LogCapture, error_of, parse, post
@@ -297,3 +299,77 @@ class OptionsTests(SynchronousTestCase):
         svc.stopService()
         clock.advance(POLL_S * 4)
         self.assertEqual(rss.reads, 2)
+
+
+class TrimTests(SynchronousTestCase):
+    """
+    Freed memory returned to the system after a burst (llmgw.memtrim).
+    """
+
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.trims: list[float] = []
+        self.trimmer = Trimmer(self.clock, lambda: self.trims.append(self.clock.seconds()),
+                               threshold=100, min_interval=10)
+        self.addCleanup(self.trimmer.close)
+
+    def test_after_a_large_burst_only(self) -> None:
+        """
+        A drained burst under the threshold is not trimmed; one at or over
+        it is, on the next reactor turn, not inside whoever drained it.
+        """
+        self.trimmer.drained(99)
+        self.clock.advance(0)
+        self.assertEqual(self.trims, [])
+        self.trimmer.drained(100)
+        self.assertEqual(self.trims, [])
+        self.clock.advance(0)
+        self.assertEqual(self.trims, [0])
+
+    def test_at_most_once_an_interval(self) -> None:
+        """
+        Bursts draining in quick succession are trimmed once the interval
+        since the last trim is up, once however many drained meanwhile.
+        """
+        self.trimmer.drained(500)
+        self.clock.advance(0)
+        self.clock.advance(3)
+        self.trimmer.drained(500)
+        self.trimmer.drained(500)
+        self.clock.advance(6.9)
+        self.assertEqual(self.trims, [0])
+        self.clock.advance(0.1)
+        self.assertEqual(self.trims, [0, 10])
+
+    def test_told_by_the_queue(self) -> None:
+        """
+        The admission queue tells its trimmer the most bytes it held when
+        all its queues have emptied, and not before; closing the queue
+        cancels a trim not yet made.
+        """
+        gw = Gw()
+        told: list[int] = []
+        adm = gw.gateway.admission
+        adm.trimmer = mock.Mock(drained=told.append)
+        gw.send(n=1)
+        gw.send(n=2)
+        size = adm.queued_bytes
+        gw.clock.advance(5)
+        self.assertEqual(told, [])
+        gw.ready("r1")
+        self.assertEqual(told, [size])
+        trimmer = Trimmer(self.clock, lambda: self.trims.append(0), threshold=1)
+        adm.trimmer = trimmer
+        trimmer.drained(5)
+        adm.close()
+        self.clock.advance(1)
+        self.assertEqual(self.trims, [])
+
+    def test_glibc(self) -> None:
+        """
+        On glibc, L{malloc_trim} finds the call and it runs.
+        """
+        trim = malloc_trim()
+        if trim is None:
+            raise SkipTest("no malloc_trim in this C library")
+        trim()

@@ -20,7 +20,9 @@ Bounded in bytes too: the bodies of a model's waiters may hold at most its
 C{max_bytes}, and those of every model's waiters together the process's
 C{total_bytes}. A request whose body would take either past its budget
 waits nowhere: 503 with C{Retry-After} at once, naming the budget. Its
-bytes are released however a waiter leaves.
+bytes are released however a waiter leaves; when every queue has emptied
+after a burst that held many bytes, C{trimmer} (L{llmgw.memtrim}) returns
+the memory they freed to the system.
 
 Fair across clients: each client key (the API key's name, else the client's
 address) has its own sub-queue, and the model's queue takes one request from
@@ -54,6 +56,7 @@ from llmgw.gateway import errors
 from llmgw.gateway.fairqueue import FairQueue, Waiter
 from llmgw.gateway.metrics import LATENCY_BUCKETS
 from llmgw.gateway.policy import PolicyConfig, saturated
+from llmgw.memtrim import Trimmer, malloc_trim
 from llmgw.routing import DEFAULT_QUEUE_DEPTH, DEFAULT_QUEUE_TIMEOUT_S, Demand, IDemand, Route
 from llmgw.untrusted import clip
 
@@ -198,6 +201,9 @@ class Admission:
         #: Whether a refusal over a byte budget was logged since the
         #: queues last held nothing (one line an overload, not one each).
         self._budget_warned = False
+        #: Told the most bytes the queues held, each time they all empty.
+        self.trimmer: Trimmer | None = None
+        self._peak = 0
         self._tick: IDelayedCall | None = None
         self._soon: IDelayedCall | None = None
         self._pumping: set[str] = set()
@@ -332,6 +338,7 @@ class Admission:
         if size:
             self._bytes[model] = self._bytes.get(model, 0) + size
             self.queued_bytes += size
+            self._peak = max(self._peak, self.queued_bytes)
         w.timer = self.clock.callLater(limits.timeout_s, self._expired, w)
         request.on_lost = partial(self._gone, w)
         if self._tick is None:
@@ -503,6 +510,9 @@ class Admission:
         del self._queues[model]
         if not self._queues:
             self._budget_warned = False
+            peak, self._peak = self._peak, 0
+            if self.trimmer is not None and peak:
+                self.trimmer.drained(peak)
         self._credits.pop(model, None)
         ep = self._episodes.pop(model, None)
         if ep is not None:
@@ -526,6 +536,8 @@ class Admission:
             if call is not None and call.active():
                 call.cancel()
         self._tick = self._soon = None
+        if self.trimmer is not None:
+            self.trimmer.close()
         if self.detach is not None:
             detach, self.detach = self.detach, None
             detach()
@@ -603,6 +615,9 @@ def gateway_admission(gateway: Any) -> Admission:
         clock, model_capacity, limits, gateway.registry, gateway.metrics.model_label, config.retry_after,
         config.queue_bytes,
     )
+    trim = malloc_trim()
+    if trim is not None:
+        admission.trimmer = Trimmer(clock, trim)
     subscribe = getattr(table, "subscribe", None)
     listeners = getattr(table, "listeners", None)
     if callable(subscribe):
