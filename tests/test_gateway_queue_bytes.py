@@ -3,7 +3,8 @@ The admission queue's byte budgets (llmgw.gateway.admission): the bodies of
 waiting requests may hold at most a budget per model and one for the whole
 process; a body that would pass either waits nowhere (503 with Retry-After,
 naming the budget), and a waiter's bytes are released however it leaves.
-Driven in memory through the gateway's front, on a MemoryReactorClock.
+Driven in memory through the gateway's front, on a MemoryReactorClock; one
+loopback test through a real gateway.
 """
 
 from __future__ import annotations
@@ -12,14 +13,19 @@ import json
 from typing import Any
 
 from prometheus_client import generate_latest
-from twisted.internet.task import Clock
+from twisted.internet import reactor as global_reactor
+from twisted.internet.defer import inlineCallbacks
+from twisted.internet.task import Clock, deferLater
 from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
-from twisted.trial.unittest import SynchronousTestCase
+from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from llmgw.gateway import errors
 from llmgw.gateway.admission import NONE, Admission, QueueConfig
-from llmgw.gateway.proxy import GatewayConfig
+from llmgw.gateway.proxy import Gateway, GatewayConfig
+from llmgw.gateway.resource import GatewayResource, GatewaySite
+from llmgw.routing import RoutingTable
+from tests.gateway_helpers import TrackingFactory
 from tests.test_gateway_admission import KEYS, Gw, sent_n
 from tests.test_gateway_resource import LogCapture, error_of, parse, post
 
@@ -208,3 +214,44 @@ class ReleasedOnEveryExitTests(SynchronousTestCase):
         self.assertIn("waiting for 'm' would pass", self.refused[0].message)
         self.assertIn("waiting for all models of this gateway would pass", self.refused[1].message)
         self.assertEqual(self.admission.bytes_by_label(), {"m": 500, "n": 300})
+
+
+class LoopbackTests(TestCase):
+    timeout = 15
+
+    @inlineCallbacks
+    def test_over_budget_refused_on_loopback(self) -> Any:
+        """
+        Through a real gateway on loopback: with room for two bodies in the
+        model's budget, two requests wait and the third is answered 503
+        C{queue_bytes_full} with C{Retry-After} at once; when its clients
+        go, the bytes are released.
+        """
+        import treq
+
+        table = RoutingTable(global_reactor)
+        table.set_known(["demo"])
+        gw = Gateway(global_reactor, table, GatewayConfig(queue_bytes_per_model=2 * SIZE))
+        front = TrackingFactory(GatewaySite(GatewayResource(gw), reactor=global_reactor))
+        port = global_reactor.listenTCP(0, front, interface="127.0.0.1")
+
+        @inlineCallbacks
+        def cleanup() -> Any:
+            yield front.close_all()
+            gw.close()
+            yield port.stopListening()
+
+        self.addCleanup(cleanup)
+        url = f"http://127.0.0.1:{port.getHost().port}/v1/chat/completions"
+        waiting = [treq.post(url, data=body("demo", n), persistent=False) for n in range(2)]
+        while gw.admission.queued_bytes < 2 * SIZE:
+            yield deferLater(global_reactor, 0.01, lambda: None)
+        response = yield treq.post(url, data=body("demo", 2), persistent=False)
+        err = (yield response.json())["error"]
+        self.assertEqual((response.code, err["code"]), (503, "queue_bytes_full"))
+        self.assertEqual(response.headers.getRawHeaders("retry-after"), ["5"])
+        for d in waiting:
+            d.cancel()
+            d.addErrback(lambda f: None)
+        while gw.admission.queued_bytes:
+            yield deferLater(global_reactor, 0.01, lambda: None)
