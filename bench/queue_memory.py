@@ -29,6 +29,8 @@ import sys
 import time
 from typing import Any
 
+from llmgw.memtrim import TRIM_INTERVAL
+
 MIB = 1024 * 1024
 
 
@@ -140,6 +142,9 @@ def main() -> None:
             out["rss_mib"][f"waiting_{n}"] = settle(child.pid)
             for s in conns:
                 s.close()
+            if not args.no_trim:
+                # The gateway trims at most once every TRIM_INTERVAL seconds.
+                time.sleep(TRIM_INTERVAL)
             out["rss_mib"][f"after_{n}"] = settle(child.pid)
         child.send_signal(signal.SIGUSR1)
         out["malloc_trim_ms"] = float(child.stdout.readline())
