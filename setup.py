@@ -38,6 +38,7 @@ COMPILED = [
     "llmgw/gateway/chunked.py",
     "llmgw/gateway/deadline.py",
     "llmgw/gateway/errors.py",
+    "llmgw/gateway/fairqueue.py",
     "llmgw/gateway/forwarding.py",
     "llmgw/gateway/front.py",
     "llmgw/gateway/frontaccept.py",

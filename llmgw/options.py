@@ -190,6 +190,35 @@ non_negative_float = _coercer(float, 0, False, "A number, 0 or more.")
 positive_int = _coercer(int, 0, True, "A positive whole number.")
 non_negative_int = _coercer(int, 0, False, "A whole number, 0 or more.")
 
+#: Binary multiples a size may end with (L{byte_size}).
+_SIZE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def byte_size(value: Any) -> int:
+    """
+    A size in bytes, 0 or more: a whole number of bytes, or a number with
+    a binary unit (C{KiB}, C{MiB}, C{GiB}, C{TiB}; any case), such as
+    C{512MiB} or C{1.5GiB}.
+
+    @raise ValueError: naming the value and what a size looks like.
+    """
+    text = str(value).strip()
+    number = text.rstrip("BbIiKkMmGgTt ")
+    unit = text[len(number):].strip().lower()
+    factor = _SIZE_UNITS.get(unit)
+    try:
+        n = float(number) if factor is not None and number else math.nan
+    except ValueError:
+        n = math.nan
+    if not math.isfinite(n) or n < 0 or (factor == 1 and n != int(n)):
+        raise ValueError(f"{text!r} is not a size: give bytes (1048576) or a number with KiB, MiB, GiB "
+                         "or TiB (512MiB, 2GiB)")
+    assert factor is not None
+    return int(n * factor)
+
+
+byte_size.coerceDoc = "Bytes, or a size such as 512MiB or 2GiB."  # type: ignore[attr-defined]
+
 
 # -- rows several sub-commands share ---------------------------------------------------
 #
@@ -253,6 +282,32 @@ def max_connections_row(default: int, doc: str) -> list[Any]:
     return ["max-connections", None, default, doc, non_negative_int]
 
 
+def queue_bytes_rows(name: str, per_model: int, total: int) -> list[list[Any]]:
+    """
+    C{--NAME-per-model} and C{--NAME}: the bytes of request bodies that may
+    wait in the gateway's admission queue, per model and in all.
+    """
+    return [
+        [f"{name}-per-model", None, per_model,
+         f"bytes of request bodies that may wait per model when no replica can take them (default "
+         f"{per_model >> 20} MiB); a body that would pass it gets 503 and Retry-After at once",
+         byte_size],
+        [name, None, total,
+         f"bytes of request bodies that may wait, all models together (default {total >> 20} MiB); a "
+         "body that would pass it gets 503 and Retry-After at once", byte_size],
+    ]
+
+
+def memory_limit_row(name: str, what: str) -> list[Any]:
+    """
+    C{--NAME BYTES}: the memory ceiling of C{what} (L{llmgw.memceiling}).
+    """
+    return [name, None, 0,
+            f"memory ceiling of {what} (bytes, or 512MiB, 2GiB): from 90% of it in resident memory "
+            "new gateway requests get 503 and Retry-After, until under 80%; Linux only (0: none)",
+            byte_size]
+
+
 # -- checks several sub-commands share --------------------------------------------------
 
 
@@ -287,6 +342,21 @@ def host_list(options: usage.Options, name: str) -> None:
         options[name] = parse_hosts(options[name] or "")
     except HostListError as e:
         raise usage.UsageError(f"--{name}: {e}") from e
+
+
+def memory_limit(options: usage.Options, name: str) -> None:
+    """
+    Check that option C{name}'s memory ceiling, when set, can work here.
+
+    @raise usage.UsageError: naming the option and what is missing.
+    """
+    from llmgw.memceiling import MemoryCeilingError, check_readable
+
+    if options[name]:
+        try:
+            check_readable()
+        except MemoryCeilingError as e:
+            raise usage.UsageError(f"--{name}: {e}") from e
 
 
 def api_keys(options: usage.Options) -> None:

@@ -45,6 +45,7 @@ from llmgw.control.state.inventory import Inventory
 from llmgw.gateway.front import MAX_CONNECTIONS, REQUEST_TIMEOUT
 from llmgw.gateway.proxy import GatewayConfig
 from llmgw.gateway.service import DEFAULT_GATEWAY, GatewayService
+from llmgw.memceiling import MemoryCeiling
 from llmgw.options import (
     HOSTS_DOC,
     api_keys,
@@ -58,10 +59,13 @@ from llmgw.options import (
     listen_address,
     log_warnings,
     max_connections_row,
+    memory_limit,
+    memory_limit_row,
     non_negative_float,
     non_negative_int,
     positive_float,
     positive_int,
+    queue_bytes_rows,
 )
 from llmgw.options import Options as BaseOptions
 from llmgw.oslimits import FdNeed, fd_limit_problem
@@ -75,6 +79,10 @@ DEFAULT_AGENT_PORT = 7443
 #: the admission gate is shut (see L{llmgw.control.shell.limits}). The kernel caps
 #: it at net.core.somaxconn (4096 on current Linux).
 DEFAULT_BACKLOG = 4096
+
+
+#: The embedded gateway's defaults, for the options' help.
+_GATEWAY = GatewayConfig()
 
 
 class Options(BaseOptions):
@@ -104,6 +112,8 @@ class Options(BaseOptions):
         ["gateway-request-timeout", None, REQUEST_TIMEOUT,
          "seconds a client of the embedded gateway may take to send a whole request, head and body, "
          "from its first byte, however its bytes trickle (then 408)", positive_float],
+        *queue_bytes_rows("gateway-queue-bytes", _GATEWAY.queue_bytes_per_model, _GATEWAY.queue_bytes),
+        memory_limit_row("gateway-memory-limit", "the control plane's process"),
         ["agent-message-rate", None, LimitsConfig.message_rate,
          "messages per second one agent may send before it is not read (0: no limit)", non_negative_float],
         ["agent-message-burst", None, LimitsConfig.message_burst,
@@ -219,6 +229,7 @@ class Options(BaseOptions):
         host_list(self, "admin-hosts")
         host_list(self, "gateway-hosts")
         api_keys(self)
+        memory_limit(self, "gateway-memory-limit")
         if self["insecure"] and not is_loopback(host):
             raise usage.UsageError(
                 f"--insecure serves the agent stream without TLS and is refused on {host}: "
@@ -564,8 +575,14 @@ def makeService(options: Options, reactor: Any = None) -> ControlPlane:
             hosts=options["gateway-hosts"], config=GatewayConfig(
                 limit_share=options["limit-share"], request_timeout=options["gateway-request-timeout"],
                 max_per_address=options["gateway-max-connections-per-address"],
+                queue_bytes_per_model=options["gateway-queue-bytes-per-model"],
+                queue_bytes=options["gateway-queue-bytes"],
             ),
             max_connections=options["gateway-max-connections"],
+            ceiling=MemoryCeiling(
+                reactor, options["gateway-memory-limit"], what="the control plane",
+                option="--gateway-memory-limit",
+            ) if options["gateway-memory-limit"] else None,
         )
         cp.gateway.listener.option = "--gateway"
         cp.gateway.setName("gateway")

@@ -16,6 +16,14 @@ leaves it:
    model's C{timeout_s}, or at once when C{depth} requests already wait;
  - at once, with nothing sent upstream, when its client disconnects.
 
+Bounded in bytes too: the bodies of a model's waiters may hold at most its
+C{max_bytes}, and those of every model's waiters together the process's
+C{total_bytes}. A request whose body would take either past its budget
+waits nowhere: 503 with C{Retry-After} at once, naming the budget. Its
+bytes are released however a waiter leaves; when every queue has emptied
+after a burst that held many bytes, C{trimmer} (L{llmgw.memtrim}) returns
+the memory they freed to the system.
+
 Fair across clients: each client key (the API key's name, else the client's
 address) has its own sub-queue, and the model's queue takes one request from
 each key in turn. When the queue is full, a newcomer whose key holds fewer
@@ -31,7 +39,6 @@ figures as L{llmgw.routing.IDemand}, for the autoscaler.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -46,8 +53,10 @@ from twisted.python.failure import Failure
 from zope.interface import classImplements
 
 from llmgw.gateway import errors
+from llmgw.gateway.fairqueue import FairQueue, Waiter
 from llmgw.gateway.metrics import LATENCY_BUCKETS
 from llmgw.gateway.policy import PolicyConfig, saturated
+from llmgw.memtrim import Trimmer, malloc_trim
 from llmgw.routing import DEFAULT_QUEUE_DEPTH, DEFAULT_QUEUE_TIMEOUT_S, Demand, IDemand, Route
 from llmgw.untrusted import clip
 
@@ -65,18 +74,29 @@ DISPATCHED: Final = "dispatched"
 TIMEOUT: Final = "timeout"
 FULL: Final = "full"
 DISCONNECTED: Final = "disconnected"
-OUTCOMES: Final = (DISPATCHED, TIMEOUT, FULL, DISCONNECTED)
+OVER_BUDGET: Final = "over_budget"
+OUTCOMES: Final = (DISPATCHED, TIMEOUT, FULL, DISCONNECTED, OVER_BUDGET)
+
+#: The byte budgets' defaults: the bodies waiting for one model, and for
+#: every model of the process together.
+DEFAULT_QUEUE_BYTES_PER_MODEL: Final = 64 * 1024 * 1024
+DEFAULT_QUEUE_BYTES: Final = 256 * 1024 * 1024
+#: Which budget a refused body would have passed (L{queue_bytes_full}).
+MODEL_BUDGET: Final = "model"
+PROCESS_BUDGET: Final = "process"
 
 
 @dataclass(frozen=True)
 class QueueConfig:
     """
     One model's queue limits: C{depth} requests waiting at most (0: none
-    wait, all get 503 at once), each for at most C{timeout_s} seconds.
+    wait, all get 503 at once), each for at most C{timeout_s} seconds, their
+    bodies holding C{max_bytes} at most together.
     """
 
     depth: int = DEFAULT_QUEUE_DEPTH
     timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S
+    max_bytes: int = DEFAULT_QUEUE_BYTES_PER_MODEL
 
 
 def capacity(
@@ -98,120 +118,6 @@ def capacity(
             return FREE
         state = SATURATED
     return state
-
-
-class Waiter:
-    """
-    One request in a queue. C{go} sends it on (to a replica); C{refuse}
-    answers it with an error; C{request} has the C{on_lost} hook its
-    connection calls if the client goes away.
-    """
-
-    __slots__ = ("model", "who", "request", "go", "refuse", "since", "timer", "done")
-
-    def __init__(
-        self,
-        model: str,
-        who: str,
-        request: Any,
-        go: Callable[[], None],
-        refuse: Callable[[errors.GatewayError], None],
-        since: float,
-    ):
-        self.model = model
-        self.who = who
-        self.request = request
-        self.go = go
-        self.refuse = refuse
-        self.since = since
-        self.timer: IDelayedCall | None = None
-        self.done = False
-
-
-class FairQueue:
-    """
-    One model's waiters: a sub-queue per key, served one key at a time in
-    turn (round robin), each sub-queue first come, first served.
-    """
-
-    def __init__(self) -> None:
-        #: key -> its waiters, oldest first; keys in the order of their turn
-        self._keys: OrderedDict[str, dict[Waiter, None]] = OrderedDict()
-        #: n -> the keys holding exactly n waiters
-        self._by_size: dict[int, dict[str, None]] = {}
-        self._longest = 0
-        self.size = 0
-
-    def __len__(self) -> int:
-        return self.size
-
-    def count(self, key: str) -> int:
-        sub = self._keys.get(key)
-        return len(sub) if sub is not None else 0
-
-    def _resize(self, key: str, old: int, new: int) -> None:
-        if old:
-            bucket = self._by_size[old]
-            del bucket[key]
-            if not bucket:
-                del self._by_size[old]
-        if new:
-            self._by_size.setdefault(new, {})[key] = None
-        if new > self._longest:
-            self._longest = new
-        while self._longest and self._longest not in self._by_size:
-            self._longest -= 1
-
-    def push(self, w: Waiter) -> None:
-        sub = self._keys.get(w.who)
-        if sub is None:
-            sub = self._keys[w.who] = {}
-        sub[w] = None
-        self.size += 1
-        self._resize(w.who, len(sub) - 1, len(sub))
-
-    def pop(self) -> Waiter | None:
-        """
-        The next waiter in fair order, removed; C{None} when empty.
-        """
-        if not self._keys:
-            return None
-        key, sub = next(iter(self._keys.items()))
-        w = next(iter(sub))
-        del sub[w]
-        self.size -= 1
-        if sub:
-            self._keys.move_to_end(key)
-        else:
-            del self._keys[key]
-        self._resize(key, len(sub) + 1, len(sub))
-        return w
-
-    def remove(self, w: Waiter) -> bool:
-        sub = self._keys.get(w.who)
-        if sub is None or w not in sub:
-            return False
-        del sub[w]
-        self.size -= 1
-        if not sub:
-            del self._keys[w.who]
-        self._resize(w.who, len(sub) + 1, len(sub))
-        return True
-
-    def longest(self) -> tuple[str, int] | None:
-        """
-        A key holding the most waiters, and how many; C{None} when empty.
-        """
-        if not self._longest:
-            return None
-        return next(iter(self._by_size[self._longest])), self._longest
-
-    def newest(self, key: str) -> Waiter:
-        return next(reversed(self._keys[key]))
-
-    def __iter__(self) -> Iterator[Waiter]:
-        for sub in list(self._keys.values()):
-            yield from list(sub)
 
 
 class _Episode:
@@ -241,6 +147,14 @@ class _WaitingCollector(Collector):
         for model, n in sorted(self._admission.waiting_by_label().items()):
             g.add_metric([model], n)
         yield g
+        b = GaugeMetricFamily(
+            "llmgw_gateway_queue_bytes",
+            "Bytes of request bodies waiting in the admission queue now, per model",
+            labels=["model"],
+        )
+        for model, n in sorted(self._admission.bytes_by_label().items()):
+            b.add_metric([model], n)
+        yield b
 
 
 class Admission:
@@ -253,6 +167,8 @@ class Admission:
     @param label: model -> its metrics label (bounded, see
         L{llmgw.gateway.metrics.GatewayMetrics.model_label}).
     @param retry_after: the C{Retry-After} seconds of a refusal.
+    @param total_bytes: the most bytes of bodies that wait, all models
+        together (each model's own budget is its L{QueueConfig}'s).
     """
 
     # Named, and a ClassVar (setup.py's rules for compiled classes).
@@ -266,6 +182,7 @@ class Admission:
         registry: CollectorRegistry | None = None,
         label: Callable[[str], str] = lambda model: model,
         retry_after: int = 5,
+        total_bytes: int = DEFAULT_QUEUE_BYTES,
     ):
         self.clock = clock
         self.capacity = capacity
@@ -277,6 +194,16 @@ class Admission:
         #: model -> requests finished while it was saturated, not yet used
         self._credits: dict[str, int] = {}
         self._in_flight: dict[str, int] = {}
+        self.total_bytes = total_bytes
+        #: Bytes of the bodies waiting: all models', and per model.
+        self.queued_bytes = 0
+        self._bytes: dict[str, int] = {}
+        #: Whether a refusal over a byte budget was logged since the
+        #: queues last held nothing (one line an overload, not one each).
+        self._budget_warned = False
+        #: Told the most bytes the queues held, each time they all empty.
+        self.trimmer: Trimmer | None = None
+        self._peak = 0
         self._tick: IDelayedCall | None = None
         self._soon: IDelayedCall | None = None
         self._pumping: set[str] = set()
@@ -286,7 +213,7 @@ class Admission:
         self.waits = Histogram(
             "llmgw_gateway_queue_wait_seconds",
             "Time requests spent in the admission queue, by model and how they left it "
-            "(dispatched, timeout, full, disconnected)",
+            "(dispatched, timeout, full, disconnected, over_budget)",
             ["model", "outcome"],
             buckets=LATENCY_BUCKETS,
             registry=registry,
@@ -310,6 +237,16 @@ class Admission:
         for m, q in self._queues.items():
             label = self.label(m)
             out[label] = out.get(label, 0) + len(q)
+        return out
+
+    def bytes_by_label(self) -> dict[str, int]:
+        """
+        The bytes of bodies waiting, per model label.
+        """
+        out: dict[str, int] = {}
+        for m, n in self._bytes.items():
+            label = self.label(m)
+            out[label] = out.get(label, 0) + n
         return out
 
     # -- in flight -------------------------------------------------------------------------
@@ -351,17 +288,28 @@ class Admission:
         request: Any,
         go: Callable[[], None],
         refuse: Callable[[errors.GatewayError], None],
+        size: int = 0,
     ) -> None:
         """
-        Queue a request of C{model} from client key C{who}; C{go} or
-        C{refuse} is called exactly once later (or C{refuse} now, when the
-        queue is full or off), unless the client goes away first, which
-        L{Admission} learns through C{request.on_lost}.
+        Queue a request of C{model} from client key C{who}, holding C{size}
+        bytes (its body) while it waits; C{go} or C{refuse} is called
+        exactly once later (or C{refuse} now, when the queue is full or off,
+        or C{size} more bytes would pass a byte budget), unless the client
+        goes away first, which L{Admission} learns through
+        C{request.on_lost}.
         """
         limits = self.limits(model)
         now = self.clock.seconds()
         if limits.depth <= 0:
             refuse(errors.no_ready_replica(model, self.retry_after))
+            return
+        # Checked before a place is made (a newcomer pushing out another
+        # key's waiter, below), so a refusal here changes nothing.
+        if self._bytes.get(model, 0) + size > limits.max_bytes:
+            self._refuse_over_budget(model, MODEL_BUDGET, limits.max_bytes, now, refuse)
+            return
+        if self.queued_bytes + size > self.total_bytes:
+            self._refuse_over_budget(model, PROCESS_BUDGET, self.total_bytes, now, refuse)
             return
         q = self._queues.get(model)
         if q is None:
@@ -385,8 +333,12 @@ class Admission:
             else:
                 self._refuse_full(model, limits, now, refuse)
                 return
-        w = Waiter(model, who, request, go, refuse, now)
+        w = Waiter(model, who, request, go, refuse, now, size)
         q.push(w)
+        if size:
+            self._bytes[model] = self._bytes.get(model, 0) + size
+            self.queued_bytes += size
+            self._peak = max(self._peak, self.queued_bytes)
         w.timer = self.clock.callLater(limits.timeout_s, self._expired, w)
         request.on_lost = partial(self._gone, w)
         if self._tick is None:
@@ -411,6 +363,27 @@ class Admission:
                 )
         self.waits.labels(self.label(model), FULL).observe(0.0)
         refuse(queue_full(model, limits.depth, self.retry_after))
+
+    def _refuse_over_budget(
+        self, model: str, which: str, budget: int, now: float, refuse: Callable[[errors.GatewayError], None]
+    ) -> None:
+        ep = self._episodes.get(model)
+        if ep is not None:
+            ep.counts[OVER_BUDGET] += 1
+        if not self._budget_warned:
+            self._budget_warned = True
+            self.log.warn(
+                "{model}: the bodies waiting in the admission queue are near the {which} byte "
+                "budget ({model_bytes} bytes for this model, {total} for all, of {budget}); "
+                "refusing the requests that do not fit with 503 and Retry-After",
+                model=clip(model),
+                which="model's" if which == MODEL_BUDGET else "process's",
+                model_bytes=self._bytes.get(model, 0),
+                total=self.queued_bytes,
+                budget=budget,
+            )
+        self.waits.labels(self.label(model), OVER_BUDGET).observe(0.0)
+        refuse(queue_bytes_full(model, which, budget, self.retry_after))
 
     # -- leaving -----------------------------------------------------------------------------
 
@@ -504,6 +477,8 @@ class Admission:
         q = self._queues.get(w.model)
         if not removed and q is not None:
             q.remove(w)
+        if w.size:
+            self._release(w)
         if w.timer is not None:
             timer, w.timer = w.timer, None
             timer.cancel()
@@ -522,15 +497,30 @@ class Admission:
         if q is not None and not q:
             self._emptied(w.model, now)
 
+    def _release(self, w: Waiter) -> None:
+        self.queued_bytes -= w.size
+        left = self._bytes.get(w.model, 0) - w.size
+        if left > 0:
+            self._bytes[w.model] = left
+        else:
+            self._bytes.pop(w.model, None)
+        w.size = 0
+
     def _emptied(self, model: str, now: float) -> None:
         del self._queues[model]
+        if not self._queues:
+            self._budget_warned = False
+            peak, self._peak = self._peak, 0
+            if self.trimmer is not None and peak:
+                self.trimmer.drained(peak)
         self._credits.pop(model, None)
         ep = self._episodes.pop(model, None)
         if ep is not None:
             c = ep.counts
             self.log.info(
                 "{model}: admission queue empty again after {seconds:.1f} s: {dispatched} dispatched, "
-                "{timeout} timed out, {full} refused (queue full), {disconnected} clients left; "
+                "{timeout} timed out, {full} refused (queue full), {over_budget} refused (byte "
+                "budget), {disconnected} clients left; "
                 "longest wait {longest:.1f} s",
                 model=clip(model),
                 seconds=now - ep.since,
@@ -546,6 +536,8 @@ class Admission:
             if call is not None and call.active():
                 call.cancel()
         self._tick = self._soon = None
+        if self.trimmer is not None:
+            self.trimmer.close()
         if self.detach is not None:
             detach, self.detach = self.detach, None
             detach()
@@ -562,6 +554,22 @@ def queue_full(model: str, depth: int, retry_after: int) -> errors.GatewayError:
         f"wait for one; retry later",
         "server_error",
         "queue_full",
+        {b"Retry-After": b"%d" % retry_after},
+    )
+
+
+def queue_bytes_full(model: str, which: str, budget: int, retry_after: int) -> errors.GatewayError:
+    """
+    The 503 of a request whose body would take the bodies waiting past a
+    byte budget: C{which} is L{MODEL_BUDGET} or L{PROCESS_BUDGET}.
+    """
+    whose = f"for {clip(model)}" if which == MODEL_BUDGET else "for all models of this gateway"
+    return errors.GatewayError(
+        503,
+        f"No replica of {clip(model)} can take the request now, and the request bodies already "
+        f"waiting {whose} would pass their budget of {budget} bytes with this one; retry later",
+        "server_error",
+        "queue_bytes_full",
         {b"Retry-After": b"%d" % retry_after},
     )
 
@@ -590,19 +598,26 @@ def gateway_admission(gateway: Any) -> Admission:
     def model_capacity(model: str) -> int:
         return capacity(table.routes(model), router.cooling, clock.seconds(), policy)
 
+    default = QueueConfig(config.queue_depth, config.queue_timeout_s, config.queue_bytes_per_model)
+
     def limits(model: str) -> QueueConfig:
         named = getattr(table, "queue_limits", None)
         q = named(model) if named is not None else None
         if q is None:
-            return QueueConfig(config.queue_depth, config.queue_timeout_s)
+            return default
         return QueueConfig(
             config.queue_depth if q.depth is None else q.depth,
             config.queue_timeout_s if q.timeout_s is None else q.timeout_s,
+            config.queue_bytes_per_model,
         )
 
     admission = Admission(
-        clock, model_capacity, limits, gateway.registry, gateway.metrics.model_label, config.retry_after
+        clock, model_capacity, limits, gateway.registry, gateway.metrics.model_label, config.retry_after,
+        config.queue_bytes,
     )
+    trim = malloc_trim()
+    if trim is not None:
+        admission.trimmer = Trimmer(clock, trim)
     subscribe = getattr(table, "subscribe", None)
     listeners = getattr(table, "listeners", None)
     if callable(subscribe):

@@ -119,6 +119,14 @@ def no_ready_replica(model: str, retry_after: int) -> GatewayError:
     )
 
 
+def overloaded(message: str, retry_after: int) -> GatewayError:
+    """
+    A request refused because the gateway itself is short of a resource
+    (memory, room to parse): nothing wrong with it, retry later.
+    """
+    return GatewayError(503, message, "server_error", "overloaded", {b"Retry-After": b"%d" % retry_after})
+
+
 def upstream_failed(model: str, reason: str) -> GatewayError:
     return GatewayError(
         502,

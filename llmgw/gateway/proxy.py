@@ -33,7 +33,11 @@ from twisted.python.failure import Failure
 from zope.interface import classImplements
 
 from llmgw.gateway import errors
-from llmgw.gateway.admission import gateway_admission
+from llmgw.gateway.admission import (
+    DEFAULT_QUEUE_BYTES,
+    DEFAULT_QUEUE_BYTES_PER_MODEL,
+    gateway_admission,
+)
 from llmgw.gateway.forwarding import FORWARDED_HEADERS, connection_options, forwarded_head
 from llmgw.gateway.front import (
     BODY_TIMEOUT,
@@ -106,6 +110,9 @@ class GatewayConfig:
     #: deployment sets no C{queue_depth} / C{queue_timeout_s}.
     queue_depth: int = DEFAULT_QUEUE_DEPTH
     queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S
+    #: Bytes of bodies that may wait in it, per model and in all.
+    queue_bytes_per_model: int = DEFAULT_QUEUE_BYTES_PER_MODEL
+    queue_bytes: int = DEFAULT_QUEUE_BYTES
     #: Who the client is, told to the replica (L{FORWARDED_HEADERS}); the
     #: client's own forwarding headers are dropped whatever this says.
     forwarded_headers: str = "x-forwarded"

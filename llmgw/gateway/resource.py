@@ -14,6 +14,11 @@ C{NaN}, C{Infinity} or byte order mark) nested at most
 L{llmgw.untrusted.MAX_JSON_DEPTH} deep and name C{"model"} once. Client
 strings are quoted in errors and logs by L{llmgw.untrusted.clip}; metrics
 label a model only when the routing table knows it.
+
+Under a memory ceiling (L{llmgw.memceiling}) that sheds, every request but
+C{/health} is refused with 503 C{overloaded} and C{Retry-After}, on its head
+when it has a body (L{GatewayResource.screen}), before a byte of the body is
+read; requests already admitted carry on.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from llmgw.gateway.metrics import UNKNOWN_MODEL
 from llmgw.gateway.policy import affinity_key
 from llmgw.gateway.proxy import Gateway, ProxyCall, send_error
 from llmgw.gateway.usage import UsageMeter
+from llmgw.memceiling import MemoryCeiling
 from llmgw.routing import IRoutingTable
 from llmgw.untrusted import JSONInputError, clip, load_json
 
@@ -52,13 +58,16 @@ _JSON: Final = [(b"Content-Type", b"application/json")]
 class GatewayResource:
     """
     The gateway's request handler: call it with a L{FrontRequest}.
+    C{ceiling}, when given, is the process's memory ceiling, whose shedding
+    refuses new requests.
     """
 
     # Named, and a ClassVar (setup.py's rules for compiled classes).
     log: ClassVar[Logger] = Logger(namespace=f"{__name__}.GatewayResource")
 
-    def __init__(self, gateway: Gateway):
+    def __init__(self, gateway: Gateway, ceiling: MemoryCeiling | None = None):
         self.gateway = gateway
+        self.ceiling = ceiling
         self.parses = SlicedParses(gateway.reactor)
 
     def __call__(self, request: FrontRequest) -> None:
@@ -83,6 +92,13 @@ class GatewayResource:
                     raise errors.unauthorized(
                         "A valid API key is required: send `Authorization: Bearer KEY`"
                     )
+            ceiling = self.ceiling
+            if ceiling is not None and ceiling.shedding:
+                ceiling.refused()
+                raise errors.overloaded(
+                    "The gateway is short of memory and refuses new requests for now; retry later",
+                    self.gateway.config.retry_after,
+                )
             label = PROXIED.get(path)
             if label is not None:
                 if request.method != b"POST":
@@ -107,7 +123,8 @@ class GatewayResource:
         C{False} when L{__call__} would refuse it on its head alone (a
         missing or wrong API key, a host not served), so that the front
         answers it before reading a byte of its body. The API key's name
-        found is kept on the request for L{__call__}.
+        found is kept on the request for L{__call__}. A request that would
+        be shed (a memory ceiling shedding) is refused here too.
         """
         path = request.path
         if path == HEALTH:
@@ -116,11 +133,15 @@ class GatewayResource:
         if not gateway.hosts.allows(request.header(b"host")):
             return False
         keys = gateway.keys
-        if keys is None:
-            return True
-        key_name = keys.authenticate(request.header(b"authorization"))
-        request.key_name = key_name
-        return key_name is not None
+        if keys is not None:
+            key_name = keys.authenticate(request.header(b"authorization"))
+            request.key_name = key_name
+            if key_name is None:
+                return False
+        # Asked after the key: a client without one is told so (401), not
+        # to retry later.
+        ceiling = self.ceiling
+        return ceiling is None or not ceiling.shedding
 
     # the proxied endpoints
 
@@ -246,7 +267,7 @@ class GatewayResource:
             self._refused(request, err, key_name, model, started, path=label)
 
         who = "key:" + key_name if key_name is not None else "addr:" + (request.client_host or "")
-        gw.admission.enter(model, who, request, go, refuse)
+        gw.admission.enter(model, who, request, go, refuse, len(body))
 
     # local answers
 

@@ -36,6 +36,7 @@ from llmgw.gateway.resource import GatewayResource, GatewaySite
 from llmgw.gateway.usage import UsageResource
 from llmgw.hostcheck import HostCheck, unlisted_names_warning
 from llmgw.httpdeadline import DeadlineSite
+from llmgw.memceiling import MemoryCeiling
 from llmgw.options import (
     Options as BaseOptions,
 )
@@ -50,9 +51,12 @@ from llmgw.options import (
     listen_address,
     log_warnings,
     max_connections_row,
+    memory_limit,
+    memory_limit_row,
     non_negative_int,
     positive_float,
     positive_int,
+    queue_bytes_rows,
 )
 from llmgw.oslimits import FdNeed, fd_limit_problem
 from llmgw.routing import Demand, IDemand, IInFlight, IRoutingTable, RoutingSnapshot
@@ -86,6 +90,8 @@ class GatewayService(MultiService):
     gateway's metrics go into C{registry} (a new one when not given). It
     answers to the loopback names, C{host} unless it is a wildcard, and
     C{hosts} (entries as L{llmgw.hostcheck.parse_hosts} returns them).
+    With a memory C{ceiling} (L{llmgw.memceiling}), which becomes its child
+    service, it refuses new requests while the ceiling sheds.
     """
 
     log = Logger()
@@ -102,13 +108,18 @@ class GatewayService(MultiService):
         backlog: int = 1024,
         hosts: list[str] | None = None,
         max_connections: int = MAX_CONNECTIONS,
+        ceiling: MemoryCeiling | None = None,
     ):
         super().__init__()
         self.reactor = reactor
         check = HostCheck(hosts or (), bound=host, option="--gateway-hosts")
         self.gateway = Gateway(reactor, table, config, registry, keys, check)
         self.registry = self.gateway.registry
-        self.site = GatewaySite(GatewayResource(self.gateway), reactor=reactor)
+        self.ceiling = ceiling
+        if ceiling is not None:
+            ceiling.setServiceParent(self)
+            ceiling.register(self.registry)
+        self.site = GatewaySite(GatewayResource(self.gateway, ceiling), reactor=reactor)
         # Past the cap a client connection is closed at accept; starting
         # the site raises the open-file limit to what the cap needs.
         self.site.max_connections = max_connections
@@ -220,6 +231,8 @@ class Options(BaseOptions):
         ["queue-timeout", None, _DEFAULTS.queue_timeout_s,
          "seconds a request may wait for a replica before its 503; a deployment's "
          "queue_timeout_s wins", positive_float],
+        *queue_bytes_rows("queue-bytes", _DEFAULTS.queue_bytes_per_model, _DEFAULTS.queue_bytes),
+        memory_limit_row("memory-limit", "this gateway process"),
         max_connections_row(
             MAX_CONNECTIONS, "most client connections at once; past it new ones are closed at accept (0: no cap)"),
         ["max-connections-per-address", None, 0,
@@ -276,6 +289,7 @@ class Options(BaseOptions):
             except TLSConfigError as e:
                 raise usage.UsageError(f"--certs/--as: {e}") from e
         api_keys(self)
+        memory_limit(self, "memory-limit")
 
     def config(self) -> GatewayConfig:
         return GatewayConfig(
@@ -294,6 +308,8 @@ class Options(BaseOptions):
             limit_share=self["limit-share"],
             queue_depth=self["queue-depth"],
             queue_timeout_s=self["queue-timeout"],
+            queue_bytes_per_model=self["queue-bytes-per-model"],
+            queue_bytes=self["queue-bytes"],
             forwarded_headers=self["forwarded-headers"],
         )
 
@@ -323,6 +339,7 @@ class StandaloneGateway(MultiService):
         hosts: list[str] | None = None,
         max_connections: int = MAX_CONNECTIONS,
         gateway_id: str | None = None,
+        ceiling: MemoryCeiling | None = None,
     ):
         super().__init__()
         self.registry = CollectorRegistry()
@@ -339,7 +356,8 @@ class StandaloneGateway(MultiService):
                 reactor, admin_tls, "the gateway's admin API certificate"
             ).setServiceParent(self)
         self.front = GatewayService(
-            reactor, self.table, host, port, config, keys, self.registry, backlog, hosts, max_connections
+            reactor, self.table, host, port, config, keys, self.registry, backlog, hosts, max_connections,
+            ceiling,
         )
         self.front.setServiceParent(self)
         router = self.front.gateway.router
@@ -409,6 +427,7 @@ def makeService(options: Options, reactor: Any = None) -> StandaloneGateway:
         hosts=options["gateway-hosts"],
         max_connections=options["max-connections"],
         gateway_id=options["gateway-id"],
+        ceiling=MemoryCeiling(reactor, options["memory-limit"]) if options["memory-limit"] else None,
     )
     if own_process:
         # A process of its own: its start-up heap leaves the collector's
