@@ -16,10 +16,14 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 from collections.abc import Callable
-from typing import Final
+from typing import Any, Final
 
+from twisted.application.service import Service
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
+
+from llmgw.memceiling import read_rss
 
 #: A burst smaller than this is not worth a trim (its memory is reused).
 TRIM_THRESHOLD: Final = 16 * 1024 * 1024
@@ -96,3 +100,88 @@ class Trimmer:
         if self._pending is not None and self._pending.active():
             self._pending.cancel()
         self._pending = None
+
+
+#: Seconds between two looks at the resident memory.
+WATCH_INTERVAL: Final = 10.0
+#: Growth over the lowest resident memory since the last trim that is
+#: worth a trim.
+WATCH_GROWTH: Final = 32 * 1024 * 1024
+
+
+class GrowthTrimmer(Service):
+    """
+    Trims after any burst, not only the queue's: every C{interval}
+    seconds it reads the process's resident memory, and when that is
+    C{growth} bytes or more above the lowest seen since the last trim
+    (thousands of TLS handshakes or connections come and gone, say), it
+    trims and takes what is left as the new floor. Memory that stays in use
+    is trimmed once, not every interval: the floor rises with it.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        clock: IReactorTime,
+        trim: Callable[[], None],
+        read: Callable[[], int],
+        interval: float = WATCH_INTERVAL,
+        growth: int = WATCH_GROWTH,
+    ):
+        self.clock = clock
+        self.trim = trim
+        self.read = read
+        self.interval = interval
+        self.growth = growth
+        self.trims = 0
+        self.floor: int | None = None
+        self._loop: LoopingCall | None = None
+
+    def look(self) -> None:
+        """
+        Read the resident memory; trim when it grew by C{growth} or more.
+        """
+        try:
+            rss = self.read()
+        except (OSError, ValueError):
+            return
+        if self.floor is None or rss < self.floor:
+            self.floor = rss
+            return
+        if rss - self.floor < self.growth:
+            return
+        self.trims += 1
+        try:
+            self.trim()
+            self.floor = self.read()
+        except Exception:
+            self.log.failure("returning freed memory to the system failed")
+            self.floor = rss
+
+    def startService(self) -> None:
+        super().startService()
+        loop = self._loop = LoopingCall(self.look)
+        loop.clock = self.clock
+        loop.start(self.interval, now=True)
+
+    def stopService(self) -> Any:
+        loop, self._loop = self._loop, None
+        if loop is not None and loop.running:
+            loop.stop()
+        return super().stopService()
+
+
+def growth_trimmer(clock: IReactorTime) -> GrowthTrimmer | None:
+    """
+    A L{GrowthTrimmer} for this process, or C{None} where there is nothing
+    to trim with (no glibc) or no resident memory to read (no C{/proc}).
+    """
+    trim = malloc_trim()
+    if trim is None:
+        return None
+    try:
+        read_rss()
+    except (OSError, ValueError, IndexError):
+        return None
+    return GrowthTrimmer(clock, trim, read_rss)

@@ -160,6 +160,20 @@ class AdminConnectionCapTests(SynchronousTestCase):
         svc = admin_service(self.clock, "127.0.0.1", 0, sample_fleet(), make_registry())
         self.assertNotIsInstance(svc.factory, ConnectionLimiter)
 
+    def test_loopback_tls_capped(self) -> None:
+        """
+        Over TLS the cap holds on loopback too: each pending handshake holds
+        its buffers, and a flood of handshakes from one address must not
+        grow the control plane without bound.
+        """
+        svc = admin_service(self.clock, "127.0.0.1", 0, sample_fleet(), make_registry(), tls=self.tls)
+        factory = svc.factory
+        self.assertIsInstance(factory, ConnectionLimiter)
+        peer = IPv4Address("TCP", "127.0.0.2", 4000)
+        held = [factory.buildProtocol(peer) for _ in range(64)]
+        self.assertNotIn(None, held)
+        self.assertIsNone(factory.buildProtocol(peer))
+
 
 class AdminRequestDeadlineTests(SynchronousTestCase):
     def test_admin_head_trickled(self) -> None:

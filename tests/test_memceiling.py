@@ -22,8 +22,9 @@ from twisted.trial.unittest import SkipTest, SynchronousTestCase
 from llmgw.gateway.proxy import GatewayConfig
 from llmgw.gateway.service import GatewayService
 from llmgw.gateway.service import Options as GatewayOptions
+from llmgw.gateway.service import makeService as gateway_make_service
 from llmgw.memceiling import POLL_S, MemoryCeiling, MemoryCeilingError, check_readable, read_rss
-from llmgw.memtrim import Trimmer, malloc_trim
+from llmgw.memtrim import GrowthTrimmer, Trimmer, growth_trimmer, malloc_trim
 from llmgw.routing import RoutingTable
 from tests.test_gateway_admission import KEYS, OK, Gw
 from tests.test_gateway_resource import LogCapture, error_of, parse, post
@@ -373,3 +374,85 @@ class TrimTests(SynchronousTestCase):
         if trim is None:
             raise SkipTest("no malloc_trim in this C library")
         trim()
+
+
+class GrowthTrimmerTests(SynchronousTestCase):
+    """
+    L{GrowthTrimmer}: memory freed after any burst (a handshake flood, say)
+    is handed back once, not trimmed every interval while it is in use.
+    """
+
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.rss = [100 * MIB]
+        self.trims = 0
+
+        def trim() -> None:
+            self.trims += 1
+            # What a trim gives back: the process falls to 110 MiB.
+            self.rss[0] = 110 * MIB
+
+        self.trimmer = GrowthTrimmer(self.clock, trim, lambda: self.rss[0], interval=10.0, growth=32 * MIB)
+        self.trimmer.startService()
+        self.addCleanup(self.trimmer.stopService)
+
+    def test_trims_after_growth(self) -> None:
+        """
+        Growth of 32 MiB or more over the floor is trimmed at the next look;
+        less is not.
+        """
+        self.rss[0] = 120 * MIB
+        self.clock.advance(10)
+        self.assertEqual(self.trims, 0)
+        self.rss[0] = 260 * MIB
+        self.clock.advance(10)
+        self.assertEqual(self.trims, 1)
+        self.assertEqual(self.trimmer.floor, 110 * MIB)
+
+    def test_memory_in_use_trimmed_once(self) -> None:
+        """
+        Memory that stays in use after a trim (the trim gave nothing back)
+        raises the floor: no trim every interval.
+        """
+        self.trimmer.trim = lambda: None
+        self.rss[0] = 300 * MIB
+        for _ in range(5):
+            self.clock.advance(10)
+        self.assertEqual(self.trimmer.trims, 1)
+
+    def test_floor_follows_lower_memory(self) -> None:
+        """
+        The floor is the lowest resident memory seen: growth is measured
+        from it.
+        """
+        self.rss[0] = 80 * MIB
+        self.clock.advance(10)
+        self.rss[0] = 115 * MIB
+        self.clock.advance(10)
+        self.assertEqual(self.trims, 1)
+
+    def test_stop(self) -> None:
+        """
+        Stopped, it reads nothing more.
+        """
+        self.trimmer.stopService()
+        self.rss[0] = 900 * MIB
+        self.clock.advance(100)
+        self.assertEqual(self.trims, 0)
+
+
+class GrowthTrimmerWiringTests(SynchronousTestCase):
+    def test_own_process_services(self) -> None:
+        """
+        A gateway or control plane in a process of its own runs a growth
+        trimmer where glibc and /proc are there; an embedded one (its
+        reactor given) does not.
+        """
+        if growth_trimmer(Clock()) is None:
+            raise SkipTest("no malloc_trim or no /proc here")
+        o = GatewayOptions()
+        o.parseOptions(["--admin-url", "http://127.0.0.1:1", "--gateway", "127.0.0.1:0"])
+        embedded = gateway_make_service(o, MemoryReactorClock())
+        self.assertNotIn("memtrim", [s.name for s in embedded])
+        own = gateway_make_service(o)
+        self.assertIn("memtrim", [s.name for s in own])

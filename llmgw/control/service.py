@@ -46,6 +46,7 @@ from llmgw.gateway.front import MAX_CONNECTIONS, REQUEST_TIMEOUT
 from llmgw.gateway.proxy import GatewayConfig
 from llmgw.gateway.service import DEFAULT_GATEWAY, GatewayService
 from llmgw.memceiling import MemoryCeiling
+from llmgw.memtrim import growth_trimmer
 from llmgw.options import (
     HOSTS_DOC,
     api_keys,
@@ -104,8 +105,8 @@ class Options(BaseOptions):
         ["max-connections-per-address", None, LimitsConfig.max_per_address,
          "most agent-port connections from one source address (0: no cap)", non_negative_int],
         ["admin-max-connections-per-address", None, LimitsConfig.max_per_address,
-         "most admin API connections from one source address when --admin is beyond loopback; past "
-         "it new ones are closed at accept, before TLS (0: no cap)", non_negative_int],
+         "most admin API connections from one source address when the admin API is over TLS or "
+         "beyond loopback; past it new ones are closed at accept, before TLS (0: no cap)", non_negative_int],
         ["gateway-max-connections-per-address", None, 0,
          "most client connections of the embedded gateway from one address; past it new ones are "
          "closed at accept (0: no cap; for a gateway with no load balancer in front)", non_negative_int],
@@ -597,6 +598,13 @@ def makeService(options: Options, reactor: Any = None) -> ControlPlane:
         router = gateway.router
         reconciler.set_demand_source(
             gateway if IDemand.providedBy(gateway) else InFlightDemand(router.snapshot, reconciler.model_of))
+    if own_process:
+        # Memory freed after a burst (a handshake flood, a watch storm) goes
+        # back to the system; embedders' processes are left alone.
+        trimmer = growth_trimmer(reactor)
+        if trimmer is not None:
+            trimmer.setName("memtrim")
+            trimmer.setServiceParent(cp)
     return cp
 
 

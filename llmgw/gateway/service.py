@@ -37,6 +37,7 @@ from llmgw.gateway.usage import UsageResource
 from llmgw.hostcheck import HostCheck, unlisted_names_warning
 from llmgw.httpdeadline import DeadlineSite
 from llmgw.memceiling import MemoryCeiling
+from llmgw.memtrim import growth_trimmer
 from llmgw.options import (
     Options as BaseOptions,
 )
@@ -435,4 +436,9 @@ def makeService(options: Options, reactor: Any = None) -> StandaloneGateway:
         collector = CollectorTuning(threshold=None)
         collector.setName("collector")
         collector.setServiceParent(gateway)
+        # Memory freed after a burst of connections goes back to the system.
+        trimmer = growth_trimmer(reactor)
+        if trimmer is not None:
+            trimmer.setName("memtrim")
+            trimmer.setServiceParent(gateway)
     return gateway

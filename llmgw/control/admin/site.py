@@ -268,10 +268,11 @@ def admin_service(
     certificate are served besides C{hosts}; a connection whose handshake
     is not done within L{HANDSHAKE_TIMEOUT} seconds of accept is aborted.
 
-    Beyond loopback, a source address may hold C{max_per_address}
-    connections at once (0: no cap); past it a new one is closed at accept,
-    before any TLS handshake, and the refusal logged. A loopback listener
-    has no cap: its clients are all this host's.
+    Over TLS or beyond loopback, a source address may hold
+    C{max_per_address} connections at once (0: no cap); past it a new one
+    is closed at accept, before any TLS handshake, and the refusal logged.
+    A plain loopback listener has no cap: its clients are all this host's,
+    and a connection there costs no handshake's memory.
 
     @raise AdminTLSRequired: C{host} is not loopback and C{tls} is C{None}.
     """
@@ -288,8 +289,9 @@ def admin_service(
         site.handshake_timeout = HANDSHAKE_TIMEOUT
         factory = TLSMemoryBIOFactory(tls, False, site, clock=reactor)
     limiter = None
-    if max_per_address and not is_loopback(host):
-        # Below TLS: a connection over the cap costs no handshake.
+    if max_per_address and (tls is not None or not is_loopback(host)):
+        # Below TLS: a connection over the cap costs no handshake. Over TLS
+        # even on loopback, where each pending handshake holds its buffers.
         limiter = factory = ConnectionLimiter(
             factory, reactor, max_connections=0, max_per_address=max_per_address, max_registering=0,
             name="the admin API",
