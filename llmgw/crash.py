@@ -42,6 +42,18 @@ class CrashClass(enum.StrEnum):
     ENGINE_CRASH = "engine_crash"
     #: Killed by a signal (KILL, TERM, INT, HUP) that nobody on this side asked for.
     KILLED = "killed"
+    #: The model's weights could not be put on the node. Each is the
+    #: failure class of L{llmgw.models.errors}: the node's model cache
+    #: cannot hold them,
+    DISK_FULL = "disk_full"
+    #: a file did not match the source's checksum,
+    CHECKSUM = "checksum"
+    #: the repository, revision, file or URL does not exist,
+    NOT_FOUND = "not_found"
+    #: the source refused access (no token, or one that may not read it),
+    DENIED = "denied"
+    #: or the fetch failed otherwise (the network, the server).
+    FETCH = "fetch"
     UNKNOWN = "unknown"
 
 
