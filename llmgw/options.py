@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -184,6 +185,32 @@ def _coercer(kind: type, minimum: float, strict: bool, doc: str) -> Callable[[An
     return coerce
 
 
+_SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4}
+
+
+def byte_size(value: Any) -> int:
+    """
+    A positive size in bytes: a whole number, or a number with a unit, as
+    in C{20GiB}, C{512MiB}, C{1.5TB} (KiB, MiB, GiB, TiB are powers of 1024;
+    K, M, G, T with or without B powers of 1000).
+
+    @raise ValueError: anything else, or a size under one byte.
+    """
+    text = str(value).strip()
+    m = _SIZE.match(text)
+    if m is None:
+        raise ValueError(f"{text!r} is not a size (a number of bytes, or one like 20GiB or 500MB)")
+    number, unit = m.group(1), (m.group(2) or "").upper()
+    scale = 1024 ** " KMGT".index(unit[0]) if "I" in unit else _UNITS[unit[:1]]
+    size = int(float(number) * scale)
+    if size < 1:
+        raise ValueError(f"{text!r} is not a size of at least one byte")
+    return size
+
+
+byte_size.coerceDoc = "Bytes, or a size like 20GiB or 500MB."  # type: ignore[attr-defined]
+
 #: Coerce functions for C{optParameters}.
 positive_float = _coercer(float, 0, True, "A positive number.")
 non_negative_float = _coercer(float, 0, False, "A number, 0 or more.")
@@ -251,6 +278,19 @@ def max_connections_row(default: int, doc: str) -> list[Any]:
     C{--max-connections N}: most connections at once on a port (0: no cap).
     """
     return ["max-connections", None, default, doc, non_negative_int]
+
+
+def model_cache_rows(where: str) -> list[list[Any]]:
+    """
+    C{--model-cache DIR} and C{--model-cache-size BYTES}: where an agent
+    keeps the weights it fetches, and at most how much.
+    """
+    return [
+        ["model-cache", None, None, f"directory of the node's model cache (default: {where})"],
+        ["model-cache-size", None, None, "most bytes the model cache holds, like 200GiB "
+         "(default: what it holds at start plus the free space of its filesystem, less 5% of "
+         "that filesystem's size)", byte_size],
+    ]
 
 
 # -- checks several sub-commands share --------------------------------------------------

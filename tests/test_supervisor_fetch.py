@@ -11,11 +11,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from llmgw.agent.client import AgentConfig, AgentCore
+from llmgw.agent.gpus import GPUMonitor, SimulatedGPUs
 from llmgw.agent.supervisor import Supervisor
+from llmgw.api.v1 import agent_pb2 as pb
 from llmgw.models.cache import ModelCache
 from llmgw.models.source import cache_key, from_spec
+from llmgw.shards import ReportedShard, ShardReport
 from llmgw.sourcespec import parse_source
+from llmgw.states import ENDED, LIVE
 from llmgw.testing.fakefetch import FakeFetcher, StepRunner
+from llmgw.wire import state_name
 from tests.supervisor_harness import SupervisorCase, spec
 
 REPO = "hf://org/tiny"
@@ -236,3 +242,50 @@ class AdoptedPinTests(FetchCase):
         assert shard is not None
         self.assertEqual((shard.adopted, shard.pinned), (True, cache_key(from_spec(s.source))))
         self.assertEqual(self.pins(), frozenset({"a"}))
+
+
+class ReportTests(FetchCase):
+    def core(self) -> AgentCore:
+        monitor = GPUMonitor(SimulatedGPUs(4, 81920, salt="n1"), self.clock, interval=5)
+        return AgentCore(AgentConfig(node_id="n1", control="127.0.0.1:7443"), self.sup, monitor,
+                         self.clock, jitter=lambda: 0.0)
+
+    def test_heartbeat_and_register(self) -> None:
+        """
+        A heartbeat carries each fetching shard's progress, and a Register
+        lists a fetching shard (its GPUs and port are held) as fetching;
+        both survive the wire.
+        """
+        core = self.core()
+        self.sup.start(self.fetched_spec())
+        while self.runner.queue[0][1] != self.fetcher.fetch:
+            self.runner.step()
+        self.runner.step()
+        self.clock.advance(1)
+        hb = pb.Heartbeat.FromString(core.heartbeat_message().SerializeToString())
+        (fp,) = hb.fetches
+        size = len(MODEL["tiny.gguf"])
+        self.assertEqual((fp.shard_id, fp.done, fp.total), ("s1", size, size))
+        self.assertEqual(fp.rate, size)
+        reg = pb.Register.FromString(core.register_message().SerializeToString())
+        (running,) = reg.running_shards
+        self.assertEqual(running.state, pb.ShardStatus.STATE_FETCHING)
+        self.assertEqual(ReportedShard.from_message("n1", running).state, "fetching")
+        self.runner.drain()
+        self.assertEqual(list(core.heartbeat_message().fetches), [])
+
+    def test_status_on_the_wire(self) -> None:
+        """
+        STATE_FETCHING goes to the wire and back as "fetching"; an older
+        reader that lacks the value keeps the number (proto3 enums are
+        open) and names it unknown, which no state set holds, so an older
+        control plane ignores the status rather than fail on it.
+        """
+        report = ShardReport(node_id="n1", replica_id="r1", shard_id="s1", state="fetching")
+        data = report.to_message().SerializeToString()
+        self.assertEqual(ShardReport.from_message("n1", pb.ShardStatus.FromString(data)).state,
+                         "fetching")
+        old = pb.ShardStatus.FromString(data)
+        self.assertEqual(int(old.state), 7)
+        self.assertEqual(state_name(8), "unknown(8)")
+        self.assertNotIn(state_name(8), LIVE | ENDED)
