@@ -57,6 +57,12 @@ class CrashClass(enum.StrEnum):
     UNKNOWN = "unknown"
 
 
+#: The classes of a failure to put a shard's weights on its node: the agent
+#: reports them from its model cache, never from a process's output.
+FETCH_CLASSES = frozenset({CrashClass.DISK_FULL, CrashClass.CHECKSUM, CrashClass.NOT_FOUND,
+                           CrashClass.DENIED, CrashClass.FETCH})
+
+
 def _rx(*patterns: str) -> re.Pattern[str]:
     return re.compile("|".join(f"(?:{p})" for p in patterns), re.IGNORECASE)
 

@@ -22,7 +22,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from llmgw.agent.shard import Shard
-from llmgw.crash import CrashClass
+from llmgw.crash import FETCH_CLASSES, CrashClass
 from llmgw.models.cache import ModelCache, Progress
 from llmgw.models.errors import ModelError, SourceInvalid
 from llmgw.models.source import LocalSource, Source, cache_key, from_spec
@@ -30,8 +30,7 @@ from llmgw.models.source import LocalSource, Source, cache_key, from_spec
 __all__ = ["WeightFetcher", "fetch_failure_class"]
 
 #: The crash classes a fetch's failure may have (L{ModelError.failure_class}).
-_FETCH_CLASSES = {c.value for c in (CrashClass.DISK_FULL, CrashClass.CHECKSUM, CrashClass.NOT_FOUND,
-                                    CrashClass.DENIED, CrashClass.FETCH, CrashClass.CONFIG)}
+_FETCH_CLASSES = {c.value for c in (*FETCH_CLASSES, CrashClass.CONFIG)}
 
 
 def fetch_failure_class(failure: Failure) -> str:
