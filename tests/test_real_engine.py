@@ -91,7 +91,8 @@ class RealEngineFleet:
     A local fleet (a real process) with one agent and one deployment.
     """
 
-    def __init__(self, case: SynchronousTestCase, catalog: Callable[[Path], str]):
+    def __init__(self, case: SynchronousTestCase, catalog: Callable[[Path], str],
+                 env: dict[str, str] | None = None):
         self.case = case
         self.dir = Path(case.mktemp()).resolve()
         self.dir.mkdir(parents=True)
@@ -102,7 +103,7 @@ class RealEngineFleet:
         self.log = open(self.dir / "fleet.log", "w+b")  # noqa: SIM115
         case.addCleanup(self.log.close)
         case.addCleanup(self.kill_everything)
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        env = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
         # The gateway's and admin's ports again if another process bound one first.
         for _ in range(3):
             self.gateway_port, self.admin_port = free_port(), free_port()
