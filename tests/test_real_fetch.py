@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
-import subprocess
 import urllib.request
 from pathlib import Path
 
@@ -21,22 +19,10 @@ from twisted.trial.unittest import SkipTest, SynchronousTestCase
 
 from llmgw.testing.engines import find_llama_server, llama_server_missing_reason
 from tests.test_models_hub import make_mirror, start_olah
-from tests.test_real_engine import RealEngineFleet, engine_processes, health
+from tests.test_real_engine import LLAMA_SOURCE_CATALOG, RealEngineFleet, health
 
-CATALOG = """
-[profiles.llama-cpu]
-engine = "llamacpp"
-gpus_per_shard = 1
-program = {binary}
-
-[[deployments]]
-model = "tiny"
-profile = "llama-cpu"
-replicas = {replicas}
-source = "hf://acme/tiny"
-file = "tiny.gguf"
-args = ["-c", "512", "-np", "2", "-t", "1", "--no-warmup", "-ngl", "0"]
-"""
+# The local-source catalog's deployment, named by a hub source instead.
+HUB_SOURCE = json.dumps("hf://acme/tiny") + '\nfile = "tiny.gguf"'
 
 
 def model_argument(pid: int) -> str:
@@ -62,8 +48,6 @@ class HubFetchTests(SynchronousTestCase):
             raise SkipTest(llama_server_missing_reason())
         if shutil.which("git") is None:
             raise SkipTest("git is not installed")
-        from openai import OpenAI
-
         from llmgw.testing.tinygguf import write
 
         top = Path(self.mktemp()).absolute()
@@ -74,7 +58,7 @@ class HubFetchTests(SynchronousTestCase):
 
         def catalog(directory: Path) -> str:
             catalogs.append(directory / "catalog.toml")
-            return CATALOG.format(binary=json.dumps(str(binary)), replicas=1)
+            return LLAMA_SOURCE_CATALOG.format(binary=json.dumps(str(binary)), source=HUB_SOURCE)
 
         fleet = RealEngineFleet(self, catalog, env={
             "HF_ENDPOINT": endpoint, "HF_HOME": str(top / "hf-home"), "HF_HUB_DISABLE_TELEMETRY": "1"})
@@ -87,12 +71,7 @@ class HubFetchTests(SynchronousTestCase):
         weights = model_argument(fleet.shard_pids()[first])
         self.assertEqual(Path(weights).read_bytes(), gguf)
         self.assertIn(str(fleet.dir / "local-state"), weights)
-        client = OpenAI(base_url=f"http://127.0.0.1:{fleet.gateway_port}/v1", api_key="none",
-                        timeout=30, max_retries=0)
-        reply = client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=4,
-            extra_body={"ignore_eos": True})
-        self.assertEqual(reply.usage.completion_tokens, 4)
+        self.assertEqual(fleet.chat(4).usage.completion_tokens, 4)
 
         # A second replica on the same node (one agent, two GPUs).
         catalogs[0].write_text(catalogs[0].read_text().replace("replicas = 1", "replicas = 2"))
@@ -109,9 +88,4 @@ class HubFetchTests(SynchronousTestCase):
         self.assertEqual(fleet.output().count("hf://acme/tiny@main is cached ("), 1,
                          fleet.output()[-4000:])
 
-        fleet.proc.send_signal(signal.SIGTERM)
-        try:
-            fleet.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.fail(f"the fleet did not stop on SIGTERM:\n{fleet.output()[-4000:]}")
-        self.assertEqual(engine_processes(fleet.dir), [])
+        fleet.stop()
