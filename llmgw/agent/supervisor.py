@@ -201,8 +201,8 @@ class Supervisor(Service):
     def held_shards(self) -> list[Shard]:
         """
         The shards whose process groups may still have members (live or
-        stopping), oldest first: what C{Register} lists, and what holds GPUs
-        and ports.
+        stopping) or that are fetching their weights, oldest first: what
+        C{Register} lists, and what holds GPUs and ports.
         """
         return [s for s in self.shards.values() if s.held]
 
