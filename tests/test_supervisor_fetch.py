@@ -127,8 +127,8 @@ class FetchingTests(FetchCase):
     def test_not_found(self) -> None:
         """
         A source the hub does not have fails the shard as not_found, with
-        an error naming the model and source; nothing is spawned and its
-        pin is released.
+        an error naming the model and source; nothing is spawned, its pin
+        is released and its record removed.
         """
         s = spec("s1", source=parse_source("hf://org/other"), argv=["{python}", "{weights}"])
         shard = self.sup.start(s)
@@ -138,6 +138,7 @@ class FetchingTests(FetchCase):
         self.assertEqual(self.states(), ["fetching", "failed"])
         self.assertEqual(self.spawner.calls, [])
         self.assertEqual(shard.pinned, "")
+        self.assertEqual(self.state.load_all(), [])
         self.flushLoggedErrors()
 
     def test_checksum(self) -> None:
@@ -221,6 +222,36 @@ class TooSmallTests(FetchCase):
         self.runner.drain()
         self.assertEqual((shard.state, shard.crash_class), ("failed", "disk_full"))
         self.assertEqual(self.fetcher.written, [])
+
+
+class RestartTests(FetchCase):
+    def test_fetch_resumed_after_restart(self) -> None:
+        """
+        A shard fetching when the agent stopped is recorded, and the
+        restarted agent lists it as fetching and fetches on; once fetched it
+        starts as usual. A stop while fetching forgets its record.
+        """
+        s = self.fetched_spec()
+        self.sup.start(s)
+        self.assertEqual([r.state for r in self.state.load_all()], ["fetching"])
+        self.runner.step()  # the plan
+        self.sup.stopService()
+        self.runner.drain()  # the fetch, cancelled with no one waiting
+        sup = self.make()
+        sup.add_listener(self.record)
+        sup.recover()
+        shard = sup.get("s1")
+        assert shard is not None
+        self.assertEqual(shard.state, "fetching")
+        self.assertEqual([s.shard_id for s in sup.held_shards()], ["s1"])
+        self.runner.drain()
+        self.assertEqual(shard.state, "starting")
+        self.assertEqual(len(self.spawner.calls), 1)
+        self.assertEqual([r.state for r in self.state.load_all()], ["starting"])
+        other = sup.start(self.fetched_spec("s2", port=8002, gpus=(1,)))
+        sup.stop("s2")
+        self.assertEqual(other.state, "stopped")
+        self.assertEqual([r.spec.shard_id for r in self.state.load_all()], ["s1"])
 
 
 class AdoptedPinTests(FetchCase):

@@ -275,7 +275,7 @@ class Supervisor(Service):
             self.log.info("shard {shard} of replica {replica} ({model}) is fetching its weights "
                           "from {source}", shard=spec.shard_id, replica=spec.replica_id,
                           model=spec.model, source=spec.source.uri if spec.source else "")
-            self._report(shard)
+            self._changed(shard)
             self.weights.start(shard)
             return shard
         shard = Shard(spec)
@@ -294,6 +294,7 @@ class Supervisor(Service):
             shard.state, shard.error = FAILED, f"could not start the process: {e}"
             self.log.failure("could not spawn shard {shard}", shard=spec.shard_id)
             self.weights.release(shard)
+            self.records.remove(spec.shard_id)
             self._report(shard)
             return shard
         self.log.info(
@@ -318,6 +319,7 @@ class Supervisor(Service):
         if shard.state != FETCHING or self.detached:
             return
         self.weights.release(shard)
+        self.records.remove(shard.shard_id)
         shard.state, shard.error, shard.crash_class = FAILED, error_, crash_class
         self.log.error("shard {shard} of replica {replica} failed ({crash_class}): {error}",
                        shard=shard.shard_id, replica=shard.spec.replica_id,
@@ -331,6 +333,7 @@ class Supervisor(Service):
         stopped at once; it never had a process.
         """
         self.weights.cancel(shard)
+        self.records.remove(shard.shard_id)
         shard.state = STOPPED
         self.log.info("shard {shard} is stopped while fetching its weights; GPUs {gpus} and port "
                       "{port} are free", shard=shard.shard_id, gpus=_gpus(shard),
@@ -557,6 +560,11 @@ class Supervisor(Service):
         probes = []
         for record in self.records.load_all():
             spec = record.spec
+            if record.state == FETCHING:
+                resumed = self._resume_fetch(record.spec)
+                if resumed is not None:
+                    adopted.append(resumed)
+                continue
             procs = by_shard.pop(spec.shard_id, []) if valid_shard_id(spec.shard_id) else []
             start_time = self.ops.start_time(record.pid)
             shard = adoption.adopt(record, procs, start_time)
@@ -594,6 +602,24 @@ class Supervisor(Service):
         d: defer.Deferred[Any] = defer.gatherResults(probes, consumeErrors=True)
         d.addCallback(lambda _: adopted)
         return d
+
+    def _resume_fetch(self, spec: ShardSpec) -> Shard | None:
+        """
+        A shard that was fetching when the agent stopped fetches on (its
+        model's cache entry resumes from what it had); without a cache, or
+        with an unusable id, it is forgotten.
+        """
+        if not valid_shard_id(spec.shard_id) or not launch.needs_fetch(spec) \
+                or self.weights.refusal() is not None:
+            self.records.remove(spec.shard_id)
+            return None
+        # Not "adopted": the process it starts once fetched is this agent's child.
+        shard = Shard(spec, FETCHING)
+        self._remember(shard)
+        self.log.info("shard {shard} of replica {replica} was fetching its weights when the agent "
+                      "stopped: fetching on", shard=spec.shard_id, replica=spec.replica_id)
+        self.weights.start(shard)
+        return shard
 
     def _resume_stop(self, shard: Shard, main_alive: bool) -> None:
         """
