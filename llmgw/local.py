@@ -129,6 +129,16 @@ def demo_catalog(state_dir: Path) -> Path:
     return path
 
 
+def agent_cache(options: usage.Options, node: str) -> Path | None:
+    """
+    Where agent C{node}'s model cache is: C{--model-cache DIR}/NODE (each
+    agent has a cache of its own), or C{None} for the agent's default,
+    its state directory's C{models}.
+    """
+    given = options["model-cache"]
+    return Path(given).resolve() / node if given else None
+
+
 def _agent_count(value: str) -> int:
     n = positive_int(value)
     if n > 64:
@@ -253,8 +263,7 @@ class LocalFleet(MultiService):
                 gpu_source=discover(self.options["gpu_spec"], self.reactor, salt=node),
                 heartbeat=self.options["heartbeat"],
                 handle_sighup=False,
-                model_cache=(Path(self.options["model-cache"]).resolve() / node
-                             if self.options["model-cache"] else None),
+                model_cache=agent_cache(self.options, node),
                 model_cache_size=self.options["model-cache-size"],
             )
             agent.setName(f"agent-{node}")
