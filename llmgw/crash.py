@@ -42,7 +42,25 @@ class CrashClass(enum.StrEnum):
     ENGINE_CRASH = "engine_crash"
     #: Killed by a signal (KILL, TERM, INT, HUP) that nobody on this side asked for.
     KILLED = "killed"
+    #: The model's weights could not be put on the node. Each is the
+    #: failure class of L{llmgw.models.errors}: the node's model cache
+    #: cannot hold them,
+    DISK_FULL = "disk_full"
+    #: a file did not match the source's checksum,
+    CHECKSUM = "checksum"
+    #: the repository, revision, file or URL does not exist,
+    NOT_FOUND = "not_found"
+    #: the source refused access (no token, or one that may not read it),
+    DENIED = "denied"
+    #: or the fetch failed otherwise (the network, the server).
+    FETCH = "fetch"
     UNKNOWN = "unknown"
+
+
+#: The classes of a failure to put a shard's weights on its node: the agent
+#: reports them from its model cache, never from a process's output.
+FETCH_CLASSES = frozenset({CrashClass.DISK_FULL, CrashClass.CHECKSUM, CrashClass.NOT_FOUND,
+                           CrashClass.DENIED, CrashClass.FETCH})
 
 
 def _rx(*patterns: str) -> re.Pattern[str]:

@@ -31,7 +31,14 @@ from llmgw.agent.stopping import KILL_WAIT_S
 from llmgw.control import service as control_service
 from llmgw.control.shell.reconciler import Reconciler
 from llmgw.options import Options as BaseOptions
-from llmgw.options import certs_row, heartbeat_row, listen_address, log_warnings, positive_int
+from llmgw.options import (
+    certs_row,
+    heartbeat_row,
+    listen_address,
+    log_warnings,
+    model_cache_rows,
+    positive_int,
+)
 from llmgw.tlsconf.ca import CertificateAuthority
 from llmgw.tlsconf.options import (
     ServerIdentityError,
@@ -122,6 +129,16 @@ def demo_catalog(state_dir: Path) -> Path:
     return path
 
 
+def agent_cache(options: usage.Options, node: str) -> Path | None:
+    """
+    Where agent C{node}'s model cache is: C{--model-cache DIR}/NODE (each
+    agent has a cache of its own), or C{None} for the agent's default,
+    its state directory's C{models}.
+    """
+    given = options["model-cache"]
+    return Path(given).resolve() / node if given else None
+
+
 def _agent_count(value: str) -> int:
     n = positive_int(value)
     if n > 64:
@@ -155,6 +172,8 @@ class Options(BaseOptions):
         ["admin", None, "127.0.0.1:7480", "[HOST:]PORT the admin API and /metrics listen on"],
         ["agent-listen", None, "127.0.0.1:0", "[HOST:]PORT the agent stream listens on (0: any free port)"],
         heartbeat_row(2.0, "agents' heartbeat interval, seconds"),
+        # Each agent has a cache of its own: DIR/NODE.
+        *model_cache_rows("STATE_DIR/agent-NODE/models; with DIR, DIR/NODE for each agent"),
     ]
 
     def postOptions(self) -> None:
@@ -244,6 +263,8 @@ class LocalFleet(MultiService):
                 gpu_source=discover(self.options["gpu_spec"], self.reactor, salt=node),
                 heartbeat=self.options["heartbeat"],
                 handle_sighup=False,
+                model_cache=agent_cache(self.options, node),
+                model_cache_size=self.options["model-cache-size"],
             )
             agent.setName(f"agent-{node}")
             agent.setServiceParent(self)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -184,40 +185,36 @@ def _coercer(kind: type, minimum: float, strict: bool, doc: str) -> Callable[[An
     return coerce
 
 
+_SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4}
+
+
+def byte_size(value: Any) -> int:
+    """
+    A size in bytes, 0 or more: a whole number, or a number with a unit, as
+    in C{20GiB}, C{512MiB}, C{1.5TB} (KiB, MiB, GiB, TiB are powers of 1024;
+    K, M, G, T with or without B powers of 1000). What 0 means is the
+    option's to say (often: no limit).
+
+    @raise ValueError: anything else, naming the value.
+    """
+    text = str(value).strip()
+    m = _SIZE.match(text)
+    if m is None:
+        raise ValueError(f"{text!r} is not a size (a number of bytes, or one like 20GiB or 500MB)")
+    number, unit = m.group(1), (m.group(2) or "").upper()
+    scale = 1024 ** " KMGT".index(unit[0]) if "I" in unit else _UNITS[unit[:1]]
+    return int(float(number) * scale)
+
+
+byte_size.coerceDoc = "Bytes, or a size like 20GiB or 500MB."  # type: ignore[attr-defined]
+
 #: Coerce functions for C{optParameters}.
 positive_float = _coercer(float, 0, True, "A positive number.")
 non_negative_float = _coercer(float, 0, False, "A number, 0 or more.")
 positive_int = _coercer(int, 0, True, "A positive whole number.")
 non_negative_int = _coercer(int, 0, False, "A whole number, 0 or more.")
 
-#: Binary multiples a size may end with (L{byte_size}).
-_SIZE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-
-
-def byte_size(value: Any) -> int:
-    """
-    A size in bytes, 0 or more: a whole number of bytes, or a number with
-    a binary unit (C{KiB}, C{MiB}, C{GiB}, C{TiB}; any case), such as
-    C{512MiB} or C{1.5GiB}.
-
-    @raise ValueError: naming the value and what a size looks like.
-    """
-    text = str(value).strip()
-    number = text.rstrip("BbIiKkMmGgTt ")
-    unit = text[len(number):].strip().lower()
-    factor = _SIZE_UNITS.get(unit)
-    try:
-        n = float(number) if factor is not None and number else math.nan
-    except ValueError:
-        n = math.nan
-    if not math.isfinite(n) or n < 0 or (factor == 1 and n != int(n)):
-        raise ValueError(f"{text!r} is not a size: give bytes (1048576) or a number with KiB, MiB, GiB "
-                         "or TiB (512MiB, 2GiB)")
-    assert factor is not None
-    return int(n * factor)
-
-
-byte_size.coerceDoc = "Bytes, or a size such as 512MiB or 2GiB."  # type: ignore[attr-defined]
 
 
 # -- rows several sub-commands share ---------------------------------------------------
@@ -306,6 +303,19 @@ def memory_limit_row(name: str, what: str) -> list[Any]:
             f"memory ceiling of {what} (bytes, or 512MiB, 2GiB): from 90% of it in resident memory "
             "new gateway requests get 503 and Retry-After, until under 80%; Linux only (0: none)",
             byte_size]
+
+
+def model_cache_rows(where: str) -> list[list[Any]]:
+    """
+    C{--model-cache DIR} and C{--model-cache-size BYTES}: where an agent
+    keeps the weights it fetches, and at most how much.
+    """
+    return [
+        ["model-cache", None, None, f"directory of the node's model cache (default: {where})"],
+        ["model-cache-size", None, None, "most bytes the model cache holds, like 200GiB "
+         "(default: what it holds at start plus the free space of its filesystem, less 5% of "
+         "that filesystem's size)", byte_size],
+    ]
 
 
 # -- checks several sub-commands share --------------------------------------------------

@@ -124,7 +124,8 @@ def parse_source(text: str, file: str = "", sha256: str = "") -> ModelSource:
         )
     if scheme not in SCHEMES:
         known = ", ".join(f"{s}://" for s in SCHEMES)
-        raise SourceError(f"{text!r} has unknown scheme {scheme!r} (known: {known})")
+        hint = "; plain http is not accepted for weights: use https" if scheme == "http" else ""
+        raise SourceError(f"{text!r} has unknown scheme {scheme!r} (known: {known}){hint}")
     if file and scheme != "hf":
         raise SourceError(
             f"applies to hf:// sources only (one file of a repository); {scheme}:// sources "

@@ -15,6 +15,9 @@ from enum import StrEnum
 class ShardState(StrEnum):
     #: Placed and the start command sent; nothing heard yet (control plane only).
     PENDING = "pending"
+    #: Its weights are being put on its node: no process yet, but its GPUs
+    #: and port are held. It is starting once they are there.
+    FETCHING = "fetching"
     STARTING = "starting"
     READY = "ready"
     DRAINING = "draining"
@@ -32,6 +35,7 @@ class ReplicaState(StrEnum):
     """
 
     PENDING = "pending"
+    FETCHING = "fetching"
     STARTING = "starting"
     READY = "ready"
     DRAINING = "draining"
@@ -42,6 +46,10 @@ class ReplicaState(StrEnum):
 
 #: States in which a shard's process runs (what an agent lists in Register).
 LIVE = frozenset({ShardState.STARTING, ShardState.READY, ShardState.DRAINING})
+#: States of a shard that an agent has taken on and not yet been told to
+#: stop: fetching its weights, or its process runs. What a Register lists
+#: as running, and what the control plane keeps.
+UNDER_WAY = LIVE | {ShardState.FETCHING}
 #: States in which a shard serves requests.
 SERVING = frozenset({ShardState.READY, ShardState.DRAINING})
 #: A shard's process has ended.
@@ -52,8 +60,9 @@ SEVERITY: dict[str, int] = {
     ShardState.READY: 0,
     ShardState.DRAINING: 1,
     ShardState.STARTING: 2,
-    ShardState.PENDING: 3,
-    ShardState.STOPPING: 4,
-    ShardState.STOPPED: 5,
-    ShardState.FAILED: 6,
+    ShardState.FETCHING: 3,
+    ShardState.PENDING: 4,
+    ShardState.STOPPING: 5,
+    ShardState.STOPPED: 6,
+    ShardState.FAILED: 7,
 }

@@ -160,6 +160,7 @@ STATE_NAMES = {
     pb.ShardStatus.STATE_STOPPED: ShardState.STOPPED,
     pb.ShardStatus.STATE_FAILED: ShardState.FAILED,
     pb.ShardStatus.STATE_STOPPING: ShardState.STOPPING,
+    pb.ShardStatus.STATE_FETCHING: ShardState.FETCHING,
 }
 STATE_VALUES = {name: value for value, name in STATE_NAMES.items()}
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from cryptography.x509.oid import ExtendedKeyUsageOID
+from twisted.internet.defer import Deferred
 from twisted.internet.testing import MemoryReactorClock
 from twisted.python import usage
 from twisted.trial.unittest import SynchronousTestCase
@@ -133,7 +134,7 @@ class OptionsTests(SynchronousTestCase):
         o = tap.Options()
         o.parseOptions(["agent", "--control", "127.0.0.1:7443", "--certs", str(self.dir),
                         "--node", "node-1", "--gpus", "sim:1x1GiB", "--state-dir", self.state])
-        reactor = MemoryReactorClock()
+        reactor = ThreadCallReactor()
         svc = tap.makeService(o, reactor=reactor)
         self.assertIsInstance(svc, NodeAgent)
         assert isinstance(svc, NodeAgent)
@@ -143,6 +144,40 @@ class OptionsTests(SynchronousTestCase):
         self.assertEqual(len(reactor.tcpClients), 1)
         self.assertEqual(reactor.tcpClients[0][:2], ("127.0.0.1", 7443))
         self.assertTrue(makeService)
+        # The model cache is in the state directory unless told otherwise.
+        self.assertEqual(svc.model_cache.directory, Path(self.state) / "models")
+        self.assertTrue(svc.model_cache.pool.started)
+
+    def test_model_cache_options(self) -> None:
+        """
+        --model-cache names the cache's directory and --model-cache-size its
+        bound, with a unit; a size that is not one is refused naming it.
+        """
+        base = ["agent", "--control", "127.0.0.1:7443", "--certs", str(self.dir), "--node",
+                "node-1", "--gpus", "sim:1x1GiB", "--state-dir", self.state]
+        o = tap.Options()
+        cache = self.mktemp()
+        o.parseOptions([*base, "--model-cache", cache, "--model-cache-size", "20GiB"])
+        self.assertEqual((o.subOptions["model_cache"], o.subOptions["model-cache-size"]),
+                         (Path(cache), 20 * 1024**3))
+        svc = tap.makeService(o, reactor=ThreadCallReactor())
+        assert isinstance(svc, NodeAgent)
+        self.assertEqual(svc.model_cache.cache.capacity, 20 * 1024**3)
+        self.assertIn("is not a size", self.refused(*base[1:], "--model-cache-size", "lots"))
+
+
+class ThreadCallReactor(MemoryReactorClock):
+    """
+    A memory reactor that keeps what threads hand back (the model cache's
+    pool), never running it.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.thread_calls: list[Any] = []
+
+    def callFromThread(self, f: Any, *a: Any, **kw: Any) -> None:
+        self.thread_calls.append((f, a, kw))
 
 
 class CertificateReloadTests(SynchronousTestCase):
@@ -169,14 +204,6 @@ class CertificateReloadTests(SynchronousTestCase):
         return svc
 
     def setup_reactor(self) -> None:
-        class ThreadCallReactor(MemoryReactorClock):
-            def __init__(self) -> None:
-                super().__init__()
-                self.thread_calls: list[Any] = []
-
-            def callFromThread(self, f: Any, *a: Any, **kw: Any) -> None:
-                self.thread_calls.append((f, a, kw))
-
         self.reactor = ThreadCallReactor()
 
     def test_reload_renewed(self) -> None:
@@ -214,6 +241,8 @@ class CertificateReloadTests(SynchronousTestCase):
         svc = self.agent(handle_sighup=True)
         renewed = self.ca.issue_agent("node-1", days=200)
         os.kill(os.getpid(), signal.SIGHUP)
-        [(f, a, kw)] = self.reactor.thread_calls
+        # The model cache's threads hand back results too: not those.
+        [(f, a, kw)] = [c for c in self.reactor.thread_calls
+                        if not isinstance(getattr(c[0], "__self__", None), Deferred)]
         f(*a, **kw)
         self.assertEqual(svc.client_tls.files.cert.serial_number, renewed.certificate.serial_number)

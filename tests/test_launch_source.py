@@ -1,8 +1,8 @@
 """
 Tests for the agent's start of a shard whose command llmgw wrote from a
 model source: the engine's program looked up on the shard's PATH, the
-weights' path filled in for a file:// source, and a clear refusal for
-sources that would need fetching.
+weights' path filled in for a file:// source, and a clear refusal on an
+agent without a model cache for sources that need fetching.
 """
 
 from __future__ import annotations
@@ -88,15 +88,15 @@ class WeightsRefusalTests(SynchronousTestCase):
 
     def test_refusals(self) -> None:
         """
-        Sources that need fetching, a file:// path that is not here, a
-        program not on the PATH and a malformed source are refused, each
-        saying which.
+        A file:// path that is not here, a program not on the PATH (also
+        for a source that is fetched, before any fetch) and a malformed
+        source are refused, each saying which.
         """
-        fetch = self.refusal(parse_source("hf://org/repo@main", file="x.gguf")) or ""
-        self.assertTrue(fetch.startswith(launch.NO_FETCHING), fetch)
-        self.assertIn("hf://org/repo@main", fetch)
-        https = self.refusal(parse_source("https://h/x.gguf", sha256="a" * 64)) or ""
-        self.assertTrue(https.startswith(launch.NO_FETCHING), https)
+        # Sources the node's cache fetches pass, their program checked first.
+        self.assertIsNone(self.refusal(parse_source("hf://org/repo@main", file="x.gguf")))
+        self.assertIsNone(self.refusal(parse_source("https://h/x.gguf", sha256="a" * 64)))
+        self.assertIn("engine program 'nope' is not on this agent's PATH",
+                      self.refusal(parse_source("hf://org/repo"), engine_argv("nope")) or "")
         self.assertEqual(self.refusal(parse_source("file:///nonexistent/x.gguf")),
                          "model /nonexistent/x.gguf (source file:///nonexistent/x.gguf) is not on "
                          "this node")
@@ -148,14 +148,15 @@ class SupervisorSourceTests(SupervisorCase):
 
     def test_refused_as_config(self) -> None:
         """
-        A source that needs fetching, and a program missing from the shard's
-        PATH, fail the start as a configuration failure (a retry cannot
-        help), logged, with nothing spawned.
+        A source that needs fetching on an agent without a model cache, and
+        a program missing from the shard's PATH, fail the start as a
+        configuration failure (a retry cannot help), logged, with nothing
+        spawned.
         """
-        hf = self.sup.start(spec("a", argv=engine_argv(), port=8011,
+        hf = self.sup.start(spec("a", argv=engine_argv(str(self.program)), port=8011,
                                  source=parse_source("hf://org/repo", file="x.gguf")))
         self.assertEqual((hf.state, hf.crash_class), ("failed", "config"))
-        self.assertIn("fetching is not available in this build", hf.error)
+        self.assertIn("this agent has no model cache", hf.error)
         # The harness's shard PATH is /usr/bin, where no llama-server is.
         if not os.path.exists("/usr/bin/llama-server"):
             nope = self.sup.start(spec("b", argv=engine_argv(), port=8012,

@@ -12,7 +12,7 @@ from twisted.python import usage
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.control.core.catalog import load_catalog
-from llmgw.local import LocalError, Options, demo_catalog, ensure_certs
+from llmgw.local import LocalError, Options, agent_cache, demo_catalog, ensure_certs
 from llmgw.testing.pki import make_pki
 from llmgw.tlsconf.options import TLSFiles
 
@@ -117,6 +117,22 @@ class OptionsTests(SynchronousTestCase):
         self.assertEqual(control["admin_address"], ("127.0.0.1", 7480))
         self.assertEqual(control["agents_host"], "127.0.0.1")
         self.assertTrue((root / "certs" / "agent-local-3.pem").exists())
+
+    def test_model_cache(self) -> None:
+        """
+        --model-cache DIR gives each agent a cache of its own under DIR;
+        without it each agent's is in its state directory (None here);
+        --model-cache-size takes a unit.
+        """
+        root = Path(self.mktemp())
+        base = ["--certs", str(root / "certs"), "--state-dir", str(root / "state")]
+        o = Options()
+        o.parseOptions(base)
+        self.assertIsNone(agent_cache(o, "local-1"))
+        o = Options()
+        o.parseOptions([*base, "--model-cache", str(root / "cache"), "--model-cache-size", "2GiB"])
+        self.assertEqual(agent_cache(o, "local-1"), (root / "cache").resolve() / "local-1")
+        self.assertEqual(o["model-cache-size"], 2 * 1024**3)
 
     def test_sized_for_one_machine(self) -> None:
         """

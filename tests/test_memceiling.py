@@ -253,8 +253,8 @@ class OptionsTests(SynchronousTestCase):
         """
         A size that is not one is refused, naming the option.
         """
-        e = self.assertRaises(usage.UsageError, GatewayOptions().parseOptions, ["--memory-limit", "2GB"])
-        self.assertIn("--memory-limit: '2GB' is not a size", str(e))
+        e = self.assertRaises(usage.UsageError, GatewayOptions().parseOptions, ["--memory-limit", "2 gigs"])
+        self.assertIn("--memory-limit: '2 gigs' is not a size", str(e))
 
     def test_refused_without_proc(self) -> None:
         """

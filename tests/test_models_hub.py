@@ -37,55 +37,69 @@ def _git(repo: Path, *args: str) -> None:
                    check=True, capture_output=True)
 
 
-def make_mirror(root: Path, repo: str = "acme/tiny") -> Path:
+def make_mirror(root: Path, repo: str = "acme/tiny", lfs: dict[str, bytes] | None = None) -> Path:
     """
-    A mirror tree for olah under C{root} holding C{repo}; returns C{root}.
+    A mirror tree for olah under C{root} holding C{repo}, with C{config.json}
+    and the C{lfs} files (by default C{model.gguf}) stored as git-lfs stores
+    them; returns C{root}.
     """
     work = root / "models" / repo
     work.mkdir(parents=True)
     _git(work, "init", "-q", "-b", "main")
     (work / "config.json").write_bytes(CONFIG)
-    oid = hashlib.sha256(WEIGHTS).hexdigest()
-    objects = work / ".git" / "lfs" / "objects" / oid[:2] / oid[2:4]
-    objects.mkdir(parents=True)
-    (objects / oid).write_bytes(WEIGHTS)
-    (work / "model.gguf").write_text(
-        f"version https://git-lfs.github.com/spec/v1\noid sha256:{oid}\nsize {len(WEIGHTS)}\n")
+    for name, data in (lfs if lfs is not None else {"model.gguf": WEIGHTS}).items():
+        oid = hashlib.sha256(data).hexdigest()
+        objects = work / ".git" / "lfs" / "objects" / oid[:2] / oid[2:4]
+        objects.mkdir(parents=True)
+        (objects / oid).write_bytes(data)
+        (work / name).write_text(
+            f"version https://git-lfs.github.com/spec/v1\noid sha256:{oid}\nsize {len(data)}\n")
     _git(work, "add", "-A")
     _git(work, "commit", "-qm", "tiny")
     return root
 
 
+def start_olah(case: SynchronousTestCase, top: Path, mirrors: Path) -> str:
+    """
+    Run olah on loopback, offline, serving C{mirrors}, until C{case} ends;
+    its working files go in C{top}. Returns its endpoint (for
+    C{HF_ENDPOINT}).
+
+    @raise SkipTest: olah or git is not installed.
+    """
+    olah = Path(sys.executable).with_name("olah-cli")
+    if not olah.exists():
+        raise SkipTest("olah is not installed (pip install olah: the test extra)")
+    port = free_port()
+    config = top / "olah.toml"
+    config.write_text(
+        f'[basic]\nhost = "127.0.0.1"\nport = {port}\nrepos-path = "{top / "repos"}"\n'
+        f'mirrors-path = ["{mirrors}"]\n[accessibility]\noffline = true\n')
+    log = (top / "olah.out").open("wb")
+    case.addCleanup(log.close)
+    proc = subprocess.Popen([str(olah), "-c", str(config), "--log-path", str(top / "logs")],
+                            stdout=log, stderr=subprocess.STDOUT, cwd=top)
+
+    def reap() -> None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    case.addCleanup(reap)
+    if not wait_bound(proc, [port], lambda: (top / "olah.out").read_text(errors="replace"), 60):
+        raise RuntimeError("olah's port was taken")
+    return f"http://127.0.0.1:{port}"
+
+
 class HubTests(SynchronousTestCase):
     def setUp(self) -> None:
-        olah = Path(sys.executable).with_name("olah-cli")
-        if not olah.exists():
-            raise SkipTest("olah is not installed (pip install olah: the test extra)")
         if shutil.which("git") is None:
             raise SkipTest("git is not installed")
         top = Path(self.mktemp()).absolute()
-        mirrors = make_mirror(top / "mirrors")
-        port = free_port()
-        config = top / "olah.toml"
-        config.write_text(
-            f'[basic]\nhost = "127.0.0.1"\nport = {port}\nrepos-path = "{top / "repos"}"\n'
-            f'mirrors-path = ["{mirrors}"]\n[accessibility]\noffline = true\n')
-        log = (top / "olah.out").open("wb")
-        self.addCleanup(log.close)
-        proc = subprocess.Popen([str(olah), "-c", str(config), "--log-path", str(top / "logs")],
-                                stdout=log, stderr=subprocess.STDOUT, cwd=top)
-
-        def reap() -> None:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        self.addCleanup(reap)
-        if not wait_bound(proc, [port], lambda: (top / "olah.out").read_text(errors="replace"), 60):
-            raise RuntimeError("olah's port was taken")
-        self.fetcher = HubFetcher(endpoint=f"http://127.0.0.1:{port}", token=False)
+        endpoint = start_olah(self, top, make_mirror(top / "mirrors"))
+        self.fetcher = HubFetcher(endpoint=endpoint, token=False)
         self.dir = Path(self.mktemp())
 
     def test_plan(self) -> None:

@@ -7,7 +7,16 @@ from __future__ import annotations
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.models.errors import SourceInvalid
-from llmgw.models.source import HttpsSource, HubSource, LocalSource, cache_key, parse_source
+from llmgw.models.source import (
+    HttpsSource,
+    HubSource,
+    LocalSource,
+    cache_key,
+    from_spec,
+    parse_source,
+)
+from llmgw.sourcespec import ModelSource
+from llmgw.sourcespec import parse_source as parse_spec
 
 SHA = "ab" * 32
 
@@ -42,18 +51,18 @@ class ParseTests(SynchronousTestCase):
         Each malformed source is refused with an error naming what was wrong.
         """
         cases = {
-            ("tiny",): "no scheme",
+            ("tiny",): "is not a source",
             ("s3://b/k",): "unknown scheme",
             ("http://example.com/m.gguf",): "plain http",
             ("hf://tiny",): "ORG/REPO",
             ("hf://a/b/c",): "ORG/REPO",
             ("hf://acme/-bad",): "ORG/REPO",
-            ("hf://acme/tiny@",): "empty revision",
+            ("hf://acme/tiny@",): "is not a branch, tag or commit",
             ("hf://acme/tiny@a..b",): "revision",
-            ("https://example.com/m.gguf",): "needs sha256",
+            ("https://example.com/m.gguf",): "needs a 'sha256'",
             ("https://example.com/",): "names no file",
             ("https://u:p@example.com/m.gguf",): "credentials",
-            ("file://relative/path",): "not host",
+            ("file://relative/path",): "no host",
             ("file:///a/../b",): "'..'",
         }
         for (text,), words in cases.items():
@@ -61,9 +70,9 @@ class ParseTests(SynchronousTestCase):
                 parse_source(text)
             self.assertIn(words, str(caught.exception), text)
         for kwargs, words in [
-            ({"file": "../x"}, "relative path"),
+            ({"file": "../x"}, "file '../x' must be a relative path"),
             ({"file": "/x"}, "relative path"),
-            ({"sha256": SHA}, "sha256 is for https"),
+            ({"sha256": SHA}, "sha256 applies to https:// sources only"),
             ({"file": "a", "allow": ["*.json"]}, "either file or allow"),
         ]:
             with self.assertRaises(SourceInvalid) as caught:
@@ -74,6 +83,21 @@ class ParseTests(SynchronousTestCase):
         self.assertIn("64 hex", str(caught.exception))
         with self.assertRaises(SourceInvalid):
             parse_source("file:///m.gguf", file="x")
+
+    def test_from_spec(self) -> None:
+        """
+        The catalog's parsed source converts to the cache's form: a hub
+        source without a revision means main, and a malformed one from
+        the wire is refused as a configuration failure.
+        """
+        self.assertEqual(from_spec(parse_spec("hf://acme/tiny", file="m.gguf")),
+                         HubSource("acme/tiny", "main", "m.gguf"))
+        self.assertEqual(from_spec(parse_spec("https://e.com/a.gguf", sha256=SHA)),
+                         HttpsSource("https://e.com/a.gguf", SHA))
+        self.assertEqual(from_spec(parse_spec("file:///m/x.gguf")), LocalSource("/m/x.gguf"))
+        with self.assertRaises(SourceInvalid) as caught:
+            from_spec(ModelSource(scheme="hf", repo="../x"))
+        self.assertIn("ORG/REPO", str(caught.exception))
 
     def test_failure_class(self) -> None:
         """

@@ -91,7 +91,8 @@ class RealEngineFleet:
     A local fleet (a real process) with one agent and one deployment.
     """
 
-    def __init__(self, case: SynchronousTestCase, catalog: Callable[[Path], str]):
+    def __init__(self, case: SynchronousTestCase, catalog: Callable[[Path], str],
+                 env: dict[str, str] | None = None):
         self.case = case
         self.dir = Path(case.mktemp()).resolve()
         self.dir.mkdir(parents=True)
@@ -102,7 +103,7 @@ class RealEngineFleet:
         self.log = open(self.dir / "fleet.log", "w+b")  # noqa: SIM115
         case.addCleanup(self.log.close)
         case.addCleanup(self.kill_everything)
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        env = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
         # The gateway's and admin's ports again if another process bound one first.
         for _ in range(3):
             self.gateway_port, self.admin_port = free_port(), free_port()
@@ -157,6 +158,29 @@ class RealEngineFleet:
     def ready_replicas(self) -> dict[str, dict[str, Any]]:
         replicas = self.admin("/api/v1/replicas")["replicas"]
         return {r["id"]: r for r in replicas if r["state"] == "ready"}
+
+    def chat(self, max_tokens: int = 4) -> Any:
+        """
+        One chat through the gateway with the C{openai} client: its reply.
+        """
+        from openai import OpenAI
+
+        client = OpenAI(base_url=f"http://127.0.0.1:{self.gateway_port}/v1", api_key="none",
+                        timeout=30, max_retries=0)
+        return client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=max_tokens,
+            extra_body={"ignore_eos": True})
+
+    def stop(self) -> None:
+        """
+        SIGTERM the fleet; it must end within a minute leaving no engine process.
+        """
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.case.fail(f"the fleet did not stop on SIGTERM:\n{self.output()[-4000:]}")
+        self.case.assertEqual(engine_processes(self.dir), [])
 
     def shard_pids(self) -> dict[str, int]:
         pids = {}
@@ -304,7 +328,6 @@ class RealEngineTests(SynchronousTestCase):
         binary = find_llama_server()
         if binary is None:
             raise SkipTest(llama_server_missing_reason())
-        from openai import OpenAI
 
         from llmgw.testing.tinygguf import write
 
@@ -325,18 +348,8 @@ class RealEngineTests(SynchronousTestCase):
             str(binary), "-m", str(models[0]), "--host", address.rsplit(":", 1)[0], "--port",
             address.rsplit(":", 1)[1], "--alias", "tiny", "--metrics", "-c", "512", "-np", "2",
             "-t", "1", "--no-warmup", "-ngl", "0")])
-        client = OpenAI(base_url=f"http://127.0.0.1:{fleet.gateway_port}/v1", api_key="none",
-                        timeout=30, max_retries=0)
-        reply = client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=4,
-            extra_body={"ignore_eos": True})
-        self.assertEqual(reply.usage.completion_tokens, 4)
-        fleet.proc.send_signal(signal.SIGTERM)
-        try:
-            fleet.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.fail(f"the fleet did not stop on SIGTERM:\n{fleet.output()[-4000:]}")
-        self.assertEqual(engine_processes(fleet.dir), [])
+        self.assertEqual(fleet.chat(4).usage.completion_tokens, 4)
+        fleet.stop()
 
     def test_vllm_cpu(self) -> None:
         """

@@ -600,6 +600,27 @@ class SignalAgeTests(WatchTestCase):
         self.assertEqual(m["replica"]["shards"][0]["signals"]["waiting"], 4.0)
 
 
+class FetchProgressTests(WatchTestCase):
+    def test_fetching_state_and_progress_sent(self) -> None:
+        """
+        A replica whose shard is fetching is sent with its state and
+        progress, and sent again as the progress moves.
+        """
+        r = self.fleet.replica_views[0]
+        shard = dict(r["shards"][0], state="fetching", fetch={"done": 1, "total": 4, "rate": 1.0})
+        c = self.connect()
+        self.fleet.replica_views[0] = dict(r, state="fetching", shards=[shard])
+        self.clock.advance(1)
+        [m] = c.read()
+        self.assertEqual((m["replica"]["state"], m["replica"]["shards"][0]["fetch"]),
+                         ("fetching", {"done": 1, "total": 4, "rate": 1.0}))
+        moved = dict(shard, fetch={"done": 3, "total": 4, "rate": 2.0})
+        self.fleet.replica_views[0] = dict(r, state="fetching", shards=[moved])
+        self.clock.advance(1)
+        [m] = c.read()
+        self.assertEqual(m["replica"]["shards"][0]["fetch"]["done"], 3)
+
+
 class FollowerWatchTests(WatchTestCase):
     """The watch stream on an HA member that does not lead."""
 

@@ -545,6 +545,8 @@ class AgentCore(Factory):
                 for p in problems if p.gpu_index >= 0
             ],
             shard_signals=self.scraper.heartbeat_signals() if self.scraper is not None else [],
+            fetches=[pb.FetchProgress(shard_id=sid, done=done, total=total, rate=rate)
+                     for sid, done, total, rate in self.supervisor.fetch_progress()],
         )
 
     def learn_address(self, transport: Any) -> None:

@@ -128,8 +128,16 @@ def find_program(program: str, search_path: str) -> str:
     return found
 
 
-#: The start of the refusal of a source whose weights would need fetching.
-NO_FETCHING = "fetching is not available in this build"
+#: The schemes whose weights the agent fetches into its model cache.
+FETCHED_SCHEMES = ("hf", "https")
+
+
+def needs_fetch(spec: ShardSpec) -> bool:
+    """
+    Whether C{spec}'s weights come through the node's model cache (an
+    C{hf://} or C{https://} source) before the shard can start.
+    """
+    return spec.source is not None and spec.source.scheme in FETCHED_SCHEMES
 
 
 def local_weights(spec: ShardSpec) -> str:
@@ -145,10 +153,10 @@ def weights_refusal(spec: ShardSpec, env: Mapping[str, str], python: str) -> str
     """
     Why a shard whose command llmgw wrote from a model source cannot start
     on this node, or C{None} (always for a spec without a source): a
-    source that is not well-formed, one that needs fetching, a C{file://}
-    path that is not here, an engine program that is not on the shard's
-    C{PATH} (C{env}'s). Each is the catalog's or the node's setup, which a
-    retry cannot mend.
+    source that is not well-formed, a C{file://} path that is not here, an
+    engine program that is not on the shard's C{PATH} (C{env}'s). Each is
+    the catalog's or the node's setup, which a retry cannot mend; all are
+    checked before a fetch, so a shard that cannot run fetches nothing.
     """
     source = spec.source
     if source is None:
@@ -156,9 +164,7 @@ def weights_refusal(spec: ShardSpec, env: Mapping[str, str], python: str) -> str
     problem = source.problem()
     if problem is not None:
         return f"the model source is not usable: {problem}"
-    if source.scheme != "file":
-        return f"{NO_FETCHING}: {source.uri} cannot be put on this node (only file:// sources run)"
-    if not os.path.exists(source.path):
+    if source.scheme == "file" and not os.path.exists(source.path):
         return f"model {source.path} (source {source.uri}) is not on this node"
     if not spec.argv:
         return NO_ARGV

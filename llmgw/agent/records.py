@@ -12,7 +12,7 @@ from pathlib import Path
 
 from twisted.logger import Logger
 
-from llmgw.agent.shard import Shard
+from llmgw.agent.shard import FETCHING, Shard
 from llmgw.agent.state import ShardRecord, StateDir
 
 
@@ -58,12 +58,15 @@ class Records:
 
     def save(self, shard: Shard) -> None:
         """
-        Record a held shard that has a pid; a shard whose record was lost
-        stays unrecorded (its profile is unknown). A record that cannot be
+        Record a held shard that has a pid, or is fetching its weights (so
+        an agent restarted mid-fetch fetches on); a shard whose record was
+        lost stays unrecorded (its profile is unknown). A record that cannot be
         written is logged, not raised: the shard runs on, but will not be
         re-adopted after a restart.
         """
-        if self.state_dir is None or shard.pid is None or not shard.held or shard.record_lost:
+        if self.state_dir is None or not shard.held or shard.record_lost:
+            return
+        if shard.pid is None and shard.state != FETCHING:
             return
         try:
             self.state_dir.save(shard_record(shard))

@@ -3,7 +3,8 @@
 
     twistd -n llmgw agent --control cp.example:7443 --certs certs --node gpu-07 \\
         [--gpus auto|sim:2x80GiB] [--fabric ib0=10.1.0.7 ...] \\
-        [--state-dir agent-state] [--heartbeat 5]
+        [--state-dir agent-state] [--heartbeat 5] \\
+        [--model-cache DIR] [--model-cache-size 200GiB]
 
 L{NodeAgent} can be embedded in another Twisted application without twistd:
 build it, then C{setServiceParent} it.
@@ -23,12 +24,13 @@ from twisted.python import usage
 from llmgw.addresses import AddressError, format_address, parse_address
 from llmgw.agent.client import AgentConfig, AgentCore, make_client_service
 from llmgw.agent.gpus import GPUMonitor, GPUSpecError, discover, parse_gpu_spec
+from llmgw.agent.modelcache import ModelCacheService
 from llmgw.agent.probe import HttpProber
 from llmgw.agent.state import StateDir, StateDirError
 from llmgw.agent.supervisor import Supervisor
 from llmgw.agent.targets import ControlTargets
 from llmgw.options import Options as BaseOptions
-from llmgw.options import certs_row, heartbeat_row, log_warnings
+from llmgw.options import certs_row, heartbeat_row, log_warnings, model_cache_rows
 from llmgw.signals import SighupHandler, owns_signals
 from llmgw.tlsconf.options import (
     AgentClientTLS,
@@ -58,6 +60,7 @@ class Options(BaseOptions):
         ["advertise-address", None, "", "the address the gateway and probes reach this node's "
          "shards at, and {host} in commands (default: the local address of the connection to "
          "the control plane)"],
+        *model_cache_rows("STATE_DIR/models"),
     ]
 
     def __init__(self) -> None:
@@ -146,6 +149,7 @@ class Options(BaseOptions):
             self["state"] = StateDir(Path(self["state-dir"]))
         except StateDirError as e:
             raise usage.UsageError(str(e)) from e
+        self["model_cache"] = Path(self["model-cache"] or self["state"].path / "models")
 
 
 class NodeAgent(MultiService):
@@ -170,6 +174,8 @@ class NodeAgent(MultiService):
         handle_sighup: bool | None = None,
         advertise_address: str = "",
         other_controls: list[tuple[str, int]] | None = None,
+        model_cache: Path | None = None,
+        model_cache_size: int | None = None,
     ):
         super().__init__()
         self.reactor = reactor
@@ -179,12 +185,18 @@ class NodeAgent(MultiService):
         self.control = format_address(control_host, control_port)
         self.monitor = GPUMonitor(gpu_source, reactor, interval=heartbeat)
         self.monitor.setServiceParent(self)
+        # The node's model cache (STATE_DIR/models by default), its size
+        # bound by default what its filesystem has free at start, less a margin.
+        self.model_cache = ModelCacheService(reactor, model_cache or state.path / "models",
+                                             model_cache_size)
+        self.model_cache.setServiceParent(self)
         self.supervisor = Supervisor(
             reactor,
             lambda *a, **kw: reactor.spawnProcess(*a, **kw),
             state,
             gpu_indices=[g.index for g in self.monitor.gpus()],
             prober=HttpProber(reactor),
+            cache=self.model_cache.cache,
         )
         self.supervisor.setServiceParent(self)
         # engines: engine signals for the heartbeats
@@ -253,7 +265,10 @@ class NodeAgent(MultiService):
         )
         if self.handle_sighup:
             self._sighup.install()
-        # Re-adopt before dialling, so the first Register lists what still runs.
+        # The cache's index is read in its threads; fetches wait for it.
+        self.supervisor.weights.load()
+        # Re-adopt before dialling, so the first Register lists what still runs
+        # (and the models of what runs are pinned before any fetch).
         self.supervisor.recover()
         self.core.newest_epoch = max(self.core.newest_epoch, self.core._load_epoch())
         super().startService()
@@ -321,4 +336,6 @@ def makeService(options: Options, reactor: Any = None) -> NodeAgent:
         heartbeat=options["heartbeat"],
         advertise_address=options["advertise_address"],
         other_controls=options["control_targets"][1:],
+        model_cache=options["model_cache"],
+        model_cache_size=options["model-cache-size"],
     )

@@ -9,12 +9,15 @@ import collections
 from collections.abc import Callable
 from typing import Any
 
+from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall
 
 from llmgw.agent.logtail import LINE_MAX, RING_LINES, LogTail
 from llmgw.agent.state import ShardSpec
+from llmgw.models.cache import Progress
 from llmgw.states import ShardState
 
+FETCHING = ShardState.FETCHING
 STARTING = ShardState.STARTING
 READY = ShardState.READY
 DRAINING = ShardState.DRAINING
@@ -22,8 +25,9 @@ STOPPING = ShardState.STOPPING
 STOPPED = ShardState.STOPPED
 FAILED = ShardState.FAILED
 LIVE_STATES = (STARTING, READY, DRAINING)
-#: States in which a shard holds its GPUs and port: its group may have members.
-HELD_STATES = (*LIVE_STATES, STOPPING)
+#: States in which a shard holds its GPUs and port: its weights are being
+#: fetched for it, or its group may have members.
+HELD_STATES = (FETCHING, *LIVE_STATES, STOPPING)
 
 #: The exit code reported when a re-adopted shard ended and its status is
 #: unknowable (it was not this process's child).
@@ -74,6 +78,12 @@ class Shard:
         self.last_probe_error = ""
         #: Its running timers by name (L{ShardTimers}).
         self.timers: dict[str, IDelayedCall] = {}
+        #: While fetching: the Deferred of its weights' path (cancel drops it).
+        self.fetch: Deferred[Any] | None = None
+        #: The latest progress of its fetch, if it has one.
+        self.progress: Progress | None = None
+        #: The cache key its model is pinned under in the node's cache, "" if none.
+        self.pinned = ""
         self._startup_output: collections.deque[str] = collections.deque(maxlen=STARTUP_LINES)
 
     @property
@@ -90,8 +100,8 @@ class Shard:
     @property
     def held(self) -> bool:
         """
-        Live or stopping: its group may have members, and its GPUs and port
-        are not free.
+        Fetching, live or stopping: its group may have members (or will),
+        and its GPUs and port are not free.
         """
         return self.state in HELD_STATES
 

@@ -4,6 +4,9 @@ state transitions (DESIGN §7, §15).
 
 A shard's life::
 
+    start -> fetching --(its weights are on the node)--> starting
+    fetching --(the fetch failed)--> failed (disk_full, checksum, not_found, denied, fetch, config)
+    fetching --(stop or drain)--> stopped
     start -> starting --(health GET answers 200)--> ready
     starting --(startup timeout)--> stopping --> failed
     ready --(3 failed probes in a row)--> stopping --> failed
@@ -22,6 +25,8 @@ functions beside it, testable alone:
 
   - L{llmgw.agent.launch}: whether a start may go ahead, and the command
     line and environment a shard is started with;
+  - L{llmgw.agent.weights}: a shard's weights from the node's model cache
+    before it starts (the C{fetching} state), and its pin there;
   - L{llmgw.agent.health}: health probes, readiness, the startup timeout;
   - L{llmgw.agent.stopping}: TERM, KILL after the grace, watching the group
     empty, and how a shard ended;
@@ -58,7 +63,9 @@ from llmgw.agent.records import Records
 from llmgw.agent.shard import (
     DRAINING,
     FAILED,
+    FETCHING,
     LIVE_STATES,
+    STARTING,
     STOPPED,
     STOPPING,
     UNKNOWN_EXIT,
@@ -67,8 +74,10 @@ from llmgw.agent.shard import (
 )
 from llmgw.agent.state import ShardSpec, StateDir, valid_shard_id
 from llmgw.agent.stopping import Stopper, final_state, main_exit
+from llmgw.agent.weights import WeightFetcher
 from llmgw.crash import CrashClass
 from llmgw.engines import stop_signal_number
+from llmgw.models.cache import ModelCache
 
 __all__ = ["FAILED", "STOPPED", "STOPPING", "Shard", "Stray", "Supervisor"]
 
@@ -93,6 +102,8 @@ class Supervisor(Service):
         C{None}: then no shard ever becomes ready.
     @param base_env: the agent's variables a shard inherits; by default its
         C{PATH}, C{HOME} and C{LANG}.
+    @param cache: the node's model cache, where shards with an C{hf://} or
+        C{https://} source get their weights; C{None}: such shards are refused.
     """
 
     log = Logger()
@@ -111,6 +122,7 @@ class Supervisor(Service):
         unhealthy_after: int = 3,
         poll_interval: float = 1.0,
         base_env: dict[str, str] | None = None,
+        cache: ModelCache | None = None,
     ):
         self.clock = clock
         self.spawn = spawn
@@ -141,6 +153,7 @@ class Supervisor(Service):
         )
         self.stopper = Stopper(clock, self.ops, emptied=self._finish,
                                poll_interval=poll_interval)
+        self.weights = WeightFetcher(cache, self._fetched, self._fetch_failed)
 
     # -- service -----------------------------------------------------------
 
@@ -161,6 +174,10 @@ class Supervisor(Service):
             self._loop.stop()
         for shard in self.shards.values():
             self.timers.cancel_all(shard)
+            if shard.state == FETCHING:
+                # Its fetch stops with the agent, what it got kept for the
+                # next start; the control plane starts the shard again.
+                self.weights.cancel(shard)
             if shard.tail is not None:
                 self._tail(shard)
             if shard.state == STOPPING and shard.main_ended and not self.stopper.empty(shard):
@@ -184,8 +201,8 @@ class Supervisor(Service):
     def held_shards(self) -> list[Shard]:
         """
         The shards whose process groups may still have members (live or
-        stopping), oldest first: what C{Register} lists, and what holds GPUs
-        and ports.
+        stopping) or that are fetching their weights, oldest first: what
+        C{Register} lists, and what holds GPUs and ports.
         """
         return [s for s in self.shards.values() if s.held]
 
@@ -198,6 +215,13 @@ class Supervisor(Service):
 
     def get(self, shard_id: str) -> Shard | None:
         return self.shards.get(shard_id)
+
+    def fetch_progress(self) -> list[tuple[str, int, int, float]]:
+        """
+        (shard id, bytes done, total or 0 when unknown, bytes a second) of
+        each shard fetching its weights, for heartbeats.
+        """
+        return self.weights.progress(list(self.shards.values()))
 
     @property
     def marker(self) -> str:
@@ -233,6 +257,8 @@ class Supervisor(Service):
         crash_class = launch.refusal_class(problem) if problem is not None else CrashClass.CONFIG
         if problem is None:
             problem = launch.weights_refusal(spec, self.environment(spec), self.python)
+        if problem is None and launch.needs_fetch(spec):
+            problem = self.weights.refusal()
         if problem is not None:
             shard = Shard(spec, FAILED)
             shard.error = problem
@@ -241,13 +267,34 @@ class Supervisor(Service):
                            shard=spec.shard_id, error=problem)
             self._report(shard)
             return shard
+        if launch.needs_fetch(spec):
+            # No process and no record yet: it holds its GPUs and port, and
+            # its startup timeout starts once its weights are here.
+            shard = Shard(spec, FETCHING)
+            self._remember(shard)
+            self.log.info("shard {shard} of replica {replica} ({model}) is fetching its weights "
+                          "from {source}", shard=spec.shard_id, replica=spec.replica_id,
+                          model=spec.model, source=spec.source.uri if spec.source else "")
+            self._changed(shard)
+            self.weights.start(shard)
+            return shard
         shard = Shard(spec)
         self._remember(shard)
+        return self._launch(shard, launch.local_weights(spec))
+
+    def _launch(self, shard: Shard, weights: str) -> Shard:
+        """
+        Spawn C{shard} (starting) with its weights at C{weights}, and watch
+        it start.
+        """
+        spec = shard.spec
         try:
-            self._spawn(shard)
+            self._spawn(shard, weights)
         except Exception as e:
             shard.state, shard.error = FAILED, f"could not start the process: {e}"
             self.log.failure("could not spawn shard {shard}", shard=spec.shard_id)
+            self.weights.release(shard)
+            self.records.remove(spec.shard_id)
             self._report(shard)
             return shard
         self.log.info(
@@ -260,11 +307,48 @@ class Supervisor(Service):
         self._changed(shard)
         return shard
 
+    def _fetched(self, shard: Shard, weights: Path) -> None:
+        if shard.state != FETCHING or self.detached:
+            return
+        self.log.info("shard {shard}'s weights are on this node at {path}", shard=shard.shard_id,
+                      path=str(weights))
+        shard.state, shard.progress = STARTING, None
+        self._launch(shard, str(weights))
+
+    def _fetch_failed(self, shard: Shard, error_: str, crash_class: str) -> None:
+        if shard.state != FETCHING or self.detached:
+            return
+        self.weights.release(shard)
+        self.records.remove(shard.shard_id)
+        shard.state, shard.error, shard.crash_class = FAILED, error_, crash_class
+        self.log.error("shard {shard} of replica {replica} failed ({crash_class}): {error}",
+                       shard=shard.shard_id, replica=shard.spec.replica_id,
+                       crash_class=crash_class, error=error_)
+        self._report(shard)
+
+    def _stop_fetching(self, shard: Shard) -> None:
+        """
+        A stop or drain of a shard still fetching: it gives up its interest
+        in the fetch (which goes on if another shard waits on it) and is
+        stopped at once; it never had a process.
+        """
+        self.weights.cancel(shard)
+        self.records.remove(shard.shard_id)
+        shard.state = STOPPED
+        self.log.info("shard {shard} is stopped while fetching its weights; GPUs {gpus} and port "
+                      "{port} are free", shard=shard.shard_id, gpus=_gpus(shard),
+                      port=shard.spec.port)
+        self._report(shard)
+
     def stop(self, shard_id: str) -> None:
         """
-        Stop a shard: TERM to its group now, KILL after its grace.
+        Stop a shard: TERM to its group now, KILL after its grace; one
+        fetching its weights is stopped at once.
         """
         shard = self.shards.get(shard_id)
+        if shard is not None and shard.state == FETCHING:
+            self._stop_fetching(shard)
+            return
         if shard is None or not shard.live:
             self.log.info("stop for shard {shard}: it is not running ({state})",
                           shard=shard_id, state=shard.state if shard else "unknown")
@@ -283,9 +367,13 @@ class Supervisor(Service):
     def drain(self, shard_id: str) -> None:
         """
         Report the shard draining; stop it at its drain timeout unless a
-        stop comes first.
+        stop comes first. One fetching its weights serves nothing yet: it
+        is stopped at once.
         """
         shard = self.shards.get(shard_id)
+        if shard is not None and shard.state == FETCHING:
+            self._stop_fetching(shard)
+            return
         if shard is None or not shard.live:
             self.log.info("drain for shard {shard}: it is not running", shard=shard_id)
             if shard is not None:
@@ -301,13 +389,13 @@ class Supervisor(Service):
                       shard=shard_id, timeout=shard.spec.drain_timeout_s)
         self._changed(shard)
 
-    def _spawn(self, shard: Shard) -> None:
+    def _spawn(self, shard: Shard, weights: str) -> None:
         spec = shard.spec
         # A new run of this shard starts a new log.
         log_path = self.records.new_log(spec.shard_id)
         if log_path is not None:
             shard.tail = LogTail(log_path)
-        argv = launch.fill_argv(spec, self.python, self.probe_host, launch.local_weights(spec))
+        argv = launch.fill_argv(spec, self.python, self.probe_host, weights)
         args = launch.launcher_args(self.python, log_path or Path(os.devnull), argv)
         proto = launch.ShardProcess(shard, self._process_ended)
         shard.process = self.spawn(proto, self.python, args, env=self.environment(spec), path=None)
@@ -412,6 +500,7 @@ class Supervisor(Service):
         self.timers.cancel_all(shard)
         shard.state, shard.error = final_state(shard)
         shard.process = None
+        self.weights.release(shard)
         self.log.info("shard {shard} is {state}: its process group is empty, GPUs {gpus} and "
                       "port {port} are free", shard=shard.shard_id, state=shard.state,
                       gpus=_gpus(shard), port=shard.spec.port)
@@ -471,6 +560,11 @@ class Supervisor(Service):
         probes = []
         for record in self.records.load_all():
             spec = record.spec
+            if record.state == FETCHING:
+                resumed = self._resume_fetch(record.spec)
+                if resumed is not None:
+                    adopted.append(resumed)
+                continue
             procs = by_shard.pop(spec.shard_id, []) if valid_shard_id(spec.shard_id) else []
             start_time = self.ops.start_time(record.pid)
             shard = adoption.adopt(record, procs, start_time)
@@ -491,6 +585,8 @@ class Supervisor(Service):
                               pids=",".join(map(str, outside)))
             self._remember(shard)
             adopted.append(shard)
+            # Before any fetch: its model stays in the cache while it runs.
+            self.weights.pin(shard)
             if shard.state in LIVE_STATES:
                 self.log.info(
                     "re-adopted shard {shard} of replica {replica} (pid {pid}, {state})",
@@ -506,6 +602,24 @@ class Supervisor(Service):
         d: defer.Deferred[Any] = defer.gatherResults(probes, consumeErrors=True)
         d.addCallback(lambda _: adopted)
         return d
+
+    def _resume_fetch(self, spec: ShardSpec) -> Shard | None:
+        """
+        A shard that was fetching when the agent stopped fetches on (its
+        model's cache entry resumes from what it had); without a cache, or
+        with an unusable id, it is forgotten.
+        """
+        if not valid_shard_id(spec.shard_id) or not launch.needs_fetch(spec) \
+                or self.weights.refusal() is not None:
+            self.records.remove(spec.shard_id)
+            return None
+        # Not "adopted": the process it starts once fetched is this agent's child.
+        shard = Shard(spec, FETCHING)
+        self._remember(shard)
+        self.log.info("shard {shard} of replica {replica} was fetching its weights when the agent "
+                      "stopped: fetching on", shard=spec.shard_id, replica=spec.replica_id)
+        self.weights.start(shard)
+        return shard
 
     def _resume_stop(self, shard: Shard, main_alive: bool) -> None:
         """

@@ -9,8 +9,11 @@ A model's source, as a deployment names it, parsed and checked:
   - C{file:///ABS/PATH}: a file or directory already on the node, used
     in place.
 
-L{parse_source} raises L{SourceInvalid} naming what was wrong. L{cache_key}
-is the stable name of a source's copy in a node's cache.
+The parsing and checking is L{llmgw.sourcespec}'s (the catalog's); this
+module is the cache's form of a source: L{from_spec} converts a
+L{llmgw.sourcespec.ModelSource}, and L{parse_source} parses and converts,
+raising L{SourceInvalid} naming what was wrong. L{cache_key} is the stable
+name of a source's copy in a node's cache.
 """
 
 from __future__ import annotations
@@ -22,18 +25,13 @@ from pathlib import PurePosixPath
 from urllib.parse import unquote, urlsplit
 
 from llmgw.models.errors import SourceInvalid
+from llmgw.sourcespec import ModelSource, SourceError
+from llmgw.sourcespec import parse_source as parse_spec
 
-__all__ = ["HubSource", "HttpsSource", "LocalSource", "Source", "parse_source", "cache_key"]
+__all__ = ["HubSource", "HttpsSource", "LocalSource", "Source", "parse_source", "from_spec", "cache_key"]
 
 #: The revision a hub source without C{@REVISION} means.
 DEFAULT_REVISION = "main"
-
-# The hub's own rule for a name segment: letters, digits, '.', '_', '-',
-# not starting or ending with '.' or '-', no '--' or '..' inside, 96 at most.
-_HUB_NAME = re.compile(r"^(?!.*(?:--|\.\.))[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9_])?$")
-# Branches, tags, commit ids and refs like refs/pr/1.
-_REVISION = re.compile(r"^(?!.*\.\.)[A-Za-z0-9_][A-Za-z0-9._/-]{0,254}$")
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
 @dataclass(frozen=True)
@@ -93,14 +91,33 @@ class LocalSource:
 Source = HubSource | HttpsSource | LocalSource
 
 
-def _relative_path(value: str, what: str) -> str:
-    parts = value.split("/")
-    if (not value or value.startswith("/") or "\\" in value or "\0" in value
-            or any(p in ("", ".", "..") for p in parts)):
-        raise SourceInvalid(
-            f"{what} {value!r} is not a plain relative path in the repository "
-            "(no leading '/', no empty, '.' or '..' segments)")
-    return value
+def from_spec(spec: ModelSource, allow: tuple[str, ...] | list[str] = ()) -> Source:
+    """
+    The cache's form of a source the catalog (or the wire) carries: a hub
+    source without a revision means C{main}; C{allow} patterns limit a hub
+    snapshot. C{spec} is checked again (L{ModelSource.problem}), as one
+    from the wire or a state file did not come through L{parse_source}.
+
+    @raise SourceInvalid: C{spec} is malformed, or C{allow} is given for a
+        source other than a hub snapshot.
+    """
+    problem = spec.problem()
+    if problem is not None:
+        raise SourceInvalid(problem)
+    allow = tuple(allow)
+    if allow and spec.scheme != "hf":
+        raise SourceInvalid(f"{spec.uri}: allow patterns are for hf:// snapshots only")
+    if spec.scheme == "hf":
+        if allow and spec.file:
+            raise SourceInvalid(f"{spec.uri}: give either file or allow patterns, not both")
+        for pattern in allow:
+            if not isinstance(pattern, str) or not pattern:
+                raise SourceInvalid(f"{spec.uri}: allow patterns must be non-empty strings")
+        return HubSource(repo=spec.repo, revision=spec.revision or DEFAULT_REVISION,
+                         file=spec.file or None, allow=allow)
+    if spec.scheme == "https":
+        return HttpsSource(url=spec.url, sha256=spec.sha256)
+    return LocalSource(path=spec.path.rstrip("/") or "/")
 
 
 def parse_source(
@@ -109,92 +126,22 @@ def parse_source(
 ) -> Source:
     """
     The source named by C{source} with its C{file}, C{sha256} and C{allow}
-    settings beside it.
+    settings beside it: L{llmgw.sourcespec.parse_source}'s checks (the one
+    parser), then L{from_spec}.
 
-    @raise SourceInvalid: the scheme is not C{hf}, C{https} or C{file}; a
-        part is malformed; a setting is given that the scheme does not take
-        (C{sha256} for a hub or a path, C{file} for https or a path) or one
-        it needs is missing (C{sha256} for https).
+    @raise SourceInvalid: what L{llmgw.sourcespec.parse_source} refuses,
+        its message prefixed by the setting at fault when that is not the
+        source itself; or C{allow} where it does not apply.
     """
-    if not isinstance(source, str) or not source:
-        raise SourceInvalid("a model source must be a non-empty string")
-    scheme, sep, rest = source.partition("://")
-    scheme = scheme.lower()
-    if not sep:
-        raise SourceInvalid(
-            f"model source {source!r} has no scheme: expected hf://ORG/REPO[@REVISION], "
-            "https://... or file:///ABSOLUTE/PATH")
-    if scheme == "hf":
-        if sha256 is not None:
-            raise SourceInvalid(
-                f"{source}: sha256 is for https sources; a hub's files are checked "
-                "against the hub's own checksums")
-        return _parse_hub(source, rest, file, tuple(allow))
-    if allow:
-        raise SourceInvalid(f"{source}: allow patterns are for hf:// snapshots only")
-    if file is not None:
-        raise SourceInvalid(f"{source}: file is for hf:// sources only (an {scheme} source is one file)")
-    if scheme == "https":
-        return _parse_https(source, sha256)
-    if scheme == "file":
-        if sha256 is not None:
-            raise SourceInvalid(f"{source}: sha256 is for https sources; a local path is used as it is")
-        return _parse_local(source, rest)
-    if scheme == "http":
-        raise SourceInvalid(f"{source}: plain http is not accepted for weights; use https")
-    raise SourceInvalid(f"model source {source!r}: unknown scheme {scheme!r} (hf, https or file)")
-
-
-def _parse_hub(source: str, rest: str, file: str | None, allow: tuple[str, ...]) -> HubSource:
-    repo, at, revision = rest.partition("@")
-    if at and not revision:
-        raise SourceInvalid(f"{source}: empty revision after '@'")
-    revision = revision or DEFAULT_REVISION
-    parts = repo.split("/")
-    if len(parts) != 2 or not all(_HUB_NAME.match(p) for p in parts):
-        raise SourceInvalid(
-            f"{source}: the repository must be ORG/REPO, each of letters, digits, "
-            f"'.', '_' and '-' (got {repo!r})")
-    if not _REVISION.match(revision):
-        raise SourceInvalid(f"{source}: revision {revision!r} is not a branch, tag or commit id")
-    if file is not None:
-        if not isinstance(file, str):
-            raise SourceInvalid(f"{source}: file must be a string")
-        _relative_path(file, f"{source}: file")
-        if allow:
-            raise SourceInvalid(f"{source}: give either file or allow patterns, not both")
-    for pattern in allow:
-        if not isinstance(pattern, str) or not pattern:
-            raise SourceInvalid(f"{source}: allow patterns must be non-empty strings")
-    return HubSource(repo=repo, revision=revision, file=file, allow=allow)
-
-
-def _parse_https(source: str, sha256: str | None) -> HttpsSource:
-    url = "https" + source[source.index("://"):]
-    parts = urlsplit(url)
-    if not parts.hostname:
-        raise SourceInvalid(f"{source}: no host in the URL")
-    if parts.username or parts.password:
-        raise SourceInvalid(f"{parts.hostname}: credentials in a model URL are refused (they would be logged)")
-    if not PurePosixPath(unquote(parts.path)).name:
-        raise SourceInvalid(f"{source}: the URL's path names no file")
-    if sha256 is None:
-        raise SourceInvalid(f"{source}: an https source needs sha256 = \"<64 hex digits>\" beside it")
-    if not isinstance(sha256, str) or not _SHA256.match(sha256.lower()):
-        raise SourceInvalid(f"{source}: sha256 {sha256!r} is not 64 hex digits")
-    return HttpsSource(url=url, sha256=sha256.lower())
-
-
-def _parse_local(source: str, rest: str) -> LocalSource:
-    host, slash, path = rest.partition("/")
-    if host not in ("", "localhost"):
-        raise SourceInvalid(f"{source}: a file source names a path on the node (file:///PATH), not host {host!r}")
-    path = unquote("/" + path) if slash else ""
-    if not path.startswith("/") or path == "/":
-        raise SourceInvalid(f"{source}: a file source needs an absolute path (file:///PATH)")
-    if any(p in (".", "..") for p in path.split("/")):
-        raise SourceInvalid(f"{source}: '.' and '..' are not accepted in a file source's path")
-    return LocalSource(path=path.rstrip("/") or "/")
+    try:
+        spec = parse_spec(source, file=file or "", sha256=sha256 or "")
+    except SourceError as e:
+        message = str(e)
+        if not message.startswith((e.field, repr(source))):
+            # The catalog adds which setting is at fault; so does this.
+            message = f"{e.field} {message}"
+        raise SourceInvalid(message) from None
+    return from_spec(spec, allow)
 
 
 def canonical(source: Source) -> str:

@@ -118,16 +118,30 @@ class RunningShard(_message.Message):
     def __init__(self, shard_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., model: _Optional[str] = ..., profile: _Optional[str] = ..., rank: _Optional[int] = ..., gpu_indices: _Optional[_Iterable[int]] = ..., port: _Optional[int] = ..., state: _Optional[_Union[ShardStatus.State, str]] = ..., world_size: _Optional[int] = ..., epoch: _Optional[int] = ..., pgid: _Optional[int] = ..., record_lost: _Optional[bool] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("gpu_memory_used_mb", "new_problems", "new_gpu_problems", "shard_signals")
+    __slots__ = ("gpu_memory_used_mb", "new_problems", "new_gpu_problems", "shard_signals", "fetches")
     GPU_MEMORY_USED_MB_FIELD_NUMBER: _ClassVar[int]
     NEW_PROBLEMS_FIELD_NUMBER: _ClassVar[int]
     NEW_GPU_PROBLEMS_FIELD_NUMBER: _ClassVar[int]
     SHARD_SIGNALS_FIELD_NUMBER: _ClassVar[int]
+    FETCHES_FIELD_NUMBER: _ClassVar[int]
     gpu_memory_used_mb: _containers.RepeatedScalarFieldContainer[int]
     new_problems: _containers.RepeatedScalarFieldContainer[str]
     new_gpu_problems: _containers.RepeatedCompositeFieldContainer[GPUProblem]
     shard_signals: _containers.RepeatedCompositeFieldContainer[ShardSignals]
-    def __init__(self, gpu_memory_used_mb: _Optional[_Iterable[int]] = ..., new_problems: _Optional[_Iterable[str]] = ..., new_gpu_problems: _Optional[_Iterable[_Union[GPUProblem, _Mapping]]] = ..., shard_signals: _Optional[_Iterable[_Union[ShardSignals, _Mapping]]] = ...) -> None: ...
+    fetches: _containers.RepeatedCompositeFieldContainer[FetchProgress]
+    def __init__(self, gpu_memory_used_mb: _Optional[_Iterable[int]] = ..., new_problems: _Optional[_Iterable[str]] = ..., new_gpu_problems: _Optional[_Iterable[_Union[GPUProblem, _Mapping]]] = ..., shard_signals: _Optional[_Iterable[_Union[ShardSignals, _Mapping]]] = ..., fetches: _Optional[_Iterable[_Union[FetchProgress, _Mapping]]] = ...) -> None: ...
+
+class FetchProgress(_message.Message):
+    __slots__ = ("shard_id", "done", "total", "rate")
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    RATE_FIELD_NUMBER: _ClassVar[int]
+    shard_id: str
+    done: int
+    total: int
+    rate: float
+    def __init__(self, shard_id: _Optional[str] = ..., done: _Optional[int] = ..., total: _Optional[int] = ..., rate: _Optional[float] = ...) -> None: ...
 
 class ShardSignals(_message.Message):
     __slots__ = ("shard_id", "waiting", "running", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "age_s", "error")
@@ -168,6 +182,7 @@ class ShardStatus(_message.Message):
         STATE_STOPPED: _ClassVar[ShardStatus.State]
         STATE_FAILED: _ClassVar[ShardStatus.State]
         STATE_STOPPING: _ClassVar[ShardStatus.State]
+        STATE_FETCHING: _ClassVar[ShardStatus.State]
     STATE_UNSPECIFIED: ShardStatus.State
     STATE_STARTING: ShardStatus.State
     STATE_READY: ShardStatus.State
@@ -175,6 +190,7 @@ class ShardStatus(_message.Message):
     STATE_STOPPED: ShardStatus.State
     STATE_FAILED: ShardStatus.State
     STATE_STOPPING: ShardStatus.State
+    STATE_FETCHING: ShardStatus.State
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]

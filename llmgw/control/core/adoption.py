@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from llmgw.control.core.catalog import Catalog
 from llmgw.control.state.fleetstate import FleetState, Phase
 from llmgw.control.state.interfaces import ReportedShard
-from llmgw.states import LIVE
+from llmgw.states import UNDER_WAY
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ def verdict(s: ReportedShard, node_id: str, catalog: Catalog, state: FleetState)
         return Refuse(f"model {s.model!r} is not in the catalog")
     if dep.profile != s.profile:
         return Refuse(f"profile {s.profile!r} is not the deployment's ({dep.profile!r})")
-    if s.state not in LIVE:
+    if s.state not in UNDER_WAY:
         return Refuse(f"reported {s.state}")
     if s.replica_id in state.retired:
         return Refuse("its replica was replaced")

@@ -18,12 +18,13 @@ from llmgw.control.core import adoption, lifecycle
 from llmgw.control.core.commands import Command, Start, Stop
 from llmgw.control.core.context import Context
 from llmgw.control.core.outcome import Outcome
+from llmgw.control.state.fetches import FetchProgress
 from llmgw.control.state.fleetstate import Phase, ReplicaRec, ShardRec
 from llmgw.control.state.interfaces import ReportedShard, ShardReport
 from llmgw.control.state.signals import SignalStore
 from llmgw.control.state.signals import from_message as signals_from_message
 from llmgw.routing import EngineSignals
-from llmgw.states import ENDED, LIVE, ShardState
+from llmgw.states import ENDED, UNDER_WAY, ShardState
 
 
 def unclaimed(ctx: Context, node_id: str, shard_id: str, replica_id: str, port: int, why: str,
@@ -170,7 +171,7 @@ def shard_status(ctx: Context, report: ShardReport, now: float, out: Outcome) ->
         if report.state in ENDED:
             if held is not None and held.node_id == report.node_id:
                 st.release_reserved(report.shard_id)
-        elif report.state in LIVE and held is None:
+        elif report.state in UNDER_WAY and held is None:
             unclaimed(ctx, report.node_id, report.shard_id, report.replica_id, 0,
                       f"reported {report.state} but the control plane holds no such shard", out)
         return
@@ -189,7 +190,9 @@ def shard_status(ctx: Context, report: ShardReport, now: float, out: Outcome) ->
         out.event("shard_stopped", level="warn", node=shard.node_id, replica=rep.id, shard=shard.id,
                   reason=report.error or "stopped without being told to")
         lifecycle.teardown(ctx, rep, f"shard {shard.id} stopped", now, out)
-    elif state in LIVE:
+    elif state in UNDER_WAY:
+        # Fetching counts as starting, with no deadline here: the startup
+        # timeout runs from "starting", once the weights are on the node.
         lifecycle.set_state(ctx, shard, rep, ShardState(state), now)
         lifecycle.update_ready(ctx, rep, now, out)
     elif state == ShardState.STOPPING:
@@ -276,3 +279,20 @@ def shard_signals(ctx: Context, node_id: str, shard_id: str, signals: EngineSign
     shard = ctx.state.shards.get(shard_id)
     if shard is not None and shard.node_id == node_id:
         ctx.state.set_signals(shard, signals)
+
+
+def fetches(ctx: Context, node_id: str, msgs: Iterable[Any]) -> None:
+    """
+    A heartbeat's fetch progress: each fetching shard of C{node_id} takes
+    its entry; one the heartbeat leaves out keeps none. Entries for shards
+    the node does not hold, or that are not fetching, are ignored.
+    """
+    st = ctx.state
+    given = {m.shard_id: m for m in msgs}
+    for sid in st.node_shards.get(node_id, ()):
+        shard = st.shards[sid]
+        msg = given.get(sid)
+        if msg is not None and shard.state == ShardState.FETCHING:
+            shard.fetch = FetchProgress.from_message(msg)
+        else:
+            shard.fetch = None

@@ -489,6 +489,9 @@ class AgentStreamProtocol(MessageStream[pb.AgentMessage]):
         record = getattr(self.factory.sink, "record_engine_signals", None)
         if record is not None:
             record(self.node_id, hb.shard_signals)
+        fetches = getattr(self.factory.sink, "record_fetches", None)
+        if fetches is not None:
+            fetches(self.node_id, hb.fetches)
         if self.factory.ack_heartbeats:
             # So that an agent learns when a silent member is gone.
             self.send_message(ack("heartbeat"))

@@ -129,6 +129,29 @@ class ControlCollector(Collector):
         yield from self._frame_metrics()
         yield from self._stray_metrics()
         yield from self._deployment_metrics()
+        yield from self._fetch_metrics()
+
+    def _fetch_metrics(self) -> Iterable[Metric]:
+        rows_fn = getattr(self.fleet(), "fetch_rows", None)
+        if rows_fn is None:
+            return
+        labels = ["model", "replica", "shard", "node"]
+        done = GaugeMetricFamily(
+            "llmgw_shard_fetch_bytes",
+            "Bytes of a fetching shard's weights on its node so far.", labels=labels)
+        total = GaugeMetricFamily(
+            "llmgw_shard_fetch_total_bytes",
+            "The size of a fetching shard's weights, once known.", labels=labels)
+        rate = GaugeMetricFamily(
+            "llmgw_shard_fetch_rate_bytes_per_second",
+            "How fast a fetching shard's weights arrive lately.", labels=labels)
+        for model, replica, shard, node, progress in rows_fn():
+            values = [model, replica, shard, node]
+            done.add_metric(values, progress.done)
+            if progress.total is not None:
+                total.add_metric(values, progress.total)
+            rate.add_metric(values, progress.rate)
+        yield from (done, total, rate)
 
     def _stray_metrics(self) -> Iterable[Metric]:
         inventory = getattr(self.agents, "inventory", None)

@@ -50,6 +50,7 @@ from llmgw.control.core.outcome import Outcome
 from llmgw.control.shell import views
 from llmgw.control.shell.outbox import Outbox
 from llmgw.control.state.events import EventLog, log_event
+from llmgw.control.state.fetches import FetchProgress
 from llmgw.control.state.fleetstate import FleetState, ReplicaRec, format_address
 from llmgw.control.state.interfaces import (
     AdminError,
@@ -382,6 +383,12 @@ class Reconciler(Service):
     def record_engine_signals(self, node_id: str, msgs: Iterable[Any]) -> None:
         reports.engine_signals(self.ctx, self.engine_signals, node_id, msgs, self.clock.seconds())
         self.outbox.settle()
+
+    def record_fetches(self, node_id: str, msgs: Iterable[Any]) -> None:
+        reports.fetches(self.ctx, node_id, msgs)
+
+    def fetch_rows(self) -> list[tuple[str, str, str, str, FetchProgress]]:
+        return views.fetch_rows(self)
 
     def shard_signals(self, node_id: str, shard_id: str, signals: EngineSignals | None) -> None:
         reports.shard_signals(self.ctx, node_id, shard_id, signals)

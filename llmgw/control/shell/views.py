@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 from typing import TYPE_CHECKING, Any
 
+from llmgw.control.state.fetches import FetchProgress
 from llmgw.control.state.fleetstate import Phase
 from llmgw.control.state.signals import ShardSignals, signals_json
 from llmgw.states import SEVERITY, ReplicaState, ShardState
@@ -172,6 +173,8 @@ def replicas(rec: Reconciler) -> list[dict[str, Any]]:
                         "gpus": list(s.gpus),
                         # engines
                         "signals": signals_json(rec.engine_signals.get(s.id), now),
+                        # Its weights' fetch while it is fetching, else None.
+                        "fetch": s.fetch.as_json() if s.fetch is not None else None,
                     }
                     for _, s in sorted(rep.shards.items())
                 ],
@@ -191,4 +194,17 @@ def engine_signal_rows(rec: Reconciler) -> list[tuple[str, str, str, ShardSignal
             entry = rec.engine_signals.get(shard.id)
             if entry is not None:
                 rows.append((rep.model, rep.id, shard.id, entry))
+    return rows
+
+
+def fetch_rows(rec: Reconciler) -> list[tuple[str, str, str, str, FetchProgress]]:
+    """
+    (model, replica, shard, node, progress) for every shard fetching its
+    weights with progress heard, for the metrics collector.
+    """
+    rows = []
+    for rep in rec.state.replicas.values():
+        for shard in rep.shards.values():
+            if shard.fetch is not None:
+                rows.append((rep.model, rep.id, shard.id, shard.node_id, shard.fetch))
     return rows

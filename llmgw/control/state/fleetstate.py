@@ -29,6 +29,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from llmgw.control.state.fetches import FetchProgress
 from llmgw.control.state.inventory import Inventory
 from llmgw.control.state.placement import NodeCapacity, Placer, PortBook
 from llmgw.routing import EngineSignals, Route
@@ -75,6 +76,8 @@ class ShardRec:
     #: The engine's own load figures, when heartbeats carry them; the
     #: routing projection copies the leader's into its route.
     signals: EngineSignals | None = None
+    #: While it is fetching its weights: how far its node has come.
+    fetch: FetchProgress | None = None
 
     @property
     def address(self) -> str:
@@ -272,6 +275,8 @@ class FleetState:
         self.shard_counts[state] += 1
         shard.state = state
         shard.since = now
+        if state != ShardState.FETCHING:
+            shard.fetch = None
         if state in (ShardState.PENDING, ShardState.STARTING) and not shard.stopping:
             self.unsettled.add(shard.id)
         else:

@@ -144,7 +144,7 @@ function shardsOn(nodeId) {
   return out;
 }
 
-const STATE_RANK = { failed: 5, stopped: 4, stopping: 3, draining: 3, starting: 2, pending: 2, ready: 1 };
+const STATE_RANK = { failed: 5, stopped: 4, stopping: 3, draining: 3, fetching: 2, starting: 2, pending: 2, ready: 1 };
 
 function nodeHtml(n) {
   const placed = shardsOn(n.id);
@@ -234,8 +234,26 @@ function signalsText(shards) {
   return "";
 }
 
+function sizeText(n) {
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let i = 0;
+  while (Math.abs(n) >= 1024 && i < units.length - 1) { n /= 1024; i++; }
+  return (i === 0 || Math.abs(n) >= 10 ? n.toFixed(0) : n.toFixed(1)) + " " + units[i];
+}
+
+// A fetching shard's progress: "41% 1.2 GiB/2.9 GiB 85 MiB/s".
+function fetchText(f) {
+  if (!f) return "";
+  const parts = [];
+  if (f.total) parts.push(Math.round((100 * f.done) / f.total) + "%", sizeText(f.done) + "/" + sizeText(f.total));
+  else parts.push(sizeText(f.done || 0));
+  if (f.rate) parts.push(sizeText(f.rate) + "/s");
+  return parts.join(" ");
+}
+
 function replicaHtml(r) {
-  const shards = (r.shards || []).map((s) => s.node + ":" + (s.gpus || []).join(",") + " " + s.state).join("; ");
+  const shards = (r.shards || []).map((s) => s.node + ":" + (s.gpus || []).join(",") + " " + s.state +
+    (s.fetch ? " " + fetchText(s.fetch) : "")).join("; ");
   return "<span>" + esc(r.id) + "</span><span>" + esc(r.model) + '</span><span class="rstate s-' + esc(r.state) + '">' +
     esc(r.state) + (r.draining ? " (draining)" : "") + "</span><span>" + esc(shards) + "</span><span>" + esc(signalsText(r.shards)) + "</span>";
 }
