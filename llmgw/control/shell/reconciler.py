@@ -40,7 +40,7 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from zope.interface import implementer
 
-from llmgw.control.core import deadlines, lifecycle, nodes, placing, reports, scaler
+from llmgw.control.core import deadlines, lifecycle, nodes, placing, prefetching, reports, scaler
 from llmgw.control.core.backoff import Backoff
 from llmgw.control.core.catalog import Catalog, CatalogError, load_catalog
 from llmgw.control.core.commands import send
@@ -486,6 +486,7 @@ class Reconciler(Service):
         placing_left = placing.reconcile(
             ctx, now, p.placer, lambda: p.sync(ctx, self._connected_for(now), self._over_budget),
             self._over_budget, out)
+        prefetching.step(ctx, ctx.prefetch, self._connected_for(now), now, out)
         self.pass_unfinished = expiry_left or placing_left
 
     # -- IFleetAdmin ----------------------------------------------------------------
@@ -658,6 +659,14 @@ class Reconciler(Service):
     def retry(self, model: str) -> None:
         placing.deployment(self.ctx, model)
         self._decide(lifecycle.release, model, "an operator asked for a retry")
+
+    def pull_model(self, model: str, nodes: list[str]) -> list[str]:
+        """
+        Stage C{model}'s weights on C{nodes} (or where prefetch would);
+        the nodes told (L{prefetching.pull}).
+        """
+        result: list[str] = self._decide(prefetching.pull, self.ctx.prefetch, model, nodes, self.connected())
+        return result
 
     # -- helpers for tests and embedding -------------------------------------------------
 
