@@ -47,7 +47,7 @@ from llmgw.control.core.commands import send
 from llmgw.control.core.context import MAX_SENDS, STOP_SLACK, Context, DeploymentState, Rules
 from llmgw.control.core.kept import KeptState
 from llmgw.control.core.outcome import Outcome
-from llmgw.control.shell import views
+from llmgw.control.shell import modelviews, views
 from llmgw.control.shell.outbox import Outbox
 from llmgw.control.state.events import EventLog, log_event
 from llmgw.control.state.fleetstate import FleetState, ReplicaRec, format_address
@@ -667,6 +667,9 @@ class Reconciler(Service):
         """
         result: list[str] = self._decide(prefetching.pull, self.ctx.prefetch, model, nodes, self.connected())
         return result
+
+    def models_view(self) -> dict[str, Any]:
+        return modelviews.models(self.ctx)
 
     # -- helpers for tests and embedding -------------------------------------------------
 

@@ -224,6 +224,24 @@ class IFleetAdmin(Interface):
         replacing its previous report; it counts for a few seconds.
         """
 
+    def models_view() -> dict:  # type: ignore[type-arg]
+        """
+        The weight caches: which model each node holds, its size, state and
+        last use, and which deployments use it
+        (L{llmgw.control.shell.modelviews.models}).
+        """
+
+    def pull_model(model: str, nodes: list[str]) -> list[str]:
+        """
+        Stage C{model}'s weights on C{nodes}, or where prefetch would choose
+        with none; returns the nodes told.
+
+        @raise UnknownDeployment: no deployment serves C{model}.
+        @raise UnknownNode: a named node is not known.
+        @raise AdminError: nothing to fetch, a node not connected, or no node
+            may take them.
+        """
+
     def retry(model: str) -> None:
         """
         Lift C{model}'s hold (a configuration failure holds its deployment:
