@@ -106,7 +106,9 @@ def step(ctx: Context, state: PrefetchState, connected: AbstractSet[str], now: f
     Bring every deployment's prefetch copies to what its C{prefetch} asks,
     at most once every L{INTERVAL}.
     """
-    if now < state.next_step:
+    if now < state.next_step or now < ctx.grace_end:
+        # Before the grace ends nothing is placed: copies chosen then could
+        # land where the deployment is about to run.
         return
     state.next_step = now + INTERVAL
     deployments = ctx.catalog.deployments
