@@ -50,18 +50,3 @@ def models(ctx: Context) -> dict[str, Any]:
         row["prefetch"] = sorted({n for m in row["deployments"] for n in ctx.prefetch.nodes(m)})
         out.append(row)
     return {"models": out, "nodes": cache_nodes}
-
-
-def cache_metrics(ctx: Context) -> dict[str, Any]:
-    """
-    For C{/metrics}: C{bytes} (each reporting node's cached bytes) and
-    C{present} (C{(key, node, state)} of every copy).
-    """
-    index = ctx.inventory.models
-    held: dict[str, int] = {}
-    present: list[tuple[str, str, str]] = []
-    for node_id in index.nodes():
-        copies = index.copies(node_id)
-        held[node_id] = sum(c.size for c in copies)
-        present.extend((c.key, node_id, c.state) for c in copies)
-    return {"bytes": held, "present": present}
