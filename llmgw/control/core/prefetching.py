@@ -22,7 +22,7 @@ to an L{Outcome}.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Set as AbstractSet
 
 from llmgw.control.core.catalog import Deployment, Profile
@@ -100,11 +100,12 @@ def _prefetch(ctx: Context, dep: Deployment, node_id: str, pin: str) -> Prefetch
     return Prefetch(node_id, dep.source, pin, tuple(peers))
 
 
-def step(ctx: Context, state: PrefetchState, connected: AbstractSet[str], now: float,
+def step(ctx: Context, state: PrefetchState, connected: Callable[[], AbstractSet[str]], now: float,
          out: Outcome) -> None:
     """
     Bring every deployment's prefetch copies to what its C{prefetch} asks,
-    at most once every L{INTERVAL}.
+    at most once every L{INTERVAL}; C{connected} is asked only when there
+    is something to do (it costs a look at every stream).
     """
     if now < state.next_step or now < ctx.grace_end:
         # Before the grace ends nothing is placed: copies chosen then could
@@ -113,8 +114,12 @@ def step(ctx: Context, state: PrefetchState, connected: AbstractSet[str], now: f
     state.next_step = now + INTERVAL
     deployments = ctx.catalog.deployments
     wanted = {m for m, d in deployments.items() if d.prefetch and weights_key(d.source)}
-    for model in sorted(wanted | set(state.copies)):
-        _one(ctx, state, model, deployments.get(model), connected, out)
+    models = sorted(wanted | set(state.copies))
+    if not models:
+        return
+    nodes = connected()
+    for model in models:
+        _one(ctx, state, model, deployments.get(model), nodes, out)
 
 
 def _one(ctx: Context, state: PrefetchState, model: str, dep: Deployment | None,

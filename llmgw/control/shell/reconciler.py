@@ -486,7 +486,7 @@ class Reconciler(Service):
         placing_left = placing.reconcile(
             ctx, now, p.placer, lambda: p.sync(ctx, self._connected_for(now), self._over_budget),
             self._over_budget, out)
-        prefetching.step(ctx, ctx.prefetch, self._connected_for(now), now, out)
+        prefetching.step(ctx, ctx.prefetch, lambda: self._connected_for(now), now, out)
         self.pass_unfinished = expiry_left or placing_left
 
     # -- IFleetAdmin ----------------------------------------------------------------
