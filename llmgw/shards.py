@@ -73,6 +73,9 @@ class ShardSpec:
     #: Where the weights come from, when the agent is to put them on the
     #: node and fill C{{weights}} in C{argv}; C{None}: C{argv} names them.
     source: ModelSource | None = None
+    #: Peers' addresses (HOST:PORT) that hold a complete copy of the
+    #: source's weights, to fetch from before the source itself.
+    model_peers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # Frozen means no caller's list or dict can change a spec afterwards,
@@ -81,6 +84,7 @@ class ShardSpec:
         object.__setattr__(self, "gpu_indices", tuple(self.gpu_indices))
         object.__setattr__(self, "env", dict(self.env))
         object.__setattr__(self, "metric_names", dict(self.metric_names))
+        object.__setattr__(self, "model_peers", tuple(self.model_peers))
         # A state file keeps the source as the object of its fields.
         if isinstance(self.source, Mapping):
             object.__setattr__(self, "source", ModelSource(**self.source))
@@ -114,6 +118,7 @@ class ShardSpec:
             # health path as the default one.
             ready_while_alive=not self.health_path,
             source=source_message(self.source) if self.source is not None else None,
+            model_peers=self.model_peers,
         )
 
     @classmethod
@@ -144,6 +149,7 @@ class ShardSpec:
             metric_names=m.metric_names,
             stop_signal=m.stop_signal or DEFAULT_STOP_SIGNAL,
             source=source_of(m.source) if m.HasField("source") else None,
+            model_peers=m.model_peers,
         )
 
 

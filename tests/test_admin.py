@@ -270,6 +270,22 @@ class ActionTests(AdminTestCase):
         self.assertIn("retry demo", lines[0])
         self.assertIn("asked by 127.0.0.1", lines[0])
 
+    def test_models_and_pull(self) -> None:
+        """
+        GET /api/v1/models answers the fleet's cache view; POST
+        /api/v1/deployments/{model}/pull passes the named nodes to the
+        fleet and answers with the nodes told; a malformed node list is
+        refused before the fleet is asked.
+        """
+        self.fleet.models = {"models": [{"key": "k", "nodes": []}], "nodes": {}}
+        self.assertEqual(self.call("GET", "/api/v1/models")[:2], (200, self.fleet.models))
+        node = sorted(self.fleet.node_views)[0]
+        code, body, _ = self.call("POST", "/api/v1/deployments/demo/pull", {"nodes": [node]})
+        self.assertEqual((code, body), (200, {"model": "demo", "nodes": [node], "ok": True}))
+        self.assertRefused(self.call("POST", "/api/v1/deployments/demo/pull", {"nodes": "x"}), 400, "list")
+        self.assertRefused(self.call("POST", "/api/v1/deployments/demo/pull", {"force": 1}), 400, "only")
+        self.assertEqual(self.fleet.calls, [("pull", "demo", [node])])
+
     def test_retry_refusals(self) -> None:
         """
         A retry of a model no deployment serves is the fleet's 404; one

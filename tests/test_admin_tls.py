@@ -193,6 +193,19 @@ class MutualTLSTests(TestCase):
         self.assertIn("admin olga (operator) at 127.0.0.1:", changes[0])
 
     @inlineCallbacks
+    def test_pull_needs_operator(self) -> None:
+        """
+        Staging a model's weights is a change: a viewer's pull is a 403 and
+        reaches nothing; an operator's is done.
+        """
+        code, body = yield self.call("admin-alice", "POST", "/api/v1/deployments/demo/pull")
+        self.assertEqual(code, 403)
+        self.assertIn("role viewer", body["error"])
+        self.assertEqual(self.fleet.calls, [])
+        code, body = yield self.call("admin-olga", "POST", "/api/v1/deployments/demo/pull")
+        self.assertEqual((code, body["ok"]), (200, True))
+
+    @inlineCallbacks
     def test_retry_needs_operator(self) -> None:
         """
         Retrying a held deployment is a change: a viewer is refused (403,

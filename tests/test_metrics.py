@@ -20,6 +20,7 @@ from llmgw.control.shell.metrics import (
     register_control_metrics,
 )
 from llmgw.control.state.inventory import Node, StrayProcess
+from llmgw.control.state.modelindex import CachedCopy
 from llmgw.testing.fleet import FakeAgents, FakeFleet, sample_fleet
 
 
@@ -87,7 +88,8 @@ class AgentMetricsTests(SynchronousTestCase):
         self.assertEqual(
             names,
             {"llmgw_agents_connected", "llmgw_agent_connections_open",
-             "llmgw_agent_registrations", "llmgw_dispatch_refusals", "llmgw_node_stray_processes"},
+             "llmgw_agent_registrations", "llmgw_dispatch_refusals", "llmgw_node_stray_processes",
+             "llmgw_model_cache_bytes", "llmgw_model_cached"},
         )
 
 
@@ -334,6 +336,21 @@ class CrashMetricsTests(SynchronousTestCase):
         self.assertIn("llmgw_nodes", families)
         self.assertEqual(len(logged), 1)
         self.assertIn("deployments view failed", logged[0]["log_format"])
+
+    def test_model_cache_per_node(self) -> None:
+        """
+        C{llmgw_model_cache_bytes{node}} is what each node's cache report
+        holds, and C{llmgw_model_cached{model,node,state}} is 1 per copy.
+        """
+        agents = FakeAgents(["gpu-1"])
+        agents.inventory.upsert(Node(id="gpu-1"))
+        agents.inventory.apply_cache("gpu-1", [CachedCopy("k", size=7, state="complete"),
+                                               CachedCopy("p", size=3, state="partial")])
+        registry = make_registry()
+        register_control_metrics(registry, agents, lambda: None)
+        families = scrape(registry)
+        self.assertEqual(by_label(families["llmgw_model_cache_bytes"], "node"), {"gpu-1": 10.0})
+        self.assertEqual(by_label(families["llmgw_model_cached"], "state"), {"complete": 1.0, "partial": 1.0})
 
     def test_strays_per_node(self) -> None:
         """

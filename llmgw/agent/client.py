@@ -42,6 +42,7 @@ from zope.interface import implementer
 
 import llmgw
 from llmgw.agent.gpus import GPUMonitor
+from llmgw.agent.prefetch import CacheReport, Prefetcher
 from llmgw.agent.supervisor import FAILED, STOPPED, Shard, Supervisor
 from llmgw.api.v1 import agent_pb2 as pb
 from llmgw.shards import ReportedShard, ShardReport, ShardSpec
@@ -256,6 +257,12 @@ class AgentStreamClient(MessageStream[pb.ControlMessage]):
         elif kind == "drain":
             if self.core.accept_epoch("DrainShard", msg.drain.shard_id, msg.drain.epoch):
                 self.core.supervisor.drain(msg.drain.shard_id)
+        elif kind == "prefetch":
+            if self.core.accept_epoch("PrefetchModel", msg.prefetch.pin, msg.prefetch.epoch):
+                self.core.prefetcher.prefetch(msg.prefetch)
+        elif kind == "drop":
+            if self.core.accept_epoch("DropModel", msg.drop.pin, msg.drop.epoch):
+                self.core.prefetcher.drop(msg.drop)
 
     def _ack(self, ack: pb.Ack) -> None:
         if ack.ok:
@@ -356,8 +363,16 @@ class AgentCore(Factory):
         max_backoff: float = MAX_BACKOFF,
         jitter: Callable[[], float] = random.random,
         scraper: Any = None,
+        model_cache: Any = None,
     ):
         self.config = config
+        #: The node's weight cache (L{llmgw.models.cache.ModelCache}), or
+        #: None; its content travels in Register and heartbeats, and
+        #: prefetch commands fill it. C{cache_report.peer_address} is the
+        #: node's peer listener, once it has one.
+        self.model_cache = model_cache
+        self.cache_report = CacheReport(model_cache)
+        self.prefetcher = Prefetcher(model_cache)
         self.supervisor = supervisor
         self.monitor = monitor
         self.clock = clock
@@ -509,6 +524,11 @@ class AgentCore(Factory):
     # -- messages ------------------------------------------------------------------
 
     def register_message(self) -> pb.Register:
+        reg = self._register_message()
+        self.cache_report.fill_register(reg)
+        return reg
+
+    def _register_message(self) -> pb.Register:
         gpus = [
             pb.GPU(index=g.index, uuid=g.uuid, name=g.name, memory_total_mb=g.memory_total_mb,
                    memory_used_mb=g.memory_used_mb, problems=list(g.problems))
@@ -536,6 +556,11 @@ class AgentCore(Factory):
         )
 
     def heartbeat_message(self) -> pb.Heartbeat:
+        hb = self._heartbeat_message()
+        self.cache_report.fill_heartbeat(hb)
+        return hb
+
+    def _heartbeat_message(self) -> pb.Heartbeat:
         problems = self.monitor.take_new_problems()
         return pb.Heartbeat(
             gpu_memory_used_mb=self.monitor.memory_used(),

@@ -221,6 +221,7 @@ class NodeAgent(MultiService):
             reactor,
             epoch_file=state.path / "epoch",
             scraper=self.scraper,
+            model_cache=self.model_cache.cache,
         )
         self.client_tls = AgentClientTLS(control_host, tls)
         self.handle_sighup = owns_signals(reactor) if handle_sighup is None else handle_sighup

@@ -82,6 +82,8 @@ class ShardRecord:
         # existed, so an older agent (which refuses unknown fields) reads it.
         if raw["spec"]["source"] is None:
             del raw["spec"]["source"]
+        # Peers matter only while fetching, and an older agent refuses the field.
+        del raw["spec"]["model_peers"]
         return json.dumps(raw, sort_keys=True, indent=1).encode()
 
     @classmethod

@@ -227,6 +227,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
 
     p = add("watch", "print the fleet's changes live, from the admin API's watch stream", watch.cmd_watch)
     watch.add_arguments(p)
+    from llmgw.ctl import models
+
+    p = add("models", "which model's weights each node caches, their size, state and last use; "
+                      "'models pull MODEL [--node N]...' stages them", models.cmd_models)
+    models.add_arguments(p)
     from llmgw.ctl import usage
 
     p = add("usage", "requests and tokens per API key and model, and the keys' limits", usage.cmd_usage)

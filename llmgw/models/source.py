@@ -178,3 +178,21 @@ def cache_key(source: Source) -> str:
         readable = PurePosixPath(source.path).name
     readable = re.sub(r"[^A-Za-z0-9._-]", "_", readable)[:80].strip(".")
     return f"{source.kind}-{readable}-{digest}"
+
+
+def spec_key(spec: ModelSource | None) -> str:
+    """
+    The cache key of C{spec}'s copy on a node, the same at both ends of the
+    agent stream (so the control plane can tell which nodes hold what a
+    deployment needs); "" where nothing is cached for it (no source, a path
+    on the node, or one the cache refuses).
+    """
+    if spec is None:
+        return ""
+    try:
+        source = from_spec(spec)
+    except SourceInvalid:
+        return ""
+    if isinstance(source, LocalSource):
+        return ""
+    return cache_key(source)

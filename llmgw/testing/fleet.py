@@ -36,6 +36,8 @@ class FakeFleet:
         #: replicas at their rank 0 address, declared models), re-published
         #: by L{publish_routes} and whenever a view is added.
         self.routing_table = RoutingTable(Clock())
+        #: What L{models_view} answers (C{GET /api/v1/models}).
+        self.models: dict[str, Any] = {"models": [], "nodes": {}}
 
     # -- filling ------------------------------------------------------------------
 
@@ -189,6 +191,22 @@ class FakeFleet:
 
     def report_demand(self, gateway_id: str, models: dict[str, Any]) -> None:
         self.calls.append(("report_demand", gateway_id, dict(models)))
+
+    def models_view(self) -> dict[str, Any]:
+        return self.models
+
+    def pull_model(self, model: str, nodes: list[str]) -> list[str]:
+        """
+        As the reconciler's, roughly: a known deployment, known nodes; with
+        none named, the first node.
+        """
+        self.calls.append(("pull", model, list(nodes)))
+        if model not in self.deployment_views:
+            raise UnknownDeployment(f"no deployment serves model {model!r}")
+        for node_id in nodes:
+            if node_id not in self.node_views:
+                raise UnknownNode(f"no node {node_id!r}")
+        return list(nodes) or sorted(self.node_views)[:1]
 
     def retry(self, model: str) -> None:
         """

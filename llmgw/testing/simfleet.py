@@ -5,12 +5,14 @@ builders for fleets of simulated nodes. The benchmark uses them too.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from zope.interface import implementer
 
 from llmgw.control.state.interfaces import IDispatcher, NotConnected, ShardCommand
 from llmgw.control.state.inventory import GPUInfo, Inventory, Node
+from llmgw.sourcespec import ModelSource
 
 
 @implementer(IDispatcher)
@@ -26,6 +28,10 @@ class FakeDispatcher:
     starts: list[ShardCommand] = field(default_factory=list)
     stops: list[tuple[str, str]] = field(default_factory=list)
     drains: list[tuple[str, str]] = field(default_factory=list)
+    #: (node, source, peers, pin) of each PrefetchModel.
+    prefetches: list[tuple[str, ModelSource, tuple[str, ...], str]] = field(default_factory=list)
+    #: (node, key, pin) of each DropModel.
+    model_drops: list[tuple[str, str, str]] = field(default_factory=list)
 
     def _check(self, node_id: str) -> None:
         if node_id in self.refuse:
@@ -44,6 +50,14 @@ class FakeDispatcher:
     def drain_shard(self, node_id: str, shard_id: str) -> None:
         self._check(node_id)
         self.drains.append((node_id, shard_id))
+
+    def prefetch_model(self, node_id: str, source: ModelSource, peers: Sequence[str], pin: str) -> None:
+        self._check(node_id)
+        self.prefetches.append((node_id, source, tuple(peers), pin))
+
+    def drop_model(self, node_id: str, key: str, pin: str) -> None:
+        self._check(node_id)
+        self.model_drops.append((node_id, key, pin))
 
     def connected_nodes(self) -> list[str]:
         return sorted(self.connected)

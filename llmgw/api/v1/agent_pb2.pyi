@@ -18,19 +18,23 @@ class AgentMessage(_message.Message):
     def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., shard: _Optional[_Union[ShardStatus, _Mapping]] = ...) -> None: ...
 
 class ControlMessage(_message.Message):
-    __slots__ = ("ack", "start", "stop", "drain")
+    __slots__ = ("ack", "start", "stop", "drain", "prefetch", "drop")
     ACK_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     DRAIN_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_FIELD_NUMBER: _ClassVar[int]
+    DROP_FIELD_NUMBER: _ClassVar[int]
     ack: Ack
     start: StartShard
     stop: StopShard
     drain: DrainShard
-    def __init__(self, ack: _Optional[_Union[Ack, _Mapping]] = ..., start: _Optional[_Union[StartShard, _Mapping]] = ..., stop: _Optional[_Union[StopShard, _Mapping]] = ..., drain: _Optional[_Union[DrainShard, _Mapping]] = ...) -> None: ...
+    prefetch: PrefetchModel
+    drop: DropModel
+    def __init__(self, ack: _Optional[_Union[Ack, _Mapping]] = ..., start: _Optional[_Union[StartShard, _Mapping]] = ..., stop: _Optional[_Union[StopShard, _Mapping]] = ..., drain: _Optional[_Union[DrainShard, _Mapping]] = ..., prefetch: _Optional[_Union[PrefetchModel, _Mapping]] = ..., drop: _Optional[_Union[DropModel, _Mapping]] = ...) -> None: ...
 
 class Register(_message.Message):
-    __slots__ = ("protocol_version", "node_id", "agent_version", "gpus", "fabrics", "running_shards", "certificate_not_after", "stray_processes", "advertise_address")
+    __slots__ = ("protocol_version", "node_id", "agent_version", "gpus", "fabrics", "running_shards", "certificate_not_after", "stray_processes", "advertise_address", "cached_models", "peer_address", "cache_capacity", "cache_free")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +44,10 @@ class Register(_message.Message):
     CERTIFICATE_NOT_AFTER_FIELD_NUMBER: _ClassVar[int]
     STRAY_PROCESSES_FIELD_NUMBER: _ClassVar[int]
     ADVERTISE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_MODELS_FIELD_NUMBER: _ClassVar[int]
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FREE_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     node_id: str
     agent_version: str
@@ -49,7 +57,27 @@ class Register(_message.Message):
     certificate_not_after: int
     stray_processes: _containers.RepeatedCompositeFieldContainer[StrayProcess]
     advertise_address: str
-    def __init__(self, protocol_version: _Optional[int] = ..., node_id: _Optional[str] = ..., agent_version: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[GPU, _Mapping]]] = ..., fabrics: _Optional[_Iterable[_Union[Fabric, _Mapping]]] = ..., running_shards: _Optional[_Iterable[_Union[RunningShard, _Mapping]]] = ..., certificate_not_after: _Optional[int] = ..., stray_processes: _Optional[_Iterable[_Union[StrayProcess, _Mapping]]] = ..., advertise_address: _Optional[str] = ...) -> None: ...
+    cached_models: _containers.RepeatedCompositeFieldContainer[CachedModel]
+    peer_address: str
+    cache_capacity: int
+    cache_free: int
+    def __init__(self, protocol_version: _Optional[int] = ..., node_id: _Optional[str] = ..., agent_version: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[GPU, _Mapping]]] = ..., fabrics: _Optional[_Iterable[_Union[Fabric, _Mapping]]] = ..., running_shards: _Optional[_Iterable[_Union[RunningShard, _Mapping]]] = ..., certificate_not_after: _Optional[int] = ..., stray_processes: _Optional[_Iterable[_Union[StrayProcess, _Mapping]]] = ..., advertise_address: _Optional[str] = ..., cached_models: _Optional[_Iterable[_Union[CachedModel, _Mapping]]] = ..., peer_address: _Optional[str] = ..., cache_capacity: _Optional[int] = ..., cache_free: _Optional[int] = ...) -> None: ...
+
+class CachedModel(_message.Message):
+    __slots__ = ("key", "source", "size", "state", "last_used", "revision")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    LAST_USED_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    source: str
+    size: int
+    state: str
+    last_used: float
+    revision: str
+    def __init__(self, key: _Optional[str] = ..., source: _Optional[str] = ..., size: _Optional[int] = ..., state: _Optional[str] = ..., last_used: _Optional[float] = ..., revision: _Optional[str] = ...) -> None: ...
 
 class StrayProcess(_message.Message):
     __slots__ = ("pid", "pgid", "shard_id", "reason", "command")
@@ -118,18 +146,26 @@ class RunningShard(_message.Message):
     def __init__(self, shard_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., model: _Optional[str] = ..., profile: _Optional[str] = ..., rank: _Optional[int] = ..., gpu_indices: _Optional[_Iterable[int]] = ..., port: _Optional[int] = ..., state: _Optional[_Union[ShardStatus.State, str]] = ..., world_size: _Optional[int] = ..., epoch: _Optional[int] = ..., pgid: _Optional[int] = ..., record_lost: _Optional[bool] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("gpu_memory_used_mb", "new_problems", "new_gpu_problems", "shard_signals", "fetches")
+    __slots__ = ("gpu_memory_used_mb", "new_problems", "new_gpu_problems", "shard_signals", "fetches", "cached_models", "cache_changed", "cache_capacity", "cache_free")
     GPU_MEMORY_USED_MB_FIELD_NUMBER: _ClassVar[int]
     NEW_PROBLEMS_FIELD_NUMBER: _ClassVar[int]
     NEW_GPU_PROBLEMS_FIELD_NUMBER: _ClassVar[int]
     SHARD_SIGNALS_FIELD_NUMBER: _ClassVar[int]
     FETCHES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_MODELS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_CHANGED_FIELD_NUMBER: _ClassVar[int]
+    CACHE_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FREE_FIELD_NUMBER: _ClassVar[int]
     gpu_memory_used_mb: _containers.RepeatedScalarFieldContainer[int]
     new_problems: _containers.RepeatedScalarFieldContainer[str]
     new_gpu_problems: _containers.RepeatedCompositeFieldContainer[GPUProblem]
     shard_signals: _containers.RepeatedCompositeFieldContainer[ShardSignals]
     fetches: _containers.RepeatedCompositeFieldContainer[FetchProgress]
-    def __init__(self, gpu_memory_used_mb: _Optional[_Iterable[int]] = ..., new_problems: _Optional[_Iterable[str]] = ..., new_gpu_problems: _Optional[_Iterable[_Union[GPUProblem, _Mapping]]] = ..., shard_signals: _Optional[_Iterable[_Union[ShardSignals, _Mapping]]] = ..., fetches: _Optional[_Iterable[_Union[FetchProgress, _Mapping]]] = ...) -> None: ...
+    cached_models: _containers.RepeatedCompositeFieldContainer[CachedModel]
+    cache_changed: bool
+    cache_capacity: int
+    cache_free: int
+    def __init__(self, gpu_memory_used_mb: _Optional[_Iterable[int]] = ..., new_problems: _Optional[_Iterable[str]] = ..., new_gpu_problems: _Optional[_Iterable[_Union[GPUProblem, _Mapping]]] = ..., shard_signals: _Optional[_Iterable[_Union[ShardSignals, _Mapping]]] = ..., fetches: _Optional[_Iterable[_Union[FetchProgress, _Mapping]]] = ..., cached_models: _Optional[_Iterable[_Union[CachedModel, _Mapping]]] = ..., cache_changed: _Optional[bool] = ..., cache_capacity: _Optional[int] = ..., cache_free: _Optional[int] = ...) -> None: ...
 
 class FetchProgress(_message.Message):
     __slots__ = ("shard_id", "done", "total", "rate")
@@ -236,7 +272,7 @@ class Ack(_message.Message):
     def __init__(self, message_id: _Optional[str] = ..., ok: _Optional[bool] = ..., code: _Optional[_Union[Ack.Code, str]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class StartShard(_message.Message):
-    __slots__ = ("shard_id", "replica_id", "model", "profile", "rank", "world_size", "leader_address", "argv", "env", "gpu_indices", "port", "health_path", "startup_timeout_s", "stop_grace_s", "epoch", "drain_timeout_s", "engine", "metrics_path", "metric_names", "stop_signal", "ready_while_alive", "source")
+    __slots__ = ("shard_id", "replica_id", "model", "profile", "rank", "world_size", "leader_address", "argv", "env", "gpu_indices", "port", "health_path", "startup_timeout_s", "stop_grace_s", "epoch", "drain_timeout_s", "engine", "metrics_path", "metric_names", "stop_signal", "ready_while_alive", "source", "model_peers")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -273,6 +309,7 @@ class StartShard(_message.Message):
     STOP_SIGNAL_FIELD_NUMBER: _ClassVar[int]
     READY_WHILE_ALIVE_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_PEERS_FIELD_NUMBER: _ClassVar[int]
     shard_id: str
     replica_id: str
     model: str
@@ -295,7 +332,34 @@ class StartShard(_message.Message):
     stop_signal: str
     ready_while_alive: bool
     source: ModelSource
-    def __init__(self, shard_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., model: _Optional[str] = ..., profile: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., leader_address: _Optional[str] = ..., argv: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., gpu_indices: _Optional[_Iterable[int]] = ..., port: _Optional[int] = ..., health_path: _Optional[str] = ..., startup_timeout_s: _Optional[int] = ..., stop_grace_s: _Optional[int] = ..., epoch: _Optional[int] = ..., drain_timeout_s: _Optional[int] = ..., engine: _Optional[str] = ..., metrics_path: _Optional[str] = ..., metric_names: _Optional[_Mapping[str, str]] = ..., stop_signal: _Optional[str] = ..., ready_while_alive: _Optional[bool] = ..., source: _Optional[_Union[ModelSource, _Mapping]] = ...) -> None: ...
+    model_peers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, shard_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., model: _Optional[str] = ..., profile: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., leader_address: _Optional[str] = ..., argv: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., gpu_indices: _Optional[_Iterable[int]] = ..., port: _Optional[int] = ..., health_path: _Optional[str] = ..., startup_timeout_s: _Optional[int] = ..., stop_grace_s: _Optional[int] = ..., epoch: _Optional[int] = ..., drain_timeout_s: _Optional[int] = ..., engine: _Optional[str] = ..., metrics_path: _Optional[str] = ..., metric_names: _Optional[_Mapping[str, str]] = ..., stop_signal: _Optional[str] = ..., ready_while_alive: _Optional[bool] = ..., source: _Optional[_Union[ModelSource, _Mapping]] = ..., model_peers: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class PrefetchModel(_message.Message):
+    __slots__ = ("message_id", "source", "model_peers", "pin", "epoch")
+    MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_PEERS_FIELD_NUMBER: _ClassVar[int]
+    PIN_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    message_id: str
+    source: ModelSource
+    model_peers: _containers.RepeatedScalarFieldContainer[str]
+    pin: str
+    epoch: int
+    def __init__(self, message_id: _Optional[str] = ..., source: _Optional[_Union[ModelSource, _Mapping]] = ..., model_peers: _Optional[_Iterable[str]] = ..., pin: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class DropModel(_message.Message):
+    __slots__ = ("message_id", "key", "pin", "epoch")
+    MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    PIN_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    message_id: str
+    key: str
+    pin: str
+    epoch: int
+    def __init__(self, message_id: _Optional[str] = ..., key: _Optional[str] = ..., pin: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class ModelSource(_message.Message):
     __slots__ = ("scheme", "repo", "revision", "file", "url", "sha256", "path")

@@ -27,7 +27,9 @@ from llmgw.untrusted import clip
 from llmgw.wire import InvalidNodeId, validate_node_id
 
 NODE_ACTIONS = ("cordon", "uncordon", "drain")
-DEPLOYMENT_ACTIONS = ("scale", "retry")
+DEPLOYMENT_ACTIONS = ("scale", "retry", "pull")
+#: Nodes one pull may name at most.
+MAX_PULL_NODES = 256
 
 
 def model_path(model: str) -> str:
@@ -106,7 +108,7 @@ class Deployment(AdminNode):
     def getChild(self, path: bytes, request: Any) -> Resource:  # noqa: N802
         name = segment(path)
         if at_end(request) and name in DEPLOYMENT_ACTIONS:
-            return (Scale if name == "scale" else Retry)(self.root, self.model)
+            return {"scale": Scale, "retry": Retry, "pull": Pull}[name](self.root, self.model)
         if path == b"" and not request.postpath:
             return self
         return Deployment(self.root, f"{self.model}/{name}")
@@ -170,6 +172,40 @@ class Retry(_DeploymentAction):
             return {"model": model, "action": "retry", "ok": True}
 
         return maybeDeferred(self.root.fleet.retry, model).addCallback(done)
+
+
+class Pull(_DeploymentAction):
+    """
+    C{POST /api/v1/deployments/MODEL/pull} with C{{"nodes": [ID, ...]}}
+    (or C{{}}: where prefetch would choose): stage the deployment's weights
+    in those nodes' caches. Answers with the nodes told.
+    """
+
+    def render_POST(self, request: Any) -> Deferred[dict[str, Any]]:  # noqa: N802
+        model = self._model()
+        nodes = _pull_nodes(_body(self, request))
+
+        def done(told: list[str]) -> dict[str, Any]:
+            self.root.log.info("admin API: pull {model} onto {nodes} (asked by {client})",
+                               model=model, nodes=", ".join(told), client=self.root.who(request))
+            return {"model": model, "nodes": told, "ok": True}
+
+        return maybeDeferred(self.root.fleet.pull_model, model, nodes).addCallback(done)
+
+
+def _pull_nodes(body: dict[str, Any]) -> list[str]:
+    extra = set(body) - {"nodes"}
+    if extra:
+        raise Refused(400, f"pull takes only 'nodes', not {', '.join(sorted(map(clip, extra)))}")
+    nodes = body.get("nodes", [])
+    if not isinstance(nodes, list) or not all(isinstance(n, str) for n in nodes):
+        raise Refused(400, "'nodes' must be a list of node ids")
+    if len(nodes) > MAX_PULL_NODES:
+        raise Refused(400, f"at most {MAX_PULL_NODES} nodes may be named at once, not {len(nodes)}")
+    try:
+        return [validate_node_id(n) for n in nodes]
+    except InvalidNodeId as e:
+        raise Refused(400, str(e)) from None
 
 
 def _replicas(body: dict[str, Any]) -> int:

@@ -116,6 +116,17 @@ class Deployments(AdminNode):
         return Deployment(self.root, segment(path))
 
 
+class Models(AdminNode):
+    """
+    C{GET /api/v1/models}: the weight caches, by model
+    (L{llmgw.control.shell.modelviews.models}).
+    """
+
+    def render_GET(self, request: Any) -> dict[str, Any]:  # noqa: N802
+        result: dict[str, Any] = self.root.fleet.models_view()
+        return result
+
+
 class Replicas(AdminNode):
     """
     C{GET /api/v1/replicas}.

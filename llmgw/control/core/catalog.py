@@ -167,6 +167,9 @@ class Deployment:
     source: ModelSource | None = None
     #: Extra engine flags after the ones llmgw writes (with C{source} only).
     args: tuple[str, ...] = ()
+    #: Nodes beyond those that run it that keep its weights cached (with
+    #: C{source} only), so a scale-up or a failover skips the fetch.
+    prefetch: int = 0
 
 
 @dataclass(frozen=True)
@@ -243,6 +246,7 @@ _DEPLOYMENT_FIELDS: dict[str, type | tuple[type, ...]] = {
     "file": str,
     "sha256": str,
     "args": list,
+    "prefetch": int,
 }
 #: The fields that make a deployment autoscaled.
 AUTOSCALE_FIELDS = ("min_replicas", "max_replicas", "target_in_flight", "target_waiting",
@@ -491,6 +495,10 @@ def parse_deployment(index: int, raw: Any, profiles: Mapping[str, Profile]) -> D
     queue_depth = raw.get("queue_depth")
     if queue_depth is not None:
         _positive(where, "queue_depth", queue_depth, 0)
+    prefetch = raw.get("prefetch", 0)
+    _positive(where, "prefetch", prefetch, 0)
+    if prefetch and source is None:
+        raise CatalogError(f"{where}: field 'prefetch' needs a 'source' (the weights to keep)")
     queue_timeout = raw.get("queue_timeout_s")
     if queue_timeout is not None:
         try:
@@ -500,7 +508,7 @@ def parse_deployment(index: int, raw: Any, profiles: Mapping[str, Profile]) -> D
         queue_timeout = float(queue_timeout)
     return Deployment(model=raw["model"], profile=raw["profile"], replicas=replicas, routing=routing,
                       autoscale=autoscale, queue_depth=queue_depth, queue_timeout_s=queue_timeout,
-                      source=source, args=tuple(raw.get("args", ())))
+                      source=source, args=tuple(raw.get("args", ())), prefetch=prefetch)
 
 
 def parse_autoscale(where: str, raw: Mapping[str, Any]) -> AutoscalePolicy | None:

@@ -9,12 +9,18 @@ from inside its own message handling.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 from llmgw.control.core.catalog import Deployment, Profile, fill
 from llmgw.control.state.fleetstate import ReplicaRec, ShardRec, format_address
 from llmgw.control.state.interfaces import IDispatcher, NotConnected, NotKeepingUp, ShardCommand
+from llmgw.models.source import spec_key
+from llmgw.sourcespec import ModelSource
+
+#: A deployment's weights' cache key ("" for none), worked out once per source.
+weights_key: Callable[[ModelSource | None], str] = functools.lru_cache(maxsize=4096)(spec_key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +51,31 @@ class Drain:
     shard_id: str
 
 
-Command = Start | Stop | Drain
+@dataclass(frozen=True, slots=True)
+class Prefetch:
+    """
+    Have C{node_id} fetch C{source} into its cache and keep it under C{pin}
+    ("" for a one-off pull that LRU may evict).
+    """
+
+    node_id: str
+    source: ModelSource
+    pin: str
+    peers: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class DropModel:
+    """
+    Tell C{node_id} it no longer keeps the model C{key} under C{pin}.
+    """
+
+    node_id: str
+    key: str
+    pin: str
+
+
+Command = Start | Stop | Drain | Prefetch | DropModel
 
 
 def send(dispatcher: IDispatcher | None, cmd: Command) -> str | None:
@@ -59,8 +89,12 @@ def send(dispatcher: IDispatcher | None, cmd: Command) -> str | None:
             dispatcher.start_shard(cmd.command)
         elif isinstance(cmd, Stop):
             dispatcher.stop_shard(cmd.node_id, cmd.shard_id)
-        else:
+        elif isinstance(cmd, Drain):
             dispatcher.drain_shard(cmd.node_id, cmd.shard_id)
+        elif isinstance(cmd, Prefetch):
+            dispatcher.prefetch_model(cmd.node_id, cmd.source, cmd.peers, cmd.pin)
+        else:
+            dispatcher.drop_model(cmd.node_id, cmd.key, cmd.pin)
     except (NotConnected, NotKeepingUp) as e:
         return str(e) or type(e).__name__
     return None

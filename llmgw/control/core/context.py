@@ -69,6 +69,32 @@ class DeploymentState:
     held: Hold | None = None
 
 
+@dataclass
+class Copy:
+    """
+    A node told to keep a deployment's weights (prefetch): their cache key,
+    and the node's registration time when it was told (a newer one means
+    the agent restarted, its pins gone, and must be told again).
+    """
+
+    key: str
+    registered_at: float
+
+
+@dataclass
+class PrefetchState:
+    """
+    The prefetch copies the control plane wants, by deployment then node
+    (L{llmgw.control.core.prefetching}).
+    """
+
+    copies: dict[str, dict[str, Copy]] = field(default_factory=dict)
+    next_step: float = 0.0
+
+    def nodes(self, model: str) -> list[str]:
+        return sorted(self.copies.get(model, {}))
+
+
 class Deployments(collections.defaultdict[str, DeploymentState]):
     """
     Each deployment's failure bookkeeping, made on first use with a copy of
@@ -105,6 +131,7 @@ class Context:
         self.started_at = started_at
         self.frozen = False
         self.frozen_reason = ""
+        self.prefetch = PrefetchState()
         self.set_epoch(epoch)
         self._ids = 0
 

@@ -13,9 +13,10 @@ command or touches a transport.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from llmgw.control.core.catalog import Catalog, diff
-from llmgw.control.core.commands import Drain, Start, Stop, start_command
+from llmgw.control.core.commands import Drain, Start, Stop, start_command, weights_key
 from llmgw.control.core.context import STOP_SLACK, Context
 from llmgw.control.core.failures import ShardFailure, on_failure
 from llmgw.control.core.outcome import Outcome
@@ -55,7 +56,12 @@ def send_start(ctx: Context, rep: ReplicaRec, shard: ShardRec, now: float, first
         node = ctx.inventory.peek(leader.node_id) if leader is not None else None
         fabrics = node.fabrics if node is not None else {}
         deployment = ctx.catalog.deployments.get(rep.model)
-        out.send(Start(start_command(rep, shard, profile, fabrics, deployment), first=first))
+        command = start_command(rep, shard, profile, fabrics, deployment)
+        if deployment is not None and deployment.source is not None:
+            peers = ctx.inventory.models.peers(weights_key(deployment.source), exclude=shard.node_id)
+            if peers:
+                command = replace(command, model_peers=tuple(peers))
+        out.send(Start(command, first=first))
 
 
 def create_replica(ctx: Context, model: str, profile_name: str, world_size: int,

@@ -99,6 +99,9 @@ def lost(ctx: Context, node_id: str, silent: float, now: float, out: Outcome) ->
     st.suspect.discard(node_id)
     st.lost_clock.pop(node_id, None)
     st.lost.add(node_id)
+    # Its cache is out of reach: no peer, no placement preference, no
+    # prefetch copy, until it registers again with a fresh report.
+    ctx.inventory.models.drop(node_id)
     out.event("node_lost", level="error", node=node_id, reason=f"silent for {silent:.0f}s")
     for sid in sorted(st.node_shards.get(node_id, set())):
         shard = st.shards.get(sid)

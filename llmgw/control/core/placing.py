@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 from llmgw.control.core import lifecycle
 from llmgw.control.core.catalog import Deployment, Profile
+from llmgw.control.core.commands import weights_key
 from llmgw.control.core.context import Context
 from llmgw.control.core.outcome import Outcome
 from llmgw.control.core.scaling import Candidate, scale_step, victims
@@ -35,7 +36,7 @@ class Placing:
 
     def __init__(self, ctx: Context):
         st = ctx.state
-        self.placer = Placer((), st.spread, st.ports, live_spread=True)
+        self.placer = Placer((), st.spread, st.ports, live_spread=True, weights=ctx.inventory.models)
         self._connected: set[str] = set()
 
     def sync(self, ctx: Context, connected: set[str], over_budget: Callable[[], bool]) -> bool:
@@ -168,7 +169,8 @@ def place(ctx: Context, dep: Deployment, profile: Profile, placer: Placer,
     """
     slots = placer.place(
         Request(group=dep.model, shards=profile.shards, gpus_per_shard=profile.gpus_per_shard,
-                gpu_memory_mb=profile.gpu_memory_mb, fabric=profile.fabric),
+                gpu_memory_mb=profile.gpu_memory_mb, fabric=profile.fabric,
+                weights=weights_key(dep.source)),
         over_budget,
     )
     if slots is BUSY:

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from llmgw.control.core import adoption, lifecycle
-from llmgw.control.core.commands import Command, Start, Stop
+from llmgw.control.core import adoption, lifecycle, prefetching
+from llmgw.control.core.commands import Command, DropModel, Prefetch, Start, Stop
 from llmgw.control.core.context import Context
 from llmgw.control.core.outcome import Outcome
 from llmgw.control.state.fetches import FetchProgress
@@ -210,6 +210,9 @@ def refused(ctx: Context, cmd: Command, why: str, now: float, out: Outcome) -> N
     if its node comes back, the registration lists it, and nothing claims
     it. A drain that cannot be sent ends at the drain timeout.
     """
+    if isinstance(cmd, (Prefetch, DropModel)):
+        prefetching.refused(ctx.prefetch, cmd, why, out)
+        return
     st = ctx.state
     shard = st.shards.get(cmd.shard_id)
     if shard is None:

@@ -49,6 +49,7 @@ from llmgw.control.ha.published_fleet import FleetDocument, FleetFollower, Fleet
 from llmgw.control.ha.sharedstate import SharedFleet, SharedKeptState
 from llmgw.control.state.interfaces import IDispatcher, NotConnected
 from llmgw.etcd import Compare, EtcdError, EtcdTLSError, Put, Range
+from llmgw.sourcespec import ModelSource
 from llmgw.wire import NO_LEADER_MARKER, redirect_error
 
 Code = pb.Ack.Code
@@ -200,6 +201,14 @@ class FencedDispatcher:
     def drain_shard(self, node_id: str, shard_id: str) -> None:
         self._check()
         self.inner.drain_shard(node_id, shard_id)
+
+    def prefetch_model(self, node_id: str, source: ModelSource, peers: Sequence[str], pin: str) -> None:
+        self._check()
+        self.inner.prefetch_model(node_id, source, peers, pin)
+
+    def drop_model(self, node_id: str, key: str, pin: str) -> None:
+        self._check()
+        self.inner.drop_model(node_id, key, pin)
 
     def connected_nodes(self) -> list[str]:
         return list(self.inner.connected_nodes()) if self.may_command() else []

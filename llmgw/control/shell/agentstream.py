@@ -12,6 +12,7 @@ L{llmgw.control.shell.agentsvc.AgentService}'s.
 from __future__ import annotations
 
 import collections
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from OpenSSL import SSL
@@ -29,6 +30,7 @@ from llmgw.control.shell.limits import (
 )
 from llmgw.control.state.interfaces import NotConnected, NotKeepingUp
 from llmgw.control.state.inventory import GPUInfo, Node, StrayProcess, bounded_strays
+from llmgw.control.state.modelindex import CachedCopy, CacheRoom
 from llmgw.engines import advertise_address_problem
 from llmgw.shards import ReportedShard, ShardReport
 from llmgw.tlsconf.options import IdentityError, peer_node_id
@@ -78,6 +80,28 @@ def node_from_register(reg: pb.Register, address: str, now: float) -> Node:
             for p in reg.stray_processes
         ),
     )
+
+
+def cached_copies(msgs: Iterable[pb.CachedModel]) -> list[CachedCopy]:
+    """
+    A cache report's models as the inventory keeps them.
+    """
+    return [CachedCopy(key=m.key, source=m.source, size=m.size, state=m.state,
+                       last_used=m.last_used, revision=m.revision) for m in msgs]
+
+
+def peer_address_problem(address: str) -> str | None:
+    """
+    What is wrong with a Register's C{peer_address} (HOST:PORT, IPv6 in
+    brackets), or C{None} (empty is fine: no peer listener).
+    """
+    if not address:
+        return None
+    host, sep, port = address.rpartition(":")
+    if (not sep or not host or len(address) > 300 or not port.isdigit()
+            or not 0 < int(port) < 65536 or any(c.isspace() for c in address)):
+        return f"peer_address {address[:300]!r} is not HOST:PORT"
+    return None
 
 
 def _validate_register(reg: pb.Register) -> str | None:
@@ -360,6 +384,7 @@ class AgentStreamProtocol(MessageStream[pb.AgentMessage]):
         now = self.factory.clock.seconds()
         host = getattr(self.transport.getPeer(), "host", "")
         self.factory.inventory.upsert(node_from_register(reg, host, now))
+        self._cache_report(reg)
         self.node_id = node_id
         self.factory.attach(node_id, self)
         self.factory.count_registration("ok")
@@ -426,6 +451,7 @@ class AgentStreamProtocol(MessageStream[pb.AgentMessage]):
         now = self.factory.clock.seconds()
         host = getattr(self.transport.getPeer(), "host", "")
         self.factory.inventory.upsert(node_from_register(reg, host, now))
+        self._cache_report(reg)
         self._reported_running |= {s.shard_id for s in reg.running_shards}
         self.log.info(
             "agent {node} registered again on its live stream: {gpus} GPUs",
@@ -435,6 +461,20 @@ class AgentStreamProtocol(MessageStream[pb.AgentMessage]):
         self.send_message(ack("register"))
         self._warn_unaccounted(self.node_id, reg)
         self.factory.sink.node_registered(self.node_id)
+
+    def _cache_report(self, reg: pb.Register) -> None:
+        # A Register carries the whole cache; an older agent's (no fields)
+        # reads as an empty cache of unknown size with no peer listener.
+        peer = reg.peer_address
+        problem = peer_address_problem(peer)
+        if problem is not None:
+            # Not worth refusing the node over: it serves no peers, that is all.
+            self.log.warn("agent {node} at {peer}: {problem}; other nodes will not fetch from it",
+                          node=reg.node_id, peer=self.peer_name(), problem=problem)
+            peer = ""
+        self.factory.inventory.apply_cache(
+            reg.node_id, cached_copies(reg.cached_models),
+            CacheRoom(reg.cache_capacity, reg.cache_free), peer)
 
     def _warn_unaccounted(self, node_id: str, reg: pb.Register) -> None:
         """
@@ -484,6 +524,10 @@ class AgentStreamProtocol(MessageStream[pb.AgentMessage]):
         self.factory.inventory.apply_heartbeat(
             self.node_id, list(hb.gpu_memory_used_mb), problems
         )
+        if hb.cache_changed or hb.cache_capacity:
+            self.factory.inventory.apply_cache(
+                self.node_id, cached_copies(hb.cached_models) if hb.cache_changed else None,
+                CacheRoom(hb.cache_capacity, hb.cache_free))
         # Engine signals: an older agent sends none; a sink without the
         # method (a test fake) gets none.
         record = getattr(self.factory.sink, "record_engine_signals", None)

@@ -10,7 +10,7 @@ Each connection is an L{AgentStreamProtocol} (L{llmgw.control.shell.agentstream}
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from OpenSSL import SSL
@@ -29,6 +29,8 @@ from llmgw.control.state.interfaces import (
     ShardCommand,
 )
 from llmgw.control.state.inventory import Inventory
+from llmgw.shards import source_message
+from llmgw.sourcespec import ModelSource
 from llmgw.tlsconf.handshake import HANDSHAKE_TIMEOUT
 from llmgw.wire import DEFAULT_MAX_FRAME
 
@@ -47,7 +49,17 @@ def start_message(cmd: ShardCommand, epoch: int) -> pb.ControlMessage:
     start = cmd.to_message()
     # The sender's epoch, stamped as it goes: a command's own is 0 until then.
     start.epoch = epoch
+    start.model_peers.extend(cmd.model_peers)
     return pb.ControlMessage(start=start)
+
+
+def prefetch_message(source: ModelSource, peers: Sequence[str], pin: str, epoch: int) -> pb.ControlMessage:
+    """
+    The C{PrefetchModel} of C{source} kept under C{pin}, from C{epoch}.
+    """
+    return pb.ControlMessage(prefetch=pb.PrefetchModel(
+        message_id=f"prefetch:{pin}", source=source_message(source), model_peers=list(peers),
+        pin=pin, epoch=epoch))
 
 
 @implementer(IDispatcher)
@@ -236,3 +248,10 @@ class AgentService(ServerFactory):
         self._send(
             node_id, pb.ControlMessage(drain=pb.DrainShard(shard_id=shard_id, epoch=self.epoch))
         )
+
+    def prefetch_model(self, node_id: str, source: ModelSource, peers: Sequence[str], pin: str) -> None:
+        self._send(node_id, prefetch_message(source, peers, pin, self.epoch))
+
+    def drop_model(self, node_id: str, key: str, pin: str) -> None:
+        self._send(node_id, pb.ControlMessage(drop=pb.DropModel(
+            message_id=f"drop:{pin}", key=key, pin=pin, epoch=self.epoch)))

@@ -130,6 +130,7 @@ class ControlCollector(Collector):
         yield from self._stray_metrics()
         yield from self._deployment_metrics()
         yield from self._fetch_metrics()
+        yield from self._cache_metrics()
 
     def _fetch_metrics(self) -> Iterable[Metric]:
         rows_fn = getattr(self.fleet(), "fetch_rows", None)
@@ -166,6 +167,30 @@ class ControlCollector(Collector):
         for node, n in inventory.stray_counts().items():
             strays.add_metric([node], n)
         yield strays
+
+    def _cache_metrics(self) -> Iterable[Metric]:
+        inventory = getattr(self.agents, "inventory", None)
+        models = getattr(inventory, "models", None)
+        if models is None:
+            return
+        held = GaugeMetricFamily(
+            "llmgw_model_cache_bytes",
+            "Bytes each node's weight cache holds, as its agent last reported (nodes without a "
+            "report have no sample).",
+            labels=["node"],
+        )
+        present = GaugeMetricFamily(
+            "llmgw_model_cached",
+            "1 for each model (cache key) a node's cache holds, under its state (complete or partial).",
+            labels=["model", "node", "state"],
+        )
+        for node in models.nodes():
+            copies = models.copies(node)
+            held.add_metric([node], sum(c.size for c in copies))
+            for c in copies:
+                present.add_metric([c.key, node, c.state], 1)
+        yield held
+        yield present
 
     def _deployment_metrics(self) -> Iterable[Metric]:
         fleet = self.fleet()

@@ -40,14 +40,14 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from zope.interface import implementer
 
-from llmgw.control.core import deadlines, lifecycle, nodes, placing, reports, scaler
+from llmgw.control.core import deadlines, lifecycle, nodes, placing, prefetching, reports, scaler
 from llmgw.control.core.backoff import Backoff
 from llmgw.control.core.catalog import Catalog, CatalogError, load_catalog
 from llmgw.control.core.commands import send
 from llmgw.control.core.context import MAX_SENDS, STOP_SLACK, Context, DeploymentState, Rules
 from llmgw.control.core.kept import KeptState
 from llmgw.control.core.outcome import Outcome
-from llmgw.control.shell import views
+from llmgw.control.shell import modelviews, views
 from llmgw.control.shell.outbox import Outbox
 from llmgw.control.state.events import EventLog, log_event
 from llmgw.control.state.fetches import FetchProgress
@@ -493,6 +493,7 @@ class Reconciler(Service):
         placing_left = placing.reconcile(
             ctx, now, p.placer, lambda: p.sync(ctx, self._connected_for(now), self._over_budget),
             self._over_budget, out)
+        prefetching.step(ctx, ctx.prefetch, lambda: self._connected_for(now), now, out)
         self.pass_unfinished = expiry_left or placing_left
 
     # -- IFleetAdmin ----------------------------------------------------------------
@@ -665,6 +666,17 @@ class Reconciler(Service):
     def retry(self, model: str) -> None:
         placing.deployment(self.ctx, model)
         self._decide(lifecycle.release, model, "an operator asked for a retry")
+
+    def pull_model(self, model: str, nodes: list[str]) -> list[str]:
+        """
+        Stage C{model}'s weights on C{nodes} (or where prefetch would);
+        the nodes told (L{prefetching.pull}).
+        """
+        result: list[str] = self._decide(prefetching.pull, self.ctx.prefetch, model, nodes, self.connected())
+        return result
+
+    def models_view(self) -> dict[str, Any]:
+        return modelviews.models(self.ctx)
 
     # -- helpers for tests and embedding -------------------------------------------------
 

@@ -6,12 +6,14 @@ Each side is tested against a fake of the other through these interfaces.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 from zope.interface import Interface
 
 from llmgw.routing import IInFlight, IRoutingTable, Route
 from llmgw.shards import ReportedShard, ShardReport, ShardSpec
+from llmgw.sourcespec import ModelSource
 
 # Re-exported: they live in llmgw.routing, and in llmgw.shards, which the
 # agent shares.
@@ -38,6 +40,9 @@ class ShardCommand(ShardSpec):
     """
 
     node_id: str
+    #: Peer addresses of nodes holding the shard's weights complete
+    #: (StartShard.model_peers); filled by the control plane as it sends.
+    model_peers: tuple[str, ...] = ()
 
     @classmethod
     def to_node(cls, node_id: str, spec: ShardSpec) -> ShardCommand:
@@ -68,6 +73,19 @@ class IDispatcher(Interface):
     def drain_shard(node_id: str, shard_id: str) -> None:
         """
         Send a C{DrainShard}. Raises like L{start_shard}.
+        """
+
+    def prefetch_model(node_id: str, source: ModelSource, peers: Sequence[str], pin: str) -> None:
+        """
+        Send a C{PrefetchModel}: C{node_id} fetches C{source} into its cache
+        (from C{peers} first) and keeps it under C{pin} ("" for none).
+        Raises like L{start_shard}.
+        """
+
+    def drop_model(node_id: str, key: str, pin: str) -> None:
+        """
+        Send a C{DropModel}: C{node_id} no longer keeps C{key} under C{pin}.
+        Raises like L{start_shard}.
         """
 
     def connected_nodes() -> list[str]:
@@ -204,6 +222,24 @@ class IFleetAdmin(Interface):
         """
         A standalone gateway's demand per model (L{llmgw.routing.Demand}),
         replacing its previous report; it counts for a few seconds.
+        """
+
+    def models_view() -> dict:  # type: ignore[type-arg]
+        """
+        The weight caches: which model each node holds, its size, state and
+        last use, and which deployments use it
+        (L{llmgw.control.shell.modelviews.models}).
+        """
+
+    def pull_model(model: str, nodes: list[str]) -> list[str]:
+        """
+        Stage C{model}'s weights on C{nodes}, or where prefetch would choose
+        with none; returns the nodes told.
+
+        @raise UnknownDeployment: no deployment serves C{model}.
+        @raise UnknownNode: a named node is not known.
+        @raise AdminError: nothing to fetch, a node not connected, or no node
+            may take them.
         """
 
     def retry(model: str) -> None:

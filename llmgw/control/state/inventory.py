@@ -14,6 +14,8 @@ import builtins
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
+from llmgw.control.state.modelindex import CachedCopy, CacheRoom, ModelIndex
+
 #: Stray processes kept per node: enough to see what is wrong, bounded
 #: whatever an agent sends.
 MAX_STRAYS_PER_NODE = 64
@@ -121,6 +123,8 @@ class Inventory:
         #: Nodes whose latest Register listed strays: the gauge reads these
         #: without walking every node.
         self._with_strays: set[str] = set()
+        #: What each node's weight cache holds (L{apply_cache}).
+        self.models = ModelIndex()
 
     def _bump(self, node: Node) -> None:
         self._generation += 1
@@ -186,6 +190,20 @@ class Inventory:
             self._bump(node)
         return True
 
+    def apply_cache(self, node_id: str, copies: Iterable[CachedCopy] | None,
+                    room: CacheRoom | None = None, peer_address: str | None = None) -> bool:
+        """
+        Fold in a node's cache report (L{ModelIndex.report}); a change
+        placement looks at counts as a change of the node. Returns whether
+        the node is known.
+        """
+        node = self._nodes.get(node_id)
+        if node is None:
+            return False
+        if self.models.report(node_id, copies, room, peer_address):
+            self._bump(node)
+        return True
+
     def get(self, node_id: str) -> Node | None:
         """
         A copy of the node, or C{None}.
@@ -231,6 +249,7 @@ class Inventory:
 
     def remove(self, node_id: str) -> None:
         self._with_strays.discard(node_id)
+        self.models.drop(node_id)
         if self._nodes.pop(node_id, None) is not None:
             self._changed.add(node_id)
 

@@ -11,6 +11,9 @@ then answers one replica at a time:
   - a multi-shard replica on distinct nodes that share the profile's fabric;
   - replicas of one deployment spread across nodes (fewest of its shards
     first);
+  - then the weights: a node whose cache holds the deployment's model
+    complete, then one fetching it, then the others; never a node whose
+    cache is too small for a model of known size (L{ModelIndex});
   - otherwise best fit: the node with the fewest free GPUs that still fit
     (large holes stay for large models), and on it the GPUs with the least
     free memory that still covers the profile;
@@ -18,7 +21,7 @@ then answers one replica at a time:
   - ports from a per-host range (L{PortBook}), never one in use there.
 
 A deployment's candidates are heaps by how many of its shards a node holds,
-each ordered by (free GPUs, free memory, id), built once per pass; placing R
+each ordered by (weights, free GPUs, free memory, id), built once and kept; placing R
 replicas of D deployments over N nodes costs about D times N plus R log N,
 not R times N.
 """
@@ -29,6 +32,8 @@ import bisect
 import heapq
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+
+from llmgw.control.state.modelindex import ModelIndex
 
 
 class NoPortFree(Exception):
@@ -67,6 +72,9 @@ class Request:
     gpus_per_shard: int = 1
     gpu_memory_mb: int = 0
     fabric: str = ""
+    #: The cache key of the deployment's weights ("" for none): nodes that
+    #: hold them are preferred.
+    weights: str = ""
 
 
 @dataclass(frozen=True)
@@ -157,6 +165,13 @@ def _key(node: NodeCapacity) -> tuple[int, int, str]:
     return (len(node.free), sum(f for f, _ in node.free), node.id)
 
 
+#: A group's key: the group, the fabric (multi-shard only), GPUs per shard,
+#: memory per GPU, the weights' cache key.
+GroupKey = tuple[str, str, int, int, str]
+#: A heap entry: the node's weights rank, then its best-fit key.
+Entry = tuple[int, int, int, str]
+
+
 #: What L{Placer.place} answers while a group's candidates are still being
 #: gathered and the caller's time is up: ask again in the next pass.
 BUSY: list[Slot] = []
@@ -172,9 +187,12 @@ class Placer:
 
     Candidates for a group (a deployment) are kept in heaps by tier (how
     many of the group's shards a node holds), each entry ordered by the
-    node's best-fit key, at most one entry per node. An entry whose key or
+    node's weights rank (L{ModelIndex.rank}) then its best-fit key; the
+    entry each node has live there is recorded, and any other entry of it
+    that comes up is a stale duplicate, dropped. An entry whose key or
     tier is no longer the node's is put back with the current ones when it
-    comes up; a node that turns up (or can take work again) gets an entry
+    comes up (but a node whose rank improved, now holding the weights, gets
+    a new entry at once); a node that turns up (or can take work again) gets an entry
     in each group that has none for it. So a placement costs a few heap
     operations and a changed node at most one per group, never a scan of
     the fleet. A group's heaps are gathered the first time it places, a
@@ -194,6 +212,7 @@ class Placer:
         spread: Mapping[str, Mapping[str, int]],
         ports: PortBook,
         live_spread: bool = False,
+        weights: ModelIndex | None = None,
     ):
         self._nodes: dict[str, NodeCapacity] = {}
         self._keys: dict[str, tuple[int, int, str]] = {}
@@ -205,9 +224,10 @@ class Placer:
         #: Each group's heaps by tier (keyed by group and request shape),
         #: the nodes with an entry there, and the ids still to gather for
         #: groups being gathered.
-        self._groups: dict[tuple[str, str, int, int], dict[int, list[tuple[int, int, str]]]] = {}
-        self._members: dict[tuple[str, str, int, int], set[str]] = {}
-        self._gathering: dict[tuple[str, str, int, int], list[str]] = {}
+        self._groups: dict[GroupKey, dict[int, list[Entry]]] = {}
+        self._members: dict[GroupKey, dict[str, tuple[int, Entry]]] = {}
+        self._gathering: dict[GroupKey, list[str]] = {}
+        self._weights = weights
         self.ports = ports
         #: Candidates looked at, for the benchmark and tests of its cost.
         self.scanned = 0
@@ -242,17 +262,31 @@ class Placer:
         node = self._nodes.get(node_id)
         if node is None:
             return
-        key = self._keys[node_id]
         for gkey, members in self._members.items():
-            if node_id in members:
+            group, fabric, gpus, mem, weights = gkey
+            live = members.get(node_id)
+            if live is not None and not weights:
                 continue
-            group, fabric, gpus, mem = gkey
             if fabric and fabric not in node.fabrics:
                 continue
-            if self._fit(node, Request(group, 1, gpus, mem)) is None:
+            if self._fit(node, Request(group, 1, gpus, mem)) is None or self._refused(gkey, node_id):
                 continue
-            members.add(node_id)
-            heapq.heappush(self._groups[gkey].setdefault(self._count(group, node_id), []), key)
+            entry = self._entry(gkey, node_id)
+            if live is not None and entry[0] >= live[1][0]:
+                # No better placed for the weights: put right lazily when it comes up.
+                continue
+            tier = self._count(group, node_id)
+            members[node_id] = (tier, entry)
+            heapq.heappush(self._groups[gkey].setdefault(tier, []), entry)
+
+    def _entry(self, gkey: GroupKey, node_id: str) -> Entry:
+        weights = gkey[4]
+        rank = self._weights.rank(weights, node_id) if weights and self._weights is not None else 0
+        return (rank, *self._keys[node_id])
+
+    def _refused(self, gkey: GroupKey, node_id: str) -> bool:
+        weights = gkey[4]
+        return bool(weights) and self._weights is not None and self._weights.too_small(weights, node_id)
 
     def _count(self, group: str, node_id: str) -> int:
         base = self._spread.get(group)
@@ -268,17 +302,16 @@ class Placer:
         return node.free[i : i + req.gpus_per_shard]
 
     @staticmethod
-    def _gkey(req: Request) -> tuple[str, str, int, int]:
-        return (req.group, req.fabric if req.shards > 1 else "", req.gpus_per_shard, req.gpu_memory_mb)
+    def _gkey(req: Request) -> GroupKey:
+        return (req.group, req.fabric if req.shards > 1 else "", req.gpus_per_shard, req.gpu_memory_mb,
+                req.weights)
 
-    def _tiers(
-        self, req: Request, over: Callable[[], bool] | None
-    ) -> dict[int, list[tuple[int, int, str]]] | None:
+    def _tiers(self, req: Request, over: Callable[[], bool] | None) -> dict[int, list[Entry]] | None:
         gkey = self._gkey(req)
         tiers = self._groups.get(gkey)
         if tiers is None:
             tiers = self._groups[gkey] = {}
-            self._members[gkey] = set()
+            self._members[gkey] = {}
             fabric = gkey[1]
             ids = self._by_fabric.get(fabric, {}) if fabric else self._nodes
             self._gathering[gkey] = list(ids)
@@ -294,10 +327,13 @@ class Placer:
             del left[-_CHUNK:]
             for node_id in chunk:
                 node = self._nodes.get(node_id)
-                if node is None or node_id in members or self._fit(node, req) is None:
+                if (node is None or node_id in members or self._fit(node, req) is None
+                        or self._refused(gkey, node_id)):
                     continue
-                members.add(node_id)
-                tiers.setdefault(self._count(req.group, node_id), []).append(self._keys[node_id])
+                entry = self._entry(gkey, node_id)
+                tier = self._count(req.group, node_id)
+                members[node_id] = (tier, entry)
+                tiers.setdefault(tier, []).append(entry)
             if left and over is not None and over():
                 return None
         del self._gathering[gkey]
@@ -316,7 +352,8 @@ class Placer:
         tiers = self._tiers(req, over)
         if tiers is None:
             return BUSY
-        members = self._members[self._gkey(req)]
+        gkey = self._gkey(req)
+        members = self._members[gkey]
         chosen: list[tuple[str, list[tuple[int, int]], int]] = []
         while len(chosen) < req.shards:
             # The lowest tier with candidates, looked for afresh each time:
@@ -327,20 +364,24 @@ class Placer:
             heap = tiers[tier]
             key = heapq.heappop(heap)
             self.scanned += 1
-            node_id = key[2]
-            current = self._keys.get(node_id)
-            if current is None:
-                members.discard(node_id)
+            node_id = key[3]
+            if members.get(node_id) != (tier, key):
+                # A stale duplicate: the node's live entry is another.
                 continue
+            if node_id not in self._keys:
+                del members[node_id]
+                continue
+            current = self._entry(gkey, node_id)
             count = self._count(req.group, node_id)
             if current != key or count != tier:
                 # Changed since it was pushed: back with what it is now.
+                members[node_id] = (count, current)
                 heapq.heappush(tiers.setdefault(count, []), current)
                 continue
             gpus = self._fit(self._nodes[node_id], req)
-            if gpus is None:
+            if gpus is None or self._refused(gkey, node_id):
                 # Until it changes again (update() pushes it then).
-                members.discard(node_id)
+                del members[node_id]
                 continue
             chosen.append((node_id, gpus, tier))
         slots: list[Slot] = []
@@ -356,7 +397,7 @@ class Placer:
                 slots = []
         if not slots:
             for node_id, _, tier in chosen:
-                heapq.heappush(tiers[tier], self._keys[node_id])
+                heapq.heappush(tiers[tier], members[node_id][1])
             return None
         extra = self._extra.setdefault(req.group, {})
         for node_id, gpus, tier in chosen:
@@ -364,9 +405,11 @@ class Placer:
                 extra[node_id] = extra.get(node_id, 0) + 1
             self._take(node_id, gpus)
             if node_id in self._keys:
-                heapq.heappush(tiers.setdefault(tier + 1, []), self._keys[node_id])
+                entry = self._entry(gkey, node_id)
+                members[node_id] = (tier + 1, entry)
+                heapq.heappush(tiers.setdefault(tier + 1, []), entry)
             else:
-                members.discard(node_id)
+                del members[node_id]
         return slots
 
     def _take(self, node_id: str, gpus: list[tuple[int, int]]) -> None:
