@@ -149,7 +149,7 @@ class ShardSpec:
             metric_names=m.metric_names,
             stop_signal=m.stop_signal or DEFAULT_STOP_SIGNAL,
             source=source_of(m.source) if m.HasField("source") else None,
-            model_peers=m.model_peers,
+            model_peers=tuple(m.model_peers),
         )
 
 
