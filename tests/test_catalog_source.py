@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import tomllib
 from dataclasses import replace
+from pathlib import Path
 
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -213,3 +214,22 @@ class StartCommandTests(SynchronousTestCase):
         argv, source = self.command_for(cat)
         self.assertEqual((argv, source), (["srv", "--port", "20001"], None))
 
+
+
+class ExampleCatalogTests(SynchronousTestCase):
+    def test_readme_example(self) -> None:
+        """
+        The README's third step, examples/qwen-cpu.toml, is a valid catalog
+        that names its model by a hub source and one file, and gets
+        llama-server's command line from llmgw, on the CPU.
+        """
+        path = Path(__file__).parent.parent / "examples" / "qwen-cpu.toml"
+        catalog = parse_catalog(tomllib.loads(path.read_text()), str(path))
+        [deployment] = catalog.deployments.values()
+        assert deployment.source is not None
+        self.assertEqual((deployment.source.scheme, deployment.source.repo, deployment.source.file),
+                         ("hf", "Qwen/Qwen2.5-0.5B-Instruct-GGUF", "qwen2.5-0.5b-instruct-q4_k_m.gguf"))
+        spec = catalog.profiles[deployment.profile].launch(0, deployment)
+        self.assertEqual(spec.argv[:3], ("llama-server", "-m", "{weights}"))
+        self.assertEqual(spec.argv[-2:], ("-ngl", "0"))
+        self.assertEqual(spec.source, deployment.source)
