@@ -393,6 +393,9 @@ class AgentCore(Factory):
         #: The address shards are advertised at: the configured one, else
         #: learned from each connection (L{learn_address}).
         self.advertised = config.advertise_address
+        #: The peer listener's HOST:PORT for Register, given the advertised
+        #: host (L{llmgw.agent.peers.AgentPeers.reported}); "": none.
+        self.peer_address: Callable[[str], str] = lambda advertised: ""
         if self.advertised:
             supervisor.probe_host = self.advertised
         supervisor.add_listener(self.shard_changed)
@@ -533,6 +536,7 @@ class AgentCore(Factory):
                 for p in self.supervisor.live_strays()
             ],
             advertise_address=self.advertised,
+            peer_address=self.peer_address(self.advertised),
         )
 
     def heartbeat_message(self) -> pb.Heartbeat:

@@ -23,6 +23,7 @@ from twisted.python import usage
 from llmgw.addresses import AddressError, format_address, parse_address
 from llmgw.agent.client import AgentConfig, AgentCore, make_client_service
 from llmgw.agent.gpus import GPUMonitor, GPUSpecError, discover, parse_gpu_spec
+from llmgw.agent.peers import AgentPeers, parse_peer_listen
 from llmgw.agent.probe import HttpProber
 from llmgw.agent.state import StateDir, StateDirError
 from llmgw.agent.supervisor import Supervisor
@@ -58,6 +59,8 @@ class Options(BaseOptions):
         ["advertise-address", None, "", "the address the gateway and probes reach this node's "
          "shards at, and {host} in commands (default: the local address of the connection to "
          "the control plane)"],
+        ["peer-listen", None, "", "[HOST:]PORT to serve this node's cached models to other nodes on, "
+         "over mutual TLS with the fleet's certificates (default: not served)"],
     ]
 
     def __init__(self) -> None:
@@ -115,6 +118,10 @@ class Options(BaseOptions):
             raise usage.UsageError(f"--advertise-address: {problem}")
         self["advertise_address"] = self["advertise-address"].strip()
         try:
+            self["peer_listen"] = parse_peer_listen(self["peer-listen"])
+        except AddressError as e:
+            raise usage.UsageError(f"--peer-listen: {e}") from e
+        try:
             self["gpu_spec"] = parse_gpu_spec(self["gpus"])
         except GPUSpecError as e:
             raise usage.UsageError(str(e)) from e
@@ -170,6 +177,7 @@ class NodeAgent(MultiService):
         handle_sighup: bool | None = None,
         advertise_address: str = "",
         other_controls: list[tuple[str, int]] | None = None,
+        peer_listen: tuple[str, int] | None = None,
     ):
         super().__init__()
         self.reactor = reactor
@@ -224,6 +232,10 @@ class NodeAgent(MultiService):
             on_target=self._dialling,
         )
         self.core.targets = self.targets
+        # Before the client: the listener's port is known when Register is sent.
+        self.peers = AgentPeers(reactor, tls, peer_listen)
+        self.peers.setServiceParent(self)
+        self.core.peer_address = self.peers.reported
         self.client = make_client_service(self.core, self.targets)
         self.client.setServiceParent(self)
 
@@ -276,6 +288,10 @@ class NodeAgent(MultiService):
             self.log.error("certificate reload refused, the running certificate stays: {error}",
                            error=str(e))
             return False
+        try:
+            self.peers.reload(files)
+        except TLSConfigError as e:
+            self.log.error("the peer listener keeps its running certificate and CRL: {error}", error=str(e))
         self.tls = files
         self.core.config.certificate_not_after = int(files.cert.not_valid_after_utc.timestamp())
         self.log.info(
@@ -321,4 +337,5 @@ def makeService(options: Options, reactor: Any = None) -> NodeAgent:
         heartbeat=options["heartbeat"],
         advertise_address=options["advertise_address"],
         other_controls=options["control_targets"][1:],
+        peer_listen=options["peer_listen"],
     )

@@ -30,7 +30,7 @@ class ControlMessage(_message.Message):
     def __init__(self, ack: _Optional[_Union[Ack, _Mapping]] = ..., start: _Optional[_Union[StartShard, _Mapping]] = ..., stop: _Optional[_Union[StopShard, _Mapping]] = ..., drain: _Optional[_Union[DrainShard, _Mapping]] = ...) -> None: ...
 
 class Register(_message.Message):
-    __slots__ = ("protocol_version", "node_id", "agent_version", "gpus", "fabrics", "running_shards", "certificate_not_after", "stray_processes", "advertise_address")
+    __slots__ = ("protocol_version", "node_id", "agent_version", "gpus", "fabrics", "running_shards", "certificate_not_after", "stray_processes", "advertise_address", "peer_address")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class Register(_message.Message):
     CERTIFICATE_NOT_AFTER_FIELD_NUMBER: _ClassVar[int]
     STRAY_PROCESSES_FIELD_NUMBER: _ClassVar[int]
     ADVERTISE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     node_id: str
     agent_version: str
@@ -49,7 +50,8 @@ class Register(_message.Message):
     certificate_not_after: int
     stray_processes: _containers.RepeatedCompositeFieldContainer[StrayProcess]
     advertise_address: str
-    def __init__(self, protocol_version: _Optional[int] = ..., node_id: _Optional[str] = ..., agent_version: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[GPU, _Mapping]]] = ..., fabrics: _Optional[_Iterable[_Union[Fabric, _Mapping]]] = ..., running_shards: _Optional[_Iterable[_Union[RunningShard, _Mapping]]] = ..., certificate_not_after: _Optional[int] = ..., stray_processes: _Optional[_Iterable[_Union[StrayProcess, _Mapping]]] = ..., advertise_address: _Optional[str] = ...) -> None: ...
+    peer_address: str
+    def __init__(self, protocol_version: _Optional[int] = ..., node_id: _Optional[str] = ..., agent_version: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[GPU, _Mapping]]] = ..., fabrics: _Optional[_Iterable[_Union[Fabric, _Mapping]]] = ..., running_shards: _Optional[_Iterable[_Union[RunningShard, _Mapping]]] = ..., certificate_not_after: _Optional[int] = ..., stray_processes: _Optional[_Iterable[_Union[StrayProcess, _Mapping]]] = ..., advertise_address: _Optional[str] = ..., peer_address: _Optional[str] = ...) -> None: ...
 
 class StrayProcess(_message.Message):
     __slots__ = ("pid", "pgid", "shard_id", "reason", "command")
@@ -220,7 +222,7 @@ class Ack(_message.Message):
     def __init__(self, message_id: _Optional[str] = ..., ok: _Optional[bool] = ..., code: _Optional[_Union[Ack.Code, str]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class StartShard(_message.Message):
-    __slots__ = ("shard_id", "replica_id", "model", "profile", "rank", "world_size", "leader_address", "argv", "env", "gpu_indices", "port", "health_path", "startup_timeout_s", "stop_grace_s", "epoch", "drain_timeout_s", "engine", "metrics_path", "metric_names", "stop_signal", "ready_while_alive", "source")
+    __slots__ = ("shard_id", "replica_id", "model", "profile", "rank", "world_size", "leader_address", "argv", "env", "gpu_indices", "port", "health_path", "startup_timeout_s", "stop_grace_s", "epoch", "drain_timeout_s", "engine", "metrics_path", "metric_names", "stop_signal", "ready_while_alive", "source", "model_peers")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -257,6 +259,7 @@ class StartShard(_message.Message):
     STOP_SIGNAL_FIELD_NUMBER: _ClassVar[int]
     READY_WHILE_ALIVE_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_PEERS_FIELD_NUMBER: _ClassVar[int]
     shard_id: str
     replica_id: str
     model: str
@@ -279,7 +282,8 @@ class StartShard(_message.Message):
     stop_signal: str
     ready_while_alive: bool
     source: ModelSource
-    def __init__(self, shard_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., model: _Optional[str] = ..., profile: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., leader_address: _Optional[str] = ..., argv: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., gpu_indices: _Optional[_Iterable[int]] = ..., port: _Optional[int] = ..., health_path: _Optional[str] = ..., startup_timeout_s: _Optional[int] = ..., stop_grace_s: _Optional[int] = ..., epoch: _Optional[int] = ..., drain_timeout_s: _Optional[int] = ..., engine: _Optional[str] = ..., metrics_path: _Optional[str] = ..., metric_names: _Optional[_Mapping[str, str]] = ..., stop_signal: _Optional[str] = ..., ready_while_alive: _Optional[bool] = ..., source: _Optional[_Union[ModelSource, _Mapping]] = ...) -> None: ...
+    model_peers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, shard_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., model: _Optional[str] = ..., profile: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., leader_address: _Optional[str] = ..., argv: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., gpu_indices: _Optional[_Iterable[int]] = ..., port: _Optional[int] = ..., health_path: _Optional[str] = ..., startup_timeout_s: _Optional[int] = ..., stop_grace_s: _Optional[int] = ..., epoch: _Optional[int] = ..., drain_timeout_s: _Optional[int] = ..., engine: _Optional[str] = ..., metrics_path: _Optional[str] = ..., metric_names: _Optional[_Mapping[str, str]] = ..., stop_signal: _Optional[str] = ..., ready_while_alive: _Optional[bool] = ..., source: _Optional[_Union[ModelSource, _Mapping]] = ..., model_peers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ModelSource(_message.Message):
     __slots__ = ("scheme", "repo", "revision", "file", "url", "sha256", "path")
