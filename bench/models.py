@@ -3,7 +3,7 @@ Models shared between nodes: bytes the source serves, and wall time, for
 eight node caches that each need one model, fetched each from the source
 and then through peers, in the same run.
 
-    python bench/models.py [--size-mib 256] [--nodes 8] [--out FILE]
+    python bench/models.py [--size-mib 256] [--nodes 8] [--hub-mib 1024] [--out FILE]
 
 Everything runs in this process on one reactor: an https source on
 loopback (twisted.web over TLS with a server certificate of a CA made at
@@ -18,6 +18,15 @@ part in doubling waves: node 0 fetches from the source; each later wave
 starts as many nodes as have finished, each told every finished node (its
 list rotated so that each finished node is first for one of them). With
 the default serving cap of 4 no peer refuses anyone.
+
+The fetch's CPU (C{--hub-mib}, 0 to skip; needs C{olah-cli} beside this
+Python and git): a file of that size in a git mirror served by a real
+C{olah} on loopback, fetched by C{huggingface_hub}'s own C{hf_hub_download}
+in a child process, and through a L{ModelCache} with the hub fetcher on a
+reactor and a thread pool, as the agent fetches, in another; each child's
+CPU seconds around the download (and for its whole life), and the second's
+reactor's longest stall (how late a 5 ms timer ran), timed after
+C{huggingface_hub} is imported, as in an agent after its first fetch.
 """
 
 from __future__ import annotations
@@ -211,6 +220,11 @@ async def _run(reactor: Any, args: argparse.Namespace, work: Path) -> dict[str, 
         pool.stop()
         await port.stopListening()
     peers = results["peers"]
+    hub = hub_cpu(args.hub_mib, work / "hub") if args.hub_mib else {"skipped": "--hub-mib 0"}
+    bars: dict[str, Any] = {"source_bytes_at_most_1.25x_model": peers["source_bytes"] <= 1.25 * size}
+    if "cpu_ratio" in hub:
+        bars["fetch_cpu_at_most_1.2x_hf_hub_download"] = hub["cpu_ratio"] <= 1.2
+        bars["fetch_reactor_stall_under_20ms"] = hub["cache"]["reactor_longest_stall_ms"] < 20
     return {
         "bench": "models",
         "config": {"nodes": args.nodes, "model_bytes": size, "cpus": os.cpu_count(),
@@ -218,10 +232,126 @@ async def _run(reactor: Any, args: argparse.Namespace, work: Path) -> dict[str, 
                    "peer_rule": "doubling waves: node 0 from the source; each wave as many nodes as "
                                 "have finished, each given every finished node (rotated)"},
         "fleet_sharing": results,
-        "bars": {
-            "source_bytes_at_most_1.25x_model": peers["source_bytes"] <= 1.25 * size,
-        },
+        "fetch_cpu": hub,
+        "bars": bars,
     }
+
+
+HF_CHILD = """
+import json, resource, sys, time
+from huggingface_hub import hf_hub_download
+endpoint, directory = sys.argv[1:3]
+def cpu():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+c0, t0 = cpu(), time.monotonic()
+hf_hub_download("bench/big", "model.bin", local_dir=directory, endpoint=endpoint, token=False)
+print(json.dumps({"cpu_s": cpu() - c0, "wall_s": time.monotonic() - t0}))
+"""
+
+
+def agent_fetch(endpoint: str, directory: str) -> None:
+    """
+    The child that fetches through the cache, as the agent does: prints
+    its CPU seconds, wall time and the reactor's longest stall.
+    """
+    # Imported before the clock starts, as in an agent after its first
+    # fetch: the first import, in a fetch's thread, holds the interpreter.
+    import huggingface_hub  # noqa: F401
+    from twisted.internet import reactor
+    from twisted.internet.task import react
+
+    from llmgw.models.hub import HubFetcher
+
+    def body(reactor_: Any) -> Deferred[None]:
+        async def go() -> None:
+            pool = ThreadPool(minthreads=0, maxthreads=4, name="bench-agent")
+            pool.start()
+            cache = ModelCache(directory, 4 << 30, {"hf": HubFetcher(endpoint=endpoint, token=False)},
+                               reactor_, thread_runner(reactor_, pool))
+            await cache.load()
+            stalls = Stalls(reactor_)
+            c0, t0 = cpu_seconds(), time.monotonic()
+            stalls.start()
+            await cache.ensure(parse_source("hf://bench/big", file="model.bin"))
+            worst = stalls.stop()
+            print(json.dumps({"cpu_s": cpu_seconds() - c0, "wall_s": time.monotonic() - t0,
+                              "reactor_longest_stall_ms": worst * 1000}))
+            pool.stop()
+        return Deferred.fromCoroutine(go())
+    del reactor
+    react(body)
+
+
+def hub_cpu(mib: int, work: Path) -> dict[str, Any]:
+    """
+    The fetch CPU bar: C{hf_hub_download} against the cache's hub fetch of
+    one C{mib} MiB file from olah on loopback, each in a child process.
+    """
+    import subprocess
+
+    from llmgw.testing.ports import free_port, wait_bound
+
+    olah = Path(sys.executable).with_name("olah-cli")
+    if not olah.exists() or shutil.which("git") is None:
+        return {"skipped": "olah-cli or git is missing"}
+    repo = work / "mirrors" / "models" / "bench" / "big"
+    repo.mkdir(parents=True)
+
+    def git(*a: str) -> None:
+        subprocess.run(["git", "-C", str(repo), "-c", "user.name=b", "-c", "user.email=b@b", *a],
+                       check=True, capture_output=True)
+    git("init", "-q", "-b", "main")
+    blob = work / "blob"
+    digest = hashlib.sha256()
+    with blob.open("wb") as f:
+        for _ in range(mib):
+            chunk = os.urandom(1 << 20)
+            f.write(chunk)
+            digest.update(chunk)
+    oid = digest.hexdigest()
+    objects = repo / ".git" / "lfs" / "objects" / oid[:2] / oid[2:4]
+    objects.mkdir(parents=True)
+    blob.rename(objects / oid)
+    (repo / "model.bin").write_text(
+        f"version https://git-lfs.github.com/spec/v1\noid sha256:{oid}\nsize {mib << 20}\n")
+    git("add", "-A")
+    git("commit", "-qm", "big")
+    port = free_port()
+    config = work / "olah.toml"
+    config.write_text(f'[basic]\nhost = "127.0.0.1"\nport = {port}\nrepos-path = "{work / "repos"}"\n'
+                      f'mirrors-path = ["{work / "mirrors"}"]\n[accessibility]\noffline = true\n')
+    log = (work / "olah.out").open("wb")
+    proc = subprocess.Popen([str(olah), "-c", str(config), "--log-path", str(work / "logs")],
+                            stdout=log, stderr=subprocess.STDOUT, cwd=work)
+    try:
+        if not wait_bound(proc, [port], lambda: (work / "olah.out").read_text(errors="replace"), 60):
+            return {"skipped": "olah did not listen"}
+        endpoint = f"http://127.0.0.1:{port}"
+        out: dict[str, Any] = {"file_bytes": mib << 20}
+        env = {**os.environ, "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HOME": str(work / "hf-home")}
+        for name, argv in (
+            ("hf_hub_download", [sys.executable, "-c", HF_CHILD, endpoint, str(work / "hf")]),
+            ("cache", [sys.executable, __file__, "--agent-fetch", endpoint, str(work / "cache")]),
+        ):
+            before = rusage.getrusage(rusage.RUSAGE_CHILDREN)
+            done = subprocess.run(argv, check=True, capture_output=True, env=env)
+            after = rusage.getrusage(rusage.RUSAGE_CHILDREN)
+            figures = json.loads(done.stdout.decode().strip().splitlines()[-1])
+            figures["process_cpu_s"] = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+            out[name] = {k: round(v, 3) for k, v in figures.items()}
+        out["cpu_ratio"] = round(out["cache"]["cpu_s"] / out["hf_hub_download"]["cpu_s"], 2)
+        out["process_cpu_ratio"] = round(
+            out["cache"]["process_cpu_s"] / out["hf_hub_download"]["process_cpu_s"], 2)
+        return out
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
 
 
 def main() -> None:
@@ -230,7 +360,12 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=8)
     parser.add_argument("--out", help="also write the JSON here")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    parser.add_argument("--hub-mib", type=int, default=1024, help="the fetch CPU bar's file (MiB; 0: skip)")
+    parser.add_argument("--agent-fetch", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.agent_fetch:
+        agent_fetch(*args.agent_fetch)
+        return
     from twisted.internet import reactor
     from twisted.internet.task import react
 
