@@ -418,3 +418,20 @@ class UnitTests(SynchronousTestCase):
         source = HttpsSource(url="https://example.invalid/m.bin", sha256="0" * 64)
         fetcher.fetch(source, Plan(files=(FileSpec("m.bin", 3),)), Path(self.mktemp()), Transfer())
         self.assertEqual(inner.got, ["m.bin"])
+
+    def test_part_removed_after_source(self) -> None:
+        """
+        What a peer left in a C{.part} is removed once the source (which
+        does not resume it) has fetched the file.
+        """
+        ca = make_pki(self.mktemp(), nodes=("node-b",))
+        directory = Path(self.mktemp())
+        (directory / "sub").mkdir(parents=True)
+        (directory / "sub" / "weights.bin.part").write_bytes(WEIGHTS[:100])
+        source_fetcher = FakeFetcher(MODELS)
+        fetcher = PeerFetcher(source_fetcher, ["127.0.0.1:1"], PeerClientTLS(files(ca, "node-b")))
+        from llmgw.models.fetching import Transfer
+        transfer = Transfer()
+        fetcher.fetch(SOURCE, source_fetcher.plan(SOURCE), directory, transfer)
+        self.assertEqual(sorted(p.name for p in (directory / "sub").iterdir()), ["weights.bin"])
+        self.assertEqual(transfer.done, len(WEIGHTS) + len(CONFIG))

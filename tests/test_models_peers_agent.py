@@ -52,6 +52,15 @@ class OptionTests(SynchronousTestCase):
             e = self.assertRaises(usage.UsageError, self.parse, "--peer-listen", bad)
             self.assertIn("--peer-listen", str(e))
 
+    def test_bad_crl_refused(self) -> None:
+        """
+        A CRL beside the CA that does not parse is refused at start, naming
+        the file: the peer listener and peer fetches would check it.
+        """
+        (self.dir / "crl.pem").write_text("-----BEGIN X509 CRL-----\nMIIB")
+        e = self.assertRaises(usage.UsageError, self.parse)
+        self.assertIn("crl.pem", str(e))
+
     def test_reported_address(self) -> None:
         """
         The reported address is the listener's host, or the advertised host

@@ -23,7 +23,7 @@ from twisted.python import usage
 from llmgw.addresses import AddressError, format_address, parse_address
 from llmgw.agent.client import AgentConfig, AgentCore, make_client_service
 from llmgw.agent.gpus import GPUMonitor, GPUSpecError, discover, parse_gpu_spec
-from llmgw.agent.peers import AgentPeers, parse_peer_listen
+from llmgw.agent.peers import AgentPeers, crl_beside, parse_peer_listen
 from llmgw.agent.probe import HttpProber
 from llmgw.agent.state import StateDir, StateDirError
 from llmgw.agent.supervisor import Supervisor
@@ -148,6 +148,10 @@ class Options(BaseOptions):
                 f"which is for node {node_id!r}"
             )
         self["tls"], self["node_id"] = tls, node_id
+        try:
+            crl_beside(tls)  # read by the peer listener and the peer fetches
+        except TLSConfigError as e:
+            raise usage.UsageError(str(e)) from e
 
         try:
             self["state"] = StateDir(Path(self["state-dir"]))

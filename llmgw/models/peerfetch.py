@@ -175,6 +175,10 @@ class PeerFetcher:
             self.log.info("{key}: {count} file(s) from the source {source}", key=key, count=len(left),
                           source=str(source))
             self.source.fetch(source, replace(plan, files=tuple(left)), directory, transfer)
+            for spec in left:
+                # A peer's bytes the source did not resume from (a hub keeps
+                # its own partial files) would stay behind for ever.
+                (directory / (spec.path + PART)).unlink(missing_ok=True)
 
     def _from_peers(self, key: str, spec: FileSpec, final: Path, transfer: Transfer) -> bool:
         part = final.with_name(final.name + PART)
