@@ -11,6 +11,7 @@ import hashlib
 import http.client
 import os
 import ssl
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -24,6 +25,7 @@ from twisted.web import resource
 from twisted.web.server import Request
 
 from llmgw.models.cache import ModelCache, thread_runner
+from llmgw.models.errors import ChecksumMismatch
 from llmgw.models.fetching import Plan
 from llmgw.models.https import HttpsFetcher
 from llmgw.models.peerfetch import PeerClientTLS, PeerFetcher, peering
@@ -132,6 +134,42 @@ class PeerFetchTests(PeerTestBase):
             self.assertEqual(((path / "sub" / "weights.bin").read_bytes(), (path / "config.json").read_bytes()),
                              (WEIGHTS, CONFIG))
             self.assertEqual((source_fetcher.plans, source_fetcher.written), ([str(SOURCE)], []))
+        return Deferred.fromCoroutine(run())
+
+    def test_git_blob_checked(self) -> None:
+        """
+        A file the source checks by its git blob id (a hub file kept
+        outside LFS) is taken from a peer when its blob id matches, and
+        left to the source when the plan's blob id differs.
+        """
+        class GitPlans(FakeFetcher):
+            blob = ""
+
+            def plan(self, source: Source) -> Plan:
+                plan = super().plan(source)
+                return replace(plan, files=tuple(
+                    replace(f, sha256=None, git_sha1=self.blob or git_blob(CONFIG)) if f.path == "config.json"
+                    else f for f in plan.files))
+
+        def git_blob(data: bytes) -> str:
+            return hashlib.sha1(b"blob %d\0" % len(data) + data, usedforsecurity=False).hexdigest()
+
+        async def run() -> None:
+            _, address = await self.holder()
+            good = GitPlans(MODELS)
+            cache = self.cache("node-b", {"hf": good})
+            await cache.load()
+            path = await cache.ensure(SOURCE, peers=[address])
+            self.assertEqual(((path / "config.json").read_bytes(), good.written), (CONFIG, []))
+            other = GitPlans(MODELS)
+            other.blob = "0" * 40
+            cache = self.cache("node-c", {"hf": other})
+            await cache.load()
+            with self.assertRaises(ChecksumMismatch):
+                # The source's own bytes fail the (wrong) blob id too.
+                await cache.ensure(SOURCE, peers=[address])
+            self.assertEqual(other.written, ["config.json"])
+            self.flushLoggedErrors()
         return Deferred.fromCoroutine(run())
 
     def test_damaged_peer(self) -> None:
