@@ -19,11 +19,13 @@ from twisted.internet import reactor
 from twisted.internet.defer import Deferred
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import capturedLogs
+from twisted.protocols.tls import TLSMemoryBIOFactory
 from twisted.python.threadpool import ThreadPool
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web import resource
 from twisted.web.server import Request
 
+from llmgw.addresses import server_endpoint
 from llmgw.models.cache import ModelCache, thread_runner
 from llmgw.models.errors import ChecksumMismatch
 from llmgw.models.fetching import Plan
@@ -276,6 +278,18 @@ class _Cutting(resource.Resource):
 
 
 class PeerResumeTests(PeerTestBase, HttpsServerMixin):
+    def cutting_peer(self) -> tuple[str, _Cutting]:
+        """
+        A peer of the fleet that cuts every file halfway, and its resource.
+        """
+        cutter = _Cutting()
+        # No idle timer: this connection is cut before its request ends.
+        site = PeerSite(cutter, reactor=reactor, timeout=None)
+        tls = ServerTLS(files(self.ca, "node-a"))
+        address = self.start(PeerListener(server_endpoint(reactor, "127.0.0.1", 0),
+                                          TLSMemoryBIOFactory(tls, False, site, clock=reactor), tls, site))
+        return address, cutter
+
     def test_peer_dies_mid_file(self) -> None:
         """
         A peer that stops halfway leaves its bytes; the https source resumes
@@ -283,21 +297,40 @@ class PeerResumeTests(PeerTestBase, HttpsServerMixin):
         """
         async def run() -> None:
             base = self.start_server(self)
-            from twisted.protocols.tls import TLSMemoryBIOFactory
-
-            from llmgw.addresses import server_endpoint
-            cutter = _Cutting()
-            # No idle timer: this connection is cut before its request ends.
-            site = PeerSite(cutter, reactor=reactor, timeout=None)
-            tls = ServerTLS(files(self.ca, "node-a"))
-            cutting = self.start(PeerListener(server_endpoint(reactor, "127.0.0.1", 0),
-                                              TLSMemoryBIOFactory(tls, False, site, clock=reactor), tls, site))
+            cutting, cutter = self.cutting_peer()
             cache = self.cache("node-b", {"https": HttpsFetcher(retries=0)})
             await cache.load()
             source = parse_source(base + "/m/tiny.gguf", sha256=SHA)
             path = await cache.ensure(source, peers=[cutting])
             self.assertEqual(hashlib.sha256(path.read_bytes()).hexdigest(), SHA)
             self.assertEqual(self.server.ranges, [f"bytes={len(BODY) // 2}-"])
+            for gone in cutter.gone:
+                await gone
+        return Deferred.fromCoroutine(run())
+
+
+    def test_resumed_from_next_peer(self) -> None:
+        """
+        A peer that stops halfway leaves its bytes, and the next peer is
+        asked for the rest only (a Range request); the source serves no
+        byte of the file.
+        """
+        async def run() -> None:
+            base = self.start_server(self)
+            source = parse_source(base + "/m/tiny.gguf", sha256=SHA)
+            cutting, cutter = self.cutting_peer()
+            holder = self.cache("node-c", {"https": FakeFetcher({str(source): {"tiny.gguf": BODY}})})
+            await holder.load()
+            await holder.ensure(source)
+            good = self.listen(holder, "node-c")
+            cache = self.cache("node-b", {"https": HttpsFetcher(retries=0)})
+            await cache.load()
+            with capturedLogs() as events:
+                path = await cache.ensure(source, peers=[cutting, good])
+            self.assertEqual(hashlib.sha256(path.read_bytes()).hexdigest(), SHA)
+            self.assertEqual(self.server.ranges, [])
+            self.assertTrue(any(e.get("peer") == good and "fetched from peer" in e.get("log_format", "")
+                                for e in events))
             for gone in cutter.gone:
                 await gone
         return Deferred.fromCoroutine(run())
