@@ -88,17 +88,21 @@ class Stalls:
     def __init__(self, reactor: Any) -> None:
         self.reactor = reactor
         self.worst = 0.0
-        self.last = reactor.seconds()
+        #: Seconds from L{start} to the end of the worst stall.
+        self.when = 0.0
+        self.last = self.began = reactor.seconds()
         self.loop = LoopingCall(self._tick)
         self.loop.clock = reactor
 
     def _tick(self) -> None:
         now = self.reactor.seconds()
-        self.worst = max(self.worst, now - self.last - 0.005)
+        if now - self.last - 0.005 > self.worst:
+            self.worst, self.when = now - self.last - 0.005, now - self.began
         self.last = now
 
     def start(self) -> None:
-        self.worst, self.last = 0.0, self.reactor.seconds()
+        self.worst, self.when = 0.0, 0.0
+        self.last = self.began = self.reactor.seconds()
         self.loop.start(0.005, now=False)
 
     def stop(self) -> float:
@@ -121,6 +125,9 @@ async def run(reactor: Any, args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def _run(reactor: Any, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    if not args.nodes:
+        hub = hub_cpu(args.hub_mib, work / "hub")
+        return {"bench": "models", "fetch_cpu": hub}
     ca = CertificateAuthority.init(work / "ca")
     issued = ca.issue_server(["127.0.0.1"])
     nodes = [f"node-{i}" for i in range(args.nodes)]
@@ -257,7 +264,7 @@ def agent_fetch(endpoint: str, directory: str) -> None:
     """
     # Imported before the clock starts, as in an agent after its first
     # fetch: the first import, in a fetch's thread, holds the interpreter.
-    import huggingface_hub  # noqa: F401
+    from huggingface_hub import HfApi, hf_hub_download  # noqa: F401
     from twisted.internet import reactor
     from twisted.internet.task import react
 
@@ -276,7 +283,7 @@ def agent_fetch(endpoint: str, directory: str) -> None:
             await cache.ensure(parse_source("hf://bench/big", file="model.bin"))
             worst = stalls.stop()
             print(json.dumps({"cpu_s": cpu_seconds() - c0, "wall_s": time.monotonic() - t0,
-                              "reactor_longest_stall_ms": worst * 1000}))
+                              "reactor_longest_stall_ms": worst * 1000, "stall_at_s": stalls.when}))
             pool.stop()
         return Deferred.fromCoroutine(go())
     del reactor
@@ -357,7 +364,7 @@ def hub_cpu(mib: int, work: Path) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-mib", type=int, default=256, help="the model's size (MiB)")
-    parser.add_argument("--nodes", type=int, default=8)
+    parser.add_argument("--nodes", type=int, default=8, help="0: only the fetch CPU bar")
     parser.add_argument("--out", help="also write the JSON here")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     parser.add_argument("--hub-mib", type=int, default=1024, help="the fetch CPU bar's file (MiB; 0: skip)")
