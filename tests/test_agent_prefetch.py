@@ -34,6 +34,7 @@ class FakeCache:
     held: list[CachedModel] = field(default_factory=list)
     pins: dict[str, set[str]] = field(default_factory=dict)
     ensured: list[Any] = field(default_factory=list)
+    peers: list[tuple[str, ...]] = field(default_factory=list)
 
     def models(self) -> list[CachedModel]:
         return list(self.held)
@@ -47,8 +48,9 @@ class FakeCache:
     def unpin(self, key: str, user: str) -> None:
         self.pins.get(key, set()).discard(user)
 
-    def ensure(self, source: Any, progress: Any = None) -> Deferred[Any]:
+    def ensure(self, source: Any, progress: Any = None, peers: Any = ()) -> Deferred[Any]:
         self.ensured.append(source)
+        self.peers.append(tuple(peers))
         return Deferred()
 
 
@@ -58,14 +60,15 @@ def held(key: str = "k1", size: int = 100) -> CachedModel:
 
 
 class CacheReportTests(SynchronousTestCase):
-    def test_register_carries_cache_and_peer(self) -> None:
+    def test_register_carries_cache(self) -> None:
         """
-        A Register lists every cached model, the room and the peer address;
-        it survives the wire and reads back as the inventory keeps it.
+        A Register lists every cached model and the room, and keeps the
+        peer address it was given; it survives the wire and reads back as
+        the inventory keeps it.
         """
         cache = FakeCache(held=[held()])
-        report = CacheReport(cache, "10.0.0.1:7000")  # type: ignore[arg-type]
-        reg = pb.Register(node_id="n")
+        report = CacheReport(cache)  # type: ignore[arg-type]
+        reg = pb.Register(node_id="n", peer_address="10.0.0.1:7000")
         report.fill_register(reg)
         again = pb.Register.FromString(reg.SerializeToString())
         self.assertEqual((again.peer_address, again.cache_capacity, again.cache_free),
@@ -128,9 +131,11 @@ class PrefetcherTests(SynchronousTestCase):
         spec = parse_spec("hf://org/m@v1")
         key = cache_key(parse_source("hf://org/m@v1"))
         p = Prefetcher(cache)  # type: ignore[arg-type]
-        p.prefetch(pb.PrefetchModel(source=source_message(spec), pin="prefetch:m"))
+        p.prefetch(pb.PrefetchModel(source=source_message(spec), pin="prefetch:m",
+                                    model_peers=["10.0.0.2:7000"]))
         self.assertEqual(cache.pins, {key: {"prefetch:m"}})
         self.assertEqual([str(s) for s in cache.ensured], ["hf://org/m@v1"])
+        self.assertEqual(cache.peers, [("10.0.0.2:7000",)])
         p.drop(pb.DropModel(key=key, pin="prefetch:m"))
         self.assertEqual(cache.pins, {key: set()})
 

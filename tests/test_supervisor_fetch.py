@@ -93,6 +93,23 @@ class FetchingTests(FetchCase):
         self.prober.answer(True)
         self.assertEqual(shard.state, "ready")
 
+    def test_fetch_given_the_peers(self) -> None:
+        """
+        The peers a start command names (StartShard.model_peers) are the
+        ones the cache's fetch tries before the source.
+        """
+        asked: list[tuple[str, ...]] = []
+
+        def peering(fetcher: Any, peers: tuple[str, ...]) -> Any:
+            asked.append(tuple(peers))
+            return fetcher
+
+        self.cache = self.sup.weights.cache = ModelCache(self.cache_dir, self.capacity, {"hf": self.fetcher},
+                                                          self.clock, self.runner, peering=peering)
+        self.sup.start(self.fetched_spec(model_peers=("10.0.0.2:7000", "10.0.0.3:7000")))
+        self.runner.drain()
+        self.assertEqual(asked, [("10.0.0.2:7000", "10.0.0.3:7000")])
+
     def test_startup_timeout_after_fetch(self) -> None:
         """
         The startup timeout starts when the weights are there, not at the

@@ -368,8 +368,8 @@ class AgentCore(Factory):
         self.config = config
         #: The node's weight cache (L{llmgw.models.cache.ModelCache}), or
         #: None; its content travels in Register and heartbeats, and
-        #: prefetch commands fill it. C{cache_report.peer_address} is the
-        #: node's peer listener, once it has one.
+        #: prefetch commands fill it (the peer listener's address is
+        #: L{peer_address}'s).
         self.model_cache = model_cache
         self.cache_report = CacheReport(model_cache)
         self.prefetcher = Prefetcher(model_cache)
@@ -408,6 +408,9 @@ class AgentCore(Factory):
         #: The address shards are advertised at: the configured one, else
         #: learned from each connection (L{learn_address}).
         self.advertised = config.advertise_address
+        #: The peer listener's HOST:PORT for Register, given the advertised
+        #: host (L{llmgw.agent.peers.AgentPeers.reported}); "": none.
+        self.peer_address: Callable[[str], str] = lambda advertised: ""
         if self.advertised:
             supervisor.probe_host = self.advertised
         supervisor.add_listener(self.shard_changed)
@@ -553,6 +556,7 @@ class AgentCore(Factory):
                 for p in self.supervisor.live_strays()
             ],
             advertise_address=self.advertised,
+            peer_address=self.peer_address(self.advertised),
         )
 
     def heartbeat_message(self) -> pb.Heartbeat:

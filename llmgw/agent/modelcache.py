@@ -15,7 +15,7 @@ from twisted.application.service import Service
 from twisted.logger import Logger
 from twisted.python.threadpool import ThreadPool
 
-from llmgw.models.cache import ModelCache, default_fetchers, thread_runner
+from llmgw.models.cache import ModelCache, Peering, default_fetchers, thread_runner
 from llmgw.models.fetching import IFetcher
 
 __all__ = ["ModelCacheService", "default_capacity", "CACHE_THREADS", "MARGIN_FRACTION"]
@@ -53,14 +53,15 @@ class ModelCacheService(Service):
     log = Logger()
 
     def __init__(self, reactor: Any, directory: Path, capacity: int | None = None,
-                 fetchers: Mapping[str, IFetcher] | None = None, threads: int = CACHE_THREADS):
+                 fetchers: Mapping[str, IFetcher] | None = None, threads: int = CACHE_THREADS,
+                 peering: Peering | None = None):
         self.directory = directory
         self.defaulted = capacity is None
         self.capacity = default_capacity(directory) if capacity is None else capacity
         self.pool = ThreadPool(0, threads, name="llmgw-model-cache")
         self.cache = ModelCache(directory, self.capacity,
                                 default_fetchers() if fetchers is None else fetchers,
-                                reactor, thread_runner(reactor, self.pool))
+                                reactor, thread_runner(reactor, self.pool), peering=peering)
 
     def startService(self) -> None:
         super().startService()

@@ -43,9 +43,8 @@ class CacheReport:
     report or every L{REPORT_EVERY} heartbeats.
     """
 
-    def __init__(self, cache: ModelCache | None, peer_address: str = "") -> None:
+    def __init__(self, cache: ModelCache | None) -> None:
         self.cache = cache
-        self.peer_address = peer_address
         self._last: list[pb.CachedModel] | None = None
         self._since = 0
 
@@ -55,7 +54,6 @@ class CacheReport:
         return capacity, max(capacity - self.cache.used(), 0)
 
     def fill_register(self, reg: pb.Register) -> None:
-        reg.peer_address = self.peer_address
         if self.cache is None:
             return
         self._last = cached_messages(self.cache)
@@ -103,7 +101,7 @@ class Prefetcher:
         if msg.pin:
             self.cache.pin(key, msg.pin)
         self.log.info("prefetching {source} ({pin})", source=str(source), pin=msg.pin or "a pull")
-        d = self.cache.ensure(source)
+        d = self.cache.ensure(source, peers=tuple(msg.model_peers))
         d.addCallbacks(lambda path: self.log.info("prefetched {source} into {path}", source=str(source),
                                                   path=str(path)),
                        self._failed, errbackArgs=(str(source),))

@@ -25,6 +25,7 @@ from llmgw.addresses import AddressError, format_address, parse_address
 from llmgw.agent.client import AgentConfig, AgentCore, make_client_service
 from llmgw.agent.gpus import GPUMonitor, GPUSpecError, discover, parse_gpu_spec
 from llmgw.agent.modelcache import ModelCacheService
+from llmgw.agent.peers import AgentPeers, crl_beside, parse_peer_listen
 from llmgw.agent.probe import HttpProber
 from llmgw.agent.state import StateDir, StateDirError
 from llmgw.agent.supervisor import Supervisor
@@ -61,6 +62,8 @@ class Options(BaseOptions):
          "shards at, and {host} in commands (default: the local address of the connection to "
          "the control plane)"],
         *model_cache_rows("STATE_DIR/models"),
+        ["peer-listen", None, "", "[HOST:]PORT to serve this node's cached models to other nodes on, "
+         "over mutual TLS with the fleet's certificates (default: not served)"],
     ]
 
     def __init__(self) -> None:
@@ -118,6 +121,10 @@ class Options(BaseOptions):
             raise usage.UsageError(f"--advertise-address: {problem}")
         self["advertise_address"] = self["advertise-address"].strip()
         try:
+            self["peer_listen"] = parse_peer_listen(self["peer-listen"])
+        except AddressError as e:
+            raise usage.UsageError(f"--peer-listen: {e}") from e
+        try:
             self["gpu_spec"] = parse_gpu_spec(self["gpus"])
         except GPUSpecError as e:
             raise usage.UsageError(str(e)) from e
@@ -144,6 +151,10 @@ class Options(BaseOptions):
                 f"which is for node {node_id!r}"
             )
         self["tls"], self["node_id"] = tls, node_id
+        try:
+            crl_beside(tls)  # read by the peer listener and the peer fetches
+        except TLSConfigError as e:
+            raise usage.UsageError(str(e)) from e
 
         try:
             self["state"] = StateDir(Path(self["state-dir"]))
@@ -176,6 +187,7 @@ class NodeAgent(MultiService):
         other_controls: list[tuple[str, int]] | None = None,
         model_cache: Path | None = None,
         model_cache_size: int | None = None,
+        peer_listen: tuple[str, int] | None = None,
     ):
         super().__init__()
         self.reactor = reactor
@@ -187,9 +199,13 @@ class NodeAgent(MultiService):
         self.monitor.setServiceParent(self)
         # The node's model cache (STATE_DIR/models by default), its size
         # bound by default what its filesystem has free at start, less a margin.
+        # The peer listener serves the cache's complete models to other
+        # nodes, and fetches given peers try them before the source.
+        self.peers = AgentPeers(reactor, tls, peer_listen)
         self.model_cache = ModelCacheService(reactor, model_cache or state.path / "models",
-                                             model_cache_size)
+                                             model_cache_size, peering=self.peers.peering)
         self.model_cache.setServiceParent(self)
+        self.peers.serve(self.model_cache.cache)
         self.supervisor = Supervisor(
             reactor,
             lambda *a, **kw: reactor.spawnProcess(*a, **kw),
@@ -237,6 +253,9 @@ class NodeAgent(MultiService):
             on_target=self._dialling,
         )
         self.core.targets = self.targets
+        # Before the client: the listener's port is known when Register is sent.
+        self.peers.setServiceParent(self)
+        self.core.peer_address = self.peers.reported
         self.client = make_client_service(self.core, self.targets)
         self.client.setServiceParent(self)
 
@@ -292,6 +311,10 @@ class NodeAgent(MultiService):
             self.log.error("certificate reload refused, the running certificate stays: {error}",
                            error=str(e))
             return False
+        try:
+            self.peers.reload(files)
+        except TLSConfigError as e:
+            self.log.error("the peer listener keeps its running certificate and CRL: {error}", error=str(e))
         self.tls = files
         self.core.config.certificate_not_after = int(files.cert.not_valid_after_utc.timestamp())
         self.log.info(
@@ -339,4 +362,5 @@ def makeService(options: Options, reactor: Any = None) -> NodeAgent:
         other_controls=options["control_targets"][1:],
         model_cache=options["model_cache"],
         model_cache_size=options["model-cache-size"],
+        peer_listen=options["peer_listen"],
     )

@@ -129,7 +129,7 @@ class WeightFetcher:
 
         def progress(p: Progress) -> None:
             shard.progress = p
-        return await self.cache.acquire(source, shard.shard_id, progress)
+        return await self.cache.acquire(source, shard.shard_id, progress, peers=shard.spec.model_peers)
 
     def _done(self, path: Path, shard: Shard) -> None:
         shard.fetch = None

@@ -18,7 +18,7 @@ so an agent killed mid-fetch finds it and the next fetch resumes it.
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -46,11 +46,14 @@ from llmgw.models.index import (
 )
 from llmgw.models.source import LocalSource, Source, cache_key, canonical
 
-__all__ = ["ModelCache", "Progress", "CachedModel", "ThreadRunner", "thread_runner", "default_fetchers"]
+__all__ = ["ModelCache", "Progress", "CachedModel", "Peering", "ThreadRunner", "thread_runner",
+           "default_fetchers"]
 
 T = TypeVar("T")
 #: Runs a blocking callable with its arguments in a thread: a Deferred of its result.
 ThreadRunner = Callable[..., "Deferred[Any]"]
+#: Wraps a source's fetcher so that it tries the given peers (HOST:PORT) first.
+Peering = Callable[[IFetcher, tuple[str, ...]], IFetcher]
 
 
 @dataclass(frozen=True)
@@ -105,9 +108,10 @@ class _Fetch:
     One fetch (or check) of one model and the callers waiting on it.
     """
 
-    def __init__(self, key: str, source: Source, now: float) -> None:
+    def __init__(self, key: str, source: Source, now: float, peers: tuple[str, ...] = ()) -> None:
         self.key = key
         self.source = source
+        self.peers = peers
         self.waiters: list[Deferred[Path]] = []
         self.observers: dict[int, Callable[[Progress], None]] = {}
         self.transfer = Transfer()
@@ -143,6 +147,8 @@ class ModelCache:
     @param clock: times progress reports and stamps last use.
     @param run: runs blocking work in a thread (L{thread_runner}).
     @param progress_interval: seconds between progress reports of a fetch.
+    @param peering: wraps a source's fetcher for a fetch given peers
+        (L{llmgw.models.peerfetch}); without it, peers given are ignored.
     """
 
     log = Logger()
@@ -150,6 +156,7 @@ class ModelCache:
     def __init__(
         self, directory: Path | str, capacity: int, fetchers: Mapping[str, IFetcher],
         clock: IReactorTime, run: ThreadRunner, progress_interval: float = 1.0,
+        peering: Peering | None = None,
     ) -> None:
         self.directory = Path(directory)
         self.capacity = capacity
@@ -157,6 +164,7 @@ class ModelCache:
         self._clock = clock
         self._run = run
         self._interval = progress_interval
+        self._peering = peering
         self._entries: dict[str, Entry] = {}
         self._pins: dict[str, set[str]] = {}
         self._fetches: dict[str, _Fetch] = {}
@@ -179,7 +187,9 @@ class ModelCache:
             self._entries = {e.key: e for e in entries}
         return Deferred.fromCoroutine(load())
 
-    def ensure(self, source: Source, progress: Callable[[Progress], None] | None = None) -> Deferred[Path]:
+    def ensure(
+        self, source: Source, progress: Callable[[Progress], None] | None = None, peers: Sequence[str] = (),
+    ) -> Deferred[Path]:
         """
         The local path of C{source}'s model (a file, or a directory for a hub
         snapshot), fetched first if the cache lacks it or holds it damaged.
@@ -191,6 +201,11 @@ class ModelCache:
 
         A local source is used in place: its path, once seen to exist.
 
+        C{peers} (HOST:PORT of nodes holding a complete copy) are tried
+        before the source for each file when the cache was given a
+        C{peering}; the fetch already under way for a later caller keeps the
+        peers it started with.
+
         @return: fails with a L{ModelError} (L{DiskFull}, L{ChecksumMismatch},
             L{SourceNotFound}, ...), or L{twisted.internet.defer.CancelledError} when cancelled.
         """
@@ -199,12 +214,13 @@ class ModelCache:
         key = cache_key(source)
         fetch = self._fetches.get(key)
         if fetch is None:
-            fetch = self._fetches[key] = _Fetch(key, source, self._clock.seconds())
+            fetch = self._fetches[key] = _Fetch(key, source, self._clock.seconds(), tuple(peers))
             Deferred.fromCoroutine(self._drive(fetch))
         return fetch.join(progress)
 
     def acquire(
         self, source: Source, user: str, progress: Callable[[Progress], None] | None = None,
+        peers: Sequence[str] = (),
     ) -> Deferred[Path]:
         """
         L{pin} C{source}'s model for C{user}, then L{ensure} it. The pin holds
@@ -212,7 +228,7 @@ class ModelCache:
         """
         if not isinstance(source, LocalSource):
             self.pin(cache_key(source), user)
-        return self.ensure(source, progress)
+        return self.ensure(source, progress, peers)
 
     def release(self, key: str, user: str) -> None:
         """
@@ -238,6 +254,17 @@ class ModelCache:
             users.discard(user)
             if not users:
                 del self._pins[key]
+
+    def complete_files(self, key: str) -> tuple[Path, tuple[FileRecord, ...]] | None:
+        """
+        The directory of C{key}'s files and their records, when its entry is
+        complete and not being checked or fetched again; else C{None}. What
+        a peer may be served.
+        """
+        entry = self._entries.get(key)
+        if entry is None or entry.state != EntryState.COMPLETE or key in self._fetches:
+            return None
+        return self.directory / key / FILES, entry.files
 
     def used(self) -> int:
         """
@@ -292,7 +319,8 @@ class ModelCache:
             self._finish(fetch)
             if failure.check(FetchCancelled) and fetch.waiters:
                 # Callers came after the last one left: fetch again for them.
-                self._fetches[fetch.key] = again = _Fetch(fetch.key, fetch.source, self._clock.seconds())
+                self._fetches[fetch.key] = again = _Fetch(
+                    fetch.key, fetch.source, self._clock.seconds(), fetch.peers)
                 again.waiters, again.observers = fetch.waiters, fetch.observers
                 Deferred.fromCoroutine(self._drive(again))
                 return
@@ -339,6 +367,8 @@ class ModelCache:
         fetcher = self._fetchers.get(source.kind)
         if fetcher is None:
             raise ModelError(f"{source}: this node has no fetcher for {source.kind} sources")
+        if fetch.peers and self._peering is not None:
+            fetcher = self._peering(fetcher, fetch.peers)
         plan: Plan = await self._run(fetcher.plan, source)
         fetch.transfer.check()
         await self._make_room(fetch, plan)
