@@ -205,7 +205,9 @@ class _Walk:
                         f"the JSON body nests arrays and objects more than {self.max_depth} levels deep",
                         "json_too_deep",
                     )
-                i = yield from self.blanks(i + 1)
+                i += 1
+                j = ws(raw, i).end()
+                i = j if j - i < PIECE else (yield from self.blanks(j))
                 if c == 0x5B:
                     if i >= end or raw[i] != 0x5D:
                         stack.append([] if need else _DROPPED_LIST)
@@ -281,8 +283,9 @@ class _Walk:
                 c = raw[i] if i < end else -1
                 is_dict = kind is dict or kind is _Dropped and top.is_dict
                 if c == 0x2C:
-                    j = ws(raw, i + 1).end()
-                    i = j if j - i <= PIECE else (yield from self.blanks(j))
+                    i += 1
+                    j = ws(raw, i).end()
+                    i = j if j - i < PIECE else (yield from self.blanks(j))
                     if is_dict:
                         i = yield from self.key(i, keys, kind is dict, len(stack) == 1)
                     break

@@ -36,7 +36,7 @@ AT_ONCE_BYTES: Final = 256 * 1024
 AT_ONCE_COMMAS: Final = 4096
 #: Values put in the containers of each kept top-level value of a sliced
 #: body, at most (see L{llmgw.jsonslices.load_json_sliced}).
-KEPT_ITEMS: Final = 16384
+KEPT_ITEMS: Final = 2048
 #: Characters of the strings of each kept top-level value, at most.
 KEPT_CHARS: Final = 1024 * 1024
 #: Bytes of bodies waiting for their turn to be parsed, at most.
