@@ -11,7 +11,9 @@ from typing import Any
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.gateway.bigbody import SlicedParses, sliced
+from llmgw.gateway.bigbody import KEPT_CHARS, KEPT_ITEMS, SlicedParses, sliced
+from llmgw.gateway.policy import PolicyConfig, affinity_key
+from llmgw.gateway.resource import KEPT_KEYS
 from llmgw.jsonslices import PIECE, SLICE_TOKENS, load_json_sliced, run_sliced
 from llmgw.untrusted import JSONInputError, load_json
 
@@ -234,3 +236,22 @@ class SlicedChoiceTests(SynchronousTestCase):
         self.assertFalse(sliced(b'{"model":"m","prompt":"' + b"a" * 200_000 + b'"}'))
         self.assertTrue(sliced(b'{"model":"m","prompt":[' + b"1," * 20_000 + b"1]}"))
         self.assertTrue(sliced(b'{"model":"m","prompt":"' + b"a" * 300_000 + b'"}'))
+
+
+class SampleAffinityTests(SynchronousTestCase):
+    def test_prefix_key_from_the_sample(self) -> None:
+        """
+        The gateway's sample of a large conversation (the kept top-level
+        values, bounded by L{KEPT_ITEMS} and L{KEPT_CHARS}) gives the prefix
+        policy the key the whole body gives: its head and its first
+        assistant turn come first.
+        """
+        turns = [{"role": "system", "content": "be brief " * 50}, {"role": "user", "content": "q" * 300}]
+        turns += [{"role": ("assistant", "user")[i % 2], "content": f"turn {i} " * 20} for i in range(5000)]
+        for messages in (turns, turns[:2]):
+            raw = json.dumps({"model": "m", "messages": messages, "user": ""}).encode()
+            sample = run_sliced(load_json_sliced(raw, unique=("model",), keep=KEPT_KEYS, kept_items=KEPT_ITEMS,
+                                                 kept_chars=KEPT_CHARS))
+            self.assertLess(len(sample["messages"]), len(messages) + 1)
+            self.assertEqual(affinity_key(sample, None, PolicyConfig()), affinity_key(json.loads(raw), None,
+                                                                                       PolicyConfig()))
