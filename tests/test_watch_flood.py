@@ -14,6 +14,7 @@ from twisted.logger import Logger
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.control.admin.websocket import (
+    FLOOD_CLOSE_GRACE,
     FLOOD_REFUSALS,
     REQUEST_BURST,
     REQUEST_RATE,
@@ -121,6 +122,24 @@ class RateTests(WatchTestCase):
         self.assertTrue(any("closing" in e["log_format"] for e in logged))
         other.send(request(1))
         self.assertEqual(self.statuses(other), [(1, 200)])
+
+    def test_flood_close_bounded(self) -> None:
+        """
+        A flooding socket whose close frame cannot go out (its peer reads
+        nothing) is aborted after L{FLOOD_CLOSE_GRACE} seconds; one that
+        closes in time leaves no timer behind.
+        """
+        flood = b"".join(frame(request(i)) for i in range(REQUEST_BURST + FLOOD_REFUSALS + 1))
+        stuck, gone = self.connect(), self.connect()
+        aborted: list[bool] = []
+        stuck.transport.abortConnection = lambda: aborted.append(True)  # type: ignore[method-assign]
+        stuck.websocket.dataReceived(flood)
+        gone.websocket.dataReceived(flood)
+        gone.disconnect()
+        self.clock.advance(FLOOD_CLOSE_GRACE)
+        self.assertEqual(aborted, [True])
+        self.assertFalse(any(c.active() and c.func == gone.transport.abortConnection
+                             for c in self.clock.getDelayedCalls()))
 
 
 class UnreadTests(WatchTestCase):

@@ -40,6 +40,9 @@ REQUEST_RATE = 32.0
 #: Requests refused in a row (over the rate) after which the socket is
 #: closed as a flood.
 FLOOD_REFUSALS = 64
+#: Seconds a flooding socket's close frame may take to go out before the
+#: connection is aborted (its peer may read nothing).
+FLOOD_CLOSE_GRACE = 5.0
 
 
 class RequestBudget:
@@ -144,6 +147,7 @@ class WatchProtocol(WebSocketServerProtocol):
         self._budget: RequestBudget | None = None
         self._refused = 0
         self._refused_in_a_row = 0
+        self._abort_later: Any = None
 
     def onOpen(self) -> None:
         transport: Any = self.transport
@@ -207,8 +211,12 @@ class WatchProtocol(WebSocketServerProtocol):
             # RFC 6455 gives a policy violation.
             self.sendCloseFrame(code=self.CLOSE_STATUS_CODE_POLICY_VIOLATION, reasonUtf8=reason.encode()[:123])
             # Dropped at once (its unread messages are not worth reading);
-            # the close frame goes first unless its buffer is already full.
+            # the close frame goes first unless its buffer is already full,
+            # and is given a grace to go out.
             self.dropConnection(abort=self.paused)
+            transport: Any = self.transport
+            if not self.paused and transport is not None:
+                self._abort_later = self.hub.clock.callLater(FLOOD_CLOSE_GRACE, transport.abortConnection)
             return
         if self._refused == 1:
             self.log.info("watch: {who} sends requests faster than {rate:g} a second (burst {burst}); "
@@ -238,6 +246,9 @@ class WatchProtocol(WebSocketServerProtocol):
         self.send_framed(self.hub.frame(message))
 
     def onClose(self, wasClean: bool, code: int | None, reason: str | None) -> None:  # noqa: N803
+        if self._abort_later is not None and self._abort_later.active():
+            self._abort_later.cancel()
+        self._abort_later = None
         for request in list(self.requests):
             request.gone()
         if self.attached:
