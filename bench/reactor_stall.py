@@ -317,6 +317,34 @@ def after_parse(size: int, shapes: list[str] | None) -> dict[str, Any]:
     return out
 
 
+def bars(runs: dict[str, Any], sizes: list[int]) -> dict[str, Any]:
+    """
+    The bar, per body size (the largest the default limits allow, 8 MiB,
+    and twice that for margin): the longest gap of C{runs}, on the wall
+    clock and in the reactor thread's CPU time.
+    """
+    out = {}
+    for size in sizes:
+        these = [r for k, r in runs.items() if k.endswith(f"@{size // MIB}MiB")]
+        worst = max((r["max_gap_ms"] for r in these), default=0.0)
+        worst_cpu = max((r["max_cpu_gap_ms"] for r in these), default=0.0)
+        out[f"{size // MIB}MiB"] = {
+            "max_stall_ms": worst,
+            "max_stall_cpu_ms": worst_cpu,
+            "under_20ms": worst < 20.0,
+            # The reactor thread's own work in its longest gap: what the
+            # gateway did, less the time other processes of a shared
+            # machine held the CPU.
+            "cpu_under_20ms": worst_cpu < 20.0,
+            "gaps_over_20ms": sum(r["gaps_over_20ms"] for r in these),
+            "gaps_over_10ms": sum(r["gaps_over_10ms"] for r in these),
+            "beats": sum(r["beats"] for r in these),
+            "full_collector_passes": sum(r["gc"].get("gen2", {}).get("n", 0) for r in these),
+            "longest_full_pass_ms": max((r["gc"].get("gen2", {}).get("max_ms", 0.0) for r in these), default=0.0),
+        }
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="8,16", help="body sizes in MiB, comma-separated (the first is the baseline's)")
@@ -348,25 +376,7 @@ def main() -> None:
     if not a.no_baseline:
         result["json.loads"] = run_mode("json.loads", sizes[:1], shapes)
     result["after_parse_cpu_ms"] = after_parse(sizes[-1], shapes)
-    # The bar, per body size: the largest the default limits allow (8 MiB)
-    # and twice that for margin.
-    result["bar"] = {}
-    for size in sizes:
-        runs = [r for k, r in result["sliced"].items() if k.endswith(f"@{size // MIB}MiB")]
-        worst = max((r["max_gap_ms"] for r in runs), default=0.0)
-        worst_cpu = max((r["max_cpu_gap_ms"] for r in runs), default=0.0)
-        result["bar"][f"{size // MIB}MiB"] = {
-            "max_stall_ms": worst,
-            "max_stall_cpu_ms": worst_cpu,
-            "under_20ms": worst < 20.0,
-            # The reactor thread's own work in its longest gap: what the
-            # gateway did, less the time other processes of a shared
-            # machine held the CPU.
-            "cpu_under_20ms": worst_cpu < 20.0,
-            "gaps_over_20ms": sum(r["gaps_over_20ms"] for r in runs),
-            "gaps_over_10ms": sum(r["gaps_over_10ms"] for r in runs),
-            "beats": sum(r["beats"] for r in runs),
-        }
+    result["bar"] = {mode: bars(result[mode], sizes) for mode in ("sliced", "sliced+gc.freeze") if mode in result}
     result["config"]["load_after"] = list(os.getloadavg())
     print(json.dumps(result, indent=2))
 
