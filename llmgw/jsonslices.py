@@ -81,13 +81,15 @@ def load_json_sliced(
         small containers cost the cyclic garbage collector full passes of
         hundreds of milliseconds each, in whichever slice is unlucky.
     @param kept_items: at most this many values are put in the containers
-        of the kept values, in document order; the rest are checked and
-        left out, so a kept list or object may lack its tail (C{None}: no
-        bound). This bounds what is built, and its freeing, whatever the
-        body.
-    @param kept_chars: a kept string longer than this is cut to its first
-        C{kept_chars} characters or so, and a kept number written with more
-        characters is C{None} (C{None}: no bound).
+        of each kept top-level value (of the whole value, when it is not an
+        object), in document order; the rest are checked and left out, so
+        a kept list or object may lack its tail (C{None}: no bound). This
+        bounds what is built, and its freeing, whatever the body.
+    @param kept_chars: at most this many characters of strings (keys
+        included) are kept in each kept top-level value, in document order:
+        a string past the budget is cut, or empty; a top-level key is cut
+        at C{kept_chars}; a kept number written with more characters is
+        C{None} (C{None}: no bound).
     @raise JSONInputError: as L{llmgw.untrusted.load_json} does, from the
         slice that finds it.
     """
