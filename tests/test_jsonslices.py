@@ -229,10 +229,12 @@ class BoundedSliceTests(SynchronousTestCase):
 class SlicedChoiceTests(SynchronousTestCase):
     def test_which_bodies_are_sliced(self) -> None:
         """
-        Small bodies are parsed at once; one of 32-256 KiB only when it has
-        few commas (its cost is in long strings); any larger one in slices.
+        A body up to 256 KiB is parsed at once when it has few commas (its
+        cost is then in long strings); one with many small values, or any
+        larger one, in slices.
         """
-        self.assertFalse(sliced(b'{"model":"m","prompt":"' + b"a" * 30_000 + b'"}'))
+        self.assertFalse(sliced(b'{"model":"m","messages":[{"role":"user","content":"hi"}]}'))
+        self.assertTrue(sliced(b'{"model":"m","messages":[' + b"{}," * 5000 + b"{}]}"))
         self.assertFalse(sliced(b'{"model":"m","prompt":"' + b"a" * 200_000 + b'"}'))
         self.assertTrue(sliced(b'{"model":"m","prompt":[' + b"1," * 20_000 + b"1]}"))
         self.assertTrue(sliced(b'{"model":"m","prompt":"' + b"a" * 300_000 + b'"}'))

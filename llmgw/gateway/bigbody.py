@@ -1,8 +1,8 @@
 """
 Large request bodies parsed in slices, so that none holds the reactor.
 
-A body that L{sliced} picks (over L{AT_ONCE_BYTES} bytes, or over
-L{SMALL_BYTES} with more than L{AT_ONCE_COMMAS} commas) is parsed by
+A body that L{sliced} picks (over L{AT_ONCE_BYTES} bytes, or with more
+than L{AT_ONCE_COMMAS} commas) is parsed by
 L{llmgw.jsonslices.load_json_sliced}, one slice a reactor turn, while its
 request waits; one body at a time (the reactor runs every due call of a
 turn together, so two at once would double the stall), the others queued
@@ -27,11 +27,10 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from llmgw.jsonslices import load_json_sliced
 from llmgw.untrusted import JSONInputError
 
-#: Bodies up to this size are parsed at once, whatever their shape
-#: (a few milliseconds at most, the prefix policy's key included).
-SMALL_BYTES: Final = 32 * 1024
-#: Bodies up to this size with few commas (few values) are parsed at once
-#: too: their cost is in long strings, which the C parser reads quickly.
+#: Bodies up to this size with few commas (so few values: a value but the
+#: first of its container follows one) are parsed at once: a few
+#: milliseconds at most, the prefix policy's key included; their bytes
+#: are in long strings, which the C parser reads quickly.
 AT_ONCE_BYTES: Final = 256 * 1024
 AT_ONCE_COMMAS: Final = 4096
 #: Values put in the containers of each kept top-level value of a sliced
@@ -49,8 +48,6 @@ def sliced(raw: bytes) -> bool:
     once: parsing it at once could hold the reactor for more than a few
     milliseconds.
     """
-    if len(raw) <= SMALL_BYTES:
-        return False
     return len(raw) > AT_ONCE_BYTES or raw.count(b",") > AT_ONCE_COMMAS
 
 
