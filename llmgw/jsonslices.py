@@ -42,6 +42,9 @@ SLICE_BYTES: Final = 256 * 1024
 #: The most bytes of one token (a string's piece, a window of digits or
 #: blanks) read in one call.
 PIECE: Final = 64 * 1024
+#: Characters of a kept string kept even past its value's budget (a
+#: C{"role"} after a long first message), the values' count bounding them.
+SHORT: Final = 64
 #: Bytes checked as UTF-8 between two yields.
 DECODE_BYTES: Final = 1024 * 1024
 
@@ -85,11 +88,11 @@ def load_json_sliced(
         object), in document order; the rest are checked and left out, so
         a kept list or object may lack its tail (C{None}: no bound). This
         bounds what is built, and its freeing, whatever the body.
-    @param kept_chars: at most this many characters of strings (keys
-        included) are kept in each kept top-level value, in document order:
-        a string past the budget is cut, or empty; a top-level key is cut
-        at C{kept_chars}; a kept number written with more characters is
-        C{None} (C{None}: no bound).
+    @param kept_chars: at most this many characters of string values are
+        kept in each kept top-level value, in document order: a string past
+        the budget is cut to L{SHORT} characters; a key is cut at
+        C{kept_chars}; a kept
+        number written with more characters is C{None} (C{None}: no bound).
     @raise JSONInputError: as L{llmgw.untrusted.load_json} does, from the
         slice that finds it.
     """
@@ -195,10 +198,10 @@ class _Walk:
                 j = simple(raw, i + 1).end()
                 if raw[j : j + 1] == b'"':
                     # No escape, no control character: the quote ends it.
-                    value = self.decode(i + 1, j, self.chars_left) if need else None
+                    value = self.decode(i + 1, j, max(self.chars_left, SHORT)) if need else None
                     i = j + 1
                 else:
-                    value, i = yield from self.long_string(i + 1, need, self.chars_left)
+                    value, i = yield from self.long_string(i + 1, need, max(self.chars_left, SHORT))
                 if value is not None:
                     self.chars_left -= len(value)
             elif c == 0x7B or c == 0x5B:
@@ -219,7 +222,7 @@ class _Walk:
                 else:
                     if i >= end or raw[i] != 0x7D:
                         stack.append({} if need else _DROPPED_DICT)
-                        i = yield from self.key(i, keys, need or len(stack) == 1, len(stack) == 1)
+                        i = yield from self.key(i, keys, need or len(stack) == 1)
                         continue
                     i += 1
                     value = {} if need else _DROPPED_DICT
@@ -289,7 +292,7 @@ class _Walk:
                     j = ws(raw, i).end()
                     i = j if j - i < PIECE else (yield from self.blanks(j))
                     if is_dict:
-                        i = yield from self.key(i, keys, kind is dict, len(stack) == 1)
+                        i = yield from self.key(i, keys, kind is dict)
                     break
                 if c == (0x7D if is_dict else 0x5D):
                     i += 1
@@ -310,14 +313,14 @@ class _Walk:
             i = j
             yield None
 
-    def key(self, i: int, keys: list[str | None], need: bool, top: bool) -> Generator[None, None, int]:
+    def key(self, i: int, keys: list[str | None], need: bool) -> Generator[None, None, int]:
         """
         Read an object's key and its colon at C{i}; push the key (C{None}
         when not C{need}ed) on C{keys} and return where its value starts.
-        A C{top}-level key is cut at C{kept_chars}, others count against
-        the budget of the value they are in.
+        A key is cut at C{kept_chars}, and counts against no budget: a long
+        first message must not cost the later ones their C{"role"}.
         """
-        limit = self.kept_chars if top else self.chars_left
+        limit = self.kept_chars
         raw = self.raw
         if i >= len(raw) or raw[i] != _QUOTE:
             raise _error("Expecting property name enclosed in double quotes", i)
@@ -327,8 +330,6 @@ class _Walk:
             i = j + 1
         else:
             key, i = yield from self.long_string(i + 1, need, limit)
-        if key is not None and not top:
-            self.chars_left -= len(key)
         i = yield from self.blanks(i)
         if i >= len(raw) or raw[i] != 0x3A:
             raise _error("Expecting ':' delimiter", i)

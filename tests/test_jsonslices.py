@@ -214,10 +214,10 @@ class BoundedSliceTests(SynchronousTestCase):
         is still checked.
         """
         messages = [{"role": "system", "content": "s" * 10}] * 100
-        raw = json.dumps({"messages": messages, "prompt": "p" * 50, "model": "m"}).encode()
-        value = run_sliced(load_json_sliced(raw, keep=("model", "messages", "prompt"), kept_items=30, kept_chars=40))
+        raw = json.dumps({"messages": messages, "prompt": "p" * 100, "model": "m"}).encode()
+        value = run_sliced(load_json_sliced(raw, keep=("model", "messages", "prompt"), kept_items=30, kept_chars=80))
         self.assertEqual(value["model"], "m")
-        self.assertEqual(value["prompt"], "p" * 40)
+        self.assertEqual(value["prompt"], "p" * 80)
         kept = value["messages"]
         self.assertLess(len(kept), 30)
         self.assertEqual(kept[0], {"role": "system", "content": "s" * 10})
@@ -257,3 +257,16 @@ class SampleAffinityTests(SynchronousTestCase):
             self.assertLess(len(sample["messages"]), len(messages) + 1)
             self.assertEqual(affinity_key(sample, None, PolicyConfig()), affinity_key(json.loads(raw), None,
                                                                                        PolicyConfig()))
+
+    def test_long_first_turn(self) -> None:
+        """
+        A first message longer than the sample's character budget leaves
+        the later messages their keys: the sample still shows an assistant
+        turn, as the whole body does.
+        """
+        messages = [{"role": "user", "content": "q" * (KEPT_CHARS + 10)}, {"role": "assistant", "content": "a"}]
+        raw = json.dumps({"model": "m", "messages": messages}).encode()
+        sample = run_sliced(load_json_sliced(raw, keep=KEPT_KEYS, kept_items=KEPT_ITEMS, kept_chars=KEPT_CHARS))
+        self.assertEqual(sample["messages"][1], {"role": "assistant", "content": "a"})
+        self.assertEqual(affinity_key(sample, None, PolicyConfig()), affinity_key(json.loads(raw), None,
+                                                                                   PolicyConfig()))
