@@ -1,12 +1,19 @@
 """
 Large request bodies parsed in slices, so that none holds the reactor.
 
-A body over L{SLICED_ABOVE} bytes is parsed by
+A body that L{sliced} picks (over L{AT_ONCE_BYTES} bytes, or with more
+than L{AT_ONCE_COMMAS} commas) is parsed by
 L{llmgw.jsonslices.load_json_sliced}, one slice a reactor turn, while its
 request waits; one body at a time (the reactor runs every due call of a
 turn together, so two at once would double the stall), the others queued
 in arrival order up to L{MAX_WAITING_BYTES}. Past that a body is refused
 (503 with C{Retry-After}) rather than held.
+
+Of a sliced body only a bounded sample of each kept top-level value is
+built (L{KEPT_ITEMS} values, L{KEPT_CHARS} characters): what the gateway
+reads from it (C{model}, C{user}, the head of C{messages} or C{prompt})
+comes first, and millions of small values would cost their building, the
+garbage collector's passes over them and their freeing, each in one turn.
 """
 
 from __future__ import annotations
@@ -20,10 +27,28 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from llmgw.jsonslices import load_json_sliced
 from llmgw.untrusted import JSONInputError
 
-#: Bodies up to this size are parsed at once (about 1 ms at most).
-SLICED_ABOVE: Final = 256 * 1024
+#: Bodies up to this size with few commas (so few values: a value but the
+#: first of its container follows one) are parsed at once: a few
+#: milliseconds at most, the prefix policy's key included; their bytes
+#: are in long strings, which the C parser reads quickly.
+AT_ONCE_BYTES: Final = 256 * 1024
+AT_ONCE_COMMAS: Final = 4096
+#: Values put in the containers of each kept top-level value of a sliced
+#: body, at most (see L{llmgw.jsonslices.load_json_sliced}).
+KEPT_ITEMS: Final = 2048
+#: Characters of the strings of each kept top-level value, at most.
+KEPT_CHARS: Final = 1024 * 1024
 #: Bytes of bodies waiting for their turn to be parsed, at most.
 MAX_WAITING_BYTES: Final = 64 * 1024 * 1024
+
+
+def sliced(raw: bytes) -> bool:
+    """
+    Whether C{raw} is parsed in slices (L{SlicedParses}) rather than at
+    once: parsing it at once could hold the reactor for more than a few
+    milliseconds.
+    """
+    return len(raw) > AT_ONCE_BYTES or raw.count(b",") > AT_ONCE_COMMAS
 
 
 class _Job:
@@ -70,8 +95,9 @@ class SlicedParses:
     ) -> Callable[[], None] | None:
         """
         Parse C{raw} as L{llmgw.untrusted.load_json} does (C{keep}: as
-        L{load_json_sliced}), in later reactor turns, and call C{done} with
-        the value or C{failed} with the refusal.
+        L{load_json_sliced}, each kept value sampled to L{KEPT_ITEMS} and
+        L{KEPT_CHARS}), in later reactor turns, and call C{done} with the
+        value or C{failed} with the refusal.
 
         @return: a function that forgets the body (its client has gone), or
             C{None} when the queue holds too many bytes to take it: nothing
@@ -79,7 +105,8 @@ class SlicedParses:
         """
         if self._running is not None and self._waiting_bytes + len(raw) > self.max_waiting_bytes:
             return None
-        job = _Job(len(raw), load_json_sliced(raw, unique=unique, keep=keep), done, failed)
+        parse = load_json_sliced(raw, unique=unique, keep=keep, kept_items=KEPT_ITEMS, kept_chars=KEPT_CHARS)
+        job = _Job(len(raw), parse, done, failed)
         self._waiting.append(job)
         self._waiting_bytes += job.size
         if self._running is None:

@@ -5,6 +5,14 @@ over to a L{WatchProtocol}, which the hub writes to. A client may also send
 requests over the socket (C{{"type": "request", ...}}): each is rendered by
 the admin API's own tree as a L{SocketRequest} of that connection (its
 admin identity, its Host), and answered with a C{response} message.
+
+Requests are bounded per socket: L{MAX_REQUESTS_IN_FLIGHT} unanswered, and
+a token bucket of L{REQUEST_BURST} that refills at L{REQUEST_RATE} a
+second; a request past it is answered 429, and a socket that goes on
+sending past it (L{FLOOD_REFUSALS} refusals in a row) is closed with 1008
+(policy violation). A socket whose answers and stream messages wait
+unwritten (its transport paused us) is not read until they drain, so a
+client that sends and never reads costs no more than one buffer.
 """
 
 from __future__ import annotations
@@ -26,6 +34,42 @@ from llmgw.wslog import WebSocketLogger
 
 #: Largest message a client may send, in bytes.
 MAX_CLIENT_MESSAGE = 64 * 1024
+#: Requests a socket may send at once (after a pause), and a second after.
+REQUEST_BURST = 32
+REQUEST_RATE = 32.0
+#: Requests refused in a row (over the rate) after which the socket is
+#: closed as a flood.
+FLOOD_REFUSALS = 64
+#: Seconds a flooding socket's close frame may take to go out before the
+#: connection is aborted (its peer may read nothing).
+FLOOD_CLOSE_GRACE = 5.0
+
+
+class RequestBudget:
+    """
+    A token bucket: C{burst} requests at once, refilled at C{rate} a
+    second. Pure: L{take} is given the time.
+    """
+
+    __slots__ = ("burst", "rate", "tokens", "last")
+
+    def __init__(self, burst: int, rate: float, now: float):
+        self.burst = burst
+        self.rate = rate
+        self.tokens = float(burst)
+        self.last = now
+
+    def take(self, now: float) -> bool:
+        """
+        Whether a request at C{now} is within the budget (and count it).
+        """
+        if now > self.last:
+            self.tokens = min(float(self.burst), self.tokens + (now - self.last) * self.rate)
+            self.last = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return True
+        return False
 
 
 def _write_now(transport: Any, data: bytes) -> None:
@@ -62,6 +106,7 @@ class _Backpressure:
 
     def pauseProducing(self) -> None:
         self.client.paused = True
+        self.client.reading(False)
 
     def resumeProducing(self) -> None:
         self.client.resumed()
@@ -85,6 +130,8 @@ class WatchProtocol(WebSocketServerProtocol):
     who = "?"
     paused = False
     attached = False
+    #: Closed as a flood: nothing more it sends is read.
+    flooded = False
 
     resource: Any = None
     serial: int | None = None
@@ -97,6 +144,10 @@ class WatchProtocol(WebSocketServerProtocol):
         self.requests: set[SocketRequest] = set()
         self._held: list[bytes] = []
         self._held_bytes = 0
+        self._budget: RequestBudget | None = None
+        self._refused = 0
+        self._refused_in_a_row = 0
+        self._abort_later: Any = None
 
     def onOpen(self) -> None:
         transport: Any = self.transport
@@ -107,6 +158,11 @@ class WatchProtocol(WebSocketServerProtocol):
         self.hub.attach(self, self.since, self.epoch)
 
     def onMessage(self, payload: bytes, isBinary: bool) -> None:  # noqa: N803
+        if self.flooded:
+            return
+        if not self._within_budget():
+            self._over_budget(payload)
+            return
         try:
             rid, method, path, body = parse_request(payload)
         except RequestError as e:
@@ -124,11 +180,75 @@ class WatchProtocol(WebSocketServerProtocol):
         self.requests.add(request)
         request.run(self.resource)
 
+    def _within_budget(self) -> bool:
+        now = self.hub.clock.seconds()
+        if self._budget is None:
+            self._budget = RequestBudget(REQUEST_BURST, REQUEST_RATE, now)
+        if self._budget.take(now):
+            self._refused_in_a_row = 0
+            return True
+        return False
+
+    def _over_budget(self, payload: bytes) -> None:
+        """
+        Refuse a request sent past the rate (429), or close the socket
+        (1008) once it keeps flooding: its later messages are not read.
+        """
+        self._refused += 1
+        self._refused_in_a_row += 1
+        if self._refused_in_a_row > FLOOD_REFUSALS:
+            self.log.warn(
+                "watch: closing {who}'s socket: it sent {n} requests in a row past {rate:g} a second "
+                "(burst {burst})", who=self.who, n=self._refused_in_a_row, rate=REQUEST_RATE, burst=REQUEST_BURST,
+            )
+            self.flooded = True
+            self.reading(False)
+            if self.attached:
+                self.attached = False
+                self.hub.detach(self)
+            reason = f"more than {REQUEST_RATE:g} requests a second, refused {self._refused_in_a_row} in a row"
+            # sendClose takes only 1000 and 3000-4999; 1008 is the code
+            # RFC 6455 gives a policy violation.
+            self.sendCloseFrame(code=self.CLOSE_STATUS_CODE_POLICY_VIOLATION, reasonUtf8=reason.encode()[:123])
+            # Dropped at once (its unread messages are not worth reading);
+            # the close frame goes first unless its buffer is already full,
+            # and is given a grace to go out.
+            self.dropConnection(abort=self.paused)
+            transport: Any = self.transport
+            if not self.paused and transport is not None:
+                self._abort_later = self.hub.clock.callLater(FLOOD_CLOSE_GRACE, transport.abortConnection)
+            return
+        if self._refused == 1:
+            self.log.info("watch: {who} sends requests faster than {rate:g} a second (burst {burst}); "
+                          "refusing the excess", who=self.who, rate=REQUEST_RATE, burst=REQUEST_BURST)
+        try:
+            rid = parse_request(payload)[0]
+        except RequestError as e:
+            rid = getattr(e, "rid", None)
+        self._answer(rid, 429, {"error": f"over {REQUEST_RATE:g} requests a second on this socket (a burst of "
+                                f"{REQUEST_BURST}); slow down", "status": 429})
+
+    def reading(self, on: bool) -> None:
+        """
+        Read the socket again (C{on}), or stop reading it: while its
+        answers wait unwritten, and once it is closed as a flood.
+        """
+        transport: Any = self.transport
+        if transport is None or getattr(transport, "disconnecting", False) or (on and self.flooded):
+            return
+        if on:
+            transport.resumeProducing()
+        else:
+            transport.pauseProducing()
+
     def _answer(self, rid: Any, status: int, body: Any) -> None:
         message = {"type": "response", "id": rid, "status": status, "body": body}
         self.send_framed(self.hub.frame(message))
 
     def onClose(self, wasClean: bool, code: int | None, reason: str | None) -> None:  # noqa: N803
+        if self._abort_later is not None and self._abort_later.active():
+            self._abort_later.cancel()
+        self._abort_later = None
         for request in list(self.requests):
             request.gone()
         if self.attached:
@@ -164,6 +284,8 @@ class WatchProtocol(WebSocketServerProtocol):
         held, self._held, self._held_bytes = self._held, [], 0
         if held and self.attached and self.transport is not None:
             self.transport.write(b"".join(held))
+        if not self.paused:
+            self.reading(True)
 
 
 #: Requests a socket may have unanswered at once.
