@@ -231,19 +231,24 @@ class HelpersTests(SynchronousTestCase):
 class ReadmeProfilesTests(SynchronousTestCase):
     def test_readme_catalog_is_valid(self) -> None:
         """
-        The engine profiles the README shows parse as a catalog, each with
-        its engine's defaults, and the multi-node ones give their workers
-        their own command.
+        The engine profiles the README shows (a model named by its source,
+        then hand-written commands) parse as one catalog, each with its
+        engine's defaults; the source's deployment gets the argv llmgw
+        writes, and the multi-node ones give their workers their own command.
         """
         import re
         import tomllib
 
         readme = (Path(__file__).parent.parent / "README.md").read_text()
         blocks = [b for b in re.findall(r"```toml\n(.*?)```", readme, re.S) if "engine =" in b]
-        self.assertEqual(len(blocks), 1)
+        self.assertEqual(len(blocks), 2)
         text = "\n".join(line[3:] if line.startswith("   ") else line
-                         for line in blocks[0].splitlines())
+                         for line in "\n".join(blocks).splitlines())
         cat = parse_catalog(tomllib.loads(text))
+        by_source = cat.deployments["llama-3.1-70b"]
+        argv = cat.profiles[by_source.profile].launch(0, by_source).argv
+        self.assertEqual(argv[:3], ("vllm", "serve", "{weights}"))
+        self.assertIn("--tensor-parallel-size", argv)
         engines_seen = {p.engine for p in cat.profiles.values()}
         self.assertEqual(engines_seen, {"vllm", "sglang", "llamacpp"})
         for name in ("llama-405b-2x8", "llama-405b-sglang"):

@@ -45,6 +45,9 @@ class FakeSupervisor:
     def live_shards(self) -> list[Shard]:
         return [s for s in self.shards.values() if s.live]
 
+    def fetch_progress(self) -> list[tuple[str, int, int, float]]:
+        return []
+
     def add_listener(self, fn: Any) -> None:
         pass
 
