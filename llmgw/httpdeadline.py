@@ -33,12 +33,17 @@ from __future__ import annotations
 import json
 from typing import Any, Final
 
+from OpenSSL import SSL
 from twisted.internet.error import ConnectionDone
-from twisted.internet.interfaces import IDelayedCall
+from twisted.internet.interfaces import IDelayedCall, IHandshakeListener
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web import server
 from twisted.web.http import HTTPChannel
+from zope.interface import implementer
+
+from llmgw.addresses import format_address
+from llmgw.tlsconf.handshake import HandshakeDeadline
 
 #: Seconds from a request's first byte to the end of its head.
 HEAD_TIMEOUT: Final = 10.0
@@ -185,6 +190,58 @@ class DeadlineChannel(HTTPChannel):
             transport.abortConnection()
 
 
+@implementer(IHandshakeListener)
+class TLSDeadlineChannel(DeadlineChannel):
+    """
+    A L{DeadlineChannel} served over TLS: the handshake must be done within
+    its site's C{handshake_timeout} seconds of accept (none when the site
+    has none, as over plain HTTP), or the connection is aborted; and a
+    refused handshake (a certificate from another CA, revoked, expired, or
+    for the wrong use) is logged with the client's address, since no
+    request ever reaches a resource to say so. Log lines start with
+    C{what}.
+    """
+
+    _handshake: HandshakeDeadline | None = None
+
+    def connectionMade(self) -> None:
+        super().connectionMade()
+        timeout = getattr(getattr(self, "site", None), "handshake_timeout", None)
+        if timeout:
+            # Over TLS this runs at TCP accept, before the handshake.
+            self._handshake = HandshakeDeadline(self.callLater, self._handshake_expired, timeout)
+
+    def handshakeCompleted(self) -> None:
+        if self._handshake is not None:
+            self._handshake.done()
+
+    def _handshake_expired(self) -> None:
+        self.log.warn(
+            "{what}: aborting the connection of {client}: TLS handshake not done within {timeout}s",
+            what=self.what, client=self.client(),
+            timeout=getattr(getattr(self, "site", None), "handshake_timeout", None),
+        )
+        transport: Any = self.transport
+        if transport is not None:
+            transport.abortConnection()
+
+    def client(self) -> str:
+        """
+        The client's address, for log lines.
+        """
+        peer = self.transport.getPeer() if self.transport is not None else None
+        host, port = getattr(peer, "host", "?"), getattr(peer, "port", "?")
+        return format_address(host, port) if isinstance(port, int) else f"{host}:{port}"
+
+    def connectionLost(self, reason: Failure = Failure(ConnectionError())) -> None:  # noqa: B008
+        if self._handshake is not None:
+            self._handshake.done()
+        if reason.check(SSL.Error):
+            self.log.warn("{what}: TLS handshake from {client} refused: {reason}",
+                          what=self.what, client=self.client(), reason=reason.getErrorMessage())
+        super().connectionLost(reason)
+
+
 class DeadlineSite(server.Site):
     """
     A C{Site} whose requests must arrive in time (L{DeadlineChannel}). Its
@@ -197,4 +254,4 @@ class DeadlineSite(server.Site):
     displayTracebacks = False
 
 
-__all__ = ["HEAD_TIMEOUT", "REQUEST_TIMEOUT", "DeadlineChannel", "DeadlineSite"]
+__all__ = ["HEAD_TIMEOUT", "REQUEST_TIMEOUT", "DeadlineChannel", "DeadlineSite", "TLSDeadlineChannel"]

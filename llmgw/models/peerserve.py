@@ -28,19 +28,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from OpenSSL import SSL
-from twisted.internet.interfaces import IHandshakeListener
 from twisted.logger import Logger
 from twisted.protocols.tls import TLSMemoryBIOFactory
-from twisted.python.failure import Failure
 from twisted.web import resource, static
 from twisted.web.server import Request
-from zope.interface import implementer
 
 from llmgw.addresses import ListenerService, format_address, server_endpoint
-from llmgw.httpdeadline import DeadlineChannel, DeadlineSite
+from llmgw.httpdeadline import DeadlineSite, TLSDeadlineChannel
 from llmgw.models.index import FileRecord
-from llmgw.tlsconf.handshake import HANDSHAKE_TIMEOUT, HandshakeDeadline
+from llmgw.tlsconf.handshake import HANDSHAKE_TIMEOUT
 from llmgw.tlsconf.options import IdentityError, ServerTLS, peer_node_id
 
 __all__ = [
@@ -192,28 +188,20 @@ class PeerResource(resource.Resource):
         return None
 
 
-@implementer(IHandshakeListener)
-class PeerChannel(DeadlineChannel):
+class PeerChannel(TLSDeadlineChannel):
     """
     A peer's connection: its handshake must be done within the site's
-    C{handshake_timeout}, and its certificate (already chained to the CA by
-    OpenSSL) must be a node's; C{node_id} is then the node it proves.
-    Refusals are logged with the client's address.
+    C{handshake_timeout} (L{TLSDeadlineChannel}), and its certificate
+    (already chained to the CA by OpenSSL) must be a node's; C{node_id} is
+    then the node it proves. Refusals are logged with the client's address.
     """
 
     log = Logger()
     what = "peers"
     node_id: str | None = None
-    _handshake: HandshakeDeadline | None = None
-
-    def connectionMade(self) -> None:
-        super().connectionMade()
-        timeout = getattr(getattr(self, "site", None), "handshake_timeout", HANDSHAKE_TIMEOUT)
-        self._handshake = HandshakeDeadline(self.callLater, self._handshake_expired, timeout)
 
     def handshakeCompleted(self) -> None:
-        if self._handshake is not None:
-            self._handshake.done()
+        super().handshakeCompleted()
         transport: Any = self.transport
         try:
             cert = transport.getPeerCertificate()
@@ -221,28 +209,8 @@ class PeerChannel(DeadlineChannel):
                 raise IdentityError("no client certificate")
             self.node_id = peer_node_id(cert.to_cryptography())
         except IdentityError as e:
-            self.log.warn("peers: refused {client}: {why}", client=self._peer(), why=str(e))
+            self.log.warn("peers: refused {client}: {why}", client=self.client(), why=str(e))
             transport.abortConnection()
-
-    def _handshake_expired(self) -> None:
-        self.log.warn("peers: aborting the connection of {client}: TLS handshake not done in time",
-                      client=self._peer())
-        transport: Any = self.transport
-        if transport is not None:
-            transport.abortConnection()
-
-    def _peer(self) -> str:
-        peer = self.transport.getPeer() if self.transport is not None else None
-        host, port = getattr(peer, "host", "?"), getattr(peer, "port", "?")
-        return format_address(host, port) if isinstance(port, int) else f"{host}:{port}"
-
-    def connectionLost(self, reason: Failure = Failure(ConnectionError())) -> None:  # noqa: B008, N802
-        if self._handshake is not None:
-            self._handshake.done()
-        if reason.check(SSL.Error):
-            self.log.warn("peers: TLS handshake from {client} refused: {reason}",
-                          client=self._peer(), reason=reason.getErrorMessage())
-        super().connectionLost(reason)
 
 
 class PeerSite(DeadlineSite):

@@ -12,25 +12,21 @@ import io
 from collections.abc import Callable
 from typing import Any
 
-from OpenSSL import SSL
 from prometheus_client import CollectorRegistry
-from twisted.internet.interfaces import IHandshakeListener
 from twisted.logger import Logger
 from twisted.protocols.tls import TLSMemoryBIOFactory
-from twisted.python.failure import Failure
 from twisted.web import server
-from zope.interface import implementer
 
-from llmgw.addresses import ListenerService, format_address, is_loopback, server_endpoint
+from llmgw.addresses import ListenerService, is_loopback, server_endpoint
 from llmgw.control.admin.api import AdminResource
 from llmgw.control.admin.base import MAX_BODY, client_address
 from llmgw.control.admin.watch import WatchHub
 from llmgw.control.shell.limits import DEFAULT_MAX_PER_ADDRESS, ConnectionLimiter
 from llmgw.control.state.interfaces import IFleetAdmin
 from llmgw.hostcheck import HostCheck
-from llmgw.httpdeadline import DeadlineChannel, DeadlineSite
+from llmgw.httpdeadline import DeadlineSite, TLSDeadlineChannel
 from llmgw.tlsconf.describe import subject_alt_names
-from llmgw.tlsconf.handshake import HANDSHAKE_TIMEOUT, HandshakeDeadline
+from llmgw.tlsconf.handshake import HANDSHAKE_TIMEOUT
 from llmgw.tlsconf.options import ServerTLS
 
 DEFAULT_ADMIN_HOST = "127.0.0.1"
@@ -81,58 +77,16 @@ class AdminRequest(server.Request):
         content.write(data)
 
 
-@implementer(IHandshakeListener)
-class AdminChannel(DeadlineChannel):
+class AdminChannel(TLSDeadlineChannel):
     """
     The admin API's connection: each request must arrive in time
-    (L{DeadlineChannel}); over TLS, the handshake must be done within its
-    site's C{handshake_timeout} of accept, or the connection is aborted;
-    and a refused TLS handshake (a certificate from another CA, revoked,
-    expired, or not for client authentication, such as the control plane's
-    own) is logged with the peer's address, since no request ever reaches
-    the resource to say so.
+    (L{DeadlineChannel}); over TLS, the handshake too, and a refused one
+    (such as one with the control plane's own certificate) is logged with
+    the peer's address (L{TLSDeadlineChannel}).
     """
 
     log = Logger()
     what = "admin API"
-    _handshake: HandshakeDeadline | None = None
-
-    def connectionMade(self) -> None:
-        super().connectionMade()
-        timeout = getattr(getattr(self, "site", None), "handshake_timeout", None)
-        if timeout:
-            # Over TLS this runs at TCP accept, before the handshake.
-            self._handshake = HandshakeDeadline(self.callLater, self._handshake_expired, timeout)
-
-    def handshakeCompleted(self) -> None:
-        if self._handshake is not None:
-            self._handshake.done()
-
-    def _handshake_expired(self) -> None:
-        self.log.warn(
-            "admin API: aborting the connection of {client}: TLS handshake not done within {timeout}s",
-            client=self._peer(),
-            timeout=getattr(getattr(self, "site", None), "handshake_timeout", None),
-        )
-        transport: Any = self.transport
-        if transport is not None:
-            transport.abortConnection()
-
-    def _peer(self) -> str:
-        peer = self.transport.getPeer() if self.transport is not None else None
-        host, port = getattr(peer, "host", "?"), getattr(peer, "port", "?")
-        return format_address(host, port) if isinstance(port, int) else f"{host}:{port}"
-
-    def connectionLost(self, reason: Failure = Failure(ConnectionError())) -> None:  # noqa: B008, N802
-        if self._handshake is not None:
-            self._handshake.done()
-        if reason.check(SSL.Error):
-            self.log.warn(
-                "admin API: TLS handshake from {client} refused: {reason}",
-                client=self._peer(),
-                reason=reason.getErrorMessage(),
-            )
-        super().connectionLost(reason)
 
 
 class AdminSite(DeadlineSite):
