@@ -4,7 +4,8 @@ machine.
 
 A control plane with its agent port on loopback, N agents with simulated
 GPUs (each with its own certificate and state directory, each on a real
-mutual-TLS stream), a demo catalog whose shards run the fake model server,
+mutual-TLS stream, each serving its model cache to the others on a free
+loopback port), a demo catalog whose shards run the fake model server,
 the gateway and the admin API. Dev certificates are made in C{./certs} on the
 first run and reused afterwards. Stopping it stops every shard it started.
 """
@@ -265,6 +266,10 @@ class LocalFleet(MultiService):
                 handle_sighup=False,
                 model_cache=agent_cache(self.options, node),
                 model_cache_size=self.options["model-cache-size"],
+                # Each agent serves its cache to the others on a free
+                # loopback port, so the local fleet shares weights as a
+                # real one does.
+                peer_listen=("127.0.0.1", 0),
             )
             agent.setName(f"agent-{node}")
             agent.setServiceParent(self)

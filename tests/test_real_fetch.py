@@ -68,6 +68,8 @@ class HubFetchTests(SynchronousTestCase):
         self.assertEqual(health(address), 200)
         output = fleet.output()
         self.assertIn("is fetching its weights from hf://acme/tiny", output)
+        # The local fleet's agents serve their caches to each other.
+        self.assertRegex(output, r"serving cached models to peers on 127\.0\.0\.1:[1-9]")
         weights = model_argument(fleet.shard_pids()[first])
         self.assertEqual(Path(weights).read_bytes(), gguf)
         self.assertIn(str(fleet.dir / "local-state"), weights)
