@@ -154,7 +154,13 @@ class ProcessFleet:
         return "\n".join(f"--- {p.name}\n{p.output()[-3000:]}"
                          for p in [self.control, *self.agents.values()])
 
-    def wait(self, what: str, check: Callable[[], Any], timeout: float = DEADLINE) -> Any:
+    def wait(self, what: str, check: Callable[[], Any], timeout: float = DEADLINE,
+             control_lives: bool = True) -> Any:
+        """
+        C{check()}'s first true value, asked every 0.2 s; the test fails
+        after C{timeout} seconds, or at once when the control plane has
+        exited while it should live (C{control_lives}).
+        """
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -163,7 +169,7 @@ class ProcessFleet:
                 value = None
             if value:
                 return value
-            if self.control.proc is not None and self.control.proc.poll() is not None:
+            if control_lives and self.control.proc is not None and self.control.proc.poll() is not None:
                 self.case.fail(f"the control plane exited while waiting for {what}:\n{self.output()}")
             if time.monotonic() > deadline:
                 self.case.fail(f"timed out waiting for {what}:\n{self.output()}")
@@ -207,7 +213,8 @@ class ProcessFleet:
         self.control.stop()
         for node in self.agents:
             self.kill_node(node)
-        self.wait("no engine process left", lambda: not engine_processes(self.dir))
+        # The control plane has stopped by now: only the engines are waited for.
+        self.wait("no engine process left", lambda: not engine_processes(self.dir), control_lives=False)
 
 
 class StallingServer(http.server.ThreadingHTTPServer):
