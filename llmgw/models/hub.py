@@ -22,7 +22,7 @@ import fnmatch
 import hashlib
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import IO, Any, Literal
 
 from zope.interface import implementer
 
@@ -187,18 +187,56 @@ class HubFetcher:
                     transfer.add(-have)
                     digest, have, mode = _digest(spec), 0, "wb"
                 with part.open(mode) as out:
-                    # The transport's own reads (64 KiB), undecoded: no
-                    # copies into larger chunks; hashing releases the GIL.
-                    for piece in response.iter_raw():
-                        out.write(piece)
-                        if digest is not None:
-                            digest.update(piece)
-                        have += len(piece)
-                        transfer.add(len(piece))
+                    have = self._stream(response, out, digest, have, transfer)
         except httpx2.TransportError as e:
             transfer.add(-have)
             raise _Cut(f"connection lost after {have} bytes ({type(e).__name__})") from None
         return (digest.hexdigest() if digest is not None else None), have
+
+    @staticmethod
+    def _stream(response: Any, out: IO[Any], digest: Any, have: int, transfer: Transfer) -> int:
+        """
+        Write C{response}'s body to C{out} from C{have} bytes on, hashing
+        and counting it; the file's size once the body ends.
+
+        @raise _Cut: the connection ended first (what arrived is written).
+        """
+        import httpx2
+
+        # The transport hands over pieces of up to 64 KiB (a chunked body's
+        # chunks may be smaller): they are gathered into one buffer so that
+        # each write, hash update (which lets go of the GIL) and count is
+        # of a whole buffer, and no piece is copied more than once.
+        buffer = bytearray(READ_CHUNK)
+        view = memoryview(buffer)
+        filled = 0
+
+        def flush(data: Any) -> None:
+            nonlocal have
+            out.write(data)
+            if digest is not None:
+                digest.update(data)
+            have += len(data)
+            transfer.add(len(data))
+
+        try:
+            for piece in response.iter_raw():
+                size = len(piece)
+                if filled + size > READ_CHUNK:
+                    flush(view[:filled])
+                    filled = 0
+                if size >= READ_CHUNK:
+                    flush(piece)
+                    continue
+                buffer[filled:filled + size] = piece
+                filled += size
+        except httpx2.TransportError as e:
+            out.write(view[:filled])
+            arrived = have + filled
+            transfer.add(-have)
+            raise _Cut(f"connection lost after {arrived} bytes ({type(e).__name__})") from None
+        flush(view[:filled])
+        return have
 
 
 class _Cut(Exception):
