@@ -17,14 +17,16 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from dataclasses import replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from twisted.trial.unittest import SkipTest, SynchronousTestCase
 
 from llmgw.models.errors import ChecksumMismatch, SourceNotFound
-from llmgw.models.fetching import Transfer
-from llmgw.models.hub import HubFetcher
+from llmgw.models.fetching import FileSpec, Plan, Transfer
+from llmgw.models.hub import PART, HubFetcher
 from llmgw.models.source import parse_source
 from llmgw.testing.ports import free_port, wait_bound
 
@@ -154,6 +156,48 @@ class HubTests(SynchronousTestCase):
         with self.assertRaises(ChecksumMismatch):
             self.fetcher.fetch(source, bad, self.dir, Transfer())
         self.assertFalse((self.dir / "model.gguf").exists())
+        self.assertFalse((self.dir / ("model.gguf" + PART)).exists())
+
+    def test_wrong_git_blob_refused(self) -> None:
+        """
+        A plain (non-LFS) file is checked against its git blob id while it
+        streams: another id in the plan refuses the bytes, and nothing is left.
+        """
+        source = parse_source("hf://acme/tiny", file="config.json")
+        plan = self.fetcher.plan(source)
+        bad = replace(plan, files=(replace(plan.files[0], git_sha1="0" * 40),))
+        with self.assertRaises(ChecksumMismatch):
+            self.fetcher.fetch(source, bad, self.dir, Transfer())
+        self.assertEqual(list(self.dir.iterdir()), [])
+
+    def test_range_ignored_starts_over(self) -> None:
+        """
+        A server that ignores the Range (olah serving a mirror answers 200)
+        has the part thrown away and the file fetched whole, counted once.
+        """
+        source = parse_source("hf://acme/tiny", file="model.gguf")
+        plan = self.fetcher.plan(source)
+        self.dir.mkdir()
+        (self.dir / ("model.gguf" + PART)).write_bytes(b"\0" * 100_000)
+        transfer = Transfer()
+        self.fetcher.fetch(source, plan, self.dir, transfer)
+        self.assertEqual((self.dir / "model.gguf").read_bytes(), WEIGHTS)
+        self.assertEqual(transfer.done, len(WEIGHTS))
+        self.assertFalse((self.dir / ("model.gguf" + PART)).exists())
+
+    def test_oversized_part_restarts(self) -> None:
+        """
+        A part longer than the hub's file is thrown away and the file
+        fetched whole.
+        """
+        source = parse_source("hf://acme/tiny", file="model.gguf")
+        plan = self.fetcher.plan(source)
+        self.dir.mkdir()
+        (self.dir / ("model.gguf" + PART)).write_bytes(WEIGHTS + b"extra")
+        transfer = Transfer()
+        self.fetcher.fetch(source, plan, self.dir, transfer)
+        self.assertEqual((self.dir / "model.gguf").read_bytes(), WEIGHTS)
+        self.assertEqual(transfer.done, len(WEIGHTS))
 
     def test_missing(self) -> None:
         """
@@ -163,3 +207,90 @@ class HubTests(SynchronousTestCase):
             self.fetcher.plan(parse_source("hf://acme/none"))
         with self.assertRaises(SourceNotFound):
             self.fetcher.plan(parse_source("hf://acme/tiny", file="nothing.gguf"))
+
+
+class _RangeHub(BaseHTTPRequestHandler):
+    """
+    Serves C{WEIGHTS} at a hub's resolve URL for C{acme/tiny}'s
+    C{model.gguf}, honouring a C{Range: bytes=N-} as the hub's CDN does,
+    and records the Range headers it was sent.
+    """
+
+    ranges: list[str | None] = []
+
+    def do_GET(self) -> None:
+        if not self.path.startswith("/acme/tiny/resolve/") or not self.path.endswith("/model.gguf"):
+            self.send_error(404)
+            return
+        wanted = self.headers.get("Range")
+        self.ranges.append(wanted)
+        start = int(wanted.removeprefix("bytes=").rstrip("-")) if wanted else 0
+        self.send_response(206 if wanted else 200)
+        self.send_header("Content-Length", str(len(WEIGHTS) - start))
+        self.end_headers()
+        self.wfile.write(WEIGHTS[start:])
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+class ResumeTests(SynchronousTestCase):
+    """
+    Resuming from a part against a server that honours Range (a small
+    HTTP server on loopback in a thread, standing in for the hub's CDN).
+    """
+
+    def setUp(self) -> None:
+        _RangeHub.ranges = []
+        httpd = ThreadingHTTPServer(("127.0.0.1", 0), _RangeHub)
+        thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+        thread.start()
+
+        def stop() -> None:
+            httpd.shutdown()
+            httpd.server_close()
+            thread.join()
+        self.addCleanup(stop)
+        self.fetcher = HubFetcher(endpoint=f"http://127.0.0.1:{httpd.server_address[1]}", token=False)
+        self.source = parse_source("hf://acme/tiny", file="model.gguf")
+        self.plan = Plan(files=(FileSpec("model.gguf", len(WEIGHTS), hashlib.sha256(WEIGHTS).hexdigest()),),
+                         revision="a" * 40, target="model.gguf")
+        self.dir = Path(self.mktemp())
+        self.dir.mkdir()
+
+    def test_resume_from_part(self) -> None:
+        """
+        A part an earlier fetch left is resumed from where it ends (only the
+        rest is asked for), the whole file is counted once, and the part
+        takes the file's name.
+        """
+        (self.dir / ("model.gguf" + PART)).write_bytes(WEIGHTS[:70_001])
+        transfer = Transfer()
+        self.fetcher.fetch(self.source, self.plan, self.dir, transfer)
+        self.assertEqual(_RangeHub.ranges, ["bytes=70001-"])
+        self.assertEqual((self.dir / "model.gguf").read_bytes(), WEIGHTS)
+        self.assertEqual(transfer.done, len(WEIGHTS))
+        self.assertFalse((self.dir / ("model.gguf" + PART)).exists())
+
+    def test_resumed_part_is_checked(self) -> None:
+        """
+        The bytes of a resumed part count in the checksum: a part whose
+        bytes differ from the source's makes the whole file fail its check,
+        and it is deleted, so that the next fetch starts over and succeeds.
+        """
+        (self.dir / ("model.gguf" + PART)).write_bytes(b"\0" * 100_000)
+        with self.assertRaises(ChecksumMismatch):
+            self.fetcher.fetch(self.source, self.plan, self.dir, Transfer())
+        self.assertEqual(list(self.dir.iterdir()), [])
+        self.fetcher.fetch(self.source, self.plan, self.dir, Transfer())
+        self.assertEqual(_RangeHub.ranges, ["bytes=100000-", None])
+        self.assertEqual((self.dir / "model.gguf").read_bytes(), WEIGHTS)
+
+    def test_whole_part_not_fetched(self) -> None:
+        """
+        A part already whole is checked and named without a request.
+        """
+        (self.dir / ("model.gguf" + PART)).write_bytes(WEIGHTS)
+        self.fetcher.fetch(self.source, self.plan, self.dir, Transfer())
+        self.assertEqual(_RangeHub.ranges, [])
+        self.assertEqual((self.dir / "model.gguf").read_bytes(), WEIGHTS)

@@ -7,41 +7,43 @@ tool built on it does. A token is never put in a message here.
 The plan comes from the repository's tree at a commit (C{list_repo_tree},
 or C{get_paths_info} for one file): each file's size, and the checksum the
 hub holds for it, the sha256 of an LFS file or the git blob id of another.
-C{hf_hub_download} fetches each file into the entry's directory (resuming
-its own C{.incomplete} file), and every file is then hashed here: what
-counts is the hub's metadata, not the bytes a CDN or mirror sent.
+Each file is streamed in the fetch's thread from the library's own URL
+(C{hf_hub_url}), with its headers (C{build_hf_headers}) and HTTP session
+(C{get_session}), into C{NAME.part}, hashed as it is written, resumed with
+a C{Range} request from the part an earlier fetch left, and takes its name
+only once its size and the hub's checksum match: what counts is the hub's
+metadata, not the bytes a CDN or mirror sent. Hashing while the bytes
+arrive spares the second read of the whole file a check afterwards costs.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import hashlib
+import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import IO, Any, Literal
 
 from zope.interface import implementer
 
-from llmgw.models.errors import ModelError, SourceDenied, SourceNotFound
-from llmgw.models.fetching import FileSpec, IFetcher, Plan, Transfer, check_file, matches
+from llmgw.models.errors import ChecksumMismatch, ModelError, SourceDenied, SourceNotFound
+from llmgw.models.fetching import READ_CHUNK, FileSpec, IFetcher, Plan, Transfer, matches
 from llmgw.models.source import HubSource, Source
 
+#: Suffix of a file being downloaded, kept across restarts for a resume.
+PART = ".part"
 
-def _progress_class(transfer: Transfer) -> type:
+
+def _digest(spec: FileSpec) -> Any:
     """
-    A progress bar class for C{hf_hub_download} that counts into C{transfer}
-    (and stops the download when it raises) and never draws.
+    A hash object for C{spec}'s checksum, fed nothing yet (a git blob id's
+    header included); C{None} when the file is checked by size alone.
     """
-    from huggingface_hub.utils import tqdm
-
-    class Counting(tqdm):  # type: ignore[misc]
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            kwargs["disable"] = True
-            super().__init__(*args, **kwargs)
-
-        def update(self, n: float | None = 1) -> bool | None:
-            transfer.add(int(n or 0))
-            return super().update(n)  # type: ignore[no-any-return]
-
-    return Counting
+    if spec.sha256 is not None:
+        return hashlib.sha256()
+    if spec.git_sha1 is not None and spec.size is not None:
+        return hashlib.sha1(f"blob {spec.size}\0".encode(), usedforsecurity=False)
+    return None
 
 
 @implementer(IFetcher)
@@ -49,12 +51,19 @@ class HubFetcher:
     """
     Fetches L{HubSource}s. C{endpoint} and C{token} are the library's own
     arguments: C{None} (the default) lets it read C{HF_ENDPOINT} and its
-    token settings from the environment.
+    token settings from the environment. C{retries}: how many times a
+    download cut mid-file is resumed before the fetch fails, C{retry_delay}
+    seconds apart (slept in the fetch's own thread).
     """
 
-    def __init__(self, endpoint: str | None = None, token: str | bool | None = None) -> None:
+    def __init__(
+        self, endpoint: str | None = None, token: str | bool | None = None,
+        retries: int = 3, retry_delay: float = 1.0,
+    ) -> None:
         self._endpoint = endpoint
         self._token = token
+        self._retries = retries
+        self._retry_delay = retry_delay
 
     def _api(self) -> Any:
         from huggingface_hub import HfApi
@@ -92,10 +101,7 @@ class HubFetcher:
 
     def fetch(self, source: Source, plan: Plan, directory: Path, transfer: Transfer) -> None:
         assert isinstance(source, HubSource)
-        from huggingface_hub import hf_hub_download
-
         directory.mkdir(parents=True, exist_ok=True)
-        progress = _progress_class(transfer)
         for spec in plan.files:
             transfer.check()
             path = directory / spec.path
@@ -103,14 +109,140 @@ class HubFetcher:
                 if matches(path, spec, transfer):
                     transfer.add(path.stat().st_size)
                     continue
-                # Damaged: the library would keep it (its own record says
-                # it is current), so it goes first.
                 path.unlink()
+            path.parent.mkdir(parents=True, exist_ok=True)
             with _translated(source):
-                hf_hub_download(
-                    source.repo, spec.path, revision=plan.revision, local_dir=directory,
-                    endpoint=self._endpoint, token=self._token, tqdm_class=progress)
-            check_file(path, spec, str(source), transfer)
+                self._fetch_file(source, plan.revision, spec, path, transfer)
+
+    def _fetch_file(self, source: HubSource, revision: str, spec: FileSpec, path: Path,
+                    transfer: Transfer) -> None:
+        """
+        Stream C{spec} into C{path}'s part, resumed and retried, and give it
+        its name once it checks.
+
+        @raise ChecksumMismatch: the whole file's size or checksum differs
+            from the plan's (the part is deleted).
+        """
+        part = path.with_name(path.name + PART)
+        attempts = 0
+        while True:
+            try:
+                digest, size = self._download(source, revision, spec, part, transfer)
+                break
+            except _Cut as cut:
+                attempts += 1
+                if attempts > self._retries:
+                    raise ModelError(f"{source}: {spec.path}: {cut}; gave up after {attempts} tries") from None
+                time.sleep(self._retry_delay)
+        expected = spec.sha256 or spec.git_sha1
+        if (spec.size is not None and size != spec.size) or (digest is not None and digest != expected):
+            part.unlink(missing_ok=True)
+            transfer.add(-size)
+            what = f"sha256 {spec.sha256}" if spec.sha256 else f"git blob {spec.git_sha1}" if spec.git_sha1 else ""
+            raise ChecksumMismatch(
+                f"{source}: {spec.path} does not match the hub's checksum ({what or 'no checksum'}, "
+                f"size {spec.size}; got {size} bytes); the file was deleted")
+        part.rename(path)
+
+    def _download(self, source: HubSource, revision: str, spec: FileSpec, part: Path,
+                  transfer: Transfer) -> tuple[str | None, int]:
+        """
+        Download into C{part} from where it ends: its checksum (C{None} when
+        C{spec} has none) and its size, once the server has sent it all.
+
+        @raise _Cut: the connection ended before the file did.
+        """
+        import httpx2
+        from huggingface_hub import constants, get_session, hf_hub_url
+        from huggingface_hub.utils import build_hf_headers, hf_raise_for_status
+
+        digest = _digest(spec)
+        have = 0
+        if part.exists():
+            if spec.size is not None and part.stat().st_size > spec.size:
+                part.unlink()
+            else:
+                # The bytes already there enter the hash and the count first.
+                with part.open("rb") as f:
+                    while chunk := f.read(READ_CHUNK):
+                        if digest is not None:
+                            digest.update(chunk)
+                        have += len(chunk)
+        transfer.add(have)
+        if spec.size is not None and have == spec.size:
+            return (digest.hexdigest() if digest is not None else None), have
+        url = hf_hub_url(source.repo, spec.path, revision=revision, endpoint=self._endpoint)
+        headers = build_hf_headers(token=self._token)
+        # The bytes as stored are what the checksum is of, never a compressed form.
+        headers["Accept-Encoding"] = "identity"
+        if have:
+            headers["Range"] = f"bytes={have}-"
+        try:
+            with get_session().stream("GET", url, headers=headers, follow_redirects=True,
+                                      timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT) as response:
+                hf_raise_for_status(response)
+                mode = "ab"
+                if have and response.status_code != 206:
+                    # The server ignored the Range: start over.
+                    transfer.add(-have)
+                    digest, have, mode = _digest(spec), 0, "wb"
+                with part.open(mode) as out:
+                    have = self._stream(response, out, digest, have, transfer)
+        except httpx2.TransportError as e:
+            transfer.add(-have)
+            raise _Cut(f"connection lost after {have} bytes ({type(e).__name__})") from None
+        return (digest.hexdigest() if digest is not None else None), have
+
+    @staticmethod
+    def _stream(response: Any, out: IO[Any], digest: Any, have: int, transfer: Transfer) -> int:
+        """
+        Write C{response}'s body to C{out} from C{have} bytes on, hashing
+        and counting it; the file's size once the body ends.
+
+        @raise _Cut: the connection ended first (what arrived is written).
+        """
+        import httpx2
+
+        # The transport hands over pieces of up to 64 KiB (a chunked body's
+        # chunks may be smaller): they are gathered into one buffer so that
+        # each write, hash update (which lets go of the GIL) and count is
+        # of a whole buffer, and no piece is copied more than once.
+        buffer = bytearray(READ_CHUNK)
+        view = memoryview(buffer)
+        filled = 0
+
+        def flush(data: Any) -> None:
+            nonlocal have
+            out.write(data)
+            if digest is not None:
+                digest.update(data)
+            have += len(data)
+            transfer.add(len(data))
+
+        try:
+            for piece in response.iter_raw():
+                size = len(piece)
+                if filled + size > READ_CHUNK:
+                    flush(view[:filled])
+                    filled = 0
+                if size >= READ_CHUNK:
+                    flush(piece)
+                    continue
+                buffer[filled:filled + size] = piece
+                filled += size
+        except httpx2.TransportError as e:
+            out.write(view[:filled])
+            arrived = have + filled
+            transfer.add(-have)
+            raise _Cut(f"connection lost after {arrived} bytes ({type(e).__name__})") from None
+        flush(view[:filled])
+        return have
+
+
+class _Cut(Exception):
+    """
+    A download ended before its file did; what arrived is kept for a resume.
+    """
 
 
 class _translated:
