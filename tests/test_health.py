@@ -105,6 +105,26 @@ class HealthWatchTests(SynchronousTestCase):
         self.assertEqual(self.changes, [READY])
         self.assertEqual(self.unhealthy, [])
 
+    def test_starting_probes_quick_then_slower(self) -> None:
+        """
+        A starting shard's probes after the first come 0.1 s apart,
+        doubling up to C{interval_starting}: an engine up in a fraction of
+        a second is ready that much sooner; a slow one is probed once per
+        interval after a handful.
+        """
+        shard = Shard(spec(startup_timeout_s=60))
+        self.watch.watch_start(shard)
+        self.clock.advance(0)
+        gaps = []
+        for _ in range(6):
+            self.prober.answer(False)
+            # The next probe is the soonest call (the startup timeout is 60 s).
+            gap = min(c.getTime() for c in self.clock.getDelayedCalls()) - self.clock.seconds()
+            gaps.append(round(gap, 3))
+            self.clock.advance(gap)
+            self.assertEqual(len(self.prober.pending), 1)
+        self.assertEqual(gaps, [0.1, 0.2, 0.4, 0.8, 1.0, 1.0])
+
     def test_startup_timeout(self) -> None:
         """
         A shard not ready within its startup timeout is unhealthy, with the

@@ -66,6 +66,9 @@ class HealthWatch:
         self.interval_starting = interval_starting
         self.interval_ready = interval_ready
         self.unhealthy_after = unhealthy_after
+        #: Probes a starting shard has had unanswered, by shard id: the
+        #: first few follow each other quickly (see L{_starting_delay}).
+        self._tries: dict[str, int] = {}
 
     def watch_start(self, shard: Shard) -> None:
         """
@@ -86,6 +89,18 @@ class HealthWatch:
         Probe the shard no more: it is stopping or ended.
         """
         self.timers.cancel(shard, "startup", "probe")
+        self._tries.pop(shard.shard_id, None)
+
+    def _starting_delay(self, shard: Shard) -> float:
+        """
+        The wait before a starting shard's next probe: 0.1 s, doubling up
+        to C{interval_starting}. An engine that is up in a fraction of a
+        second (a small model, weights already in memory) is routed that
+        much sooner; one that takes minutes costs a handful of probes more.
+        """
+        tries = self._tries.get(shard.shard_id, 0)
+        self._tries[shard.shard_id] = tries + 1
+        return min(self.interval_starting, 0.1 * (2 ** min(tries, 16)))
 
     def first_probe(self, shard: Shard) -> defer.Deferred[None]:
         """
@@ -114,7 +129,7 @@ class HealthWatch:
                 self.changed(shard)
             if shard.live:
                 self._watch_startup(shard)
-                self._schedule(shard, self.interval_starting)
+                self._schedule(shard, self._starting_delay(shard))
 
         d.addCallbacks(healthy, unhealthy)
         return d
@@ -152,6 +167,7 @@ class HealthWatch:
             shard.last_probe_error = ""
             if shard.state == STARTING:
                 self.timers.cancel(shard, "startup")
+                self._tries.pop(shard.shard_id, None)
                 shard.state = READY
                 self.log.info("shard {shard} is ready (health check on port {port} answered)",
                               shard=shard.shard_id, port=shard.spec.port)
@@ -172,5 +188,5 @@ class HealthWatch:
                         f"(last: {shard.last_probe_error})",
                     )
                     return
-        delay = self.interval_starting if shard.state == STARTING else self.interval_ready
+        delay = self._starting_delay(shard) if shard.state == STARTING else self.interval_ready
         self._schedule(shard, delay)

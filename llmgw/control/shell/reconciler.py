@@ -657,6 +657,9 @@ class Reconciler(Service):
         if now < self.grace_end:
             self.adoption_grace = now - self.started_at
             self._event("adoption_grace_ended", reason=reason)
+            # Placing may start now, not at the next interval's pass.
+            if self._loop is not None and self._next_pass is None:
+                self._next_pass = self.clock.callLater(0, self.run_pass)
             for listener in list(self.grace_ended_listeners):
                 try:
                     listener()
