@@ -42,6 +42,9 @@ class CrashClass(enum.StrEnum):
     ENGINE_CRASH = "engine_crash"
     #: Killed by a signal (KILL, TERM, INT, HUP) that nobody on this side asked for.
     KILLED = "killed"
+    #: Wedged: it ran requests and made no progress for its profile's
+    #: C{stall_after_s} (the control plane's verdict, never the agent's).
+    HUNG = "hung"
     #: The model's weights could not be put on the node. Each is the
     #: failure class of L{llmgw.models.errors}: the node's model cache
     #: cannot hold them,

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from llmgw.routing import EngineSignals
 
 #: The normalised signals, in the order tables show them.
-SIGNALS = ("waiting", "running", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits")
+SIGNALS = ("waiting", "running", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits",
+           "generated_tokens")
 
 #: Signals that are fractions (several series are combined by their maximum,
 #: the conservative reading); the others are counts and are summed.
@@ -72,6 +73,7 @@ ENGINES: dict[str, Engine] = {
             "kv_cache_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
             "prefix_cache_queries": ("vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries"),
             "prefix_cache_hits": ("vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits"),
+            "generated_tokens": ("vllm:generation_tokens",),
         },
         stop_grace_s=30,
         # Loading a large model, compiling and capturing CUDA graphs.
@@ -89,6 +91,7 @@ ENGINES: dict[str, Engine] = {
             "kv_cache_usage": ("sglang:token_usage",),
             "prefix_cache_queries": ("sglang:prompt_tokens",),
             "prefix_cache_hits": ("sglang:cached_tokens",),
+            "generated_tokens": ("sglang:generation_tokens",),
         },
         stop_grace_s=30,
         startup_timeout_s=1800,
@@ -105,6 +108,7 @@ ENGINES: dict[str, Engine] = {
             "kv_cache_usage": ("llamacpp:kv_cache_usage_ratio",),
             "prefix_cache_queries": ("llamacpp:prompt_tokens+llamacpp:prompt_tokens_cached",),
             "prefix_cache_hits": ("llamacpp:prompt_tokens_cached",),
+            "generated_tokens": ("llamacpp:tokens_predicted",),
         },
         stop_grace_s=10,
         startup_timeout_s=600,

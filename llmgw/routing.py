@@ -95,6 +95,7 @@ class EngineSignals:
     kv_cache_usage: float | None = None  # a fraction, 0..1
     prefix_cache_queries: float | None = None
     prefix_cache_hits: float | None = None
+    generated_tokens: float | None = None  # output tokens since the engine started
 
     def age(self, now: float) -> float:
         return max(0.0, now - self.sampled_at)
@@ -499,7 +500,8 @@ class RoutesDataError(ValueError):
     """
 
 
-_SIGNAL_FIELDS = ("waiting", "running", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits")
+_SIGNAL_FIELDS = ("waiting", "running", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits",
+                  "generated_tokens")
 
 
 def _signals_json(s: EngineSignals, now: float) -> dict[str, Any]:

@@ -114,9 +114,10 @@ class ClassifyTests(SynchronousTestCase):
     def test_every_class_sampled(self) -> None:
         """
         The samples cover every class found in a process's output, so none
-        goes untested (a fetch's classes come from the model cache).
+        goes untested (a fetch's classes come from the model cache, hung
+        from the control plane's verdict on a wedged replica).
         """
-        self.assertEqual({s[4] for s in SAMPLES}, set(CrashClass) - FETCH_CLASSES)
+        self.assertEqual({s[4] for s in SAMPLES}, set(CrashClass) - FETCH_CLASSES - {CrashClass.HUNG})
 
     def test_asked_stop_is_not_killed(self) -> None:
         """
@@ -150,7 +151,7 @@ class ClassifyTests(SynchronousTestCase):
         The class values are the short names events and metric labels use.
         """
         self.assertEqual([c.value for c in CrashClass],
-                         ["oom", "config", "port_in_use", "engine_crash", "killed", "disk_full",
+                         ["oom", "config", "port_in_use", "engine_crash", "killed", "hung", "disk_full",
                           "checksum", "not_found", "denied", "fetch", "unknown"])
 
     def test_bounded_search(self) -> None:

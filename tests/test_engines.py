@@ -55,22 +55,27 @@ class NormaliseTests(SynchronousTestCase):
         """
         SGLang: the queue and running gauges, token_usage as the KV-cache
         fraction (largest rank's), prompt tokens as queries and cached
-        tokens (summed over cache sources) as hits.
+        tokens (summed over cache sources) as hits, and the generated-token
+        counter.
         """
         s = engines.normalise(sample("sglang"), names("sglang"), sampled_at=0.0)
         self.assertEqual((s.waiting, s.running, s.kv_cache_usage), (5.0, 7.0, 0.31))
         self.assertEqual((s.prefix_cache_queries, s.prefix_cache_hits), (8.128902e6, 2.0e6))
+        self.assertEqual(s.generated_tokens, 7.557572e6)
 
     def test_llamacpp_real_output(self) -> None:
         """
         A real llama-server's /metrics: deferred requests wait, processing
         ones run, no KV-cache figure (current builds export none), and the
-        prefix-cache queries are uncached plus cached prompt tokens.
+        prefix-cache queries are uncached plus cached prompt tokens; its
+        predicted tokens are the generated-token counter.
         """
         s = engines.normalise(sample("llamacpp"), names("llamacpp"), sampled_at=0.0)
         self.assertEqual((s.waiting, s.running), (0.0, 0.0))
         self.assertIsNone(s.kv_cache_usage)
         self.assertEqual((s.prefix_cache_queries, s.prefix_cache_hits), (78.0, 38.0))
+        # tokens_predicted_seconds_total shares the prefix and is not read.
+        self.assertEqual(s.generated_tokens, 8.0)
 
     def test_generic_reads_any_engine(self) -> None:
         """

@@ -156,6 +156,29 @@ class EngineSimTests(SynchronousTestCase):
         self.assertEqual(len(rec.times), got)
         self.assertIsNone(rec.finished)
 
+    def test_hang(self) -> None:
+        """
+        A hung engine gives no request another token while its metrics go
+        on saying they run, and its generated-token counter stays flat; the
+        counter counted every token before.
+        """
+        sim = EngineSim(self.clock, CONFIG)
+        rec, _ = self.submit(sim, words(8), 50)
+        run(self.clock, 0.5)
+        got = len(rec.times)
+        self.assertGreater(got, 0)
+        before = parse_metrics_text(sim.metrics_text("m"))
+        self.assertEqual(before["vllm:generation_tokens_total"], float(got))
+        sim.hang()
+        self.submit(sim, words(8), 50)
+        run(self.clock, 5.0)
+        self.assertEqual(len(rec.times), got)
+        after = parse_metrics_text(sim.metrics_text("m"))
+        self.assertEqual(after["vllm:generation_tokens_total"], float(got))
+        self.assertEqual((after["vllm:num_requests_running"], after["vllm:num_requests_waiting"]),
+                         (1.0, 1.0))
+        self.assertIsNone(rec.finished)
+
     def test_cannot_fit(self) -> None:
         """
         A request that needs more blocks than the whole cache is refused at

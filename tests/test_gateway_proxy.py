@@ -13,6 +13,7 @@ from twisted.internet import reactor
 from twisted.internet.defer import Deferred, DeferredList, inlineCallbacks
 from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
 from twisted.internet.protocol import Protocol
+from twisted.internet.task import deferLater
 from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.logger import globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase, TestCase
@@ -747,3 +748,38 @@ class ClientTimeoutTests(SynchronousTestCase):
         self.assertTrue(client.disconnecting)
         self.assertEqual(client.value(), out)
         gw.close()
+
+
+class ReplicaLeftTests(TestCase):
+    timeout = 10
+
+    @inlineCallbacks
+    def test_unstarted_requests_move_when_their_replica_leaves(self) -> Any:
+        """
+        Requests a hung replica accepted and never answered go to another
+        replica as soon as it leaves the routing table (as a wedged one
+        does), long before the first-byte timeout: every client gets its
+        answer, none an error, and the hung replica's requests are cancelled.
+        """
+        h = Harness(self, GatewayConfig(first_byte_timeout=300))
+        hung, good = h.replica("hung"), h.replica("good")
+        hung.mode = "hold"
+        good.mode = "hold"
+        h.route_list = [r for r in h.route_list if r.replica_id == "hung"]
+        h.routes_for()
+        calls = [h.chat(), h.chat()]
+        while len(hung.received) < 2:
+            yield deferLater(reactor, 0.01, lambda: None)
+        self.assertEqual(h.gateway.unstarted.waiting("hung"), 2)
+        good.mode = "answer"
+        h.add_route("good", "demo", good.address())
+        h.route_list = [r for r in h.route_list if r.replica_id != "hung"]
+        h.routes_for()
+        self.assertEqual(h.gateway.unstarted.left(h.table.replica_ids()), 2)
+        for d in calls:
+            response = yield d
+            self.assertEqual(response.code, 200)
+            body = yield response.json()
+            self.assertEqual(body["choices"][0]["message"]["content"], "good")
+        self.assertEqual(h.gateway.unstarted.waiting("hung"), 0)
+        self.assertEqual(h.gateway.in_flight("hung"), 0)

@@ -293,7 +293,7 @@ class CrashMetricsTests(SynchronousTestCase):
         self.assertEqual(failures, {("cfg", "config"): 1.0, ("demo", "oom"): 3.0, ("org/big", "unknown"): 2.0})
         held = by_label(families["llmgw_deployments_held"], "crash_class")
         self.assertEqual(held, {"oom": 0.0, "config": 1.0, "port_in_use": 0.0, "engine_crash": 0.0,
-                                "killed": 0.0, "disk_full": 0.0, "checksum": 0.0, "not_found": 0.0,
+                                "killed": 0.0, "hung": 0.0, "disk_full": 0.0, "checksum": 0.0, "not_found": 0.0,
                                 "denied": 0.0, "fetch": 0.0, "unknown": 0.0})
 
     def test_views_without_the_fields(self) -> None:

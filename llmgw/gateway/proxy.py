@@ -50,6 +50,7 @@ from llmgw.gateway.keys import KeyRing
 from llmgw.gateway.metrics import GatewayMetrics
 from llmgw.gateway.policy import DEFAULT_POLICY, PolicyConfig
 from llmgw.gateway.router import Router
+from llmgw.gateway.unstarted import Unstarted
 from llmgw.gateway.upstream import UpstreamConnection, UpstreamPool, UpstreamProtocolError
 from llmgw.gateway.usage import Usage, UsageCollector, UsageMeter, ask_for_usage
 from llmgw.hostcheck import HostCheck
@@ -149,6 +150,8 @@ class Gateway:
         self.config = config = config if config is not None else GatewayConfig()
         self.keys = keys
         self.router = Router(reactor, config.failure_threshold, config.cooldown, config.policy)
+        #: Requests waiting for a replica's first byte (moved when it leaves the table).
+        self.unstarted = Unstarted()
         self.pool = UpstreamPool(reactor, config.connect_timeout, config.max_idle_connections)
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = GatewayMetrics(self.registry, self.router.snapshot)
@@ -318,6 +321,7 @@ class ProxyCall:
                 _HOST_LINES[address] = host
         conn.send(b"".join((self.head, host, self.body)), self)
         if self.conn is conn:
+            self.gw.unstarted.add(self.route.replica_id, self)
             # One timer for the first byte and the idle wait after it: due
             # at the sooner of the two, so that the head's arrival only ever
             # moves it later (free until it comes due; sooner would be a
@@ -336,6 +340,7 @@ class ProxyCall:
             return
         assert self.route is not None
         self.gw.router.succeeded(self.route.replica_id)
+        self.gw.unstarted.discard(self.route.replica_id, self)
         # The idle wait starts in response_data, which follows at once.
         length = None
         chunked = False
@@ -385,6 +390,7 @@ class ProxyCall:
         if self.done:
             return
         self.gw.router.succeeded(self.route.replica_id)  # type: ignore[union-attr]
+        self.gw.unstarted.discard(self.route.replica_id, self)  # type: ignore[union-attr]
         framed: int | None = length
         meter = self.meter
         if meter is not None and 200 <= status < 300 and _EVENT_STREAM in block:
@@ -619,6 +625,24 @@ class ProxyCall:
             self.counted = False
             assert self.route is not None
             self.gw.router.end(self.route.replica_id)
+            self.gw.unstarted.discard(self.route.replica_id, self)
+
+    def replica_left(self) -> None:
+        """
+        The replica this request was sent to left the routing table before
+        any byte of its answer: the request goes to another replica of the
+        table as it stands now.
+        """
+        route = self.route
+        if self.done or self.sent_headers or route is None:
+            return
+        conn, self.conn = self.conn, None
+        self._cancel_timer()
+        if conn is not None:
+            conn.abort()
+        self.routes = self.gw.table.routes(self.model)
+        self._replica_failed(f"replica {route.replica_id} ({route.address}) left the routing "
+                             "table before answering", False, "replica_left")
 
     def _cancel_timer(self) -> None:
         # The timer is the connection's (UpstreamConnection.arm): it stays

@@ -362,8 +362,11 @@ class StandaloneGateway(MultiService):
         )
         self.front.setServiceParent(self)
         router = self.front.gateway.router
+        unstarted = self.front.gateway.unstarted
 
         def forget_gone(snapshot: RoutingSnapshot) -> None:
+            # Requests still waiting on a replica that left go elsewhere now.
+            unstarted.left(snapshot.replica_ids())
             router.forget(snapshot.replica_ids())
 
         self.table.listeners.append(forget_gone)

@@ -41,7 +41,13 @@ Scheduling
 Metrics
     C{vllm:num_requests_running}, C{vllm:num_requests_waiting},
     C{vllm:kv_cache_usage_perc} (blocks held by requests / C{kv_blocks}),
-    and the prefix-cache counters above.
+    the prefix-cache counters above, and C{vllm:generation_tokens_total}
+    (every output token of every request).
+Hanging
+    L{EngineSim.hang} wedges the engine the way a stuck engine core does:
+    no step runs any more, so no request gets another token, while what
+    runs and waits stays as it was and the metrics (running requests, a
+    flat token counter) and health go on answering.
 """
 
 from __future__ import annotations
@@ -170,6 +176,10 @@ class EngineSim:
         self._admitted_this_step: list[SimRequest] = []
         self.queries = 0
         self.hits = 0
+        #: Output tokens of all requests so far.
+        self.generated = 0
+        #: Wedged (L{hang}): no step runs again.
+        self.hung = False
 
     # -- figures ----------------------------------------------------------------------
 
@@ -195,7 +205,19 @@ class EngineSim:
             f"vllm:prefix_cache_queries_total{label} {float(self.queries)}\n"
             "# TYPE vllm:prefix_cache_hits_total counter\n"
             f"vllm:prefix_cache_hits_total{label} {float(self.hits)}\n"
+            "# TYPE vllm:generation_tokens_total counter\n"
+            f"vllm:generation_tokens_total{label} {float(self.generated)}\n"
         )
+
+    def hang(self) -> None:
+        """
+        Wedge the engine for good: the step under way never ends and no
+        other starts; requests stay running and waiting, tokenless.
+        """
+        self.hung = True
+        if self._step is not None and self._step.active():
+            self._step.cancel()
+        self._step = None
 
     # -- requests ---------------------------------------------------------------------
 
@@ -239,7 +261,7 @@ class EngineSim:
     # -- the scheduler ----------------------------------------------------------------
 
     def _wake(self) -> None:
-        if self._step is None:
+        if self._step is None and not self.hung:
             self._step = self.clock.callLater(0, self._begin_step)
 
     def _free_space(self) -> int:
@@ -290,6 +312,8 @@ class EngineSim:
 
     def _begin_step(self) -> None:
         self._step = None
+        if self.hung:
+            return
         c = self.config
         prefill = 0
         admitted = []
@@ -312,6 +336,7 @@ class EngineSim:
         finished = []
         for req in self.running:
             req.generated += 1
+            self.generated += 1
             if req.generated >= req.max_tokens:
                 finished.append(req)
             else:

@@ -12,8 +12,7 @@ benchmarks to run their real paths without a GPU::
         [--engine-sim [--kv-blocks 2048] [--block-tokens 16] [--max-running 64]
          [--step-ms 10] [--step-per-seq-ms 0.3] [--prefill-us-per-token 50]]
 
-Without C{--port} it listens on C{$LLMGW_PORT}, which is what the agent sets
-for a shard.
+Without C{--port} it listens on C{$LLMGW_PORT}, as the agent sets for a shard.
 
 Endpoints:
 
@@ -99,9 +98,9 @@ class FakeModelConfig:
     instance: str = ""
     #: The shape of /metrics (L{METRICS_SHAPES}); "" serves none (404).
     metrics: str = ""
-    #: Seconds after start from which /metrics hangs (None: never).
+    #: Seconds after start from which /metrics hangs (None: never), and the engine
+    #: simulator that times generation (None: --tokens-per-second).
     metrics_hang_after: float | None = None
-    #: Time generation with this engine simulator (None: --tokens-per-second).
     engine_sim: EngineSimConfig | None = None
     #: False: ignore C{stream_options}, as some engines do (no usage in streams).
     stream_usage: bool = True
@@ -289,15 +288,15 @@ class FakeModelApp:
         self.clock = clock
         self.started = clock.seconds()
         self.created = int(self.started)
-        #: Requests answered, by path, for tests.
+        #: Requests answered, by path, for tests, and the output tokens of all.
         self.requests: dict[str, int] = {}
+        self.generated_tokens = 0
         missing = _NotFound(self)
         self.root = _Dir(missing)
         self.root.putChild(b"health", _Health(self))
         if config.metrics:
             self.root.putChild(b"metrics", _Metrics(self))
-        #: Requests being answered now (streams in progress), and /metrics
-        #: requests left hanging (--metrics hang).
+        #: Requests being answered now, and /metrics requests left hanging.
         self.running = 0
         self.hanging: list[Any] = []
         self.sim = EngineSim(clock, config.engine_sim) if config.engine_sim is not None else None
@@ -353,10 +352,9 @@ class FakeModelApp:
 
     def metrics_text(self, shape: str) -> str:
         """
-        Prometheus text in C{shape}'s names (see C{tests/data/metrics-*.txt}
-        for where they come from): C{running} requests, none waiting, KV
-        cache use 0.25 per running request (at most 1), and 10 prompt tokens
-        per request answered of which the repeats' 8 are cached.
+        Prometheus text in C{shape}'s names (C{tests/data/metrics-*.txt}): C{running}
+        requests, none waiting, KV cache use 0.25 per running request (at most 1), 10
+        prompt tokens per request answered (the repeats' 8 cached), its output tokens.
         """
         if self.sim is not None and shape == "vllm":
             return self.sim.metrics_text(self.config.model)
@@ -402,6 +400,8 @@ class FakeModelApp:
                 "# TYPE llamacpp:requests_deferred gauge",
                 "llamacpp:requests_deferred 0",
             ]
+        gen = "llamacpp:tokens_predicted_total" if shape == "llamacpp" else f"{shape}:generation_tokens_total"
+        lines += [f"# TYPE {gen} counter", f"{gen} {self.generated_tokens:g}"]
         return "\n".join(lines) + "\n"
 
     # -- generation -------------------------------------------------------------
@@ -441,6 +441,7 @@ class FakeModelApp:
             "total_tokens": prompt_tokens + n,
         }
         self._count(kind)
+        self.generated_tokens += n
         if stream:
             opts = body.get("stream_options")
             include_usage = self.config.stream_usage and isinstance(opts, dict) and opts.get("include_usage") is True

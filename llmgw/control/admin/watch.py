@@ -55,6 +55,7 @@ from twisted.internet.interfaces import IDelayedCall
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
+from llmgw.engines import SIGNALS
 from llmgw.routing import RoutingTable, snapshot_to_json
 
 if TYPE_CHECKING:
@@ -107,7 +108,7 @@ def _route_json(table: RoutingTable, model: str, now: float) -> list[dict[str, A
                                  "draining": r.draining}
         if r.signals is not None:
             entry["signals"] = {"age_s": round(r.signals.age(now), 3)} | {
-                k: v for k in ("waiting", "running", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits")
+                k: v for k in SIGNALS
                 if (v := getattr(r.signals, k)) is not None
             }
         out.append(entry)

@@ -60,6 +60,8 @@ _ARGS_PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 ARGS_PLACEHOLDERS = PLACEHOLDERS | {"weights"}
 
 DEFAULT_PORT_RANGE = (20000, 29999)
+#: A profile's C{stall_after_s} when it sets none.
+DEFAULT_STALL_AFTER_S = 15.0
 
 
 class CatalogError(ValueError):
@@ -89,6 +91,9 @@ class Profile:
     startup_timeout_s: int = DEFAULT_STARTUP_TIMEOUT_S
     drain_timeout_s: int = DEFAULT_DRAIN_TIMEOUT_S
     stop_grace_s: int = DEFAULT_STOP_GRACE_S
+    #: Seconds a replica may run requests with its generated-token counter
+    #: flat before it is wedged (out of routing, replaced); 0: never.
+    stall_after_s: float = DEFAULT_STALL_AFTER_S
     #: The engine whose defaults fill what the profile leaves out.
     engine: str = DEFAULT_ENGINE
     #: What ranks 1..N-1 run; empty: the same C{command} as rank 0.
@@ -221,6 +226,7 @@ _PROFILE_FIELDS: dict[str, type | tuple[type, ...]] = {
     "startup_timeout_s": int,
     "drain_timeout_s": int,
     "stop_grace_s": int,
+    "stall_after_s": (int, float),
     "engine": str,
     "worker_command": list,
     "worker_health_path": str,
@@ -359,6 +365,9 @@ def parse_profile(name: str, raw: Any) -> Profile:
     _positive(where, "startup_timeout_s", profile.startup_timeout_s)
     _positive(where, "drain_timeout_s", profile.drain_timeout_s, 0)
     _positive(where, "stop_grace_s", profile.stop_grace_s, 0)
+    if not (math.isfinite(profile.stall_after_s) and profile.stall_after_s >= 0):
+        raise CatalogError(f"{where}: field 'stall_after_s' must be 0 (off) or more seconds, "
+                           f"not {profile.stall_after_s}")
     if profile.shards > 1 and not profile.fabric:
         raise CatalogError(
             f"{where}: field 'fabric' is required when shards > 1 "

@@ -47,6 +47,8 @@ from llmgw.control.core.commands import send
 from llmgw.control.core.context import MAX_SENDS, STOP_SLACK, Context, DeploymentState, Rules
 from llmgw.control.core.kept import KeptState
 from llmgw.control.core.outcome import Outcome
+from llmgw.control.core.wedged import Progress, observe_node
+from llmgw.control.core.wedged import check as check_wedged
 from llmgw.control.shell import modelviews, views
 from llmgw.control.shell.outbox import Outbox
 from llmgw.control.state.events import EventLog, log_event
@@ -183,6 +185,8 @@ class Reconciler(Service):
         self.event_log = EventLog(event_limit)
         #: Engine signals from heartbeats, per shard (engines).
         self.engine_signals = SignalStore()
+        #: Leader shards running requests, with when their progress last moved.
+        self.progress: dict[str, Progress] = {}
         self._timer = timer
         #: The routing table, a projection of L{state}.
         self.routing_table = RoutingTable(clock)
@@ -382,6 +386,7 @@ class Reconciler(Service):
 
     def record_engine_signals(self, node_id: str, msgs: Iterable[Any]) -> None:
         reports.engine_signals(self.ctx, self.engine_signals, node_id, msgs, self.clock.seconds())
+        observe_node(self.ctx, self.engine_signals, self.progress, node_id)
         self.outbox.settle()
 
     def record_fetches(self, node_id: str, msgs: Iterable[Any]) -> None:
@@ -488,6 +493,7 @@ class Reconciler(Service):
         if self.dispatcher is None:
             return
         deadlines.check(ctx, self.in_flight, now, out)
+        check_wedged(ctx, self.engine_signals, self.progress, now, out)
         self.autoscaling.tick(ctx, self.fleet_state, self.in_flight, now, out)
         p = self._placing
         placing_left = placing.reconcile(

@@ -118,6 +118,7 @@ _METRICS = {
     "kv_cache_usage": ("llmgw_engine_kv_cache_usage_ratio", "Fraction of the engine's KV cache in use."),
     "prefix_cache_queries": ("llmgw_engine_prefix_cache_queries", "Prompt tokens looked up in the prefix cache since the engine started."),
     "prefix_cache_hits": ("llmgw_engine_prefix_cache_hits", "Prompt tokens found in the prefix cache since the engine started."),
+    "generated_tokens": ("llmgw_engine_generated_tokens", "Output tokens the engine generated since it started."),
 }
 
 

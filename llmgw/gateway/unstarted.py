@@ -1,0 +1,66 @@
+"""
+Requests sent to a replica that have had no byte of its answer yet, per
+replica (DESIGN §23). When a replica leaves the routing table (the control
+plane found it wedged, or it failed), each of them is told so and goes to
+another replica at once, rather than waiting out the first-byte timeout on
+an engine that may never answer: a request that had not started costs its
+client no error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Protocol
+
+from twisted.logger import Logger
+
+
+class IReplicaLeft(Protocol):
+    def replica_left(self) -> None:
+        """
+        The replica this request waits on left the routing table.
+        """
+
+
+class Unstarted:
+    """
+    Replica id -> the requests waiting for its first byte.
+    """
+
+    log = Logger()
+
+    def __init__(self) -> None:
+        self._by_replica: dict[str, set[IReplicaLeft]] = {}
+
+    def add(self, replica_id: str, call: IReplicaLeft) -> None:
+        self._by_replica.setdefault(replica_id, set()).add(call)
+
+    def discard(self, replica_id: str, call: IReplicaLeft) -> None:
+        calls = self._by_replica.get(replica_id)
+        if calls is not None:
+            calls.discard(call)
+            if not calls:
+                del self._by_replica[replica_id]
+
+    def waiting(self, replica_id: str) -> int:
+        return len(self._by_replica.get(replica_id, ()))
+
+    def left(self, keep: Collection[str]) -> int:
+        """
+        Tell every request waiting on a replica not in C{keep} (the routing
+        table's replicas now) that its replica left; returns how many.
+        """
+        told = 0
+        for replica_id in [r for r in self._by_replica if r not in keep]:
+            calls = self._by_replica.pop(replica_id)
+            self.log.warn("replica {replica} left the routing table with {n} request(s) "
+                          "not answered yet: sending them elsewhere", replica=replica_id,
+                          n=len(calls))
+            for call in list(calls):
+                told += 1
+                try:
+                    call.replica_left()
+                except Exception:
+                    self.log.failure("moving a request off replica {replica} failed",
+                                     replica=replica_id)
+        return told
