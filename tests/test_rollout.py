@@ -207,7 +207,8 @@ class ControlTests(SynchronousTestCase):
         control plane started on it places from the pinned spec and starts
         the deployment's next rollout paused.
         """
-        kept = KeptState(None)
+        path = self.mktemp()
+        kept = KeptState(path)
         f = full_fleet(fleet_state=kept)
         f.rec.apply_catalog(version(61))
         for _ in range(3):
@@ -217,8 +218,7 @@ class ControlTests(SynchronousTestCase):
         f.rec.rollout_undo("demo")
         f.rec.rollout_pause("demo")
         self.assertEqual(kept.rollouts["demo"]["paused"], True)
-        restarted = KeptState(None)
-        restarted.take_data(kept.to_data())
+        restarted = KeptState(path)
         g = Fleet({}, nodes=2, gpus=1, fabric="", grace=0, cat=version(61), fleet_state=restarted)
         self.assertEqual(g.rec.rollout_status("demo")["version"], spec_of(version(60), "demo").version)
         g.step()
