@@ -387,8 +387,9 @@ class LifecycleTests(SynchronousTestCase):
     def test_profile_change_evacuates(self) -> None:
         """
         A catalog whose profile for a deployment changed replaces its
-        replicas make-before-break: the new one is placed while the old one
-        serves, and the old one drains only once the new one is ready.
+        replicas by a rollout that surges where there is room: the new one
+        is placed while the old one serves, and the old one drains only
+        once the new one is ready.
         """
         f = Fleet({"demo": ("one", 1)}, nodes=2, grace=0)
         f.step()
@@ -399,7 +400,7 @@ class LifecycleTests(SynchronousTestCase):
             ONE_GPU.replace("gpu_memory_mb = 1000\ncommand", "gpu_memory_mb = 2000\ncommand", 1)
             + '\n[[deployments]]\nmodel = "demo"\nprofile = "one"\nreplicas = 1\n'))
         f.rec.apply_catalog(changed)
-        self.assertEqual(len(kinds(f, "replica_evacuating")), 1)
+        self.assertEqual(len(kinds(f, "rollout_started")), 1)
         f.step()
         [new] = f.dispatcher.starts
         self.assertNotEqual(new.replica_id, old.replica_id)

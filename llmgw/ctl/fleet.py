@@ -232,6 +232,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p = add("models", "which model's weights each node caches, their size, state and last use; "
                       "'models pull MODEL [--node N]...' stages them", models.cmd_models)
     models.add_arguments(p)
+    from llmgw.ctl import rollout
+
+    p = add("rollout", "a deployment's rollout of a changed profile: status, pause, resume, undo",
+            rollout.cmd_rollout)
+    rollout.add_arguments(p)
     from llmgw.ctl import usage
 
     p = add("usage", "requests and tokens per API key and model, and the keys' limits", usage.cmd_usage)

@@ -21,6 +21,7 @@ from twisted.web.resource import Resource
 
 from llmgw.control.admin.auth import known_admin
 from llmgw.control.admin.base import AdminNode, Refused, at_end, json_body, segment
+from llmgw.control.admin.rollouts import ROLLOUT_ACTIONS, Rollout
 from llmgw.control.state.demand import DemandReportError, parse_report
 from llmgw.control.state.interfaces import AdminError
 from llmgw.untrusted import clip
@@ -109,9 +110,16 @@ class Deployment(AdminNode):
         name = segment(path)
         if at_end(request) and name in DEPLOYMENT_ACTIONS:
             return {"scale": Scale, "retry": Retry, "pull": Pull}[name](self.root, self.model)
+        if name == "rollout" and (at_end(request) or _rollout_action(request)):
+            return Rollout(self.root, self.model)
         if path == b"" and not request.postpath:
             return self
         return Deployment(self.root, f"{self.model}/{name}")
+
+
+def _rollout_action(request: Any) -> bool:
+    # .../rollout/ACTION: the last segment names a rollout action.
+    return len(request.postpath) == 1 and segment(request.postpath[0]) in ROLLOUT_ACTIONS
 
 
 class _DeploymentAction(AdminNode):

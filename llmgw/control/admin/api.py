@@ -105,6 +105,8 @@ ENDPOINTS = [
     'POST /api/v1/deployments/{model}/scale {"replicas": N} or {"min": N, "max": M} (autoscaled)',
     'POST /api/v1/demand {"gateway_id": ID, "models": {MODEL: {"in_flight": N, "waiting": N}}}',
     "POST /api/v1/deployments/{model}/retry",
+    "GET /api/v1/deployments/{model}/rollout",
+    "POST /api/v1/deployments/{model}/rollout/pause, /resume or /undo",
     'POST /api/v1/deployments/{model}/pull {"nodes": [ID, ...]} (none: where prefetch would)',
     "POST /api/v1/catalog/reload",
     "POST /api/v1/tls/reload",

@@ -175,6 +175,11 @@ class Deployment:
     #: Nodes beyond those that run it that keep its weights cached (with
     #: C{source} only), so a scale-up or a failover skips the fetch.
     prefetch: int = 0
+    #: A rollout's extra replicas where there is room, and how many may be
+    #: down at once where there is not (L{llmgw.control.core.rolling});
+    #: C{None}: the defaults (1 and 1).
+    max_surge: int | None = None
+    max_unavailable: int | None = None
 
 
 @dataclass(frozen=True)
@@ -253,6 +258,8 @@ _DEPLOYMENT_FIELDS: dict[str, type | tuple[type, ...]] = {
     "sha256": str,
     "args": list,
     "prefetch": int,
+    "max_surge": int,
+    "max_unavailable": int,
 }
 #: The fields that make a deployment autoscaled.
 AUTOSCALE_FIELDS = ("min_replicas", "max_replicas", "target_in_flight", "target_waiting",
@@ -515,9 +522,16 @@ def parse_deployment(index: int, raw: Any, profiles: Mapping[str, Profile]) -> D
         except ValueError as e:
             raise CatalogError(f"{where}: field 'queue_timeout_s': {e}") from None
         queue_timeout = float(queue_timeout)
+    for key in ("max_surge", "max_unavailable"):
+        if key in raw:
+            _positive(where, key, raw[key], 0)
+    if raw.get("max_surge", 1) == 0 and raw.get("max_unavailable", 1) == 0:
+        raise CatalogError(f"{where}: fields 'max_surge' and 'max_unavailable' cannot both be 0 "
+                           "(a rollout could never replace a replica)")
     return Deployment(model=raw["model"], profile=raw["profile"], replicas=replicas, routing=routing,
                       autoscale=autoscale, queue_depth=queue_depth, queue_timeout_s=queue_timeout,
-                      source=source, args=tuple(raw.get("args", ())), prefetch=prefetch)
+                      source=source, args=tuple(raw.get("args", ())), prefetch=prefetch,
+                      max_surge=raw.get("max_surge"), max_unavailable=raw.get("max_unavailable"))
 
 
 def parse_autoscale(where: str, raw: Mapping[str, Any]) -> AutoscalePolicy | None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from llmgw.control.core.backoff import Backoff
 from llmgw.control.core.catalog import Catalog, Profile
 from llmgw.control.core.failures import Hold, ShardFailure
+from llmgw.control.core.rollout import RolloutBook
 from llmgw.control.state.fleetstate import FleetState
 from llmgw.control.state.inventory import Inventory
 
@@ -132,6 +133,8 @@ class Context:
         self.frozen = False
         self.frozen_reason = ""
         self.prefetch = PrefetchState()
+        #: Rollouts, and the spec each replica was placed from.
+        self.rollouts = RolloutBook()
         self.set_epoch(epoch)
         self._ids = 0
 

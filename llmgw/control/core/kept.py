@@ -53,6 +53,11 @@ class KeptState:
         #: L{keeps_holds} (an HA control plane's etcd); standalone a hold
         #: lasts as long as the process.
         self.held: dict[str, Hold] = {}
+        #: Each deployment's rollout control an operator set: C{"paused"}
+        #: (bool), and after an undo C{"pinned"} (the spec it returned to,
+        #: L{llmgw.control.core.rollout.spec_data}) with C{"catalog_version"}
+        #: (the catalog's spec then: an edit since is the newer intent).
+        self.rollouts: dict[str, dict[str, Any]] = {}
 
     log = Logger()
 
@@ -71,7 +76,7 @@ class KeptState:
         what an operator may want to recover) and the state starts empty.
         """
         self.overrides, self.cordoned, self.draining = {}, frozenset(), frozenset()
-        self.bounds = {}
+        self.bounds, self.rollouts = {}, {}
         if self.path is None or not self.path.exists():
             return []
         try:
@@ -112,11 +117,15 @@ class KeptState:
         cordoned = self._node_list(data, "cordoned")
         draining = self._node_list(data, "draining")
         held = self._holds(data.get("held", {}))
+        rollouts = data.get("rollouts", {})
+        if not isinstance(rollouts, dict) or not all(isinstance(v, dict) for v in rollouts.values()):
+            raise ValueError("'rollouts' must be an object of model: object")
         self.overrides = overrides
         self.bounds = bounds
         # A drain cordons its node; a file edited by hand may say otherwise.
         self.cordoned, self.draining = cordoned | draining, draining
         self.held = held
+        self.rollouts = {str(m): dict(v) for m, v in rollouts.items()}
 
     def _holds(self, raw: Any) -> dict[str, Hold]:
         """
@@ -175,7 +184,22 @@ class KeptState:
             }
         if self.held:
             data["held"] = {m: h.as_dict() for m, h in sorted(self.held.items())}
+        if self.rollouts:
+            data["rollouts"] = {m: dict(v) for m, v in sorted(self.rollouts.items())}
         return data
+
+    def set_rollouts(self, rollouts: Mapping[str, Mapping[str, Any]]) -> bool:
+        """
+        Keep each deployment's rollout control (L{rollouts}); writes only
+        when it changed, and returns whether it did. Raises L{OSError} if
+        the write failed (the new value is kept in memory).
+        """
+        new = {m: dict(v) for m, v in rollouts.items()}
+        if new == self.rollouts:
+            return False
+        self.rollouts = new
+        self.save()
+        return True
 
     def set_holds(self, held: Mapping[str, Hold]) -> bool:
         """

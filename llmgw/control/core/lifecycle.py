@@ -15,11 +15,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
+from llmgw.control.core import rolling
 from llmgw.control.core.catalog import Catalog, diff
 from llmgw.control.core.commands import Drain, Start, Stop, start_command, weights_key
 from llmgw.control.core.context import STOP_SLACK, Context
 from llmgw.control.core.failures import ShardFailure, on_failure
 from llmgw.control.core.outcome import Outcome
+from llmgw.control.core.rollout import LaunchSpec
 from llmgw.control.state.fleetstate import Phase, ReplicaRec, ShardRec
 from llmgw.control.state.placement import Slot
 from llmgw.states import ENDED, ShardState
@@ -47,7 +49,10 @@ def send_start(ctx: Context, rep: ReplicaRec, shard: ShardRec, now: float, first
     Tell C{shard}'s node to start it; it is looked at again when nothing
     is heard within the pending timeout.
     """
-    profile = ctx.profile(rep.profile)
+    # A replica runs the spec it was placed from (a rollout's old one
+    # after a failure or an undo), not necessarily the catalog's.
+    spec = ctx.rollouts.spec_for(rep.id)
+    profile = spec.profile if spec is not None else ctx.profile(rep.profile)
     shard.sends += 1
     shard.sent_at = now
     ctx.state.check_at(shard.id, now + ctx.rules.pending_timeout)
@@ -56,6 +61,8 @@ def send_start(ctx: Context, rep: ReplicaRec, shard: ShardRec, now: float, first
         node = ctx.inventory.peek(leader.node_id) if leader is not None else None
         fabrics = node.fabrics if node is not None else {}
         deployment = ctx.catalog.deployments.get(rep.model)
+        if spec is not None and deployment is not None:
+            deployment = replace(deployment, profile=spec.profile.name, source=spec.source, args=spec.args)
         command = start_command(rep, shard, profile, fabrics, deployment)
         if deployment is not None and deployment.source is not None:
             peers = ctx.inventory.models.peers(weights_key(deployment.source), exclude=shard.node_id)
@@ -65,14 +72,18 @@ def send_start(ctx: Context, rep: ReplicaRec, shard: ShardRec, now: float, first
 
 
 def create_replica(ctx: Context, model: str, profile_name: str, world_size: int,
-                   slots: Sequence[Slot], now: float, out: Outcome) -> ReplicaRec:
+                   slots: Sequence[Slot], now: float, out: Outcome,
+                   spec: LaunchSpec | None = None) -> ReplicaRec:
     """
-    A new replica of C{model} on the placed C{slots}, its shards started.
+    A new replica of C{model} on the placed C{slots}, its shards started
+    from C{spec} (the catalog's profile C{profile_name} when C{None}).
     """
     rep = ReplicaRec(id=ctx.new_replica_id(model), model=model, profile=profile_name,
                      world_size=world_size, created_at=now)
     st = ctx.state
     st.add_replica(rep)
+    if spec is not None:
+        ctx.rollouts.replica_specs[rep.id] = spec
     for slot in slots:
         st.add_shard(
             rep,
@@ -209,23 +220,25 @@ def new_catalog(ctx: Context, new: Catalog, desired: dict[str, int], now: float,
                 out: Outcome) -> dict[str, list[str]]:
     """
     Make C{new} the running catalog, with C{desired} replica counts:
-    deployments that went away are retired; replicas whose profile changed
-    are replaced make-before-break, and their deployment's hold and
-    backoff lifted. Returns what changed (L{diff}).
+    deployments that went away are retired; replicas whose launch spec
+    (profile, source, engine arguments) changed are replaced by a rollout
+    (L{rolling}), and their deployment's hold and backoff lifted. Returns
+    what changed (L{diff}).
     """
     st = ctx.state
     old = ctx.catalog
     changes = diff(old, new)
+    before = {m: ctx.rollouts.effective(old, m) for m in changes["changed"]}
     ctx.catalog = new
     ctx.desired = desired
     st.ports.set_range(*new.port_range)
     for model in changes["removed"]:
         for rid in sorted(st.active.get(model, set()) | st.evacuating.get(model, set())):
             retire(ctx, st.replicas[rid], "its deployment left the catalog", now, out)
+    for model in changes["removed"]:
+        ctx.rollouts.rollouts.pop(model, None)
+        ctx.rollouts.pinned.pop(model, None)
     for model in changes["changed"]:
-        dep, old_dep = new.deployments[model], old.deployments[model]
-        if dep.profile != old_dep.profile or new.profiles[dep.profile] != old.profiles.get(old_dep.profile):
-            for rid in sorted(st.active.get(model, set())):
-                evacuate(ctx, st.replicas[rid], "profile changed", out)
-            release(ctx, model, "its profile changed", out)
+        if rolling.new_catalog(ctx, model, before[model], now, out):
+            release(ctx, model, "its launch spec changed", out)
     return changes

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from llmgw.control.core import lifecycle
-from llmgw.control.core.catalog import Deployment, Profile
+from llmgw.control.core import lifecycle, rolling
+from llmgw.control.core.catalog import Deployment
 from llmgw.control.core.commands import weights_key
 from llmgw.control.core.context import Context
 from llmgw.control.core.outcome import Outcome
+from llmgw.control.core.rollout import LaunchSpec
 from llmgw.control.core.scaling import Candidate, scale_step, victims
 from llmgw.control.state.interfaces import AdminError, UnknownDeployment
 from llmgw.control.state.placement import BUSY, Placer, Request
@@ -61,6 +62,17 @@ def reconcile(ctx: Context, now: float, placer: Placer, sync: Callable[[], bool]
     synced = unfinished = False
     placed_this_pass = 0
     placing = now >= ctx.grace_end and not ctx.frozen
+
+    def _place_synced(spec: LaunchSpec) -> str | bool | None:
+        nonlocal synced
+        if unfinished:
+            return None
+        if not synced:
+            if not sync():
+                return None
+            synced = True
+        return place(ctx, dep, spec, placer, over_budget, now, out)
+
     for model in sorted(ctx.catalog.deployments):
         dep = ctx.catalog.deployments[model]
         desired = ctx.desired.get(model, dep.replicas)
@@ -74,6 +86,12 @@ def reconcile(ctx: Context, now: float, placer: Placer, sync: Callable[[], bool]
                     state.backoff.reset()
                     out.event("backoff_reset", replica=rid, reason=f"deployment {model} ready long enough")
                     break
+        if ctx.rollouts.owns(model):
+            # A rollout decides its deployment's replicas until it is done.
+            unfinished = rolling.step(
+                ctx, ctx.rollouts.rollouts[model], desired, now, placing, state.backoff.blocked(now),
+                lambda spec: _place_synced(spec), out) or unfinished
+            continue
         evac = st.evacuating.get(model)
         step = scale_step(
             # Fresh ready replicas are counted only where some are being moved off.
@@ -98,13 +116,15 @@ def reconcile(ctx: Context, now: float, placer: Placer, sync: Callable[[], bool]
                 continue
             synced = True
         missing = step.place
-        profile = ctx.catalog.profiles[dep.profile]
+        spec = ctx.rollouts.effective(ctx.catalog, model)
+        assert spec is not None
+        profile = spec.profile
         placed = 0
         for _ in range(missing):
             if placed_this_pass and over_budget():
                 unfinished = True
                 break
-            got = place(ctx, dep, profile, placer, over_budget, now, out)
+            got = place(ctx, dep, spec, placer, over_budget, now, out)
             if got is None:
                 # Still gathering candidates, and the time is up.
                 unfinished = True
@@ -161,12 +181,13 @@ def candidates(ctx: Context, model: str, active: set[str]) -> list[Candidate]:
     return result
 
 
-def place(ctx: Context, dep: Deployment, profile: Profile, placer: Placer,
-          over_budget: Callable[[], bool], now: float, out: Outcome) -> bool | None:
+def place(ctx: Context, dep: Deployment, spec: LaunchSpec, placer: Placer,
+          over_budget: Callable[[], bool], now: float, out: Outcome) -> str | bool | None:
     """
-    Place one replica of C{dep}: whether it was, or C{None} when the
-    pass's time ran out first.
+    Place one replica of C{dep} from C{spec}: its id, False when there is
+    no room, or C{None} when the pass's time ran out first.
     """
+    profile = spec.profile
     slots = placer.place(
         Request(group=dep.model, shards=profile.shards, gpus_per_shard=profile.gpus_per_shard,
                 gpu_memory_mb=profile.gpu_memory_mb, fabric=profile.fabric,
@@ -177,5 +198,4 @@ def place(ctx: Context, dep: Deployment, profile: Profile, placer: Placer,
         return None
     if slots is None:
         return False
-    lifecycle.create_replica(ctx, dep.model, profile.name, profile.shards, slots, now, out)
-    return True
+    return lifecycle.create_replica(ctx, dep.model, profile.name, profile.shards, slots, now, out, spec).id

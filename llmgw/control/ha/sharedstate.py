@@ -143,6 +143,21 @@ class SharedKeptState(KeptState):
             error=f.getErrorMessage()))
         return True
 
+    def set_rollouts(self, rollouts: Mapping[str, Mapping[str, Any]]) -> bool:
+        """
+        Keep the rollouts' control (paused, undone): local at once, written
+        to etcd behind (a failure is logged), like the holds.
+        """
+        new = {m: dict(v) for m, v in rollouts.items()}
+        if new == self.rollouts:
+            return False
+        self.rollouts = new
+        d = self.write(lambda state: state.take_data(self.to_data()))
+        d.addErrback(lambda f: self.log.error(
+            "rollout control not kept in etcd {key}: {error}", key=self.key.decode(),
+            error=f.getErrorMessage()))
+        return True
+
     # -- etcd ---------------------------------------------------------------------------
 
     async def load_from(self, lease: int, seed: KeptState | None = None) -> list[str]:

@@ -222,6 +222,7 @@ class ControlCollector(Collector):
             if isinstance(hold, Mapping):
                 held[crash_label(hold.get("crash_class"))] += 1
         yield failures
+        yield _rollout_states(deployments)
         g = GaugeMetricFamily(
             "llmgw_deployments_held",
             "Deployments held (not placed) after a failure that retrying cannot mend, by its "
@@ -420,3 +421,26 @@ def register_control_metrics(
     collector = ControlCollector(agents, fleet, tls, limiter=limiter)
     registry.register(collector)
     return collector
+
+
+#: The states a rollout may be in, each a label of C{llmgw_rollout_state}.
+ROLLOUT_STATES = ("progressing", "paused", "failed", "done")
+
+
+def _rollout_states(deployments: Iterable[Any]) -> Metric:
+    """
+    C{llmgw_rollout_state{model,state}}: 1 for the state of each
+    deployment's last rollout, 0 for the others.
+    """
+    g = GaugeMetricFamily(
+        "llmgw_rollout_state",
+        "The state of each deployment's last rollout (1 for the state it is in).",
+        labels=["model", "state"],
+    )
+    for d in deployments:
+        ro = d.get("rollout") if isinstance(d, Mapping) else None
+        if not isinstance(ro, Mapping) or not isinstance(d.get("model"), str):
+            continue
+        for state in ROLLOUT_STATES:
+            g.add_metric([d["model"], state], 1.0 if ro.get("state") == state else 0.0)
+    return g

@@ -51,6 +51,7 @@ from llmgw.control.core.wedged import Progress, observe_node
 from llmgw.control.core.wedged import check as check_wedged
 from llmgw.control.shell import modelviews, views
 from llmgw.control.shell.outbox import Outbox
+from llmgw.control.shell.rollouts import RolloutControl
 from llmgw.control.state.events import EventLog, log_event
 from llmgw.control.state.fetches import FetchProgress
 from llmgw.control.state.fleetstate import FleetState, ReplicaRec, format_address
@@ -108,7 +109,7 @@ def _ctx_attr(name: str) -> Any:
 
 
 @implementer(IStatusSink, IRoutingTable, IFleetAdmin)
-class Reconciler(Service):
+class Reconciler(RolloutControl, Service):
     """
     @param catalog: the catalog to start with (L{EMPTY} for none).
     @param inventory: the nodes, shared with the agent service.
@@ -196,6 +197,7 @@ class Reconciler(Service):
         # registers again with them.
         self.state.cordoned.update(self.fleet_state.cordoned)
         self.state.draining_nodes.update(self.fleet_state.draining)
+        self.take_up_rollouts()
         self.last_pass_duration = self.max_pass_duration = self.pass_seconds_total = 0.0
         self.passes = self.pass_errors = 0
         #: A pass stopped at its budget with placements left to make, or
@@ -580,6 +582,7 @@ class Reconciler(Service):
         st.cordoned.clear(), st.draining_nodes.clear()
         st.cordoned.update(kept.cordoned), st.draining_nodes.update(kept.draining)
         self.desired = {m: kept.desired(d) for m, d in self.catalog.deployments.items()}
+        self.take_up_rollouts()
         if kept.keeps_holds:
             # The held deployments, as the previous leader kept them.
             deps = self.ctx.deps

@@ -141,6 +141,8 @@ def deployments(rec: Reconciler) -> list[dict[str, Any]]:
                 "held": state.held.as_dict() if state.held else None,
                 # Bounds and targets of an autoscaled deployment; None: fixed.
                 "autoscale": rec.autoscale_view(model),
+                # Its last rollout (None: none since the process started).
+                "rollout": rollout.view() if (rollout := rec.ctx.rollouts.rollouts.get(model)) else None,
             }
         )
     return out

@@ -213,7 +213,13 @@ function renderDeployments() {
         '"><button data-act="scale" data-model="' + esc(model) + '">scale</button>'
       : "";
     const bad = d.last_failure ? ' <span class="flag" title="' + esc(JSON.stringify(d.last_failure)) + '">failing</span>' : "";
-    rows.push('<div id="' + esc(domId("dep", model)) + '"><span>' + esc(model) + bad + "</span><span>" + esc(d.profile) +
+    // A rollout not yet done shows as "rollout STATE N/M" beside the profile.
+    const ro = d.rollout && d.rollout.state !== "done"
+      ? ' <span class="flag" title="' + esc(d.rollout.old_version + " -> " + d.rollout.new_version +
+        (d.rollout.reason ? ": " + d.rollout.reason : "")) + '">rollout ' + esc(d.rollout.state) + " " +
+        esc(d.rollout.updated) + "/" + esc(d.rollout.total) + "</span>"
+      : "";
+    rows.push('<div id="' + esc(domId("dep", model)) + '"><span>' + esc(model) + bad + "</span><span>" + esc(d.profile) + ro +
       '</span><span class="desired">' + esc(d.desired) + '</span><span class="ready">' + esc(d.ready) + "</span><span>" +
       esc(d.replicas !== undefined ? d.replicas : "") + "</span><span>" + scale + "</span></div>");
   }
