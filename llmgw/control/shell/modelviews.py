@@ -6,8 +6,10 @@ L{ModelIndex} and the catalog on request.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+from llmgw.control.core import prefetching
 from llmgw.control.core.commands import weights_key
 from llmgw.control.core.context import Context
 
@@ -50,3 +52,25 @@ def models(ctx: Context) -> dict[str, Any]:
         row["prefetch"] = sorted({n for m in row["deployments"] for n in ctx.prefetch.nodes(m)})
         out.append(row)
     return {"models": out, "nodes": cache_nodes}
+
+
+class ModelControl:
+    """
+    Mixed into the reconciler, whose C{ctx}, C{_decide} and C{connected}
+    it uses: the weights' view and an operator's pull.
+    """
+
+    ctx: Context
+    _decide: Callable[..., Any]
+    connected: Callable[[], set[str]]
+
+    def pull_model(self, model: str, nodes: list[str]) -> list[str]:
+        """
+        Stage C{model}'s weights on C{nodes} (or where prefetch would);
+        the nodes told (L{prefetching.pull}).
+        """
+        result: list[str] = self._decide(prefetching.pull, self.ctx.prefetch, model, nodes, self.connected())
+        return result
+
+    def models_view(self) -> dict[str, Any]:
+        return models(self.ctx)

@@ -49,7 +49,8 @@ from llmgw.control.core.kept import KeptState
 from llmgw.control.core.outcome import Outcome
 from llmgw.control.core.wedged import Progress, observe_node
 from llmgw.control.core.wedged import check as check_wedged
-from llmgw.control.shell import modelviews, views
+from llmgw.control.shell import views
+from llmgw.control.shell.modelviews import ModelControl
 from llmgw.control.shell.outbox import Outbox
 from llmgw.control.shell.rollouts import RolloutControl
 from llmgw.control.state.events import EventLog, log_event
@@ -109,7 +110,7 @@ def _ctx_attr(name: str) -> Any:
 
 
 @implementer(IStatusSink, IRoutingTable, IFleetAdmin)
-class Reconciler(RolloutControl, Service):
+class Reconciler(RolloutControl, ModelControl, Service):
     """
     @param catalog: the catalog to start with (L{EMPTY} for none).
     @param inventory: the nodes, shared with the agent service.
@@ -678,17 +679,6 @@ class Reconciler(RolloutControl, Service):
     def retry(self, model: str) -> None:
         placing.deployment(self.ctx, model)
         self._decide(lifecycle.release, model, "an operator asked for a retry")
-
-    def pull_model(self, model: str, nodes: list[str]) -> list[str]:
-        """
-        Stage C{model}'s weights on C{nodes} (or where prefetch would);
-        the nodes told (L{prefetching.pull}).
-        """
-        result: list[str] = self._decide(prefetching.pull, self.ctx.prefetch, model, nodes, self.connected())
-        return result
-
-    def models_view(self) -> dict[str, Any]:
-        return modelviews.models(self.ctx)
 
     # -- helpers for tests and embedding -------------------------------------------------
 
