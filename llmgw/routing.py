@@ -114,6 +114,9 @@ class Route:
     address: str  # host:port of the leader shard
     draining: bool = False
     signals: EngineSignals | None = None
+    #: Whether a stream broken off here may be continued on another replica
+    #: (the deployment's C{resume_streams}; L{llmgw.gateway.resume}).
+    resume: bool = True
 
 
 class IRoutingTable(Interface):
@@ -529,6 +532,8 @@ def snapshot_to_json(table: IRoutingTable | RoutingSnapshot, now: float) -> dict
         }
         if r.signals is not None:
             entry["signals"] = _signals_json(r.signals, now)
+        if not r.resume:
+            entry["resume"] = False
         routes.append(entry)
     return {
         "revision": snap.revision,
@@ -624,7 +629,8 @@ def snapshot_from_json(data: Any, now: float) -> tuple[RoutingSnapshot, list[str
         except RoutesDataError as err:
             problems.append(str(err))
             signals = None
-        routes.append(Route(rid, model, address, bool(e.get("draining", False)), signals))
+        routes.append(Route(rid, model, address, bool(e.get("draining", False)), signals,
+                            e.get("resume", True) is not False))
     # Absent from documents of control planes that predate routing policies.
     raw_policies = data.get("policies", {})
     policies: dict[str, str] = {}
