@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from twisted.internet.defer import Deferred
@@ -289,6 +289,10 @@ class RoutingTable:
         #: Where L{set_known} reads the model -> queue limits map from, if
         #: set (the catalog again).
         self.queue_source: Callable[[], Mapping[str, QueueLimits]] | None = None
+        #: The models whose streams are not continued on another replica
+        #: (the catalog's C{resume_streams = false}): their routes are
+        #: published with C{resume} off.
+        self.resume_off_source: Callable[[], frozenset[str]] | None = None
         self.revision = 0
         self._snapshot: RoutingSnapshot | None = RoutingSnapshot()
         self._waiters: dict[Deferred[int], IDelayedCall] = {}
@@ -317,7 +321,7 @@ class RoutingTable:
         """
         Replace the whole table. Returns whether anything changed.
         """
-        by_model = _by_model(routes)
+        by_model = _by_model(self._switched(routes))
         known_set = frozenset(known)
         if by_model == self._routes and known_set == self._known:
             return False
@@ -334,7 +338,7 @@ class RoutingTable:
         """
         Replace the routes of one model. Returns whether anything changed.
         """
-        new = tuple(sorted(routes, key=lambda r: r.replica_id))
+        new = tuple(sorted(self._switched(routes), key=lambda r: r.replica_id))
         if any(r.model != model for r in new):
             raise ValueError(f"a route for another model was published under {model!r}")
         if self._routes.get(model, ()) == new:
@@ -345,6 +349,12 @@ class RoutingTable:
             del self._routes[model]
         self._changed(frozenset((model,)), False)
         return True
+
+    def _switched(self, routes: Iterable[Route]) -> Iterable[Route]:
+        off = self.resume_off_source() if self.resume_off_source is not None else frozenset()
+        if not off:
+            return routes
+        return [replace(r, resume=False) if r.model in off and r.resume else r for r in routes]
 
     def set_known(self, known: Iterable[str]) -> bool:
         """

@@ -288,3 +288,31 @@ class StreamResumeTests(SynchronousTestCase):
         e = chat_event("c", 1, {"content": "xy"})
         self.assertEqual(r.feed(e[:10]) + r.feed(e[10:]), e)
         self.assertEqual(("".join(r.text), r.tokens), ("xy", 1))
+
+
+class DeploymentSwitchTests(SynchronousTestCase):
+    def test_catalog_to_routes(self) -> None:
+        """
+        A deployment's C{resume_streams = false} reaches the routing
+        table: its routes are published with C{resume} off, others' on; a
+        value that is not true or false is refused, naming the field.
+        """
+        from twisted.internet.task import Clock
+
+        from llmgw.control.core.catalog import CatalogError, parse_catalog
+        from llmgw.routing import RoutingTable
+
+        profiles = {"p": {"command": ["x"]}}
+        catalog = parse_catalog({"profiles": profiles, "deployments": [
+            {"model": "a", "profile": "p", "resume_streams": False}, {"model": "b", "profile": "p"}]})
+        self.assertEqual(catalog.resume_off(), frozenset({"a"}))
+        table = RoutingTable(Clock())
+        table.resume_off_source = catalog.resume_off
+        table.publish([Route("r1", "a", "h:1"), Route("r2", "b", "h:2")], ["a", "b"])
+        table.publish_model("a", [Route("r3", "a", "h:3")])
+        self.assertEqual([r.resume for r in table.routes("a")] + [r.resume for r in table.routes("b")],
+                         [False, True])
+        with self.assertRaises(CatalogError) as e:
+            parse_catalog({"profiles": profiles, "deployments": [
+                {"model": "a", "profile": "p", "resume_streams": "no"}]})
+        self.assertIn("resume_streams", str(e.exception))
