@@ -49,6 +49,7 @@ COMPILED = [
     "llmgw/gateway/policy.py",
     "llmgw/gateway/proxy.py",
     "llmgw/gateway/resource.py",
+    "llmgw/gateway/resume.py",
     "llmgw/gateway/router.py",
     "llmgw/transportpeek.py",
     "llmgw/gateway/upstream.py",

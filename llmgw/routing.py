@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from twisted.internet.defer import Deferred
@@ -115,6 +115,9 @@ class Route:
     address: str  # host:port of the leader shard
     draining: bool = False
     signals: EngineSignals | None = None
+    #: Whether a stream broken off here may be continued on another replica
+    #: (the deployment's C{resume_streams}; L{llmgw.gateway.resume}).
+    resume: bool = True
 
 
 class IRoutingTable(Interface):
@@ -287,6 +290,10 @@ class RoutingTable:
         #: Where L{set_known} reads the model -> queue limits map from, if
         #: set (the catalog again).
         self.queue_source: Callable[[], Mapping[str, QueueLimits]] | None = None
+        #: The models whose streams are not continued on another replica
+        #: (the catalog's C{resume_streams = false}): their routes are
+        #: published with C{resume} off.
+        self.resume_off_source: Callable[[], frozenset[str]] | None = None
         self.revision = 0
         self._snapshot: RoutingSnapshot | None = RoutingSnapshot()
         self._waiters: dict[Deferred[int], IDelayedCall] = {}
@@ -315,7 +322,7 @@ class RoutingTable:
         """
         Replace the whole table. Returns whether anything changed.
         """
-        by_model = _by_model(routes)
+        by_model = _by_model(self._switched(routes))
         known_set = frozenset(known)
         if by_model == self._routes and known_set == self._known:
             return False
@@ -332,7 +339,7 @@ class RoutingTable:
         """
         Replace the routes of one model. Returns whether anything changed.
         """
-        new = tuple(sorted(routes, key=lambda r: r.replica_id))
+        new = tuple(sorted(self._switched(routes), key=lambda r: r.replica_id))
         if any(r.model != model for r in new):
             raise ValueError(f"a route for another model was published under {model!r}")
         if self._routes.get(model, ()) == new:
@@ -343,6 +350,12 @@ class RoutingTable:
             del self._routes[model]
         self._changed(frozenset((model,)), False)
         return True
+
+    def _switched(self, routes: Iterable[Route]) -> Iterable[Route]:
+        off = self.resume_off_source() if self.resume_off_source is not None else frozenset()
+        if not off:
+            return routes
+        return [replace(r, resume=False) if r.model in off and r.resume else r for r in routes]
 
     def set_known(self, known: Iterable[str]) -> bool:
         """
@@ -531,6 +544,8 @@ def snapshot_to_json(table: IRoutingTable | RoutingSnapshot, now: float) -> dict
         }
         if r.signals is not None:
             entry["signals"] = _signals_json(r.signals, now)
+        if not r.resume:
+            entry["resume"] = False
         routes.append(entry)
     return {
         "revision": snap.revision,
@@ -626,7 +641,8 @@ def snapshot_from_json(data: Any, now: float) -> tuple[RoutingSnapshot, list[str
         except RoutesDataError as err:
             problems.append(str(err))
             signals = None
-        routes.append(Route(rid, model, address, bool(e.get("draining", False)), signals))
+        routes.append(Route(rid, model, address, bool(e.get("draining", False)), signals,
+                            e.get("resume", True) is not False))
     # Absent from documents of control planes that predate routing policies.
     raw_policies = data.get("policies", {})
     policies: dict[str, str] = {}

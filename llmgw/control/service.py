@@ -668,6 +668,8 @@ def follow_catalog_policies(reconciler: Any) -> None:
     # The admission queue's limits (queue_depth, queue_timeout_s) likewise.
     table.queue_source = lambda: reconciler.catalog.queue_limits()
     table.set_queue_limits(reconciler.catalog.queue_limits())
+    # Streams continued elsewhere, off per deployment (resume_streams).
+    table.resume_off_source = lambda: reconciler.catalog.resume_off()
 
 
 class ReloadOnHangup(SighupService):

@@ -9,8 +9,15 @@ own clients raise their usual exception classes for it.
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING, Final
 
 from llmgw.untrusted import clip
+
+if TYPE_CHECKING:
+    from llmgw.gateway.front import FrontRequest
+
+#: Reason phrases that twisted.web's table lacks.
+_REASONS: Final = {421: b"Misdirected Request", 429: b"Too Many Requests"}
 
 
 class GatewayError(Exception):
@@ -143,3 +150,15 @@ def upstream_timeout(model: str, reason: str) -> GatewayError:
         "server_error",
         "upstream_timeout",
     )
+
+
+def send_error(request: FrontRequest, err: GatewayError) -> None:
+    """
+    Answer C{request} with C{err}'s status and JSON body.
+    """
+    body = err.body()
+    headers = [(b"Content-Type", b"application/json")]
+    headers += err.headers.items()
+    request.start_response(err.status, headers, len(body), _REASONS.get(err.status), hold=True)
+    request.write(body)
+    request.finish()

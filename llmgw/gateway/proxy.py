@@ -38,6 +38,7 @@ from llmgw.gateway.admission import (
     DEFAULT_QUEUE_BYTES_PER_MODEL,
     gateway_admission,
 )
+from llmgw.gateway.errors import send_error
 from llmgw.gateway.forwarding import FORWARDED_HEADERS, connection_options, forwarded_head
 from llmgw.gateway.front import (
     BODY_TIMEOUT,
@@ -49,6 +50,15 @@ from llmgw.gateway.front import (
 from llmgw.gateway.keys import KeyRing
 from llmgw.gateway.metrics import GatewayMetrics
 from llmgw.gateway.policy import DEFAULT_POLICY, PolicyConfig
+from llmgw.gateway.resume import (
+    DEFAULT_MAX_MIGRATIONS,
+    DEFAULT_MAX_TEXT,
+    ResumeMetrics,
+    StreamResume,
+    break_off,
+    continued,
+    record_for,
+)
 from llmgw.gateway.router import Router
 from llmgw.gateway.unstarted import Unstarted
 from llmgw.gateway.upstream import UpstreamConnection, UpstreamPool, UpstreamProtocolError
@@ -67,8 +77,6 @@ from llmgw.routing import (
 #: The proxied paths whose streams can be asked for usage.
 _COMPLETIONS: Final = frozenset({"/v1/chat/completions", "/v1/completions"})
 _EVENT_STREAM: Final = b"text/event-stream"
-#: Reason phrases that twisted.web's table lacks.
-_REASONS: Final = {421: b"Misdirected Request", 429: b"Too Many Requests"}
 #: Response headers the gateway writes itself.
 _DROP_RESPONSE: Final = frozenset(
     {
@@ -117,6 +125,9 @@ class GatewayConfig:
     #: Who the client is, told to the replica (L{FORWARDED_HEADERS}); the
     #: client's own forwarding headers are dropped whatever this says.
     forwarded_headers: str = "x-forwarded"
+    #: Streams continued elsewhere (L{llmgw.gateway.resume}): times a request, text kept.
+    max_stream_resumes: int = DEFAULT_MAX_MIGRATIONS
+    max_resume_text: int = DEFAULT_MAX_TEXT
 
     def __post_init__(self) -> None:
         if self.forwarded_headers not in FORWARDED_HEADERS:
@@ -155,6 +166,7 @@ class Gateway:
         self.pool = UpstreamPool(reactor, config.connect_timeout, config.max_idle_connections)
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = GatewayMetrics(self.registry, self.router.snapshot)
+        self.resumes = ResumeMetrics(self.registry)
         # usage and limits per key (llmgw.gateway.usage)
         self.usage = Usage(reactor, keys.limits if keys is not None else None, config.limit_share)
         self.registry.register(UsageCollector(self._usage))
@@ -207,7 +219,7 @@ class ProxyCall:
     __slots__ = (
         "gw", "policy", "key", "meter", "request", "model", "path_label", "body", "routes", "started", "head",
         "route", "tried", "conn", "connecting", "armed", "sent_at", "counted", "sent_headers", "done",
-        "paused", "fresh_retry_used", "last_error", "last_was_timeout", "reused", "status",
+        "paused", "fresh_retry_used", "last_error", "last_was_timeout", "reused", "status", "resume",
     )
 
     def __init__(
@@ -258,6 +270,8 @@ class ProxyCall:
         self.last_was_timeout = False
         self.reused = False
         self.status = 0
+        #: The stream's record for a continuation elsewhere, when it may have one.
+        self.resume: StreamResume | None = None
 
     # the call's course
 
@@ -336,7 +350,7 @@ class ProxyCall:
     # ResponseHandler
 
     def response_started(self, status: int, reason: bytes, headers: list[tuple[bytes, bytes]]) -> None:
-        if self.done:
+        if self.done or self.sent_headers and self._continued(status):
             return
         assert self.route is not None
         self.gw.router.succeeded(self.route.replica_id)
@@ -372,6 +386,7 @@ class ProxyCall:
                     if meter.asked:
                         # A chunk may be taken out: the length no longer holds.
                         length = None
+                    self.resume = record_for(self)
                     break
         self.status = status
         self.sent_headers = True
@@ -387,7 +402,7 @@ class ProxyCall:
         # response_started for a head in the common shape (see
         # llmgw.gateway.upstream.ResponseHandler): its header lines go on
         # to the client as they came, without the hop's own.
-        if self.done:
+        if self.done or self.sent_headers and self._continued(status):
             return
         self.gw.router.succeeded(self.route.replica_id)  # type: ignore[union-attr]
         self.gw.unstarted.discard(self.route.replica_id, self)  # type: ignore[union-attr]
@@ -398,6 +413,7 @@ class ProxyCall:
             if meter.asked:
                 # A chunk may be taken out: the length no longer holds.
                 framed = None
+            self.resume = record_for(self)
         self.status = status
         self.sent_headers = True
         request = self.request
@@ -412,6 +428,8 @@ class ProxyCall:
         if armed is not None:
             # Later than it is due (see _send): cheap.
             armed.later(self.gw.config.idle_timeout)
+        if self.resume is not None:
+            data = self.resume.feed(data)
         meter = self.meter
         if meter is not None and data:
             data = meter.feed(data)
@@ -428,10 +446,11 @@ class ProxyCall:
         self._cancel_timer()
         self._end_attempt()
         meter = self.meter
+        rest = self.resume.flush() if self.resume is not None else b""
         if meter is not None:
-            rest = meter.flush()
-            if rest:
-                self.request.write(rest)
+            rest = (meter.feed(rest) if rest else rest) + meter.flush()
+        if rest:
+            self.request.write(rest)
         self.request.finish()
         if meter is not None:
             meter.finish(self.status)
@@ -453,7 +472,7 @@ class ProxyCall:
                 reason=reason.getErrorMessage(),
             )
             self.gw.router.failed(route.replica_id)
-            self._abort_client(502)
+            self._break(502)
             return
         if reason.check(UpstreamProtocolError):
             # The replica answered, but not in HTTP that can be passed on:
@@ -569,7 +588,7 @@ class ProxyCall:
                 model=self.model,
                 idle=self.gw.config.idle_timeout,
             )
-            self._abort_client(504)
+            self._break(504)
             return
         self.gw.router.failed(route.replica_id)
         self._end_attempt()
@@ -582,11 +601,24 @@ class ProxyCall:
         self._refuse(errors.upstream_timeout(self.model, message))
 
     def _refuse(self, err: errors.GatewayError) -> None:
+        if self.resume is not None and self.sent_headers:
+            # A continuation found no replica: the stream breaks as before.
+            self.resume.count("no_replica")
+            self._abort_client(err.status)
+            return
         self.done = True
         request = self.request
         request.on_lost = None
         send_error(request, err)
         self._record(err.status)
+
+    # streams continued elsewhere (llmgw.gateway.resume)
+
+    def _continued(self, status: int) -> bool:
+        return continued(self, status)
+
+    def _break(self, status: int) -> None:
+        break_off(self, status)
 
     def _abort_client(self, status: int) -> None:
         self.done = True
@@ -663,14 +695,3 @@ class ProxyCall:
 # Not @implementer (setup.py's rules for compiled classes).
 classImplements(ProxyCall, IPushProducer)
 
-
-def send_error(request: FrontRequest, err: errors.GatewayError) -> None:
-    """
-    Answer C{request} with C{err}'s status and JSON body.
-    """
-    body = err.body()
-    headers = [(b"Content-Type", b"application/json")]
-    headers += err.headers.items()
-    request.start_response(err.status, headers, len(body), _REASONS.get(err.status), hold=True)
-    request.write(body)
-    request.finish()

@@ -318,7 +318,7 @@ def count_streamed(events: bytes) -> int:
     return n
 
 
-def _event_end(data: bytes) -> int:
+def event_end(data: bytes) -> int:
     """
     Where the last whole event in C{data} ends (after its blank line), or
     -1 when none does.
@@ -452,7 +452,7 @@ class UsageMeter:
     def _events(self, piece: bytes) -> bytes:
         held = self.held
         data = held + piece if held else piece
-        end = _event_end(data)
+        end = event_end(data)
         if end < 0:
             whole, rest = b"", data
         elif end == len(data):

@@ -168,6 +168,10 @@ class Deployment:
     #: gateway's defaults.
     queue_depth: int | None = None
     queue_timeout_s: float | None = None
+    #: Whether a stream whose replica fails mid-answer goes on on another
+    #: replica (L{llmgw.gateway.resume}); off where an engine or client
+    #: cannot take a continued answer.
+    resume_streams: bool = True
     #: Where the weights come from; C{None}: the profile's C{command} names them.
     source: ModelSource | None = None
     #: Extra engine flags after the ones llmgw writes (with C{source} only).
@@ -212,6 +216,12 @@ class Catalog:
             for m, d in sorted(self.deployments.items())
             if d.queue_depth is not None or d.queue_timeout_s is not None
         }
+
+    def resume_off(self) -> frozenset[str]:
+        """
+        The models whose deployments set C{resume_streams = false}.
+        """
+        return frozenset(m for m, d in self.deployments.items() if not d.resume_streams)
 
     def profile_for(self, model: str) -> Profile | None:
         dep = self.deployments.get(model)
@@ -260,16 +270,19 @@ _DEPLOYMENT_FIELDS: dict[str, type | tuple[type, ...]] = {
     "prefetch": int,
     "max_surge": int,
     "max_unavailable": int,
+    "resume_streams": bool,
 }
 #: The fields that make a deployment autoscaled.
 AUTOSCALE_FIELDS = ("min_replicas", "max_replicas", "target_in_flight", "target_waiting",
                     "scale_to_zero_after_s", "stabilization_s")
 _TYPE_NAMES: dict[Any, str] = {int: "an integer", str: "a string", list: "a list", dict: "a table",
-                               (int, float): "a number"}
+                               (int, float): "a number", bool: "true or false"}
 
 
 def _check_type(where: str, name: str, value: Any, kind: Any) -> None:
     # bool is an int in Python; a TOML true is never a count.
+    if kind is bool and isinstance(value, bool):
+        return
     if isinstance(value, bool) or not isinstance(value, kind):
         raise CatalogError(f"{where}: field {name!r} must be {_TYPE_NAMES[kind]}, not {value!r}")
 
@@ -531,7 +544,8 @@ def parse_deployment(index: int, raw: Any, profiles: Mapping[str, Profile]) -> D
     return Deployment(model=raw["model"], profile=raw["profile"], replicas=replicas, routing=routing,
                       autoscale=autoscale, queue_depth=queue_depth, queue_timeout_s=queue_timeout,
                       source=source, args=tuple(raw.get("args", ())), prefetch=prefetch,
-                      max_surge=raw.get("max_surge"), max_unavailable=raw.get("max_unavailable"))
+                      max_surge=raw.get("max_surge"), max_unavailable=raw.get("max_unavailable"),
+                      resume_streams=raw.get("resume_streams", True))
 
 
 def parse_autoscale(where: str, raw: Mapping[str, Any]) -> AutoscalePolicy | None:
