@@ -228,10 +228,17 @@ class TokenFile:
     def __init__(self, path: Path | None):
         self.path = path
         self.book = TokenBook()
+        self._seen = 0
+
+    def refresh(self) -> None:
+        """Read the file again if something else (`llmgw ctl token`) changed it since."""
+        if self.path is not None and self.path.exists() and self.path.stat().st_mtime_ns != self._seen:
+            self.load()
 
     def load(self) -> None:
         if self.path is None or not self.path.exists():
             return
+        self._seen = self.path.stat().st_mtime_ns
         try:
             self.book.take_data(json.loads(self.path.read_text()))
         except (OSError, ValueError, KeyError, TypeError) as e:
@@ -246,3 +253,4 @@ class TokenFile:
             return
         write_atomically(self.path, json.dumps(self.book.to_data(), sort_keys=True))
         self.path.chmod(0o600)
+        self._seen = self.path.stat().st_mtime_ns

@@ -186,6 +186,7 @@ class JoinAuthority:
                               node=node_id, address=address)
                 return self._issued(waiting.issued)
             return pb.JoinResponse(status=Status.STATUS_PENDING, agent_port=self.agent_port)
+        self.tokens.refresh()
         book = self.tokens.book
         book.check(req.token_id, req.token_secret, node_id, now)
         if self.connected(node_id):
