@@ -74,7 +74,8 @@ def decode(message_class: type[M], data: bytes) -> M:
         msg.ParseFromString(data)
     except (DecodeError, ValueError, RuntimeError) as e:
         raise FrameError(f"undecodable {message_class.__name__} ({len(data)} bytes): {e}") from e
-    if msg.WhichOneof("msg") is None:
+    # Join messages have no oneof: each is the only thing its connection says.
+    if "msg" in msg.DESCRIPTOR.oneofs_by_name and msg.WhichOneof("msg") is None:
         raise FrameError(f"empty or unknown {message_class.__name__} ({len(data)} bytes)")
     return msg
 

@@ -41,11 +41,11 @@ class GeneratedCodeTests(SynchronousTestCase):
         self.assertEqual(agent_pb2.DESCRIPTOR.package, "llmgw.v1")
         self.assertEqual(
             [f.name for f in agent_pb2.AgentMessage.DESCRIPTOR.oneofs_by_name["msg"].fields],
-            ["register", "heartbeat", "shard"],
+            ["register", "heartbeat", "shard", "certificate_request"],
         )
         self.assertEqual(
             [f.name for f in agent_pb2.ControlMessage.DESCRIPTOR.oneofs_by_name["msg"].fields],
-            ["ack", "start", "stop", "drain", "prefetch", "drop"],
+            ["ack", "start", "stop", "drain", "prefetch", "drop", "certificate_issued"],
         )
         start = agent_pb2.StartShard.DESCRIPTOR.fields_by_name
         for name in ("shard_id", "replica_id", "model", "profile", "rank", "world_size",

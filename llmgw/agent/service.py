@@ -62,6 +62,9 @@ class Options(BaseOptions):
          "shards at, and {host} in commands (default: the local address of the connection to "
          "the control plane)"],
         *model_cache_rows("STATE_DIR/models"),
+        ["join", None, None, "HOST:PORT of the control plane's join listener: join with --token as "
+         "--node, keeping the files in --certs (default STATE_DIR/certs); skipped when they are there"],
+        ["token", None, None, "the join token (`llmgw ctl token create`), with --join"],
         ["peer-listen", None, "", "[HOST:]PORT to serve this node's cached models to other nodes on, "
          "over mutual TLS with the fleet's certificates (default: not served)"],
     ]
@@ -91,6 +94,12 @@ class Options(BaseOptions):
         self["fabrics"][name] = address.strip()
 
     def postOptions(self) -> None:
+        from llmgw.agent.joinoptions import join_options
+
+        join_options(self)
+        self._post_options()
+
+    def _post_options(self) -> None:
         if not self["controls"]:
             raise usage.UsageError("--control HOST:PORT is required: the control plane to dial")
         targets: list[tuple[str, int]] = []
@@ -129,32 +138,33 @@ class Options(BaseOptions):
         except GPUSpecError as e:
             raise usage.UsageError(str(e)) from e
 
-        files = [self["ca"], self["cert"], self["key"]]
-        if any(files) and not all(files):
-            raise usage.UsageError("--ca, --cert and --key go together: give all three")
-        if not all(files) and not (self["certs"] and self["node"]):
-            raise usage.UsageError(
-                "give --certs DIR --node ID, or --ca FILE --cert FILE --key FILE"
-            )
-        try:
-            tls: TLSFiles = agent_files(self["certs"], self["node"], self["ca"], self["cert"],
-                                        self["key"])
-        except TLSConfigError as e:
-            raise usage.UsageError(str(e)) from e
-        try:
-            node_id = peer_node_id(tls.cert)
-        except IdentityError as e:
-            raise usage.UsageError(f"certificate {tls.cert_path}: {e}") from e
-        if self["node"] and self["node"] != node_id:
-            raise usage.UsageError(
-                f"--node {self['node']} does not match certificate {tls.cert_path}, "
-                f"which is for node {node_id!r}"
-            )
-        self["tls"], self["node_id"] = tls, node_id
-        try:
-            crl_beside(tls)  # read by the peer listener and the peer fetches
-        except TLSConfigError as e:
-            raise usage.UsageError(str(e)) from e
+        if self.get("joiner") is None:  # a node that joins has no files yet
+            files = [self["ca"], self["cert"], self["key"]]
+            if any(files) and not all(files):
+                raise usage.UsageError("--ca, --cert and --key go together: give all three")
+            if not all(files) and not (self["certs"] and self["node"]):
+                raise usage.UsageError(
+                    "give --certs DIR --node ID, or --ca FILE --cert FILE --key FILE"
+                )
+            try:
+                tls: TLSFiles = agent_files(self["certs"], self["node"], self["ca"], self["cert"],
+                                            self["key"])
+            except TLSConfigError as e:
+                raise usage.UsageError(str(e)) from e
+            try:
+                node_id = peer_node_id(tls.cert)
+            except IdentityError as e:
+                raise usage.UsageError(f"certificate {tls.cert_path}: {e}") from e
+            if self["node"] and self["node"] != node_id:
+                raise usage.UsageError(
+                    f"--node {self['node']} does not match certificate {tls.cert_path}, "
+                    f"which is for node {node_id!r}"
+                )
+            self["tls"], self["node_id"] = tls, node_id
+            try:
+                crl_beside(tls)  # read by the peer listener and the peer fetches
+            except TLSConfigError as e:
+                raise usage.UsageError(str(e)) from e
 
         try:
             self["state"] = StateDir(Path(self["state-dir"]))
@@ -338,12 +348,16 @@ class NodeAgent(MultiService):
         return d.addBoth(unlock)
 
 
-def makeService(options: Options, reactor: Any = None) -> NodeAgent:
+def makeService(options: Options, reactor: Any = None) -> Any:
     log_warnings(options, NodeAgent.log)
     if reactor is None:
         from twisted.internet import reactor as _reactor
 
         reactor = _reactor
+    if options.get("joiner") is not None:
+        from llmgw.agent.joinoptions import joining_service
+
+        return joining_service(options, reactor)
     try:
         source = discover(options["gpu_spec"], reactor, salt=options["node_id"])
     except GPUSpecError as e:

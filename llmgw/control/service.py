@@ -34,6 +34,7 @@ from llmgw.control.admin.site import (
     admin_tls_problem,
 )
 from llmgw.control.core.catalog import EMPTY, CatalogError, load_catalog
+from llmgw.control.shell import joinlisten
 from llmgw.control.shell.agentsvc import AgentService
 from llmgw.control.shell.limits import ConnectionLimiter, LimitsConfig, backlog_problem
 from llmgw.control.shell.metrics import make_registry, register_control_metrics
@@ -153,10 +154,12 @@ class Options(BaseOptions):
          "(default: --agent-listen, which must then not be a wildcard address)"],
         ["advertise-admin", None, "", "URL of this member's admin API, published while it leads "
          "(default: the admin listener's own address, which a wildcard --admin is not)"],
+        *joinlisten.JOIN_OPTIONS,
         ["config", None, None, "TOML file holding any of these options by name "
          "(pass-interval = 2, insecure = true, ...); the command line wins"],
     ]
     optFlags = [
+        *joinlisten.JOIN_FLAGS,
         ["insecure", None, "plain TCP without TLS or identity: development only, loopback only"],
         ["admin-tls", None, "serve the admin API over HTTPS requiring an admin certificate "
          "(`llmgw ctl cert admin`); on whenever --admin is beyond loopback"],
@@ -246,6 +249,7 @@ class Options(BaseOptions):
                     f"{e}. Make certificates with `llmgw ctl cert init` and "
                     "`llmgw ctl cert server --host ...`, or pass --certs DIR"
                 ) from e
+        joinlisten.join_post_options(self)
 
 
 def _etcd_options(options: usage.Options) -> None:
@@ -341,6 +345,8 @@ class ControlPlane(MultiService):
     gateway: GatewayService | None = None
     #: HA: this member's L{llmgw.control.ha.member.HAMember} with --etcd.
     ha: Any = None
+    #: Joins and renewals (L{llmgw.control.shell.joinlisten.attach_joining}).
+    joining: Any = None
 
     def __init__(
         self,
@@ -543,6 +549,7 @@ def makeService(options: Options, reactor: Any = None) -> ControlPlane:
     )
     reconciler.setName("reconciler")
     cp.reconciler = reconciler
+    joinlisten.attach_joining(cp, options, reactor)
     if options.get("etcd_urls"):
         # HA: leadership starts and stops the reconciler.
         _attach_ha(cp, reconciler, options, reactor)

@@ -8,30 +8,34 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AgentMessage(_message.Message):
-    __slots__ = ("register", "heartbeat", "shard")
+    __slots__ = ("register", "heartbeat", "shard", "certificate_request")
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
+    CERTIFICATE_REQUEST_FIELD_NUMBER: _ClassVar[int]
     register: Register
     heartbeat: Heartbeat
     shard: ShardStatus
-    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., shard: _Optional[_Union[ShardStatus, _Mapping]] = ...) -> None: ...
+    certificate_request: CertificateRequest
+    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., shard: _Optional[_Union[ShardStatus, _Mapping]] = ..., certificate_request: _Optional[_Union[CertificateRequest, _Mapping]] = ...) -> None: ...
 
 class ControlMessage(_message.Message):
-    __slots__ = ("ack", "start", "stop", "drain", "prefetch", "drop")
+    __slots__ = ("ack", "start", "stop", "drain", "prefetch", "drop", "certificate_issued")
     ACK_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     DRAIN_FIELD_NUMBER: _ClassVar[int]
     PREFETCH_FIELD_NUMBER: _ClassVar[int]
     DROP_FIELD_NUMBER: _ClassVar[int]
+    CERTIFICATE_ISSUED_FIELD_NUMBER: _ClassVar[int]
     ack: Ack
     start: StartShard
     stop: StopShard
     drain: DrainShard
     prefetch: PrefetchModel
     drop: DropModel
-    def __init__(self, ack: _Optional[_Union[Ack, _Mapping]] = ..., start: _Optional[_Union[StartShard, _Mapping]] = ..., stop: _Optional[_Union[StopShard, _Mapping]] = ..., drain: _Optional[_Union[DrainShard, _Mapping]] = ..., prefetch: _Optional[_Union[PrefetchModel, _Mapping]] = ..., drop: _Optional[_Union[DropModel, _Mapping]] = ...) -> None: ...
+    certificate_issued: CertificateIssued
+    def __init__(self, ack: _Optional[_Union[Ack, _Mapping]] = ..., start: _Optional[_Union[StartShard, _Mapping]] = ..., stop: _Optional[_Union[StopShard, _Mapping]] = ..., drain: _Optional[_Union[DrainShard, _Mapping]] = ..., prefetch: _Optional[_Union[PrefetchModel, _Mapping]] = ..., drop: _Optional[_Union[DropModel, _Mapping]] = ..., certificate_issued: _Optional[_Union[CertificateIssued, _Mapping]] = ...) -> None: ...
 
 class Register(_message.Message):
     __slots__ = ("protocol_version", "node_id", "agent_version", "gpus", "fabrics", "running_shards", "certificate_not_after", "stray_processes", "advertise_address", "cached_models", "peer_address", "cache_capacity", "cache_free")
@@ -396,3 +400,51 @@ class DrainShard(_message.Message):
     shard_id: str
     epoch: int
     def __init__(self, shard_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class CertificateRequest(_message.Message):
+    __slots__ = ("csr_pem",)
+    CSR_PEM_FIELD_NUMBER: _ClassVar[int]
+    csr_pem: bytes
+    def __init__(self, csr_pem: _Optional[bytes] = ...) -> None: ...
+
+class CertificateIssued(_message.Message):
+    __slots__ = ("certificate_pem", "ca_bundle_pem")
+    CERTIFICATE_PEM_FIELD_NUMBER: _ClassVar[int]
+    CA_BUNDLE_PEM_FIELD_NUMBER: _ClassVar[int]
+    certificate_pem: bytes
+    ca_bundle_pem: bytes
+    def __init__(self, certificate_pem: _Optional[bytes] = ..., ca_bundle_pem: _Optional[bytes] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("token_id", "token_secret", "node_id", "csr_pem")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_SECRET_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    CSR_PEM_FIELD_NUMBER: _ClassVar[int]
+    token_id: str
+    token_secret: str
+    node_id: str
+    csr_pem: bytes
+    def __init__(self, token_id: _Optional[str] = ..., token_secret: _Optional[str] = ..., node_id: _Optional[str] = ..., csr_pem: _Optional[bytes] = ...) -> None: ...
+
+class JoinResponse(_message.Message):
+    __slots__ = ("status", "error", "issued", "agent_port")
+    class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        STATUS_UNSPECIFIED: _ClassVar[JoinResponse.Status]
+        STATUS_ISSUED: _ClassVar[JoinResponse.Status]
+        STATUS_PENDING: _ClassVar[JoinResponse.Status]
+        STATUS_REFUSED: _ClassVar[JoinResponse.Status]
+    STATUS_UNSPECIFIED: JoinResponse.Status
+    STATUS_ISSUED: JoinResponse.Status
+    STATUS_PENDING: JoinResponse.Status
+    STATUS_REFUSED: JoinResponse.Status
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ISSUED_FIELD_NUMBER: _ClassVar[int]
+    AGENT_PORT_FIELD_NUMBER: _ClassVar[int]
+    status: JoinResponse.Status
+    error: str
+    issued: CertificateIssued
+    agent_port: int
+    def __init__(self, status: _Optional[_Union[JoinResponse.Status, str]] = ..., error: _Optional[str] = ..., issued: _Optional[_Union[CertificateIssued, _Mapping]] = ..., agent_port: _Optional[int] = ...) -> None: ...

@@ -22,6 +22,7 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from llmgw.api.v1 import agent_pb2 as pb
+from llmgw.control.shell.joining import certificate_requested
 from llmgw.control.shell.limits import (
     MessageRate,
     connection_registered,
@@ -307,6 +308,8 @@ class AgentStreamProtocol(MessageStream[pb.AgentMessage]):
             self._shard_status(msg.shard)
         elif kind == "register":
             self._reregister(msg.register)
+        elif kind == "certificate_request":
+            certificate_requested(self, msg.certificate_request)
 
     def _refuse(self, code: int, error: str, message_id: str = "register") -> None:
         """

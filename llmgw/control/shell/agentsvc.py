@@ -72,6 +72,8 @@ class AgentService(ServerFactory):
     log = Logger()
     protocol = AgentStreamProtocol  # type: ignore[assignment]
     noisy = False
+    #: Decides on renewals asked over streams (L{llmgw.control.shell.joining.JoinAuthority}).
+    joining: Any = None
 
     def __init__(
         self,

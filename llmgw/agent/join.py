@@ -1,0 +1,281 @@
+"""
+A node joining with a token (DESIGN §20): it makes its key itself (mode
+0600, never sent), dials the control plane's join listener, checks the
+certificate chain it is shown against the token's CA hash before it sends
+anything, sends its certificate request, and writes the certificate and the
+CA bundle it gets back, atomically. Then it runs as any agent does.
+
+A node whose files are already there does not join again; one whose request
+waits for an operator asks again every L{POLL_INTERVAL} seconds with the
+same key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.x509.oid import NameOID
+from OpenSSL import SSL
+from twisted.application.service import MultiService
+from twisted.internet.defer import Deferred
+from twisted.internet.endpoints import HostnameEndpoint, connectProtocol, wrapClientTLS
+from twisted.internet.interfaces import IHandshakeListener, IOpenSSLClientConnectionCreator
+from twisted.internet.task import deferLater
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from zope.interface import implementer
+
+from llmgw.api.v1 import agent_pb2 as pb
+from llmgw.control.core.jointokens import ParsedToken
+from llmgw.tlsconf.certs import issued_by
+from llmgw.tlsconf.csr import spki_hash
+from llmgw.tlsconf.options import (
+    ServerIdentityError,
+    TLSConfigError,
+    TLSFiles,
+    verify_server_identity,
+)
+from llmgw.tlsconf.pem import cert_pem, key_pem, load_key, write_private, write_public
+from llmgw.wire import MessageStream
+
+#: Seconds between two asks while a request waits for an operator, or the
+#: control plane cannot be reached.
+POLL_INTERVAL = 10.0
+
+
+class JoinRefused(Exception):
+    """The control plane (or the token's check of it) refused the join."""
+
+
+class WrongControlPlane(JoinRefused):
+    """The control plane's chain holds no root with the token's CA hash."""
+
+
+@implementer(IOpenSSLClientConnectionCreator)
+class _UnverifiedTLS:
+    # The chain is checked against the token's hash in handshakeCompleted,
+    # before anything is sent: the node has no CA to hand to OpenSSL yet.
+    def __init__(self, host: str):
+        self.host = host.strip("[]")
+        self.context = SSL.Context(SSL.TLS_METHOD)
+        self.context.set_min_proto_version(SSL.TLS1_2_VERSION)
+
+    def clientConnectionForTLS(self, tlsProtocol: Any) -> SSL.Connection:
+        conn = SSL.Connection(self.context, None)
+        conn.set_app_data(tlsProtocol)
+        if not any(c in self.host for c in ":") and not self.host.replace(".", "").isdigit():
+            conn.set_tlsext_host_name(self.host.encode("idna"))
+        return conn
+
+
+def check_chain(chain: list[x509.Certificate], host: str, ca_hash: str) -> x509.Certificate:
+    """
+    The root in C{chain} that the token names, if the leaf (first) was issued
+    by it and names C{host}.
+
+    @raise WrongControlPlane: no root in the chain has C{ca_hash}, or the
+        leaf is not the control plane's for C{host}; naming both hashes.
+    """
+    if not chain:
+        raise WrongControlPlane(f"the control plane at {host} showed no certificate")
+    leaf, rest = chain[0], chain[1:]
+    shown = [spki_hash(c) for c in rest]
+    root = next((c for c in rest if spki_hash(c) == ca_hash), None)
+    if root is None:
+        raise WrongControlPlane(
+            f"the control plane at {host} is not the one this token names: the token's CA hash is "
+            f"{ca_hash}, the CA hashes it showed are {', '.join(shown) or 'none'}; nothing was sent")
+    if not issued_by(leaf, root):
+        raise WrongControlPlane(f"the certificate of {host} was not issued by the CA {ca_hash}; nothing was sent")
+    try:
+        verify_server_identity(leaf, host.strip("[]"))
+    except ServerIdentityError as e:
+        raise WrongControlPlane(f"{e}; nothing was sent") from e
+    return root
+
+
+@implementer(IHandshakeListener)
+class JoinClientProtocol(MessageStream[pb.JoinResponse]):
+    """Checks the chain, sends one request, reads one answer."""
+
+    incoming = pb.JoinResponse
+    MAX_LENGTH = 256 * 1024
+
+    def __init__(self, host: str, token: ParsedToken, request: pb.JoinRequest):
+        self.host = host
+        self.token = token
+        self.request = request
+        self.done: Deferred[pb.JoinResponse] = Deferred()
+
+    def handshakeCompleted(self) -> None:
+        chain = self.transport.getHandle().get_peer_cert_chain() or []
+        try:
+            check_chain([c.to_cryptography() for c in chain], self.host, self.token.ca_hash)
+        except WrongControlPlane as e:
+            self._finish(Failure(e))
+            self.transport.abortConnection()
+            return
+        self.send_message(self.request)
+
+    def message_received(self, msg: pb.JoinResponse) -> None:
+        self._finish(msg)
+        self.transport.loseConnection()
+
+    def connectionLost(self, reason: Failure = Failure(ConnectionError())) -> None:  # noqa: B008
+        self._finish(Failure(ConnectionError(f"the join connection to {self.host} closed: "
+                                             f"{reason.getErrorMessage()}")))
+
+    def _finish(self, result: Any) -> None:
+        if not self.done.called:
+            self.done.callback(result) if not isinstance(result, Failure) else self.done.errback(result)
+
+
+class Joiner:
+    """
+    Joins node C{node_id} at C{host}:C{port} with C{token}, keeping its files
+    in C{directory}: C{ca.pem}, C{agent-NODE.pem} and C{agent-NODE.key}.
+    """
+
+    log = Logger()
+
+    def __init__(self, reactor: Any, host: str, port: int, token: ParsedToken, node_id: str,
+                 directory: Path, poll_interval: float = POLL_INTERVAL):
+        self.reactor = reactor
+        self.host, self.port = host, port
+        self.token = token
+        self.node_id = node_id
+        self.directory = directory
+        self.poll_interval = poll_interval
+        #: The agent port the control plane named in its answer (0: none).
+        self.agent_port = 0
+
+    @property
+    def paths(self) -> tuple[Path, Path, Path]:
+        d = self.directory
+        return d / "ca.pem", d / f"agent-{self.node_id}.pem", d / f"agent-{self.node_id}.key"
+
+    def existing(self) -> TLSFiles | None:
+        """The files of an earlier join, if they are all there and load."""
+        ca, cert, key = self.paths
+        if not (ca.exists() and cert.exists() and key.exists()):
+            return None
+        try:
+            return TLSFiles.load(ca, cert, key)
+        except TLSConfigError as e:
+            self.log.warn("the files of an earlier join do not load ({error}): joining again", error=str(e))
+            return None
+
+    def _request(self) -> pb.JoinRequest:
+        _, _, key_path = self.paths
+        self.directory.mkdir(parents=True, exist_ok=True)
+        if key_path.exists():
+            key = load_key(key_path)  # a request that waits is asked again with the same key
+        else:
+            from cryptography.hazmat.primitives.asymmetric import ec
+
+            key = ec.generate_private_key(ec.SECP256R1())
+            write_private(key_path, key_pem(key))
+        csr = (x509.CertificateSigningRequestBuilder()
+               .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, self.node_id)]))
+               .sign(key, hashes.SHA256()))
+        return pb.JoinRequest(token_id=self.token.id, token_secret=self.token.secret, node_id=self.node_id,
+                              csr_pem=csr.public_bytes(serialization.Encoding.PEM))
+
+    def ask_once(self) -> Deferred[pb.JoinResponse]:
+        """One join request; fires with the answer, or fails (L{WrongControlPlane}, a connection error)."""
+        proto = JoinClientProtocol(self.host, self.token, self._request())
+        endpoint = wrapClientTLS(_UnverifiedTLS(self.host), HostnameEndpoint(self.reactor, self.host, self.port,
+                                                                                timeout=10))
+        d = connectProtocol(endpoint, proto)
+        d.addCallback(lambda _: proto.done)
+        return d
+
+    def write(self, issued: pb.CertificateIssued) -> TLSFiles:
+        """
+        Write what was issued (the certificate, the CA bundle) atomically and load it.
+
+        @raise JoinRefused: it does not belong to the key, or the bundle lacks the token's CA.
+        """
+        ca_path, cert_path, key_path = self.paths
+        roots = x509.load_pem_x509_certificates(issued.ca_bundle_pem)
+        if not any(spki_hash(r) == self.token.ca_hash for r in roots):
+            raise JoinRefused(f"the CA bundle sent lacks the token's CA {self.token.ca_hash}")
+        cert = x509.load_pem_x509_certificate(issued.certificate_pem)
+        write_public(ca_path, b"".join(cert_pem(r) for r in roots))
+        write_public(cert_path, cert_pem(cert))
+        try:
+            return TLSFiles.load(ca_path, cert_path, key_path)
+        except TLSConfigError as e:
+            raise JoinRefused(f"the issued certificate does not load: {e}") from e
+
+    async def run(self) -> TLSFiles:
+        """
+        Join (or find the files of an earlier join): fires with the files.
+
+        @raise JoinRefused: refused by the control plane, or it is not the
+            one the token names.
+        """
+        files = self.existing()
+        if files is not None:
+            self.log.info("node {node} has its certificate in {dir}: not joining again",
+                          node=self.node_id, dir=str(self.directory))
+            return files
+        while True:
+            try:
+                answer = await self.ask_once()
+            except JoinRefused:
+                raise
+            except Exception as e:  # a connection refused, reset, timed out
+                self.log.warn("cannot join at {host}:{port} ({error}); asking again in {s}s",
+                              host=self.host, port=self.port, error=str(e), s=self.poll_interval)
+                await deferLater(self.reactor, self.poll_interval)
+                continue
+            self.agent_port = answer.agent_port
+            if answer.status == pb.JoinResponse.STATUS_ISSUED:
+                files = self.write(answer.issued)
+                self.log.info("node {node} joined: certificate serial {serial} until {until}",
+                              node=self.node_id, serial=format(files.cert.serial_number, "x"),
+                              until=files.cert.not_valid_after_utc.isoformat())
+                return files
+            if answer.status == pb.JoinResponse.STATUS_PENDING:
+                self.log.warn("node {node}'s request waits for an operator: `llmgw ctl csr approve {node}`",
+                              node=self.node_id)
+                await deferLater(self.reactor, self.poll_interval)
+                continue
+            raise JoinRefused(f"the control plane at {self.host}:{self.port} refused the join: {answer.error}")
+
+
+class JoiningAgent(MultiService):
+    """
+    Joins, then builds the agent with the files it got (C{build(files,
+    agent_port)} returns the service) and runs it as its child. A refused
+    join stops the process with the reason logged.
+    """
+
+    log = Logger()
+
+    def __init__(self, joiner: Joiner, build: Callable[[TLSFiles, int], Any], stop: Callable[[], None]):
+        super().__init__()
+        self.joiner = joiner
+        self.build = build
+        self.stop = stop
+        self.agent: Any = None
+
+    def startService(self) -> None:
+        super().startService()
+        d = Deferred.fromCoroutine(self.joiner.run())
+        d.addCallbacks(self._joined, self._refused)
+
+    def _joined(self, files: TLSFiles) -> None:
+        if not self.running:
+            return
+        self.agent = self.build(files, self.joiner.agent_port)
+        self.agent.setServiceParent(self)
+
+    def _refused(self, f: Failure) -> None:
+        self.log.failure("node {node} could not join", f, node=self.joiner.node_id)
+        self.stop()

@@ -1,0 +1,368 @@
+"""
+Nodes that join and renew (DESIGN §20), on the control plane's side: the
+authority that decides on each certificate request (L{JoinAuthority}), and
+the join listener a node without a certificate asks at (L{JoinFactory}).
+
+Why a listener of its own rather than the agent port: the agent port never
+accepts a connection without a client certificate from the CA, so a stream
+always speaks for the node its certificate names, and nothing on it is read
+from a stranger. The join listener is TLS with the control plane's
+certificate and no client certificate; it reads one bounded frame (a
+L{pb.JoinRequest}), answers once, and closes. Nothing it does registers a
+node: it can only issue a certificate, under a valid token, for a name no
+connected node holds.
+
+With a signer (C{--signer}: the CA's key in the certificates directory) a
+request is signed at once; without one it waits for an operator
+(C{llmgw ctl csr approve NAME}, run where the CA's key is), and the node asks
+again until it is issued or denied.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from cryptography import x509
+from cryptography.hazmat.primitives.serialization import Encoding
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.internet.protocol import ServerFactory
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from llmgw.api.v1 import agent_pb2 as pb
+from llmgw.control.core.jointokens import TokenFile, TokenRefused
+from llmgw.tlsconf.ca import CertificateAuthority
+from llmgw.tlsconf.csr import (
+    DEFAULT_NODE_LIFETIME,
+    RequestRefused,
+    check_issued,
+    check_request,
+    public_key_hash,
+    sign_request,
+    spki_hash,
+)
+from llmgw.tlsconf.pem import CAError, cert_pem
+from llmgw.wire import InvalidNodeId, MessageStream, validate_node_id
+
+#: Requests that may wait for an operator at once: past it, new ones are refused.
+MAX_PENDING = 256
+#: Join connections open at once; past it a new one is closed at accept.
+MAX_JOIN_CONNECTIONS = 64
+#: The one frame a joining node may send, in bytes.
+MAX_JOIN_FRAME = 16 * 1024
+#: A join connection has this long for its handshake and its request.
+JOIN_DEADLINE = 10.0
+
+Status = pb.JoinResponse
+
+
+@dataclasses.dataclass
+class Pending:
+    """A request waiting for an operator."""
+
+    node_id: str
+    csr: x509.CertificateSigningRequest
+    key_hash: str
+    address: str
+    since: float
+    kind: str  # "join" or "renewal"
+    token_id: str = ""
+    issued: pb.CertificateIssued | None = None
+    denied: str = ""
+
+    def describe(self) -> dict[str, Any]:
+        return {"node": self.node_id, "kind": self.kind, "address": self.address, "since": self.since,
+                "token": self.token_id, "key_sha256": self.key_hash,
+                "csr": self.csr.public_bytes(Encoding.PEM).decode("ascii"),
+                "state": "denied" if self.denied else ("approved" if self.issued else "pending")}
+
+
+
+class JoinAuthority:
+    """
+    Decides on certificate requests: joins (with a token) and renewals (over
+    a node's stream). Signs them with C{signer_dir}'s CA when given, else
+    keeps them pending for an operator.
+
+    @param roots: the roots the control plane trusts now (its CA bundle).
+    @param connected: whether a node id has a live stream.
+    @param revoked: the serials the CRL in force lists.
+    @param deliver: sends a renewal an operator approved to its node's stream.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self, clock: IReactorTime, tokens: TokenFile, roots: Callable[[], list[x509.Certificate]],
+        connected: Callable[[str], bool], signer_dir: Path | None = None,
+        lifetime: datetime.timedelta = DEFAULT_NODE_LIFETIME,
+        revoked: Callable[[], frozenset[int]] = frozenset,
+        deliver: Callable[[str, pb.CertificateIssued], None] | None = None,
+        agent_port: int = 0, max_pending: int = MAX_PENDING,
+    ):
+        self.clock = clock
+        self.tokens = tokens
+        self.roots = roots
+        self.connected = connected
+        self.signer_dir = signer_dir
+        self.lifetime = lifetime
+        self.revoked = revoked
+        self.deliver = deliver
+        self.agent_port = agent_port
+        self.max_pending = max_pending
+        self.pending: dict[str, Pending] = {}
+
+    # -- tokens -------------------------------------------------------------
+
+    def ca_hash(self) -> str:
+        """The hash a token names the CA by: the active root's (first in the bundle)."""
+        return spki_hash(self.roots()[0])
+
+    # -- signing ------------------------------------------------------------
+
+    def _sign(self, csr: x509.CertificateSigningRequest, node_id: str) -> pb.CertificateIssued:
+        """
+        @raise CAError: the CA cannot be loaded.
+        """
+        assert self.signer_dir is not None
+        # Read at each request: a CA rollover (`ctl cert rotate-ca`) makes the
+        # new root the one that signs from the next request on.
+        ca = CertificateAuthority.load(self.signer_dir)
+        now = datetime.datetime.fromtimestamp(self.clock.seconds(), datetime.UTC)
+        cert = sign_request(csr, node_id, ca.key, ca.certificate, self.lifetime, now)
+        return pb.CertificateIssued(
+            certificate_pem=cert_pem(cert), ca_bundle_pem=b"".join(cert_pem(r) for r in ca.roots))
+
+    def _bundle(self) -> bytes:
+        return b"".join(cert_pem(r) for r in self.roots())
+
+    def _keep(self, pending: Pending) -> None:
+        if len(self.pending) >= self.max_pending and pending.node_id not in self.pending:
+            raise RequestRefused(
+                f"{len(self.pending)} certificate requests already wait for an operator "
+                "(`llmgw ctl csr list`); try again later")
+        self.pending[pending.node_id] = pending
+        self.log.warn(
+            "certificate request ({kind}) for node {node} from {address} waits for approval: "
+            "`llmgw ctl csr approve {node}` where the CA's key is", kind=pending.kind,
+            node=pending.node_id, address=pending.address)
+
+    # -- joins --------------------------------------------------------------
+
+    def join(self, req: pb.JoinRequest, address: str) -> pb.JoinResponse:
+        """
+        The answer to one join request from C{address}: issued, pending, or
+        refused with the reason (also logged with the address).
+        """
+        try:
+            return self._join(req, address)
+        except (TokenRefused, RequestRefused, CAError) as e:
+            self.log.warn("join refused for node {node} from {address}: {error}",
+                          node=req.node_id[:64], address=address, error=str(e))
+            return pb.JoinResponse(status=Status.STATUS_REFUSED, error=str(e))
+
+    def _join(self, req: pb.JoinRequest, address: str) -> pb.JoinResponse:
+        node_id = req.node_id
+        try:
+            validate_node_id(node_id)
+        except InvalidNodeId as e:
+            raise RequestRefused(str(e)) from e
+        csr = check_request(req.csr_pem, node_id)
+        key_hash = public_key_hash(csr)
+        now = self.clock.seconds()
+        waiting = self.pending.get(node_id)
+        if waiting is not None and waiting.key_hash == key_hash and waiting.kind == "join":
+            # The same node asking again after its request was kept.
+            if waiting.denied:
+                del self.pending[node_id]
+                raise RequestRefused(f"an operator denied the request: {waiting.denied}")
+            if waiting.issued is not None:
+                del self.pending[node_id]
+                self.log.info("node {node} at {address} collected its approved certificate",
+                              node=node_id, address=address)
+                return self._issued(waiting.issued)
+            return pb.JoinResponse(status=Status.STATUS_PENDING, agent_port=self.agent_port)
+        self.tokens.refresh()
+        book = self.tokens.book
+        book.check(req.token_id, req.token_secret, node_id, now)
+        if self.connected(node_id):
+            raise RequestRefused(f"node {node_id!r} is connected now: another node holds that name")
+        if waiting is not None:
+            raise RequestRefused(
+                f"a request for node {node_id!r} with another key already waits for approval")
+        if self.signer_dir is None:
+            self._keep(Pending(node_id, csr, key_hash, address, now, "join", req.token_id))
+            book.use(req.token_id, node_id)
+            self.tokens.save()
+            return pb.JoinResponse(status=Status.STATUS_PENDING, agent_port=self.agent_port)
+        issued = self._sign(csr, node_id)
+        book.use(req.token_id, node_id)
+        self.tokens.save()
+        self.log.info("node {node} joined from {address} with token {token}",
+                      node=node_id, address=address, token=req.token_id)
+        return self._issued(issued)
+
+    def _issued(self, issued: pb.CertificateIssued) -> pb.JoinResponse:
+        return pb.JoinResponse(status=Status.STATUS_ISSUED, issued=issued, agent_port=self.agent_port)
+
+    # -- renewals -----------------------------------------------------------
+
+    def renew(self, node_id: str, serial: int | None, csr_pem: bytes, address: str) -> pb.CertificateIssued | None:
+        """
+        A renewal for the node a stream's certificate proved: the new
+        certificate, or C{None} while it waits for an operator.
+
+        @raise RequestRefused: the node's certificate is revoked, or the
+            request is not for it.
+        @raise CAError: the signer's CA cannot be loaded.
+        """
+        if serial is not None and serial in self.revoked():
+            raise RequestRefused(f"node {node_id}'s certificate is revoked: it cannot renew")
+        csr = check_request(csr_pem, node_id)
+        if self.signer_dir is not None:
+            issued = self._sign(csr, node_id)
+            self.log.info("renewed the certificate of node {node} ({address})", node=node_id, address=address)
+            return issued
+        self._keep(Pending(node_id, csr, public_key_hash(csr), address, self.clock.seconds(), "renewal"))
+        return None
+
+    # -- an operator's decisions -----------------------------------------------
+
+    def listing(self) -> list[dict[str, Any]]:
+        return [p.describe() for p in sorted(self.pending.values(), key=lambda p: p.since)]
+
+    def approve(self, node_id: str, certificate_pem: bytes, who: str) -> None:
+        """
+        Take an operator's certificate for C{node_id}'s request: checked
+        against the request and the roots, never trusted as sent.
+
+        @raise KeyError: no request for C{node_id} waits.
+        @raise RequestRefused: the certificate is not what was asked for.
+        """
+        p = self.pending[node_id]
+        roots = self.roots()
+        check_issued(certificate_pem, p.csr, node_id, roots)
+        issued = pb.CertificateIssued(certificate_pem=certificate_pem, ca_bundle_pem=self._bundle())
+        self.log.info("certificate request ({kind}) of node {node} approved by {who}",
+                      kind=p.kind, node=node_id, who=who)
+        if p.kind == "join":
+            p.issued = issued
+            return
+        del self.pending[node_id]
+        if self.deliver is not None:
+            self.deliver(node_id, issued)
+
+    def deny(self, node_id: str, who: str, reason: str = "") -> None:
+        """
+        @raise KeyError: no request for C{node_id} waits.
+        """
+        p = self.pending[node_id]
+        self.log.warn("certificate request ({kind}) of node {node} denied by {who}",
+                      kind=p.kind, node=node_id, who=who)
+        if p.kind == "join":
+            p.denied = reason or f"denied by {who}"
+        else:
+            del self.pending[node_id]
+
+
+class JoinProtocol(MessageStream[pb.JoinRequest]):
+    """One join connection: one request, one answer, closed."""
+
+    incoming = pb.JoinRequest
+    log = Logger()
+    MAX_LENGTH = MAX_JOIN_FRAME
+
+    def __init__(self, factory: JoinFactory):
+        self.factory = factory
+        self._timer: IDelayedCall | None = None
+        self._answered = False
+
+    def connectionMade(self) -> None:
+        if not self.factory.opened(self):
+            self.log.warn("join connection from {peer} closed: {count} are open already",
+                          peer=self.peer_name(), count=MAX_JOIN_CONNECTIONS)
+            self.transport.abortConnection()
+            return
+        self._timer = self.factory.clock.callLater(self.factory.deadline, self._expired)
+
+    def _expired(self) -> None:
+        self._timer = None
+        self.log.warn("join connection from {peer} closed: no request within {seconds}s",
+                      peer=self.peer_name(), seconds=self.factory.deadline)
+        self.transport.abortConnection()
+
+    def connectionLost(self, reason: Failure = Failure(ConnectionError())) -> None:  # noqa: B008
+        if self._timer is not None and self._timer.active():
+            self._timer.cancel()
+        self._timer = None
+        self.factory.closed(self)
+
+    def message_received(self, msg: pb.JoinRequest) -> None:
+        if self._answered:
+            return
+        self._answered = True
+        answer = self.factory.authority.join(msg, self.peer_name())
+        self.send_message(answer)
+        self.transport.loseConnection()
+
+    def frame_refused(self, reason: str) -> None:
+        self.log.warn("join connection from {peer} closed: {reason}", peer=self.peer_name(), reason=reason)
+        self.transport.abortConnection()
+
+
+class JoinFactory(ServerFactory):
+    """The join listener's protocols, bounded in number."""
+
+    noisy = False
+
+    def __init__(self, authority: JoinAuthority, clock: IReactorTime, deadline: float = JOIN_DEADLINE,
+                 max_connections: int = MAX_JOIN_CONNECTIONS):
+        self.authority = authority
+        self.clock = clock
+        self.deadline = deadline
+        self.max_connections = max_connections
+        self._open: set[JoinProtocol] = set()
+
+    def buildProtocol(self, addr: Any) -> JoinProtocol:
+        return JoinProtocol(self)
+
+    def opened(self, proto: JoinProtocol) -> bool:
+        if len(self._open) >= self.max_connections:
+            return False
+        self._open.add(proto)
+        return True
+
+    def closed(self, proto: JoinProtocol) -> None:
+        self._open.discard(proto)
+
+
+
+def certificate_requested(proto: Any, req: pb.CertificateRequest) -> None:
+    """
+    A registered stream's C{CertificateRequest}: answered with a
+    C{CertificateIssued}, or an C{Ack} (message id C{certificate}) that says
+    it waits for an operator or why it is refused. The stream is not
+    disturbed either way.
+    """
+    from llmgw.wire import ack
+
+    authority: JoinAuthority | None = getattr(proto.factory, "joining", None)
+    if authority is None:
+        proto.send_message(ack("certificate", ok=False, code=pb.Ack.CODE_FAILED_PRECONDITION,
+                               error="this control plane issues no certificates"))
+        return
+    try:
+        issued = authority.renew(proto.node_id, proto.certificate_serial, req.csr_pem, proto.peer_name())
+    except (RequestRefused, CAError) as e:
+        proto.log.warn("certificate renewal of node {node} ({peer}) refused: {error}",
+                       node=proto.node_id, peer=proto.peer_name(), error=str(e))
+        proto.send_message(ack("certificate", ok=False, code=pb.Ack.CODE_PERMISSION_DENIED, error=str(e)))
+        return
+    if issued is None:
+        proto.send_message(ack("certificate", ok=True, error="waiting for an operator's approval"))
+        return
+    proto.send_command(pb.ControlMessage(certificate_issued=issued), force=True)
