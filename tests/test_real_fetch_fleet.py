@@ -316,6 +316,14 @@ class PeerFetchTests(SynchronousTestCase):
         self.assertEqual(hub_gets(top), 1)
         self.assertIsNone(PEER_LINE.search(fleet.agents[first].output()))
 
+        def holds_complete(node: str) -> bool:
+            # Nodes report their caches in heartbeats: the control plane
+            # names a peer only once it has heard that it holds the model.
+            return any(n["node"] == node and n["state"] == "complete"
+                       for m in fleet.admin("/api/v1/models")["models"] for n in m["nodes"])
+
+        fleet.wait(f"{first}'s copy known to the control plane", lambda: holds_complete(first))
+
         # The first node dies. One of the others is cordoned so the new
         # replica goes to the other, and the dead node's replacement waits
         # for the uncordon: by then the second node holds the weights.
@@ -331,6 +339,7 @@ class PeerFetchTests(SynchronousTestCase):
         self.assertEqual(hub_gets(top), 2)
 
         # The dead node's replica moves to a node without the weights.
+        fleet.wait(f"{second}'s copy known to the control plane", lambda: holds_complete(second))
         fleet.admin(f"/api/v1/nodes/{third}/uncordon", {})
         fleet.wait(f"a replica ready on {third}", lambda: third in fleet.ready_on().values())
         served = PEER_LINE.search(fleet.agents[third].output())
