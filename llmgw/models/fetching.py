@@ -132,6 +132,27 @@ def _digest_file(path: Path, digest: Any, transfer: Transfer | None) -> str:
     return digest.hexdigest()
 
 
+def hash_part(part: Path, digest: Any | None, limit: int | None = None) -> int:
+    """
+    Feed what a partial download C{part} already holds into C{digest}
+    (when there is one), so that a resumed download's checksum covers the
+    whole file; the bytes it holds. A part missing, or longer than
+    C{limit} (the file's whole size), is removed and counts 0.
+    """
+    if not part.exists():
+        return 0
+    if limit is not None and part.stat().st_size > limit:
+        part.unlink()
+        return 0
+    have = 0
+    with part.open("rb") as f:
+        while chunk := f.read(READ_CHUNK):
+            if digest is not None:
+                digest.update(chunk)
+            have += len(chunk)
+    return have
+
+
 def matches(path: Path, spec: FileSpec, transfer: Transfer | None = None) -> bool:
     """
     Whether the file at C{path} has C{spec}'s size and checksum. A missing

@@ -21,7 +21,15 @@ from urllib.parse import urlsplit
 from zope.interface import implementer
 
 from llmgw.models.errors import ChecksumMismatch, ModelError, SourceDenied, SourceNotFound
-from llmgw.models.fetching import READ_CHUNK, FileSpec, IFetcher, Plan, Transfer, check_file
+from llmgw.models.fetching import (
+    READ_CHUNK,
+    FileSpec,
+    IFetcher,
+    Plan,
+    Transfer,
+    check_file,
+    hash_part,
+)
 from llmgw.models.source import HttpsSource, Source
 
 #: Suffix of a file being downloaded, kept across restarts for a resume.
@@ -119,13 +127,7 @@ class HttpsFetcher:
         @raise _Cut: the connection ended before the file did.
         """
         digest = hashlib.sha256()
-        have = 0
-        if part.exists():
-            # The bytes already there enter the hash and the count first.
-            with part.open("rb") as f:
-                while chunk := f.read(READ_CHUNK):
-                    digest.update(chunk)
-                    have += len(chunk)
+        have = hash_part(part, digest)
         request = urllib.request.Request(source.url)
         if have:
             request.add_header("Range", f"bytes={have}-")

@@ -27,7 +27,7 @@ from typing import IO, Any, Literal
 from zope.interface import implementer
 
 from llmgw.models.errors import ChecksumMismatch, ModelError, SourceDenied, SourceNotFound
-from llmgw.models.fetching import READ_CHUNK, FileSpec, IFetcher, Plan, Transfer, matches
+from llmgw.models.fetching import READ_CHUNK, FileSpec, IFetcher, Plan, Transfer, hash_part, matches
 from llmgw.models.source import HubSource, Source
 
 #: Suffix of a file being downloaded, kept across restarts for a resume.
@@ -157,17 +157,7 @@ class HubFetcher:
         from huggingface_hub.utils import build_hf_headers, hf_raise_for_status
 
         digest = _digest(spec)
-        have = 0
-        if part.exists():
-            if spec.size is not None and part.stat().st_size > spec.size:
-                part.unlink()
-            else:
-                # The bytes already there enter the hash and the count first.
-                with part.open("rb") as f:
-                    while chunk := f.read(READ_CHUNK):
-                        if digest is not None:
-                            digest.update(chunk)
-                        have += len(chunk)
+        have = hash_part(part, digest, spec.size)
         transfer.add(have)
         if spec.size is not None and have == spec.size:
             return (digest.hexdigest() if digest is not None else None), have

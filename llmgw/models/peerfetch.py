@@ -41,7 +41,7 @@ from twisted.logger import Logger
 from zope.interface import implementer
 
 from llmgw.addresses import AddressError, parse_address
-from llmgw.models.fetching import READ_CHUNK, FileSpec, IFetcher, Plan, Transfer, matches
+from llmgw.models.fetching import READ_CHUNK, FileSpec, IFetcher, Plan, Transfer, hash_part, matches
 from llmgw.models.peerserve import PEER_PREFIX
 from llmgw.models.source import Source, cache_key
 from llmgw.tlsconf.certs import issued_by
@@ -229,15 +229,7 @@ class PeerFetcher:
         @raise _Damaged: what it served does not match.
         """
         digest = _digest(spec)
-        have = 0
-        if part.exists():
-            with part.open("rb") as f:
-                while chunk := f.read(READ_CHUNK):
-                    digest.update(chunk)
-                    have += len(chunk)
-        if spec.size is not None and have > spec.size:
-            part.unlink()
-            digest, have = _digest(spec), 0
+        have = hash_part(part, digest, spec.size)
         counted = 0
         conn = self._connect(peer)
         try:
