@@ -14,7 +14,6 @@ the fleet and every shard it started, even when an assertion fails.
 from __future__ import annotations
 
 import json
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any

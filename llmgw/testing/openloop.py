@@ -85,13 +85,14 @@ class OpenLoopClient:
         self._stopping = threading.Event()
         self._pacer: threading.Thread | None = None
         self._lock = threading.Lock()
-        self._t0 = 0.0
+        #: When L{start} was called (C{time.monotonic}); L{Answer.sent} counts from it.
+        self.started_at = 0.0
         #: The most seconds a send started after its due time (the pacer's
         #: own lag: an open loop that fell behind is not one).
         self.worst_lag = 0.0
 
     def start(self) -> None:
-        self._t0 = time.monotonic()
+        self.started_at = time.monotonic()
         self._pacer = threading.Thread(target=self._pace, name="open-loop pacer", daemon=True)
         self._pacer.start()
 
@@ -112,7 +113,7 @@ class OpenLoopClient:
     def _pace(self) -> None:
         n = 0
         while not self._stopping.is_set():
-            due = self._t0 + n / self.rate
+            due = self.started_at + n / self.rate
             now = time.monotonic()
             if due > now:
                 # The pacer's own timing, not a synchronisation.
@@ -127,7 +128,7 @@ class OpenLoopClient:
             n += 1
 
     def _one(self, n: int, streamed: bool) -> None:
-        answer = Answer(sent=time.monotonic() - self._t0, streamed=streamed)
+        answer = Answer(sent=time.monotonic() - self.started_at, streamed=streamed)
         body = json.dumps({
             "model": self.model, "stream": streamed, "max_tokens": self.max_tokens,
             "messages": [{"role": "user", "content": f"request {n}"}],
