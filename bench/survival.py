@@ -251,8 +251,10 @@ def rollout(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 (ro := fleet.deployment()["rollout"]) is not None and ro["state"] != "progressing" and ro),
                 timeout=args.rollout_deadline)
             done_at = time.monotonic() - client.started_at
-            sent = len(client.answers)
-            fleet.wait("traffic after the rollout", lambda: len(client.answers) >= sent + args.rate * args.settle,
+            # Counted by when they were sent: the queue's backlog answers at
+            # once when a replica comes back.
+            fleet.wait("traffic after the rollout",
+                       lambda: sum(a.sent >= done_at for a in list(client.answers)) >= args.rate * args.settle,
                        timeout=args.settle * 10 + 60)
         finally:
             answers = client.stop()
@@ -264,6 +266,10 @@ def rollout(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         counts = tally(answers)
         one_start = min(starts) if starts else None
         kinds = [e["kind"] for e in events]
+        # The rollout's steps as they happened, in seconds from its start.
+        began = next((e["time"] for e in events if e["kind"] == "rollout_started"), 0.0)
+        timeline = [f'{e["time"] - began:7.2f} {e["kind"]} {e.get("replica", "")}'.rstrip()
+                    for e in events if e["time"] >= began and e["kind"].startswith(("rollout_", "replica_"))]
         return {
             "config": {"replicas": n, "nodes": n, "gpus_per_node": 1, "rate_per_s": args.rate,
                        "streamed": "every second request", "engine_start_delay_s": args.rollout_start_delay,
@@ -271,6 +277,7 @@ def rollout(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             "rollout": done,
             "rollout_s": round(done_at - changed_at, 3),
             "events": {k: kinds.count(k) for k in sorted(set(kinds)) if k.startswith(("rollout_", "replica_"))},
+            "timeline": timeline,
             "replaced": len(set(before_ids) - set(after_ids)),
             "answers": counts,
             "pacer_worst_lag_s": round(client.worst_lag, 3),
