@@ -99,6 +99,51 @@ class FullFleetTests(SynchronousTestCase):
         self.assertEqual((ro["state"], ro["updated"], ro["total"]), ("done", 2, 2))
         self.assertEqual(len(kinds(f, "rollout_done")), 1)
 
+    def test_not_done_before_the_last_replacement_is_ready(self) -> None:
+        """
+        Once the last old replica is stopped on a full fleet the rollout is
+        still progressing: it places the last replacement itself, is done
+        only when that one is ready (every step counted), and fails if
+        that one fails before it is ready.
+        """
+        f = full_fleet()
+        f.rec.apply_catalog(version(61))
+        f.step()
+        drain_out(f)
+        f.make_ready()
+        f.step()
+        drain_out(f)
+        ro = f.rec.deployments()[0]["rollout"]
+        self.assertEqual((ro["state"], ro["updated"]), ("progressing", 1), ro)
+        self.assertEqual(kinds(f, "rollout_done"), [])
+        last = [c for c in f.dispatcher.starts if c.startup_timeout_s == 61][-1]
+        self.assertNotIn(last.replica_id, {c.replica_id for c in f.dispatcher.starts[:-1]})
+        f.make_ready([last])
+        f.step()
+        ro = f.rec.deployments()[0]["rollout"]
+        self.assertEqual((ro["state"], ro["updated"], ro["total"]), ("done", 2, 2), ro)
+        self.assertEqual(len(kinds(f, "rollout_step")), 2)
+
+    def test_last_replacement_failing_fails_the_rollout(self) -> None:
+        """
+        The last replacement on a full fleet failing before it is ready
+        fails the rollout, as the first's would.
+        """
+        f = full_fleet()
+        f.rec.apply_catalog(version(61))
+        f.step()
+        drain_out(f)
+        f.make_ready()
+        f.step()
+        drain_out(f)
+        last = [c for c in f.dispatcher.starts if c.startup_timeout_s == 61][-1]
+        f.report(last, "starting")
+        f.report(last, "failed", exit_code=3, error="bad flag")
+        f.step()
+        ro = f.rec.deployments()[0]["rollout"]
+        self.assertEqual(ro["state"], "failed", ro)
+        self.assertIn("bad flag", ro["reason"])
+
     def test_surge_with_a_spare_gpu(self) -> None:
         """
         With a spare GPU the new replica is placed while both old ones

@@ -111,7 +111,11 @@ def step(ctx: Context, ro: Rollout, desired: int, now: float, placing: bool, bac
     if len(live - ro.pending) > desired and ro.old_ids & live:
         _take_down(ctx, ro, "replaced", now, out)
         return False
-    if ro.state == RolloutState.PROGRESSING and not ro.old_ids & live and not ro.pending:
+    # Done once nothing old serves and the count is back: on a full fleet
+    # the last old replica goes before its replacement is placed, and that
+    # replacement is still this rollout's to place and to wait for.
+    if (ro.state == RolloutState.PROGRESSING and not ro.old_ids & live and not ro.pending
+            and len(live) >= desired):
         ro.state, ro.updated, ro.reason = RolloutState.DONE, ro.total, ""
         out.event("rollout_done", reason=f"deployment {model}: {ro.total} replica(s) on {ro.new.version}")
         return False
