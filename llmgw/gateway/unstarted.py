@@ -33,14 +33,17 @@ class Unstarted:
         self._by_replica: dict[str, set[IReplicaLeft]] = {}
 
     def add(self, replica_id: str, call: IReplicaLeft) -> None:
-        self._by_replica.setdefault(replica_id, set()).add(call)
+        calls = self._by_replica.get(replica_id)
+        if calls is None:
+            calls = self._by_replica[replica_id] = set()
+        calls.add(call)
 
     def discard(self, replica_id: str, call: IReplicaLeft) -> None:
+        # A replica's set stays when it empties (it is made once, not per
+        # request); L{left} drops those of replicas gone from the table.
         calls = self._by_replica.get(replica_id)
         if calls is not None:
             calls.discard(call)
-            if not calls:
-                del self._by_replica[replica_id]
 
     def waiting(self, replica_id: str) -> int:
         return len(self._by_replica.get(replica_id, ()))
@@ -53,6 +56,8 @@ class Unstarted:
         told = 0
         for replica_id in [r for r in self._by_replica if r not in keep]:
             calls = self._by_replica.pop(replica_id)
+            if not calls:
+                continue
             self.log.warn("replica {replica} left the routing table with {n} request(s) "
                           "not answered yet: sending them elsewhere", replica=replica_id,
                           n=len(calls))
