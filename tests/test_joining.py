@@ -18,17 +18,11 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.agent.join import Joiner, WrongControlPlane, check_chain
 from llmgw.api.v1 import agent_pb2 as pb
-from llmgw.control.core.jointokens import (
-    MalformedToken,
-    TokenBook,
-    TokenFile,
-    TokenRefused,
-    parse_token,
-    printable,
-)
+from llmgw.control.core.jointokens import TokenBook, TokenFile, TokenRefused
 from llmgw.control.shell.joining import JoinAuthority
 from llmgw.tlsconf.ca import CertificateAuthority
 from llmgw.tlsconf.csr import RequestRefused, check_request, new_request, sign_request, spki_hash
+from llmgw.tlsconf.jointoken import MalformedToken, parse_token, printable
 from llmgw.tlsconf.pem import cert_pem
 
 NOW = 1_700_000_000.0

@@ -30,9 +30,9 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from llmgw.api.v1 import agent_pb2 as pb
-from llmgw.control.core.jointokens import ParsedToken
 from llmgw.tlsconf.certs import issued_by
 from llmgw.tlsconf.csr import spki_hash
+from llmgw.tlsconf.jointoken import ParsedToken
 from llmgw.tlsconf.options import (
     ServerIdentityError,
     TLSConfigError,

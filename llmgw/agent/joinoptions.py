@@ -13,7 +13,7 @@ from twisted.python import usage
 
 from llmgw.addresses import AddressError, format_address, parse_address
 from llmgw.agent.join import Joiner, JoiningAgent
-from llmgw.control.core.jointokens import MalformedToken, parse_token
+from llmgw.tlsconf.jointoken import MalformedToken, parse_token
 from llmgw.tlsconf.options import TLSFiles
 
 #: Where a joined node notes the agent port the control plane named, so a

@@ -14,8 +14,9 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from llmgw.control.core.jointokens import TokenFile, printable
+from llmgw.control.core.jointokens import TokenFile
 from llmgw.tlsconf.csr import spki_hash
+from llmgw.tlsconf.jointoken import printable
 from llmgw.tlsconf.pem import CAError, load_bundle
 
 CERTS_ENV = "LLMGW_CERTS"
