@@ -33,6 +33,7 @@ from twisted.internet.protocol import ServerFactory
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from llmgw.addresses import format_address
 from llmgw.api.v1 import agent_pb2 as pb
 from llmgw.control.core.jointokens import TokenFile, TokenRefused
 from llmgw.tlsconf.ca import CertificateAuthority
@@ -288,6 +289,12 @@ class JoinProtocol(MessageStream[pb.JoinRequest]):
             self.transport.abortConnection()
             return
         self._timer = self.factory.clock.callLater(self.factory.deadline, self._expired)
+
+    def peer_name(self) -> str:
+        """C{HOST:PORT} of the node at the other end, for log lines and the pending list."""
+        peer = self.transport.getPeer() if self.transport else None
+        host, port = getattr(peer, "host", None), getattr(peer, "port", None)
+        return format_address(host, port) if isinstance(host, str) and isinstance(port, int) else "?"
 
     def _expired(self) -> None:
         self._timer = None
