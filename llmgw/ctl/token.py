@@ -49,7 +49,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     ls.add_argument("--json", action="store_true", help="print JSON")
     ls.set_defaults(func=cmd_list)
     r = s.add_parser("revoke", help="a token nobody may join with any more", parents=[certs])
-    r.add_argument("id")
+    r.add_argument("id", help="the token's id (`llmgw ctl token list`)")
     r.set_defaults(func=cmd_revoke)
 
 
