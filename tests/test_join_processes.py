@@ -87,8 +87,12 @@ class Proc:
         await self.out.ended
 
 
-class JoinProcessTests(TestCase):
+class JoinProcessCase(TestCase):
+    """A control plane process with a join listener; agents started with L{agent}, all killed at the end."""
+
     timeout = 240
+    #: Whether the control plane signs requests itself.
+    signer = True
 
     def setUp(self) -> defer.Deferred[None]:
         self.dir = Path(self.mktemp()).resolve()
@@ -100,7 +104,8 @@ class JoinProcessTests(TestCase):
         self.agent_port, self.join_port, self.admin_port = free_port(), free_port(), free_port()
         self.control = self.spawn("control", "control", "--certs", str(self.certs),
                                   "--agent-listen", f"127.0.0.1:{self.agent_port}",
-                                  "--join-listen", f"127.0.0.1:{self.join_port}", "--signer",
+                                  "--join-listen", f"127.0.0.1:{self.join_port}",
+                                  *(["--signer"] if self.signer else []),
                                   "--admin", f"127.0.0.1:{self.admin_port}", "--gateway", "off",
                                   "--adoption-grace", "0")
         return defer.Deferred.fromCoroutine(self.wait_for("the admin API", self.admin_up))
@@ -151,6 +156,8 @@ class JoinProcessTests(TestCase):
     def token(self, uses: int = 1) -> str:
         return ctl("token", "create", "--certs", str(self.certs), "--uses", str(uses)).strip()
 
+
+class JoinProcessTests(JoinProcessCase):
     async def _ten(self) -> None:
         token = self.token(uses=10)
         nodes = [f"node-{i}" for i in range(1, 11)]
@@ -222,3 +229,44 @@ class JoinProcessTests(TestCase):
         it.
         """
         return defer.Deferred.fromCoroutine(self._wrong_ca())
+
+
+class ManualApprovalProcessTests(JoinProcessCase):
+    """The same control plane without C{--signer}: joins wait for C{llmgw ctl csr}."""
+
+    signer = False
+
+    def csr(self, *argv: str) -> str:
+        return ctl("csr", *argv, "--admin-url", f"http://127.0.0.1:{self.admin_port}", "--ca", str(self.certs))
+
+    async def _manual(self) -> None:
+        token = self.token(uses=2)
+        approved, denied = self.agent("node-a", token), self.agent("node-b", token)
+
+        async def both_wait() -> bool:
+            return "node-a" in self.csr("list") and "node-b" in self.csr("list")
+
+        await self.wait_for("two requests listed", both_wait)
+        listing = self.csr("list")
+        self.assertIn("join     pending   ECDSA secp256r1", listing)
+        self.assertIn("certificate request (join) of node node-a approved", self.csr("approve", "node-a"))
+        self.csr("deny", "node-b", "--reason", "not one of ours")
+
+        async def registered() -> bool:
+            if not approved.alive:
+                raise AssertionError(f"node-a exited:\n{approved.out.text()[-3000:]}")
+            return "node-a" in await self.connected()
+
+        await self.wait_for("node-a registered", registered)
+        self.assertEqual(await denied.exit_status(STEP), 2)
+        self.assertIn("an operator denied the request: not one of ours", denied.out.text())
+        issued = [json.loads(line) for line in (self.certs / "issued.jsonl").read_text().splitlines()]
+        self.assertIn(("agent", "CN=node-a"), [(e["kind"], e["subject"]) for e in issued])
+
+    def test_manual_approval(self) -> defer.Deferred[None]:
+        """
+        Without --signer two joins wait; `ctl csr approve` signs one where
+        the CA's key is and its agent registers; `ctl csr deny` stops the
+        other with the operator's reason (exit 2).
+        """
+        return defer.Deferred.fromCoroutine(self._manual())

@@ -123,6 +123,15 @@ class AuthorityTests(SynchronousTestCase):
         self.assertEqual(r.status, pb.JoinResponse.STATUS_REFUSED)
         self.assertIn("used up", r.error)
 
+    def test_signed_joins_recorded(self) -> None:
+        """What the signer issues is noted in the CA's record, so `ctl cert revoke NODE` finds a joined node."""
+        auth = self.authority()
+        token, secret = self.tokens.book.create(NOW, 3600)
+        r = auth.join(self.request(token.id, secret, "n1"), "10.0.0.1:5")
+        serial = format(x509.load_pem_x509_certificate(r.issued.certificate_pem).serial_number, "x")
+        rows = [e for e in CertificateAuthority.load(self.dir).issued() if e["serial"] == serial]
+        self.assertEqual([(e["kind"], e["subject"]) for e in rows], [("agent", "CN=n1")])
+
     def test_name_held_by_connected_node(self) -> None:
         """A join for a name a connected node holds is refused."""
         auth = self.authority()
