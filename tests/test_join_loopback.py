@@ -15,11 +15,12 @@ from twisted.protocols.tls import TLSMemoryBIOFactory
 from twisted.trial.unittest import TestCase
 
 from llmgw.agent.join import Joiner, WrongControlPlane
-from llmgw.control.core.jointokens import TokenFile, parse_token, printable
+from llmgw.control.core.jointokens import TokenFile
 from llmgw.control.shell.joining import JoinAuthority, JoinFactory
 from llmgw.control.shell.joinlisten import JoinServerTLS
 from llmgw.tlsconf.ca import CertificateAuthority
 from llmgw.tlsconf.csr import spki_hash
+from llmgw.tlsconf.jointoken import parse_token, printable
 from llmgw.tlsconf.options import ServerTLS, server_files
 
 

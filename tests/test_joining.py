@@ -18,17 +18,11 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.agent.join import Joiner, WrongControlPlane, check_chain
 from llmgw.api.v1 import agent_pb2 as pb
-from llmgw.control.core.jointokens import (
-    MalformedToken,
-    TokenBook,
-    TokenFile,
-    TokenRefused,
-    parse_token,
-    printable,
-)
+from llmgw.control.core.jointokens import TokenBook, TokenFile, TokenRefused
 from llmgw.control.shell.joining import JoinAuthority
 from llmgw.tlsconf.ca import CertificateAuthority
 from llmgw.tlsconf.csr import RequestRefused, check_request, new_request, sign_request, spki_hash
+from llmgw.tlsconf.jointoken import MalformedToken, parse_token, printable
 from llmgw.tlsconf.pem import cert_pem
 
 NOW = 1_700_000_000.0
@@ -128,6 +122,15 @@ class AuthorityTests(SynchronousTestCase):
         r = auth.join(self.request(token.id, secret, "n10"), "10.0.0.1:5")
         self.assertEqual(r.status, pb.JoinResponse.STATUS_REFUSED)
         self.assertIn("used up", r.error)
+
+    def test_signed_joins_recorded(self) -> None:
+        """What the signer issues is noted in the CA's record, so `ctl cert revoke NODE` finds a joined node."""
+        auth = self.authority()
+        token, secret = self.tokens.book.create(NOW, 3600)
+        r = auth.join(self.request(token.id, secret, "n1"), "10.0.0.1:5")
+        serial = format(x509.load_pem_x509_certificate(r.issued.certificate_pem).serial_number, "x")
+        rows = [e for e in CertificateAuthority.load(self.dir).issued() if e["serial"] == serial]
+        self.assertEqual([(e["kind"], e["subject"]) for e in rows], [("agent", "CN=n1")])
 
     def test_name_held_by_connected_node(self) -> None:
         """A join for a name a connected node holds is refused."""

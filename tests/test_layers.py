@@ -78,6 +78,13 @@ class LayerTests(SynchronousTestCase):
         """
         self.assertEqual(offenders("control", "llmgw.gateway"), {})
 
+    def test_agent_does_not_import_control(self) -> None:
+        """
+        Nothing in llmgw/agent/ imports llmgw.control: a node reads its join
+        token with L{llmgw.tlsconf.jointoken}, not the control plane's book.
+        """
+        self.assertEqual(offenders("agent", "llmgw.control"), {})
+
     def test_routing_imports_neither(self) -> None:
         """
         llmgw/routing.py, below both, imports neither.

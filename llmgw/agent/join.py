@@ -30,9 +30,9 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from llmgw.api.v1 import agent_pb2 as pb
-from llmgw.control.core.jointokens import ParsedToken
 from llmgw.tlsconf.certs import issued_by
 from llmgw.tlsconf.csr import spki_hash
+from llmgw.tlsconf.jointoken import ParsedToken
 from llmgw.tlsconf.options import (
     ServerIdentityError,
     TLSConfigError,
@@ -253,7 +253,8 @@ class JoiningAgent(MultiService):
     """
     Joins, then builds the agent with the files it got (C{build(files,
     agent_port)} returns the service) and runs it as its child. A refused
-    join stops the process with the reason logged.
+    join stops the process with the reason logged (C{stop} is expected to
+    end it with a non-zero status).
     """
 
     log = Logger()
@@ -277,5 +278,10 @@ class JoiningAgent(MultiService):
         self.agent.setServiceParent(self)
 
     def _refused(self, f: Failure) -> None:
-        self.log.failure("node {node} could not join", f, node=self.joiner.node_id)
+        if f.check(JoinRefused):
+            # A refusal is an answer, not a bug: its reason is the whole story.
+            self.log.error("node {node} could not join: {reason}; stopping",
+                           node=self.joiner.node_id, reason=f.getErrorMessage())
+        else:
+            self.log.failure("node {node} could not join", f, node=self.joiner.node_id)
         self.stop()

@@ -6,6 +6,8 @@ of a node that joins, and the service that joins before it runs the agent
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,12 +15,39 @@ from twisted.python import usage
 
 from llmgw.addresses import AddressError, format_address, parse_address
 from llmgw.agent.join import Joiner, JoiningAgent
-from llmgw.control.core.jointokens import MalformedToken, parse_token
+from llmgw.tlsconf.jointoken import MalformedToken, parse_token
 from llmgw.tlsconf.options import TLSFiles
 
 #: Where a joined node notes the agent port the control plane named, so a
 #: second run without --control dials the same place.
 CONTROL_NOTE = "control-{node}.txt"
+
+
+#: The exit status of an agent whose join was refused.
+JOIN_REFUSED_STATUS = 2
+
+
+def exit_after_stop(status: int) -> None:
+    """
+    End the process with C{status} once twistd has finished with it (its
+    pid file removed, its logs written).
+
+    twistd exits 0 whenever its reactor stops and offers no way to say
+    otherwise, yet a refused join must not look like a clean stop to a
+    supervisor (systemd, a shell loop); an exit handler is the last point
+    where the status can still be set.
+    """
+    import atexit
+
+    def end() -> None:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(status)
+
+    atexit.register(end)
 
 
 def join_options(options: Any) -> None:
@@ -87,6 +116,7 @@ def joining_service(options: Any, reactor: Any) -> JoiningAgent:
         return service.makeService(options, reactor)
 
     def stop() -> None:
+        exit_after_stop(JOIN_REFUSED_STATUS)
         if reactor.running:
             reactor.stop()
 

@@ -237,6 +237,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p = add("rollout", "a deployment's rollout of a changed profile: status, pause, resume, undo",
             rollout.cmd_rollout)
     rollout.add_arguments(p)
+    from llmgw.ctl import csr
+
+    p = add("csr", "certificate requests waiting for an operator: list, approve NODE (signed here, "
+                   "where the CA's key is), deny NODE", csr.cmd_csr)
+    csr.add_arguments(p)
     from llmgw.ctl import usage
 
     p = add("usage", "requests and tokens per API key and model, and the keys' limits", usage.cmd_usage)

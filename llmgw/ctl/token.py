@@ -14,8 +14,9 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from llmgw.control.core.jointokens import TokenFile, printable
+from llmgw.control.core.jointokens import TokenFile
 from llmgw.tlsconf.csr import spki_hash
+from llmgw.tlsconf.jointoken import printable
 from llmgw.tlsconf.pem import CAError, load_bundle
 
 CERTS_ENV = "LLMGW_CERTS"
@@ -34,15 +35,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p = sub.add_parser("token", help="join tokens: create, list, revoke")
     p.add_argument("--certs", default=os.environ.get(CERTS_ENV) or "certs", metavar="DIR",
                    help="the control plane's certificates directory (default $LLMGW_CERTS or certs)")
+    # Also after the command, as `llmgw ctl cert server --certs DIR` takes it.
+    certs = argparse.ArgumentParser(add_help=False)
+    certs.add_argument("--certs", default=argparse.SUPPRESS, metavar="DIR",
+                       help="the control plane's certificates directory")
     s = p.add_subparsers(dest="token_command", required=True, metavar="COMMAND")
-    c = s.add_parser("create", help="print a new join token")
+    c = s.add_parser("create", help="print a new join token", parents=[certs])
     c.add_argument("--ttl", type=_seconds, default=3600.0, help="how long it is valid (default 1h)")
     c.add_argument("--uses", type=int, default=1, help="how many nodes may join with it (default 1)")
     c.add_argument("--node-prefix", default="", help="the names it admits start with this")
     c.set_defaults(func=cmd_create)
-    s.add_parser("list", help="every token: state, uses, the nodes that joined").set_defaults(func=cmd_list)
-    r = s.add_parser("revoke", help="a token nobody may join with any more")
-    r.add_argument("id")
+    ls = s.add_parser("list", help="every token: state, uses, the nodes that joined", parents=[certs])
+    ls.add_argument("--json", action="store_true", help="print JSON")
+    ls.set_defaults(func=cmd_list)
+    r = s.add_parser("revoke", help="a token nobody may join with any more", parents=[certs])
+    r.add_argument("id", help="the token's id (`llmgw ctl token list`)")
     r.set_defaults(func=cmd_revoke)
 
 

@@ -475,6 +475,14 @@ class CertificateAuthority:
         with open(self.directory / "issued.jsonl", "a") as f:
             f.write(json.dumps(entry, sort_keys=True) + "\n")
 
+    def record_signed(self, cert: x509.Certificate, how: str) -> None:
+        """
+        Note a node certificate signed from a node's request (its key never
+        here, so no file): C{llmgw ctl cert revoke NODE} finds it by name.
+        C{how} says where it went (C{joined}, C{renewed}, C{approved}).
+        """
+        self._record(cert, Path(f"({how}: key on the node)"), "agent")
+
     def signed(self, cert: x509.Certificate) -> bool:
         """
         Whether C{cert} was issued by one of this CA's roots (issuer name and

@@ -75,6 +75,16 @@ def public_key_hash(csr_or_cert: x509.CertificateSigningRequest | x509.Certifica
     return hashlib.sha256(der).hexdigest()
 
 
+def key_description(csr: x509.CertificateSigningRequest) -> str:
+    """The request's key, for an operator: C{ECDSA secp256r1}, C{RSA 2048}, ..."""
+    key = csr.public_key()
+    if isinstance(key, ec.EllipticCurvePublicKey):
+        return f"ECDSA {key.curve.name}"
+    if isinstance(key, rsa.RSAPublicKey):
+        return f"RSA {key.key_size}"
+    return type(key).__name__
+
+
 def check_request(pem: bytes, node_id: str) -> x509.CertificateSigningRequest:
     """
     The request in C{pem} if it asks for a client certificate for

@@ -67,6 +67,7 @@ from llmgw.control.admin.base import (
     request_method,
     request_path,
 )
+from llmgw.control.admin.csr import CertificateRequests
 from llmgw.control.admin.fleet import (
     Deployments,
     Events,
@@ -110,6 +111,9 @@ ENDPOINTS = [
     'POST /api/v1/deployments/{model}/pull {"nodes": [ID, ...]} (none: where prefetch would)',
     "POST /api/v1/catalog/reload",
     "POST /api/v1/tls/reload",
+    "GET /api/v1/csr (certificate requests waiting for an operator)",
+    'POST /api/v1/csr/{node}/approve {"certificate_pem": PEM} (`llmgw ctl csr approve`)',
+    'POST /api/v1/csr/{node}/deny {"reason": TEXT}',
     "GET /metrics",
 ]
 
@@ -197,6 +201,7 @@ class AdminResource(AdminNode):
             b"demand": Demand(self),
             b"catalog": _branch(self, {b"reload": CatalogReload(self)}),
             b"tls": _branch(self, {b"reload": TLSReload(self)}),
+            b"csr": CertificateRequests(self),
         })
         self.putChild(b"api", _branch(self, {b"v1": v1}))
 

@@ -42,9 +42,10 @@ LEADER_HEADER = b"x-llmgw-leader"
 def local_path(path: list[str]) -> bool:
     """
     Whether a member answers C{path} itself rather than sending the client
-    to the leader (L{LOCAL_PATHS}, and C{/page/...}).
+    to the leader (L{LOCAL_PATHS}, C{/page/...}, and the certificate
+    requests, which wait in the memory of the member a node asked).
     """
-    return tuple(path) in LOCAL_PATHS or path[:1] == ["page"]
+    return tuple(path) in LOCAL_PATHS or path[:1] == ["page"] or path[:3] == ["api", "v1", "csr"]
 
 
 def leader_location(status: dict[str, Any], uri: bytes) -> tuple[str | None, dict[str, Any]] | None:

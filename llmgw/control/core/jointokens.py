@@ -1,7 +1,7 @@
 """
 Join tokens: what lets a node that has no certificate yet ask for one.
 
-A token is printed once, as one string (L{JoinToken.printable}):
+A token is printed once, as one string (L{llmgw.tlsconf.jointoken}):
 C{llmgw1.ID.SECRET.CAHASH}, where C{CAHASH} is the hex sha256 of the CA
 root's SubjectPublicKeyInfo, which the node checks the control plane
 against before it sends anything. The book keeps only a hash of the
@@ -27,11 +27,8 @@ from typing import Any
 from twisted.logger import Logger
 
 from llmgw.control.core.kept import write_atomically
+from llmgw.tlsconf.jointoken import ID_PATTERN
 
-TOKEN_PREFIX = "llmgw1"
-_ID = re.compile(r"^[0-9a-f]{8}$")
-_SECRET = re.compile(r"^[0-9a-f]{32}$")
-_HASH = re.compile(r"^[0-9a-f]{64}$")
 #: Tokens a book holds at most (live and recently ended): bounds the file and
 #: every listing.
 MAX_TOKENS = 1000
@@ -46,36 +43,6 @@ class TokenRefused(Exception):
     A join was refused for its token; the message says why (and never
     whether the id exists for a wrong secret: both read the same).
     """
-
-
-class MalformedToken(ValueError):
-    """A token string that is not C{llmgw1.ID.SECRET.CAHASH}."""
-
-
-@dataclass(frozen=True)
-class ParsedToken:
-    """A token string, taken apart."""
-
-    id: str
-    secret: str
-    ca_hash: str  # "sha256:HEX"
-
-
-def parse_token(text: str) -> ParsedToken:
-    """
-    @raise MalformedToken: naming which part is wrong (never echoing the secret).
-    """
-    parts = text.strip().split(".")
-    if len(parts) != 4 or parts[0] != TOKEN_PREFIX:
-        raise MalformedToken(f"a join token reads {TOKEN_PREFIX}.ID.SECRET.CAHASH (four parts)")
-    _, tid, secret, ca = parts
-    if not _ID.match(tid):
-        raise MalformedToken("the token's id is not 8 hex digits")
-    if not _SECRET.match(secret):
-        raise MalformedToken("the token's secret is not 32 hex digits")
-    if not _HASH.match(ca):
-        raise MalformedToken("the token's CA hash is not 64 hex digits (sha256)")
-    return ParsedToken(tid, secret, "sha256:" + ca)
 
 
 def _hash_secret(secret: str) -> str:
@@ -113,11 +80,6 @@ class JoinToken:
             "uses": self.uses, "used": self.used, "node_prefix": self.node_prefix,
             "state": self.state(now), "nodes": list(self.nodes),
         }
-
-
-def printable(token_id: str, secret: str, ca_hash: str) -> str:
-    """The one string an operator hands to a node."""
-    return f"{TOKEN_PREFIX}.{token_id}.{secret}.{ca_hash.removeprefix('sha256:')}"
 
 
 class TokenBook:
@@ -210,7 +172,7 @@ class TokenBook:
                 node_prefix=str(raw.get("node_prefix", "")), revoked=bool(raw.get("revoked", False)),
                 nodes=tuple(str(n) for n in raw.get("nodes", [])),
             )
-            if not _ID.match(t.id):
+            if not ID_PATTERN.match(t.id):
                 raise ValueError(f"token id {t.id!r}")
             tokens[t.id] = t
         self.tokens = tokens

@@ -33,6 +33,7 @@ from twisted.internet.protocol import ServerFactory
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from llmgw.addresses import format_address
 from llmgw.api.v1 import agent_pb2 as pb
 from llmgw.control.core.jointokens import TokenFile, TokenRefused
 from llmgw.tlsconf.ca import CertificateAuthority
@@ -41,6 +42,7 @@ from llmgw.tlsconf.csr import (
     RequestRefused,
     check_issued,
     check_request,
+    key_description,
     public_key_hash,
     sign_request,
     spki_hash,
@@ -74,10 +76,11 @@ class Pending:
     issued: pb.CertificateIssued | None = None
     denied: str = ""
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self, now: float) -> dict[str, Any]:
+        """What an operator sees of it (C{ctl csr list}), the request's PEM included."""
         return {"node": self.node_id, "kind": self.kind, "address": self.address, "since": self.since,
-                "token": self.token_id, "key_sha256": self.key_hash,
-                "csr": self.csr.public_bytes(Encoding.PEM).decode("ascii"),
+                "age": max(0.0, now - self.since), "token": self.token_id, "key": key_description(self.csr),
+                "key_sha256": self.key_hash, "csr": self.csr.public_bytes(Encoding.PEM).decode("ascii"),
                 "state": "denied" if self.denied else ("approved" if self.issued else "pending")}
 
 
@@ -124,7 +127,7 @@ class JoinAuthority:
 
     # -- signing ------------------------------------------------------------
 
-    def _sign(self, csr: x509.CertificateSigningRequest, node_id: str) -> pb.CertificateIssued:
+    def _sign(self, csr: x509.CertificateSigningRequest, node_id: str, how: str) -> pb.CertificateIssued:
         """
         @raise CAError: the CA cannot be loaded.
         """
@@ -134,6 +137,13 @@ class JoinAuthority:
         ca = CertificateAuthority.load(self.signer_dir)
         now = datetime.datetime.fromtimestamp(self.clock.seconds(), datetime.UTC)
         cert = sign_request(csr, node_id, ca.key, ca.certificate, self.lifetime, now)
+        try:
+            ca.record_signed(cert, how)
+        except OSError as e:
+            # The node is not refused for it, but revoking it by name will need its serial.
+            self.log.error("cannot record the certificate issued to node {node} (serial {serial}) in "
+                           "{dir}/issued.jsonl: {error}", node=node_id, serial=format(cert.serial_number, "x"),
+                           dir=str(self.signer_dir), error=str(e))
         return pb.CertificateIssued(
             certificate_pem=cert_pem(cert), ca_bundle_pem=b"".join(cert_pem(r) for r in ca.roots))
 
@@ -199,7 +209,7 @@ class JoinAuthority:
             book.use(req.token_id, node_id)
             self.tokens.save()
             return pb.JoinResponse(status=Status.STATUS_PENDING, agent_port=self.agent_port)
-        issued = self._sign(csr, node_id)
+        issued = self._sign(csr, node_id, "joined")
         book.use(req.token_id, node_id)
         self.tokens.save()
         self.log.info("node {node} joined from {address} with token {token}",
@@ -224,7 +234,7 @@ class JoinAuthority:
             raise RequestRefused(f"node {node_id}'s certificate is revoked: it cannot renew")
         csr = check_request(csr_pem, node_id)
         if self.signer_dir is not None:
-            issued = self._sign(csr, node_id)
+            issued = self._sign(csr, node_id, "renewed")
             self.log.info("renewed the certificate of node {node} ({address})", node=node_id, address=address)
             return issued
         self._keep(Pending(node_id, csr, public_key_hash(csr), address, self.clock.seconds(), "renewal"))
@@ -233,7 +243,9 @@ class JoinAuthority:
     # -- an operator's decisions -----------------------------------------------
 
     def listing(self) -> list[dict[str, Any]]:
-        return [p.describe() for p in sorted(self.pending.values(), key=lambda p: p.since)]
+        """Every request kept for an operator, oldest first (L{Pending.describe})."""
+        now = self.clock.seconds()
+        return [p.describe(now) for p in sorted(self.pending.values(), key=lambda p: p.since)]
 
     def approve(self, node_id: str, certificate_pem: bytes, who: str) -> None:
         """
@@ -288,6 +300,12 @@ class JoinProtocol(MessageStream[pb.JoinRequest]):
             self.transport.abortConnection()
             return
         self._timer = self.factory.clock.callLater(self.factory.deadline, self._expired)
+
+    def peer_name(self) -> str:
+        """C{HOST:PORT} of the node at the other end, for log lines and the pending list."""
+        peer = self.transport.getPeer() if self.transport else None
+        host, port = getattr(peer, "host", None), getattr(peer, "port", None)
+        return format_address(host, port) if isinstance(host, str) and isinstance(port, int) else "?"
 
     def _expired(self) -> None:
         self._timer = None
