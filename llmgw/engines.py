@@ -108,7 +108,10 @@ ENGINES: dict[str, Engine] = {
             "kv_cache_usage": ("llamacpp:kv_cache_usage_ratio",),
             "prefix_cache_queries": ("llamacpp:prompt_tokens+llamacpp:prompt_tokens_cached",),
             "prefix_cache_hits": ("llamacpp:prompt_tokens_cached",),
-            "generated_tokens": ("llamacpp:tokens_predicted",),
+            # Progress, not a token count: llama.cpp adds a request's
+            # predicted tokens only when it ends, so a long generation
+            # would look flat; its decode steps move while any request runs.
+            "generated_tokens": ("llamacpp:n_decode",),
         },
         stop_grace_s=10,
         startup_timeout_s=600,

@@ -33,6 +33,9 @@ DEFAULT_STOP_GRACE_S = 30
 DEFAULT_DRAIN_TIMEOUT_S = 60
 DEFAULT_ENGINE = "generic"
 DEFAULT_STOP_SIGNAL = "SIGTERM"
+#: Seconds of requests running with flat progress counters before a replica
+#: is wedged, when a profile (or an older control plane) sets none.
+DEFAULT_STALL_AFTER_S = 15.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,6 +79,9 @@ class ShardSpec:
     #: Peers' addresses (HOST:PORT) that hold a complete copy of the
     #: source's weights, to fetch from before the source itself.
     model_peers: tuple[str, ...] = ()
+    #: The profile's C{stall_after_s}: the agent heartbeats at once when the
+    #: shard's standstill reaches it (0: never).
+    stall_after_s: float = DEFAULT_STALL_AFTER_S
 
     def __post_init__(self) -> None:
         # Frozen means no caller's list or dict can change a spec afterwards,
@@ -119,6 +125,7 @@ class ShardSpec:
             ready_while_alive=not self.health_path,
             source=source_message(self.source) if self.source is not None else None,
             model_peers=self.model_peers,
+            stall_after_s=self.stall_after_s,
         )
 
     @classmethod
@@ -150,6 +157,8 @@ class ShardSpec:
             stop_signal=m.stop_signal or DEFAULT_STOP_SIGNAL,
             source=source_of(m.source) if m.HasField("source") else None,
             model_peers=tuple(m.model_peers),
+            stall_after_s=(m.stall_after_s if m.HasField("stall_after_s") and m.stall_after_s >= 0
+                           else DEFAULT_STALL_AFTER_S),
         )
 
 

@@ -68,14 +68,26 @@ class NormaliseTests(SynchronousTestCase):
         A real llama-server's /metrics: deferred requests wait, processing
         ones run, no KV-cache figure (current builds export none), and the
         prefix-cache queries are uncached plus cached prompt tokens; its
-        predicted tokens are the generated-token counter.
+        decode steps are the progress counter (its predicted tokens are
+        added only when a request ends, so they would look flat during a
+        long generation).
         """
         s = engines.normalise(sample("llamacpp"), names("llamacpp"), sampled_at=0.0)
         self.assertEqual((s.waiting, s.running), (0.0, 0.0))
         self.assertIsNone(s.kv_cache_usage)
         self.assertEqual((s.prefix_cache_queries, s.prefix_cache_hits), (78.0, 38.0))
-        # tokens_predicted_seconds_total shares the prefix and is not read.
         self.assertEqual(s.generated_tokens, 8.0)
+
+    def test_llamacpp_progress_is_decode_steps(self) -> None:
+        """
+        llama.cpp's progress counter is its decode steps, which move while a
+        request generates, not its predicted tokens, which it adds only when
+        a request ends.
+        """
+        text = ("llamacpp:requests_processing 1\nllamacpp:tokens_predicted_total 3\n"
+                "llamacpp:n_decode_total 50\n")
+        s = engines.normalise(text, names("llamacpp"), sampled_at=0.0)
+        self.assertEqual((s.running, s.generated_tokens), (1.0, 50.0))
 
     def test_generic_reads_any_engine(self) -> None:
         """

@@ -92,7 +92,7 @@ class RealEngineFleet:
     """
 
     def __init__(self, case: SynchronousTestCase, catalog: Callable[[Path], str],
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, heartbeat: float = 1):
         self.case = case
         self.dir = Path(case.mktemp()).resolve()
         self.dir.mkdir(parents=True)
@@ -111,7 +111,7 @@ class RealEngineFleet:
             self.proc = subprocess.Popen(
                 [*llmgw_command(), "local", "--agents", "1", "--catalog", str(self.catalog),
                  "--gateway", f"127.0.0.1:{self.gateway_port}", "--admin",
-                 f"127.0.0.1:{self.admin_port}", "--heartbeat", "1"],
+                 f"127.0.0.1:{self.admin_port}", "--heartbeat", f"{heartbeat:g}"],
                 cwd=self.dir, env=env, stdout=self.log, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, start_new_session=True,
             )

@@ -273,3 +273,65 @@ class ReconcilerTests(SynchronousTestCase):
             self.fleet.step()
         self.assertEqual(len(self.fleet.rec.routes("m")), 2)
         self.assertFalse([e for e in self.fleet.rec.events() if e["kind"] == "replica_wedged"])
+
+
+class AgentMeasureTests(SynchronousTestCase):
+    def entry(self, flat: float | None, error: str = "") -> ShardSignals:
+        msg = pb.ShardSignals(shard_id="s", running=2, age_s=0, generated_tokens=40, error=error)
+        if flat is not None:
+            msg.flat_for_s = flat
+        return from_message(msg, 100.0)
+
+    def test_agents_flat_for_s_is_the_stall(self) -> None:
+        """
+        An agent's flat_for_s is the standstill judged, whatever the control
+        plane has seen of the samples itself (here: one sample, nothing to
+        reckon from): under the threshold kept, at it wedged, with the
+        agent's figure in the evidence.
+        """
+        entry = self.entry(2.9)
+        progress = observe(None, entry)
+        assert progress is not None
+        self.assertIsNone(stall(progress, entry, 100.0, 3))
+        entry = self.entry(3.0)
+        evidence = stall(progress, entry, 100.0, 3)
+        assert evidence is not None
+        self.assertEqual(evidence.flat_s, 3.0)
+
+    def test_bad_figures_dropped(self) -> None:
+        """
+        A negative or non-finite flat_for_s is not trusted: the control
+        plane's own reckoning applies, as for an older agent.
+        """
+        for bad in (-1.0, float("inf"), float("nan")):
+            self.assertIsNone(self.entry(bad).flat_for_s)
+        self.assertIsNone(self.entry(None).flat_for_s)
+
+
+class HeartbeatDecisionTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.fleet = Fleet({}, nodes=2, cat=catalog({"m": ("watched", 2)}, extra=STALL_PROFILE))
+        self.fleet.past_grace()
+        self.fleet.make_ready()
+        self.fleet.step()
+        self.starts = list(self.fleet.dispatcher.starts)
+
+    def heartbeat(self, cmd: object, flat: float, tokens: float = 50) -> None:
+        self.fleet.rec.record_engine_signals(cmd.node_id, [  # type: ignore[attr-defined]
+            pb.ShardSignals(shard_id=cmd.shard_id, running=2,  # type: ignore[attr-defined]
+                            generated_tokens=tokens, age_s=0, flat_for_s=flat)])
+
+    def test_out_of_routing_on_the_heartbeat(self) -> None:
+        """
+        The heartbeat whose flat_for_s reaches the profile's stall_after_s
+        takes the replica out of the routes as it is handled, with no pass
+        run and no time passed; one under it changes nothing.
+        """
+        wedged, healthy = self.starts
+        self.heartbeat(wedged, flat=2.9)
+        self.assertEqual(len(self.fleet.rec.routes("m")), 2)
+        self.heartbeat(wedged, flat=3.0)
+        self.assertEqual([r.replica_id for r in self.fleet.rec.routes("m")], [healthy.replica_id])
+        [ev] = [e for e in self.fleet.rec.events() if e["kind"] == "replica_wedged"]
+        self.assertIn("flat for 3.0s (stall_after_s 3)", ev["reason"])
+        self.assertEqual(ev["crash_class"], "hung")

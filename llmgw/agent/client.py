@@ -405,6 +405,8 @@ class AgentCore(Factory):
         self.registrations = 0
         #: Engine signals for heartbeats (L{llmgw.agent.scrape.Scraper}), or None.
         self.scraper = scraper
+        if scraper is not None:
+            scraper.on_stall = self.heartbeat_now
         #: The address shards are advertised at: the configured one, else
         #: learned from each connection (L{learn_address}).
         self.advertised = config.advertise_address
@@ -558,6 +560,16 @@ class AgentCore(Factory):
             advertise_address=self.advertised,
             peer_address=self.peer_address(self.advertised),
         )
+
+    def heartbeat_now(self, why: str = "") -> None:
+        """
+        Send a heartbeat now, outside the interval, if registered: a shard's
+        standstill reached its threshold, and the control plane must not
+        wait a whole interval to hear it.
+        """
+        proto = self.proto
+        if proto is not None and proto.is_registered and proto.transport is not None:
+            proto.send_heartbeat()
 
     def heartbeat_message(self) -> pb.Heartbeat:
         hb = self._heartbeat_message()

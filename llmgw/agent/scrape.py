@@ -10,18 +10,26 @@ connection is dropped), parsed on the reactor only once whole. A failed
 scrape keeps the previous figures, records why, and the figures' age keeps
 growing: the control plane sees staleness, never a stale figure passed off
 as fresh. Scraping never changes a shard's state; health checks do that.
+
+The scraper also watches each shard's progress (L{Standstill}): while a
+sample says requests run, how long its generated-token and prompt-token
+counters have stayed flat (a failed scrape counts as flat). When that
+reaches the shard's C{stall_after_s} it calls C{on_stall} once per
+standstill, so that the agent heartbeats at once rather than at its next
+interval: a wedged replica leaves routing within a scrape of its threshold.
 """
 
 from __future__ import annotations
 
 import ipaddress
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from twisted.application.service import Service
 from twisted.internet import defer, error
 from twisted.internet.endpoints import HostnameEndpoint, TCP4ClientEndpoint, TCP6ClientEndpoint
+from twisted.internet.interfaces import IDelayedCall
 from twisted.internet.protocol import Protocol
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
@@ -163,6 +171,56 @@ class HttpFetcher:
 
 
 @dataclass
+class Standstill:
+    """
+    How long a shard's progress counters (generated and prompt tokens) have
+    been flat while requests ran, from its scrapes. The standstill counts
+    from the first scrape that saw the counters at their present values (a
+    lower bound: the last token came at most one scrape before), and is
+    measured up to the latest scrape; a failed scrape extends it (an engine
+    that stops answering while it had requests running counts as flat).
+    C{flat_for_s} is C{None} while the shard is not watched: nothing
+    running, or no generated-token counter.
+    """
+
+    mark: tuple[float | None, float | None] | None = None
+    since: float = 0.0
+    flat_for_s: float | None = None
+    #: C{on_stall} was called for this standstill.
+    reported: bool = False
+
+    def scraped(self, signals: EngineSignals, at: float) -> None:
+        """
+        A good scrape started at C{at} read C{signals}.
+        """
+        if signals.generated_tokens is None or not signals.running:
+            self.mark, self.flat_for_s, self.reported = None, None, False
+            return
+        mark = (signals.generated_tokens, signals.prefix_cache_queries)
+        if mark != self.mark:
+            self.mark, self.since, self.reported = mark, at, False
+        self.flat_for_s = at - self.since
+
+    def failed(self, at: float) -> None:
+        """
+        A scrape at C{at} got no figures: a watched standstill goes on.
+        """
+        if self.mark is not None:
+            self.flat_for_s = at - self.since
+
+    def reached(self, stall_after_s: float) -> bool:
+        """
+        The standstill just reached C{stall_after_s} (true once per
+        standstill; never for 0).
+        """
+        if (stall_after_s <= 0 or self.reported or self.flat_for_s is None
+                or self.flat_for_s < stall_after_s):
+            return False
+        self.reported = True
+        return True
+
+
+@dataclass
 class Sample:
     """
     A shard's newest figures (C{None} before the first good scrape), on the
@@ -173,6 +231,7 @@ class Sample:
     error: str = ""
     scrapes: int = 0
     failures: int = 0
+    standstill: Standstill = field(default_factory=Standstill)
 
 
 def _describe(failure: Failure) -> str:
@@ -205,8 +264,13 @@ class Scraper(Service):
         self.host = host
         self.interval = interval
         self.samples: dict[str, Sample] = {}
+        #: Called with a shard id when its standstill reaches its threshold.
+        self.on_stall: Callable[[str], None] = lambda shard_id: None
         self._in_flight: set[str] = set()
         self._loop: LoopingCall | None = None
+        #: One-off checks due when a standstill would reach its threshold
+        #: between two scrapes.
+        self._checks: dict[str, IDelayedCall] = {}
 
     def startService(self) -> None:
         super().startService()
@@ -218,6 +282,10 @@ class Scraper(Service):
         super().stopService()
         if self._loop is not None and self._loop.running:
             self._loop.stop()
+        for check in self._checks.values():
+            if check.active():
+                check.cancel()
+        self._checks.clear()
 
     def _tick_safely(self) -> None:
         try:
@@ -241,6 +309,9 @@ class Scraper(Service):
             self._scrape(shard)
         for shard_id in [s for s in self.samples if s not in live]:
             del self.samples[shard_id]
+            check = self._checks.pop(shard_id, None)
+            if check is not None and check.active():
+                check.cancel()
 
     def _scrape(self, shard: Shard) -> None:
         from llmgw.addresses import format_address
@@ -248,13 +319,17 @@ class Scraper(Service):
         spec = shard.spec
         url = f"http://{format_address(self.host(), spec.port)}{spec.metrics_path}"
         self._in_flight.add(spec.shard_id)
+        # The standstill is measured to when the scrape started: the figures
+        # are at least that fresh.
+        started = self.clock.seconds()
         d = defer.maybeDeferred(self.fetch, url)
-        d.addCallbacks(lambda body: self._scraped(shard, body, None),
-                       lambda f: self._scraped(shard, b"", f))
+        d.addCallbacks(lambda body: self._scraped(shard, body, None, started),
+                       lambda f: self._scraped(shard, b"", f, started))
         d.addErrback(lambda f: self.log.failure("recording a scrape of {shard} failed",
                                                 f, shard=spec.shard_id))
 
-    def _scraped(self, shard: Shard, body: bytes, failure: Failure | None) -> None:
+    def _scraped(self, shard: Shard, body: bytes, failure: Failure | None,
+                 started: float | None = None) -> None:
         shard_id = shard.shard_id
         self._in_flight.discard(shard_id)
         if not shard.live:
@@ -280,6 +355,44 @@ class Scraper(Service):
         elif sample.error:
             self.log.info("scraping the metrics of shard {shard} works again", shard=shard_id)
         sample.error = problem
+        at = self.clock.seconds() if started is None else started
+        if problem:
+            sample.standstill.failed(at)
+        elif sample.signals is not None:
+            sample.standstill.scraped(sample.signals, at)
+        self._judge(shard, sample)
+
+    def _judge(self, shard: Shard, sample: Sample) -> None:
+        """
+        Report a standstill that reached the shard's threshold, or check
+        again exactly when it would if that comes before the next scrape.
+        """
+        shard_id, stall_after_s = shard.shard_id, shard.spec.stall_after_s
+        still = sample.standstill
+        if still.reached(stall_after_s):
+            self.log.warn("shard {shard} has had requests running with its token counters flat "
+                          "for {flat:.1f}s (stall_after_s {stall:g}): telling the control plane "
+                          "now", shard=shard_id, flat=still.flat_for_s, stall=stall_after_s)
+            self.on_stall(shard_id)
+            return
+        if still.flat_for_s is None or still.reported or stall_after_s <= 0:
+            return
+        due = still.since + stall_after_s - self.clock.seconds()
+        if due <= self.interval and shard_id not in self._checks:
+            self._checks[shard_id] = self.clock.callLater(max(0.0, due), self._check, shard)
+
+    def _check(self, shard: Shard) -> None:
+        # A failing engine needs no scrape to stay flat; one that answers
+        # gets a scrape whose figures decide.
+        self._checks.pop(shard.shard_id, None)
+        sample = self.samples.get(shard.shard_id)
+        if sample is None or not shard.live or shard.stopping:
+            return
+        if sample.error:
+            sample.standstill.failed(self.clock.seconds())
+            self._judge(shard, sample)
+        elif shard.shard_id not in self._in_flight:
+            self._scrape(shard)
 
     def heartbeat_signals(self) -> list[pb.ShardSignals]:
         """
@@ -289,6 +402,8 @@ class Scraper(Service):
         out = []
         for shard_id, sample in sorted(self.samples.items()):
             msg = pb.ShardSignals(shard_id=shard_id, error=sample.error)
+            if sample.standstill.flat_for_s is not None:
+                msg.flat_for_s = sample.standstill.flat_for_s
             if sample.signals is not None:
                 msg.age_s = sample.signals.age(now)
                 for name in SIGNALS:

@@ -354,7 +354,7 @@ class ProxyCall:
             return
         assert self.route is not None
         self.gw.router.succeeded(self.route.replica_id)
-        self.gw.unstarted.discard(self.route.replica_id, self)
+        self.gw.unstarted.answered(self.route.replica_id, self)
         # The idle wait starts in response_data, which follows at once.
         length = None
         chunked = False
@@ -405,7 +405,7 @@ class ProxyCall:
         if self.done or self.sent_headers and self._continued(status):
             return
         self.gw.router.succeeded(self.route.replica_id)  # type: ignore[union-attr]
-        self.gw.unstarted.discard(self.route.replica_id, self)  # type: ignore[union-attr]
+        self.gw.unstarted.answered(self.route.replica_id, self)  # type: ignore[union-attr]
         framed: int | None = length
         meter = self.meter
         if meter is not None and 200 <= status < 300 and _EVENT_STREAM in block:

@@ -102,6 +102,18 @@ class Router:
             return True
         return False
 
+    def bench(self, replica_id: str) -> bool:
+        """
+        Put C{replica_id} in a cool-down now, as if its failures had reached
+        the threshold (it stopped answering in another way); returns whether
+        it was not in one already.
+        """
+        if self.cooling(replica_id):
+            return False
+        self._failures[replica_id] = self.failure_threshold
+        self._cool_until[replica_id] = self.clock.seconds() + self.cooldown
+        return True
+
     def succeeded(self, replica_id: str) -> None:
         """
         C{replica_id} answered; its run of failures is over.

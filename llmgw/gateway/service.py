@@ -26,6 +26,7 @@ from llmgw.addresses import (
 )
 from llmgw.collector import CollectorTuning
 from llmgw.gateway.demand import DemandReporter
+from llmgw.gateway.firstbyte import FirstByteWatch, watch_service
 from llmgw.gateway.follower import FollowerTable
 from llmgw.gateway.follower_service import FollowerService
 from llmgw.gateway.forwarding import FORWARDED_HEADERS
@@ -130,6 +131,23 @@ class GatewayService(MultiService):
         self.listener.setName("gateway-listener")
         self.listener.setServiceParent(self)
         self.host, self.port = host, port
+        # Replicas that stop sending first bytes while others answer are
+        # benched here, before the control plane's verdict.
+        unstarted = self.gateway.unstarted
+        self.first_byte = FirstByteWatch(reactor, unstarted, self.gateway.router.bench, self.registry)
+        unstarted.on_answer = self.first_byte.answered
+        watch_service(self.first_byte, reactor).setServiceParent(self)
+        subscribe = getattr(table, "subscribe", None)
+        if subscribe is not None:
+            # The control plane's own table (the embedded gateway): requests
+            # waiting on a replica that left it go elsewhere at once, as a
+            # standalone gateway's do (StandaloneGateway's forget_gone).
+            def left(revision: int, models: frozenset[str], known_changed: bool) -> None:
+                keep = table.snapshot().replica_ids()  # type: ignore[attr-defined]
+                unstarted.left(keep)
+                self.first_byte.forget(keep)
+
+            subscribe(left)
         self.hosts = list(hosts or ())
 
     def fd_need(self, option: str | None) -> FdNeed:
@@ -368,6 +386,7 @@ class StandaloneGateway(MultiService):
             # Requests still waiting on a replica that left go elsewhere now.
             unstarted.left(snapshot.replica_ids())
             router.forget(snapshot.replica_ids())
+            self.front.first_byte.forget(snapshot.replica_ids())
 
         self.table.listeners.append(forget_gone)
         # Autoscaling: a gateway whose router knows its demand

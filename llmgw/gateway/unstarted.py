@@ -9,7 +9,7 @@ client no error.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Protocol
 
 from twisted.logger import Logger
@@ -31,6 +31,8 @@ class Unstarted:
 
     def __init__(self) -> None:
         self._by_replica: dict[str, set[IReplicaLeft]] = {}
+        #: Told of each first byte (L{llmgw.gateway.firstbyte.FirstByteWatch.answered}).
+        self.on_answer: Callable[[str, IReplicaLeft], None] | None = None
 
     def add(self, replica_id: str, call: IReplicaLeft) -> None:
         calls = self._by_replica.get(replica_id)
@@ -45,8 +47,35 @@ class Unstarted:
         if calls is not None:
             calls.discard(call)
 
+    def answered(self, replica_id: str, call: IReplicaLeft) -> None:
+        """
+        The first byte of C{call}'s answer came from C{replica_id}.
+        """
+        self.discard(replica_id, call)
+        if self.on_answer is not None:
+            self.on_answer(replica_id, call)
+
     def waiting(self, replica_id: str) -> int:
         return len(self._by_replica.get(replica_id, ()))
+
+    def by_replica(self) -> list[tuple[str, list[IReplicaLeft]]]:
+        """
+        Each replica with requests waiting, and those requests (a copy).
+        """
+        return [(r, list(calls)) for r, calls in self._by_replica.items() if calls]
+
+    def move(self, replica_id: str) -> int:
+        """
+        Send every request waiting on C{replica_id} elsewhere; returns how many.
+        """
+        calls = self._by_replica.pop(replica_id, set())
+        for call in list(calls):
+            try:
+                call.replica_left()
+            except Exception:
+                self.log.failure("moving a request off replica {replica} failed",
+                                 replica=replica_id)
+        return len(calls)
 
     def left(self, keep: Collection[str]) -> int:
         """
@@ -55,17 +84,11 @@ class Unstarted:
         """
         told = 0
         for replica_id in [r for r in self._by_replica if r not in keep]:
-            calls = self._by_replica.pop(replica_id)
-            if not calls:
+            if not self._by_replica[replica_id]:
+                del self._by_replica[replica_id]
                 continue
             self.log.warn("replica {replica} left the routing table with {n} request(s) "
                           "not answered yet: sending them elsewhere", replica=replica_id,
-                          n=len(calls))
-            for call in list(calls):
-                told += 1
-                try:
-                    call.replica_left()
-                except Exception:
-                    self.log.failure("moving a request off replica {replica} failed",
-                                     replica=replica_id)
+                          n=self.waiting(replica_id))
+            told += self.move(replica_id)
         return told

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import weakref
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -157,12 +158,28 @@ class SimRequest:
         self.state = "waiting"  # running, done, cancelled
 
 
+#: The simulators of this process, for L{hang_all}.
+LIVE: weakref.WeakSet[EngineSim] = weakref.WeakSet()
+
+
+def hang_all() -> int:
+    """
+    Wedge every simulator of this process (L{EngineSim.hang}); returns how
+    many.
+    """
+    sims = list(LIVE)
+    for sim in sims:
+        sim.hang()
+    return len(sims)
+
+
 class EngineSim:
     """
     The simulated engine (see the module's model), on C{clock}.
     """
 
     def __init__(self, clock: IReactorTime, config: EngineSimConfig | None = None):
+        LIVE.add(self)
         self.clock = clock
         self.config = config = config if config is not None else EngineSimConfig()
         self.waiting: deque[SimRequest] = deque()

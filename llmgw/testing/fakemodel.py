@@ -400,7 +400,7 @@ class FakeModelApp:
                 "# TYPE llamacpp:requests_deferred gauge",
                 "llamacpp:requests_deferred 0",
             ]
-        gen = "llamacpp:tokens_predicted_total" if shape == "llamacpp" else f"{shape}:generation_tokens_total"
+        gen = "llamacpp:n_decode_total" if shape == "llamacpp" else f"{shape}:generation_tokens_total"
         lines += [f"# TYPE {gen} counter", f"{gen} {self.generated_tokens:g}"]
         return "\n".join(lines) + "\n"
 

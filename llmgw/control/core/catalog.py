@@ -34,6 +34,7 @@ from llmgw.shards import (
     DEFAULT_DRAIN_TIMEOUT_S,
     DEFAULT_ENGINE,
     DEFAULT_HEALTH_PATH,
+    DEFAULT_STALL_AFTER_S,
     DEFAULT_STARTUP_TIMEOUT_S,
     DEFAULT_STOP_GRACE_S,
     DEFAULT_STOP_SIGNAL,
@@ -60,8 +61,6 @@ _ARGS_PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 ARGS_PLACEHOLDERS = PLACEHOLDERS | {"weights"}
 
 DEFAULT_PORT_RANGE = (20000, 29999)
-#: A profile's C{stall_after_s} when it sets none.
-DEFAULT_STALL_AFTER_S = 15.0
 
 
 class CatalogError(ValueError):
@@ -148,7 +147,7 @@ class Profile:
             drain_timeout_s=self.drain_timeout_s, engine=self.engine,
             metrics_path=self.metrics_path if rank == 0 else "",
             metric_names=self.metric_names if rank == 0 else {}, stop_signal=self.stop_signal,
-            source=source,
+            source=source, stall_after_s=self.stall_after_s,
         )
 
 

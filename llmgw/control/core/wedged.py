@@ -19,13 +19,19 @@ evidence is read on the control plane's clock, from each sample's age:
   - a stall of the profile's C{stall_after_s} or more wedges the replica
     (C{0}: never).
 
+An agent that measures the standstill itself, on its scrapes once a second,
+sends it as C{flat_for_s}, and that is the stall: it heartbeats as soon as
+the standstill reaches the threshold, and L{check_node} decides on that
+heartbeat at once, without waiting for a heartbeat interval or a pass. The
+control plane's own reckoning from samples is for older agents.
+
 L{observe} and L{stall} are pure; L{check} is the pass's decision. None reads
 a clock, sends a command or touches a transport.
 """
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+from collections.abc import Iterable, MutableMapping
 from dataclasses import dataclass
 
 from llmgw.control.core import lifecycle
@@ -93,8 +99,11 @@ def stall(progress: Progress, entry: ShardSignals, now: float, stall_after_s: fl
     """
     if stall_after_s <= 0 or entry.signals is None:
         return None
-    seen = now if entry.error else entry.signals.sampled_at
-    flat = max(0.0, seen - progress.moved_at)
+    if entry.flat_for_s is not None:
+        flat = entry.flat_for_s
+    else:
+        seen = now if entry.error else entry.signals.sampled_at
+        flat = max(0.0, seen - progress.moved_at)
     if flat < stall_after_s:
         return None
     return Stall(progress.running, flat, entry.error)
@@ -118,17 +127,30 @@ def observe_node(ctx: Context, store: SignalStore, watch: MutableMapping[str, Pr
             watch[sid] = progress
 
 
-def check(ctx: Context, store: SignalStore, watch: MutableMapping[str, Progress], now: float,
-          out: Outcome) -> None:
+def check_node(ctx: Context, store: SignalStore, watch: MutableMapping[str, Progress],
+               node_id: str, now: float, out: Outcome) -> None:
     """
-    Wedge every watched replica whose stall reached its profile's
-    C{stall_after_s}: a C{replica_wedged} event with the evidence, a
-    failure of class C{hung} (counted towards the crash backoff), and a
-    teardown, which takes it out of routing in this pass; the reconciler
-    places its replacement.
+    A heartbeat from C{node_id} (its samples already in C{store}): observe
+    them, then wedge those of its replicas whose stall reached the
+    threshold, as L{check} does, now rather than at the next pass.
+    """
+    observe_node(ctx, store, watch, node_id)
+    check(ctx, store, watch, now, out,
+          [sid for sid in ctx.state.node_shards.get(node_id, ()) if sid in watch])
+
+
+def check(ctx: Context, store: SignalStore, watch: MutableMapping[str, Progress], now: float,
+          out: Outcome, shard_ids: Iterable[str] | None = None) -> None:
+    """
+    Wedge every watched replica (of C{shard_ids}, when given) whose stall
+    reached its profile's C{stall_after_s}: a C{replica_wedged} event with
+    the evidence (its reason gives the standstill it was judged on), a failure of
+    class C{hung} (counted towards the crash backoff), and a teardown,
+    which takes it out of routing in this decision; the reconciler places
+    its replacement.
     """
     st = ctx.state
-    for sid in sorted(watch):
+    for sid in sorted(watch if shard_ids is None else shard_ids):
         shard = st.shards.get(sid)
         rep = st.replicas.get(shard.replica_id) if shard is not None else None
         entry = store.get(sid)

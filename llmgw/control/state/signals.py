@@ -38,6 +38,10 @@ class ShardSignals:
 
     signals: EngineSignals | None
     error: str = ""
+    #: Seconds the agent has seen requests running with flat progress
+    #: counters, as of its latest scrape; C{None}: not watched, or an older
+    #: agent.
+    flat_for_s: float | None = None
 
 
 def from_message(msg: pb.ShardSignals, now: float) -> ShardSignals:
@@ -46,8 +50,11 @@ def from_message(msg: pb.ShardSignals, now: float) -> ShardSignals:
     Figures that are not finite or are negative are dropped, not trusted.
     """
     error = msg.error[:ERROR_MAX]
+    flat: float | None = None
+    if msg.HasField("flat_for_s") and math.isfinite(msg.flat_for_s) and msg.flat_for_s >= 0:
+        flat = msg.flat_for_s
     if not msg.HasField("age_s"):
-        return ShardSignals(None, error)
+        return ShardSignals(None, error, flat)
     age = msg.age_s if math.isfinite(msg.age_s) and msg.age_s >= 0 else 0.0
     values: dict[str, float | None] = {}
     for name in SIGNALS:
@@ -55,7 +62,7 @@ def from_message(msg: pb.ShardSignals, now: float) -> ShardSignals:
         if value is not None and not (math.isfinite(value) and value >= 0):
             value = None
         values[name] = value
-    return ShardSignals(EngineSignals(sampled_at=now - min(age, 1e9), **values), error)
+    return ShardSignals(EngineSignals(sampled_at=now - min(age, 1e9), **values), error, flat)
 
 
 class SignalStore:
