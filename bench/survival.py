@@ -17,6 +17,11 @@ fleet and client helpers below):
   it freed). Bars: zero non-2xx answers, zero broken streams, and the p99
   of the gateway's admission-queue wait at most one replica's start time.
 
+* C{wedged}: two replicas of the engine simulator, one hung ("health ok,
+  generation hangs") under an open-loop client at 10 requests a second,
+  C{stall_after_s = 2}. Bars: out of routing within C{stall_after_s} + 1 s,
+  and no error for a request that had not started (L{bench.survival_wedged}).
+
 The fleet is one C{llmgw local} process (control plane, gateway and agents)
 with a shard process per replica, on loopback ports picked free; it and
 every shard are killed at the end of each section.
@@ -299,6 +304,18 @@ def rollout(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         }
     finally:
         fleet.close()
+
+
+@section("wedged")
+def wedged(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """
+    A replica hung (the engine simulator's "health ok, generation hangs")
+    under an open-loop client: out of routing within stall_after_s + 1 s,
+    no error for a request not started (L{bench.survival_wedged}).
+    """
+    from bench.survival_wedged import measure
+
+    return measure(rate=10.0, stall_after_s=2.0)
 
 
 def main() -> None:

@@ -104,6 +104,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=10.0, help="requests a second, open loop")
     p.add_argument("--stall-after-s", type=float, default=2.0)
     args = p.parse_args(argv)
+    print(json.dumps(measure(args.rate, args.stall_after_s), indent=2))
+    return 0
+
+
+def measure(rate: float = 10.0, stall_after_s: float = 2.0) -> dict[str, Any]:
+    """
+    One fleet, one replica hung under an open-loop client of C{rate}
+    requests a second: how soon it left routing, and what the client saw.
+    """
+    args = argparse.Namespace(rate=rate, stall_after_s=stall_after_s)
     work = Path(tempfile.mkdtemp(prefix="llmgw-wedged-"))
     first = 21000 + os.getpid() % 500 * 2
     (work / "catalog.toml").write_text(CATALOG.format(
@@ -153,15 +163,17 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(5)  # the last requests answered
         after = [s for t, s in outcomes if t >= hung_at]
         flat = re.search(r"flat for ([0-9.]+)s", event["reason"])
-        print(json.dumps({
+        out_s = round(event["time"] - hung_at, 3)
+        errors = len(after) - after.count(200)
+        return {
             "stall_after_s": args.stall_after_s,
-            "hang_to_out_s": round(event["time"] - hung_at, 3),
+            "hang_to_out_s": out_s,
             "bar_s": args.stall_after_s + 1,
             "evidence_flat_s": float(flat.group(1)) if flat else None,
-            "after_hang": {"sent": len(after), "ok": after.count(200),
-                           "errors": len(after) - after.count(200)},
-        }, indent=2))
-        return 0
+            "after_hang": {"sent": len(after), "ok": after.count(200), "errors": errors},
+            "bars": {"out_within_stall_plus_1s": out_s <= args.stall_after_s + 1,
+                     "no_errors_for_requests_not_started": errors == 0},
+        }
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
