@@ -56,11 +56,13 @@ def vocabulary(spelled: bool = False) -> tuple[list[str], list[float], list[int]
     return tokens, scores, types
 
 
-def write(path: str | Path, seed: int = 11, spelled: bool = False) -> Path:
+def write(path: str | Path, seed: int = 11, spelled: bool = False, context: int = CONTEXT) -> Path:
     """
     Write the model to C{path}; returns the path. C{spelled}: a vocabulary
     whose text tokenizes back to the same words (L{vocabulary}), for tests
-    that send a reply's text back to the engine.
+    that send a reply's text back to the engine. C{context}: its training
+    context, which caps an engine's context per request (a long reply takes
+    long enough to be cut in the middle).
 
     @raise ImportError: the C{gguf} package (the C{test} extra) is missing.
     """
@@ -75,7 +77,7 @@ def write(path: str | Path, seed: int = 11, spelled: bool = False) -> Path:
 
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name("llmgw-tiny")
-    w.add_context_length(CONTEXT)
+    w.add_context_length(context)
     w.add_embedding_length(EMBEDDING)
     w.add_block_count(LAYERS)
     w.add_feed_forward_length(FEED_FORWARD)
