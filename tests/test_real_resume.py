@@ -149,9 +149,14 @@ class RealResumeTests(SynchronousTestCase):
             ("/v1/completions", {"prompt": "hello"}),
         ]
         resumed = 0
+
+        def two_ready() -> dict[str, Any]:
+            ready = fleet.ready_replicas()
+            return ready if len(ready) == 2 else {}
+
         for path, extra in cases:
             body = {"model": "tiny", **GREEDY, **extra}
-            ready = fleet.wait("two ready replicas", lambda: (lambda r: len(r) == 2 and r)(fleet.ready_replicas()))
+            ready = fleet.wait("two ready replicas", two_ready)
             reference = Stream(fleet.gateway_port, path, body)
             self.addCleanup(reference.close)
             reference.read()
@@ -188,8 +193,7 @@ class RealResumeTests(SynchronousTestCase):
                 self.assertEqual(len(broken.ids()), MAX_TOKENS, where)
             # The kill came mid-answer: the gateway continued it elsewhere.
             fleet.wait("the break logged as resumed",
-                       lambda: fleet.output().count(": resumed") >= resumed, 10)  # noqa: B023
+                       lambda n=resumed: fleet.output().count(": resumed") >= n, 10)
             fleet.wait("the killed replica replaced",
-                       lambda: serving[0] not in fleet.ready_replicas() and len(fleet.ready_replicas()) == 2,
-                       DEADLINE)  # noqa: B023
+                       lambda gone=serving[0]: gone not in two_ready() and two_ready(), DEADLINE)
         fleet.stop()
