@@ -192,12 +192,19 @@ async def run(args: argparse.Namespace, fleet: Fleet) -> dict[str, Any]:
     kills: list[tuple[float, str, int]] = []
     stop_at = time.monotonic() + args.seconds
     counter = iter(range(10**9))
+    # A stream that hangs (held in the queue with no replica left) counts as broken.
+    limit = 3 * args.words / args.tps + 30
 
     async def client() -> None:
         while time.monotonic() < stop_at:
             i = next(counter)
             path, body, ref = request_for(i, args.words)
-            results.append((ref, await stream(fleet.gateway_port, path, body)))
+            try:
+                got = await asyncio.wait_for(stream(fleet.gateway_port, path, body), limit)
+            except asyncio.TimeoutError:
+                got = {"start": 0.0, "end": 0.0, "status": 0, "engine": None, "text": [], "at": [], "dones": 0,
+                       "usage": None, "error": f"no end within {limit:.0f} s"}
+            results.append((ref, got))
 
     async def killer() -> None:
         while True:
@@ -288,6 +295,8 @@ def main() -> None:
     p.add_argument("--out", default=str(HERE / "results" / "survival-kill-2cpu.json"))
     args = p.parse_args()
     raise_nofile()
+    # SIGTERM (a timeout) still stops the fleet, through the finally below.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with tempfile.TemporaryDirectory(prefix="survival-kill-") as tmp:
         fleet = Fleet(args, Path(tmp))
         try:
@@ -310,6 +319,8 @@ def main() -> None:
             result["references_checked"] = checked
             log = (Path(tmp) / "fleet.log").read_text(errors="replace")
             result["gateway_log"] = {o: log.count(f": {o}") for o in OUTCOMES}
+            # The control plane's crash backoff per deployment (each kill is a failure to it).
+            result["gateway_log"]["placement_backoffs"] = log.count("backoff: replica=")
             if args.keep_log:
                 Path(args.keep_log).write_text(log)
         finally:
