@@ -201,7 +201,7 @@ async def run(args: argparse.Namespace, fleet: Fleet) -> dict[str, Any]:
             path, body, ref = request_for(i, args.words)
             try:
                 got = await asyncio.wait_for(stream(fleet.gateway_port, path, body), limit)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 got = {"start": 0.0, "end": 0.0, "status": 0, "engine": None, "text": [], "at": [], "dones": 0,
                        "usage": None, "error": f"no end within {limit:.0f} s"}
             results.append((ref, got))
