@@ -102,8 +102,7 @@ class ResumeFrontTests(SynchronousTestCase):
         another replica, sent the partial answer as a final assistant
         message to continue with C{max_tokens} less the two; the client
         gets one stream: the first answer's id and created throughout, one
-        role chunk, the text once and whole (the continuation's echo of
-        the partial answer left out), the finish reason from the end, one
+        role chunk, the text once and whole, the finish reason from the end, one
         usage (the original prompt's tokens, all completion tokens) and
         one [DONE].
         """
@@ -122,7 +121,6 @@ class ResumeFrontTests(SynchronousTestCase):
         self.assertEqual(sent["messages"][:-1], body["messages"])
         conn2.dataReceived(UPSTREAM_SSE + chunked(
             chat_event("c2", 200, {"role": "assistant", "content": None})
-            + chat_event("c2", 200, {"content": "Hel"}) + chat_event("c2", 200, {"content": "lo wor"})
             + chat_event("c2", 200, {"content": "ld"}) + chat_event("c2", 200, {"content": "!"})
             + chat_event("c2", 200, {}, "stop")
             + b'data: {"id":"c2","created":200,"choices":[],"usage":{"prompt_tokens":9,'
@@ -153,6 +151,58 @@ class ResumeFrontTests(SynchronousTestCase):
             chat_event("c2", 2, {"content": "a"}) + chat_event("c2", 2, {"content": "c"})
             + chat_event("c2", 2, {}, "length") + DONE) + b"0\r\n\r\n")
         self.assertEqual(client_text(parse(client.value())[2])[0], "abac")
+
+    def test_chat_answer_beginning_like_its_part(self) -> None:
+        """
+        A continuation whose new text begins with the whole partial answer
+        (a model repeating itself: " the the" then " the the reply") is
+        passed on whole: the engines run stream only new text, so it is
+        not taken for an echo.
+        """
+        client, (_, conn1) = self.start({"model": "demo", "messages": HI, "stream": True})
+        conn1.dataReceived(UPSTREAM_SSE + chunked(
+            chat_event("c1", 1, {"role": "assistant", "content": None})
+            + chat_event("c1", 1, {"content": " the"}) + chat_event("c1", 1, {"content": " the"})))
+        self.die(conn1)
+        _, conn2 = self.upstream()
+        conn2.dataReceived(UPSTREAM_SSE + chunked(
+            chat_event("c2", 2, {"content": " the"}) + chat_event("c2", 2, {"content": " the"})
+            + chat_event("c2", 2, {"content": " reply"}) + chat_event("c2", 2, {}, "length") + DONE)
+            + b"0\r\n\r\n")
+        self.assertEqual(client_text(parse(client.value())[2])[0], " the the the the reply")
+
+    def test_echo_left_out_for_an_echoing_engine(self) -> None:
+        """
+        For an engine that repeats the partial answer first (C{echoes}),
+        the repeat is left out, however it is split into chunks, and the
+        text after it is passed on.
+        """
+        record = StreamResume(CHAT, json.dumps({"messages": HI, "stream": True}).encode(), echoes=True)
+        record.feed(chat_event("c1", 1, {"role": "assistant", "content": None})
+                    + chat_event("c1", 1, {"content": "Hello"}) + chat_event("c1", 1, {"content": " wor"}))
+        record.begin()
+        out = record.feed(chat_event("c2", 2, {"content": "Hel"}) + chat_event("c2", 2, {"content": "lo wor"})
+                          + chat_event("c2", 2, {"content": "ld"}) + chat_event("c2", 2, {}, "stop") + DONE)
+        self.assertEqual(client_text(out + record.flush())[0], "ld")
+
+    def test_completions_logprob_ids(self) -> None:
+        """
+        A text completion whose chunks carry their tokens' ids in
+        C{logprobs.content} (llama.cpp, when the client asked for
+        logprobs) is continued token-exact: the prompt, then those ids.
+        """
+        body = {"model": "demo", "prompt": "Once", "stream": True, "max_tokens": 5, "logprobs": 1}
+        client, (_, conn1) = self.start(body, path=TEXT)
+
+        def lp(i: int, token: str) -> dict[str, Any]:
+            return {"content": [{"id": i, "token": token, "logprob": -0.1, "top_logprobs": []}]}
+
+        conn1.dataReceived(UPSTREAM_SSE + chunked(
+            text_event("t1", 5, " upon", logprobs=lp(11, " upon")) + text_event("t1", 5, " a", logprobs=lp(12, " a"))))
+        self.die(conn1)
+        up2, conn2 = self.upstream()
+        sent = self.sent(up2)
+        self.assertEqual((sent["prompt"], sent["max_tokens"]), (["Once", 11, 12], 3))
 
     def test_completions_token_ids(self) -> None:
         """

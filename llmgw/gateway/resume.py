@@ -19,7 +19,10 @@ sent. L{StreamResume.continuation} is the request for the next replica:
 
 The continuation's events are rewritten on their way: the first answer's
 C{id} and C{created}, no second role chunk, an echo of the partial answer
-at the start of the continuation (some engines repeat it) left out, and its
+at the start of the continuation left out where the engine is known to
+repeat it (C{echoes}; llama.cpp and vLLM stream only what they generate,
+and an answer may well begin with the words it was cut after, which must
+not be taken for an echo), and its
 C{usage} counted as one answer's (prompt tokens the original's, completion
 tokens those sent before and the continuation's).
 
@@ -112,13 +115,16 @@ class StreamResume:
     __slots__ = (
         "path", "body", "max_migrations", "max_text", "migrations", "held", "text", "text_bytes", "ids",
         "prompt_ids", "tokens", "stream_id", "created", "finished", "done", "resumable", "why", "base",
-        "echo", "probe", "pending", "model", "label", "metrics",
+        "echo", "probe", "pending", "model", "label", "metrics", "echoes",
     )
 
     def __init__(self, path: str, body: bytes, max_migrations: int = DEFAULT_MAX_MIGRATIONS,
                  max_text: int = DEFAULT_MAX_TEXT, model: str = "", label: str = "",
-                 metrics: ResumeMetrics | None = None):
+                 metrics: ResumeMetrics | None = None, echoes: bool = False):
         self.path = path
+        #: Whether the engine repeats a continued chat answer's partial
+        #: text before the new text (then left out of what the client gets).
+        self.echoes = echoes
         #: The request's model, its metrics label, where outcomes are counted.
         self.model = model
         self.label = label
@@ -217,6 +223,8 @@ class StreamResume:
             if self.prompt_ids is None and isinstance(choice.get("prompt_token_ids"), list):
                 self.prompt_ids = choice["prompt_token_ids"]
             ids = choice.get("token_ids", choice.get("tokens", doc.get("tokens")))
+            if ids is None:
+                ids = _logprob_ids(choice.get("logprobs"))
             if isinstance(text, str) and text:
                 self._add_text(text)
                 if self.ids is not None and isinstance(ids, list) and ids:
@@ -474,9 +482,11 @@ class StreamResume:
         self.base = self.tokens
         self.pending = []
         self.probe = ""
-        # Chat engines may repeat the partial answer first; text
-        # completions do not (the prompt is not echoed).
-        self.echo = "".join(self.text) if self.path == "/v1/chat/completions" else ""
+        # An engine that repeats the partial chat answer first: that much
+        # of the continuation is held until it is known to be the echo.
+        # Text completions never repeat it (the prompt is not echoed).
+        chat = self.path == "/v1/chat/completions"
+        self.echo = "".join(self.text) if chat and self.echoes else ""
 
     def ending(self) -> bytes:
         """
@@ -497,6 +507,23 @@ class StreamResume:
             out += b"data: [DONE]\n\n"
             self.done = True
         return out
+
+
+def _logprob_ids(logprobs: Any) -> list[int] | None:
+    """
+    The token ids in a chunk's C{logprobs} (llama.cpp's
+    C{logprobs.content[].id}, there when the client asked for logprobs),
+    or C{None}.
+    """
+    if not isinstance(logprobs, dict):
+        return None
+    content = logprobs.get("content")
+    if not isinstance(content, list) or not content:
+        return None
+    ids = [t.get("id") for t in content if isinstance(t, dict)]
+    if len(ids) != len(content) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        return None
+    return ids  # type: ignore[return-value]
 
 
 def _finish_of(doc: dict[str, Any]) -> Any:
@@ -522,7 +549,9 @@ def record_for(call: ProxyCall) -> StreamResume | None:
     The record of C{call}'s stream, whose first answer's head has come,
     when it may be continued elsewhere: a chat or text completion, a
     deployment that lets streams go on (its route's C{resume}), and a
-    gateway that allows it (C{max_stream_resumes} above 0).
+    gateway that allows it (C{max_stream_resumes} above 0). Its
+    continuations are not searched for an echo of the partial answer: the
+    engines llmgw runs (llama.cpp, vLLM) stream only the new text.
     """
     route, gw = call.route, call.gw
     config = gw.config

@@ -32,24 +32,37 @@ FEED_FORWARD = 128
 CONTEXT = 512
 
 
-def vocabulary() -> tuple[list[str], list[float], list[int]]:
+def vocabulary(spelled: bool = False) -> tuple[list[str], list[float], list[int]]:
     """
     Tokens, scores and token types (SentencePiece kinds: 1 normal, 2
-    unknown, 3 control, 6 byte).
+    unknown, 3 control, 6 byte). C{spelled}: the words' prefixes too
+    (before the words), which SentencePiece's merges need to reach a word
+    from its letters, so that a reply's text tokenizes back to the words
+    it was generated as.
     """
     tokens = ["<unk>", "<s>", "</s>"]
     types = [2, 3, 3]
     tokens += [f"<0x{b:02X}>" for b in range(256)]
     types += [6] * 256
+    scores = [0.0] * 3 + [-1000.0] * 256
+    if spelled:
+        prefixes = sorted({w[:i] for w in _WORDS for i in range(2, len(w))} - set(_WORDS))
+        tokens += prefixes
+        types += [1] * len(prefixes)
+        scores += [-100.0] * len(prefixes)
     tokens += _WORDS
     types += [1] * len(_WORDS)
-    scores = [0.0] * 3 + [-1000.0] * 256 + [-float(i) for i in range(len(_WORDS))]
+    scores += [-float(i) for i in range(len(_WORDS))]
     return tokens, scores, types
 
 
-def write(path: str | Path, seed: int = 11) -> Path:
+def write(path: str | Path, seed: int = 11, spelled: bool = False, context: int = CONTEXT) -> Path:
     """
-    Write the model to C{path}; returns the path.
+    Write the model to C{path}; returns the path. C{spelled}: a vocabulary
+    whose text tokenizes back to the same words (L{vocabulary}), for tests
+    that send a reply's text back to the engine. C{context}: its training
+    context, which caps an engine's context per request (a long reply takes
+    long enough to be cut in the middle).
 
     @raise ImportError: the C{gguf} package (the C{test} extra) is missing.
     """
@@ -58,13 +71,13 @@ def write(path: str | Path, seed: int = 11) -> Path:
 
     path = Path(path)
     rng = np.random.default_rng(seed)
-    tokens, scores, types = vocabulary()
+    tokens, scores, types = vocabulary(spelled)
     vocab = len(tokens)
     head_dim = EMBEDDING // HEADS
 
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name("llmgw-tiny")
-    w.add_context_length(CONTEXT)
+    w.add_context_length(context)
     w.add_embedding_length(EMBEDDING)
     w.add_block_count(LAYERS)
     w.add_feed_forward_length(FEED_FORWARD)
