@@ -472,6 +472,34 @@ class FailureTests(SynchronousTestCase):
         self.assertEqual(f.rec.deps["demo"].backoff.failures, 0)
         self.assertIn("backoff_reset", [e["kind"] for e in f.rec.events()])
 
+    def test_served_failures_replaced_at_once(self) -> None:
+        """
+        A replica that was ready for 10 s or more and then failed (a kill,
+        a node's engine gone) is replaced at once, however many went before
+        it: it is no crash loop, and its deployment's backoff does not grow;
+        one that fails sooner after becoming ready still backs off.
+        """
+        f = Fleet({"demo": ("one", 1)}, nodes=2, grace=0)
+        f.step()
+        for _ in range(4):
+            [cmd] = f.dispatcher.starts
+            f.dispatcher.clear()
+            f.report(cmd, "ready")
+            f.step(1.0, 10)
+            f.report(cmd, "stopping")
+            f.report(cmd, "failed", signal=9)
+            f.step()
+            self.assertEqual(len(f.dispatcher.starts), 1)
+        self.assertEqual(f.rec.deps["demo"].backoff.failures, 0)
+        [cmd] = f.dispatcher.starts
+        f.dispatcher.clear()
+        f.report(cmd, "ready")
+        f.step(1.0, 3)
+        f.report(cmd, "failed", exit_code=1)
+        f.step()
+        self.assertEqual(f.dispatcher.starts, [])
+        self.assertEqual(f.rec.deps["demo"].backoff.failures, 1)
+
     def test_startup_timeout(self) -> None:
         """
         A shard starting for longer than its profile's startup timeout

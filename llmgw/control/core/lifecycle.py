@@ -195,6 +195,12 @@ def record_failure(
                   reason=verdict.hold.reason)
     if not verdict.backoff:
         return
+    rep = ctx.state.replicas.get(replica_id)
+    if rep is not None and served(rep, now):
+        # It started and served: the deployment can run, and what ended it
+        # (a node gone, a kill, an engine wedged) is no crash loop, so its
+        # replacement is placed at once however many replicas went before.
+        return
     delay = state.backoff.failed(now)
     out.event(
         "backoff",
@@ -202,6 +208,20 @@ def record_failure(
         replica=replica_id,
         reason=f"deployment {model}: failure {state.backoff.failures}, next placement in {delay:g}s",
     )
+
+
+#: A replica ready this long before it failed had started and served: its
+#: failure is not counted towards its deployment's crash backoff.
+SERVED_S = 10.0
+
+
+def served(rep: ReplicaRec, now: float) -> bool:
+    """
+    Whether C{rep} was ready for L{SERVED_S} or more, now or before it last
+    stopped being ready.
+    """
+    span = now - rep.ready_since if rep.ready_since is not None else rep.was_ready_for
+    return span >= SERVED_S
 
 
 def release(ctx: Context, model: str, why: str, out: Outcome) -> None:

@@ -102,6 +102,8 @@ class ReplicaRec:
     #: changed"), or "" when it is not.
     evacuating: str = ""
     ready_since: float | None = None
+    #: How long it was ready before it last stopped being ready (0: never).
+    was_ready_for: float = 0.0
     drain_started: float = 0.0
     adopted: bool = False
     #: Its route as last projected; cleared whenever what is routed of it
@@ -442,6 +444,8 @@ class FleetState:
             return rep.phase == Phase.ACTIVE
         if not serving and rep.id in ready:
             ready.discard(rep.id)
+            if rep.ready_since is not None:
+                rep.was_ready_for = now - rep.ready_since
             rep.ready_since = None
             self.routes_dirty.add(rep.model)
         return False
