@@ -12,8 +12,6 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from cryptography import x509
-from cryptography.hazmat.primitives.asymmetric import ec
 from twisted.internet.task import Clock
 from twisted.logger import formatEvent, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
