@@ -15,12 +15,13 @@ from __future__ import annotations
 import os
 
 from cryptography import x509
-from twisted.internet import defer
+from twisted.internet import defer, reactor
+from twisted.internet.task import deferLater
 
 from llmgw.agent.renewal import FRACTION_ENV
 from llmgw.agent.state import StateDir
 from llmgw.testing.procs import free_port
-from tests.test_join_processes import STEP, JoinProcessCase
+from tests.test_join_processes import STEP, JoinProcessCase, ctl
 
 CATALOG = """
 [ports]
@@ -103,3 +104,34 @@ class RenewalProcessTests(JoinProcessCase):
         registration) and the shard keeps its pid.
         """
         return defer.Deferred.fromCoroutine(self._renew())
+
+    async def _revoked(self) -> None:
+        agent = self.agent("node-v", self.token())
+        cert_path = self.dir / "state-node-v" / "certs" / "agent-node-v.pem"
+        await self.wait_for("node-v registered", self._connected_node_v)
+        before = cert_path.read_bytes()
+        ctl("cert", "revoke", "node-v", "--certs", str(self.certs))
+        self.control.proc.signalProcess("HUP")
+
+        async def closed() -> bool:
+            return "node-v" not in await self.connected()
+
+        await self.wait_for("the revoked node's stream closed", closed)
+        # Past the time its renewal was due (18 s after it joined) and more.
+        await deferLater(reactor, 25, lambda: None)
+        self.assertTrue(agent.alive)
+        self.assertEqual(cert_path.read_bytes(), before)
+        self.assertNotIn("node-v", await self.connected())
+        self.assertNotIn("renewed the certificate of node node-v", self.control.out.text())
+        self.assertNotIn("renewed its certificate", agent.out.text())
+
+    async def _connected_node_v(self) -> bool:
+        return "node-v" in await self.connected()
+
+    def test_revoked_node_cannot_renew(self) -> defer.Deferred[None]:
+        """
+        A node revoked (`ctl cert revoke`, SIGHUP) loses its stream, cannot
+        register again, and gets no new certificate when its renewal comes
+        due: its files stay as they were.
+        """
+        return defer.Deferred.fromCoroutine(self._revoked())
