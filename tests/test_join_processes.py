@@ -56,10 +56,10 @@ def ctl(*argv: str) -> str:
 class Proc:
     """One child process and its output."""
 
-    def __init__(self, name: str, args: list[str]):
+    def __init__(self, name: str, args: list[str], extra_env: dict[str, str] | None = None):
         self.name = name
         self.out = ProcessOutput()
-        env = dict(os.environ, PYTHONPATH=ROOT)
+        env = dict(os.environ, PYTHONPATH=ROOT, **(extra_env or {}))
         self.proc: Any = reactor.spawnProcess(self.out, sys.executable, args, env=env, path=ROOT)
 
     @property
@@ -93,6 +93,12 @@ class JoinProcessCase(TestCase):
     timeout = 240
     #: Whether the control plane signs requests itself.
     signer = True
+    #: More environment for the agents.
+    agent_env: dict[str, str] = {}
+
+    def control_args(self) -> tuple[str, ...]:
+        """More arguments for the control plane (made in setUp, once the directory exists)."""
+        return ()
 
     def setUp(self) -> defer.Deferred[None]:
         self.dir = Path(self.mktemp()).resolve()
@@ -107,7 +113,7 @@ class JoinProcessCase(TestCase):
                                   "--join-listen", f"127.0.0.1:{self.join_port}",
                                   *(["--signer"] if self.signer else []),
                                   "--admin", f"127.0.0.1:{self.admin_port}", "--gateway", "off",
-                                  "--adoption-grace", "0")
+                                  "--adoption-grace", "0", *self.control_args())
         return defer.Deferred.fromCoroutine(self.wait_for("the admin API", self.admin_up))
 
     async def _cleanup(self) -> None:
@@ -118,7 +124,7 @@ class JoinProcessCase(TestCase):
         return defer.Deferred.fromCoroutine(self._cleanup())
 
     def spawn(self, name: str, *args: str) -> Proc:
-        p = Proc(name, twistd(*args))
+        p = Proc(name, twistd(*args), self.agent_env if name != "control" else None)
         self.procs.append(p)
         return p
 

@@ -263,8 +263,15 @@ class AgentStreamClient(MessageStream[pb.ControlMessage]):
         elif kind == "drop":
             if self.core.accept_epoch("DropModel", msg.drop.pin, msg.drop.epoch):
                 self.core.prefetcher.drop(msg.drop)
+        elif kind == "certificate_issued" and self.core.renewal is not None:
+            self.core.renewal.issued(msg.certificate_issued)
 
     def _ack(self, ack: pb.Ack) -> None:
+        if ack.message_id == "certificate":
+            # About a renewal only: never a reason to leave the stream.
+            if self.core.renewal is not None:
+                self.core.renewal.answered(ack)
+            return
         if ack.ok:
             if ack.message_id == "register" and not self.is_registered:
                 self._registered()
@@ -403,6 +410,9 @@ class AgentCore(Factory):
         self.heartbeat_acks = False
         #: Registrations that were acknowledged, for tests and metrics.
         self.registrations = 0
+        #: Renews the node's certificate over the stream
+        #: (L{llmgw.agent.renewal.CertificateRenewal}), or None.
+        self.renewal: Any = None
         #: Engine signals for heartbeats (L{llmgw.agent.scrape.Scraper}), or None.
         self.scraper = scraper
         if scraper is not None:
@@ -633,6 +643,8 @@ class AgentCore(Factory):
         )
         while self._queued and self.proto is proto:
             proto.send_status(self._queued.popleft())
+        if self.renewal is not None:
+            self.renewal.registered()
 
     def shard_changed(self, shard: Shard) -> None:
         """

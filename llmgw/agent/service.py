@@ -198,6 +198,7 @@ class NodeAgent(MultiService):
         model_cache: Path | None = None,
         model_cache_size: int | None = None,
         peer_listen: tuple[str, int] | None = None,
+        renew_fraction: float | None = None,
     ):
         super().__init__()
         self.reactor = reactor
@@ -263,6 +264,15 @@ class NodeAgent(MultiService):
             on_target=self._dialling,
         )
         self.core.targets = self.targets
+        # Renewal over the stream: a control plane that issues none says so
+        # in an Ack, which only the log sees.
+        from llmgw.agent.renewal import CertificateRenewal, fraction_from_env, stream_sender
+
+        self.renewal = CertificateRenewal(
+            reactor, node_id, lambda: self.tls, stream_sender(self.core), self.reload_certificate,
+            fraction=renew_fraction if renew_fraction is not None else fraction_from_env())
+        self.renewal.setServiceParent(self)
+        self.core.renewal = self.renewal
         # Before the client: the listener's port is known when Register is sent.
         self.peers.setServiceParent(self)
         self.core.peer_address = self.peers.reported

@@ -223,10 +223,25 @@ def render_nodes(nodes: list[dict[str, Any]], now: float) -> str:
         rows.append([
             n["id"], n.get("state"), bool(n.get("connected")), sched, len(gpus),
             f"{(total - used) / 1024:.0f}/{total / 1024:.0f} GiB", len(n.get("shards") or []),
-            ago(n.get("last_seen"), now), _strays_text(n.get("stray_processes")), "; ".join(problems) or "-",
+            ago(n.get("last_seen"), now), cert_left(n.get("certificate_not_after"), now),
+            _strays_text(n.get("stray_processes")), "; ".join(problems) or "-",
         ])
     return table(["NODE", "STATE", "CONNECTED", "SCHEDULING", "GPUS", "MEM FREE", "SHARDS", "LAST SEEN",
-                  "STRAYS", "PROBLEMS"], rows)
+                  "CERT ENDS", "STRAYS", "PROBLEMS"], rows)
+
+
+def cert_left(not_after: Any, now: float) -> str:
+    """
+    How long a node's certificate has left: C{12d}, C{5h}, with C{ (soon)}
+    within 7 days, C{ended} past its end, C{-} when unknown.
+    """
+    if not isinstance(not_after, (int, float)) or not_after <= 0:
+        return "-"
+    left = not_after - now
+    if left <= 0:
+        return "ended"
+    text = f"{left / 86400:.0f}d" if left >= 2 * 86400 else f"{left / 3600:.0f}h" if left >= 3600 else f"{left:.0f}s"
+    return text + (" (soon)" if left < 7 * 86400 else "")
 
 
 def _strays_text(strays: Any) -> str:

@@ -106,6 +106,7 @@ class JoinAuthority:
         revoked: Callable[[], frozenset[int]] = frozenset,
         deliver: Callable[[str, pb.CertificateIssued], None] | None = None,
         agent_port: int = 0, max_pending: int = MAX_PENDING,
+        on_renewed: Callable[[str, x509.Certificate], None] | None = None,
     ):
         self.clock = clock
         self.tokens = tokens
@@ -117,6 +118,8 @@ class JoinAuthority:
         self.deliver = deliver
         self.agent_port = agent_port
         self.max_pending = max_pending
+        #: Told of each renewal issued or approved (the node's new expiry).
+        self.on_renewed = on_renewed
         self.pending: dict[str, Pending] = {}
 
     # -- tokens -------------------------------------------------------------
@@ -135,6 +138,13 @@ class JoinAuthority:
         # Read at each request: a CA rollover (`ctl cert rotate-ca`) makes the
         # new root the one that signs from the next request on.
         ca = CertificateAuthority.load(self.signer_dir)
+        trusted = {spki_hash(r) for r in self.roots()}
+        if spki_hash(ca.certificate) not in trusted:
+            # A node with a certificate of it could not connect again.
+            raise CAError(
+                f"the CA in {self.signer_dir} signs with a root this control plane does not trust yet "
+                "(a rollover begun after it loaded its CA bundle): reload it (SIGHUP, or `llmgw ctl reload "
+                "--tls`) before nodes can join or renew")
         now = datetime.datetime.fromtimestamp(self.clock.seconds(), datetime.UTC)
         cert = sign_request(csr, node_id, ca.key, ca.certificate, self.lifetime, now)
         try:
@@ -236,6 +246,7 @@ class JoinAuthority:
         if self.signer_dir is not None:
             issued = self._sign(csr, node_id, "renewed")
             self.log.info("renewed the certificate of node {node} ({address})", node=node_id, address=address)
+            self._renewed(node_id, issued)
             return issued
         self._keep(Pending(node_id, csr, public_key_hash(csr), address, self.clock.seconds(), "renewal"))
         return None
@@ -265,8 +276,13 @@ class JoinAuthority:
             p.issued = issued
             return
         del self.pending[node_id]
+        self._renewed(node_id, issued)
         if self.deliver is not None:
             self.deliver(node_id, issued)
+
+    def _renewed(self, node_id: str, issued: pb.CertificateIssued) -> None:
+        if self.on_renewed is not None:
+            self.on_renewed(node_id, x509.load_pem_x509_certificate(issued.certificate_pem))
 
     def deny(self, node_id: str, who: str, reason: str = "") -> None:
         """

@@ -24,6 +24,7 @@ from llmgw.addresses import AddressError, ListenerService, parse_address, server
 from llmgw.api.v1 import agent_pb2 as pb
 from llmgw.control.core.jointokens import TokenFile
 from llmgw.control.shell.joining import JoinAuthority, JoinFactory
+from llmgw.control.state.events import log_event
 from llmgw.control.state.interfaces import NotConnected, NotKeepingUp
 from llmgw.tlsconf.ca import CertificateAuthority
 from llmgw.tlsconf.options import ServerTLS, TLSFiles
@@ -133,6 +134,17 @@ def _deliver(agents: Any) -> Any:
     return deliver
 
 
+def note_expiry(inventory: Any, node_id: str, cert: Any) -> None:
+    """
+    A node was issued C{cert}: its expiry (metrics, C{ctl nodes}) is the new
+    one from now, before the node's next Register reports it.
+    """
+    node = inventory.get(node_id)
+    if node is not None:
+        node.certificate_not_after = cert.not_valid_after_utc.timestamp()
+        inventory.upsert(node)
+
+
 def attach_joining(cp: Any, options: Any, reactor: Any) -> JoinAuthority | None:
     """
     Give control plane C{cp} its join authority (C{cp.joining}; renewals
@@ -149,9 +161,17 @@ def attach_joining(cp: Any, options: Any, reactor: Any) -> JoinAuthority | None:
         reactor, tokens, lambda: list(tls.files.roots or (tls.files.ca,)), cp.agents.is_connected,
         signer_dir=options.get("signer_dir"), lifetime=options.get("cert_lifetime", datetime.timedelta(days=30)),
         revoked=lambda: revoked_serials(tls.files), deliver=_deliver(cp.agents), agent_port=cp.agents_address[1],
+        on_renewed=lambda node_id, cert: note_expiry(cp.inventory, node_id, cert),
     )
     cp.joining = authority
     cp.agents.joining = authority
+    rec = getattr(cp, "reconciler", None)
+    if cp.trust is not None and rec is not None:
+        # Nodes close to their certificate's end appear in the fleet's events.
+        def notify(kind: str, level: str = "info", **fields: Any) -> None:
+            log_event(rec.log, level, rec.event_log.add(reactor.seconds(), kind, **fields))
+
+        cp.trust.notify = notify
     if address is not None:
         factory = TLSMemoryBIOFactory(JoinServerTLS(tls), False, JoinFactory(authority, reactor), clock=reactor)
         listener = ListenerService(server_endpoint(reactor, *address), factory, "the join listener",

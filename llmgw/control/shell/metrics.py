@@ -301,7 +301,16 @@ class ControlCollector(Collector):
                 expiry.add_metric([label], value)
         yield expiry
         agents = snap.get("agents_not_after") or {}
-        soon = self.clock() + 30 * 86400
+        now = self.clock()
+        left = GaugeMetricFamily(
+            "llmgw_certificate_expiry_seconds",
+            "Seconds until each node's certificate ends (negative: ended), as it reported it or as renewed.",
+            labels=["node"],
+        )
+        for node_id, t in sorted(agents.items()):
+            left.add_metric([node_id], float(t) - now)
+        yield left
+        soon = now + 30 * 86400
         yield GaugeMetricFamily(
             "llmgw_agent_certificates_expiring_soon",
             "Connected agents whose certificate expires within 30 days.",

@@ -9,7 +9,7 @@ metrics).
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from cryptography import x509
@@ -19,6 +19,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
+from llmgw.control.core.certexpiry import ExpiryNotices
 from llmgw.control.shell.agentsvc import AgentService
 from llmgw.control.state.inventory import Inventory
 from llmgw.signals import SighupHandler, owns_signals
@@ -179,6 +180,9 @@ class TrustService(Service):
             "the TLS certificate, key, CA bundle and CRL of the agent port and admin API"
         )
         self._loop: LoopingCall | None = None
+        #: Records an event (kind, level, fields); set where the fleet's event log is.
+        self.notify: Callable[..., None] | None = None
+        self.notices = ExpiryNotices()
 
     # -- lifetime -----------------------------------------------------------
 
@@ -281,8 +285,27 @@ class TrustService(Service):
         # An exception would stop the LoopingCall for good.
         try:
             self.check_expiry()
+            self.notice_expiring()
         except Exception:
             self.log.failure("checking TLS expiry failed")
+
+    def notice_expiring(self) -> list[tuple[str, float]]:
+        """
+        An event (C{certificate_expiring}) for each connected node whose
+        certificate ends within 7 days, once a day per node
+        (L{ExpiryNotices}); returns those told of.
+        """
+        now = self.reactor.seconds()
+        connected = set(self.agents.connected_nodes())
+        due = self.notices.due(((n, t) for n, t in self._agent_expiries() if n in connected), now)
+        for node_id, not_after in due:
+            if self.notify is not None:
+                left = max(0.0, not_after - now)
+                self.notify("certificate_expiring", level="warn", node=node_id,
+                            reason=f"its certificate ends in {left / 86400:.1f} days "
+                            f"({datetime.datetime.fromtimestamp(not_after, datetime.UTC).isoformat()}); "
+                            "it renews itself over its stream, or `llmgw ctl csr approve` it")
+        return due
 
     def check_expiry(self) -> list[tuple[str, str]]:
         """

@@ -102,6 +102,7 @@ def nodes(rec: Reconciler) -> list[dict[str, Any]]:
                 "last_seen": node.last_seen,
                 "address": node.address,
                 "agent_version": node.agent_version,
+                "certificate_not_after": node.certificate_not_after or None,
                 "gpus": [
                     {
                         "index": g.index,

@@ -162,7 +162,7 @@ function nodeHtml(n) {
       shards.map((s) => '<br><span class="sh">' + esc(s.label) + "</span>").join("") + "</span>";
   }).join("");
   const flags = (n.cordoned ? '<span class="flag">cordoned</span>' : "") + (n.draining ? '<span class="flag">draining</span>' : "") +
-    (n.connected === false ? '<span class="flag">disconnected</span>' : "");
+    (n.connected === false ? '<span class="flag">disconnected</span>' : "") + certFlag(n.certificate_not_after);
   const actions = isOperator()
     ? (n.cordoned
       ? '<button data-act="uncordon" data-node="' + esc(n.id) + '">uncordon</button>'
@@ -171,6 +171,16 @@ function nodeHtml(n) {
     : "";
   return '<span class="nid">' + esc(n.id) + '</span><span class="nstate">' + esc(n.state) + "</span><span>" + flags +
     '</span><span class="gpus">' + gpus + '</span><span class="actions">' + actions + "</span>";
+}
+
+// A node whose certificate ends within 7 days is flagged with the time left.
+function certFlag(notAfter) {
+  if (!notAfter) return "";
+  const left = notAfter - Date.now() / 1000;
+  if (left >= 7 * 86400) return "";
+  const text = left <= 0 ? "certificate ended" : "certificate ends in " +
+    (left >= 86400 ? (left / 86400).toFixed(1) + "d" : left >= 3600 ? Math.round(left / 3600) + "h" : Math.round(left) + "s");
+  return '<span class="flag" title="it renews itself over its stream; without --signer: llmgw ctl csr approve">' + esc(text) + "</span>";
 }
 
 function nodeRow(n) {
