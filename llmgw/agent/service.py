@@ -295,8 +295,9 @@ class NodeAgent(MultiService):
         not_after = self.tls.cert.not_valid_after_utc
         left = not_after - datetime.datetime.now(datetime.UTC)
         if left < datetime.timedelta(days=CERT_WARN_DAYS):
-            self.log.warn("this node's certificate {path} expires on {when}: renew it with "
-                          "`llmgw ctl cert agent {node}`", path=str(self.tls.cert_path),
+            self.log.warn("this node's certificate {path} expires on {when}: it renews over its "
+                          "stream once the control plane signs it (or an operator approves it with "
+                          "`llmgw ctl csr approve {node}`)", path=str(self.tls.cert_path),
                           when=not_after.isoformat(), node=self.node_id)
         self.log.info(
             "agent {node} starting: control plane {control}, {gpus}, state in {state}",

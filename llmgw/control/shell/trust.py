@@ -138,8 +138,9 @@ def expiry_problems(
         more = f" and {len(group) - MAX_NODES_NAMED} more" if len(group) > MAX_NODES_NAMED else ""
         out.append((
             level,
-            f"the certificates of {len(group)} agents {verb}: {named}{more}; renew them with "
-            "`llmgw ctl cert agent NODE_ID` and send the agents SIGHUP",
+            f"the certificates of {len(group)} agents {verb}: {named}{more}; agents renew over their "
+            "stream when the control plane signs (--signer) or an operator approves (`llmgw ctl csr "
+            "approve NODE_ID`); else renew with `llmgw ctl cert agent NODE_ID` and SIGHUP the agent",
         ))
     return out
 
