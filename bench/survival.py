@@ -22,6 +22,8 @@ fleet and client helpers below):
   C{stall_after_s = 2}. Bars: out of routing within C{stall_after_s} + 1 s,
   and no error for a request that had not started (L{bench.survival_wedged}).
 
+Streams broken by kills have their own script, L{bench.survival_kill}.
+
 The fleet is one C{llmgw local} process (control plane, gateway and agents)
 with a shard process per replica, on loopback ports picked free; it and
 every shard are killed at the end of each section.
