@@ -504,7 +504,8 @@ class FleetState:
             if not g.problems and g.index not in given
         ]
         return NodeCapacity(
-            id=node_id, host=node.address or "127.0.0.1", fabrics=dict(node.fabrics), free=free
+            id=node_id, host=node.address or "127.0.0.1", fabrics=dict(node.fabrics), free=free,
+            names={g.index: g.name for g in node.gpus},
         )
 
     def eligible(self, node_id: str, connected: AbstractSet[str]) -> bool:
