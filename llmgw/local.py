@@ -165,7 +165,7 @@ class Options(BaseOptions):
     aliases = {"agent-port": "agent-listen"}
     optParameters = [
         ["agents", "n", 2, "how many agents (simulated GPU nodes)", _agent_count],
-        ["gpus", None, "sim:2x24GiB", "each agent's GPUs (sim:COUNTxSIZE)"],
+        ["gpus", None, "sim:2x24GiB", "each agent's GPUs (sim:COUNTxSIZE[:NAME],...)"],
         ["catalog", None, None, "catalog TOML (default: the demo catalog on the fake model server)"],
         certs_row("certs", "where the dev CA and certificates are made and kept"),
         ["state-dir", None, "local-state", "where each agent keeps its state"],

@@ -10,7 +10,9 @@ Three sources, tried in this order for C{--gpus auto}:
   - nothing, with a log line saying so.
 
 C{--gpus sim:COUNTxSIZE} (C{sim:2x80GiB}) gives simulated GPUs on machines
-without any. A L{GPUMonitor} polls the source, keeps memory used per GPU
+without any; groups of them may have a model name and differ
+(C{sim:2x24GiB:L4,1x80GiB:H100}), which placement matches against
+profiles' GPU types (L{llmgw.gputypes}). A L{GPUMonitor} polls the source, keeps memory used per GPU
 for every heartbeat and hands out each problem once, as new, for the next
 heartbeat.
 """
@@ -40,7 +42,10 @@ SMI_QUERY = "index,uuid,name,memory.total,memory.used,ecc.errors.uncorrected.vol
 SMI_ARGS = [f"--query-gpu={SMI_QUERY}", "--format=csv,noheader,nounits"]
 SMI_TIMEOUT = 10.0
 
-_SIM = re.compile(r"^sim:(\d+)x(\d+)(GiB|MiB|TiB|G|M|T)$", re.IGNORECASE)
+_SIM_GROUP = re.compile(r"^(\d+)x(\d+)(GiB|MiB|TiB|G|M|T)(?::([A-Za-z0-9][A-Za-z0-9 ._/\-]{0,63}))?$",
+                        re.IGNORECASE)
+#: Most simulated GPUs one node may have, all groups together.
+MAX_SIM_GPUS = 64
 _UNIT_MB = {"m": 1, "mib": 1, "g": 1024, "gib": 1024, "t": 1024 * 1024, "tib": 1024 * 1024}
 
 
@@ -92,39 +97,70 @@ class Sample:
 
 
 @dataclass(frozen=True)
+class SimGroup:
+    """
+    C{count} simulated GPUs of C{size_mb} each, called C{name} ("": the
+    default name).
+    """
+
+    count: int
+    size_mb: int
+    name: str = ""
+
+
+@dataclass(frozen=True)
 class GPUSpec:
     """
     A parsed C{--gpus}: C{kind} is C{auto}, C{nvml}, C{nvidia-smi}, C{none} or
-    C{sim}; C{count} and C{size_mb} are for C{sim}.
+    C{sim}; C{count} and C{size_mb} are for C{sim} (the first group's size),
+    and C{groups} too where there is more than one group or a name.
     """
 
     kind: str
     count: int = 0
     size_mb: int = 0
+    groups: tuple[SimGroup, ...] = ()
+
+    def sim_groups(self) -> tuple[SimGroup, ...]:
+        """
+        The simulated GPUs' groups, in index order.
+        """
+        return self.groups or (SimGroup(self.count, self.size_mb),)
 
 
 def parse_gpu_spec(spec: str) -> GPUSpec:
     """
     Parse C{--gpus}: C{auto}, C{nvml}, C{nvidia-smi}, C{none}, or
-    C{sim:COUNTxSIZE} with SIZE like C{80GiB}, C{24GiB}, C{512MiB}.
+    C{sim:} and comma-separated groups C{COUNTxSIZE[:NAME]}, SIZE like
+    C{80GiB}, C{24GiB}, C{512MiB} and NAME a GPU model name such as C{H100}
+    (C{sim:2x80GiB}, C{sim:2x24GiB:L4,1x80GiB:H100}).
 
     @raise GPUSpecError: saying what is accepted.
     """
     text = spec.strip()
     if text.lower() in ("auto", "nvml", "nvidia-smi", "none"):
         return GPUSpec(text.lower())
-    m = _SIM.fullmatch(text)
-    if not m:
-        raise GPUSpecError(
-            f"--gpus {spec!r} is not understood: use auto, nvml, nvidia-smi, none, or "
-            "sim:COUNTxSIZE such as sim:2x80GiB or sim:4x512MiB"
-        )
-    count, size = int(m.group(1)), int(m.group(2)) * _UNIT_MB[m.group(3).lower()]
-    if not 1 <= count <= 64:
-        raise GPUSpecError(f"--gpus {spec!r}: the count must be 1..64")
-    if size <= 0:
-        raise GPUSpecError(f"--gpus {spec!r}: the size must be positive")
-    return GPUSpec("sim", count, size)
+    usage = ("use auto, nvml, nvidia-smi, none, or sim:COUNTxSIZE[:NAME],... such as "
+             "sim:2x80GiB or sim:2x24GiB:L4,1x80GiB:H100")
+    if not text.lower().startswith("sim:"):
+        raise GPUSpecError(f"--gpus {spec!r} is not understood: {usage}")
+    groups: list[SimGroup] = []
+    for part in text[4:].split(","):
+        m = _SIM_GROUP.fullmatch(part.strip())
+        if not m:
+            raise GPUSpecError(f"--gpus {spec!r}: {part.strip()!r} is not COUNTxSIZE[:NAME]; {usage}")
+        count, size = int(m.group(1)), int(m.group(2)) * _UNIT_MB[m.group(3).lower()]
+        if count < 1:
+            raise GPUSpecError(f"--gpus {spec!r}: the count must be 1..{MAX_SIM_GPUS}")
+        if size <= 0:
+            raise GPUSpecError(f"--gpus {spec!r}: the size must be positive")
+        groups.append(SimGroup(count, size, (m.group(4) or "").strip()))
+    total = sum(g.count for g in groups)
+    if total > MAX_SIM_GPUS:
+        raise GPUSpecError(f"--gpus {spec!r}: the count must be 1..{MAX_SIM_GPUS} (all groups together)")
+    if len(groups) == 1 and not groups[0].name:
+        return GPUSpec("sim", total, groups[0].size_mb)
+    return GPUSpec("sim", total, groups[0].size_mb, tuple(groups))
 
 
 class GPUSource:
@@ -155,23 +191,26 @@ class NoGPUs(GPUSource):
 
 class SimulatedGPUs(GPUSource):
     """
-    C{count} GPUs of C{size_mb} each that exist only in reports. Their uuids
-    are stable for a given C{salt} (the node id).
+    C{count} GPUs of C{size_mb} each that exist only in reports, or the
+    C{groups} given (in index order; a group's name is its GPUs' model
+    name). Their uuids are stable for a given C{salt} (the node id).
     """
 
     kind = "sim"
     simulated = True
 
-    def __init__(self, count: int, size_mb: int, salt: str = ""):
-        self._gpus = [
-            GPU(
-                index=i,
-                uuid="GPU-" + str(uuidlib.uuid5(uuidlib.NAMESPACE_URL, f"llmgw-sim/{salt}/{i}")),
-                name=f"Simulated GPU ({size_mb} MiB)",
-                memory_total_mb=size_mb,
-            )
-            for i in range(count)
-        ]
+    def __init__(self, count: int, size_mb: int, salt: str = "",
+                 groups: Sequence[SimGroup] = ()):
+        self._gpus: list[GPU] = []
+        for group in groups or (SimGroup(count, size_mb),):
+            for _ in range(group.count):
+                i = len(self._gpus)
+                self._gpus.append(GPU(
+                    index=i,
+                    uuid="GPU-" + str(uuidlib.uuid5(uuidlib.NAMESPACE_URL, f"llmgw-sim/{salt}/{i}")),
+                    name=group.name or f"Simulated GPU ({group.size_mb} MiB)",
+                    memory_total_mb=group.size_mb,
+                ))
 
     def gpus(self) -> list[GPU]:
         return [GPU(g.index, g.uuid, g.name, g.memory_total_mb) for g in self._gpus]
@@ -180,7 +219,12 @@ class SimulatedGPUs(GPUSource):
         return defer.succeed(Sample({g.index: 0 for g in self._gpus}, []))
 
     def describe(self) -> str:
-        return f"{len(self._gpus)} simulated GPUs of {self._gpus[0].memory_total_mb} MiB"
+        kinds = sorted({(g.memory_total_mb, g.name) for g in self._gpus})
+        if len(kinds) == 1:
+            return f"{len(self._gpus)} simulated GPUs of {self._gpus[0].memory_total_mb} MiB"
+        return f"{len(self._gpus)} simulated GPUs: " + ", ".join(
+            f"{sum(1 for g in self._gpus if (g.memory_total_mb, g.name) == k)} x {k[1]} ({k[0]} MiB)"
+            for k in kinds)
 
 
 def _text(value: Any) -> str:
@@ -413,7 +457,7 @@ def discover(
         C{nvidia-smi}) is not available.
     """
     if spec.kind == "sim":
-        return SimulatedGPUs(spec.count, spec.size_mb, salt)
+        return SimulatedGPUs(spec.count, spec.size_mb, salt, spec.groups)
     if spec.kind == "none":
         return NoGPUs()
     why: list[str] = []

@@ -55,7 +55,7 @@ class Options(BaseOptions):
         ["ca", None, None, "the CA certificate (PEM)"],
         ["cert", None, None, "this node's certificate (PEM); its common name is the node id"],
         ["key", None, None, "this node's private key (PEM)"],
-        ["gpus", None, "auto", "auto, nvml, nvidia-smi, none, or sim:COUNTxSIZE (e.g. sim:2x80GiB)"],
+        ["gpus", None, "auto", "auto, nvml, nvidia-smi, none, or sim:COUNTxSIZE[:NAME],... (e.g. sim:2x80GiB, sim:2x24GiB:L4,1x80GiB:H100)"],
         ["state-dir", None, "agent-state", "where shard records and logs are kept"],
         heartbeat_row(5.0, "seconds between heartbeats, at most 3600"),
         ["advertise-address", None, "", "the address the gateway and probes reach this node's "

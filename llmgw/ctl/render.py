@@ -205,7 +205,13 @@ def render_deployments(deployments: list[dict[str, Any]], now: float) -> str:
         auto = d.get("autoscale")
         if isinstance(auto, dict):
             desired = f"{desired} (auto {auto.get('min_replicas')}-{auto.get('max_replicas')})"
-        rows.append([d["model"], d.get("profile"), desired, d.get("ready"), backoff_text,
+        variants = d.get("variants")
+        profile = d.get("profile")
+        if isinstance(variants, list) and variants:
+            # Cheapest first, each with its cost and the replicas on it.
+            profile = " ".join(f"{v.get('profile')}(${_number(v.get('cost'))}):{v.get('replicas')}"
+                               for v in variants if isinstance(v, dict))
+        rows.append([d["model"], profile, desired, d.get("ready"), backoff_text,
                      _held_text(d.get("held"), now), _failure_text(d.get("last_failure"), now)])
     return table(["MODEL", "PROFILE", "DESIRED", "READY", "BACKOFF", "HELD", "LAST FAILURE"], rows)
 
@@ -221,7 +227,7 @@ def render_nodes(nodes: list[dict[str, Any]], now: float) -> str:
         problems = [f"gpu{g.get('index')}: {', '.join(map(str, g['problems']))}" for g in gpus if g.get("problems")]
         sched = "draining" if n.get("draining") else "cordoned" if n.get("cordoned") else "ok"
         rows.append([
-            n["id"], n.get("state"), bool(n.get("connected")), sched, len(gpus),
+            n["id"], n.get("state"), bool(n.get("connected")), sched, gpu_names_text(gpus),
             f"{(total - used) / 1024:.0f}/{total / 1024:.0f} GiB", len(n.get("shards") or []),
             ago(n.get("last_seen"), now), cert_left(n.get("certificate_not_after"), now),
             _strays_text(n.get("stray_processes")), "; ".join(problems) or "-",
@@ -242,6 +248,22 @@ def cert_left(not_after: Any, now: float) -> str:
         return "ended"
     text = f"{left / 86400:.0f}d" if left >= 2 * 86400 else f"{left / 3600:.0f}h" if left >= 3600 else f"{left:.0f}s"
     return text + (" (soon)" if left < 7 * 86400 else "")
+
+
+def _number(n: Any) -> str:
+    return f"{n:g}" if isinstance(n, int | float) and not isinstance(n, bool) else "?"
+
+
+def gpu_names_text(gpus: list[Any]) -> str:
+    """
+    A node's GPUs as counts of each model name, in index order of first
+    appearance: C{2x L4, 1x H100}; C{0} for none.
+    """
+    counts: dict[str, int] = {}
+    for g in gpus:
+        name = str(g.get("name") or "?") if isinstance(g, dict) else "?"
+        counts[name] = counts.get(name, 0) + 1
+    return ", ".join(f"{n}x {name}" for name, n in counts.items()) or "0"
 
 
 def _strays_text(strays: Any) -> str:

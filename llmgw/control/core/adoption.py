@@ -48,8 +48,8 @@ def verdict(s: ReportedShard, node_id: str, catalog: Catalog, state: FleetState)
     dep = catalog.deployments.get(s.model)
     if dep is None:
         return Refuse(f"model {s.model!r} is not in the catalog")
-    if dep.profile != s.profile:
-        return Refuse(f"profile {s.profile!r} is not the deployment's ({dep.profile!r})")
+    if s.profile not in dep.profile_names:
+        return Refuse(f"profile {s.profile!r} is not the deployment's ({', '.join(repr(p) for p in dep.profile_names)})")
     if s.state not in UNDER_WAY:
         return Refuse(f"reported {s.state}")
     if s.replica_id in state.retired:
@@ -69,7 +69,7 @@ def verdict(s: ReportedShard, node_id: str, catalog: Catalog, state: FleetState)
     rep = state.replicas.get(s.replica_id)
     if rep is None:
         # An agent that does not know the world size reports 1.
-        world_size = s.world_size if s.world_size > 1 else catalog.profiles[dep.profile].shards
+        world_size = s.world_size if s.world_size > 1 else catalog.profiles[s.profile].shards
         if s.rank >= world_size:
             return Refuse(f"rank {s.rank} is outside a world of {world_size}")
         return NewReplica(world_size)

@@ -22,13 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llmgw import engineargv, engines
-from llmgw.control.core.autoscale import (
-    DEFAULT_SCALE_TO_ZERO_AFTER_S,
-    DEFAULT_STABILIZATION_S,
-    DEFAULT_TARGET_IN_FLIGHT,
-    AutoscalePolicy,
-)
+from llmgw import engineargv, engines, gputypes
+from llmgw.control.core.autoscale import AutoscalePolicy
+from llmgw.control.core.catalogfields import AUTOSCALE_FIELDS as AUTOSCALE_FIELDS
+from llmgw.control.core.catalogfields import CatalogError as CatalogError
+from llmgw.control.core.catalogfields import parse_autoscale, parse_variant_fields
+from llmgw.control.core.catalogfields import positive as _positive
 from llmgw.routing import POLICIES, QueueLimits
 from llmgw.shards import (
     DEFAULT_DRAIN_TIMEOUT_S,
@@ -61,12 +60,6 @@ _ARGS_PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 ARGS_PLACEHOLDERS = PLACEHOLDERS | {"weights"}
 
 DEFAULT_PORT_RANGE = (20000, 29999)
-
-
-class CatalogError(ValueError):
-    """
-    A catalog was refused. The message names the entry and the field.
-    """
 
 
 @dataclass(frozen=True)
@@ -107,6 +100,10 @@ class Profile:
     #: The engine's executable when llmgw writes the command; "": the
     #: engine's usual one (L{engineargv.DEFAULT_PROGRAMS}) on the agent's PATH.
     program: str = ""
+    #: GPU types its GPUs must be of (any, when empty) and those it
+    #: prefers, most preferred first (L{llmgw.gputypes}).
+    gpu_types: tuple[str, ...] = ()
+    prefer_gpu_types: tuple[str, ...] = ()
 
     def launch(self, rank: int, deployment: Deployment | None = None) -> ShardSpec:
         """
@@ -183,6 +180,16 @@ class Deployment:
     #: C{None}: the defaults (1 and 1).
     max_surge: int | None = None
     max_unavailable: int | None = None
+    #: The profiles it may run on with their costs, cheapest first (then
+    #: C{profile} is the cheapest's); empty: C{profile} alone.
+    variants: tuple[gputypes.Variant, ...] = ()
+
+    @property
+    def profile_names(self) -> tuple[str, ...]:
+        """
+        Every profile its replicas may run on, cheapest first.
+        """
+        return tuple(v.profile for v in self.variants) or (self.profile,)
 
 
 @dataclass(frozen=True)
@@ -248,6 +255,8 @@ _PROFILE_FIELDS: dict[str, type | tuple[type, ...]] = {
     "metric_names": dict,
     "stop_signal": str,
     "program": str,
+    "gpu_types": list,
+    "prefer_gpu_types": list,
 }
 _DEPLOYMENT_FIELDS: dict[str, type | tuple[type, ...]] = {
     "model": str,
@@ -270,10 +279,8 @@ _DEPLOYMENT_FIELDS: dict[str, type | tuple[type, ...]] = {
     "max_surge": int,
     "max_unavailable": int,
     "resume_streams": bool,
+    "variants": list,
 }
-#: The fields that make a deployment autoscaled.
-AUTOSCALE_FIELDS = ("min_replicas", "max_replicas", "target_in_flight", "target_waiting",
-                    "scale_to_zero_after_s", "stabilization_s")
 _TYPE_NAMES: dict[Any, str] = {int: "an integer", str: "a string", list: "a list", dict: "a table",
                                (int, float): "a number", bool: "true or false"}
 
@@ -306,11 +313,6 @@ def fill(text: str, values: Mapping[str, str]) -> str:
     (C{{python}}, for the agent) stay as written.
     """
     return _PLACEHOLDER.sub(lambda m: values.get(m.group(1), m.group(0)), text)
-
-
-def _positive(where: str, name: str, value: int, minimum: int = 1) -> None:
-    if value < minimum:
-        raise CatalogError(f"{where}: field {name!r} must be at least {minimum}, not {value}")
 
 
 def parse_profile(name: str, raw: Any) -> Profile:
@@ -371,6 +373,11 @@ def parse_profile(name: str, raw: Any) -> Profile:
         if not isinstance(v, str):
             raise CatalogError(f"{where}: field 'env' value of {k!r} must be a string, not {v!r}")
         check_placeholders(where, f"env.{k}", v)
+    try:
+        types = {k: gputypes.check_types(where, k, raw[k]) for k in ("gpu_types", "prefer_gpu_types") if k in raw}
+    except ValueError as e:
+        raise CatalogError(str(e)) from None
+    raw = {**raw, **types}
     profile = Profile(
         name=name, command=tuple(command), env=dict(env), worker_command=tuple(worker_command),
         metric_names=engines.metric_names_for(engine_name, metric_names) if metrics_path else {},
@@ -500,15 +507,13 @@ def parse_deployment(index: int, raw: Any, profiles: Mapping[str, Profile]) -> D
                 f"{where}: unknown field {key!r} (known: {', '.join(sorted(_DEPLOYMENT_FIELDS))})"
             )
         _check_type(where, key, value, _DEPLOYMENT_FIELDS[key])
-    for key in ("model", "profile"):
-        if not raw.get(key):
-            raise CatalogError(f"{where}: field {key!r} is required")
-    if raw["profile"] not in profiles:
-        raise CatalogError(
-            f"{where}: field 'profile' names {raw['profile']!r}, which is not a profile "
-            f"(profiles: {', '.join(sorted(profiles)) or 'none'})"
-        )
-    source = parse_source_fields(where, raw, profiles[raw["profile"]])
+    if not raw.get("model"):
+        raise CatalogError(f"{where}: field 'model' is required")
+    variants = parse_variant_fields(where, raw, profiles)
+    profile = variants[0].profile if variants else raw["profile"]
+    source = parse_source_fields(where, raw, profiles[profile])
+    for v in variants[1:]:
+        parse_source_fields(f"{where}: variant {v.profile!r}", raw, profiles[v.profile])
     replicas = raw.get("replicas", 1)
     _positive(where, "replicas", replicas, 0)
     routing = raw.get("routing")
@@ -540,61 +545,11 @@ def parse_deployment(index: int, raw: Any, profiles: Mapping[str, Profile]) -> D
     if raw.get("max_surge", 1) == 0 and raw.get("max_unavailable", 1) == 0:
         raise CatalogError(f"{where}: fields 'max_surge' and 'max_unavailable' cannot both be 0 "
                            "(a rollout could never replace a replica)")
-    return Deployment(model=raw["model"], profile=raw["profile"], replicas=replicas, routing=routing,
+    return Deployment(model=raw["model"], profile=profile, replicas=replicas, routing=routing, variants=variants,
                       autoscale=autoscale, queue_depth=queue_depth, queue_timeout_s=queue_timeout,
                       source=source, args=tuple(raw.get("args", ())), prefetch=prefetch,
                       max_surge=raw.get("max_surge"), max_unavailable=raw.get("max_unavailable"),
                       resume_streams=raw.get("resume_streams", True))
-
-
-def parse_autoscale(where: str, raw: Mapping[str, Any]) -> AutoscalePolicy | None:
-    """
-    The autoscaling policy of a deployment entry whose fields were
-    type-checked, or C{None} when it names none of L{AUTOSCALE_FIELDS}.
-    An entry that names no target gets C{target_in_flight =}
-    L{DEFAULT_TARGET_IN_FLIGHT}.
-
-    @raise CatalogError: the fields contradict each other or are out of
-        range; the message names the field.
-    """
-    given = [k for k in AUTOSCALE_FIELDS if k in raw]
-    if not given:
-        return None
-    if "replicas" in raw:
-        raise CatalogError(
-            f"{where}: field 'replicas' fixes the replica count, but {', '.join(map(repr, given))} "
-            f"make the deployment autoscaled; give 'min_replicas' and 'max_replicas' instead of 'replicas'"
-        )
-    if "max_replicas" not in raw:
-        raise CatalogError(f"{where}: field 'max_replicas' is required when the deployment autoscales")
-    low, high = raw.get("min_replicas", 1), raw["max_replicas"]
-    _positive(where, "min_replicas", low, 0)
-    _positive(where, "max_replicas", high, 1)
-    if high < low:
-        raise CatalogError(f"{where}: field 'max_replicas' ({high}) is below 'min_replicas' ({low})")
-    for key in ("target_in_flight", "target_waiting"):
-        value = raw.get(key)
-        if value is not None and not (math.isfinite(value) and value > 0):
-            raise CatalogError(f"{where}: field {key!r} must be a number above 0, not {value!r}")
-    if "scale_to_zero_after_s" in raw and low != 0:
-        raise CatalogError(
-            f"{where}: field 'scale_to_zero_after_s' applies only with min_replicas = 0 "
-            f"(min_replicas is {low})"
-        )
-    idle = raw.get("scale_to_zero_after_s", DEFAULT_SCALE_TO_ZERO_AFTER_S)
-    window = raw.get("stabilization_s", DEFAULT_STABILIZATION_S)
-    for key, value, least in (("scale_to_zero_after_s", idle, 1), ("stabilization_s", window, 0)):
-        if not (math.isfinite(value) and value >= least):
-            raise CatalogError(f"{where}: field {key!r} must be a number of seconds of at least {least}, "
-                               f"not {value!r}")
-    # Without a target, DEFAULT_TARGET_IN_FLIGHT requests in flight per replica.
-    in_flight = raw.get("target_in_flight", None if "target_waiting" in raw else DEFAULT_TARGET_IN_FLIGHT)
-    return AutoscalePolicy(
-        min_replicas=low, max_replicas=high,
-        target_in_flight=float(in_flight) if in_flight is not None else None,
-        target_waiting=float(raw["target_waiting"]) if "target_waiting" in raw else None,
-        scale_to_zero_after_s=float(idle), stabilization_s=float(window),
-    )
 
 
 def parse_catalog(data: Mapping[str, Any], path: str | None = None) -> Catalog:
@@ -670,7 +625,7 @@ def diff(old: Catalog, new: Catalog) -> dict[str, list[str]]:
             m
             for m in set(old.deployments) & set(new.deployments)
             if old.deployments[m] != new.deployments[m]
-            or new.deployments[m].profile in changed_profiles
+            or any(p in changed_profiles for p in new.deployments[m].profile_names)
         ),
         "profiles_added": sorted(set(new.profiles) - set(old.profiles)),
         "profiles_removed": sorted(set(old.profiles) - set(new.profiles)),

@@ -52,7 +52,8 @@ def send_start(ctx: Context, rep: ReplicaRec, shard: ShardRec, now: float, first
     # A replica runs the spec it was placed from (a rollout's old one
     # after a failure or an undo), not necessarily the catalog's.
     spec = ctx.rollouts.spec_for(rep.id)
-    profile = spec.profile if spec is not None else ctx.profile(rep.profile)
+    profile = spec.profile_named(rep.profile) if spec is not None else None
+    profile = profile or ctx.profile(rep.profile)
     shard.sends += 1
     shard.sent_at = now
     ctx.state.check_at(shard.id, now + ctx.rules.pending_timeout)
@@ -62,7 +63,7 @@ def send_start(ctx: Context, rep: ReplicaRec, shard: ShardRec, now: float, first
         fabrics = node.fabrics if node is not None else {}
         deployment = ctx.catalog.deployments.get(rep.model)
         if spec is not None and deployment is not None:
-            deployment = replace(deployment, profile=spec.profile.name, source=spec.source, args=spec.args)
+            deployment = replace(deployment, profile=rep.profile, source=spec.source, args=spec.args)
         command = start_command(rep, shard, profile, fabrics, deployment)
         if deployment is not None and deployment.source is not None:
             peers = ctx.inventory.models.peers(weights_key(deployment.source), exclude=shard.node_id)

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from llmgw.control.core import lifecycle, rolling
-from llmgw.control.core.catalog import Deployment
+from llmgw.control.core.catalog import Deployment, Profile
 from llmgw.control.core.commands import weights_key
 from llmgw.control.core.context import Context
 from llmgw.control.core.outcome import Outcome
@@ -118,7 +118,6 @@ def reconcile(ctx: Context, now: float, placer: Placer, sync: Callable[[], bool]
         missing = step.place
         spec = ctx.rollouts.effective(ctx.catalog, model)
         assert spec is not None
-        profile = spec.profile
         placed = 0
         for _ in range(missing):
             if placed_this_pass and over_budget():
@@ -136,7 +135,7 @@ def reconcile(ctx: Context, now: float, placer: Placer, sync: Callable[[], bool]
         if unfinished:
             continue
         if placed < missing:
-            why = f"no room for {missing - placed} replica(s) of profile {profile.name}"
+            why = f"no room for {missing - placed} replica(s) of " + " or ".join(map(describe, spec.choices()))
             if state.unplaceable != why:
                 state.unplaceable = why
                 out.event("unplaceable", level="warn", reason=f"deployment {model}: {why}")
@@ -169,33 +168,47 @@ def check_scale(ctx: Context, model: str, replicas: object) -> Deployment:
 
 def candidates(ctx: Context, model: str, active: set[str]) -> list[Candidate]:
     """
-    What a scale down of C{model} chooses from (DESIGN §6.6).
+    What a scale down of C{model} chooses from (DESIGN §6.6), each with
+    the cost of its variant (0 without variants).
     """
     st = ctx.state
     ready = st.ready[model]
+    dep = ctx.catalog.deployments.get(model)
+    costs = {v.profile: v.cost for v in dep.variants} if dep is not None else {}
     result = []
     for rid in active:
         rep = st.replicas[rid]
         load = max((len(st.node_shards.get(s.node_id, ())) for s in rep.shards.values()), default=0)
-        result.append(Candidate(rid, rid in ready, load, rep.created_at))
+        result.append(Candidate(rid, rid in ready, load, rep.created_at, costs.get(rep.profile, 0.0)))
     return result
+
+
+def describe(profile: Profile) -> str:
+    """
+    A profile as an unplaceable event names it, with the GPU types it needs.
+    """
+    types = f" (GPU types {', '.join(profile.gpu_types)})" if profile.gpu_types else ""
+    return f"profile {profile.name}{types}"
 
 
 def place(ctx: Context, dep: Deployment, spec: LaunchSpec, placer: Placer,
           over_budget: Callable[[], bool], now: float, out: Outcome) -> str | bool | None:
     """
-    Place one replica of C{dep} from C{spec}: its id, False when there is
-    no room, or C{None} when the pass's time ran out first.
+    Place one replica of C{dep} from C{spec}, on the first of its
+    profiles (the cheapest variant first) that has room: its id, False
+    when none has, or C{None} when the pass's time ran out first.
     """
-    profile = spec.profile
-    slots = placer.place(
-        Request(group=dep.model, shards=profile.shards, gpus_per_shard=profile.gpus_per_shard,
-                gpu_memory_mb=profile.gpu_memory_mb, fabric=profile.fabric,
-                weights=weights_key(dep.source)),
-        over_budget,
-    )
-    if slots is BUSY:
-        return None
-    if slots is None:
-        return False
-    return lifecycle.create_replica(ctx, dep.model, profile.name, profile.shards, slots, now, out, spec).id
+    for profile in spec.choices():
+        slots = placer.place(
+            Request(group=dep.model, shards=profile.shards, gpus_per_shard=profile.gpus_per_shard,
+                    gpu_memory_mb=profile.gpu_memory_mb, fabric=profile.fabric,
+                    weights=weights_key(dep.source), gpu_types=profile.gpu_types,
+                    prefer_gpu_types=profile.prefer_gpu_types),
+            over_budget,
+        )
+        if slots is BUSY:
+            return None
+        if slots is not None:
+            return lifecycle.create_replica(ctx, dep.model, profile.name, profile.shards, slots, now,
+                                            out, spec).id
+    return False

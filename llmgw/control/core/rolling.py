@@ -65,7 +65,8 @@ def start(ctx: Context, model: str, old: LaunchSpec, new: LaunchSpec, now: float
     live = sorted(r for r in st.by_model.get(model, ()) if st.replicas[r].phase == Phase.ACTIVE)
     for rid in live:
         book.replica_specs.setdefault(rid, old)
-    stale = {r for r in live if book.replica_specs[r] != new}
+    # A replica is judged by its own variant's profile.
+    stale = {r for r in live if not book.replica_specs[r].runs_as(new, st.replicas[r].profile)}
     if not stale:
         book.rollouts.pop(model, None)
         return None

@@ -39,11 +39,40 @@ class LaunchSpec:
     What a replica is launched from: its profile, and its deployment's
     source and engine arguments. Two replicas with equal specs run the
     same version.
+
+    A deployment with variants gives one spec for all of them: C{profile}
+    is the cheapest's, C{variants} the others' in order of cost, and each
+    replica runs the one it was placed on (L{profile_named}).
     """
 
     profile: Profile
     source: ModelSource | None = None
     args: tuple[str, ...] = ()
+    variants: tuple[Profile, ...] = ()
+
+    def choices(self) -> tuple[Profile, ...]:
+        """
+        The profiles a replica may be placed on, the one to try first first.
+        """
+        return (self.profile, *self.variants)
+
+    def profile_named(self, name: str) -> Profile | None:
+        for p in self.choices():
+            if p.name == name:
+                return p
+        return None
+
+    def runs_as(self, other: LaunchSpec, profile: str) -> bool:
+        """
+        Whether a replica on profile C{profile} placed from this spec runs
+        what one placed on it from C{other} would: changes to the other
+        variants or their costs leave it be.
+        """
+        if self == other:
+            return True
+        mine = self.profile_named(profile)
+        return (mine is not None and mine == other.profile_named(profile)
+                and self.source == other.source and self.args == other.args)
 
     @property
     def version(self) -> str:
@@ -63,20 +92,46 @@ def spec_of(catalog: Catalog, model: str) -> LaunchSpec | None:
     dep = catalog.deployments.get(model)
     if dep is None:
         return None
-    return LaunchSpec(catalog.profiles[dep.profile], dep.source, dep.args)
+    return LaunchSpec(catalog.profiles[dep.profile], dep.source, dep.args,
+                      tuple(catalog.profiles[p] for p in dep.profile_names[1:]))
 
 
 def spec_data(spec: LaunchSpec) -> dict[str, Any]:
     """
     C{spec} as a JSON document (L{spec_from_data} reads it back).
     """
-    profile = {k: (list(v) if isinstance(v, tuple) else dict(v) if isinstance(v, Mapping) else v)
-               for k, v in ((f.name, getattr(spec.profile, f.name)) for f in dataclasses.fields(Profile))}
-    return {
-        "profile": dict(sorted(profile.items())),
+    data: dict[str, Any] = {
+        "profile": _profile_data(spec.profile),
         "source": dataclasses.asdict(spec.source) if spec.source is not None else None,
         "args": list(spec.args),
     }
+    if spec.variants:
+        data["variants"] = [_profile_data(p) for p in spec.variants]
+    return data
+
+
+#: Profile fields left out of a spec's document at their defaults, so that
+#: versions written before they existed stay the same.
+_LATER_FIELDS = ("gpu_types", "prefer_gpu_types")
+
+
+def _profile_data(profile: Profile) -> dict[str, Any]:
+    out = {k: (list(v) if isinstance(v, tuple) else dict(v) if isinstance(v, Mapping) else v)
+           for k, v in ((f.name, getattr(profile, f.name)) for f in dataclasses.fields(Profile))}
+    for key in _LATER_FIELDS:
+        if not out[key]:
+            del out[key]
+    return dict(sorted(out.items()))
+
+
+def _profile_from(data: Mapping[str, Any]) -> Profile:
+    raw = dict(data)
+    known = {f.name for f in dataclasses.fields(Profile)}
+    if set(raw) - known or "name" not in raw:
+        raise ValueError(f"a kept profile has unknown fields {sorted(set(raw) - known)}")
+    for key in ("command", "worker_command", *_LATER_FIELDS):
+        raw[key] = tuple(str(a) for a in raw.get(key, ()))
+    return Profile(**raw)
 
 
 def spec_from_data(data: Mapping[str, Any]) -> LaunchSpec:
@@ -86,15 +141,10 @@ def spec_from_data(data: Mapping[str, Any]) -> LaunchSpec:
     @raise ValueError: C{data} is not such a document (also L{KeyError},
         L{TypeError}).
     """
-    raw = dict(data["profile"])
-    known = {f.name for f in dataclasses.fields(Profile)}
-    if set(raw) - known or "name" not in raw:
-        raise ValueError(f"a kept profile has unknown fields {sorted(set(raw) - known)}")
-    for key in ("command", "worker_command"):
-        raw[key] = tuple(str(a) for a in raw.get(key, ()))
     source = data.get("source")
-    return LaunchSpec(Profile(**raw), ModelSource(**source) if source is not None else None,
-                      tuple(str(a) for a in data.get("args", ())))
+    return LaunchSpec(_profile_from(data["profile"]), ModelSource(**source) if source is not None else None,
+                      tuple(str(a) for a in data.get("args", ())),
+                      tuple(_profile_from(p) for p in data.get("variants", ())))
 
 
 @dataclass

@@ -16,13 +16,15 @@ from dataclasses import dataclass
 class Candidate:
     """
     A replica a scale down might take: whether it is ready, the most
-    shards on any of its nodes, and when it was made.
+    shards on any of its nodes, when it was made, and what its variant
+    costs.
     """
 
     id: str
     ready: bool
     load: int
     created_at: float
+    cost: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,11 +78,12 @@ def scale_step(
 
 def victims(candidates: Iterable[Candidate], count: int) -> list[str]:
     """
-    The C{count} replicas a scale down takes: not ready first, then those
-    on the most loaded nodes, then the newest; ties by id, so the same
-    candidates in any order give the same answer.
+    The C{count} replicas a scale down takes: not ready first, then the
+    dearest variant's, then those on the most loaded nodes, then the
+    newest; ties by id, so the same candidates in any order give the same
+    answer.
     """
     if count <= 0:
         return []
-    ordered = sorted(candidates, key=lambda c: (c.ready, -c.load, -c.created_at, c.id))
+    ordered = sorted(candidates, key=lambda c: (c.ready, -c.cost, -c.load, -c.created_at, c.id))
     return [c.id for c in ordered[:count]]

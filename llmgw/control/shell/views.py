@@ -132,6 +132,13 @@ def deployments(rec: Reconciler) -> list[dict[str, Any]]:
             {
                 "model": model,
                 "profile": dep.profile,
+                # Its variants, cheapest first, with the replicas on each;
+                # None: the one profile.
+                "variants": [
+                    {"profile": v.profile, "cost": v.cost,
+                     "replicas": sum(1 for r in st.by_model.get(model, ()) if st.replicas[r].profile == v.profile)}
+                    for v in dep.variants
+                ] or None,
                 "desired": rec.desired.get(model, dep.replicas),
                 "ready": len(st.ready.get(model, ())),
                 "replicas": len(st.by_model.get(model, ())),

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from llmgw.control.state.fetches import FetchProgress
-from llmgw.control.state.inventory import Inventory
+from llmgw.control.state.inventory import GPUInfo, Inventory
 from llmgw.control.state.placement import NodeCapacity, Placer, PortBook
 from llmgw.routing import EngineSignals, Route
 from llmgw.states import SERVING, SEVERITY, ReplicaState, ShardState
@@ -176,6 +176,8 @@ class FleetState:
         #: Shards each registering node listed and that were claimed.
         self.reported: dict[str, set[str]] = {}
         self.capacity: dict[str, NodeCapacity] = {}
+        #: Each node's GPU names by index, with the GPU list they came from.
+        self._gpu_names: dict[str, tuple[list[GPUInfo], dict[int, str]]] = {}
         #: Nodes whose capacity or eligibility may have changed since
         #: placement last saw them (L{sync_placer}).
         self.cap_dirty: set[str] = set()
@@ -226,6 +228,7 @@ class FleetState:
         self.lost_clock.pop(node_id, None)
         self.known_since.pop(node_id, None)
         self.capacity.pop(node_id, None)
+        self._gpu_names.pop(node_id, None)
         self.reported.pop(node_id, None)
         for sid in list(self.reserved_by_node.get(node_id, ())):
             self.release_reserved(sid)
@@ -507,8 +510,14 @@ class FleetState:
             for g in node.gpus
             if not g.problems and g.index not in given
         ]
+        # GPU names change only with a new Register (a new list of GPUs):
+        # the map is made once per Register, not per change of memory used.
+        kept = self._gpu_names.get(node_id)
+        if kept is None or kept[0] is not node.gpus:
+            kept = self._gpu_names[node_id] = (node.gpus, {g.index: g.name for g in node.gpus})
         return NodeCapacity(
-            id=node_id, host=node.address or "127.0.0.1", fabrics=dict(node.fabrics), free=free
+            id=node_id, host=node.address or "127.0.0.1", fabrics=dict(node.fabrics), free=free,
+            names=kept[1],
         )
 
     def eligible(self, node_id: str, connected: AbstractSet[str]) -> bool:

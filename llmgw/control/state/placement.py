@@ -9,8 +9,12 @@ then answers one replica at a time:
 
   - all shards of a replica or none;
   - a multi-shard replica on distinct nodes that share the profile's fabric;
+  - only GPUs of the profile's C{gpu_types} where it names some
+    (L{llmgw.gputypes});
   - replicas of one deployment spread across nodes (fewest of its shards
     first);
+  - then the profile's C{prefer_gpu_types}: a node whose fitting GPUs
+    are of an earlier preferred type first, and on it those GPUs;
   - then the weights: a node whose cache holds the deployment's model
     complete, then one fetching it, then the others; never a node whose
     cache is too small for a model of known size (L{ModelIndex});
@@ -21,7 +25,7 @@ then answers one replica at a time:
   - ports from a per-host range (L{PortBook}), never one in use there.
 
 A deployment's candidates are heaps by how many of its shards a node holds,
-each ordered by (weights, free GPUs, free memory, id), built once and kept; placing R
+each ordered by (preferred type, weights, free GPUs, free memory, id), built once and kept; placing R
 replicas of D deployments over N nodes costs about D times N plus R log N,
 not R times N.
 """
@@ -34,6 +38,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from llmgw.control.state.modelindex import ModelIndex
+from llmgw.gputypes import matches, preference
 
 
 class NoPortFree(Exception):
@@ -47,13 +52,15 @@ class NodeCapacity:
     """
     A node that may take work, and what it can give.
 
-    C{free} lists C{(free_mb, gpu_index)} for each eligible GPU.
+    C{free} lists C{(free_mb, gpu_index)} for each eligible GPU;
+    C{names} the model name of each GPU by index, for GPU types.
     """
 
     id: str
     host: str = "127.0.0.1"
     fabrics: Mapping[str, str] = field(default_factory=dict)
     free: list[tuple[int, int]] = field(default_factory=list)
+    names: Mapping[int, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.free = sorted(self.free)
@@ -75,6 +82,10 @@ class Request:
     #: The cache key of the deployment's weights ("" for none): nodes that
     #: hold them are preferred.
     weights: str = ""
+    #: GPU types the GPUs must be of (any, when empty), and those preferred
+    #: among the GPUs that fit, most preferred first.
+    gpu_types: tuple[str, ...] = ()
+    prefer_gpu_types: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -166,10 +177,12 @@ def _key(node: NodeCapacity) -> tuple[int, int, str]:
 
 
 #: A group's key: the group, the fabric (multi-shard only), GPUs per shard,
-#: memory per GPU, the weights' cache key.
-GroupKey = tuple[str, str, int, int, str]
-#: A heap entry: the node's weights rank, then its best-fit key.
-Entry = tuple[int, int, int, str]
+#: memory per GPU, the weights' cache key, the GPU types required and
+#: those preferred.
+GroupKey = tuple[str, str, int, int, str, tuple[str, ...], tuple[str, ...]]
+#: A heap entry: the node's preferred-type rank, its weights rank, then
+#: its best-fit key.
+Entry = tuple[int, int, int, int, str]
 
 
 #: What L{Placer.place} answers while a group's candidates are still being
@@ -263,26 +276,36 @@ class Placer:
         if node is None:
             return
         for gkey, members in self._members.items():
-            group, fabric, gpus, mem, weights = gkey
+            group, fabric, gpus, mem, weights, types, prefer = gkey
             live = members.get(node_id)
-            if live is not None and not weights:
+            if live is not None and not weights and not prefer:
                 continue
             if fabric and fabric not in node.fabrics:
                 continue
-            if self._fit(node, Request(group, 1, gpus, mem)) is None or self._refused(gkey, node_id):
+            if (self._fit(node, Request(group, 1, gpus, mem, gpu_types=types, prefer_gpu_types=prefer))
+                    is None or self._refused(gkey, node_id)):
                 continue
             entry = self._entry(gkey, node_id)
-            if live is not None and entry[0] >= live[1][0]:
-                # No better placed for the weights: put right lazily when it comes up.
+            if live is not None and entry[:2] >= live[1][:2]:
+                # No better placed for the weights or the preferred types:
+                # put right lazily when it comes up.
                 continue
             tier = self._count(group, node_id)
             members[node_id] = (tier, entry)
             heapq.heappush(self._groups[gkey].setdefault(tier, []), entry)
 
     def _entry(self, gkey: GroupKey, node_id: str) -> Entry:
-        weights = gkey[4]
+        weights, prefer = gkey[4], gkey[6]
         rank = self._weights.rank(weights, node_id) if weights and self._weights is not None else 0
-        return (rank, *self._keys[node_id])
+        liked = 0
+        if prefer:
+            # The least preferred GPU a placement here would take.
+            node = self._nodes[node_id]
+            fit = self._fit(node, Request(gkey[0], 1, gkey[2], gkey[3], gpu_types=gkey[5],
+                                          prefer_gpu_types=prefer))
+            liked = max((preference(node.names.get(i, ""), prefer) for _, i in fit or ()),
+                        default=len(prefer))
+        return (liked, rank, *self._keys[node_id])
 
     def _refused(self, gkey: GroupKey, node_id: str) -> bool:
         weights = gkey[4]
@@ -299,12 +322,23 @@ class Placer:
         i = bisect.bisect_left(node.free, (req.gpu_memory_mb, -1))
         if len(node.free) - i < req.gpus_per_shard:
             return None
-        return node.free[i : i + req.gpus_per_shard]
+        if not req.gpu_types and not req.prefer_gpu_types:
+            return node.free[i : i + req.gpus_per_shard]
+        names = node.names
+        fits = node.free[i:]
+        if req.gpu_types:
+            fits = [f for f in fits if matches(names.get(f[1], ""), req.gpu_types)]
+            if len(fits) < req.gpus_per_shard:
+                return None
+        if req.prefer_gpu_types:
+            # Preferred types first; best fit (least free) within each.
+            fits = sorted(fits, key=lambda f: preference(names.get(f[1], ""), req.prefer_gpu_types))
+        return fits[: req.gpus_per_shard]
 
     @staticmethod
     def _gkey(req: Request) -> GroupKey:
         return (req.group, req.fabric if req.shards > 1 else "", req.gpus_per_shard, req.gpu_memory_mb,
-                req.weights)
+                req.weights, req.gpu_types, req.prefer_gpu_types)
 
     def _tiers(self, req: Request, over: Callable[[], bool] | None) -> dict[int, list[Entry]] | None:
         gkey = self._gkey(req)
@@ -364,7 +398,7 @@ class Placer:
             heap = tiers[tier]
             key = heapq.heappop(heap)
             self.scanned += 1
-            node_id = key[3]
+            node_id = key[-1]
             if members.get(node_id) != (tier, key):
                 # A stale duplicate: the node's live entry is another.
                 continue
@@ -416,7 +450,7 @@ class Placer:
         node = self._nodes[node_id]
         if node_id not in self._owned:
             # Copy on first write: callers may keep their capacities cached.
-            node = NodeCapacity(node.id, node.host, node.fabrics, list(node.free))
+            node = NodeCapacity(node.id, node.host, node.fabrics, list(node.free), node.names)
             self._nodes[node_id] = node
             self._owned.add(node_id)
         for g in gpus:
