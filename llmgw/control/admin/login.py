@@ -213,7 +213,7 @@ class Logins:
         self.by_user.succeeded(user.name)
         session = self.sessions.open(user.name, user.role, user.hash)
         request.addCookie(COOKIE, session.id.encode("ascii"), path=b"/", secure=True, httpOnly=True,
-                          sameSite=b"strict", max_age=int(self.sessions.lifetime))
+                          sameSite=b"strict", max_age=str(int(self.sessions.lifetime)).encode("ascii"))
         log.info("admin API: {who} logged in (role {role})", who=who, role=user.role)
         return {"user": user.name, "role": user.role, "csrf": session.csrf}
 
@@ -222,7 +222,7 @@ class Logins:
         if session is None:
             raise Refused(400, "there is no session to log out of (this client has a certificate)")
         self.sessions.close(session.id)
-        request.addCookie(COOKIE, b"", path=b"/", secure=True, httpOnly=True, sameSite=b"strict", max_age=0)
+        request.addCookie(COOKIE, b"", path=b"/", secure=True, httpOnly=True, sameSite=b"strict", max_age=b"0")
         log.info("admin API: user {user!r} at {client} logged out", user=session.user,
                  client=client_address(request))
         return {"logged_out": session.user}
