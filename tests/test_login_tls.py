@@ -135,3 +135,16 @@ class LoginOverTLSTests(TestCase):
         self.assertEqual((response.code, who["name"], who["role"]), (200, "olga", "operator"))
         response, body = yield self.request(tool, "POST", "/api/v1/catalog/reload")
         self.assertNotIn(response.code, (401, 403), body)
+
+    @inlineCallbacks
+    def test_foreign_certificate_still_fails_the_handshake(self) -> None:
+        """
+        Asking for a certificate instead of requiring one checks one that
+        is offered as before: an admin certificate from another CA fails
+        the handshake, and gets no chance to log in.
+        """
+        other = Path(self.mktemp())
+        make_pki(other).issue_admin("mallory", "operator")
+        files = TLSFiles.load(self.dir / "ca.pem", other / "admin-mallory.pem", other / "admin-mallory.key")
+        with self.assertRaises(Exception):  # noqa: B017 (the handshake is refused)
+            yield self.request(self.client(ClientTLSPolicy(files)), "GET", "/api/v1/whoami")

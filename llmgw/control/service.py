@@ -34,7 +34,6 @@ from llmgw.control.admin.site import (
     admin_tls_problem,
 )
 from llmgw.control.core.catalog import EMPTY, CatalogError, load_catalog
-from llmgw.control.core.users import USERS_FILE, UserFile
 from llmgw.control.shell import joinlisten
 from llmgw.control.shell.agentsvc import AgentService
 from llmgw.control.shell.limits import ConnectionLimiter, LimitsConfig, backlog_problem
@@ -444,8 +443,7 @@ class ControlPlane(MultiService):
             tls=tls,
             hosts=self.admin_hosts,
             max_per_address=self.admin_max_per_address,
-            # People log in as the users kept beside the certificates.
-            users=UserFile(tls.files.ca_path.parent / USERS_FILE) if tls is not None else None,
+            logins=True,
         )
         self.admin_listener.what, self.admin_listener.option = "the admin API", "--admin"
         self.admin_listener.setServiceParent(self)

@@ -37,7 +37,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                           "or standard input when it is not one)")
     s = p.add_subparsers(dest="user_command", required=True, metavar="COMMAND")
     a = s.add_parser("add", help="a new user", parents=[certs, password])
-    a.add_argument("name")
+    a.add_argument("name", help="the user's name (letters, digits, - and .)")
     a.add_argument("--role", required=True, choices=USER_ROLES,
                    help="viewer reads; operator also changes the fleet; admin may do all an operator may")
     a.set_defaults(func=cmd_add)
@@ -45,10 +45,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     ls.add_argument("--json", action="store_true", help="print JSON")
     ls.set_defaults(func=cmd_list)
     r = s.add_parser("remove", help="a user who may log in no more (their sessions end)", parents=[certs])
-    r.add_argument("name")
+    r.add_argument("name", help="the user's name")
     r.set_defaults(func=cmd_remove)
     pw = s.add_parser("passwd", help="a user's new password (their sessions end)", parents=[certs, password])
-    pw.add_argument("name")
+    pw.add_argument("name", help="the user's name")
     pw.set_defaults(func=cmd_passwd)
 
 

@@ -22,7 +22,7 @@ from llmgw.control.admin.api import AdminResource
 from llmgw.control.admin.base import MAX_BODY, client_address
 from llmgw.control.admin.login import Logins
 from llmgw.control.admin.watch import WatchHub
-from llmgw.control.core.users import UserFile
+from llmgw.control.core.users import USERS_FILE, UserFile
 from llmgw.control.shell.limits import DEFAULT_MAX_PER_ADDRESS, ConnectionLimiter
 from llmgw.control.state.interfaces import IFleetAdmin
 from llmgw.hostcheck import HostCheck
@@ -214,6 +214,7 @@ def admin_service(
     tls: ServerTLS | None = None,
     hosts: list[str] | None = None,
     max_per_address: int = DEFAULT_MAX_PER_ADDRESS,
+    logins: bool = False,
     users: UserFile | None = None,
 ) -> ListenerService:
     """
@@ -228,8 +229,9 @@ def admin_service(
     certificate are served besides C{hosts}; a connection whose handshake
     is not done within L{HANDSHAKE_TIMEOUT} seconds of accept is aborted.
 
-    With C{tls} and C{users}, a client certificate is asked for, not
-    required: a browser without one may log in as one of C{users} and is
+    With C{tls} and C{logins}, a client certificate is asked for, not
+    required: a browser without one may log in as one of C{users} (by
+    default those in C{users.json} beside the CA's certificate) and is
     then judged by its session (L{Logins}); a certificate that is offered
     is checked as before, and a client that has one is judged by it alone.
 
@@ -244,20 +246,22 @@ def admin_service(
     problem = admin_tls_problem(host, tls is not None)
     if problem is not None:
         raise AdminTLSRequired(problem)
-    logins = None
-    if tls is not None and users is not None:
+    people = None
+    if tls is not None and logins:
+        if users is None:
+            users = UserFile(tls.files.ca_path.parent / USERS_FILE)
         users.load()
-        logins = Logins(users, reactor)
+        people = Logins(users, reactor)
     site = admin_site(
         fleet, registry, agents, reactor, control=control, require_certificate=tls is not None,
-        logins=logins,
+        logins=people,
         revoked=_revoked_by(tls) if tls is not None else None,
         hosts=HostCheck([*(hosts or ()), *_certificate_hosts(tls)], bound=host, option="--admin-hosts"),
     )
     factory: Any = site
     if tls is not None:
         site.handshake_timeout = HANDSHAKE_TIMEOUT
-        creator: Any = OptionalClientTLS(tls) if logins is not None else tls
+        creator: Any = OptionalClientTLS(tls) if people is not None else tls
         factory = TLSMemoryBIOFactory(creator, False, site, clock=reactor)
     limiter = None
     if max_per_address and (tls is not None or not is_loopback(host)):
