@@ -132,7 +132,7 @@ class PageBrowserTests(TestCase):
         # A viewer (as /api/v1/whoami says over mutual TLS) sees no buttons.
         yield deferToThread(driver.execute_script,
                             "window.llmgwPage.state.role = 'viewer'; window.llmgwPage.redraw()")
-        yield deferToThread(wait_for, driver, "document.querySelectorAll('button, input.scale').length === 0")
+        yield deferToThread(wait_for, driver, "document.querySelectorAll('main button, main input.scale').length === 0")
 
     @inlineCallbacks
     def test_ten_thousand_nodes(self) -> None:

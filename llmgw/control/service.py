@@ -443,6 +443,7 @@ class ControlPlane(MultiService):
             tls=tls,
             hosts=self.admin_hosts,
             max_per_address=self.admin_max_per_address,
+            logins=True,
         )
         self.admin_listener.what, self.admin_listener.option = "the admin API", "--admin"
         self.admin_listener.setServiceParent(self)

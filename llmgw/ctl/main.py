@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from llmgw.ctl import catalog as catalog_cmd
-from llmgw.ctl import cert, fleet, token
+from llmgw.ctl import cert, fleet, token, user
 from llmgw.options import version_text
 
 
@@ -27,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ctl.add_subparsers(dest="ctl_command", required=True, metavar="COMMAND")
     cert.add_parser(sub)
     token.add_parser(sub)
+    user.add_parser(sub)
     fleet.add_parsers(sub)
     catalog_cmd.add_parser(sub)
     local = top.add_parser(

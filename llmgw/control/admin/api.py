@@ -26,7 +26,8 @@ twice, is a 400; client strings in errors and logs are clipped.
 
 With mutual TLS (L{llmgw.control.admin.site.admin_service} given the
 control plane's C{ServerTLS}), every request must come with an admin
-certificate from llmgw's CA, whose role
+certificate from llmgw's CA (or, where people may log in, a session:
+L{llmgw.control.admin.login}), whose role
 (L{llmgw.control.admin.auth.role_allows}) decides what it may do:
 C{viewer} reads, C{operator} also changes state, C{gateway} reads only
 what a standalone gateway follows. Anything else (a node's or the server's
@@ -81,6 +82,7 @@ from llmgw.control.admin.fleet import (
     Whoami,
 )
 from llmgw.control.admin.leader import to_leader
+from llmgw.control.admin.login import Login, Logins, Logout
 from llmgw.control.admin.page import PageFiles, serve_page
 from llmgw.control.admin.watch import WatchHub
 from llmgw.control.admin.websocket import WatchFactory, WatchResource
@@ -91,6 +93,8 @@ from llmgw.hostcheck import HostCheck
 ENDPOINTS = [
     "GET /api/v1/status",
     "GET /api/v1/whoami",
+    'POST /api/v1/login {"user": NAME, "password": PASSWORD} (with --admin-tls: a session cookie)',
+    "POST /api/v1/logout",
     "GET / (Accept: text/html): the fleet page",
     "GET /api/v1/nodes",
     "GET /api/v1/deployments",
@@ -162,8 +166,12 @@ class AdminResource(AdminNode):
         hosts: HostCheck | None = None,
         revoked: Callable[[], frozenset[int]] | None = None,
         watch: WatchHub | None = None,
+        logins: Logins | None = None,
     ):
         super().__init__(self)
+        #: With mutual TLS, the users who may log in without a certificate;
+        #: none, every request needs one.
+        self.logins = logins
         #: The watch stream's hub (C{GET /api/v1/watch}); none, no stream.
         self.watch = watch
         #: What serves the stream's connections; none, a 404.
@@ -190,6 +198,8 @@ class AdminResource(AdminNode):
         v1 = _branch(self, {
             b"status": Status(self),
             b"whoami": Whoami(self),
+            b"login": Login(self),
+            b"logout": Logout(self),
             b"nodes": Nodes(self),
             b"deployments": Deployments(self),
             b"replicas": Replicas(self),
@@ -237,7 +247,9 @@ class AdminResource(AdminNode):
             method = request_method(request)
             auth.check_host(request, self.hosts)
             path = request_path(request)
-            if self.require_certificate:
+            if self.require_certificate and self.logins is not None:
+                self.logins.authorize(request, method, path, self.revoked)
+            elif self.require_certificate:
                 auth.authorize(request, method, path, self.revoked)
             ha = getattr(self.control, "ha", None)
             followed = to_leader(request, path, ha, self.who(request), self.log) if ha is not None else None

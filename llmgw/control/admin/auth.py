@@ -90,6 +90,18 @@ def _certificate_name(cert: Any) -> str | None:
     return printable(cn.encode("utf-8", "replace")) if cn else None
 
 
+def has_certificate(request: Any) -> bool:
+    """
+    Whether C{request}'s connection brought a client certificate (an
+    admin's or not): where certificates are only asked for, one without
+    is judged by its session instead.
+    """
+    if getattr(request.channel, "llmgw_admin", None) is not None:
+        return True
+    get_peer = getattr(request.transport, "getPeerCertificate", None)
+    return get_peer is not None and get_peer() is not None
+
+
 def admin_of(request: Any) -> AdminIdentity:
     """
     The admin the request's client certificate proves, read once per
@@ -153,6 +165,9 @@ def who(request: Any, require_certificate: bool) -> str:
     addr = client_address(request)
     if not require_certificate:
         return addr
+    session = getattr(request, "llmgw_session", None)
+    if session is not None:
+        return f"user {session.user} ({session.role}) at {addr}"
     cached = getattr(request.channel, "llmgw_admin", None)
     if isinstance(cached, AdminIdentity):
         return f"admin {cached} at {addr}"

@@ -78,10 +78,16 @@ class Status(AdminNode):
 class Whoami(AdminNode):
     """
     C{GET /api/v1/whoami}: who the API takes the requester for: with mutual
-    TLS the admin's name and role; without it (loopback only) an operator.
+    TLS the admin's name and role, or a logged-in user's with the session's
+    CSRF token; without TLS (loopback only) an operator.
     """
 
     def render_GET(self, request: Any) -> dict[str, Any]:  # noqa: N802
+        session = getattr(request, "llmgw_session", None)
+        if session is not None:
+            # A logged-in person: the page repeats the token on every write.
+            return {"name": session.user, "role": session.role, "tls": True, "session": True,
+                    "csrf": session.csrf}
         admin = known_admin(request)
         if self.root.require_certificate and admin is not None:
             return {"name": admin.name, "role": admin.role, "tls": True}

@@ -20,13 +20,16 @@ from twisted.web import server
 from llmgw.addresses import ListenerService, is_loopback, server_endpoint
 from llmgw.control.admin.api import AdminResource
 from llmgw.control.admin.base import MAX_BODY, client_address
+from llmgw.control.admin.login import Logins
 from llmgw.control.admin.watch import WatchHub
+from llmgw.control.core.users import USERS_FILE, UserFile
 from llmgw.control.shell.limits import DEFAULT_MAX_PER_ADDRESS, ConnectionLimiter
 from llmgw.control.state.interfaces import IFleetAdmin
 from llmgw.hostcheck import HostCheck
 from llmgw.httpdeadline import DeadlineSite, TLSDeadlineChannel
 from llmgw.tlsconf.describe import subject_alt_names
 from llmgw.tlsconf.handshake import HANDSHAKE_TIMEOUT
+from llmgw.tlsconf.optional import OptionalClientTLS
 from llmgw.tlsconf.options import ServerTLS
 
 DEFAULT_ADMIN_HOST = "127.0.0.1"
@@ -112,10 +115,12 @@ def admin_site(
     revoked: Callable[[], frozenset[int]] | None = None,
     hosts: HostCheck | None = None,
     watch: WatchHub | None = None,
+    logins: Logins | None = None,
 ) -> AdminSite:
     """
     The admin API's C{Site}; with C{require_certificate}, every request
-    needs an admin certificate (serve it over L{ServerTLS}); C{hosts} as
+    needs an admin certificate (serve it over L{ServerTLS}), or with
+    C{logins} a session (L{llmgw.control.admin.login}); C{hosts} as
     for L{AdminResource}. The watch stream is served from C{watch}, by
     default a L{WatchHub} on C{reactor} (none without a reactor);
     L{AdminListenerService} starts and stops it.
@@ -127,7 +132,7 @@ def admin_site(
     site = AdminSite(
         AdminResource(
             fleet, registry, agents, control=control, require_certificate=require_certificate,
-            revoked=revoked, hosts=hosts, watch=watch,
+            revoked=revoked, hosts=hosts, watch=watch, logins=logins,
         ),
         timeout=timeout,
         reactor=reactor,
@@ -209,6 +214,8 @@ def admin_service(
     tls: ServerTLS | None = None,
     hosts: list[str] | None = None,
     max_per_address: int = DEFAULT_MAX_PER_ADDRESS,
+    logins: bool = False,
+    users: UserFile | None = None,
 ) -> ListenerService:
     """
     A service that serves the admin API on C{host}:C{port} while running.
@@ -222,6 +229,12 @@ def admin_service(
     certificate are served besides C{hosts}; a connection whose handshake
     is not done within L{HANDSHAKE_TIMEOUT} seconds of accept is aborted.
 
+    With C{tls} and C{logins}, a client certificate is asked for, not
+    required: a browser without one may log in as one of C{users} (by
+    default those in C{users.json} beside the CA's certificate) and is
+    then judged by its session (L{Logins}); a certificate that is offered
+    is checked as before, and a client that has one is judged by it alone.
+
     Over TLS or beyond loopback, a source address may hold
     C{max_per_address} connections at once (0: no cap); past it a new one
     is closed at accept, before any TLS handshake, and the refusal logged.
@@ -233,15 +246,23 @@ def admin_service(
     problem = admin_tls_problem(host, tls is not None)
     if problem is not None:
         raise AdminTLSRequired(problem)
+    people = None
+    if tls is not None and logins:
+        if users is None:
+            users = UserFile(tls.files.ca_path.parent / USERS_FILE)
+        users.load()
+        people = Logins(users, reactor)
     site = admin_site(
         fleet, registry, agents, reactor, control=control, require_certificate=tls is not None,
+        logins=people,
         revoked=_revoked_by(tls) if tls is not None else None,
         hosts=HostCheck([*(hosts or ()), *_certificate_hosts(tls)], bound=host, option="--admin-hosts"),
     )
     factory: Any = site
     if tls is not None:
         site.handshake_timeout = HANDSHAKE_TIMEOUT
-        factory = TLSMemoryBIOFactory(tls, False, site, clock=reactor)
+        creator: Any = OptionalClientTLS(tls) if people is not None else tls
+        factory = TLSMemoryBIOFactory(creator, False, site, clock=reactor)
     limiter = None
     if max_per_address and (tls is not None or not is_loopback(host)):
         # Below TLS: a connection over the cap costs no handshake. Over TLS

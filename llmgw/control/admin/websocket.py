@@ -137,6 +137,8 @@ class WatchProtocol(WebSocketServerProtocol):
     serial: int | None = None
     channel: Any = None
     host: bytes = b""
+    #: The upgrade's C{Cookie} headers (a logged-in browser's session).
+    cookies: list[bytes] = []
     address: Any = None
 
     def __init__(self) -> None:
@@ -164,7 +166,7 @@ class WatchProtocol(WebSocketServerProtocol):
             self._over_budget(payload)
             return
         try:
-            rid, method, path, body = parse_request(payload)
+            rid, method, path, body, csrf = parse_request(payload)
         except RequestError as e:
             self.log.info("watch: refused a message from {who}: {reason}", who=self.who, reason=str(e))
             self._answer(getattr(e, "rid", None), 400, {"error": str(e), "status": 400})
@@ -176,7 +178,7 @@ class WatchProtocol(WebSocketServerProtocol):
         if self.resource is None:
             self._answer(rid, 404, {"error": "this stream serves no requests", "status": 404})
             return
-        request = SocketRequest(self, rid, method, path, body)
+        request = SocketRequest(self, rid, method, path, body, csrf)
         self.requests.add(request)
         request.run(self.resource)
 
@@ -298,10 +300,12 @@ class RequestError(ValueError):
     """
 
 
-def parse_request(payload: bytes) -> tuple[Any, str, str, Any]:
+def parse_request(payload: bytes) -> tuple[Any, str, str, Any, str | None]:
     """
     A C{{"type": "request", "id": ID, "method": "GET"|"POST", "path":
-    "/api/v1/...", "body": {...}}} message's id, method, path and body.
+    "/api/v1/...", "body": {...}, "csrf": TOKEN}} message's id, method,
+    path, body and CSRF token (which a logged-in page repeats on writes, as
+    C{X-CSRF-Token} over HTTP).
 
     The message is read as the REST API reads a body (L{load_json}): its
     C{body} nests at most as deep as a REST body may, and a message that
@@ -330,11 +334,13 @@ def parse_request(payload: bytes) -> tuple[Any, str, str, Any]:
         problem = '"path" must be a string starting with /'
     elif "body" in message and not isinstance(message["body"], dict):
         problem = '"body" must be a JSON object'
+    elif "csrf" in message and not isinstance(message["csrf"], str):
+        problem = '"csrf" must be a string'
     if problem is not None:
         err = RequestError(problem)
         err.rid = rid if isinstance(rid, int | str) and not isinstance(rid, bool) else None  # type: ignore[attr-defined]
         raise err
-    return rid, message["method"], message["path"], message.get("body")
+    return rid, message["method"], message["path"], message.get("body"), message.get("csrf")
 
 
 class SocketRequest:
@@ -345,7 +351,8 @@ class SocketRequest:
     message with the same C{id}, the HTTP status and the JSON body.
     """
 
-    def __init__(self, protocol: WatchProtocol, rid: Any, method: str, path: str, body: Any):
+    def __init__(self, protocol: WatchProtocol, rid: Any, method: str, path: str, body: Any,
+                 csrf: str | None = None):
         from io import BytesIO
         from urllib.parse import parse_qs, urlsplit
 
@@ -371,6 +378,12 @@ class SocketRequest:
         self.requestHeaders = Headers({b"content-type": [b"application/json"]})
         if protocol.host:
             self.requestHeaders.setRawHeaders(b"host", [protocol.host])
+        # A logged-in browser's socket: its session is checked again for
+        # each request, so a logout or an expiry ends what it may do.
+        if protocol.cookies:
+            self.requestHeaders.setRawHeaders(b"cookie", protocol.cookies)
+        if csrf is not None:
+            self.requestHeaders.setRawHeaders(b"x-csrf-token", [csrf.encode("utf-8", "replace")])
         self.code = 200
         self._out: list[bytes] = []
         self._finish_waiters: list[Any] = []
@@ -488,6 +501,7 @@ def upgrade(request: Any, factory: WatchFactory, fleet_reader: bool, since: int 
     protocol.channel = channel
     protocol.serial = getattr(channel, "llmgw_admin_serial", None)
     protocol.host = request.getHeader(b"host") or b""
+    protocol.cookies = request.requestHeaders.getRawHeaders(b"cookie") or []
     protocol.address = request.getClientAddress()
     channel.setTimeout(None)
     transport, channel.transport = channel.transport, None

@@ -24,7 +24,10 @@ function esc(v) {
     (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" }[c]));
 }
 const domId = (prefix, id) => prefix + "-" + encodeURIComponent(id);
-const isOperator = () => state.role === "operator";
+const isOperator = () => state.role === "operator" || state.role === "admin";
+// A logged-in person's CSRF token (none for a certificate or on loopback),
+// repeated on every write; the session itself is an HttpOnly cookie.
+let csrf = null;
 
 function connect() {
   let url = (location.protocol === "https:" ? "wss://" : "ws://") + location.host + "/api/v1/watch";
@@ -46,7 +49,8 @@ function connect() {
     $("conn").textContent = "reconnecting"; $("conn").className = "conn down";
     for (const [, p] of pending) p.reject(new Error("the connection closed"));
     pending.clear();
-    setTimeout(connect, backoff);
+    // A session may have ended: ask again who we are, which shows the login.
+    setTimeout(csrf ? start : connect, backoff);
     backoff = Math.min(backoff * 2, 30000);
   };
 }
@@ -56,6 +60,7 @@ function request(method, path, body) {
     const id = nextId++;
     pending.set(id, { resolve, reject });
     const m = { type: "request", id, method, path };
+    if (csrf && method !== "GET") m.csrf = csrf;
     if (body !== undefined) m.body = body;
     socket.send(JSON.stringify(m));
   });
@@ -339,4 +344,47 @@ document.addEventListener("click", (e) => {
     (err) => { $("notice").textContent = act + " refused: " + err.message; });
 });
 
-connect();
+// -- login ---------------------------------------------------------------------------
+
+function showLogin(message) {
+  $("login").hidden = false; $("logout").hidden = true;
+  document.querySelector("main").hidden = true;
+  $("login-error").textContent = message || "";
+  $("login-user").focus();
+}
+
+function start() {
+  // Over HTTP first: without a certificate or a session the API says 401,
+  // and the page asks for a login instead of opening the stream.
+  fetch("/api/v1/whoami", { credentials: "same-origin" }).then((r) => {
+    if (r.status === 401) { showLogin(); return null; }
+    return r.json();
+  }).then((w) => {
+    if (!w) return;
+    csrf = w.csrf || null;
+    $("logout").hidden = !w.session;
+    connect();
+  }, () => setTimeout(start, 2000));
+}
+
+$("login").addEventListener("submit", (e) => {
+  e.preventDefault();
+  fetch("/api/v1/login", {
+    method: "POST", credentials: "same-origin", headers: { "Content-Type": "application/json" },
+    body: JSON.stringify({ user: $("login-user").value, password: $("login-password").value }),
+  }).then((r) => r.json().then((body) => {
+    $("login-password").value = "";
+    if (r.status !== 200) { showLogin(body.error || ("HTTP " + r.status)); return; }
+    $("login").hidden = true; document.querySelector("main").hidden = false;
+    start();
+  }), () => showLogin("the control plane did not answer"));
+});
+
+$("logout").addEventListener("click", () => {
+  fetch("/api/v1/logout", {
+    method: "POST", credentials: "same-origin",
+    headers: { "Content-Type": "application/json", "X-CSRF-Token": csrf || "" },
+  }).finally(() => location.reload());
+});
+
+start();
