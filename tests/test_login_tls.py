@@ -53,7 +53,8 @@ class LoginOverTLSTests(TestCase):
         users.save()
         options = control_service.Options()
         options.parseOptions(["--certs", str(self.dir), "--agent-listen", "127.0.0.1:0",
-                              "--admin", "127.0.0.1:0", "--admin-tls"])
+                              "--admin", "127.0.0.1:0", "--admin-tls",
+                              "--gateway", "off"])
         self.control = control_service.makeService(options, reactor)
         self.control.startService()
         self.addCleanup(self.control.stopService)
