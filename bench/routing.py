@@ -118,6 +118,7 @@ def serve_gateway(
     queue_depth: int | None = None,
     scrape_s: float = 0.25,
     spread_s: float | None = None,
+    prefix_match: float | None = None,
 ) -> None:
     import treq
     from twisted.internet import reactor
@@ -143,6 +144,8 @@ def serve_gateway(
     knobs: dict[str, Any] = {} if slack is None else {"slack": slack}
     if spread_s is not None:
         knobs["spread_s"] = spread_s
+    if prefix_match is not None:
+        knobs["prefix_match"] = prefix_match
     config = GatewayConfig(first_byte_timeout=600, policy=PolicyConfig(epsilon=epsilon, engine_load=engine_load, **knobs))
     if queue_depth is not None:
         config.queue_depth = queue_depth
@@ -1020,6 +1023,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated, from: " + ", ".join(ROUTERS + EXTRA_ROUTERS))
     p.add_argument("--scrape-s", type=float, default=0.25,
                    help="seconds between the gateway's scrapes of the replicas' engine signals")
+    p.add_argument("--prefix-match", type=float, default=None,
+                   help="(gateway) prefix's prefix_match (default: PolicyConfig's; above 1: no prefix index)")
     p.add_argument("--spread-s", type=float, default=None,
                    help="prefix's spread window for first turns (default: PolicyConfig's)")
     p.add_argument("--conversations", type=int, default=96)
@@ -1057,7 +1062,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.mode == "gateway":
         serve_gateway(args.port, args.upstreams.split(","), args.policy, args.signals, args.epsilon, args.engine_load, args.slack,
-                      args.queue_depth, args.scrape_s, args.spread_s)
+                      args.queue_depth, args.scrape_s, args.spread_s, args.prefix_match)
         return 0
     if args.mode == "pick-cost":
         load_before = os.getloadavg()
