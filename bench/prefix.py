@@ -13,10 +13,10 @@ request schedule for each:
 
 - C{single}: one replica alone, all of the load sent to it directly: the
   cache share to reach;
-- C{prefix}: llmgw's gateway, C{prefix} policy as configured by default
-  (the prefix index on);
-- C{prefix_no_index}: the same with the index off (C{prefix_match} above
-  1): C{prefix} as it was, every request a first turn dealt out by load;
+- C{cache_aware}: llmgw's gateway, its C{cache_aware} policy (the prefix
+  index; C{prefix_match} as configured by default);
+- C{prefix}: llmgw's gateway, its default C{prefix} policy: no prefix
+  index, every request a first turn dealt out by load;
 - C{least_loaded}: llmgw's gateway, least in flight;
 - C{sglang-router cache_aware}: from the bench's own environment
   (C{.venv-bench}, C{pip install sglang-router}), when it is there.
@@ -197,11 +197,8 @@ def run_router(name: str, binary: Path, model: Path, engine_args: list[str], sys
                        "--policy", "cache_aware", "--log-level", "warn", "--worker-urls",
                        *[f"http://{u}" for u in ups]]
             else:
-                policy = "least_loaded" if name == "least_loaded" else "prefix"
                 cmd = [sys.executable, str(ROOT / "bench" / "routing.py"), "gateway", "--port", str(ports[2]),
-                       "--upstreams", ",".join(ups), "--policy", policy]
-                if name == "prefix_no_index":
-                    cmd += ["--prefix-match", "2"]
+                       "--upstreams", ",".join(ups), "--policy", name]
             log = open(log_dir / f"{name.split()[0]}.log", "w")  # noqa: SIM115 (closed with the process)
             procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env))
             log.close()
@@ -234,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ctx", type=int, default=4096, help="each engine's -c")
     p.add_argument("--slots", type=int, default=4, help="each engine's -np")
     p.add_argument("--cache-ram", type=int, default=256, help="each engine's --cache-ram (MiB): its prompt cache")
-    p.add_argument("--routers", default="single,prefix,prefix_no_index,least_loaded,sglang-router cache_aware")
+    p.add_argument("--routers", default="single,cache_aware,prefix,least_loaded,sglang-router cache_aware")
     p.add_argument("--out", default=None, help="also write the JSON here")
     args = p.parse_args(argv)
 
@@ -269,9 +266,10 @@ def main(argv: list[str] | None = None) -> int:
         share = r[name].get("cache_share")
         if name != "single" and share is not None and single:
             r[name]["cache_share_over_single"] = round(share / single, 3)
-    if "prefix" in r and "cache_share_over_single" in r["prefix"]:
-        bars["prefix_cache_share_at_least_0_9_of_single"] = r["prefix"]["cache_share_over_single"] >= 0.9
-        bars["prefix_busiest_at_most_1_25_mean"] = (r["prefix"].get("busiest_over_mean") or 99) <= 1.25
+    aware = r.get("cache_aware") or {}
+    if "cache_share_over_single" in aware:
+        bars["cache_aware_cache_share_at_least_0_9_of_single"] = aware["cache_share_over_single"] >= 0.9
+        bars["cache_aware_busiest_at_most_1_25_mean"] = (aware.get("busiest_over_mean") or 99) <= 1.25
     doc["bars"] = bars
     text = json.dumps(doc, indent=2)
     print(text)

@@ -615,7 +615,7 @@ def offline_run(
     def turn(c: dict[str, Any], i: int, messages: list[dict[str, str]]) -> None:
         messages = [*messages, {"role": "user", "content": c["turns"][i][0]}]
         body = chat_body(messages)
-        route = router.pick(routes, (), name, affinity_key(body, None, config))
+        route = router.pick(routes, (), name, affinity_key(body, None, config, chain=name == "cache_aware"))
         assert route is not None
         rid = route.replica_id
         router.begin(rid)
@@ -698,7 +698,7 @@ def offline_independent(policy: str, spread_s: float | None, ramp_s: float, n: i
         if not prompts:
             return
         body = chat_body([{"role": "user", "content": prompts.pop()}])
-        route = router.pick(routes, (), name, affinity_key(body, None, config))
+        route = router.pick(routes, (), name, affinity_key(body, None, config, chain=name == "cache_aware"))
         assert route is not None
         rid = route.replica_id
         router.begin(rid)
@@ -735,7 +735,7 @@ def offline_independent(policy: str, spread_s: float | None, ramp_s: float, n: i
 
 def offline(args: argparse.Namespace) -> dict[str, Any]:
     runs = [("least_in_flight", None), ("round_robin", None), ("least_loaded", None),
-            ("prefix slack 0", 0), ("prefix spread 0", None), ("prefix", None)]
+            ("prefix slack 0", 0), ("prefix spread 0", None), ("prefix", None), ("cache_aware", None)]
     out: dict[str, Any] = {}
     for seed in args.seeds:
         out[f"seed {seed}"] = {
@@ -1024,7 +1024,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scrape-s", type=float, default=0.25,
                    help="seconds between the gateway's scrapes of the replicas' engine signals")
     p.add_argument("--prefix-match", type=float, default=None,
-                   help="(gateway) prefix's prefix_match (default: PolicyConfig's; above 1: no prefix index)")
+                   help="(gateway) cache_aware's prefix_match (default: PolicyConfig's; above 1: no prefix index)")
     p.add_argument("--spread-s", type=float, default=None,
                    help="prefix's spread window for first turns (default: PolicyConfig's)")
     p.add_argument("--conversations", type=int, default=96)

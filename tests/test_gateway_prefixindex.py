@@ -1,7 +1,8 @@
 """
-The prefix index (llmgw.gateway.prefixindex) and prefix routing by it:
-applications that send one long system prompt with a different question
-each time keep to a replica, within the load bound, and two gateways agree.
+The prefix index (llmgw.gateway.prefixindex) and the C{cache_aware} policy
+that routes by it: applications that send one long system prompt with a
+different question each time keep to a replica, within the load bound, and
+two gateways agree; C{prefix} neither reads nor feeds the index.
 """
 
 from __future__ import annotations
@@ -12,13 +13,21 @@ from collections import Counter
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.gateway.policy import PolicyConfig, affinity_key, chunk_hashes, key_chain, load_bound
+from llmgw.control.core.catalog import parse_catalog
+from llmgw.gateway.policy import (
+    PolicyConfig,
+    affinity_key,
+    chunk_hashes,
+    key_chain,
+    load_bound,
+    split_chain,
+)
 from llmgw.gateway.prefixindex import HASH_BYTES, PrefixIndex
 from llmgw.gateway.router import Router
 from llmgw.routing import Route
 
 CONFIG = PolicyConfig()
-#: The index off: what prefix routing did before it.
+#: The index off: C{cache_aware} routing as C{prefix} does.
 NO_INDEX = PolicyConfig(prefix_match=2.0)
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa"]
 
@@ -82,17 +91,36 @@ class PrefixIndexTests(SynchronousTestCase):
 
     def test_key_chain(self) -> None:
         """
-        A prompt key carries its head's chained hashes; a session's none.
+        A prompt key made with its chain carries its head's chained hashes,
+        and less them is the key C{prefix} makes; a session's key has none.
         """
         body = ask("s" * 600, "question")
-        self.assertEqual(len(key_chain(affinity_key(body, None, CONFIG) or b"")) % HASH_BYTES, 0)
-        self.assertGreater(len(key_chain(affinity_key(body, None, CONFIG) or b"")), HASH_BYTES)
-        self.assertEqual(key_chain(affinity_key(body, "sess", CONFIG) or b""), b"")
+        full = affinity_key(body, None, CONFIG, chain=True) or b""
+        self.assertEqual(len(key_chain(full)) % HASH_BYTES, 0)
+        self.assertGreater(len(key_chain(full)), HASH_BYTES)
+        self.assertEqual(split_chain(full), (affinity_key(body, None, CONFIG), key_chain(full)))
+        self.assertEqual(len(affinity_key(body, None, CONFIG) or b""), 2 + HASH_BYTES)
+        self.assertEqual(key_chain(affinity_key(body, "sess", CONFIG, chain=True) or b""), b"")
+
+    def test_catalog_names_cache_aware(self) -> None:
+        """
+        A deployment may name C{cache_aware} as its routing policy.
+        """
+        cat = parse_catalog(
+            {
+                "profiles": {"p": {"command": ["x"], "gpus_per_shard": 1}},
+                "deployments": [{"model": "a", "profile": "p", "routing": "cache_aware"}],
+            }
+        )
+        self.assertEqual(cat.routing_policies(), {"a": "cache_aware"})
 
 
 class SharedPrefixRoutingTests(SynchronousTestCase):
-    def pick(self, router: Router, rs: tuple[Route, ...], body: dict[str, object]) -> str:
-        route = router.pick(rs, (), "prefix", affinity_key(body, None, router.policy))
+    def pick(
+        self, router: Router, rs: tuple[Route, ...], body: dict[str, object], policy: str = "cache_aware"
+    ) -> str:
+        aware = policy == "cache_aware"
+        route = router.pick(rs, (), policy, affinity_key(body, None, router.policy, chain=aware))
         assert route is not None
         return route.replica_id
 
@@ -100,20 +128,38 @@ class SharedPrefixRoutingTests(SynchronousTestCase):
         """
         Requests with one long system prompt and a different question each
         keep to one replica while its load allows, though each is a first
-        turn; without the index they are dealt out over the replicas.
+        turn; without the index, or under C{prefix}, they are dealt out
+        over the replicas.
         """
         rng = random.Random(2)
         system = text(rng, 300)
-        for config, together in ((CONFIG, True), (NO_INDEX, False)):
+        for policy, config, together in (
+            ("cache_aware", CONFIG, True),
+            ("cache_aware", NO_INDEX, False),
+            ("prefix", CONFIG, False),
+        ):
             clock = Clock()
             router = Router(clock, policy=config)
             rs = routes(2)
             got = set()
             for i in range(6):
-                rid = self.pick(router, rs, ask(system, f"question {i}: {text(rng, 8)}"))
+                rid = self.pick(router, rs, ask(system, f"question {i}: {text(rng, 8)}"), policy)
                 router.begin(rid)
                 got.add(rid)
-            self.assertEqual(len(got) == 1, together, config)
+            self.assertEqual(len(got) == 1, together, (policy, config))
+
+    def test_prefix_leaves_the_index_alone(self) -> None:
+        """
+        C{prefix} adds nothing to the router's index, even when given a
+        key made with its chain.
+        """
+        rng = random.Random(8)
+        router = Router(Clock(), policy=CONFIG)
+        for _ in range(10):
+            body = ask(text(rng, 300), "q")
+            router.pick(routes(2), (), "prefix", affinity_key(body, None, CONFIG))
+            router.pick(routes(2), (), "prefix", affinity_key(body, None, CONFIG, chain=True))
+        self.assertEqual(len(router.prefixes), 0)
 
     def test_load_bound_respected(self) -> None:
         """
@@ -194,5 +240,5 @@ class SharedPrefixRoutingTests(SynchronousTestCase):
         system = text(rng, 300)
         rid = self.pick(router, routes(2), ask(system, "q"))
         router.forget({"r0", "r1"} - {rid})
-        key = affinity_key(ask(system, "q2"), None, CONFIG) or b""
+        key = affinity_key(ask(system, "q2"), None, CONFIG, chain=True) or b""
         self.assertEqual(router.prefixes.match(key_chain(key), {"r0", "r1"}), {})

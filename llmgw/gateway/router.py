@@ -21,7 +21,15 @@ from typing import Final
 from twisted.internet.interfaces import IReactorTime
 from zope.interface import classImplements
 
-from llmgw.gateway.policy import FIRST_TURN, PolicyConfig, Ring, choose, key_chain, key_point
+from llmgw.gateway.policy import (
+    AFFINITY_POLICIES,
+    FIRST_TURN,
+    PolicyConfig,
+    Ring,
+    choose,
+    key_point,
+    split_chain,
+)
 from llmgw.gateway.prefixindex import PrefixIndex
 from llmgw.routing import IInFlight, Route
 
@@ -52,7 +60,7 @@ class Router:
         self._ring_last: Ring | None = None
         #: affinity key (less its mark) -> the replica its last request went to
         self._homes: OrderedDict[bytes, str] = OrderedDict()
-        #: which replicas were lately sent which prompt beginnings (C{prefix})
+        #: which replicas were lately sent which prompt beginnings (C{cache_aware})
         self.prefixes = prefixes if prefixes is not None else PrefixIndex()
         #: replica -> (sampled_at of the signals last seen, in flight then)
         self._at_sample: dict[str, tuple[float, int]] = {}
@@ -215,15 +223,17 @@ class Router:
             if entry is None or entry[0] != s.sampled_at:
                 entry = seen[rid] = (s.sampled_at, self._in_flight.get(rid, 0))
             at_sample[rid] = entry[1]
-        if policy != "prefix" or key is None:
+        if policy not in AFFINITY_POLICIES or key is None:
             return choose(
                 policy, candidates, self.in_flight, self.clock.seconds(), self.policy, key, turn, None, at_sample
             )
+        chain: bytes | None = None
+        depths: dict[str, int] | None = None
+        if policy == "cache_aware":
+            key, chain = split_chain(key)
         homes = self._homes
         hkey = key_point(key)
         home = homes.get(hkey)
-        chain = key_chain(key)
-        depths: dict[str, int] | None = None
         if chain and home is None and self.policy.prefix_match <= 1.0:
             # A request with no home yet (an application's next question,
             # or a conversation new to this gateway): where its beginning went.
@@ -247,12 +257,12 @@ class Router:
                         recent[r.replica_id] = len(times)
             chosen = choose(
                 policy, candidates, self.in_flight, now, self.policy, key, turn, ring, at_sample, home, recent,
-                depths,
+                depths, chain,
             )
         else:
             chosen = choose(
                 policy, candidates, self.in_flight, now, self.policy, key, turn,
-                self.ring(routes), at_sample, home, None, depths,
+                self.ring(routes), at_sample, home, None, depths, chain,
             )
         if window > 0:
             times = sent.get(chosen.replica_id)
