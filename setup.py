@@ -47,6 +47,7 @@ COMPILED = [
     "llmgw/gateway/httphead.py",
     "llmgw/gateway/metrics.py",
     "llmgw/gateway/policy.py",
+    "llmgw/gateway/prefixindex.py",
     "llmgw/gateway/proxy.py",
     "llmgw/gateway/resource.py",
     "llmgw/gateway/resume.py",

@@ -118,6 +118,7 @@ def serve_gateway(
     queue_depth: int | None = None,
     scrape_s: float = 0.25,
     spread_s: float | None = None,
+    prefix_match: float | None = None,
 ) -> None:
     import treq
     from twisted.internet import reactor
@@ -143,6 +144,8 @@ def serve_gateway(
     knobs: dict[str, Any] = {} if slack is None else {"slack": slack}
     if spread_s is not None:
         knobs["spread_s"] = spread_s
+    if prefix_match is not None:
+        knobs["prefix_match"] = prefix_match
     config = GatewayConfig(first_byte_timeout=600, policy=PolicyConfig(epsilon=epsilon, engine_load=engine_load, **knobs))
     if queue_depth is not None:
         config.queue_depth = queue_depth
@@ -612,7 +615,7 @@ def offline_run(
     def turn(c: dict[str, Any], i: int, messages: list[dict[str, str]]) -> None:
         messages = [*messages, {"role": "user", "content": c["turns"][i][0]}]
         body = chat_body(messages)
-        route = router.pick(routes, (), name, affinity_key(body, None, config))
+        route = router.pick(routes, (), name, affinity_key(body, None, config, chain=name == "cache_aware"))
         assert route is not None
         rid = route.replica_id
         router.begin(rid)
@@ -695,7 +698,7 @@ def offline_independent(policy: str, spread_s: float | None, ramp_s: float, n: i
         if not prompts:
             return
         body = chat_body([{"role": "user", "content": prompts.pop()}])
-        route = router.pick(routes, (), name, affinity_key(body, None, config))
+        route = router.pick(routes, (), name, affinity_key(body, None, config, chain=name == "cache_aware"))
         assert route is not None
         rid = route.replica_id
         router.begin(rid)
@@ -732,7 +735,7 @@ def offline_independent(policy: str, spread_s: float | None, ramp_s: float, n: i
 
 def offline(args: argparse.Namespace) -> dict[str, Any]:
     runs = [("least_in_flight", None), ("round_robin", None), ("least_loaded", None),
-            ("prefix slack 0", 0), ("prefix spread 0", None), ("prefix", None)]
+            ("prefix slack 0", 0), ("prefix spread 0", None), ("prefix", None), ("cache_aware", None)]
     out: dict[str, Any] = {}
     for seed in args.seeds:
         out[f"seed {seed}"] = {
@@ -1020,6 +1023,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated, from: " + ", ".join(ROUTERS + EXTRA_ROUTERS))
     p.add_argument("--scrape-s", type=float, default=0.25,
                    help="seconds between the gateway's scrapes of the replicas' engine signals")
+    p.add_argument("--prefix-match", type=float, default=None,
+                   help="(gateway) cache_aware's prefix_match (default: PolicyConfig's; above 1: no prefix index)")
     p.add_argument("--spread-s", type=float, default=None,
                    help="prefix's spread window for first turns (default: PolicyConfig's)")
     p.add_argument("--conversations", type=int, default=96)
@@ -1057,7 +1062,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.mode == "gateway":
         serve_gateway(args.port, args.upstreams.split(","), args.policy, args.signals, args.epsilon, args.engine_load, args.slack,
-                      args.queue_depth, args.scrape_s, args.spread_s)
+                      args.queue_depth, args.scrape_s, args.spread_s, args.prefix_match)
         return 0
     if args.mode == "pick-cost":
         load_before = os.getloadavg()

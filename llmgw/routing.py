@@ -48,7 +48,7 @@ LONG_POLL_MAX_S = 30.0
 MAX_WAITERS = 10_000
 
 #: The routing policies a deployment may name (see L{llmgw.gateway.policy}).
-POLICIES = ("prefix", "least_loaded", "round_robin")
+POLICIES = ("prefix", "least_loaded", "round_robin", "cache_aware")
 
 #: The admission queue's defaults (L{llmgw.gateway.admission}): requests
 #: that may wait per model, and seconds each may wait.

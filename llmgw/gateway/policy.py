@@ -44,6 +44,22 @@ C{prefix}
     replica whose engine holds its KV blocks while that replica's load
     allows.
 
+C{cache_aware}
+    C{prefix}, and before spread or the ring, a request without a home
+    goes where its prompt's beginning was lately sent: the gateway's prefix
+    index (L{llmgw.gateway.prefixindex}) tells, per replica, how many
+    leading chunks of the prompt head it was sent; the replica under the
+    same bound holding the most (at least C{prefix_match} of the head's
+    chunks), the least loaded of those, ties in ring order from the head's
+    first chunk, takes it. So applications that each send one long system
+    prompt with a different question each time keep to a replica, as
+    conversations do, while its load allows. A first turn nothing holds
+    is dealt out by L{spread} with ties in ring order from its first
+    chunk: with the gateways idle, every request starting with the same
+    text goes to the same replica, whichever gateway it reaches. (Not the
+    default: on many short independent conversations it heaps first turns
+    that share a beginning where C{prefix} deals them out.)
+
 The ring and the key depend only on the routing table and the request:
 two gateways with the same table and the same loads send a key neither has
 seen to the same replica, with no state shared between them. (A first
@@ -65,6 +81,8 @@ from llmgw.routing import POLICIES, Route
 #: The policy of a model the routing table names none for: the one
 #: bench/routing.py measured best overall (see docs/operations.md).
 DEFAULT_POLICY: Final = "prefix"
+#: The policies that route by an affinity key (L{affinity_key}).
+AFFINITY_POLICIES: Final = ("prefix", "cache_aware")
 
 
 @dataclass(frozen=True)
@@ -93,6 +111,10 @@ class PolicyConfig:
         characters.
     @ivar max_chunks: at most this many chunks of the head count.
     @ivar vnodes: ring points per replica.
+    @ivar prefix_match: under C{cache_aware}, a replica the prefix index says
+        was sent at least this fraction of a request's prompt-head chunks
+        (a shared system prompt) takes it, under the bound, before
+        L{spread} or the ring; above 1: never.
     @ivar spread_s: under C{prefix}, a first turn goes to the replica (under
         the bound) sent the fewest requests in this many seconds, the least
         loaded of those; about the time an engine takes to start a prompt.
@@ -109,14 +131,15 @@ class PolicyConfig:
     max_chunks: int = 64
     vnodes: int = 64
     spread_s: float = 0.1
+    prefix_match: float = 0.5
 
     def __post_init__(self) -> None:
         if self.stale_after_s < 0 or self.saturated_waiting < 0:
             raise ValueError("stale_after_s and saturated_waiting must not be negative")
         if not 0 < self.saturated_kv <= 1:
             raise ValueError("saturated_kv must be a fraction in (0, 1]")
-        if self.epsilon < 0 or self.slack < 0 or self.spread_s < 0:
-            raise ValueError("epsilon, slack and spread_s must not be negative")
+        if self.epsilon < 0 or self.slack < 0 or self.spread_s < 0 or self.prefix_match < 0:
+            raise ValueError("epsilon, slack, spread_s and prefix_match must not be negative")
         if self.chunk_chars < 1 or self.max_chunks < 1 or self.vnodes < 1:
             raise ValueError("chunk_chars, max_chunks and vnodes must be at least 1")
 
@@ -228,13 +251,17 @@ def chunk_hashes(text: str, chunk_chars: int, max_chunks: int) -> list[bytes]:
 
 
 def affinity_key(
-    body: Mapping[str, Any], session: str | None, config: PolicyConfig
+    body: Mapping[str, Any], session: str | None, config: PolicyConfig, chain: bool = False
 ) -> bytes | None:
     """
-    The key a request is routed by under C{prefix}: its session when it
-    names one (C{X-Session-Id}, else the body's C{user}), else the hash of
-    its prompt head's leading chunks; C{None} when it has neither. A chat
-    with no earlier turn (no assistant message) gets a L{FIRST_TURN} key.
+    The key a request is routed by under C{prefix} and C{cache_aware}: its
+    session when it names one (C{X-Session-Id}, else the body's C{user}),
+    else the hash of its prompt head's leading chunks (with C{chain}, all
+    of the head's chained chunk hashes, L{chunk_hashes}, concatenated: the
+    chain L{key_chain} gives the prefix index, for C{cache_aware}); C{None}
+    when it has neither. A chat with no earlier turn (no assistant message)
+    gets a L{FIRST_TURN} mark, a later turn C{b"p\x00"}, a session
+    C{b"s\x00"}. The ring point (L{key_point}) is the same either way.
     """
     if not session:
         user = body.get("user")
@@ -251,12 +278,44 @@ def affinity_key(
         # A first turn (or a one-off prompt): no replica holds its history
         # yet, so it goes to the least loaded (FIRST_TURN); the turns after
         # it, which repeat its head, follow it there while its load allows.
-        return FIRST_TURN + hashes[-1]
-    return b"p\x00" + hashes[-1]
+        return FIRST_TURN + (b"".join(hashes) if chain else hashes[-1])
+    return b"p\x00" + (b"".join(hashes) if chain else hashes[-1])
 
 
 #: The mark of a first turn's key (same ring point as its later turns).
 FIRST_TURN: Final = b"f\x00"
+#: The length of each hash in a key's chain.
+HASH_BYTES: Final = 8
+
+
+def key_point(key: bytes) -> bytes:
+    """
+    What places C{key} on the ring and names its conversation: a marked
+    key less its mark (the same for every turn); an unmarked key whole.
+    """
+    return key[2:] if key[1:2] == b"\x00" else key
+
+
+def split_chain(key: bytes) -> tuple[bytes, bytes]:
+    """
+    A prompt key made with its chain (C{affinity_key(..., chain=True)}) as
+    the key C{prefix} would have made (the mark and the whole head's hash)
+    and the chain for the prefix index; a session's key, unchanged, and
+    C{b""}.
+    """
+    if key[1:2] == b"\x00" and key[:1] in (b"f", b"p") and len(key) > 2 + HASH_BYTES:
+        return key[:2] + key[-HASH_BYTES:], key[2:]
+    if key[1:2] == b"\x00" and key[:1] in (b"f", b"p"):
+        return key, key[2:]
+    return key, b""
+
+
+def key_chain(key: bytes) -> bytes:
+    """
+    The chained chunk hashes of a prompt key (first or later turn), for
+    the prefix index; C{b""} for a session's key or an unmarked one.
+    """
+    return split_chain(key)[1]
 
 
 # -- the ring -------------------------------------------------------------------------------
@@ -289,8 +348,7 @@ class Ring:
         if not n:
             return []
         # The mark (first turn, later turn, session) does not move the point.
-        point = key[2:] if key[1:2] == b"\x00" else key
-        start = bisect.bisect_left(self._keys, _point(point)) % n
+        start = bisect.bisect_left(self._keys, _point(key_point(key))) % n
         seen: dict[str, None] = {}
         want = len(self.replica_ids)
         for i in range(n):
@@ -377,6 +435,9 @@ def bounded_prefix(
     home: str | None = None,
     slack: int = 0,
     recent: Mapping[str, int] | None = None,
+    depths: Mapping[str, int] | None = None,
+    prefix_match: float = 0.5,
+    chain: bytes | None = None,
 ) -> Route | None:
     """
     C{home} (where this key's last request went) if it is a candidate under
@@ -386,22 +447,62 @@ def bounded_prefix(
     home under the bound goes by L{spread} over C{recent} (the requests
     sent to each replica lately), ties in ring order; without C{recent},
     C{None}: it goes to the least loaded.
+
+    With C{chain} (C{cache_aware}: the key's chained chunk hashes,
+    L{split_chain}), before the ring or spread, the candidate under the
+    bound that C{depths} (per replica, the leading chunks of the chain it
+    holds: the prefix index's
+    L{match<llmgw.gateway.prefixindex.PrefixIndex.match>}) says holds the
+    most of the chain, if at least C{prefix_match} of it, the least loaded
+    of those, ties in ring order from the chain's first chunk; and a first
+    turn's spread breaks ties in ring order from its first chunk too.
+    Without C{chain} (C{prefix}), C{depths} is not read.
     """
     first = key.startswith(FIRST_TURN)
-    if home is None and first and recent is None:
+    if chain is None:
+        depths = None
+    if home is None and first and recent is None and not depths:
         return None
     by_id = {r.replica_id: r for r in candidates}
     total = sum(loads[rid] for rid in by_id)
     bound = load_bound(total, len(by_id), epsilon, slack)
     if home is not None and home in by_id and loads[home] + 1 <= bound:
         return by_id[home]
+    if depths and chain:
+        need = max(1, math.ceil(prefix_match * (len(chain) // HASH_BYTES) - 1e-9))
+        best: str | None = None
+        best_score = (0, 0)
+        tied = False
+        for rid, depth in depths.items():
+            if depth < need or rid not in by_id or loads[rid] + 1 > bound:
+                continue
+            score = (-depth, loads[rid])
+            if best is None or score < best_score:
+                best, best_score, tied = rid, score, False
+            elif score == best_score:
+                tied = True
+        if best is not None and tied:
+            # Deterministic, so that gateways with the same figures agree.
+            if ring is None:
+                ring = Ring(list(by_id), PolicyConfig().vnodes)
+            for rid in ring.walk(FIRST_TURN + chain[:HASH_BYTES]):
+                d = depths.get(rid)
+                if d is not None and rid in by_id and (-d, loads[rid]) == best_score:
+                    best = rid
+                    break
+        if best is not None:
+            return by_id[best]
     if first and recent is None:
         return None
     if ring is None:
         ring = Ring(list(by_id), PolicyConfig().vnodes)
-    walk = ring.walk(key)
     if recent is not None and first:
-        return spread(candidates, loads, recent, bound, walk)
+        if chain:
+            # Ties from the first chunk: requests that start alike (a shared
+            # system prompt) go alike, from any gateway, while it is idle.
+            return spread(candidates, loads, recent, bound, ring.walk(FIRST_TURN + chain[:HASH_BYTES]))
+        return spread(candidates, loads, recent, bound, ring.walk(key))
+    walk = ring.walk(key)
     for rid in walk:
         r = by_id.get(rid)
         if r is not None and loads[rid] + 1 <= bound:
@@ -423,23 +524,29 @@ def choose(
     at_sample: Mapping[str, int] | None = None,
     home: str | None = None,
     recent: Mapping[str, int] | None = None,
+    depths: Mapping[str, int] | None = None,
+    chain: bytes | None = None,
 ) -> Route:
     """
     The replica C{policy} sends a request to among C{candidates} (not
     empty; all eligible: ready, not draining, not cooling down).
 
     @param key: the request's affinity key (L{affinity_key}); C{prefix}
-        without one falls back to C{least_loaded}.
+        and C{cache_aware} without one fall back to C{least_loaded}.
     @param turn: a counter the caller advances per request (rotation).
     @param ring: the ring of every route of the model, to reuse; built
         from C{candidates} when not given.
     @param at_sample: per replica, this gateway's in-flight count when it
         first saw the replica's current signals (L{replica_load}).
-    @param home: under C{prefix}, the replica this key's last request went
-        to, if the caller remembers it.
-    @param recent: under C{prefix}, per replica, the requests sent to it in
-        the last C{config.spread_s} seconds (L{spread}); without it a first
-        turn goes to the least loaded.
+    @param home: under C{prefix} and C{cache_aware}, the replica this
+        key's last request went to, if the caller remembers it.
+    @param recent: under C{prefix} and C{cache_aware}, per replica, the
+        requests sent to it in the last C{config.spread_s} seconds
+        (L{spread}); without it a first turn goes to the least loaded.
+    @param depths: under C{cache_aware}, per replica, the leading chunks of
+        C{chain} the gateway's prefix index says it holds.
+    @param chain: under C{cache_aware}, the key's chained chunk hashes
+        (L{split_chain}: C{key} is then the key less its chain).
     """
     if policy not in POLICIES:
         raise ValueError(f"unknown routing policy {policy!r} (known: {', '.join(POLICIES)})")
@@ -462,10 +569,17 @@ def choose(
         # No engine signals: nothing is saturated, and the load is the
         # gateway's own count (what saturated and replica_load say then).
         loads = {r.replica_id: in_flight(r.replica_id) for r in candidates}
-    if policy == "prefix" and key is not None:
-        if ring is None and (recent is not None or not key.startswith(FIRST_TURN)):
+    if policy in AFFINITY_POLICIES and key is not None:
+        if policy != "cache_aware":
+            depths = chain = None
+        elif chain is None:
+            key, chain = split_chain(key)
+        if ring is None and (recent is not None or depths or not key.startswith(FIRST_TURN)):
             ring = Ring([r.replica_id for r in candidates], config.vnodes)
-        chosen = bounded_prefix(candidates, loads, ring, key, config.epsilon, home, config.slack, recent)
+        chosen = bounded_prefix(
+            candidates, loads, ring, key, config.epsilon, home, config.slack, recent, depths, config.prefix_match,
+            chain,
+        )
         if chosen is not None:
             return chosen
     return least_loaded(candidates, loads, turn)

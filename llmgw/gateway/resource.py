@@ -34,7 +34,7 @@ from llmgw.gateway.admission import capacity
 from llmgw.gateway.bigbody import SlicedParses, sliced
 from llmgw.gateway.front import FrontFactory, FrontRequest
 from llmgw.gateway.metrics import UNKNOWN_MODEL
-from llmgw.gateway.policy import affinity_key
+from llmgw.gateway.policy import AFFINITY_POLICIES, affinity_key
 from llmgw.gateway.proxy import Gateway, ProxyCall, send_error
 from llmgw.gateway.usage import UsageMeter
 from llmgw.memceiling import MemoryCeiling
@@ -228,14 +228,15 @@ class GatewayResource:
             return
         policy = gw.policy_for(model)
         key = None
-        if policy == "prefix" and len(routes) > 1:
-            key = self._key(request, obj)
+        if policy in AFFINITY_POLICIES and len(routes) > 1:
+            key = self._key(request, obj, policy)
         ProxyCall(gw, request, model, label, body, routes, started, policy, key, meter).start()
 
-    def _key(self, request: FrontRequest, obj: dict[str, Any]) -> bytes | None:
+    def _key(self, request: FrontRequest, obj: dict[str, Any], policy: str) -> bytes | None:
         session = request.header(b"x-session-id")
         return affinity_key(
-            obj, session.decode("utf-8", "replace") if session else None, self.gateway.config.policy
+            obj, session.decode("utf-8", "replace") if session else None, self.gateway.config.policy,
+            chain=policy == "cache_aware",
         )
 
     def _wait(
@@ -257,7 +258,7 @@ class GatewayResource:
         gw = self.gateway
         policy = gw.policy_for(model)
         # The affinity key now: the parsed body is not kept while waiting.
-        key = self._key(request, obj) if policy == "prefix" else None
+        key = self._key(request, obj, policy) if policy in AFFINITY_POLICIES else None
 
         def go() -> None:
             routes = gw.table.routes(model)

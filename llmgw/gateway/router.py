@@ -21,7 +21,16 @@ from typing import Final
 from twisted.internet.interfaces import IReactorTime
 from zope.interface import classImplements
 
-from llmgw.gateway.policy import FIRST_TURN, PolicyConfig, Ring, choose
+from llmgw.gateway.policy import (
+    AFFINITY_POLICIES,
+    FIRST_TURN,
+    PolicyConfig,
+    Ring,
+    choose,
+    key_point,
+    split_chain,
+)
+from llmgw.gateway.prefixindex import PrefixIndex
 from llmgw.routing import IInFlight, Route
 
 #: Rings kept (one per set of replica ids seen recently).
@@ -40,6 +49,7 @@ class Router:
         failure_threshold: int = 3,
         cooldown: float = 10.0,
         policy: PolicyConfig | None = None,
+        prefixes: PrefixIndex | None = None,
     ):
         if failure_threshold < 1:
             raise ValueError("failure_threshold must be at least 1")
@@ -50,6 +60,8 @@ class Router:
         self._ring_last: Ring | None = None
         #: affinity key (less its mark) -> the replica its last request went to
         self._homes: OrderedDict[bytes, str] = OrderedDict()
+        #: which replicas were lately sent which prompt beginnings (C{cache_aware})
+        self.prefixes = prefixes if prefixes is not None else PrefixIndex()
         #: replica -> (sampled_at of the signals last seen, in flight then)
         self._at_sample: dict[str, tuple[float, int]] = {}
         #: replica -> times of the requests C{prefix} sent it lately, oldest first
@@ -145,6 +157,7 @@ class Router:
         for d in (self._failures, self._cool_until, self._at_sample, self._sent):
             for r in [r for r in d if r not in keep]:
                 del d[r]
+        self.prefixes.forget(keep)
 
     # the decision
 
@@ -210,20 +223,28 @@ class Router:
             if entry is None or entry[0] != s.sampled_at:
                 entry = seen[rid] = (s.sampled_at, self._in_flight.get(rid, 0))
             at_sample[rid] = entry[1]
-        if policy != "prefix" or key is None:
+        if policy not in AFFINITY_POLICIES or key is None:
             return choose(
                 policy, candidates, self.in_flight, self.clock.seconds(), self.policy, key, turn, None, at_sample
             )
+        chain: bytes | None = None
+        depths: dict[str, int] | None = None
+        if policy == "cache_aware":
+            key, chain = split_chain(key)
         homes = self._homes
-        hkey = key[2:] if key[1:2] == b"\x00" else key
+        hkey = key_point(key)
         home = homes.get(hkey)
+        if chain and home is None and self.policy.prefix_match <= 1.0:
+            # A request with no home yet (an application's next question,
+            # or a conversation new to this gateway): where its beginning went.
+            depths = self.prefixes.match(chain, {r.replica_id for r in candidates})
         now = self.clock.seconds()
         window = self.policy.spread_s
         sent = self._sent
         if key.startswith(FIRST_TURN):
             # Without a spread window, the least loaded: no ring to walk.
             recent = None
-            ring = None
+            ring = self.ring(routes) if depths else None
             if window > 0:
                 ring = self.ring(routes)
                 recent = {}
@@ -235,18 +256,21 @@ class Router:
                             times.popleft()
                         recent[r.replica_id] = len(times)
             chosen = choose(
-                policy, candidates, self.in_flight, now, self.policy, key, turn, ring, at_sample, home, recent
+                policy, candidates, self.in_flight, now, self.policy, key, turn, ring, at_sample, home, recent,
+                depths, chain,
             )
         else:
             chosen = choose(
                 policy, candidates, self.in_flight, now, self.policy, key, turn,
-                self.ring(routes), at_sample, home,
+                self.ring(routes), at_sample, home, None, depths, chain,
             )
         if window > 0:
             times = sent.get(chosen.replica_id)
             if times is None:
                 times = sent[chosen.replica_id] = deque(maxlen=MAX_RECENT)
             times.append(now)
+        if chain:
+            self.prefixes.add(chain, chosen.replica_id)
         homes[hkey] = chosen.replica_id
         homes.move_to_end(hkey)
         if len(homes) > MAX_HOMES:

@@ -1,0 +1,121 @@
+"""
+Which replicas were lately sent prompts that begin with which text: a
+gateway's bounded guess at what each engine's prefix cache holds.
+
+A prompt is known by its chained chunk hashes (L{llmgw.gateway.policy.chunk_hashes},
+concatenated, C{HASH_BYTES} each): the i-th covers the prompt's first i + 1
+chunks, so two prompts share the i-th hash exactly when they share that
+much text. The index maps each hash to the replicas most lately sent a
+prompt starting with it (a flattened radix tree: each node is one chunk
+deeper than its parent), evicting the least recently used hashes beyond
+C{max_entries}. A prompt's shorter prefixes are refreshed after its longer
+ones, so eviction takes a path's deepest chunks first and a held prefix
+keeps its ancestors.
+
+It is a guess: an engine evicts on its own, and this gateway does not see
+the other gateways' requests. A wrong guess costs a prefill, never a
+wrong answer.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Collection, Mapping
+from typing import Final
+
+#: The length of each chained hash in a chain.
+HASH_BYTES: Final = 8
+#: Hashes kept (about 200 bytes each): 100,000 chunks of 256 characters
+#: cover some six million tokens of distinct prompt text, more than a
+#: small fleet's engines cache between them.
+MAX_ENTRIES: Final = 100_000
+#: Replicas remembered per hash, most recent last: a prefix sent to more
+#: replicas than this (a system prompt every replica holds) is matched on
+#: the latest ones only, which is enough to keep it off the others.
+MAX_HOLDERS: Final = 8
+
+
+class PrefixIndex:
+    """
+    A bounded map from chained chunk hashes to the replicas lately sent
+    them. Not thread-safe (the reactor thread's, like the router).
+    """
+
+    def __init__(self, max_entries: int = MAX_ENTRIES):
+        if max_entries < 1:
+            raise ValueError("max_entries must be at least 1")
+        self.max_entries = max_entries
+        self._entries: OrderedDict[bytes, list[str]] = OrderedDict()
+        #: every replica id added since the last forget that dropped one
+        self._known: set[str] = set()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def match(self, chain: bytes, candidates: Collection[str] | Mapping[str, object]) -> dict[str, int]:
+        """
+        Per replica of C{candidates} that this index says holds a prefix
+        of C{chain}, how many chunks of it (at least 1); replicas holding
+        none are left out. Reading does not refresh: only what is sent is.
+        """
+        entries = self._entries
+        depths: dict[str, int] = {}
+        n = len(chain) // HASH_BYTES
+        for i in range(n):
+            holders = entries.get(chain[i * HASH_BYTES : (i + 1) * HASH_BYTES])
+            if holders is None:
+                break
+            found = False
+            for rid in holders:
+                if rid in candidates:
+                    depths[rid] = i + 1
+                    found = True
+            if not found:
+                break
+        return depths
+
+    def add(self, chain: bytes, replica_id: str) -> None:
+        """
+        C{replica_id} was sent a prompt whose chained hashes are C{chain}:
+        it holds every prefix of it now.
+        """
+        entries = self._entries
+        n = len(chain) // HASH_BYTES
+        if replica_id not in self._known:
+            self._known.add(replica_id)
+        # Deepest first: the shorter prefixes end up the most recent, so
+        # eviction never leaves a chunk without its ancestors.
+        for i in range(n - 1, -1, -1):
+            h = chain[i * HASH_BYTES : (i + 1) * HASH_BYTES]
+            holders = entries.get(h)
+            if holders is None:
+                entries[h] = [replica_id]
+                continue
+            if holders[-1] != replica_id:
+                if replica_id in holders:
+                    holders.remove(replica_id)
+                holders.append(replica_id)
+                if len(holders) > MAX_HOLDERS:
+                    del holders[0]
+            entries.move_to_end(h)
+        while len(entries) > self.max_entries:
+            entries.popitem(last=False)
+
+    def forget(self, keep: Collection[str]) -> None:
+        """
+        Drop replicas not in C{keep} (gone from the routing table), and the
+        hashes only they held. Cheap when none of them is gone (the
+        routing table changes far more often than its replicas).
+        """
+        gone = [rid for rid in self._known if rid not in keep]
+        if not gone:
+            return
+        self._known.difference_update(gone)
+        entries = self._entries
+        for h in list(entries):
+            holders = entries[h]
+            kept = [rid for rid in holders if rid in keep]
+            if not kept:
+                del entries[h]
+            elif len(kept) != len(holders):
+                entries[h] = kept
