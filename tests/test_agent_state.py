@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +137,17 @@ class ShardRecordTests(SynchronousTestCase):
         ))
         self.assertEqual((record.pid, record.pgids, record.state), (4242, [4242], "ready"))
         self.assertEqual(record.to_json(), previous_bytes(PREVIOUS))
+
+    def test_stall_threshold_kept_when_set(self) -> None:
+        """
+        A shard's own stall threshold is kept in its record and read back;
+        the default one is left out, as records were before the field.
+        """
+        record = ShardRecord.from_json(previous_bytes(PREVIOUS))
+        changed = replace(record, spec=replace(record.spec, stall_after_s=4.0))
+        again = ShardRecord.from_json(changed.to_json())
+        self.assertEqual(again.spec.stall_after_s, 4.0)
+        self.assertNotIn(b"stall_after_s", record.to_json())
 
     def test_before_engines(self) -> None:
         """

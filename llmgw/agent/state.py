@@ -29,7 +29,7 @@ from typing import Any
 
 from twisted.logger import Logger
 
-from llmgw.shards import ShardSpec
+from llmgw.shards import DEFAULT_STALL_AFTER_S, ShardSpec
 
 __all__ = ["ShardRecord", "ShardSpec", "StateDir", "StateDirError", "valid_shard_id"]
 
@@ -84,6 +84,9 @@ class ShardRecord:
             del raw["spec"]["source"]
         # Peers matter only while fetching, and an older agent refuses the field.
         del raw["spec"]["model_peers"]
+        # The default stall threshold is written as before the field existed.
+        if raw["spec"].get("stall_after_s") == DEFAULT_STALL_AFTER_S:
+            del raw["spec"]["stall_after_s"]
         return json.dumps(raw, sort_keys=True, indent=1).encode()
 
     @classmethod

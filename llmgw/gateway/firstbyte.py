@@ -26,7 +26,8 @@ from statistics import median
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter
-from twisted.application.internet import TimerService
+from twisted.application.service import Service
+from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
 from llmgw.gateway.unstarted import Unstarted
@@ -147,19 +148,43 @@ class FirstByteWatch:
         self.unstarted.move(replica_id)
 
 
-def watch_service(watch: FirstByteWatch, clock: Any) -> TimerService:
+class _Checks(Service):
+    """
+    Runs C{check} every C{interval} seconds on C{clock} while running. Unlike
+    Twisted's C{TimerService}, stopping it when it never started (its
+    parent's start failed part-way: a port in use) is a no-op.
+    """
+
+    log = Logger(namespace="llmgw.gateway.firstbyte")
+
+    def __init__(self, interval: float, check: Any, clock: Any):
+        self.interval = interval
+        self.check = check
+        self.clock = clock
+        self._loop: LoopingCall | None = None
+
+    def _safely(self) -> None:
+        try:
+            self.check()
+        except Exception:
+            self.log.failure("checking for stalled replicas failed; the next check runs as usual")
+
+    def startService(self) -> None:
+        super().startService()
+        loop = self._loop = LoopingCall(self._safely)
+        loop.clock = self.clock
+        loop.start(self.interval, now=False)
+
+    def stopService(self) -> Any:
+        loop, self._loop = self._loop, None
+        if loop is not None and loop.running:
+            loop.stop()
+        return super().stopService()
+
+
+def watch_service(watch: FirstByteWatch, clock: Any) -> Service:
     """
     The service that runs C{watch.check} once a second; a failed check is
     logged and the next one runs.
     """
-    log = Logger(namespace="llmgw.gateway.firstbyte")
-
-    def safely() -> None:
-        try:
-            watch.check()
-        except Exception:
-            log.failure("checking for stalled replicas failed; the next check runs as usual")
-
-    service = TimerService(CHECK_INTERVAL, safely)
-    service.clock = clock
-    return service
+    return _Checks(CHECK_INTERVAL, watch.check, clock)
