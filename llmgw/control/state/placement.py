@@ -191,9 +191,11 @@ class Placer:
     entry each node has live there is recorded, and any other entry of it
     that comes up is a stale duplicate, dropped. An entry whose key or
     tier is no longer the node's is put back with the current ones when it
-    comes up (but a node whose rank improved, now holding the weights, gets
-    a new entry at once); a node that turns up (or can take work again) gets an entry
-    in each group that has none for it. So a placement costs a few heap
+    comes up, but a node that now sorts earlier by tier or rank (its shards
+    of the group went away, or it now holds the weights) gets a new entry
+    at once, since its old one would come up after nodes it should precede;
+    a node that turns up (or can take work again) gets an entry in each
+    group that has none for it. So a placement costs a few heap
     operations and a changed node at most one per group, never a scan of
     the fleet. A group's heaps are gathered the first time it places, a
     chunk at a time within the caller's time (C{over}), and then kept.
@@ -265,17 +267,21 @@ class Placer:
         for gkey, members in self._members.items():
             group, fabric, gpus, mem, weights = gkey
             live = members.get(node_id)
-            if live is not None and not weights:
+            tier = self._count(group, node_id)
+            # A live entry that sorts too early is put right when it comes
+            # up; one that sorts too late (the node now holds fewer of the
+            # group's shards) would let nodes that hold more be taken first.
+            if live is not None and tier >= live[0] and not weights:
                 continue
             if fabric and fabric not in node.fabrics:
                 continue
             if self._fit(node, Request(group, 1, gpus, mem)) is None or self._refused(gkey, node_id):
                 continue
             entry = self._entry(gkey, node_id)
-            if live is not None and entry[0] >= live[1][0]:
-                # No better placed for the weights: put right lazily when it comes up.
+            if live is not None and (tier > live[0] or (tier == live[0] and entry[0] >= live[1][0])):
+                # Its live entry comes up no later than the node now sorts
+                # (tier and rank no better): put right lazily then.
                 continue
-            tier = self._count(group, node_id)
             members[node_id] = (tier, entry)
             heapq.heappush(self._groups[gkey].setdefault(tier, []), entry)
 
