@@ -81,6 +81,32 @@ class PlacementTests(SynchronousTestCase):
         got = place_all([node("a", [80] * 2), node("b", [80] * 8)], [Request("m")], spread={"m": {"a": 1}})
         self.assertEqual(got[0][0].node_id, "b")  # type: ignore[index]
 
+    def test_kept_placer_spreads_after_shards_go(self) -> None:
+        """
+        A kept placer spreads again once a deployment's shards are gone:
+        with one replica on each of two nodes, both replicas failed and
+        their shards dropped, the two replacements go to different nodes,
+        not both to the one whose entry happens to come up first.
+        """
+        spread: dict[str, dict[str, int]] = {}
+        caps = {n: node(n, [80, 80]) for n in ("a", "b")}
+        placer = Placer(caps.values(), spread, PortBook(), live_spread=True)
+
+        def place() -> str:
+            [slot] = placer.place(Request("m", gpu_memory_mb=1)) or []
+            counts = spread.setdefault("m", {})
+            counts[slot.node_id] = counts.get(slot.node_id, 0) + 1
+            free = [f for f in caps[slot.node_id].free if f[1] not in slot.gpu_indices]
+            placer.update(slot.node_id, NodeCapacity(slot.node_id, slot.node_id, {}, free))
+            return slot.node_id
+
+        self.assertEqual({place(), place()}, {"a", "b"})
+        # Both shards gone: the nodes hold none of the deployment's again.
+        spread["m"].clear()
+        for n, cap in caps.items():
+            placer.update(n, cap)
+        self.assertEqual({place(), place()}, {"a", "b"})
+
     def test_multi_shard_distinct_nodes_on_fabric(self) -> None:
         """
         A multi-shard replica gets distinct nodes that share the profile's
@@ -206,8 +232,9 @@ class KeptPlacerProperties(SynchronousTestCase):
         A placer kept across random placements, node changes and shards
         going away (as the reconciler keeps it, told of each changed node)
         places a replica exactly when one built afresh from the same nodes
-        can, and only on GPUs that are free and large enough, all shards on
-        distinct nodes of the fabric, or nothing at all.
+        can, on nodes holding as few of the deployment's shards as the
+        fresh one's, and only on GPUs that are free and large enough, all
+        shards on distinct nodes of the fabric, or nothing at all.
         """
         truth: dict[str, list[tuple[int, int]] | None] = {
             n: [(mb, i) for i, mb in enumerate(f)] for n, f in zip(NODE_IDS, start, strict=True)
@@ -238,11 +265,16 @@ class KeptPlacerProperties(SynchronousTestCase):
                 req = op[1]
                 fresh = Placer([c for n in NODE_IDS if (c := cap(n)) is not None],
                                {g: dict(v) for g, v in spread.items()}, PortBook(1, 100000))
-                could = fresh.place(req) is not None
+                wanted = fresh.place(req)
                 slots = kept.place(req)
-                self.assertEqual(slots is not None, could, f"{req}: kept and fresh placers differ")
-                if slots is None:
+                self.assertEqual(slots is not None, wanted is not None, f"{req}: kept and fresh placers differ")
+                if slots is None or wanted is None:
                     continue
+                # Spread as a fresh placer would: nodes holding as few of
+                # the group's shards (best fit among them may differ).
+                held = spread.get(req.group, {})
+                self.assertEqual(sorted(held.get(s.node_id, 0) for s in slots),
+                                 sorted(held.get(s.node_id, 0) for s in wanted), f"{req}: spread differs")
                 self.assertEqual(len(slots), req.shards)
                 self.assertEqual(len({s.node_id for s in slots}), req.shards)
                 for s in slots:

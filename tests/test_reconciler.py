@@ -448,6 +448,24 @@ class FailureTests(SynchronousTestCase):
         f.step(1.0, 1)
         self.assertEqual(len(f.dispatcher.starts), 2)
 
+    def test_replacements_spread_over_nodes(self) -> None:
+        """
+        When every replica of a deployment fails at once, the replacements
+        spread over the nodes again, though one node has room for them all:
+        placement is not misled by the nodes it held the replicas on.
+        """
+        f = Fleet({"demo": ("one", 2)}, nodes=2, gpus=2, grace=0)
+        f.step()
+        first = list(f.dispatcher.starts)
+        self.assertEqual(sorted(c.node_id for c in first), sorted(f.ids))
+        f.dispatcher.clear()
+        for cmd in first:
+            f.report(cmd, "starting")
+            f.report(cmd, "failed", exit_code=1)
+        while len(f.dispatcher.starts) < 2:
+            f.step()
+        self.assertEqual(sorted(c.node_id for c in f.dispatcher.starts), sorted(f.ids))
+
     def test_crash_loop_backoff(self) -> None:
         """
         A crash-looping deployment waits 10 s, then twice as long after each

@@ -204,9 +204,11 @@ class Placer:
     entry each node has live there is recorded, and any other entry of it
     that comes up is a stale duplicate, dropped. An entry whose key or
     tier is no longer the node's is put back with the current ones when it
-    comes up (but a node whose rank improved, now holding the weights, gets
-    a new entry at once); a node that turns up (or can take work again) gets an entry
-    in each group that has none for it. So a placement costs a few heap
+    comes up, but a node that now sorts earlier by tier or rank (its shards
+    of the group went away, or it now holds the weights) gets a new entry
+    at once, since its old one would come up after nodes it should precede;
+    a node that turns up (or can take work again) gets an entry in each
+    group that has none for it. So a placement costs a few heap
     operations and a changed node at most one per group, never a scan of
     the fleet. A group's heaps are gathered the first time it places, a
     chunk at a time within the caller's time (C{over}), and then kept.
@@ -278,7 +280,11 @@ class Placer:
         for gkey, members in self._members.items():
             group, fabric, gpus, mem, weights, types, prefer = gkey
             live = members.get(node_id)
-            if live is not None and not weights and not prefer:
+            tier = self._count(group, node_id)
+            # A live entry that sorts too early is put right when it comes
+            # up; one that sorts too late (the node now holds fewer of the
+            # group's shards) would let nodes that hold more be taken first.
+            if live is not None and tier >= live[0] and not weights and not prefer:
                 continue
             if fabric and fabric not in node.fabrics:
                 continue
@@ -286,11 +292,11 @@ class Placer:
                     is None or self._refused(gkey, node_id)):
                 continue
             entry = self._entry(gkey, node_id)
-            if live is not None and entry[:2] >= live[1][:2]:
-                # No better placed for the weights or the preferred types:
-                # put right lazily when it comes up.
+            if live is not None and (tier > live[0] or (tier == live[0] and entry[:2] >= live[1][:2])):
+                # Its live entry comes up no later than the node now sorts
+                # (tier, preferred types and weights no better): put right
+                # lazily then.
                 continue
-            tier = self._count(group, node_id)
             members[node_id] = (tier, entry)
             heapq.heappush(self._groups[gkey].setdefault(tier, []), entry)
 
