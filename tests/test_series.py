@@ -34,10 +34,9 @@ from llmgw.control.state.series import (
     points_for,
     rates,
 )
-from llmgw.control.state.signals import ShardSignals
 from llmgw.gateway.keys import KeyRing
 from llmgw.gateway.service import GatewayService
-from llmgw.routing import Demand, EngineSignals, Route, RoutingSnapshot
+from llmgw.routing import Demand, Route, RoutingSnapshot
 from llmgw.testing.fleet import sample_fleet
 from llmgw.testing.pki import make_pki
 from llmgw.tlsconf.options import ClientTLSPolicy, ServerTLS, TLSFiles, server_files
@@ -148,15 +147,10 @@ class FamilyTests(SynchronousTestCase):
 
 
 class FakeFleetSource:
-    """The reconciler's side the keeper reads: engine signals rows and demand."""
+    """The reconciler's side the keeper reads: the gateways' demand."""
 
     def __init__(self) -> None:
-        self.tokens: dict[str, tuple[str, float]] = {}
         self.demands: dict[str, Demand] = {}
-
-    def engine_signal_rows(self) -> list[tuple[str, str, str, ShardSignals]]:
-        return [(model, "r-" + shard, shard, ShardSignals(EngineSignals(0.0, generated_tokens=n)))
-                for shard, (model, n) in self.tokens.items()]
 
     def demand(self) -> dict[str, Demand]:
         return dict(self.demands)
@@ -233,21 +227,19 @@ class KeeperTests(SynchronousTestCase):
         self.assertTrue(30 < demo["ttfb_p99_s"][0][1] <= 60, demo)
         self.assertEqual(demo["requests_per_s"], [[1010, 10.0], [1020, 0.0]])
 
-    def test_tokens_per_model_from_engines(self) -> None:
+    def test_output_tokens_per_model(self) -> None:
         """
-        Tokens per second per model add up each shard's counter over the
-        step; a shard whose engine restarted counts its new total, and a
-        new shard starts counting at its second sample.
+        Output tokens per second per model are the completion tokens the
+        embedded gateway counted over the step, whatever the key.
         """
-        self.fleet.tokens = {"s1": ("demo", 100.0), "s2": ("demo", 50.0)}
         self.keeper.sample()
-        self.fleet.tokens = {"s1": ("demo", 300.0), "s2": ("demo", 20.0), "s3": ("big", 1e6)}
+        self.traffic(10, "team-a")
+        self.traffic(20, "batch")
         self.clock.advance(10)
         self.keeper.sample()
         view = self.keeper.view(0.0)
-        self.assertEqual(view["models"]["demo"]["tokens_per_s"], [[1010, 22.0]])
-        self.assertEqual(view["fleet"]["tokens_per_s"], [[1010, 22.0]])
-        self.assertNotIn("big", view["models"])
+        self.assertEqual(view["models"]["demo"]["output_tokens_per_s"], [[1010, 21.0]])
+        self.assertEqual(view["fleet"]["output_tokens_per_s"], [[1010, 21.0]])
 
     def test_keys_capped(self) -> None:
         """

@@ -5,18 +5,17 @@ already report, into bounded rings (L{llmgw.control.state.series}) that
 hold the last L{KEEP_S} seconds; C{GET /api/v1/series} serves them
 (L{SeriesKeeper.view}).
 
-Per model: requests per second and time to first byte (p50, p99) from the
-embedded gateway's counters and histogram; tokens per second from the
-engines' generated-token counters (every gateway's traffic, as the agents'
-heartbeats carry them); requests waiting in admission queues and in
-flight from the demand the gateways report (standalone gateways report it
-for autoscaled models only). Per node: the share of its GPU memory in use,
-from the heartbeats. Per API key: requests and tokens per second from the
-embedded gateway's usage. And the fleet's totals.
+Per model: requests per second, time to first byte (p50, p99) and output
+(completion) tokens per second, from the embedded gateway's counters,
+histogram and usage (the traffic of standalone gateways shows in their own
+C{/metrics}); requests waiting in admission queues and in flight from the
+demand the gateways report (standalone gateways report it for autoscaled
+models only). Per node: the share of its GPU memory in use, from the
+heartbeats. Per API key: requests and tokens (prompt and completion) per
+second from the embedded gateway's usage. And the fleet's totals.
 
-A sample reads each source once: one look at every node's record (no copy)
-and every shard's signals per step, which at 10,000 nodes is milliseconds
-every ten seconds.
+A sample reads each source once, and nothing per shard: one look at every
+node's record (no copy) per step, the gateway's counts per model and key.
 """
 
 from __future__ import annotations
@@ -54,10 +53,10 @@ DEFAULT_TOP_NODES = 8
 #: Most nodes one answer may carry (by C{top} or by name).
 MAX_ANSWER_NODES = 200
 
-MODEL_METRICS = ("requests_per_s", "ttfb_p50_s", "ttfb_p99_s", "tokens_per_s", "queue", "in_flight")
+MODEL_METRICS = ("requests_per_s", "ttfb_p50_s", "ttfb_p99_s", "output_tokens_per_s", "queue", "in_flight")
 NODE_METRICS = ("gpu_memory_used_pct",)
 KEY_METRICS = ("requests_per_s", "tokens_per_s")
-FLEET_METRICS = ("requests_per_s", "tokens_per_s", "gpu_memory_used_gib", "gpu_memory_total_gib")
+FLEET_METRICS = ("requests_per_s", "output_tokens_per_s", "gpu_memory_used_gib", "gpu_memory_total_gib")
 
 
 class ControlSources:
@@ -94,14 +93,6 @@ class ControlSources:
             return (), {}
         return tuple(ttfb.bounds), {m: list(s[:-1]) for m, s in list(ttfb.series.items())}
 
-    def generated_tokens(self) -> Iterable[tuple[str, str, float]]:
-        """(model, shard, tokens its engine generated since it started) per shard that says."""
-        rows = getattr(self.fleet, "engine_signal_rows", None)
-        for model, _replica, shard, entry in rows() if rows is not None else ():
-            signals = entry.signals
-            if signals is not None and signals.generated_tokens is not None:
-                yield model, shard, signals.generated_tokens
-
     def demand(self) -> Mapping[str, Any]:
         """Per model, the requests in flight and waiting the gateways report (L{Demand}s)."""
         demand = getattr(self.fleet, "demand", None)
@@ -123,14 +114,14 @@ class ControlSources:
                 total += g.memory_total_mb
             yield node_id, used, total
 
-    def key_usage(self) -> dict[str, tuple[float, float]]:
-        """Per API key name, the requests and tokens the embedded gateway counted since it started."""
+    def usage(self) -> list[tuple[str, str, int, int, int]]:
+        """
+        (key name, model, requests, prompt tokens, completion tokens) the
+        embedded gateway counted since it started, per key and model.
+        """
         usage = getattr(self.gateway(), "usage", None)
-        out: dict[str, tuple[float, float]] = {}
-        for key, _model, row in usage.rows() if usage is not None else ():
-            r, t = out.get(key, (0, 0))
-            out[key] = (r + row.requests, t + row.prompt_tokens + row.completion_tokens)
-        return out
+        rows = usage.rows() if usage is not None else ()
+        return [(k, m, r.requests, r.prompt_tokens, r.completion_tokens) for k, m, r in rows]
 
 
 class SeriesKeeper(Service):
@@ -154,7 +145,7 @@ class SeriesKeeper(Service):
         self.keep_s = keep_s
         points = points_for(keep_s, step_s)
         self.models = SeriesFamily(MODEL_METRICS, points, max_models,
-                                   additive=("requests_per_s", "tokens_per_s", "queue", "in_flight"))
+                                   additive=("requests_per_s", "output_tokens_per_s", "queue", "in_flight"))
         # Hundredths of a percent in two bytes: 10,000 nodes' hour is 7 MB.
         self.nodes = SeriesFamily(NODE_METRICS, points, max_nodes, typecode="H", scale=100.0, other=None)
         self.keys = SeriesFamily(KEY_METRICS, points, max_keys)
@@ -211,19 +202,19 @@ class SeriesKeeper(Service):
         self._last_t = now
         self.samples += 1
         # The gateway's counters start at a model's or key's first request:
-        # one new in the step counts from zero. An engine's may have counted
-        # before its first heartbeat here.
+        # one new in the step counts from zero.
         rps = rates(self._requests, self._read("the gateway's requests", src.requests_by_model, {}), dt, True)
         bounds, buckets = self._read("the gateway's first bytes", src.first_byte_buckets, ((), {}))
         ttfb = bucket_deltas(self._ttfb, buckets, dt > 0)
-        model_of: dict[str, str] = {}
-        counters: dict[str, float] = {}
-        for model, shard, n in self._read("the engines' tokens", lambda: list(src.generated_tokens()), []):
-            model_of[shard] = model
-            counters[shard] = n
-        tokens: dict[str, float] = {}
-        for shard, r in rates(self._tokens, counters, dt).items():
-            tokens[model_of[shard]] = tokens.get(model_of[shard], 0.0) + r
+        usage = self._read("the gateway's usage", src.usage, [])
+        output: dict[str, float] = {}
+        key_requests: dict[str, float] = {}
+        key_tokens: dict[str, float] = {}
+        for key, model, requests, prompt, completion in usage:
+            output[model] = output.get(model, 0) + completion
+            key_requests[key] = key_requests.get(key, 0) + requests
+            key_tokens[key] = key_tokens.get(key, 0) + prompt + completion
+        tokens = rates(self._tokens, output, dt, True)
         demand = self._read("the gateways' demand", src.demand, {})
         rows: dict[str, list[float | None]] = {}
         for model in dict.fromkeys([*rps, *ttfb, *tokens, *demand]):
@@ -245,9 +236,8 @@ class SeriesKeeper(Service):
             total_all += total
             nodes[node_id] = [100.0 * used / total if total > 0 else None]
         self.nodes.add(now, nodes)
-        usage = self._read("the gateway's usage", src.key_usage, {})
-        key_rps = rates(self._keys, {k: v[0] for k, v in usage.items()}, dt, True)
-        key_tps = rates(self._key_tokens, {k: v[1] for k, v in usage.items()}, dt, True)
+        key_rps = rates(self._keys, key_requests, dt, True)
+        key_tps = rates(self._key_tokens, key_tokens, dt, True)
         self.keys.add(now, {k: [key_rps.get(k), key_tps.get(k)] for k in dict.fromkeys([*key_rps, *key_tps])})
         self.fleet.add(now, {"fleet": [
             sum(rps.values()) if dt > 0 else None,

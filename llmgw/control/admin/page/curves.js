@@ -14,12 +14,12 @@
   const CHARTS = [
     { id: "rps", title: "Requests per second, by model", family: "models", metrics: ["requests_per_s"], fmt: (v) => v.toFixed(1) },
     { id: "ttfb", title: "Time to first byte, by model (p50, p99 dashed)", family: "models", metrics: ["ttfb_p50_s", "ttfb_p99_s"], fmt: secondsText },
-    { id: "tps", title: "Tokens per second, by model", family: "models", metrics: ["tokens_per_s"], fmt: (v) => v.toFixed(0) },
+    { id: "tps", title: "Output tokens per second, by model", family: "models", metrics: ["output_tokens_per_s"], fmt: (v) => v.toFixed(0) },
     { id: "queue", title: "Requests waiting in gateway queues, by model", family: "models", metrics: ["queue"], fmt: (v) => v.toFixed(0) },
     { id: "gpumem", title: "GPU memory used, busiest nodes (%)", family: "nodes", metrics: ["gpu_memory_used_pct"], fmt: (v) => v.toFixed(0) + "%" },
     { id: "fleetmem", title: "GPU memory of the fleet (GiB: used, in all)", family: "fleet", metrics: ["gpu_memory_used_gib", "gpu_memory_total_gib"], fmt: (v) => v.toFixed(0) },
     { id: "keyrps", title: "Requests per second, by API key", family: "keys", metrics: ["requests_per_s"], fmt: (v) => v.toFixed(1) },
-    { id: "keytps", title: "Tokens per second, by API key", family: "keys", metrics: ["tokens_per_s"], fmt: (v) => v.toFixed(0) },
+    { id: "keytps", title: "Tokens per second (prompt and output), by API key", family: "keys", metrics: ["tokens_per_s"], fmt: (v) => v.toFixed(0) },
   ];
   // family -> name -> metric -> Map(t -> v); the fleet family has one name.
   const store = { models: new Map(), nodes: new Map(), keys: new Map(), fleet: new Map() };
