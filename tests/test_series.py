@@ -24,7 +24,7 @@ from twisted.web.client import Agent, HTTPConnectionPool
 from llmgw.control.admin.api import ENDPOINTS, AdminResource
 from llmgw.control.admin.site import admin_service
 from llmgw.control.shell.metrics import make_registry
-from llmgw.control.shell.series import ControlSources, SeriesKeeper
+from llmgw.control.shell.series import ControlSources, NodeMemoryCollector, SeriesKeeper
 from llmgw.control.state.inventory import GPUInfo, Inventory, Node
 from llmgw.control.state.series import (
     OTHER,
@@ -434,3 +434,22 @@ class VendorFileTests(SynchronousTestCase):
 
         licence = files("llmgw.control.admin").joinpath("page", "vendor", "uPlot.LICENSE").read_text()
         self.assertIn("MIT License", licence)
+
+
+class NodeMemoryMetricsTests(SynchronousTestCase):
+    def test_metrics(self) -> None:
+        """
+        C{/metrics} has each node's GPU memory in use and in all, in bytes,
+        from the inventory; nodes without GPUs have no sample (the control
+        plane's metrics include it: L{tests.test_metrics}).
+        """
+        inventory = Inventory()
+        inventory.upsert(node("n1", [250, 750]))
+        inventory.upsert(Node("cpu-only"))
+        registry = make_registry()
+        registry.register(NodeMemoryCollector(lambda: inventory))
+        self.assertEqual(registry.get_sample_value("llmgw_node_gpu_memory_used_bytes", {"node": "n1"}),
+                         1000 * 2**20)
+        self.assertEqual(registry.get_sample_value("llmgw_node_gpu_memory_total_bytes", {"node": "n1"}),
+                         2000 * 2**20)
+        self.assertIsNone(registry.get_sample_value("llmgw_node_gpu_memory_total_bytes", {"node": "cpu-only"}))

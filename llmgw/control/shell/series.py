@@ -24,6 +24,8 @@ import heapq
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 from twisted.application.service import Service
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
@@ -122,6 +124,34 @@ class ControlSources:
         usage = getattr(self.gateway(), "usage", None)
         rows = usage.rows() if usage is not None else ()
         return [(k, m, r.requests, r.prompt_tokens, r.completion_tokens) for k, m, r in rows]
+
+
+class NodeMemoryCollector(Collector):
+    """
+    C{/metrics}: each node's GPU memory in use and in all (summed over its
+    GPUs, in bytes, from its heartbeats), the per-node curve for those who
+    draw with Prometheus and Grafana. Nodes without GPUs have no sample.
+    """
+
+    log = Logger()
+
+    def __init__(self, inventory: Callable[[], Any]):
+        self.inventory = inventory
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        used = GaugeMetricFamily("llmgw_node_gpu_memory_used_bytes",
+                                 "GPU memory in use on each node (all its GPUs), as its latest heartbeat said.",
+                                 labels=["node"])
+        total = GaugeMetricFamily("llmgw_node_gpu_memory_total_bytes",
+                                  "GPU memory of each node (all its GPUs).", labels=["node"])
+        try:
+            for node_id, u, t in ControlSources(None, self.inventory(), lambda: None).node_memory():
+                used.add_metric([node_id], u * 2**20)
+                total.add_metric([node_id], t * 2**20)
+        except Exception:
+            self.log.failure("reading the nodes' GPU memory for /metrics failed; left out")
+        yield used
+        yield total
 
 
 class SeriesKeeper(Service):
