@@ -89,7 +89,7 @@
     const opts = {
       width: Math.max(box.clientWidth, 200), height: 170, series,
       scales: { x: { time: true }, y: { range: (u, lo, hi) => [0, hi > 0 ? hi * 1.1 : 1] } },
-      axes: [{}, { size: 56, values: (u, vals) => vals.map((v) => chart.fmt(v)) }],
+      axes: [{}, { size: 64, values: (u, vals) => vals.map((v) => chart.fmt(v)) }],
       cursor: { drag: { x: false, y: false } },
     };
     box.replaceChildren();
