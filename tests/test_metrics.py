@@ -89,7 +89,8 @@ class AgentMetricsTests(SynchronousTestCase):
             names,
             {"llmgw_agents_connected", "llmgw_agent_connections_open",
              "llmgw_agent_registrations", "llmgw_dispatch_refusals", "llmgw_node_stray_processes",
-             "llmgw_model_cache_bytes", "llmgw_model_cached"},
+             "llmgw_model_cache_bytes", "llmgw_model_cached", "llmgw_node_gpu_memory_used_bytes",
+             "llmgw_node_gpu_memory_total_bytes"},
         )
 
 

@@ -84,6 +84,7 @@ from llmgw.control.admin.fleet import (
 from llmgw.control.admin.leader import to_leader
 from llmgw.control.admin.login import Login, Logins, Logout
 from llmgw.control.admin.page import PageFiles, serve_page
+from llmgw.control.admin.series import Series
 from llmgw.control.admin.watch import WatchHub
 from llmgw.control.admin.websocket import WatchFactory, WatchResource
 from llmgw.control.state.interfaces import AdminError, IFleetAdmin
@@ -104,6 +105,7 @@ ENDPOINTS = [
     "GET /api/v1/routes?since=REVISION",
     "GET /api/v1/watch?since=REVISION&epoch=EPOCH&only=routes (WebSocket)",
     "GET /api/v1/usage",
+    "GET /api/v1/series?since=SECONDS&top=N&node=ID (curves of the last hour)",
     "POST /api/v1/nodes/{id}/cordon",
     "POST /api/v1/nodes/{id}/uncordon",
     "POST /api/v1/nodes/{id}/drain",
@@ -167,11 +169,14 @@ class AdminResource(AdminNode):
         revoked: Callable[[], frozenset[int]] | None = None,
         watch: WatchHub | None = None,
         logins: Logins | None = None,
+        series: Any = None,
     ):
         super().__init__(self)
         #: With mutual TLS, the users who may log in without a certificate;
         #: none, every request needs one.
         self.logins = logins
+        #: The curves' keeper (C{GET /api/v1/series}); none, a 404.
+        self.series = series
         #: The watch stream's hub (C{GET /api/v1/watch}); none, no stream.
         self.watch = watch
         #: What serves the stream's connections; none, a 404.
@@ -208,6 +213,7 @@ class AdminResource(AdminNode):
             b"routes": Routes(self),
             b"watch": WatchResource(self),
             b"usage": Usage(self),
+            b"series": Series(self),
             b"demand": Demand(self),
             b"catalog": _branch(self, {b"reload": CatalogReload(self)}),
             b"tls": _branch(self, {b"reload": TLSReload(self)}),

@@ -1,7 +1,9 @@
 """
 The fleet page's files (C{llmgw/control/admin/page/}): C{GET /} with
-C{Accept: text/html} is its C{index.html}, C{GET /page/NAME} its script
-and style. Every member of an HA control plane serves them itself; the
+C{Accept: text/html} is its C{index.html}, C{GET /page/NAME} its scripts
+and styles, among them the charting library it draws curves with (uPlot,
+MIT, in C{page/vendor/} with its licence: the page loads nothing from
+outside the control plane, so it works on a fleet with no internet). Every member of an HA control plane serves them itself; the
 page's own API calls are sent on like any other.
 """
 
@@ -18,6 +20,9 @@ PAGE_FILES = {
     "index.html": b"text/html; charset=utf-8",
     "page.js": b"text/javascript; charset=utf-8",
     "page.css": b"text/css; charset=utf-8",
+    "curves.js": b"text/javascript; charset=utf-8",
+    "vendor/uPlot.iife.min.js": b"text/javascript; charset=utf-8",
+    "vendor/uPlot.min.css": b"text/css; charset=utf-8",
 }
 #: The page loads only its own files and talks only to this API.
 PAGE_CSP = (b"default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
@@ -35,7 +40,7 @@ def page_file(name: str) -> tuple[bytes, bytes] | None:
     if name not in _page_cache:
         from importlib.resources import files
 
-        body = files("llmgw.control.admin").joinpath("page", name).read_bytes()
+        body = files("llmgw.control.admin").joinpath("page", *name.split("/")).read_bytes()
         _page_cache[name] = (body, PAGE_FILES[name])
     return _page_cache[name]
 

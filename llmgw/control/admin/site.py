@@ -24,6 +24,7 @@ from llmgw.control.admin.login import Logins
 from llmgw.control.admin.watch import WatchHub
 from llmgw.control.core.users import USERS_FILE, UserFile
 from llmgw.control.shell.limits import DEFAULT_MAX_PER_ADDRESS, ConnectionLimiter
+from llmgw.control.shell.series import ControlSources, SeriesKeeper
 from llmgw.control.state.interfaces import IFleetAdmin
 from llmgw.hostcheck import HostCheck
 from llmgw.httpdeadline import DeadlineSite, TLSDeadlineChannel
@@ -116,28 +117,35 @@ def admin_site(
     hosts: HostCheck | None = None,
     watch: WatchHub | None = None,
     logins: Logins | None = None,
+    series: SeriesKeeper | None = None,
 ) -> AdminSite:
     """
     The admin API's C{Site}; with C{require_certificate}, every request
     needs an admin certificate (serve it over L{ServerTLS}), or with
     C{logins} a session (L{llmgw.control.admin.login}); C{hosts} as
     for L{AdminResource}. The watch stream is served from C{watch}, by
-    default a L{WatchHub} on C{reactor} (none without a reactor);
-    L{AdminListenerService} starts and stops it.
+    default a L{WatchHub} on C{reactor} (none without a reactor), and the
+    curves from C{series}, by default a L{SeriesKeeper} likewise;
+    L{AdminListenerService} starts and stops both.
     """
     if watch is None and reactor is not None:
         watch = WatchHub(fleet, reactor)
+    if series is None and reactor is not None:
+        series = SeriesKeeper(reactor, ControlSources(
+            fleet, getattr(agents, "inventory", None),
+            lambda: getattr(getattr(control, "gateway", None), "gateway", None)))
     if watch is not None and revoked is not None:
         watch.revoked = revoked
     site = AdminSite(
         AdminResource(
             fleet, registry, agents, control=control, require_certificate=require_certificate,
-            revoked=revoked, hosts=hosts, watch=watch, logins=logins,
+            revoked=revoked, hosts=hosts, watch=watch, logins=logins, series=series,
         ),
         timeout=timeout,
         reactor=reactor,
     )
     site.watch = watch  # type: ignore[attr-defined]
+    site.series = series  # type: ignore[attr-defined]
     return site
 
 
@@ -182,10 +190,12 @@ def _revoked_by(tls: ServerTLS) -> Callable[[], frozenset[int]]:
 class AdminListenerService(ListenerService):
     """
     The admin API's listener; its watch hub (C{watch}) follows the fleet
-    while it runs, and its clients are dropped when it stops.
+    while it runs, and its clients are dropped when it stops; its curves'
+    keeper (C{series}) samples while it runs.
     """
 
     watch: WatchHub | None = None
+    series: SeriesKeeper | None = None
 
     def startService(self) -> None:
         if self.watch is not None:
@@ -196,10 +206,14 @@ class AdminListenerService(ListenerService):
             if self.watch is not None:
                 self.watch.stop()
             raise
+        if self.series is not None:
+            self.series.startService()
 
     def stopService(self) -> Any:
         if self.watch is not None:
             self.watch.stop()
+        if self.series is not None and self.series.running:
+            self.series.stopService()
         return super().stopService()
 
 
@@ -274,6 +288,7 @@ def admin_service(
     svc = AdminListenerService(server_endpoint(reactor, host, port), factory)
     svc.limiter = limiter  # type: ignore[attr-defined]
     svc.watch = site.watch  # type: ignore[attr-defined]
+    svc.series = site.series  # type: ignore[attr-defined]
     svc.setName("admin-listener")
     svc.tls = tls is not None  # type: ignore[attr-defined]
     return svc

@@ -44,6 +44,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 from twisted.logger import Logger
 
+from llmgw.control.shell.series import NodeMemoryCollector
 from llmgw.crash import CrashClass
 from llmgw.states import ReplicaState, ShardState
 
@@ -429,6 +430,8 @@ def register_control_metrics(
     """
     collector = ControlCollector(agents, fleet, tls, limiter=limiter)
     registry.register(collector)
+    # Each node's GPU memory, as the console's curves have it.
+    registry.register(NodeMemoryCollector(lambda: getattr(agents, "inventory", None)))
     return collector
 
 
