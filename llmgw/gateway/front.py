@@ -77,7 +77,7 @@ from llmgw.gateway.frontflow import (
 )
 from llmgw.gateway.frontrequest import REASONS, FrontRequest
 from llmgw.gateway.httphead import HeadRefused, parse_head
-from llmgw.gateway.wire import send_now
+from llmgw.gateway.wire import after_sent, send_now
 
 #: The most a request line and its headers may take.
 MAX_HEAD: Final = 64 * 1024
@@ -549,10 +549,9 @@ class HTTPFront(Protocol):
             # A client that never reads what is left must not hold the
             # socket: the flow aborts the connection after a while.
             self.flow.closing(self.transport, self.peer, drain)
-            if half_close is not None and drain:
-                half_close()
-            else:
-                self.transport.loseConnection()
+            # After the answer's bytes, which may still wait for the burst.
+            after_sent(self.transport, half_close if half_close is not None and drain
+                       else self.transport.loseConnection)
 
     def _refuse(self, status: int, message: str, code: str) -> None:
         self.log.info(

@@ -92,6 +92,26 @@ class _Burst:
 
 
 _bursts: Final[WeakKeyDictionary[Any, _Burst]] = WeakKeyDictionary()
+#: Each transport a writer sends on directly: its burst and how many of its
+#: writes wait for that burst (see L{after_sent}).
+_pending: Final[WeakKeyDictionary[Any, tuple[_Burst, list[int]]]] = WeakKeyDictionary()
+
+
+def after_sent(transport: Any, then: Callable[[], None]) -> None:
+    """
+    Call C{then} (a C{loseConnection}, say) once the bytes written to
+    C{transport} through L{send_now} have been handed to it: at once when
+    none wait for the burst, else right after them in the burst. Closing
+    before they are handed over would lose them: a transport with nothing
+    queued closes on the reactor's next poll, which may come before the
+    burst (on a reactor without C{afterEvents}, the burst is a
+    C{callLater(0)}, and a close from a timer polls first).
+    """
+    pending = _pending.get(transport)
+    if pending is None or not pending[1][0]:
+        then()
+        return
+    pending[0].add(lambda _data: then(), b"")
 
 
 def _burst_for(reactor: Any) -> _Burst:
@@ -112,9 +132,11 @@ def send_now(transport: Any) -> Callable[[bytes], None]:
     if sock is None:
         return write
     send = sock.send
-    add = _burst_for(reactor_of(transport)).add
+    burst = _burst_for(reactor_of(transport))
+    add = burst.add
     # How many of this writer's writes wait for the burst.
     waiting = [0]
+    _pending[transport] = (burst, waiting)
 
     def send_or_queue(data: bytes) -> None:
         waiting[0] -= 1
