@@ -168,6 +168,8 @@ class Fleet:
             "--admin", f"127.0.0.1:{self.admin_port}", "--admin-tls",
             "--gateway", f"127.0.0.1:{self.gateway_port}", "--api-keys", str(self.work / "keys.toml"),
             "--catalog", str(self.work / "catalog.toml"), "--adoption-grace", "0", "--heartbeat", "1",
+            # More options for the control plane, to compare settings in one run.
+            *os.environ.get("LLMGW_ABUSE_CONTROL_ARGS", "").split(),
         ))
         self._wait_port(self.agent_port, "control", timeout)
         self._spawn("agent", twistd(
