@@ -49,6 +49,10 @@ from llmgw.tlsconf.handshake import HandshakeDeadline
 HEAD_TIMEOUT: Final = 10.0
 #: Seconds from a request's first byte to the end of its body.
 REQUEST_TIMEOUT: Final = 30.0
+#: The most requests a connection has answered from what it already read
+#: before the rest waits for a later reactor turn: one read of pipelined
+#: tiny requests would otherwise hold the reactor for all their answers.
+REQUESTS_PER_TURN: Final = 16
 
 
 class DeadlineChannel(HTTPChannel):
@@ -78,6 +82,11 @@ class DeadlineChannel(HTTPChannel):
     _due = 0.0
     _head_done = False
     _timed_out = False
+    #: Requests complete in the current turn, and the call that starts the next.
+    _turn_requests = 0
+    _next_turn: IDelayedCall | None = None
+    #: The transport's buffer is full (it paused us).
+    _transport_full = False
 
     def dataReceived(self, data: bytes) -> None:
         if self._timed_out:
@@ -110,7 +119,29 @@ class DeadlineChannel(HTTPChannel):
     def allContentReceived(self) -> None:
         self._stop_deadline()
         self._answering = True
+        self._turn_requests += 1
         super().allContentReceived()
+        if self._turn_requests >= REQUESTS_PER_TURN and self._next_turn is None:
+            # This one is answered (or with its resource); what else was
+            # read waits (the line loop honours C{paused}), and nothing more
+            # is read meanwhile (after twisted.web's own resume at its end).
+            self.paused = True
+            transport: Any = self.transport
+            if transport is not None:
+                transport.pauseProducing()
+            self._next_turn = self.callLater(0, self._turn)
+
+    def _turn(self) -> None:
+        self._next_turn = None
+        self._turn_requests = 0
+        if self._transport_full or self.transport is None:
+            # Its resumeProducing goes on once the answers drain.
+            return
+        self.paused = False
+        if not self._answering:
+            transport: Any = self.transport
+            transport.resumeProducing()
+        self.dataReceived(b"")
 
     def requestDone(self, request: Any) -> None:
         # Before twisted.web feeds this connection's pipelined bytes to
@@ -125,6 +156,7 @@ class DeadlineChannel(HTTPChannel):
         # being handled.
         super().pauseProducing()
         self.paused = True
+        self._transport_full = True
         transport: Any = self.transport
         if transport is not None:
             transport.pauseProducing()
@@ -133,13 +165,17 @@ class DeadlineChannel(HTTPChannel):
         # Drained: twisted.web resumes reading unless a request is being
         # handled (its end resumes it then); the buffered lines go on.
         super().resumeProducing()
-        if self.paused:
+        self._transport_full = False
+        if self.paused and self._next_turn is None:
             self.paused = False
             if self.transport is not None:
                 self.dataReceived(b"")
 
     def connectionLost(self, reason: Failure = Failure(ConnectionDone())) -> None:  # noqa: B008
         self._stop_deadline()
+        if self._next_turn is not None and self._next_turn.active():
+            self._next_turn.cancel()
+        self._next_turn = None
         if self._abort is not None and self._abort.active():
             self._abort.cancel()
         self._abort = None

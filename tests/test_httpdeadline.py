@@ -16,7 +16,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 
-from llmgw.httpdeadline import HEAD_TIMEOUT, REQUEST_TIMEOUT, DeadlineSite
+from llmgw.httpdeadline import HEAD_TIMEOUT, REQUEST_TIMEOUT, REQUESTS_PER_TURN, DeadlineSite
 
 PEER = IPv4Address("TCP", "192.0.2.7", 40000)
 
@@ -196,6 +196,23 @@ class OutputWaitTests(SynchronousTestCase):
         self.resource = Answer()
         self.site = DeadlineSite(self.resource, reactor=self.clock, timeout=600)
 
+    def test_pipelined_answers_a_turn_at_a_time(self) -> None:
+        """
+        One read of many tiny pipelined requests, the transport taking
+        everything: at most REQUESTS_PER_TURN are answered, nothing more is
+        read, and the rest follow on later reactor turns.
+        """
+        proto = self.site.buildProtocol(PEER)
+        transport = FullTransport(10**9)
+        proto.makeConnection(transport)
+        proto.dataReceived(b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n" * 100)
+        self.assertEqual(transport.value().count(b"HTTP/1.1 200"), REQUESTS_PER_TURN)
+        self.assertEqual(transport.producerState, "paused")
+        for _ in range(10):
+            self.clock.advance(0)
+        self.assertEqual(transport.value().count(b"HTTP/1.1 200"), 100)
+        self.assertEqual(transport.producerState, "producing")
+
     def test_pipelined_answers_stop_while_paused(self) -> None:
         """
         One read of many small pipelined requests answered at once: once
@@ -211,6 +228,9 @@ class OutputWaitTests(SynchronousTestCase):
         self.assertEqual(transport.producerState, "paused")
         answered = 0
         for _ in range(1000):
+            answered += transport.drain().count(b"HTTP/1.1 200")
+            # At most REQUESTS_PER_TURN a turn: the next turn goes on.
+            self.clock.advance(0)
             answered += transport.drain().count(b"HTTP/1.1 200")
             if answered == 1000:
                 break

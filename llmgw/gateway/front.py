@@ -70,6 +70,7 @@ from llmgw.gateway.frontflow import (
     HEAD_TIMEOUT,
     KEEP_ALIVE_TIMEOUT,
     PASS_OUTPUT,
+    PASS_REQUESTS,
     READ_AHEAD,
     REQUEST_TIMEOUT,
     SEND_TIMEOUT,
@@ -234,7 +235,7 @@ class HTTPFront(Protocol):
                 self._stall()
             self._update_reading()
             return
-        flow.written = 0
+        flow.written = flow.requests = 0
         if buf:
             buf += data
             self._consume(buf)
@@ -255,7 +256,7 @@ class HTTPFront(Protocol):
         flow = self.flow
         try:
             while pos < size and not self._busy and not self._closing:
-                if self.paused or flow.written > PASS_OUTPUT:
+                if self.paused or flow.written > PASS_OUTPUT or flow.requests >= PASS_REQUESTS:
                     # The answers so far must reach the client first.
                     self._stall()
                     break
@@ -421,6 +422,7 @@ class HTTPFront(Protocol):
         self._busy = True
         self._watching = _W_NONE
         self._request = request
+        self.flow.requests += 1
         self.factory.dispatch(request)
 
     def _body_piece(self, data: bytes) -> None:
@@ -474,6 +476,7 @@ class HTTPFront(Protocol):
         self._busy = True
         self._watching = _W_NONE
         self._request = request
+        self.flow.requests += 1
         self.factory.dispatch(request)
 
     # the response's end
@@ -516,7 +519,7 @@ class HTTPFront(Protocol):
             # Paused meanwhile: its resumeProducing goes on.
             return
         flow.stalled = False
-        flow.written = 0
+        flow.written = flow.requests = 0
         self._watching = _W_NONE
         self._deadline.clear()
         # It sets the reading and the timer, even with nothing buffered.
@@ -534,11 +537,10 @@ class HTTPFront(Protocol):
         """
         Send what is buffered, then close; read nothing more.
 
-        When a request's body was refused unread (413), closing at once
-        would reset a connection the client is still sending on, and the
-        reset can destroy the answer before the client reads it; so the
-        gateway closes its sending side only and reads and drops up to
-        C{frontflow.DRAIN_MAX} more bytes (within the linger time) before it closes.
+        When a body was refused unread (413), closing at once would reset a
+        connection the client still sends on, which can destroy the answer
+        unread; so only the sending side closes, and up to
+        C{frontflow.DRAIN_MAX} more bytes are read and dropped first.
         """
         if not self._closing:
             self._closing = True
@@ -550,8 +552,7 @@ class HTTPFront(Protocol):
             # socket: the flow aborts the connection after a while.
             self.flow.closing(self.transport, self.peer, drain)
             # After the answer's bytes, which may still wait for the burst.
-            after_sent(self.transport, half_close if half_close is not None and drain
-                       else self.transport.loseConnection)
+            after_sent(self.transport, half_close if half_close is not None and drain else self.transport.loseConnection)
 
     def _refuse(self, status: int, message: str, code: str) -> None:
         self.log.info(

@@ -78,6 +78,11 @@ READ_AHEAD: Final = 64 * 1024
 #: The most one pass over buffered requests writes before the rest waits
 #: for a later reactor turn.
 PASS_OUTPUT: Final = 128 * 1024
+#: The most requests one pass over buffered (pipelined) requests hands to
+#: their handlers before the rest waits for a later reactor turn: small
+#: answers made at once (a 401, /v1/models) would otherwise let one read
+#: of tiny requests hold the reactor for tens of milliseconds.
+PASS_REQUESTS: Final = 32
 #: Default seconds a stalled connection's output may go without draining
 #: before the connection is aborted.
 SEND_TIMEOUT: Final = 60.0
@@ -105,6 +110,8 @@ class Outflow:
         self._drain_left = 0
         #: Bytes written through L{counting} since it was last set to 0.
         self.written = 0
+        #: Requests handed to their handlers in the current pass.
+        self.requests = 0
         #: Parsing stopped with requests buffered, until the output drains.
         self.stalled = False
         #: The transport's reading is paused (see L{hold_reading}).
