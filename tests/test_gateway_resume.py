@@ -339,6 +339,16 @@ class StreamResumeTests(SynchronousTestCase):
         self.assertEqual(r.feed(e[:10]) + r.feed(e[10:]), e)
         self.assertEqual(("".join(r.text), r.tokens), ("xy", 1))
 
+    def test_events_that_are_not_objects_pass(self) -> None:
+        """
+        An event whose data is JSON but not an object (a number, a list)
+        passes through unchanged and records nothing (compiled, it once
+        raised).
+        """
+        r = StreamResume(CHAT, b'{"messages":[]}')
+        self.assertEqual(r.feed(b"data: 1\n\ndata: [1, 2]\n\n"), b"data: 1\n\ndata: [1, 2]\n\n")
+        self.assertEqual((r.text, r.tokens), ([], 0))
+
 
 class DeploymentSwitchTests(SynchronousTestCase):
     def test_catalog_to_routes(self) -> None:

@@ -89,11 +89,13 @@ class WedgedReplicaTests(SynchronousTestCase):
         status, _ = self.post(fleet, 4, False)
         self.assertEqual(status, 200)
         pids = fleet.shard_pids()
-        victim = sorted(ready)[0]
         with ThreadPoolExecutor(max_workers=16) as pool:
-            # Long streams on both replicas (the router spreads them).
+            # Long streams; the router may put them all on one replica (one
+            # prompt, one affinity key): the victim is a replica running some,
+            # as its engine's signals report them.
             streams = [pool.submit(self.post, fleet, 3000, True, 30) for _ in range(4)]
-            fleet.wait("requests running on the victim", lambda: self.running(fleet, victim))
+            victim = fleet.wait("requests running on a replica",
+                                lambda: next((r for r in sorted(ready) if self.running(fleet, r)), None))
             hung_at = time.time()
             os.kill(pids[victim], signal.SIGUSR1)
             # Sent after the hang: some reach the victim and never start there.

@@ -193,11 +193,13 @@ class StreamResume:
                 self.done = True
                 return None
             try:
-                doc = json.loads(payload)
+                # Any first: compiled, a non-dict assigned to doc would raise.
+                parsed: Any = json.loads(payload)
             except ValueError:
                 return None
-            if not isinstance(doc, dict):
+            if not isinstance(parsed, dict):
                 return None
+            doc = parsed
         if self.stream_id is None:
             self.stream_id = doc.get("id")
             self.created = doc.get("created")
