@@ -13,6 +13,7 @@ cleanup.
 from __future__ import annotations
 
 import os
+import signal
 
 from cryptography import x509
 from twisted.internet import defer, reactor
@@ -48,6 +49,17 @@ replicas = 1
 """
 
 
+def kill_groups(pids: list[int]) -> None:
+    """
+    Kill each shard's process group (a shard leads its own).
+    """
+    for pid in pids:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
 class RenewalProcessTests(JoinProcessCase):
     agent_env = {FRACTION_ENV: "0.3"}
 
@@ -74,6 +86,9 @@ class RenewalProcessTests(JoinProcessCase):
         first = x509.load_pem_x509_certificate(cert_path.read_bytes())
         pids = self.shard_pids()
         self.assertEqual(len(pids), 1)
+        # An agent's stop leaves its shards running, by design: the test
+        # ends them itself.
+        self.addCleanup(kill_groups, list(pids.values()))
 
         async def renewed() -> bool:
             if not agent.alive:
