@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from zope.interface import Interface
 
-from llmgw.models.errors import ChecksumMismatch, DiskFull, FetchCancelled
+from llmgw.models.errors import ChecksumMismatch, DiskFull, FetchCancelled, ModelError
 from llmgw.models.source import Source
 
 #: How much of a file is read at a time when it is checked.
@@ -212,3 +214,31 @@ class IFetcher(Interface):
         @raise ChecksumMismatch: a file fetched does not match.
         @raise FetchCancelled, DiskFull: raised by C{transfer}.
         """
+
+
+class Cut(Exception):
+    """
+    A download's connection ended before the file did; what arrived is
+    kept in its part, for the next try to resume from.
+    """
+
+
+_T = TypeVar("_T")
+
+
+def resumed(download: Callable[[], _T], retries: int, delay: float, where: str) -> _T:
+    """
+    C{download()}, tried again after C{delay} seconds each time it is
+    L{Cut}, up to C{retries} more times (each try resumes from the part).
+
+    @raise ModelError: naming C{where}, when the last try was cut too.
+    """
+    attempts = 0
+    while True:
+        try:
+            return download()
+        except Cut as cut:
+            attempts += 1
+            if attempts > retries:
+                raise ModelError(f"{where}: {cut}; gave up after {attempts} tries") from None
+            time.sleep(delay)

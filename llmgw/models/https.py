@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import http.client
 import ssl
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -23,12 +22,14 @@ from zope.interface import implementer
 from llmgw.models.errors import ChecksumMismatch, ModelError, SourceDenied, SourceNotFound
 from llmgw.models.fetching import (
     READ_CHUNK,
+    Cut,
     FileSpec,
     IFetcher,
     Plan,
     Transfer,
     check_file,
     hash_part,
+    resumed,
 )
 from llmgw.models.source import HttpsSource, Source
 
@@ -103,16 +104,8 @@ class HttpsFetcher:
             except ChecksumMismatch:
                 pass
         part = directory / (spec.path + PART)
-        attempts = 0
-        while True:
-            try:
-                digest = self._download(source, part, transfer)
-                break
-            except _Cut as cut:
-                attempts += 1
-                if attempts > self._retries:
-                    raise ModelError(f"{_where(source.url)}: {cut}; gave up after {attempts} tries") from None
-                time.sleep(self._retry_delay)
+        digest = resumed(lambda: self._download(source, part, transfer), self._retries, self._retry_delay,
+                         _where(source.url))
         if digest != spec.sha256:
             part.unlink(missing_ok=True)
             raise ChecksumMismatch(
@@ -124,7 +117,7 @@ class HttpsFetcher:
         """
         Download into C{part}, from where it ends; its sha256 when whole.
 
-        @raise _Cut: the connection ended before the file did.
+        @raise Cut: the connection ended before the file did.
         """
         digest = hashlib.sha256()
         have = hash_part(part, digest)
@@ -159,14 +152,9 @@ class HttpsFetcher:
                 except (OSError, http.client.HTTPException) as e:
                     out.flush()
                     transfer.add(-have)
-                    raise _Cut(f"connection lost after {have} bytes ({e})") from None
+                    raise Cut(f"connection lost after {have} bytes ({e})") from None
             if expected is not None and have < expected:
                 transfer.add(-have)
-                raise _Cut(f"connection closed after {have} of {expected} bytes")
+                raise Cut(f"connection closed after {have} of {expected} bytes")
         return digest.hexdigest()
 
-
-class _Cut(Exception):
-    """
-    A download ended before its file did; what arrived is kept for a resume.
-    """

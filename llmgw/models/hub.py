@@ -20,14 +20,23 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
-import time
 from pathlib import Path
 from typing import IO, Any, Literal
 
 from zope.interface import implementer
 
 from llmgw.models.errors import ChecksumMismatch, ModelError, SourceDenied, SourceNotFound
-from llmgw.models.fetching import READ_CHUNK, FileSpec, IFetcher, Plan, Transfer, hash_part, matches
+from llmgw.models.fetching import (
+    READ_CHUNK,
+    Cut,
+    FileSpec,
+    IFetcher,
+    Plan,
+    Transfer,
+    hash_part,
+    matches,
+    resumed,
+)
 from llmgw.models.source import HubSource, Source
 
 #: Suffix of a file being downloaded, kept across restarts for a resume.
@@ -124,16 +133,8 @@ class HubFetcher:
             from the plan's (the part is deleted).
         """
         part = path.with_name(path.name + PART)
-        attempts = 0
-        while True:
-            try:
-                digest, size = self._download(source, revision, spec, part, transfer)
-                break
-            except _Cut as cut:
-                attempts += 1
-                if attempts > self._retries:
-                    raise ModelError(f"{source}: {spec.path}: {cut}; gave up after {attempts} tries") from None
-                time.sleep(self._retry_delay)
+        digest, size = resumed(lambda: self._download(source, revision, spec, part, transfer),
+                               self._retries, self._retry_delay, f"{source}: {spec.path}")
         expected = spec.sha256 or spec.git_sha1
         if (spec.size is not None and size != spec.size) or (digest is not None and digest != expected):
             part.unlink(missing_ok=True)
@@ -150,7 +151,7 @@ class HubFetcher:
         Download into C{part} from where it ends: its checksum (C{None} when
         C{spec} has none) and its size, once the server has sent it all.
 
-        @raise _Cut: the connection ended before the file did.
+        @raise Cut: the connection ended before the file did.
         """
         import httpx2
         from huggingface_hub import constants, get_session, hf_hub_url
@@ -180,7 +181,7 @@ class HubFetcher:
                     have = self._stream(response, out, digest, have, transfer)
         except httpx2.TransportError as e:
             transfer.add(-have)
-            raise _Cut(f"connection lost after {have} bytes ({type(e).__name__})") from None
+            raise Cut(f"connection lost after {have} bytes ({type(e).__name__})") from None
         return (digest.hexdigest() if digest is not None else None), have
 
     @staticmethod
@@ -189,7 +190,7 @@ class HubFetcher:
         Write C{response}'s body to C{out} from C{have} bytes on, hashing
         and counting it; the file's size once the body ends.
 
-        @raise _Cut: the connection ended first (what arrived is written).
+        @raise Cut: the connection ended first (what arrived is written).
         """
         import httpx2
 
@@ -224,15 +225,9 @@ class HubFetcher:
             out.write(view[:filled])
             arrived = have + filled
             transfer.add(-have)
-            raise _Cut(f"connection lost after {arrived} bytes ({type(e).__name__})") from None
+            raise Cut(f"connection lost after {arrived} bytes ({type(e).__name__})") from None
         flush(view[:filled])
         return have
-
-
-class _Cut(Exception):
-    """
-    A download ended before its file did; what arrived is kept for a resume.
-    """
 
 
 class _translated:
