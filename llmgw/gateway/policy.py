@@ -119,6 +119,12 @@ class PolicyConfig:
         the bound) sent the fewest requests in this many seconds, the least
         loaded of those; about the time an engine takes to start a prompt.
         0: to the least loaded, as C{least_loaded} does.
+    @ivar match_slack: the slack of the load bound a prefix-index match is
+        held to (C{cache_aware}), in place of C{slack}. An application's
+        requests share nothing but their system prompt, so keeping one on
+        a busy replica saves less than a conversation's whole history
+        would, while every application kept there skews the replicas'
+        shares for as long as it runs (bench/prefix.py).
     """
 
     stale_after_s: float = 3.0
@@ -132,14 +138,15 @@ class PolicyConfig:
     vnodes: int = 64
     spread_s: float = 0.1
     prefix_match: float = 0.5
+    match_slack: int = 1
 
     def __post_init__(self) -> None:
         if self.stale_after_s < 0 or self.saturated_waiting < 0:
             raise ValueError("stale_after_s and saturated_waiting must not be negative")
         if not 0 < self.saturated_kv <= 1:
             raise ValueError("saturated_kv must be a fraction in (0, 1]")
-        if self.epsilon < 0 or self.slack < 0 or self.spread_s < 0 or self.prefix_match < 0:
-            raise ValueError("epsilon, slack, spread_s and prefix_match must not be negative")
+        if min(self.epsilon, self.slack, self.spread_s, self.prefix_match, self.match_slack) < 0:
+            raise ValueError("epsilon, slack, spread_s, prefix_match and match_slack must not be negative")
         if self.chunk_chars < 1 or self.max_chunks < 1 or self.vnodes < 1:
             raise ValueError("chunk_chars, max_chunks and vnodes must be at least 1")
 
@@ -438,6 +445,7 @@ def bounded_prefix(
     depths: Mapping[str, int] | None = None,
     prefix_match: float = 0.5,
     chain: bytes | None = None,
+    match_slack: int | None = None,
 ) -> Route | None:
     """
     C{home} (where this key's last request went) if it is a candidate under
@@ -456,7 +464,8 @@ def bounded_prefix(
     most of the chain, if at least C{prefix_match} of it, the least loaded
     of those, ties in ring order from the chain's first chunk; and a first
     turn's spread breaks ties in ring order from its first chunk too.
-    Without C{chain} (C{prefix}), C{depths} is not read.
+    Without C{chain} (C{prefix}), C{depths} is not read. A match is held
+    to the bound with C{match_slack} (C{slack} when C{None}).
     """
     first = key.startswith(FIRST_TURN)
     if chain is None:
@@ -469,12 +478,16 @@ def bounded_prefix(
     if home is not None and home in by_id and loads[home] + 1 <= bound:
         return by_id[home]
     if depths and chain:
+        if match_slack is not None and match_slack != slack:
+            bound_m = load_bound(total, len(by_id), epsilon, match_slack)
+        else:
+            bound_m = bound
         need = max(1, math.ceil(prefix_match * (len(chain) // HASH_BYTES) - 1e-9))
         best: str | None = None
         best_score = (0, 0)
         tied = False
         for rid, depth in depths.items():
-            if depth < need or rid not in by_id or loads[rid] + 1 > bound:
+            if depth < need or rid not in by_id or loads[rid] + 1 > bound_m:
                 continue
             score = (-depth, loads[rid])
             if best is None or score < best_score:
@@ -578,7 +591,7 @@ def choose(
             ring = Ring([r.replica_id for r in candidates], config.vnodes)
         chosen = bounded_prefix(
             candidates, loads, ring, key, config.epsilon, home, config.slack, recent, depths, config.prefix_match,
-            chain,
+            chain, config.match_slack,
         )
         if chosen is not None:
             return chosen
