@@ -142,9 +142,7 @@ class SharedPrefixRoutingTests(SynchronousTestCase):
             router = Router(clock, policy=config)
             rs = routes(2)
             got = set()
-            # Five in flight on one of two replicas is within the bound a
-            # match is held to (epsilon 0.25, match_slack 1).
-            for i in range(5):
+            for i in range(6):
                 rid = self.pick(router, rs, ask(system, f"question {i}: {text(rng, 8)}"), policy)
                 router.begin(rid)
                 got.add(rid)
@@ -153,22 +151,22 @@ class SharedPrefixRoutingTests(SynchronousTestCase):
     def test_match_held_to_its_own_slack(self) -> None:
         """
         Requests that share only a system prompt stay on its replica while
-        it is within the bound with C{match_slack}, not C{slack}: the sixth
-        of six in flight on two replicas goes to the other one with
-        C{match_slack} 1, and stays with C{match_slack} 4.
+        it is within the bound with C{match_slack}, not C{slack}: the
+        eighth of eight in flight on two replicas goes to the other one
+        with C{match_slack} 2, and stays with C{match_slack} 4.
         """
         rng = random.Random(9)
         system = text(rng, 300)
-        for match_slack, spread in ((1, True), (4, False)):
+        for match_slack, spread in ((2, True), (4, False)):
             router = Router(Clock(), policy=PolicyConfig(match_slack=match_slack))
             rs = routes(2)
             got = []
-            for i in range(6):
+            for i in range(8):
                 rid = self.pick(router, rs, ask(system, f"q{i} {text(rng, 5)}"))
                 router.begin(rid)
                 got.append(rid)
-            self.assertEqual(len(set(got[:5])), 1, match_slack)
-            self.assertEqual(got[5] != got[0], spread, match_slack)
+            self.assertEqual(len(set(got[:7])), 1, match_slack)
+            self.assertEqual(got[7] != got[0], spread, match_slack)
 
     def test_prefix_leaves_the_index_alone(self) -> None:
         """

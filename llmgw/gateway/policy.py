@@ -138,7 +138,7 @@ class PolicyConfig:
     vnodes: int = 64
     spread_s: float = 0.1
     prefix_match: float = 0.5
-    match_slack: int = 1
+    match_slack: int = 2
 
     def __post_init__(self) -> None:
         if self.stale_after_s < 0 or self.saturated_waiting < 0:
@@ -461,9 +461,11 @@ def bounded_prefix(
     bound that C{depths} (per replica, the leading chunks of the chain it
     holds: the prefix index's
     L{match<llmgw.gateway.prefixindex.PrefixIndex.match>}) says holds the
-    most of the chain, if at least C{prefix_match} of it, the least loaded
-    of those, ties in ring order from the chain's first chunk; and a first
-    turn's spread breaks ties in ring order from its first chunk too.
+    most of the chain, if at least C{prefix_match} of it, ties in ring
+    order from the chain's first chunk (not the least loaded: a prefix
+    that spilled to a second replica would otherwise be dealt out over
+    both, and held whole by neither); and a first turn's spread breaks
+    ties in ring order from its first chunk too.
     Without C{chain} (C{prefix}), C{depths} is not read. A match is held
     to the bound with C{match_slack} (C{slack} when C{None}).
     """
@@ -484,15 +486,14 @@ def bounded_prefix(
             bound_m = bound
         need = max(1, math.ceil(prefix_match * (len(chain) // HASH_BYTES) - 1e-9))
         best: str | None = None
-        best_score = (0, 0)
+        best_depth = 0
         tied = False
         for rid, depth in depths.items():
             if depth < need or rid not in by_id or loads[rid] + 1 > bound_m:
                 continue
-            score = (-depth, loads[rid])
-            if best is None or score < best_score:
-                best, best_score, tied = rid, score, False
-            elif score == best_score:
+            if best is None or depth > best_depth:
+                best, best_depth, tied = rid, depth, False
+            elif depth == best_depth:
                 tied = True
         if best is not None and tied:
             # Deterministic, so that gateways with the same figures agree.
@@ -500,7 +501,7 @@ def bounded_prefix(
                 ring = Ring(list(by_id), PolicyConfig().vnodes)
             for rid in ring.walk(FIRST_TURN + chain[:HASH_BYTES]):
                 d = depths.get(rid)
-                if d is not None and rid in by_id and (-d, loads[rid]) == best_score:
+                if d == best_depth and rid in by_id and loads[rid] + 1 <= bound_m:
                     best = rid
                     break
         if best is not None:
