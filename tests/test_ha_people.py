@@ -262,15 +262,28 @@ class SharedSessionTests(SynchronousTestCase):
         self.assertIsNone(self.a.find(s.id))
         self.assertEqual(len(self.a), 0)
 
-    def test_lifetime_is_a_lease(self) -> None:
-        """etcd ends a session at its lifetime (its lease), on every member."""
+    def test_idle_limit_is_a_lease_kept_by_use_anywhere(self) -> None:
+        """A session used on another member than its own outlives the idle limit; unused that long, etcd ends it on every member."""
+        self.a.lifetime = self.b.lifetime = 3600.0
         s = self.successResultOf(self.a.opening("ann", "viewer", b"x"))
-        for _ in range(3):
-            self.clock.advance(150.0)
+        for _ in range(10):
+            self.clock.advance(100.0)
             self.assertIsNotNone(self.b.find(s.id))
-        self.clock.advance(151.0)
+        self.clock.advance(301.0)
         self.assertEqual(self.etcd.kvs, {})
+        self.assertIsNone(self.a.find(s.id))
         self.assertIsNone(self.b.find(s.id))
+
+    def test_lifetime_ends_it_however_used(self) -> None:
+        """A session used all along ends at its lifetime, and is deleted from etcd then."""
+        s = self.successResultOf(self.a.opening("ann", "viewer", b"x"))
+        for _ in range(5):
+            self.clock.advance(100.0)
+            self.assertIsNotNone(self.b.find(s.id))
+        self.clock.advance(100.0)
+        self.assertIsNone(self.b.find(s.id))
+        self.assertEqual(self.etcd.kvs, {})
+        self.assertIsNone(self.a.find(s.id))
 
     def test_unreachable_login_refused(self) -> None:
         """With etcd unreachable no session is opened: the login is a 503."""

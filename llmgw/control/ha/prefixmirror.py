@@ -41,6 +41,8 @@ class PrefixMirror:
         self.retry_interval = retry_interval
         #: The copy: full key → value.
         self.values: dict[bytes, bytes] = {}
+        #: The lease each key is attached to (0: none).
+        self.leases: dict[bytes, int] = {}
         #: Whether a whole read has succeeded since start (an empty copy
         #: before then says nothing about etcd).
         self.loaded = False
@@ -96,6 +98,7 @@ class PrefixMirror:
                 return
             kvs, revision = answer
             self.values = {kv.key: kv.value for kv in kvs}
+            self.leases = {kv.key: kv.lease for kv in kvs}
             self.loaded = True
             if self.last_error:
                 self.log.info("etcd: the {what} can be read again", what=self.what)
@@ -127,8 +130,10 @@ class PrefixMirror:
         for ev in events:
             if ev.kind == "DELETE":
                 self.values.pop(ev.kv.key, None)
+                self.leases.pop(ev.kv.key, None)
             else:
                 self.values[ev.kv.key] = ev.kv.value
+                self.leases[ev.kv.key] = ev.kv.lease
         self._changed()
 
     def _ended(self, generation: int, w: Any) -> None:

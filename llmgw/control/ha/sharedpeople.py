@@ -11,15 +11,16 @@ a session opened on one member holds on another after a failover.
 - B{Sessions}: one key a session, C{PREFIX/sessions/SHA256(ID)} (the
   cookie's hash, so that reading etcd gives nobody a cookie), with the user,
   the role, the stamp of the user's password (never the hash itself), the
-  CSRF token and when it was opened, attached to a lease of the session's
-  lifetime, so etcd deletes it when it ends. A login answers once the
-  session is written (L{SharedSessions.opening}); a logout revokes its
-  lease. Every member keeps a copy, so a member finds a session opened on
-  another with no etcd read per request. Why kept rather than signed with a
-  key in etcd: a logout, a removed user and a changed password end a
-  session on every member at once, which a signed cookie alone could not.
-  The idle limit is counted by each member from the last use it saw (after
-  a failover, from when the new member first saw the session).
+  CSRF token and when it was opened, attached to a lease of the idle
+  limit: whichever member a session is used on keeps its lease alive (at
+  most once a tenth of the limit), so etcd deletes it, on every member,
+  once nobody used it for that long; its lifetime is counted from when it
+  was opened. A login answers once the session is written
+  (L{SharedSessions.opening}); a logout revokes its lease. Every member
+  keeps a copy, so a member finds a session opened on another with no etcd
+  read per request. Why kept rather than signed with a key in etcd: a
+  logout, a removed user and a changed password end a session on every
+  member at once, which a signed cookie alone could not.
 """
 
 from __future__ import annotations
@@ -192,7 +193,10 @@ class SharedSessions(SessionBook):
         #: Every session in the copy, by key: the cookie is not known until
         #: a request brings it, so their ids are "" until then.
         self.records: dict[bytes, Session] = {}
+        #: The leases of the sessions opened here (the copy has the rest's).
         self.leases: dict[bytes, int] = {}
+        #: When this member last kept each session's lease alive.
+        self.kept: dict[bytes, float] = {}
         self._unseen: set[bytes] = set()
 
     def __len__(self) -> int:
@@ -219,6 +223,9 @@ class SharedSessions(SessionBook):
             if key in self.records:
                 records[key] = self.records[key]
         self.records = records
+        for gone in [k for k in self.kept if k not in records]:
+            del self.kept[gone]
+            self.leases.pop(gone, None)
 
     def open(self, user: str, role: str, stamp: bytes) -> Session:
         raise NotImplementedError("sessions in etcd are opened with opening()")
@@ -241,7 +248,7 @@ class SharedSessions(SessionBook):
             value = json.dumps({"user": user, "role": role, "stamp": base64.b64encode(stamp).decode("ascii"),
                                 "csrf": session.csrf, "opened": now}).encode()
             try:
-                lease, _ = await self.store.grant(int(self.lifetime) + 1)
+                lease, _ = await self.store.grant(max(1, int(self.idle)))
                 await self.store.put(key, value, lease=lease)
             except EtcdError as e:
                 self.log.error("a session for user {user!r} could not be kept in etcd: {error}",
@@ -250,6 +257,7 @@ class SharedSessions(SessionBook):
                               headers={b"retry-after": b"1"}) from None
             self.records[key] = session
             self.leases[key] = lease
+            self.kept[key] = now
             if key not in self.mirror.values:
                 self._unseen.add(key)
             return session
@@ -264,11 +272,19 @@ class SharedSessions(SessionBook):
         if session is None:
             return None
         now = self.clock.seconds()
-        if now - session.opened >= self.lifetime or now - session.used >= self.idle:
+        if now - session.opened >= self.lifetime:
             self._end(key)
             return None
         session.id = sid
         session.used = now
+        if now - self.kept.get(key, 0.0) >= self.idle / 10:
+            # The idle limit is the lease's: used here, it is kept alive.
+            self.kept[key] = now
+            lease = self.leases.get(key) or self.mirror.leases.get(key, 0)
+            if lease:
+                d = defer.ensureDeferred(self.store.keepalive(lease))
+                d.addErrback(lambda f: self.log.warn(
+                    "a session's lease could not be kept alive in etcd: {error}", error=f.getErrorMessage()))
         return session
 
     def close(self, sid: str) -> None:
@@ -278,7 +294,8 @@ class SharedSessions(SessionBook):
         """Forget the session here at once, and in etcd behind (a failure logged)."""
         self.records.pop(key, None)
         self._unseen.discard(key)
-        lease = self.leases.pop(key, None)
+        self.kept.pop(key, None)
+        lease = self.leases.pop(key, None) or self.mirror.leases.get(key)
         d = defer.ensureDeferred(self.store.revoke(lease) if lease else self.store.delete(key))
         d.addErrback(lambda f: self.log.warn("a closed session stays in etcd until its lease ends: {error}",
                                              error=f.getErrorMessage()))
