@@ -10,21 +10,27 @@ from __future__ import annotations
 
 import datetime
 import json
+from http.cookies import SimpleCookie
 from pathlib import Path
 from typing import Any
 
+from treq.testing import StubTreq
 from twisted.internet import defer
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.api.v1 import agent_pb2 as pb
+from llmgw.control.admin.api import AdminResource
 from llmgw.control.admin.base import Refused
+from llmgw.control.admin.login import Logins
 from llmgw.control.core.jointokens import TokenFile, TokenRefused
-from llmgw.control.core.users import User, UserError
+from llmgw.control.core.users import MIN_LOG_N, User, UserError, hash_password
 from llmgw.control.ha.sharedpeople import SharedSessions, SharedUsers, UserStore
 from llmgw.control.ha.sharedtokens import SharedTokens, TokenStoreUnavailable
 from llmgw.control.shell.joining import JoinAuthority
+from llmgw.control.shell.metrics import make_registry
 from llmgw.testing.fakeetcd import FakeEtcd
+from llmgw.testing.fleet import sample_fleet
 from llmgw.tlsconf.ca import CertificateAuthority
 from llmgw.tlsconf.csr import new_request
 
@@ -290,3 +296,50 @@ class SharedSessionTests(SynchronousTestCase):
         self.etcd.available = False
         f = self.failureResultOf(self.a.opening("ann", "viewer", b"x"), Refused)
         self.assertEqual(f.value.status, 503)
+
+
+class LoginsAcrossMembersTests(SynchronousTestCase):
+    """Two members' admin APIs, with logins whose users and sessions are etcd's."""
+
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.etcd = FakeEtcd(self.clock)
+        self.store = UserStore(self.etcd, PREFIX)
+        self.successResultOf(self.store.add(hash_password("otto", "operator", "operator-password", log_n=MIN_LOG_N)))
+        self.apis = []
+        for _ in range(2):
+            users = SharedUsers(self.clock, self.etcd, PREFIX)
+            sessions = SharedSessions(self.clock, self.etcd, PREFIX)
+            logins = Logins(users, self.clock, run_in_thread=defer.maybeDeferred, sessions=sessions)
+            users.mirror.start()
+            sessions.mirror.start()
+            self.apis.append(StubTreq(AdminResource(sample_fleet(), make_registry(), require_certificate=True,
+                                                    logins=logins)))
+
+    def call(self, member: int, method: str, path: str, body: Any = None,
+             cookie: str | None = None) -> tuple[int, Any, Any]:
+        api = self.apis[member]
+        headers: dict[str, list[str]] = {"Content-Type": ["application/json"]}
+        if cookie is not None:
+            headers["Cookie"] = [f"llmgw_session={cookie}"]
+        data = json.dumps(body).encode() if body is not None else None
+        d = api.request(method, "http://127.0.0.1:7480" + path, headers=headers, data=data)
+        api.flush()
+        response = self.successResultOf(d)
+        content = self.successResultOf(api.content(response))
+        return response.code, json.loads(content), response.headers
+
+    def test_session_of_one_member_holds_on_the_other_until_the_password_changes(self) -> None:
+        """A login on one member reads on the other; a new password set in etcd ends it on both."""
+        code, body, headers = self.call(0, "POST", "/api/v1/login", {"user": "otto", "password": "operator-password"})
+        self.assertEqual(code, 200, body)
+        cookie: SimpleCookie = SimpleCookie()
+        cookie.load(headers.getRawHeaders(b"set-cookie")[0].decode())
+        sid = cookie["llmgw_session"].value
+        code, who, _ = self.call(1, "GET", "/api/v1/whoami", cookie=sid)
+        self.assertEqual(code, 200, who)
+        self.successResultOf(self.store.replace(hash_password("otto", "operator", "new-password", log_n=MIN_LOG_N)))
+        for member in (0, 1):
+            self.assertEqual(self.call(member, "GET", "/api/v1/whoami", cookie=sid)[0], 401)
+        code, body, _ = self.call(1, "POST", "/api/v1/login", {"user": "otto", "password": "new-password"})
+        self.assertEqual(code, 200, body)
