@@ -657,6 +657,7 @@ class HAMember(Service):
             "fleet_published": self.fleet_publisher.writes,
             "fleet_followed_revision": self.fleet_follower.revision,
             "etcd_error": st["last_error"] or self.start_error,
+            "people": self.people.status(),
         }
 
 

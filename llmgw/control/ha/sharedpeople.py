@@ -323,9 +323,21 @@ class SharedPeople:
         self.users: SharedUsers | None = None
         self.sessions: SharedSessions | None = None
 
+    log = Logger()
+
     def start(self) -> None:
         """Take over the admin API's logins (made by now) and follow etcd."""
         logins = getattr(getattr(self.cp, "admin_listener", None), "logins", None)
+        authority = getattr(self.cp, "joining", None)
+        for what, path, command in (
+            ("join tokens", getattr(getattr(authority, "tokens", None), "path", None), "token"),
+            ("users", getattr(getattr(logins, "users", None), "path", None), "user"),
+        ):
+            if path is not None and path.exists():
+                # Made without --etcd: an operator would wonder why they fail.
+                self.log.warn("{path} is not read by an HA member: its {what} live in etcd "
+                              "(`llmgw ctl {command} ... --etcd URLS`)", path=str(path), what=what,
+                              command=command)
         if logins is not None and self.users is None:
             self.users = SharedUsers(self.clock, self.store, self.prefix, self.retry_interval)
             self.sessions = SharedSessions(self.clock, self.store, self.prefix, self.retry_interval,
@@ -334,6 +346,16 @@ class SharedPeople:
         for part in (self.users, self.sessions):
             if part is not None:
                 part.mirror.start()
+
+    def status(self) -> dict[str, Any]:
+        """For C{GET /api/v1/status}: uses spent here, races lost, the copies' state."""
+        return {
+            "token_uses_spent": self.tokens.spent, "token_spends_raced": self.tokens.raced,
+            "users": len(self.users.book.users) if self.users is not None else None,
+            "sessions": len(self.sessions) if self.sessions is not None else None,
+            "etcd_error": next((p.mirror.last_error for p in (self.users, self.sessions)
+                                if p is not None and p.mirror.last_error), ""),
+        }
 
     def stop(self) -> None:
         for part in (self.users, self.sessions):
