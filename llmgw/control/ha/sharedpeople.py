@@ -232,8 +232,8 @@ class SharedSessions(SessionBook):
 
     def opening(self, user: str, role: str, stamp: bytes) -> defer.Deferred[Session]:
         """
-        A new session, written to etcd under a lease of its lifetime before
-        it is answered; the oldest sessions are ended past the bound.
+        A new session, written to etcd under a lease of the idle limit
+        before it is answered; the oldest sessions are ended past the bound.
 
         @raise Refused: 503, etcd cannot be reached (nobody is let in on a
             session the other members would not know).
