@@ -213,7 +213,7 @@ class HAJoinEndToEndTests(base.HAProcessCase):
             code, body, _ = await self.call(self.browser(), second, "GET", "/api/v1/nodes", headers=before)
             self.assertEqual(code, 200, body)
             self.assertEqual(len([n for n in body["nodes"] if n["connected"]]), 3)
-            people = (await self.statuses())[second]["people"]
+            people = (await self.statuses())[second]["ha"]["people"]
             self.assertEqual((people["users"], people["etcd_error"]), (1, ""))
             after, answer = await self.login(second)
             self.assertEqual(answer["role"], "viewer")
