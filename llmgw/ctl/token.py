@@ -2,6 +2,10 @@
 C{llmgw ctl token create|list|revoke}: join tokens, kept in the control
 plane's certificates directory (C{join-tokens.json}), which the control
 plane reads again when it changes. Run where that directory is.
+
+With C{--etcd} (an HA control plane) the tokens are etcd's
+(L{llmgw.control.ha.sharedtokens}), which every member reads; the
+certificates directory still gives the CA's hash a token carries.
 """
 
 from __future__ import annotations
@@ -15,6 +19,9 @@ from pathlib import Path
 from typing import TextIO
 
 from llmgw.control.core.jointokens import TokenFile
+from llmgw.control.ha.sharedtokens import SharedTokens
+from llmgw.ctl.etcdkv import add_etcd_arguments, etcd_of, result_of
+from llmgw.etcd import EtcdError
 from llmgw.tlsconf.csr import spki_hash
 from llmgw.tlsconf.jointoken import printable
 from llmgw.tlsconf.pem import CAError, load_bundle
@@ -39,6 +46,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     certs = argparse.ArgumentParser(add_help=False)
     certs.add_argument("--certs", default=argparse.SUPPRESS, metavar="DIR",
                        help="the control plane's certificates directory")
+    add_etcd_arguments(p)
+    add_etcd_arguments(certs)
     s = p.add_subparsers(dest="token_command", required=True, metavar="COMMAND")
     c = s.add_parser("create", help="print a new join token", parents=[certs])
     c.add_argument("--ttl", type=_seconds, default=3600.0, help="how long it is valid (default 1h)")
@@ -59,6 +68,12 @@ def _file(args: argparse.Namespace) -> TokenFile:
     return tokens
 
 
+def _shared(args: argparse.Namespace) -> SharedTokens | None:
+    """The tokens in etcd with --etcd, else None (the certificates directory's file)."""
+    found = etcd_of(args)
+    return SharedTokens(found[0], found[1]) if found is not None else None
+
+
 def cmd_create(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
     out, err = out or sys.stdout, err or sys.stderr
     try:
@@ -66,20 +81,32 @@ def cmd_create(args: argparse.Namespace, out: TextIO | None = None, err: TextIO 
     except CAError as e:
         err.write(f"llmgw ctl token create: {e}\n")
         return 1
-    tokens = _file(args)
+    shared = _shared(args)
     try:
-        token, secret = tokens.book.create(time.time(), args.ttl, args.uses, args.node_prefix)
+        if shared is not None:
+            token, secret = result_of(shared.create(time.time(), args.ttl, args.uses, args.node_prefix))
+        else:
+            tokens = _file(args)
+            token, secret = tokens.book.create(time.time(), args.ttl, args.uses, args.node_prefix)
+            tokens.save()
+    except EtcdError as e:
+        err.write(f"llmgw ctl token create: {e}\n")
+        return 1
     except ValueError as e:
         err.write(f"llmgw ctl token create: {e}\n")
         return 2
-    tokens.save()
     out.write(printable(token.id, secret, ca_hash) + "\n")
     return 0
 
 
 def cmd_list(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
-    out = out or sys.stdout
-    rows = _file(args).book.listing(time.time())
+    out, err = out or sys.stdout, err or sys.stderr
+    shared = _shared(args)
+    try:
+        rows = result_of(shared.listing(time.time())) if shared is not None else _file(args).book.listing(time.time())
+    except EtcdError as e:
+        err.write(f"llmgw ctl token list: {e}\n")
+        return 1
     if getattr(args, "json", False):
         out.write(json.dumps(rows, indent=2) + "\n")
         return 0
@@ -92,12 +119,19 @@ def cmd_list(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | 
 
 def cmd_revoke(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
     out, err = out or sys.stdout, err or sys.stderr
-    tokens = _file(args)
+    shared = _shared(args)
     try:
-        tokens.book.revoke(args.id)
+        if shared is not None:
+            result_of(shared.revoke(args.id))
+        else:
+            tokens = _file(args)
+            tokens.book.revoke(args.id)
+            tokens.save()
     except KeyError:
         err.write(f"llmgw ctl token revoke: no token {args.id!r} (`llmgw ctl token list`)\n")
         return 1
-    tokens.save()
+    except (EtcdError, ValueError) as e:
+        err.write(f"llmgw ctl token revoke: {e}\n")
+        return 1
     out.write(f"token {args.id} revoked\n")
     return 0

@@ -5,6 +5,10 @@ the admin API's page, kept in the control plane's certificates directory
 when it changes: a removed user's sessions end at their next request. Run
 where that directory is.
 
+With C{--etcd} (an HA control plane) the users are etcd's
+(L{llmgw.control.ha.sharedpeople}), which every member follows: a removed
+user's sessions end on every member.
+
 A password is read from C{--password-file} (its first line), else from the
 terminal (asked twice), else from standard input's first line; never from
 the command line, where other users of the host could read it.
@@ -20,6 +24,9 @@ from pathlib import Path
 from typing import TextIO
 
 from llmgw.control.core.users import USER_ROLES, USERS_FILE, UserError, UserFile, hash_password
+from llmgw.control.ha.sharedpeople import UserStore
+from llmgw.ctl.etcdkv import add_etcd_arguments, etcd_of, result_of
+from llmgw.etcd import EtcdError
 
 CERTS_ENV = "LLMGW_CERTS"
 
@@ -31,6 +38,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     certs = argparse.ArgumentParser(add_help=False)
     certs.add_argument("--certs", default=argparse.SUPPRESS, metavar="DIR",
                        help="the control plane's certificates directory")
+    add_etcd_arguments(p)
+    add_etcd_arguments(certs)
     password = argparse.ArgumentParser(add_help=False)
     password.add_argument("--password-file", metavar="FILE",
                           help="read the password from this file's first line (default: the terminal, "
@@ -58,6 +67,12 @@ def _file(args: argparse.Namespace) -> UserFile:
     return users
 
 
+def _shared(args: argparse.Namespace) -> UserStore | None:
+    """The users in etcd with --etcd, else None (the certificates directory's file)."""
+    found = etcd_of(args)
+    return UserStore(found[0], found[1]) if found is not None else None
+
+
 def read_password(args: argparse.Namespace, stdin: TextIO | None = None) -> str:
     """
     The password C{args} asks for: from C{--password-file}, the terminal
@@ -83,15 +98,23 @@ def read_password(args: argparse.Namespace, stdin: TextIO | None = None) -> str:
 def cmd_add(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None,
             stdin: TextIO | None = None) -> int:
     out, err = out or sys.stdout, err or sys.stderr
-    users = _file(args)
+    shared = _shared(args)
     try:
-        if users.book.get(args.name) is not None:
-            raise UserError(f"user {args.name!r} exists (`llmgw ctl user passwd` changes a password)")
-        users.book.add(hash_password(args.name, args.role, read_password(args, stdin)))
+        if shared is not None:
+            user = hash_password(args.name, args.role, read_password(args, stdin))
+            result_of(shared.add(user))
+        else:
+            users = _file(args)
+            if users.book.get(args.name) is not None:
+                raise UserError(f"user {args.name!r} exists (`llmgw ctl user passwd` changes a password)")
+            users.book.add(hash_password(args.name, args.role, read_password(args, stdin)))
+            users.save()
     except UserError as e:
         err.write(f"llmgw ctl user add: {e}\n")
         return 2
-    users.save()
+    except EtcdError as e:
+        err.write(f"llmgw ctl user add: {e}\n")
+        return 1
     out.write(f"user {args.name} added with role {args.role}\n")
     return 0
 
@@ -99,8 +122,13 @@ def cmd_add(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | N
 def cmd_list(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
     import json
 
-    out = out or sys.stdout
-    rows = _file(args).book.listing()
+    out, err = out or sys.stdout, err or sys.stderr
+    shared = _shared(args)
+    try:
+        rows = result_of(shared.listing()) if shared is not None else _file(args).book.listing()
+    except EtcdError as e:
+        err.write(f"llmgw ctl user list: {e}\n")
+        return 1
     if getattr(args, "json", False):
         out.write(json.dumps(rows, indent=2) + "\n")
         return 0
@@ -112,13 +140,20 @@ def cmd_list(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | 
 
 def cmd_remove(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
     out, err = out or sys.stdout, err or sys.stderr
-    users = _file(args)
+    shared = _shared(args)
     try:
-        users.book.remove(args.name)
-    except KeyError:
+        if shared is not None:
+            result_of(shared.remove(args.name))
+        else:
+            users = _file(args)
+            users.book.remove(args.name)
+            users.save()
+    except (KeyError, UserError):
         err.write(f"llmgw ctl user remove: no user {args.name!r} (`llmgw ctl user list`)\n")
         return 1
-    users.save()
+    except EtcdError as e:
+        err.write(f"llmgw ctl user remove: {e}\n")
+        return 1
     out.write(f"user {args.name} removed\n")
     return 0
 
@@ -126,16 +161,36 @@ def cmd_remove(args: argparse.Namespace, out: TextIO | None = None, err: TextIO 
 def cmd_passwd(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None,
                stdin: TextIO | None = None) -> int:
     out, err = out or sys.stdout, err or sys.stderr
-    users = _file(args)
-    user = users.book.get(args.name)
+    shared = _shared(args)
+    try:
+        if shared is not None:
+            user = result_of(shared.get(args.name))
+        else:
+            users = _file(args)
+            user = users.book.get(args.name)
+    except EtcdError as e:
+        err.write(f"llmgw ctl user passwd: {e}\n")
+        return 1
+    except UserError:
+        user = None
     if user is None:
         err.write(f"llmgw ctl user passwd: no user {args.name!r} (`llmgw ctl user list`)\n")
         return 1
     try:
-        users.book.replace(hash_password(user.name, user.role, read_password(args, stdin)))
+        new = hash_password(user.name, user.role, read_password(args, stdin))
+        if shared is not None:
+            result_of(shared.replace(new))
+        else:
+            users.book.replace(new)
+            users.save()
     except UserError as e:
         err.write(f"llmgw ctl user passwd: {e}\n")
         return 2
-    users.save()
+    except KeyError:
+        err.write(f"llmgw ctl user passwd: no user {args.name!r} (`llmgw ctl user list`)\n")
+        return 1
+    except EtcdError as e:
+        err.write(f"llmgw ctl user passwd: {e}\n")
+        return 1
     out.write(f"password of {args.name} changed\n")
     return 0

@@ -22,6 +22,7 @@ session.
 
 from __future__ import annotations
 
+import hmac
 import math
 from collections.abc import Callable
 from typing import Any
@@ -32,7 +33,7 @@ from twisted.logger import Logger
 
 from llmgw.control.admin import auth
 from llmgw.control.admin.base import AdminNode, Refused, client_address, json_body
-from llmgw.control.admin.sessions import MAX_FAILURES, FailureLimit, Session, SessionBook
+from llmgw.control.admin.sessions import MAX_FAILURES, FailureLimit, Session, SessionBook, stamp_of
 from llmgw.control.core.users import MAX_PASSWORD, User, UserFile, verify_password
 
 #: The session cookie's name.
@@ -118,7 +119,8 @@ class Logins:
             return None
         self.users.refresh()
         user = self.users.book.get(session.user)
-        if user is None or user.role != session.role or user.hash != session.stamp:
+        if (user is None or user.role != session.role
+                or not hmac.compare_digest(stamp_of(user.role, user.hash), session.stamp)):
             self.sessions.close(session.id)
             return None
         return session
@@ -191,7 +193,7 @@ class Logins:
         self.verifying += 1
         d = self.run_in_thread(verify_password, user, password)
 
-        def checked(ok: bool) -> dict[str, Any]:
+        def checked(ok: bool) -> Deferred[dict[str, Any]]:
             self.verifying -= 1
             if not ok or user is None:
                 self.by_address.failed(host)
@@ -207,11 +209,14 @@ class Logins:
         d.addCallbacks(checked, broke)
         return d
 
-    def _opened(self, request: Any, user: User, log: Logger, who: str) -> dict[str, Any]:
+    def _opened(self, request: Any, user: User, log: Logger, who: str) -> Deferred[dict[str, Any]]:
         host = getattr(request.getClientAddress(), "host", None) or client_address(request)
         self.by_address.succeeded(host)
         self.by_user.succeeded(user.name)
-        session = self.sessions.open(user.name, user.role, user.hash)
+        d = self.sessions.opening(user.name, user.role, stamp_of(user.role, user.hash))
+        return d.addCallback(self._answer, request, user, log, who)
+
+    def _answer(self, session: Session, request: Any, user: User, log: Logger, who: str) -> dict[str, Any]:
         request.addCookie(COOKIE, session.id.encode("ascii"), path=b"/", secure=True, httpOnly=True,
                           sameSite=b"strict", max_age=str(int(self.sessions.lifetime)).encode("ascii"))
         log.info("admin API: {who} logged in (role {role})", who=who, role=user.role)

@@ -11,11 +11,13 @@ another password (the caller compares the stamp).
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import secrets
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
+from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IReactorTime
 
 #: How long a session lasts at most, and unused.
@@ -35,8 +37,9 @@ MAX_FAILURE_KEYS = 10_000
 @dataclass
 class Session:
     """
-    One logged-in browser. C{stamp} is the user's password hash when the
-    session was opened: another one since ends it.
+    One logged-in browser. C{stamp} is a digest of the user's role and
+    password hash when the session was opened (L{stamp_of}): another one
+    since ends it.
     """
 
     id: str
@@ -56,6 +59,14 @@ class Session:
             return False
         raw = token.encode("latin-1") if isinstance(token, str) else token
         return hmac.compare_digest(raw, self.csrf.encode("ascii"))
+
+
+def stamp_of(role: str, password_hash: bytes) -> bytes:
+    """
+    What a session keeps of its user: a digest that changes with the role
+    and the password, so that the hash itself is kept nowhere else.
+    """
+    return hashlib.sha256(role.encode("utf-8") + b"\0" + password_hash).digest()
 
 
 class SessionBook:
@@ -87,6 +98,13 @@ class SessionBook:
         session = Session(secrets.token_urlsafe(32), user, role, stamp, secrets.token_urlsafe(32), now, now)
         self._sessions[session.id] = session
         return session
+
+    def opening(self, user: str, role: str, stamp: bytes) -> Deferred[Session]:
+        """
+        L{open}, as a Deferred: a book kept elsewhere (in etcd, for an HA
+        control plane) answers once the session is kept there.
+        """
+        return succeed(self.open(user, role, stamp))
 
     def find(self, sid: str | None) -> Session | None:
         """

@@ -289,6 +289,7 @@ def admin_service(
     svc.limiter = limiter  # type: ignore[attr-defined]
     svc.watch = site.watch  # type: ignore[attr-defined]
     svc.series = site.series  # type: ignore[attr-defined]
+    svc.logins = people  # type: ignore[attr-defined]
     svc.setName("admin-listener")
     svc.tls = tls is not None  # type: ignore[attr-defined]
     return svc

@@ -158,7 +158,7 @@ class TokenBook:
         return [t.describe(now) for t in sorted(self.tokens.values(), key=lambda t: t.created)]
 
     def to_data(self) -> dict[str, Any]:
-        return {"tokens": [dict(asdict(t), nodes=list(t.nodes)) for t in self.tokens.values()]}
+        return {"tokens": [token_to_data(t) for t in self.tokens.values()]}
 
     def take_data(self, data: Any) -> None:
         """
@@ -166,16 +166,29 @@ class TokenBook:
         """
         tokens = {}
         for raw in data["tokens"]:
-            t = JoinToken(
-                id=str(raw["id"]), secret_hash=str(raw["secret_hash"]), created=float(raw["created"]),
-                expires=float(raw["expires"]), uses=int(raw["uses"]), used=int(raw["used"]),
-                node_prefix=str(raw.get("node_prefix", "")), revoked=bool(raw.get("revoked", False)),
-                nodes=tuple(str(n) for n in raw.get("nodes", [])),
-            )
-            if not ID_PATTERN.match(t.id):
-                raise ValueError(f"token id {t.id!r}")
+            t = token_from_data(raw)
             tokens[t.id] = t
         self.tokens = tokens
+
+
+def token_to_data(token: JoinToken) -> dict[str, Any]:
+    """One token as JSON data (what L{token_from_data} reads)."""
+    return dict(asdict(token), nodes=list(token.nodes))
+
+
+def token_from_data(raw: Any) -> JoinToken:
+    """
+    @raise ValueError, KeyError, TypeError: C{raw} is not a token's data.
+    """
+    t = JoinToken(
+        id=str(raw["id"]), secret_hash=str(raw["secret_hash"]), created=float(raw["created"]),
+        expires=float(raw["expires"]), uses=int(raw["uses"]), used=int(raw["used"]),
+        node_prefix=str(raw.get("node_prefix", "")), revoked=bool(raw.get("revoked", False)),
+        nodes=tuple(str(n) for n in raw.get("nodes", [])),
+    )
+    if not ID_PATTERN.match(t.id):
+        raise ValueError(f"token id {t.id!r}")
+    return t
 
 
 class TokenFile:

@@ -46,6 +46,7 @@ from llmgw.control.ha.catalogcheck import CatalogFileCheck
 from llmgw.control.ha.election import Election, MemberInfo, Role, leader_key
 from llmgw.control.ha.published import RoutesFollower, RoutesPublisher
 from llmgw.control.ha.published_fleet import FleetDocument, FleetFollower, FleetPublisher
+from llmgw.control.ha.sharedpeople import SharedPeople
 from llmgw.control.ha.sharedstate import SharedFleet, SharedKeptState
 from llmgw.control.state.interfaces import IDispatcher, NotConnected
 from llmgw.etcd import Compare, EtcdError, EtcdTLSError, Put, Range
@@ -288,6 +289,8 @@ class HAMember(Service):
         # The admin views (nodes, replicas, events, status), likewise.
         self.fleet_publisher = FleetPublisher(reactor, store, prefix, self.fleet_views, self.election.may_command)
         self.fleet_follower = FleetFollower(reactor, store, prefix, retry_interval=retry_interval)
+        # Join tokens, users and sessions: etcd's, the same on every member.
+        self.people = SharedPeople(reactor, cp, store, prefix, retry_interval)
         self._republish: Any = None
         self._grace_listener: Callable[[], None] | None = None
         # Whether --catalog says what etcd's catalog says, on every member.
@@ -310,6 +313,7 @@ class HAMember(Service):
         self._starting = defer.ensureDeferred(self._start())
         self.routes_follower.start()
         self.fleet_follower.start()
+        self.people.start()
         if self.catalog_check is not None:
             self.catalog_check.start()
 
@@ -368,6 +372,7 @@ class HAMember(Service):
         self._stop_publishing()
         self.routes_follower.stop()
         self.fleet_follower.stop()
+        self.people.stop()
         if self.catalog_check is not None:
             self.catalog_check.stop()
         d = self.election.stop()
@@ -652,6 +657,7 @@ class HAMember(Service):
             "fleet_published": self.fleet_publisher.writes,
             "fleet_followed_revision": self.fleet_follower.revision,
             "etcd_error": st["last_error"] or self.start_error,
+            "people": self.people.status(),
         }
 
 

@@ -28,6 +28,7 @@ from typing import Any
 
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
+from twisted.internet import defer
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.internet.protocol import ServerFactory
 from twisted.logger import Logger
@@ -121,6 +122,10 @@ class JoinAuthority:
         #: Told of each renewal issued or approved (the node's new expiry).
         self.on_renewed = on_renewed
         self.pending: dict[str, Pending] = {}
+        #: HA: the join tokens in etcd (an
+        #: L{llmgw.control.ha.sharedtokens.SharedTokens}, whose C{check} and
+        #: C{spend} return Deferreds), in place of L{tokens}; None standalone.
+        self.shared: Any = None
 
     # -- tokens -------------------------------------------------------------
 
@@ -185,7 +190,29 @@ class JoinAuthority:
                           node=req.node_id[:64], address=address, error=str(e))
             return pb.JoinResponse(status=Status.STATUS_REFUSED, error=str(e))
 
-    def _join(self, req: pb.JoinRequest, address: str) -> pb.JoinResponse:
+    def answer(self, req: pb.JoinRequest, address: str) -> defer.Deferred[pb.JoinResponse]:
+        """
+        L{join}, or with L{shared} tokens (in etcd) the same decisions with
+        the token read and its use spent there: what the join listener
+        sends back. A token store that cannot be reached refuses the join.
+        """
+        if self.shared is None:
+            return defer.succeed(self.join(req, address))
+        d = defer.ensureDeferred(self._join_shared(req, address))
+
+        def refused(f: Failure) -> pb.JoinResponse:
+            f.trap(TokenRefused, RequestRefused, CAError)
+            self.log.warn("join refused for node {node} from {address}: {error}",
+                          node=req.node_id[:64], address=address, error=f.getErrorMessage())
+            return pb.JoinResponse(status=Status.STATUS_REFUSED, error=f.getErrorMessage())
+
+        return d.addErrback(refused)
+
+    def _asked_again(self, req: pb.JoinRequest, address: str) -> tuple[x509.CertificateSigningRequest, str] | pb.JoinResponse:
+        """
+        The request's CSR and key hash, or the answer when the same node
+        asks again about a request kept for an operator.
+        """
         node_id = req.node_id
         try:
             validate_node_id(node_id)
@@ -193,7 +220,6 @@ class JoinAuthority:
             raise RequestRefused(str(e)) from e
         csr = check_request(req.csr_pem, node_id)
         key_hash = public_key_hash(csr)
-        now = self.clock.seconds()
         waiting = self.pending.get(node_id)
         if waiting is not None and waiting.key_hash == key_hash and waiting.kind == "join":
             # The same node asking again after its request was kept.
@@ -206,14 +232,33 @@ class JoinAuthority:
                               node=node_id, address=address)
                 return self._issued(waiting.issued)
             return pb.JoinResponse(status=Status.STATUS_PENDING, agent_port=self.agent_port)
+        return csr, key_hash
+
+    def _admissible(self, node_id: str) -> None:
+        """
+        @raise RequestRefused: a connected node holds C{node_id}, or another
+            request for it waits.
+        """
+        if self.connected(node_id):
+            raise RequestRefused(f"node {node_id!r} is connected now: another node holds that name")
+        if node_id in self.pending:
+            raise RequestRefused(
+                f"a request for node {node_id!r} with another key already waits for approval")
+        if self.signer_dir is None and len(self.pending) >= self.max_pending:
+            raise RequestRefused(
+                f"{len(self.pending)} certificate requests already wait for an operator "
+                "(`llmgw ctl csr list`); try again later")
+
+    def _join(self, req: pb.JoinRequest, address: str) -> pb.JoinResponse:
+        asked = self._asked_again(req, address)
+        if isinstance(asked, pb.JoinResponse):
+            return asked
+        csr, key_hash = asked
+        node_id, now = req.node_id, self.clock.seconds()
         self.tokens.refresh()
         book = self.tokens.book
         book.check(req.token_id, req.token_secret, node_id, now)
-        if self.connected(node_id):
-            raise RequestRefused(f"node {node_id!r} is connected now: another node holds that name")
-        if waiting is not None:
-            raise RequestRefused(
-                f"a request for node {node_id!r} with another key already waits for approval")
+        self._admissible(node_id)
         if self.signer_dir is None:
             self._keep(Pending(node_id, csr, key_hash, address, now, "join", req.token_id))
             book.use(req.token_id, node_id)
@@ -223,6 +268,31 @@ class JoinAuthority:
         book.use(req.token_id, node_id)
         self.tokens.save()
         self.log.info("node {node} joined from {address} with token {token}",
+                      node=node_id, address=address, token=req.token_id)
+        return self._issued(issued)
+
+    async def _join_shared(self, req: pb.JoinRequest, address: str) -> pb.JoinResponse:
+        asked = self._asked_again(req, address)
+        if isinstance(asked, pb.JoinResponse):
+            return asked
+        csr, key_hash = asked
+        node_id, now = req.node_id, self.clock.seconds()
+        # Checked before anything about the name is said: a stranger
+        # without a valid token learns nothing of which nodes are connected.
+        await self.shared.check(req.token_id, req.token_secret, node_id, now)
+        self._admissible(node_id)
+        if self.signer_dir is not None:
+            # The CA is loaded before a use is spent, so that a signer that
+            # cannot sign spends nothing.
+            CertificateAuthority.load(self.signer_dir)
+        await self.shared.spend(req.token_id, req.token_secret, node_id, now)
+        # Checked again: another request for the name may have come meanwhile.
+        self._admissible(node_id)
+        if self.signer_dir is None:
+            self._keep(Pending(node_id, csr, key_hash, address, now, "join", req.token_id))
+            return pb.JoinResponse(status=Status.STATUS_PENDING, agent_port=self.agent_port)
+        issued = self._sign(csr, node_id, "joined")
+        self.log.info("node {node} joined from {address} with token {token} (kept in etcd)",
                       node=node_id, address=address, token=req.token_id)
         return self._issued(issued)
 
@@ -308,6 +378,7 @@ class JoinProtocol(MessageStream[pb.JoinRequest]):
         self.factory = factory
         self._timer: IDelayedCall | None = None
         self._answered = False
+        self._lost = False
 
     def connectionMade(self) -> None:
         if not self.factory.opened(self):
@@ -330,6 +401,7 @@ class JoinProtocol(MessageStream[pb.JoinRequest]):
         self.transport.abortConnection()
 
     def connectionLost(self, reason: Failure = Failure(ConnectionError())) -> None:  # noqa: B008
+        self._lost = True
         if self._timer is not None and self._timer.active():
             self._timer.cancel()
         self._timer = None
@@ -339,9 +411,17 @@ class JoinProtocol(MessageStream[pb.JoinRequest]):
         if self._answered:
             return
         self._answered = True
-        answer = self.factory.authority.join(msg, self.peer_name())
-        self.send_message(answer)
-        self.transport.loseConnection()
+        d = self.factory.authority.answer(msg, self.peer_name())
+
+        def send(answer: pb.JoinResponse) -> None:
+            # The deadline may have closed the connection while etcd answered.
+            if self._lost:
+                return
+            self.send_message(answer)
+            self.transport.loseConnection()
+
+        d.addCallback(send).addErrback(
+            lambda f: self.log.failure("answering the join request from {peer} failed", f, peer=self.peer_name()))
 
     def frame_refused(self, reason: str) -> None:
         self.log.warn("join connection from {peer} closed: {reason}", peer=self.peer_name(), reason=reason)
