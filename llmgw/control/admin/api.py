@@ -111,6 +111,8 @@ ENDPOINTS = [
     "POST /api/v1/nodes/{id}/drain",
     'POST /api/v1/deployments/{model}/scale {"replicas": N} or {"min": N, "max": M} (autoscaled)',
     'POST /api/v1/demand {"gateway_id": ID, "models": {MODEL: {"in_flight": N, "waiting": N}}}',
+    "PUT /api/v1/deployments/{model} {FIELD: VALUE, ...} (as a [[deployments]] table of the catalog)",
+    "DELETE /api/v1/deployments/{model}",
     "POST /api/v1/deployments/{model}/retry",
     "GET /api/v1/deployments/{model}/rollout",
     "POST /api/v1/deployments/{model}/rollout/pause, /resume or /undo",

@@ -42,6 +42,7 @@ from zope.interface import implementer
 from llmgw.api.v1 import agent_pb2 as pb
 from llmgw.control.core.catalog import Catalog, CatalogError, parse_catalog
 from llmgw.control.core.commands import ShardCommand
+from llmgw.control.ha import catalogedits
 from llmgw.control.ha.catalogcheck import CatalogFileCheck
 from llmgw.control.ha.election import Election, MemberInfo, Role, leader_key
 from llmgw.control.ha.published import RoutesFollower, RoutesPublisher
@@ -471,6 +472,16 @@ class HAMember(Service):
         self.catalog_revision = revision
         self.log.info("catalog from {where}: {changes}", where=where,
                       changes=", ".join(f"{k}: {','.join(v)}" for k, v in changes.items() if v) or "no changes")
+
+    async def edit_catalog(self, change: Callable[[bytes, str], Any]) -> dict[str, Any]:
+        """The leader's change to etcd's catalog (L{catalogedits.store_edit}), then applied."""
+        if not self.taken_over or not self.election.may_command():
+            raise catalogedits.refused(503, "this member does not lead (or has not taken over): try the leader")
+        key = catalog_key(self.prefix)
+        edited, revision = await catalogedits.store_edit(self.store, self.prefix, key, self.election.lease, change)
+        changes = self.reconciler.apply_catalog(edited.catalog)
+        self.catalog_revision = max(self.catalog_revision, revision)
+        return {"stored": f"etcd {key.decode()} (revision {revision})", "changes": changes}
 
     def _start_watch(self, lease: int) -> None:
         key = catalog_key(self.prefix)
