@@ -474,14 +474,8 @@ class HAMember(Service):
                       changes=", ".join(f"{k}: {','.join(v)}" for k, v in changes.items() if v) or "no changes")
 
     async def edit_catalog(self, change: Callable[[bytes, str], Any]) -> dict[str, Any]:
-        """The leader's change to etcd's catalog (L{catalogedits.store_edit}), then applied."""
-        if not self.taken_over or not self.election.may_command():
-            raise catalogedits.refused(503, "this member does not lead (or has not taken over): try the leader")
-        key = catalog_key(self.prefix)
-        edited, revision = await catalogedits.store_edit(self.store, self.prefix, key, self.election.lease, change)
-        changes = self.reconciler.apply_catalog(edited.catalog)
-        self.catalog_revision = max(self.catalog_revision, revision)
-        return {"stored": f"etcd {key.decode()} (revision {revision})", "changes": changes}
+        """The leader's change to etcd's catalog, then applied (L{catalogedits.edit})."""
+        return await catalogedits.edit(self, catalog_key(self.prefix), change)
 
     def _start_watch(self, lease: int) -> None:
         key = catalog_key(self.prefix)
