@@ -143,6 +143,21 @@ class FileTests(SynchronousTestCase):
         code, body = self.call("DELETE", "/api/v1/deployments/org/m")
         self.assertEqual((code, body["model"]), (200, "org/m"))
 
+    def test_catalog_view(self) -> None:
+        """
+        GET /api/v1/catalog lists the profiles (engine, GPUs, whether a
+        deployment names a source) and each deployment's table as written,
+        which follows a PUT.
+        """
+        code, body = self.call("GET", "/api/v1/catalog", headers={})
+        self.assertEqual(code, 200)
+        self.assertEqual(body["profiles"], [{"name": "fake-1gpu", "engine": "generic", "shards": 1, "gpus_per_shard": 1,
+                                             "gpu_memory_mb": 1000, "needs_source": False}])
+        self.assertEqual(body["deployments"], {"demo": {"model": "demo", "profile": "fake-1gpu", "replicas": 2}})
+        self.call("PUT", "/api/v1/deployments/demo", {"profile": "fake-1gpu", "routing": "least_loaded"})
+        _, body = self.call("GET", "/api/v1/catalog", headers={})
+        self.assertEqual(body["deployments"]["demo"], {"model": "demo", "profile": "fake-1gpu", "routing": "least_loaded"})
+
     def test_needs_json(self) -> None:
         """
         A PUT that is not application/json is a 415, as a POST is.

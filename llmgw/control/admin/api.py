@@ -69,6 +69,7 @@ from llmgw.control.admin.base import (
     request_path,
 )
 from llmgw.control.admin.csr import CertificateRequests
+from llmgw.control.admin.deploy import CatalogView
 from llmgw.control.admin.fleet import (
     Deployments,
     Events,
@@ -117,6 +118,7 @@ ENDPOINTS = [
     "GET /api/v1/deployments/{model}/rollout",
     "POST /api/v1/deployments/{model}/rollout/pause, /resume or /undo",
     'POST /api/v1/deployments/{model}/pull {"nodes": [ID, ...]} (none: where prefetch would)',
+    "GET /api/v1/catalog (profiles, and each deployment's table as the catalog writes it)",
     "POST /api/v1/catalog/reload",
     "POST /api/v1/tls/reload",
     "GET /api/v1/csr (certificate requests waiting for an operator)",
@@ -202,6 +204,8 @@ class AdminResource(AdminNode):
         self.control = control
         self.putChild(b"metrics", Metrics(self))
         self.putChild(b"page", PageFiles(self))
+        catalog = CatalogView(self)
+        catalog.putChild(b"reload", CatalogReload(self))
         v1 = _branch(self, {
             b"status": Status(self),
             b"whoami": Whoami(self),
@@ -217,7 +221,7 @@ class AdminResource(AdminNode):
             b"usage": Usage(self),
             b"series": Series(self),
             b"demand": Demand(self),
-            b"catalog": _branch(self, {b"reload": CatalogReload(self)}),
+            b"catalog": catalog,
             b"tls": _branch(self, {b"reload": TLSReload(self)}),
             b"csr": CertificateRequests(self),
         })

@@ -167,3 +167,22 @@ class DeploymentEdits(AdminNode):
             return {"model": model, "ok": True, "deleted": True, **result}
 
         return edit_catalog(self.root, remove_change(model)).addCallback(done)
+
+
+class CatalogView(AdminNode):
+    """
+    C{GET /api/v1/catalog}: what the console's deploy form offers and
+    edits: the profiles (name, engine, GPUs) and each deployment's table
+    as the catalog writes it. Its child C{reload} reloads the file.
+    """
+
+    def render_GET(self, request: Any) -> dict[str, Any]:  # noqa: N802
+        catalog = getattr(self.root.fleet, "catalog", None)
+        if catalog is None:
+            return {"profiles": [], "deployments": {}}
+        profiles = [
+            {"name": p.name, "engine": p.engine, "shards": p.shards, "gpus_per_shard": p.gpus_per_shard,
+             "gpu_memory_mb": p.gpu_memory_mb, "needs_source": not p.command}
+            for p in sorted(catalog.profiles.values(), key=lambda p: p.name)
+        ]
+        return {"profiles": profiles, "deployments": {m: dict(e) for m, e in sorted(catalog.entries.items())}}
