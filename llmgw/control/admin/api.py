@@ -85,6 +85,7 @@ from llmgw.control.admin.fleet import (
 from llmgw.control.admin.leader import to_leader
 from llmgw.control.admin.login import Login, Logins, Logout
 from llmgw.control.admin.page import PageFiles, serve_page
+from llmgw.control.admin.playground import Playground
 from llmgw.control.admin.series import Series
 from llmgw.control.admin.watch import WatchHub
 from llmgw.control.admin.websocket import WatchFactory, WatchResource
@@ -106,6 +107,8 @@ ENDPOINTS = [
     "GET /api/v1/routes?since=REVISION",
     "GET /api/v1/watch?since=REVISION&epoch=EPOCH&only=routes (WebSocket)",
     "GET /api/v1/usage",
+    "GET /api/v1/playground (the API keys this requester may spend in the playground)",
+    'POST /api/v1/playground/chat {"model": M, "messages": [...], "key": NAME} (streamed, through the gateway)',
     "GET /api/v1/series?since=SECONDS&top=N&node=ID (curves of the last hour)",
     "POST /api/v1/nodes/{id}/cordon",
     "POST /api/v1/nodes/{id}/uncordon",
@@ -220,6 +223,7 @@ class AdminResource(AdminNode):
             b"watch": WatchResource(self),
             b"usage": Usage(self),
             b"series": Series(self),
+            b"playground": Playground(self),
             b"demand": Demand(self),
             b"catalog": catalog,
             b"tls": _branch(self, {b"reload": TLSReload(self)}),
