@@ -72,14 +72,25 @@ class ConsoleBrowserTests(LocalFleetHarness, SynchronousTestCase):
         and started it, as the catalog file now says; then the playground
         picks it, sends a message, and shows the answer growing as it
         streams, with the replica that answered, the time to first token
-        and the tokens per second.
+        and the tokens per second. A deploy the catalog file would refuse
+        shows the file's message; a delete from the page removes it from
+        the file and the fleet.
         """
         driver = browser(self)
         driver.get(self.url)
         wait_for(driver, "!document.getElementById('deploy').hidden && "
                          "document.querySelectorAll('#dep-profile option').length === 1")
         driver.find_element("id", "dep-model").send_keys("demo")
-        driver.execute_script("document.getElementById('dep-replicas').value = '1'")
+        # What the catalog file would refuse is refused with its message.
+        driver.execute_script("document.getElementById('dep-auto').checked = true; "
+                              "document.getElementById('dep-min').value = '3'; "
+                              "document.getElementById('dep-max').value = '1'")
+        driver.find_element("id", "dep-submit").click()
+        refused = wait_for(driver, "document.getElementById('deploy-status').className.includes('bad') && "
+                                   "document.getElementById('deploy-status').textContent")
+        self.assertEqual(refused, "refused: deployment 'demo': field 'max_replicas' (1) is below 'min_replicas' (3)")
+        driver.execute_script("document.getElementById('dep-fixed').checked = true; "
+                              "document.getElementById('dep-replicas').value = '1'")
         driver.find_element("id", "dep-submit").click()
         status = wait_for(driver, "(document.getElementById('deploy-status').textContent.startsWith('deployed') || "
                                   "document.getElementById('deploy-status').className.includes('bad')) && "
@@ -115,3 +126,13 @@ class ConsoleBrowserTests(LocalFleetHarness, SynchronousTestCase):
         replicas = {r["id"] for r in self.admin("/api/v1/replicas")["replicas"] if r["model"] == "demo"}
         self.assertIn(stats["lastReplica"], replicas)
         driver.save_screenshot(str(screenshot_dir() / "console-playground.png"))
+
+        # Deleted from the page: gone from the catalog file, its replica stopped.
+        driver.execute_script("window.confirm = () => true; "
+                              "document.querySelector('button[data-dep=delete][data-model=demo]').click()")
+        wait_for(driver, "document.getElementById('deploy-status').textContent.startsWith('deleted demo')")
+        self.assertNotIn('model = "demo"', Path(self.admin("/api/v1/status")["catalog"]).read_text())
+        self.wait("the demo replica gone", lambda: not [
+            r for r in self.admin("/api/v1/replicas")["replicas"] if r["model"] == "demo"])
+        wait_for(driver, "!window.llmgwPage.state.deployments.has('demo') && "
+                         "!document.querySelector('[data-progress=\"demo\"]')")
