@@ -308,3 +308,35 @@ class SampleFleetTests(SynchronousTestCase):
         code, body = call(self, StubTreq(resource), "GET", "/api/v1/deployments/demo", headers={})
         self.assertEqual(code, 405)
         self.assertIn("PUT or DELETE", body["error"])
+
+
+class CtlTests(FileTests):
+    def ctl(self, *argv: str) -> tuple[int, str, str]:
+        import io
+
+        from llmgw.ctl.main import build_parser
+        from tests.test_ctl import stub_http
+
+        args = build_parser().parse_args(["ctl", *argv])
+        out, err = io.StringIO(), io.StringIO()
+        code = args.func(args, out=out, err=err, http=stub_http(self.resource, []), now=0.0)
+        return code, out.getvalue(), err.getvalue()
+
+    def test_deploy_and_undeploy(self) -> None:
+        """
+        C{llmgw ctl deploy} writes the table its options describe (others
+        with --set, as JSON or a word); C{ctl undeploy} removes it; a
+        refusal is the catalog's message, exit status 1.
+        """
+        code, out, _ = self.ctl("deploy", "demo2", "--profile", "fake-1gpu", "--min", "0", "--max", "3",
+                                "--set", "routing=least_loaded", "--set", "queue_depth=5")
+        self.assertEqual((code, out), (0, f"demo2: added in {self.path}\n"))
+        self.assertEqual(tomllib.loads(self.path.read_text())["deployments"][1],
+                         {"model": "demo2", "profile": "fake-1gpu", "min_replicas": 0, "max_replicas": 3,
+                          "routing": "least_loaded", "queue_depth": 5})
+        code, _, err = self.ctl("deploy", "demo2", "--profile", "fake-1gpu", "--replicas", "2", "--min", "1")
+        self.assertEqual(code, 1)
+        self.assertIn("the control plane refused: deployment 'demo2': field 'replicas' fixes the replica count", err)
+        code, out, _ = self.ctl("undeploy", "demo2")
+        self.assertEqual((code, out), (0, f"demo2: removed from {self.path}; its replicas stop\n"))
+        self.assertEqual(list(load_catalog(self.path).deployments), ["demo"])
