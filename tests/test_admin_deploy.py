@@ -60,7 +60,12 @@ def call(test: SynchronousTestCase, treq: Any, method: str, path: str, body: Any
     return response.code, json.loads(test.successResultOf(treq.content(response)))
 
 
-class FileTests(SynchronousTestCase):
+class FileCase(SynchronousTestCase):
+    """
+    The admin API over a fake fleet whose catalog is a file in a folder of
+    its own.
+    """
+
     def setUp(self) -> None:
         self.dir = Path(self.mktemp())
         self.dir.mkdir()
@@ -75,6 +80,8 @@ class FileTests(SynchronousTestCase):
     def call(self, method: str, path: str, body: Any = None, **kw: Any) -> tuple[int, Any]:
         return call(self, self.treq, method, path, body, **kw)
 
+
+class FileTests(FileCase):
     def test_put_adds_and_reloads(self) -> None:
         """
         PUT of a new model appends its table to the catalog file, keeping
@@ -310,7 +317,7 @@ class SampleFleetTests(SynchronousTestCase):
         self.assertIn("PUT or DELETE", body["error"])
 
 
-class CtlTests(FileTests):
+class CtlTests(FileCase):
     def ctl(self, *argv: str) -> tuple[int, str, str]:
         import io
 
