@@ -300,3 +300,27 @@ class ReplicaHeaderTests(TestCase):
             yield response.content()
             self.assertEqual(response.code, 200)
             self.assertEqual(response.headers.getRawHeaders(REPLICA_HEADER), [b"r-7"])
+
+
+class LocalOptionTests(SynchronousTestCase):
+    def test_local_api_keys(self) -> None:
+        """
+        C{llmgw local --api-keys FILE} gives the local fleet's gateway that
+        keys file, console roles and all; without it the gateway needs none.
+        """
+        from pathlib import Path
+
+        from llmgw.local import Options
+
+        root = Path(self.mktemp())
+        root.mkdir()
+        keys = root / "keys.toml"
+        keys.write_text(KEYS)
+        keys.chmod(0o600)
+        base = ["--certs", str(root / "certs"), "--state-dir", str(root / "state")]
+        o = Options()
+        o.parseOptions([*base, "--api-keys", str(keys)])
+        self.assertEqual(o["control"]["keyring"].console_keys("viewer"), ["everyone"])
+        o = Options()
+        o.parseOptions(base)
+        self.assertIsNone(o["control"]["keyring"])

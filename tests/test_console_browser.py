@@ -52,11 +52,27 @@ def undeployed_catalog(folder: Path) -> Path:
     return path
 
 
+#: The gateway's keys: one the console may spend (with a limit, which the
+#: playground's requests count against like any client's), one it may not.
+KEYS = """
+[keys.ops]
+key = "sk-console-ops-0123456789"
+requests_per_minute = 100
+console_roles = ["operator", "admin"]
+
+[keys.batch]
+key = "sk-batch-0123456789"
+"""
+
+
 class ConsoleBrowserTests(LocalFleetHarness, SynchronousTestCase):
     def setUp(self) -> None:
         folder = Path(self.mktemp()).resolve()
         folder.mkdir(parents=True)
-        self.start_fleet("--catalog", str(undeployed_catalog(folder)))
+        keys = folder / "keys.toml"
+        keys.write_text(KEYS)
+        keys.chmod(0o600)
+        self.start_fleet("--catalog", str(undeployed_catalog(folder)), "--api-keys", str(keys))
         # With nothing to run, the fleet is up once both agents registered.
         self.wait("both agents registered", lambda: "adoption_grace_ended" in self.output())
         self.url = f"http://127.0.0.1:{self.admin_port}/"
@@ -70,8 +86,9 @@ class ConsoleBrowserTests(LocalFleetHarness, SynchronousTestCase):
         From the page: the demo model is deployed (one replica of the fake
         profile) and the deploy view shows it ready once the fleet placed
         and started it, as the catalog file now says; then the playground
-        picks it, sends a message, and shows the answer growing as it
-        streams, with the replica that answered, the time to first token
+        picks it and the one API key the console may spend, sends a
+        message (counted under that key, as any client's), and shows the
+        answer growing as it streams, with the replica that answered, the time to first token
         and the tokens per second. A deploy the catalog file would refuse
         shows the file's message; a delete from the page removes it from
         the file and the fleet.
@@ -105,6 +122,10 @@ class ConsoleBrowserTests(LocalFleetHarness, SynchronousTestCase):
 
         wait_for(driver, "!document.getElementById('playground').hidden && "
                          "document.getElementById('pg-model').value === 'demo'")
+        # The keys the console may spend, by name: never the secret, never a key without console_roles.
+        offered = driver.execute_script("return [...document.querySelectorAll('#pg-key option')].map((o) => o.value)")
+        self.assertEqual(offered, ["ops"])
+        self.assertNotIn("sk-console", driver.page_source)
         driver.find_element("id", "pg-input").send_keys("hello there")
         # Record each length the answer shows while it streams.
         driver.execute_script(
@@ -125,6 +146,10 @@ class ConsoleBrowserTests(LocalFleetHarness, SynchronousTestCase):
         self.assertRegex(route, r"^replica \S+ · first token \d+ ms · \d+ tokens · [\d.]+ tokens/s$")
         replicas = {r["id"] for r in self.admin("/api/v1/replicas")["replicas"] if r["model"] == "demo"}
         self.assertIn(stats["lastReplica"], replicas)
+        # Spent as any client spends it: counted under the key, which has its limit.
+        usage = self.admin("/api/v1/usage")
+        self.assertEqual([(u["key"], u["model"], u["requests"]) for u in usage["usage"]], [("ops", "demo", 1)])
+        self.assertEqual([(lim["key"], lim["requests_per_minute"]) for lim in usage["limits"]], [("ops", 100)])
         driver.save_screenshot(str(screenshot_dir() / "console-playground.png"))
 
         # Deleted from the page: gone from the catalog file, its replica stopped.
