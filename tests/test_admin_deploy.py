@@ -74,7 +74,8 @@ class FileCase(SynchronousTestCase):
         os.chmod(self.path, 0o640)
         self.fleet = FileFleet(self.path)
         self.resource = AdminResource(self.fleet, make_registry())
-        self.resource.log = Logger(observer=lambda e: None)
+        self.logged: list[dict[str, Any]] = []
+        self.resource.log = Logger(observer=self.logged.append)  # type: ignore[arg-type]
         self.treq = StubTreq(self.resource)
 
     def call(self, method: str, path: str, body: Any = None, **kw: Any) -> tuple[int, Any]:
@@ -100,6 +101,24 @@ class FileTests(FileCase):
         self.assertEqual(stat.S_IMODE(os.stat(self.path).st_mode), 0o640)
         self.assertEqual(os.listdir(self.dir), ["catalog.toml"])
         self.assertEqual(self.fleet.calls, [("reload",)])
+
+    def test_failed_write_keeps_the_file(self) -> None:
+        """
+        When the new file cannot be put in place, the old one stays as it
+        was, no temporary file is left, nothing is reloaded, and the answer
+        is a 500 (the failure logged).
+        """
+        def refuse(src: Any, dst: Any) -> None:
+            raise OSError(28, "No space left on device")
+
+        self.patch(os, "replace", refuse)
+        code, body = self.call("PUT", "/api/v1/deployments/demo2", {"profile": "fake-1gpu"})
+        self.assertEqual(code, 500, body)
+        self.assertEqual(self.path.read_bytes(), DEMO)
+        self.assertEqual(os.listdir(self.dir), ["catalog.toml"])
+        self.assertEqual(self.fleet.calls, [])
+        failures = [e["log_failure"] for e in self.logged if "log_failure" in e]
+        self.assertEqual([f.getErrorMessage() for f in failures], ["[Errno 28] No space left on device"])
 
     def test_put_changes_in_place(self) -> None:
         """

@@ -25,6 +25,7 @@ Where it is written:
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -32,7 +33,7 @@ from typing import Any
 
 from twisted.internet.defer import Deferred, ensureDeferred, maybeDeferred
 
-from llmgw.control.admin.base import AdminNode, Refused, json_body
+from llmgw.control.admin.base import AdminNode, Refused, bounded, json_body
 from llmgw.control.core.catalog import CatalogError
 from llmgw.control.core.catalogedit import Edited, put_deployment, remove_deployment
 from llmgw.control.state.interfaces import AdminError
@@ -151,7 +152,8 @@ class DeploymentEdits(AdminNode):
 
         def done(result: dict[str, Any]) -> dict[str, Any]:
             self.root.log.info("admin API: deployment {model} set to {fields} in {stored} (asked by {client})",
-                               model=model, fields=fields, stored=result["stored"], client=self.root.who(request))
+                               model=model, fields=bounded(json.dumps(fields)), stored=result["stored"],
+                               client=self.root.who(request))
             return {"model": model, "ok": True, **result}
 
         return edit_catalog(self.root, put_change(model, fields)).addCallback(done)
