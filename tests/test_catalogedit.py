@@ -143,6 +143,14 @@ class RemoveTests(SynchronousTestCase):
         self.assertEqual(sorted(edited.catalog.deployments), ["b"])
         self.assertNotIn("\n\n\n", text)
 
+    def test_added_then_removed(self) -> None:
+        """
+        A deployment added and then removed leaves the text as it was.
+        """
+        for text in (DEMO, COMMENTED):
+            added = put_deployment(text, "new", {"profile": "fake-1gpu" if text is DEMO else "p"}, "x")
+            self.assertEqual(remove_deployment(added.text, "new", "x").text, text)
+
     def test_last_one(self) -> None:
         """
         Removing the only deployment leaves a valid catalog with none.

@@ -110,6 +110,8 @@ def remove_deployment(text: bytes, model: str, where: str) -> Edited:
         start -= 1
     if end < len(lines) and not lines[end].strip() and (start == 0 or not lines[start - 1].strip()):
         end += 1  # one blank line stays between what was around it
+    while end == len(lines) and start > 0 and not lines[start - 1].strip():
+        start -= 1  # nor does one stay at the end: an added table's removal restores the text
     new = "".join(lines[:start]) + "".join(lines[end:])
     if not deployments:
         rest.pop("deployments")
