@@ -161,3 +161,10 @@ class ConsoleBrowserTests(LocalFleetHarness, SynchronousTestCase):
             r for r in self.admin("/api/v1/replicas")["replicas"] if r["model"] == "demo"])
         wait_for(driver, "!window.llmgwPage.state.deployments.has('demo') && "
                          "!document.querySelector('[data-progress=\"demo\"]')")
+        # Nothing the views did went wrong in the console (the refused deploy
+        # is a 400 the page shows, which chromium logs as a failed resource;
+        # the favicon is the page's, not these views').
+        errors = [e["message"] for e in driver.get_log("browser")
+                  if e["level"] == "SEVERE" and "the server responded with a status of 400" not in e["message"]
+                  and "/favicon.ico" not in e["message"]]
+        self.assertEqual(errors, [])

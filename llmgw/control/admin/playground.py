@@ -45,6 +45,8 @@ MAX_MESSAGES = 200
 MAX_TOKENS = 8192
 #: The roles a message may have.
 MESSAGE_ROLES = ("system", "user", "assistant")
+#: Seconds to wait for the gateway to take the connection.
+CONNECT_TIMEOUT = 10
 #: The gateway's response headers the browser gets.
 PASSED_HEADERS = (b"content-type", b"x-llmgw-replica", b"retry-after")
 
@@ -225,7 +227,7 @@ class Chat(AdminNode):
         url = f"http://{'[' + host + ']' if ':' in host else host}:{address.port}/v1/chat/completions"
         self.log.info("admin API: playground chat with {model} as {who} (key {key})",
                       model=chat["model"], who=self.root.who(request), key=key_name if keys is not None else "none")
-        agent = Agent(service.reactor)
+        agent = Agent(service.reactor, connectTimeout=CONNECT_TIMEOUT)
         asked = agent.request(b"POST", url.encode(), headers, _Bytes(encode_json(chat)))
         relay = Relay(request)
         gone: list[Any] = []
