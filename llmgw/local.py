@@ -33,6 +33,7 @@ from llmgw.control import service as control_service
 from llmgw.control.shell.reconciler import Reconciler
 from llmgw.options import Options as BaseOptions
 from llmgw.options import (
+    api_keys_row,
     certs_row,
     heartbeat_row,
     listen_address,
@@ -170,6 +171,7 @@ class Options(BaseOptions):
         certs_row("certs", "where the dev CA and certificates are made and kept"),
         ["state-dir", None, "local-state", "where each agent keeps its state"],
         ["gateway", None, "127.0.0.1:8000", "[HOST:]PORT the OpenAI-compatible gateway listens on"],
+        api_keys_row("the gateway's API keys file"),
         ["admin", None, "127.0.0.1:7480", "[HOST:]PORT the admin API and /metrics listen on"],
         ["agent-listen", None, "127.0.0.1:0", "[HOST:]PORT the agent stream listens on (0: any free port)"],
         heartbeat_row(2.0, "agents' heartbeat interval, seconds"),
@@ -215,6 +217,7 @@ class Options(BaseOptions):
                 # open-file limit a desktop has and says nothing about it.
                 "--max-connections", str(max(LOCAL_MIN_CONNECTIONS, 4 * self["agents"])),
                 "--gateway-max-connections", str(LOCAL_GATEWAY_CONNECTIONS),
+                *(["--api-keys", str(Path(self["api-keys"]).resolve())] if self["api-keys"] else []),
             ])
         except usage.UsageError as e:
             raise usage.UsageError(f"the control plane refused its options: {e}") from e

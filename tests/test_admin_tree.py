@@ -28,7 +28,7 @@ class UnknownTests(AdminTestCase):
         """
         for path in ("/nope", "/api", "/api/v1", "/api/v2/status", "/api/v1/nope", "/api/v1/status/x",
                      "/api/v1/nodes/gpu-1", "/api/v1/nodes/gpu-1/nope", "/api/v1/nodes/gpu-1/cordon/x",
-                     "/api/v1/catalog", "/api/v1/tls", "/metrics/x", "/api/v1//nodes"):
+                     "/api/v1/catalog/nope", "/api/v1/tls", "/metrics/x", "/api/v1//nodes"):
             for method in ("GET", "POST"):
                 self.assertRefused(self.call(method, path, {}), 404, f"no such endpoint: {path!r}")
 

@@ -192,6 +192,12 @@ class AdminClient:
     def post(self, path: str, body: Any = None) -> Any:
         return self._call("POST", path, json.dumps(body if body is not None else {}).encode())
 
+    def put(self, path: str, body: Any) -> Any:
+        return self._call("PUT", path, json.dumps(body).encode())
+
+    def delete(self, path: str) -> Any:
+        return self._call("DELETE", path, b"{}")
+
     def _call(self, method: str, path: str, body: bytes | None) -> Any:
         url = self.base_url + path
         status, raw, url = self._follow(method, url, body)

@@ -237,6 +237,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p = add("rollout", "a deployment's rollout of a changed profile: status, pause, resume, undo",
             rollout.cmd_rollout)
     rollout.add_arguments(p)
+    from llmgw.ctl import deploy
+
+    p = add("deploy", "add or change a deployment in the control plane's catalog (the file, or etcd "
+                      "when HA), checked as the catalog file is", deploy.cmd_deploy)
+    deploy.add_arguments(p)
+    p = add("undeploy", "remove a deployment from the control plane's catalog", deploy.cmd_undeploy)
+    p.add_argument("model", metavar="MODEL", help="the deployment's model")
     from llmgw.ctl import csr
 
     p = add("csr", "certificate requests waiting for an operator: list, approve NODE (signed here, "

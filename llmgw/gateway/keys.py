@@ -13,6 +13,13 @@ C{.toml}, a table of names to keys::
     key = "sk-..."
     requests_per_minute = 60
     tokens_per_minute = 100000
+    console_roles = ["operator", "admin"]   # who may spend it in the console
+
+A key whose table names C{console_roles} may be spent by the control
+plane's console (its playground) for people logged in with one of those
+roles (C{viewer}, C{operator}, C{admin}); the control plane then holds it
+in memory to send it on, and the browser never sees it. Any other key is
+never used by the console.
 
 Keys are compared by their SHA-256 digest and only names ever reach a log.
 """
@@ -34,6 +41,10 @@ log = Logger()
 MIN_KEY_LENGTH = 8
 #: The fields of a key's table besides C{key}: its limits.
 LIMIT_FIELDS = ("requests_per_minute", "tokens_per_minute")
+#: The field of a key's table naming the console roles that may spend it.
+CONSOLE_FIELD = "console_roles"
+#: The roles of people in the console (L{llmgw.control.core.users}).
+CONSOLE_ROLES = ("viewer", "operator", "admin")
 
 
 class KeysError(ValueError):
@@ -49,8 +60,11 @@ class KeyRing:
     (C{limits[name]}; a key with none is not in it).
     """
 
-    def __init__(self, keys: dict[str, str], limits: dict[str, KeyLimits] | None = None):
+    def __init__(self, keys: dict[str, str], limits: dict[str, KeyLimits] | None = None,
+                 console: dict[str, frozenset[str]] | None = None):
         self.limits = {name: lim for name, lim in (limits or {}).items() if lim}
+        #: The keys the console may spend, by name: the key and the roles.
+        self.console = {name: (keys[name], roles) for name, roles in (console or {}).items() if roles}
         self._by_digest: dict[bytes, str] = {}
         for name, key in keys.items():
             digest = hashlib.sha256(key.encode()).digest()
@@ -63,6 +77,24 @@ class KeyRing:
 
     def names(self) -> list[str]:
         return sorted(self._by_digest.values())
+
+    def console_keys(self, role: str | None) -> list[str]:
+        """
+        The names of the keys the console may spend for a person with
+        C{role}; C{None} (the operator at the host, on a loopback API
+        without TLS): every key that names any console role.
+        """
+        return sorted(n for n, (_, roles) in self.console.items() if role is None or role in roles)
+
+    def console_key(self, name: str, role: str | None) -> str | None:
+        """
+        The key named C{name} if the console may spend it for C{role}
+        (as L{console_keys}); else C{None}.
+        """
+        found = self.console.get(name)
+        if found is None or (role is not None and role not in found[1]):
+            return None
+        return found[0]
 
     def authenticate(self, authorization: bytes | None) -> str | None:
         """
@@ -91,6 +123,7 @@ def parse_keys(text: str, toml: bool, source: str = "keys file") -> KeyRing:
     """
     keys: dict[str, str] = {}
     limits: dict[str, KeyLimits] = {}
+    console: dict[str, frozenset[str]] = {}
     if toml:
         try:
             data = tomllib.loads(text)
@@ -101,7 +134,8 @@ def parse_keys(text: str, toml: bool, source: str = "keys file") -> KeyRing:
             raise KeysError(f"{source}: [keys] must be a table of name = \"key\"")
         for name, key in table.items():
             if isinstance(key, dict):
-                key, limits[name] = _key_table(name, key, source)
+                console[name] = _console_roles(name, key, source)
+                key, limits[name] = _key_table(name, {k: v for k, v in key.items() if k != CONSOLE_FIELD}, source)
             elif not isinstance(key, str):
                 raise KeysError(
                     f"{source}: key {name!r} must be a string, or a table [keys.{name}] "
@@ -122,9 +156,24 @@ def parse_keys(text: str, toml: bool, source: str = "keys file") -> KeyRing:
         if any(c.isspace() for c in key):
             raise KeysError(f"{source}: key {name!r} contains white space")
     try:
-        return KeyRing(keys, limits)
+        return KeyRing(keys, limits, console)
     except KeysError as e:
         raise KeysError(f"{source}: {e}") from None
+
+
+def _console_roles(name: str, table: dict[str, object], source: str) -> frozenset[str]:
+    """
+    The console roles a C{[keys.NAME]} table names (none: not the console's).
+
+    @raise KeysError: not a list of known roles.
+    """
+    roles = table.get(CONSOLE_FIELD, [])
+    if not isinstance(roles, list) or not all(isinstance(r, str) and r in CONSOLE_ROLES for r in roles):
+        raise KeysError(
+            f"{source}: key {name!r}: {CONSOLE_FIELD} must be a list of console roles "
+            f"({', '.join(CONSOLE_ROLES)}), not {roles!r}"
+        )
+    return frozenset(roles)
 
 
 def _key_table(name: str, table: dict[str, object], source: str) -> tuple[str, KeyLimits]:
@@ -137,7 +186,7 @@ def _key_table(name: str, table: dict[str, object], source: str) -> tuple[str, K
     if unknown:
         raise KeysError(
             f"{source}: key {name!r}: unknown field(s) {', '.join(map(repr, unknown))}; "
-            f"a key's table takes key, {', '.join(LIMIT_FIELDS)}"
+            f"a key's table takes key, {', '.join(LIMIT_FIELDS)}, {CONSOLE_FIELD}"
         )
     key = table.get("key")
     if not isinstance(key, str):

@@ -77,6 +77,7 @@ from llmgw.routing import (
 #: The proxied paths whose streams can be asked for usage.
 _COMPLETIONS: Final = frozenset({"/v1/chat/completions", "/v1/completions"})
 _EVENT_STREAM: Final = b"text/event-stream"
+REPLICA_HEADER: Final = b"x-llmgw-replica"  # names the replica that answered
 #: Response headers the gateway writes itself.
 _DROP_RESPONSE: Final = frozenset(
     {
@@ -394,6 +395,7 @@ class ProxyCall:
         # The head waits for the body's first bytes, which the replica's
         # connection reports next, in the same read (b"" when that read
         # held none): one send to the client, not two.
+        kept.append((REPLICA_HEADER, self.route.replica_id.encode()))
         request.start_response(status, kept, length, reason or None, hold=True)
         request.set_producer(self)
         self.gw.metrics.first_byte(self.model, time.monotonic() - self.started)
@@ -417,7 +419,8 @@ class ProxyCall:
         self.status = status
         self.sent_headers = True
         request = self.request
-        request.start_response(status, (), framed, reason or None, hold=True, block=block)
+        request.start_response(status, ((REPLICA_HEADER, self.route.replica_id.encode()),), framed,  # type: ignore[union-attr]
+                               reason or None, hold=True, block=block)
         request.set_producer(self)
         self.gw.metrics.first_byte(self.model, time.monotonic() - self.started)
 

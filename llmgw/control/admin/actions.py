@@ -21,6 +21,7 @@ from twisted.web.resource import Resource
 
 from llmgw.control.admin.auth import known_admin
 from llmgw.control.admin.base import AdminNode, Refused, at_end, json_body, segment
+from llmgw.control.admin.deploy import DeploymentEdits
 from llmgw.control.admin.rollouts import ROLLOUT_ACTIONS, Rollout
 from llmgw.control.state.demand import DemandReportError, parse_report
 from llmgw.control.state.interfaces import AdminError
@@ -95,11 +96,12 @@ class NodeAction(AdminNode):
 # -- deployments ---------------------------------------------------------------------------
 
 
-class Deployment(AdminNode):
+class Deployment(DeploymentEdits):
     """
-    C{/api/v1/deployments/MODEL}: no endpoint itself. A model name may hold
-    slashes (C{org/model}), escaped or not: every segment up to the last,
-    an action's name, is part of it.
+    C{/api/v1/deployments/MODEL}: C{PUT} and C{DELETE} change the catalog
+    (L{DeploymentEdits}). A model name may hold slashes (C{org/model}),
+    escaped or not: every segment up to the last, an action's name, is
+    part of it.
     """
 
     def __init__(self, root: Any, model: str):

@@ -69,6 +69,7 @@ from llmgw.control.admin.base import (
     request_path,
 )
 from llmgw.control.admin.csr import CertificateRequests
+from llmgw.control.admin.deploy import CatalogView
 from llmgw.control.admin.fleet import (
     Deployments,
     Events,
@@ -84,6 +85,7 @@ from llmgw.control.admin.fleet import (
 from llmgw.control.admin.leader import to_leader
 from llmgw.control.admin.login import Login, Logins, Logout
 from llmgw.control.admin.page import PageFiles, serve_page
+from llmgw.control.admin.playground import Playground
 from llmgw.control.admin.series import Series
 from llmgw.control.admin.watch import WatchHub
 from llmgw.control.admin.websocket import WatchFactory, WatchResource
@@ -105,16 +107,21 @@ ENDPOINTS = [
     "GET /api/v1/routes?since=REVISION",
     "GET /api/v1/watch?since=REVISION&epoch=EPOCH&only=routes (WebSocket)",
     "GET /api/v1/usage",
+    "GET /api/v1/playground (the API keys this requester may spend in the playground)",
+    'POST /api/v1/playground/chat {"model": M, "messages": [...], "key": NAME} (streamed, through the gateway)',
     "GET /api/v1/series?since=SECONDS&top=N&node=ID (curves of the last hour)",
     "POST /api/v1/nodes/{id}/cordon",
     "POST /api/v1/nodes/{id}/uncordon",
     "POST /api/v1/nodes/{id}/drain",
     'POST /api/v1/deployments/{model}/scale {"replicas": N} or {"min": N, "max": M} (autoscaled)',
     'POST /api/v1/demand {"gateway_id": ID, "models": {MODEL: {"in_flight": N, "waiting": N}}}',
+    "PUT /api/v1/deployments/{model} {FIELD: VALUE, ...} (as a [[deployments]] table of the catalog)",
+    "DELETE /api/v1/deployments/{model}",
     "POST /api/v1/deployments/{model}/retry",
     "GET /api/v1/deployments/{model}/rollout",
     "POST /api/v1/deployments/{model}/rollout/pause, /resume or /undo",
     'POST /api/v1/deployments/{model}/pull {"nodes": [ID, ...]} (none: where prefetch would)',
+    "GET /api/v1/catalog (profiles, and each deployment's table as the catalog writes it)",
     "POST /api/v1/catalog/reload",
     "POST /api/v1/tls/reload",
     "GET /api/v1/csr (certificate requests waiting for an operator)",
@@ -200,6 +207,8 @@ class AdminResource(AdminNode):
         self.control = control
         self.putChild(b"metrics", Metrics(self))
         self.putChild(b"page", PageFiles(self))
+        catalog = CatalogView(self)
+        catalog.putChild(b"reload", CatalogReload(self))
         v1 = _branch(self, {
             b"status": Status(self),
             b"whoami": Whoami(self),
@@ -214,8 +223,9 @@ class AdminResource(AdminNode):
             b"watch": WatchResource(self),
             b"usage": Usage(self),
             b"series": Series(self),
+            b"playground": Playground(self),
             b"demand": Demand(self),
-            b"catalog": _branch(self, {b"reload": CatalogReload(self)}),
+            b"catalog": catalog,
             b"tls": _branch(self, {b"reload": TLSReload(self)}),
             b"csr": CertificateRequests(self),
         })

@@ -23,20 +23,26 @@ from llmgw.untrusted import clip
 GATEWAY_READS = (("api", "v1", "routes"), ("api", "v1", "watch"))
 #: What the C{gateway} role may post: its demand, for the autoscaler.
 GATEWAY_POSTS = (("api", "v1", "demand"),)
+#: What the C{viewer} role may post: a playground chat, which spends only
+#: the API keys its role was given (L{llmgw.control.admin.playground}).
+VIEWER_POSTS = (("api", "v1", "playground", "chat"),)
 
 
 def role_allows(role: str, method: str, path: list[str]) -> bool:
     """
     Whether an admin with C{role} may C{method} (C{GET} for C{HEAD}) the
-    path C{path} (its segments): C{viewer} any C{GET}; C{operator} any
-    C{GET} or C{POST} (cordon, uncordon, drain, scale, retry, catalog and
-    TLS reload); C{gateway} a C{GET} of L{GATEWAY_READS} and a C{POST} of
+    path C{path} (its segments): C{viewer} any C{GET} and a C{POST} of
+    L{VIEWER_POSTS}; C{operator} any method (cordon, uncordon, drain,
+    scale, retry, catalog and TLS reload, a deployment's C{PUT} and
+    C{DELETE}); C{gateway} a C{GET} of L{GATEWAY_READS} and a C{POST} of
     L{GATEWAY_POSTS} only.
     """
     if role == "operator":
         return True
     if role == "gateway" and method == "POST":
         return tuple(path) in GATEWAY_POSTS
+    if role == "viewer" and method == "POST":
+        return tuple(path) in VIEWER_POSTS
     if method != "GET":
         return False
     if role == "viewer":

@@ -27,7 +27,7 @@ JSON_TYPE = b"application/json; charset=utf-8"
 #: Largest request body accepted, in bytes.
 MAX_BODY = 64 * 1024
 #: The methods a resource of the tree may take, each as its C{render_METHOD}.
-METHODS = ("GET", "POST")
+METHODS = ("GET", "POST", "PUT", "DELETE")
 
 
 class Refused(Exception):

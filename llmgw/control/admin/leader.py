@@ -23,11 +23,11 @@ from llmgw.untrusted import clip
 
 #: What every member of an HA control plane answers itself, leading or
 #: not: its own status, who it takes the client for, its metrics, its
-#: embedded gateway's usage, its own TLS reload, and the fleet page's files
+#: embedded gateway's usage and playground, its own TLS reload, and the fleet page's files
 #: (whose API calls are sent on like any other).
 LOCAL_PATHS = frozenset({
     (), ("metrics",), ("api", "v1", "status"), ("api", "v1", "whoami"), ("api", "v1", "usage"),
-    ("api", "v1", "tls", "reload"),
+    ("api", "v1", "tls", "reload"), ("api", "v1", "playground"), ("api", "v1", "playground", "chat"),
 })
 #: What a member that does not lead answers from the routing table the
 #: leader published, once it holds one; the watch stream too, when it

@@ -21,6 +21,10 @@ PAGE_FILES = {
     "page.js": b"text/javascript; charset=utf-8",
     "page.css": b"text/css; charset=utf-8",
     "curves.js": b"text/javascript; charset=utf-8",
+    "console.js": b"text/javascript; charset=utf-8",
+    "console.css": b"text/css; charset=utf-8",
+    "deploy.js": b"text/javascript; charset=utf-8",
+    "playground.js": b"text/javascript; charset=utf-8",
     "vendor/uPlot.iife.min.js": b"text/javascript; charset=utf-8",
     "vendor/uPlot.min.css": b"text/css; charset=utf-8",
 }

@@ -202,6 +202,9 @@ class Catalog:
     deployments: Mapping[str, Deployment] = field(default_factory=dict)
     port_range: tuple[int, int] = DEFAULT_PORT_RANGE
     path: str | None = None
+    #: Each deployment's table as written, by model (what the console
+    #: edits); not part of what makes two catalogs equal.
+    entries: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, compare=False)
 
     def routing_policies(self) -> dict[str, str]:
         """
@@ -587,7 +590,8 @@ def parse_catalog(data: Mapping[str, Any], path: str | None = None) -> Catalog:
     first, last = ports.get("first", port_range[0]), ports.get("last", port_range[1])
     if not 1 <= first <= last <= 65535:
         raise CatalogError(f"ports: fields 'first' and 'last' must satisfy 1 <= first <= last <= 65535, not {first}..{last}")
-    return Catalog(profiles=profiles, deployments=deployments, port_range=(first, last), path=path)
+    entries = {d["model"]: d for d in raw_deps}
+    return Catalog(profiles=profiles, deployments=deployments, port_range=(first, last), path=path, entries=entries)
 
 
 def load_catalog(path: str | os.PathLike[str]) -> Catalog:

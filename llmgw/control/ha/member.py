@@ -42,6 +42,7 @@ from zope.interface import implementer
 from llmgw.api.v1 import agent_pb2 as pb
 from llmgw.control.core.catalog import Catalog, CatalogError, parse_catalog
 from llmgw.control.core.commands import ShardCommand
+from llmgw.control.ha import catalogedits
 from llmgw.control.ha.catalogcheck import CatalogFileCheck
 from llmgw.control.ha.election import Election, MemberInfo, Role, leader_key
 from llmgw.control.ha.published import RoutesFollower, RoutesPublisher
@@ -476,6 +477,10 @@ class HAMember(Service):
         self.catalog_revision = revision
         self.log.info("catalog from {where}: {changes}", where=where,
                       changes=", ".join(f"{k}: {','.join(v)}" for k, v in changes.items() if v) or "no changes")
+
+    async def edit_catalog(self, change: Callable[[bytes, str], Any]) -> dict[str, Any]:
+        """The leader's change to etcd's catalog, then applied (L{catalogedits.edit})."""
+        return await catalogedits.edit(self, catalog_key(self.prefix), change)
 
     def _start_watch(self, lease: int) -> None:
         key = catalog_key(self.prefix)
