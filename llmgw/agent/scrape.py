@@ -402,6 +402,9 @@ class Scraper(Service):
         out = []
         for shard_id, sample in sorted(self.samples.items()):
             msg = pb.ShardSignals(shard_id=shard_id, error=sample.error)
+            shard = self.supervisor.shards.get(shard_id)
+            if shard is not None:
+                msg.adapters.extend(self.supervisor.weights.adapters.held(shard.spec))
             if sample.standstill.flat_for_s is not None:
                 msg.flat_for_s = sample.standstill.flat_for_s
             if sample.signals is not None:
