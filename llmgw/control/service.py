@@ -665,9 +665,8 @@ def admin_url_to_publish(cp: ControlPlane, advertised: str) -> tuple[str, str]:
 
 def follow_catalog_policies(reconciler: Any) -> None:
     """
-    Have C{reconciler}'s routing table publish the catalog's routing
-    policies, admission queue limits, stream resumption and adapters
-    whenever it publishes the declared models (the first two now, too).
+    Have C{reconciler}'s routing table publish the catalog's routing policies, admission
+    queue limits, stream resumption and adapters with the declared models, and now.
     """
     table = reconciler.routing_table
     table.policy_source = lambda: reconciler.catalog.routing_policies()
@@ -678,6 +677,7 @@ def follow_catalog_policies(reconciler: Any) -> None:
     # Streams continued elsewhere, off per deployment (resume_streams).
     table.resume_off_source = lambda: reconciler.catalog.resume_off()
     table.adapter_source = lambda: reconciler.catalog.adapter_bases()
+    table.set_known(reconciler.catalog.deployments)
 
 
 class ReloadOnHangup(SighupService):
