@@ -48,6 +48,9 @@ def with_member(body: bytes, member: bytes) -> bytes:
 
     @raise ValueError: C{body} does not end with a closing brace.
     """
+    if body[-1:] == b"}" and body[-2:] != b"{}":
+        # The usual body, written without trailing space.
+        return body[:-1] + b"," + member + b"}"
     end = body.rstrip()
     if not end.endswith(b"}"):
         raise ValueError("the body is not a JSON object")
