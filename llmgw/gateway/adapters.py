@@ -48,8 +48,8 @@ def with_member(body: bytes, member: bytes) -> bytes:
 
     @raise ValueError: C{body} does not end with a closing brace.
     """
-    if body[-1:] == b"}" and body[-2:] != b"{}":
-        # The usual body, written without trailing space.
+    if body[-1:] == b"}" and body[-2:-1] not in b"{ \t\r\n":
+        # The usual body: a member's value, then the brace.
         return body[:-1] + b"," + member + b"}"
     end = body.rstrip()
     if not end.endswith(b"}"):
