@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from twisted.internet.defer import Deferred, succeed
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.agent.adapters import AdapterFiles, lora_args
+from llmgw.agent.adapters import AdapterError, AdapterFiles, RuntimeAdapters, lora_args, max_loras
 from llmgw.sourcespec import parse_source
+from llmgw.testing.enginesim import SimLoras
 from llmgw.testing.fakefetch import FakeFetcher, StepRunner
 from tests.supervisor_harness import spec
 from tests.test_supervisor_fetch import MODEL, FetchCase
@@ -89,3 +91,74 @@ class HelperTests(SynchronousTestCase):
         """
         self.assertEqual(lora_args(["/a", "/b"]), ["--lora", "/a", "--lora", "/b"])
         self.assertEqual(AdapterFiles(None).args(spec()), [])
+
+
+class RuntimeAdapterTests(SynchronousTestCase):
+    """
+    vLLM's runtime loading needs a GPU: these run against the engine
+    simulator's rendering of vLLM's documented LoRA endpoints
+    (L{llmgw.testing.enginesim.SimLoras}).
+    """
+
+    def setUp(self) -> None:
+        self.engine = SimLoras(max_loras=2)
+        self.urls: list[str] = []
+
+        def post(url: str, body: bytes) -> Deferred[tuple[int, bytes]]:
+            self.urls.append(url)
+            path = "/" + url.split("/", 3)[3]
+            if not self.engine.handles(path):
+                return succeed((404, b'{"detail":"Not Found"}'))
+            status, _, answer = self.engine.handle(path, body)
+            return succeed((status, answer))
+
+        self.files = AdapterFiles(None)
+        self.runtime = RuntimeAdapters(self.files, post, lambda: "10.0.0.5")
+        self.spec = spec(port=8100, argv=["vllm", "serve", "/w", "--enable-lora", "--max-loras", "2"])
+
+    def ensure(self, name: str) -> None:
+        self.successResultOf(self.runtime.ensure(self.spec, name, parse_source(f"file:///a/{name}")))
+
+    def test_least_recently_asked_for_unloaded(self) -> None:
+        """
+        At most C{max_loras} adapters are loaded; a new one unloads the
+        least recently asked for first; heartbeats name what is held.
+        """
+        self.assertEqual(max_loras(self.spec), 2)
+        self.ensure("a")
+        self.ensure("b")
+        self.ensure("a")
+        self.ensure("c")
+        self.assertEqual(self.engine.loaded, {"a": "/a/a", "c": "/a/c"})
+        self.assertEqual(self.files.held(self.spec), ["a", "c"])
+        self.assertEqual([c for c in self.engine.calls], [
+            ("/v1/load_lora_adapter", "a"), ("/v1/load_lora_adapter", "b"),
+            ("/v1/unload_lora_adapter", "b"), ("/v1/load_lora_adapter", "c")])
+        self.assertTrue(all(u.startswith("http://10.0.0.5:8100/v1/") for u in self.urls))
+
+    def test_refusal_is_an_error(self) -> None:
+        """
+        An engine without runtime updating (the paths unknown) refuses: the
+        adapter is not counted as held.
+        """
+        self.engine.enabled = False
+        d = self.runtime.ensure(self.spec, "a", parse_source("file:///a/a"))
+        self.assertIn("404", str(self.failureResultOf(d, AdapterError).value))
+        self.assertEqual(self.files.held(self.spec), [])
+
+    def test_sim_shapes(self) -> None:
+        """
+        The simulator answers as vLLM documents: success texts, 400 for a
+        repeated load or a missing field, 404 for unloading one not loaded.
+        """
+        sim = SimLoras()
+        self.assertEqual(sim.handle(SimLoras.LOAD, b'{"lora_name": "a", "lora_path": "/p"}')[::2],
+                         (200, b"Success: LoRA adapter 'a' added successfully."))
+        self.assertEqual(sim.handle(SimLoras.LOAD, b'{"lora_name": "a", "lora_path": "/p"}')[0], 400)
+        self.assertEqual(sim.handle(SimLoras.LOAD, b'{"lora_name": "b"}')[0], 400)
+        self.assertTrue(sim.serves("a"))
+        self.assertEqual(sim.models("base")[0]["parent"], "base")
+        self.assertEqual(sim.handle(SimLoras.UNLOAD, b'{"lora_name": "b"}')[0], 404)
+        self.assertEqual(sim.handle(SimLoras.UNLOAD, b'{"lora_name": "a"}')[::2],
+                         (200, b"Success: LoRA adapter 'a' removed successfully."))
+        self.assertFalse(SimLoras(enabled=False).handles(SimLoras.LOAD))
