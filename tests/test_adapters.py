@@ -22,7 +22,7 @@ from llmgw.control.core.rollout import spec_data, spec_from_data, spec_of
 from llmgw.control.service import follow_catalog_policies
 from llmgw.control.shell.metrics import ControlCollector
 from llmgw.ctl.render import render_replicas
-from llmgw.routing import Route, RoutingSnapshot, snapshot_from_json, snapshot_to_json
+from llmgw.routing import Demand, Route, RoutingSnapshot, snapshot_from_json, snapshot_to_json
 from llmgw.shards import ShardSpec
 from tests.reconciler_harness import Fleet
 from tests.reconciler_harness import catalog as reconciler_catalog
@@ -279,3 +279,91 @@ source = "file:///m/chat.gguf"
         C{ctl replicas} of a fleet without adapters has no adapters column.
         """
         self.assertNotIn("ADAPTERS", render_replicas([{"id": "r", "model": "m", "shards": []}]))
+
+
+class FixedDemand:
+    def __init__(self, figures: dict[str, Demand]):
+        self.figures = figures
+
+    def demand(self) -> dict[str, Demand]:
+        return dict(self.figures)
+
+
+class AdapterLoadingTests(SynchronousTestCase):
+    """
+    Adapters of an engine that loads them while it runs (vLLM) are loaded
+    onto more replicas of their base when those holding one are busy.
+    """
+
+    EXTRA = """
+[profiles.vl]
+engine = "vllm"
+max_loras = 2
+gpus_per_shard = 1
+command = ["vllm", "serve", "/m", "--port", "{port}"]
+
+[[deployments]]
+model = "vb"
+profile = "vl"
+replicas = 2
+
+[[adapters]]
+name = "x"
+base = "vb"
+source = "hf://org/x"
+"""
+
+    def setUp(self) -> None:
+        self.fleet = Fleet({}, nodes=2, cat=reconciler_catalog({}, self.EXTRA))
+        self.fleet.past_grace()
+        self.fleet.make_ready()
+        self.fleet.step()
+        self.demand = FixedDemand({})
+        self.fleet.rec.set_demand_source(self.demand)
+        self.leaders = {c.replica_id: c for c in self.fleet.dispatcher.starts}
+
+    def hold(self, replica_id: str, *adapters: str) -> None:
+        cmd = self.leaders[replica_id]
+        self.fleet.rec.record_engine_signals(cmd.node_id, [pb.ShardSignals(shard_id=cmd.shard_id,
+                                                                           adapters=list(adapters))])
+
+    def test_no_demand_no_load(self) -> None:
+        """
+        An adapter nobody asks for is loaded nowhere.
+        """
+        self.fleet.step()
+        self.assertEqual(self.fleet.dispatcher.adapter_loads, [])
+
+    def test_loaded_where_none_holds_it_then_where_busy(self) -> None:
+        """
+        Demand for an adapter no replica holds loads it on one (the one
+        holding fewest adapters), once until it is seen held; holders that
+        keep up get no more; busy holders get one more replica.
+        """
+        first, second = sorted(self.leaders)
+        self.hold(first, "y")
+        self.demand.figures = {"x": Demand(0, 1)}
+        self.fleet.step()
+        self.fleet.step()
+        cmd = self.leaders[second]
+        self.assertEqual(self.fleet.dispatcher.adapter_loads, [(cmd.node_id, cmd.shard_id, "x")])
+        self.assertTrue(any(e["kind"] == "adapter_load" for e in self.fleet.rec.events(0.0)))
+        self.hold(second, "x")
+        self.demand.figures = {"x": Demand(2, 0)}
+        self.fleet.step()
+        self.assertEqual(len(self.fleet.dispatcher.adapter_loads), 1)
+        self.demand.figures = {"x": Demand(9, 0)}
+        self.fleet.step()
+        cmd = self.leaders[first]
+        self.assertEqual(self.fleet.dispatcher.adapter_loads[1:], [(cmd.node_id, cmd.shard_id, "x")])
+
+    def test_gateway_reports_kept_for_adapters(self) -> None:
+        """
+        A standalone gateway's demand for an adapter counts (for loading),
+        as an autoscaled deployment's does.
+        """
+        self.fleet.rec.set_demand_source(None)
+        self.fleet.rec.report_demand("gw1", {"x": Demand(0, 3), "nobody": Demand(5, 5)})
+        self.assertEqual(self.fleet.rec.demand(), {"x": Demand(0, 3)})
+        self.fleet.step()
+        self.assertEqual(len(self.fleet.dispatcher.adapter_loads), 1)

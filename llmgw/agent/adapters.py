@@ -67,6 +67,8 @@ class AdapterFiles:
         #: shard id -> adapters loaded into its engine while it runs, least
         #: recently asked for first (L{RuntimeAdapters})
         self.loaded: dict[str, list[str]] = {}
+        #: What loads them, made at the first load (L{load_adapter}).
+        self.runtime: RuntimeAdapters | None = None
 
     async def acquire(self, spec: ShardSpec) -> tuple[str, ...]:
         """
@@ -122,9 +124,17 @@ class AdapterFiles:
         """
         self.paths.pop(shard_id, None)
         self.loaded.pop(shard_id, None)
+        if self.runtime is not None:
+            self.runtime.forget(shard_id)
         for key in self._pins.pop(shard_id, ()):
             if self.cache is not None:
                 self.cache.release(key, shard_id)
+
+    def load(self, supervisor: Any, msg: Any) -> None:
+        """
+        Carry out a C{LoadAdapter} command (L{load_adapter}).
+        """
+        load_adapter(supervisor, msg)
 
     def held(self, spec: ShardSpec) -> list[str]:
         """
@@ -258,3 +268,26 @@ def treq_post(reactor: Any, timeout: float = 60.0) -> Post:
         return d.addCallback(read)
 
     return post
+
+
+def load_adapter(supervisor: Any, msg: Any) -> None:
+    """
+    Carry out a C{LoadAdapter} command (C{msg}) on C{supervisor}'s shard:
+    logged, and dropped, when the shard does not run here, is not ready, or
+    its engine loads no adapters while it runs; a failure is logged (the
+    heartbeats go on saying what the engine holds).
+    """
+    from llmgw.shards import source_of
+
+    log = RuntimeAdapters.log
+    shard = supervisor.shards.get(msg.shard_id)
+    if shard is None or not shard.live or max_loras(shard.spec) < 1:
+        log.warn("LoadAdapter {adapter} for shard {shard} dropped: no such running shard whose engine loads "
+                 "adapters while it runs", adapter=msg.name, shard=msg.shard_id)
+        return
+    files: AdapterFiles = supervisor.weights.adapters
+    if files.runtime is None:
+        files.runtime = RuntimeAdapters(files, treq_post(supervisor.clock), lambda: supervisor.probe_host)
+    d = files.runtime.ensure(shard.spec, msg.name, source_of(msg.source))
+    d.addErrback(lambda f: log.failure("loading adapter {adapter} into shard {shard} failed", f,
+                                       adapter=msg.name, shard=msg.shard_id))

@@ -20,7 +20,7 @@ class AgentMessage(_message.Message):
     def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., shard: _Optional[_Union[ShardStatus, _Mapping]] = ..., certificate_request: _Optional[_Union[CertificateRequest, _Mapping]] = ...) -> None: ...
 
 class ControlMessage(_message.Message):
-    __slots__ = ("ack", "start", "stop", "drain", "prefetch", "drop", "certificate_issued")
+    __slots__ = ("ack", "start", "stop", "drain", "prefetch", "drop", "certificate_issued", "load_adapter")
     ACK_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class ControlMessage(_message.Message):
     PREFETCH_FIELD_NUMBER: _ClassVar[int]
     DROP_FIELD_NUMBER: _ClassVar[int]
     CERTIFICATE_ISSUED_FIELD_NUMBER: _ClassVar[int]
+    LOAD_ADAPTER_FIELD_NUMBER: _ClassVar[int]
     ack: Ack
     start: StartShard
     stop: StopShard
@@ -35,7 +36,8 @@ class ControlMessage(_message.Message):
     prefetch: PrefetchModel
     drop: DropModel
     certificate_issued: CertificateIssued
-    def __init__(self, ack: _Optional[_Union[Ack, _Mapping]] = ..., start: _Optional[_Union[StartShard, _Mapping]] = ..., stop: _Optional[_Union[StopShard, _Mapping]] = ..., drain: _Optional[_Union[DrainShard, _Mapping]] = ..., prefetch: _Optional[_Union[PrefetchModel, _Mapping]] = ..., drop: _Optional[_Union[DropModel, _Mapping]] = ..., certificate_issued: _Optional[_Union[CertificateIssued, _Mapping]] = ...) -> None: ...
+    load_adapter: LoadAdapter
+    def __init__(self, ack: _Optional[_Union[Ack, _Mapping]] = ..., start: _Optional[_Union[StartShard, _Mapping]] = ..., stop: _Optional[_Union[StopShard, _Mapping]] = ..., drain: _Optional[_Union[DrainShard, _Mapping]] = ..., prefetch: _Optional[_Union[PrefetchModel, _Mapping]] = ..., drop: _Optional[_Union[DropModel, _Mapping]] = ..., certificate_issued: _Optional[_Union[CertificateIssued, _Mapping]] = ..., load_adapter: _Optional[_Union[LoadAdapter, _Mapping]] = ...) -> None: ...
 
 class Register(_message.Message):
     __slots__ = ("protocol_version", "node_id", "agent_version", "gpus", "fabrics", "running_shards", "certificate_not_after", "stray_processes", "advertise_address", "cached_models", "peer_address", "cache_capacity", "cache_free")
@@ -400,6 +402,20 @@ class ModelSource(_message.Message):
     sha256: str
     path: str
     def __init__(self, scheme: _Optional[str] = ..., repo: _Optional[str] = ..., revision: _Optional[str] = ..., file: _Optional[str] = ..., url: _Optional[str] = ..., sha256: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class LoadAdapter(_message.Message):
+    __slots__ = ("message_id", "shard_id", "name", "source", "epoch")
+    MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    message_id: str
+    shard_id: str
+    name: str
+    source: ModelSource
+    epoch: int
+    def __init__(self, message_id: _Optional[str] = ..., shard_id: _Optional[str] = ..., name: _Optional[str] = ..., source: _Optional[_Union[ModelSource, _Mapping]] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class StopShard(_message.Message):
     __slots__ = ("shard_id", "epoch")
