@@ -8,15 +8,18 @@ order; heartbeats name the adapters each engine holds.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from twisted.internet.defer import Deferred, succeed
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.agent.adapters import AdapterError, AdapterFiles, RuntimeAdapters, lora_args, max_loras
+from llmgw.api.v1 import agent_pb2 as pb
+from llmgw.shards import source_message
 from llmgw.sourcespec import parse_source
 from llmgw.testing.enginesim import SimLoras
 from llmgw.testing.fakefetch import FakeFetcher, StepRunner
-from tests.supervisor_harness import spec
+from tests.supervisor_harness import SupervisorCase, spec
 from tests.test_supervisor_fetch import MODEL, FetchCase
 
 LORA = {"sql.gguf": b"GGUF-lora" + b"\0" * 20}
@@ -162,3 +165,43 @@ class RuntimeAdapterTests(SynchronousTestCase):
         self.assertEqual(sim.handle(SimLoras.UNLOAD, b'{"lora_name": "a"}')[::2],
                          (200, b"Success: LoRA adapter 'a' removed successfully."))
         self.assertFalse(SimLoras(enabled=False).handles(SimLoras.LOAD))
+
+
+class LoadCommandTests(SupervisorCase):
+    """
+    A C{LoadAdapter} from the control plane, carried out on a running
+    vLLM shard (against the engine simulator's LoRA endpoints).
+    """
+
+    def engine_post(self, engine: SimLoras) -> Any:
+        def post(url: str, body: bytes) -> Deferred[tuple[int, bytes]]:
+            status, _, answer = engine.handle("/" + url.split("/", 3)[3], body)
+            return succeed((status, answer))
+        return post
+
+    def test_loaded_into_a_ready_shard(self) -> None:
+        """
+        The adapter is loaded into the shard's engine, at the address the
+        agent advertises, and named in what the shard holds.
+        """
+        engine = SimLoras(max_loras=1)
+        shard = self.start_ready(argv=["vllm", "serve", "/w", "--port", "{port}", "--max-loras", "1"])
+        files = self.sup.weights.adapters
+        files.runtime = RuntimeAdapters(files, self.engine_post(engine), lambda: self.sup.probe_host)
+        files.load(self.sup, pb.LoadAdapter(shard_id="s1", name="x",
+                                            source=source_message(parse_source("file:///a/x"))))
+        self.assertEqual(engine.loaded, {"x": "/a/x"})
+        self.assertEqual(files.held(shard.spec), ["x"])
+
+    def test_dropped_where_it_cannot_run(self) -> None:
+        """
+        A load for a shard that is not here, or whose engine loads no
+        adapters while it runs, is dropped.
+        """
+        self.start_ready()
+        files = self.sup.weights.adapters
+        for shard_id in ("s1", "nope"):
+            files.load(self.sup, pb.LoadAdapter(shard_id=shard_id, name="x",
+                                                source=source_message(parse_source("file:///a/x"))))
+        self.assertIsNone(files.runtime)
+        self.assertEqual(files.loaded, {})
