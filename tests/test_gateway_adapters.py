@@ -11,11 +11,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.gateway.adapters import AdapterRouting, choose_routes, lora_field, with_member
 from llmgw.gateway.resource import listed_models
-from llmgw.routing import Route, RoutingSnapshot
+from llmgw.routing import Route, RoutingSnapshot, RoutingTable
 from tests.test_gateway_resource import Front, error_of, post
 
 
@@ -185,3 +186,22 @@ class GatewayTests(SynchronousTestCase):
         front = self.front([vllm("r1", ("x",))])
         self.forwarded(front, {"model": "x", "prompt": "hi"})
         self.assertIn(b'model="x"', front.metrics())
+
+    def test_waiting_request_goes_once_loaded(self) -> None:
+        """
+        A request waiting for an adapter no replica held goes, to the new
+        holder, as soon as the routing table shows it loaded.
+        """
+        table = RoutingTable(Clock())
+        table.adapter_source = lambda: ADAPTERS
+        table.set_known(["big"])
+        table.publish([vllm("r1", ()), vllm("r2", ())], ["big"])
+        front = Front(table=table)
+        front.send(post(json.dumps({"model": "x", "prompt": "hi"}).encode()))
+        self.assertEqual(front.gateway.admission.waiting("x"), 1)
+        self.assertEqual(front.clock.tcpClients, [])
+        table.publish([vllm("r1", ()), vllm("r2", ("x",))], ["big"])
+        front.drain()
+        self.assertEqual(front.gateway.admission.waiting("x"), 0)
+        host, port, *_ = front.clock.tcpClients[-1]
+        self.assertEqual(f"{host}:{port}", "10.0.1.2:80")
