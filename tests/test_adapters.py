@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.api.v1 import agent_pb2 as pb
+from llmgw.control.core.adapterloads import TOUCH_S
 from llmgw.control.core.adapters import VLLM_RUNTIME_ENV
 from llmgw.control.core.catalog import Catalog, CatalogError, parse_catalog
 from llmgw.control.core.rollout import spec_data, spec_from_data, spec_of
@@ -274,6 +275,29 @@ source = "file:///m/chat.gguf"
         text = generate_latest(registry).decode()
         self.assertIn(f'llmgw_replica_adapter{{adapter="x",model="vb",replica="{vb.replica_id}"}} 1.0', text)
 
+    def test_new_fixed_adapter_replaces_make_before_break(self) -> None:
+        """
+        A llama.cpp base given another adapter has its replica replaced
+        make-before-break: the new one (with both adapters) starts while
+        the old serves, and the old drains once the new is ready.
+        """
+        fleet = self.fleet()
+        [old] = fleet.ready_replicas("tiny")
+        fleet.dispatcher.clear()
+        extra = self.EXTRA + '\n[[adapters]]\nname = "more"\nbase = "tiny"\nsource = "file:///m/more.gguf"\n'
+        fleet.rec.apply_catalog(reconciler_catalog({}, extra))
+        fleet.step()
+        [new] = fleet.dispatcher.starts
+        self.assertEqual([n for n, _ in new.adapters], ["chat", "more", "sql"])
+        self.assertEqual(fleet.dispatcher.drains, [])
+        self.assertEqual(fleet.ready_replicas("tiny"), [old])
+        fleet.make_ready([new])
+        fleet.step()
+        self.assertEqual(len(fleet.dispatcher.drains), 1)
+        routes = {r.replica_id: r for r in fleet.rec.routes("tiny")}
+        self.assertEqual(routes[new.replica_id].adapters, ("chat", "more", "sql"))
+        self.assertTrue(routes[old].draining)
+
     def test_no_adapters_keeps_the_replicas_table(self) -> None:
         """
         C{ctl replicas} of a fleet without adapters has no adapters column.
@@ -338,7 +362,8 @@ source = "hf://org/x"
         """
         Demand for an adapter no replica holds loads it on one (the one
         holding fewest adapters), once until it is seen held; holders that
-        keep up get no more; busy holders get one more replica.
+        keep up get no more, only a reminder every TOUCH_S that it is in
+        use; busy holders get one more replica.
         """
         first, second = sorted(self.leaders)
         self.hold(first, "y")
@@ -351,11 +376,17 @@ source = "hf://org/x"
         self.hold(second, "x")
         self.demand.figures = {"x": Demand(2, 0)}
         self.fleet.step()
-        self.assertEqual(len(self.fleet.dispatcher.adapter_loads), 1)
+        # The holder keeps up: it is only reminded the adapter is in use.
+        held = (cmd.node_id, cmd.shard_id, "x")
+        self.assertEqual(self.fleet.dispatcher.adapter_loads, [held, held])
         self.demand.figures = {"x": Demand(9, 0)}
         self.fleet.step()
-        cmd = self.leaders[first]
-        self.assertEqual(self.fleet.dispatcher.adapter_loads[1:], [(cmd.node_id, cmd.shard_id, "x")])
+        other = self.leaders[first]
+        self.assertEqual(self.fleet.dispatcher.adapter_loads[2:], [(other.node_id, other.shard_id, "x")])
+        self.hold(first, "y", "x")
+        self.fleet.step(TOUCH_S)
+        self.assertEqual(sorted(self.fleet.dispatcher.adapter_loads[3:]),
+                         sorted([held, (other.node_id, other.shard_id, "x")]))
 
     def test_gateway_reports_kept_for_adapters(self) -> None:
         """
