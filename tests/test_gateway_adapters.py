@@ -205,3 +205,23 @@ class GatewayTests(SynchronousTestCase):
         self.assertEqual(front.gateway.admission.waiting("x"), 0)
         host, port, *_ = front.clock.tcpClients[-1]
         self.assertEqual(f"{host}:{port}", "10.0.1.2:80")
+
+
+class FollowerTests(SynchronousTestCase):
+    def test_watch_keeps_adapters(self) -> None:
+        """
+        A standalone gateway's table takes the adapter -> base map from a
+        watch snapshot, keeps it across a routes message (which names
+        models only), and takes the held adapters of the routes it brings.
+        """
+        from llmgw.gateway.follower import FollowerTable
+
+        table = FollowerTable(Clock(), "http://cp:7480/", http=object())
+        table.apply_watch({"type": "snapshot", "epoch": "e1", "revision": 5, "routes": {
+            "revision": 5, "known": ["big"], "adapters": {"x": "big"}, "routes": [
+                {"replica": "r1", "model": "big", "address": "10.0.1.1:80"}]}})
+        self.assertEqual(table.adapters, {"x": "big"})
+        table.apply_watch({"type": "routes", "revision": 6, "routes_revision": 6, "models": {"big": [
+            {"replica": "r1", "model": "big", "address": "10.0.1.1:80", "adapters": ["x"]}]}})
+        self.assertEqual(table.adapters, {"x": "big"})
+        self.assertEqual(table.routes("big")[0].adapters, ("x",))
