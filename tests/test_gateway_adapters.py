@@ -207,6 +207,25 @@ class GatewayTests(SynchronousTestCase):
         self.assertEqual(f"{host}:{port}", "10.0.1.2:80")
 
 
+    def test_waiting_request_takes_the_layout_it_goes_to(self) -> None:
+        """
+        A request for a llama.cpp adapter that waited gets the "lora" field
+        of the replicas it is finally sent to, not of those of its arrival.
+        """
+        table = RoutingTable(Clock())
+        table.adapter_source = lambda: ADAPTERS
+        table.set_known(["tiny"])
+        table.publish([Route("r1", "tiny", "10.0.0.1:80", adapters=("sql",), lora_ids=True, draining=True)],
+                      ["tiny"])
+        front = Front(table=table)
+        front.send(post(json.dumps({"model": "sql", "messages": []}).encode()))
+        self.assertEqual(front.gateway.admission.waiting("sql"), 1)
+        table.publish([cpp("r2", ("chat", "sql"))], ["tiny"])
+        front.drain()
+        _, transport = front.upstream()
+        body = json.loads(transport.value().partition(b"\r\n\r\n")[2])
+        self.assertEqual(body["lora"], [{"id": 0, "scale": 0}, {"id": 1, "scale": 1}])
+
 class FollowerTests(SynchronousTestCase):
     def test_watch_keeps_adapters(self) -> None:
         """

@@ -211,8 +211,9 @@ class GatewayResource:
         routes = table.routes(model)
         adapters = getattr(table, "adapters", NO_ADAPTERS)
         chosen = self.adapter_routing.resolve(adapters, table.routes, model, routes)
+        sent = body
         if chosen is not None:
-            body, routes = self._for_adapters(obj, body, chosen)
+            sent, routes = self._for_adapters(obj, body, chosen)
         elif not routes and not table.knows_model(model):
             raise errors.model_not_found(model)
         admission = gw.admission
@@ -238,7 +239,7 @@ class GatewayResource:
         key = None
         if policy in AFFINITY_POLICIES and len(routes) > 1:
             key = self._key(request, obj, policy)
-        ProxyCall(gw, request, model, label, body, routes, started, policy, key, meter).start()
+        ProxyCall(gw, request, model, label, sent, routes, started, policy, key, meter).start()
 
     def _for_adapters(self, obj: dict[str, Any], body: bytes, chosen: tuple[Any, bytes]) -> tuple[bytes, Any]:
         """
@@ -287,10 +288,14 @@ class GatewayResource:
         def go() -> None:
             table = gw.table
             routes = table.routes(model)
-            # An adapter's holders as they are now (its body was written when it came).
+            sent = body
+            # An adapter's holders, and the "lora" they take, as they are now.
             chosen = self.adapter_routing.resolve(getattr(table, "adapters", NO_ADAPTERS), table.routes, model, routes)
-            ProxyCall(gw, request, model, label, body, routes if chosen is None else chosen[0], started,
-                      gw.policy_for(adapters.get(model, model)), key, meter).start()
+            if chosen is not None:
+                routes, member = chosen
+                sent = with_member(body, member) if member else body
+            ProxyCall(gw, request, model, label, sent, routes, started, gw.policy_for(adapters.get(model, model)),
+                      key, meter).start()
 
         def refuse(err: errors.GatewayError) -> None:
             self._refused(request, err, key_name, model, started, path=label)
