@@ -7,10 +7,12 @@ order; heartbeats name the adapters each engine holds.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 from twisted.internet.defer import Deferred, succeed
+from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.agent.adapters import AdapterError, AdapterFiles, RuntimeAdapters, lora_args, max_loras
@@ -205,3 +207,27 @@ class LoadCommandTests(SupervisorCase):
                                                 source=source_message(parse_source("file:///a/x"))))
         self.assertIsNone(files.runtime)
         self.assertEqual(files.loaded, {})
+
+
+class HeartbeatTests(SynchronousTestCase):
+    def test_heartbeat_names_held_adapters(self) -> None:
+        """
+        Each scraped shard's heartbeat entry names the adapters its engine
+        holds: those it started with, or those loaded into it since.
+        """
+        from llmgw.agent.scrape import Scraper
+        from tests.test_scrape import VLLM, FakeFetch, FakeSupervisor
+
+        sup: Any = FakeSupervisor()
+        sup.weights = type("Weights", (), {"adapters": AdapterFiles(None)})()
+        fixed = sup.add("a")
+        fixed.spec = dataclasses.replace(fixed.spec, adapters=(("sql", parse_source("file:///m/sql.gguf")),))
+        sup.add("b", port=8002)
+        sup.weights.adapters.loaded["b"] = ["x", "y"]
+        fetch = FakeFetch()
+        scraper = Scraper(Clock(), sup, fetch)
+        scraper.tick()
+        for url in list(fetch.urls):
+            fetch.answer(url, VLLM.encode())
+        held = {m.shard_id: list(m.adapters) for m in scraper.heartbeat_signals()}
+        self.assertEqual(held, {"a": ["sql"], "b": ["x", "y"]})
