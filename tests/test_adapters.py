@@ -395,6 +395,14 @@ source = "hf://org/x"
         """
         self.fleet.rec.set_demand_source(None)
         self.fleet.rec.report_demand("gw1", {"x": Demand(0, 3), "nobody": Demand(5, 5)})
-        self.assertEqual(self.fleet.rec.demand(), {"x": Demand(0, 3)})
+        self.assertEqual(self.fleet.rec.demand(), {"x": Demand(0, 3), "vb": Demand(0, 3)})
         self.fleet.step()
         self.assertEqual(len(self.fleet.dispatcher.adapter_loads), 1)
+
+    def test_adapter_demand_counts_for_its_base(self) -> None:
+        """
+        Requests for an adapter count for its base's autoscaling too.
+        """
+        self.demand.figures = {"x": Demand(3, 1), "vb": Demand(1, 0)}
+        self.assertEqual(self.fleet.rec.demand()["vb"], Demand(4, 1))
+        self.assertEqual(self.fleet.rec.demand()["x"], Demand(3, 1))
