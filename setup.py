@@ -34,6 +34,7 @@ from setuptools import setup
 COMPILED = [
     "llmgw/hostcheck.py",
     "llmgw/untrusted.py",
+    "llmgw/gateway/adapters.py",
     "llmgw/gateway/admission.py",
     "llmgw/gateway/chunked.py",
     "llmgw/gateway/deadline.py",

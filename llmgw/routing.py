@@ -118,6 +118,11 @@ class Route:
     #: Whether a stream broken off here may be continued on another replica
     #: (the deployment's C{resume_streams}; L{llmgw.gateway.resume}).
     resume: bool = True
+    #: The LoRA adapters it holds; with C{lora_ids}, a request selects one
+    #: by its position here in the body's "lora" field (llama.cpp), else
+    #: by its name as "model" (vLLM).
+    adapters: tuple[str, ...] = ()
+    lora_ids: bool = False
 
 
 class IRoutingTable(Interface):
@@ -214,8 +219,11 @@ class RoutingSnapshot:
         revision: int = 0,
         policies: Mapping[str, str] | None = None,
         queues: Mapping[str, QueueLimits] | None = None,
+        adapters: Mapping[str, str] | None = None,
     ):
         self._routes = _by_model(routes)
+        #: adapter -> its base's model (the catalog's C{[[adapters]]})
+        self.adapters: Mapping[str, str] = dict(adapters or {})
         self._known = frozenset(known) | frozenset(self._routes)
         self._models = sorted(m for m, rs in self._routes.items() if any(not r.draining for r in rs))
         self.revision = revision
@@ -294,6 +302,10 @@ class RoutingTable:
         #: (the catalog's C{resume_streams = false}): their routes are
         #: published with C{resume} off.
         self.resume_off_source: Callable[[], frozenset[str]] | None = None
+        #: adapter -> its base's model, and where L{set_known} reads it
+        #: from (the catalog), as the policies.
+        self.adapters: Mapping[str, str] = {}
+        self.adapter_source: Callable[[], Mapping[str, str]] | None = None
         self.revision = 0
         self._snapshot: RoutingSnapshot | None = RoutingSnapshot()
         self._waiters: dict[Deferred[int], IDelayedCall] = {}
@@ -368,9 +380,10 @@ class RoutingTable:
         queues = self._queues
         if self.queue_source is not None:
             queues = dict(self.queue_source())
-        if known_set == self._known and policies == self._policies and queues == self._queues:
+        adapters = dict(self.adapter_source()) if self.adapter_source is not None else self.adapters
+        if (known_set, policies, queues, adapters) == (self._known, self._policies, self._queues, self.adapters):
             return False
-        self._known = known_set
+        self._known, self.adapters = known_set, adapters
         self._policies = policies
         self._queues = queues
         self._changed(frozenset(), True)
@@ -412,8 +425,10 @@ class RoutingTable:
         by_model = _by_model(snapshot.all_routes())
         known = snapshot.known_models()
         policies, queues = snapshot.policies(), snapshot.all_queue_limits()
-        if (by_model, known, policies, queues) == (self._routes, self._known, self._policies, self._queues):
+        if (by_model, known, policies, queues, snapshot.adapters) == (
+                self._routes, self._known, self._policies, self._queues, self.adapters):
             return False
+        self.adapters = snapshot.adapters
         models = frozenset(
             m for m in self._routes.keys() | by_model.keys() if self._routes.get(m) != by_model.get(m)
         )
@@ -429,7 +444,7 @@ class RoutingTable:
         if self._snapshot is None:
             self._snapshot = RoutingSnapshot(
                 (r for rs in self._routes.values() for r in rs), self._known, self.revision, self._policies,
-                self._queues,
+                self._queues, self.adapters,
             )
         return self._snapshot
 
@@ -546,6 +561,10 @@ def snapshot_to_json(table: IRoutingTable | RoutingSnapshot, now: float) -> dict
             entry["signals"] = _signals_json(r.signals, now)
         if not r.resume:
             entry["resume"] = False
+        if r.adapters:
+            entry["adapters"] = list(r.adapters)
+        if r.lora_ids:
+            entry["lora_ids"] = True
         routes.append(entry)
     return {
         "revision": snap.revision,
@@ -553,6 +572,7 @@ def snapshot_to_json(table: IRoutingTable | RoutingSnapshot, now: float) -> dict
         "routes": routes,
         "policies": dict(sorted(snap.policies().items())),
         "queues": {m: _queue_json(q) for m, q in sorted(snap.all_queue_limits().items())},
+        "adapters": dict(sorted(snap.adapters.items())),
     }
 
 
@@ -641,8 +661,12 @@ def snapshot_from_json(data: Any, now: float) -> tuple[RoutingSnapshot, list[str
         except RoutesDataError as err:
             problems.append(str(err))
             signals = None
+        held = e.get("adapters", [])
+        if not isinstance(held, list) or not all(isinstance(a, str) for a in held):
+            problems.append(f"{where}.adapters is not a list of names")
+            held = []
         routes.append(Route(rid, model, address, bool(e.get("draining", False)), signals,
-                            e.get("resume", True) is not False))
+                            e.get("resume", True) is not False, tuple(held), e.get("lora_ids") is True))
     # Absent from documents of control planes that predate routing policies.
     raw_policies = data.get("policies", {})
     policies: dict[str, str] = {}
@@ -667,4 +691,10 @@ def snapshot_from_json(data: Any, now: float) -> tuple[RoutingSnapshot, list[str
                 queues[model] = _queue_from(model, limits)
             except RoutesDataError as e:
                 problems.append(str(e))
-    return RoutingSnapshot(routes, names, revision, policies, queues), problems
+    # Absent from documents of control planes that predate adapters.
+    raw_adapters = data.get("adapters", {})
+    raw_adapters = raw_adapters if isinstance(raw_adapters, Mapping) else {None: None}
+    adapters = {a: b for a, b in raw_adapters.items() if isinstance(a, str) and isinstance(b, str) and a and b}
+    if len(adapters) != len(raw_adapters):
+        problems.append("adapters is not an object of adapter -> base model names")
+    return RoutingSnapshot(routes, names, revision, policies, queues, adapters), problems

@@ -82,6 +82,8 @@ class ShardSpec:
     #: The profile's C{stall_after_s}: the agent heartbeats at once when the
     #: shard's standstill reaches it (0: never).
     stall_after_s: float = DEFAULT_STALL_AFTER_S
+    #: LoRA adapters the engine starts with, (name, source) in id order.
+    adapters: tuple[tuple[str, ModelSource], ...] = ()
 
     def __post_init__(self) -> None:
         # Frozen means no caller's list or dict can change a spec afterwards,
@@ -94,6 +96,8 @@ class ShardSpec:
         # A state file keeps the source as the object of its fields.
         if isinstance(self.source, Mapping):
             object.__setattr__(self, "source", ModelSource(**self.source))
+        object.__setattr__(self, "adapters", tuple(
+            (str(n), ModelSource(**a) if isinstance(a, Mapping) else a) for n, a in self.adapters))
 
     def to_message(self) -> pb.StartShard:
         """
@@ -126,6 +130,7 @@ class ShardSpec:
             source=source_message(self.source) if self.source is not None else None,
             model_peers=self.model_peers,
             stall_after_s=self.stall_after_s,
+            adapters=[pb.AdapterSource(name=n, source=source_message(a)) for n, a in self.adapters],
         )
 
     @classmethod
@@ -159,6 +164,7 @@ class ShardSpec:
             model_peers=tuple(m.model_peers),
             stall_after_s=(m.stall_after_s if m.HasField("stall_after_s") and m.stall_after_s >= 0
                            else DEFAULT_STALL_AFTER_S),
+            adapters=tuple((a.name, source_of(a.source)) for a in m.adapters),
         )
 
 

@@ -263,6 +263,8 @@ class AgentStreamClient(MessageStream[pb.ControlMessage]):
         elif kind == "drop":
             if self.core.accept_epoch("DropModel", msg.drop.pin, msg.drop.epoch):
                 self.core.prefetcher.drop(msg.drop)
+        elif kind == "load_adapter" and self.core.accept_epoch("LoadAdapter", msg.load_adapter.shard_id, msg.load_adapter.epoch):
+            self.core.supervisor.weights.adapters.load(self.core.supervisor, msg.load_adapter)
         elif kind == "certificate_issued" and self.core.renewal is not None:
             self.core.renewal.issued(msg.certificate_issued)
 

@@ -134,10 +134,12 @@ FETCHED_SCHEMES = ("hf", "https")
 
 def needs_fetch(spec: ShardSpec) -> bool:
     """
-    Whether C{spec}'s weights come through the node's model cache (an
-    C{hf://} or C{https://} source) before the shard can start.
+    Whether C{spec}'s weights or LoRA adapters come through the node's
+    model cache (an C{hf://} or C{https://} source) before the shard can
+    start.
     """
-    return spec.source is not None and spec.source.scheme in FETCHED_SCHEMES
+    return (spec.source is not None and spec.source.scheme in FETCHED_SCHEMES
+            or any(a.scheme in FETCHED_SCHEMES for _, a in spec.adapters))
 
 
 def local_weights(spec: ShardSpec) -> str:

@@ -400,8 +400,13 @@ class Scraper(Service):
         """
         now = self.clock.seconds()
         out = []
+        # The adapters each engine holds (a test's fake supervisor has none).
+        weights = getattr(self.supervisor, "weights", None)
         for shard_id, sample in sorted(self.samples.items()):
             msg = pb.ShardSignals(shard_id=shard_id, error=sample.error)
+            shard = self.supervisor.shards.get(shard_id)
+            if shard is not None and weights is not None:
+                msg.adapters.extend(weights.adapters.held(shard.spec))
             if sample.standstill.flat_for_s is not None:
                 msg.flat_for_s = sample.standstill.flat_for_s
             if sample.signals is not None:

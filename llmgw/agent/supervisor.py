@@ -395,7 +395,7 @@ class Supervisor(Service):
         log_path = self.records.new_log(spec.shard_id)
         if log_path is not None:
             shard.tail = LogTail(log_path)
-        argv = launch.fill_argv(spec, self.python, self.probe_host, weights)
+        argv = launch.fill_argv(spec, self.python, self.probe_host, weights) + self.weights.adapters.args(spec)
         args = launch.launcher_args(self.python, log_path or Path(os.devnull), argv)
         proto = launch.ShardProcess(shard, self._process_ended)
         shard.process = self.spawn(proto, self.python, args, env=self.environment(spec), path=None)

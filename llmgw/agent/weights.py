@@ -21,6 +21,7 @@ from twisted.internet import defer
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from llmgw.agent.adapters import AdapterFiles
 from llmgw.agent.shard import Shard
 from llmgw.crash import FETCH_CLASSES, CrashClass
 from llmgw.models.cache import ModelCache, Progress
@@ -64,6 +65,8 @@ class WeightFetcher:
         self._loaded: defer.Deferred[None] | None = None
         self._load_error = ""
         self._waiting: list[defer.Deferred[None]] = []
+        #: The shards' LoRA adapters, acquired after their weights.
+        self.adapters = AdapterFiles(cache)
 
     def load(self) -> defer.Deferred[None]:
         """
@@ -106,19 +109,21 @@ class WeightFetcher:
         Acquire C{shard}'s weights; its C{fetch} is the Deferred, cancelled
         by L{cancel}. C{shard.progress} follows the fetch.
         """
-        assert self.cache is not None and shard.spec.source is not None
+        assert self.cache is not None
         try:
-            source = from_spec(shard.spec.source)
+            source = from_spec(shard.spec.source) if shard.spec.source is not None else None
+            for _, adapter in shard.spec.adapters:
+                from_spec(adapter)
         except SourceInvalid as e:
             self._failed(shard, f"the model source is not usable: {e}", CrashClass.CONFIG.value)
             return
-        if not isinstance(source, LocalSource):
+        if source is not None and not isinstance(source, LocalSource):
             shard.pinned = cache_key(source)
         d = defer.Deferred.fromCoroutine(self._acquire(shard, source))
         shard.fetch = d
         d.addCallbacks(self._done, self._error, callbackArgs=(shard,), errbackArgs=(shard,))
 
-    async def _acquire(self, shard: Shard, source: Source) -> Path:
+    async def _acquire(self, shard: Shard, source: Source | None) -> Path:
         assert self.cache is not None
         if self._loaded is not None and not self._loaded.called:
             wait: defer.Deferred[None] = defer.Deferred()
@@ -129,7 +134,11 @@ class WeightFetcher:
 
         def progress(p: Progress) -> None:
             shard.progress = p
-        return await self.cache.acquire(source, shard.shard_id, progress, peers=shard.spec.model_peers)
+        path = Path()
+        if source is not None:
+            path = await self.cache.acquire(source, shard.shard_id, progress, peers=shard.spec.model_peers)
+        await self.adapters.acquire(shard.spec)
+        return path
 
     def _done(self, path: Path, shard: Shard) -> None:
         shard.fetch = None
@@ -165,12 +174,14 @@ class WeightFetcher:
         key, shard.pinned = shard.pinned, ""
         if key and self.cache is not None:
             self.cache.release(key, shard.shard_id)
+        self.adapters.release(shard.shard_id)
 
     def pin(self, shard: Shard) -> None:
         """
         Pin the model of a shard taken over after a restart (its record
         keeps its source), so no fetch evicts it while it runs.
         """
+        self.adapters.pin(shard.spec)
         source = self.source(shard)
         if self.cache is None or source is None or isinstance(source, LocalSource):
             return

@@ -665,10 +665,8 @@ def admin_url_to_publish(cp: ControlPlane, advertised: str) -> tuple[str, str]:
 
 def follow_catalog_policies(reconciler: Any) -> None:
     """
-    Have C{reconciler}'s routing table publish the catalog's per-deployment
-    routing policies (C{routing}) and admission queue limits
-    (C{queue_depth}, C{queue_timeout_s}) whenever it publishes the declared
-    models, and publish them now.
+    Have C{reconciler}'s routing table publish the catalog's routing policies, admission
+    queue limits, stream resumption and adapters with the declared models, and now.
     """
     table = reconciler.routing_table
     table.policy_source = lambda: reconciler.catalog.routing_policies()
@@ -678,6 +676,8 @@ def follow_catalog_policies(reconciler: Any) -> None:
     table.set_queue_limits(reconciler.catalog.queue_limits())
     # Streams continued elsewhere, off per deployment (resume_streams).
     table.resume_off_source = lambda: reconciler.catalog.resume_off()
+    table.adapter_source = lambda: reconciler.catalog.adapter_bases()
+    table.set_known(reconciler.catalog.deployments)
 
 
 class ReloadOnHangup(SighupService):

@@ -294,9 +294,14 @@ def render_replicas(replicas: list[dict[str, Any]]) -> str:
             r["id"], r.get("model"), r.get("profile"), state, leader or "-",
             *engine_columns(signals),
             " ".join(f"{s.get('node')}/{s.get('rank')}:{s.get('state')}" for s in shards) or "-",
+            ",".join(str(a) for a in r.get("adapters") or ()) or "-",
         ])
-    return table(["REPLICA", "MODEL", "PROFILE", "STATE", "ADDRESS", "WAITING", "RUNNING", "KV",
-                  "SIGNALS AGE", "SHARDS (NODE/RANK:STATE)"], rows)
+    head = ["REPLICA", "MODEL", "PROFILE", "STATE", "ADDRESS", "WAITING", "RUNNING", "KV",
+            "SIGNALS AGE", "SHARDS (NODE/RANK:STATE)", "ADAPTERS"]
+    if not any(r.get("adapters") for r in replicas):
+        # A fleet without adapters keeps its table as it was.
+        head, rows = head[:-1], [row[:-1] for row in rows]
+    return table(head, rows)
 
 
 def size_text(n: Any) -> str:

@@ -53,6 +53,7 @@ from twisted.python.failure import Failure
 from zope.interface import classImplements
 
 from llmgw.gateway import errors
+from llmgw.gateway.adapters import NO_ADAPTERS, AdapterRouting
 from llmgw.gateway.fairqueue import FairQueue, Waiter
 from llmgw.gateway.metrics import LATENCY_BUCKETS
 from llmgw.gateway.policy import PolicyConfig, saturated
@@ -595,8 +596,13 @@ def gateway_admission(gateway: Any) -> Admission:
     clock, table, router, config = gateway.reactor, gateway.table, gateway.router, gateway.config
     policy = config.policy
 
+    adapter_routing = AdapterRouting()
+
     def model_capacity(model: str) -> int:
-        return capacity(table.routes(model), router.cooling, clock.seconds(), policy)
+        routes = table.routes(model)
+        # An adapter's capacity is its holders' (llmgw.gateway.adapters).
+        chosen = adapter_routing.resolve(getattr(table, "adapters", NO_ADAPTERS), table.routes, model, routes)
+        return capacity(routes if chosen is None else chosen[0], router.cooling, clock.seconds(), policy)
 
     default = QueueConfig(config.queue_depth, config.queue_timeout_s, config.queue_bytes_per_model)
 

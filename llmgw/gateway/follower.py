@@ -28,7 +28,7 @@ and demand is posted.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
@@ -246,6 +246,10 @@ class FollowerTable:
 
     def policy(self, model: str) -> str | None:
         return self.snapshot.policy(model)
+
+    @property
+    def adapters(self) -> Mapping[str, str]:
+        return self.snapshot.adapters
 
     def queue_limits(self, model: str) -> QueueLimits | None:
         return self.snapshot.queue_limits(model)
@@ -488,7 +492,8 @@ class FollowerTable:
                 {"revision": routes_revision, "known": known, "routes": entries}, now
             )
             kept = [r for r in self.snapshot.all_routes() if r.model not in models]
-            self._got(RoutingSnapshot(kept + delta.all_routes(), delta.known_models(), delta.revision), problems,
+            self._got(RoutingSnapshot(kept + delta.all_routes(), delta.known_models(), delta.revision,
+                                      adapters=self.snapshot.adapters), problems,
                       source="watch " + self.leader_url)
         else:
             self.last_success = now

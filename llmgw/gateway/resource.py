@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from typing import Any, ClassVar, Final
 
 from twisted.logger import Logger
 
 from llmgw.gateway import errors
+from llmgw.gateway.adapters import NO_ADAPTERS, AdapterRouting, with_member
 from llmgw.gateway.admission import capacity
 from llmgw.gateway.bigbody import SlicedParses, sliced
 from llmgw.gateway.front import FrontFactory, FrontRequest
@@ -48,7 +50,7 @@ PROXIED: Final = {
 }
 #: Top-level keys of a large body that the gateway reads (routing, the
 #: prefix policy's key); the rest of a sliced parse is checked, not kept.
-KEPT_KEYS: Final = ("model", "user", "messages", "prompt")
+KEPT_KEYS: Final = ("model", "user", "messages", "prompt", "lora")
 MODELS: Final = b"/v1/models"
 MODELS_PREFIX: Final = b"/v1/models/"
 HEALTH: Final = b"/health"
@@ -69,6 +71,8 @@ class GatewayResource:
         self.gateway = gateway
         self.ceiling = ceiling
         self.parses = SlicedParses(gateway.reactor)
+        #: Which replicas take requests for adapters (L{llmgw.gateway.adapters}).
+        self.adapter_routing = AdapterRouting()
 
     def __call__(self, request: FrontRequest) -> None:
         started = time.monotonic()
@@ -205,7 +209,12 @@ class GatewayResource:
             )
         table = gw.table
         routes = table.routes(model)
-        if not routes and not table.knows_model(model):
+        adapters = getattr(table, "adapters", NO_ADAPTERS)
+        chosen = self.adapter_routing.resolve(adapters, table.routes, model, routes)
+        sent = body
+        if chosen is not None:
+            sent, routes = self._for_adapters(obj, body, chosen)
+        elif not routes and not table.knows_model(model):
             raise errors.model_not_found(model)
         admission = gw.admission
         state = capacity(routes, gw.router.cooling, gw.reactor.seconds(), gw.config.policy)
@@ -226,11 +235,26 @@ class GatewayResource:
         if wait:
             self._wait(request, obj, model, label, body, started, key_name, meter)
             return
-        policy = gw.policy_for(model)
+        policy = gw.policy_for(adapters.get(model, model))
         key = None
         if policy in AFFINITY_POLICIES and len(routes) > 1:
             key = self._key(request, obj, policy)
-        ProxyCall(gw, request, model, label, body, routes, started, policy, key, meter).start()
+        ProxyCall(gw, request, model, label, sent, routes, started, policy, key, meter).start()
+
+    def _for_adapters(self, obj: dict[str, Any], body: bytes, chosen: tuple[Any, bytes]) -> tuple[bytes, Any]:
+        """
+        The body and candidate routes of a request for an adapter, or for a
+        base whose replicas select adapters by the body's C{"lora"} field,
+        which is then the gateway's to write.
+        """
+        routes, member = chosen
+        if not member:
+            return body, routes
+        if "lora" in obj:
+            raise errors.bad_request(
+                "The request body may not carry \"lora\": the gateway selects the adapter the "
+                "\"model\" field names", "invalid_lora")
+        return with_member(body, member), routes
 
     def _key(self, request: FrontRequest, obj: dict[str, Any], policy: str) -> bytes | None:
         session = request.header(b"x-session-id")
@@ -256,13 +280,22 @@ class GatewayResource:
         it, or refused with 503.
         """
         gw = self.gateway
-        policy = gw.policy_for(model)
+        adapters = getattr(gw.table, "adapters", NO_ADAPTERS)
+        policy = gw.policy_for(adapters.get(model, model))
         # The affinity key now: the parsed body is not kept while waiting.
         key = self._key(request, obj, policy) if policy in AFFINITY_POLICIES else None
 
         def go() -> None:
-            routes = gw.table.routes(model)
-            ProxyCall(gw, request, model, label, body, routes, started, gw.policy_for(model), key, meter).start()
+            table = gw.table
+            routes = table.routes(model)
+            sent = body
+            # An adapter's holders, and the "lora" they take, as they are now.
+            chosen = self.adapter_routing.resolve(getattr(table, "adapters", NO_ADAPTERS), table.routes, model, routes)
+            if chosen is not None:
+                routes, member = chosen
+                sent = with_member(body, member) if member else body
+            ProxyCall(gw, request, model, label, sent, routes, started, gw.policy_for(adapters.get(model, model)),
+                      key, meter).start()
 
         def refuse(err: errors.GatewayError) -> None:
             self._refused(request, err, key_name, model, started, path=label)
@@ -277,15 +310,16 @@ class GatewayResource:
             raise errors.method_not_allowed(request.method.decode("latin-1"), label, b"GET, HEAD")
 
     def _model_list(self) -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [_model_entry(m) for m in self.gateway.table.models()],
-        }
+        table = self.gateway.table
+        return {"object": "list", "data": listed_models(table.models(), getattr(table, "adapters", NO_ADAPTERS))}
 
     def _model(self, request: FrontRequest, model: str) -> None:
-        if model not in self.gateway.table.models():
-            raise errors.model_not_found(model)
-        self._json(request, _model_entry(model))
+        table = self.gateway.table
+        for entry in listed_models(table.models(), getattr(table, "adapters", NO_ADAPTERS)):
+            if entry["id"] == model:
+                self._json(request, entry)
+                return
+        raise errors.model_not_found(model)
 
     def _json(self, request: FrontRequest, obj: Any) -> None:
         body = json.dumps(obj).encode()
@@ -328,6 +362,24 @@ def _label(table: IRoutingTable, model: str) -> str:
     if getattr(table, "loaded", True) and table.knows_model(model):
         return model
     return UNKNOWN_MODEL
+
+
+def listed_models(models: list[str], adapters: Mapping[str, str]) -> list[dict[str, Any]]:
+    """
+    C{GET /v1/models}' entries: each model with a ready replica, followed
+    by its adapters (with their base as C{parent}, as vLLM lists them).
+    """
+    out = []
+    children: dict[str, list[str]] = {}
+    for adapter, base in sorted(adapters.items()):
+        children.setdefault(base, []).append(adapter)
+    for m in models:
+        out.append(_model_entry(m))
+        for adapter in children.get(m, ()):
+            entry = _model_entry(adapter)
+            entry["parent"] = m
+            out.append(entry)
+    return out
 
 
 def _model_entry(model: str) -> dict[str, Any]:

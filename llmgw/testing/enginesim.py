@@ -53,6 +53,7 @@ Hanging
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import weakref
 from collections import OrderedDict, deque
@@ -370,3 +371,80 @@ class EngineSim:
             req.on_done()
         if self.running or self.waiting:
             self._begin_step()
+
+
+class SimLoras:
+    """
+    vLLM's runtime LoRA endpoints as documented (its "LoRA Adapters"
+    page, "Dynamically serving LoRA Adapters"), for tests of what loads
+    and unloads adapters without a GPU: the shapes, not the weights.
+
+    Served only when the engine runs with C{VLLM_ALLOW_RUNTIME_LORA_UPDATING}
+    (C{enabled}); otherwise the paths are unknown (404), as in vLLM.
+
+    - C{POST /v1/load_lora_adapter} with C{{"lora_name", "lora_path"}}:
+      200 and the text C{Success: LoRA adapter 'NAME' added successfully.};
+      400 when either is missing or the name is already loaded.
+    - C{POST /v1/unload_lora_adapter} with C{{"lora_name"}}: 200 and
+      C{Success: LoRA adapter 'NAME' removed successfully.}; 400 without a
+      name, 404 for one not loaded.
+    - Errors are vLLM's JSON error object. Loaded adapters are served
+      under their names (L{serves}) and listed by C{/v1/models} with the
+      base as C{parent} and the path as C{root}.
+
+    C{max_loras} is what the engine batches at once; vLLM itself keeps
+    more loaded than that (on the CPU), so more are not refused here
+    either: keeping to C{max_loras} is the caller's business.
+    """
+
+    LOAD = "/v1/load_lora_adapter"
+    UNLOAD = "/v1/unload_lora_adapter"
+
+    def __init__(self, enabled: bool = True, max_loras: int = 1):
+        self.enabled = enabled
+        self.max_loras = max_loras
+        #: name -> path, in the order loaded
+        self.loaded: dict[str, str] = {}
+        #: (path, name) of every call answered, in order
+        self.calls: list[tuple[str, str]] = []
+
+    def handles(self, path: str) -> bool:
+        return self.enabled and path in (self.LOAD, self.UNLOAD)
+
+    def serves(self, model: str) -> bool:
+        return model in self.loaded
+
+    def models(self, base: str) -> list[dict[str, Any]]:
+        return [{"id": name, "object": "model", "owned_by": "vllm", "root": path, "parent": base}
+                for name, path in self.loaded.items()]
+
+    def handle(self, path: str, body: bytes) -> tuple[int, str, bytes]:
+        """
+        Answer a C{POST} to C{path} (one L{handles}): status, content type, body.
+        """
+        try:
+            req = json.loads(body or b"{}")
+        except ValueError:
+            req = None
+        if not isinstance(req, dict):
+            return self._error(400, "The request body must be a JSON object.", "BadRequestError")
+        name = req.get("lora_name")
+        self.calls.append((path, str(name)))
+        if path == self.LOAD:
+            if not name or not req.get("lora_path"):
+                return self._error(400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput")
+            if name in self.loaded:
+                return self._error(400, f"The lora adapter '{name}' has already been loaded.", "InvalidUserInput")
+            self.loaded[name] = str(req["lora_path"])
+            return 200, "text/plain", f"Success: LoRA adapter '{name}' added successfully.".encode()
+        if not name:
+            return self._error(400, "'lora_name' needs to be provided to unload a LoRA adapter.", "InvalidUserInput")
+        if name not in self.loaded:
+            return self._error(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
+        del self.loaded[name]
+        return 200, "text/plain", f"Success: LoRA adapter '{name}' removed successfully.".encode()
+
+    @staticmethod
+    def _error(status: int, message: str, kind: str) -> tuple[int, str, bytes]:
+        doc = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+        return status, "application/json", json.dumps(doc).encode()

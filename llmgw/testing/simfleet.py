@@ -32,6 +32,8 @@ class FakeDispatcher:
     prefetches: list[tuple[str, ModelSource, tuple[str, ...], str]] = field(default_factory=list)
     #: (node, key, pin) of each DropModel.
     model_drops: list[tuple[str, str, str]] = field(default_factory=list)
+    #: (node, shard, adapter) of each LoadAdapter.
+    adapter_loads: list[tuple[str, str, str]] = field(default_factory=list)
 
     def _check(self, node_id: str) -> None:
         if node_id in self.refuse:
@@ -58,6 +60,10 @@ class FakeDispatcher:
     def drop_model(self, node_id: str, key: str, pin: str) -> None:
         self._check(node_id)
         self.model_drops.append((node_id, key, pin))
+
+    def load_adapter(self, node_id: str, shard_id: str, name: str, source: ModelSource) -> None:
+        self._check(node_id)
+        self.adapter_loads.append((node_id, shard_id, name))
 
     def connected_nodes(self) -> list[str]:
         return sorted(self.connected)

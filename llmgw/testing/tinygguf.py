@@ -10,6 +10,8 @@ long as asked); what it proves is the engine's real start, readiness,
 serving, metrics and death, not the text.
 
     python -m llmgw.testing.tinygguf OUT.gguf
+
+L{write_lora} writes a LoRA adapter for it that changes its answers.
 """
 
 from __future__ import annotations
@@ -124,6 +126,57 @@ def write(path: str | Path, seed: int = 11, spelled: bool = False, context: int 
     output[first_word:] = rng.standard_normal((len(_WORDS), EMBEDDING)) * 2.0
     w.add_tensor("output.weight", output)
 
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+#: The base tensors L{write_lora} adapts (each layer's attention and
+#: feed-forward projections, and the output).
+LORA_TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def write_lora(path: str | Path, seed: int = 23, spelled: bool = False, rank: int = 4,
+               alpha: float = 4.0, strength: float = 1.0) -> Path:
+    """
+    Write a LoRA adapter for the model L{write} makes (same C{spelled}) to
+    C{path}; returns the path. In llama.cpp's adapter GGUF: C{general.type
+    = "adapter"}, C{adapter.type = "lora"}, C{adapter.lora.alpha}, and for
+    each adapted base tensor C{NAME.lora_a} (rank x in) and C{NAME.lora_b}
+    (out x rank). Its update to the output is large (C{strength}), so that
+    at temperature 0 the adapted model answers otherwise than the base.
+
+    @raise ImportError: the C{gguf} package (the C{test} extra) is missing.
+    """
+    import gguf
+    import numpy as np
+
+    path = Path(path)
+    rng = np.random.default_rng(seed)
+    vocab = len(vocabulary(spelled)[0])
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_type(gguf.GGUFType.ADAPTER)
+    w.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    w.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
+
+    def pair(name: str, out: int, inp: int, scale: float, rows_from: int = 0) -> None:
+        # numpy shapes are (out, in): A maps in -> rank, B rank -> out.
+        w.add_tensor(f"{name}.weight.lora_a", (rng.standard_normal((rank, inp)) * scale).astype(np.float32))
+        b = (rng.standard_normal((out, rank)) * scale).astype(np.float32)
+        b[:rows_from] = 0.0
+        w.add_tensor(f"{name}.weight.lora_b", b)
+
+    shapes = {"attn_q": (EMBEDDING, EMBEDDING), "attn_k": (EMBEDDING, EMBEDDING),
+              "attn_v": (EMBEDDING, EMBEDDING), "attn_output": (EMBEDDING, EMBEDDING),
+              "ffn_gate": (FEED_FORWARD, EMBEDDING), "ffn_up": (FEED_FORWARD, EMBEDDING),
+              "ffn_down": (EMBEDDING, FEED_FORWARD)}
+    for i in range(LAYERS):
+        for target in LORA_TARGETS:
+            pair(f"blk.{i}.{target}", *shapes[target], 0.3 * strength)
+    # As in the base, only the words' output rows move: replies stay words.
+    pair("output", vocab, EMBEDDING, 1.5 * strength, rows_from=vocab - len(_WORDS))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

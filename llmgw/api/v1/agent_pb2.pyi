@@ -20,7 +20,7 @@ class AgentMessage(_message.Message):
     def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., shard: _Optional[_Union[ShardStatus, _Mapping]] = ..., certificate_request: _Optional[_Union[CertificateRequest, _Mapping]] = ...) -> None: ...
 
 class ControlMessage(_message.Message):
-    __slots__ = ("ack", "start", "stop", "drain", "prefetch", "drop", "certificate_issued")
+    __slots__ = ("ack", "start", "stop", "drain", "prefetch", "drop", "certificate_issued", "load_adapter")
     ACK_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class ControlMessage(_message.Message):
     PREFETCH_FIELD_NUMBER: _ClassVar[int]
     DROP_FIELD_NUMBER: _ClassVar[int]
     CERTIFICATE_ISSUED_FIELD_NUMBER: _ClassVar[int]
+    LOAD_ADAPTER_FIELD_NUMBER: _ClassVar[int]
     ack: Ack
     start: StartShard
     stop: StopShard
@@ -35,7 +36,8 @@ class ControlMessage(_message.Message):
     prefetch: PrefetchModel
     drop: DropModel
     certificate_issued: CertificateIssued
-    def __init__(self, ack: _Optional[_Union[Ack, _Mapping]] = ..., start: _Optional[_Union[StartShard, _Mapping]] = ..., stop: _Optional[_Union[StopShard, _Mapping]] = ..., drain: _Optional[_Union[DrainShard, _Mapping]] = ..., prefetch: _Optional[_Union[PrefetchModel, _Mapping]] = ..., drop: _Optional[_Union[DropModel, _Mapping]] = ..., certificate_issued: _Optional[_Union[CertificateIssued, _Mapping]] = ...) -> None: ...
+    load_adapter: LoadAdapter
+    def __init__(self, ack: _Optional[_Union[Ack, _Mapping]] = ..., start: _Optional[_Union[StartShard, _Mapping]] = ..., stop: _Optional[_Union[StopShard, _Mapping]] = ..., drain: _Optional[_Union[DrainShard, _Mapping]] = ..., prefetch: _Optional[_Union[PrefetchModel, _Mapping]] = ..., drop: _Optional[_Union[DropModel, _Mapping]] = ..., certificate_issued: _Optional[_Union[CertificateIssued, _Mapping]] = ..., load_adapter: _Optional[_Union[LoadAdapter, _Mapping]] = ...) -> None: ...
 
 class Register(_message.Message):
     __slots__ = ("protocol_version", "node_id", "agent_version", "gpus", "fabrics", "running_shards", "certificate_not_after", "stray_processes", "advertise_address", "cached_models", "peer_address", "cache_capacity", "cache_free")
@@ -184,7 +186,7 @@ class FetchProgress(_message.Message):
     def __init__(self, shard_id: _Optional[str] = ..., done: _Optional[int] = ..., total: _Optional[int] = ..., rate: _Optional[float] = ...) -> None: ...
 
 class ShardSignals(_message.Message):
-    __slots__ = ("shard_id", "waiting", "running", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "age_s", "error", "generated_tokens", "flat_for_s")
+    __slots__ = ("shard_id", "waiting", "running", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "age_s", "error", "generated_tokens", "flat_for_s", "adapters")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -195,6 +197,7 @@ class ShardSignals(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FLAT_FOR_S_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     shard_id: str
     waiting: float
     running: float
@@ -205,7 +208,8 @@ class ShardSignals(_message.Message):
     error: str
     generated_tokens: float
     flat_for_s: float
-    def __init__(self, shard_id: _Optional[str] = ..., waiting: _Optional[float] = ..., running: _Optional[float] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[float] = ..., prefix_cache_hits: _Optional[float] = ..., age_s: _Optional[float] = ..., error: _Optional[str] = ..., generated_tokens: _Optional[float] = ..., flat_for_s: _Optional[float] = ...) -> None: ...
+    adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, shard_id: _Optional[str] = ..., waiting: _Optional[float] = ..., running: _Optional[float] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[float] = ..., prefix_cache_hits: _Optional[float] = ..., age_s: _Optional[float] = ..., error: _Optional[str] = ..., generated_tokens: _Optional[float] = ..., flat_for_s: _Optional[float] = ..., adapters: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GPUProblem(_message.Message):
     __slots__ = ("gpu_index", "problem")
@@ -280,7 +284,7 @@ class Ack(_message.Message):
     def __init__(self, message_id: _Optional[str] = ..., ok: _Optional[bool] = ..., code: _Optional[_Union[Ack.Code, str]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class StartShard(_message.Message):
-    __slots__ = ("shard_id", "replica_id", "model", "profile", "rank", "world_size", "leader_address", "argv", "env", "gpu_indices", "port", "health_path", "startup_timeout_s", "stop_grace_s", "epoch", "drain_timeout_s", "engine", "metrics_path", "metric_names", "stop_signal", "ready_while_alive", "source", "model_peers", "stall_after_s")
+    __slots__ = ("shard_id", "replica_id", "model", "profile", "rank", "world_size", "leader_address", "argv", "env", "gpu_indices", "port", "health_path", "startup_timeout_s", "stop_grace_s", "epoch", "drain_timeout_s", "engine", "metrics_path", "metric_names", "stop_signal", "ready_while_alive", "source", "model_peers", "stall_after_s", "adapters")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -319,6 +323,7 @@ class StartShard(_message.Message):
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     MODEL_PEERS_FIELD_NUMBER: _ClassVar[int]
     STALL_AFTER_S_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     shard_id: str
     replica_id: str
     model: str
@@ -343,7 +348,16 @@ class StartShard(_message.Message):
     source: ModelSource
     model_peers: _containers.RepeatedScalarFieldContainer[str]
     stall_after_s: float
-    def __init__(self, shard_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., model: _Optional[str] = ..., profile: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., leader_address: _Optional[str] = ..., argv: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., gpu_indices: _Optional[_Iterable[int]] = ..., port: _Optional[int] = ..., health_path: _Optional[str] = ..., startup_timeout_s: _Optional[int] = ..., stop_grace_s: _Optional[int] = ..., epoch: _Optional[int] = ..., drain_timeout_s: _Optional[int] = ..., engine: _Optional[str] = ..., metrics_path: _Optional[str] = ..., metric_names: _Optional[_Mapping[str, str]] = ..., stop_signal: _Optional[str] = ..., ready_while_alive: _Optional[bool] = ..., source: _Optional[_Union[ModelSource, _Mapping]] = ..., model_peers: _Optional[_Iterable[str]] = ..., stall_after_s: _Optional[float] = ...) -> None: ...
+    adapters: _containers.RepeatedCompositeFieldContainer[AdapterSource]
+    def __init__(self, shard_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., model: _Optional[str] = ..., profile: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., leader_address: _Optional[str] = ..., argv: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., gpu_indices: _Optional[_Iterable[int]] = ..., port: _Optional[int] = ..., health_path: _Optional[str] = ..., startup_timeout_s: _Optional[int] = ..., stop_grace_s: _Optional[int] = ..., epoch: _Optional[int] = ..., drain_timeout_s: _Optional[int] = ..., engine: _Optional[str] = ..., metrics_path: _Optional[str] = ..., metric_names: _Optional[_Mapping[str, str]] = ..., stop_signal: _Optional[str] = ..., ready_while_alive: _Optional[bool] = ..., source: _Optional[_Union[ModelSource, _Mapping]] = ..., model_peers: _Optional[_Iterable[str]] = ..., stall_after_s: _Optional[float] = ..., adapters: _Optional[_Iterable[_Union[AdapterSource, _Mapping]]] = ...) -> None: ...
+
+class AdapterSource(_message.Message):
+    __slots__ = ("name", "source")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    source: ModelSource
+    def __init__(self, name: _Optional[str] = ..., source: _Optional[_Union[ModelSource, _Mapping]] = ...) -> None: ...
 
 class PrefetchModel(_message.Message):
     __slots__ = ("message_id", "source", "model_peers", "pin", "epoch")
@@ -388,6 +402,20 @@ class ModelSource(_message.Message):
     sha256: str
     path: str
     def __init__(self, scheme: _Optional[str] = ..., repo: _Optional[str] = ..., revision: _Optional[str] = ..., file: _Optional[str] = ..., url: _Optional[str] = ..., sha256: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class LoadAdapter(_message.Message):
+    __slots__ = ("message_id", "shard_id", "name", "source", "epoch")
+    MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    message_id: str
+    shard_id: str
+    name: str
+    source: ModelSource
+    epoch: int
+    def __init__(self, message_id: _Optional[str] = ..., shard_id: _Optional[str] = ..., name: _Optional[str] = ..., source: _Optional[_Union[ModelSource, _Mapping]] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class StopShard(_message.Message):
     __slots__ = ("shard_id", "epoch")

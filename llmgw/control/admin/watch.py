@@ -111,6 +111,8 @@ def _route_json(table: RoutingTable, model: str, now: float) -> list[dict[str, A
                 k: v for k in SIGNALS
                 if (v := getattr(r.signals, k)) is not None
             }
+        if r.adapters:
+            entry["adapters"], entry["lora_ids"] = list(r.adapters), r.lora_ids
         out.append(entry)
     return out
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from llmgw import engineargv, engines, gputypes
+from llmgw.control.core.adapters import Adapter, adapter_launch, parse_adapters, with_fixed_adapters
 from llmgw.control.core.autoscale import AutoscalePolicy
 from llmgw.control.core.catalogfields import AUTOSCALE_FIELDS as AUTOSCALE_FIELDS
 from llmgw.control.core.catalogfields import CatalogError as CatalogError
@@ -104,6 +105,9 @@ class Profile:
     #: prefers, most preferred first (L{llmgw.gputypes}).
     gpu_types: tuple[str, ...] = ()
     prefer_gpu_types: tuple[str, ...] = ()
+    #: Most LoRA adapters a vLLM replica holds at once (loaded while it
+    #: runs, L{llmgw.control.core.adapters}); 0: it serves none.
+    max_loras: int = 0
 
     def launch(self, rank: int, deployment: Deployment | None = None) -> ShardSpec:
         """
@@ -135,11 +139,12 @@ class Profile:
                 served_name="{model}", tensor_parallel=self.gpus_per_shard,
                 args=deployment.args, program=self.program, metrics=bool(self.metrics_path),
             )
+        argv, env, fixed = adapter_launch(self, deployment, argv)
         if rank > 0 and self.worker_command:
             argv, health_path = self.worker_command, self.worker_health_path
         return ShardSpec(
             shard_id="", replica_id="", model="", profile=self.name, argv=argv, gpu_indices=(),
-            port=0, rank=rank, env=self.env, health_path=health_path,
+            port=0, rank=rank, env=env, health_path=health_path, adapters=fixed,
             startup_timeout_s=self.startup_timeout_s, stop_grace_s=self.stop_grace_s,
             drain_timeout_s=self.drain_timeout_s, engine=self.engine,
             metrics_path=self.metrics_path if rank == 0 else "",
@@ -183,6 +188,10 @@ class Deployment:
     #: The profiles it may run on with their costs, cheapest first (then
     #: C{profile} is the cheapest's); empty: C{profile} alone.
     variants: tuple[gputypes.Variant, ...] = ()
+    #: The adapters its replicas start with (an engine that takes them only
+    #: at its start), in the order of their ids; set from the catalog's
+    #: C{[[adapters]]}.
+    adapters: tuple[Adapter, ...] = ()
 
     @property
     def profile_names(self) -> tuple[str, ...]:
@@ -200,6 +209,8 @@ class Catalog:
 
     profiles: Mapping[str, Profile] = field(default_factory=dict)
     deployments: Mapping[str, Deployment] = field(default_factory=dict)
+    #: The LoRA adapters by name (L{llmgw.control.core.adapters}).
+    adapters: Mapping[str, Adapter] = field(default_factory=dict)
     port_range: tuple[int, int] = DEFAULT_PORT_RANGE
     path: str | None = None
     #: Each deployment's table as written, by model (what the console
@@ -232,6 +243,12 @@ class Catalog:
         """
         return frozenset(m for m, d in self.deployments.items() if not d.resume_streams)
 
+    def adapter_bases(self) -> dict[str, str]:
+        """
+        Adapter name -> its base's model, for the routing table.
+        """
+        return {a.name: a.base for _, a in sorted(self.adapters.items())}
+
     def profile_for(self, model: str) -> Profile | None:
         dep = self.deployments.get(model)
         return self.profiles.get(dep.profile) if dep is not None else None
@@ -260,6 +277,7 @@ _PROFILE_FIELDS: dict[str, type | tuple[type, ...]] = {
     "program": str,
     "gpu_types": list,
     "prefer_gpu_types": list,
+    "max_loras": int,
 }
 _DEPLOYMENT_FIELDS: dict[str, type | tuple[type, ...]] = {
     "model": str,
@@ -394,6 +412,7 @@ def parse_profile(name: str, raw: Any) -> Profile:
     _positive(where, "startup_timeout_s", profile.startup_timeout_s)
     _positive(where, "drain_timeout_s", profile.drain_timeout_s, 0)
     _positive(where, "stop_grace_s", profile.stop_grace_s, 0)
+    _positive(where, "max_loras", profile.max_loras, 0)
     if not (math.isfinite(profile.stall_after_s) and profile.stall_after_s >= 0):
         raise CatalogError(f"{where}: field 'stall_after_s' must be 0 (off) or more seconds, "
                            f"not {profile.stall_after_s}")
@@ -562,7 +581,7 @@ def parse_catalog(data: Mapping[str, Any], path: str | None = None) -> Catalog:
     @raise CatalogError: anything is wrong; the message names the entry and
         the field.
     """
-    known = {"profiles", "deployments", "ports"}
+    known = {"profiles", "deployments", "adapters", "ports"}
     for key in data:
         if key not in known:
             raise CatalogError(f"catalog: unknown top-level entry {key!r} (known: {', '.join(sorted(known))})")
@@ -579,6 +598,8 @@ def parse_catalog(data: Mapping[str, Any], path: str | None = None) -> Catalog:
         if dep.model in deployments:
             raise CatalogError(f"deployment {dep.model!r}: field 'model' is declared twice")
         deployments[dep.model] = dep
+    adapters = parse_adapters(data.get("adapters", []), deployments, profiles)
+    deployments = with_fixed_adapters(deployments, adapters, profiles)
     port_range = DEFAULT_PORT_RANGE
     ports = data.get("ports", {})
     if not isinstance(ports, dict):
@@ -591,7 +612,8 @@ def parse_catalog(data: Mapping[str, Any], path: str | None = None) -> Catalog:
     if not 1 <= first <= last <= 65535:
         raise CatalogError(f"ports: fields 'first' and 'last' must satisfy 1 <= first <= last <= 65535, not {first}..{last}")
     entries = {d["model"]: d for d in raw_deps}
-    return Catalog(profiles=profiles, deployments=deployments, port_range=(first, last), path=path, entries=entries)
+    return Catalog(profiles=profiles, deployments=deployments, adapters=adapters, port_range=(first, last),
+                   path=path, entries=entries)
 
 
 def load_catalog(path: str | os.PathLike[str]) -> Catalog:

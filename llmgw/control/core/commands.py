@@ -75,7 +75,20 @@ class DropModel:
     pin: str
 
 
-Command = Start | Stop | Drain | Prefetch | DropModel
+@dataclass(frozen=True, slots=True)
+class LoadAdapter:
+    """
+    Have C{node_id} load adapter C{name} (from C{source}) into shard
+    C{shard_id}'s engine (one that loads adapters while it runs).
+    """
+
+    node_id: str
+    shard_id: str
+    name: str
+    source: ModelSource
+
+
+Command = Start | Stop | Drain | Prefetch | DropModel | LoadAdapter
 
 
 def send(dispatcher: IDispatcher | None, cmd: Command) -> str | None:
@@ -93,6 +106,8 @@ def send(dispatcher: IDispatcher | None, cmd: Command) -> str | None:
             dispatcher.drain_shard(cmd.node_id, cmd.shard_id)
         elif isinstance(cmd, Prefetch):
             dispatcher.prefetch_model(cmd.node_id, cmd.source, cmd.peers, cmd.pin)
+        elif isinstance(cmd, LoadAdapter):
+            dispatcher.load_adapter(cmd.node_id, cmd.shard_id, cmd.name, cmd.source)
         else:
             dispatcher.drop_model(cmd.node_id, cmd.key, cmd.pin)
     except (NotConnected, NotKeepingUp) as e:

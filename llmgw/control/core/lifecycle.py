@@ -63,7 +63,8 @@ def send_start(ctx: Context, rep: ReplicaRec, shard: ShardRec, now: float, first
         fabrics = node.fabrics if node is not None else {}
         deployment = ctx.catalog.deployments.get(rep.model)
         if spec is not None and deployment is not None:
-            deployment = replace(deployment, profile=rep.profile, source=spec.source, args=spec.args)
+            deployment = replace(deployment, profile=rep.profile, source=spec.source, args=spec.args,
+                                 adapters=spec.adapters)
         command = start_command(rep, shard, profile, fabrics, deployment)
         if deployment is not None and deployment.source is not None:
             peers = ctx.inventory.models.peers(weights_key(deployment.source), exclude=shard.node_id)
@@ -85,6 +86,15 @@ def create_replica(ctx: Context, model: str, profile_name: str, world_size: int,
     st.add_replica(rep)
     if spec is not None:
         ctx.rollouts.replica_specs[rep.id] = spec
+    profile = spec.profile_named(profile_name) if spec is not None else None
+    profile = profile or ctx.profile(profile_name)
+    if profile is not None and profile.engine == "llamacpp":
+        # Its engine's adapters are fixed at its start: routed from its
+        # first ready, before any heartbeat names them.
+        rep.lora_ids = True
+        dep = ctx.catalog.deployments.get(model)
+        adapters = spec.adapters if spec is not None else dep.adapters if dep is not None else ()
+        rep.adapters = tuple(a.name for a in adapters)
     for slot in slots:
         st.add_shard(
             rep,

@@ -272,6 +272,17 @@ def engine_signals(ctx: Context, store: SignalStore, node_id: str, msgs: Iterabl
         shard = st.shards.get(sid)
         if shard is not None and shard.node_id == node_id and shard.rank == 0:
             st.set_signals(shard, store.signals(sid))
+    for m in msgs:
+        shard = st.shards.get(m.shard_id)
+        rep = st.replicas.get(shard.replica_id) if shard is not None and shard.rank == 0 else None
+        if rep is None or shard is None or shard.node_id != node_id:
+            continue
+        profile = ctx.profile(rep.profile)
+        if profile is not None and profile.engine == "llamacpp" and not rep.lora_ids:
+            rep.lora_ids, rep.route = True, None  # taken over after a restart
+        # An agent that reports no adapters leaves a fixed set as it started.
+        if m.adapters or not rep.lora_ids:
+            st.set_adapters(rep, tuple(m.adapters))
 
 
 def shard_signals(ctx: Context, node_id: str, shard_id: str, signals: EngineSignals | None) -> None:

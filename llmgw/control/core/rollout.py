@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from llmgw.control.core.adapters import Adapter
 from llmgw.control.core.catalog import Catalog, Profile
 from llmgw.sourcespec import ModelSource
 
@@ -49,6 +50,8 @@ class LaunchSpec:
     source: ModelSource | None = None
     args: tuple[str, ...] = ()
     variants: tuple[Profile, ...] = ()
+    #: The adapters its replicas start with (L{Deployment.adapters}).
+    adapters: tuple[Adapter, ...] = ()
 
     def choices(self) -> tuple[Profile, ...]:
         """
@@ -72,7 +75,8 @@ class LaunchSpec:
             return True
         mine = self.profile_named(profile)
         return (mine is not None and mine == other.profile_named(profile)
-                and self.source == other.source and self.args == other.args)
+                and self.source == other.source and self.args == other.args
+                and self.adapters == other.adapters)
 
     @property
     def version(self) -> str:
@@ -93,7 +97,7 @@ def spec_of(catalog: Catalog, model: str) -> LaunchSpec | None:
     if dep is None:
         return None
     return LaunchSpec(catalog.profiles[dep.profile], dep.source, dep.args,
-                      tuple(catalog.profiles[p] for p in dep.profile_names[1:]))
+                      tuple(catalog.profiles[p] for p in dep.profile_names[1:]), dep.adapters)
 
 
 def spec_data(spec: LaunchSpec) -> dict[str, Any]:
@@ -107,12 +111,14 @@ def spec_data(spec: LaunchSpec) -> dict[str, Any]:
     }
     if spec.variants:
         data["variants"] = [_profile_data(p) for p in spec.variants]
+    if spec.adapters:
+        data["adapters"] = [dataclasses.asdict(a) for a in spec.adapters]
     return data
 
 
 #: Profile fields left out of a spec's document at their defaults, so that
 #: versions written before they existed stay the same.
-_LATER_FIELDS = ("gpu_types", "prefer_gpu_types")
+_LATER_FIELDS = ("gpu_types", "prefer_gpu_types", "max_loras")
 
 
 def _profile_data(profile: Profile) -> dict[str, Any]:
@@ -129,7 +135,7 @@ def _profile_from(data: Mapping[str, Any]) -> Profile:
     known = {f.name for f in dataclasses.fields(Profile)}
     if set(raw) - known or "name" not in raw:
         raise ValueError(f"a kept profile has unknown fields {sorted(set(raw) - known)}")
-    for key in ("command", "worker_command", *_LATER_FIELDS):
+    for key in ("command", "worker_command", "gpu_types", "prefer_gpu_types"):
         raw[key] = tuple(str(a) for a in raw.get(key, ()))
     return Profile(**raw)
 
@@ -144,7 +150,9 @@ def spec_from_data(data: Mapping[str, Any]) -> LaunchSpec:
     source = data.get("source")
     return LaunchSpec(_profile_from(data["profile"]), ModelSource(**source) if source is not None else None,
                       tuple(str(a) for a in data.get("args", ())),
-                      tuple(_profile_from(p) for p in data.get("variants", ())))
+                      tuple(_profile_from(p) for p in data.get("variants", ())),
+                      tuple(Adapter(a["name"], a["base"], ModelSource(**a["source"]))
+                            for a in data.get("adapters", ())))
 
 
 @dataclass

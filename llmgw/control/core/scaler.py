@@ -59,7 +59,8 @@ class Autoscaling:
     def demand(self, ctx: Context, in_flight: IInFlight | None, now: float) -> dict[str, Demand]:
         """
         Each model's demand: the standalone gateways' reports plus the
-        embedded gateway's (its L{IDemand}, or its in-flight counts).
+        embedded gateway's (its L{IDemand}, or its in-flight counts); a
+        base's includes its adapters'.
         """
         totals = self.board.totals(now)
         own: dict[str, Demand] = {}
@@ -75,6 +76,13 @@ class Autoscaling:
         for model, d in own.items():
             t = totals.get(model)
             totals[model] = d if t is None else Demand(t.in_flight + d.in_flight, t.waiting + d.waiting)
+        # Requests for an adapter load its base's replicas: they count for
+        # the base too (and stay under the adapter's name for loading it).
+        for adapter, base in ctx.catalog.adapter_bases().items():
+            asked, t = totals.get(adapter), totals.get(base)
+            if asked is not None:
+                totals[base] = Demand(asked.in_flight + (t.in_flight if t else 0),
+                                      asked.waiting + (t.waiting if t else 0))
         return totals
 
     def tick(self, ctx: Context, kept: KeptState, in_flight: IInFlight | None, now: float,

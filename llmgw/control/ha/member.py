@@ -212,6 +212,10 @@ class FencedDispatcher:
         self._check()
         self.inner.drop_model(node_id, key, pin)
 
+    def load_adapter(self, node_id: str, shard_id: str, name: str, source: ModelSource) -> None:
+        self._check()
+        self.inner.load_adapter(node_id, shard_id, name, source)
+
     def connected_nodes(self) -> list[str]:
         return list(self.inner.connected_nodes()) if self.may_command() else []
 

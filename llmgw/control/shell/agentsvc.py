@@ -257,3 +257,8 @@ class AgentService(ServerFactory):
     def drop_model(self, node_id: str, key: str, pin: str) -> None:
         self._send(node_id, pb.ControlMessage(drop=pb.DropModel(
             message_id=f"drop:{pin}", key=key, pin=pin, epoch=self.epoch)))
+
+    def load_adapter(self, node_id: str, shard_id: str, name: str, source: ModelSource) -> None:
+        self._send(node_id, pb.ControlMessage(load_adapter=pb.LoadAdapter(
+            message_id=f"adapter:{shard_id}:{name}", shard_id=shard_id, name=name,
+            source=source_message(source), epoch=self.epoch)))

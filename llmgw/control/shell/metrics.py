@@ -132,6 +132,21 @@ class ControlCollector(Collector):
         yield from self._deployment_metrics()
         yield from self._fetch_metrics()
         yield from self._cache_metrics()
+        yield from self._adapter_metrics()
+
+    def _adapter_metrics(self) -> Iterable[Metric]:
+        state = getattr(self.fleet(), "state", None)
+        replicas = getattr(state, "replicas", None)
+        if not isinstance(replicas, dict):
+            return
+        held = GaugeMetricFamily(
+            "llmgw_replica_adapter",
+            "1 for each LoRA adapter a replica holds (as its leader's heartbeat or its start says).",
+            labels=["model", "replica", "adapter"])
+        for rid, rep in sorted(replicas.items()):
+            for adapter in rep.adapters:
+                held.add_metric([rep.model, rid, adapter], 1)
+        yield held
 
     def _fetch_metrics(self) -> Iterable[Metric]:
         rows_fn = getattr(self.fleet(), "fetch_rows", None)

@@ -41,6 +41,7 @@ from twisted.logger import Logger
 from zope.interface import implementer
 
 from llmgw.control.core import deadlines, lifecycle, nodes, placing, prefetching, reports, scaler
+from llmgw.control.core.adapterloads import AdapterLoading
 from llmgw.control.core.backoff import Backoff
 from llmgw.control.core.catalog import Catalog, CatalogError, load_catalog
 from llmgw.control.core.commands import send
@@ -229,6 +230,7 @@ class Reconciler(RolloutControl, ModelControl, Service):
         self.desired = {m: self.fleet_state.desired(d) for m, d in catalog.deployments.items()}
         #: Autoscaled deployments' memory and the demand they follow.
         self.autoscaling = scaler.Autoscaling()
+        self.adapter_loading = AdapterLoading()
         #: Called (no arguments) when L{end_adoption_grace} ends the grace
         #: early: an HA leader republishes its routes then, not at the old end.
         self.grace_ended_listeners: list[Callable[[], None]] = []
@@ -498,6 +500,7 @@ class Reconciler(RolloutControl, ModelControl, Service):
         deadlines.check(ctx, self.in_flight, now, out)
         check_wedged(ctx, self.engine_signals, self.progress, now, out)
         self.autoscaling.tick(ctx, self.fleet_state, self.in_flight, now, out)
+        self.adapter_loading.tick(ctx, lambda: self.autoscaling.demand(ctx, self.in_flight, now), now, out)
         p = self._placing
         placing_left = placing.reconcile(
             ctx, now, p.placer, lambda: p.sync(ctx, self._connected_for(now), self._over_budget),
@@ -626,9 +629,9 @@ class Reconciler(RolloutControl, ModelControl, Service):
         A standalone gateway's demand (C{POST /api/v1/demand}); it counts
         until it expires (L{DemandBoard.expire_after}).
         """
-        # Only deployments that autoscale are kept: a report cannot grow
-        # the board with names of its choosing.
-        auto = set(self.autoscaling.models(self.catalog))
+        # Only deployments that autoscale, and adapters (loaded where busy),
+        # are kept: a report cannot grow the board with names of its choosing.
+        auto = set(self.autoscaling.models(self.catalog)) | set(self.catalog.adapters)
         kept = {m: d for m, d in models.items() if m in auto}
         self.autoscaling.board.report(gateway_id, kept, self.clock.seconds())
 

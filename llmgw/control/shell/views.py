@@ -170,6 +170,7 @@ def replicas(rec: Reconciler) -> list[dict[str, Any]]:
                 "state": str(st.replica_state(rep)),
                 "draining": rep.phase == Phase.DRAINING,
                 "evacuating": rep.evacuating or None,
+                "adapters": list(rep.adapters),
                 "adopted": rep.adopted,
                 "created": rep.created_at,
                 "ready_since": rep.ready_since,

@@ -109,6 +109,11 @@ class ReplicaRec:
     #: Its route as last projected; cleared whenever what is routed of it
     #: changes.
     route: Route | None = None
+    #: The LoRA adapters it holds (L{set_adapters}), and whether a request
+    #: selects one by its position there (llama.cpp's "lora" field) rather
+    #: than by name.
+    adapters: tuple[str, ...] = ()
+    lora_ids: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -568,7 +573,8 @@ class FleetState:
                     continue
                 route = rep.route = Route(rid, model, leader.address,
                                           draining=rep.phase != Phase.ACTIVE,
-                                          signals=leader.signals)
+                                          signals=leader.signals, adapters=rep.adapters,
+                                          lora_ids=rep.lora_ids)
             out.append(route)
         return out
 
@@ -589,6 +595,16 @@ class FleetState:
         shard.signals = signals
         rep = self.replicas.get(shard.replica_id)
         if rep is not None and shard.rank == 0:
+            rep.route = None
+            if rep.id in self.ready.get(rep.model, ()):
+                self.routes_dirty.add(rep.model)
+
+    def set_adapters(self, rep: ReplicaRec, adapters: tuple[str, ...]) -> None:
+        """
+        C{rep} holds C{adapters} now (its leader's heartbeat said so).
+        """
+        if adapters != rep.adapters:
+            rep.adapters = adapters
             rep.route = None
             if rep.id in self.ready.get(rep.model, ()):
                 self.routes_dirty.add(rep.model)

@@ -88,6 +88,12 @@ class IDispatcher(Interface):
         Raises like L{start_shard}.
         """
 
+    def load_adapter(node_id: str, shard_id: str, name: str, source: ModelSource) -> None:
+        """
+        Send a C{LoadAdapter}: C{node_id} loads adapter C{name} from
+        C{source} into shard C{shard_id}'s engine. Raises like L{start_shard}.
+        """
+
     def connected_nodes() -> list[str]:
         """
         The ids of the nodes with an open, registered stream, sorted.
