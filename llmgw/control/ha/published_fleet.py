@@ -414,6 +414,7 @@ class FleetDocument:
         self.truncated = header.get("truncated")
         self._raw: dict[str, bytes] = {}
         self._parsed: dict[str, Any] = {}
+        self._connected: frozenset[str] | None = None
 
     def part(self, name: str) -> bytes:
         """
@@ -456,6 +457,26 @@ class FleetDocument:
     def status(self) -> dict[str, Any]:
         """The leader's status, fleet parts (parsed once). @raise RoutesDataError: unreadable."""
         return self._json("status", dict)  # type: ignore[no-any-return]
+
+    def connected(self) -> frozenset[str]:
+        """
+        The ids of the nodes the leader had connected when it published
+        (parsed once). A document whose nodes were cut lists only those
+        that fit.
+
+        @raise RoutesDataError: the nodes part is unreadable.
+        """
+        if self._connected is None:
+            try:
+                nodes = json.loads(self.part("nodes")).get("nodes")
+            except (ValueError, RecursionError, AttributeError) as e:
+                raise RoutesDataError(f"the part nodes is not a published answer: {e}") from None
+            if not isinstance(nodes, list):
+                raise RoutesDataError("the part nodes holds no list of nodes")
+            self._connected = frozenset(
+                n["id"] for n in nodes
+                if isinstance(n, dict) and isinstance(n.get("id"), str) and n.get("connected") is True)
+        return self._connected
 
     def views(self) -> dict[str, Any]:
         """Everything, parsed (tests and tools; costly at fleet sizes)."""
