@@ -53,6 +53,20 @@ class FleetDocumentConnectedTests(SynchronousTestCase):
         ]))
         self.assertEqual(doc.connected(), frozenset({"n1"}))
 
+    def test_is_connected_exact(self) -> None:
+        """
+        L{FleetDocument.is_connected} says what L{FleetDocument.connected}
+        says, for names absent, listed, listed disconnected, with characters
+        JSON escapes, and named only inside another node's fields.
+        """
+        doc = FleetDocument(fleet_value([
+            {"id": "n1", "connected": True, "shards": [{"id": "n9"}]}, {"id": "n2", "connected": False},
+            {"id": "gpu-\u00e9", "connected": True}, {"id": "a\\b", "connected": True},
+        ]))
+        for name in ("n1", "n2", "n3", "n9", "gpu-\u00e9", "gpu-e", "a\\b"):
+            self.assertEqual(doc.is_connected(name), name in doc.connected(), name)
+        self.assertEqual(doc.connected(), frozenset({"n1", "gpu-\u00e9", "a\\b"}))
+
 
 class FleetNamesTests(SynchronousTestCase):
     """L{FleetNames.holds}, on a member that follows the leader's view."""

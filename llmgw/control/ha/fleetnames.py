@@ -82,7 +82,7 @@ class FleetNames:
             doc = self.follower.document
             if doc is not None:
                 try:
-                    return node_id in doc.connected()
+                    return doc.is_connected(node_id)
                 except RoutesDataError as e:
                     raise RequestRefused(
                         f"the fleet view the leader published is unreadable ({e}), so this member cannot "
