@@ -30,7 +30,6 @@ from typing import Any
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import deferLater
-from twisted.logger import Logger
 
 from llmgw.control.ha.published_fleet import FLEET_INTERVAL
 from llmgw.routing import RoutesDataError
@@ -55,8 +54,6 @@ class FleetNames:
     @param leading: whether the member leads now (then its own streams are
         the fleet's, and the join authority checks those itself).
     """
-
-    log = Logger()
 
     def __init__(self, clock: IReactorTime, follower: Any, leading: Callable[[], bool],
                  wait: float = FLEET_WAIT, step: float = FLEET_WAIT_STEP):
