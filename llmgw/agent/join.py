@@ -12,7 +12,7 @@ same key.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
+from llmgw.addresses import format_address
 from llmgw.api.v1 import agent_pb2 as pb
 from llmgw.tlsconf.certs import issued_by
 from llmgw.tlsconf.csr import spki_hash
@@ -138,14 +139,25 @@ class Joiner:
     """
     Joins node C{node_id} at C{host}:C{port} with C{token}, keeping its files
     in C{directory}: C{ca.pem}, C{agent-NODE.pem} and C{agent-NODE.key}.
+
+    C{also} names more join listeners of the same control plane (the
+    members of an HA one): when one cannot be reached or closes without an
+    answer, the next is asked at once, and only after a whole round fails
+    does the node wait L{POLL_INTERVAL} seconds. Each one's chain is checked
+    against the token before anything is sent to it; a refusal, or a chain
+    the token does not name, ends the join as with one address.
     """
 
     log = Logger()
 
     def __init__(self, reactor: Any, host: str, port: int, token: ParsedToken, node_id: str,
-                 directory: Path, poll_interval: float = POLL_INTERVAL):
+                 directory: Path, poll_interval: float = POLL_INTERVAL,
+                 also: Sequence[tuple[str, int]] = ()):
         self.reactor = reactor
+        #: The listener asked last (after a join: the one that answered).
         self.host, self.port = host, port
+        #: Every listener, in the order they are tried.
+        self.addresses: list[tuple[str, int]] = [(host, port), *also]
         self.token = token
         self.node_id = node_id
         self.directory = directory
@@ -224,16 +236,27 @@ class Joiner:
             self.log.info("node {node} has its certificate in {dir}: not joining again",
                           node=self.node_id, dir=str(self.directory))
             return files
+        at, failed = 0, 0
         while True:
+            self.host, self.port = self.addresses[at]
             try:
                 answer = await self.ask_once()
             except JoinRefused:
                 raise
             except Exception as e:  # a connection refused, reset, timed out
+                failed += 1
+                at = (at + 1) % len(self.addresses)
+                if failed < len(self.addresses):
+                    self.log.warn("cannot join at {host}:{port} ({error}); trying {next}",
+                                  host=self.host, port=self.port, error=str(e),
+                                  next=format_address(*self.addresses[at]))
+                    continue
+                failed = 0
                 self.log.warn("cannot join at {host}:{port} ({error}); asking again in {s}s",
                               host=self.host, port=self.port, error=str(e), s=self.poll_interval)
                 await deferLater(self.reactor, self.poll_interval)
                 continue
+            failed = 0
             self.agent_port = answer.agent_port
             if answer.status == pb.JoinResponse.STATUS_ISSUED:
                 files = self.write(answer.issued)
@@ -242,8 +265,9 @@ class Joiner:
                               until=files.cert.not_valid_after_utc.isoformat())
                 return files
             if answer.status == pb.JoinResponse.STATUS_PENDING:
-                self.log.warn("node {node}'s request waits for an operator: `llmgw ctl csr approve {node}`",
-                              node=self.node_id)
+                # A request kept for an operator is that listener's: it is asked again.
+                self.log.warn("node {node}'s request waits for an operator at {host}:{port}: "
+                              "`llmgw ctl csr approve {node}`", node=self.node_id, host=self.host, port=self.port)
                 await deferLater(self.reactor, self.poll_interval)
                 continue
             raise JoinRefused(f"the control plane at {self.host}:{self.port} refused the join: {answer.error}")

@@ -1,5 +1,5 @@
 """
-C{twistd llmgw agent --join HOST:PORT --token T --node NAME}: the options
+C{twistd llmgw agent --join HOST:PORT[,...] --token T --node NAME}: the options
 of a node that joins, and the service that joins before it runs the agent
 (L{llmgw.agent.join}).
 """
@@ -50,6 +50,26 @@ def exit_after_stop(status: int) -> None:
     atexit.register(end)
 
 
+def join_addresses(given: list[str]) -> list[tuple[str, int]]:
+    """
+    The join listeners C{--join} names (each given, comma lists split), in order.
+
+    @raise usage.UsageError: one is empty, not HOST:PORT, or named twice.
+    """
+    addresses: list[tuple[str, int]] = []
+    for spec in given:
+        try:
+            host, port = parse_address(spec.strip(), "")
+        except AddressError as e:
+            raise usage.UsageError(f"--join {spec.strip()!r}: {e}") from e
+        if not host or not port:
+            raise usage.UsageError(f"--join {spec.strip()!r}: give HOST:PORT")
+        if (host, port) in addresses:
+            raise usage.UsageError(f"--join {spec.strip()!r} is given twice")
+        addresses.append((host, port))
+    return addresses
+
+
 def join_options(options: Any) -> None:
     """
     With C{--join}: check it, C{--token} and C{--node}; default C{--certs} to
@@ -62,7 +82,7 @@ def join_options(options: Any) -> None:
     """
     options["joiner"] = None
     options["given_control"] = bool(options["controls"])
-    if not options["join"]:
+    if not options["joins"]:
         if options["token"]:
             raise usage.UsageError("--token goes with --join HOST:PORT")
         return
@@ -72,12 +92,8 @@ def join_options(options: Any) -> None:
         token = parse_token(options["token"])
     except MalformedToken as e:
         raise usage.UsageError(f"--token: {e}") from e
-    try:
-        host, port = parse_address(options["join"].strip(), "")
-    except AddressError as e:
-        raise usage.UsageError(f"--join: {e}") from e
-    if not host or not port:
-        raise usage.UsageError(f"--join {options['join']!r}: give HOST:PORT")
+    addresses = join_addresses(options["joins"])
+    host, port = addresses[0]
     directory = Path(options["certs"] or Path(options["state-dir"]) / "certs")
     options["certs"] = str(directory)
     from llmgw.wire import InvalidNodeId, validate_node_id
@@ -86,7 +102,7 @@ def join_options(options: Any) -> None:
         validate_node_id(options["node"])
     except InvalidNodeId as e:
         raise usage.UsageError(f"--node: {e}") from e
-    joiner = Joiner(None, host, port, token, options["node"], directory)
+    joiner = Joiner(None, host, port, token, options["node"], directory, also=addresses[1:])
     note = directory / CONTROL_NOTE.format(node=options["node"])
     if joiner.existing() is not None:
         if not options["controls"] and note.exists():

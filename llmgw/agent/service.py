@@ -62,8 +62,6 @@ class Options(BaseOptions):
          "shards at, and {host} in commands (default: the local address of the connection to "
          "the control plane)"],
         *model_cache_rows("STATE_DIR/models"),
-        ["join", None, None, "HOST:PORT of the control plane's join listener: join with --token as "
-         "--node, keeping the files in --certs (default STATE_DIR/certs); skipped when they are there"],
         ["token", None, None, "the join token (`llmgw ctl token create`), with --join"],
         ["peer-listen", None, "", "[HOST:]PORT to serve this node's cached models to other nodes on, "
          "over mutual TLS with the fleet's certificates (default: not served)"],
@@ -73,6 +71,7 @@ class Options(BaseOptions):
         super().__init__()
         self["fabrics"] = {}
         self["controls"] = []
+        self["joins"] = []
 
     def opt_control(self, value: str) -> None:
         """
@@ -80,6 +79,15 @@ class Options(BaseOptions):
         must name HOST. Repeatable: each member of an HA control plane.
         """
         self["controls"].append(value)
+
+    def opt_join(self, value: str) -> None:
+        """
+        HOST:PORT of the control plane's join listener: join with --token as
+        --node, keeping the files in --certs (default STATE_DIR/certs);
+        skipped when they are there. Repeatable, or a comma list: each member
+        of an HA control plane, tried in turn.
+        """
+        self["joins"].extend(value.split(","))
 
     def opt_fabric(self, value: str) -> None:
         """

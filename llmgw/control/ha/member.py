@@ -295,7 +295,8 @@ class HAMember(Service):
         self.fleet_publisher = FleetPublisher(reactor, store, prefix, self.fleet_views, self.election.may_command)
         self.fleet_follower = FleetFollower(reactor, store, prefix, retry_interval=retry_interval)
         # Join tokens, users and sessions: etcd's, the same on every member.
-        self.people = SharedPeople(reactor, cp, store, prefix, retry_interval)
+        self.people = SharedPeople(reactor, cp, store, prefix, retry_interval, fleet=self.fleet_follower,
+                                   leading=self.election.is_leader)
         self._republish: Any = None
         self._grace_listener: Callable[[], None] | None = None
         # Whether --catalog says what etcd's catalog says, on every member.

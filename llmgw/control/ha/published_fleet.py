@@ -414,6 +414,7 @@ class FleetDocument:
         self.truncated = header.get("truncated")
         self._raw: dict[str, bytes] = {}
         self._parsed: dict[str, Any] = {}
+        self._connected: frozenset[str] | None = None
 
     def part(self, name: str) -> bytes:
         """
@@ -456,6 +457,41 @@ class FleetDocument:
     def status(self) -> dict[str, Any]:
         """The leader's status, fleet parts (parsed once). @raise RoutesDataError: unreadable."""
         return self._json("status", dict)  # type: ignore[no-any-return]
+
+    def connected(self) -> frozenset[str]:
+        """
+        The ids of the nodes the leader had connected when it published
+        (parsed once). A document whose nodes were cut lists only those
+        that fit.
+
+        @raise RoutesDataError: the nodes part is unreadable.
+        """
+        if self._connected is None:
+            try:
+                nodes = json.loads(self.part("nodes")).get("nodes")
+            except (ValueError, RecursionError, AttributeError) as e:
+                raise RoutesDataError(f"the part nodes is not a published answer: {e}") from None
+            if not isinstance(nodes, list):
+                raise RoutesDataError("the part nodes holds no list of nodes")
+            self._connected = frozenset(
+                n["id"] for n in nodes
+                if isinstance(n, dict) and isinstance(n.get("id"), str) and n.get("connected") is True)
+        return self._connected
+
+    def is_connected(self, node_id: str) -> bool:
+        """
+        Whether C{node_id} is in L{connected}. A name the nodes part does
+        not mention is answered from its bytes alone (a few ms at 10,000
+        nodes); only one it mentions parses the part (once per document,
+        some 400 ms at that size).
+
+        @raise RoutesDataError: the nodes part is unreadable.
+        """
+        # The part is canonical JSON (_canon): a node listed there has
+        # exactly these bytes, so their absence settles it.
+        if b'"id":' + json.dumps(node_id).encode() not in self.part("nodes"):
+            return False
+        return node_id in self.connected()
 
     def views(self) -> dict[str, Any]:
         """Everything, parsed (tests and tools; costly at fleet sizes)."""

@@ -30,6 +30,7 @@ import binascii
 import hashlib
 import json
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 from twisted.internet import defer
@@ -308,7 +309,15 @@ class SharedPeople:
     sessions in etcd, and follows them while started.
     """
 
-    def __init__(self, clock: IReactorTime, cp: Any, store: Any, prefix: str, retry_interval: float = 1.0):
+    def __init__(self, clock: IReactorTime, cp: Any, store: Any, prefix: str, retry_interval: float = 1.0,
+                 fleet: Any = None, leading: Callable[[], bool] | None = None):
+        """
+        @param fleet: the member's fleet follower and C{leading}, whether it
+            leads: with both, a join on a member that does not lead refuses a
+            name the leader's published view lists connected
+            (L{llmgw.control.ha.fleetnames}).
+        """
+        from llmgw.control.ha.fleetnames import FleetNames
         from llmgw.control.ha.sharedtokens import SharedTokens
 
         self.clock = clock
@@ -320,6 +329,8 @@ class SharedPeople:
         authority = getattr(cp, "joining", None)
         if authority is not None:
             authority.shared = self.tokens
+            if fleet is not None and leading is not None:
+                authority.held_elsewhere = FleetNames(clock, fleet, leading).holds
         self.users: SharedUsers | None = None
         self.sessions: SharedSessions | None = None
 

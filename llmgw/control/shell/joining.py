@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +86,10 @@ class Pending:
 
 
 
+def _held(node_id: str) -> str:
+    return f"node {node_id!r} is connected now: another node holds that name"
+
+
 class JoinAuthority:
     """
     Decides on certificate requests: joins (with a token) and renewals (over
@@ -126,6 +130,11 @@ class JoinAuthority:
         #: L{llmgw.control.ha.sharedtokens.SharedTokens}, whose C{check} and
         #: C{spend} return Deferreds), in place of L{tokens}; None standalone.
         self.shared: Any = None
+        #: HA: whether a node connected to another member (the leader)
+        #: holds a name, awaited by a join (an
+        #: L{llmgw.control.ha.fleetnames.FleetNames}'s C{holds}, which may
+        #: raise L{RequestRefused}); None standalone, where L{connected} is the fleet.
+        self.held_elsewhere: Callable[[str], Awaitable[bool]] | None = None
 
     # -- tokens -------------------------------------------------------------
 
@@ -240,7 +249,7 @@ class JoinAuthority:
             request for it waits.
         """
         if self.connected(node_id):
-            raise RequestRefused(f"node {node_id!r} is connected now: another node holds that name")
+            raise RequestRefused(_held(node_id))
         if node_id in self.pending:
             raise RequestRefused(
                 f"a request for node {node_id!r} with another key already waits for approval")
@@ -281,6 +290,9 @@ class JoinAuthority:
         # without a valid token learns nothing of which nodes are connected.
         await self.shared.check(req.token_id, req.token_secret, node_id, now)
         self._admissible(node_id)
+        if self.held_elsewhere is not None and await self.held_elsewhere(node_id):
+            # Before the use is spent: a refused name costs the token nothing.
+            raise RequestRefused(_held(node_id))
         if self.signer_dir is not None:
             # The CA is loaded before a use is spent, so that a signer that
             # cannot sign spends nothing.
