@@ -21,6 +21,8 @@ PAGE_FILES = {
     "page.js": b"text/javascript; charset=utf-8",
     "page.css": b"text/css; charset=utf-8",
     "curves.js": b"text/javascript; charset=utf-8",
+    "watch.js": b"text/javascript; charset=utf-8",
+    "icon.svg": b"image/svg+xml",
     "vendor/uPlot.iife.min.js": b"text/javascript; charset=utf-8",
     "vendor/uPlot.min.css": b"text/css; charset=utf-8",
 }
