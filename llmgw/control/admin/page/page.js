@@ -95,6 +95,10 @@ function connect() {
 function opened() {
   link = "open"; backoff = 500; lostAt = null;
   showConn();
+  if (!window.llmgwPage.live) {
+    window.llmgwPage.live = true;
+    document.dispatchEvent(new Event("llmgw:live"));
+  }
   request("GET", "/api/v1/whoami").then((w) => {
     state.role = w.role; state.name = w.name;
     $("who").textContent = (w.name ? w.name + " " : "") + "(" + w.role + ")";
@@ -189,6 +193,7 @@ function handle(m) {
       state.events = (m.events || []).slice(-MAX_EVENTS);
       state.replicas = new Map(); nodeReplicas.clear();
       for (const r of m.replicas || []) { state.replicas.set(r.id, r); indexReplica(r.id, r, true); }
+      tables.nodes.order = tables.replicas.order = null;
       dirty.all = true;
       break;
     case "node":
