@@ -194,13 +194,18 @@ if (!window.llmgwProbe) {
 """
 
 
-def main_thread_seconds(driver: Any) -> tuple[float, float]:
+#: Chromium's cumulative seconds of the page's main thread: all its tasks,
+#: and of them running scripts, computing styles, laying out.
+THREAD_METRICS = ("TaskDuration", "ScriptDuration", "RecalcStyleDuration", "LayoutDuration")
+
+
+def main_thread_seconds(driver: Any) -> dict[str, float]:
     """
-    (the page's main thread's busy seconds so far, its clock's seconds),
-    from chromium's performance metrics (C{TaskDuration}, C{Timestamp}).
+    The page's main thread's L{THREAD_METRICS} so far and its clock
+    (C{Timestamp}), in seconds, from chromium's performance metrics.
     """
     metrics = {m["name"]: m["value"] for m in driver.execute_cdp_cmd("Performance.getMetrics", {})["metrics"]}
-    return float(metrics["TaskDuration"]), float(metrics["Timestamp"])
+    return {name: float(metrics[name]) for name in (*THREAD_METRICS, "Timestamp")}
 
 
 def measure(driver: Any, seconds: float, clicks: list[str], pause: float = 0.3) -> dict[str, Any]:
@@ -217,13 +222,14 @@ def measure(driver: Any, seconds: float, clicks: list[str], pause: float = 0.3) 
     driver.execute_script(PROBE)
     before = driver.execute_script("return [window.llmgwPage.stats.received, window.llmgwPage.stats.renders,"
                                    " window.llmgwProbe.longTasks, window.llmgwProbe.longMs]")
-    busy0, t0 = main_thread_seconds(driver)
+    first = main_thread_seconds(driver)
     time.sleep(seconds)
-    busy1, t1 = main_thread_seconds(driver)
+    last = main_thread_seconds(driver)
     after = driver.execute_script("return [window.llmgwPage.stats.received, window.llmgwPage.stats.renders,"
                                   " window.llmgwProbe.longTasks, window.llmgwProbe.longMs,"
                                   " window.llmgwPage.stats.maxRenderMs]")
-    wall = t1 - t0
+    wall = last["Timestamp"] - first["Timestamp"]
+    shares = {name: round((last[name] - first[name]) / wall, 4) if wall > 0 else None for name in THREAD_METRICS}
     for selector in clicks:
         try:
             driver.find_element(By.CSS_SELECTOR, selector).click()
@@ -234,7 +240,10 @@ def measure(driver: Any, seconds: float, clicks: list[str], pause: float = 0.3) 
     answered = sorted(probe["clicks"])
     return {
         "seconds": round(wall, 2),
-        "busy_share": round((busy1 - busy0) / wall, 4) if wall > 0 else None,
+        "busy_share": shares["TaskDuration"],
+        "script_share": shares["ScriptDuration"],
+        "style_share": shares["RecalcStyleDuration"],
+        "layout_share": shares["LayoutDuration"],
         "messages_per_s": round((after[0] - before[0]) / wall, 1) if wall > 0 else None,
         "renders_per_s": round((after[1] - before[1]) / wall, 2) if wall > 0 else None,
         "long_tasks": after[2] - before[2],
