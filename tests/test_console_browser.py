@@ -370,6 +370,32 @@ class FleetPageTests(ConsoleCase):
         yield deferToThread(wait_for, driver, "document.getElementById('conn').textContent === 'live' && "
                             "document.getElementById('stale').hidden && document.getElementById('node-gpu-3')", 40)
 
+    @inlineCallbacks
+    def test_silent_connection_dropped(self) -> None:
+        """
+        A connection that stays open but answers nothing (the control plane
+        stopped reading it) is taken for dead once the page's heartbeat
+        goes unanswered: the page says it is disconnected, and makes a new
+        connection, which is live.
+        """
+        fleet = sample_fleet()
+        svc = self.serve(fleet)
+        driver = yield deferToThread(self.browser)
+        yield deferToThread(driver.get, f"http://127.0.0.1:{svc.address()[1]}/")
+        yield deferToThread(wait_for, driver, "document.getElementById('conn').textContent === 'live'")
+        # Shorter than a person would wait; the first beat is already due
+        # within the default 15 s.
+        yield deferToThread(driver.execute_script,
+                            "Object.assign(window.llmgwPage.heartbeat, {everyMs: 200, waitMs: 1000})")
+        self.assertEqual(len(svc.watch.clients), 1)
+        for client in list(svc.watch.clients):
+            client.transport.pauseProducing()
+        yield deferToThread(wait_for, driver, "window.llmgwPage.stats.reconnects === 1 && "
+                            "document.body.classList.contains('stale')", 30)
+        yield deferToThread(wait_for, driver, "document.getElementById('conn').textContent === 'live' && "
+                            "document.getElementById('stale').hidden", 30)
+        yield deferToThread(driver.get_log, "browser")
+
 
 class ThousandNodesTests(ConsoleCase):
     @inlineCallbacks

@@ -25,9 +25,10 @@ const MAX_EVENTS = 50;
 const PAGE_ROWS = 50;
 // Least milliseconds between two renders the stream asks for.
 const MIN_RENDER_MS = 200;
-// The socket is asked who we are every HEARTBEAT_MS; with no answer within
-// HEARTBEAT_WAIT_MS the connection is taken for dead and made again.
-const HEARTBEAT_MS = 15000, HEARTBEAT_WAIT_MS = 10000;
+// The socket is asked who we are every everyMs; with no answer within
+// waitMs the connection is taken for dead (a silent network) and made again.
+const heartbeatTimes = { everyMs: 15000, waitMs: 10000 };
+window.llmgwPage.heartbeat = heartbeatTimes;
 const $ = (id) => document.getElementById(id);
 function esc(v) {
   return String(v === null || v === undefined ? "" : v).replace(/[&<>"']/g,
@@ -134,10 +135,10 @@ function reconnect() {
 
 function beat() {
   heartbeat = setTimeout(() => {
-    heartbeatWait = setTimeout(dropped, HEARTBEAT_WAIT_MS);
+    heartbeatWait = setTimeout(dropped, heartbeatTimes.waitMs);
     const again = () => { clearTimeout(heartbeatWait); heartbeatWait = null; if (link === "open") beat(); };
     request("GET", "/api/v1/whoami").then(again, again);
-  }, HEARTBEAT_MS);
+  }, heartbeatTimes.everyMs);
 }
 
 setInterval(() => { if (lostAt !== null) showConn(); }, 1000);
@@ -563,6 +564,7 @@ document.addEventListener("click", (e) => {
 // -- login ---------------------------------------------------------------------------
 
 function showLogin(message) {
+  lostAt = null; showConn();
   $("login").hidden = false; $("logout").hidden = true;
   document.querySelector("main").hidden = true;
   $("login-error").textContent = message || "";
