@@ -267,6 +267,7 @@ class FleetPageTests(ConsoleCase):
         fleet = FakeFleet()
         for i in range(120):
             fleet.add_node(f"n{i:03d}", gpus=2)
+        fleet.add_deployment("demo", desired=1)
         svc = self.serve(fleet)
         driver = yield deferToThread(self.browser)
         yield deferToThread(driver.get, f"http://127.0.0.1:{svc.address()[1]}/")
@@ -310,6 +311,17 @@ class FleetPageTests(ConsoleCase):
         focused = yield deferToThread(driver.execute_script,
                                       "return [document.activeElement.dataset.act, document.activeElement.dataset.node]")
         self.assertEqual(focused, ["cordon", "n060"])
+
+        # A count being typed survives the deployment's row drawn again.
+        def type_count() -> None:
+            driver.execute_script("document.querySelector('input.scale[data-model=demo]').focus()")
+            ActionChains(driver).send_keys(Keys.BACKSPACE, "7").perform()
+
+        yield deferToThread(type_count)
+        fleet.deployment_views["demo"] = dict(fleet.deployment_views["demo"], ready=1)
+        typed = yield deferToThread(wait_for, driver, "document.querySelector('#dep-demo .ready').textContent === '1' && "
+                                    "[document.activeElement.dataset.model, document.activeElement.value]")
+        self.assertEqual(typed, ["demo", "7"])
         yield deferToThread(self.view, driver, "keyboard")
 
     @inlineCallbacks
