@@ -360,6 +360,16 @@ class SessionTests(LoginTestCase):
         other.save()
         self.assertEqual(self.call("GET", "/api/v1/nodes", cookie=sid)[0], 401)
 
+    def test_viewer_logs_out(self) -> None:
+        """
+        A viewer, who may write nothing, may still end their own session
+        (with its CSRF token); without the token it is refused.
+        """
+        sid, csrf = self.login("vera")
+        self.assertEqual(self.call("POST", "/api/v1/logout", cookie=sid)[0], 403)
+        self.assertEqual(self.call("POST", "/api/v1/logout", cookie=sid, csrf=csrf)[0], 200)
+        self.assertEqual(self.call("GET", "/api/v1/nodes", cookie=sid)[0], 401)
+
 
 class WriteTests(LoginTestCase):
     def test_csrf_required_on_writes(self) -> None:

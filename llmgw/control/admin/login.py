@@ -45,6 +45,7 @@ CSRF_HEADER = b"x-csrf-token"
 MAX_VERIFYING = 4
 #: What a request without a certificate or session may ask.
 _OPEN = {("GET", ()), ("POST", ("api", "v1", "login"))}
+_LOGOUT = ("POST", ("api", "v1", "logout"))
 
 
 def cookie_value(request: Any, name: bytes) -> bytes | None:
@@ -145,7 +146,8 @@ class Logins:
             raise Refused(401, "log in (POST /api/v1/login) or present an admin certificate",
                           headers={b"cache-control": b"no-store"})
         request.llmgw_session = session
-        if not auth.role_allows(role_of_user(session.role), method, path):
+        # Ending one's own session is no write to the fleet: every role may.
+        if (method, tuple(path)) != _LOGOUT and not auth.role_allows(role_of_user(session.role), method, path):
             raise Refused(
                 403,
                 f"user {session.user!r} has role {session.role}, which may not {method} "

@@ -25,6 +25,8 @@ PAGE_FILES = {
     "console.css": b"text/css; charset=utf-8",
     "deploy.js": b"text/javascript; charset=utf-8",
     "playground.js": b"text/javascript; charset=utf-8",
+    "watch.js": b"text/javascript; charset=utf-8",
+    "icon.svg": b"image/svg+xml",
     "vendor/uPlot.iife.min.js": b"text/javascript; charset=utf-8",
     "vendor/uPlot.min.css": b"text/css; charset=utf-8",
 }

@@ -192,7 +192,9 @@
     });
     setInterval(status, 5000);
     curves.poll = poll;
-    poll();
+    // The first poll waits until the page is in (logged in where it must).
+    if (window.llmgwPage && window.llmgwPage.live) poll();
+    else document.addEventListener("llmgw:live", () => { if (!curves.polls && !inFlight) poll(); });
   }
 
   start();
