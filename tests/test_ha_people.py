@@ -340,6 +340,8 @@ class LoginsAcrossMembersTests(SynchronousTestCase):
         self.assertEqual(code, 200, who)
         self.successResultOf(self.store.replace(hash_password("otto", "operator", "new-password", log_n=MIN_LOG_N)))
         for member in (0, 1):
-            self.assertEqual(self.call(member, "GET", "/api/v1/whoami", cookie=sid)[0], 401)
+            self.assertEqual(self.call(member, "GET", "/api/v1/nodes", cookie=sid)[0], 401)
+            code, who, _ = self.call(member, "GET", "/api/v1/whoami", cookie=sid)
+            self.assertEqual((code, who["role"]), (200, None), who)
         code, body, _ = self.call(1, "POST", "/api/v1/login", {"user": "otto", "password": "new-password"})
         self.assertEqual(code, 200, body)

@@ -201,6 +201,19 @@ class LoginTests(LoginTestCase):
         self.assertEqual(self.call("GET", "/api/v1/nodes", cookie=sid)[0], 200)
         self.assertIn("admin API: 127.0.0.1", " ".join(self.messages()).replace("'", ""))
 
+    def test_whoami_without_a_session_names_no_one(self) -> None:
+        """
+        Without a certificate or a session, C{whoami} answers 200 with no
+        role and C{login}: the page learns it must log in without an error
+        in the browser's console; every other read is still a 401.
+        """
+        code, who, _ = self.call("GET", "/api/v1/whoami")
+        self.assertEqual(code, 200)
+        self.assertEqual((who["name"], who["role"], who["login"]), (None, None, True))
+        self.assertEqual(self.call("GET", "/api/v1/nodes")[0], 401)
+        code, who, _ = self.call("GET", "/api/v1/whoami", cookie="no-such-session")
+        self.assertEqual((code, who["role"]), (200, None))
+
     def test_password_checked_off_the_reactor(self) -> None:
         """
         The password is checked by what runs in a thread, never while the

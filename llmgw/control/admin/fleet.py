@@ -16,7 +16,7 @@ from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 
 from llmgw.control.admin.actions import Deployment, Node
-from llmgw.control.admin.auth import known_admin
+from llmgw.control.admin.auth import has_certificate, known_admin
 from llmgw.control.admin.base import AdminNode, Refused, at_end, segment, since_seconds
 from llmgw.routing import LONG_POLL_MAX_S, RoutesDataError, RoutingTable, snapshot_to_json
 
@@ -79,7 +79,9 @@ class Whoami(AdminNode):
     """
     C{GET /api/v1/whoami}: who the API takes the requester for: with mutual
     TLS the admin's name and role, or a logged-in user's with the session's
-    CSRF token; without TLS (loopback only) an operator.
+    CSRF token; with logins and neither, no one (C{"role": null,
+    "login": true}: the page shows its login form); without TLS (loopback
+    only) an operator.
     """
 
     def render_GET(self, request: Any) -> dict[str, Any]:  # noqa: N802
@@ -91,6 +93,9 @@ class Whoami(AdminNode):
         admin = known_admin(request)
         if self.root.require_certificate and admin is not None:
             return {"name": admin.name, "role": admin.role, "tls": True}
+        if self.root.logins is not None and not has_certificate(request):
+            # No certificate and no live session: nobody yet, the page logs in.
+            return {"name": None, "role": None, "tls": True, "session": False, "login": True}
         return {"name": None, "role": "operator", "tls": False}
 
 

@@ -7,8 +7,9 @@ L{Logins} decides who a request is when its connection brought no client
 certificate: the session its cookie names, whose user's role goes through
 the same L{llmgw.control.admin.auth.role_allows} as a certificate's, and
 whose writes must repeat the session's CSRF token in C{X-CSRF-Token}.
-Without a certificate or a session only the page's own files, C{GET /}
-and C{POST /api/v1/login} are served; anything else is a 401.
+Without a certificate or a session only the page's own files, C{GET /},
+C{GET /api/v1/whoami} (which then says no one) and C{POST /api/v1/login}
+are served; anything else is a 401.
 
 C{POST /api/v1/login {"user": NAME, "password": PASSWORD}} checks the
 password in a thread (scrypt is slow on purpose; the reactor never
@@ -44,7 +45,9 @@ CSRF_HEADER = b"x-csrf-token"
 #: (each costs tens of MiB and a core for a tenth of a second).
 MAX_VERIFYING = 4
 #: What a request without a certificate or session may ask.
-_OPEN = {("GET", ()), ("POST", ("api", "v1", "login"))}
+# C{whoami} is open so that a page not logged in learns it from a 200
+# ({"role": null, "login": true}), not from an error in the browser's console.
+_OPEN = {("GET", ()), ("POST", ("api", "v1", "login")), ("GET", ("api", "v1", "whoami"))}
 _LOGOUT = ("POST", ("api", "v1", "logout"))
 
 

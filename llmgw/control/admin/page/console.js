@@ -1,6 +1,6 @@
 // What the console's deploy and playground views share: who the person is
-// (GET /api/v1/whoami, asked again until it answers: before a login it is a
-// 401) and JSON calls over HTTP that carry the session's CSRF token.
+// (GET /api/v1/whoami, asked again until it names someone: before a login
+// its role is null) and JSON calls over HTTP that carry the session's CSRF token.
 "use strict";
 
 window.llmgwConsole = (() => {
@@ -13,6 +13,7 @@ window.llmgwConsole = (() => {
       if (r.status !== 200) throw new Error("HTTP " + r.status);
       return r.json();
     }).then((w) => {
+      if (!w.role) throw new Error("not logged in yet");
       Object.assign(me, { role: w.role, name: w.name, csrf: w.csrf || null, known: true });
       for (const f of waiting.splice(0)) f(me);
     }).catch(() => setTimeout(ask, 2000));

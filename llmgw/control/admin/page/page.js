@@ -572,13 +572,15 @@ function showLogin(message) {
 }
 
 function start() {
-  // Over HTTP first: without a certificate or a session the API says 401,
-  // and the page asks for a login instead of opening the stream.
+  // Over HTTP first: without a certificate or a session whoami names no
+  // one, and the page asks for a login instead of opening the stream.
   fetch("/api/v1/whoami", { credentials: "same-origin" }).then((r) => {
     if (r.status === 401) { showLogin(); return null; }
     return r.json();
   }).then((w) => {
     if (!w) return;
+    // Logins on and nobody logged in: whoami says so with a 200.
+    if (w.login && !w.role) { showLogin(); return; }
     csrf = w.csrf || null;
     $("logout").hidden = !w.session;
     connect();
