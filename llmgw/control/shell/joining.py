@@ -36,6 +36,7 @@ from twisted.python.failure import Failure
 from llmgw.addresses import format_address
 from llmgw.api.v1 import agent_pb2 as pb
 from llmgw.control.core.jointokens import TokenFile, TokenRefused
+from llmgw.control.shell.tokenwrites import InThread, TokenWrites
 from llmgw.tlsconf.ca import CertificateAuthority
 from llmgw.tlsconf.csr import (
     DEFAULT_NODE_LIFETIME,
@@ -52,8 +53,10 @@ from llmgw.wire import InvalidNodeId, MessageStream, validate_node_id
 
 #: Requests that may wait for an operator at once: past it, new ones are refused.
 MAX_PENDING = 256
-#: Join connections open at once; past it a new one is closed at accept.
+#: Join connections served at once; past it a new one waits, unread, for a place.
 MAX_JOIN_CONNECTIONS = 64
+#: Join connections that may wait for a place; past it a new one is closed at accept.
+MAX_JOIN_WAITING = 1024
 #: The one frame a joining node may send, in bytes.
 MAX_JOIN_FRAME = 16 * 1024
 #: A join connection has this long for its handshake and its request.
@@ -95,6 +98,8 @@ class JoinAuthority:
     @param connected: whether a node id has a live stream.
     @param revoked: the serials the CRL in force lists.
     @param deliver: sends a renewal an operator approved to its node's stream.
+    @param in_thread: runs the token book's writes off the reactor (see
+        L{TokenWrites}); without it they are done at once.
     """
 
     log = Logger()
@@ -107,9 +112,12 @@ class JoinAuthority:
         deliver: Callable[[str, pb.CertificateIssued], None] | None = None,
         agent_port: int = 0, max_pending: int = MAX_PENDING,
         on_renewed: Callable[[str, x509.Certificate], None] | None = None,
+        in_thread: InThread | None = None,
     ):
         self.clock = clock
         self.tokens = tokens
+        #: The book's writes: a join is answered once L{TokenWrites.written} fires.
+        self.writes = TokenWrites(tokens, in_thread)
         self.roots = roots
         self.connected = connected
         self.signer_dir = signer_dir
@@ -206,7 +214,9 @@ class JoinAuthority:
                               node=node_id, address=address)
                 return self._issued(waiting.issued)
             return pb.JoinResponse(status=Status.STATUS_PENDING, agent_port=self.agent_port)
-        self.tokens.refresh()
+        if not self.writes.busy:
+            # (While our own write is under way the file is older than the book.)
+            self.tokens.refresh()
         book = self.tokens.book
         book.check(req.token_id, req.token_secret, node_id, now)
         if self.connected(node_id):
@@ -217,11 +227,11 @@ class JoinAuthority:
         if self.signer_dir is None:
             self._keep(Pending(node_id, csr, key_hash, address, now, "join", req.token_id))
             book.use(req.token_id, node_id)
-            self.tokens.save()
+            self.writes.save()
             return pb.JoinResponse(status=Status.STATUS_PENDING, agent_port=self.agent_port)
         issued = self._sign(csr, node_id, "joined")
         book.use(req.token_id, node_id)
-        self.tokens.save()
+        self.writes.save()
         self.log.info("node {node} joined from {address} with token {token}",
                       node=node_id, address=address, token=req.token_id)
         return self._issued(issued)
@@ -310,11 +320,25 @@ class JoinProtocol(MessageStream[pb.JoinRequest]):
         self._answered = False
 
     def connectionMade(self) -> None:
-        if not self.factory.opened(self):
-            self.log.warn("join connection from {peer} closed: {count} are open already",
-                          peer=self.peer_name(), count=MAX_JOIN_CONNECTIONS)
+        verdict = self.factory.opened(self)
+        if verdict == REFUSE:
+            self.log.warn("join connection from {peer} closed: {count} are served and {waiting} wait already",
+                          peer=self.peer_name(), count=self.factory.max_connections,
+                          waiting=self.factory.max_waiting)
             self.transport.abortConnection()
-            return
+        elif verdict == WAIT:
+            # Nothing is read (so no handshake is done) until a place is free.
+            self.transport.pauseProducing()
+        else:
+            self.serve()
+
+    def serve(self, waited: bool = False) -> None:
+        """
+        Start on this connection: read it (again, if it C{waited}), under
+        the deadline.
+        """
+        if waited:
+            self.transport.resumeProducing()
         self._timer = self.factory.clock.callLater(self.factory.deadline, self._expired)
 
     def peer_name(self) -> str:
@@ -339,7 +363,25 @@ class JoinProtocol(MessageStream[pb.JoinRequest]):
         if self._answered:
             return
         self._answered = True
-        answer = self.factory.authority.join(msg, self.peer_name())
+        authority, peer = self.factory.authority, self.peer_name()
+        answer = authority.join(msg, peer)
+        if answer.status == Status.STATUS_REFUSED:
+            self._answer(answer)
+            return
+
+        def unrecorded(f: Failure) -> pb.JoinResponse:
+            self.log.error("join of node {node} from {address} refused: its token's use could not be "
+                           "recorded in {path}: {error}", node=msg.node_id, address=peer,
+                           path=str(authority.tokens.path), error=f.getErrorMessage())
+            return pb.JoinResponse(status=Status.STATUS_REFUSED,
+                                   error="the control plane could not record the token's use; try again later")
+
+        # Told it joined only once its token's use is on disk.
+        authority.writes.written().addCallbacks(lambda _: answer, unrecorded).addCallback(self._answer)
+
+    def _answer(self, answer: pb.JoinResponse) -> None:
+        if self.transport is None or self.transport.disconnecting:
+            return
         self.send_message(answer)
         self.transport.loseConnection()
 
@@ -348,30 +390,56 @@ class JoinProtocol(MessageStream[pb.JoinRequest]):
         self.transport.abortConnection()
 
 
+#: What L{JoinFactory.opened} says of a new connection.
+SERVE, WAIT, REFUSE = "serve", "wait", "refuse"
+
+
 class JoinFactory(ServerFactory):
-    """The join listener's protocols, bounded in number."""
+    """
+    The join listener's protocols, bounded in number: C{max_connections}
+    served at once; past that, new ones wait unread, oldest first, for a
+    served one to close (a burst of nodes joining at once is served in turn,
+    not turned away to ask again later); past C{max_waiting} waiting, a new
+    one is closed at accept.
+    """
 
     noisy = False
 
     def __init__(self, authority: JoinAuthority, clock: IReactorTime, deadline: float = JOIN_DEADLINE,
-                 max_connections: int = MAX_JOIN_CONNECTIONS):
+                 max_connections: int = MAX_JOIN_CONNECTIONS, max_waiting: int = MAX_JOIN_WAITING):
         self.authority = authority
         self.clock = clock
         self.deadline = deadline
         self.max_connections = max_connections
+        self.max_waiting = max_waiting
         self._open: set[JoinProtocol] = set()
+        # Insertion-ordered: the oldest waits first.
+        self._waiting: dict[JoinProtocol, None] = {}
+        #: Connections that waited for a place, since start.
+        self.waited = 0
 
     def buildProtocol(self, addr: Any) -> JoinProtocol:
         return JoinProtocol(self)
 
-    def opened(self, proto: JoinProtocol) -> bool:
-        if len(self._open) >= self.max_connections:
-            return False
-        self._open.add(proto)
-        return True
+    def opened(self, proto: JoinProtocol) -> str:
+        """L{SERVE} C{proto} now, let it L{WAIT} (paused), or L{REFUSE} it."""
+        if len(self._open) < self.max_connections and not self._waiting:
+            self._open.add(proto)
+            return SERVE
+        if len(self._waiting) < self.max_waiting:
+            self._waiting[proto] = None
+            self.waited += 1
+            return WAIT
+        return REFUSE
 
     def closed(self, proto: JoinProtocol) -> None:
+        self._waiting.pop(proto, None)
         self._open.discard(proto)
+        while self._waiting and len(self._open) < self.max_connections:
+            nxt = next(iter(self._waiting))
+            del self._waiting[nxt]
+            self._open.add(nxt)
+            nxt.serve(waited=True)
 
 
 

@@ -16,6 +16,7 @@ from cryptography.hazmat.primitives.serialization import Encoding
 from OpenSSL import SSL
 from twisted.internet import ssl
 from twisted.internet.interfaces import IOpenSSLServerConnectionCreator
+from twisted.internet.threads import deferToThreadPool
 from twisted.protocols.tls import TLSMemoryBIOFactory
 from twisted.python import usage
 from zope.interface import implementer
@@ -162,6 +163,8 @@ def attach_joining(cp: Any, options: Any, reactor: Any) -> JoinAuthority | None:
         signer_dir=options.get("signer_dir"), lifetime=options.get("cert_lifetime", datetime.timedelta(days=30)),
         revoked=lambda: revoked_serials(tls.files), deliver=_deliver(cp.agents), agent_port=cp.agents_address[1],
         on_renewed=lambda node_id, cert: note_expiry(cp.inventory, node_id, cert),
+        # The token file's rewrite (two fsyncs) would hold the reactor at every join.
+        in_thread=lambda f: deferToThreadPool(reactor, reactor.getThreadPool(), f),
     )
     cp.joining = authority
     cp.agents.joining = authority
