@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from twisted.python.failure import Failure
 from llmgw.addresses import format_address
 from llmgw.api.v1 import agent_pb2 as pb
 from llmgw.control.core.jointokens import TokenFile, TokenRefused
+from llmgw.control.shell.signqueue import SigningQueue
 from llmgw.control.shell.tokenwrites import InThread, TokenWrites
 from llmgw.tlsconf.ca import CertificateAuthority
 from llmgw.tlsconf.csr import (
@@ -51,6 +53,9 @@ from llmgw.tlsconf.csr import (
 from llmgw.tlsconf.pem import CAError, cert_pem
 from llmgw.wire import InvalidNodeId, MessageStream, validate_node_id
 
+#: The signer's files whose change means its CA is to be loaded again (a
+#: rollover rewrites both).
+CA_FILES = ("ca.pem", "ca.key")
 #: Requests that may wait for an operator at once: past it, new ones are refused.
 MAX_PENDING = 256
 #: Join connections served at once; past it a new one waits, unread, for a place.
@@ -118,6 +123,8 @@ class JoinAuthority:
         self.tokens = tokens
         #: The book's writes: a join is answered once L{TokenWrites.written} fires.
         self.writes = TokenWrites(tokens, in_thread)
+        #: Joins and renewals are decided in turn, a few milliseconds of the reactor at a time.
+        self.queue = SigningQueue(clock)
         self.roots = roots
         self.connected = connected
         self.signer_dir = signer_dir
@@ -129,6 +136,7 @@ class JoinAuthority:
         #: Told of each renewal issued or approved (the node's new expiry).
         self.on_renewed = on_renewed
         self.pending: dict[str, Pending] = {}
+        self._ca: tuple[tuple[tuple[int, int, int], ...], CertificateAuthority] | None = None
 
     # -- tokens -------------------------------------------------------------
 
@@ -142,10 +150,7 @@ class JoinAuthority:
         """
         @raise CAError: the CA cannot be loaded.
         """
-        assert self.signer_dir is not None
-        # Read at each request: a CA rollover (`ctl cert rotate-ca`) makes the
-        # new root the one that signs from the next request on.
-        ca = CertificateAuthority.load(self.signer_dir)
+        ca = self._signer()
         trusted = {spki_hash(r) for r in self.roots()}
         if spki_hash(ca.certificate) not in trusted:
             # A node with a certificate of it could not connect again.
@@ -164,6 +169,26 @@ class JoinAuthority:
                            dir=str(self.signer_dir), error=str(e))
         return pb.CertificateIssued(
             certificate_pem=cert_pem(cert), ca_bundle_pem=b"".join(cert_pem(r) for r in ca.roots))
+
+    def _signer(self) -> CertificateAuthority:
+        """
+        The signer's CA, loaded again whenever its files changed: a CA
+        rollover (`ctl cert rotate-ca`) makes the new root the one that
+        signs from the next request on.
+
+        @raise CAError: it cannot be loaded.
+        """
+        assert self.signer_dir is not None
+        try:
+            stamp = tuple((s.st_mtime_ns, s.st_size, s.st_ino) for s in
+                          (os.stat(self.signer_dir / name) for name in CA_FILES))
+        except OSError:
+            stamp = None  # let load say what is missing
+        if stamp is None or self._ca is None or stamp != self._ca[0]:
+            ca = CertificateAuthority.load(self.signer_dir)
+            self._ca = (stamp, ca) if stamp is not None else None
+            return ca
+        return self._ca[1]
 
     def _bundle(self) -> bytes:
         return b"".join(cert_pem(r) for r in self.roots())
@@ -363,6 +388,14 @@ class JoinProtocol(MessageStream[pb.JoinRequest]):
         if self._answered:
             return
         self._answered = True
+        authority = self.factory.authority
+        if not authority.queue.submit(lambda: self._decide(msg)):
+            self._answer(pb.JoinResponse(status=Status.STATUS_REFUSED, error=(
+                f"{len(authority.queue)} certificate requests wait already; ask again later")))
+
+    def _decide(self, msg: pb.JoinRequest) -> None:
+        if self not in self.factory.serving:
+            return  # closed while it waited its turn
         authority, peer = self.factory.authority, self.peer_name()
         answer = authority.join(msg, peer)
         if answer.status == Status.STATUS_REFUSED:
@@ -412,7 +445,8 @@ class JoinFactory(ServerFactory):
         self.deadline = deadline
         self.max_connections = max_connections
         self.max_waiting = max_waiting
-        self._open: set[JoinProtocol] = set()
+        #: The connections being served (not those that wait).
+        self.serving: set[JoinProtocol] = set()
         # Insertion-ordered: the oldest waits first.
         self._waiting: dict[JoinProtocol, None] = {}
         #: Connections that waited for a place, since start.
@@ -423,8 +457,8 @@ class JoinFactory(ServerFactory):
 
     def opened(self, proto: JoinProtocol) -> str:
         """L{SERVE} C{proto} now, let it L{WAIT} (paused), or L{REFUSE} it."""
-        if len(self._open) < self.max_connections and not self._waiting:
-            self._open.add(proto)
+        if len(self.serving) < self.max_connections and not self._waiting:
+            self.serving.add(proto)
             return SERVE
         if len(self._waiting) < self.max_waiting:
             self._waiting[proto] = None
@@ -434,11 +468,11 @@ class JoinFactory(ServerFactory):
 
     def closed(self, proto: JoinProtocol) -> None:
         self._waiting.pop(proto, None)
-        self._open.discard(proto)
-        while self._waiting and len(self._open) < self.max_connections:
+        self.serving.discard(proto)
+        while self._waiting and len(self.serving) < self.max_connections:
             nxt = next(iter(self._waiting))
             del self._waiting[nxt]
-            self._open.add(nxt)
+            self.serving.add(nxt)
             nxt.serve(waited=True)
 
 
@@ -448,7 +482,9 @@ def certificate_requested(proto: Any, req: pb.CertificateRequest) -> None:
     A registered stream's C{CertificateRequest}: answered with a
     C{CertificateIssued}, or an C{Ack} (message id C{certificate}) that says
     it waits for an operator or why it is refused. The stream is not
-    disturbed either way.
+    disturbed either way. It is handled in turn (L{JoinAuthority.queue}):
+    at once, or in a later reactor turn if a burst came before it; not at
+    all if the stream is no longer its node's by then (the node asks again).
     """
     from llmgw.wire import ack
 
@@ -457,14 +493,24 @@ def certificate_requested(proto: Any, req: pb.CertificateRequest) -> None:
         proto.send_message(ack("certificate", ok=False, code=pb.Ack.CODE_FAILED_PRECONDITION,
                                error="this control plane issues no certificates"))
         return
-    try:
-        issued = authority.renew(proto.node_id, proto.certificate_serial, req.csr_pem, proto.peer_name())
-    except (RequestRefused, CAError) as e:
-        proto.log.warn("certificate renewal of node {node} ({peer}) refused: {error}",
-                       node=proto.node_id, peer=proto.peer_name(), error=str(e))
-        proto.send_message(ack("certificate", ok=False, code=pb.Ack.CODE_PERMISSION_DENIED, error=str(e)))
-        return
-    if issued is None:
-        proto.send_message(ack("certificate", ok=True, error="waiting for an operator's approval"))
-        return
-    proto.send_command(pb.ControlMessage(certificate_issued=issued), force=True)
+
+    def handle() -> None:
+        if proto.factory.stream(proto.node_id) is not proto:
+            return
+        try:
+            issued = authority.renew(proto.node_id, proto.certificate_serial, req.csr_pem, proto.peer_name())
+        except (RequestRefused, CAError) as e:
+            proto.log.warn("certificate renewal of node {node} ({peer}) refused: {error}",
+                           node=proto.node_id, peer=proto.peer_name(), error=str(e))
+            proto.send_message(ack("certificate", ok=False, code=pb.Ack.CODE_PERMISSION_DENIED, error=str(e)))
+            return
+        if issued is None:
+            proto.send_message(ack("certificate", ok=True, error="waiting for an operator's approval"))
+            return
+        proto.send_command(pb.ControlMessage(certificate_issued=issued), force=True)
+
+    if not authority.queue.submit(handle):
+        proto.log.warn("certificate renewal of node {node} ({peer}) turned away: {count} requests wait already",
+                       node=proto.node_id, peer=proto.peer_name(), count=len(authority.queue))
+        proto.send_message(ack("certificate", ok=False, code=pb.Ack.CODE_RESOURCE_EXHAUSTED,
+                               error=f"{len(authority.queue)} certificate requests wait already; ask again later"))
