@@ -79,7 +79,10 @@ class SigningQueue:
     def _turn(self) -> None:
         self._next = None
         self._spent = 0.0
-        while self._waiting and self._spent < self.budget:
+        # At least one a turn, whatever the budget: the queue always moves.
+        first = True
+        while self._waiting and (first or self._spent < self.budget):
+            first = False
             self._run(self._waiting.popleft())
         if self._waiting:
             self._schedule()
