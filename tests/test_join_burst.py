@@ -368,3 +368,25 @@ class JoinerDialTests(SynchronousTestCase):
             joiner.ask_once()
             [(dialled, port, *_)] = reactor.tcpClients
             self.assertEqual((dialled, port), (host.strip("[]"), 7444))
+
+
+class OpenFilesTests(SynchronousTestCase):
+    def test_join_listener_counted(self) -> None:
+        """With --join-listen, the join listener's served and waiting connections count in the open-file check."""
+        from twisted.internet.testing import MemoryReactorClock
+
+        from llmgw.control.service import Options, makeService
+        from llmgw.control.shell.joining import MAX_JOIN_CONNECTIONS, MAX_JOIN_WAITING
+
+        certs = Path(self.mktemp())
+        CertificateAuthority.init(certs).issue_server(["127.0.0.1"])
+
+        def needs(*args: str) -> dict[str, int]:
+            o = Options()
+            o.parseOptions(["--certs", str(certs), "--agents", "127.0.0.1:0", "--admin", "off", *args])
+            cp = makeService(o, reactor=MemoryReactorClock())
+            return {n.what: n.count for n in cp.fd_needs()}
+
+        self.assertNotIn("the join listener's connections", needs())
+        self.assertEqual(needs("--join-listen", "127.0.0.1:0")["the join listener's connections"],
+                         MAX_JOIN_CONNECTIONS + MAX_JOIN_WAITING)

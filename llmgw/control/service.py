@@ -347,6 +347,8 @@ class ControlPlane(MultiService):
     ha: Any = None
     #: Joins and renewals (L{llmgw.control.shell.joinlisten.attach_joining}).
     joining: Any = None
+    #: The join listener's open files (an L{FdNeed}), when it listens.
+    join_fd_need: Any = None
 
     def __init__(
         self,
@@ -485,6 +487,8 @@ class ControlPlane(MultiService):
         needs = [FdNeed(self.limits.max_connections, "the agent port's connections", "--max-connections")]
         if self.gateway is not None:
             needs.append(self.gateway.fd_need("--gateway-max-connections"))
+        if self.join_fd_need is not None:
+            needs.append(self.join_fd_need)
         return needs
 
     def stopService(self) -> Any:

@@ -27,6 +27,7 @@ from llmgw.control.core.jointokens import TokenFile
 from llmgw.control.shell.joining import JoinAuthority, JoinFactory
 from llmgw.control.state.events import log_event
 from llmgw.control.state.interfaces import NotConnected, NotKeepingUp
+from llmgw.oslimits import FdNeed
 from llmgw.tlsconf.ca import CertificateAuthority
 from llmgw.tlsconf.options import ServerTLS, TLSFiles
 from llmgw.tlsconf.pem import CAError
@@ -176,7 +177,11 @@ def attach_joining(cp: Any, options: Any, reactor: Any) -> JoinAuthority | None:
 
         cp.trust.notify = notify
     if address is not None:
-        factory = TLSMemoryBIOFactory(JoinServerTLS(tls), False, JoinFactory(authority, reactor), clock=reactor)
+        joins = JoinFactory(authority, reactor)
+        factory = TLSMemoryBIOFactory(JoinServerTLS(tls), False, joins, clock=reactor)
+        # Served and waiting join connections each hold a descriptor.
+        cp.join_fd_need = FdNeed(joins.max_connections + joins.max_waiting, "the join listener's connections",
+                                 "--join-listen")
         listener = ListenerService(server_endpoint(reactor, *address), factory, "the join listener",
                                    "--join-listen")
         listener.setName("join-listener")
