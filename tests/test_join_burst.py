@@ -140,6 +140,15 @@ class ListenerBoundTests(Base):
         again.load()
         self.assertEqual(again.book.tokens[self.token.id].used, 1)
 
+    def test_closed_before_the_write_ends(self) -> None:
+        """A join connection that closes while its token write is under way is not written to."""
+        factory = JoinFactory(self.authority(self.threads), self.clock)
+        proto, transport = self.connect(factory)
+        proto.dataReceived(frame(self.request("n1")))
+        proto.connectionLost(Failure(ConnectionError()))
+        self.threads.finish()
+        self.assertEqual(answers(transport), [])
+
     def test_failed_write_refuses(self) -> None:
         """A join whose token use cannot be written is refused with a reason, not left hanging."""
         factory = JoinFactory(self.authority(self.threads), self.clock)

@@ -413,8 +413,8 @@ class JoinProtocol(MessageStream[pb.JoinRequest]):
         authority.writes.written().addCallbacks(lambda _: answer, unrecorded).addCallback(self._answer)
 
     def _answer(self, answer: pb.JoinResponse) -> None:
-        if self.transport is None or self.transport.disconnecting:
-            return
+        if self not in self.factory.serving or self.transport.disconnecting:
+            return  # closed (or timed out) while its write was under way
         self.send_message(answer)
         self.transport.loseConnection()
 
