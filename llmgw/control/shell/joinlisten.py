@@ -180,8 +180,8 @@ def attach_joining(cp: Any, options: Any, reactor: Any) -> JoinAuthority | None:
         joins = JoinFactory(authority, reactor)
         factory = TLSMemoryBIOFactory(JoinServerTLS(tls), False, joins, clock=reactor)
         # Served and waiting join connections each hold a descriptor.
-        cp.join_fd_need = FdNeed(joins.max_connections + joins.max_waiting, "the join listener's connections",
-                                 "--join-listen")
+        cp.join_fd_needs = [FdNeed(joins.max_connections + joins.max_waiting, "the join listener's connections",
+                                   "--join-listen")]
         listener = ListenerService(server_endpoint(reactor, *address), factory, "the join listener",
                                    "--join-listen")
         listener.setName("join-listener")
