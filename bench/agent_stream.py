@@ -134,11 +134,11 @@ def _issue(node_ids: list[str]) -> int:
     return len(node_ids)
 
 
-def make_certs(directory: Path, n: int, workers: int) -> dict[str, Any]:
+def make_certs(directory: Path, n: int, workers: int, prefix: str = PREFIX) -> dict[str, Any]:
     t = time.monotonic()
     CertificateAuthority.init(directory, days=2).issue_server(["127.0.0.1"], days=2)
     ca_s = time.monotonic() - t
-    ids = [f"{PREFIX}{i:05d}" for i in range(n)]
+    ids = [f"{prefix}{i:05d}" for i in range(n)]
     chunks = [ids[i : i + 250] for i in range(0, n, 250)]
     t = time.monotonic()
     with multiprocessing.get_context("fork").Pool(

@@ -98,10 +98,10 @@ class Registrations:
         return d
 
 
-def control_argv(certs: Path, heartbeat_interval: float) -> list[str]:
+def control_argv(certs: Path, heartbeat_interval: float, extra: list[str] | None = None) -> list[str]:
     """
     The C{twistd llmgw control} options the benchmark runs the control
-    plane with.
+    plane with, then C{extra} (a benchmark's own, such as C{--signer}).
     """
     return [
         "--certs", str(certs),
@@ -110,6 +110,7 @@ def control_argv(certs: Path, heartbeat_interval: float) -> list[str]:
         "--gateway", "off",
         "--heartbeat", str(heartbeat_interval),
         "--max-connections-per-address", "0",
+        *(extra or []),
     ]
 
 
@@ -212,14 +213,15 @@ class Target:
     The server under test and the orchestrator's requests.
     """
 
-    def __init__(self, reactor: Any, kind: str, certs: Path, heartbeat_interval: float) -> None:
+    def __init__(self, reactor: Any, kind: str, certs: Path, heartbeat_interval: float,
+                 extra: list[str] | None = None) -> None:
         self.reactor = reactor
         self.kind = kind
         self.regs = Registrations(reactor)
         self.gc_times = GCTimes()
         if kind == "control":
             options = Options()
-            options.parseOptions(control_argv(certs, heartbeat_interval))
+            options.parseOptions(control_argv(certs, heartbeat_interval, extra))
             self.options = options
             # Without a reactor, as twistd calls it: this process is the
             # control plane's own.
@@ -227,6 +229,8 @@ class Target:
             observe_registrations(self.cp.sink, self.regs)
             self.cp.startService()
             self.port = self.cp.agent_listener.port.getHost().port
+            join = getattr(self.cp, "join_listener", None)
+            self.join_port = join.port.getHost().port if join is not None else 0
         else:
             tls = ServerTLS(server_files(certs))
             self.bare = BareFactory(self.regs)
@@ -335,6 +339,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--log", type=Path, required=True)
     p.add_argument("--cpu", type=int, action="append", default=[])
     p.add_argument("--heartbeat-interval", type=float, default=5.0)
+    p.add_argument("--control-arg", action="append", default=[],
+                   help="one more `twistd llmgw control` argument (repeat it)")
     args = p.parse_args(argv)
 
     from twisted.internet import epollreactor
@@ -355,13 +361,14 @@ def main(argv: list[str] | None = None) -> None:
     globalLogBeginner.beginLoggingTo(
         [textFileLogObserver(log_file)], redirectStandardIO=False
     )
-    target = Target(reactor, args.kind, args.certs, args.heartbeat_interval)
+    target = Target(reactor, args.kind, args.certs, args.heartbeat_interval, args.control_arg)
 
     def stop() -> None:
         if reactor.running:
             reactor.stop()
 
     hello = {"ready": True, "kind": args.kind, "port": target.port, "nofile": nofile,
+             "join_port": getattr(target, "join_port", 0),
              "cpus": cpus, "reactor": type(reactor).__name__}
     StandardIO(ControlChannel(target.handlers(), hello, stop))
     reactor.run()

@@ -21,8 +21,15 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.x509.oid import NameOID
 from OpenSSL import SSL
 from twisted.application.service import MultiService
+from twisted.internet.abstract import isIPAddress, isIPv6Address
 from twisted.internet.defer import Deferred
-from twisted.internet.endpoints import HostnameEndpoint, connectProtocol, wrapClientTLS
+from twisted.internet.endpoints import (
+    HostnameEndpoint,
+    TCP4ClientEndpoint,
+    TCP6ClientEndpoint,
+    connectProtocol,
+    wrapClientTLS,
+)
 from twisted.internet.interfaces import IHandshakeListener, IOpenSSLClientConnectionCreator
 from twisted.internet.task import deferLater
 from twisted.logger import Logger
@@ -200,11 +207,20 @@ class Joiner:
     def ask_once(self) -> Deferred[pb.JoinResponse]:
         """One join request; fires with the answer, or fails (L{WrongControlPlane}, a connection error)."""
         proto = JoinClientProtocol(self.host, self.token, self._request())
-        endpoint = wrapClientTLS(_UnverifiedTLS(self.host), HostnameEndpoint(self.reactor, self.host, self.port,
-                                                                                timeout=10))
+        endpoint = wrapClientTLS(_UnverifiedTLS(self.host), self._tcp_endpoint())
         d = connectProtocol(endpoint, proto)
         d.addCallback(lambda _: proto.done)
         return d
+
+    def _tcp_endpoint(self) -> Any:
+        # An address needs no resolver (whose lookups run in the reactor's
+        # thread pool); a name does.
+        host = self.host.strip("[]")
+        if isIPAddress(host):
+            return TCP4ClientEndpoint(self.reactor, host, self.port, timeout=10)
+        if isIPv6Address(host):
+            return TCP6ClientEndpoint(self.reactor, host, self.port, timeout=10)
+        return HostnameEndpoint(self.reactor, self.host, self.port, timeout=10)
 
     def write(self, issued: pb.CertificateIssued) -> TLSFiles:
         """

@@ -478,14 +478,14 @@ class ControlPlane(MultiService):
     def fd_needs(self) -> list[FdNeed]:
         """
         The open files this control plane's listeners may hold at once, for
-        the start-up check of the open-file limit: the agent port's
-        connections and the embedded gateway's (the admin API's few are in
-        the headroom).
+        the start-up check of the open-file limit: the agent port's, the
+        embedded gateway's and the join listener's connections (the admin
+        API's few are in the headroom).
         """
         needs = [FdNeed(self.limits.max_connections, "the agent port's connections", "--max-connections")]
         if self.gateway is not None:
             needs.append(self.gateway.fd_need("--gateway-max-connections"))
-        return needs
+        return needs + getattr(self, "join_fd_needs", [])  # set by joinlisten.attach_joining
 
     def stopService(self) -> Any:
         # Stop listening first, then drop the streams still open: an embedded

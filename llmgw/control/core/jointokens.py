@@ -224,8 +224,16 @@ class TokenFile:
             self.book = TokenBook()
 
     def save(self) -> None:
+        self.write(self.text())
+
+    def text(self) -> str:
+        """The book as L{write} keeps it (read it on the reactor: the book is the reactor's)."""
+        return json.dumps(self.book.to_data(), sort_keys=True)
+
+    def write(self, text: str) -> None:
+        """Keep C{text} (from L{text}) as the file, atomically; safe in a thread."""
         if self.path is None:
             return
-        write_atomically(self.path, json.dumps(self.book.to_data(), sort_keys=True))
+        write_atomically(self.path, text)
         self.path.chmod(0o600)
         self._seen = self.path.stat().st_mtime_ns

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,8 @@ from twisted.python.failure import Failure
 from llmgw.addresses import format_address
 from llmgw.api.v1 import agent_pb2 as pb
 from llmgw.control.core.jointokens import TokenFile, TokenRefused
+from llmgw.control.shell.signqueue import SigningQueue
+from llmgw.control.shell.tokenwrites import InThread, TokenWrites
 from llmgw.tlsconf.ca import CertificateAuthority
 from llmgw.tlsconf.csr import (
     DEFAULT_NODE_LIFETIME,
@@ -51,10 +54,15 @@ from llmgw.tlsconf.csr import (
 from llmgw.tlsconf.pem import CAError, cert_pem
 from llmgw.wire import InvalidNodeId, MessageStream, validate_node_id
 
+#: The signer's files whose change means its CA is to be loaded again (a
+#: rollover rewrites both).
+CA_FILES = ("ca.pem", "ca.key")
 #: Requests that may wait for an operator at once: past it, new ones are refused.
 MAX_PENDING = 256
-#: Join connections open at once; past it a new one is closed at accept.
+#: Join connections served at once; past it a new one waits, unread, for a place.
 MAX_JOIN_CONNECTIONS = 64
+#: Join connections that may wait for a place; past it a new one is closed at accept.
+MAX_JOIN_WAITING = 1024
 #: The one frame a joining node may send, in bytes.
 MAX_JOIN_FRAME = 16 * 1024
 #: A join connection has this long for its handshake and its request.
@@ -100,6 +108,8 @@ class JoinAuthority:
     @param connected: whether a node id has a live stream.
     @param revoked: the serials the CRL in force lists.
     @param deliver: sends a renewal an operator approved to its node's stream.
+    @param in_thread: runs the token book's writes off the reactor (see
+        L{TokenWrites}); without it they are done at once.
     """
 
     log = Logger()
@@ -112,9 +122,14 @@ class JoinAuthority:
         deliver: Callable[[str, pb.CertificateIssued], None] | None = None,
         agent_port: int = 0, max_pending: int = MAX_PENDING,
         on_renewed: Callable[[str, x509.Certificate], None] | None = None,
+        in_thread: InThread | None = None,
     ):
         self.clock = clock
         self.tokens = tokens
+        #: The book's writes: a join is answered once L{TokenWrites.written} fires.
+        self.writes = TokenWrites(tokens, in_thread)
+        #: Joins and renewals are decided in turn, a few milliseconds of the reactor at a time.
+        self.queue = SigningQueue(clock)
         self.roots = roots
         self.connected = connected
         self.signer_dir = signer_dir
@@ -135,6 +150,7 @@ class JoinAuthority:
         #: L{llmgw.control.ha.fleetnames.FleetNames}'s C{holds}, which may
         #: raise L{RequestRefused}); None standalone, where L{connected} is the fleet.
         self.held_elsewhere: Callable[[str], Awaitable[bool]] | None = None
+        self._ca: tuple[tuple[tuple[int, int, int], ...], CertificateAuthority] | None = None
 
     # -- tokens -------------------------------------------------------------
 
@@ -148,10 +164,7 @@ class JoinAuthority:
         """
         @raise CAError: the CA cannot be loaded.
         """
-        assert self.signer_dir is not None
-        # Read at each request: a CA rollover (`ctl cert rotate-ca`) makes the
-        # new root the one that signs from the next request on.
-        ca = CertificateAuthority.load(self.signer_dir)
+        ca = self._signer()
         trusted = {spki_hash(r) for r in self.roots()}
         if spki_hash(ca.certificate) not in trusted:
             # A node with a certificate of it could not connect again.
@@ -170,6 +183,26 @@ class JoinAuthority:
                            dir=str(self.signer_dir), error=str(e))
         return pb.CertificateIssued(
             certificate_pem=cert_pem(cert), ca_bundle_pem=b"".join(cert_pem(r) for r in ca.roots))
+
+    def _signer(self) -> CertificateAuthority:
+        """
+        The signer's CA, loaded again whenever its files changed: a CA
+        rollover (`ctl cert rotate-ca`) makes the new root the one that
+        signs from the next request on.
+
+        @raise CAError: it cannot be loaded.
+        """
+        assert self.signer_dir is not None
+        try:
+            stamp = tuple((s.st_mtime_ns, s.st_size, s.st_ino) for s in
+                          (os.stat(self.signer_dir / name) for name in CA_FILES))
+        except OSError:
+            stamp = None  # let load say what is missing
+        if stamp is None or self._ca is None or stamp != self._ca[0]:
+            ca = CertificateAuthority.load(self.signer_dir)
+            self._ca = (stamp, ca) if stamp is not None else None
+            return ca
+        return self._ca[1]
 
     def _bundle(self) -> bytes:
         return b"".join(cert_pem(r) for r in self.roots())
@@ -264,18 +297,20 @@ class JoinAuthority:
             return asked
         csr, key_hash = asked
         node_id, now = req.node_id, self.clock.seconds()
-        self.tokens.refresh()
+        if not self.writes.busy:
+            # (While our own write is under way the file is older than the book.)
+            self.tokens.refresh()
         book = self.tokens.book
         book.check(req.token_id, req.token_secret, node_id, now)
         self._admissible(node_id)
         if self.signer_dir is None:
             self._keep(Pending(node_id, csr, key_hash, address, now, "join", req.token_id))
             book.use(req.token_id, node_id)
-            self.tokens.save()
+            self.writes.save()
             return pb.JoinResponse(status=Status.STATUS_PENDING, agent_port=self.agent_port)
         issued = self._sign(csr, node_id, "joined")
         book.use(req.token_id, node_id)
-        self.tokens.save()
+        self.writes.save()
         self.log.info("node {node} joined from {address} with token {token}",
                       node=node_id, address=address, token=req.token_id)
         return self._issued(issued)
@@ -393,11 +428,25 @@ class JoinProtocol(MessageStream[pb.JoinRequest]):
         self._lost = False
 
     def connectionMade(self) -> None:
-        if not self.factory.opened(self):
-            self.log.warn("join connection from {peer} closed: {count} are open already",
-                          peer=self.peer_name(), count=MAX_JOIN_CONNECTIONS)
+        verdict = self.factory.opened(self)
+        if verdict == REFUSE:
+            self.log.warn("join connection from {peer} closed: {count} are served and {waiting} wait already",
+                          peer=self.peer_name(), count=self.factory.max_connections,
+                          waiting=self.factory.max_waiting)
             self.transport.abortConnection()
-            return
+        elif verdict == WAIT:
+            # Nothing is read (so no handshake is done) until a place is free.
+            self.transport.pauseProducing()
+        else:
+            self.serve()
+
+    def serve(self, waited: bool = False) -> None:
+        """
+        Start on this connection: read it (again, if it C{waited}), under
+        the deadline.
+        """
+        if waited:
+            self.transport.resumeProducing()
         self._timer = self.factory.clock.callLater(self.factory.deadline, self._expired)
 
     def peer_name(self) -> str:
@@ -423,47 +472,98 @@ class JoinProtocol(MessageStream[pb.JoinRequest]):
         if self._answered:
             return
         self._answered = True
-        d = self.factory.authority.answer(msg, self.peer_name())
+        authority = self.factory.authority
+        if not authority.queue.submit(lambda: self._decide(msg)):
+            self._answer(pb.JoinResponse(status=Status.STATUS_REFUSED, error=(
+                f"{len(authority.queue)} certificate requests wait already; ask again later")))
 
-        def send(answer: pb.JoinResponse) -> None:
-            # The deadline may have closed the connection while etcd answered.
-            if self._lost:
-                return
-            self.send_message(answer)
-            self.transport.loseConnection()
+    def _decide(self, msg: pb.JoinRequest) -> None:
+        if self not in self.factory.serving:
+            return  # closed while it waited its turn
+        authority, peer = self.factory.authority, self.peer_name()
+        if authority.shared is not None:
+            # HA: the token is etcd's, and its use is spent there before
+            # the answer (no file to wait for).
+            authority.answer(msg, peer).addCallback(self._answer).addErrback(
+                lambda f: self.log.failure("answering the join request from {peer} failed", f, peer=peer))
+            return
+        answer = authority.join(msg, peer)
+        if answer.status == Status.STATUS_REFUSED:
+            self._answer(answer)
+            return
 
-        d.addCallback(send).addErrback(
-            lambda f: self.log.failure("answering the join request from {peer} failed", f, peer=self.peer_name()))
+        def unrecorded(f: Failure) -> pb.JoinResponse:
+            self.log.error("join of node {node} from {address} refused: its token's use could not be "
+                           "recorded in {path}: {error}", node=msg.node_id, address=peer,
+                           path=str(authority.tokens.path), error=f.getErrorMessage())
+            return pb.JoinResponse(status=Status.STATUS_REFUSED,
+                                   error="the control plane could not record the token's use; try again later")
+
+        # Told it joined only once its token's use is on disk.
+        authority.writes.written().addCallbacks(lambda _: answer, unrecorded).addCallback(self._answer)
+
+    def _answer(self, answer: pb.JoinResponse) -> None:
+        if self not in self.factory.serving or self.transport.disconnecting:
+            return  # closed (or timed out) while its write was under way
+        self.send_message(answer)
+        self.transport.loseConnection()
 
     def frame_refused(self, reason: str) -> None:
         self.log.warn("join connection from {peer} closed: {reason}", peer=self.peer_name(), reason=reason)
         self.transport.abortConnection()
 
 
+#: What L{JoinFactory.opened} says of a new connection.
+SERVE, WAIT, REFUSE = "serve", "wait", "refuse"
+
+
 class JoinFactory(ServerFactory):
-    """The join listener's protocols, bounded in number."""
+    """
+    The join listener's protocols, bounded in number: C{max_connections}
+    served at once; past that, new ones wait unread, oldest first, for a
+    served one to close (a burst of nodes joining at once is served in turn,
+    not turned away to ask again later); past C{max_waiting} waiting, a new
+    one is closed at accept.
+    """
 
     noisy = False
 
     def __init__(self, authority: JoinAuthority, clock: IReactorTime, deadline: float = JOIN_DEADLINE,
-                 max_connections: int = MAX_JOIN_CONNECTIONS):
+                 max_connections: int = MAX_JOIN_CONNECTIONS, max_waiting: int = MAX_JOIN_WAITING):
         self.authority = authority
         self.clock = clock
         self.deadline = deadline
         self.max_connections = max_connections
-        self._open: set[JoinProtocol] = set()
+        self.max_waiting = max_waiting
+        #: The connections being served (not those that wait).
+        self.serving: set[JoinProtocol] = set()
+        # Insertion-ordered: the oldest waits first.
+        self._waiting: dict[JoinProtocol, None] = {}
+        #: Connections that waited for a place, since start.
+        self.waited = 0
 
     def buildProtocol(self, addr: Any) -> JoinProtocol:
         return JoinProtocol(self)
 
-    def opened(self, proto: JoinProtocol) -> bool:
-        if len(self._open) >= self.max_connections:
-            return False
-        self._open.add(proto)
-        return True
+    def opened(self, proto: JoinProtocol) -> str:
+        """L{SERVE} C{proto} now, let it L{WAIT} (paused), or L{REFUSE} it."""
+        if len(self.serving) < self.max_connections and not self._waiting:
+            self.serving.add(proto)
+            return SERVE
+        if len(self._waiting) < self.max_waiting:
+            self._waiting[proto] = None
+            self.waited += 1
+            return WAIT
+        return REFUSE
 
     def closed(self, proto: JoinProtocol) -> None:
-        self._open.discard(proto)
+        self._waiting.pop(proto, None)
+        self.serving.discard(proto)
+        while self._waiting and len(self.serving) < self.max_connections:
+            nxt = next(iter(self._waiting))
+            del self._waiting[nxt]
+            self.serving.add(nxt)
+            nxt.serve(waited=True)
 
 
 
@@ -472,7 +572,9 @@ def certificate_requested(proto: Any, req: pb.CertificateRequest) -> None:
     A registered stream's C{CertificateRequest}: answered with a
     C{CertificateIssued}, or an C{Ack} (message id C{certificate}) that says
     it waits for an operator or why it is refused. The stream is not
-    disturbed either way.
+    disturbed either way. It is handled in turn (L{JoinAuthority.queue}):
+    at once, or in a later reactor turn if a burst came before it; not at
+    all if the stream is no longer its node's by then (the node asks again).
     """
     from llmgw.wire import ack
 
@@ -481,14 +583,24 @@ def certificate_requested(proto: Any, req: pb.CertificateRequest) -> None:
         proto.send_message(ack("certificate", ok=False, code=pb.Ack.CODE_FAILED_PRECONDITION,
                                error="this control plane issues no certificates"))
         return
-    try:
-        issued = authority.renew(proto.node_id, proto.certificate_serial, req.csr_pem, proto.peer_name())
-    except (RequestRefused, CAError) as e:
-        proto.log.warn("certificate renewal of node {node} ({peer}) refused: {error}",
-                       node=proto.node_id, peer=proto.peer_name(), error=str(e))
-        proto.send_message(ack("certificate", ok=False, code=pb.Ack.CODE_PERMISSION_DENIED, error=str(e)))
-        return
-    if issued is None:
-        proto.send_message(ack("certificate", ok=True, error="waiting for an operator's approval"))
-        return
-    proto.send_command(pb.ControlMessage(certificate_issued=issued), force=True)
+
+    def handle() -> None:
+        if proto.factory.stream(proto.node_id) is not proto:
+            return
+        try:
+            issued = authority.renew(proto.node_id, proto.certificate_serial, req.csr_pem, proto.peer_name())
+        except (RequestRefused, CAError) as e:
+            proto.log.warn("certificate renewal of node {node} ({peer}) refused: {error}",
+                           node=proto.node_id, peer=proto.peer_name(), error=str(e))
+            proto.send_message(ack("certificate", ok=False, code=pb.Ack.CODE_PERMISSION_DENIED, error=str(e)))
+            return
+        if issued is None:
+            proto.send_message(ack("certificate", ok=True, error="waiting for an operator's approval"))
+            return
+        proto.send_command(pb.ControlMessage(certificate_issued=issued), force=True)
+
+    if not authority.queue.submit(handle):
+        proto.log.warn("certificate renewal of node {node} ({peer}) turned away: {count} requests wait already",
+                       node=proto.node_id, peer=proto.peer_name(), count=len(authority.queue))
+        proto.send_message(ack("certificate", ok=False, code=pb.Ack.CODE_RESOURCE_EXHAUSTED,
+                               error=f"{len(authority.queue)} certificate requests wait already; ask again later"))

@@ -16,6 +16,7 @@ from cryptography.hazmat.primitives.serialization import Encoding
 from OpenSSL import SSL
 from twisted.internet import ssl
 from twisted.internet.interfaces import IOpenSSLServerConnectionCreator
+from twisted.internet.threads import deferToThreadPool
 from twisted.protocols.tls import TLSMemoryBIOFactory
 from twisted.python import usage
 from zope.interface import implementer
@@ -26,6 +27,7 @@ from llmgw.control.core.jointokens import TokenFile
 from llmgw.control.shell.joining import JoinAuthority, JoinFactory
 from llmgw.control.state.events import log_event
 from llmgw.control.state.interfaces import NotConnected, NotKeepingUp
+from llmgw.oslimits import FdNeed
 from llmgw.tlsconf.ca import CertificateAuthority
 from llmgw.tlsconf.options import ServerTLS, TLSFiles
 from llmgw.tlsconf.pem import CAError
@@ -162,6 +164,8 @@ def attach_joining(cp: Any, options: Any, reactor: Any) -> JoinAuthority | None:
         signer_dir=options.get("signer_dir"), lifetime=options.get("cert_lifetime", datetime.timedelta(days=30)),
         revoked=lambda: revoked_serials(tls.files), deliver=_deliver(cp.agents), agent_port=cp.agents_address[1],
         on_renewed=lambda node_id, cert: note_expiry(cp.inventory, node_id, cert),
+        # The token file's rewrite (two fsyncs) would hold the reactor at every join.
+        in_thread=lambda f: deferToThreadPool(reactor, reactor.getThreadPool(), f),
     )
     cp.joining = authority
     cp.agents.joining = authority
@@ -173,7 +177,11 @@ def attach_joining(cp: Any, options: Any, reactor: Any) -> JoinAuthority | None:
 
         cp.trust.notify = notify
     if address is not None:
-        factory = TLSMemoryBIOFactory(JoinServerTLS(tls), False, JoinFactory(authority, reactor), clock=reactor)
+        joins = JoinFactory(authority, reactor)
+        factory = TLSMemoryBIOFactory(JoinServerTLS(tls), False, joins, clock=reactor)
+        # Served and waiting join connections each hold a descriptor.
+        cp.join_fd_needs = [FdNeed(joins.max_connections + joins.max_waiting, "the join listener's connections",
+                                   "--join-listen")]
         listener = ListenerService(server_endpoint(reactor, *address), factory, "the join listener",
                                    "--join-listen")
         listener.setName("join-listener")

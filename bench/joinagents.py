@@ -1,0 +1,140 @@
+"""
+Simulated agents that join before they connect: the machinery of
+L{bench.simagents} (many agents in one process, real mutual TLS, the real
+agent stream), except that an agent starts with no certificate. At its dial
+time it runs the agent's own L{llmgw.agent.join.Joiner}: it makes its key on
+the "node" (written 0600 in a directory of its own), dials the control
+plane's join listener, checks the chain it is shown against the token's CA
+hash before it sends anything, sends its certificate request and writes the
+certificate and CA bundle it gets back. Then it dials the agent port with
+that certificate, as L{bench.simagents} agents do, and registers.
+
+Requests from the orchestrator are those of L{bench.simagents}; C{storm}
+also takes C{join_port} and reports, per agent, when its join finished
+(C{joined_ns}), how many join requests it sent (C{join_asks}) and the
+errors a join met.
+
+Run by L{bench.join}; not meant to be started by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from twisted.internet.defer import Deferred
+from twisted.internet.stdio import StandardIO
+from twisted.python.failure import Failure
+
+from bench.common import ControlChannel, raise_nofile
+from bench.simagents import Fleet, SimNode, register_message
+from llmgw.agent.join import Joiner
+from llmgw.api.v1 import agent_pb2 as pb
+from llmgw.tlsconf.jointoken import ParsedToken, parse_token
+from llmgw.tlsconf.options import AgentClientTLS, TLSFiles
+
+
+class CountingJoiner(Joiner):
+    """The agent's joiner, counting the requests it sends."""
+
+    asks = 0
+
+    def ask_once(self) -> Deferred[pb.JoinResponse]:
+        self.asks += 1
+        return super().ask_once()
+
+
+class JoinNode(SimNode):
+    """A simulated agent with no certificate until it has joined."""
+
+    def __init__(self, node_id: str, directory: Path) -> None:
+        super().__init__(node_id, None, b"")  # type: ignore[arg-type]
+        self.directory = directory
+        self.joined_ns = 0
+        self.joiner: CountingJoiner | None = None
+
+
+class JoinFleet(Fleet):
+    """A L{Fleet} whose agents join (once) before their first dial."""
+
+    def __init__(self, reactor: Any, nodes: list[JoinNode], heartbeat_interval: float,
+                 token: ParsedToken) -> None:
+        super().__init__(reactor, list(nodes), heartbeat_interval)
+        self.join_nodes = nodes
+        self.token = token
+        self.join_port = 0
+        self.join_errors: dict[str, int] = {}
+
+    def dial(self, node: SimNode) -> None:
+        assert isinstance(node, JoinNode)
+        if node.creator is not None or self.closing:
+            super().dial(node)
+            return
+        if node.joiner is not None:
+            return  # joining already
+        if not node.dial_ns:
+            node.dial_ns = time.monotonic_ns()
+        node.joiner = CountingJoiner(self.reactor, self.host, self.join_port, self.token,
+                                     node.node_id, node.directory)
+        d = Deferred.fromCoroutine(node.joiner.run())
+        d.addCallbacks(lambda files: self._joined(node, files), lambda f: self._failed(node, f))
+
+    def _joined(self, node: JoinNode, files: TLSFiles) -> None:
+        node.joined_ns = time.monotonic_ns()
+        node.creator = AgentClientTLS("127.0.0.1", files)
+        node.register = register_message(node.node_id, files.cert.not_valid_after_utc.timestamp())
+        super().dial(node)
+
+    def _failed(self, node: JoinNode, f: Failure) -> None:
+        why = f.getErrorMessage()[:120]
+        self.join_errors[why] = self.join_errors.get(why, 0) + 1
+
+    def op_storm(self, req: dict[str, Any]) -> Deferred[dict[str, Any]]:
+        self.join_port = int(req["join_port"])
+        self.join_errors = {}
+
+        def more(report: dict[str, Any]) -> dict[str, Any]:
+            report["joined_ns"] = [n.joined_ns for n in self.join_nodes]
+            report["join_asks"] = [n.joiner.asks if n.joiner else 0 for n in self.join_nodes]
+            report["join_errors"] = self.join_errors
+            return report
+
+        return super().op_storm(req).addCallback(more)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    p.add_argument("--nodes-dir", type=Path, required=True,
+                   help="each agent's state directory is NODES_DIR/NODE")
+    p.add_argument("--token", required=True)
+    p.add_argument("--prefix", default="join-")
+    p.add_argument("--first", type=int, required=True)
+    p.add_argument("--count", type=int, required=True)
+    p.add_argument("--heartbeat-interval", type=float, default=5.0)
+    args = p.parse_args(argv)
+
+    from twisted.internet import epollreactor
+
+    epollreactor.install()
+    from twisted.internet import reactor
+
+    nofile = raise_nofile()
+    ids = [f"{args.prefix}{i:05d}" for i in range(args.first, args.first + args.count)]
+    nodes = [JoinNode(i, args.nodes_dir / i) for i in ids]
+    fleet = JoinFleet(reactor, nodes, args.heartbeat_interval, parse_token(args.token))
+
+    def stop() -> None:
+        if reactor.running:
+            reactor.stop()
+
+    hello = {"ready": True, "agents": len(ids), "load_s": 0.0, "nofile": nofile}
+    StandardIO(ControlChannel(fleet.handlers(), hello, stop))
+    reactor.run()
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
