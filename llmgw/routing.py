@@ -96,6 +96,10 @@ class EngineSignals:
     prefix_cache_queries: float | None = None
     prefix_cache_hits: float | None = None
     generated_tokens: float | None = None  # output tokens since the engine started
+    #: Whether the engine sleeps now (DESIGN §22); C{None}: it does not sleep.
+    sleeping: bool | None = None
+    #: The path a gateway POSTs to wake it; "": a request wakes it itself.
+    wake_path: str = ""
 
     def age(self, now: float) -> float:
         return max(0.0, now - self.sampled_at)
@@ -523,6 +527,10 @@ def _signals_json(s: EngineSignals, now: float) -> dict[str, Any]:
         value = getattr(s, name)
         if value is not None:
             out[name] = value
+    if s.sleeping is not None:
+        out["sleeping"] = s.sleeping
+    if s.wake_path:
+        out["wake_path"] = s.wake_path
     return out
 
 
@@ -598,7 +606,11 @@ def _signals_from(data: Any, where: str, now: float) -> EngineSignals | None:
     for name in _SIGNAL_FIELDS:
         v = data.get(name)
         values[name] = None if v is None else _number(v, f"{where}.signals.{name}")
-    return EngineSignals(sampled_at=now - max(0.0, age), **values)
+    sleeping, wake = data.get("sleeping"), data.get("wake_path", "")
+    if not (sleeping is None or isinstance(sleeping, bool)) or not isinstance(wake, str) or (
+            wake and not wake.startswith("/")):
+        raise RoutesDataError(f"{where}.signals: sleeping must be a boolean and wake_path a path")
+    return EngineSignals(sampled_at=now - max(0.0, age), sleeping=sleeping, wake_path=wake, **values)
 
 
 def snapshot_from_json(data: Any, now: float) -> tuple[RoutingSnapshot, list[str]]:

@@ -82,6 +82,10 @@ class ShardSpec:
     #: The profile's C{stall_after_s}: the agent heartbeats at once when the
     #: shard's standstill reaches it (0: never).
     stall_after_s: float = DEFAULT_STALL_AFTER_S
+    #: How the engine sleeps (0: never; vLLM's level) and after how many
+    #: idle seconds (0: never); L{llmgw.agent.sleep}.
+    sleep_level: int = 0
+    sleep_after_s: float = 0.0
 
     def __post_init__(self) -> None:
         # Frozen means no caller's list or dict can change a spec afterwards,
@@ -126,6 +130,8 @@ class ShardSpec:
             source=source_message(self.source) if self.source is not None else None,
             model_peers=self.model_peers,
             stall_after_s=self.stall_after_s,
+            sleep_level=self.sleep_level,
+            sleep_after_s=self.sleep_after_s,
         )
 
     @classmethod
@@ -159,6 +165,8 @@ class ShardSpec:
             model_peers=tuple(m.model_peers),
             stall_after_s=(m.stall_after_s if m.HasField("stall_after_s") and m.stall_after_s >= 0
                            else DEFAULT_STALL_AFTER_S),
+            sleep_level=m.sleep_level,
+            sleep_after_s=m.sleep_after_s if m.sleep_after_s > 0 else 0.0,
         )
 
 

@@ -87,6 +87,9 @@ class ShardRecord:
         # The default stall threshold is written as before the field existed.
         if raw["spec"].get("stall_after_s") == DEFAULT_STALL_AFTER_S:
             del raw["spec"]["stall_after_s"]
+        for key in ("sleep_level", "sleep_after_s"):
+            if not raw["spec"].get(key):
+                del raw["spec"][key]
         return json.dumps(raw, sort_keys=True, indent=1).encode()
 
     @classmethod

@@ -56,6 +56,7 @@ from llmgw.gateway import errors
 from llmgw.gateway.fairqueue import FairQueue, Waiter
 from llmgw.gateway.metrics import LATENCY_BUCKETS
 from llmgw.gateway.policy import PolicyConfig, saturated
+from llmgw.gateway.waking import Waker, http_post, sleeping
 from llmgw.memtrim import Trimmer, malloc_trim
 from llmgw.routing import DEFAULT_QUEUE_DEPTH, DEFAULT_QUEUE_TIMEOUT_S, Demand, IDemand, Route
 from llmgw.untrusted import clip
@@ -104,6 +105,7 @@ def capacity(
     cooling: Callable[[str], bool],
     now: float,
     config: PolicyConfig,
+    asleep: Callable[[Route], bool] | None = None,
 ) -> int:
     """
     L{FREE} if a route in C{routes} can take a request now, L{SATURATED}
@@ -112,7 +114,7 @@ def capacity(
     """
     state = NONE
     for r in routes:
-        if r.draining or cooling(r.replica_id):
+        if r.draining or cooling(r.replica_id) or (asleep is not None and sleeping(r) and asleep(r)):
             continue
         if r.signals is None or not saturated(r, now, config):
             return FREE
@@ -209,6 +211,8 @@ class Admission:
         self._pumping: set[str] = set()
         #: Undoes what feeds this object table changes (L{close}).
         self.detach: Callable[[], None] | None = None
+        #: Wakes sleeping replicas for this queue's models (L{gateway_admission}).
+        self.waker: Waker | None = None
         registry = registry if registry is not None else CollectorRegistry()
         self.waits = Histogram(
             "llmgw_gateway_queue_wait_seconds",
@@ -595,8 +599,16 @@ def gateway_admission(gateway: Any) -> Admission:
     clock, table, router, config = gateway.reactor, gateway.table, gateway.router, gateway.config
     policy = config.policy
 
+    waker = Waker(clock, http_post(clock), gateway.registry, gateway.metrics.model_label)
+    router.asleep = waker.state
+
     def model_capacity(model: str) -> int:
-        return capacity(table.routes(model), router.cooling, clock.seconds(), policy)
+        routes = table.routes(model)
+        state = capacity(routes, router.cooling, clock.seconds(), policy, waker.asleep)
+        if state != FREE and any(sleeping(r) for r in routes):
+            # The awake replicas are used up: a sleeping one is woken.
+            waker.needed(model, routes)
+        return state
 
     default = QueueConfig(config.queue_depth, config.queue_timeout_s, config.queue_bytes_per_model)
 
@@ -615,6 +627,8 @@ def gateway_admission(gateway: Any) -> Admission:
         clock, model_capacity, limits, gateway.registry, gateway.metrics.model_label, config.retry_after,
         config.queue_bytes,
     )
+    admission.waker = waker
+    waker.on_awake = lambda model: admission.pump_soon()
     trim = malloc_trim()
     if trim is not None:
         admission.trimmer = Trimmer(clock, trim)
