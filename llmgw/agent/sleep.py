@@ -144,18 +144,19 @@ class Sleeper(Service):
         if st.calling:
             return
         base = f"http://{format_address(self.host(), port)}"
-        if mode.status_path:
-            self._ask(shard_id, engine, base + mode.status_path, st)
-        elif st.sleeping is None:
-            # An engine that cannot say starts awake.
-            st.sleeping = False
-        elif st.sleeping and sig is not None and sig.sampled_at > st.slept_at and (
-                busy or (sig.generated_tokens or 0) > (st.tokens_at_sleep or 0)):
-            self._set(shard_id, st, False, now)
+        if not mode.status_path:
+            if st.sleeping is None:
+                # An engine that cannot say starts awake.
+                st.sleeping = False
+            elif st.sleeping and sig is not None and sig.sampled_at > st.slept_at and (
+                    busy or (sig.generated_tokens or 0) > (st.tokens_at_sleep or 0)):
+                self._set(shard_id, st, False, now)
         idle = sig is not None and sig.running is not None and not busy
-        if (mode.sleep_path and st.sleeping is False and after > 0 and idle and not st.calling
+        if (mode.sleep_path and st.sleeping is False and after > 0 and idle
                 and now - st.busy_at >= after):
             self._sleep(shard_id, engine, base + mode.sleep_path.format(level=level), st, now - st.busy_at)
+        elif mode.status_path:
+            self._ask(shard_id, engine, base + mode.status_path, st)
 
     def _set(self, shard_id: str, st: SleepState, sleeping: bool, now: float) -> None:
         if st.sleeping == sleeping:
