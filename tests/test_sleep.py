@@ -30,7 +30,13 @@ from llmgw.gateway.admission import FREE, NONE, capacity
 from llmgw.gateway.policy import PolicyConfig
 from llmgw.gateway.router import Router
 from llmgw.gateway.waking import AWAKE, NEEDS_WAKE, WAKES_ON_REQUEST, Waker, http_post
-from llmgw.routing import EngineSignals, Route, RoutingSnapshot, snapshot_from_json, snapshot_to_json
+from llmgw.routing import (
+    EngineSignals,
+    Route,
+    RoutingSnapshot,
+    snapshot_from_json,
+    snapshot_to_json,
+)
 from llmgw.shards import ShardSpec
 from llmgw.testing.fakemodel import APP_HOOKS, FakeModelConfig, listen
 from llmgw.testing.sleepsim import SleepSim, SleepSimConfig, install
