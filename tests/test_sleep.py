@@ -491,3 +491,46 @@ class LoopbackTests(TestCase):
         self.assertTrue(self.sims[0].sleeping)
         yield http_post(reactor)(base + "/resume_memory_occupation", b"{}")
         self.assertFalse(self.sims[0].sleeping)
+
+
+class ControlPlaneTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        from tests.reconciler_harness import Fleet
+
+        self.fleet = Fleet({"m": ("one", 1)}, nodes=1)
+        self.fleet.past_grace()
+        self.fleet.make_ready()
+        self.fleet.step()
+        [self.cmd] = self.fleet.dispatcher.starts
+
+    def heartbeat(self, sleeping: bool) -> None:
+        self.fleet.rec.record_engine_signals(self.cmd.node_id, [pb.ShardSignals(
+            shard_id=self.cmd.shard_id, running=0.0, age_s=0.0, sleeping=sleeping, wake_path="/wake_up")])
+
+    def test_asleep_shown_and_told(self) -> None:
+        """
+        A leader's sleep reaches the route, the replicas view (and so
+        C{ctl replicas} and the page), /metrics, and each change is an
+        event; waking says how long it slept.
+        """
+        from prometheus_client import generate_latest
+
+        from llmgw.control.state.signals import EngineSignalsCollector
+        from llmgw.ctl.fleet import render_replicas
+
+        rec = self.fleet.rec
+        self.heartbeat(False)
+        self.heartbeat(True)
+        [r] = rec.routes("m")
+        self.assertTrue(r.signals is not None and r.signals.sleeping)
+        [view] = rec.replicas()
+        self.assertIs(view["sleeping"], True)
+        self.assertIn("ready (asleep)", render_replicas(rec.replicas()))
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(EngineSignalsCollector(rec.engine_signal_rows, self.fleet.clock.seconds))
+        self.assertIn("llmgw_engine_sleeping{", generate_latest(registry).decode())
+        self.fleet.clock.advance(42)
+        self.heartbeat(False)
+        kinds = [(e.kind, e.reason) for e in rec.event_log.since() if e.kind.startswith("replica_a")]
+        self.assertEqual([k for k, _ in kinds], ["replica_asleep", "replica_awake"])
+        self.assertIn("after 42.0s asleep", kinds[1][1])

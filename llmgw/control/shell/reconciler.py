@@ -47,6 +47,7 @@ from llmgw.control.core.commands import send
 from llmgw.control.core.context import MAX_SENDS, STOP_SLACK, Context, DeploymentState, Rules
 from llmgw.control.core.kept import KeptState
 from llmgw.control.core.outcome import Outcome
+from llmgw.control.core.sleeping import record as record_sleep
 from llmgw.control.core.wedged import Progress, check_node
 from llmgw.control.core.wedged import check as check_wedged
 from llmgw.control.shell import views
@@ -389,7 +390,7 @@ class Reconciler(RolloutControl, ModelControl, Service):
 
     def record_engine_signals(self, node_id: str, msgs: Iterable[Any]) -> None:
         now = self.clock.seconds()
-        reports.engine_signals(self.ctx, self.engine_signals, node_id, msgs, now)
+        self._decide(record_sleep, self.engine_signals, node_id, msgs, now)
         self._decide(check_node, self.engine_signals, self.progress, node_id, now)
 
     def record_fetches(self, node_id: str, msgs: Iterable[Any]) -> None:

@@ -276,7 +276,7 @@ function replicaHtml(r) {
   const shards = (r.shards || []).map((s) => s.node + ":" + (s.gpus || []).join(",") + " " + s.state +
     (s.fetch ? " " + fetchText(s.fetch) : "")).join("; ");
   return "<span>" + esc(r.id) + "</span><span>" + esc(r.model) + '</span><span class="rstate s-' + esc(r.state) + '">' +
-    esc(r.state) + (r.draining ? " (draining)" : "") + "</span><span>" + esc(shards) + "</span><span>" + esc(signalsText(r.shards)) + "</span>";
+    esc(r.state) + (r.draining ? " (draining)" : "") + (r.sleeping ? " (asleep)" : "") + "</span><span>" + esc(shards) + "</span><span>" + esc(signalsText(r.shards)) + "</span>";
 }
 
 function renderReplicas(ids) {
