@@ -106,7 +106,8 @@ class CatalogTests(SynchronousTestCase):
         evictable, priority and min_resident_s are read; the defaults are
         a deployment never evicted.
         """
-        c = catalog({"command": ["x"]}, {"evictable": True, "priority": 5, "min_resident_s": 20})
+        c = catalog({"command": ["x"]}, {"evictable": True, "priority": 5, "min_resident_s": 20,
+                                         "min_replicas": 0, "max_replicas": 1})
         rules = c.deployments["m"].multiplex
         self.assertEqual((rules.evictable, rules.priority, rules.min_resident_s), (True, 5, 20.0))
         plain = catalog({"command": ["x"]}, {}).deployments["m"].multiplex

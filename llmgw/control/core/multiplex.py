@@ -83,5 +83,8 @@ def parse(where: str, raw: Mapping[str, Any], levels: Sequence[int],
     if sleep_after > 0 and scale_to_zero_after_s is not None and sleep_after >= scale_to_zero_after_s:
         raise ValueError(f"{where}: field 'sleep_after_s' ({sleep_after:g}) must come before "
                          f"'scale_to_zero_after_s' ({scale_to_zero_after_s:g})")
+    if raw.get("evictable") and "max_replicas" not in raw:
+        raise ValueError(f"{where}: field 'evictable' needs an autoscaled deployment (min_replicas and "
+                         "max_replicas): a fixed count would put a taken replica straight back")
     return Multiplex(sleep_after_s=sleep_after, evictable=bool(raw.get("evictable", False)),
                      priority=int(raw.get("priority", 0)), min_resident_s=resident)

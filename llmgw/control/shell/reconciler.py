@@ -48,6 +48,7 @@ from llmgw.control.core.context import MAX_SENDS, STOP_SLACK, Context, Deploymen
 from llmgw.control.core.kept import KeptState
 from llmgw.control.core.outcome import Outcome
 from llmgw.control.core.sleeping import record as record_sleep
+from llmgw.control.core.swapping import Swapping
 from llmgw.control.core.wedged import Progress, check_node
 from llmgw.control.core.wedged import check as check_wedged
 from llmgw.control.shell import views
@@ -230,6 +231,7 @@ class Reconciler(RolloutControl, ModelControl, Service):
         self.desired = {m: self.fleet_state.desired(d) for m, d in catalog.deployments.items()}
         #: Autoscaled deployments' memory and the demand they follow.
         self.autoscaling = scaler.Autoscaling()
+        self.swapping = Swapping()
         #: Called (no arguments) when L{end_adoption_grace} ends the grace
         #: early: an HA leader republishes its routes then, not at the old end.
         self.grace_ended_listeners: list[Callable[[], None]] = []
@@ -503,6 +505,7 @@ class Reconciler(RolloutControl, ModelControl, Service):
         placing_left = placing.reconcile(
             ctx, now, p.placer, lambda: p.sync(ctx, self._connected_for(now), self._over_budget),
             self._over_budget, out)
+        self.swapping.tick(ctx, self.autoscaling.scalers, self._connected_for(now), now, out)
         prefetching.step(ctx, ctx.prefetch, lambda: self._connected_for(now), now, out)
         self.pass_unfinished = expiry_left or placing_left
 
