@@ -32,7 +32,7 @@ it and says why in a C{swap} event per replica taken.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from llmgw import gputypes
@@ -113,11 +113,12 @@ class Swapping:
         #: Replicas taken since the process started (for the benchmark).
         self.taken = 0
 
-    def tick(self, ctx: Context, scalers: dict[str, ScalerState], connected: set[str], now: float,
-             out: Outcome) -> None:
+    def tick(self, ctx: Context, scalers: dict[str, ScalerState], connected: Callable[[], set[str]],
+             now: float, out: Outcome) -> None:
         """
         One pass: make room for each deployment that waits for it, after
-        placement has found none (see the module).
+        placement has found none (see the module). C{connected()} is
+        asked only when one does.
         """
         st = ctx.state
         for model, rids in list(self.pending.items()):
@@ -130,7 +131,7 @@ class Swapping:
             and len(st.active.get(model, ())) < ctx.desired.get(model, dep.replicas)
         ]
         for dep in sorted(wanting, key=lambda d: (-d.multiplex.priority, d.model)):
-            self._make_room(ctx, dep, scalers, connected, now, out)
+            self._make_room(ctx, dep, scalers, connected(), now, out)
 
     def _make_room(self, ctx: Context, want: Deployment, scalers: dict[str, ScalerState],
                    connected: set[str], now: float, out: Outcome) -> None:

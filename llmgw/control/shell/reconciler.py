@@ -505,7 +505,7 @@ class Reconciler(RolloutControl, ModelControl, Service):
         placing_left = placing.reconcile(
             ctx, now, p.placer, lambda: p.sync(ctx, self._connected_for(now), self._over_budget),
             self._over_budget, out)
-        self.swapping.tick(ctx, self.autoscaling.scalers, self._connected_for(now), now, out)
+        self.swapping.tick(ctx, self.autoscaling.scalers, lambda: self._connected_for(now), now, out)
         prefetching.step(ctx, ctx.prefetch, lambda: self._connected_for(now), now, out)
         self.pass_unfinished = expiry_left or placing_left
 
