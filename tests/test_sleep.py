@@ -535,3 +535,38 @@ class ControlPlaneTests(SynchronousTestCase):
         kinds = [(e.kind, e.reason) for e in rec.event_log.since() if e.kind.startswith("replica_a")]
         self.assertEqual([k for k, _ in kinds], ["replica_asleep", "replica_awake"])
         self.assertIn("after 42.0s asleep", kinds[1][1])
+
+
+class GatewayWakeTests(SynchronousTestCase):
+    def test_request_waits_for_the_wake(self) -> None:
+        """
+        Through the gateway's front: a request whose model has only a
+        replica asleep until woken waits (nothing sent upstream), the wake
+        call goes at once, and when it answers the request is sent on and
+        answered; the wake is timed in the gateway's metrics.
+        """
+        from tests.test_gateway_admission import OK, Gw
+        from tests.test_gateway_resource import parse
+
+        gw = Gw()
+        posts: list[tuple[str, defer.Deferred[None]]] = []
+
+        def post(url: str, body: bytes) -> defer.Deferred[None]:
+            d: defer.Deferred[None] = defer.Deferred()
+            posts.append((url, d))
+            return d
+
+        waker = gw.gateway.admission.waker
+        assert waker is not None
+        waker.post = post
+        gw.ready("r1", signals=EngineSignals(gw.clock.seconds(), running=0.0, sleeping=True, wake_path="/wake_up"))
+        client = gw.send()
+        self.assertEqual((client.value(), gw.new_upstreams()), (b"", []))
+        self.assertEqual([u for u, _ in posts], ["http://10.0.0.1:8000/wake_up"])
+        gw.clock.advance(1.5)
+        posts[0][1].callback(None)
+        gw.clock.advance(0)
+        [(conn, _)] = gw.new_upstreams()
+        conn.dataReceived(OK)
+        self.assertEqual(parse(client.value())[0], 200)
+        self.assertEqual(gw.sample("llmgw_gateway_wake_seconds_sum", model="demo", outcome="woken"), 1.5)
