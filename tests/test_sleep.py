@@ -375,14 +375,15 @@ class WakerTests(SynchronousTestCase):
 
     def test_fresh_sleep_wins(self) -> None:
         """
-        Signals sampled after the wake that say the replica sleeps (the
-        agent put it back to sleep) win over the gateway's word.
+        Signals sampled more than the agent's look after the wake that say
+        the replica sleeps (the agent put it back to sleep) win over the
+        gateway's word; those sampled sooner may predate the wake.
         """
         self.waker.needed("m", [route("a", True)])
         self.clock.advance(1.0)
         self.posts[0][1].callback(None)
-        self.assertEqual(self.waker.state(route("a", True, at=0.5)), AWAKE)
-        self.assertEqual(self.waker.state(route("a", True, at=2.0)), NEEDS_WAKE)
+        self.assertEqual(self.waker.state(route("a", True, at=2.5)), AWAKE)
+        self.assertEqual(self.waker.state(route("a", True, at=3.5)), NEEDS_WAKE)
 
     def test_failed_wake(self) -> None:
         """

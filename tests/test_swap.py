@@ -124,3 +124,18 @@ class SwapReconcilerTests(SynchronousTestCase):
         f.rec.report_demand("gw", {"want": Demand(0, 1)})
         f.step()
         self.assertEqual(len(self.swaps(f)), 1)
+
+
+class PriorityPlacementTests(SynchronousTestCase):
+    def test_more_important_placed_first(self) -> None:
+        """
+        Where room is short, the deployment of higher priority is placed
+        first, whatever the names' order; the other waits, unplaceable.
+        """
+        text = ONE_GPU
+        for model, priority in (("a", 0), ("b", 5)):
+            text += f'\n[[deployments]]\nmodel = "{model}"\nprofile = "one"\nreplicas = 1\npriority = {priority}\n'
+        f = Fleet({}, nodes=1, gpus=1, grace=0, cat=parse_catalog(tomllib.loads(text)))
+        f.step()
+        self.assertEqual([c.replica_id.split("-")[0] for c in f.dispatcher.starts], ["b"])
+        self.assertTrue(f.rec.ctx.deps["a"].unplaceable)

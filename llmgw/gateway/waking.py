@@ -16,9 +16,9 @@ only when the awake capacity is used up. Two kinds of sleep:
 
 The gateway learns of the wake before the control plane does (the agent
 sees it at its next look and heartbeats at once): until the table carries
-signals sampled after the wake, the gateway's own word holds, so a fresh
-sample that says the replica sleeps again (the agent put it back to sleep)
-wins. Each wake is timed in C{llmgw_gateway_wake_seconds}.
+signals sampled well after the wake (L{AGENT_LOOK_S}), the gateway's own
+word holds, so a fresh sample that says the replica sleeps again (the
+agent put it back to sleep) wins. Each wake is timed in C{llmgw_gateway_wake_seconds}.
 """
 
 from __future__ import annotations
@@ -45,6 +45,10 @@ NEEDS_WAKE: Final = 2
 
 #: Longest a wake call may take (vLLM's wake from level 2 reloads weights).
 WAKE_TIMEOUT_S: Final = 300.0
+#: Seconds after a wake during which signals saying the replica sleeps
+#: may predate it: the agent looks at an engine's sleep once a second,
+#: apart from its metrics scrape that dates the signals.
+AGENT_LOOK_S: Final = 2.0
 #: Wake times' histogram buckets, in seconds: from a resume in memory to a
 #: reload of weights from disk.
 WAKE_BUCKETS: Final = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -146,7 +150,7 @@ class Waker:
         if s is None or not s.sleeping:
             return AWAKE
         at = self.woken.get(r.replica_id)
-        if at is not None and at >= s.sampled_at:
+        if at is not None and at + AGENT_LOOK_S >= s.sampled_at:
             return AWAKE
         return NEEDS_WAKE if s.wake_path else WAKES_ON_REQUEST
 
