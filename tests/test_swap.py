@@ -26,14 +26,16 @@ def res(rid: str, node: str = "n1", asleep: bool = False, priority: int = 0, use
 class ChooseTests(SynchronousTestCase):
     def test_order(self) -> None:
         """
-        Asleep before awake, then the lowest priority, then the least
-        recently used.
+        The lowest priority, then the least recently used, then asleep
+        before awake.
         """
         spare = {m: 1 for m in "abcd"}
         self.assertEqual(choose({"n1": 0}, 1, [res("a", used=5), res("b", used=9)], spare), ("n1", [res("a", used=5)]))
         self.assertEqual(choose({"n1": 0}, 1, [res("a", priority=1), res("b", priority=2, used=-1)], spare)[1],  # type: ignore[index]
                          [res("a", priority=1)])
-        self.assertEqual(choose({"n1": 0}, 1, [res("a", used=1), res("b", asleep=True, priority=3, used=9)],
+        self.assertEqual(choose({"n1": 0}, 1, [res("a", used=1), res("b", asleep=True, used=9)],
+                                spare)[1][0].id, "a")  # type: ignore[index]
+        self.assertEqual(choose({"n1": 0}, 1, [res("a", used=1), res("b", asleep=True, used=1)],
                                 spare)[1][0].id, "b")  # type: ignore[index]
 
     def test_min_replicas_and_nodes(self) -> None:

@@ -13,9 +13,10 @@ replica missing, placement found no room):
   - never below a deployment's C{min_replicas}, never a replica that is
     not ready, draining, or ready for less than its deployment's
     C{min_resident_s} (a swapped-in replica stays, against thrashing);
-  - sleeping replicas first (their memory is reclaimable at no cost to
-    anyone), then the lowest priority, then the least recently used (the
-    longest without demand), then the newest;
+  - the lowest priority first, then the least recently used (the longest
+    without demand), then sleeping ones (their memory is reclaimable at no
+    cost to a request in flight), then the newest; sleeping first would
+    take a popular model that merely dozed between its requests;
   - on the one node where replicas of the lowest priority, then the
     fewest, then the cheapest by the order above free enough GPUs for W's profile (one-shard profiles only);
   - taken replicas drain (their requests in flight finish) and stop, and
@@ -64,8 +65,8 @@ class Resident:
     last_used: float
     created_at: float
 
-    def key(self) -> tuple[int, int, float, float, str]:
-        return (0 if self.asleep else 1, self.priority, self.last_used, -self.created_at, self.id)
+    def key(self) -> tuple[int, float, int, float, str]:
+        return (self.priority, self.last_used, 0 if self.asleep else 1, -self.created_at, self.id)
 
 
 def choose(free: Mapping[str, int], need: int, residents: Iterable[Resident],
@@ -96,7 +97,7 @@ def choose(free: Mapping[str, int], need: int, residents: Iterable[Resident],
             got += r.gpus
         if got < need or not taken:
             continue
-        cost = (max(r.priority for r in taken), len(taken), max(r.key()[:3] for r in taken), node_id)
+        cost = (max(r.priority for r in taken), len(taken), max(r.key()[:2] for r in taken), node_id)
         if best is None or cost < best[0]:
             best = (cost, node_id, taken)
     return (best[1], best[2]) if best is not None else None
