@@ -24,7 +24,8 @@ Modes (a fresh fleet each, the same seeded arrivals):
   for a model that fits nowhere swaps out the least recently used.
 
 Per mode: p99 (and p50) time to first token of requests sent while their
-model had no ready replica ("cold"), and of all; requests refused (any
+model had no replica at all ("no_replica", the bar's figure), while it had
+no ready awake one ("cold": none, starting or asleep), and of all; requests refused (any
 non-200); swaps per minute (C{swap} events); GPU-held share (GPU-seconds
 held by a replica) and GPU-busy share (GPU-seconds whose replica had
 requests running), both from the replicas view polled each second.
@@ -106,6 +107,8 @@ class Poller(threading.Thread):
         super().__init__(daemon=True)
         self.fleet = fleet
         self.ready: dict[str, bool] = {}
+        #: Models with any replica (placed, starting, ready, asleep).
+        self.placed: set[str] = set()
         self.held = self.busy = 0.0
         self.samples = 0
         self.halt = threading.Event()
@@ -120,8 +123,11 @@ class Poller(threading.Thread):
             now = time.monotonic()
             if replicas is not None:
                 ready: dict[str, bool] = {}
+                placed: set[str] = set()
                 held = busy = 0
                 for r in replicas:
+                    if r["state"] not in ("stopping", "stopped", "failed") and not r["draining"]:
+                        placed.add(r["model"])
                     gpus = sum(len(s.get("gpus") or []) for s in r["shards"])
                     held += gpus
                     sig = r["shards"][0].get("signals") if r["shards"] else None
@@ -129,7 +135,7 @@ class Poller(threading.Thread):
                         busy += gpus
                     if r["state"] == "ready" and not r["draining"] and not r.get("sleeping"):
                         ready[r["model"]] = True
-                self.ready = ready
+                self.ready, self.placed = ready, placed
                 dt = now - last
                 self.held += held * dt
                 self.busy += busy * dt
@@ -199,9 +205,10 @@ def run_mode(mode: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
         def one(model: str) -> None:
             cold = not poller.ready.get(model, False)
+            none = model not in poller.placed
             status, first, total = chat(fleet.gateway_port, model, args.queue_timeout_s / c + 30)
             with lock:
-                results.append({"model": model, "cold": cold, "status": status, "ttft": first})
+                results.append({"model": model, "cold": cold, "none": none, "status": status, "ttft": first})
 
         threads = []
         start = time.monotonic()
@@ -223,6 +230,7 @@ def run_mode(mode: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     swaps = sum(1 for e in events if e["kind"] == "swap")
     asleep = sum(1 for e in events if e["kind"] == "replica_asleep")
     cold = sorted(r["ttft"] for r in results if r["cold"] and r["ttft"] is not None)
+    none = sorted(r["ttft"] for r in results if r["none"] and r["ttft"] is not None)
     every = sorted(r["ttft"] for r in results if r["ttft"] is not None)
     refused = [r for r in results if r["status"] != 200]
     gpu_seconds = 2 * elapsed
@@ -235,6 +243,11 @@ def run_mode(mode: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "refused": len(refused),
         "refused_by_status": {str(s): sum(1 for r in refused if r["status"] == s)
                               for s in sorted({r["status"] for r in refused})},
+        # Sent while the model had no replica at all: the bar's figure.
+        "no_replica_requests": sum(1 for r in results if r["none"]),
+        "ttft_no_replica_ms": {"p50": ms(none, 50), "p99": ms(none, 99), "n": len(none)},
+        "ttft_no_replica_uncompressed_ms": {"p50": ms(none, 50, c), "p99": ms(none, 99, c)},
+        # Sent while it had no ready replica that was awake (none, starting, or asleep).
         "cold_requests": sum(1 for r in results if r["cold"]),
         "ttft_cold_ms": {"p50": ms(cold, 50), "p99": ms(cold, 99), "n": len(cold)},
         # A cold request's wait is load, wake, drain and idleness times, all
@@ -248,6 +261,7 @@ def run_mode(mode: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "gpu_busy_share": round(poller.busy / gpu_seconds, 3),
         "served_per_model": {m: sum(1 for r in results if r["model"] == m and r["status"] == 200) for m in MODELS},
         "asked_per_model": {m: sum(1 for r in results if r["model"] == m) for m in MODELS},
+        "refused_per_model": {m: n for m in MODELS if (n := sum(1 for r in refused if r["model"] == m))},
     }
 
 
