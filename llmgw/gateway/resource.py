@@ -32,7 +32,7 @@ from twisted.logger import Logger
 
 from llmgw.gateway import errors
 from llmgw.gateway.adapters import NO_ADAPTERS, AdapterRouting, with_member
-from llmgw.gateway.admission import capacity
+from llmgw.gateway.admission import FREE, capacity
 from llmgw.gateway.bigbody import SlicedParses, sliced
 from llmgw.gateway.front import FrontFactory, FrontRequest
 from llmgw.gateway.metrics import UNKNOWN_MODEL
@@ -217,7 +217,12 @@ class GatewayResource:
         elif not routes and not table.knows_model(model):
             raise errors.model_not_found(model)
         admission = gw.admission
-        state = capacity(routes, gw.router.cooling, gw.reactor.seconds(), gw.config.policy)
+        waker = admission.waker
+        state = capacity(routes, gw.router.cooling, gw.reactor.seconds(), gw.config.policy,
+                         waker.asleep if waker is not None else None)
+        if state != FREE and waker is not None:
+            # The queue's own look, which wakes a sleeping replica if one would take it.
+            state = admission.capacity(model)
         wait = admission.must_wait(model, state)
         if wait and not getattr(table, "loaded", True):
             # A standalone gateway with no table yet: every model counts as

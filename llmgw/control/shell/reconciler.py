@@ -48,6 +48,8 @@ from llmgw.control.core.commands import send
 from llmgw.control.core.context import MAX_SENDS, STOP_SLACK, Context, DeploymentState, Rules
 from llmgw.control.core.kept import KeptState
 from llmgw.control.core.outcome import Outcome
+from llmgw.control.core.sleeping import record as record_sleep
+from llmgw.control.core.swapping import Swapping
 from llmgw.control.core.wedged import Progress, check_node
 from llmgw.control.core.wedged import check as check_wedged
 from llmgw.control.shell import views
@@ -231,6 +233,7 @@ class Reconciler(RolloutControl, ModelControl, Service):
         #: Autoscaled deployments' memory and the demand they follow.
         self.autoscaling = scaler.Autoscaling()
         self.adapter_loading = AdapterLoading()
+        self.swapping = Swapping()
         #: Called (no arguments) when L{end_adoption_grace} ends the grace
         #: early: an HA leader republishes its routes then, not at the old end.
         self.grace_ended_listeners: list[Callable[[], None]] = []
@@ -391,7 +394,7 @@ class Reconciler(RolloutControl, ModelControl, Service):
 
     def record_engine_signals(self, node_id: str, msgs: Iterable[Any]) -> None:
         now = self.clock.seconds()
-        reports.engine_signals(self.ctx, self.engine_signals, node_id, msgs, now)
+        self._decide(record_sleep, self.engine_signals, node_id, msgs, now)
         self._decide(check_node, self.engine_signals, self.progress, node_id, now)
 
     def record_fetches(self, node_id: str, msgs: Iterable[Any]) -> None:
@@ -505,6 +508,7 @@ class Reconciler(RolloutControl, ModelControl, Service):
         placing_left = placing.reconcile(
             ctx, now, p.placer, lambda: p.sync(ctx, self._connected_for(now), self._over_budget),
             self._over_budget, out)
+        self.swapping.tick(ctx, self.autoscaling.scalers, lambda: self._connected_for(now), now, out)
         prefetching.step(ctx, ctx.prefetch, lambda: self._connected_for(now), now, out)
         self.pass_unfinished = expiry_left or placing_left
 
