@@ -390,7 +390,10 @@ class Reconciler(RolloutControl, ModelControl, Service):
     def record_engine_signals(self, node_id: str, msgs: Iterable[Any]) -> None:
         now = self.clock.seconds()
         reports.engine_signals(self.ctx, self.engine_signals, node_id, msgs, now)
-        self._decide(check_node, self.engine_signals, self.progress, node_id, now)
+        if self.state.node_shards.get(node_id):
+            self._decide(check_node, self.engine_signals, self.progress, node_id, now)
+        else:  # a node without shards has none to wedge: no decision to make
+            self.outbox.settle()
 
     def record_fetches(self, node_id: str, msgs: Iterable[Any]) -> None:
         reports.fetches(self.ctx, node_id, msgs)
