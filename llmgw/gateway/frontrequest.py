@@ -148,7 +148,9 @@ class FrontRequest:
         if hold:
             self._held = b"".join(parts)
         else:
-            channel.send(b"".join(parts))
+            head = b"".join(parts)
+            channel.flow.written += len(head)
+            channel.send(head)
 
     def write(self, data: bytes) -> None:
         """
@@ -164,7 +166,10 @@ class FrontRequest:
         if held:
             self._held = b""
             data = held + data
-        self.channel.send(data)
+        channel = self.channel
+        # Counted here, not by wrapping the writer: one call less a write.
+        channel.flow.written += len(data)
+        channel.send(data)
 
     def flush(self) -> None:
         """
@@ -173,6 +178,7 @@ class FrontRequest:
         held = self._held
         if held:
             self._held = b""
+            self.channel.flow.written += len(held)
             self.channel.send(held)
 
     def finish(self) -> None:
@@ -188,9 +194,11 @@ class FrontRequest:
         held, self._held = self._held, b""
         if self._chunked:
             held += b"0\r\n\r\n"
+        channel = self.channel
         if held:
-            self.channel.send(held)
-        self.channel.request_done(self)
+            channel.flow.written += len(held)
+            channel.send(held)
+        channel.request_done(self)
 
     def abort(self) -> None:
         """

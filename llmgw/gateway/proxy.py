@@ -657,7 +657,9 @@ class ProxyCall:
             self.counted = False
             assert self.route is not None
             self.gw.router.end(self.route.replica_id)
-            self.gw.unstarted.discard(self.route.replica_id, self)
+            if not self.sent_headers or self.resume is not None:
+                # Else its first byte took it out (only a continuation sends again).
+                self.gw.unstarted.discard(self.route.replica_id, self)
 
     def replica_left(self) -> None:
         """

@@ -31,7 +31,7 @@ from twisted.logger import Logger
 
 from llmgw.gateway import errors
 from llmgw.gateway.admission import capacity
-from llmgw.gateway.bigbody import SlicedParses, sliced
+from llmgw.gateway.bigbody import AT_ONCE_COMMAS, SlicedParses, sliced
 from llmgw.gateway.front import FrontFactory, FrontRequest
 from llmgw.gateway.metrics import UNKNOWN_MODEL
 from llmgw.gateway.policy import AFFINITY_POLICIES, affinity_key
@@ -151,7 +151,7 @@ class GatewayResource:
         body = request.body
         if request.too_large or len(body) > limit:
             raise errors.too_large(limit)
-        if sliced(body):
+        if len(body) > AT_ONCE_COMMAS and sliced(body):  # a shorter body has too few commas
             self._parse_later(request, label, started, key_name, body)
             return
         try:

@@ -51,7 +51,9 @@ class Unstarted:
         """
         The first byte of C{call}'s answer came from C{replica_id}.
         """
-        self.discard(replica_id, call)
+        calls = self._by_replica.get(replica_id)
+        if calls is not None:
+            calls.discard(call)
         if self.on_answer is not None:
             self.on_answer(replica_id, call)
 
