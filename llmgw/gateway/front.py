@@ -311,7 +311,7 @@ class HTTPFront(Protocol):
                 self._buf += memoryview(buf)[pos:]
         if self._closing:
             return
-        if flow.reading_paused or self.paused or flow.stalled or len(self._buf) > READ_AHEAD:
+        if self._buf or flow.reading_paused or self.paused or flow.stalled:
             self._update_reading()  # else reading goes on as it is: the common case, no call
         if self._busy or flow.stalled:
             pass

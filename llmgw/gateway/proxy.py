@@ -404,8 +404,9 @@ class ProxyCall:
         # to the client as they came, without the hop's own.
         if self.done or self.sent_headers and self._continued(status):
             return
-        self.gw.router.succeeded(self.route.replica_id)  # type: ignore[union-attr]
-        self.gw.unstarted.answered(self.route.replica_id, self)  # type: ignore[union-attr]
+        gw, replica_id = self.gw, self.route.replica_id  # type: ignore[union-attr]
+        gw.router.succeeded(replica_id)
+        gw.unstarted.answered(replica_id, self)
         framed: int | None = length
         meter = self.meter
         if meter is not None and 200 <= status < 300 and _EVENT_STREAM in block:
@@ -419,7 +420,7 @@ class ProxyCall:
         request = self.request
         request.start_response(status, (), framed, reason or None, hold=True, block=block)
         request.set_producer(self)
-        self.gw.metrics.first_byte(self.model, time.monotonic() - self.started)
+        gw.metrics.first_byte(self.model, time.monotonic() - self.started)
 
     def response_data(self, data: bytes) -> None:
         if self.done:

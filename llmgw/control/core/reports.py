@@ -296,11 +296,8 @@ def fetches(ctx: Context, node_id: str, msgs: Iterable[Any]) -> None:
     the node does not hold, or that are not fetching, are ignored.
     """
     st = ctx.state
-    held = st.node_shards.get(node_id)
-    if not held:
-        return
     given = {m.shard_id: m for m in msgs}
-    for sid in held:
+    for sid in st.node_shards.get(node_id, ()):
         shard = st.shards[sid]
         msg = given.get(sid)
         if msg is not None and shard.state == ShardState.FETCHING:

@@ -390,13 +390,14 @@ class Reconciler(RolloutControl, ModelControl, Service):
     def record_engine_signals(self, node_id: str, msgs: Iterable[Any]) -> None:
         now = self.clock.seconds()
         reports.engine_signals(self.ctx, self.engine_signals, node_id, msgs, now)
-        if self.state.node_shards.get(node_id):
+        if self.ctx.state.node_shards.get(node_id):
             self._decide(check_node, self.engine_signals, self.progress, node_id, now)
         else:  # a node without shards has none to wedge: no decision to make
             self.outbox.settle()
 
     def record_fetches(self, node_id: str, msgs: Iterable[Any]) -> None:
-        reports.fetches(self.ctx, node_id, msgs)
+        if self.ctx.state.node_shards.get(node_id):  # else none of its shards is fetching
+            reports.fetches(self.ctx, node_id, msgs)
 
     def fetch_rows(self) -> list[tuple[str, str, str, str, FetchProgress]]:
         return views.fetch_rows(self)
