@@ -125,7 +125,8 @@ class ShardSpec:
             ready_while_alive=not self.health_path,
             source=source_message(self.source) if self.source is not None else None,
             model_peers=self.model_peers,
-            stall_after_s=self.stall_after_s,
+            # Left out when it is the default, which the agent reads for none.
+            stall_after_s=self.stall_after_s if self.stall_after_s != DEFAULT_STALL_AFTER_S else None,
         )
 
     @classmethod
