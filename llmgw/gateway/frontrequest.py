@@ -44,7 +44,7 @@ class FrontRequest:
     __slots__ = (
         "channel", "method", "uri", "path", "http10", "headers", "body", "too_large",
         "keep_alive", "on_lost", "started", "finished", "producer", "_chunked", "_no_body", "_held",
-        "key_name",
+        "key_name", "screened",
     )
 
     def __init__(
@@ -74,6 +74,8 @@ class FrontRequest:
         self._held = b""
         #: The name of the API key the factory's screen found, if any.
         self.key_name: str | None = None
+        #: The factory's screen found its host and key good (on its head).
+        self.screened = False
 
     # what the handler reads
 

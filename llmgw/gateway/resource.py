@@ -79,11 +79,12 @@ class GatewayResource:
             if path == HEALTH:
                 self._json(request, {"status": "ok"})
                 return
-            host = request.header(b"host")
-            hosts = self.gateway.hosts
-            if not hosts.allows(host):
-                assert host is not None
-                raise errors.misdirected(host, hosts.option)
+            if not request.screened:  # else the screen found its host good: hosts do not change
+                host = request.header(b"host")
+                hosts = self.gateway.hosts
+                if not hosts.allows(host):
+                    assert host is not None
+                    raise errors.misdirected(host, hosts.option)
             if keys is not None:
                 key_name = request.key_name
                 if key_name is None:
@@ -138,6 +139,7 @@ class GatewayResource:
             request.key_name = key_name
             if key_name is None:
                 return False
+        request.screened = True
         # Asked after the key: a client without one is told so (401), not
         # to retry later.
         ceiling = self.ceiling
