@@ -458,10 +458,9 @@ def bounded_prefix(
     turn's spread breaks ties in ring order from its first chunk too.
     Without C{chain} (C{prefix}), C{depths} is not read.
     """
-    first = key.startswith(FIRST_TURN)
     if chain is None:
         depths = None
-    if home is None and first and recent is None and not depths:
+    if home is None and recent is None and not depths and key.startswith(FIRST_TURN):
         return None
     by_id = {r.replica_id: r for r in candidates}
     total = 0
@@ -470,6 +469,7 @@ def bounded_prefix(
     bound = load_bound(total, len(by_id), epsilon, slack)
     if home is not None and home in by_id and loads[home] + 1 <= bound:
         return by_id[home]
+    first = key.startswith(FIRST_TURN)
     if depths and chain:
         need = max(1, math.ceil(prefix_match * (len(chain) // HASH_BYTES) - 1e-9))
         best: str | None = None
