@@ -92,7 +92,7 @@ class ShardSpec:
         object.__setattr__(self, "metric_names", dict(self.metric_names))
         object.__setattr__(self, "model_peers", tuple(self.model_peers))
         # A state file keeps the source as the object of its fields.
-        if isinstance(self.source, Mapping):
+        if self.source is not None and isinstance(self.source, Mapping):  # None: no ABC check
             object.__setattr__(self, "source", ModelSource(**self.source))
 
     def to_message(self) -> pb.StartShard:

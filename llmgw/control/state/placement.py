@@ -172,8 +172,9 @@ class PortBook:
         raise NoPortFree(f"every port in {self.first}..{self.last} is in use on {host}")
 
 
-def _key(node: NodeCapacity) -> tuple[int, int, str]:
-    return (len(node.free), sum(f for f, _ in node.free), node.id)
+def _key(node: NodeCapacity) -> tuple[int, int, int, int, str]:
+    # The heap entry of a group with no weights and no preferred types.
+    return (0, 0, len(node.free), sum(f for f, _ in node.free), node.id)
 
 
 #: A group's key: the group, the fabric (multi-shard only), GPUs per shard,
@@ -230,7 +231,7 @@ class Placer:
         weights: ModelIndex | None = None,
     ):
         self._nodes: dict[str, NodeCapacity] = {}
-        self._keys: dict[str, tuple[int, int, str]] = {}
+        self._keys: dict[str, Entry] = {}
         self._by_fabric: dict[str, dict[str, None]] = {}
         self._spread = spread
         self._live = live_spread
@@ -277,10 +278,14 @@ class Placer:
         node = self._nodes.get(node_id)
         if node is None:
             return
+        spread, extras = self._spread, self._extra
         for gkey, members in self._members.items():
             group, fabric, gpus, mem, weights, types, prefer = gkey
             live = members.get(node_id)
-            tier = self._count(group, node_id)
+            # self._count(group, node_id), inline: once per group per node changed
+            base, extra = spread.get(group), extras.get(group)
+            tier = ((base.get(node_id, 0) if base is not None else 0)
+                    + (extra.get(node_id, 0) if extra is not None else 0))
             # A live entry that sorts too early is put right when it comes
             # up; one that sorts too late (the node now holds fewer of the
             # group's shards) would let nodes that hold more be taken first.
@@ -302,6 +307,8 @@ class Placer:
 
     def _entry(self, gkey: GroupKey, node_id: str) -> Entry:
         weights, prefer = gkey[4], gkey[6]
+        if not weights and not prefer:
+            return self._keys[node_id]
         rank = self._weights.rank(weights, node_id) if weights and self._weights is not None else 0
         liked = 0
         if prefer:
@@ -311,7 +318,7 @@ class Placer:
                                           prefer_gpu_types=prefer))
             liked = max((preference(node.names.get(i, ""), prefer) for _, i in fit or ()),
                         default=len(prefer))
-        return (liked, rank, *self._keys[node_id])
+        return (liked, rank, *self._keys[node_id][2:])
 
     def _refused(self, gkey: GroupKey, node_id: str) -> bool:
         weights = gkey[4]
