@@ -282,14 +282,18 @@ class Placer:
         for gkey, members in self._members.items():
             group, fabric, gpus, mem, weights, types, prefer = gkey
             live = members.get(node_id)
+            plain = not weights and not prefer
+            # A live entry that sorts too early is put right when it comes
+            # up; one that sorts too late (the node now holds fewer of the
+            # group's shards) would let nodes that hold more be taken first.
+            # One in tier 0 never does: the node's shards are not looked up.
+            if plain and live is not None and live[0] == 0:
+                continue
             # self._count(group, node_id), inline: once per group per node changed
             base, extra = spread.get(group), extras.get(group)
             tier = ((base.get(node_id, 0) if base is not None else 0)
                     + (extra.get(node_id, 0) if extra is not None else 0))
-            # A live entry that sorts too early is put right when it comes
-            # up; one that sorts too late (the node now holds fewer of the
-            # group's shards) would let nodes that hold more be taken first.
-            if live is not None and tier >= live[0] and not weights and not prefer:
+            if plain and live is not None and tier >= live[0]:
                 continue
             if fabric and fabric not in node.fabrics:
                 continue
