@@ -298,9 +298,9 @@ class Placer:
             if fabric and fabric not in node.fabrics:
                 continue
             if (self._fit(node, Request(group, 1, gpus, mem, gpu_types=types, prefer_gpu_types=prefer))
-                    is None or self._refused(gkey, node_id)):
+                    is None or (not plain and self._refused(gkey, node_id))):
                 continue
-            entry = self._entry(gkey, node_id)
+            entry = self._keys[node_id] if plain else self._entry(gkey, node_id)
             if live is not None and (tier > live[0] or (tier == live[0] and entry[:2] >= live[1][:2])):
                 # Its live entry comes up no later than the node now sorts
                 # (tier, preferred types and weights no better): put right
@@ -373,15 +373,18 @@ class Placer:
         # least one chunk a call, so every call makes progress); a node
         # that update() gave an entry meanwhile is not given another.
         members = self._members[gkey]
+        # No weights and no preferred types (most groups): a node's entry is its key.
+        plain = not gkey[4] and not gkey[6]
+        keys = self._keys
         while left:
             chunk = left[-_CHUNK:]
             del left[-_CHUNK:]
             for node_id in chunk:
                 node = self._nodes.get(node_id)
                 if (node is None or node_id in members or self._fit(node, req) is None
-                        or self._refused(gkey, node_id)):
+                        or (not plain and self._refused(gkey, node_id))):
                     continue
-                entry = self._entry(gkey, node_id)
+                entry = keys[node_id] if plain else self._entry(gkey, node_id)
                 tier = self._count(req.group, node_id)
                 members[node_id] = (tier, entry)
                 tiers.setdefault(tier, []).append(entry)
@@ -405,6 +408,7 @@ class Placer:
             return BUSY
         gkey = self._gkey(req)
         members = self._members[gkey]
+        plain = not gkey[4] and not gkey[6]  # as in _tiers
         chosen: list[tuple[str, list[tuple[int, int]], int]] = []
         while len(chosen) < req.shards:
             # The lowest tier with candidates, looked for afresh each time:
@@ -422,7 +426,7 @@ class Placer:
             if node_id not in self._keys:
                 del members[node_id]
                 continue
-            current = self._entry(gkey, node_id)
+            current = self._keys[node_id] if plain else self._entry(gkey, node_id)
             count = self._count(req.group, node_id)
             if current != key or count != tier:
                 # Changed since it was pushed: back with what it is now.
@@ -430,7 +434,7 @@ class Placer:
                 heapq.heappush(tiers.setdefault(count, []), current)
                 continue
             gpus = self._fit(self._nodes[node_id], req)
-            if gpus is None or self._refused(gkey, node_id):
+            if gpus is None or (not plain and self._refused(gkey, node_id)):
                 # Until it changes again (update() pushes it then).
                 del members[node_id]
                 continue
@@ -456,7 +460,7 @@ class Placer:
                 extra[node_id] = extra.get(node_id, 0) + 1
             self._take(node_id, gpus)
             if node_id in self._keys:
-                entry = self._entry(gkey, node_id)
+                entry = self._keys[node_id] if plain else self._entry(gkey, node_id)
                 members[node_id] = (tier + 1, entry)
                 heapq.heappush(tiers.setdefault(tier + 1, []), entry)
             else:
