@@ -98,7 +98,7 @@ class ShardSpec:
         object.__setattr__(self, "metric_names", dict(self.metric_names))
         object.__setattr__(self, "model_peers", tuple(self.model_peers))
         # A state file keeps the source as the object of its fields.
-        if isinstance(self.source, Mapping):
+        if self.source is not None and isinstance(self.source, Mapping):  # None: no ABC check
             object.__setattr__(self, "source", ModelSource(**self.source))
         object.__setattr__(self, "adapters", tuple(
             (str(n), ModelSource(**a) if isinstance(a, Mapping) else a) for n, a in self.adapters))
@@ -133,7 +133,8 @@ class ShardSpec:
             ready_while_alive=not self.health_path,
             source=source_message(self.source) if self.source is not None else None,
             model_peers=self.model_peers,
-            stall_after_s=self.stall_after_s,
+            # Left out when it is the default, which the agent reads for none.
+            stall_after_s=self.stall_after_s if self.stall_after_s != DEFAULT_STALL_AFTER_S else None,
             adapters=[pb.AdapterSource(name=n, source=source_message(a)) for n, a in self.adapters],
             sleep_level=self.sleep_level,
             sleep_after_s=self.sleep_after_s,

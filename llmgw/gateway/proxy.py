@@ -406,8 +406,9 @@ class ProxyCall:
         # to the client as they came, without the hop's own.
         if self.done or self.sent_headers and self._continued(status):
             return
-        self.gw.router.succeeded(self.route.replica_id)  # type: ignore[union-attr]
-        self.gw.unstarted.answered(self.route.replica_id, self)  # type: ignore[union-attr]
+        gw, replica_id = self.gw, self.route.replica_id  # type: ignore[union-attr]
+        gw.router.succeeded(replica_id)
+        gw.unstarted.answered(replica_id, self)
         framed: int | None = length
         meter = self.meter
         if meter is not None and 200 <= status < 300 and _EVENT_STREAM in block:
@@ -422,7 +423,7 @@ class ProxyCall:
         request.start_response(status, ((REPLICA_HEADER, self.route.replica_id.encode()),), framed,  # type: ignore[union-attr]
                                reason or None, hold=True, block=block)
         request.set_producer(self)
-        self.gw.metrics.first_byte(self.model, time.monotonic() - self.started)
+        gw.metrics.first_byte(self.model, time.monotonic() - self.started)
 
     def response_data(self, data: bytes) -> None:
         if self.done:
@@ -660,7 +661,9 @@ class ProxyCall:
             self.counted = False
             assert self.route is not None
             self.gw.router.end(self.route.replica_id)
-            self.gw.unstarted.discard(self.route.replica_id, self)
+            if not self.sent_headers or self.resume is not None:
+                # Else its first byte took it out (only a continuation sends again).
+                self.gw.unstarted.discard(self.route.replica_id, self)
 
     def replica_left(self) -> None:
         """

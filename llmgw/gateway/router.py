@@ -27,7 +27,6 @@ from llmgw.gateway.policy import (
     PolicyConfig,
     Ring,
     choose,
-    key_point,
     split_chain,
 )
 from llmgw.gateway.prefixindex import PrefixIndex
@@ -242,7 +241,7 @@ class Router:
         if policy == "cache_aware":
             key, chain = split_chain(key)
         homes = self._homes
-        hkey = key_point(key)
+        hkey = key[2:] if key[1:2] == b"\x00" else key  # key_point(key), once a request: inline
         home = homes.get(hkey)
         if chain and home is None and self.policy.prefix_match <= 1.0:
             # A request with no home yet (an application's next question,
