@@ -24,6 +24,7 @@ import math
 import signal
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 from llmgw.routing import EngineSignals
 
@@ -248,7 +249,7 @@ def normalise(
     usage = values["kv_cache_usage"]
     if usage is not None:
         values["kv_cache_usage"] = min(1.0, max(0.0, usage))
-    return EngineSignals(sampled_at=sampled_at, **values)
+    return EngineSignals(sampled_at=sampled_at, **cast(dict[str, Any], values))
 
 
 def _pick(found: Mapping[str, list[float]], spec: str, fraction: bool) -> float | None:

@@ -1,31 +1,17 @@
 """
 The routing table: what every gateway, embedded or standalone, routes by.
 
-This module sits below both C{llmgw.control} and C{llmgw.gateway} and
-imports neither. The control plane publishes a L{RoutingTable} as a
-projection of its fleet state; the embedded gateway reads that object, and
-a standalone gateway reads the same projection through
-C{GET /api/v1/routes} (L{snapshot_to_json} / L{snapshot_from_json}), so the
-two follow one set of rules.
-
-Every change to what is routed increases L{RoutingTable.revision}.
-L{RoutingTable.wait_newer} answers a long-poll: it fires as soon as the
-revision passes the one the caller holds, or after a timeout.
-
-Each model may name its routing policy (L{POLICIES}; the catalog's
-C{routing} field): the table carries a model -> policy map, and a model it
-does not name is routed by the gateway's default.
-
-Each model may also carry its admission queue's limits (L{QueueLimits}; the
-catalog's C{queue_depth} and C{queue_timeout_s}), which travel the same way
-as its policy.
-
-A gateway that queues requests offers what it holds per model as
-L{IDemand}: the autoscaler's load figures.
-
-Engine signals (queue depth, running requests, KV-cache use) travel with
-each route together with their age, not a timestamp, so that a gateway on
-another host judges staleness by its own clock.
+It sits below C{llmgw.control} and C{llmgw.gateway} and imports neither.
+The control plane publishes a L{RoutingTable} projected from its fleet
+state; the embedded gateway reads that object, a standalone one the same
+projection through C{GET /api/v1/routes} (L{snapshot_to_json} /
+L{snapshot_from_json}), so both follow one set of rules. Every change
+increases L{RoutingTable.revision}; L{RoutingTable.wait_newer} answers a
+long-poll. Per model the table may carry a routing policy (L{POLICIES})
+and admission-queue limits (L{QueueLimits}); a gateway that queues offers
+what it holds as L{IDemand}, the autoscaler's load figures. Engine signals
+travel with each route with their age, not a timestamp, so that a gateway
+on another host judges staleness by its own clock.
 """
 
 from __future__ import annotations
@@ -96,6 +82,10 @@ class EngineSignals:
     prefix_cache_queries: float | None = None
     prefix_cache_hits: float | None = None
     generated_tokens: float | None = None  # output tokens since the engine started
+    #: Whether the engine sleeps now (DESIGN §22); C{None}: it does not sleep.
+    sleeping: bool | None = None
+    #: The path a gateway POSTs to wake it; "": a request wakes it itself.
+    wake_path: str = ""
 
     def age(self, now: float) -> float:
         return max(0.0, now - self.sampled_at)
@@ -538,6 +528,10 @@ def _signals_json(s: EngineSignals, now: float) -> dict[str, Any]:
         value = getattr(s, name)
         if value is not None:
             out[name] = value
+    if s.sleeping is not None:
+        out["sleeping"] = s.sleeping
+    if s.wake_path:
+        out["wake_path"] = s.wake_path
     return out
 
 
@@ -618,7 +612,11 @@ def _signals_from(data: Any, where: str, now: float) -> EngineSignals | None:
     for name in _SIGNAL_FIELDS:
         v = data.get(name)
         values[name] = None if v is None else _number(v, f"{where}.signals.{name}")
-    return EngineSignals(sampled_at=now - max(0.0, age), **values)
+    sleeping, wake = data.get("sleeping"), data.get("wake_path", "")
+    if not (sleeping is None or isinstance(sleeping, bool)) or not isinstance(wake, str) or (
+            wake and not wake.startswith("/")):
+        raise RoutesDataError(f"{where}.signals: sleeping must be a boolean and wake_path a path")
+    return EngineSignals(sampled_at=now - max(0.0, age), sleeping=sleeping, wake_path=wake, **values)
 
 
 def snapshot_from_json(data: Any, now: float) -> tuple[RoutingSnapshot, list[str]]:

@@ -84,6 +84,10 @@ class ShardSpec:
     stall_after_s: float = DEFAULT_STALL_AFTER_S
     #: LoRA adapters the engine starts with, (name, source) in id order.
     adapters: tuple[tuple[str, ModelSource], ...] = ()
+    #: How the engine sleeps (0: never; vLLM's level) and after how many
+    #: idle seconds (0: never); L{llmgw.agent.sleep}.
+    sleep_level: int = 0
+    sleep_after_s: float = 0.0
 
     def __post_init__(self) -> None:
         # Frozen means no caller's list or dict can change a spec afterwards,
@@ -94,7 +98,7 @@ class ShardSpec:
         object.__setattr__(self, "metric_names", dict(self.metric_names))
         object.__setattr__(self, "model_peers", tuple(self.model_peers))
         # A state file keeps the source as the object of its fields.
-        if isinstance(self.source, Mapping):
+        if self.source is not None and isinstance(self.source, Mapping):  # None: no ABC check
             object.__setattr__(self, "source", ModelSource(**self.source))
         object.__setattr__(self, "adapters", tuple(
             (str(n), ModelSource(**a) if isinstance(a, Mapping) else a) for n, a in self.adapters))
@@ -129,8 +133,11 @@ class ShardSpec:
             ready_while_alive=not self.health_path,
             source=source_message(self.source) if self.source is not None else None,
             model_peers=self.model_peers,
-            stall_after_s=self.stall_after_s,
+            # Left out when it is the default, which the agent reads for none.
+            stall_after_s=self.stall_after_s if self.stall_after_s != DEFAULT_STALL_AFTER_S else None,
             adapters=[pb.AdapterSource(name=n, source=source_message(a)) for n, a in self.adapters],
+            sleep_level=self.sleep_level,
+            sleep_after_s=self.sleep_after_s,
         )
 
     @classmethod
@@ -165,6 +172,8 @@ class ShardSpec:
             stall_after_s=(m.stall_after_s if m.HasField("stall_after_s") and m.stall_after_s >= 0
                            else DEFAULT_STALL_AFTER_S),
             adapters=tuple((a.name, source_of(a.source)) for a in m.adapters),
+            sleep_level=m.sleep_level,
+            sleep_after_s=m.sleep_after_s if m.sleep_after_s > 0 else 0.0,
         )
 
 

@@ -74,8 +74,12 @@ def decode(message_class: type[M], data: bytes) -> M:
         msg.ParseFromString(data)
     except (DecodeError, ValueError, RuntimeError) as e:
         raise FrameError(f"undecodable {message_class.__name__} ({len(data)} bytes): {e}") from e
-    # Join messages have no oneof: each is the only thing its connection says.
-    if "msg" in msg.DESCRIPTOR.oneofs_by_name and msg.WhichOneof("msg") is None:
+    try:
+        which = msg.WhichOneof("msg")
+    except ValueError:
+        # Join messages have no oneof: each is the only thing its connection says.
+        which = ""
+    if which is None:
         raise FrameError(f"empty or unknown {message_class.__name__} ({len(data)} bytes)")
     return msg
 

@@ -87,7 +87,6 @@ class CacheReportTests(SynchronousTestCase):
         hb = pb.Heartbeat()
         report.fill_heartbeat(hb)
         self.assertFalse(hb.cache_changed)
-        self.assertEqual(hb.cache_capacity, 1000)
         cache.held = []
         hb = pb.Heartbeat()
         report.fill_heartbeat(hb)
@@ -99,6 +98,30 @@ class CacheReportTests(SynchronousTestCase):
             report.fill_heartbeat(hb)
             flags.append(hb.cache_changed)
         self.assertEqual(flags, [False] * (REPORT_EVERY - 1) + [True])
+
+    def test_room_only_when_changed_or_with_the_cache(self) -> None:
+        """
+        A heartbeat carries the cache's room (capacity, free) when it
+        changed since it was last sent, and with every cache report; a
+        cache that stands still adds nothing to a heartbeat.
+        """
+        cache = FakeCache(held=[held()])
+        report = CacheReport(cache)  # type: ignore[arg-type]
+        report.fill_register(pb.Register())
+        hb = pb.Heartbeat()
+        report.fill_heartbeat(hb)
+        self.assertEqual(hb.SerializeToString(), b"")
+        cache.capacity = 2000
+        hb = pb.Heartbeat()
+        report.fill_heartbeat(hb)
+        self.assertEqual((hb.cache_changed, hb.cache_capacity, hb.cache_free), (False, 2000, 1900))
+        for _ in range(REPORT_EVERY - 3):  # the register, two heartbeats, these, then a report
+            hb = pb.Heartbeat()
+            report.fill_heartbeat(hb)
+            self.assertEqual(hb.SerializeToString(), b"")
+        hb = pb.Heartbeat()
+        report.fill_heartbeat(hb)
+        self.assertEqual((hb.cache_changed, hb.cache_capacity, hb.cache_free), (True, 2000, 1900))
 
     def test_no_cache_no_fields(self) -> None:
         """

@@ -19,6 +19,7 @@ from llmgw.agent.state import ShardSpec
 from llmgw.api.v1 import agent_pb2 as pb
 from llmgw.control.shell.agentsvc import start_message
 from llmgw.control.state.interfaces import ShardCommand
+from llmgw.shards import DEFAULT_STALL_AFTER_S
 from llmgw.testing.stream import frame, register
 from tests.supervisor_harness import FakeOps, FakeProber, FakeSpawner, spec
 from tests.test_agentsvc import Harness, only_ack
@@ -87,6 +88,29 @@ class AdvertiseTests(SynchronousTestCase):
                           parsed.stop_signal, parsed.metric_names),
                          ("", "sglang", "/metrics", "SIGINT",
                           {"waiting": "sglang:num_queue_reqs"}))
+
+    def test_start_message_names_each_peer_once(self) -> None:
+        """
+        A StartShard names each of its command's weight peers once, in order.
+        """
+        cmd = ShardCommand(node_id="n", shard_id="s", replica_id="r", model="m", profile="p",
+                           argv=("x",), gpu_indices=(0,), port=9,
+                           model_peers=("10.0.0.2:7444", "10.0.0.3:7444"))
+        self.assertEqual(list(start_message(cmd, epoch=3).start.model_peers),
+                         ["10.0.0.2:7444", "10.0.0.3:7444"])
+
+    def test_default_stall_after_left_out(self) -> None:
+        """
+        A StartShard leaves stall_after_s out when it is the default (the
+        agent reads the default for none) and carries any other, 0 (never)
+        included; the agent reads each back as it was.
+        """
+        for stall, sent in ((DEFAULT_STALL_AFTER_S, False), (0.0, True), (4.0, True)):
+            cmd = ShardCommand(node_id="n", shard_id="s", replica_id="r", model="m", profile="p",
+                               argv=("x",), gpu_indices=(0,), port=9, stall_after_s=stall)
+            msg = start_message(cmd, epoch=3).start
+            self.assertEqual(msg.HasField("stall_after_s"), sent)
+            self.assertEqual(ShardSpec.from_message(msg).stall_after_s, stall)
 
     def test_agent_option(self) -> None:
         """

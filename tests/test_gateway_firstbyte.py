@@ -139,3 +139,55 @@ class EmbeddedGatewayTests(SynchronousTestCase):
         table.publish([Route("r2", "m", "127.0.0.1:2")], ["m"])
         self.assertEqual(call.moved, 1)
         self.assertEqual(unstarted.waiting("r1"), 0)
+
+
+class UnstartedTests(SynchronousTestCase):
+    """
+    L{Unstarted} kept by request: each request waits on one replica, the
+    one it was last sent to.
+    """
+
+    def setUp(self) -> None:
+        self.unstarted = Unstarted()
+
+    def test_answer_from_another_replica_leaves_it_waiting(self) -> None:
+        """
+        A first byte reported from a replica the request no longer waits on
+        (an earlier attempt's) leaves it waiting on its own replica, which
+        still moves it when it leaves.
+        """
+        call = Call("m", 0.0)
+        self.unstarted.add("r2", call)
+        self.unstarted.answered("r1", call)
+        self.assertEqual(self.unstarted.waiting("r2"), 1)
+        self.assertEqual(self.unstarted.left({"r1"}), 1)
+        self.assertEqual(call.moved, 1)
+
+    def test_sent_again_waits_on_the_new_replica_only(self) -> None:
+        """
+        A request sent to a second replica waits on that one only: the
+        first leaving the table does not move it, and a discard naming the
+        first does not take it out.
+        """
+        call = Call("m", 0.0)
+        self.unstarted.add("r1", call)
+        self.unstarted.add("r2", call)
+        self.unstarted.discard("r1", call)
+        self.assertEqual(self.unstarted.by_replica(), [("r2", [call])])
+        self.assertEqual(self.unstarted.left({"r2"}), 0)
+        self.assertEqual(call.moved, 0)
+        self.unstarted.discard("r2", call)
+        self.assertEqual(self.unstarted.by_replica(), [])
+
+    def test_by_replica_groups_the_waiting(self) -> None:
+        """
+        C{by_replica} lists each replica with its waiting requests; one
+        answered is no longer among them.
+        """
+        a, b, c = (Call("m", 0.0) for _ in range(3))
+        self.unstarted.add("r1", a)
+        self.unstarted.add("r2", b)
+        self.unstarted.add("r1", c)
+        self.unstarted.answered("r1", a)
+        self.assertEqual(sorted((r, len(calls)) for r, calls in self.unstarted.by_replica()),
+                         [("r1", 1), ("r2", 1)])

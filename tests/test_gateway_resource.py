@@ -16,6 +16,7 @@ from twisted.logger import formatEvent, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.gateway.follower import FollowerTable, RoutingSnapshot
+from llmgw.gateway.front import FrontFactory
 from llmgw.gateway.proxy import Gateway, GatewayConfig
 from llmgw.gateway.resource import GatewayResource, GatewaySite
 from llmgw.hostcheck import HostCheck
@@ -146,6 +147,18 @@ class HostTests(SynchronousTestCase):
         self.assertIn("421", log.text())
         self.assertIn("192.168.1.1", log.text())
         self.assertIn("does not serve the host 'evil.example'", log.text())
+
+    def test_foreign_host_is_421_without_a_screen(self) -> None:
+        """
+        The handler checks the host itself for a request no screen passed
+        (a front that has none): a foreign host is 421 there too.
+        """
+        front = Front()
+        front.site = FrontFactory(front.site.resource, front.clock)  # type: ignore[assignment]
+        status, _, body = front.answer(post(b'{"model": "demo"}', host=b"rebind.evil.example:8000"))
+        self.assertEqual(status, 421)
+        self.assertEqual(error_of(body)["code"], "misdirected_request")
+        self.assertEqual(front.clock.tcpClients, [])
 
     def test_served_hosts(self) -> None:
         """

@@ -40,13 +40,16 @@ class CacheReport:
     """
     Fills the cache fields of Register and heartbeats: the whole cache in
     every Register, and in a heartbeat when it changed since the last
-    report or every L{REPORT_EVERY} heartbeats.
+    report or every L{REPORT_EVERY} heartbeats; the room (capacity and
+    free) with each such report and in a heartbeat when it changed, so
+    that the heartbeat of an agent whose cache stands still carries none.
     """
 
     def __init__(self, cache: ModelCache | None) -> None:
         self.cache = cache
         self._last: list[pb.CachedModel] | None = None
         self._since = 0
+        self._room_sent: tuple[int, int] | None = None
 
     def _room(self) -> tuple[int, int]:
         assert self.cache is not None
@@ -59,18 +62,21 @@ class CacheReport:
         self._last = cached_messages(self.cache)
         self._since = 0
         reg.cached_models.extend(self._last)
-        reg.cache_capacity, reg.cache_free = self._room()
+        reg.cache_capacity, reg.cache_free = self._room_sent = self._room()
 
     def fill_heartbeat(self, hb: pb.Heartbeat) -> None:
         if self.cache is None:
             return
-        hb.cache_capacity, hb.cache_free = self._room()
         now = cached_messages(self.cache)
         self._since += 1
         if now != self._last or self._since >= REPORT_EVERY:
             self._last, self._since = now, 0
             hb.cache_changed = True
             hb.cached_models.extend(now)
+        room = self._room()
+        # The control plane reads a heartbeat without them as "unchanged".
+        if hb.cache_changed or room != self._room_sent:
+            hb.cache_capacity, hb.cache_free = self._room_sent = room
 
 
 class Prefetcher:

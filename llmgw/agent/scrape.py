@@ -21,6 +21,7 @@ interval: a wedged replica leaves routing within a scrape of its threshold.
 
 from __future__ import annotations
 
+import io
 import ipaddress
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -143,7 +144,18 @@ class HttpFetcher:
         )
 
     def get(self, url: str) -> defer.Deferred[bytes]:
-        d: defer.Deferred[Any] = self.agent.request(b"GET", url.encode())
+        return self.call(b"GET", url)
+
+    def call(self, method: bytes, url: str, data: bytes | None = None) -> defer.Deferred[bytes]:
+        """
+        As L{get}, with another method and an optional JSON body C{data}.
+        """
+        from twisted.web.client import FileBodyProducer
+        from twisted.web.http_headers import Headers
+
+        producer = FileBodyProducer(io.BytesIO(data)) if data is not None else None
+        headers = Headers({b"Content-Type": [b"application/json"]}) if data is not None else None
+        d: defer.Deferred[Any] = self.agent.request(method, url.encode(), headers, producer)
 
         def body(response: Any) -> defer.Deferred[bytes]:
             if response.code != 200:
@@ -266,6 +278,9 @@ class Scraper(Service):
         self.samples: dict[str, Sample] = {}
         #: Called with a shard id when its standstill reaches its threshold.
         self.on_stall: Callable[[str], None] = lambda shard_id: None
+        #: Whether a shard sleeps and the path that wakes it, for heartbeats
+        #: (L{llmgw.agent.sleep.Sleeper.state_of}).
+        self.sleep_state: Callable[[str], tuple[bool | None, str]] = lambda shard_id: (None, "")
         self._in_flight: set[str] = set()
         self._loop: LoopingCall | None = None
         #: One-off checks due when a standstill would reach its threshold
@@ -409,6 +424,9 @@ class Scraper(Service):
                 msg.adapters.extend(weights.adapters.held(shard.spec))
             if sample.standstill.flat_for_s is not None:
                 msg.flat_for_s = sample.standstill.flat_for_s
+            sleeping, wake_path = self.sleep_state(shard_id)
+            if sleeping is not None:
+                msg.sleeping, msg.wake_path = sleeping, wake_path
             if sample.signals is not None:
                 msg.age_s = sample.signals.age(now)
                 for name in SIGNALS:

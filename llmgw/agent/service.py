@@ -241,6 +241,12 @@ class NodeAgent(MultiService):
         self.scraper = Scraper(reactor, self.supervisor, self.fetcher.get,
                                host=lambda: self.supervisor.probe_host)
         self.scraper.setServiceParent(self)
+        from llmgw.agent.sleep import Sleeper
+
+        self.sleeper = Sleeper(reactor, self.supervisor, self.scraper, self.fetcher.call,
+                               host=lambda: self.supervisor.probe_host)
+        self.scraper.sleep_state = self.sleeper.state_of
+        self.sleeper.setServiceParent(self)
         not_after = tls.cert.not_valid_after_utc
         self.core = AgentCore(
             AgentConfig(
@@ -258,6 +264,7 @@ class NodeAgent(MultiService):
             scraper=self.scraper,
             model_cache=self.model_cache.cache,
         )
+        self.sleeper.on_change = lambda shard_id: self.core.heartbeat_now()
         self.client_tls = AgentClientTLS(control_host, tls)
         self.handle_sighup = owns_signals(reactor) if handle_sighup is None else handle_sighup
         self._sighup = SighupHandler(reactor, self.reload_certificate, "this node's certificate")

@@ -90,6 +90,9 @@ class ShardRecord:
         # No adapters is written as before the field existed, likewise.
         if not raw["spec"]["adapters"]:
             del raw["spec"]["adapters"]
+        for key in ("sleep_level", "sleep_after_s"):
+            if not raw["spec"].get(key):
+                del raw["spec"][key]
         return json.dumps(raw, sort_keys=True, indent=1).encode()
 
     @classmethod

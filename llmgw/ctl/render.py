@@ -285,6 +285,7 @@ def render_replicas(replicas: list[dict[str, Any]]) -> str:
         shards = sorted(r.get("shards") or [], key=lambda s: s.get("rank", 0))
         leader = shards[0].get("address") if shards else None
         state = str(r.get("state")) + (" (draining)" if r.get("draining") else "")
+        state += " (asleep)" if r.get("sleeping") else ""
         fetching = [s["fetch"] for s in shards if isinstance(s.get("fetch"), dict)]
         if fetching:
             # The shard furthest from having its weights says how far off the replica is.

@@ -57,6 +57,7 @@ from llmgw.gateway.adapters import NO_ADAPTERS, AdapterRouting
 from llmgw.gateway.fairqueue import FairQueue, Waiter
 from llmgw.gateway.metrics import LATENCY_BUCKETS
 from llmgw.gateway.policy import PolicyConfig, saturated
+from llmgw.gateway.waking import Waker, http_post, sleeping
 from llmgw.memtrim import Trimmer, malloc_trim
 from llmgw.routing import DEFAULT_QUEUE_DEPTH, DEFAULT_QUEUE_TIMEOUT_S, Demand, IDemand, Route
 from llmgw.untrusted import clip
@@ -105,6 +106,7 @@ def capacity(
     cooling: Callable[[str], bool],
     now: float,
     config: PolicyConfig,
+    asleep: Callable[[Route], bool] | None = None,
 ) -> int:
     """
     L{FREE} if a route in C{routes} can take a request now, L{SATURATED}
@@ -113,7 +115,7 @@ def capacity(
     """
     state = NONE
     for r in routes:
-        if r.draining or cooling(r.replica_id):
+        if r.draining or cooling(r.replica_id) or (asleep is not None and sleeping(r) and asleep(r)):
             continue
         if r.signals is None or not saturated(r, now, config):
             return FREE
@@ -210,6 +212,8 @@ class Admission:
         self._pumping: set[str] = set()
         #: Undoes what feeds this object table changes (L{close}).
         self.detach: Callable[[], None] | None = None
+        #: Wakes sleeping replicas for this queue's models (L{gateway_admission}).
+        self.waker: Waker | None = None
         registry = registry if registry is not None else CollectorRegistry()
         self.waits = Histogram(
             "llmgw_gateway_queue_wait_seconds",
@@ -597,12 +601,20 @@ def gateway_admission(gateway: Any) -> Admission:
     policy = config.policy
 
     adapter_routing = AdapterRouting()
+    waker = Waker(clock, http_post(clock), gateway.registry, gateway.metrics.model_label)
+    router.asleep = waker.state
 
     def model_capacity(model: str) -> int:
         routes = table.routes(model)
         # An adapter's capacity is its holders' (llmgw.gateway.adapters).
         chosen = adapter_routing.resolve(getattr(table, "adapters", NO_ADAPTERS), table.routes, model, routes)
-        return capacity(routes if chosen is None else chosen[0], router.cooling, clock.seconds(), policy)
+        if chosen is not None:
+            routes = chosen[0]
+        state = capacity(routes, router.cooling, clock.seconds(), policy, waker.asleep)
+        if state != FREE and any(sleeping(r) for r in routes):
+            # The awake replicas are used up: a sleeping one is woken.
+            waker.needed(model, routes)
+        return state
 
     default = QueueConfig(config.queue_depth, config.queue_timeout_s, config.queue_bytes_per_model)
 
@@ -621,6 +633,8 @@ def gateway_admission(gateway: Any) -> Admission:
         clock, model_capacity, limits, gateway.registry, gateway.metrics.model_label, config.retry_after,
         config.queue_bytes,
     )
+    admission.waker = waker
+    waker.on_awake = lambda model: admission.pump_soon()
     trim = malloc_trim()
     if trim is not None:
         admission.trimmer = Trimmer(clock, trim)

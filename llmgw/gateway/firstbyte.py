@@ -94,7 +94,11 @@ class FirstByteWatch:
         if recent is None:
             recent = self._recent[model] = deque(maxlen=RECENT)
         recent.append(max(0.0, now - getattr(call, "sent_at", now)))
-        self._answered.setdefault(model, {})[replica_id] = now
+        answered = self._answered.get(model)
+        if answered is None:
+            # Made once a model, not a request (setdefault would make one each time).
+            answered = self._answered[model] = {}
+        answered[replica_id] = now
 
     def bound(self, model: str) -> float:
         """

@@ -147,7 +147,7 @@ class HTTPFront(Protocol):
         except AttributeError:
             pass
         transport.registerProducer(self, True)
-        self.send = self.flow.counting(send_now(transport))
+        self.send = send_now(transport)
         # A new connection is there to send a request: it gets the head's
         # time, not the idle wait's.
         self._watch_head()
@@ -256,8 +256,8 @@ class HTTPFront(Protocol):
         flow = self.flow
         try:
             while pos < size and not self._busy and not self._closing:
-                if self.paused or flow.written > PASS_OUTPUT or flow.requests >= PASS_REQUESTS:
-                    # The answers so far must reach the client first.
+                if flow.requests and (self.paused or flow.written > PASS_OUTPUT or flow.requests >= PASS_REQUESTS):
+                    # The answers so far must reach the client first (a pass starts unpaused).
                     self._stall()
                     break
                 state = self._state
@@ -311,7 +311,8 @@ class HTTPFront(Protocol):
                 self._buf += memoryview(buf)[pos:]
         if self._closing:
             return
-        self._update_reading()
+        if self._buf or flow.reading_paused or self.paused or flow.stalled:
+            self._update_reading()  # else reading goes on as it is: the common case, no call
         if self._busy or flow.stalled:
             pass
         elif self._state != _HEAD:
@@ -498,7 +499,8 @@ class HTTPFront(Protocol):
         if self._buf:
             self._consume(self._buf)
         else:
-            self._update_reading()
+            if self.flow.reading_paused or self.paused or self.flow.stalled:
+                self._update_reading()
             self._watch(self.factory.keep_alive_timeout, _W_IDLE)
 
     # holding back while the answers wait (see llmgw.gateway.frontflow)
@@ -527,11 +529,9 @@ class HTTPFront(Protocol):
 
     def _update_reading(self) -> None:
         # Read unless the answers wait, or the read-ahead is full.
-        if self._closing:
-            return
-        flow = self.flow
-        hold = self.paused or flow.stalled or (self._busy and len(self._buf) > READ_AHEAD)
-        flow.hold_reading(self.transport, hold)
+        if not self._closing:
+            flow = self.flow
+            flow.hold_reading(self.transport, self.paused or flow.stalled or (self._busy and len(self._buf) > READ_AHEAD))
 
     def close(self) -> None:
         """

@@ -108,7 +108,8 @@ class Outflow:
         #: After L{closing}: the connection is aborted when it comes due.
         self._linger: IDelayedCall | None = None
         self._drain_left = 0
-        #: Bytes written through L{counting} since it was last set to 0.
+        #: Bytes of answers written since it was last set to 0 (each
+        #: L{FrontRequest<llmgw.gateway.frontrequest.FrontRequest>} adds what it sends).
         self.written = 0
         #: Requests handed to their handlers in the current pass.
         self.requests = 0
@@ -116,17 +117,6 @@ class Outflow:
         self.stalled = False
         #: The transport's reading is paused (see L{hold_reading}).
         self.reading_paused = False
-
-    def counting(self, write: Callable[[bytes], None]) -> Callable[[bytes], None]:
-        """
-        C{write}, adding the length of what it is given to L{written}.
-        """
-
-        def counted(data: bytes) -> None:
-            self.written += len(data)
-            write(data)
-
-        return counted
 
     def hold_reading(self, transport: Any, hold: bool) -> None:
         """

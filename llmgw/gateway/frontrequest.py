@@ -44,7 +44,7 @@ class FrontRequest:
     __slots__ = (
         "channel", "method", "uri", "path", "http10", "headers", "body", "too_large",
         "keep_alive", "on_lost", "started", "finished", "producer", "_chunked", "_no_body", "_held",
-        "key_name",
+        "key_name", "screened",
     )
 
     def __init__(
@@ -74,6 +74,8 @@ class FrontRequest:
         self._held = b""
         #: The name of the API key the factory's screen found, if any.
         self.key_name: str | None = None
+        #: The factory's screen found its host and key good (on its head).
+        self.screened = False
 
     # what the handler reads
 
@@ -148,7 +150,9 @@ class FrontRequest:
         if hold:
             self._held = b"".join(parts)
         else:
-            channel.send(b"".join(parts))
+            head = b"".join(parts)
+            channel.flow.written += len(head)
+            channel.send(head)
 
     def write(self, data: bytes) -> None:
         """
@@ -164,7 +168,10 @@ class FrontRequest:
         if held:
             self._held = b""
             data = held + data
-        self.channel.send(data)
+        channel = self.channel
+        # Counted here, not by wrapping the writer: one call less a write.
+        channel.flow.written += len(data)
+        channel.send(data)
 
     def flush(self) -> None:
         """
@@ -173,6 +180,7 @@ class FrontRequest:
         held = self._held
         if held:
             self._held = b""
+            self.channel.flow.written += len(held)
             self.channel.send(held)
 
     def finish(self) -> None:
@@ -188,9 +196,11 @@ class FrontRequest:
         held, self._held = self._held, b""
         if self._chunked:
             held += b"0\r\n\r\n"
+        channel = self.channel
         if held:
-            self.channel.send(held)
-        self.channel.request_done(self)
+            channel.flow.written += len(held)
+            channel.send(held)
+        channel.request_done(self)
 
     def abort(self) -> None:
         """

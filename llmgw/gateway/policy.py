@@ -469,16 +469,18 @@ def bounded_prefix(
     Without C{chain} (C{prefix}), C{depths} is not read. A match is held
     to the bound with C{match_slack} (C{slack} when C{None}).
     """
-    first = key.startswith(FIRST_TURN)
     if chain is None:
         depths = None
-    if home is None and first and recent is None and not depths:
+    if home is None and recent is None and not depths and key.startswith(FIRST_TURN):
         return None
     by_id = {r.replica_id: r for r in candidates}
-    total = sum(loads[rid] for rid in by_id)
+    total = 0
+    for rid in by_id:  # a loop, not sum() over a generator: once a request, on a few replicas
+        total += loads[rid]
     bound = load_bound(total, len(by_id), epsilon, slack)
     if home is not None and home in by_id and loads[home] + 1 <= bound:
         return by_id[home]
+    first = key.startswith(FIRST_TURN)
     if depths and chain:
         if match_slack is not None and match_slack != slack:
             bound_m = load_bound(total, len(by_id), epsilon, match_slack)
@@ -583,10 +585,14 @@ def choose(
         # No engine signals: nothing is saturated, and the load is the
         # gateway's own count (what saturated and replica_load say then).
         loads = {r.replica_id: in_flight(r.replica_id) for r in candidates}
-    if policy in AFFINITY_POLICIES and key is not None:
-        if policy != "cache_aware":
-            depths = chain = None
-        elif chain is None:
+    if policy == "prefix" and key is not None:
+        if ring is None and (recent is not None or not key.startswith(FIRST_TURN)):
+            ring = Ring([r.replica_id for r in candidates], config.vnodes)
+        chosen = bounded_prefix(candidates, loads, ring, key, config.epsilon, home, config.slack, recent)
+        if chosen is not None:
+            return chosen
+    elif policy == "cache_aware" and key is not None:
+        if chain is None:
             key, chain = split_chain(key)
         if ring is None and (recent is not None or depths or not key.startswith(FIRST_TURN)):
             ring = Ring([r.replica_id for r in candidates], config.vnodes)

@@ -2,19 +2,14 @@
 The streaming proxy: one L{ProxyCall} per request, and the L{Gateway} that
 holds what calls share (routing table, router, connection pool, metrics).
 
-A call sends the client's body to the leader shard of the replica the router
-picks (unchanged, but that a streamed completion whose client set no
-C{stream_options} asks for usage: L{llmgw.gateway.usage.ask_for_usage}), and passes the response through as it arrives: headers as
-soon as they come, each piece of the body as soon as it is read. It is the
-downstream request's streaming producer, so a client that reads slowly
-pauses the replica's connection instead of growing a buffer; a client that
-goes away aborts the replica's connection, which cancels the generation.
-The request head the replica gets is L{llmgw.gateway.forwarding}'s.
-
-A connection failure before any byte of the response went to the client is
-retried: on a fresh connection to the same replica when a kept-alive one
-turned out to be closed, else on another replica, up to C{max_tries}
-replicas. Timeouts: connect, first byte, and idle between bytes.
+A call sends the client's body (a streamed completion's asks for usage:
+L{llmgw.gateway.usage.ask_for_usage}) to the leader shard of the replica the
+router picks, with L{llmgw.gateway.forwarding}'s head, and is the client's
+streaming producer: a slow reader pauses the replica's connection, a client
+gone aborts it (which cancels the generation). A connection failure before
+any byte reached the client is retried: on a fresh connection when a kept-alive
+one was closed, else on another replica, up to C{max_tries}. Timeouts:
+connect, first byte, and idle between bytes.
 """
 
 from __future__ import annotations
@@ -406,8 +401,9 @@ class ProxyCall:
         # to the client as they came, without the hop's own.
         if self.done or self.sent_headers and self._continued(status):
             return
-        self.gw.router.succeeded(self.route.replica_id)  # type: ignore[union-attr]
-        self.gw.unstarted.answered(self.route.replica_id, self)  # type: ignore[union-attr]
+        gw, replica_id = self.gw, self.route.replica_id  # type: ignore[union-attr]
+        gw.router.succeeded(replica_id)
+        gw.unstarted.answered(replica_id, self)
         framed: int | None = length
         meter = self.meter
         if meter is not None and 200 <= status < 300 and _EVENT_STREAM in block:
@@ -422,7 +418,7 @@ class ProxyCall:
         request.start_response(status, ((REPLICA_HEADER, self.route.replica_id.encode()),), framed,  # type: ignore[union-attr]
                                reason or None, hold=True, block=block)
         request.set_producer(self)
-        self.gw.metrics.first_byte(self.model, time.monotonic() - self.started)
+        gw.metrics.first_byte(self.model, time.monotonic() - self.started)
 
     def response_data(self, data: bytes) -> None:
         if self.done:
@@ -660,7 +656,8 @@ class ProxyCall:
             self.counted = False
             assert self.route is not None
             self.gw.router.end(self.route.replica_id)
-            self.gw.unstarted.discard(self.route.replica_id, self)
+            if not self.sent_headers or self.resume is not None:  # else its first byte took it out
+                self.gw.unstarted.discard(self.route.replica_id, self)
 
     def replica_left(self) -> None:
         """

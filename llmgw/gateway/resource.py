@@ -32,8 +32,8 @@ from twisted.logger import Logger
 
 from llmgw.gateway import errors
 from llmgw.gateway.adapters import NO_ADAPTERS, AdapterRouting, with_member
-from llmgw.gateway.admission import capacity
-from llmgw.gateway.bigbody import SlicedParses, sliced
+from llmgw.gateway.admission import FREE, capacity
+from llmgw.gateway.bigbody import AT_ONCE_COMMAS, SlicedParses, sliced
 from llmgw.gateway.front import FrontFactory, FrontRequest
 from llmgw.gateway.metrics import UNKNOWN_MODEL
 from llmgw.gateway.policy import AFFINITY_POLICIES, affinity_key
@@ -83,11 +83,12 @@ class GatewayResource:
             if path == HEALTH:
                 self._json(request, {"status": "ok"})
                 return
-            host = request.header(b"host")
-            hosts = self.gateway.hosts
-            if not hosts.allows(host):
-                assert host is not None
-                raise errors.misdirected(host, hosts.option)
+            if not request.screened:  # else the screen found its host good: hosts do not change
+                host = request.header(b"host")
+                hosts = self.gateway.hosts
+                if not hosts.allows(host):
+                    assert host is not None
+                    raise errors.misdirected(host, hosts.option)
             if keys is not None:
                 key_name = request.key_name
                 if key_name is None:
@@ -142,6 +143,7 @@ class GatewayResource:
             request.key_name = key_name
             if key_name is None:
                 return False
+        request.screened = True
         # Asked after the key: a client without one is told so (401), not
         # to retry later.
         ceiling = self.ceiling
@@ -155,7 +157,7 @@ class GatewayResource:
         body = request.body
         if request.too_large or len(body) > limit:
             raise errors.too_large(limit)
-        if sliced(body):
+        if len(body) > AT_ONCE_COMMAS and sliced(body):  # a shorter body has too few commas
             self._parse_later(request, label, started, key_name, body)
             return
         try:
@@ -217,7 +219,12 @@ class GatewayResource:
         elif not routes and not table.knows_model(model):
             raise errors.model_not_found(model)
         admission = gw.admission
-        state = capacity(routes, gw.router.cooling, gw.reactor.seconds(), gw.config.policy)
+        waker = admission.waker
+        state = capacity(routes, gw.router.cooling, gw.reactor.seconds(), gw.config.policy,
+                         waker.asleep if waker is not None else None)
+        if state != FREE and waker is not None:
+            # The queue's own look, which wakes a sleeping replica if one would take it.
+            state = admission.capacity(model)
         wait = admission.must_wait(model, state)
         if wait and not getattr(table, "loaded", True):
             # A standalone gateway with no table yet: every model counts as

@@ -15,7 +15,7 @@ counts and the engine signals in the routing table.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Final
 
 from twisted.internet.interfaces import IReactorTime
@@ -27,10 +27,10 @@ from llmgw.gateway.policy import (
     PolicyConfig,
     Ring,
     choose,
-    key_point,
     split_chain,
 )
 from llmgw.gateway.prefixindex import PrefixIndex
+from llmgw.gateway.waking import AWAKE, WAKES_ON_REQUEST
 from llmgw.routing import IInFlight, Route
 
 #: Rings kept (one per set of replica ids seen recently).
@@ -72,6 +72,9 @@ class Router:
         self._failures: dict[str, int] = {}
         self._cool_until: dict[str, float] = {}
         self._turn = 0
+        #: A route's sleep (L{llmgw.gateway.waking.Waker.state}); C{None}:
+        #: sleeping replicas are routed as any other.
+        self.asleep: Callable[[Route], int] | None = None
 
     # IInFlight
 
@@ -205,6 +208,12 @@ class Router:
             and not (exclude and r.replica_id in exclude)
             and not (cool and r.replica_id in cool and self.cooling(r.replica_id))
         ]
+        if self.asleep is not None and any(r.signals is not None and r.signals.sleeping for r in candidates):
+            # Awake replicas first; then those a request wakes; never one
+            # that takes nothing until a wake call answers.
+            asleep = self.asleep
+            candidates = ([r for r in candidates if asleep(r) == AWAKE]
+                          or [r for r in candidates if asleep(r) == WAKES_ON_REQUEST])
         if not candidates:
             return None
         if len(candidates) == 1:
@@ -232,7 +241,7 @@ class Router:
         if policy == "cache_aware":
             key, chain = split_chain(key)
         homes = self._homes
-        hkey = key_point(key)
+        hkey = key[2:] if key[1:2] == b"\x00" else key  # key_point(key), once a request: inline
         home = homes.get(hkey)
         if chain and home is None and self.policy.prefix_match <= 1.0:
             # A request with no home yet (an application's next question,

@@ -24,52 +24,60 @@ class IReplicaLeft(Protocol):
 
 class Unstarted:
     """
-    Replica id -> the requests waiting for its first byte.
+    The requests waiting for a replica's first byte, and which replica each
+    waits on.
+
+    Kept by request, not by replica: a request comes and goes with one
+    store and one pop, on every request's path; the by-replica views are
+    made when asked (once a second, and when the routing table changes).
     """
 
     log = Logger()
 
     def __init__(self) -> None:
-        self._by_replica: dict[str, set[IReplicaLeft]] = {}
+        self._calls: dict[IReplicaLeft, str] = {}
         #: Told of each first byte (L{llmgw.gateway.firstbyte.FirstByteWatch.answered}).
         self.on_answer: Callable[[str, IReplicaLeft], None] | None = None
 
     def add(self, replica_id: str, call: IReplicaLeft) -> None:
-        calls = self._by_replica.get(replica_id)
-        if calls is None:
-            calls = self._by_replica[replica_id] = set()
-        calls.add(call)
+        self._calls[call] = replica_id
 
     def discard(self, replica_id: str, call: IReplicaLeft) -> None:
-        # A replica's set stays when it empties (it is made once, not per
-        # request); L{left} drops those of replicas gone from the table.
-        calls = self._by_replica.get(replica_id)
-        if calls is not None:
-            calls.discard(call)
+        if self._calls.get(call) == replica_id:
+            del self._calls[call]
 
     def answered(self, replica_id: str, call: IReplicaLeft) -> None:
         """
         The first byte of C{call}'s answer came from C{replica_id}.
         """
-        self.discard(replica_id, call)
+        calls = self._calls
+        waits_on = calls.pop(call, replica_id)
+        if waits_on != replica_id:
+            # It waits on another replica (a later attempt): it still does.
+            calls[call] = waits_on
         if self.on_answer is not None:
             self.on_answer(replica_id, call)
 
     def waiting(self, replica_id: str) -> int:
-        return len(self._by_replica.get(replica_id, ()))
+        return sum(1 for r in self._calls.values() if r == replica_id)
 
     def by_replica(self) -> list[tuple[str, list[IReplicaLeft]]]:
         """
         Each replica with requests waiting, and those requests (a copy).
         """
-        return [(r, list(calls)) for r, calls in self._by_replica.items() if calls]
+        out: dict[str, list[IReplicaLeft]] = {}
+        for call, replica_id in self._calls.items():
+            out.setdefault(replica_id, []).append(call)
+        return list(out.items())
 
     def move(self, replica_id: str) -> int:
         """
         Send every request waiting on C{replica_id} elsewhere; returns how many.
         """
-        calls = self._by_replica.pop(replica_id, set())
-        for call in list(calls):
+        calls = [c for c, r in self._calls.items() if r == replica_id]
+        for call in calls:
+            del self._calls[call]
+        for call in calls:
             try:
                 call.replica_left()
             except Exception:
@@ -83,10 +91,7 @@ class Unstarted:
         table's replicas now) that its replica left; returns how many.
         """
         told = 0
-        for replica_id in [r for r in self._by_replica if r not in keep]:
-            if not self._by_replica[replica_id]:
-                del self._by_replica[replica_id]
-                continue
+        for replica_id in sorted({r for r in self._calls.values() if r not in keep}):
             self.log.warn("replica {replica} left the routing table with {n} request(s) "
                           "not answered yet: sending them elsewhere", replica=replica_id,
                           n=self.waiting(replica_id))

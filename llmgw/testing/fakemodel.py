@@ -107,6 +107,8 @@ class FakeModelConfig:
 
 
 METRICS_SHAPES = ("vllm", "sglang", "llamacpp", "garbage", "hang")
+#: Called with each new app (L{llmgw.testing.sleepsim} adds its endpoints).
+APP_HOOKS: list[Any] = []
 
 
 class _Error(Exception):
@@ -255,15 +257,11 @@ class _NotFound(_Base):
     def render(self, request: Any) -> Any:
         request.setHeader(b"x-fakemodel-instance", self.app.config.instance.encode())
         path = request.path.decode("utf-8", "replace")
-        return self.app.fail(
-            request, _Error(404, f"no route for {path}", code="not_found")
-        )
+        return self.app.fail(request, _Error(404, f"no route for {path}", code="not_found"))
 
 
 class _Dir(Resource):
-    """
-    A path segment whose unknown children answer with an OpenAI-shaped 404.
-    """
+    """A path segment whose unknown children answer with an OpenAI-shaped 404."""
 
     def __init__(self, missing: Resource):
         super().__init__()
@@ -308,6 +306,8 @@ class FakeModelApp:
         chat.putChild(b"completions", _Chat(self))
         v1.putChild(b"completions", _Completions(self))
         v1.putChild(b"embeddings", _Embeddings(self))
+        for hook in APP_HOOKS:
+            hook(self)
 
     # -- helpers --------------------------------------------------------------
 

@@ -186,7 +186,7 @@ class FetchProgress(_message.Message):
     def __init__(self, shard_id: _Optional[str] = ..., done: _Optional[int] = ..., total: _Optional[int] = ..., rate: _Optional[float] = ...) -> None: ...
 
 class ShardSignals(_message.Message):
-    __slots__ = ("shard_id", "waiting", "running", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "age_s", "error", "generated_tokens", "flat_for_s", "adapters")
+    __slots__ = ("shard_id", "waiting", "running", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "age_s", "error", "generated_tokens", "flat_for_s", "adapters", "sleeping", "wake_path")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -198,6 +198,8 @@ class ShardSignals(_message.Message):
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FLAT_FOR_S_FIELD_NUMBER: _ClassVar[int]
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    SLEEPING_FIELD_NUMBER: _ClassVar[int]
+    WAKE_PATH_FIELD_NUMBER: _ClassVar[int]
     shard_id: str
     waiting: float
     running: float
@@ -209,7 +211,9 @@ class ShardSignals(_message.Message):
     generated_tokens: float
     flat_for_s: float
     adapters: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, shard_id: _Optional[str] = ..., waiting: _Optional[float] = ..., running: _Optional[float] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[float] = ..., prefix_cache_hits: _Optional[float] = ..., age_s: _Optional[float] = ..., error: _Optional[str] = ..., generated_tokens: _Optional[float] = ..., flat_for_s: _Optional[float] = ..., adapters: _Optional[_Iterable[str]] = ...) -> None: ...
+    sleeping: bool
+    wake_path: str
+    def __init__(self, shard_id: _Optional[str] = ..., waiting: _Optional[float] = ..., running: _Optional[float] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[float] = ..., prefix_cache_hits: _Optional[float] = ..., age_s: _Optional[float] = ..., error: _Optional[str] = ..., generated_tokens: _Optional[float] = ..., flat_for_s: _Optional[float] = ..., adapters: _Optional[_Iterable[str]] = ..., sleeping: _Optional[bool] = ..., wake_path: _Optional[str] = ...) -> None: ...
 
 class GPUProblem(_message.Message):
     __slots__ = ("gpu_index", "problem")
@@ -284,7 +288,7 @@ class Ack(_message.Message):
     def __init__(self, message_id: _Optional[str] = ..., ok: _Optional[bool] = ..., code: _Optional[_Union[Ack.Code, str]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class StartShard(_message.Message):
-    __slots__ = ("shard_id", "replica_id", "model", "profile", "rank", "world_size", "leader_address", "argv", "env", "gpu_indices", "port", "health_path", "startup_timeout_s", "stop_grace_s", "epoch", "drain_timeout_s", "engine", "metrics_path", "metric_names", "stop_signal", "ready_while_alive", "source", "model_peers", "stall_after_s", "adapters")
+    __slots__ = ("shard_id", "replica_id", "model", "profile", "rank", "world_size", "leader_address", "argv", "env", "gpu_indices", "port", "health_path", "startup_timeout_s", "stop_grace_s", "epoch", "drain_timeout_s", "engine", "metrics_path", "metric_names", "stop_signal", "ready_while_alive", "source", "model_peers", "stall_after_s", "adapters", "sleep_level", "sleep_after_s")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -324,6 +328,8 @@ class StartShard(_message.Message):
     MODEL_PEERS_FIELD_NUMBER: _ClassVar[int]
     STALL_AFTER_S_FIELD_NUMBER: _ClassVar[int]
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    SLEEP_LEVEL_FIELD_NUMBER: _ClassVar[int]
+    SLEEP_AFTER_S_FIELD_NUMBER: _ClassVar[int]
     shard_id: str
     replica_id: str
     model: str
@@ -349,7 +355,9 @@ class StartShard(_message.Message):
     model_peers: _containers.RepeatedScalarFieldContainer[str]
     stall_after_s: float
     adapters: _containers.RepeatedCompositeFieldContainer[AdapterSource]
-    def __init__(self, shard_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., model: _Optional[str] = ..., profile: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., leader_address: _Optional[str] = ..., argv: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., gpu_indices: _Optional[_Iterable[int]] = ..., port: _Optional[int] = ..., health_path: _Optional[str] = ..., startup_timeout_s: _Optional[int] = ..., stop_grace_s: _Optional[int] = ..., epoch: _Optional[int] = ..., drain_timeout_s: _Optional[int] = ..., engine: _Optional[str] = ..., metrics_path: _Optional[str] = ..., metric_names: _Optional[_Mapping[str, str]] = ..., stop_signal: _Optional[str] = ..., ready_while_alive: _Optional[bool] = ..., source: _Optional[_Union[ModelSource, _Mapping]] = ..., model_peers: _Optional[_Iterable[str]] = ..., stall_after_s: _Optional[float] = ..., adapters: _Optional[_Iterable[_Union[AdapterSource, _Mapping]]] = ...) -> None: ...
+    sleep_level: int
+    sleep_after_s: float
+    def __init__(self, shard_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., model: _Optional[str] = ..., profile: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., leader_address: _Optional[str] = ..., argv: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., gpu_indices: _Optional[_Iterable[int]] = ..., port: _Optional[int] = ..., health_path: _Optional[str] = ..., startup_timeout_s: _Optional[int] = ..., stop_grace_s: _Optional[int] = ..., epoch: _Optional[int] = ..., drain_timeout_s: _Optional[int] = ..., engine: _Optional[str] = ..., metrics_path: _Optional[str] = ..., metric_names: _Optional[_Mapping[str, str]] = ..., stop_signal: _Optional[str] = ..., ready_while_alive: _Optional[bool] = ..., source: _Optional[_Union[ModelSource, _Mapping]] = ..., model_peers: _Optional[_Iterable[str]] = ..., stall_after_s: _Optional[float] = ..., adapters: _Optional[_Iterable[_Union[AdapterSource, _Mapping]]] = ..., sleep_level: _Optional[int] = ..., sleep_after_s: _Optional[float] = ...) -> None: ...
 
 class AdapterSource(_message.Message):
     __slots__ = ("name", "source")

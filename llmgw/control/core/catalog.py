@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llmgw import engineargv, engines, gputypes
+from llmgw import engineargv, engines, gputypes, sleepmodes
+from llmgw.control.core import multiplex as mpx
 from llmgw.control.core.adapters import Adapter, adapter_launch, parse_adapters, with_fixed_adapters
 from llmgw.control.core.autoscale import AutoscalePolicy
 from llmgw.control.core.catalogfields import AUTOSCALE_FIELDS as AUTOSCALE_FIELDS
@@ -108,6 +109,8 @@ class Profile:
     #: Most LoRA adapters a vLLM replica holds at once (loaded while it
     #: runs, L{llmgw.control.core.adapters}); 0: it serves none.
     max_loras: int = 0
+    #: How deep its engine sleeps (L{llmgw.sleepmodes}); 0: it never sleeps.
+    sleep_level: int = 0
 
     def launch(self, rank: int, deployment: Deployment | None = None) -> ShardSpec:
         """
@@ -131,15 +134,19 @@ class Profile:
         """
         argv, health_path = self.command, self.health_path
         source: ModelSource | None = None
+        sleep_after = deployment.multiplex.sleep_after_s if deployment is not None and self.sleep_level else 0.0
         if (deployment is not None and deployment.source is not None and not self.command
                 and self.engine in engineargv.LAUNCHABLE):
             source = deployment.source
+            flags = sleepmodes.start_flags(self.engine, sleep_after) if sleep_after else ()
             argv = engineargv.build_argv(
                 self.engine, weights=engineargv.WEIGHTS, host="{host}", port="{port}",
                 served_name="{model}", tensor_parallel=self.gpus_per_shard,
-                args=deployment.args, program=self.program, metrics=bool(self.metrics_path),
+                args=(*flags, *deployment.args), program=self.program, metrics=bool(self.metrics_path),
             )
         argv, env, fixed = adapter_launch(self, deployment, argv)
+        if source is not None and sleep_after:
+            env = {**sleepmodes.start_env(self.engine), **env}
         if rank > 0 and self.worker_command:
             argv, health_path = self.worker_command, self.worker_health_path
         return ShardSpec(
@@ -150,6 +157,8 @@ class Profile:
             metrics_path=self.metrics_path if rank == 0 else "",
             metric_names=self.metric_names if rank == 0 else {}, stop_signal=self.stop_signal,
             source=source, stall_after_s=self.stall_after_s,
+            sleep_level=self.sleep_level if rank == 0 and sleep_after else 0,
+            sleep_after_s=sleep_after if rank == 0 else 0.0,
         )
 
 
@@ -192,6 +201,8 @@ class Deployment:
     #: at its start), in the order of their ids; set from the catalog's
     #: C{[[adapters]]}.
     adapters: tuple[Adapter, ...] = ()
+    #: Sleeping and eviction (L{llmgw.control.core.multiplex}).
+    multiplex: mpx.Multiplex = mpx.Multiplex()
 
     @property
     def profile_names(self) -> tuple[str, ...]:
@@ -278,6 +289,7 @@ _PROFILE_FIELDS: dict[str, type | tuple[type, ...]] = {
     "gpu_types": list,
     "prefer_gpu_types": list,
     "max_loras": int,
+    mpx.PROFILE_FIELD: int,
 }
 _DEPLOYMENT_FIELDS: dict[str, type | tuple[type, ...]] = {
     "model": str,
@@ -301,6 +313,7 @@ _DEPLOYMENT_FIELDS: dict[str, type | tuple[type, ...]] = {
     "max_unavailable": int,
     "resume_streams": bool,
     "variants": list,
+    **mpx.FIELDS,
 }
 _TYPE_NAMES: dict[Any, str] = {int: "an integer", str: "a string", list: "a list", dict: "a table",
                                (int, float): "a number", bool: "true or false"}
@@ -416,6 +429,10 @@ def parse_profile(name: str, raw: Any) -> Profile:
     if not (math.isfinite(profile.stall_after_s) and profile.stall_after_s >= 0):
         raise CatalogError(f"{where}: field 'stall_after_s' must be 0 (off) or more seconds, "
                            f"not {profile.stall_after_s}")
+    try:
+        mpx.check_profile(where, engine_name, profile.sleep_level)
+    except ValueError as e:
+        raise CatalogError(str(e)) from None
     if profile.shards > 1 and not profile.fabric:
         raise CatalogError(
             f"{where}: field 'fabric' is required when shards > 1 "
@@ -567,7 +584,14 @@ def parse_deployment(index: int, raw: Any, profiles: Mapping[str, Profile]) -> D
     if raw.get("max_surge", 1) == 0 and raw.get("max_unavailable", 1) == 0:
         raise CatalogError(f"{where}: fields 'max_surge' and 'max_unavailable' cannot both be 0 "
                            "(a rollout could never replace a replica)")
+    try:
+        rules = mpx.parse(where, raw, [profiles[p].sleep_level for p in (v.profile for v in variants)]
+                                or [profiles[profile].sleep_level],
+                                autoscale.scale_to_zero_after_s if autoscale and not autoscale.min_replicas else None)
+    except ValueError as e:
+        raise CatalogError(str(e)) from None
     return Deployment(model=raw["model"], profile=profile, replicas=replicas, routing=routing, variants=variants,
+                      multiplex=rules,
                       autoscale=autoscale, queue_depth=queue_depth, queue_timeout_s=queue_timeout,
                       source=source, args=tuple(raw.get("args", ())), prefetch=prefetch,
                       max_surge=raw.get("max_surge"), max_unavailable=raw.get("max_unavailable"),

@@ -133,6 +133,8 @@ class Context:
         self.frozen = False
         self.frozen_reason = ""
         self.prefetch = PrefetchState()
+        #: Replica -> since when its engine sleeps (L{llmgw.control.core.sleeping}).
+        self.sleeping_since: dict[str, float] = {}
         #: Rollouts, and the spec each replica was placed from.
         self.rollouts = RolloutBook()
         self.set_epoch(epoch)

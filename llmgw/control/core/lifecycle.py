@@ -62,7 +62,10 @@ def send_start(ctx: Context, rep: ReplicaRec, shard: ShardRec, now: float, first
         node = ctx.inventory.peek(leader.node_id) if leader is not None else None
         fabrics = node.fabrics if node is not None else {}
         deployment = ctx.catalog.deployments.get(rep.model)
-        if spec is not None and deployment is not None:
+        if spec is not None and deployment is not None and (
+                deployment.profile != rep.profile or deployment.source != spec.source
+                or deployment.args != spec.args or deployment.adapters != spec.adapters):
+            # Only when they differ (a variant, a rollout's other spec): a copy costs every field.
             deployment = replace(deployment, profile=rep.profile, source=spec.source, args=spec.args,
                                  adapters=spec.adapters)
         command = start_command(rep, shard, profile, fabrics, deployment)

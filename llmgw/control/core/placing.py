@@ -73,8 +73,10 @@ def reconcile(ctx: Context, now: float, placer: Placer, sync: Callable[[], bool]
             synced = True
         return place(ctx, dep, spec, placer, over_budget, now, out)
 
-    for model in sorted(ctx.catalog.deployments):
-        dep = ctx.catalog.deployments[model]
+    deps = ctx.catalog.deployments
+    # The more important first where room is short (DESIGN §22).
+    for model in sorted(deps, key=lambda m: (-deps[m].multiplex.priority, m)):
+        dep = deps[model]
         desired = ctx.desired.get(model, dep.replicas)
         state = ctx.deps[model]
         active = st.active[model]

@@ -265,7 +265,12 @@ def engine_signals(ctx: Context, store: SignalStore, node_id: str, msgs: Iterabl
     """
     st = ctx.state
     msgs = list(msgs)
-    before = {sid for sid in st.node_shards.get(node_id, ()) if store.get(sid) is not None}
+    held = st.node_shards.get(node_id, ())
+    if not msgs and not held:
+        # The heartbeat of an idle node: only what it said before goes.
+        store.record(node_id, ())
+        return
+    before = {sid for sid in held if store.get(sid) is not None}
     store.record(node_id, [(m.shard_id, signals_from_message(m, now)) for m in msgs
                            if shard_node(ctx, m.shard_id) == node_id])
     for sid in sorted(before | {m.shard_id for m in msgs}):

@@ -49,7 +49,6 @@ def start_message(cmd: ShardCommand, epoch: int) -> pb.ControlMessage:
     start = cmd.to_message()
     # The sender's epoch, stamped as it goes: a command's own is 0 until then.
     start.epoch = epoch
-    start.model_peers.extend(cmd.model_peers)
     return pb.ControlMessage(start=start)
 
 

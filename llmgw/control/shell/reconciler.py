@@ -9,18 +9,15 @@ Data flows one way:
   1. agent reports, admin calls and passes (a C{LoopingCall} every
      C{pass_interval}; passes never overlap, a failed one is logged and
      the loop goes on) come in here, with the time from the injected clock;
-  2. a decision takes the L{Context} (the L{FleetState} that owns every
-     record and index, the catalog, the rules, each deployment's backoff),
-     the input and the time, and returns an L{Outcome}: commands and
-     events. Decisions live in L{reports} (adoption, registration, shard
-     status, refused commands, engine signals), L{nodes} (expiry and the
-     freeze, removal, cordon, drain), L{deadlines} (timeouts, drains,
-     incomplete replicas), L{placing} (scale and placement, within the
-     pass's budget) and L{lifecycle} (what those share);
-  3. this shell logs the events and queues the commands (L{Outbox}), sent after the
-     handler that caused them has returned (never re-entrantly into the
-     agent service), then projects the models whose routes changed into
-     L{routing_table}, whose revision increases.
+  2. a decision takes the L{Context} (the L{FleetState}, the catalog, the
+     rules, each deployment's backoff), the input and the time, and returns
+     an L{Outcome}: commands and events (L{reports}, L{nodes},
+     L{deadlines}, L{placing}, L{lifecycle} and the smaller modules of
+     C{llmgw.control.core});
+  3. this shell logs the events and queues the commands (L{Outbox}), sent
+     after the handler that caused them has returned (never re-entrantly
+     into the agent service), then projects the models whose routes
+     changed into L{routing_table}, whose revision increases.
 
 A pass with more to place than its budget (C{pass_budget}, 20 ms) allows
 stops there, and the next one runs at once; so does one that judged
@@ -48,6 +45,8 @@ from llmgw.control.core.commands import send
 from llmgw.control.core.context import MAX_SENDS, STOP_SLACK, Context, DeploymentState, Rules
 from llmgw.control.core.kept import KeptState
 from llmgw.control.core.outcome import Outcome
+from llmgw.control.core.sleeping import record as record_sleep
+from llmgw.control.core.swapping import Swapping
 from llmgw.control.core.wedged import Progress, check_node
 from llmgw.control.core.wedged import check as check_wedged
 from llmgw.control.shell import views
@@ -175,8 +174,7 @@ class Reconciler(RolloutControl, ModelControl, Service):
         self.pass_interval = pass_interval
         self.pass_budget = pass_budget
         self.after_growth = after_growth
-        #: The decisions' inputs: the fleet state, every record and index
-        #: of the fleet, among them.
+        #: The decisions' inputs, the fleet state among them.
         self.ctx = Context(
             FleetState(PortBook(*catalog.port_range)), catalog, inventory,
             Rules(suspect_after, lost_after, adoption_grace, pending_timeout, freeze_share),
@@ -231,6 +229,7 @@ class Reconciler(RolloutControl, ModelControl, Service):
         #: Autoscaled deployments' memory and the demand they follow.
         self.autoscaling = scaler.Autoscaling()
         self.adapter_loading = AdapterLoading()
+        self.swapping = Swapping()
         #: Called (no arguments) when L{end_adoption_grace} ends the grace
         #: early: an HA leader republishes its routes then, not at the old end.
         self.grace_ended_listeners: list[Callable[[], None]] = []
@@ -391,11 +390,16 @@ class Reconciler(RolloutControl, ModelControl, Service):
 
     def record_engine_signals(self, node_id: str, msgs: Iterable[Any]) -> None:
         now = self.clock.seconds()
-        reports.engine_signals(self.ctx, self.engine_signals, node_id, msgs, now)
-        self._decide(check_node, self.engine_signals, self.progress, node_id, now)
+        if self.ctx.state.node_shards.get(node_id):
+            self._decide(record_sleep, self.engine_signals, node_id, msgs, now)
+            self._decide(check_node, self.engine_signals, self.progress, node_id, now)
+        else:  # a node without shards has none to wedge or to wake: no decision to make
+            reports.engine_signals(self.ctx, self.engine_signals, node_id, msgs, now)
+            self.outbox.settle()
 
     def record_fetches(self, node_id: str, msgs: Iterable[Any]) -> None:
-        reports.fetches(self.ctx, node_id, msgs)
+        if self.ctx.state.node_shards.get(node_id):  # else none of its shards is fetching
+            reports.fetches(self.ctx, node_id, msgs)
 
     def fetch_rows(self) -> list[tuple[str, str, str, str, FetchProgress]]:
         return views.fetch_rows(self)
@@ -505,6 +509,7 @@ class Reconciler(RolloutControl, ModelControl, Service):
         placing_left = placing.reconcile(
             ctx, now, p.placer, lambda: p.sync(ctx, self._connected_for(now), self._over_budget),
             self._over_budget, out)
+        self.swapping.tick(ctx, self.autoscaling.scalers, lambda: self._connected_for(now), now, out)
         prefetching.step(ctx, ctx.prefetch, lambda: self._connected_for(now), now, out)
         self.pass_unfinished = expiry_left or placing_left
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 from typing import TYPE_CHECKING, Any
 
+from llmgw.control.core.sleeping import asleep
 from llmgw.control.state.fetches import FetchProgress
 from llmgw.control.state.fleetstate import Phase
 from llmgw.control.state.signals import ShardSignals, signals_json
@@ -174,6 +175,8 @@ def replicas(rec: Reconciler) -> list[dict[str, Any]]:
                 "adopted": rep.adopted,
                 "created": rep.created_at,
                 "ready_since": rep.ready_since,
+                # Its engine sleeps (DESIGN §22); None: it does not sleep.
+                "sleeping": asleep(rep),
                 "shards": [
                     {
                         "id": s.id,

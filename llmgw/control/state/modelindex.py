@@ -85,6 +85,10 @@ class CacheRoom:
     free: int = 0
 
 
+#: A node's cache before it says anything of it (shared: frozen).
+_NO_ROOM = CacheRoom()
+
+
 class ModelIndex:
     """
     The nodes' cache reports and the index over them.
@@ -110,19 +114,22 @@ class ModelIndex:
         """
         changed = False
         if copies is not None:
-            new = bounded(copies)
-            old = self._by_node.get(node_id, {})
-            if {k: c.state for k, c in old.items()} != {k: c.state for k, c in new.items()}:
-                changed = True
-            self._unindex(node_id, old)
-            if new:
-                self._by_node[node_id] = new
-            else:
-                self._by_node.pop(node_id, None)
-            for key, c in new.items():
-                (self._complete if c.complete else self._partial).setdefault(key, set()).add(node_id)
+            new = bounded(copies) if copies else {}
+            old = self._by_node.get(node_id)
+            # Else an empty cache, as before: the report of most nodes most of the time.
+            if old or new:
+                old = old or {}
+                if {k: c.state for k, c in old.items()} != {k: c.state for k, c in new.items()}:
+                    changed = True
+                self._unindex(node_id, old)
+                if new:
+                    self._by_node[node_id] = new
+                else:
+                    self._by_node.pop(node_id, None)
+                for key, c in new.items():
+                    (self._complete if c.complete else self._partial).setdefault(key, set()).add(node_id)
         if room is not None:
-            before = self._room.get(node_id, CacheRoom())
+            before = self._room.get(node_id, _NO_ROOM)
             changed = changed or before.capacity != room.capacity
             self._room[node_id] = room
         if peer_address is not None:
@@ -191,7 +198,7 @@ class ModelIndex:
         return None
 
     def room(self, node_id: str) -> CacheRoom:
-        return self._room.get(node_id, CacheRoom())
+        return self._room.get(node_id, _NO_ROOM)
 
     def too_small(self, key: str, node_id: str) -> bool:
         """
@@ -200,7 +207,7 @@ class ModelIndex:
         """
         if not key:
             return False
-        capacity = self._room.get(node_id, CacheRoom()).capacity
+        capacity = self._room.get(node_id, _NO_ROOM).capacity
         if not capacity:
             return False
         size = self.size(key)

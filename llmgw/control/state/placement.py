@@ -172,8 +172,9 @@ class PortBook:
         raise NoPortFree(f"every port in {self.first}..{self.last} is in use on {host}")
 
 
-def _key(node: NodeCapacity) -> tuple[int, int, str]:
-    return (len(node.free), sum(f for f, _ in node.free), node.id)
+def _key(node: NodeCapacity) -> tuple[int, int, int, int, str]:
+    # The heap entry of a group with no weights and no preferred types.
+    return (0, 0, len(node.free), sum(f for f, _ in node.free), node.id)
 
 
 #: A group's key: the group, the fabric (multi-shard only), GPUs per shard,
@@ -230,7 +231,7 @@ class Placer:
         weights: ModelIndex | None = None,
     ):
         self._nodes: dict[str, NodeCapacity] = {}
-        self._keys: dict[str, tuple[int, int, str]] = {}
+        self._keys: dict[str, Entry] = {}
         self._by_fabric: dict[str, dict[str, None]] = {}
         self._spread = spread
         self._live = live_spread
@@ -277,21 +278,29 @@ class Placer:
         node = self._nodes.get(node_id)
         if node is None:
             return
+        spread, extras = self._spread, self._extra
         for gkey, members in self._members.items():
             group, fabric, gpus, mem, weights, types, prefer = gkey
             live = members.get(node_id)
-            tier = self._count(group, node_id)
+            plain = not weights and not prefer
             # A live entry that sorts too early is put right when it comes
             # up; one that sorts too late (the node now holds fewer of the
             # group's shards) would let nodes that hold more be taken first.
-            if live is not None and tier >= live[0] and not weights and not prefer:
+            # One in tier 0 never does: the node's shards are not looked up.
+            if plain and live is not None and live[0] == 0:
+                continue
+            # self._count(group, node_id), inline: once per group per node changed
+            base, extra = spread.get(group), extras.get(group)
+            tier = ((base.get(node_id, 0) if base is not None else 0)
+                    + (extra.get(node_id, 0) if extra is not None else 0))
+            if plain and live is not None and tier >= live[0]:
                 continue
             if fabric and fabric not in node.fabrics:
                 continue
             if (self._fit(node, Request(group, 1, gpus, mem, gpu_types=types, prefer_gpu_types=prefer))
-                    is None or self._refused(gkey, node_id)):
+                    is None or (not plain and self._refused(gkey, node_id))):
                 continue
-            entry = self._entry(gkey, node_id)
+            entry = self._keys[node_id] if plain else self._entry(gkey, node_id)
             if live is not None and (tier > live[0] or (tier == live[0] and entry[:2] >= live[1][:2])):
                 # Its live entry comes up no later than the node now sorts
                 # (tier, preferred types and weights no better): put right
@@ -302,6 +311,8 @@ class Placer:
 
     def _entry(self, gkey: GroupKey, node_id: str) -> Entry:
         weights, prefer = gkey[4], gkey[6]
+        if not weights and not prefer:
+            return self._keys[node_id]
         rank = self._weights.rank(weights, node_id) if weights and self._weights is not None else 0
         liked = 0
         if prefer:
@@ -311,7 +322,7 @@ class Placer:
                                           prefer_gpu_types=prefer))
             liked = max((preference(node.names.get(i, ""), prefer) for _, i in fit or ()),
                         default=len(prefer))
-        return (liked, rank, *self._keys[node_id])
+        return (liked, rank, *self._keys[node_id][2:])
 
     def _refused(self, gkey: GroupKey, node_id: str) -> bool:
         weights = gkey[4]
@@ -362,15 +373,18 @@ class Placer:
         # least one chunk a call, so every call makes progress); a node
         # that update() gave an entry meanwhile is not given another.
         members = self._members[gkey]
+        # No weights and no preferred types (most groups): a node's entry is its key.
+        plain = not gkey[4] and not gkey[6]
+        keys = self._keys
         while left:
             chunk = left[-_CHUNK:]
             del left[-_CHUNK:]
             for node_id in chunk:
                 node = self._nodes.get(node_id)
                 if (node is None or node_id in members or self._fit(node, req) is None
-                        or self._refused(gkey, node_id)):
+                        or (not plain and self._refused(gkey, node_id))):
                     continue
-                entry = self._entry(gkey, node_id)
+                entry = keys[node_id] if plain else self._entry(gkey, node_id)
                 tier = self._count(req.group, node_id)
                 members[node_id] = (tier, entry)
                 tiers.setdefault(tier, []).append(entry)
@@ -394,6 +408,7 @@ class Placer:
             return BUSY
         gkey = self._gkey(req)
         members = self._members[gkey]
+        plain = not gkey[4] and not gkey[6]  # as in _tiers
         chosen: list[tuple[str, list[tuple[int, int]], int]] = []
         while len(chosen) < req.shards:
             # The lowest tier with candidates, looked for afresh each time:
@@ -411,7 +426,7 @@ class Placer:
             if node_id not in self._keys:
                 del members[node_id]
                 continue
-            current = self._entry(gkey, node_id)
+            current = self._keys[node_id] if plain else self._entry(gkey, node_id)
             count = self._count(req.group, node_id)
             if current != key or count != tier:
                 # Changed since it was pushed: back with what it is now.
@@ -419,7 +434,7 @@ class Placer:
                 heapq.heappush(tiers.setdefault(count, []), current)
                 continue
             gpus = self._fit(self._nodes[node_id], req)
-            if gpus is None or self._refused(gkey, node_id):
+            if gpus is None or (not plain and self._refused(gkey, node_id)):
                 # Until it changes again (update() pushes it then).
                 del members[node_id]
                 continue
@@ -445,7 +460,7 @@ class Placer:
                 extra[node_id] = extra.get(node_id, 0) + 1
             self._take(node_id, gpus)
             if node_id in self._keys:
-                entry = self._entry(gkey, node_id)
+                entry = self._keys[node_id] if plain else self._entry(gkey, node_id)
                 members[node_id] = (tier + 1, entry)
                 heapq.heappush(tiers.setdefault(tier + 1, []), entry)
             else:

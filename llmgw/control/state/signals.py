@@ -62,7 +62,11 @@ def from_message(msg: pb.ShardSignals, now: float) -> ShardSignals:
         if value is not None and not (math.isfinite(value) and value >= 0):
             value = None
         values[name] = value
-    return ShardSignals(EngineSignals(sampled_at=now - min(age, 1e9), **values), error, flat)
+    sleeping = msg.sleeping if msg.HasField("sleeping") else None
+    # The wake path is the agent's word on its engine: a path, bounded.
+    wake = msg.wake_path if msg.wake_path.startswith("/") and len(msg.wake_path) <= 200 else ""
+    return ShardSignals(EngineSignals(sampled_at=now - min(age, 1e9), sleeping=sleeping, wake_path=wake, **values),
+                        error, flat)
 
 
 class SignalStore:
@@ -110,11 +114,12 @@ def signals_json(entry: ShardSignals | None, now: float) -> dict[str, Any] | Non
     if entry is None:
         return None
     out: dict[str, Any] = dict.fromkeys(SIGNALS)
-    out["age_s"] = None
+    out["age_s"] = out["sleeping"] = None
     if entry.signals is not None:
         for name in SIGNALS:
             out[name] = getattr(entry.signals, name)
         out["age_s"] = round(entry.signals.age(now), 3)
+        out["sleeping"] = entry.signals.sleeping
     out["error"] = entry.error or None
     return out
 
@@ -159,6 +164,12 @@ class EngineSignalsCollector(Collector):
             "Age of the newest engine signals of each shard (grows while scrapes fail).",
             labels=labels,
         )
+        sleeping = GaugeMetricFamily(
+            "llmgw_engine_sleeping",
+            "1 while the shard's engine sleeps (its memory freed, its process kept), 0 while "
+            "awake; absent for engines that do not sleep.",
+            labels=labels,
+        )
         for model, replica, shard, entry in rows:
             if entry.signals is None:
                 continue
@@ -168,5 +179,8 @@ class EngineSignalsCollector(Collector):
                 if value is not None:
                     family.add_metric(key, value)
             age.add_metric(key, entry.signals.age(now))
+            if entry.signals.sleeping is not None:
+                sleeping.add_metric(key, 1.0 if entry.signals.sleeping else 0.0)
         yield from families.values()
         yield age
+        yield sleeping

@@ -485,8 +485,9 @@ function fetchText(f) {
 function replicaCells(r) {
   const shards = (r.shards || []).map((s) => s.node + ":" + (s.gpus || []).join(",") + " " + s.state +
     (s.fetch ? " " + fetchText(s.fetch) : "")).join("; ");
-  return ["<span>" + esc(r.id) + "</span>", "<span>" + esc(r.model) + "</span>", '<span class="rstate s-' + esc(r.state) + '">' +
-    esc(r.state) + (r.draining ? " (draining)" : "") + "</span>", "<span>" + esc(shards) + "</span>",
+  const adapters = (r.adapters || []).length ? " + " + r.adapters.join(", ") : "";
+  return ["<span>" + esc(r.id) + "</span>", "<span>" + esc(r.model + adapters) + "</span>", '<span class="rstate s-' + esc(r.state) + '">' +
+    esc(r.state) + (r.draining ? " (draining)" : "") + (r.sleeping ? " (asleep)" : "") + "</span>", "<span>" + esc(shards) + "</span>",
     "<span>" + esc(signalsText(r.shards)) + "</span>"];
 }
 

@@ -33,7 +33,7 @@ function summary(kind, v) {
   if (kind === "node") return JSON.stringify([v.state, v.cordoned, v.draining, v.connected, v.certificate_not_after]);
   // A fetch's whole percent counts as state: the deploy view shows it for
   // rows the tables may not, and only fetching replicas have one.
-  return JSON.stringify([v.model, v.state, v.draining, v.adapters, (v.shards || []).map((s) =>
+  return JSON.stringify([v.model, v.state, v.draining, v.sleeping, v.adapters, (v.shards || []).map((s) =>
     [s.id, s.node, s.gpus, s.state, s.fetch && s.fetch.total ? Math.floor((100 * s.fetch.done) / s.fetch.total) : null])]);
 }
 

@@ -1,0 +1,212 @@
+"""
+The agent's side of sleeping engines (DESIGN §22): which of its shards
+sleep, and putting idle ones to sleep.
+
+A shard sleeps when its spec says how (C{sleep_level} above 0, an engine of
+L{llmgw.sleepmodes}) and it is its replica's leader. About once a second,
+for each such ready shard, L{Sleeper}:
+
+  - asks the engine whether it sleeps where it can say (vLLM's
+    C{/is_sleeping}, llama.cpp's C{/props}); SGLang cannot, so the agent
+    keeps its own word and takes requests running or tokens generated
+    since it slept as the sign that a gateway woke it;
+  - counts it busy while the scraper's newest figures show requests
+    running or waiting, and puts it to sleep (vLLM, SGLang) once it has
+    been idle for the spec's C{sleep_after_s}; llama.cpp keeps that timer
+    itself (C{--sleep-idle-seconds});
+  - calls C{on_change} when a shard falls asleep or wakes, so that the
+    control plane hears it at once rather than at the next heartbeat.
+
+Waking is the gateway's (L{llmgw.gateway.waking}): a request that finds
+every replica asleep wakes one, and the next look here sees it awake.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from twisted.application.service import Service
+from twisted.internet import defer
+from twisted.internet.task import LoopingCall
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from llmgw import sleepmodes
+from llmgw.addresses import format_address
+from llmgw.agent.scrape import Scraper
+from llmgw.agent.supervisor import Supervisor
+from llmgw.states import ShardState
+
+#: Seconds between looks.
+SLEEP_INTERVAL = 1.0
+
+
+@dataclass
+class SleepState:
+    """
+    What the agent knows of one shard's sleep: whether it sleeps (C{None}
+    before the first answer), when it was last seen busy, whether a call
+    is in flight, and its generated-token count when it fell asleep.
+    """
+
+    busy_at: float
+    sleeping: bool | None = None
+    calling: bool = False
+    tokens_at_sleep: float | None = None
+    slept_at: float = 0.0
+
+
+class Sleeper(Service):
+    """
+    Watches and sleeps the supervisor's sleeping-capable shards (see the
+    module). C{call(method, url, body)} makes an HTTP call and fires with
+    the body of a 200 (L{llmgw.agent.scrape.HttpFetcher.call}).
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        clock: Any,
+        supervisor: Supervisor,
+        scraper: Scraper,
+        call: Callable[[bytes, str, bytes | None], defer.Deferred[bytes]],
+        host: Callable[[], str] = lambda: "127.0.0.1",
+        interval: float = SLEEP_INTERVAL,
+    ):
+        self.clock = clock
+        self.supervisor = supervisor
+        self.scraper = scraper
+        self.call = call
+        self.host = host
+        self.interval = interval
+        self.states: dict[str, SleepState] = {}
+        #: Called with a shard id when it fell asleep or woke.
+        self.on_change: Callable[[str], None] = lambda shard_id: None
+        self._loop: LoopingCall | None = None
+
+    def startService(self) -> None:
+        super().startService()
+        self._loop = LoopingCall(self._tick_safely)
+        self._loop.clock = self.clock
+        self._loop.start(self.interval, now=False)
+
+    def stopService(self) -> Any:
+        super().stopService()
+        if self._loop is not None and self._loop.running:
+            self._loop.stop()
+        return None
+
+    def state_of(self, shard_id: str) -> tuple[bool | None, str]:
+        """
+        Whether C{shard_id} sleeps (C{None}: it does not sleep, or is not
+        known yet) and the path that wakes it ("": a request does).
+        """
+        st = self.states.get(shard_id)
+        record = self.supervisor.shards.get(shard_id)
+        mode = sleepmodes.mode(record.spec.engine) if record is not None else None
+        if st is None or mode is None:
+            return None, ""
+        return st.sleeping, mode.wake_path
+
+    def _tick_safely(self) -> None:
+        try:
+            self.tick()
+        except Exception:
+            self.log.failure("a pass over the sleeping engines failed; the next one goes on")
+
+    def tick(self) -> None:
+        now = self.clock.seconds()
+        seen = set()
+        for shard in self.supervisor.live_shards():
+            spec = shard.spec
+            mode = sleepmodes.mode(spec.engine)
+            if (mode is None or spec.sleep_level <= 0 or spec.rank != 0 or shard.state != ShardState.READY
+                    or shard.stopping):
+                continue
+            seen.add(spec.shard_id)
+            st = self.states.get(spec.shard_id)
+            if st is None:
+                st = self.states[spec.shard_id] = SleepState(busy_at=now)
+            self._look(spec.shard_id, spec.port, spec.engine, spec.sleep_level, spec.sleep_after_s, mode, st, now)
+        for gone in [s for s in self.states if s not in seen]:
+            del self.states[gone]
+
+    def _look(self, shard_id: str, port: int, engine: str, level: int, after: float,
+              mode: sleepmodes.SleepMode, st: SleepState, now: float) -> None:
+        sample = self.scraper.samples.get(shard_id)
+        sig = sample.signals if sample is not None else None
+        busy = sig is not None and ((sig.running or 0) > 0 or (sig.waiting or 0) > 0)
+        if busy and sig is not None and sig.sampled_at > st.slept_at:
+            st.busy_at = now
+        if st.calling:
+            return
+        base = f"http://{format_address(self.host(), port)}"
+        if not mode.status_path:
+            if st.sleeping is None:
+                # An engine that cannot say starts awake.
+                st.sleeping = False
+            elif st.sleeping and sig is not None and sig.sampled_at > st.slept_at and (
+                    busy or (sig.generated_tokens or 0) > (st.tokens_at_sleep or 0)):
+                self._set(shard_id, st, False, now)
+        idle = sig is not None and sig.running is not None and not busy
+        if (mode.sleep_path and st.sleeping is False and after > 0 and idle
+                and now - st.busy_at >= after):
+            self._sleep(shard_id, engine, base + mode.sleep_path.format(level=level), st, now - st.busy_at)
+        elif mode.status_path:
+            self._ask(shard_id, engine, base + mode.status_path, st)
+
+    def _set(self, shard_id: str, st: SleepState, sleeping: bool, now: float) -> None:
+        if st.sleeping == sleeping:
+            return
+        was, st.sleeping = st.sleeping, sleeping
+        if sleeping:
+            st.slept_at = now
+        else:
+            # Just woken: the request that woke it is on its way, so the
+            # idle timer starts again rather than putting it back to sleep.
+            st.busy_at = now
+        if was is not None:
+            self.log.info("shard {shard} is {what}", shard=shard_id, what="asleep" if sleeping else "awake")
+            self.on_change(shard_id)
+
+    def _ask(self, shard_id: str, engine: str, url: str, st: SleepState) -> None:
+        st.calling = True
+
+        def answered(body: bytes) -> None:
+            st.calling = False
+            try:
+                sleeping = sleepmodes.read_status(engine, body)
+            except ValueError as e:
+                self.log.warn("shard {shard}: {error}", shard=shard_id, error=str(e))
+                return
+            self._set(shard_id, st, sleeping, self.clock.seconds())
+
+        def failed(f: Failure) -> None:
+            # A failed look leaves the state as it was; the next pass asks again.
+            st.calling = False
+
+        self.call(b"GET", url, None).addCallbacks(answered, failed)
+
+    def _sleep(self, shard_id: str, engine: str, url: str, st: SleepState, idle_for: float) -> None:
+        st.calling = True
+        sample = self.scraper.samples.get(shard_id)
+        tokens = sample.signals.generated_tokens if sample is not None and sample.signals is not None else None
+
+        def done(_: bytes) -> None:
+            st.calling = False
+            st.tokens_at_sleep = tokens
+            self.log.info("shard {shard}: idle for {idle:.1f}s, its engine is put to sleep",
+                          shard=shard_id, idle=idle_for)
+            self._set(shard_id, st, True, self.clock.seconds())
+
+        def failed(f: Failure) -> None:
+            st.calling = False
+            # Not again at once: a refusal (sleep mode off) would repeat every second.
+            st.busy_at = self.clock.seconds()
+            self.log.warn("shard {shard}: putting its engine to sleep failed: {why}; tried again after "
+                          "the next idle period", shard=shard_id, why=f.getErrorMessage())
+
+        self.call(b"POST", url, sleepmodes.sleep_body(engine)).addCallbacks(done, failed)

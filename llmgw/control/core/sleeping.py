@@ -1,0 +1,64 @@
+"""
+Sleeping replicas on the control plane's side (DESIGN §22): what a
+heartbeat says of its leaders' sleep becomes an event when it changes
+(C{replica_asleep}, C{replica_awake} with how long it slept), and which
+replicas sleep is read from their leaders' signals for the admin API,
+placement and eviction.
+
+The agent decides when an idle engine sleeps (L{llmgw.agent.sleep}) and
+a gateway wakes it (L{llmgw.gateway.waking}); the control plane only
+watches, so a sleep costs it no command and no round trip.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from llmgw.control.core import reports
+from llmgw.control.core.context import Context
+from llmgw.control.core.outcome import Outcome
+from llmgw.control.state.fleetstate import ReplicaRec
+from llmgw.control.state.signals import SignalStore
+
+
+def asleep(rep: ReplicaRec) -> bool | None:
+    """
+    Whether C{rep}'s engine sleeps, by its leader's newest signals;
+    C{None} when it does not sleep (or nothing was heard).
+    """
+    leader = rep.shards.get(0)
+    sig = leader.signals if leader is not None else None
+    return sig.sleeping if sig is not None else None
+
+
+def record(ctx: Context, store: SignalStore, node_id: str, msgs: Iterable[Any], now: float,
+           out: Outcome) -> None:
+    """
+    Keep a heartbeat's engine signals (L{reports.engine_signals}), with an
+    event for each of the node's replicas that fell asleep or woke.
+    """
+    st = ctx.state
+    leaders = [st.shards[sid] for sid in st.node_shards.get(node_id, ()) if st.shards[sid].rank == 0]
+    before = {s.replica_id: (s.signals.sleeping if s.signals is not None else None) for s in leaders}
+    reports.engine_signals(ctx, store, node_id, msgs, now)
+    for gone in [r for r in ctx.sleeping_since if r not in st.replicas]:
+        del ctx.sleeping_since[gone]
+    for shard in leaders:
+        sig = shard.signals
+        now_asleep = sig.sleeping if sig is not None else None
+        was = before.get(shard.replica_id)
+        if was is None or now_asleep is None or was == now_asleep:
+            continue
+        rep = st.replicas.get(shard.replica_id)
+        if rep is None:
+            continue
+        since = ctx.sleeping_since
+        if now_asleep:
+            since[rep.id] = now
+            out.event("replica_asleep", replica=rep.id, node=node_id,
+                      reason=f"model {rep.model}: its engine sleeps (its GPU memory reclaimable)")
+        else:
+            slept = now - since.pop(rep.id, now)
+            out.event("replica_awake", replica=rep.id, node=node_id,
+                      reason=f"model {rep.model}: its engine woke after {slept:.1f}s asleep")
