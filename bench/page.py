@@ -23,7 +23,9 @@ sample of the L{SeriesKeeper}, as its 10 s loop would.
     reactor turn (C{callLater(0)}); each turn is timed alone (process CPU
     time) on the keeper's own clock, the longest one the figure the
     reactor feels (C{turn_cpu_ms_max}), with the turns a sample takes.
-    C{--slice-nodes} sets the nodes a turn (0: the keeper's default).
+    C{--slice-nodes} sets the nodes a turn (0: the keeper's default). The
+    first turn also reads the gateway's counts, the last publishes the
+    sample: each has its own figure.
   - the answer: C{GET /api/v1/series}'s view, first (since=0) and a
     poll's (since the newest), its time and JSON size.
 
@@ -216,6 +218,8 @@ def curves(nodes: int, steps: int, gc_threshold: int, slice_nodes: int = 0) -> d
     # on a shared machine falls on both.
     with_keeper, without, samples = [], [], []
     turns: list[float] = []
+    firsts: list[float] = []
+    lasts: list[float] = []
     turns_per_sample: list[int] = []
     for i in range(2 * steps):
         t0 = time.process_time()
@@ -224,6 +228,8 @@ def curves(nodes: int, steps: int, gc_threshold: int, slice_nodes: int = 0) -> d
             these = sample(keeper)
             samples.append(sum(these))
             turns.extend(these)
+            firsts.append(these[0])
+            lasts.append(these[-1])
             turns_per_sample.append(len(these))
             with_keeper.append(time.process_time() - t0)
         else:
@@ -277,6 +283,8 @@ def curves(nodes: int, steps: int, gc_threshold: int, slice_nodes: int = 0) -> d
         "turn_cpu_ms_median": round(statistics.median(turns) * 1000, 2),
         "turn_cpu_ms_p99": round(pct(turns, 0.99) * 1000, 2),
         "turn_cpu_ms_max": round(max(turns) * 1000, 2),
+        "first_turn_cpu_ms_max": round(max(firsts) * 1000, 2),
+        "last_turn_cpu_ms_max": round(max(lasts) * 1000, 2),
         "step_cpu_ms_with_keeper_median": round(statistics.median(with_keeper) * 1000, 1),
         "step_cpu_ms_without_median": round(statistics.median(without) * 1000, 1),
         "points_per_curve": points,

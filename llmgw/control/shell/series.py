@@ -55,9 +55,9 @@ MAX_MODELS = 200
 MAX_NODES = 20_000
 #: Most API keys with curves of their own; the rest add up in C{_other}.
 MAX_KEYS = 100
-#: Nodes a sample reads in one reactor turn: at 10,000 nodes a sample's
-#: node pass is about 45 ms of CPU, which in slices of this many keeps each
-#: turn to a few milliseconds.
+#: Nodes a sample reads in one reactor turn: at 10,000 nodes a sample is
+#: 35-45 ms of CPU, which in slices of this many is 21 turns of about 1.6 ms
+#: (the first, which also reads the gateway's counts, 3.4 ms; bench/page.py).
 SLICE_NODES = 500
 #: What the nodes' read is called in the log.
 NODES_PART = "the nodes' GPU memory"
