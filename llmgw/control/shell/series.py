@@ -193,6 +193,10 @@ class SeriesKeeper(Service):
     sample after a start gives only levels (GPU memory, queues). A source
     that fails is logged once (until it works again) and its curves get no
     point; the others go on.
+
+    A sample reads the nodes C{slice_nodes} a reactor turn and is
+    published whole, every family at its time, after the last
+    (L{sample}); stopping the keeper cancels a sample under way.
     """
 
     log = Logger()
@@ -416,7 +420,9 @@ class SeriesKeeper(Service):
         What C{GET /api/v1/series?since=T} answers: per family, C{{name:
         {metric: [[t, v], ...]}}} for the samples after C{since}; nodes are
         C{nodes} (by id) and the C{top} busiest, at most
-        L{MAX_ANSWER_NODES} in all. Points without a value are left out.
+        L{MAX_ANSWER_NODES} in all. Points without a value are left out; a
+        sample still being read (L{sample}) is not in it, nor is the oldest
+        one, whose slot it overwrites.
         """
         chosen = list(dict.fromkeys([*nodes, *self.busiest_nodes(top)]))[:MAX_ANSWER_NODES]
         newest = self.models.times[self.models.slot] if self.samples else None
