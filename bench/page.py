@@ -19,6 +19,13 @@ sample of the L{SeriesKeeper}, as its 10 s loop would.
   - memory: what the keeper holds once its rings are full (an hour of
     samples, 361), by tracemalloc from its creation on; and the rings'
     own bytes. Also the process's RSS growth over that hour.
+  - the reactor's turns: a sample's node pass runs in slices, one a
+    reactor turn (C{callLater(0)}); each turn is timed alone (process CPU
+    time) on the keeper's own clock, the longest one the figure the
+    reactor feels (C{turn_cpu_ms_max}), with the turns a sample takes.
+    C{--slice-nodes} sets the nodes a turn (0: the keeper's default). The
+    first turn also reads the gateway's counts, the last publishes the
+    sample: each has its own figure.
   - the answer: C{GET /api/v1/series}'s view, first (since=0) and a
     poll's (since the newest), its time and JSON size.
 
@@ -44,7 +51,7 @@ started first, at the usual priority: in a fleet they are on different
 machines, here they share the cores.
 
 Run: PYTHONPATH=. python bench/page.py [--section curves|browser] [--nodes 10000] [--steps 30]
-     [--gc-threshold N] [--browser-nodes 1000] [--churn 1.0] [--seconds 20] [--clicks 30] [--server-nice 10]
+     [--gc-threshold N] [--slice-nodes N] [--browser-nodes 1000] [--churn 1.0] [--seconds 20] [--clicks 30] [--server-nice 10]
 """
 
 from __future__ import annotations
@@ -145,8 +152,48 @@ class Fleet:
             self.clock.advance(1)
             passes_until_done(self.rec)
 
-    def keeper(self) -> SeriesKeeper:
-        return SeriesKeeper(self.clock, ControlSources(self.rec, self.inv, lambda: self.gateway))
+    def keeper(self, slice_nodes: int = 0) -> SeriesKeeper:
+        extra = {"slice_nodes": slice_nodes} if slice_nodes else {}
+        return SeriesKeeper(TurnClock(self.clock), ControlSources(self.rec, self.inv, lambda: self.gateway),
+                            **extra)
+
+
+class TurnClock:
+    """
+    The keeper's clock: the fleet's time, and its own calls (the slices
+    of a sample's pass), each timed alone in process CPU time, run by
+    L{sample}.
+    """
+
+    def __init__(self, fleet_clock: Clock):
+        self.fleet_clock = fleet_clock
+        self.own = Clock()
+        self.turns: list[float] = []
+
+    def seconds(self) -> float:
+        return self.fleet_clock.seconds()
+
+    def callLater(self, delay: float, f: Any, *args: Any, **kw: Any) -> Any:  # noqa: N802
+        def timed() -> None:
+            t0 = time.process_time()
+            f(*args, **kw)
+            self.turns.append(time.process_time() - t0)
+        return self.own.callLater(delay, timed)
+
+    def getDelayedCalls(self) -> Any:  # noqa: N802
+        return self.own.getDelayedCalls()
+
+
+def sample(keeper: SeriesKeeper) -> list[float]:
+    """One sample to its end, as the reactor would run it: each turn's CPU seconds."""
+    clock: TurnClock = keeper.clock  # type: ignore[assignment]
+    clock.turns = []
+    t0 = time.process_time()
+    keeper.sample()
+    turns = [time.process_time() - t0]
+    while clock.own.getDelayedCalls():
+        clock.own.advance(max(0.0, min(c.getTime() for c in clock.own.getDelayedCalls()) - clock.own.seconds()))
+    return turns + clock.turns
 
 
 def pct(values: list[float], q: float) -> float:
@@ -154,7 +201,7 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
-def curves(nodes: int, steps: int, gc_threshold: int) -> dict[str, Any]:
+def curves(nodes: int, steps: int, gc_threshold: int, slice_nodes: int = 0) -> dict[str, Any]:
     started = time.monotonic()
     fleet = Fleet(nodes)
     setup_s = time.monotonic() - started
@@ -165,18 +212,25 @@ def curves(nodes: int, steps: int, gc_threshold: int) -> dict[str, Any]:
         gc.freeze()
         gc.set_threshold(gc_threshold)
     fleet.step()
-    keeper = fleet.keeper()
-    keeper.sample()
+    keeper = fleet.keeper(slice_nodes)
+    sample(keeper)
     # CPU: steps with and without the keeper, alternating, so that drift
     # on a shared machine falls on both.
     with_keeper, without, samples = [], [], []
+    turns: list[float] = []
+    firsts: list[float] = []
+    lasts: list[float] = []
+    turns_per_sample: list[int] = []
     for i in range(2 * steps):
         t0 = time.process_time()
         fleet.step()
         if i % 2 == 0:
-            s0 = time.process_time()
-            keeper.sample()
-            samples.append(time.process_time() - s0)
+            these = sample(keeper)
+            samples.append(sum(these))
+            turns.extend(these)
+            firsts.append(these[0])
+            lasts.append(these[-1])
+            turns_per_sample.append(len(these))
             with_keeper.append(time.process_time() - t0)
         else:
             without.append(time.process_time() - t0)
@@ -187,7 +241,7 @@ def curves(nodes: int, steps: int, gc_threshold: int) -> dict[str, Any]:
     view_ms = (time.perf_counter() - t0) * 1000
     newest = keeper.models.times[keeper.models.slot]
     fleet.step()
-    keeper.sample()
+    sample(keeper)
     t0 = time.perf_counter()
     poll = json.dumps(keeper.view(newest))
     poll_ms = (time.perf_counter() - t0) * 1000
@@ -199,13 +253,13 @@ def curves(nodes: int, steps: int, gc_threshold: int) -> dict[str, Any]:
     rss0 = rss_bytes()
     tracemalloc.start()
     base, _ = tracemalloc.get_traced_memory()
-    keeper = fleet.keeper()
+    keeper = fleet.keeper(slice_nodes)
     # No heartbeats meanwhile: what they replace in the fleet's records
     # would be traced as new, and the rings' size does not depend on the
     # values they hold.
     for _ in range(points + 5):
         fleet.clock.advance(STEP_S)
-        keeper.sample()
+        sample(keeper)
     gc.collect()
     held, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
@@ -224,6 +278,13 @@ def curves(nodes: int, steps: int, gc_threshold: int) -> dict[str, Any]:
         "sample_cpu_ms_p99": round(pct(samples, 0.99) * 1000, 2),
         "sample_cpu_ms_max": round(max(samples) * 1000, 2),
         "core_share_pct": round(100 * mean_sample / STEP_S, 3),
+        "slice_nodes": getattr(keeper, "slice_nodes", None),
+        "turns_per_sample_median": statistics.median(turns_per_sample),
+        "turn_cpu_ms_median": round(statistics.median(turns) * 1000, 2),
+        "turn_cpu_ms_p99": round(pct(turns, 0.99) * 1000, 2),
+        "turn_cpu_ms_max": round(max(turns) * 1000, 2),
+        "first_turn_cpu_ms_max": round(max(firsts) * 1000, 2),
+        "last_turn_cpu_ms_max": round(max(lasts) * 1000, 2),
         "step_cpu_ms_with_keeper_median": round(statistics.median(with_keeper) * 1000, 1),
         "step_cpu_ms_without_median": round(statistics.median(without) * 1000, 1),
         "points_per_curve": points,
@@ -317,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="nice increment of the control plane's thread, chromium started before (0: none)")
     parser.add_argument("--nodes", type=int, default=10_000)
     parser.add_argument("--steps", type=int, default=30, help="10 s steps timed with the keeper (as many without)")
+    parser.add_argument("--slice-nodes", type=int, default=0,
+                        help="nodes a reactor turn of a sample's pass (0: the keeper's default)")
     parser.add_argument("--gc-threshold", type=int, default=50_000,
                         help="the collector's young threshold, as the control plane sets it (0: Python's, no freeze)")
     args = parser.parse_args(argv)
@@ -327,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         b["passed"] = (b["busy_share"] is not None and b["busy_share"] < 0.25 and b["clicks_painted"] == b["clicks"]
                        and b["click_to_paint_ms_max"] is not None and b["click_to_paint_ms_max"] < 100.0)
     else:
-        out["curves"] = curves(args.nodes, args.steps, args.gc_threshold)
+        out["curves"] = curves(args.nodes, args.steps, args.gc_threshold, args.slice_nodes)
         c = out["curves"]
         out["curves"]["passed"] = c["core_share_pct"] < 1.0 and c["memory_held_mib"] < 20.0
     out["load"] = os.getloadavg()

@@ -16,18 +16,24 @@ second from the embedded gateway's usage. And the fleet's totals.
 
 A sample reads each source once, and nothing per shard: one look at every
 node's record (no copy) per step, the gateway's counts per model and key.
+The per-node part runs in slices of L{SLICE_NODES} nodes, one a reactor
+turn, so that a sample at 10,000 nodes never holds the reactor for more
+than a few milliseconds; the sample is published whole when the last slice
+is done (L{SeriesKeeper.sample}).
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from itertools import islice
 from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from twisted.application.service import Service
-from twisted.internet.interfaces import IReactorTime
+from twisted.internet.defer import Deferred, succeed
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
@@ -49,6 +55,12 @@ MAX_MODELS = 200
 MAX_NODES = 20_000
 #: Most API keys with curves of their own; the rest add up in C{_other}.
 MAX_KEYS = 100
+#: Nodes a sample reads in one reactor turn: at 10,000 nodes a sample is
+#: 35-45 ms of CPU, which in slices of this many is 21 turns of about 1.6 ms
+#: (the first, which also reads the gateway's counts, 3.4 ms; bench/page.py).
+SLICE_NODES = 500
+#: What the nodes' read is called in the log.
+NODES_PART = "the nodes' GPU memory"
 #: Nodes a C{GET /api/v1/series} answers by default: the ones using the
 #: most GPU memory now.
 DEFAULT_TOP_NODES = 8
@@ -154,6 +166,24 @@ class NodeMemoryCollector(Collector):
         yield total
 
 
+class _Pass:
+    """One sample under way: what was read at its time, the nodes read so far."""
+
+    def __init__(self, t: float):
+        self.t = t
+        self.models: dict[str, list[float | None]] = {}
+        self.keys: dict[str, list[float | None]] = {}
+        self.rps: float | None = None
+        self.tokens: float | None = None
+        self.node_rows: Iterator[tuple[str, int, int]] = iter(())
+        self.nodes_failed = False
+        self.used = 0
+        self.total = 0
+        #: The next slice's turn, while one is due.
+        self.call: IDelayedCall | None = None
+        self.done: Deferred[None] = Deferred()
+
+
 class SeriesKeeper(Service):
     """
     Samples C{sources} (a L{ControlSources}) every C{step_s} seconds on
@@ -163,13 +193,21 @@ class SeriesKeeper(Service):
     sample after a start gives only levels (GPU memory, queues). A source
     that fails is logged once (until it works again) and its curves get no
     point; the others go on.
+
+    A sample reads the nodes C{slice_nodes} a reactor turn and is
+    published whole, every family at its time, after the last
+    (L{sample}); stopping the keeper cancels a sample under way.
     """
 
     log = Logger()
 
     def __init__(self, clock: IReactorTime, sources: Any, step_s: float = STEP_S, keep_s: float = KEEP_S,
-                 max_models: int = MAX_MODELS, max_nodes: int = MAX_NODES, max_keys: int = MAX_KEYS):
+                 max_models: int = MAX_MODELS, max_nodes: int = MAX_NODES, max_keys: int = MAX_KEYS,
+                 slice_nodes: int = SLICE_NODES):
+        if slice_nodes < 1:
+            raise ValueError(f"slice_nodes is {slice_nodes}; a reactor turn reads at least one node")
         self.clock = clock
+        self.slice_nodes = slice_nodes
         self.sources = sources
         self.step_s = step_s
         self.keep_s = keep_s
@@ -189,6 +227,7 @@ class SeriesKeeper(Service):
         self._key_tokens: dict[str, float] = {}
         self._failing: set[str] = set()
         self._loop: LoopingCall | None = None
+        self._pass: _Pass | None = None
 
     def startService(self) -> None:
         super().startService()
@@ -201,36 +240,58 @@ class SeriesKeeper(Service):
         loop, self._loop = self._loop, None
         if loop is not None and loop.running:
             loop.stop()
+        self._cancel()
         return None
+
+    def _failed(self, part: str) -> None:
+        if part not in self._failing:
+            self._failing.add(part)
+            self.log.failure("curves: reading {part} failed; its curves get no points until it works",
+                             part=part)
+
+    def _worked(self, part: str) -> None:
+        if part in self._failing:
+            self._failing.discard(part)
+            self.log.info("curves: reading {part} works again", part=part)
 
     def _read(self, part: str, read: Callable[[], Any], empty: Any) -> Any:
         try:
             result = read()
         except Exception:
-            if part not in self._failing:
-                self._failing.add(part)
-                self.log.failure("curves: reading {part} failed; its curves get no points until it works",
-                                 part=part)
+            self._failed(part)
             return empty
-        if part in self._failing:
-            self._failing.discard(part)
-            self.log.info("curves: reading {part} works again", part=part)
+        self._worked(part)
         return result
 
-    def sample(self) -> None:
+    def sample(self) -> Deferred[None]:
         """
-        Take one sample of every curve, now. Never raises.
+        Take one sample of every curve at the clock's time now. Never fails.
+
+        The nodes are read C{slice_nodes} a reactor turn, the first in this
+        call and the others each in a turn of its own (C{callLater(0)}); the
+        sample is published, every family at once and at this time, when
+        the last is read: until then readers see the samples before it. The
+        L{Deferred} returned fires (with C{None}) then, or when the pass is
+        cancelled (the service stopped); the loop waits for it, so its
+        samples never overlap. A pass still under way when C{sample} is
+        called is finished first, in this call, then the new one begins.
         """
+        if self._pass is not None:
+            self._finish_now()
         try:
-            self._sample(self.clock.seconds())
+            p = self._pass = self._begin(self.clock.seconds())
         except Exception:
             self.log.failure("curves: a sample failed; the next one is taken as usual")
+            self.nodes.abandon()
+            return succeed(None)
+        done = p.done
+        self._step()
+        return done
 
-    def _sample(self, now: float) -> None:
+    def _begin(self, now: float) -> _Pass:
         src = self.sources
         dt = now - self._last_t if self._last_t is not None else 0.0
         self._last_t = now
-        self.samples += 1
         # The gateway's counters start at a model's or key's first request:
         # one new in the step counts from zero.
         rps = rates(self._requests, self._read("the gateway's requests", src.requests_by_model, {}), dt, True)
@@ -246,11 +307,11 @@ class SeriesKeeper(Service):
             key_tokens[key] = key_tokens.get(key, 0) + prompt + completion
         tokens = rates(self._tokens, output, dt, True)
         demand = self._read("the gateways' demand", src.demand, {})
-        rows: dict[str, list[float | None]] = {}
+        p = _Pass(now)
         for model in dict.fromkeys([*rps, *ttfb, *tokens, *demand]):
             counts = ttfb.get(model)
             d = demand.get(model)
-            rows[model] = [
+            p.models[model] = [
                 rps.get(model),
                 histogram_quantile(0.5, bounds, counts) if counts else None,
                 histogram_quantile(0.99, bounds, counts) if counts else None,
@@ -258,23 +319,92 @@ class SeriesKeeper(Service):
                 d.waiting if d is not None else None,
                 d.in_flight if d is not None else None,
             ]
-        self.models.add(now, rows)
-        used_all = total_all = 0
-        nodes: dict[str, list[float | None]] = {}
-        for node_id, used, total in self._read("the nodes' GPU memory", lambda: list(src.node_memory()), []):
-            used_all += used
-            total_all += total
-            nodes[node_id] = [100.0 * used / total if total > 0 else None]
-        self.nodes.add(now, nodes)
         key_rps = rates(self._keys, key_requests, dt, True)
         key_tps = rates(self._key_tokens, key_tokens, dt, True)
-        self.keys.add(now, {k: [key_rps.get(k), key_tps.get(k)] for k in dict.fromkeys([*key_rps, *key_tps])})
-        self.fleet.add(now, {"fleet": [
-            sum(rps.values()) if dt > 0 else None,
-            sum(tokens.values()) if dt > 0 else None,
-            used_all / 1024 if total_all else None,
-            total_all / 1024 if total_all else None,
-        ]})
+        p.keys = {k: [key_rps.get(k), key_tps.get(k)] for k in dict.fromkeys([*key_rps, *key_tps])}
+        p.rps = sum(rps.values()) if dt > 0 else None
+        p.tokens = sum(tokens.values()) if dt > 0 else None
+        try:
+            p.node_rows = iter(src.node_memory())
+        except Exception:
+            self._failed(NODES_PART)
+            p.node_rows = iter(())
+            p.nodes_failed = True
+        self.nodes.begin(now)
+        return p
+
+    def _slice(self, p: _Pass) -> bool:
+        """Read and write the next C{slice_nodes} nodes; whether the node pass is done."""
+        rows: dict[str, list[float | None]] = {}
+        try:
+            for node_id, used, total in islice(p.node_rows, self.slice_nodes):
+                p.used += used
+                p.total += total
+                rows[node_id] = [100.0 * used / total if total > 0 else None]
+        except Exception:
+            # As if the nodes had given nothing: none gets a point now.
+            self._failed(NODES_PART)
+            p.nodes_failed = True
+            self.nodes.abandon()
+            self.nodes.begin(p.t)
+            return True
+        self.nodes.write(rows)
+        return len(rows) < self.slice_nodes
+
+    def _step(self) -> None:
+        p = self._pass
+        if p is None:
+            return
+        p.call = None
+        try:
+            if not self._slice(p):
+                p.call = self.clock.callLater(0, self._step)
+                return
+            self._publish(p)
+        except Exception:
+            self.log.failure("curves: a sample failed; the next one is taken as usual")
+            self._cancel()
+
+    def _finish_now(self) -> None:
+        p = self._pass
+        if p is None:
+            return
+        if p.call is not None and p.call.active():
+            p.call.cancel()
+        p.call = None
+        try:
+            while not self._slice(p):
+                pass
+            self._publish(p)
+        except Exception:
+            self.log.failure("curves: a sample failed; the next one is taken as usual")
+            self._cancel()
+
+    def _publish(self, p: _Pass) -> None:
+        """The sample read, every family at its time, in one turn."""
+        self._pass = None
+        now = p.t
+        if not p.nodes_failed:
+            self._worked(NODES_PART)
+        self.nodes.commit()
+        self.models.add(now, p.models)
+        self.keys.add(now, p.keys)
+        used = None if p.nodes_failed or not p.total else p.used / 1024
+        total = None if p.nodes_failed or not p.total else p.total / 1024
+        self.fleet.add(now, {"fleet": [p.rps, p.tokens, used, total]})
+        self.samples += 1
+        p.done.callback(None)
+
+    def _cancel(self) -> None:
+        """Drop the pass under way, if any: nothing of it is published, no call is left."""
+        p, self._pass = self._pass, None
+        if p is None:
+            return
+        if p.call is not None and p.call.active():
+            p.call.cancel()
+        p.call = None
+        self.nodes.abandon()
+        p.done.callback(None)
 
     # -- the answer ---------------------------------------------------------------------
 
@@ -290,7 +420,9 @@ class SeriesKeeper(Service):
         What C{GET /api/v1/series?since=T} answers: per family, C{{name:
         {metric: [[t, v], ...]}}} for the samples after C{since}; nodes are
         C{nodes} (by id) and the C{top} busiest, at most
-        L{MAX_ANSWER_NODES} in all. Points without a value are left out.
+        L{MAX_ANSWER_NODES} in all. Points without a value are left out; a
+        sample still being read (L{sample}) is not in it, nor is the oldest
+        one, whose slot it overwrites.
         """
         chosen = list(dict.fromkeys([*nodes, *self.busiest_nodes(top)]))[:MAX_ANSWER_NODES]
         newest = self.models.times[self.models.slot] if self.samples else None

@@ -4,7 +4,10 @@ clock and no I/O; L{llmgw.control.shell.series} samples into them.
 
 A L{SeriesFamily} holds a few metrics for a bounded set of names (models,
 nodes, API keys): one ring of sample times, and per name one fixed-size
-ring of values per metric, all written at the same slot. Memory is fixed
+ring of values per metric, all written at the same slot. A sample may be
+written in parts over several reactor turns (L{SeriesFamily.begin},
+L{SeriesFamily.write}, L{SeriesFamily.commit}); readers see it only once
+it is committed, whole. Memory is fixed
 by the number of points and the cap on names whatever is reported: a name
 past the cap is folded into an C{other} name (for the metrics that add up)
 or left out, and a name that got no value for a whole window is dropped.
@@ -38,6 +41,22 @@ def points_for(keep_s: float, step_s: float) -> int:
     if step_s <= 0 or keep_s < step_s:
         raise ValueError(f"keep {keep_s} s must be at least one step ({step_s} s), and the step above 0")
     return int(math.ceil(keep_s / step_s)) + 1
+
+
+class _Pass:
+    """A family's sample being written: its time and slot, what it wrote so far."""
+
+    __slots__ = ("t", "slot", "seen", "new", "folded")
+
+    def __init__(self, t: float, slot: int):
+        self.t = t
+        self.slot = slot
+        #: Names written, each with the tick it is written at.
+        self.seen: dict[str, int] = {}
+        #: Rings of names new in this sample, held aside until it is published.
+        self.new: dict[str, tuple[array, ...]] = {}  # type: ignore[type-arg]
+        #: The additive metrics' sums of names past the cap.
+        self.folded: list[float | None] | None = None
 
 
 class SeriesFamily:
@@ -81,6 +100,7 @@ class SeriesFamily:
         self._last: dict[str, int] = {}
         #: Names refused (left out or folded) since the family was made.
         self.refused = 0
+        self._pass: _Pass | None = None
 
     # -- writing ------------------------------------------------------------------------
 
@@ -89,9 +109,12 @@ class SeriesFamily:
         """The slot of the newest sample (-1 before any)."""
         return (self._ticks - 1) % self.points if self._ticks else -1
 
-    def _ring(self, name: str) -> tuple[array, ...]:  # type: ignore[type-arg]
+    def _blank(self) -> tuple[array, ...]:  # type: ignore[type-arg]
         blank = array(self.typecode, [self._missing])
-        rings = self._rings[name] = tuple(blank * self.points for _ in self.metrics)
+        return tuple(blank * self.points for _ in self.metrics)
+
+    def _ring(self, name: str) -> tuple[array, ...]:  # type: ignore[type-arg]
+        rings = self._rings[name] = self._blank()
         return rings
 
     def _encode(self, value: float) -> float | int:
@@ -104,52 +127,107 @@ class SeriesFamily:
         One sample at time C{t}: for each name, its value per metric (in
         C{metrics}' order; C{None} for none). Names not in C{rows} get no
         value at C{t}; one without a value for C{points} samples is dropped.
+        The same as L{begin}, L{write} and L{commit} at once.
         """
+        self.begin(t)
+        self.write(rows)
+        self.commit()
+
+    def begin(self, t: float) -> None:
+        """
+        Start the sample at time C{t}, to be written by L{write} in as many
+        parts as wanted and published by L{commit}. Until then readers see
+        the samples before it and nothing of it: the slot it is written
+        into (the oldest sample's, once the rings are full) has no time, so
+        no reader reads it, and names new in it are held aside. A sample
+        begun and not committed is abandoned (L{abandon}).
+        """
+        if self._pass is not None:
+            self.abandon()
         slot = self._ticks % self.points
-        tick = self._ticks
-        self._ticks += 1
-        self.times[slot] = t
-        folded: list[float | None] | None = None
-        written = 0
+        self.times[slot] = math.nan
+        self._pass = _Pass(t, slot)
+
+    def write(self, rows: Mapping[str, Values]) -> None:
+        """
+        Part of the sample begun (L{begin}): C{rows} as for L{add}. A name
+        written twice keeps its second values.
+        """
+        p = self._pass
+        if p is None:
+            raise RuntimeError("a family's sample is written between begin() and commit()")
+        slot = p.slot
         rings_by = self._rings
-        last = self._last
+        new = p.new
+        seen = p.seen
+        tick = self._ticks
         for name, values in rows.items():
-            rings = rings_by.get(name)
+            rings = rings_by.get(name) or new.get(name)
             if rings is None:
-                if len(rings_by) >= self.max_names or name == self.other:
+                if len(rings_by) + len(new) >= self.max_names or name == self.other:
                     self.refused += 1
                     if self.other is not None:
+                        folded = p.folded
                         if folded is None:
-                            folded = [None] * len(self.metrics)
+                            folded = p.folded = [None] * len(self.metrics)
                         for i, v in enumerate(values):
                             if v is not None and self._additive[i]:
                                 prev = folded[i]
                                 folded[i] = v if prev is None else prev + v
                     continue
-                rings = self._ring(name)
+                rings = new[name] = self._blank()
             for ring, v in zip(rings, values, strict=True):
                 ring[slot] = self._missing if v is None or v != v else self._encode(v)
-            last[name] = tick
-            written += 1
-        if folded is not None and self.other is not None:
+            seen[name] = tick
+
+    def commit(self) -> None:
+        """
+        Publish the sample begun (L{begin}) at once: its time, its values,
+        its new names; names it did not write get no value at its time, and
+        one without a value for C{points} samples is dropped.
+        """
+        p, self._pass = self._pass, None
+        if p is None:
+            raise RuntimeError("a family's sample is committed after begin()")
+        slot = p.slot
+        tick = self._ticks
+        rings_by = self._rings
+        last = self._last
+        seen = p.seen
+        rings_by.update(p.new)
+        if p.folded is not None and self.other is not None:
             rings = rings_by.get(self.other) or self._ring(self.other)
-            for ring, v in zip(rings, folded, strict=True):
+            for ring, v in zip(rings, p.folded, strict=True):
                 ring[slot] = self._missing if v is None else self._encode(v)
-            last[self.other] = tick
-            written += 1
-        if len(last) == written:
+            seen[self.other] = tick
+        last.update(seen)
+        self._ticks += 1
+        self.times[slot] = p.t
+        if len(last) == len(seen):
             return  # every name was written this time
         gone = []
         missing = self._missing
-        for name, seen in last.items():
-            if seen != tick:
-                if tick - seen >= self.points:
+        for name, at in last.items():
+            if at != tick:
+                if tick - at >= self.points:
                     gone.append(name)
                 else:
                     for ring in rings_by[name]:
                         ring[slot] = missing
         for name in gone:
             del rings_by[name], last[name]
+
+    def abandon(self) -> None:
+        """
+        Forget the sample begun (L{begin}), if any: nothing of it is
+        published, and the next sample is written into its slot.
+        """
+        self._pass = None
+
+    @property
+    def writing(self) -> bool:
+        """Whether a sample is begun and not yet committed."""
+        return self._pass is not None
 
     # -- reading ------------------------------------------------------------------------
 
