@@ -82,8 +82,8 @@ def run_fleet(kind: str, args: argparse.Namespace, certs: Path, workdir: Path,
         cpu0 = proc_cpu_seconds(server.pid)
         sim_cpu0 = sum(proc_cpu_seconds(s.pid) for s in sims)
         if args.profile:
-            server.call("profile", 10, action="start")
-            sims[0].call("profile", 10, action="start")
+            server.call("profile", 10, action="start", clock="cpu")
+            sims[0].call("profile", 10, action="start", clock="cpu")
         t0 = time.monotonic_ns() + 300_000_000
         for sim in sims:
             sim.send("storm", host="127.0.0.1", port=hello["port"], join_port=hello["join_port"],
