@@ -226,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", action="store_true",
                    help="cProfile the control plane and one agent process over each storm")
     p.add_argument("--keep", action="store_true", help="keep the work directory (certs, logs)")
+    p.add_argument("--nodes-base", type=Path, default=None,
+                   help="where the joining agents' state directories go (default: the work directory); "
+                        "/dev/shm leaves out this machine's disk, which all 1,000 simulated nodes share")
     args = p.parse_args(argv)
     defaults = ({"agents": 100, "renewals": 1000, "lifetime": 20.0} if args.quick
                 else {"agents": 1000, "renewals": 10000, "lifetime": 60.0})
@@ -249,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(), "twisted": twisted.__version__,
         "openssl": OpenSSL.SSL.SSLeay_version(OpenSSL.SSL.SSLEAY_VERSION).decode(),
         "clock": CLOCK,
+        "nodes_state_dirs": str(args.nodes_base or "the work directory"),
     }}
     bars: dict[str, Any] = {}
     try:
@@ -263,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
                 # Each round: the pre-issued fleet, then a fleet of new nodes
                 # joining, each against a control plane of its own.
                 one: dict[str, Any] = {"preissued": run_fleet(f"preissued-{r}", args, certs, workdir, pre)}
-                nodes = workdir / f"nodes-{r}"
+                nodes = (Path(tempfile.mkdtemp(prefix="llmgw-bench-nodes-", dir=args.nodes_base))
+                         if args.nodes_base else workdir) / f"nodes-{r}"
                 joining = start_sims("bench.joinagents", args.agents, args.sims,
                                      ["--nodes-dir", str(nodes), "--token", token,
                                       "--prefix", f"{JOIN}{r}-"], workdir, args)
@@ -273,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
                     c.stop()
                 modes = {oct(p.stat().st_mode & 0o777) for p in nodes.glob("*/agent-*.key")}
                 one["joining"]["node_key_file_modes"] = sorted(modes)
+                if args.nodes_base:
+                    shutil.rmtree(nodes.parent, ignore_errors=True)
                 one["bar"] = join_bars(one["preissued"], one["joining"])
                 rounds.append(one)
             result["rounds"] = rounds
