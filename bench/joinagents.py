@@ -9,6 +9,11 @@ hash before it sends anything, sends its certificate request and writes the
 certificate and CA bundle it gets back. Then it dials the agent port with
 that certificate, as L{bench.simagents} agents do, and registers.
 
+What a real node does when it starts, before it joins, is done here before
+the storm's clock: each agent's L{Joiner} (with its join TLS context) is made
+when this process starts, as C{twistd llmgw agent --join} makes it when it
+parses its options. Everything from the key on is in the clock.
+
 Requests from the orchestrator are those of L{bench.simagents}; C{storm}
 also takes C{join_port} and reports, per agent, when its join finished
 (C{joined_ns}), how many join requests it sent (C{join_asks}) and the
@@ -50,11 +55,11 @@ class CountingJoiner(Joiner):
 class JoinNode(SimNode):
     """A simulated agent with no certificate until it has joined."""
 
-    def __init__(self, node_id: str, directory: Path) -> None:
-        super().__init__(node_id, None, b"")  # type: ignore[arg-type]
-        self.directory = directory
+    def __init__(self, node_id: str, joiner: CountingJoiner) -> None:
+        super().__init__(node_id, None, register_message(node_id, 0))  # type: ignore[arg-type]
         self.joined_ns = 0
-        self.joiner: CountingJoiner | None = None
+        self.joiner = joiner
+        self.joining = False
 
 
 class JoinFleet(Fleet):
@@ -73,19 +78,25 @@ class JoinFleet(Fleet):
         if node.creator is not None or self.closing:
             super().dial(node)
             return
-        if node.joiner is not None:
-            return  # joining already
+        if node.joining:
+            return
+        node.joining = True
         if not node.dial_ns:
             node.dial_ns = time.monotonic_ns()
-        node.joiner = CountingJoiner(self.reactor, self.host, self.join_port, self.token,
-                                     node.node_id, node.directory)
+        node.joiner.reactor = self.reactor
+        node.joiner.host, node.joiner.port = self.host, self.join_port
+        node.joiner.addresses = [(self.host, self.join_port)]
         d = Deferred.fromCoroutine(node.joiner.run())
         d.addCallbacks(lambda files: self._joined(node, files), lambda f: self._failed(node, f))
 
     def _joined(self, node: JoinNode, files: TLSFiles) -> None:
         node.joined_ns = time.monotonic_ns()
         node.creator = AgentClientTLS("127.0.0.1", files)
-        node.register = register_message(node.node_id, files.cert.not_valid_after_utc.timestamp())
+        # Built before the clock, as the pre-issued agents' is; only the
+        # certificate's end is the join's.
+        msg = pb.AgentMessage.FromString(node.register)
+        msg.register.certificate_not_after = int(files.cert.not_valid_after_utc.timestamp())
+        node.register = msg.SerializeToString()
         super().dial(node)
 
     def _failed(self, node: JoinNode, f: Failure) -> None:
@@ -98,7 +109,7 @@ class JoinFleet(Fleet):
 
         def more(report: dict[str, Any]) -> dict[str, Any]:
             report["joined_ns"] = [n.joined_ns for n in self.join_nodes]
-            report["join_asks"] = [n.joiner.asks if n.joiner else 0 for n in self.join_nodes]
+            report["join_asks"] = [n.joiner.asks for n in self.join_nodes]
             report["join_errors"] = self.join_errors
             return report
 
@@ -123,8 +134,10 @@ def main(argv: list[str] | None = None) -> None:
 
     nofile = raise_nofile()
     ids = [f"{args.prefix}{i:05d}" for i in range(args.first, args.first + args.count)]
-    nodes = [JoinNode(i, args.nodes_dir / i) for i in ids]
-    fleet = JoinFleet(reactor, nodes, args.heartbeat_interval, parse_token(args.token))
+    token = parse_token(args.token)
+    # The join listener's address is known at the storm: port 0 until then.
+    nodes = [JoinNode(i, CountingJoiner(reactor, "127.0.0.1", 0, token, i, args.nodes_dir / i)) for i in ids]
+    fleet = JoinFleet(reactor, nodes, args.heartbeat_interval, token)
 
     def stop() -> None:
         if reactor.running:

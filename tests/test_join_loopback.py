@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 from pathlib import Path
 
+from OpenSSL import SSL
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred
 from twisted.protocols.tls import TLSMemoryBIOFactory
@@ -21,7 +22,7 @@ from llmgw.control.shell.joinlisten import JoinServerTLS
 from llmgw.tlsconf.ca import CertificateAuthority
 from llmgw.tlsconf.csr import spki_hash
 from llmgw.tlsconf.jointoken import parse_token, printable
-from llmgw.tlsconf.options import ServerTLS, server_files
+from llmgw.tlsconf.options import AGENT_GROUPS, ServerTLS, server_files, set_groups
 
 
 class JoinLoopbackTests(TestCase):
@@ -76,3 +77,31 @@ class JoinLoopbackTests(TestCase):
     def test_wrong_ca_hash_sends_nothing(self) -> Deferred[None]:
         """A token naming another CA is refused at the handshake: the control plane receives no request."""
         return Deferred.fromCoroutine(self._wrong())
+
+    async def _negotiated(self) -> None:
+        joiner = self.joiner(spki_hash(self.ca.certificate), "node-c")
+        seen: list[tuple[str | None, str]] = []
+
+        def done(conn: SSL.Connection, where: int, ret: int) -> None:
+            if where & SSL.SSL_CB_HANDSHAKE_DONE:
+                seen.append((conn.get_group_name(), conn.get_protocol_version_name()))
+
+        joiner.context.set_info_callback(done)
+        await joiner.run()
+        self.assertEqual(seen, [(AGENT_GROUPS.split(":")[0], "TLSv1.3")])
+
+    def test_join_uses_the_agent_ports_key_exchange(self) -> Deferred[None]:
+        """A join's handshake is TLS 1.3 with the agent stream's first key-exchange group (the post-quantum hybrid)."""
+        return Deferred.fromCoroutine(self._negotiated())
+
+    async def _weak_group(self) -> None:
+        joiner = self.joiner(spki_hash(self.ca.certificate), "node-d")
+        # A group OpenSSL would take by default, but the agent port does not.
+        self.assertEqual(set_groups(joiner.context, "ffdhe2048"), "ffdhe2048")
+        with self.assertRaises(ConnectionError):
+            await joiner.ask_once()
+        self.assertEqual(self.received, [])
+
+    def test_listener_refuses_groups_the_agent_port_refuses(self) -> Deferred[None]:
+        """The join listener takes only the agent port's key-exchange groups: a node offering another gets no handshake."""
+        return Deferred.fromCoroutine(self._weak_group())

@@ -42,9 +42,11 @@ from llmgw.tlsconf.certs import issued_by
 from llmgw.tlsconf.csr import spki_hash
 from llmgw.tlsconf.jointoken import ParsedToken
 from llmgw.tlsconf.options import (
+    AGENT_GROUPS,
     ServerIdentityError,
     TLSConfigError,
     TLSFiles,
+    set_groups,
     verify_server_identity,
 )
 from llmgw.tlsconf.pem import cert_pem, key_pem, load_key, write_private, write_public
@@ -63,14 +65,24 @@ class WrongControlPlane(JoinRefused):
     """The control plane's chain holds no root with the token's CA hash."""
 
 
+def join_context() -> SSL.Context:
+    """
+    The client context of a join: TLS 1.2 at least, the agent port's
+    key-exchange groups, no CA (the node has none yet: the chain is checked
+    against the token's hash in L{JoinClientProtocol.handshakeCompleted},
+    before anything is sent). Made once per L{Joiner}, when it is made.
+    """
+    context = SSL.Context(SSL.TLS_METHOD)
+    context.set_min_proto_version(SSL.TLS1_2_VERSION)
+    set_groups(context, AGENT_GROUPS)
+    return context
+
+
 @implementer(IOpenSSLClientConnectionCreator)
 class _UnverifiedTLS:
-    # The chain is checked against the token's hash in handshakeCompleted,
-    # before anything is sent: the node has no CA to hand to OpenSSL yet.
-    def __init__(self, host: str):
+    def __init__(self, host: str, context: SSL.Context):
         self.host = host.strip("[]")
-        self.context = SSL.Context(SSL.TLS_METHOD)
-        self.context.set_min_proto_version(SSL.TLS1_2_VERSION)
+        self.context = context
 
     def clientConnectionForTLS(self, tlsProtocol: Any) -> SSL.Connection:
         conn = SSL.Connection(self.context, None)
@@ -92,7 +104,7 @@ def check_chain(chain: list[x509.Certificate], host: str, ca_hash: str) -> x509.
         raise WrongControlPlane(f"the control plane at {host} showed no certificate")
     leaf, rest = chain[0], chain[1:]
     shown = [spki_hash(c) for c in rest]
-    root = next((c for c in rest if spki_hash(c) == ca_hash), None)
+    root = next((c for c, h in zip(rest, shown, strict=True) if h == ca_hash), None)
     if root is None:
         raise WrongControlPlane(
             f"the control plane at {host} is not the one this token names: the token's CA hash is "
@@ -171,6 +183,9 @@ class Joiner:
         self.poll_interval = poll_interval
         #: The agent port the control plane named in its answer (0: none).
         self.agent_port = 0
+        self.context = join_context()
+        # The key made (or found) for the request, kept for the files it goes in.
+        self._key: Any = None
 
     @property
     def paths(self) -> tuple[Path, Path, Path]:
@@ -191,13 +206,16 @@ class Joiner:
     def _request(self) -> pb.JoinRequest:
         _, _, key_path = self.paths
         self.directory.mkdir(parents=True, exist_ok=True)
-        if key_path.exists():
-            key = load_key(key_path)  # a request that waits is asked again with the same key
+        if self._key is not None and key_path.exists():
+            key = self._key  # a request that waits is asked again with the same key
+        elif key_path.exists():
+            key = load_key(key_path)
         else:
             from cryptography.hazmat.primitives.asymmetric import ec
 
             key = ec.generate_private_key(ec.SECP256R1())
             write_private(key_path, key_pem(key))
+        self._key = key
         csr = (x509.CertificateSigningRequestBuilder()
                .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, self.node_id)]))
                .sign(key, hashes.SHA256()))
@@ -207,7 +225,7 @@ class Joiner:
     def ask_once(self) -> Deferred[pb.JoinResponse]:
         """One join request; fires with the answer, or fails (L{WrongControlPlane}, a connection error)."""
         proto = JoinClientProtocol(self.host, self.token, self._request())
-        endpoint = wrapClientTLS(_UnverifiedTLS(self.host), self._tcp_endpoint())
+        endpoint = wrapClientTLS(_UnverifiedTLS(self.host, self.context), self._tcp_endpoint())
         d = connectProtocol(endpoint, proto)
         d.addCallback(lambda _: proto.done)
         return d
@@ -224,21 +242,29 @@ class Joiner:
 
     def write(self, issued: pb.CertificateIssued) -> TLSFiles:
         """
-        Write what was issued (the certificate, the CA bundle) atomically and load it.
+        Write what was issued (the certificate, the CA bundle) atomically;
+        the files as L{TLSFiles.load} would load them, with its checks, from
+        what was written rather than read back.
 
-        @raise JoinRefused: it does not belong to the key, or the bundle lacks the token's CA.
+        @raise JoinRefused: it does not belong to the key, is not from the
+            bundle's roots, or the bundle lacks the token's CA.
         """
         ca_path, cert_path, key_path = self.paths
-        roots = x509.load_pem_x509_certificates(issued.ca_bundle_pem)
+        try:
+            roots = x509.load_pem_x509_certificates(issued.ca_bundle_pem)
+            cert = x509.load_pem_x509_certificate(issued.certificate_pem)
+        except ValueError as e:
+            raise JoinRefused(f"the issued certificate or CA bundle is not PEM: {e}") from e
         if not any(spki_hash(r) == self.token.ca_hash for r in roots):
             raise JoinRefused(f"the CA bundle sent lacks the token's CA {self.token.ca_hash}")
-        cert = x509.load_pem_x509_certificate(issued.certificate_pem)
-        write_public(ca_path, b"".join(cert_pem(r) for r in roots))
-        write_public(cert_path, cert_pem(cert))
+        key = self._key if self._key is not None else load_key(key_path)
         try:
-            return TLSFiles.load(ca_path, cert_path, key_path)
+            files = TLSFiles.of(roots, cert, key, ca_path, cert_path, key_path)
         except TLSConfigError as e:
             raise JoinRefused(f"the issued certificate does not load: {e}") from e
+        write_public(ca_path, b"".join(cert_pem(r) for r in roots))
+        write_public(cert_path, cert_pem(cert))
+        return files
 
     async def run(self) -> TLSFiles:
         """

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -132,6 +133,10 @@ def load_cert_file(path: Path | str, what: str = "certificate") -> x509.Certific
         cert = x509.load_pem_x509_certificate(_read(path, what))
     except ValueError as e:
         raise TLSConfigError(f"{what} {path} is not a PEM certificate: {e}") from e
+    return _valid_now(cert, path, what)
+
+
+def _valid_now(cert: x509.Certificate, path: Path, what: str) -> x509.Certificate:
     now = datetime.datetime.now(datetime.UTC)
     if cert.not_valid_after_utc < now:
         raise TLSConfigError(
@@ -157,6 +162,10 @@ def load_ca_bundle(path: Path | str) -> tuple[x509.Certificate, ...]:
         roots = x509.load_pem_x509_certificates(data)
     except ValueError as e:
         raise TLSConfigError(f"CA certificate {path} is not a PEM certificate: {e}") from e
+    return _check_roots(roots, path)
+
+
+def _check_roots(roots: list[x509.Certificate], path: Path) -> tuple[x509.Certificate, ...]:
     if not roots:
         raise TLSConfigError(f"CA certificate {path} holds no certificate")
     now = datetime.datetime.now(datetime.UTC)
@@ -222,9 +231,23 @@ class TLSFiles:
             has expired.
         """
         ca_path, cert_path, key_path = Path(ca_path), Path(cert_path), Path(key_path)
-        roots = load_ca_bundle(ca_path)
-        cert = load_cert_file(cert_path)
-        key = load_key_file(key_path)
+        return cls.of(load_ca_bundle(ca_path), load_cert_file(cert_path), load_key_file(key_path),
+                      ca_path, cert_path, key_path, crl_path)
+
+    @classmethod
+    def of(
+        cls, roots: Sequence[x509.Certificate], cert: x509.Certificate, key: Any,
+        ca_path: Path, cert_path: Path, key_path: Path, crl_path: Path | str | None = None,
+    ) -> TLSFiles:
+        """
+        What L{load} returns for files that hold C{roots}, C{cert} and
+        C{key}, with the same checks, for a caller that has just written them
+        (a node that joined) and need not read them back.
+
+        @raise TLSConfigError: as L{load}.
+        """
+        roots = _check_roots(list(roots), ca_path)
+        cert = _valid_now(cert, cert_path, "certificate")
         pub = serialization.PublicFormat.SubjectPublicKeyInfo
         enc = serialization.Encoding.DER
         if key.public_key().public_bytes(enc, pub) != cert.public_key().public_bytes(enc, pub):
@@ -297,11 +320,13 @@ class TLSFiles:
         C{groups}: the key-exchange groups (L{set_groups}), or OpenSSL's
         defaults.
         """
-        priv = self.twisted_private()
+        # Handed to OpenSSL as they are, not through PEM: a node that joins
+        # builds this context in the middle of the join.
         opts = ssl.CertificateOptions(
-            privateKey=priv.privateKey.original,
-            certificate=priv.original,
-            trustRoot=self.trust_root(),
+            privateKey=crypto.PKey.from_cryptography_key(self.key),
+            certificate=crypto.X509.from_cryptography(self.cert),
+            trustRoot=ssl.trustRootFromCertificates(
+                [ssl.Certificate(crypto.X509.from_cryptography(r)) for r in (self.roots or (self.ca,))]),
             raiseMinimumTo=ssl.TLSVersion.TLSv1_2,
         )
         ctx = opts.getContext()
@@ -481,9 +506,7 @@ def verify_server_identity(cert: x509.Certificate, host: str) -> None:
 
     @raise ServerIdentityError: it does not, with the SANs it does hold.
     """
-    sans = subject_alt_names(cert)
-    if not sans:
-        raise ServerIdentityError(host, [])
+    # The names are listed only for the error: every handshake comes here.
     try:
         try:
             ip = ipaddress.ip_address(host)
@@ -492,7 +515,7 @@ def verify_server_identity(cert: x509.Certificate, host: str) -> None:
         else:
             verify_certificate_ip_address(cert, str(ip))
     except (VerificationError, CertificateError):
-        raise ServerIdentityError(host, sans) from None
+        raise ServerIdentityError(host, subject_alt_names(cert)) from None
 
 
 def _common_name(cert: x509.Certificate) -> str | None:

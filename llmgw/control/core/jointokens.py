@@ -20,7 +20,7 @@ import hmac
 import json
 import re
 import secrets
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -173,7 +173,9 @@ class TokenBook:
 
 def token_to_data(token: JoinToken) -> dict[str, Any]:
     """One token as JSON data (what L{token_from_data} reads)."""
-    return dict(asdict(token), nodes=list(token.nodes))
+    # Not asdict: its deep copy of the nodes (thousands on a fleet's token)
+    # is paid at every rewrite of the book, on the reactor.
+    return dict({f.name: getattr(token, f.name) for f in fields(token)}, nodes=list(token.nodes))
 
 
 def token_from_data(raw: Any) -> JoinToken:

@@ -29,7 +29,7 @@ from llmgw.control.state.events import log_event
 from llmgw.control.state.interfaces import NotConnected, NotKeepingUp
 from llmgw.oslimits import FdNeed
 from llmgw.tlsconf.ca import CertificateAuthority
-from llmgw.tlsconf.options import ServerTLS, TLSFiles
+from llmgw.tlsconf.options import SERVER_GROUPS, ServerTLS, TLSFiles, set_groups
 from llmgw.tlsconf.pem import CAError
 
 #: The join listener's default port: the agent port's default plus one.
@@ -93,7 +93,8 @@ class JoinServerTLS:
     """
     The join listener's side of the handshake: the agent port's certificate
     (followed after a reload), the CA roots sent after it, no client
-    certificate asked for.
+    certificate asked for; TLS 1.2 at least and the agent port's
+    key-exchange groups. One context, made again only after a reload.
     """
 
     def __init__(self, tls: ServerTLS):
@@ -104,10 +105,12 @@ class JoinServerTLS:
     def _make(self, files: TLSFiles) -> SSL.Context:
         priv = files.twisted_private()
         extra = [ssl.Certificate.loadPEM(r.public_bytes(Encoding.PEM)).original for r in (files.roots or (files.ca,))]
-        return ssl.CertificateOptions(
+        context = ssl.CertificateOptions(
             privateKey=priv.privateKey.original, certificate=priv.original, extraCertChain=extra,
             raiseMinimumTo=ssl.TLSVersion.TLSv1_2,
         ).getContext()
+        set_groups(context, SERVER_GROUPS)
+        return context
 
     def serverConnectionForTLS(self, tlsProtocol: Any) -> SSL.Connection:
         files = self.tls.files
