@@ -16,13 +16,14 @@ from collections.abc import Callable
 from typing import Any
 
 from twisted.internet import defer
-from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
+from llmgw.control.ha.following import EtcdFollowing
 from llmgw.etcd import prefix_end
 
 
-class PrefixMirror:
+class PrefixMirror(EtcdFollowing):
     """
     Every key under C{prefix} (bytes, ending in C{/}) and its value, kept
     current while started.
@@ -34,11 +35,9 @@ class PrefixMirror:
 
     def __init__(self, clock: IReactorTime, store: Any, prefix: bytes, what: str,
                  retry_interval: float = 1.0):
-        self.clock = clock
-        self.store = store
+        super().__init__(clock, store, retry_interval)
         self.prefix = prefix
         self.what = what
-        self.retry_interval = retry_interval
         #: The copy: full key → value.
         self.values: dict[bytes, bytes] = {}
         #: The lease each key is attached to (0: none).
@@ -50,42 +49,6 @@ class PrefixMirror:
         self.last_error = ""
         #: Called after each change to L{values} (no argument).
         self.changed: Callable[[], None] = lambda: None
-        self.running = False
-        self._generation = 0
-        self._watch: Any = None
-        self._retry: IDelayedCall | None = None
-        self._reading: defer.Deferred[Any] | None = None
-
-    def start(self) -> None:
-        if self.running:
-            return
-        self.running = True
-        self._generation += 1
-        self._read(self._generation)
-
-    def stop(self) -> None:
-        self.running = False
-        self._generation += 1
-        if self._retry is not None and self._retry.active():
-            self._retry.cancel()
-        self._retry = None
-        if self._reading is not None and not self._reading.called:
-            self._reading.cancel()
-        self._reading = None
-        if self._watch is not None:
-            w, self._watch = self._watch, None
-            w.cancel()
-
-    def _current(self, generation: int) -> bool:
-        return self.running and generation == self._generation
-
-    def _later(self, generation: int) -> None:
-        if self._current(generation) and self._retry is None:
-            self._retry = self.clock.callLater(self.retry_interval, self._again, generation)
-
-    def _again(self, generation: int) -> None:
-        self._retry = None
-        self._read(generation)
 
     def _read(self, generation: int) -> None:
         if not self._current(generation):

@@ -32,6 +32,7 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
 from llmgw.control.ha.election import leader_key
+from llmgw.control.ha.following import EtcdFollowing
 from llmgw.etcd import Compare, EtcdError, Put, Range
 from llmgw.routing import RoutesDataError
 
@@ -230,7 +231,7 @@ class LeasedPublisher:
                        "(its lease is not the leader's); it publishes nothing more", what=self.what)
 
 
-class KeyFollower:
+class KeyFollower(EtcdFollowing):
     """
     A member that does not lead: reads one published key, then watches it,
     and hands each new value to L{_take} (see the module docstring: fail
@@ -242,12 +243,9 @@ class KeyFollower:
     what = "document"
 
     def __init__(self, clock: IReactorTime, store: Any, prefix: str, key: bytes, retry_interval: float = 1.0):
-        self.clock = clock
-        self.store = store
+        super().__init__(clock, store, retry_interval)
         self.prefix = prefix
         self.key = key
-        self.retry_interval = retry_interval
-        self.following = False
         #: The mod revision of the value applied last (0: none yet).
         self.revision = 0
         #: The value applied last since L{start} (None: none yet). Cleared at
@@ -257,47 +255,17 @@ class KeyFollower:
         self._applied = False
         #: Why the last read failed, if it did.
         self.last_error = ""
-        self._watch: Any = None
-        self._retry: IDelayedCall | None = None
-        self._reading: defer.Deferred[None] | None = None
-        self._generation = 0
 
     @property
     def applied(self) -> bool:
         """Whether a published value was applied (since this process began)."""
         return self._applied
 
-    def start(self) -> None:
-        if self.following:
-            return
-        self.following = True
+    def _starting(self) -> None:
         self.value = None
-        self._generation += 1
-        self._read(self._generation)
-
-    def stop(self) -> None:
-        self.following = False
-        self._generation += 1
-        if self._retry is not None and self._retry.active():
-            self._retry.cancel()
-        self._retry = None
-        if self._reading is not None and not self._reading.called:
-            self._reading.cancel()
-        self._reading = None
-        if self._watch is not None:
-            w, self._watch = self._watch, None
-            w.cancel()
-
-    def _later(self, generation: int) -> None:
-        if self.following and generation == self._generation and self._retry is None:
-            self._retry = self.clock.callLater(self.retry_interval, self._again, generation)
-
-    def _again(self, generation: int) -> None:
-        self._retry = None
-        self._read(generation)
 
     def _read(self, generation: int) -> None:
-        if not self.following or generation != self._generation:
+        if not self._current(generation):
             return
         d = self._reading = defer.ensureDeferred(self.store.range(self.key))
 
