@@ -27,7 +27,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import classImplements
 
-from llmgw.gateway import errors
+from llmgw.gateway import errors, forwarding
 from llmgw.gateway.admission import (
     DEFAULT_QUEUE_BYTES,
     DEFAULT_QUEUE_BYTES_PER_MODEL,
@@ -72,7 +72,7 @@ from llmgw.routing import (
 #: The proxied paths whose streams can be asked for usage.
 _COMPLETIONS: Final = frozenset({"/v1/chat/completions", "/v1/completions"})
 _EVENT_STREAM: Final = b"text/event-stream"
-REPLICA_HEADER: Final = b"x-llmgw-replica"  # names the replica that answered
+REPLICA_HEADER: Final = forwarding.REPLICA_HEADER  # names the replica that answered
 #: Response headers the gateway writes itself.
 _DROP_RESPONSE: Final = frozenset(
     {
@@ -415,8 +415,8 @@ class ProxyCall:
         self.status = status
         self.sent_headers = True
         request = self.request
-        request.start_response(status, ((REPLICA_HEADER, self.route.replica_id.encode()),), framed,  # type: ignore[union-attr]
-                               reason or None, hold=True, block=block)
+        request.start_response(status, (), framed, reason or None, hold=True,
+                               block=block + forwarding.replica_line(replica_id))
         request.set_producer(self)
         gw.metrics.first_byte(self.model, time.monotonic() - self.started)
 
