@@ -331,14 +331,14 @@ class ProxyCall:
                 _HOST_LINES[address] = host
         conn.send(b"".join((self.head, host, self.body)), self)
         if self.conn is conn:
-            self.gw.unstarted.add(self.route.replica_id, self)
+            gw = self.gw
+            gw.unstarted.calls[self] = self.route.replica_id  # Unstarted.add, inline
             # One timer for the first byte and the idle wait after it: due
             # at the sooner of the two, so that the head's arrival only ever
             # moves it later (free until it comes due; sooner would be a
             # search of the reactor's heap). Firing before the first byte
             # and before the first-byte time, it waits out the rest.
-            config = self.gw.config
-            reactor = self.gw.reactor
+            config, reactor = gw.config, gw.reactor
             self.sent_at = reactor.seconds()
             conn.arm(reactor, min(config.first_byte_timeout, config.idle_timeout), self._timed_out)
             self.armed = conn
@@ -403,7 +403,10 @@ class ProxyCall:
             return
         gw, replica_id = self.gw, self.route.replica_id  # type: ignore[union-attr]
         gw.router.succeeded(replica_id)
-        gw.unstarted.answered(replica_id, self)
+        unstarted = gw.unstarted
+        unstarted.calls.pop(self, None)  # Unstarted.answered inline: its entry is this attempt's
+        if unstarted.on_answer is not None:
+            unstarted.on_answer(replica_id, self)
         framed: int | None = length
         meter = self.meter
         if meter is not None and 200 <= status < 300 and _EVENT_STREAM in block:
