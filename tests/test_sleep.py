@@ -415,6 +415,22 @@ class WakerTests(SynchronousTestCase):
         self.assertEqual({router.pick(mixed).replica_id for _ in range(6)}, {"b"})  # type: ignore[union-attr]
         self.assertEqual(router.pick([route("a", True, wake=""), route("c", True)]).replica_id, "a")  # type: ignore[union-attr]
 
+    def test_routing_after_awake_routes(self) -> None:
+        """
+        The router looks past routes it found with no replica asleep (a
+        request's path skips that scan) only for those very routes: the
+        next table's routes, where a replica sleeps until woken, are looked
+        at again, and the sleeper is never picked; the awake ones still are.
+        """
+        router = Router(self.clock)
+        router.asleep = self.waker.state
+        awake = (route("a", False), route("b", None))
+        self.assertIn(router.pick(awake).replica_id, {"a", "b"})  # type: ignore[union-attr]
+        later = (route("a", True), route("b", None))
+        self.assertEqual({router.pick(later).replica_id for _ in range(6)}, {"b"})  # type: ignore[union-attr]
+        self.assertIsNone(router.pick((route("a", True),)))
+        self.assertEqual({router.pick(awake).replica_id for _ in range(6)}, {"a", "b"})  # type: ignore[union-attr]
+
 
 class SimStateTests(SynchronousTestCase):
     def test_times(self) -> None:

@@ -115,7 +115,10 @@ def capacity(
     """
     state = NONE
     for r in routes:
-        if r.draining or cooling(r.replica_id) or (asleep is not None and sleeping(r) and asleep(r)):
+        # sleeping(r) inline: on every request's path.
+        if r.draining or cooling(r.replica_id) or (
+            asleep is not None and r.signals is not None and r.signals.sleeping and asleep(r)
+        ):
             continue
         if r.signals is None or not saturated(r, now, config):
             return FREE
@@ -214,6 +217,8 @@ class Admission:
         self.detach: Callable[[], None] | None = None
         #: Wakes sleeping replicas for this queue's models (L{gateway_admission}).
         self.waker: Waker | None = None
+        #: The waker's C{asleep}, or C{None} without one: for L{capacity}, on every request's path.
+        self.asleep: Callable[[Route], bool] | None = None
         registry = registry if registry is not None else CollectorRegistry()
         self.waits = Histogram(
             "llmgw_gateway_queue_wait_seconds",
@@ -633,7 +638,7 @@ def gateway_admission(gateway: Any) -> Admission:
         clock, model_capacity, limits, gateway.registry, gateway.metrics.model_label, config.retry_after,
         config.queue_bytes,
     )
-    admission.waker = waker
+    admission.waker, admission.asleep = waker, waker.asleep
     waker.on_awake = lambda model: admission.pump_soon()
     trim = malloc_trim()
     if trim is not None:

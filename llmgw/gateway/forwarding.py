@@ -125,3 +125,23 @@ def _forwarding_block(client: str | None, host: bytes | None, which: str) -> byt
     forwarded.append(b"proto=" + _SCHEME)
     parts += (b"x-forwarded-proto: ", _SCHEME, b"\r\nforwarded: ", b";".join(forwarded), b"\r\n")
     return b"".join(parts)
+
+
+#: Names the replica that answered, in every proxied answer's head.
+REPLICA_HEADER: Final = b"x-llmgw-replica"
+_REPLICA_LINES: Final[dict[str, bytes]] = {}
+
+
+def replica_line(replica_id: str) -> bytes:
+    """
+    C{replica_id}'s L{REPLICA_HEADER} line, after a CRLF as the lines of a
+    relayed head's block are (the C{block} of
+    L{llmgw.gateway.frontrequest.FrontRequest.start_response}); made once
+    per replica.
+    """
+    line = _REPLICA_LINES.get(replica_id)
+    if line is None:
+        line = b"\r\n%s: %s" % (REPLICA_HEADER, replica_id.encode())
+        if len(_REPLICA_LINES) < 4096:
+            _REPLICA_LINES[replica_id] = line
+    return line

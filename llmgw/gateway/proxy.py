@@ -27,7 +27,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import classImplements
 
-from llmgw.gateway import errors
+from llmgw.gateway import errors, forwarding
 from llmgw.gateway.admission import (
     DEFAULT_QUEUE_BYTES,
     DEFAULT_QUEUE_BYTES_PER_MODEL,
@@ -72,7 +72,7 @@ from llmgw.routing import (
 #: The proxied paths whose streams can be asked for usage.
 _COMPLETIONS: Final = frozenset({"/v1/chat/completions", "/v1/completions"})
 _EVENT_STREAM: Final = b"text/event-stream"
-REPLICA_HEADER: Final = b"x-llmgw-replica"  # names the replica that answered
+REPLICA_HEADER: Final = forwarding.REPLICA_HEADER  # names the replica that answered
 #: Response headers the gateway writes itself.
 _DROP_RESPONSE: Final = frozenset(
     {
@@ -331,14 +331,14 @@ class ProxyCall:
                 _HOST_LINES[address] = host
         conn.send(b"".join((self.head, host, self.body)), self)
         if self.conn is conn:
-            self.gw.unstarted.add(self.route.replica_id, self)
+            gw = self.gw
+            gw.unstarted.calls[self] = self.route.replica_id  # Unstarted.add, inline
             # One timer for the first byte and the idle wait after it: due
             # at the sooner of the two, so that the head's arrival only ever
             # moves it later (free until it comes due; sooner would be a
             # search of the reactor's heap). Firing before the first byte
             # and before the first-byte time, it waits out the rest.
-            config = self.gw.config
-            reactor = self.gw.reactor
+            config, reactor = gw.config, gw.reactor
             self.sent_at = reactor.seconds()
             conn.arm(reactor, min(config.first_byte_timeout, config.idle_timeout), self._timed_out)
             self.armed = conn
@@ -403,7 +403,10 @@ class ProxyCall:
             return
         gw, replica_id = self.gw, self.route.replica_id  # type: ignore[union-attr]
         gw.router.succeeded(replica_id)
-        gw.unstarted.answered(replica_id, self)
+        unstarted = gw.unstarted
+        unstarted.calls.pop(self, None)  # Unstarted.answered inline: its entry is this attempt's
+        if unstarted.on_answer is not None:
+            unstarted.on_answer(replica_id, self)
         framed: int | None = length
         meter = self.meter
         if meter is not None and 200 <= status < 300 and _EVENT_STREAM in block:
@@ -415,8 +418,8 @@ class ProxyCall:
         self.status = status
         self.sent_headers = True
         request = self.request
-        request.start_response(status, ((REPLICA_HEADER, self.route.replica_id.encode()),), framed,  # type: ignore[union-attr]
-                               reason or None, hold=True, block=block)
+        request.start_response(status, (), framed, reason or None, hold=True,
+                               block=block + forwarding.replica_line(replica_id))
         request.set_producer(self)
         gw.metrics.first_byte(self.model, time.monotonic() - self.started)
 

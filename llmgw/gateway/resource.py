@@ -212,17 +212,17 @@ class GatewayResource:
         table = gw.table
         routes = table.routes(model)
         adapters = getattr(table, "adapters", NO_ADAPTERS)
-        chosen = self.adapter_routing.resolve(adapters, table.routes, model, routes)
         sent = body
-        if chosen is not None:
-            sent, routes = self._for_adapters(obj, body, chosen)
-        elif not routes and not table.knows_model(model):
-            raise errors.model_not_found(model)
+        if not routes or routes[0].lora_ids:
+            # Else (the common case) no adapter's: resolve's own first test, without a call.
+            chosen = self.adapter_routing.resolve(adapters, table.routes, model, routes)
+            if chosen is not None:
+                sent, routes = self._for_adapters(obj, body, chosen)
+            elif not routes and not table.knows_model(model):
+                raise errors.model_not_found(model)
         admission = gw.admission
-        waker = admission.waker
-        state = capacity(routes, gw.router.cooling, gw.reactor.seconds(), gw.config.policy,
-                         waker.asleep if waker is not None else None)
-        if state != FREE and waker is not None:
+        state = capacity(routes, gw.router.cooling, gw.reactor.seconds(), gw.config.policy, admission.asleep)
+        if state != FREE and admission.waker is not None:
             # The queue's own look, which wakes a sleeping replica if one would take it.
             state = admission.capacity(model)
         wait = admission.must_wait(model, state)
@@ -242,7 +242,7 @@ class GatewayResource:
         if wait:
             self._wait(request, obj, model, label, body, started, key_name, meter)
             return
-        policy = gw.policy_for(adapters.get(model, model))
+        policy = gw.policy_for(adapters.get(model, model) if adapters else model)
         key = None
         if policy in AFFINITY_POLICIES and len(routes) > 1:
             key = self._key(request, obj, policy)
@@ -265,9 +265,10 @@ class GatewayResource:
 
     def _key(self, request: FrontRequest, obj: dict[str, Any], policy: str) -> bytes | None:
         session = request.header(b"x-session-id")
+        # chain by position: a keyword costs the call more, once a request.
         return affinity_key(
             obj, session.decode("utf-8", "replace") if session else None, self.gateway.config.policy,
-            chain=policy == "cache_aware",
+            policy == "cache_aware",
         )
 
     def _wait(

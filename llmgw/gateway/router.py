@@ -57,6 +57,8 @@ class Router:
         self.policy = policy if policy is not None else PolicyConfig()
         self._rings: dict[tuple[str, ...], Ring] = {}
         self._ring_routes: Sequence[Route] | None = None
+        #: The last routes found with no replica asleep (see pick).
+        self._awake_routes: Sequence[Route] | None = None
         self._ring_last: Ring | None = None
         #: affinity key (less its mark) -> the replica its last request went to
         self._homes: OrderedDict[bytes, str] = OrderedDict()
@@ -208,12 +210,21 @@ class Router:
             and not (exclude and r.replica_id in exclude)
             and not (cool and r.replica_id in cool and self.cooling(r.replica_id))
         ]
-        if self.asleep is not None and any(r.signals is not None and r.signals.sleeping for r in candidates):
-            # Awake replicas first; then those a request wakes; never one
-            # that takes nothing until a wake call answers.
+        if routes is not self._awake_routes and self.asleep is not None:
             asleep = self.asleep
-            candidates = ([r for r in candidates if asleep(r) == AWAKE]
-                          or [r for r in candidates if asleep(r) == WAKES_ON_REQUEST])
+            for r in routes:
+                s = r.signals
+                if s is not None and s.sleeping:
+                    # Awake replicas first; then those a request wakes; never
+                    # one that takes nothing until a wake call answers.
+                    candidates = ([r for r in candidates if asleep(r) == AWAKE]
+                                  or [r for r in candidates if asleep(r) == WAKES_ON_REQUEST])
+                    break
+            else:
+                if isinstance(routes, tuple):
+                    # None of them sleeps, and (an immutable sequence of
+                    # frozen routes) none will: not looked at again.
+                    self._awake_routes = routes
         if not candidates:
             return None
         if len(candidates) == 1:
@@ -236,8 +247,9 @@ class Router:
             return choose(
                 policy, candidates, self.in_flight, self.clock.seconds(), self.policy, key, turn, None, at_sample
             )
-        chain: bytes | None = None
-        depths: dict[str, int] | None = None
+        chain: bytes | None
+        depths: dict[str, int] | None
+        depths = chain = None
         if policy == "cache_aware":
             key, chain = split_chain(key)
         homes = self._homes
@@ -253,7 +265,7 @@ class Router:
         if key.startswith(FIRST_TURN):
             # Without a spread window, the least loaded: no ring to walk.
             recent = None
-            ring = self.ring(routes) if depths else None
+            ring: Ring | None
             if window > 0:
                 ring = self.ring(routes)
                 recent = {}
@@ -264,6 +276,8 @@ class Router:
                         while times and times[0] <= since:
                             times.popleft()
                         recent[r.replica_id] = len(times)
+            else:
+                ring = self.ring(routes) if depths else None
             chosen = choose(
                 policy, candidates, self.in_flight, now, self.policy, key, turn, ring, at_sample, home, recent,
                 depths, chain,

@@ -35,22 +35,25 @@ class Unstarted:
     log = Logger()
 
     def __init__(self) -> None:
-        self._calls: dict[IReplicaLeft, str] = {}
+        #: Each request waiting and the replica it waits on. A proxied
+        #: request stores and pops its own entry here itself (L{add} and
+        #: L{answered} inline, on every request's path).
+        self.calls: dict[IReplicaLeft, str] = {}
         #: Told of each first byte (L{llmgw.gateway.firstbyte.FirstByteWatch.answered}).
         self.on_answer: Callable[[str, IReplicaLeft], None] | None = None
 
     def add(self, replica_id: str, call: IReplicaLeft) -> None:
-        self._calls[call] = replica_id
+        self.calls[call] = replica_id
 
     def discard(self, replica_id: str, call: IReplicaLeft) -> None:
-        if self._calls.get(call) == replica_id:
-            del self._calls[call]
+        if self.calls.get(call) == replica_id:
+            del self.calls[call]
 
     def answered(self, replica_id: str, call: IReplicaLeft) -> None:
         """
         The first byte of C{call}'s answer came from C{replica_id}.
         """
-        calls = self._calls
+        calls = self.calls
         waits_on = calls.pop(call, replica_id)
         if waits_on != replica_id:
             # It waits on another replica (a later attempt): it still does.
@@ -59,14 +62,14 @@ class Unstarted:
             self.on_answer(replica_id, call)
 
     def waiting(self, replica_id: str) -> int:
-        return sum(1 for r in self._calls.values() if r == replica_id)
+        return sum(1 for r in self.calls.values() if r == replica_id)
 
     def by_replica(self) -> list[tuple[str, list[IReplicaLeft]]]:
         """
         Each replica with requests waiting, and those requests (a copy).
         """
         out: dict[str, list[IReplicaLeft]] = {}
-        for call, replica_id in self._calls.items():
+        for call, replica_id in self.calls.items():
             out.setdefault(replica_id, []).append(call)
         return list(out.items())
 
@@ -74,9 +77,9 @@ class Unstarted:
         """
         Send every request waiting on C{replica_id} elsewhere; returns how many.
         """
-        calls = [c for c, r in self._calls.items() if r == replica_id]
+        calls = [c for c, r in self.calls.items() if r == replica_id]
         for call in calls:
-            del self._calls[call]
+            del self.calls[call]
         for call in calls:
             try:
                 call.replica_left()
@@ -91,7 +94,7 @@ class Unstarted:
         table's replicas now) that its replica left; returns how many.
         """
         told = 0
-        for replica_id in sorted({r for r in self._calls.values() if r not in keep}):
+        for replica_id in sorted({r for r in self.calls.values() if r not in keep}):
             self.log.warn("replica {replica} left the routing table with {n} request(s) "
                           "not answered yet: sending them elsewhere", replica=replica_id,
                           n=self.waiting(replica_id))
