@@ -141,3 +141,43 @@ class PriorityPlacementTests(SynchronousTestCase):
         f.step()
         self.assertEqual([c.replica_id.split("-")[0] for c in f.dispatcher.starts], ["b"])
         self.assertTrue(f.rec.ctx.deps["a"].unplaceable)
+
+
+class LongestWaitingFirstTests(SynchronousTestCase):
+    def test_longest_waiting_gets_the_room(self) -> None:
+        """
+        Two deployments of one priority wait for the only GPU: the one
+        whose requests found no room first has it made and is placed on
+        it, though the other comes first by name.
+        """
+        text = ONE_GPU
+        for model in ("x", "b", "z"):
+            text += (f'\n[[deployments]]\nmodel = "{model}"\nprofile = "one"\nmin_replicas = 0\nmax_replicas = 1\n'
+                     'scale_to_zero_after_s = 3600\nevictable = true\nmin_resident_s = 30\n')
+        f = Fleet({}, nodes=1, gpus=1, grace=0, cat=parse_catalog(tomllib.loads(text)))
+        f.step()
+        f.rec.report_demand("gw", {"x": Demand(1, 0)})
+        f.step()
+        f.make_ready()
+        f.step()
+        # z waits first, b a second later; x is still within its stay.
+        f.rec.report_demand("gw", {"z": Demand(0, 1)})
+        f.step()
+        self.assertEqual(f.rec.ctx.deps["z"].unplaceable_since, f.clock.seconds())
+        swaps: list[str] = []
+        for _ in range(40):
+            f.rec.report_demand("gw", {"z": Demand(0, 1), "b": Demand(0, 1)})
+            f.step()
+            swaps = [e.reason for e in f.rec.event_log.since() if e.kind == "swap"]
+            if swaps:
+                break
+        self.assertEqual(len(swaps), 1)
+        self.assertIn("makes room for model z", swaps[0])
+        f.step(passes=12)
+        f.confirm_stops()
+        f.rec.report_demand("gw", {"z": Demand(0, 1), "b": Demand(0, 1)})
+        f.step()
+        placed = [c.replica_id.split("-")[0] for c in f.dispatcher.starts]
+        self.assertEqual(placed, ["x", "z"])
+        self.assertIsNone(f.rec.ctx.deps["z"].unplaceable_since)
+        self.assertIsNotNone(f.rec.ctx.deps["b"].unplaceable_since)

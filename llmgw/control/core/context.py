@@ -66,6 +66,11 @@ class DeploymentState:
     backoff: Backoff = field(default_factory=Backoff)
     last_failure: ShardFailure | None = None
     unplaceable: str = ""
+    #: When placement first found no room for a replica this deployment
+    #: wants (C{None}: it has room, or wants none): among deployments of
+    #: one priority, the one that has waited longest is placed, and has
+    #: room made for it, first, so none waits behind later arrivals.
+    unplaceable_since: float | None = None
     #: Nothing is placed while held (a configuration failure).
     held: Hold | None = None
 

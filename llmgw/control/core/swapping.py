@@ -25,7 +25,11 @@ replica missing, placement found no room):
     as the GPUs are free, and its queued requests go as soon as it is
     ready (the routing table's change pumps the gateways' queues);
   - one swap at a time per wanting deployment, until its replica is
-    placed or the taken replicas are gone.
+    placed or the taken replicas are gone;
+  - among wanting deployments of one priority, the one that has found no
+    room for longest is served first, both here and when placement hands
+    out the freed GPUs (L{llmgw.control.core.placing.waiting_order}): the
+    last in name order does not wait behind every later arrival.
 
 L{choose} is the pure choice; L{Swapping.tick} reads the context, applies
 it and says why in a C{swap} event per replica taken.
@@ -42,6 +46,7 @@ from llmgw.control.core.autoscale import ScalerState
 from llmgw.control.core.catalog import Deployment
 from llmgw.control.core.context import Context
 from llmgw.control.core.outcome import Outcome
+from llmgw.control.core.placing import waiting_order
 from llmgw.control.core.sleeping import asleep
 from llmgw.control.state.fleetstate import Phase
 
@@ -131,7 +136,7 @@ class Swapping:
             and (s := scalers.get(model)) is not None and s.busy_at == now
             and len(st.active.get(model, ())) < ctx.desired.get(model, dep.replicas)
         ]
-        for dep in sorted(wanting, key=lambda d: (-d.multiplex.priority, d.model)):
+        for dep in sorted(wanting, key=lambda d: waiting_order(ctx, d.model, now)):
             self._make_room(ctx, dep, scalers, connected(), now, out)
 
     def _make_room(self, ctx: Context, want: Deployment, scalers: dict[str, ScalerState],
