@@ -140,6 +140,9 @@ class Context:
         self.prefetch = PrefetchState()
         #: Replica -> since when its engine sleeps (L{llmgw.control.core.sleeping}).
         self.sleeping_since: dict[str, float] = {}
+        #: Model -> seconds its waiting requests may be kept past their
+        #: queue timeout while room is made for it (L{llmgw.control.core.swapping}).
+        self.room: dict[str, float] = {}
         #: Rollouts, and the spec each replica was placed from.
         self.rollouts = RolloutBook()
         self.set_epoch(epoch)
