@@ -176,9 +176,9 @@ class Swapping:
                        and len(active) < ctx.desired.get(model, dep.replicas))
             if model in self.incoming and not (active or waiting or model in self.pending):
                 self.incoming.discard(model)
-            if waiting or model in self.pending or model in self.incoming:
-                drain = max(drains, default=ctx.drain_timeout(dep.profile))
-                room[model] = min(ctx.startup_timeout(dep.profile) + drain, MAX_QUEUE_TIMEOUT_S)
+            seconds = ctx.startup_timeout(dep.profile) + max(drains, default=ctx.drain_timeout(dep.profile))
+            if (waiting or model in self.pending or model in self.incoming) and seconds > 0:
+                room[model] = min(seconds, MAX_QUEUE_TIMEOUT_S)
         ctx.room = room
 
     def _make_room(self, ctx: Context, want: Deployment, scalers: dict[str, ScalerState],
