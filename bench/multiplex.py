@@ -28,7 +28,8 @@ model had no replica at all ("no_replica", the bar's figure), while it had
 no ready awake one ("cold": none, starting or asleep), and of all; requests refused (any
 non-200); swaps per minute (C{swap} events); GPU-held share (GPU-seconds
 held by a replica) and GPU-busy share (GPU-seconds whose replica had
-requests running), both from the replicas view polled each second.
+requests running), both from the replicas view polled each second; the
+records of the refused requests and of the five slowest.
 
 Wake bar: one replica that sleeps after 2 s idle; its engine's own wake
 (C{POST /wake_up} straight to the engine) beside a request through the
@@ -203,12 +204,14 @@ def run_mode(mode: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
         results: list[dict[str, Any]] = []
         lock = threading.Lock()
 
-        def one(model: str) -> None:
+        def one(model: str, at: float) -> None:
             cold = not poller.ready.get(model, False)
             none = model not in poller.placed
             status, first, total = chat(fleet.gateway_port, model, args.queue_timeout_s / c + 30)
             with lock:
-                results.append({"model": model, "cold": cold, "none": none, "status": status, "ttft": first})
+                results.append({"model": model, "at": round(at, 1), "cold": cold, "none": none,
+                                "status": status, "ttft": first, "total": round(total, 1),
+                                **({"error": LAST_ERROR[0][:200]} if status != 200 and LAST_ERROR else {})})
 
         threads = []
         start = time.monotonic()
@@ -216,7 +219,7 @@ def run_mode(mode: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
             delay = start + at - time.monotonic()
             if delay > 0:
                 time.sleep(delay)
-            th = threading.Thread(target=one, args=(model,), daemon=True)
+            th = threading.Thread(target=one, args=(model, at), daemon=True)
             th.start()
             threads.append(th)
         for th in threads:
@@ -262,6 +265,10 @@ def run_mode(mode: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "served_per_model": {m: sum(1 for r in results if r["model"] == m and r["status"] == 200) for m in MODELS},
         "asked_per_model": {m: sum(1 for r in results if r["model"] == m) for m in MODELS},
         "refused_per_model": {m: n for m in MODELS if (n := sum(1 for r in refused if r["model"] == m))},
+        # Each refused request, and the five that waited longest: when each
+        # was sent (seconds into the run), its model, and its wait.
+        "refused_records": sorted(refused, key=lambda r: r["at"]),
+        "longest_records": sorted(results, key=lambda r: -r["total"])[:5],
     }
 
 

@@ -52,17 +52,20 @@ class QueueLimits:
 
     @ivar depth: most requests waiting (0: none wait, all get 503 at once).
     @ivar timeout_s: the longest a request waits before it gets 503.
+    @ivar room_s: set while the control plane makes room for the model
+        (swaps it in): the seconds a request may wait past C{timeout_s}.
     """
 
     depth: int | None = None
     timeout_s: float | None = None
+    room_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.depth is not None and (isinstance(self.depth, bool) or self.depth < 0):
             raise ValueError(f"queue depth must be a non-negative integer, not {self.depth!r}")
-        t = self.timeout_s
-        if t is not None and not (math.isfinite(t) and 0 < t <= MAX_QUEUE_TIMEOUT_S):
-            raise ValueError(f"queue timeout must be in (0, {MAX_QUEUE_TIMEOUT_S:g}] seconds, not {t!r}")
+        for what, t in (("queue timeout", self.timeout_s), ("room wait", self.room_s)):
+            if t is not None and not (math.isfinite(t) and 0 < t <= MAX_QUEUE_TIMEOUT_S):
+                raise ValueError(f"{what} must be in (0, {MAX_QUEUE_TIMEOUT_S:g}] seconds, not {t!r}")
 
 
 @dataclass(frozen=True)
@@ -571,12 +574,8 @@ def snapshot_to_json(table: IRoutingTable | RoutingSnapshot, now: float) -> dict
 
 
 def _queue_json(q: QueueLimits) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    if q.depth is not None:
-        out["depth"] = q.depth
-    if q.timeout_s is not None:
-        out["timeout_s"] = q.timeout_s
-    return out
+    return {k: v for k, v in (("depth", q.depth), ("timeout_s", q.timeout_s), ("room_s", q.room_s))
+            if v is not None}
 
 
 def _queue_from(model: Any, data: Any) -> QueueLimits:
@@ -589,9 +588,10 @@ def _queue_from(model: Any, data: Any) -> QueueLimits:
     depth = data.get("depth")
     if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int)):
         raise RoutesDataError(f"{where}.depth is not an integer")
-    timeout = data.get("timeout_s")
+    timeout, room = data.get("timeout_s"), data.get("room_s")
     try:
-        return QueueLimits(depth, None if timeout is None else _number(timeout, f"{where}.timeout_s"))
+        return QueueLimits(depth, None if timeout is None else _number(timeout, f"{where}.timeout_s"),
+                           None if room is None else _number(room, f"{where}.room_s"))
     except ValueError as e:
         raise RoutesDataError(f"{where}: {e}") from None
 

@@ -380,6 +380,49 @@ class QueueTests(SynchronousTestCase):
         gw.clock.advance(2.0)
         self.assertEqual(error_of(parse(first.value())[2])["code"], "queue_timeout")
 
+    def test_kept_while_room_is_made(self) -> None:
+        """
+        While the table says room is made for the model (C{room_s}), a
+        waiter is not refused at its deadline: it is kept, counted once,
+        and dispatched when a replica turns ready; it is refused at the
+        deadline plus C{room_s} if none does.
+        """
+        gw = Gw(GatewayConfig(queue_timeout_s=60))
+        gw.table.set_queue_limits({"demo": QueueLimits(timeout_s=2.0, room_s=10.0)})
+        served, expired = gw.send(), gw.send("bob")
+        gw.clock.advance(5.0)
+        self.assertEqual((served.value(), expired.value()), (b"", b""))
+        self.assertEqual(gw.sample("llmgw_gateway_queue_kept_total", model="demo"), 2)
+        gw.clock.advance(1.0)
+        gw.ready("r1")
+        [(conn, _), (conn2, _)] = gw.new_upstreams()
+        conn.dataReceived(OK)
+        conn2.dataReceived(OK)
+        self.assertEqual((parse(served.value())[0], parse(expired.value())[0]), (200, 200))
+        self.assertEqual(gw.sample("llmgw_gateway_queue_kept_total", model="demo"), 2)
+
+        gw.table.publish_model("demo", [])
+        gw.clock.advance(0)
+        late = gw.send()
+        # The earlier requests are over, so this one may wait; no replica comes.
+        gw.clock.advance(11.9)
+        self.assertEqual(late.value(), b"")
+        gw.clock.advance(0.2)
+        self.assertEqual(error_of(parse(late.value())[2])["code"], "queue_timeout")
+
+    def test_room_withdrawn(self) -> None:
+        """
+        When the table stops saying room is made, the queue timeout alone
+        bounds a waiter again.
+        """
+        gw = Gw(GatewayConfig(queue_timeout_s=60))
+        gw.table.set_queue_limits({"demo": QueueLimits(timeout_s=2.0, room_s=10.0)})
+        gw.table.set_queue_limits({"demo": QueueLimits(timeout_s=2.0)})
+        client = gw.send()
+        gw.clock.advance(2.1)
+        self.assertEqual(error_of(parse(client.value())[2])["code"], "queue_timeout")
+        self.assertIsNone(gw.sample("llmgw_gateway_queue_kept_total", model="demo"))
+
     def test_without_keys_fair_by_address(self) -> None:
         """
         Without API keys the queue still takes requests (all from one
@@ -513,17 +556,18 @@ class LimitsTravelTests(SynchronousTestCase):
         """
         table = RoutingTable(MemoryReactorClock())
         table.set_known(["demo", "other"])
-        table.set_queue_limits({"demo": QueueLimits(7, 3.0), "other": QueueLimits(timeout_s=9.0)})
+        table.set_queue_limits({"demo": QueueLimits(7, 3.0, 40.0), "other": QueueLimits(timeout_s=9.0)})
         doc = snapshot_to_json(table, 0.0)
         snap, problems = snapshot_from_json(doc, 0.0)
         self.assertEqual(problems, [])
-        self.assertEqual(snap.queue_limits("demo"), QueueLimits(7, 3.0))
+        self.assertEqual(snap.queue_limits("demo"), QueueLimits(7, 3.0, 40.0))
         self.assertEqual(snap.queue_limits("other"), QueueLimits(None, 9.0))
-        doc["queues"]["demo"] = {"depth": -3}
-        snap, problems = snapshot_from_json(doc, 0.0)
-        self.assertIsNone(snap.queue_limits("demo"))
-        self.assertEqual(len(problems), 1)
-        self.assertIn("queues['demo']", problems[0])
+        for bad in ({"depth": -3}, {"room_s": -1}, {"room_s": "long"}):
+            doc["queues"]["demo"] = bad
+            snap, problems = snapshot_from_json(doc, 0.0)
+            self.assertIsNone(snap.queue_limits("demo"))
+            self.assertEqual(len(problems), 1)
+            self.assertIn("queues['demo']", problems[0])
 
     def test_table_reads_the_catalog_at_each_publication(self) -> None:
         """

@@ -99,6 +99,56 @@ class SwapReconcilerTests(SynchronousTestCase):
         self.assertEqual(f.rec.ctx.desired["b"], 0)
         self.assertEqual(len(self.swaps(f)), 1)
 
+    def test_room_told_to_gateways(self) -> None:
+        """
+        From the swap until the swapped-in replica is ready, the model's
+        published queue limits carry C{room_s}: its profile's startup
+        timeout plus the drain timeout of the replicas it may take (60 +
+        10); none once it is ready.
+        """
+        f = self.setup()
+        self.assertEqual(f.rec.ctx.room, {})
+        f.rec.report_demand("gw", {"want": Demand(0, 3)})
+        f.step()
+        self.assertEqual(len(self.swaps(f)), 1)
+        self.assertEqual(f.rec.ctx.room, {"want": 70.0})
+        limits = f.rec.routing_table.queue_limits("want")
+        assert limits is not None
+        self.assertEqual(limits.room_s, 70.0)
+        f.step(passes=12)
+        f.confirm_stops()
+        f.rec.report_demand("gw", {"want": Demand(0, 3)})
+        f.step()
+        [start] = [c for c in f.dispatcher.starts if c.replica_id.startswith("want")]
+        # Placed and starting: the cold start is still part of the wait.
+        self.assertEqual(f.rec.ctx.room, {"want": 70.0})
+        f.make_ready([start])
+        f.step()
+        self.assertEqual(f.rec.ctx.room, {})
+        self.assertIsNone(f.rec.routing_table.queue_limits("want"))
+
+    def test_room_while_waiting_for_a_stay_to_end(self) -> None:
+        """
+        Requests waiting for a replica that may be taken once its
+        min_resident_s is over are told of room too; a model no swap can
+        serve (every other replica more important) is not.
+        """
+        f = Fleet({}, nodes=1, gpus=2, grace=0, cat=parse_catalog(tomllib.loads(fleet_catalog(0, 600))))
+        f.step()
+        f.rec.report_demand("gw", {"a": Demand(1, 0), "b": Demand(1, 0)})
+        f.step()
+        f.make_ready()
+        f.step(passes=10)
+        f.rec.report_demand("gw", {"want": Demand(0, 1)})
+        f.step()
+        self.assertEqual(self.swaps(f), [])
+        self.assertEqual(f.rec.ctx.room, {"want": 70.0})
+        kept = self.setup(low_priority=9)
+        kept.rec.report_demand("gw", {"want": Demand(0, 3)})
+        kept.step(passes=3)
+        self.assertTrue(kept.rec.ctx.deps["want"].unplaceable)
+        self.assertEqual(kept.rec.ctx.room, {})
+
     def test_more_important_kept(self) -> None:
         """
         A model never takes a more important one's replica: the less
@@ -141,3 +191,43 @@ class PriorityPlacementTests(SynchronousTestCase):
         f.step()
         self.assertEqual([c.replica_id.split("-")[0] for c in f.dispatcher.starts], ["b"])
         self.assertTrue(f.rec.ctx.deps["a"].unplaceable)
+
+
+class LongestWaitingFirstTests(SynchronousTestCase):
+    def test_longest_waiting_gets_the_room(self) -> None:
+        """
+        Two deployments of one priority wait for the only GPU: the one
+        whose requests found no room first has it made and is placed on
+        it, though the other comes first by name.
+        """
+        text = ONE_GPU
+        for model in ("x", "b", "z"):
+            text += (f'\n[[deployments]]\nmodel = "{model}"\nprofile = "one"\nmin_replicas = 0\nmax_replicas = 1\n'
+                     'scale_to_zero_after_s = 3600\nevictable = true\nmin_resident_s = 30\n')
+        f = Fleet({}, nodes=1, gpus=1, grace=0, cat=parse_catalog(tomllib.loads(text)))
+        f.step()
+        f.rec.report_demand("gw", {"x": Demand(1, 0)})
+        f.step()
+        f.make_ready()
+        f.step()
+        # z waits first, b a second later; x is still within its stay.
+        f.rec.report_demand("gw", {"z": Demand(0, 1)})
+        f.step()
+        self.assertEqual(f.rec.ctx.deps["z"].unplaceable_since, f.clock.seconds())
+        swaps: list[str] = []
+        for _ in range(40):
+            f.rec.report_demand("gw", {"z": Demand(0, 1), "b": Demand(0, 1)})
+            f.step()
+            swaps = [e.reason for e in f.rec.event_log.since() if e.kind == "swap"]
+            if swaps:
+                break
+        self.assertEqual(len(swaps), 1)
+        self.assertIn("makes room for model z", swaps[0])
+        f.step(passes=12)
+        f.confirm_stops()
+        f.rec.report_demand("gw", {"z": Demand(0, 1), "b": Demand(0, 1)})
+        f.step()
+        placed = [c.replica_id.split("-")[0] for c in f.dispatcher.starts]
+        self.assertEqual(placed, ["x", "z"])
+        self.assertIsNone(f.rec.ctx.deps["z"].unplaceable_since)
+        self.assertIsNotNone(f.rec.ctx.deps["b"].unplaceable_since)

@@ -14,6 +14,9 @@ leaves it:
    saturated (one waiter per request finished: the capacity it freed);
  - refused with the OpenAI-shaped 503 and C{Retry-After} after waiting the
    model's C{timeout_s}, or at once when C{depth} requests already wait;
+   while the control plane makes room for the model (swaps it in: its
+   queue limits carry C{room_s}), a waiter is kept up to C{room_s} past
+   its C{timeout_s}, and counted (C{llmgw_gateway_queue_kept_total});
  - at once, with nothing sent upstream, when its client disconnects.
 
 Bounded in bytes too: the bodies of a model's waiters may hold at most its
@@ -44,7 +47,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, ClassVar, Final
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
@@ -93,12 +96,14 @@ class QueueConfig:
     """
     One model's queue limits: C{depth} requests waiting at most (0: none
     wait, all get 503 at once), each for at most C{timeout_s} seconds, their
-    bodies holding C{max_bytes} at most together.
+    bodies holding C{max_bytes} at most together; while room is made for
+    the model, C{room_s} more seconds (0: none).
     """
 
     depth: int = DEFAULT_QUEUE_DEPTH
     timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S
     max_bytes: int = DEFAULT_QUEUE_BYTES_PER_MODEL
+    room_s: float = 0.0
 
 
 def capacity(
@@ -226,6 +231,13 @@ class Admission:
             "(dispatched, timeout, full, disconnected, over_budget)",
             ["model", "outcome"],
             buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.kept = Counter(
+            "llmgw_gateway_queue_kept",
+            "Requests kept waiting past their queue timeout because the control plane was making "
+            "room for their model (swapping it in), by model",
+            ["model"],
             registry=registry,
         )
         registry.register(_WaitingCollector(self))
@@ -471,6 +483,16 @@ class Admission:
         if w.done:
             return
         now = self.clock.seconds()
+        limits = self.limits(w.model)
+        # Room is being made for the model (a drain, then a cold start):
+        # the wait is bounded by what the control plane says it may take.
+        left = w.since + limits.timeout_s + limits.room_s - now
+        if limits.room_s > 0 and left > 0:
+            if not w.kept:
+                w.kept = True
+                self.kept.labels(self.label(w.model)).inc()
+            w.timer = self.clock.callLater(left, self._expired, w)
+            return
         self._leave(w, TIMEOUT, now)
 
     def _gone(self, w: Waiter, reason: Failure) -> None:
@@ -632,6 +654,7 @@ def gateway_admission(gateway: Any) -> Admission:
             config.queue_depth if q.depth is None else q.depth,
             config.queue_timeout_s if q.timeout_s is None else q.timeout_s,
             config.queue_bytes_per_model,
+            q.room_s or 0.0,
         )
 
     admission = Admission(

@@ -23,7 +23,7 @@ class Waiter:
     while it waits (its body), counted against the queue's byte budgets.
     """
 
-    __slots__ = ("model", "who", "request", "go", "refuse", "since", "size", "timer", "done")
+    __slots__ = ("model", "who", "request", "go", "refuse", "since", "size", "timer", "done", "kept")
 
     def __init__(
         self,
@@ -44,6 +44,8 @@ class Waiter:
         self.size = size
         self.timer: IDelayedCall | None = None
         self.done = False
+        #: Kept past its queue timeout while room was made for its model.
+        self.kept = False
 
 
 class FairQueue:

@@ -66,6 +66,11 @@ class DeploymentState:
     backoff: Backoff = field(default_factory=Backoff)
     last_failure: ShardFailure | None = None
     unplaceable: str = ""
+    #: When placement first found no room for a replica this deployment
+    #: wants (C{None}: it has room, or wants none): among deployments of
+    #: one priority, the one that has waited longest is placed, and has
+    #: room made for it, first, so none waits behind later arrivals.
+    unplaceable_since: float | None = None
     #: Nothing is placed while held (a configuration failure).
     held: Hold | None = None
 
@@ -135,6 +140,9 @@ class Context:
         self.prefetch = PrefetchState()
         #: Replica -> since when its engine sleeps (L{llmgw.control.core.sleeping}).
         self.sleeping_since: dict[str, float] = {}
+        #: Model -> seconds its waiting requests may be kept past their
+        #: queue timeout while room is made for it (L{llmgw.control.core.swapping}).
+        self.room: dict[str, float] = {}
         #: Rollouts, and the spec each replica was placed from.
         self.rollouts = RolloutBook()
         self.set_epoch(epoch)

@@ -74,8 +74,9 @@ def reconcile(ctx: Context, now: float, placer: Placer, sync: Callable[[], bool]
         return place(ctx, dep, spec, placer, over_budget, now, out)
 
     deps = ctx.catalog.deployments
-    # The more important first where room is short (DESIGN §22).
-    for model in sorted(deps, key=lambda m: (-deps[m].multiplex.priority, m)):
+    # The more important first where room is short (DESIGN §22), then
+    # the one that has found no room for longest.
+    for model in sorted(deps, key=lambda m: waiting_order(ctx, m, now)):
         dep = deps[model]
         desired = ctx.desired.get(model, dep.replicas)
         state = ctx.deps[model]
@@ -108,6 +109,8 @@ def reconcile(ctx: Context, now: float, placer: Placer, sync: Callable[[], bool]
             for rid in victims(candidates(ctx, model, active), step.retire):
                 lifecycle.retire(ctx, st.replicas[rid], f"scale down of {model} to {desired}", now, out)
             continue
+        if not step.place and not unfinished:
+            state.unplaceable_since = None
         if not step.place or unfinished:
             continue
         if not synced:
@@ -138,12 +141,25 @@ def reconcile(ctx: Context, now: float, placer: Placer, sync: Callable[[], bool]
             continue
         if placed < missing:
             why = f"no room for {missing - placed} replica(s) of " + " or ".join(map(describe, spec.choices()))
+            if state.unplaceable_since is None:
+                state.unplaceable_since = now
             if state.unplaceable != why:
                 state.unplaceable = why
                 out.event("unplaceable", level="warn", reason=f"deployment {model}: {why}")
         else:
             state.unplaceable = ""
+            state.unplaceable_since = None
     return unfinished
+
+
+def waiting_order(ctx: Context, model: str, now: float) -> tuple[int, float, str]:
+    """
+    The order in which deployments get room where it is short: the higher
+    C{priority} first, then the one that has found none for longest, then
+    by name.
+    """
+    since = ctx.deps[model].unplaceable_since
+    return (-ctx.catalog.deployments[model].multiplex.priority, now if since is None else since, model)
 
 
 def deployment(ctx: Context, model: str) -> Deployment:

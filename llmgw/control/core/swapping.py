@@ -25,7 +25,20 @@ replica missing, placement found no room):
     as the GPUs are free, and its queued requests go as soon as it is
     ready (the routing table's change pumps the gateways' queues);
   - one swap at a time per wanting deployment, until its replica is
-    placed or the taken replicas are gone.
+    placed or the taken replicas are gone;
+  - among wanting deployments of one priority, the one that has found no
+    room for longest is served first, both here and when placement hands
+    out the freed GPUs (L{llmgw.control.core.placing.waiting_order}): the
+    last in name order does not wait behind every later arrival.
+
+While room is made for a model (a swap under way, its replica placed by a
+swap and starting, or its requests waiting for a replica that a swap may
+take once its stay is over), C{ctx.room} names it with the most its
+waiting requests may need past their queue timeout: its profile's startup
+timeout plus the longest drain of the replicas that may be taken. The
+gateways learn it with the queue limits (L{queue_limits}) and keep such
+requests waiting that much longer, so a request is not refused only
+because a drain and a cold start took longer than its queue timeout.
 
 L{choose} is the pure choice; L{Swapping.tick} reads the context, applies
 it and says why in a C{swap} event per replica taken.
@@ -39,11 +52,13 @@ from dataclasses import dataclass, replace
 from llmgw import gputypes
 from llmgw.control.core import lifecycle
 from llmgw.control.core.autoscale import ScalerState
-from llmgw.control.core.catalog import Deployment
+from llmgw.control.core.catalog import Catalog, Deployment
 from llmgw.control.core.context import Context
 from llmgw.control.core.outcome import Outcome
+from llmgw.control.core.placing import waiting_order
 from llmgw.control.core.sleeping import asleep
 from llmgw.control.state.fleetstate import Phase
+from llmgw.routing import MAX_QUEUE_TIMEOUT_S, QueueLimits
 
 #: The event a replica taken for another model makes.
 SWAP = "swap"
@@ -111,6 +126,9 @@ class Swapping:
 
     def __init__(self) -> None:
         self.pending: dict[str, frozenset[str]] = {}
+        #: Models a swap made room for, until their replica is ready or
+        #: nothing of theirs is left to wait for.
+        self.incoming: set[str] = set()
         #: Replicas taken since the process started (for the benchmark).
         self.taken = 0
 
@@ -131,8 +149,37 @@ class Swapping:
             and (s := scalers.get(model)) is not None and s.busy_at == now
             and len(st.active.get(model, ())) < ctx.desired.get(model, dep.replicas)
         ]
-        for dep in sorted(wanting, key=lambda d: (-d.multiplex.priority, d.model)):
+        for dep in sorted(wanting, key=lambda d: waiting_order(ctx, d.model, now)):
             self._make_room(ctx, dep, scalers, connected(), now, out)
+        self._note_room(ctx)
+
+    def _note_room(self, ctx: Context) -> None:
+        """
+        Set C{ctx.room} to the models room is being made for (see the
+        module).
+        """
+        st, deps = ctx.state, ctx.catalog.deployments
+        # Who may give a replica up: (priority, drain timeout) per deployment.
+        givers = [(d.multiplex.priority, ctx.drain_timeout(d.profile)) for d in deps.values()
+                  if d.multiplex.evictable and d.autoscale is not None
+                  and len(st.active.get(d.model, ())) > d.autoscale.min_replicas]
+        room: dict[str, float] = {}
+        for model, dep in deps.items():
+            active = st.active.get(model, ())
+            if st.ready.get(model):
+                self.incoming.discard(model)
+                continue
+            profile = ctx.profile(dep.profile)
+            drains = [drain for priority, drain in givers if priority <= dep.multiplex.priority]
+            waiting = (ctx.deps[model].unplaceable_since is not None and bool(drains)
+                       and profile is not None and profile.shards == 1
+                       and len(active) < ctx.desired.get(model, dep.replicas))
+            if model in self.incoming and not (active or waiting or model in self.pending):
+                self.incoming.discard(model)
+            seconds = ctx.startup_timeout(dep.profile) + max(drains, default=ctx.drain_timeout(dep.profile))
+            if (waiting or model in self.pending or model in self.incoming) and seconds > 0:
+                room[model] = min(seconds, MAX_QUEUE_TIMEOUT_S)
+        ctx.room = room
 
     def _make_room(self, ctx: Context, want: Deployment, scalers: dict[str, ScalerState],
                    connected: set[str], now: float, out: Outcome) -> None:
@@ -173,6 +220,7 @@ class Swapping:
             return
         node_id, taken = chosen
         self.pending[want.model] = frozenset(r.id for r in taken)
+        self.incoming.add(want.model)
         for r in taken:
             self.taken += 1
             idle = now - r.last_used
@@ -186,3 +234,15 @@ class Swapping:
             scaler = scalers.get(r.model)
             if scaler is not None:
                 scalers[r.model] = replace(scaler, desired=lower, below_since=None, peak=0)
+
+
+def queue_limits(catalog: Catalog, room: Mapping[str, float]) -> dict[str, QueueLimits]:
+    """
+    The catalog's admission queue limits, with C{room_s} set for each
+    model room is being made for (C{room}, as C{ctx.room}): what the
+    routing table publishes to the gateways.
+    """
+    out = catalog.queue_limits()
+    for model, seconds in room.items():
+        out[model] = replace(out.get(model, QueueLimits()), room_s=seconds)
+    return out

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
-from llmgw.control.core import reports
+from llmgw.control.core import reports, swapping
 from llmgw.control.core.commands import Command, Start
 from llmgw.control.core.context import Context
 from llmgw.control.core.outcome import Outcome
@@ -44,6 +44,7 @@ class Outbox:
         self._send = send
         self._apply = apply
         self._queue: list[Command] = []
+        self._room: dict[str, float] = {}
         self._call: IDelayedCall | None = None
         self.held = False
 
@@ -76,6 +77,13 @@ class Outbox:
             st = self._ctx.state
             for model in sorted(st.take_routes_dirty()):
                 self._table.publish_model(model, st.routes(model))
+            room = self._ctx.room
+            if room or self._room:
+                # The gateways keep requests longer while room is made for
+                # their model: they learn it with the queue limits (set
+                # again while any is, over a catalog publication of them).
+                self._room = dict(room)
+                self._table.set_queue_limits(swapping.queue_limits(self._ctx.catalog, room))
 
     def _one(self, cmd: Command, now: float) -> None:
         # One command's failure is its own: the rest of the batch still goes.
