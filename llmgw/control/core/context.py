@@ -73,6 +73,68 @@ class DeploymentState:
     unplaceable_since: float | None = None
     #: Nothing is placed while held (a configuration failure).
     held: Hold | None = None
+    #: A deployment with variants keeps a backoff per variant (by profile
+    #: name, made on first failure with C{backoff}'s timings), so that one
+    #: variant crashing does not keep the others from being placed.
+    variant_backoff: dict[str, Backoff] = field(default_factory=dict)
+
+    def backoff_of(self, profile: str, variants: tuple[str, ...]) -> Backoff:
+        """
+        The backoff a failure of a replica of C{profile} counts against:
+        its variant's when C{profile} is one of C{variants} (the
+        deployment's variant profiles, empty without variants), else the
+        deployment's own.
+        """
+        if profile not in variants:
+            return self.backoff
+        b = self.variant_backoff.get(profile)
+        if b is None:
+            b = self.variant_backoff[profile] = Backoff(self.backoff.base, self.backoff.cap,
+                                                        self.backoff.reset_after)
+        return b
+
+    def variant_blocked(self, profile: str, now: float) -> bool:
+        """
+        Whether the variant C{profile} is in its own backoff at C{now}.
+        """
+        b = self.variant_backoff.get(profile)
+        return b is not None and b.blocked(now)
+
+    def blocked(self, now: float, variants: tuple[str, ...]) -> bool:
+        """
+        Whether nothing can be placed at C{now}: the deployment's own
+        backoff runs, or it has variants and every one is in backoff.
+        """
+        if self.backoff.blocked(now):
+            return True
+        return bool(variants) and all(self.variant_blocked(p, now) for p in variants)
+
+    def blocked_until(self, now: float, variants: tuple[str, ...]) -> float | None:
+        """
+        When placement may resume if L{blocked} at C{now} (the earliest
+        variant to come out of backoff, or the deployment's own backoff if
+        later), else C{None}.
+        """
+        if not self.blocked(now, variants):
+            return None
+        until = self.backoff.until if self.backoff.blocked(now) else now
+        if variants and all(self.variant_blocked(p, now) for p in variants):
+            until = max(until, min(self.variant_backoff[p].until for p in variants))
+        return until
+
+    def failures(self) -> int:
+        """
+        The consecutive failures counted: the deployment's own plus every
+        variant's.
+        """
+        return self.backoff.failures + sum(b.failures for b in self.variant_backoff.values())
+
+    def reset_backoff(self) -> None:
+        """
+        Forgive every failure counted, the deployment's and its variants'.
+        """
+        self.backoff.reset()
+        self.variant_backoff.clear()
 
 
 @dataclass
@@ -115,6 +177,15 @@ class Deployments(collections.defaultdict[str, DeploymentState]):
         b = self._ctx.backoff
         state = self[model] = DeploymentState(Backoff(b.base, b.cap, b.reset_after))
         return state
+
+
+def variants_of(ctx: Context, model: str) -> tuple[str, ...]:
+    """
+    The variant profiles of C{model}'s deployment, cheapest first; empty
+    when it has none (or is no longer in the catalog).
+    """
+    dep = ctx.catalog.deployments.get(model)
+    return tuple(v.profile for v in dep.variants) if dep is not None else ()
 
 
 class Context:

@@ -18,7 +18,7 @@ from dataclasses import replace
 from llmgw.control.core import rolling
 from llmgw.control.core.catalog import Catalog, diff
 from llmgw.control.core.commands import Drain, Start, Stop, start_command, weights_key
-from llmgw.control.core.context import STOP_SLACK, Context
+from llmgw.control.core.context import STOP_SLACK, Context, variants_of
 from llmgw.control.core.failures import ShardFailure, on_failure
 from llmgw.control.core.outcome import Outcome
 from llmgw.control.core.rollout import LaunchSpec
@@ -215,12 +215,17 @@ def record_failure(
         # (a node gone, a kill, an engine wedged) is no crash loop, so its
         # replacement is placed at once however many replicas went before.
         return
-    delay = state.backoff.failed(now)
+    # With variants the failure counts against the failed replica's own
+    # variant: the others are placed meanwhile.
+    profile = rep.profile if rep is not None else ""
+    counter = state.backoff_of(profile, variants_of(ctx, model))
+    delay = counter.failed(now)
+    what = f"deployment {model}" if counter is state.backoff else f"deployment {model} variant {profile}"
     out.event(
         "backoff",
         level="warn",
         replica=replica_id,
-        reason=f"deployment {model}: failure {state.backoff.failures}, next placement in {delay:g}s",
+        reason=f"{what}: failure {counter.failures}, next placement in {delay:g}s",
     )
 
 
@@ -245,7 +250,7 @@ def release(ctx: Context, model: str, why: str, out: Outcome) -> None:
     state = ctx.deps[model]
     was = state.held
     state.held = None
-    state.backoff.reset()
+    state.reset_backoff()
     if was is not None:
         out.event("deployment_released", reason=f"deployment {model}: {why}")
 

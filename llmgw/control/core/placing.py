@@ -20,7 +20,7 @@ from collections.abc import Callable
 from llmgw.control.core import lifecycle, rolling
 from llmgw.control.core.catalog import Deployment, Profile
 from llmgw.control.core.commands import weights_key
-from llmgw.control.core.context import Context
+from llmgw.control.core.context import Context, variants_of
 from llmgw.control.core.outcome import Outcome
 from llmgw.control.core.rollout import LaunchSpec
 from llmgw.control.core.scaling import Candidate, scale_step, victims
@@ -82,24 +82,21 @@ def reconcile(ctx: Context, now: float, placer: Placer, sync: Callable[[], bool]
         state = ctx.deps[model]
         active = st.active[model]
         ready = st.ready[model]
-        if state.backoff.failures:
-            for rid in ready:
-                rs = st.replicas[rid].ready_since
-                if rs is not None and state.backoff.ready_for(now - rs):
-                    state.backoff.reset()
-                    out.event("backoff_reset", replica=rid, reason=f"deployment {model} ready long enough")
-                    break
+        variants = variants_of(ctx, model)
+        if state.failures():
+            forgive(ctx, model, variants, now, out)
+        blocked = state.blocked(now, variants)
         if ctx.rollouts.owns(model):
             # A rollout decides its deployment's replicas until it is done.
             unfinished = rolling.step(
-                ctx, ctx.rollouts.rollouts[model], desired, now, placing, state.backoff.blocked(now),
+                ctx, ctx.rollouts.rollouts[model], desired, now, placing, blocked,
                 lambda spec: _place_synced(spec), out) or unfinished
             continue
         evac = st.evacuating.get(model)
         step = scale_step(
             # Fresh ready replicas are counted only where some are being moved off.
             desired, len(active), len(ready & active) if evac else 0, len(evac) if evac else 0,
-            placing=placing, held=state.held is not None, backing_off=state.backoff.blocked(now),
+            placing=placing, held=state.held is not None, backing_off=blocked,
         )
         if step.retire_evacuated and evac:
             for rid in sorted(evac):
@@ -140,7 +137,10 @@ def reconcile(ctx: Context, now: float, placer: Placer, sync: Callable[[], bool]
         if unfinished:
             continue
         if placed < missing:
-            why = f"no room for {missing - placed} replica(s) of " + " or ".join(map(describe, spec.choices()))
+            open_ = [p for p in spec.choices() if not state.variant_blocked(p.name, now)]
+            why = f"no room for {missing - placed} replica(s) of " + " or ".join(map(describe, open_))
+            if len(open_) < len(spec.choices()):
+                why += " (the other variants in backoff)"
             if state.unplaceable_since is None:
                 state.unplaceable_since = now
             if state.unplaceable != why:
@@ -150,6 +150,24 @@ def reconcile(ctx: Context, now: float, placer: Placer, sync: Callable[[], bool]
             state.unplaceable = ""
             state.unplaceable_since = None
     return unfinished
+
+
+def forgive(ctx: Context, model: str, variants: tuple[str, ...], now: float, out: Outcome) -> None:
+    """
+    Reset the count of each backoff of C{model} (the deployment's own, or
+    with variants each variant's) that one of its replicas has now been
+    ready long enough to forgive.
+    """
+    st = ctx.state
+    state = ctx.deps[model]
+    for rid in sorted(st.ready[model]):
+        rep = st.replicas[rid]
+        backoff = state.backoff_of(rep.profile, variants)
+        rs = rep.ready_since
+        if rs is not None and backoff.ready_for(now - rs):
+            backoff.reset()
+            what = f"deployment {model}" if backoff is state.backoff else f"variant {rep.profile} of {model}"
+            out.event("backoff_reset", replica=rid, reason=f"{what} ready long enough")
 
 
 def waiting_order(ctx: Context, model: str, now: float) -> tuple[int, float, str]:
@@ -213,10 +231,15 @@ def place(ctx: Context, dep: Deployment, spec: LaunchSpec, placer: Placer,
           over_budget: Callable[[], bool], now: float, out: Outcome) -> str | bool | None:
     """
     Place one replica of C{dep} from C{spec}, on the first of its
-    profiles (the cheapest variant first) that has room: its id, False
-    when none has, or C{None} when the pass's time ran out first.
+    profiles (the cheapest variant first) that has room and is not in its
+    variant's backoff: its id, False when none has, or C{None} when the
+    pass's time ran out first.
     """
+    state = ctx.deps[dep.model]
     for profile in spec.choices():
+        if dep.variants and state.variant_blocked(profile.name, now):
+            # A variant in backoff is passed over as one without room is.
+            continue
         slots = placer.place(
             Request(group=dep.model, shards=profile.shards, gpus_per_shard=profile.gpus_per_shard,
                     gpu_memory_mb=profile.gpu_memory_mb, fabric=profile.fabric,

@@ -8,6 +8,8 @@ from __future__ import annotations
 import collections
 from typing import TYPE_CHECKING, Any
 
+from llmgw.control.core.backoff import Backoff
+from llmgw.control.core.context import variants_of
 from llmgw.control.core.sleeping import asleep
 from llmgw.control.state.fetches import FetchProgress
 from llmgw.control.state.fleetstate import Phase
@@ -77,7 +79,7 @@ def status(rec: Reconciler) -> dict[str, Any]:
             "total": len(deps),
             "satisfied": ready,
             "unsatisfied": len(deps) - ready,
-            "in_backoff": sum(1 for m in deps if rec.deps[m].backoff.blocked(now)),
+            "in_backoff": sum(1 for m in deps if rec.deps[m].blocked(now, variants_of(rec.ctx, m))),
         },
         "replicas": snap["replicas"],
         "shards": snap["shards"],
@@ -143,8 +145,15 @@ def deployments(rec: Reconciler) -> list[dict[str, Any]]:
                 "desired": rec.desired.get(model, dep.replicas),
                 "ready": len(st.ready.get(model, ())),
                 "replicas": len(st.by_model.get(model, ())),
-                "backoff_until": state.backoff.until if state.backoff.blocked(now) else None,
-                "failures": state.backoff.failures,
+                # When placement may resume if nothing can be placed now
+                # (with variants: every variant in backoff); failures: the
+                # counts of the deployment and all its variants summed.
+                "backoff_until": state.blocked_until(now, variants_of(rec.ctx, model)),
+                "failures": state.failures(),
+                # Each variant's own backoff; None: no variants.
+                "variants_backoff": {
+                    v.profile: _backoff_view(state.variant_backoff.get(v.profile), now) for v in dep.variants
+                } or None,
                 "last_failure": state.last_failure.as_dict() if state.last_failure else None,
                 "unplaceable": state.unplaceable or None,
                 "held": state.held.as_dict() if state.held else None,
@@ -155,6 +164,15 @@ def deployments(rec: Reconciler) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+def _backoff_view(backoff: Backoff | None, now: float) -> dict[str, Any]:
+    """
+    One variant's backoff as the deployments view shows it.
+    """
+    if backoff is None:
+        return {"failures": 0, "backoff_until": None}
+    return {"failures": backoff.failures, "backoff_until": backoff.until if backoff.blocked(now) else None}
 
 
 def replicas(rec: Reconciler) -> list[dict[str, Any]]:
