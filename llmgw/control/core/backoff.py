@@ -1,7 +1,8 @@
 """
-Per-deployment crash backoff (DESIGN §6.4): a failure delays the next
-placement of that deployment, doubling from C{base} up to C{cap}; a replica
-that stays ready for C{reset_after} forgives the past.
+Crash backoff (DESIGN §6.4): a failure delays the next placement of its
+deployment (of its variant, for a deployment with variants: see
+L{llmgw.control.core.context.DeploymentState}), doubling from C{base} up to
+C{cap}; a replica that stays ready for C{reset_after} forgives the past.
 """
 
 from __future__ import annotations

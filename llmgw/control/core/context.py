@@ -122,12 +122,14 @@ class DeploymentState:
             until = max(until, min(self.variant_backoff[p].until for p in variants))
         return until
 
-    def failures(self) -> int:
+    def failures(self, variants: tuple[str, ...]) -> int:
         """
-        The consecutive failures counted: the deployment's own plus every
-        variant's.
+        The consecutive failures counted: the deployment's own plus those
+        of each of C{variants} (a variant since dropped from the catalog
+        no longer counts).
         """
-        return self.backoff.failures + sum(b.failures for b in self.variant_backoff.values())
+        return self.backoff.failures + sum(self.variant_backoff[p].failures
+                                           for p in variants if p in self.variant_backoff)
 
     def reset_backoff(self) -> None:
         """

@@ -190,7 +190,8 @@ def record_failure(
     """
     The one place a L{ShardFailure} is built: it becomes the deployment's
     last failure, and C{backoff} counts it towards the deployment's crash
-    backoff (or holds the deployment, for a configuration failure).
+    backoff, or with variants its replica's variant's (or holds the
+    deployment, for a configuration failure).
     """
     failure = ShardFailure(
         node=node_id, replica=replica_id, shard=shard_id, exit_code=exit_code, signal=signal,

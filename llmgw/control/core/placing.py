@@ -83,7 +83,7 @@ def reconcile(ctx: Context, now: float, placer: Placer, sync: Callable[[], bool]
         active = st.active[model]
         ready = st.ready[model]
         variants = variants_of(ctx, model)
-        if state.failures():
+        if state.failures(variants):
             forgive(ctx, model, variants, now, out)
         blocked = state.blocked(now, variants)
         if ctx.rollouts.owns(model):
@@ -137,9 +137,9 @@ def reconcile(ctx: Context, now: float, placer: Placer, sync: Callable[[], bool]
         if unfinished:
             continue
         if placed < missing:
-            open_ = [p for p in spec.choices() if not state.variant_blocked(p.name, now)]
-            why = f"no room for {missing - placed} replica(s) of " + " or ".join(map(describe, open_))
-            if len(open_) < len(spec.choices()):
+            tried = [p for p in spec.choices() if not (dep.variants and state.variant_blocked(p.name, now))]
+            why = f"no room for {missing - placed} replica(s) of " + " or ".join(map(describe, tried))
+            if len(tried) < len(spec.choices()):
                 why += " (the other variants in backoff)"
             if state.unplaceable_since is None:
                 state.unplaceable_since = now

@@ -26,7 +26,8 @@ optional, a missing one leaves its metric out::
 
 The deployment metrics (failures by crash class, held deployments) are
 read from the reconciler's C{deployments()} view: each deployment's
-C{failures} (its consecutive failures, the backoff's count), the
+C{failures} (its consecutive failures, the backoff's count; with
+variants, summed over them), the
 C{crash_class} of its C{last_failure}, and C{held} (C{None}, or a dict
 with C{crash_class}). A view without these fields counts as none.
 """
@@ -220,7 +221,8 @@ class ControlCollector(Collector):
             return
         failures = GaugeMetricFamily(
             "llmgw_deployment_failures",
-            "Each deployment's consecutive shard failures (what its backoff counts), under the "
+            "Each deployment's consecutive shard failures (what its backoff counts, summed over its "
+            "variants), under the "
             "crash class of the latest one.",
             labels=["model", "crash_class"],
         )

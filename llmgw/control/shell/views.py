@@ -149,7 +149,7 @@ def deployments(rec: Reconciler) -> list[dict[str, Any]]:
                 # (with variants: every variant in backoff); failures: the
                 # counts of the deployment and all its variants summed.
                 "backoff_until": state.blocked_until(now, variants_of(rec.ctx, model)),
-                "failures": state.failures(),
+                "failures": state.failures(variants_of(rec.ctx, model)),
                 # Each variant's own backoff; None: no variants.
                 "variants_backoff": {
                     v.profile: _backoff_view(state.variant_backoff.get(v.profile), now) for v in dep.variants

@@ -169,9 +169,12 @@ class IFleetAdmin(Interface):
     def deployments() -> list[dict]:  # type: ignore[type-arg]
         """
         Each deployment: C{model}, C{profile}, C{desired}, C{ready},
-        C{backoff_until} (or C{None}), C{last_failure} (C{None} or a dict
-        with node, replica, shard, exit_code, signal, error, last_output,
-        time).
+        C{backoff_until} (or C{None}: it can place now; with variants, set
+        only while every variant is in backoff), C{failures} (with variants,
+        summed over them), C{variants_backoff} (C{None} without variants,
+        else each variant's profile to its C{failures} and
+        C{backoff_until}), C{last_failure} (C{None} or a dict with node,
+        replica, shard, exit_code, signal, error, last_output, time).
         """
 
     def replicas() -> list[dict]:  # type: ignore[type-arg]
