@@ -24,9 +24,7 @@ Where it is written:
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -36,6 +34,7 @@ from twisted.internet.defer import Deferred, ensureDeferred, maybeDeferred
 from llmgw.control.admin.base import AdminNode, Refused, bounded, json_body
 from llmgw.control.core.catalog import CatalogError
 from llmgw.control.core.catalogedit import Edited, put_deployment, remove_deployment
+from llmgw.control.core.kept import write_atomically
 from llmgw.control.state.interfaces import AdminError
 
 #: A change to a catalog's text: the old text and where it is, to the new.
@@ -49,34 +48,6 @@ def refused(status: int, message: str) -> AdminError:
     error = AdminError(message)
     error.status = status  # type: ignore[attr-defined]
     return error
-
-
-def write_file(path: Path, data: bytes) -> None:
-    """
-    Replace C{path} with C{data} atomically, keeping its permissions: written
-    beside it, flushed to disk, renamed over it.
-
-    @raise OSError: it could not be written (the old file stays).
-    """
-    mode = os.stat(path).st_mode & 0o7777
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    with contextlib.suppress(OSError):
-        dirfd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dirfd)
-        finally:
-            os.close(dirfd)
 
 
 def edit_file(fleet: Any, change: Change) -> dict[str, Any]:
@@ -100,7 +71,7 @@ def edit_file(fleet: Any, change: Change) -> dict[str, Any]:
         edited = change(text, repr(path))
     except CatalogError as e:
         raise refused(400, str(e)) from None
-    write_file(p, edited.text)
+    write_atomically(p, edited.text, keep_mode=True)
     changes = fleet.reload_catalog()
     return {"stored": path, "changes": changes}
 
