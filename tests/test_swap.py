@@ -20,7 +20,7 @@ from tests.reconciler_harness import ONE_GPU, Fleet
 
 def res(rid: str, node: str = "n1", asleep: bool = False, priority: int = 0, used: float = 0.0,
         model: str | None = None) -> Resident:
-    return Resident(rid, model or rid, node, 1, asleep, priority, used, 0.0)
+    return Resident(rid, model or rid, node, {node: 1}, asleep, priority, used, 0.0)
 
 
 class ChooseTests(SynchronousTestCase):
@@ -30,7 +30,7 @@ class ChooseTests(SynchronousTestCase):
         before awake.
         """
         spare = {m: 1 for m in "abcd"}
-        self.assertEqual(choose({"n1": 0}, 1, [res("a", used=5), res("b", used=9)], spare), ("n1", [res("a", used=5)]))
+        self.assertEqual(choose({"n1": 0}, 1, [res("a", used=5), res("b", used=9)], spare), (("n1",), [res("a", used=5)]))
         self.assertEqual(choose({"n1": 0}, 1, [res("a", priority=1), res("b", priority=2, used=-1)], spare)[1],  # type: ignore[index]
                          [res("a", priority=1)])
         self.assertEqual(choose({"n1": 0}, 1, [res("a", used=1), res("b", asleep=True, used=9)],
@@ -47,7 +47,7 @@ class ChooseTests(SynchronousTestCase):
         self.assertIsNone(choose({"n1": 0}, 1, [res("a")], {"a": 0}))
         picked = choose({"n1": 0, "n2": 1}, 2, [res("a", "n1"), res("b", "n1"), res("c", "n2", used=50)],
                         {"a": 1, "b": 1, "c": 1})
-        self.assertEqual(picked, ("n2", [res("c", "n2", used=50)]))
+        self.assertEqual(picked, (("n2",), [res("c", "n2", used=50)]))
         self.assertIsNone(choose({"n1": 0}, 2, [res("a")], {"a": 1}))
 
 

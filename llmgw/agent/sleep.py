@@ -3,8 +3,29 @@ The agent's side of sleeping engines (DESIGN §22): which of its shards
 sleep, and putting idle ones to sleep.
 
 A shard sleeps when its spec says how (C{sleep_level} above 0, an engine of
-L{llmgw.sleepmodes}) and it is its replica's leader. About once a second,
-for each such ready shard, L{Sleeper}:
+L{llmgw.sleepmodes}) and it is its replica's leader. A replica spread over
+several nodes sleeps and wakes as one through its leader's server, so a
+follower is never watched, slept or woken on its own, whatever its spec
+says, and its agent's idle look never races the leader's:
+
+  - vLLM: C{POST /sleep} reaches C{Executor.sleep} (vllm/v1/executor/
+    abstract.py), which is C{collective_rpc("sleep", kwargs=dict(level=
+    level))} to every worker of the engine, those on other nodes included;
+    C{wake_up} likewise. Its followers (C{--headless}, or Ray workers) serve
+    no HTTP API to call;
+  - SGLang: the tokenizer manager on node 0 hands
+    C{ReleaseMemoryOccupationReqInput} to the scheduler of TP rank 0, whose
+    C{recv_requests} broadcasts it to every TP rank over the TP CPU group
+    (C{broadcast_pyobj(..., self.tp_cpu_group, src=self.tp_group.ranks[0])},
+    python/sglang/srt/managers/scheduler.py); each rank then releases its
+    own memory. Nodes of C{node_rank >= 1} run no tokenizer and serve only a
+    dummy health check (python/sglang/srt/entrypoints/engine.py);
+  - llama.cpp's server runs on one node.
+
+The control plane reads a replica's sleep from its leader alone and counts
+every shard's GPUs as reclaimable (L{llmgw.control.core.sleeping}).
+
+About once a second, for each ready leader that sleeps, L{Sleeper}:
 
   - asks the engine whether it sleeps where it can say (vLLM's
     C{/is_sleeping}, llama.cpp's C{/props}); SGLang cannot, so the agent
@@ -123,6 +144,8 @@ class Sleeper(Service):
         for shard in self.supervisor.live_shards():
             spec = shard.spec
             mode = sleepmodes.mode(spec.engine)
+            # A follower (rank above 0) sleeps with its leader (see the module):
+            # one slept or woken on its own would leave its ranks out of step.
             if (mode is None or spec.sleep_level <= 0 or spec.rank != 0 or shard.state != ShardState.READY
                     or shard.stopping):
                 continue

@@ -25,11 +25,29 @@ from llmgw.control.state.signals import SignalStore
 def asleep(rep: ReplicaRec) -> bool | None:
     """
     Whether C{rep}'s engine sleeps, by its leader's newest signals;
-    C{None} when it does not sleep (or nothing was heard).
+    C{None} when it does not sleep (or nothing was heard). It speaks for
+    every shard: a multi-node engine sleeps and wakes as one through its
+    leader's server (L{llmgw.agent.sleep}), and a follower's own signals
+    never decide it.
     """
     leader = rep.shards.get(0)
     sig = leader.signals if leader is not None else None
     return sig.sleeping if sig is not None else None
+
+
+def sleeping_gpus(rep: ReplicaRec) -> dict[str, tuple[int, ...]]:
+    """
+    The GPUs whose memory C{rep}'s sleep makes reclaimable, by node: every
+    shard's, followers' included, while its leader says it sleeps; none
+    otherwise.
+    """
+    if not asleep(rep):
+        return {}
+    out: dict[str, tuple[int, ...]] = {}
+    for rank in sorted(rep.shards):
+        shard = rep.shards[rank]
+        out[shard.node_id] = (*out.get(shard.node_id, ()), *shard.gpus)
+    return out
 
 
 def record(ctx: Context, store: SignalStore, node_id: str, msgs: Iterable[Any], now: float,
@@ -56,8 +74,10 @@ def record(ctx: Context, store: SignalStore, node_id: str, msgs: Iterable[Any], 
         since = ctx.sleeping_since
         if now_asleep:
             since[rep.id] = now
-            out.event("replica_asleep", replica=rep.id, node=node_id,
-                      reason=f"model {rep.model}: its engine sleeps (its GPU memory reclaimable)")
+            gpus = sleeping_gpus(rep)
+            out.event("replica_asleep", replica=rep.id, node=node_id, reason=(
+                f"model {rep.model}: its engine sleeps (the memory of its {sum(map(len, gpus.values()))} "
+                f"GPU(s) on {', '.join(sorted(gpus))} reclaimable)"))
         else:
             slept = now - since.pop(rep.id, now)
             out.event("replica_awake", replica=rep.id, node=node_id,

@@ -17,8 +17,14 @@ replica missing, placement found no room):
     without demand), then sleeping ones (their memory is reclaimable at no
     cost to a request in flight), then the newest; sleeping first would
     take a popular model that merely dozed between its requests;
-  - on the one node where replicas of the lowest priority, then the
-    fewest, then the cheapest by the order above free enough GPUs for W's profile (one-shard profiles only);
+  - on as many distinct nodes as W's profile has shards (those sharing
+    its fabric where it has several), each with its C{gpus_per_shard}
+    GPUs that fit once the taken replicas are gone: a replica spread over
+    several nodes frees its GPUs on every one of them; the nodes are
+    completed one at a time, the one that takes the lowest priority, then
+    the fewest replicas for each node it completes, then the cheapest by
+    the order above first, and a replica that later takings made needless
+    is kept (L{choose});
   - taken replicas drain (their requests in flight finish) and stop, and
     their deployments' counts go down by one each, so the autoscaler does
     not place them again until their own demand asks; W is placed as soon
@@ -47,12 +53,14 @@ it and says why in a C{swap} event per replica taken.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
+from fractions import Fraction
 
 from llmgw import gputypes
 from llmgw.control.core import lifecycle
 from llmgw.control.core.autoscale import ScalerState
-from llmgw.control.core.catalog import Catalog, Deployment
+from llmgw.control.core.catalog import Catalog, Deployment, Profile
 from llmgw.control.core.context import Context
 from llmgw.control.core.outcome import Outcome
 from llmgw.control.core.placing import waiting_order
@@ -67,14 +75,16 @@ SWAP = "swap"
 @dataclass(frozen=True, slots=True)
 class Resident:
     """
-    A replica that may be taken: where it runs, how many GPUs it frees,
-    and what orders it (see the module).
+    A replica that may be taken: where its leader runs, how many GPUs that
+    fit the wanted profile it frees on each node (every shard's, so a
+    replica spread over several nodes frees GPUs on each), and what orders
+    it (see the module).
     """
 
     id: str
     model: str
     node_id: str
-    gpus: int
+    gpus: Mapping[str, int]
     asleep: bool
     priority: int
     last_used: float
@@ -85,37 +95,96 @@ class Resident:
 
 
 def choose(free: Mapping[str, int], need: int, residents: Iterable[Resident],
-           spare: Mapping[str, int]) -> tuple[str, list[Resident]] | None:
+           spare: Mapping[str, int], shards: int = 1) -> tuple[tuple[str, ...], list[Resident]] | None:
     """
-    The node and the replicas to take there so that C{need} GPUs are free
-    on it, or C{None} when no node can get there.
+    The nodes for the wanted replica's C{shards} shards and the replicas to
+    take so that each of those distinct nodes has C{need} GPUs free, or
+    C{None} when no choice gets there (or none needs taking anything).
 
-    @param free: each eligible node's free GPUs that fit.
-    @param residents: the replicas that may be taken.
+    Node by node, the one that costs least to complete is completed next:
+    the lowest priority taken, then the fewest replicas taken for each node
+    it completes (a replica spread over nodes may complete several at once),
+    then the least recently used, then by node id. A replica taken earlier
+    that the later ones made needless is then given back, the most valuable
+    first. The nodes answered are those the taken replicas made room on,
+    then those already free, C{shards} in all, each in id order.
+
+    @param free: each eligible node's free GPUs that fit; only these nodes
+        may hold a shard.
+    @param residents: the replicas that may be taken, sorted or not.
     @param spare: per model, how many of its replicas may go (above its
         C{min_replicas}).
     """
-    by_node: dict[str, list[Resident]] = {}
-    for r in residents:
-        if r.node_id in free:
-            by_node.setdefault(r.node_id, []).append(r)
-    best: tuple[tuple[object, ...], str, list[Resident]] | None = None
-    for node_id, here in sorted(by_node.items()):
-        got, taken, left = free[node_id], [], dict(spare)
-        for r in sorted(here, key=Resident.key):
-            if got >= need:
-                break
-            if left.get(r.model, 0) <= 0:
+    got = dict(free)
+    # On each node, the replicas that free GPUs there, in the order they go.
+    on: dict[str, list[Resident]] = {}
+    for r in sorted(residents, key=Resident.key):
+        for node_id, n in r.gpus.items():
+            if node_id in got and n > 0:
+                on.setdefault(node_id, []).append(r)
+    left = dict(spare)
+    taken: list[Resident] = []
+    while sum(1 for n in got.values() if n >= need) < shards:
+        missing = shards - sum(1 for n in got.values() if n >= need)
+        best: tuple[tuple[object, ...], list[Resident]] | None = None
+        ids = {r.id for r in taken}
+        for node_id in sorted(on):
+            if got[node_id] >= need:
                 continue
-            left[r.model] -= 1
+            here = on[node_id]
+            # The plain order, and each replica spread over nodes first: one
+            # such may complete several nodes at once.
+            for first in (None, *(r for r in here if len(r.gpus) > 1 and r.id not in ids)):
+                plan = _complete(node_id, got[node_id], need, here, left, ids, first)
+                if plan is None:
+                    continue
+                touched = {m for r in plan for m in r.gpus if m in got}
+                completed = sum(1 for m in touched if got[m] < need <= got[m] + sum(r.gpus.get(m, 0) for r in plan))
+                cost = (max(r.priority for r in plan), Fraction(len(plan), min(completed, missing)),
+                        max(r.key()[:2] for r in plan), node_id)
+                if best is None or cost < best[0]:
+                    best = (cost, plan)
+        if best is None:
+            return None
+        for r in best[1]:
             taken.append(r)
-            got += r.gpus
-        if got < need or not taken:
+            left[r.model] -= 1
+            for node_id, n in r.gpus.items():
+                if node_id in got:
+                    got[node_id] += n
+    kept: set[str] = set()
+    for r in sorted(taken, key=Resident.key, reverse=True):
+        less = {node_id: n - r.gpus.get(node_id, 0) for node_id, n in got.items()}
+        if sum(1 for n in less.values() if n >= need) >= shards:
+            got = less
+            kept.add(r.id)
+    taken = sorted((r for r in taken if r.id not in kept), key=Resident.key)
+    if not taken:
+        return None
+    freed = {node_id for r in taken for node_id in r.gpus}
+    room = sorted((node_id not in freed or free[node_id] >= need, node_id)
+                  for node_id, n in got.items() if n >= need)
+    return tuple(sorted(node_id for _, node_id in room[:shards])), taken
+
+
+def _complete(node_id: str, have: int, need: int, here: list[Resident], left: Mapping[str, int],
+              taken: AbstractSet[str], first: Resident | None = None) -> list[Resident] | None:
+    """
+    The replicas to take, in order, for C{node_id} to have C{need} GPUs
+    free, beside those already C{taken}: C{first} (when given), then
+    C{here} in their order; C{None} when it cannot.
+    """
+    plan: list[Resident] = []
+    use: dict[str, int] = {}
+    for r in (here if first is None else [first, *(r for r in here if r is not first)]):
+        if r.id in taken or left.get(r.model, 0) - use.get(r.model, 0) <= 0:
             continue
-        cost = (max(r.priority for r in taken), len(taken), max(r.key()[:2] for r in taken), node_id)
-        if best is None or cost < best[0]:
-            best = (cost, node_id, taken)
-    return (best[1], best[2]) if best is not None else None
+        use[r.model] = use.get(r.model, 0) + 1
+        plan.append(r)
+        have += r.gpus[node_id]
+        if have >= need:
+            return plan
+    return None
 
 
 class Swapping:
@@ -172,7 +241,7 @@ class Swapping:
             profile = ctx.profile(dep.profile)
             drains = [drain for priority, drain in givers if priority <= dep.multiplex.priority]
             waiting = (ctx.deps[model].unplaceable_since is not None and bool(drains)
-                       and profile is not None and profile.shards == 1
+                       and profile is not None and (profile.shards == 1 or bool(profile.fabric))
                        and len(active) < ctx.desired.get(model, dep.replicas))
             if model in self.incoming and not (active or waiting or model in self.pending):
                 self.incoming.discard(model)
@@ -185,16 +254,17 @@ class Swapping:
                    connected: set[str], now: float, out: Outcome) -> None:
         st = ctx.state
         profile = ctx.profile(want.profile)
-        if profile is None or profile.shards != 1:
+        if profile is None or (profile.shards > 1 and not profile.fabric):
+            # Placement puts no multi-shard replica anywhere without a fabric.
             return
         free: dict[str, int] = {}
         for node_id in sorted(connected):
             cap = st.node_capacity(ctx.inventory, node_id) if st.eligible(node_id, connected) else None
-            if cap is None:
+            if cap is None or (profile.shards > 1 and profile.fabric not in cap.fabrics):
                 continue
             free[node_id] = sum(1 for mb, i in cap.free if mb >= profile.gpu_memory_mb and (
                 not profile.gpu_types or gputypes.matches(cap.names.get(i, ""), profile.gpu_types)))
-        if any(n >= profile.gpus_per_shard for n in free.values()):
+        if sum(1 for n in free.values() if n >= profile.gpus_per_shard) >= profile.shards:
             # Room by GPU count: what failed was something a swap cannot fix.
             return
         residents, spare = [], {}
@@ -211,29 +281,50 @@ class Swapping:
                 rep = st.replicas[rid]
                 leader = rep.shards.get(0)
                 if (rep.phase != Phase.ACTIVE or rep.ready_since is None or leader is None
-                        or len(rep.shards) != 1 or now - rep.ready_since < rules.min_resident_s):
+                        or now - rep.ready_since < rules.min_resident_s):
                     continue
-                residents.append(Resident(rid, dep.model, leader.node_id, len(leader.gpus), bool(asleep(rep)),
+                gpus: dict[str, int] = {}
+                for shard in rep.shards.values():
+                    if shard.node_id in free:
+                        gpus[shard.node_id] = gpus.get(shard.node_id, 0) + _fitting(ctx, shard.node_id, shard.gpus,
+                                                                                    profile)
+                residents.append(Resident(rid, dep.model, leader.node_id, gpus, bool(asleep(rep)),
                                           rules.priority, used, rep.created_at))
-        chosen = choose(free, profile.gpus_per_shard, residents, spare)
+        chosen = choose(free, profile.gpus_per_shard, residents, spare, profile.shards)
         if chosen is None:
             return
-        node_id, taken = chosen
+        nodes, taken = chosen
+        where = f"node{'s' if len(nodes) > 1 else ''} {', '.join(nodes)}"
         self.pending[want.model] = frozenset(r.id for r in taken)
         self.incoming.add(want.model)
         for r in taken:
             self.taken += 1
             idle = now - r.last_used
-            out.event(SWAP, replica=r.id, node=node_id, reason=(
+            out.event(SWAP, replica=r.id, node=r.node_id, reason=(
                 f"model {r.model} (priority {r.priority}, {'asleep, ' if r.asleep else ''}no demand for "
-                f"{idle:.0f}s) makes room for model {want.model} (priority {want.multiplex.priority}), "
-                "whose requests wait"))
+                f"{idle:.0f}s) makes room for model {want.model} (priority {want.multiplex.priority}) "
+                f"on {where}, whose requests wait"))
             lifecycle.retire(ctx, st.replicas[r.id], f"swapped out for {want.model}", now, out)
             lower = max(ctx.desired.get(r.model, 0) - 1, 0)
             ctx.desired[r.model] = lower
             scaler = scalers.get(r.model)
             if scaler is not None:
                 scalers[r.model] = replace(scaler, desired=lower, below_since=None, peak=0)
+
+
+def _fitting(ctx: Context, node_id: str, indices: Iterable[int], profile: Profile) -> int:
+    """
+    How many of C{node_id}'s GPUs C{indices} would fit a shard of
+    C{profile} once free: enough memory in all, no problems, of a type it
+    takes.
+    """
+    node = ctx.inventory.peek(node_id)
+    if node is None:
+        return 0
+    wanted = set(indices)
+    return sum(1 for g in node.gpus if g.index in wanted and not g.problems
+               and g.memory_total_mb >= profile.gpu_memory_mb
+               and (not profile.gpu_types or gputypes.matches(g.name, profile.gpu_types)))
 
 
 def queue_limits(catalog: Catalog, room: Mapping[str, float]) -> dict[str, QueueLimits]:
