@@ -20,7 +20,8 @@ says, and its agent's idle look never races the leader's:
     python/sglang/srt/managers/scheduler.py); each rank then releases its
     own memory. Nodes of C{node_rank >= 1} run no tokenizer and serve only a
     dummy health check (python/sglang/srt/entrypoints/engine.py);
-  - llama.cpp's server runs on one node.
+  - llama.cpp: the leader's server keeps its own idle timer; nothing is
+    called on a follower.
 
 The control plane reads a replica's sleep from its leader alone and counts
 every shard's GPUs as reclaimable (L{llmgw.control.core.sleeping}).
