@@ -22,6 +22,7 @@ from llmgw.agent.scrape import Sample, Scraper
 from llmgw.agent.shard import READY, Shard
 from llmgw.agent.sleep import Sleeper
 from llmgw.api.v1 import agent_pb2 as pb
+from llmgw.control.core import swapping
 from llmgw.control.core.catalog import parse_catalog
 from llmgw.control.core.sleeping import asleep, sleeping_gpus
 from llmgw.control.core.swapping import Resident, choose
@@ -96,6 +97,19 @@ class ChooseShardsTests(SynchronousTestCase):
         twins = [res("t1", {"n1": 1}, model="t"), res("t2", {"n2": 1}, model="t")]
         self.assertIsNone(choose({"n1": 0, "n2": 0}, 1, twins, {"t": 1}, shards=2))
         self.assertEqual(ids(choose({"n1": 0, "n2": 0}, 1, twins, {"t": 2}, shards=2)), (("n1", "n2"), ["t1", "t2"]))
+
+    def test_next_cheapest_when_the_cheapest_strands(self) -> None:
+        """
+        The cheapest first step may leave another node that cannot be
+        completed (its deployment gave its one spare replica already): the
+        next cheapest is tried, so a set that suffices is found; the search
+        stops at its limit.
+        """
+        residents = [res("t1", {"n1": 1}, model="t"), res("t2", {"n2": 1}, model="t"), res("x", {"n1": 1}, used=5)]
+        spare = {"t": 1, "x": 1}
+        self.assertEqual(ids(choose({"n1": 0, "n2": 0}, 1, residents, spare, shards=2)), (("n1", "n2"), ["t2", "x"]))
+        self.patch(swapping, "SEARCH_LIMIT", 1)
+        self.assertIsNone(choose({"n1": 0, "n2": 0}, 1, residents, spare, shards=2))
 
     def test_free_nodes_used_first(self) -> None:
         """

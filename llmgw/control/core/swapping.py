@@ -94,6 +94,11 @@ class Resident:
         return (self.priority, self.last_used, 0 if self.asleep else 1, -self.created_at, self.id)
 
 
+#: Plans tried at most for one choice (L{choose}): the cheapest first
+#: almost always completes; past that, a pass's time is not spent on more.
+SEARCH_LIMIT = 64
+
+
 def choose(free: Mapping[str, int], need: int, residents: Iterable[Resident],
            spare: Mapping[str, int], shards: int = 1) -> tuple[tuple[str, ...], list[Resident]] | None:
     """
@@ -104,10 +109,13 @@ def choose(free: Mapping[str, int], need: int, residents: Iterable[Resident],
     Node by node, the one that costs least to complete is completed next:
     the lowest priority taken, then the fewest replicas taken for each node
     it completes (a replica spread over nodes may complete several at once),
-    then the least recently used, then by node id. A replica taken earlier
-    that the later ones made needless is then given back, the most valuable
-    first. The nodes answered are those the taken replicas made room on,
-    then those already free, C{shards} in all, each in id order.
+    then the least recently used, then by node id. Where that leaves a node
+    that cannot be completed (its replicas' deployments gave their spare
+    ones already), the next cheapest is tried instead, up to
+    L{SEARCH_LIMIT} plans in all. A replica taken earlier that the later
+    ones made needless is then given back, the most valuable first. The
+    nodes answered are those the taken replicas made room on, then those
+    already free, C{shards} in all, each in id order.
 
     @param free: each eligible node's free GPUs that fit; only these nodes
         may hold a shard.
@@ -115,43 +123,16 @@ def choose(free: Mapping[str, int], need: int, residents: Iterable[Resident],
     @param spare: per model, how many of its replicas may go (above its
         C{min_replicas}).
     """
-    got = dict(free)
     # On each node, the replicas that free GPUs there, in the order they go.
     on: dict[str, list[Resident]] = {}
     for r in sorted(residents, key=Resident.key):
         for node_id, n in r.gpus.items():
-            if node_id in got and n > 0:
+            if node_id in free and n > 0:
                 on.setdefault(node_id, []).append(r)
-    left = dict(spare)
-    taken: list[Resident] = []
-    while sum(1 for n in got.values() if n >= need) < shards:
-        missing = shards - sum(1 for n in got.values() if n >= need)
-        best: tuple[tuple[object, ...], list[Resident]] | None = None
-        ids = {r.id for r in taken}
-        for node_id in sorted(on):
-            if got[node_id] >= need:
-                continue
-            here = on[node_id]
-            # The plain order, and each replica spread over nodes first: one
-            # such may complete several nodes at once.
-            for first in (None, *(r for r in here if len(r.gpus) > 1 and r.id not in ids)):
-                plan = _complete(node_id, got[node_id], need, here, left, ids, first)
-                if plan is None:
-                    continue
-                touched = {m for r in plan for m in r.gpus if m in got}
-                completed = sum(1 for m in touched if got[m] < need <= got[m] + sum(r.gpus.get(m, 0) for r in plan))
-                cost = (max(r.priority for r in plan), Fraction(len(plan), min(completed, missing)),
-                        max(r.key()[:2] for r in plan), node_id)
-                if best is None or cost < best[0]:
-                    best = (cost, plan)
-        if best is None:
-            return None
-        for r in best[1]:
-            taken.append(r)
-            left[r.model] -= 1
-            for node_id, n in r.gpus.items():
-                if node_id in got:
-                    got[node_id] += n
+    found = _fill(dict(free), need, shards, on, dict(spare), [], [SEARCH_LIMIT])
+    if found is None:
+        return None
+    got, taken = found
     kept: set[str] = set()
     for r in sorted(taken, key=Resident.key, reverse=True):
         less = {node_id: n - r.gpus.get(node_id, 0) for node_id, n in got.items()}
@@ -165,6 +146,51 @@ def choose(free: Mapping[str, int], need: int, residents: Iterable[Resident],
     room = sorted((node_id not in freed or free[node_id] >= need, node_id)
                   for node_id, n in got.items() if n >= need)
     return tuple(sorted(node_id for _, node_id in room[:shards])), taken
+
+
+def _fill(got: dict[str, int], need: int, shards: int, on: Mapping[str, list[Resident]], left: dict[str, int],
+          taken: list[Resident], budget: list[int]) -> tuple[dict[str, int], list[Resident]] | None:
+    """
+    Complete nodes until C{shards} have C{need} GPUs (see L{choose}):
+    the free GPUs per node and the replicas taken then, or C{None} when
+    no order within C{budget} (plans left to try, shared) gets there.
+    """
+    missing = shards - sum(1 for n in got.values() if n >= need)
+    if missing <= 0:
+        return got, taken
+    ids = {r.id for r in taken}
+    plans: dict[frozenset[str], tuple[tuple[object, ...], list[Resident]]] = {}
+    for node_id in sorted(on):
+        if got[node_id] >= need:
+            continue
+        here = on[node_id]
+        # The plain order, and each replica spread over nodes first: one
+        # such may complete several nodes at once.
+        for first in (None, *(r for r in here if len(r.gpus) > 1 and r.id not in ids)):
+            plan = _complete(node_id, got[node_id], need, here, left, ids, first)
+            if plan is None:
+                continue
+            touched = {m for r in plan for m in r.gpus if m in got}
+            completed = sum(1 for m in touched if got[m] < need <= got[m] + sum(r.gpus.get(m, 0) for r in plan))
+            cost = (max(r.priority for r in plan), Fraction(len(plan), min(completed, missing)),
+                    max(r.key()[:2] for r in plan), node_id)
+            same = frozenset(r.id for r in plan)
+            if same not in plans or cost < plans[same][0]:
+                plans[same] = (cost, plan)
+    for _, plan in sorted(plans.values(), key=lambda p: p[0]):
+        if budget[0] <= 0:
+            return None
+        budget[0] -= 1
+        after, rest = dict(got), dict(left)
+        for r in plan:
+            rest[r.model] -= 1
+            for node_id, n in r.gpus.items():
+                if node_id in after:
+                    after[node_id] += n
+        found = _fill(after, need, shards, on, rest, taken + plan, budget)
+        if found is not None:
+            return found
+    return None
 
 
 def _complete(node_id: str, have: int, need: int, here: list[Resident], left: Mapping[str, int],
