@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import tomllib
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from twisted.internet import defer
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
@@ -102,14 +104,22 @@ class ChooseShardsTests(SynchronousTestCase):
         """
         The cheapest first step may leave another node that cannot be
         completed (its deployment gave its one spare replica already): the
-        next cheapest is tried, so a set that suffices is found; the search
-        stops at its limit.
+        next cheapest is tried, so a set that suffices is found. Past its
+        limit, the search follows the greedy path alone.
         """
         residents = [res("t1", {"n1": 1}, model="t"), res("t2", {"n2": 1}, model="t"), res("x", {"n1": 1}, used=5)]
         spare = {"t": 1, "x": 1}
         self.assertEqual(ids(choose({"n1": 0, "n2": 0}, 1, residents, spare, shards=2)), (("n1", "n2"), ["t2", "x"]))
         self.patch(swapping, "SEARCH_LIMIT", 1)
         self.assertIsNone(choose({"n1": 0, "n2": 0}, 1, residents, spare, shards=2))
+
+    def test_fewest_on_one_node(self) -> None:
+        """
+        On one node too, fewer replicas taken beat less recently used ones:
+        one that frees two GPUs goes rather than two that free one each.
+        """
+        residents = [res("s1", {"n1": 1}, used=0), res("s2", {"n1": 1}, used=1), res("d", {"n1": 2}, used=5)]
+        self.assertEqual(ids(choose({"n1": 0}, 2, residents, {"s1": 1, "s2": 1, "d": 1})), (("n1",), ["d"]))
 
     def test_free_nodes_used_first(self) -> None:
         """
@@ -132,6 +142,51 @@ class ChooseShardsTests(SynchronousTestCase):
         dozing = res("dozing", {"n1": 1, "n2": 1}, asleep=True)
         self.assertEqual(ids(choose({"n1": 0, "n2": 0}, 1, [awake, dozing], {"awake": 1, "dozing": 1}, shards=2)),
                          (("n1", "n2"), ["dozing"]))
+
+
+@st.composite
+def instances(draw: st.DrawFn) -> tuple[dict[str, int], int, list[Resident], dict[str, int], int]:
+    nodes = [f"n{i}" for i in range(draw(st.integers(1, 4)))]
+    free = {n: draw(st.integers(0, 1)) for n in nodes}
+    residents = []
+    for i in range(draw(st.integers(0, 6))):
+        # Some shards on a node that may not hold one (n9).
+        where = draw(st.lists(st.sampled_from([*nodes, "n9"]), min_size=1, max_size=2, unique=True))
+        residents.append(Resident(f"r{i}", draw(st.sampled_from("abc")), where[0],
+                                  {n: draw(st.integers(1, 2)) for n in where}, draw(st.booleans()),
+                                  draw(st.integers(0, 2)), float(draw(st.integers(0, 3))), float(i)))
+    spare = {m: draw(st.integers(0, 2)) for m in "abc"}
+    return free, draw(st.integers(1, 2)), residents, spare, draw(st.integers(1, 3))
+
+
+class ChooseProperties(SynchronousTestCase):
+    @given(instances())
+    @settings(max_examples=300, deadline=None)
+    def test_answers_hold(self, case: tuple[dict[str, int], int, list[Resident], dict[str, int], int]) -> None:
+        """
+        Whatever the fleet: an answer names C{shards} distinct eligible
+        nodes that each have the GPUs once the taken replicas are gone,
+        takes no deployment below its spare, takes something, and takes
+        nothing needless (each taken replica is needed for enough nodes).
+        """
+        free, need, residents, spare, shards = case
+        chosen = choose(free, need, residents, spare, shards)
+        if chosen is None:
+            return
+        nodes, taken = chosen
+
+        def room(rs: list[Resident]) -> dict[str, int]:
+            return {n: free[n] + sum(r.gpus.get(n, 0) for r in rs) for n in free}
+
+        self.assertTrue(taken)
+        self.assertEqual(len(set(nodes)), shards)
+        got = room(taken)
+        self.assertTrue(all(n in free and got[n] >= need for n in nodes))
+        for model in "abc":
+            self.assertLessEqual(sum(1 for r in taken if r.model == model), spare[model])
+        for r in taken:
+            less = room([t for t in taken if t is not r])
+            self.assertLess(sum(1 for n in less.values() if n >= need), shards)
 
 
 PAIR = """

@@ -53,9 +53,7 @@ it and says why in a C{swap} event per replica taken.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
-from fractions import Fraction
 
 from llmgw import gputypes
 from llmgw.control.core import lifecycle
@@ -94,9 +92,14 @@ class Resident:
         return (self.priority, self.last_used, 0 if self.asleep else 1, -self.created_at, self.id)
 
 
-#: Plans tried at most for one choice (L{choose}): the cheapest first
-#: almost always completes; past that, a pass's time is not spent on more.
-SEARCH_LIMIT = 64
+#: Work (plans made, choices copied node by node) past which L{choose}
+#: tries nothing but its greedy path: a small fleet is searched through, a
+#: large one costs a pass little more than the greedy choice.
+SEARCH_LIMIT = 20_000
+
+#: What orders complete choices: the highest priority taken, how many are
+#: taken, then the most recently used of them.
+Cost = tuple[int, int, tuple[int, float]]
 
 
 def choose(free: Mapping[str, int], need: int, residents: Iterable[Resident],
@@ -104,18 +107,22 @@ def choose(free: Mapping[str, int], need: int, residents: Iterable[Resident],
     """
     The nodes for the wanted replica's C{shards} shards and the replicas to
     take so that each of those distinct nodes has C{need} GPUs free, or
-    C{None} when no choice gets there (or none needs taking anything).
+    C{None} when no choice found gets there (or none needs taking
+    anything).
 
-    Node by node, the one that costs least to complete is completed next:
-    the lowest priority taken, then the fewest replicas taken for each node
-    it completes (a replica spread over nodes may complete several at once),
-    then the least recently used, then by node id. Where that leaves a node
-    that cannot be completed (its replicas' deployments gave their spare
-    ones already), the next cheapest is tried instead, up to
-    L{SEARCH_LIMIT} plans in all. A replica taken earlier that the later
-    ones made needless is then given back, the most valuable first. The
-    nodes answered are those the taken replicas made room on, then those
-    already free, C{shards} in all, each in id order.
+    The choice taken is the one whose highest priority taken is the lowest,
+    then that takes the fewest replicas, then whose most recently used is
+    used least recently. It is searched node by node, the node cheapest to
+    complete first: the lowest priority taken, then the fewest replicas
+    taken for each node it completes (a replica spread over nodes may
+    complete several at once), then the least recently used. The first
+    complete choice is the greedy one; other orders are tried after it
+    while they may still do better and the work stays within
+    L{SEARCH_LIMIT}.
+    In each complete choice, a replica that later takings made needless is
+    given back, the most valuable first. The nodes answered are those the
+    taken replicas made room on, then those already free, C{shards} in
+    all, each in id order.
 
     @param free: each eligible node's free GPUs that fit; only these nodes
         may hold a shard.
@@ -123,87 +130,130 @@ def choose(free: Mapping[str, int], need: int, residents: Iterable[Resident],
     @param spare: per model, how many of its replicas may go (above its
         C{min_replicas}).
     """
-    # On each node, the replicas that free GPUs there, in the order they go.
-    on: dict[str, list[Resident]] = {}
-    for r in sorted(residents, key=Resident.key):
-        for node_id, n in r.gpus.items():
-            if node_id in free and n > 0:
-                on.setdefault(node_id, []).append(r)
-    found = _fill(dict(free), need, shards, on, dict(spare), [], [SEARCH_LIMIT])
-    if found is None:
+    search = _Search(free, need, shards, residents)
+    search.fill(dict(free), dict(spare), [])
+    if search.best is None:
         return None
-    got, taken = found
-    kept: set[str] = set()
-    for r in sorted(taken, key=Resident.key, reverse=True):
-        less = {node_id: n - r.gpus.get(node_id, 0) for node_id, n in got.items()}
-        if sum(1 for n in less.values() if n >= need) >= shards:
-            got = less
-            kept.add(r.id)
-    taken = sorted((r for r in taken if r.id not in kept), key=Resident.key)
-    if not taken:
-        return None
+    _, got, taken = search.best
     freed = {node_id for r in taken for node_id in r.gpus}
     room = sorted((node_id not in freed or free[node_id] >= need, node_id)
                   for node_id, n in got.items() if n >= need)
     return tuple(sorted(node_id for _, node_id in room[:shards])), taken
 
 
-def _fill(got: dict[str, int], need: int, shards: int, on: Mapping[str, list[Resident]], left: dict[str, int],
-          taken: list[Resident], budget: list[int]) -> tuple[dict[str, int], list[Resident]] | None:
+class _Search:
     """
-    Complete nodes until C{shards} have C{need} GPUs (see L{choose}):
-    the free GPUs per node and the replicas taken then, or C{None} when
-    no order within C{budget} (plans left to try, shared) gets there.
+    The bounded search of L{choose}: the best complete choice so far, and
+    the plans left to try.
     """
-    missing = shards - sum(1 for n in got.values() if n >= need)
-    if missing <= 0:
-        return got, taken
-    ids = {r.id for r in taken}
-    plans: dict[frozenset[str], tuple[tuple[object, ...], list[Resident]]] = {}
-    for node_id in sorted(on):
-        if got[node_id] >= need:
-            continue
-        here = on[node_id]
-        # The plain order, and each replica spread over nodes first: one
-        # such may complete several nodes at once.
-        for first in (None, *(r for r in here if len(r.gpus) > 1 and r.id not in ids)):
-            plan = _complete(node_id, got[node_id], need, here, left, ids, first)
-            if plan is None:
-                continue
-            touched = {m for r in plan for m in r.gpus if m in got}
-            completed = sum(1 for m in touched if got[m] < need <= got[m] + sum(r.gpus.get(m, 0) for r in plan))
-            cost = (max(r.priority for r in plan), Fraction(len(plan), min(completed, missing)),
-                    max(r.key()[:2] for r in plan), node_id)
-            same = frozenset(r.id for r in plan)
-            if same not in plans or cost < plans[same][0]:
-                plans[same] = (cost, plan)
-    for _, plan in sorted(plans.values(), key=lambda p: p[0]):
-        if budget[0] <= 0:
-            return None
-        budget[0] -= 1
-        after, rest = dict(got), dict(left)
-        for r in plan:
-            rest[r.model] -= 1
+
+    def __init__(self, free: Mapping[str, int], need: int, shards: int, residents: Iterable[Resident]):
+        self.free, self.need, self.shards = free, need, shards
+        # On each node, the replicas that free GPUs there, in the order they go.
+        self.on: dict[str, list[Resident]] = {}
+        for r in sorted(residents, key=Resident.key):
             for node_id, n in r.gpus.items():
-                if node_id in after:
-                    after[node_id] += n
-        found = _fill(after, need, shards, on, rest, taken + plan, budget)
-        if found is not None:
-            return found
-    return None
+                if node_id in free and n > 0:
+                    self.on.setdefault(node_id, []).append(r)
+        #: Work done: plans made and choices copied.
+        self.work = 0
+        self.best: tuple[Cost, dict[str, int], list[Resident]] | None = None
+
+    def ready(self, got: Mapping[str, int]) -> int:
+        return sum(1 for n in got.values() if n >= self.need)
+
+    def fill(self, got: dict[str, int], left: dict[str, int], taken: list[Resident], greedy: bool = True) -> None:
+        """
+        Complete nodes from C{got} (GPUs per node with C{taken} gone),
+        C{left} giving how many more each model may give. The C{greedy}
+        path (the cheapest plan at each step) is always followed to its
+        end; any other only within L{SEARCH_LIMIT}.
+        """
+        need = self.need
+        missing = self.shards - self.ready(got)
+        if missing <= 0:
+            self.done(got, taken)
+            return
+        if not greedy and self.work >= SEARCH_LIMIT:
+            return
+        ids = {r.id for r in taken}
+        plans: dict[frozenset[str], tuple[tuple[object, ...], list[Resident]]] = {}
+        for node_id in sorted(self.on):
+            if got[node_id] >= need:
+                continue
+            here = [r for r in self.on[node_id] if r.id not in ids] if ids else self.on[node_id]
+            plain = _complete(node_id, got[node_id], need, here, left)
+            self.work += 1
+            # Besides the plain order, each replica first that may do
+            # better: one spread over nodes may complete several at once,
+            # one that frees more here may need fewer taken, and any may
+            # complete a node where the plain order runs out of spares.
+            least = min((r.gpus[node_id] for r in plain), default=0) if plain is not None else 0
+            firsts = [r for r in here if plain is None or len(r.gpus) > 1 or r.gpus[node_id] > least]
+            for plan in (plain, *(_complete(node_id, got[node_id], need, here, left, r) for r in firsts)):
+                if plan is None:
+                    continue
+                same = frozenset(r.id for r in plan)
+                if same in plans:
+                    # The same takings from an earlier node cost no more.
+                    continue
+                completed = 1
+                if any(len(r.gpus) > 1 for r in plan):
+                    touched = {m for r in plan for m in r.gpus if m in got}
+                    completed = sum(1 for m in touched
+                                    if got[m] < need <= got[m] + sum(r.gpus.get(m, 0) for r in plan))
+                # Past a first replica, a plan keeps the order of the replicas
+                # here: the most recently used is its first or its last. A
+                # float is exact enough: ratios of small counts that differ
+                # differ by far more than its precision.
+                cost = (max(r.priority for r in plan), len(plan) / min(completed, missing),
+                        max(plan[0].key()[:2], plan[-1].key()[:2]), node_id)
+                plans[same] = (cost, plan)
+            self.work += len(firsts)
+        for i, (_, plan) in enumerate(sorted(plans.values(), key=lambda p: p[0])):
+            path = greedy and i == 0
+            top = max(r.priority for r in (*taken, *plan))
+            if (not path and self.work >= SEARCH_LIMIT) or (self.best is not None and top > self.best[0][0]):
+                # Sorted by priority first: no later plan does better.
+                return
+            self.work += len(got)
+            after, rest = dict(got), dict(left)
+            for r in plan:
+                rest[r.model] -= 1
+                for node_id, n in r.gpus.items():
+                    if node_id in after:
+                        after[node_id] += n
+            self.fill(after, rest, [*taken, *plan], path)
+
+    def done(self, got: dict[str, int], taken: list[Resident]) -> None:
+        """
+        A complete choice: give back what is needless, keep it if best.
+        """
+        need, ready = self.need, self.ready(got)
+        for r in sorted(taken, key=Resident.key, reverse=True):
+            lost = sum(1 for node_id, n in r.gpus.items() if node_id in got and got[node_id] >= need > got[node_id] - n)
+            if ready - lost >= self.shards:
+                got = {**got, **{node_id: got[node_id] - n for node_id, n in r.gpus.items() if node_id in got}}
+                ready -= lost
+                taken = [t for t in taken if t is not r]
+        if not taken:
+            return
+        cost = (max(r.priority for r in taken), len(taken), max(r.key()[:2] for r in taken))
+        if self.best is None or cost < self.best[0]:
+            self.best = (cost, got, sorted(taken, key=Resident.key))
 
 
 def _complete(node_id: str, have: int, need: int, here: list[Resident], left: Mapping[str, int],
-              taken: AbstractSet[str], first: Resident | None = None) -> list[Resident] | None:
+              first: Resident | None = None) -> list[Resident] | None:
     """
     The replicas to take, in order, for C{node_id} to have C{need} GPUs
-    free, beside those already C{taken}: C{first} (when given), then
-    C{here} in their order; C{None} when it cannot.
+    free: C{first} (when given), then C{here} in their order, within what
+    each model may give (C{left}); C{None} when it cannot.
     """
     plan: list[Resident] = []
     use: dict[str, int] = {}
     for r in (here if first is None else [first, *(r for r in here if r is not first)]):
-        if r.id in taken or left.get(r.model, 0) - use.get(r.model, 0) <= 0:
+        if left.get(r.model, 0) - use.get(r.model, 0) <= 0:
             continue
         use[r.model] = use.get(r.model, 0) + 1
         plan.append(r)
