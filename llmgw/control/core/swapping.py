@@ -20,11 +20,10 @@ replica missing, placement found no room):
   - on as many distinct nodes as W's profile has shards (those sharing
     its fabric where it has several), each with its C{gpus_per_shard}
     GPUs that fit once the taken replicas are gone: a replica spread over
-    several nodes frees its GPUs on every one of them; the nodes are
-    completed one at a time, the one that takes the lowest priority, then
-    the fewest replicas for each node it completes, then the cheapest by
-    the order above first, and a replica that later takings made needless
-    is kept (L{choose});
+    several nodes frees its GPUs on every one of them. Of the choices
+    found, the one whose most important replica taken is least important,
+    then that takes the fewest, then the least recently used; none at all
+    (nothing taken) when no choice frees enough nodes (L{choose});
   - taken replicas drain (their requests in flight finish) and stop, and
     their deployments' counts go down by one each, so the autoscaler does
     not place them again until their own demand asks; W is placed as soon
