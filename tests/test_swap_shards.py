@@ -281,6 +281,33 @@ class SwapShardsReconcilerTests(SynchronousTestCase):
         f.step()
         self.assertEqual(len({node for node, _, _ in self.wanted(f)}), 2)
 
+    def test_sleeping_spread_replica_taken(self) -> None:
+        """
+        Of two two-node replicas last used at the same time, the one whose
+        leader says its engine sleeps is taken: its sleep covers both of
+        its nodes.
+        """
+        text = ONE_GPU + PAIR
+        for model, priority in (("big1", 0), ("big2", 0), ("want", 5)):
+            text += (f'\n[[deployments]]\nmodel = "{model}"\nprofile = "pair"\nmin_replicas = 0\n'
+                     f'max_replicas = 1\nscale_to_zero_after_s = 3600\nevictable = true\npriority = {priority}\n'
+                     'min_resident_s = 60\n')
+        f = Fleet({}, nodes=4, gpus=1, grace=0, cat=parse_catalog(tomllib.loads(text)))
+        f.step()
+        f.rec.report_demand("gw", {"big1": Demand(1, 0), "big2": Demand(1, 0)})
+        f.step()
+        f.make_ready()
+        f.step(passes=100)
+        [dozing] = f.ready_replicas("big2")
+        leader = f.rec.replica_recs[dozing].shards[0]
+        f.rec.record_engine_signals(leader.node_id, [pb.ShardSignals(
+            shard_id=leader.id, running=0.0, age_s=0.0, sleeping=True, wake_path="/wake_up")])
+        f.rec.report_demand("gw", {"want": Demand(0, 1)})
+        f.step()
+        self.assertEqual(self.swaps(f), [dozing])
+        [reason] = [e.reason for e in f.rec.event_log.since() if e.kind == "swap"]
+        self.assertIn("asleep", reason)
+
     def test_not_enough_nodes_takes_nothing(self) -> None:
         """
         When only one node's worth may be taken (the other node holds a

@@ -97,8 +97,9 @@ class Resident:
 SEARCH_LIMIT = 20_000
 
 #: What orders complete choices: the highest priority taken, how many are
-#: taken, then the most recently used of them.
-Cost = tuple[int, int, tuple[int, float]]
+#: taken, then the last of them by the order replicas go in (the most
+#: recently used, awake, oldest).
+Cost = tuple[int, int, tuple[int, float, int, float]]
 
 
 def choose(free: Mapping[str, int], need: int, residents: Iterable[Resident],
@@ -110,11 +111,12 @@ def choose(free: Mapping[str, int], need: int, residents: Iterable[Resident],
     anything).
 
     The choice taken is the one whose highest priority taken is the lowest,
-    then that takes the fewest replicas, then whose most recently used is
-    used least recently. It is searched node by node, the node cheapest to
+    then that takes the fewest replicas, then whose last replica by the
+    order they go in (L{Resident.key}: least recently used, asleep, newest)
+    comes earliest. It is searched node by node, the node cheapest to
     complete first: the lowest priority taken, then the fewest replicas
     taken for each node it completes (a replica spread over nodes may
-    complete several at once), then the least recently used. The first
+    complete several at once), then by that order. The first
     complete choice is the greedy one; other orders are tried after it
     while they may still do better and the work stays within
     L{SEARCH_LIMIT}.
@@ -206,7 +208,7 @@ class _Search:
                 # float is exact enough: ratios of small counts that differ
                 # differ by far more than its precision.
                 cost = (max(r.priority for r in plan), len(plan) / min(completed, missing),
-                        max(plan[0].key()[:2], plan[-1].key()[:2]), node_id)
+                        max(plan[0].key()[:4], plan[-1].key()[:4]), node_id)
                 plans[same] = (cost, plan)
             self.work += len(firsts)
         for i, (_, plan) in enumerate(sorted(plans.values(), key=lambda p: p[0])):
@@ -237,7 +239,7 @@ class _Search:
                 taken = [t for t in taken if t is not r]
         if not taken:
             return
-        cost = (max(r.priority for r in taken), len(taken), max(r.key()[:2] for r in taken))
+        cost = (max(r.priority for r in taken), len(taken), max(r.key()[:4] for r in taken))
         if self.best is None or cost < self.best[0]:
             self.best = (cost, got, sorted(taken, key=Resident.key))
 
