@@ -94,7 +94,7 @@ class Resident:
 #: Work (plans made, choices copied node by node) past which L{choose}
 #: tries nothing but its greedy path: a small fleet is searched through, a
 #: large one costs a pass little more than the greedy choice.
-SEARCH_LIMIT = 20_000
+SEARCH_LIMIT = 5_000
 
 #: What orders complete choices: the highest priority taken, how many are
 #: taken, then the last of them by the order replicas go in (the most
