@@ -48,12 +48,14 @@ def record(ctx: Context, store: SignalStore, node_id: str, msgs: Iterable[Any], 
         sig = shard.signals
         now_asleep = sig.sleeping if sig is not None else None
         was = before.get(shard.replica_id)
-        if was is None or now_asleep is None or was == now_asleep:
-            continue
         rep = st.replicas.get(shard.replica_id)
-        if rep is None:
-            continue
         since = ctx.sleeping_since
+        if was is None and now_asleep and rep is not None:
+            # First heard (as after a restart): asleep since about now, so
+            # that lending sees every sleeping replica.
+            since.setdefault(rep.id, now)
+        if was is None or now_asleep is None or was == now_asleep or rep is None:
+            continue
         if now_asleep:
             since[rep.id] = now
             out.event("replica_asleep", replica=rep.id, node=node_id,

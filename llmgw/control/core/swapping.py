@@ -50,7 +50,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from llmgw import gputypes
-from llmgw.control.core import lifecycle
+from llmgw.control.core import lending, lifecycle
 from llmgw.control.core.autoscale import ScalerState
 from llmgw.control.core.catalog import Catalog, Deployment
 from llmgw.control.core.context import Context
@@ -151,7 +151,9 @@ class Swapping:
         ]
         for dep in sorted(wanting, key=lambda d: waiting_order(ctx, d.model, now)):
             self._make_room(ctx, dep, scalers, connected(), now, out)
+        self.taken += lending.reclaim(ctx, scalers, now, out)
         self._note_room(ctx)
+        ctx.room = {**lending.room(ctx), **ctx.room}
 
     def _note_room(self, ctx: Context) -> None:
         """
@@ -210,7 +212,7 @@ class Swapping:
             for rid in active:
                 rep = st.replicas[rid]
                 leader = rep.shards.get(0)
-                if (rep.phase != Phase.ACTIVE or rep.ready_since is None or leader is None
+                if (rep.phase != Phase.ACTIVE or rep.ready_since is None or leader is None or rep.displaced_by
                         or len(rep.shards) != 1 or now - rep.ready_since < rules.min_resident_s):
                     continue
                 residents.append(Resident(rid, dep.model, leader.node_id, len(leader.gpus), bool(asleep(rep)),
