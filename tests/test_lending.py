@@ -136,6 +136,9 @@ class LendingReconcilerTests(SynchronousTestCase):
         view = {r["id"]: r for r in f.rec.replicas()}
         self.assertEqual(view[self.a]["displaced_by"], [b])
         self.assertIn(f"ready (asleep) (displaced by {b})", render_replicas(f.rec.replicas()))
+        # a's requests may wait for b's stay (60), drain (10) and a's wake
+        # (bounded by its startup timeout, 60).
+        self.assertEqual(f.rec.ctx.room, {"a": 130.0})
         self.assertIn(self.a, f.rec.replica_recs)
         f.make_ready([start])
         f.step()

@@ -77,16 +77,17 @@ def borrower_allowed(dep: Deployment) -> bool:
     return dep.multiplex.evictable and dep.autoscale is not None
 
 
-def lenders(ctx: Context, eligible: set[str], priority: int, weights: str = "") -> list[Lender]:
+def lenders(ctx: Context, eligible: set[str], priority: int, weights: str = "", model: str = "") -> list[Lender]:
     """
     The eligible nodes with GPUs held only by sleeping replicas of
     deployments of at least C{priority}, and those GPUs (see the module).
+    Replicas of C{model} lend it nothing: a request wakes them instead.
     """
     st, deps = ctx.state, ctx.catalog.deployments
     wanted: dict[str, set[int]] = {}
     for rid in sorted(ctx.sleeping_since):
         rep = st.replicas.get(rid)
-        if rep is None or not sleeper(ctx, rep):
+        if rep is None or rep.model == model or not sleeper(ctx, rep):
             continue
         for shard in rep.shards.values():
             if shard.node_id in eligible:
@@ -109,7 +110,7 @@ def lenders(ctx: Context, eligible: set[str], priority: int, weights: str = "") 
             reps = list(holders.get(g, {}).values())
             gpu = info.get(g)
             if gpu is None or gpu.problems or not reps or not all(
-                    sleeper(ctx, r) and r.model in deps for r in reps):
+                    sleeper(ctx, r) and r.model in deps and r.model != model for r in reps):
                 continue
             least = min(deps[r.model].multiplex.priority for r in reps)
             if least < priority:
@@ -132,7 +133,7 @@ def lend(ctx: Context, dep: Deployment, profile: Profile, spec: LaunchSpec, req:
     if not borrower_allowed(dep):
         return None
     priority = dep.multiplex.priority
-    chosen = choose(lenders(ctx, placer.eligible, priority, req.weights), req, priority)
+    chosen = choose(lenders(ctx, placer.eligible, priority, req.weights, dep.model), req, priority)
     if chosen is None:
         return None
     slots: list[Slot] = []
@@ -273,19 +274,32 @@ def _min(dep: Deployment) -> int:
     return dep.autoscale.min_replicas if dep.autoscale is not None else dep.replicas
 
 
-def room(ctx: Context) -> Mapping[str, float]:
+def room(ctx: Context, now: float) -> Mapping[str, float]:
     """
-    Models whose displaced replicas wait for their borrowers to drain, with
-    how long their requests may need past the queue timeout: the longest
-    borrower's drain plus the lender's startup timeout (bounding its wake).
+    Models with a displaced replica that its borrowers may give back, with
+    how long their requests may need past the queue timeout: what is left
+    of the borrowers' C{min_resident_s}, their longest drain, and the
+    lender's startup timeout (bounding its wake).
     """
-    st = ctx.state
+    st, deps = ctx.state, ctx.catalog.deployments
     out: dict[str, float] = {}
     for rid in sorted(st.displaced):
         rep = st.replicas[rid]
-        drains = [ctx.drain_timeout(st.replicas[b].profile) for b in rep.displaced_by
-                  if b in st.replicas and st.replicas[b].phase == Phase.DRAINING]
-        if drains and rep.phase == Phase.ACTIVE:
-            seconds = min(max(drains) + ctx.startup_timeout(rep.profile), MAX_QUEUE_TIMEOUT_S)
-            out[rep.model] = max(out.get(rep.model, 0.0), seconds)
+        dep = deps.get(rep.model)
+        held = [st.replicas[b] for b in rep.displaced_by if b in st.replicas]
+        if dep is None or rep.phase != Phase.ACTIVE or not held:
+            continue
+        stays, drains = [], []
+        for b in held:
+            bdep = deps.get(b.model)
+            if b.phase == Phase.ACTIVE:
+                if (bdep is None or not borrower_allowed(bdep)
+                        or bdep.multiplex.priority > dep.multiplex.priority):
+                    break
+                since = b.ready_since if b.ready_since is not None else now
+                stays.append(max(since + bdep.multiplex.min_resident_s - now, 0.0))
+            drains.append(ctx.drain_timeout(b.profile))
+        else:
+            seconds = max(stays, default=0.0) + max(drains) + ctx.startup_timeout(rep.profile)
+            out[rep.model] = max(out.get(rep.model, 0.0), min(seconds, MAX_QUEUE_TIMEOUT_S))
     return out

@@ -153,7 +153,7 @@ class Swapping:
             self._make_room(ctx, dep, scalers, connected(), now, out)
         self.taken += lending.reclaim(ctx, scalers, now, out)
         self._note_room(ctx)
-        ctx.room = {**lending.room(ctx), **ctx.room}
+        ctx.room = {**lending.room(ctx, now), **ctx.room}
 
     def _note_room(self, ctx: Context) -> None:
         """
