@@ -211,17 +211,27 @@ class LendingReconcilerTests(SynchronousTestCase):
 
     def test_found_after_restart(self) -> None:
         """
-        A sleeping replica that shares a GPU with a newer one (as adopted
-        after a restart) is found displaced in the next pass.
+        A sleeping replica that shares a GPU with another one it is not
+        known to have lent it to (both adopted after a restart, as new as
+        each other) is displaced as soon as its heartbeat says it sleeps,
+        the one awake taken as the borrower, before any pass; a displaced
+        replica heard awake is a warning.
         """
         f = self.setup()
         f.rec.report_demand("gw", {"b": Demand(0, 2)})
         f.step()
+        [b] = [r for r in f.rec.replica_recs if r.startswith("b")]
         rep = f.rec.replica_recs[self.a]
         f.rec.state.set_displaced(rep, ())
-        f.step()
-        self.assertEqual(rep.displaced_by, tuple(r for r in f.rec.replica_recs if r.startswith("b")))
+        # Adopted: the lender looks no older than its borrower.
+        rep.created_at = f.rec.replica_recs[b].created_at + 1
+        self.sleep(f, self.a, True)
+        self.assertEqual(rep.displaced_by, (b,))
+        self.assertEqual(f.rec.routes("a"), [])
         self.assertEqual([k for k, _ in self.events(f, "replica_displaced")], ["replica_displaced"] * 2)
+        self.sleep(f, self.a, False)
+        self.assertEqual(self.events(f, "displaced_awake"), [("displaced_awake", self.a)])
+        self.assertEqual(f.rec.routes("a"), [])
 
     def test_every_shard_lends(self) -> None:
         """

@@ -43,7 +43,6 @@ from llmgw.control.core.catalog import Deployment, Profile
 from llmgw.control.core.context import Context
 from llmgw.control.core.outcome import Outcome
 from llmgw.control.core.rollout import LaunchSpec
-from llmgw.control.core.sleeping import asleep
 from llmgw.control.state.fleetstate import Phase, ReplicaRec
 from llmgw.control.state.lendable import Lender, LentGPU, choose
 from llmgw.control.state.placement import NoPortFree, Placer, Request, Slot
@@ -65,6 +64,16 @@ RESIDUAL_MIN_MB = 1024
 def residual_mb(total_mb: int) -> int:
     """The memory a sleeping holder is counted to keep on a GPU of C{total_mb}."""
     return max(RESIDUAL_MIN_MB, math.ceil(total_mb * RESIDUAL_SHARE))
+
+
+def asleep(rep: ReplicaRec) -> bool | None:
+    """
+    Whether C{rep}'s engine sleeps, by its leader's newest signals
+    (L{llmgw.control.core.sleeping.asleep}, which imports this module).
+    """
+    leader = rep.shards.get(0)
+    sig = leader.signals if leader is not None else None
+    return sig.sleeping if sig is not None else None
 
 
 def sleeper(ctx: Context, rep: ReplicaRec) -> bool:
@@ -167,8 +176,9 @@ def lend(ctx: Context, dep: Deployment, profile: Profile, spec: LaunchSpec, req:
 
 def borrowers(ctx: Context, rep: ReplicaRec) -> tuple[str, ...]:
     """
-    The replicas newer than C{rep} that hold one of its GPUs: those it
-    lent them to.
+    The replicas that hold one of C{rep}'s GPUs and are newer or not
+    asleep: those it lent them to. (Replicas adopted after a restart are
+    all as new as each other: the awake one is the borrower then.)
     """
     st = ctx.state
     found: set[str] = set()
@@ -180,7 +190,7 @@ def borrowers(ctx: Context, rep: ReplicaRec) -> tuple[str, ...]:
             if other.replica_id == rep.id or gpus.isdisjoint(other.gpus):
                 continue
             orep = st.replicas.get(other.replica_id)
-            if orep is not None and (orep.created_at, orep.id) > mine:
+            if orep is not None and ((orep.created_at, orep.id) > mine or asleep(orep) is not True):
                 found.add(orep.id)
     return tuple(sorted(found))
 
@@ -205,14 +215,24 @@ def refresh(ctx: Context, now: float, out: Outcome) -> None:
             "woken on demand"))
     for rid in sorted(ctx.sleeping_since):
         sleeping = st.replicas.get(rid)
-        if sleeping is None or sleeping.displaced_by:
-            continue
-        found = borrowers(ctx, sleeping)
-        if found:
-            st.set_displaced(sleeping, found)
-            out.event(DISPLACED, replica=rid, reason=(
-                f"model {sleeping.model}: its GPUs are held by newer replica(s) {', '.join(found)}; "
-                "not routed or woken until they are gone"))
+        if sleeping is not None:
+            check(ctx, sleeping, out)
+
+
+def check(ctx: Context, rep: ReplicaRec, out: Outcome) -> None:
+    """
+    C{rep} was heard asleep: displace it at once if another replica holds
+    one of its GPUs (as when both were adopted after a restart), before
+    its route can reach a gateway.
+    """
+    if rep.displaced_by:
+        return
+    found = borrowers(ctx, rep)
+    if found:
+        ctx.state.set_displaced(rep, found)
+        out.event(DISPLACED, replica=rep.id, reason=(
+            f"model {rep.model}: its GPUs are held by replica(s) {', '.join(found)}; "
+            "not routed or woken until they are gone"))
 
 
 def _takeable(ctx: Context, b: ReplicaRec, lender: Deployment, now: float) -> bool:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from llmgw.control.core import reports
+from llmgw.control.core import lending, reports
 from llmgw.control.core.context import Context
 from llmgw.control.core.outcome import Outcome
 from llmgw.control.state.fleetstate import ReplicaRec
@@ -27,9 +27,7 @@ def asleep(rep: ReplicaRec) -> bool | None:
     Whether C{rep}'s engine sleeps, by its leader's newest signals;
     C{None} when it does not sleep (or nothing was heard).
     """
-    leader = rep.shards.get(0)
-    sig = leader.signals if leader is not None else None
-    return sig.sleeping if sig is not None else None
+    return lending.asleep(rep)
 
 
 def record(ctx: Context, store: SignalStore, node_id: str, msgs: Iterable[Any], now: float,
@@ -50,10 +48,16 @@ def record(ctx: Context, store: SignalStore, node_id: str, msgs: Iterable[Any], 
         was = before.get(shard.replica_id)
         rep = st.replicas.get(shard.replica_id)
         since = ctx.sleeping_since
-        if was is None and now_asleep and rep is not None:
-            # First heard (as after a restart): asleep since about now, so
-            # that lending sees every sleeping replica.
+        if now_asleep and rep is not None:
+            # Asleep since about now when first heard (as after a restart),
+            # so that lending sees every sleeping replica; one that shares
+            # a GPU is displaced before its route goes out.
             since.setdefault(rep.id, now)
+            lending.check(ctx, rep, out)
+        if rep is not None and rep.displaced_by and now_asleep is False and was is not False:
+            out.event("displaced_awake", level="warn", replica=rep.id, node=node_id, reason=(
+                f"model {rep.model}: its engine says it is awake while its GPU memory is lent to "
+                f"{', '.join(rep.displaced_by)}; it stays out of the routes until they are gone"))
         if was is None or now_asleep is None or was == now_asleep or rep is None:
             continue
         if now_asleep:
