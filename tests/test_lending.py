@@ -65,6 +65,20 @@ class ChooseTests(SynchronousTestCase):
                      Request("m", gpus_per_shard=2, gpu_memory_mb=1000), 0) or [None]
         self.assertEqual((b.node_id, b.gpus), ("b", (0, 1)))
 
+    def test_shards_and_types(self) -> None:
+        """
+        A multi-shard replica borrows on distinct nodes of its fabric; a
+        profile's GPU types hold for lent GPUs too.
+        """
+        on = {"ib0": "x"}
+        got = choose([Lender(NodeCapacity("a", fabrics=on), (lent(0),)), Lender(NodeCapacity("b"), (lent(0),)),
+                      Lender(NodeCapacity("c", fabrics=on), (lent(1),))],
+                     Request("m", shards=2, gpu_memory_mb=1000, fabric="ib0"), 0)
+        self.assertEqual([(b.node_id, b.gpus) for b in got or ()], [("a", (0,)), ("c", (1,))])
+        typed = NodeCapacity("a", names={0: "L4", 1: "H100"})
+        [b] = choose([Lender(typed, (lent(0), lent(1)))], Request("m", gpu_memory_mb=1000, gpu_types=("H100",)), 0)  # type: ignore[misc]
+        self.assertEqual(b.gpus, (1,))
+
     def test_residual(self) -> None:
         """
         A sleeping holder is counted to keep a tenth of its GPU, at least
@@ -82,9 +96,9 @@ command = ["x"]
 """
 
 
-def fleet_catalog(b_priority: int = 0, resident: float = 60, b_profile: str = "one") -> str:
+def fleet_catalog(b_priority: int = 0, resident: float = 60, b_profile: str = "one", more: tuple[str, ...] = ()) -> str:
     text = CATALOG
-    for model, priority, profile in (("a", 0, "one"), ("b", b_priority, b_profile)):
+    for model, priority, profile in (("a", 0, "one"), ("b", b_priority, b_profile), *((m, 0, "one") for m in more)):
         text += (f'\n[[deployments]]\nmodel = "{model}"\nprofile = "{profile}"\nmin_replicas = 0\n'
                  f'max_replicas = 1\nscale_to_zero_after_s = 3600\nevictable = true\npriority = {priority}\n'
                  f'min_resident_s = {resident}\n')
@@ -174,6 +188,23 @@ class LendingReconcilerTests(SynchronousTestCase):
         [start] = [c for c in f.dispatcher.starts if c.model == "b"]
         self.assertNotEqual(tuple(start.gpu_indices), f.rec.replica_recs[self.a].shards[0].gpus)
         self.assertEqual(self.events(f, "gpu_lent", "replica_displaced"), [])
+
+    def test_lending_before_taking(self) -> None:
+        """
+        With every GPU held, a sleeper's GPU is lent rather than an idle
+        awake replica taken: no drain, no swap.
+        """
+        f = self.setup(gpus=2, resident=0, more=("c",))
+        f.rec.report_demand("gw", {"c": Demand(1, 0)})
+        f.step()
+        f.make_ready()
+        f.step(passes=100)
+        f.rec.report_demand("gw", {"b": Demand(0, 2)})
+        f.step()
+        [start] = [c for c in f.dispatcher.starts if c.model == "b"]
+        self.assertEqual(tuple(start.gpu_indices), f.rec.replica_recs[self.a].shards[0].gpus)
+        self.assertEqual(self.events(f, "swap"), [])
+        self.assertEqual(len(f.ready_replicas("c")), 1)
 
     def test_no_lending_when_awake_or_more_important_or_too_big(self) -> None:
         """
