@@ -53,7 +53,8 @@ NO_ARGV = "the command has no argv"
 
 
 def refusal(spec: ShardSpec, node_gpus: set[int] | None, held: Iterable[Shard],
-            port_in_use: Callable[[int], bool]) -> str | None:
+            port_in_use: Callable[[int], bool],
+            lends: Callable[[Shard], bool] = lambda shard: False) -> str | None:
     """
     Why C{spec} cannot start, or C{None} if it can.
 
@@ -62,6 +63,8 @@ def refusal(spec: ShardSpec, node_gpus: set[int] | None, held: Iterable[Shard],
         stopping shard's are free only once its group is empty).
     @param port_in_use: whether another process on the node has the port;
         asked last, as it is the only check that costs a system call.
+    @param lends: whether a held shard's GPUs may be shared with a new
+        shard (its engine sleeps, and the control plane lent its memory).
     """
     if not valid_shard_id(spec.shard_id):
         return f"shard id {spec.shard_id!r} is not usable (letters, digits, '.', '_', '-')"
@@ -80,7 +83,7 @@ def refusal(spec: ShardSpec, node_gpus: set[int] | None, held: Iterable[Shard],
         if other.spec.port == spec.port:
             return f"port {spec.port} is in use by shard {other.shard_id}"
         shared = sorted(set(other.spec.gpu_indices) & set(spec.gpu_indices))
-        if shared:
+        if shared and not lends(other):
             return (f"GPU {','.join(map(str, shared))} is in use by shard "
                     f"{other.shard_id}")
     if port_in_use(spec.port):

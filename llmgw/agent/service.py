@@ -246,6 +246,7 @@ class NodeAgent(MultiService):
         self.sleeper = Sleeper(reactor, self.supervisor, self.scraper, self.fetcher.call,
                                host=lambda: self.supervisor.probe_host)
         self.scraper.sleep_state = self.sleeper.state_of
+        self.supervisor.lends = self.sleeper.lends
         self.sleeper.setServiceParent(self)
         not_after = tls.cert.not_valid_after_utc
         self.core = AgentCore(

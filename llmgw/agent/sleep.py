@@ -58,6 +58,7 @@ from twisted.python.failure import Failure
 from llmgw import sleepmodes
 from llmgw.addresses import format_address
 from llmgw.agent.scrape import Scraper
+from llmgw.agent.shard import Shard
 from llmgw.agent.supervisor import Supervisor
 from llmgw.states import ShardState
 
@@ -132,6 +133,22 @@ class Sleeper(Service):
         if st is None or mode is None:
             return None, ""
         return st.sleeping, mode.wake_path
+
+    def lends(self, shard: Shard) -> bool:
+        """
+        Whether C{shard}'s GPUs may be shared with a new shard: a leader
+        seen asleep here, or a shard of another rank of an engine that
+        sleeps, whose sleep only its leader's node sees (the control plane
+        lends its GPUs only while that leader reports it asleep). A shard
+        awake, or whose engine never sleeps, shares nothing.
+        """
+        spec = shard.spec
+        if spec.sleep_level <= 0 or sleepmodes.mode(spec.engine) is None or shard.stopping:
+            return False
+        if spec.rank != 0:
+            return True
+        st = self.states.get(spec.shard_id)
+        return st is not None and st.sleeping is True
 
     def _tick_safely(self) -> None:
         try:

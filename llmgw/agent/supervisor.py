@@ -138,6 +138,9 @@ class Supervisor(Service):
         self.shards: collections.OrderedDict[str, Shard] = collections.OrderedDict()
         #: Processes carrying this agent's marker that no shard accounts for.
         self.strays: list[Stray] = []
+        #: Whether a held shard's GPUs may go to a new shard as well: its
+        #: engine sleeps (L{llmgw.agent.sleep.Sleeper.lends}).
+        self.lends: Callable[[Shard], bool] = lambda shard: False
         self._listeners: list[Callable[[Shard], None]] = []
         self._loop: LoopingCall | None = None
         #: Set by L{stopService}: shards that end after it are not watched.
@@ -253,7 +256,7 @@ class Supervisor(Service):
             self._report(existing)
             return existing
         problem = launch.refusal(spec, self.gpu_indices, self.held_shards(),
-                                 self.ops.port_in_use)
+                                 self.ops.port_in_use, self.lends)
         crash_class = launch.refusal_class(problem) if problem is not None else CrashClass.CONFIG
         if problem is None:
             problem = launch.weights_refusal(spec, self.environment(spec), self.python)

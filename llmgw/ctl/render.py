@@ -286,6 +286,9 @@ def render_replicas(replicas: list[dict[str, Any]]) -> str:
         leader = shards[0].get("address") if shards else None
         state = str(r.get("state")) + (" (draining)" if r.get("draining") else "")
         state += " (asleep)" if r.get("sleeping") else ""
+        lent_to = r.get("displaced_by")
+        if isinstance(lent_to, list) and lent_to:
+            state += f" (displaced by {', '.join(map(str, lent_to))})"
         fetching = [s["fetch"] for s in shards if isinstance(s.get("fetch"), dict)]
         if fetching:
             # The shard furthest from having its weights says how far off the replica is.

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from llmgw.control.core import lifecycle, rolling
+from llmgw.control.core import lending, lifecycle, rolling
 from llmgw.control.core.catalog import Deployment, Profile
 from llmgw.control.core.commands import weights_key
 from llmgw.control.core.context import Context, variants_of
@@ -61,6 +61,9 @@ def reconcile(ctx: Context, now: float, placer: Placer, sync: Callable[[], bool]
     st = ctx.state
     synced = unfinished = False
     placed_this_pass = 0
+    # Lenders whose borrowers are gone are routed again before anything
+    # is placed.
+    lending.refresh(ctx, now, out)
     placing = now >= ctx.grace_end and not ctx.frozen
 
     def _place_synced(spec: LaunchSpec) -> str | bool | None:
@@ -236,20 +239,25 @@ def place(ctx: Context, dep: Deployment, spec: LaunchSpec, placer: Placer,
     pass's time ran out first.
     """
     state = ctx.deps[dep.model]
+    tried: list[tuple[Profile, Request]] = []
     for profile in spec.choices():
         if dep.variants and state.variant_blocked(profile.name, now):
             # A variant in backoff is passed over as one without room is.
             continue
-        slots = placer.place(
-            Request(group=dep.model, shards=profile.shards, gpus_per_shard=profile.gpus_per_shard,
-                    gpu_memory_mb=profile.gpu_memory_mb, fabric=profile.fabric,
-                    weights=weights_key(dep.source), gpu_types=profile.gpu_types,
-                    prefer_gpu_types=profile.prefer_gpu_types),
-            over_budget,
-        )
+        req = Request(group=dep.model, shards=profile.shards, gpus_per_shard=profile.gpus_per_shard,
+                      gpu_memory_mb=profile.gpu_memory_mb, fabric=profile.fabric,
+                      weights=weights_key(dep.source), gpu_types=profile.gpu_types,
+                      prefer_gpu_types=profile.prefer_gpu_types)
+        slots = placer.place(req, over_budget)
         if slots is BUSY:
             return None
         if slots is not None:
             return lifecycle.create_replica(ctx, dep.model, profile.name, profile.shards, slots, now,
                                             out, spec).id
+        tried.append((profile, req))
+    # Free GPUs first, on every variant; then a sleeping replica's, lent.
+    for profile, req in tried:
+        rid = lending.lend(ctx, dep, profile, spec, req, placer, now, out)
+        if rid is not None:
+            return rid
     return False

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from llmgw.control.core import reports
+from llmgw.control.core import lending, reports
 from llmgw.control.core.context import Context
 from llmgw.control.core.outcome import Outcome
 from llmgw.control.state.fleetstate import ReplicaRec
@@ -30,9 +30,7 @@ def asleep(rep: ReplicaRec) -> bool | None:
     leader's server (L{llmgw.agent.sleep}), and a follower's own signals
     never decide it.
     """
-    leader = rep.shards.get(0)
-    sig = leader.signals if leader is not None else None
-    return sig.sleeping if sig is not None else None
+    return lending.asleep(rep)
 
 
 def sleeping_gpus(rep: ReplicaRec) -> dict[str, tuple[int, ...]]:
@@ -66,12 +64,20 @@ def record(ctx: Context, store: SignalStore, node_id: str, msgs: Iterable[Any], 
         sig = shard.signals
         now_asleep = sig.sleeping if sig is not None else None
         was = before.get(shard.replica_id)
-        if was is None or now_asleep is None or was == now_asleep:
-            continue
         rep = st.replicas.get(shard.replica_id)
-        if rep is None:
-            continue
         since = ctx.sleeping_since
+        if now_asleep and rep is not None:
+            # Asleep since about now when first heard (as after a restart),
+            # so that lending sees every sleeping replica; one that shares
+            # a GPU is displaced before its route goes out.
+            since.setdefault(rep.id, now)
+            lending.check(ctx, rep, out)
+        if rep is not None and rep.displaced_by and now_asleep is False and was is not False:
+            out.event("displaced_awake", level="warn", replica=rep.id, node=node_id, reason=(
+                f"model {rep.model}: its engine says it is awake while its GPU memory is lent to "
+                f"{', '.join(rep.displaced_by)}; it stays out of the routes until they are gone"))
+        if was is None or now_asleep is None or was == now_asleep or rep is None:
+            continue
         if now_asleep:
             since[rep.id] = now
             gpus = sleeping_gpus(rep)

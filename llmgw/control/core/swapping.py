@@ -55,7 +55,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from llmgw import gputypes
-from llmgw.control.core import lifecycle
+from llmgw.control.core import lending, lifecycle
 from llmgw.control.core.autoscale import ScalerState
 from llmgw.control.core.catalog import Catalog, Deployment, Profile
 from llmgw.control.core.context import Context
@@ -297,7 +297,9 @@ class Swapping:
         ]
         for dep in sorted(wanting, key=lambda d: waiting_order(ctx, d.model, now)):
             self._make_room(ctx, dep, scalers, connected(), now, out)
+        self.taken += lending.reclaim(ctx, scalers, now, out)
         self._note_room(ctx)
+        ctx.room = {**lending.room(ctx, now), **ctx.room}
 
     def _note_room(self, ctx: Context) -> None:
         """
@@ -344,6 +346,9 @@ class Swapping:
         if sum(1 for n in free.values() if n >= profile.gpus_per_shard) >= profile.shards:
             # Room by GPU count: what failed was something a swap cannot fix.
             return
+        # A borrower shares its GPUs with a sleeping lender that keeps them:
+        # taking it would give them back to the lender, not to this model.
+        borrowing = {b for d in st.displaced for b in st.replicas[d].displaced_by}
         residents, spare = [], {}
         for dep in ctx.catalog.deployments.values():
             rules = dep.multiplex
@@ -357,8 +362,8 @@ class Swapping:
             for rid in active:
                 rep = st.replicas[rid]
                 leader = rep.shards.get(0)
-                if (rep.phase != Phase.ACTIVE or rep.ready_since is None or leader is None
-                        or now - rep.ready_since < rules.min_resident_s):
+                if (rep.phase != Phase.ACTIVE or rep.ready_since is None or leader is None or rep.displaced_by
+                        or rid in borrowing or now - rep.ready_since < rules.min_resident_s):
                     continue
                 gpus: dict[str, int] = {}
                 for shard in rep.shards.values():

@@ -195,6 +195,9 @@ def replicas(rec: Reconciler) -> list[dict[str, Any]]:
                 "ready_since": rep.ready_since,
                 # Its engine sleeps (DESIGN §22); None: it does not sleep.
                 "sleeping": asleep(rep),
+                # The replicas that borrowed its GPUs while it sleeps: while
+                # any do it is displaced, out of the routes and never woken.
+                "displaced_by": list(rep.displaced_by),
                 "shards": [
                     {
                         "id": s.id,

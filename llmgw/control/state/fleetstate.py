@@ -114,6 +114,9 @@ class ReplicaRec:
     #: than by name.
     adapters: tuple[str, ...] = ()
     lora_ids: bool = False
+    #: The replicas that borrowed GPUs it holds while it sleeps: while any
+    #: do, it is displaced (out of the routes, never woken).
+    displaced_by: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +158,8 @@ class FleetState:
         self._check_seconds: list[int] = []
         self.draining: set[str] = set()
         self.incomplete: set[str] = set()
+        #: Replicas displaced by borrowers of their GPUs (L{set_displaced}).
+        self.displaced: set[str] = set()
         self.retired: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.missing: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()
         self.shard_counts: collections.Counter[str] = collections.Counter()
@@ -373,6 +378,10 @@ class FleetState:
         given = self.gpus_given.get(shard.node_id)
         if given is not None:
             given.difference_update(shard.gpus)
+            # A GPU lent to a borrower stays given while its sleeping
+            # lender (or the borrower) still holds it.
+            for other in self.node_shards.get(shard.node_id, ()):
+                given.update(g for g in self.shards[other].gpus if g in shard.gpus)
         if confirmed or shard.state in (ShardState.STOPPED, ShardState.FAILED):
             self.ports.release(shard.host, shard.port)
         elif shard.id not in self.reserved:
@@ -424,6 +433,7 @@ class FleetState:
                 s.discard(rep.id)
         self.draining.discard(rep.id)
         self.incomplete.discard(rep.id)
+        self.displaced.discard(rep.id)
         self.routes_dirty.add(rep.model)
         self.retired[rep.id] = None
         if len(self.retired) > RETIRED_LIMIT:
@@ -488,6 +498,21 @@ class FleetState:
         else:
             self.evacuating[rep.model].discard(rep.id)
             self.active[rep.model].add(rep.id)
+
+    def set_displaced(self, rep: ReplicaRec, borrowers: tuple[str, ...]) -> None:
+        """
+        C{rep} is displaced by C{borrowers} (out of the routes), or no
+        longer (C{()}).
+        """
+        if borrowers == rep.displaced_by:
+            return
+        rep.displaced_by = borrowers
+        rep.route = None
+        if borrowers:
+            self.displaced.add(rep.id)
+        else:
+            self.displaced.discard(rep.id)
+        self.routes_dirty.add(rep.model)
 
     def replica_state(self, rep: ReplicaRec) -> ReplicaState:
         if rep.phase == Phase.STOPPING:
@@ -561,11 +586,13 @@ class FleetState:
     def routes(self, model: str) -> list[Route]:
         """
         The routes of C{model}: its ready replicas' leaders, draining ones
-        flagged.
+        flagged; displaced ones are left out (their memory is lent).
         """
         out = []
         for rid in sorted(self.ready.get(model, ())):
             rep = self.replicas[rid]
+            if rep.displaced_by:
+                continue
             route = rep.route
             if route is None:
                 leader = rep.shards.get(0)
@@ -584,7 +611,7 @@ class FleetState:
         """
         return sorted(
             m for m, ready in self.ready.items()
-            if any(self.replicas[r].phase == Phase.ACTIVE for r in ready)
+            if any(self.replicas[r].phase == Phase.ACTIVE and not self.replicas[r].displaced_by for r in ready)
         )
 
     def set_signals(self, shard: ShardRec, signals: EngineSignals | None) -> None:

@@ -247,8 +247,12 @@ class Placer:
         self.ports = ports
         #: Candidates looked at, for the benchmark and tests of its cost.
         self.scanned = 0
+        #: The nodes that may take work, free GPUs or not (where GPUs are
+        #: lent: L{llmgw.control.state.lendable}).
+        self.eligible: set[str] = set()
         for node in nodes:
             self._set(node.id, node)
+            self.eligible.add(node.id)
 
     def __len__(self) -> int:
         return len(self._nodes)
@@ -275,6 +279,10 @@ class Placer:
         (C{None}).
         """
         self._set(node_id, node)
+        if node is None:
+            self.eligible.discard(node_id)
+        else:
+            self.eligible.add(node_id)
         node = self._nodes.get(node_id)
         if node is None:
             return

@@ -1,0 +1,80 @@
+"""
+Lending a sleeping replica's GPU, end to end on a real local fleet (the
+control plane, one agent with one simulated GPU and the gateway as
+processes, each engine the engine simulator with vLLM's sleep endpoints,
+L{llmgw.testing.sleepsim}). vLLM's own sleep mode needs a GPU, so CI runs
+the simulator taught its documented shapes instead.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from twisted.trial.unittest import SynchronousTestCase
+
+ROOT = Path(__file__).resolve().parent.parent
+COMMAND = [
+    "{python}", "-m", "llmgw.testing.sleepsim", "--sleep-mode", "vllm", "--sleep-ms", "100",
+    "--wake-ms", "200", "--port", "{port}", "--model", "{model}", "--host", "{host}", "--engine-sim",
+    "--startup-delay", "0.5", "--tokens", "4",
+]
+
+
+def catalog() -> str:
+    text = (f'[profiles.sim]\nengine = "vllm"\ngpus_per_shard = 1\ngpu_memory_mb = 1000\n'
+            f"command = {json.dumps(COMMAND)}\nenv = {{ PYTHONPATH = {json.dumps(str(ROOT))} }}\n"
+            "startup_timeout_s = 60\ndrain_timeout_s = 5\nstop_grace_s = 2\nsleep_level = 1\n")
+    for model, sleep_after in (("a", 2), ("b", 0)):
+        text += (f'\n[[deployments]]\nmodel = "{model}"\nprofile = "sim"\nmin_replicas = 0\nmax_replicas = 1\n'
+                 f"scale_to_zero_after_s = 3600\nstabilization_s = 0\nevictable = true\nmin_resident_s = 1\n"
+                 f"queue_timeout_s = 60\n" + (f"sleep_after_s = {sleep_after}\n" if sleep_after else ""))
+    return text
+
+
+class LendingFleetTests(SynchronousTestCase):
+    def test_b_on_a_sleeping_gpu_then_a_back(self) -> None:
+        """
+        On one simulated GPU: model a's replica serves, then sleeps; a
+        request for b places b on a's GPU (a's process kept, a displaced:
+        no route); a request for a then takes b back, a is restored and
+        woken by the gateway, and answered by the same replica.
+        """
+        sys.path.insert(0, str(ROOT))
+        from bench.multiplex import chat
+        from bench.survival import LocalFleet
+
+        directory = Path(self.mktemp()).resolve()
+        directory.mkdir(parents=True)
+        path = directory / "catalog.toml"
+        path.write_text(catalog())
+        fleet = LocalFleet(directory, path, agents=1, gpus="sim:1x24GiB")
+        self.addCleanup(fleet.close)
+
+        def replicas(model: str) -> list[dict[str, Any]]:
+            return [r for r in fleet.admin("/api/v1/replicas")["replicas"] if r["model"] == model]
+
+        def kinds() -> list[tuple[str, str]]:
+            return [(e["kind"], e.get("replica") or "") for e in fleet.admin("/api/v1/events?since=0")["events"]]
+
+        status, _, _ = chat(fleet.gateway_port, "a", 90)
+        self.assertEqual(status, 200)
+        [a] = fleet.wait("a asleep", lambda: [r for r in replicas("a") if r.get("sleeping")], 30)
+        status, _, _ = chat(fleet.gateway_port, "b", 90)
+        self.assertEqual(status, 200)
+        [b] = replicas("b")
+        self.assertEqual(b["shards"][0]["gpus"], a["shards"][0]["gpus"])
+        [a_now] = replicas("a")
+        self.assertEqual(a_now["displaced_by"], [b["id"]])
+        self.assertIn(("gpu_lent", b["id"]), kinds())
+        self.assertIn(("replica_displaced", a["id"]), kinds())
+        # b's min_resident_s (1 s) is over by the time a's request is seen.
+        status, _, _ = chat(fleet.gateway_port, "a", 90)
+        self.assertEqual(status, 200)
+        seen = kinds()
+        self.assertIn(("swap", b["id"]), seen)
+        self.assertIn(("replica_restored", a["id"]), seen)
+        [a_after] = replicas("a")
+        self.assertEqual((a_after["id"], a_after["displaced_by"]), (a["id"], []))
