@@ -240,6 +240,22 @@ class LendingReconcilerTests(SynchronousTestCase):
         self.assertEqual(self.events(f, "swap"), [])
         self.assertIn(self.a, f.rec.replica_recs)
 
+    def test_borrower_not_taken_for_a_third_model(self) -> None:
+        """
+        A borrower's GPU stays the sleeping lender's: a third model's swap
+        does not take the borrower, which would free nothing for it.
+        """
+        f = self.setup(resident=0, more=("c",))
+        f.rec.report_demand("gw", {"b": Demand(0, 2)})
+        f.step()
+        [start] = [c for c in f.dispatcher.starts if c.model == "b"]
+        f.make_ready([start])
+        f.step(passes=3)
+        f.rec.report_demand("gw", {"c": Demand(0, 2)})
+        f.step(passes=3)
+        self.assertEqual(self.events(f, "swap"), [])
+        self.assertEqual(len(f.ready_replicas("b")), 1)
+
     def test_found_after_restart(self) -> None:
         """
         A sleeping replica that shares a GPU with another one it is not
