@@ -71,7 +71,13 @@ def post(port: int, body: dict[str, Any]) -> dict[str, Any]:
         {"Content-Type": "application/json"},
     )
     with urllib.request.urlopen(req, timeout=120) as response:
-        return dict(json.loads(response.read()))
+        out = dict(json.loads(response.read()))
+        # llmgw's gateway names the replica that answered: which
+        # application went where (the other routers say nothing).
+        replica = response.headers.get("x-llmgw-replica")
+        if replica:
+            out["_replica"] = replica
+        return out
 
 
 def schedule(args: argparse.Namespace) -> tuple[list[str], list[list[tuple[int, str]]]]:
@@ -95,6 +101,7 @@ def drive(port: int, systems: list[str], plans: list[list[tuple[int, str]]], eng
     lock = threading.Lock()
     errors: list[str] = []
     answered = 0
+    where: dict[str, dict[int, int]] = {}
 
     def one(plan: list[tuple[int, str]]) -> None:
         nonlocal answered
@@ -102,13 +109,16 @@ def drive(port: int, systems: list[str], plans: list[list[tuple[int, str]]], eng
             body = {"model": MODEL, "max_tokens": 4, "temperature": 0,
                     "messages": [{"role": "system", "content": systems[app]}, {"role": "user", "content": question}]}
             try:
-                post(port, body)
+                replica = post(port, body).get("_replica")
             except Exception as e:  # noqa: BLE001 (counted and reported)
                 with lock:
                     errors.append(repr(e)[:200])
                 continue
             with lock:
                 answered += 1
+                if replica:
+                    per = where.setdefault(replica, {})
+                    per[app] = per.get(app, 0) + 1
 
     before = [metrics(p) for p in engine_ports]
     threads = [threading.Thread(target=one, args=(p,)) for p in plans]
@@ -139,6 +149,11 @@ def drive(port: int, systems: list[str], plans: list[list[tuple[int, str]]], eng
         "requests_per_replica": [int(x) for x in requests],
         "busiest_over_mean": round(max(per_replica_tokens) / mean_tokens, 3) if mean_tokens else None,
         "wall_s": round(wall, 2),
+        # Per replica (when the router names it), requests per application.
+        "apps_per_replica": {r: dict(sorted(a.items())) for r, a in sorted(where.items())},
+        "applications_on_two_replicas": sum(
+            1 for app in range(len(systems)) if sum(1 for a in where.values() if app in a) > 1
+        ) if where else None,
     }
 
 

@@ -120,11 +120,17 @@ class PolicyConfig:
         loaded of those; about the time an engine takes to start a prompt.
         0: to the least loaded, as C{least_loaded} does.
     @ivar match_slack: the slack of the load bound a prefix-index match is
-        held to (C{cache_aware}), in place of C{slack}. An application's
-        requests share nothing but their system prompt, so keeping one on
-        a busy replica saves less than a conversation's whole history
-        would, while every application kept there skews the replicas'
-        shares for as long as it runs (bench/prefix.py).
+        held to (C{cache_aware}), in place of C{slack}. A match sent
+        elsewhere costs its whole prefix there and pushes out what that
+        engine held, and (sticking where it was sent) moves its
+        application, so it is held as a conversation is; the replicas'
+        shares over time are evened out by C{balance} instead
+        (bench/prefix.py).
+    @ivar balance: under C{cache_aware}, a replica whose share of the
+        sends lately is over C{1 + balance} times the mean has its next
+        match moved to the replica with the least share, while it is
+        busier than the least loaded (L{bounded_prefix}); one move per
+        window of sends (L{llmgw.gateway.prefixindex.BALANCE_WINDOW}).
     """
 
     stale_after_s: float = 3.0
@@ -138,15 +144,16 @@ class PolicyConfig:
     vnodes: int = 64
     spread_s: float = 0.1
     prefix_match: float = 0.5
-    match_slack: int = 2
+    match_slack: int = 4
+    balance: float = 0.15
 
     def __post_init__(self) -> None:
         if self.stale_after_s < 0 or self.saturated_waiting < 0:
             raise ValueError("stale_after_s and saturated_waiting must not be negative")
         if not 0 < self.saturated_kv <= 1:
             raise ValueError("saturated_kv must be a fraction in (0, 1]")
-        if min(self.epsilon, self.slack, self.spread_s, self.prefix_match, self.match_slack) < 0:
-            raise ValueError("epsilon, slack, spread_s, prefix_match and match_slack must not be negative")
+        if min(self.epsilon, self.slack, self.spread_s, self.prefix_match, self.match_slack, self.balance) < 0:
+            raise ValueError("epsilon, slack, spread_s, prefix_match, match_slack and balance must not be negative")
         if self.chunk_chars < 1 or self.max_chunks < 1 or self.vnodes < 1:
             raise ValueError("chunk_chars, max_chunks and vnodes must be at least 1")
 
@@ -257,6 +264,38 @@ def chunk_hashes(text: str, chunk_chars: int, max_chunks: int) -> list[bytes]:
     return out
 
 
+def head_hashes(body: Mapping[str, Any], chunk_chars: int, max_chunks: int) -> list[bytes]:
+    """
+    The chained chunk hashes (as L{chunk_hashes}) of a request's prompt
+    head (L{prompt_head}), at most C{max_chunks}: for a chat, each message
+    chunked on its own, so that a chunk never spans two messages and
+    requests that share a system prompt, whatever its length, share every
+    hash of it; for a completion, its prompt's fixed chunks.
+    """
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return chunk_hashes(prompt_head(body), chunk_chars, max_chunks)
+    out: list[bytes] = []
+    h = b""
+    blake2b = hashlib.blake2b
+    for m in messages:
+        if not isinstance(m, dict):
+            continue
+        role = m.get("role")
+        part = f"{role}\x00{_text(m.get('content'))}\x01".encode("utf-8", "surrogatepass")
+        # Chunked by characters as chunk_hashes is, near enough: bytes are
+        # what is hashed, and one boundary rule for every gateway is what
+        # matters, not where it falls.
+        for i in range(0, len(part), chunk_chars):
+            if len(out) == max_chunks:
+                return out
+            h = blake2b(h + part[i : i + chunk_chars], digest_size=8).digest()
+            out.append(h)
+        if role == "user":
+            break
+    return out
+
+
 def affinity_key(
     body: Mapping[str, Any], session: str | None, config: PolicyConfig, chain: bool = False
 ) -> bytes | None:
@@ -275,7 +314,7 @@ def affinity_key(
         session = user if isinstance(user, str) and user else None
     if session:
         return b"s\x00" + hashlib.blake2b(session.encode("utf-8", "surrogatepass"), digest_size=8).digest()
-    hashes = chunk_hashes(prompt_head(body), config.chunk_chars, config.max_chunks)
+    hashes = head_hashes(body, config.chunk_chars, config.max_chunks)
     if not hashes:
         return None
     messages = body.get("messages")
@@ -446,6 +485,8 @@ def bounded_prefix(
     prefix_match: float = 0.5,
     chain: bytes | None = None,
     match_slack: int | None = None,
+    shares: Mapping[str, float] | None = None,
+    balance: float = 0.15,
 ) -> Route | None:
     """
     C{home} (where this key's last request went) if it is a candidate under
@@ -461,13 +502,23 @@ def bounded_prefix(
     bound that C{depths} (per replica, the leading chunks of the chain it
     holds: the prefix index's
     L{match<llmgw.gateway.prefixindex.PrefixIndex.match>}) says holds the
-    most of the chain, if at least C{prefix_match} of it, ties in ring
-    order from the chain's first chunk (not the least loaded: a prefix
-    that spilled to a second replica would otherwise be dealt out over
-    both, and held whole by neither); and a first turn's spread breaks
-    ties in ring order from its first chunk too.
+    most of the chain, if at least C{prefix_match} of it, ties to the one
+    sent it last (C{depths}' order: the index's; not the least loaded: a
+    prefix that spilled or moved to a second replica would otherwise be
+    dealt out over both, and held whole by neither); and a first turn's
+    spread breaks ties in ring order from its first chunk.
     Without C{chain} (C{prefix}), C{depths} is not read. A match is held
     to the bound with C{match_slack} (C{slack} when C{None}).
+
+    With C{shares} (per replica, its share of the sends lately:
+    L{balance<llmgw.gateway.prefixindex.PrefixIndex.balance>}), a match
+    on a replica whose share is over C{1 + balance} times the mean, and
+    which has more in flight than the least loaded candidate, moves
+    instead to the candidate under the bound with the least share (ties
+    in ring order from the chain's first chunk): sent there, its prefix
+    stays there. So applications kept each on a replica share the load
+    between the replicas, one moved at a time, while idle gateways (and
+    balanced ones) keep every application where it is.
     """
     if chain is None:
         depths = None
@@ -489,23 +540,16 @@ def bounded_prefix(
         need = max(1, math.ceil(prefix_match * (len(chain) // HASH_BYTES) - 1e-9))
         best: str | None = None
         best_depth = 0
-        tied = False
         for rid, depth in depths.items():
             if depth < need or rid not in by_id or loads[rid] + 1 > bound_m:
                 continue
-            if best is None or depth > best_depth:
-                best, best_depth, tied = rid, depth, False
-            elif depth == best_depth:
-                tied = True
-        if best is not None and tied:
-            # Deterministic, so that gateways with the same figures agree.
-            if ring is None:
-                ring = Ring(list(by_id), PolicyConfig().vnodes)
-            for rid in ring.walk(FIRST_TURN + chain[:HASH_BYTES]):
-                d = depths.get(rid)
-                if d == best_depth and rid in by_id and loads[rid] + 1 <= bound_m:
-                    best = rid
-                    break
+            # >=: of those holding the most, the one sent it last.
+            if depth >= best_depth:
+                best, best_depth = rid, depth
+        if best is not None and shares:
+            moved = _rebalance(by_id, loads, ring, chain, bound_m, best, shares, balance)
+            if moved is not None:
+                return moved
         if best is not None:
             return by_id[best]
     if first and recent is None:
@@ -528,6 +572,45 @@ def bounded_prefix(
     return min(candidates, key=lambda r: (loads[r.replica_id], r.replica_id))
 
 
+def _rebalance(
+    by_id: Mapping[str, Route],
+    loads: Mapping[str, int],
+    ring: Ring | None,
+    chain: bytes,
+    bound: int,
+    best: str,
+    shares: Mapping[str, float],
+    balance: float,
+) -> Route | None:
+    """
+    Where a match on C{best} moves to (L{bounded_prefix}'s C{shares}), or
+    C{None} to keep it there.
+    """
+    mean = 1.0 / len(by_id)
+    if shares.get(best, 0.0) <= (1.0 + balance) * mean:
+        return None
+    least = loads[best]
+    for rid in by_id:
+        if loads[rid] < least:
+            break
+    else:
+        # No candidate less busy right now: an idle gateway moves nothing.
+        return None
+    if ring is None:
+        ring = Ring(list(by_id), PolicyConfig().vnodes)
+    target: str | None = None
+    low = 0.0
+    for rid in ring.walk(FIRST_TURN + chain[:HASH_BYTES]):
+        if rid == best or rid not in by_id or loads[rid] + 1 > bound:
+            continue
+        share = shares.get(rid, 0.0)
+        if target is None or share < low:
+            target, low = rid, share
+    if target is None or low >= mean:
+        return None
+    return by_id[target]
+
+
 def choose(
     policy: str,
     candidates: Sequence[Route],
@@ -542,6 +625,7 @@ def choose(
     recent: Mapping[str, int] | None = None,
     depths: Mapping[str, int] | None = None,
     chain: bytes | None = None,
+    shares: Mapping[str, float] | None = None,
 ) -> Route:
     """
     The replica C{policy} sends a request to among C{candidates} (not
@@ -563,6 +647,8 @@ def choose(
         C{chain} the gateway's prefix index says it holds.
     @param chain: under C{cache_aware}, the key's chained chunk hashes
         (L{split_chain}: C{key} is then the key less its chain).
+    @param shares: under C{cache_aware}, per replica, its share of the
+        sends lately (L{bounded_prefix}), when they may move a match.
     """
     if policy not in POLICIES:
         raise ValueError(f"unknown routing policy {policy!r} (known: {', '.join(POLICIES)})")
@@ -598,7 +684,7 @@ def choose(
             ring = Ring([r.replica_id for r in candidates], config.vnodes)
         chosen = bounded_prefix(
             candidates, loads, ring, key, config.epsilon, home, config.slack, recent, depths, config.prefix_match,
-            chain, config.match_slack,
+            chain, config.match_slack, shares, config.balance,
         )
         if chosen is not None:
             return chosen

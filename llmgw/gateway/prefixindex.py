@@ -15,6 +15,11 @@ keeps its ancestors.
 It is a guess: an engine evicts on its own, and this gateway does not see
 the other gateways' requests. A wrong guess costs a prefill, never a
 wrong answer.
+
+The index also weighs what it was sent per replica over the last
+C{BALANCE_WINDOW} or so sends (an exponential window, L{PrefixIndex.balance}):
+how the applications it keeps on their replicas share the load between
+them, which C{cache_aware} evens out by moving one at a time.
 """
 
 from __future__ import annotations
@@ -33,6 +38,15 @@ MAX_ENTRIES: Final = 100_000
 #: replicas than this (a system prompt every replica holds) is matched on
 #: the latest ones only, which is enough to keep it off the others.
 MAX_HOLDERS: Final = 8
+#: Sends the replicas' shares are weighed over (L{PrefixIndex.balance}):
+#: each weighs 1 / (1 - 1 / BALANCE_WINDOW) times the one before it. Also
+#: the sends after a prompt's beginning went to a replica other than its
+#: last one before the shares are told again, so that one move shows in
+#: them before the next is made.
+BALANCE_WINDOW: Final = 128
+_GROW: Final = 1.0 / (1.0 - 1.0 / BALANCE_WINDOW)
+#: Weights are scaled down when the next one would pass this.
+_RESCALE: Final = 1e100
 
 
 class PrefixIndex:
@@ -48,6 +62,13 @@ class PrefixIndex:
         self._entries: OrderedDict[bytes, list[str]] = OrderedDict()
         #: every replica id added since the last forget that dropped one
         self._known: set[str] = set()
+        #: per replica, its sends, each weighed by when (see balance)
+        self._work: dict[str, float] = {}
+        self._weight = 1.0
+        self._adds = 0
+        #: the add at which a prompt's beginning last went to a replica
+        #: other than its last one
+        self._switched_at = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -56,11 +77,14 @@ class PrefixIndex:
         """
         Per replica of C{candidates} that this index says holds a prefix
         of C{chain}, how many chunks of it (at least 1); replicas holding
-        none are left out. Reading does not refresh: only what is sent is.
+        none are left out. Those holding the most come in the order they
+        were last sent it, the latest last. Reading does not refresh: only
+        what is sent is.
         """
         entries = self._entries
         depths: dict[str, int] = {}
         n = len(chain) // HASH_BYTES
+        deepest: list[str] = []
         for i in range(n):
             holders = entries.get(chain[i * HASH_BYTES : (i + 1) * HASH_BYTES])
             if holders is None:
@@ -72,7 +96,33 @@ class PrefixIndex:
                     found = True
             if not found:
                 break
+            deepest = holders
+        if len(depths) > 1:
+            # The first chunk's order may differ from the deepest's: put the
+            # deepest holders last, in theirs.
+            top = max(depths.values())
+            for rid in deepest:
+                if depths.get(rid) == top:
+                    depths[rid] = depths.pop(rid)
         return depths
+
+    def balance(self, candidates: Collection[str]) -> dict[str, float] | None:
+        """
+        Per replica of C{candidates}, its share of what they were sent
+        lately (over about the last C{BALANCE_WINDOW} sends, the latest
+        weighing most; those sent none are left out); C{None} until that
+        many have been sent, and for as many sends after a prompt's
+        beginning went to a replica other than its last one (a move or a
+        spill), whose effect on the shares is not told yet.
+        """
+        if self._adds - self._switched_at < BALANCE_WINDOW:
+            return None
+        work = self._work
+        mine = {rid: work[rid] for rid in candidates if rid in work}
+        total = sum(mine.values())
+        if total <= 0.0:
+            return None
+        return {rid: w / total for rid, w in mine.items()}
 
     def add(self, chain: bytes, replica_id: str) -> None:
         """
@@ -83,6 +133,15 @@ class PrefixIndex:
         n = len(chain) // HASH_BYTES
         if replica_id not in self._known:
             self._known.add(replica_id)
+        self._adds += 1
+        weight = self._weight * _GROW
+        work = self._work
+        if weight > _RESCALE:
+            for rid in work:
+                work[rid] /= weight
+            weight = 1.0
+        self._weight = weight
+        work[replica_id] = work.get(replica_id, 0.0) + weight
         # Deepest first: the shorter prefixes end up the most recent, so
         # eviction never leaves a chunk without its ancestors.
         for i in range(n - 1, -1, -1):
@@ -92,6 +151,8 @@ class PrefixIndex:
                 entries[h] = [replica_id]
                 continue
             if holders[-1] != replica_id:
+                if i == 0:
+                    self._switched_at = self._adds
                 if replica_id in holders:
                     holders.remove(replica_id)
                 holders.append(replica_id)
@@ -111,6 +172,8 @@ class PrefixIndex:
         if not gone:
             return
         self._known.difference_update(gone)
+        for rid in gone:
+            self._work.pop(rid, None)
         entries = self._entries
         for h in list(entries):
             holders = entries[h]

@@ -249,7 +249,8 @@ class Router:
             )
         chain: bytes | None
         depths: dict[str, int] | None
-        depths = chain = None
+        shares: dict[str, float] | None
+        depths = chain = shares = None
         if policy == "cache_aware":
             key, chain = split_chain(key)
         homes = self._homes
@@ -258,7 +259,9 @@ class Router:
         if chain and home is None and self.policy.prefix_match <= 1.0:
             # A request with no home yet (an application's next question,
             # or a conversation new to this gateway): where its beginning went.
-            depths = self.prefixes.match(chain, {r.replica_id for r in candidates})
+            ids = {r.replica_id for r in candidates}
+            depths = self.prefixes.match(chain, ids)
+            shares = self.prefixes.balance(ids) if depths else None
         now = self.clock.seconds()
         window = self.policy.spread_s
         sent = self._sent
@@ -280,12 +283,12 @@ class Router:
                 ring = self.ring(routes) if depths else None
             chosen = choose(
                 policy, candidates, self.in_flight, now, self.policy, key, turn, ring, at_sample, home, recent,
-                depths, chain,
+                depths, chain, shares,
             )
         else:
             chosen = choose(
                 policy, candidates, self.in_flight, now, self.policy, key, turn,
-                self.ring(routes), at_sample, home, None, depths, chain,
+                self.ring(routes), at_sample, home, None, depths, chain, shares,
             )
         if window > 0:
             times = sent.get(chosen.replica_id)
