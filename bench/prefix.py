@@ -7,6 +7,7 @@ cache-aware policy, and served by one replica alone. Prints JSON.
 
     python bench/prefix.py [--apps 8] [--system-words 50] [--clients 8]
         [--requests 96] [--out bench/results/prefix-2cpu.json]
+    python bench/prefix.py --pick-cost BASELINE_CHECKOUT [--system-words 50]
 
 Routers, each against freshly started engines (empty caches), the same
 request schedule for each:
@@ -237,6 +238,70 @@ def run_router(name: str, binary: Path, model: Path, engine_args: list[str], sys
         stop(procs)
 
 
+#: One C{cache_aware} decision after another (the affinity key, then
+#: L{Router.pick}), four requests kept in flight, on the router's clock:
+#: CPU microseconds per decision.
+PICK_COST_CHILD = """
+import json, random, sys, time
+from collections import deque
+from twisted.internet.task import Clock
+from llmgw.gateway.policy import PolicyConfig, affinity_key
+from llmgw.gateway.router import Router
+from llmgw.routing import Route
+n, replicas, words = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+rng = random.Random(1)
+vocab = ["the", "a", "model", "reply", "tiny", "llmgw", "is"]
+text = lambda k: " ".join(rng.choice(vocab) for _ in range(k))
+routes = [Route(f"r{i}", "m", f"127.0.0.1:{i + 1}") for i in range(replicas)]
+config = PolicyConfig()
+clock = Clock()
+router = Router(clock, policy=config)
+systems = [f"You are application {i}. " + text(words) for i in range(8)]
+bodies = [{"model": "m", "messages": [{"role": "system", "content": systems[rng.randrange(8)]},
+          {"role": "user", "content": text(rng.randint(3, 8))}]} for _ in range(1000)]
+held = deque()
+t0 = time.process_time()
+for i in range(n):
+    clock.rightNow += 0.001
+    r = router.pick(routes, (), "cache_aware", affinity_key(bodies[i % 1000], None, config, True))
+    router.begin(r.replica_id)
+    held.append(r.replica_id)
+    if len(held) > 4:
+        router.end(held.popleft())
+print(json.dumps((time.process_time() - t0) / n * 1e6))
+"""
+
+
+def pick_cost(baseline: str, rounds: int, picks: int, words: int) -> dict[str, Any]:
+    """
+    CPU microseconds per C{cache_aware} decision (L{PICK_COST_CHILD}: this
+    workload's requests, 8 applications with C{words}-word system
+    prompts, over 2 and 4 replicas), this tree against C{baseline} (another
+    checkout), in interleaved rounds; medians.
+    """
+    trees = {"branch": ROOT, "baseline": Path(baseline)}
+    per: dict[str, dict[int, list[float]]] = {t: {2: [], 4: []} for t in trees}
+    for _ in range(rounds):
+        for replicas in (2, 4):
+            for name, tree in trees.items():
+                proc = subprocess.run([sys.executable, "-c", PICK_COST_CHILD, str(picks), str(replicas), str(words)],
+                                      capture_output=True, text=True, check=True,
+                                      env=dict(os.environ, PYTHONPATH=str(tree)))
+                per[name][replicas].append(float(proc.stdout.strip()))
+
+    def med(xs: list[float]) -> float:
+        return round(sorted(xs)[len(xs) // 2], 2)
+
+    return {
+        "bench": "prefix-pick-cost", "policy": "cache_aware", "system_prompt_words": words,
+        "picks_per_run": picks, "rounds": rounds, "baseline": baseline,
+        "us_per_pick_median": {t: {f"{k}_replicas": med(v) for k, v in d.items()} for t, d in per.items()},
+        "branch_minus_baseline_us": {f"{k}_replicas": round(med(per["branch"][k]) - med(per["baseline"][k]), 2)
+                                     for k in (2, 4)},
+        "per_round_us": {t: {f"{k}_replicas": [round(x, 2) for x in v] for k, v in d.items()} for t, d in per.items()},
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--apps", type=int, default=8, help="applications, each its own system prompt")
@@ -248,7 +313,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-ram", type=int, default=256, help="each engine's --cache-ram (MiB): its prompt cache")
     p.add_argument("--routers", default="single,cache_aware,prefix,least_loaded,sglang-router cache_aware")
     p.add_argument("--out", default=None, help="also write the JSON here")
+    p.add_argument("--pick-cost", metavar="BASELINE", default=None,
+                   help="instead, CPU per cache_aware decision here and in the checkout BASELINE")
+    p.add_argument("--rounds", type=int, default=7, help="(--pick-cost) interleaved rounds")
+    p.add_argument("--picks", type=int, default=20000, help="(--pick-cost) decisions per run")
     args = p.parse_args(argv)
+    if args.pick_cost:
+        text = json.dumps(pick_cost(args.pick_cost, args.rounds, args.picks, args.system_words), indent=2)
+        print(text)
+        if args.out:
+            Path(args.out).write_text(text + "\n")
+        return 0
 
     from llmgw.testing import tinygguf
     from llmgw.testing.engines import find_llama_server, llama_server_missing_reason

@@ -510,8 +510,9 @@ def bounded_prefix(
     Without C{chain} (C{prefix}), C{depths} is not read. A match is held
     to the bound with C{match_slack} (C{slack} when C{None}).
 
-    With C{shares} (per replica, its share of the sends lately:
-    L{balance<llmgw.gateway.prefixindex.PrefixIndex.balance>}), a match
+    With C{shares} (per replica, what it was sent lately, weighed by how
+    recent: L{balance<llmgw.gateway.prefixindex.PrefixIndex.balance>}; a
+    replica's share is its figure over the candidates' total), a match
     on a replica whose share is over C{1 + balance} times the mean, and
     which has more in flight than the least loaded candidate, moves
     instead to the candidate under the bound with the least share (ties
@@ -586,7 +587,10 @@ def _rebalance(
     Where a match on C{best} moves to (L{bounded_prefix}'s C{shares}), or
     C{None} to keep it there.
     """
-    mean = 1.0 / len(by_id)
+    total = 0.0
+    for rid in by_id:
+        total += shares.get(rid, 0.0)
+    mean = total / len(by_id)
     if shares.get(best, 0.0) <= (1.0 + balance) * mean:
         return None
     least = loads[best]
@@ -647,8 +651,8 @@ def choose(
         C{chain} the gateway's prefix index says it holds.
     @param chain: under C{cache_aware}, the key's chained chunk hashes
         (L{split_chain}: C{key} is then the key less its chain).
-    @param shares: under C{cache_aware}, per replica, its share of the
-        sends lately (L{bounded_prefix}), when they may move a match.
+    @param shares: under C{cache_aware}, per replica, what it was sent
+        lately (L{bounded_prefix}), when that may move a match.
     """
     if policy not in POLICIES:
         raise ValueError(f"unknown routing policy {policy!r} (known: {', '.join(POLICIES)})")

@@ -106,23 +106,20 @@ class PrefixIndex:
                     depths[rid] = depths.pop(rid)
         return depths
 
-    def balance(self, candidates: Collection[str]) -> dict[str, float] | None:
+    def balance(self) -> Mapping[str, float] | None:
         """
-        Per replica of C{candidates}, its share of what they were sent
-        lately (over about the last C{BALANCE_WINDOW} sends, the latest
-        weighing most; those sent none are left out); C{None} until that
-        many have been sent, and for as many sends after a prompt's
-        beginning went to a replica other than its last one (a move or a
-        spill), whose effect on the shares is not told yet.
+        Per replica, what it was sent lately: each send weighed by how
+        recent it is (an exponential window of about C{BALANCE_WINDOW}
+        sends), so that a replica's weight over some replicas' total is
+        its share of what they were sent (read, never changed, by the
+        caller; replicas sent none are left out). C{None} until that many
+        have been sent, and for as many sends after a prompt's beginning
+        went to a replica other than its last one (a move or a spill),
+        whose effect on the shares is not told yet.
         """
         if self._adds - self._switched_at < BALANCE_WINDOW:
             return None
-        work = self._work
-        mine = {rid: work[rid] for rid in candidates if rid in work}
-        total = sum(mine.values())
-        if total <= 0.0:
-            return None
-        return {rid: w / total for rid, w in mine.items()}
+        return self._work
 
     def add(self, chain: bytes, replica_id: str) -> None:
         """

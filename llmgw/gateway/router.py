@@ -15,7 +15,7 @@ counts and the engine signals in the routing table.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Final
 
 from twisted.internet.interfaces import IReactorTime
@@ -249,7 +249,7 @@ class Router:
             )
         chain: bytes | None
         depths: dict[str, int] | None
-        shares: dict[str, float] | None
+        shares: Mapping[str, float] | None
         depths = chain = shares = None
         if policy == "cache_aware":
             key, chain = split_chain(key)
@@ -259,9 +259,8 @@ class Router:
         if chain and home is None and self.policy.prefix_match <= 1.0:
             # A request with no home yet (an application's next question,
             # or a conversation new to this gateway): where its beginning went.
-            ids = {r.replica_id for r in candidates}
-            depths = self.prefixes.match(chain, ids)
-            shares = self.prefixes.balance(ids) if depths else None
+            depths = self.prefixes.match(chain, {r.replica_id for r in candidates})
+            shares = self.prefixes.balance() if depths else None
         now = self.clock.seconds()
         window = self.policy.spread_s
         sent = self._sent
