@@ -6,7 +6,8 @@ L{llmgw.testing.tinygguf}), routed by llmgw's gateway, by sglang-router's
 cache-aware policy, and served by one replica alone. Prints JSON.
 
     python bench/prefix.py [--apps 8] [--system-words 50] [--clients 8]
-        [--requests 96] [--out bench/results/prefix-2cpu.json]
+        [--requests 96] [--cache-ram 256] [--runs 1]
+        [--out bench/results/prefix-2cpu.json]
     python bench/prefix.py --pick-cost BASELINE_CHECKOUT [--system-words 50]
 
 Routers, each against freshly started engines (empty caches), the same
@@ -25,7 +26,13 @@ request schedule for each:
 Per router: the share of prompt tokens the engines served from their
 caches (C{llamacpp:prompt_tokens_cached_total} over it plus
 C{llamacpp:prompt_tokens_total}, from their C{/metrics}), requests per
-replica (prompt tokens, busiest over mean), wall time. The tiny model's tokenizer makes about six tokens of a word.
+replica (prompt tokens, busiest over mean), wall time; through llmgw's
+gateway (which names the replica that answered) the requests of each
+application per replica. The bars: C{cache_aware}'s share at least 0.9 of
+C{single}'s, its busiest replica at most 1.25 times the mean, and its share
+over the peer's in the same run. With C{--runs N}, N runs one after
+another and a summary (per router, each run's figures and their medians).
+The tiny model's tokenizer makes about six tokens of a word.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -313,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-ram", type=int, default=256, help="each engine's --cache-ram (MiB): its prompt cache")
     p.add_argument("--routers", default="single,cache_aware,prefix,least_loaded,sglang-router cache_aware")
     p.add_argument("--out", default=None, help="also write the JSON here")
+    p.add_argument("--runs", type=int, default=1, help="runs, one after another, and a summary of them")
     p.add_argument("--pick-cost", metavar="BASELINE", default=None,
                    help="instead, CPU per cache_aware decision here and in the checkout BASELINE")
     p.add_argument("--rounds", type=int, default=7, help="(--pick-cost) interleaved rounds")
@@ -332,6 +340,20 @@ def main(argv: list[str] | None = None) -> int:
     if binary is None:
         print(json.dumps({"skipped": llama_server_missing_reason()}))
         return 0
+    runs = [one_run(args, binary, tinygguf) for _ in range(args.runs)]
+    out: dict[str, Any] = runs[0] if args.runs == 1 else {"bench": "prefix", "runs": runs, "summary": summary(runs)}
+    text = json.dumps(out, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+def one_run(args: argparse.Namespace, binary: Path, tinygguf: Any) -> dict[str, Any]:
+    """
+    Every router of C{args.routers} in turn, each on fresh engines, the
+    same schedule for each; their figures and the bars.
+    """
     engine_args = ["-c", str(args.ctx), "-np", str(args.slots), "-t", "1", "--no-warmup",
                    "--cache-ram", str(args.cache_ram)]
     systems, plans = schedule(args)
@@ -360,12 +382,38 @@ def main(argv: list[str] | None = None) -> int:
     if "cache_share_over_single" in aware:
         bars["cache_aware_cache_share_at_least_0_9_of_single"] = aware["cache_share_over_single"] >= 0.9
         bars["cache_aware_busiest_at_most_1_25_mean"] = (aware.get("busiest_over_mean") or 99) <= 1.25
+    peer = (r.get(PEER) or {}).get("cache_share")
+    if aware.get("cache_share") is not None and peer:
+        bars["cache_aware_cache_share_over_sglang_router"] = round(aware["cache_share"] / peer, 3)
+        bars["cache_aware_beats_sglang_router"] = aware["cache_share"] > peer
     doc["bars"] = bars
-    text = json.dumps(doc, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    return 0
+    return doc
+
+
+#: The peer router the bars compare with.
+PEER: Final = "sglang-router cache_aware"
+
+
+def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """
+    Per router, its cache share and busiest over mean in each run, their
+    medians; and in how many runs llmgw's C{cache_aware} beat the peer.
+    """
+    def med(xs: list[float]) -> float:
+        return sorted(xs)[len(xs) // 2]
+
+    out: dict[str, Any] = {}
+    for name in runs[0]["routers"]:
+        shares = [d["routers"][name].get("cache_share") for d in runs]
+        busiest = [d["routers"][name].get("busiest_over_mean") for d in runs]
+        if None in shares:
+            continue
+        out[name] = {"cache_share": shares, "cache_share_median": med(shares),
+                     "busiest_over_mean": busiest, "busiest_over_mean_median": med(busiest)}
+    beats = [d["bars"].get("cache_aware_beats_sglang_router") for d in runs]
+    if None not in beats:
+        out["cache_aware_beat_sglang_router_in_runs"] = f"{sum(beats)} of {len(runs)}"
+    return out
 
 
 if __name__ == "__main__":

@@ -48,23 +48,30 @@ C{cache_aware}
     C{prefix}, and before spread or the ring, a request without a home
     goes where its prompt's beginning was lately sent: the gateway's prefix
     index (L{llmgw.gateway.prefixindex}) tells, per replica, how many
-    leading chunks of the prompt head it was sent; the replica under the
-    same bound holding the most (at least C{prefix_match} of the head's
-    chunks), the least loaded of those, ties in ring order from the head's
-    first chunk, takes it. So applications that each send one long system
-    prompt with a different question each time keep to a replica, as
-    conversations do, while its load allows. A first turn nothing holds
-    is dealt out by L{spread} with ties in ring order from its first
-    chunk: with the gateways idle, every request starting with the same
-    text goes to the same replica, whichever gateway it reaches. (Not the
-    default: on many short independent conversations it heaps first turns
-    that share a beginning where C{prefix} deals them out.)
+    leading chunks of the prompt head it was sent (a chat's head chunked a
+    message at a time, L{head_hashes}, so that a system prompt of any
+    length is whole chunks); the replica under the bound with
+    C{match_slack} holding the most (at least C{prefix_match} of the
+    head's chunks), of those the one sent it last, takes it. So
+    applications that each send one long system prompt with a different
+    question each time keep to a replica, as conversations do, while its
+    load allows, and one sent elsewhere (a spill) stays where it went. A
+    first turn nothing holds is dealt out by L{spread} with ties in ring
+    order from its first chunk: with the gateways idle, every request
+    starting with the same text goes to the same replica, whichever
+    gateway it reaches. Where the applications so kept leave a replica
+    over C{1 + balance} times the mean share of the sends lately, one of
+    them is moved to the replica with the least, one move per window of
+    sends (L{bounded_prefix}'s C{shares}). (Not the default: on many
+    short independent conversations it heaps first turns that share a
+    beginning where C{prefix} deals them out.)
 
 The ring and the key depend only on the routing table and the request:
 two gateways with the same table and the same loads send a key neither has
 seen to the same replica, with no state shared between them. (A first
 turn, like C{least_loaded}, depends on the gateway's own figures: its loads
-and its recent sends.)
+and its recent sends; a C{cache_aware} match, on its prefix index and its
+shares.)
 """
 
 from __future__ import annotations
@@ -283,9 +290,7 @@ def head_hashes(body: Mapping[str, Any], chunk_chars: int, max_chunks: int) -> l
             continue
         role = m.get("role")
         part = f"{role}\x00{_text(m.get('content'))}\x01".encode("utf-8", "surrogatepass")
-        # Chunked by characters as chunk_hashes is, near enough: bytes are
-        # what is hashed, and one boundary rule for every gateway is what
-        # matters, not where it falls.
+        # Chunked by bytes: one boundary rule for every gateway is what matters.
         for i in range(0, len(part), chunk_chars):
             if len(out) == max_chunks:
                 return out
@@ -583,23 +588,15 @@ def _rebalance(
     shares: Mapping[str, float],
     balance: float,
 ) -> Route | None:
-    """
-    Where a match on C{best} moves to (L{bounded_prefix}'s C{shares}), or
-    C{None} to keep it there.
-    """
+    """Where a match on C{best} moves to (L{bounded_prefix}), or C{None}."""
     total = 0.0
     for rid in by_id:
         total += shares.get(rid, 0.0)
     mean = total / len(by_id)
     if shares.get(best, 0.0) <= (1.0 + balance) * mean:
         return None
-    least = loads[best]
-    for rid in by_id:
-        if loads[rid] < least:
-            break
-    else:
-        # No candidate less busy right now: an idle gateway moves nothing.
-        return None
+    if all(loads[rid] >= loads[best] for rid in by_id):
+        return None  # none less busy right now: an idle gateway moves nothing
     if ring is None:
         ring = Ring(list(by_id), PolicyConfig().vnodes)
     target: str | None = None
