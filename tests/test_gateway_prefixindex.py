@@ -27,6 +27,7 @@ from llmgw.gateway.policy import (
     split_chain,
 )
 from llmgw.gateway.prefixindex import BALANCE_WINDOW, HASH_BYTES, PrefixIndex
+from llmgw.gateway.sharing import Shares
 from llmgw.gateway.router import Router
 from llmgw.routing import Route
 
@@ -322,18 +323,18 @@ class BalanceTests(SynchronousTestCase):
         index = PrefixIndex()
         for i in range(BALANCE_WINDOW - 1):
             index.add(chain(f"a{i:03d}bbbb"), "r0" if i % 4 else "r1")
-        self.assertIsNone(index.balance())
+        self.assertIsNone(index.shares().sent)
         index.add(chain("bbbb"), "r0")
-        weights = index.balance()
+        weights = index.shares().sent
         assert weights is not None
         self.assertGreater(weights["r0"] / (weights["r0"] + weights["r1"]), 0.7)
         for i in range(BALANCE_WINDOW):
             index.add(chain(f"c{i:03d}dddd"), "r1")
-        weights = index.balance()
+        weights = index.shares().sent
         assert weights is not None
         self.assertGreater(weights["r1"] / (weights["r0"] + weights["r1"]), 0.6)
         index.add(chain("bbbb"), "r1")
-        self.assertIsNone(index.balance())
+        self.assertIsNone(index.shares().sent)
 
     def test_move_off_a_replica_over_its_share(self) -> None:
         """
@@ -347,7 +348,7 @@ class BalanceTests(SynchronousTestCase):
 
         def pick(loads: dict[str, int], shares: dict[str, float]) -> str:
             r = bounded_prefix(rs, loads, None, FIRST_TURN + b"k" * 8, 0.25, slack=4, recent={},
-                               depths={"r0": 2}, chain=c, shares=shares, balance=0.15)
+                               depths={"r0": 2}, chain=c, shares=Shares(sent=shares), balance=0.15)
             assert r is not None
             return r.replica_id
 

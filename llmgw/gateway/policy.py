@@ -83,6 +83,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
+from llmgw.gateway.sharing import Shares, least_share, move_target
 from llmgw.routing import POLICIES, Route
 
 #: The policy of a model the routing table names none for: the one
@@ -152,7 +153,7 @@ class PolicyConfig:
     spread_s: float = 0.1
     prefix_match: float = 0.5
     match_slack: int = 4
-    balance: float = 0.15
+    balance: float = 0.2
 
     def __post_init__(self) -> None:
         if self.stale_after_s < 0 or self.saturated_waiting < 0:
@@ -490,8 +491,8 @@ def bounded_prefix(
     prefix_match: float = 0.5,
     chain: bytes | None = None,
     match_slack: int | None = None,
-    shares: Mapping[str, float] | None = None,
-    balance: float = 0.15,
+    shares: Shares | None = None,
+    balance: float = 0.2,
 ) -> Route | None:
     """
     C{home} (where this key's last request went) if it is a candidate under
@@ -515,16 +516,19 @@ def bounded_prefix(
     Without C{chain} (C{prefix}), C{depths} is not read. A match is held
     to the bound with C{match_slack} (C{slack} when C{None}).
 
-    With C{shares} (per replica, what it was sent lately, weighed by how
-    recent: L{balance<llmgw.gateway.prefixindex.PrefixIndex.balance>}; a
-    replica's share is its figure over the candidates' total), a match
-    on a replica whose share is over C{1 + balance} times the mean, and
-    which has more in flight than the least loaded candidate, moves
-    instead to the candidate under the bound with the least share (ties
-    in ring order from the chain's first chunk): sent there, its prefix
-    stays there. So applications kept each on a replica share the load
-    between the replicas, one moved at a time, while idle gateways (and
-    balanced ones) keep every application where it is.
+    With C{shares} (L{Shares}: per replica, what it was sent lately, and
+    the prompt beginnings placed on it lately; a replica's share is its
+    figure over the candidates' total), while any candidate has a request
+    in flight: a first turn nothing holds goes to the candidate under the
+    bound with the least share of placements (ties in ring order from its
+    first chunk), so that applications are dealt out evenly; and a match
+    on a replica whose share of the sends is over C{1 + balance} times
+    the mean, and which has more in flight than the least loaded
+    candidate, moves instead to the candidate under the bound with the
+    least share (ties likewise): sent there, its prefix stays there. So
+    applications kept each on a replica share the load between the
+    replicas, one moved at a time, while idle gateways (and balanced
+    ones) keep every application where it is.
     """
     if chain is None:
         depths = None
@@ -552,8 +556,11 @@ def bounded_prefix(
             # >=: of those holding the most, the one sent it last.
             if depth >= best_depth:
                 best, best_depth = rid, depth
-        if best is not None and shares:
-            moved = _rebalance(by_id, loads, ring, chain, bound_m, best, shares, balance)
+        if best is not None and shares is not None and shares.sent:
+            if ring is None:
+                ring = Ring(list(by_id), PolicyConfig().vnodes)
+            walk = ring.walk(FIRST_TURN + chain[:HASH_BYTES])
+            moved = move_target(by_id, loads, walk, bound_m, best, shares.sent, balance)
             if moved is not None:
                 return moved
         if best is not None:
@@ -566,7 +573,10 @@ def bounded_prefix(
         if chain:
             # Ties from the first chunk: requests that start alike (a shared
             # system prompt) go alike, from any gateway, while it is idle.
-            return spread(candidates, loads, recent, bound, ring.walk(FIRST_TURN + chain[:HASH_BYTES]))
+            walk = ring.walk(FIRST_TURN + chain[:HASH_BYTES])
+            if shares is not None and shares.placed and any(loads[rid] for rid in by_id):
+                return least_share(by_id, loads, walk, bound, shares.placed)[0]
+            return spread(candidates, loads, recent, bound, walk)
         return spread(candidates, loads, recent, bound, ring.walk(key))
     walk = ring.walk(key)
     for rid in walk:
@@ -576,40 +586,6 @@ def bounded_prefix(
     # Unreachable with integer loads (the least loaded is under the mean);
     # kept so that a caller's odd loads still get an answer.
     return min(candidates, key=lambda r: (loads[r.replica_id], r.replica_id))
-
-
-def _rebalance(
-    by_id: Mapping[str, Route],
-    loads: Mapping[str, int],
-    ring: Ring | None,
-    chain: bytes,
-    bound: int,
-    best: str,
-    shares: Mapping[str, float],
-    balance: float,
-) -> Route | None:
-    """Where a match on C{best} moves to (L{bounded_prefix}), or C{None}."""
-    total = 0.0
-    for rid in by_id:
-        total += shares.get(rid, 0.0)
-    mean = total / len(by_id)
-    if shares.get(best, 0.0) <= (1.0 + balance) * mean:
-        return None
-    if all(loads[rid] >= loads[best] for rid in by_id):
-        return None  # none less busy right now: an idle gateway moves nothing
-    if ring is None:
-        ring = Ring(list(by_id), PolicyConfig().vnodes)
-    target: str | None = None
-    low = 0.0
-    for rid in ring.walk(FIRST_TURN + chain[:HASH_BYTES]):
-        if rid == best or rid not in by_id or loads[rid] + 1 > bound:
-            continue
-        share = shares.get(rid, 0.0)
-        if target is None or share < low:
-            target, low = rid, share
-    if target is None or low >= mean:
-        return None
-    return by_id[target]
 
 
 def choose(
@@ -626,7 +602,7 @@ def choose(
     recent: Mapping[str, int] | None = None,
     depths: Mapping[str, int] | None = None,
     chain: bytes | None = None,
-    shares: Mapping[str, float] | None = None,
+    shares: Shares | None = None,
 ) -> Route:
     """
     The replica C{policy} sends a request to among C{candidates} (not
@@ -648,8 +624,8 @@ def choose(
         C{chain} the gateway's prefix index says it holds.
     @param chain: under C{cache_aware}, the key's chained chunk hashes
         (L{split_chain}: C{key} is then the key less its chain).
-    @param shares: under C{cache_aware}, per replica, what it was sent
-        lately (L{bounded_prefix}), when that may move a match.
+    @param shares: under C{cache_aware}, how the prompts sent lately
+        share the replicas (L{bounded_prefix}).
     """
     if policy not in POLICIES:
         raise ValueError(f"unknown routing policy {policy!r} (known: {', '.join(POLICIES)})")

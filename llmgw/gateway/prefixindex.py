@@ -17,9 +17,10 @@ the other gateways' requests. A wrong guess costs a prefill, never a
 wrong answer.
 
 The index also weighs what it was sent per replica over the last
-C{BALANCE_WINDOW} or so sends (an exponential window, L{PrefixIndex.balance}):
+C{BALANCE_WINDOW} or so sends (an exponential window, L{PrefixIndex.shares}):
 how the applications it keeps on their replicas share the load between
-them, which C{cache_aware} evens out by moving one at a time.
+them, which C{cache_aware} evens out by placing new ones where fewer were
+placed lately, and by moving one at a time.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Collection, Mapping
 from typing import Final
+
+from llmgw.gateway.sharing import Shares
 
 #: The length of each chained hash in a chain.
 HASH_BYTES: Final = 8
@@ -69,6 +72,7 @@ class PrefixIndex:
         #: the add at which a prompt's beginning last went to a replica
         #: other than its last one
         self._switched_at = 0
+        self._shares = Shares()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -106,20 +110,14 @@ class PrefixIndex:
                     depths[rid] = depths.pop(rid)
         return depths
 
-    def balance(self) -> Mapping[str, float] | None:
+    def shares(self) -> Shares:
         """
-        Per replica, what it was sent lately: each send weighed by how
-        recent it is (an exponential window of about C{BALANCE_WINDOW}
-        sends), so that a replica's weight over some replicas' total is
-        its share of what they were sent (read, never changed, by the
-        caller; replicas sent none are left out). C{None} until that many
-        have been sent, and for as many sends after a prompt's beginning
-        went to a replica other than its last one (a move or a spill),
-        whose effect on the shares is not told yet.
+        How the prompts sent lately share the replicas (L{Shares}); the
+        same object each time, brought up to date.
         """
-        if self._adds - self._switched_at < BALANCE_WINDOW:
-            return None
-        return self._work
+        shares = self._shares
+        shares.sent = self._work if self._adds - self._switched_at >= BALANCE_WINDOW else None
+        return shares
 
     def add(self, chain: bytes, replica_id: str) -> None:
         """
@@ -134,8 +132,9 @@ class PrefixIndex:
         weight = self._weight * _GROW
         work = self._work
         if weight > _RESCALE:
-            for rid in work:
-                work[rid] /= weight
+            for figures in (work, self._shares.placed):
+                for rid in figures:
+                    figures[rid] /= weight
             weight = 1.0
         self._weight = weight
         work[replica_id] = work.get(replica_id, 0.0) + weight
@@ -146,10 +145,15 @@ class PrefixIndex:
             holders = entries.get(h)
             if holders is None:
                 entries[h] = [replica_id]
+                if i == 0:
+                    placed = self._shares.placed
+                    placed[replica_id] = placed.get(replica_id, 0.0) + weight
                 continue
             if holders[-1] != replica_id:
                 if i == 0:
                     self._switched_at = self._adds
+                    placed = self._shares.placed
+                    placed[replica_id] = placed.get(replica_id, 0.0) + weight
                 if replica_id in holders:
                     holders.remove(replica_id)
                 holders.append(replica_id)
@@ -171,6 +175,7 @@ class PrefixIndex:
         self._known.difference_update(gone)
         for rid in gone:
             self._work.pop(rid, None)
+            self._shares.placed.pop(rid, None)
         entries = self._entries
         for h in list(entries):
             holders = entries[h]

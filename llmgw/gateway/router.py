@@ -15,7 +15,7 @@ counts and the engine signals in the routing table.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Final
 
 from twisted.internet.interfaces import IReactorTime
@@ -29,7 +29,7 @@ from llmgw.gateway.policy import (
     choose,
     split_chain,
 )
-from llmgw.gateway.prefixindex import PrefixIndex
+from llmgw.gateway.prefixindex import PrefixIndex, Shares
 from llmgw.gateway.waking import AWAKE, WAKES_ON_REQUEST
 from llmgw.routing import IInFlight, Route
 
@@ -249,7 +249,7 @@ class Router:
             )
         chain: bytes | None
         depths: dict[str, int] | None
-        shares: Mapping[str, float] | None
+        shares: Shares | None
         depths = chain = shares = None
         if policy == "cache_aware":
             key, chain = split_chain(key)
@@ -260,7 +260,7 @@ class Router:
             # A request with no home yet (an application's next question,
             # or a conversation new to this gateway): where its beginning went.
             depths = self.prefixes.match(chain, {r.replica_id for r in candidates})
-            shares = self.prefixes.balance() if depths else None
+            shares = self.prefixes.shares()
         now = self.clock.seconds()
         window = self.policy.spread_s
         sent = self._sent
