@@ -27,8 +27,8 @@ from llmgw.gateway.policy import (
     split_chain,
 )
 from llmgw.gateway.prefixindex import BALANCE_WINDOW, HASH_BYTES, PrefixIndex
-from llmgw.gateway.sharing import Shares
 from llmgw.gateway.router import Router
+from llmgw.gateway.sharing import Shares
 from llmgw.routing import Route
 
 CONFIG = PolicyConfig()
@@ -393,6 +393,29 @@ class BalanceTests(SynchronousTestCase):
         self.assertTrue(all(b - a >= BALANCE_WINDOW for a, b in zip(moves, moves[1:], strict=False)), moves)
         last = Counter(rid for _, rid in seq[-2 * BALANCE_WINDOW :])
         self.assertEqual(last["r0"], last["r1"])
+
+    def test_new_applications_dealt_out(self) -> None:
+        """
+        Under load, applications new to the index are dealt out over the
+        replicas by how many were placed on each lately, not by how many
+        requests each was sent: eight, the first of them busy, four on
+        each (the shares of the sends are evened out by moves, later).
+        """
+        rng = random.Random(13)
+        router = Router(Clock(), policy=CONFIG)
+        rs = routes(2)
+        router.begin("r0")
+        router.begin("r1")
+        where: dict[int, set[str]] = {}
+        for app in range(8):
+            system = text(rng, 250)
+            for i in range(7 if app == 0 else 1):
+                rid = self.pick(router, rs, ask(system, f"q{i} {text(rng, 5)}"))
+                router.begin(rid)
+                router.end(rid)
+                where.setdefault(app, set()).add(rid)
+        self.assertEqual([len(s) for s in where.values()], [1] * 8)
+        self.assertEqual(Counter(min(s) for s in where.values()), {"r0": 4, "r1": 4})
 
     def pick(self, router: Router, rs: tuple[Route, ...], body: dict[str, object]) -> str:
         route = router.pick(rs, (), "cache_aware", affinity_key(body, None, router.policy, chain=True))
