@@ -519,7 +519,8 @@ def bounded_prefix(
     With C{shares} (L{Shares}: per replica, what it was sent lately, and
     the prompt beginnings placed on it lately; a replica's share is its
     figure over the candidates' total), while any candidate has a request
-    in flight: a first turn nothing holds goes to the candidate under the
+    in flight: a first turn nothing holds (with C{recent}: a spread window
+    set) goes to the candidate under the
     bound with the least share of placements (ties in ring order from its
     first chunk), so that applications are dealt out evenly; and a match
     on a replica whose share of the sends is over C{1 + balance} times

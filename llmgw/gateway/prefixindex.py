@@ -41,7 +41,7 @@ MAX_ENTRIES: Final = 100_000
 #: replicas than this (a system prompt every replica holds) is matched on
 #: the latest ones only, which is enough to keep it off the others.
 MAX_HOLDERS: Final = 8
-#: Sends the replicas' shares are weighed over (L{PrefixIndex.balance}):
+#: Sends the replicas' shares are weighed over (L{PrefixIndex.shares}):
 #: each weighs 1 / (1 - 1 / BALANCE_WINDOW) times the one before it. Also
 #: the sends after a prompt's beginning went to a replica other than its
 #: last one before the shares are told again, so that one move shows in
@@ -65,7 +65,7 @@ class PrefixIndex:
         self._entries: OrderedDict[bytes, list[str]] = OrderedDict()
         #: every replica id added since the last forget that dropped one
         self._known: set[str] = set()
-        #: per replica, its sends, each weighed by when (see balance)
+        #: per replica, its sends, each weighed by when (see shares)
         self._work: dict[str, float] = {}
         self._weight = 1.0
         self._adds = 0
