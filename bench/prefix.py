@@ -366,8 +366,8 @@ def one_run(args: argparse.Namespace, binary: Path, tinygguf: Any) -> dict[str, 
         "routers": {},
     }
     with tempfile.TemporaryDirectory(prefix="llmgw-bench-prefix-") as tmp:
-        tinygguf.CONTEXT = args.ctx // args.slots
-        model = tinygguf.write(Path(tmp) / "tiny.gguf")
+        # The model's trained context: each slot's share of -c.
+        model = tinygguf.write(Path(tmp) / "tiny.gguf", context=args.ctx // args.slots)
         for name in args.routers.split(","):
             doc["routers"][name] = run_router(name, binary, model, engine_args, systems, plans, Path(tmp))
     doc["machine"] = {"cpus": os.cpu_count(), "load_before": load_before, "load_after": os.getloadavg()}
