@@ -15,15 +15,20 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.control.core.catalog import parse_catalog
 from llmgw.gateway.policy import (
+    FIRST_TURN,
     PolicyConfig,
+    Ring,
     affinity_key,
+    bounded_prefix,
     chunk_hashes,
+    head_hashes,
     key_chain,
     load_bound,
     split_chain,
 )
-from llmgw.gateway.prefixindex import HASH_BYTES, PrefixIndex
+from llmgw.gateway.prefixindex import BALANCE_WINDOW, HASH_BYTES, PrefixIndex
 from llmgw.gateway.router import Router
+from llmgw.gateway.sharing import Shares
 from llmgw.routing import Route
 
 CONFIG = PolicyConfig()
@@ -262,3 +267,157 @@ class SharedPrefixRoutingTests(SynchronousTestCase):
         router.forget({"r0", "r1"} - {rid})
         key = affinity_key(ask(system, "q2"), None, CONFIG, chain=True) or b""
         self.assertEqual(router.prefixes.match(key_chain(key), {"r0", "r1"}), {})
+
+
+class HeadHashTests(SynchronousTestCase):
+    def test_short_system_prompt_has_its_own_chunk(self) -> None:
+        """
+        A chat's head is chunked a message at a time: requests sharing a
+        system prompt shorter than a chunk (or any length) share every
+        hash of it, whatever their questions.
+        """
+        for size in (240, 250, 600):
+            system = "s" * size
+            a = key_chain(affinity_key(ask(system, "one question"), None, CONFIG, chain=True) or b"")
+            b = key_chain(affinity_key(ask(system, "another"), None, CONFIG, chain=True) or b"")
+            shared = -(-(size + len("system") + 2) // CONFIG.chunk_chars) * HASH_BYTES
+            self.assertEqual(a[:shared], b[:shared], size)
+            self.assertNotEqual(a[shared : shared + HASH_BYTES], b[shared : shared + HASH_BYTES], size)
+
+    def test_head_hashes_bounded(self) -> None:
+        """
+        A head of many messages has at most C{max_chunks} hashes.
+        """
+        config = PolicyConfig(chunk_chars=4, max_chunks=5)
+        body = {"messages": [{"role": "system", "content": "x" * 40}, {"role": "user", "content": "y" * 40}]}
+        self.assertEqual(len(head_hashes(body, config.chunk_chars, config.max_chunks)), 5)
+
+
+class BalanceTests(SynchronousTestCase):
+    def test_latest_holder_last(self) -> None:
+        """
+        Of the replicas holding the most of a prompt, the index lists the
+        one sent it last, last; and C{cache_aware} sends the next such
+        request there.
+        """
+        index = PrefixIndex()
+        index.add(chain("aaaabbbb"), "r1")
+        index.add(chain("aaaabbbb"), "r0")
+        self.assertEqual(list(index.match(chain("aaaabbbbcccc"), {"r0", "r1"})), ["r1", "r0"])
+        index.add(chain("aaaabbbbdddd"), "r1")
+        self.assertEqual(list(index.match(chain("aaaabbbbcccc"), {"r0", "r1"})), ["r0", "r1"])
+        rs = routes(2)
+        picked = bounded_prefix(
+            rs, {"r0": 0, "r1": 0}, None, FIRST_TURN + b"k" * 8, 0.25, slack=4, recent={},
+            depths=index.match(chain("aaaabbbbcccc"), {"r0", "r1"}), chain=chain("aaaabbbbcccc"),
+        )
+        self.assertEqual(picked and picked.replica_id, "r1")
+
+    def test_shares_told_after_a_window(self) -> None:
+        """
+        The index tells what each replica was sent lately once it has been
+        sent a window's worth, the latest weighing most, and not for a
+        window after a prompt's beginning went to a replica other than
+        its last.
+        """
+        index = PrefixIndex()
+        for i in range(BALANCE_WINDOW - 1):
+            index.add(chain(f"a{i:03d}bbbb"), "r0" if i % 4 else "r1")
+        self.assertIsNone(index.shares().sent)
+        index.add(chain("bbbb"), "r0")
+        weights = index.shares().sent
+        assert weights is not None
+        self.assertGreater(weights["r0"] / (weights["r0"] + weights["r1"]), 0.7)
+        for i in range(BALANCE_WINDOW):
+            index.add(chain(f"c{i:03d}dddd"), "r1")
+        weights = index.shares().sent
+        assert weights is not None
+        self.assertGreater(weights["r1"] / (weights["r0"] + weights["r1"]), 0.6)
+        index.add(chain("bbbb"), "r1")
+        self.assertIsNone(index.shares().sent)
+
+    def test_move_off_a_replica_over_its_share(self) -> None:
+        """
+        A match on a replica over C{1 + balance} times the mean share, and
+        busier than another, goes to the one with the least share; not
+        when it is no busier, nor when the shares are even.
+        """
+        rs = routes(2)
+        c = chain("aaaabbbbcccc")
+        skewed = {"r0": 0.7, "r1": 0.3}
+
+        def pick(loads: dict[str, int], shares: dict[str, float]) -> str:
+            r = bounded_prefix(rs, loads, None, FIRST_TURN + b"k" * 8, 0.25, slack=4, recent={},
+                               depths={"r0": 2}, chain=c, shares=Shares(sent=shares), balance=0.15)
+            assert r is not None
+            return r.replica_id
+
+        self.assertEqual(pick({"r0": 2, "r1": 1}, skewed), "r1")
+        self.assertEqual(pick({"r0": 1, "r1": 1}, skewed), "r0")
+        self.assertEqual(pick({"r0": 2, "r1": 1}, {"r0": 0.55, "r1": 0.45}), "r0")
+
+    def test_router_evens_out_applications(self) -> None:
+        """
+        Four applications all kept on one replica while it is busier than
+        the other: after a window of sends, they are moved off it one at a
+        time, each moved one staying where it went, until the shares are
+        even; every application keeps to one replica at a time.
+        """
+        rs = routes(2)
+        ring = Ring(["r0", "r1"], CONFIG.vnodes)
+        rng = random.Random(12)
+        systems: list[str] = []
+        while len(systems) < 4:
+            # Applications an idle gateway places on r0.
+            s = text(rng, 250)
+            first = key_chain(affinity_key(ask(s, "q"), None, CONFIG, chain=True) or b"")[:HASH_BYTES]
+            if ring.walk(FIRST_TURN + first)[0] == "r0":
+                systems.append(s)
+        clock = Clock()
+        router = Router(clock, policy=CONFIG)
+        for s in systems:
+            self.assertEqual(self.pick(router, rs, ask(s, "hello")), "r0")
+            clock.advance(1.0)
+        in_flight: list[str] = []
+        seq: list[tuple[int, str]] = []
+        for i in range(8 * BALANCE_WINDOW):
+            app = i % 4
+            rid = self.pick(router, rs, ask(systems[app], f"q{i} {text(rng, 5)}"))
+            seq.append((app, rid))
+            router.begin(rid)
+            in_flight.append(rid)
+            if len(in_flight) > 4:
+                router.end(in_flight.pop(0))
+        moves = [i for i in range(4, len(seq)) if seq[i][1] != seq[i - 4][1]]
+        self.assertGreaterEqual(len(moves), 1)
+        self.assertTrue(all(b - a >= BALANCE_WINDOW for a, b in zip(moves, moves[1:], strict=False)), moves)
+        last = Counter(rid for _, rid in seq[-2 * BALANCE_WINDOW :])
+        self.assertEqual(last["r0"], last["r1"])
+
+    def test_new_applications_dealt_out(self) -> None:
+        """
+        Under load, applications new to the index are dealt out over the
+        replicas by how many were placed on each lately, not by how many
+        requests each was sent: eight, the first of them busy, four on
+        each (the shares of the sends are evened out by moves, later).
+        """
+        rng = random.Random(13)
+        router = Router(Clock(), policy=CONFIG)
+        rs = routes(2)
+        router.begin("r0")
+        router.begin("r1")
+        where: dict[int, set[str]] = {}
+        for app in range(8):
+            system = text(rng, 250)
+            for i in range(7 if app == 0 else 1):
+                rid = self.pick(router, rs, ask(system, f"q{i} {text(rng, 5)}"))
+                router.begin(rid)
+                router.end(rid)
+                where.setdefault(app, set()).add(rid)
+        self.assertEqual([len(s) for s in where.values()], [1] * 8)
+        self.assertEqual(Counter(min(s) for s in where.values()), {"r0": 4, "r1": 4})
+
+    def pick(self, router: Router, rs: tuple[Route, ...], body: dict[str, object]) -> str:
+        route = router.pick(rs, (), "cache_aware", affinity_key(body, None, router.policy, chain=True))
+        assert route is not None
+        return route.replica_id

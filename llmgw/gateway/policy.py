@@ -48,23 +48,30 @@ C{cache_aware}
     C{prefix}, and before spread or the ring, a request without a home
     goes where its prompt's beginning was lately sent: the gateway's prefix
     index (L{llmgw.gateway.prefixindex}) tells, per replica, how many
-    leading chunks of the prompt head it was sent; the replica under the
-    same bound holding the most (at least C{prefix_match} of the head's
-    chunks), the least loaded of those, ties in ring order from the head's
-    first chunk, takes it. So applications that each send one long system
-    prompt with a different question each time keep to a replica, as
-    conversations do, while its load allows. A first turn nothing holds
-    is dealt out by L{spread} with ties in ring order from its first
-    chunk: with the gateways idle, every request starting with the same
-    text goes to the same replica, whichever gateway it reaches. (Not the
-    default: on many short independent conversations it heaps first turns
-    that share a beginning where C{prefix} deals them out.)
+    leading chunks of the prompt head it was sent (a chat's head chunked a
+    message at a time, L{head_hashes}, so that a system prompt of any
+    length is whole chunks); the replica under the bound with
+    C{match_slack} holding the most (at least C{prefix_match} of the
+    head's chunks), of those the one sent it last, takes it. So
+    applications that each send one long system prompt with a different
+    question each time keep to a replica, as conversations do, while its
+    load allows, and one sent elsewhere (a spill) stays where it went. A
+    first turn nothing holds is dealt out by L{spread} with ties in ring
+    order from its first chunk: with the gateways idle, every request
+    starting with the same text goes to the same replica, whichever
+    gateway it reaches. Where the applications so kept leave a replica
+    over C{1 + balance} times the mean share of the sends lately, one of
+    them is moved to the replica with the least, one move per window of
+    sends (L{bounded_prefix}'s C{shares}). (Not the default: on many
+    short independent conversations it heaps first turns that share a
+    beginning where C{prefix} deals them out.)
 
 The ring and the key depend only on the routing table and the request:
 two gateways with the same table and the same loads send a key neither has
 seen to the same replica, with no state shared between them. (A first
 turn, like C{least_loaded}, depends on the gateway's own figures: its loads
-and its recent sends.)
+and its recent sends; a C{cache_aware} match, on its prefix index and its
+shares.)
 """
 
 from __future__ import annotations
@@ -76,6 +83,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
+from llmgw.gateway.sharing import Shares, least_share, move_target
 from llmgw.routing import POLICIES, Route
 
 #: The policy of a model the routing table names none for: the one
@@ -120,11 +128,17 @@ class PolicyConfig:
         loaded of those; about the time an engine takes to start a prompt.
         0: to the least loaded, as C{least_loaded} does.
     @ivar match_slack: the slack of the load bound a prefix-index match is
-        held to (C{cache_aware}), in place of C{slack}. An application's
-        requests share nothing but their system prompt, so keeping one on
-        a busy replica saves less than a conversation's whole history
-        would, while every application kept there skews the replicas'
-        shares for as long as it runs (bench/prefix.py).
+        held to (C{cache_aware}), in place of C{slack}. A match sent
+        elsewhere costs its whole prefix there and pushes out what that
+        engine held, and (sticking where it was sent) moves its
+        application, so it is held as a conversation is; the replicas'
+        shares over time are evened out by C{balance} instead
+        (bench/prefix.py).
+    @ivar balance: under C{cache_aware}, a replica whose share of the
+        sends lately is over C{1 + balance} times the mean has its next
+        match moved to the replica with the least share, while it is
+        busier than the least loaded (L{bounded_prefix}); one move per
+        window of sends (L{llmgw.gateway.prefixindex.BALANCE_WINDOW}).
     """
 
     stale_after_s: float = 3.0
@@ -138,15 +152,16 @@ class PolicyConfig:
     vnodes: int = 64
     spread_s: float = 0.1
     prefix_match: float = 0.5
-    match_slack: int = 2
+    match_slack: int = 4
+    balance: float = 0.2
 
     def __post_init__(self) -> None:
         if self.stale_after_s < 0 or self.saturated_waiting < 0:
             raise ValueError("stale_after_s and saturated_waiting must not be negative")
         if not 0 < self.saturated_kv <= 1:
             raise ValueError("saturated_kv must be a fraction in (0, 1]")
-        if min(self.epsilon, self.slack, self.spread_s, self.prefix_match, self.match_slack) < 0:
-            raise ValueError("epsilon, slack, spread_s, prefix_match and match_slack must not be negative")
+        if min(self.epsilon, self.slack, self.spread_s, self.prefix_match, self.match_slack, self.balance) < 0:
+            raise ValueError("epsilon, slack, spread_s, prefix_match, match_slack and balance must not be negative")
         if self.chunk_chars < 1 or self.max_chunks < 1 or self.vnodes < 1:
             raise ValueError("chunk_chars, max_chunks and vnodes must be at least 1")
 
@@ -257,6 +272,36 @@ def chunk_hashes(text: str, chunk_chars: int, max_chunks: int) -> list[bytes]:
     return out
 
 
+def head_hashes(body: Mapping[str, Any], chunk_chars: int, max_chunks: int) -> list[bytes]:
+    """
+    The chained chunk hashes (as L{chunk_hashes}) of a request's prompt
+    head (L{prompt_head}), at most C{max_chunks}: for a chat, each message
+    chunked on its own, so that a chunk never spans two messages and
+    requests that share a system prompt, whatever its length, share every
+    hash of it; for a completion, its prompt's fixed chunks.
+    """
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return chunk_hashes(prompt_head(body), chunk_chars, max_chunks)
+    out: list[bytes] = []
+    h = b""
+    blake2b = hashlib.blake2b
+    for m in messages:
+        if not isinstance(m, dict):
+            continue
+        role = m.get("role")
+        part = f"{role}\x00{_text(m.get('content'))}\x01".encode("utf-8", "surrogatepass")
+        # Chunked by bytes: one boundary rule for every gateway is what matters.
+        for i in range(0, len(part), chunk_chars):
+            if len(out) == max_chunks:
+                return out
+            h = blake2b(h + part[i : i + chunk_chars], digest_size=8).digest()
+            out.append(h)
+        if role == "user":
+            break
+    return out
+
+
 def affinity_key(
     body: Mapping[str, Any], session: str | None, config: PolicyConfig, chain: bool = False
 ) -> bytes | None:
@@ -275,7 +320,7 @@ def affinity_key(
         session = user if isinstance(user, str) and user else None
     if session:
         return b"s\x00" + hashlib.blake2b(session.encode("utf-8", "surrogatepass"), digest_size=8).digest()
-    hashes = chunk_hashes(prompt_head(body), config.chunk_chars, config.max_chunks)
+    hashes = head_hashes(body, config.chunk_chars, config.max_chunks)
     if not hashes:
         return None
     messages = body.get("messages")
@@ -446,6 +491,8 @@ def bounded_prefix(
     prefix_match: float = 0.5,
     chain: bytes | None = None,
     match_slack: int | None = None,
+    shares: Shares | None = None,
+    balance: float = 0.2,
 ) -> Route | None:
     """
     C{home} (where this key's last request went) if it is a candidate under
@@ -461,13 +508,28 @@ def bounded_prefix(
     bound that C{depths} (per replica, the leading chunks of the chain it
     holds: the prefix index's
     L{match<llmgw.gateway.prefixindex.PrefixIndex.match>}) says holds the
-    most of the chain, if at least C{prefix_match} of it, ties in ring
-    order from the chain's first chunk (not the least loaded: a prefix
-    that spilled to a second replica would otherwise be dealt out over
-    both, and held whole by neither); and a first turn's spread breaks
-    ties in ring order from its first chunk too.
+    most of the chain, if at least C{prefix_match} of it, ties to the one
+    sent it last (C{depths}' order: the index's; not the least loaded: a
+    prefix that spilled or moved to a second replica would otherwise be
+    dealt out over both, and held whole by neither); and a first turn's
+    spread breaks ties in ring order from its first chunk.
     Without C{chain} (C{prefix}), C{depths} is not read. A match is held
     to the bound with C{match_slack} (C{slack} when C{None}).
+
+    With C{shares} (L{Shares}: per replica, what it was sent lately, and
+    the prompt beginnings placed on it lately; a replica's share is its
+    figure over the candidates' total), while any candidate has a request
+    in flight: a first turn nothing holds (with C{recent}: a spread window
+    set) goes to the candidate under the
+    bound with the least share of placements (ties in ring order from its
+    first chunk), so that applications are dealt out evenly; and a match
+    on a replica whose share of the sends is over C{1 + balance} times
+    the mean, and which has more in flight than the least loaded
+    candidate, moves instead to the candidate under the bound with the
+    least share (ties likewise): sent there, its prefix stays there. So
+    applications kept each on a replica share the load between the
+    replicas, one moved at a time, while idle gateways (and balanced
+    ones) keep every application where it is.
     """
     if chain is None:
         depths = None
@@ -489,23 +551,19 @@ def bounded_prefix(
         need = max(1, math.ceil(prefix_match * (len(chain) // HASH_BYTES) - 1e-9))
         best: str | None = None
         best_depth = 0
-        tied = False
         for rid, depth in depths.items():
             if depth < need or rid not in by_id or loads[rid] + 1 > bound_m:
                 continue
-            if best is None or depth > best_depth:
-                best, best_depth, tied = rid, depth, False
-            elif depth == best_depth:
-                tied = True
-        if best is not None and tied:
-            # Deterministic, so that gateways with the same figures agree.
+            # >=: of those holding the most, the one sent it last.
+            if depth >= best_depth:
+                best, best_depth = rid, depth
+        if best is not None and shares is not None and shares.sent:
             if ring is None:
                 ring = Ring(list(by_id), PolicyConfig().vnodes)
-            for rid in ring.walk(FIRST_TURN + chain[:HASH_BYTES]):
-                d = depths.get(rid)
-                if d == best_depth and rid in by_id and loads[rid] + 1 <= bound_m:
-                    best = rid
-                    break
+            walk = ring.walk(FIRST_TURN + chain[:HASH_BYTES])
+            moved = move_target(by_id, loads, walk, bound_m, best, shares.sent, balance)
+            if moved is not None:
+                return moved
         if best is not None:
             return by_id[best]
     if first and recent is None:
@@ -516,7 +574,10 @@ def bounded_prefix(
         if chain:
             # Ties from the first chunk: requests that start alike (a shared
             # system prompt) go alike, from any gateway, while it is idle.
-            return spread(candidates, loads, recent, bound, ring.walk(FIRST_TURN + chain[:HASH_BYTES]))
+            walk = ring.walk(FIRST_TURN + chain[:HASH_BYTES])
+            if shares is not None and shares.placed and any(loads[rid] for rid in by_id):
+                return least_share(by_id, loads, walk, bound, shares.placed)[0]
+            return spread(candidates, loads, recent, bound, walk)
         return spread(candidates, loads, recent, bound, ring.walk(key))
     walk = ring.walk(key)
     for rid in walk:
@@ -542,6 +603,7 @@ def choose(
     recent: Mapping[str, int] | None = None,
     depths: Mapping[str, int] | None = None,
     chain: bytes | None = None,
+    shares: Shares | None = None,
 ) -> Route:
     """
     The replica C{policy} sends a request to among C{candidates} (not
@@ -563,6 +625,8 @@ def choose(
         C{chain} the gateway's prefix index says it holds.
     @param chain: under C{cache_aware}, the key's chained chunk hashes
         (L{split_chain}: C{key} is then the key less its chain).
+    @param shares: under C{cache_aware}, how the prompts sent lately
+        share the replicas (L{bounded_prefix}).
     """
     if policy not in POLICIES:
         raise ValueError(f"unknown routing policy {policy!r} (known: {', '.join(POLICIES)})")
@@ -598,7 +662,7 @@ def choose(
             ring = Ring([r.replica_id for r in candidates], config.vnodes)
         chosen = bounded_prefix(
             candidates, loads, ring, key, config.epsilon, home, config.slack, recent, depths, config.prefix_match,
-            chain, config.match_slack,
+            chain, config.match_slack, shares, config.balance,
         )
         if chosen is not None:
             return chosen

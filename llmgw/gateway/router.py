@@ -29,7 +29,7 @@ from llmgw.gateway.policy import (
     choose,
     split_chain,
 )
-from llmgw.gateway.prefixindex import PrefixIndex
+from llmgw.gateway.prefixindex import PrefixIndex, Shares
 from llmgw.gateway.waking import AWAKE, WAKES_ON_REQUEST
 from llmgw.routing import IInFlight, Route
 
@@ -249,7 +249,8 @@ class Router:
             )
         chain: bytes | None
         depths: dict[str, int] | None
-        depths = chain = None
+        shares: Shares | None
+        depths = chain = shares = None
         if policy == "cache_aware":
             key, chain = split_chain(key)
         homes = self._homes
@@ -259,6 +260,7 @@ class Router:
             # A request with no home yet (an application's next question,
             # or a conversation new to this gateway): where its beginning went.
             depths = self.prefixes.match(chain, {r.replica_id for r in candidates})
+            shares = self.prefixes.shares()
         now = self.clock.seconds()
         window = self.policy.spread_s
         sent = self._sent
@@ -280,12 +282,12 @@ class Router:
                 ring = self.ring(routes) if depths else None
             chosen = choose(
                 policy, candidates, self.in_flight, now, self.policy, key, turn, ring, at_sample, home, recent,
-                depths, chain,
+                depths, chain, shares,
             )
         else:
             chosen = choose(
                 policy, candidates, self.in_flight, now, self.policy, key, turn,
-                self.ring(routes), at_sample, home, None, depths, chain,
+                self.ring(routes), at_sample, home, None, depths, chain, shares,
             )
         if window > 0:
             times = sent.get(chosen.replica_id)
