@@ -53,6 +53,7 @@ COMPILED = [
     "llmgw/gateway/resource.py",
     "llmgw/gateway/resume.py",
     "llmgw/gateway/router.py",
+    "llmgw/gateway/sharing.py",
     "llmgw/transportpeek.py",
     "llmgw/gateway/upstream.py",
     "llmgw/gateway/usage.py",
