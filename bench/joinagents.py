@@ -91,7 +91,9 @@ class JoinFleet(Fleet):
 
     def _joined(self, node: JoinNode, files: TLSFiles) -> None:
         node.joined_ns = time.monotonic_ns()
-        node.creator = AgentClientTLS("127.0.0.1", files)
+        # As the agent does (llmgw.agent.joinoptions): its context, made
+        # with the joiner, given the files.
+        node.creator = AgentClientTLS("127.0.0.1", files, context=node.joiner.agent_context)
         # Built before the clock, as the pre-issued agents' is; only the
         # certificate's end is the join's.
         msg = pb.AgentMessage.FromString(node.register)

@@ -46,6 +46,7 @@ from llmgw.tlsconf.options import (
     ServerIdentityError,
     TLSConfigError,
     TLSFiles,
+    bare_context,
     set_groups,
     verify_server_identity,
 )
@@ -184,6 +185,10 @@ class Joiner:
         #: The agent port the control plane named in its answer (0: none).
         self.agent_port = 0
         self.context = join_context()
+        #: The agent stream's context, made now without an identity (see
+        #: L{llmgw.tlsconf.contexts}); after a join it presents the files
+        #: issued (L{AgentClientTLS}'s C{context}). Not used for the join.
+        self.agent_context = bare_context(AGENT_GROUPS)
         # The key made (or found) for the request, kept for the files it goes in.
         self._key: Any = None
 
