@@ -75,9 +75,10 @@ def present(context: SSL.Context, cert: x509.Certificate, key: Any, roots: Seque
 
     @raise OpenSSL.SSL.Error: C{key} is not C{cert}'s.
     """
-    # Handed to OpenSSL as they are, not through PEM.
-    context.use_certificate(cert)
-    context.use_privatekey(key)
+    # Handed to OpenSSL as they are, not through PEM (pyOpenSSL before 24.3
+    # takes only its own types).
+    context.use_certificate(crypto.X509.from_cryptography(cert))
+    context.use_privatekey(crypto.PKey.from_cryptography_key(key))
     context.check_privatekey()
     store = context.get_cert_store()
     assert store is not None
