@@ -108,7 +108,8 @@ class JoinAuthority:
     @param connected: whether a node id has a live stream.
     @param revoked: the serials the CRL in force lists.
     @param deliver: sends a renewal an operator approved to its node's stream.
-    @param in_thread: runs the token book's writes off the reactor (see
+    @param in_thread: runs the token book's writes and a join's
+        C{issued.jsonl} line off the reactor, in group commits (see
         L{TokenWrites}); without it they are done at once.
     """
 
