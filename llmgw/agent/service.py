@@ -406,5 +406,6 @@ def makeService(options: Options, reactor: Any = None) -> Any:
         model_cache=options["model_cache"],
         model_cache_size=options["model-cache-size"],
         peer_listen=options["peer_listen"],
-        tls_context=options.get("tls_context"),
+        # Taken, not read: a context presents one identity, once.
+        tls_context=options.pop("tls_context", None),
     )
