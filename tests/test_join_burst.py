@@ -214,17 +214,18 @@ class GroupCommitTests(Base):
         self.assertEqual(again.book.tokens[self.token.id].used, 1)
 
     def test_unappendable_line_logged_not_failed(self) -> None:
-        """A line that cannot be appended is logged with the file; the join still gets its answer."""
+        """A line that cannot be appended is logged with the file and the line itself (the serial); the join still gets its answer."""
         events: list[dict[str, Any]] = []
         writes = self.writes()
         writes.log = Logger(observer=events.append)
-        writes.record(self.dir / "missing" / "issued.jsonl", "{}\n")
+        writes.record(self.dir / "missing" / "issued.jsonl", '{"serial": "ab12"}\n')
         writes.save()
         d = writes.written()
         self.threads.finish()
         self.successResultOf(d)
         [event] = [e for e in events if e["log_level"] == LogLevel.error]
         self.assertIn("missing/issued.jsonl", event["error"])
+        self.assertIn('"serial": "ab12"', event["error"])
 
     def test_join_answered_after_its_record(self) -> None:
         """A join's issued.jsonl line is on disk when its answer is sent, in the commit of its token's use."""

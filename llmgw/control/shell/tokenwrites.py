@@ -138,7 +138,9 @@ class TokenWrites:
                 try:
                     append_lines(path, batch)
                 except OSError as e:
-                    unrecorded.append(f"cannot record {len(batch)} issued certificates in {path}: {e}")
+                    # The lines go in the log: revoking a node by name needs its serial.
+                    unrecorded.append(f"cannot record {len(batch)} issued certificates in {path} ({e}); "
+                                      f"their lines: {''.join(batch).strip()}")
             if text is not None:
                 self.tokens.write(text)
             return unrecorded
@@ -155,7 +157,7 @@ class TokenWrites:
         failed = isinstance(result, Failure)
         if isinstance(result, list):
             for error in result:
-                # Not a reason to refuse the nodes, but revoking one by name will need its serial.
+                # Not a reason to refuse the nodes.
                 self.log.error("{error}", error=error)
         if failed and had_book:
             self._dirty = True  # what it carried is not on disk
