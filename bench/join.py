@@ -63,11 +63,13 @@ CLOCK = {
     "joining": {
         "in": "the key (P-256, written 0600) and CSR, the join connection (TLS handshake, chain checked "
               "against the token's CA hash before anything is sent), the control plane's checks, "
-              "signature, issued.jsonl and token-book write, the certificate and CA bundle checked and "
-              "written, the agent's TLS context with them, then dial, handshake, Register, registration",
-        "out": "each agent's Joiner and its join TLS context (made when its process starts, as `twistd "
-               "llmgw agent --join` makes them when it parses its options) and its Register message "
-               "but for the certificate's end (set after the join), as the pre-issued agents' is",
+              "signature, issued.jsonl and token-book write (one fsynced group commit, which the answer "
+              "waits for), the certificate and CA bundle checked and written, the certificate, key and "
+              "CA roots loaded into the agent's TLS context, then dial, handshake, Register, registration",
+        "out": "each agent's Joiner with its two TLS contexts, the join's and the agent stream's without "
+               "an identity yet (made when its process starts, as `twistd llmgw agent --join` makes "
+               "them when it parses its options) and its Register message but for the certificate's "
+               "end (set after the join), as the pre-issued agents' is",
     },
 }
 

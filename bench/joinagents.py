@@ -10,9 +10,11 @@ certificate and CA bundle it gets back. Then it dials the agent port with
 that certificate, as L{bench.simagents} agents do, and registers.
 
 What a real node does when it starts, before it joins, is done here before
-the storm's clock: each agent's L{Joiner} (with its join TLS context) is made
-when this process starts, as C{twistd llmgw agent --join} makes it when it
-parses its options. Everything from the key on is in the clock.
+the storm's clock: each agent's L{Joiner} (with its join TLS context and its
+agent stream's context, without an identity yet) is made when this process
+starts, as C{twistd llmgw agent --join} makes it when it parses its options.
+Everything from the key on is in the clock, the issued files' loading into
+that context among it.
 
 Requests from the orchestrator are those of L{bench.simagents}; C{storm}
 also takes C{join_port} and reports, per agent, when its join finished
@@ -91,7 +93,9 @@ class JoinFleet(Fleet):
 
     def _joined(self, node: JoinNode, files: TLSFiles) -> None:
         node.joined_ns = time.monotonic_ns()
-        node.creator = AgentClientTLS("127.0.0.1", files)
+        # As the agent does (llmgw.agent.joinoptions): its context, made
+        # with the joiner, given the files.
+        node.creator = AgentClientTLS("127.0.0.1", files, context=node.joiner.agent_context)
         # Built before the clock, as the pre-issued agents' is; only the
         # certificate's end is the join's.
         msg = pb.AgentMessage.FromString(node.register)

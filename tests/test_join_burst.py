@@ -17,6 +17,7 @@ from typing import Any
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
+from twisted.logger import Logger, LogLevel
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -61,8 +62,7 @@ class Threads:
         if fail:
             d.errback(Failure(OSError("disk full")))
         else:
-            f()
-            d.callback(None)
+            d.callback(f())
 
 
 class Base(SynchronousTestCase):
@@ -159,6 +159,88 @@ class ListenerBoundTests(Base):
         self.assertEqual(answer.status, pb.JoinResponse.STATUS_REFUSED)
         self.assertIn("could not record", answer.error)
         self.flushLoggedErrors()
+
+
+class GroupCommitTests(Base):
+    """Token uses and issued.jsonl lines written together, at most one commit per window."""
+
+    def writes(self) -> TokenWrites:
+        return TokenWrites(self.tokens, self.threads, self.clock, window=0.02)
+
+    def test_lone_change_written_at_once(self) -> None:
+        """After a quiet window, a change starts its commit at once: a lone join waits for no timer."""
+        writes = self.writes()
+        writes.save()
+        self.assertEqual(len(self.threads.calls), 1)
+        self.threads.finish()
+        self.clock.advance(1)
+        writes.save()
+        self.assertEqual(len(self.threads.calls), 1)
+
+    def test_window_gathers_a_burst(self) -> None:
+        """Changes within the window of the last commit's start wait for its end and go into one commit."""
+        writes = self.writes()
+        writes.save()
+        self.threads.finish()
+        waiters = []
+        for _ in range(5):
+            self.clock.advance(0.002)
+            writes.save()
+            waiters.append(writes.written())
+        self.assertEqual(self.threads.calls, [])
+        self.clock.advance(0.01)
+        self.assertEqual(len(self.threads.calls), 1)
+        self.threads.finish()
+        for d in waiters:
+            self.successResultOf(d)
+        self.assertEqual((writes.writes, writes.busy), (2, False))
+
+    def test_issued_lines_in_the_commit(self) -> None:
+        """A recorded line is appended (and the book written) by the commit its waiters wait for, not before."""
+        writes = self.writes()
+        issued = self.dir / "issued.jsonl"
+        before = issued.read_text()
+        writes.record(issued, '{"serial": "ab"}\n')
+        writes.record(issued, '{"serial": "cd"}\n')
+        self.tokens.book.use(self.token.id, "n1")
+        writes.save()
+        d = writes.written()
+        self.assertEqual(issued.read_text(), before)
+        self.threads.finish()
+        self.successResultOf(d)
+        self.assertEqual(issued.read_text(), before + '{"serial": "ab"}\n{"serial": "cd"}\n')
+        again = TokenFile(self.tokens.path)
+        again.load()
+        self.assertEqual(again.book.tokens[self.token.id].used, 1)
+
+    def test_unappendable_line_logged_not_failed(self) -> None:
+        """A line that cannot be appended is logged with the file and the line itself (the serial); the join still gets its answer."""
+        events: list[dict[str, Any]] = []
+        writes = self.writes()
+        writes.log = Logger(observer=events.append)
+        writes.record(self.dir / "missing" / "issued.jsonl", '{"serial": "ab12"}\n')
+        writes.save()
+        d = writes.written()
+        self.threads.finish()
+        self.successResultOf(d)
+        [event] = [e for e in events if e["log_level"] == LogLevel.error]
+        self.assertIn("missing/issued.jsonl", event["error"])
+        self.assertIn('"serial": "ab12"', event["error"])
+
+    def test_join_answered_after_its_record(self) -> None:
+        """A join's issued.jsonl line is on disk when its answer is sent, in the commit of its token's use."""
+        factory = JoinFactory(self.authority(self.threads), self.clock)
+        proto = factory.buildProtocol(None)
+        transport = StringTransport()
+        proto.makeConnection(transport)
+        proto.dataReceived(frame(self.request("n1")))
+        issued = (self.dir / "issued.jsonl").read_text()
+        self.assertNotIn("CN=n1", issued)
+        self.assertEqual(len(self.threads.calls), 1)
+        self.threads.finish()
+        [answer] = answers(transport)
+        self.assertEqual(answer.status, pb.JoinResponse.STATUS_ISSUED)
+        self.assertIn("CN=n1", (self.dir / "issued.jsonl").read_text())
 
 
 class TokenWritesTests(Base):

@@ -13,6 +13,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives import serialization
 from OpenSSL import SSL
+from twisted.application.service import MultiService
 from twisted.internet.defer import Deferred
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -24,6 +25,7 @@ from llmgw.tlsconf.ca import CertificateAuthority
 from llmgw.tlsconf.csr import check_request, new_request, sign_request, spki_hash
 from llmgw.tlsconf.jointoken import parse_token, printable
 from llmgw.tlsconf.options import (
+    AgentClientTLS,
     ServerIdentityError,
     TLSConfigError,
     TLSFiles,
@@ -124,6 +126,45 @@ class JoinContextTests(SynchronousTestCase):
         self.assertEqual(len(used), 2)
         self.assertIs(used[0], joiner.context)
         self.assertIs(used[1], joiner.context)
+
+
+class AgentContextTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.ca = CertificateAuthority.init(Path(self.mktemp()))
+        token = parse_token(printable("0123abcd", "f" * 32, spki_hash(self.ca.certificate)))
+        self.joiner = Joiner(None, "127.0.0.1", 1, token, "n1", Path(self.mktemp()))
+
+    def joined(self) -> TLSFiles:
+        csr = check_request(self.joiner._request().csr_pem, "n1")
+        cert = sign_request(csr, "n1", self.ca.key, self.ca.certificate)
+        return self.joiner.write(pb.CertificateIssued(certificate_pem=cert_pem(cert),
+                                                      ca_bundle_pem=cert_pem(self.ca.certificate)))
+
+    def test_agent_context_made_with_the_joiner(self) -> None:
+        """
+        A joiner makes the agent stream's context when it is made, apart from
+        the join's and with no identity yet; the agent built after the join
+        presents the files issued in that context.
+        """
+        context = self.joiner.agent_context
+        self.assertIsNot(context, self.joiner.context)
+        self.assertEqual(context.get_verify_mode(), SSL.VERIFY_NONE)
+        files = self.joined()
+        tls = AgentClientTLS("127.0.0.1", files, context=context)
+        self.assertIs(tls.clientConnectionForTLS(None).get_context(), context)
+        self.assertEqual(context.get_verify_mode() & SSL.VERIFY_FAIL_IF_NO_PEER_CERT, SSL.VERIFY_FAIL_IF_NO_PEER_CERT)
+
+    def test_joined_agent_is_built_with_it(self) -> None:
+        """The agent a joining node builds once it has joined is given the joiner's agent context."""
+        from llmgw.agent import service
+        from llmgw.agent.joinoptions import joining_service
+
+        built: list[dict[str, Any]] = []
+        self.patch(service, "makeService", lambda options, reactor: built.append(dict(options)) or MultiService())
+        options: dict[str, Any] = {"joiner": self.joiner, "given_control": True}
+        agent = joining_service(options, None)
+        agent.build(self.joined(), 0)
+        self.assertIs(built[0]["tls_context"], self.joiner.agent_context)
 
 
 class TLSFilesOfTests(SynchronousTestCase):

@@ -46,6 +46,7 @@ from llmgw.tlsconf.options import (
     ServerIdentityError,
     TLSConfigError,
     TLSFiles,
+    bare_context,
     set_groups,
     verify_server_identity,
 )
@@ -184,13 +185,22 @@ class Joiner:
         #: The agent port the control plane named in its answer (0: none).
         self.agent_port = 0
         self.context = join_context()
+        #: The agent stream's context, made now without an identity (see
+        #: L{llmgw.tlsconf.contexts}); after a join it presents the files
+        #: issued (L{AgentClientTLS}'s C{context}). Not used for the join.
+        self.agent_context = bare_context(AGENT_GROUPS)
         # The key made (or found) for the request, kept for the files it goes in.
         self._key: Any = None
+        self._paths: tuple[Path, str, tuple[Path, Path, Path]] | None = None
 
     @property
     def paths(self) -> tuple[Path, Path, Path]:
-        d = self.directory
-        return d / "ca.pem", d / f"agent-{self.node_id}.pem", d / f"agent-{self.node_id}.key"
+        """C{ca.pem}, C{agent-NODE.pem} and C{agent-NODE.key} in L{directory}."""
+        d, node = self.directory, self.node_id
+        if self._paths is None or self._paths[0] is not d or self._paths[1] is not node:
+            # Made once: a join asks for them several times.
+            self._paths = (d, node, (d / "ca.pem", d / f"agent-{node}.pem", d / f"agent-{node}.key"))
+        return self._paths[2]
 
     def existing(self) -> TLSFiles | None:
         """The files of an earlier join, if they are all there and load."""

@@ -124,6 +124,8 @@ def joining_service(options: Any, reactor: Any) -> JoiningAgent:
 
     def build(files: TLSFiles, agent_port: int) -> Any:
         options["tls"], options["node_id"], options["joiner"] = files, joiner.node_id, None
+        # The agent's context, made with the joiner, given the files now.
+        options["tls_context"] = joiner.agent_context
         if agent_port and not given_control:
             options["control_host"], options["control_port"] = joiner.host, agent_port
             options["control_targets"] = [(joiner.host, agent_port)]

@@ -16,6 +16,7 @@ import datetime
 from pathlib import Path
 from typing import Any
 
+from OpenSSL import SSL
 from twisted.application.service import MultiService
 from twisted.internet.endpoints import HostnameEndpoint, wrapClientTLS
 from twisted.logger import Logger
@@ -207,6 +208,7 @@ class NodeAgent(MultiService):
         model_cache_size: int | None = None,
         peer_listen: tuple[str, int] | None = None,
         renew_fraction: float | None = None,
+        tls_context: SSL.Context | None = None,
     ):
         super().__init__()
         self.reactor = reactor
@@ -266,7 +268,8 @@ class NodeAgent(MultiService):
             model_cache=self.model_cache.cache,
         )
         self.sleeper.on_change = lambda shard_id: self.core.heartbeat_now()
-        self.client_tls = AgentClientTLS(control_host, tls)
+        # tls_context: one made before the files existed (a node that joined).
+        self.client_tls = AgentClientTLS(control_host, tls, context=tls_context)
         self.handle_sighup = owns_signals(reactor) if handle_sighup is None else handle_sighup
         self._sighup = SighupHandler(reactor, self.reload_certificate, "this node's certificate")
         # HA: every member given; one TLS creator per host, as
@@ -404,4 +407,6 @@ def makeService(options: Options, reactor: Any = None) -> Any:
         model_cache=options["model_cache"],
         model_cache_size=options["model-cache-size"],
         peer_listen=options["peer_listen"],
+        # Taken, not read: a context presents one identity, once.
+        tls_context=options.pop("tls_context", None),
     )

@@ -70,6 +70,25 @@ DEFAULT_LEAF_DAYS = 365
 FLEET_KINDS = ("agent", "admin-")
 
 
+def signed_file(how: str) -> str:
+    """The C{file} of an C{issued.jsonl} line for a certificate signed from a node's request."""
+    return f"({how}: key on the node)"
+
+
+def issued_line(cert: x509.Certificate, file: str, kind: str) -> str:
+    """One line of C{issued.jsonl} (ending in a newline): what C{ctl cert revoke} looks up."""
+    entry = {
+        "serial": format(cert.serial_number, "x"),
+        "subject": cert.subject.rfc4514_string(),
+        "issuer": cert.issuer.rfc4514_string(),
+        "kind": kind,
+        "not_before": cert.not_valid_before_utc.isoformat(),
+        "not_after": cert.not_valid_after_utc.isoformat(),
+        "file": file,
+    }
+    return json.dumps(entry, sort_keys=True) + "\n"
+
+
 @dataclass(frozen=True)
 class Issued:
     """
@@ -463,17 +482,13 @@ class CertificateAuthority:
         return out
 
     def _record(self, cert: x509.Certificate, path: Path, kind: str) -> None:
-        entry = {
-            "serial": format(cert.serial_number, "x"),
-            "subject": cert.subject.rfc4514_string(),
-            "issuer": cert.issuer.rfc4514_string(),
-            "kind": kind,
-            "not_before": cert.not_valid_before_utc.isoformat(),
-            "not_after": cert.not_valid_after_utc.isoformat(),
-            "file": path.name,
-        }
-        with open(self.directory / "issued.jsonl", "a") as f:
-            f.write(json.dumps(entry, sort_keys=True) + "\n")
+        with open(self.issued_path, "a") as f:
+            f.write(issued_line(cert, path.name, kind))
+
+    @property
+    def issued_path(self) -> Path:
+        """The log of what this CA issued, one JSON object a line (L{issued_line})."""
+        return self.directory / "issued.jsonl"
 
     def record_signed(self, cert: x509.Certificate, how: str) -> None:
         """
@@ -481,7 +496,7 @@ class CertificateAuthority:
         here, so no file): C{llmgw ctl cert revoke NODE} finds it by name.
         C{how} says where it went (C{joined}, C{renewed}, C{approved}).
         """
-        self._record(cert, Path(f"({how}: key on the node)"), "agent")
+        self._record(cert, Path(signed_file(how)), "agent")
 
     def signed(self, cert: x509.Certificate) -> bool:
         """

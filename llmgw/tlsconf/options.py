@@ -27,8 +27,7 @@ from typing import Any
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-from OpenSSL import SSL, crypto
-from OpenSSL._util import lib as _ssl_lib
+from OpenSSL import SSL
 from service_identity import CertificateError, VerificationError
 from service_identity.cryptography import (
     verify_certificate_hostname,
@@ -44,45 +43,20 @@ from twisted.web.iweb import IPolicyForHTTPS
 from zope.interface import implementer
 
 from llmgw.tlsconf.certs import issued_by
+from llmgw.tlsconf.contexts import (
+    AGENT_GROUPS,
+    AGENT_GROUPS_CLASSICAL,
+    AGENT_GROUPS_POST_QUANTUM,
+    SERVER_GROUPS,
+    bare_context,
+    present,
+    set_groups,
+)
 from llmgw.tlsconf.crl import CRLError, load_crls
 from llmgw.tlsconf.describe import subject_alt_names
 from llmgw.tlsconf.pem import CAError
 from llmgw.tlsconf.roles import ETCD_CN_PREFIX, ROLE_BY_OID, admin_name
 from llmgw.wire import InvalidNodeId, validate_node_id
-
-#: Key exchange (DESIGN §4). The agent sends a key share for the first group
-#: it lists, so it chooses; the control plane takes the group the agent sent
-#: a share for (preferring the post-quantum hybrid) and never asks for
-#: another, which would cost a round trip. By default agents put the hybrid
-#: X25519MLKEM768 first: agent streams carry commands with their arguments
-#: and environment, and a recording of them must not be readable by a future
-#: quantum computer. Classical X25519 (L{AGENT_GROUPS_CLASSICAL}) saves about
-#: 0.07 ms of control-plane CPU and 0.15 ms of agent CPU per handshake
-#: (OpenSSL 4.0): under a tenth of a handshake, not worth the exposure.
-#: Authentication (ECDSA certificates) is the same either way.
-AGENT_GROUPS = "X25519MLKEM768:X25519:secp256r1"
-AGENT_GROUPS_CLASSICAL = "X25519:X25519MLKEM768:secp256r1"
-#: Kept for callers that name the hybrid explicitly.
-AGENT_GROUPS_POST_QUANTUM = AGENT_GROUPS
-SERVER_GROUPS = "X25519MLKEM768:X25519:secp256r1:secp384r1"
-#: What is left when OpenSSL (before 3.5) has no ML-KEM.
-_CLASSICAL_GROUPS = "X25519:secp256r1:secp384r1"
-
-
-def set_groups(context: SSL.Context, groups: str) -> str | None:
-    """
-    Set C{context}'s key-exchange groups (an OpenSSL group list), falling
-    back to the classical ones where OpenSSL lacks a named group, and to
-    OpenSSL's defaults where it cannot set them at all. Returns the list in
-    force, or C{None} for OpenSSL's defaults.
-    """
-    setter = getattr(_ssl_lib, "SSL_CTX_set1_curves_list", None)
-    if setter is None:
-        return None
-    for candidate in (groups, _CLASSICAL_GROUPS):
-        if setter(context._context, candidate.encode("ascii")) == 1:
-            return candidate
-    return None
 
 
 class TLSConfigError(Exception):
@@ -320,27 +294,15 @@ class TLSFiles:
         C{groups}: the key-exchange groups (L{set_groups}), or OpenSSL's
         defaults.
         """
-        # Handed to OpenSSL as they are, not through PEM: a node that joins
-        # builds this context in the middle of the join.
-        opts = ssl.CertificateOptions(
-            privateKey=crypto.PKey.from_cryptography_key(self.key),
-            certificate=crypto.X509.from_cryptography(self.cert),
-            trustRoot=ssl.trustRootFromCertificates(
-                [ssl.Certificate(crypto.X509.from_cryptography(r)) for r in (self.roots or (self.ca,))]),
-            raiseMinimumTo=ssl.TLSVersion.TLSv1_2,
-        )
-        ctx = opts.getContext()
-        crls = self.crls or ((self.crl,) if self.crl is not None else ())
-        if crls:
-            store = ctx.get_cert_store()
-            assert store is not None
-            for crl in crls:
-                store.add_crl(crl)
-            # CRL_CHECK checks the leaf, which is all our one-level CA has.
-            store.set_flags(crypto.X509StoreFlags.CRL_CHECK)
-        if groups is not None:
-            set_groups(ctx, groups)
-        return ctx
+        return self.present(bare_context(groups))
+
+    def present(self, context: SSL.Context) -> SSL.Context:
+        """
+        Give C{context} (from L{bare_context}, no connection made with it
+        yet) what L{context} would: returns it, as L{context} returns a new one.
+        """
+        return present(context, self.cert, self.key, self.roots or (self.ca,),
+                       self.crls or ((self.crl,) if self.crl is not None else ()))
 
 
 def server_files(certs_dir: Path | str) -> TLSFiles:
@@ -542,18 +504,21 @@ class AgentClientTLS:
     certificate holds.
     """
 
-    def __init__(self, host: str, files: TLSFiles, groups: str = AGENT_GROUPS):
+    def __init__(self, host: str, files: TLSFiles, groups: str = AGENT_GROUPS,
+                 context: SSL.Context | None = None):
         self.host = host.strip("[]")
         self.files = files
         #: Key-exchange groups, the first one sent a key share for.
         self.groups = groups
-        self._context = self._make_context(files)
+        # A context made before the files were there (L{bare_context} with
+        # C{groups}, by a node that joins) is given them rather than made anew.
+        self._context = self._make_context(files, context)
         #: The last verification failure, for callers that want it without a
         #: connection.
         self.last_error: ServerIdentityError | None = None
 
-    def _make_context(self, files: TLSFiles) -> SSL.Context:
-        context = files.context(self.groups)
+    def _make_context(self, files: TLSFiles, bare: SSL.Context | None = None) -> SSL.Context:
+        context = files.context(self.groups) if bare is None else files.present(bare)
         context.set_info_callback(self._info)
         return context
 
@@ -671,6 +636,7 @@ def agent_files(
 
 __all__ = [
     "AGENT_GROUPS",
+    "bare_context",
     "AdminIdentity",
     "ClientTLSPolicy",
     "admin_files",

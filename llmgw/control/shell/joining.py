@@ -40,7 +40,7 @@ from llmgw.api.v1 import agent_pb2 as pb
 from llmgw.control.core.jointokens import TokenFile, TokenRefused
 from llmgw.control.shell.signqueue import SigningQueue
 from llmgw.control.shell.tokenwrites import InThread, TokenWrites
-from llmgw.tlsconf.ca import CertificateAuthority
+from llmgw.tlsconf.ca import CertificateAuthority, issued_line, signed_file
 from llmgw.tlsconf.csr import (
     DEFAULT_NODE_LIFETIME,
     RequestRefused,
@@ -108,7 +108,8 @@ class JoinAuthority:
     @param connected: whether a node id has a live stream.
     @param revoked: the serials the CRL in force lists.
     @param deliver: sends a renewal an operator approved to its node's stream.
-    @param in_thread: runs the token book's writes off the reactor (see
+    @param in_thread: runs the token book's writes and a join's
+        C{issued.jsonl} line off the reactor, in group commits (see
         L{TokenWrites}); without it they are done at once.
     """
 
@@ -127,7 +128,7 @@ class JoinAuthority:
         self.clock = clock
         self.tokens = tokens
         #: The book's writes: a join is answered once L{TokenWrites.written} fires.
-        self.writes = TokenWrites(tokens, in_thread)
+        self.writes = TokenWrites(tokens, in_thread, clock if in_thread is not None else None)
         #: Joins and renewals are decided in turn, a few milliseconds of the reactor at a time.
         self.queue = SigningQueue(clock)
         self.roots = roots
@@ -160,8 +161,12 @@ class JoinAuthority:
 
     # -- signing ------------------------------------------------------------
 
-    def _sign(self, csr: x509.CertificateSigningRequest, node_id: str, how: str) -> pb.CertificateIssued:
+    def _sign(self, csr: x509.CertificateSigningRequest, node_id: str, how: str,
+              with_writes: bool = False) -> pb.CertificateIssued:
         """
+        C{with_writes}: the certificate's record goes into L{writes}' next
+        commit (the caller waits for it) rather than being appended now.
+
         @raise CAError: the CA cannot be loaded.
         """
         ca = self._signer()
@@ -174,6 +179,9 @@ class JoinAuthority:
                 "--tls`) before nodes can join or renew")
         now = datetime.datetime.fromtimestamp(self.clock.seconds(), datetime.UTC)
         cert = sign_request(csr, node_id, ca.key, ca.certificate, self.lifetime, now)
+        if with_writes:
+            self.writes.record(ca.issued_path, issued_line(cert, signed_file(how), "agent"))
+            return self._certificate(cert, ca)
         try:
             ca.record_signed(cert, how)
         except OSError as e:
@@ -181,6 +189,9 @@ class JoinAuthority:
             self.log.error("cannot record the certificate issued to node {node} (serial {serial}) in "
                            "{dir}/issued.jsonl: {error}", node=node_id, serial=format(cert.serial_number, "x"),
                            dir=str(self.signer_dir), error=str(e))
+        return self._certificate(cert, ca)
+
+    def _certificate(self, cert: x509.Certificate, ca: CertificateAuthority) -> pb.CertificateIssued:
         return pb.CertificateIssued(
             certificate_pem=cert_pem(cert), ca_bundle_pem=b"".join(cert_pem(r) for r in ca.roots))
 
@@ -308,7 +319,9 @@ class JoinAuthority:
             book.use(req.token_id, node_id)
             self.writes.save()
             return pb.JoinResponse(status=Status.STATUS_PENDING, agent_port=self.agent_port)
-        issued = self._sign(csr, node_id, "joined")
+        # Its record is in the commit that writes the token's use, which
+        # the answer waits for.
+        issued = self._sign(csr, node_id, "joined", with_writes=True)
         book.use(req.token_id, node_id)
         self.writes.save()
         self.log.info("node {node} joined from {address} with token {token}",

@@ -167,7 +167,8 @@ def attach_joining(cp: Any, options: Any, reactor: Any) -> JoinAuthority | None:
         signer_dir=options.get("signer_dir"), lifetime=options.get("cert_lifetime", datetime.timedelta(days=30)),
         revoked=lambda: revoked_serials(tls.files), deliver=_deliver(cp.agents), agent_port=cp.agents_address[1],
         on_renewed=lambda node_id, cert: note_expiry(cp.inventory, node_id, cert),
-        # The token file's rewrite (two fsyncs) would hold the reactor at every join.
+        # The token file's rewrite (two fsyncs) and the issued log's fsync
+        # would hold the reactor at every join.
         in_thread=lambda f: deferToThreadPool(reactor, reactor.getThreadPool(), f),
     )
     cp.joining = authority
