@@ -278,7 +278,14 @@ class HTTPFront(Protocol):
                         return
                     head = bytes(buf[pos:end])
                     pos = end + 4
-                    self._head(head)
+                    request = self._head(head)
+                    if request is not None and size - pos >= self._remaining:
+                        # The whole body came with its head (the common case): no pieces to join.
+                        n = self._remaining
+                        request.body = bytes(buf[pos : pos + n])
+                        pos += n
+                        self._remaining = 0
+                        self._dispatch()
                 elif state == _BODY:
                     n = self._remaining
                     left = size - pos
@@ -362,43 +369,44 @@ class HTTPFront(Protocol):
         self._scan = max(0, size - pos - 3)
         return True
 
-    def _head(self, head: bytes) -> None:
+    def _head(self, head: bytes) -> FrontRequest | None:
+        # Returns the request when its body (by Content-Length) is to be read next.
         try:
             method, uri, http10, headers, length, chunked, keep_alive, expect = parse_head(head)
         except HeadRefused as e:
             self._refuse(e.status, e.message, e.code)
-            return
+            return None
         request = FrontRequest(self, method, uri, http10, headers, keep_alive)
         self._reading = request
-        self._parts = []
         self._received = 0
+        digits = length.lstrip(b"0") if length is not None else b""
         screen = self.factory.screen
         if screen is not None and not screen(request):
             # Refused on its head: answered now, before a byte of its body
             # is read (and none is: the connection closes after the answer).
-            if chunked or (length is not None and length.lstrip(b"0")):
+            if chunked or digits:
                 self._unread(request)
             else:
                 self._dispatch()
-            return
+            return None
         if chunked:
             self._decoder = ChunkedDecoder()
             self._state = _CHUNKED
-        elif length is not None and length.lstrip(b"0"):
-            digits = length.lstrip(b"0")
+        elif digits:
             n = int(digits) if len(digits) <= 18 else self.max_body + 1
             if n > self.max_body:
                 # Refused before a byte of the body is read (and never
                 # read: the connection closes after the answer).
                 self._too_large(request)
-                return
+                return None
             self._remaining = n
             self._state = _BODY
         else:
             self._dispatch()
-            return
+            return None
         if expect and not http10:
             self.send(b"HTTP/1.1 100 Continue\r\n\r\n")
+        return request if self._state == _BODY else None
 
     def _too_large(self, request: FrontRequest) -> None:
         """
@@ -470,10 +478,11 @@ class HTTPFront(Protocol):
         self._reading = None
         self._state = _HEAD
         parts = self._parts
-        if parts and not request.too_large:
-            body = parts[0] if len(parts) == 1 else b"".join(parts)
-            request.body = body if type(body) is bytes else bytes(body)
-        self._parts = []
+        if parts:
+            if not request.too_large:
+                body = parts[0] if len(parts) == 1 else b"".join(parts)
+                request.body = body if type(body) is bytes else bytes(body)
+            self._parts = []
         self._busy = True
         self._watching = _W_NONE
         self._request = request

@@ -18,6 +18,10 @@ _TCHAR: Final = b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijk
 #: The bytes a head may hold: visible ASCII, obs-text, space and HTAB in
 #: values, and CRLF between lines; anything else is a control character.
 _HEAD_BYTES: Final = bytes(range(0x20, 0x7F)) + bytes(range(0x80, 0x100)) + b"\t\r\n"
+#: The header names L{parse_head} reads (all others are only passed on).
+_SPECIAL: Final = frozenset(
+    {b"host", b"content-length", b"transfer-encoding", b"authorization", b"connection", b"expect"}
+)
 #: How much of a client's string a refusal quotes.
 _QUOTE: Final = 80
 
@@ -104,7 +108,13 @@ def parse_head(head: bytes) -> Head:
             raise HeadRefused(400, f"Malformed header line {_quote(line)}: the name must be a token", "bad_request")
         name = name.lower()
         value = value.strip(b" \t")
-        if name == b"content-length":
+        headers.append((name, value))
+        if name not in _SPECIAL:
+            # Most headers: one set lookup, not six comparisons.
+            continue
+        if name == b"host":
+            hosts += 1
+        elif name == b"content-length":
             if not value.isdigit() or (length is not None and value != length):
                 raise HeadRefused(400, f"Bad Content-Length {_quote(value)}", "bad_request")
             length = value
@@ -114,15 +124,12 @@ def parse_head(head: bytes) -> Head:
                     501, f"Transfer-Encoding {_quote(value)} is not supported (only chunked)", "bad_request"
                 )
             chunked = True
-        elif name == b"host":
-            hosts += 1
         elif name == b"authorization":
             authorizations += 1
         elif name == b"connection":
             connection = value.lower()
-        elif name == b"expect":
+        else:
             expect = value.lower() == b"100-continue"
-        headers.append((name, value))
     if chunked and length is not None:
         raise HeadRefused(400, "A request cannot have both Content-Length and Transfer-Encoding", "bad_request")
     if hosts > 1 or (hosts == 0 and not http10):
