@@ -340,7 +340,8 @@ class ProxyCall:
             # and before the first-byte time, it waits out the rest.
             config, reactor = gw.config, gw.reactor
             self.sent_at = reactor.seconds()
-            conn.arm(reactor, min(config.first_byte_timeout, config.idle_timeout), self._timed_out)
+            idle = config.idle_timeout
+            conn.arm(reactor, min(config.first_byte_timeout, idle), self._timed_out, idle)
             self.armed = conn
 
     # ResponseHandler
@@ -426,10 +427,7 @@ class ProxyCall:
     def response_data(self, data: bytes) -> None:
         if self.done:
             return
-        armed = self.armed
-        if armed is not None:
-            # Later than it is due (see _send): cheap.
-            armed.later(self.gw.config.idle_timeout)
+        # The connection puts the idle timer later as bytes arrive (see _send).
         if self.resume is not None:
             data = self.resume.feed(data)
         meter = self.meter
@@ -573,7 +571,7 @@ class ProxyCall:
         if not self.sent_headers and self.conn is not None:
             left = self.sent_at + self.gw.config.first_byte_timeout - self.gw.reactor.seconds()
             if left > 0.001:  # not clock rounding
-                self.conn.arm(self.gw.reactor, left, self._timed_out)
+                self.conn.arm(self.gw.reactor, left, self._timed_out, self.gw.config.idle_timeout)
                 self.armed = self.conn
                 return
         route = self.route
