@@ -410,7 +410,8 @@ class ProxyCall:
             unstarted.on_answer(replica_id, self)
         framed: int | None = length
         meter = self.meter
-        if meter is not None and 200 <= status < 300 and _EVENT_STREAM in block:
+        # find, not in: bytes' in tries its operand as a number first (a TypeError made and dropped).
+        if meter is not None and 200 <= status < 300 and block.find(_EVENT_STREAM) >= 0:
             meter.stream = True
             if meter.asked:
                 # A chunk may be taken out: the length no longer holds.
@@ -419,8 +420,8 @@ class ProxyCall:
         self.status = status
         self.sent_headers = True
         request = self.request
-        request.start_response(status, (), framed, reason or None, hold=True,
-                               block=block + forwarding.replica_line(replica_id))
+        # By position (hold, block): keywords cost the call more.
+        request.start_response(status, (), framed, reason or None, True, block + forwarding.replica_line(replica_id))
         request.set_producer(self)
         gw.metrics.first_byte(self.model, time.monotonic() - self.started)
 

@@ -249,8 +249,10 @@ def ask_for_usage(body: bytes) -> bytes | None:
     refuses C{stream_options} on a request that does not stream.
     """
     # Literal searches first: regular expressions that start with a class
-    # try every position, ten times slower over a large body.
-    if _OPTIONS_KEY in body:
+    # try every position, ten times slower over a large body. (find, not
+    # in: bytes' in tries its operand as a number first, a TypeError made
+    # and dropped.)
+    if body.find(_OPTIONS_KEY) >= 0:
         return None
     opened = _OPEN.match(body)
     if opened is None:
