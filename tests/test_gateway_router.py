@@ -67,6 +67,25 @@ class PickTests(SynchronousTestCase):
         self.assertIsNone(r.pick(rs, exclude={"a", "c"}))
         self.assertIsNone(r.pick([]))
 
+    def test_same_tuple_again(self) -> None:
+        """
+        The routing table's own immutable routes, handed out again, are
+        picked from as the first time: excluded and cooling replicas are
+        still skipped, and a new tuple with a draining replica is looked at
+        anew.
+        """
+        clock = Clock()
+        r = Router(clock, failure_threshold=1)
+        rs = tuple(routes("a", "b"))
+        self.assertEqual({r.pick(rs).replica_id for _ in range(4)}, {"a", "b"})  # type: ignore[union-attr]
+        self.assertEqual(r.pick(rs, exclude={"a"}).replica_id, "b")  # type: ignore[union-attr]
+        r.failed("b")
+        self.assertEqual({r.pick(rs).replica_id for _ in range(4)}, {"a"})  # type: ignore[union-attr]
+        clock.advance(r.cooldown)
+        drained = tuple(routes("a", "b", draining=("a",)))
+        self.assertEqual({r.pick(drained).replica_id for _ in range(4)}, {"b"})  # type: ignore[union-attr]
+        self.assertEqual({r.pick(rs).replica_id for _ in range(4)}, {"a", "b"})  # type: ignore[union-attr]
+
     def test_load_spread_under_concurrency(self) -> None:
         """
         Requests that stay in flight spread evenly over the replicas.
