@@ -51,7 +51,7 @@ head is L{llmgw.gateway.httphead}.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, ClassVar, Final
+from typing import Any, ClassVar
 
 from mypy_extensions import mypyc_attr
 from twisted.internet.interfaces import IPushProducer
@@ -77,11 +77,9 @@ from llmgw.gateway.frontflow import (
     Outflow,
 )
 from llmgw.gateway.frontrequest import REASONS, FrontRequest
-from llmgw.gateway.httphead import HeadRefused, parse_head
+from llmgw.gateway.httphead import MAX_HEAD, HeadRefused, head_so_far, parse_head
 from llmgw.gateway.wire import after_sent, send_now
 
-#: The most a request line and its headers may take.
-MAX_HEAD: Final = 64 * 1024
 _HEAD, _BODY, _CHUNKED = range(3)
 # What the connection's timer watches: nothing (a request is with its
 # handler), the wait for a request, a head arriving, a body arriving, the
@@ -344,27 +342,14 @@ class HTTPFront(Protocol):
 
     def _head_so_far(self, buf: bytes | bytearray, pos: int, size: int) -> bool:
         """
-        An incomplete head from C{pos}: check only the bytes not seen
-        before (a bare CR or LF cannot be part of a valid head, so it is
-        refused now rather than at the head timeout), and remember where
-        the next search starts. Returns C{False} when it refused.
+        An incomplete head from C{pos}: refused now if it must be
+        (L{httphead.head_so_far}), else the next search starts where this
+        one ended. Returns C{False} when it refused.
         """
-        seen = pos + self._scan
-        if size - pos > MAX_HEAD:
-            self._refuse(431, f"The request head is over {MAX_HEAD} bytes", "head_too_large")
+        refusal = head_so_far(buf, pos, size, pos + self._scan)
+        if refusal is not None:
+            self._refuse(*refusal)
             return False
-        i = buf.find(b"\n", seen)
-        while i >= 0:
-            if i == pos or buf[i - 1] != 13:
-                self._refuse(400, "The request head has a bare LF (lines must end in CRLF)", "bad_request")
-                return False
-            i = buf.find(b"\n", i + 1)
-        i = buf.find(b"\r", seen)
-        while 0 <= i < size - 1:
-            if buf[i + 1] != 10:
-                self._refuse(400, "The request head has a bare CR (lines must end in CRLF)", "bad_request")
-                return False
-            i = buf.find(b"\r", i + 1)
         # The terminator may straddle this read and the next.
         self._scan = max(0, size - pos - 3)
         return True

@@ -12,6 +12,8 @@ from __future__ import annotations
 import re
 from typing import Final, TypeAlias
 
+#: The most a request line and its headers may take.
+MAX_HEAD: Final = 64 * 1024
 #: The most header lines a request may have.
 MAX_HEADERS: Final = 100
 #: tchar (RFC 9110 §5.6.2): what header names and methods are made of.
@@ -218,3 +220,26 @@ def _absolute_form(uri: bytes) -> tuple[bytes, bytes]:
     if path[:1] != b"/":
         path = b"/" + path
     return path, authority
+
+
+def head_so_far(buf: bytes | bytearray, pos: int, size: int, seen: int) -> tuple[int, str, str] | None:
+    """
+    The refusal (status, message, code) that the incomplete head in
+    C{buf[pos:size]} earns now, C{None} when there is none yet: over
+    L{MAX_HEAD} bytes, or a bare CR or LF, which cannot be part of a valid
+    head, so that it is refused at once rather than at the head timeout.
+    Only the bytes from C{seen} on are looked at (those before it were).
+    """
+    if size - pos > MAX_HEAD:
+        return 431, f"The request head is over {MAX_HEAD} bytes", "head_too_large"
+    i = buf.find(b"\n", seen)
+    while i >= 0:
+        if i == pos or buf[i - 1] != 13:
+            return 400, "The request head has a bare LF (lines must end in CRLF)", "bad_request"
+        i = buf.find(b"\n", i + 1)
+    i = buf.find(b"\r", seen)
+    while 0 <= i < size - 1:
+        if buf[i + 1] != 10:
+            return 400, "The request head has a bare CR (lines must end in CRLF)", "bad_request"
+        i = buf.find(b"\r", i + 1)
+    return None
