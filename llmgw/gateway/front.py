@@ -493,9 +493,11 @@ class HTTPFront(Protocol):
         if self._buf:
             self._consume(self._buf)
         else:
-            if self.flow.reading_paused or self.paused or self.flow.stalled:
+            flow = self.flow
+            if flow.reading_paused or self.paused or flow.stalled:
                 self._update_reading()
-            self._watch(self.factory.keep_alive_timeout, _W_IDLE)
+            self._watching = _W_IDLE  # _watch, inline: once a request
+            self._deadline.set(self.factory.keep_alive_timeout)
 
     # holding back while the answers wait (see llmgw.gateway.frontflow)
 

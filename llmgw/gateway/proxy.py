@@ -448,11 +448,12 @@ class ProxyCall:
         self._end_attempt()
         meter = self.meter
         rest = self.resume.flush() if self.resume is not None else b""
-        if meter is not None:
+        if meter is not None and (rest or meter.held):  # else the meter's flush has nothing
             rest = (meter.feed(rest) if rest else rest) + meter.flush()
+        request = self.request
         if rest:
-            self.request.write(rest)
-        self.request.finish()
+            request.write(rest)
+        request.finish()
         if meter is not None:
             meter.finish(self.status)
         self._record(self.status)
@@ -687,11 +688,10 @@ class ProxyCall:
             conn.disarm(self._timed_out)
 
     def _record(self, status: int) -> None:
-        m = self.gw.metrics
-        m.count(self.model, self.path_label, status)
-        m.observe(self.model, time.monotonic() - self.started)
+        gw = self.gw
+        gw.metrics.answered(self.model, self.path_label, status, time.monotonic() - self.started)
         # The call is over: its capacity may go to a waiting request.
-        self.gw.admission.ended(self.model)
+        gw.admission.ended(self.model)
 
 
 # Not @implementer (setup.py's rules for compiled classes).
