@@ -290,7 +290,7 @@ class ProxyCall:
         self.gw.router.begin(route.replica_id)
         self.counted = True
         if conn is not None:
-            self._send(conn, reused=True)
+            self._send(conn, True)
             return
         try:
             d = self.gw.pool.connect(route.address)
@@ -305,7 +305,7 @@ class ProxyCall:
         if self.done:
             conn.abort()
             return
-        self._send(conn, reused=False)
+        self._send(conn, False)
 
     def _connect_failed(self, reason: Failure) -> None:
         self.connecting = None
@@ -347,7 +347,7 @@ class ProxyCall:
     # ResponseHandler
 
     def response_started(self, status: int, reason: bytes, headers: list[tuple[bytes, bytes]]) -> None:
-        if self.done or self.sent_headers and self._continued(status):
+        if self.done or self.sent_headers and continued(self, status):
             return
         assert self.route is not None
         self.gw.router.succeeded(self.route.replica_id)
@@ -400,7 +400,7 @@ class ProxyCall:
         # response_started for a head in the common shape (see
         # llmgw.gateway.upstream.ResponseHandler): its header lines go on
         # to the client as they came, without the hop's own.
-        if self.done or self.sent_headers and self._continued(status):
+        if self.done or self.sent_headers and continued(self, status):
             return
         gw, replica_id = self.gw, self.route.replica_id  # type: ignore[union-attr]
         gw.router.succeeded(replica_id)
@@ -420,9 +420,11 @@ class ProxyCall:
         self.status = status
         self.sent_headers = True
         request = self.request
-        # By position (hold, block): keywords cost the call more.
-        request.start_response(status, (), framed, reason or None, True, block + forwarding.replica_line(replica_id))
-        request.set_producer(self)
+        request.start_response(  # hold, block by position: keywords cost the call more
+            status, (), framed, reason or None, True, block + forwarding.replica_line(replica_id))
+        request.producer = self  # request.set_producer(self), inline
+        if request.channel.paused:
+            self.pauseProducing()
         gw.metrics.first_byte(self.model, time.monotonic() - self.started)
 
     def response_data(self, data: bytes) -> None:
@@ -474,7 +476,7 @@ class ProxyCall:
                 reason=reason.getErrorMessage(),
             )
             self.gw.router.failed(route.replica_id)
-            self._break(502)
+            break_off(self, 502)  # or a continuation elsewhere (llmgw.gateway.resume)
             return
         if reason.check(UpstreamProtocolError):
             # The replica answered, but not in HTTP that can be passed on:
@@ -590,7 +592,7 @@ class ProxyCall:
                 model=self.model,
                 idle=self.gw.config.idle_timeout,
             )
-            self._break(504)
+            break_off(self, 504)
             return
         self.gw.router.failed(route.replica_id)
         self._end_attempt()
@@ -613,14 +615,6 @@ class ProxyCall:
         request.on_lost = None
         send_error(request, err)
         self._record(err.status)
-
-    # streams continued elsewhere (llmgw.gateway.resume)
-
-    def _continued(self, status: int) -> bool:
-        return continued(self, status)
-
-    def _break(self, status: int) -> None:
-        break_off(self, status)
 
     def _abort_client(self, status: int) -> None:
         self.done = True

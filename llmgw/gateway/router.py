@@ -169,6 +169,16 @@ class Router:
 
     # the decision
 
+    def all_free(self, routes: Sequence[Route]) -> bool:
+        """
+        Whether every one of C{routes} may take a request now as far as the
+        router can tell at a glance: they are the routes it last picked
+        among, none draining and none with engine signals (so none asleep
+        or saturated), and no replica is cooling down. C{False} when it
+        cannot tell (then ask L{llmgw.gateway.admission.capacity}).
+        """
+        return routes is self._seen_routes and self._plain and not self._cool_until
+
     def ring(self, routes: Sequence[Route]) -> Ring:
         """
         The consistent-hash ring of C{routes}' replica ids (all of them,
@@ -279,7 +289,8 @@ class Router:
             recent = None
             ring: Ring | None
             if window > 0:
-                ring = self.ring(routes)
+                # self.ring(routes), its common case inline
+                ring = self._ring_last if routes is self._ring_routes else self.ring(routes)
                 recent = {}
                 since = now - window
                 for r in candidates:
