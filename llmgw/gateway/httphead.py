@@ -22,11 +22,13 @@ _TCHAR: Final = b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijk
 #: values, and CRLF between lines; anything else is a control character.
 _HEAD_BYTES: Final = bytes(range(0x20, 0x7F)) + bytes(range(0x80, 0x100)) + b"\t\r\n"
 #: A head whose lines all end in CRLF, with no control byte (but HTAB),
-#: and whose header lines are a token, a colon and a value: the lines the
-#: per-line checks of L{parse_head} would accept (possessive: nothing to
-#: backtrack into).
+#: whose request line is a token (the method), a target and a version
+#: separated by single spaces (its three parts are the groups), and whose
+#: header lines are a token, a colon and a value: what the per-line checks
+#: of L{parse_head} would accept (possessive: nothing to backtrack into).
 _WELL_FORMED: Final = re.compile(
-    rb"[\t\x20-\x7e\x80-\xff]*+(?:\r\n[!#$%&'*+\-.^_`|~0-9A-Za-z]++:[\t\x20-\x7e\x80-\xff]*+)*+"
+    rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]++) ([\x21-\x7e\x80-\xff]++) ([\x21-\x7e\x80-\xff]*+)"
+    rb"(?:\r\n[!#$%&'*+\-.^_`|~0-9A-Za-z]++:[\t\x20-\x7e\x80-\xff]*+)*+"
 )
 #: In a well-formed head, each header's name and its value less the
 #: blanks around it.
@@ -35,6 +37,7 @@ _FIELD: Final = re.compile(rb"\r\n([^:]++):[ \t]*+((?:[^\r]*[^\r \t])?)")
 _SPECIAL: Final = frozenset(
     {b"host", b"content-length", b"transfer-encoding", b"authorization", b"connection", b"expect"}
 )
+_CRLF: Final = b"\r\n"
 #: How much of a client's string a refusal quotes.
 _QUOTE: Final = 80
 
@@ -88,11 +91,14 @@ def parse_head(head: bytes) -> Head:
         to answer with.
     """
     fields: list[tuple[bytes, bytes]] | None = None
-    if _WELL_FORMED.fullmatch(head) is not None:
-        # The common case: its lines checked in one C scan, its fields read
-        # in another (names still to lower, values without their blanks).
-        fields = _FIELD.findall(head)
-        lines = [head[: head.find(b"\r\n")] if fields else head]
+    well_formed = _WELL_FORMED.fullmatch(head)
+    if well_formed is not None:
+        # The common case: its lines checked, and its request line split, in
+        # one C scan, its fields read in another (names still to lower,
+        # values without their blanks).
+        method, uri, version = well_formed.group(1, 2, 3)
+        fields = _FIELD.findall(head, well_formed.end(3))
+        lines: list[bytes] = []
         count = len(fields)
     else:
         lines = head.split(b"\r\n")
@@ -101,11 +107,12 @@ def parse_head(head: bytes) -> Head:
             raise HeadRefused(400, "The request head has a bare CR or LF", "bad_request")
         if head.translate(None, _HEAD_BYTES):
             raise HeadRefused(400, "The request head has a control character", "bad_request")
-    first = lines[0]
-    parts = first.split(b" ")
-    if len(parts) != 3 or not parts[0] or parts[0].translate(None, _TCHAR) or not parts[1] or first.find(b"\t") >= 0:
-        raise HeadRefused(400, f"Malformed request line {_quote(first)}", "bad_request")
-    method, uri, version = parts
+        first = lines[0]
+        parts = first.split(b" ")
+        if (len(parts) != 3 or not parts[0] or parts[0].translate(None, _TCHAR) or not parts[1]
+                or first.find(b"\t") >= 0):
+            raise HeadRefused(400, f"Malformed request line {_quote(first)}", "bad_request")
+        method, uri, version = parts
     if version == b"HTTP/1.1":
         http10 = False
     elif version == b"HTTP/1.0":
@@ -113,7 +120,7 @@ def parse_head(head: bytes) -> Head:
     elif version.startswith(b"HTTP/"):
         raise HeadRefused(505, f"HTTP version {version[:20]!r} is not supported", "bad_request")
     else:
-        raise HeadRefused(400, f"Malformed request line {_quote(first)}", "bad_request")
+        raise HeadRefused(400, f"Malformed request line {_quote(head.partition(_CRLF)[0])}", "bad_request")
     if count > MAX_HEADERS:
         raise HeadRefused(431, f"The request has over {MAX_HEADERS} header lines", "too_many_headers")
     headers: list[tuple[bytes, bytes]]
