@@ -446,7 +446,10 @@ class ProxyCall:
             return
         self.done = True
         self.conn = None
-        self._cancel_timer()
+        armed = self.armed
+        if armed is not None:  # self._cancel_timer(), inline
+            self.armed = None
+            armed.disarm(self._timed_out)
         self._end_attempt()
         meter = self.meter
         rest = self.resume.flush() if self.resume is not None else b""
