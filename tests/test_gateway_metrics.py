@@ -36,6 +36,27 @@ class RequestCountTests(SynchronousTestCase):
             value("llmgw_gateway_requests_total", {"model": "other", "path": "/v1/embeddings", "status": "200"}), 1
         )
 
+    def test_answered_counts_and_observes(self) -> None:
+        """
+        L{GatewayMetrics.answered} is L{GatewayMetrics.count} and
+        L{GatewayMetrics.observe} together: the same series, the same
+        values, the model cap alike.
+        """
+        registry, m = make()
+        other_registry, other = make()
+        m.max_models = other.max_models = 2
+        for model, seconds in (("demo", 0.2), ("demo", 3.0), ("b", 0.01), ("c", 1.0), ("d", 0.5)):
+            m.answered(model, "/v1/completions", 200, seconds)
+            other.count(model, "/v1/completions", 200)
+            other.observe(model, seconds)
+        self.assertEqual(generate_latest(registry), generate_latest(other_registry))
+        value = registry.get_sample_value
+        self.assertEqual(value("llmgw_gateway_request_duration_seconds_count", {"model": "demo"}), 2)
+        self.assertEqual(
+            value("llmgw_gateway_requests_total", {"model": UNKNOWN_MODEL, "path": "/v1/completions", "status": "200"}),
+            2,
+        )
+
     def test_model_cap(self) -> None:
         """
         Past C{max_models} labels, requests of further models count under

@@ -67,6 +67,49 @@ class PickTests(SynchronousTestCase):
         self.assertIsNone(r.pick(rs, exclude={"a", "c"}))
         self.assertIsNone(r.pick([]))
 
+    def test_same_tuple_again(self) -> None:
+        """
+        The routing table's own immutable routes, handed out again, are
+        picked from as the first time: excluded and cooling replicas are
+        still skipped, and a new tuple with a draining replica is looked at
+        anew.
+        """
+        clock = Clock()
+        r = Router(clock, failure_threshold=1)
+        rs = tuple(routes("a", "b"))
+        self.assertEqual({r.pick(rs).replica_id for _ in range(4)}, {"a", "b"})  # type: ignore[union-attr]
+        self.assertEqual(r.pick(rs, exclude={"a"}).replica_id, "b")  # type: ignore[union-attr]
+        r.failed("b")
+        self.assertEqual({r.pick(rs).replica_id for _ in range(4)}, {"a"})  # type: ignore[union-attr]
+        clock.advance(r.cooldown)
+        drained = tuple(routes("a", "b", draining=("a",)))
+        self.assertEqual({r.pick(drained).replica_id for _ in range(4)}, {"b"})  # type: ignore[union-attr]
+        self.assertEqual({r.pick(rs).replica_id for _ in range(4)}, {"a", "b"})  # type: ignore[union-attr]
+
+    def test_all_free_at_a_glance(self) -> None:
+        """
+        L{Router.all_free} is C{True} only for the immutable routes last
+        picked among, none draining, none with signals, none cooling down.
+        """
+        clock = Clock()
+        r = Router(clock, failure_threshold=1)
+        rs = tuple(routes("a", "b"))
+        self.assertFalse(r.all_free(rs))  # not seen yet
+        r.pick(rs)
+        self.assertTrue(r.all_free(rs))
+        self.assertFalse(r.all_free(tuple(routes("a", "b"))))  # not the same routes
+        r.failed("a")
+        self.assertFalse(r.all_free(rs))
+        clock.advance(r.cooldown)
+        r.cooling("a")  # its cool-down over
+        self.assertTrue(r.all_free(rs))
+        drained = tuple(routes("a", "b", draining=("a",)))
+        r.pick(drained)
+        self.assertFalse(r.all_free(drained))
+        listed = routes("a", "b")
+        r.pick(listed)
+        self.assertFalse(r.all_free(listed))
+
     def test_load_spread_under_concurrency(self) -> None:
         """
         Requests that stay in flight spread evenly over the replicas.

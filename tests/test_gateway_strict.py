@@ -73,6 +73,34 @@ class AbsoluteFormTests(SynchronousTestCase):
         self.assertEqual(status, 200)
 
 
+class HeadFieldTests(SynchronousTestCase):
+    def test_fields_as_read(self) -> None:
+        """
+        Header names come in lower case and values without the blanks
+        around them (those inside kept, an empty value empty), in arrival
+        order.
+        """
+        head = b"POST /v1/x HTTP/1.1\r\nHost:  gw \t\r\nX-A: \t a \t b \t\r\nX-Empty: \t \r\nCONTENT-length:2"
+        method, uri, http10, headers, length, chunked, keep_alive, expect = parse_head(head)
+        self.assertEqual(
+            headers, [(b"host", b"gw"), (b"x-a", b"a \t b"), (b"x-empty", b""), (b"content-length", b"2")]
+        )
+        self.assertEqual((method, uri, http10, length, chunked, keep_alive, expect),
+                         (b"POST", b"/v1/x", False, b"2", False, True, False))
+
+    def test_first_fault_is_told(self) -> None:
+        """
+        A head with a bad Content-Length before a malformed header line is
+        refused for the Content-Length; the other way round, for the line.
+        """
+        bad_length = b"Content-Length: 1x"
+        bad_line = b"Bad Name: x"
+        e = self.assertRaises(HeadRefused, parse_head, b"GET / HTTP/1.1\r\nHost: a\r\n%s\r\n%s" % (bad_length, bad_line))
+        self.assertIn("Content-Length", e.message)
+        e = self.assertRaises(HeadRefused, parse_head, b"GET / HTTP/1.1\r\nHost: a\r\n%s\r\n%s" % (bad_line, bad_length))
+        self.assertIn("Malformed header line", e.message)
+
+
 class AuthorizationTests(SynchronousTestCase):
     def test_twice_is_400(self) -> None:
         """

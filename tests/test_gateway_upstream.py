@@ -545,6 +545,48 @@ class TimerTests(SynchronousTestCase):
         clock.advance(20)
         self.assertEqual(fired, ["x", "x"])
 
+    def test_idle_wait_between_reads(self) -> None:
+        """
+        Armed with C{idle}, the connection puts the callback C{idle}
+        seconds after each read that comes after the response's head and
+        leaves the response unfinished; a read of part of the head moves
+        nothing, nor does the read that finishes the response.
+        """
+        clock = Clock()
+        conn, t = connection()
+        fired: list[str] = []
+        conn.send(b"GET / HTTP/1.1\r\n\r\n", Recorder())
+        conn.arm(clock, 5, lambda: fired.append("due"), 3)
+        clock.advance(4)
+        conn.dataReceived(b"HTTP/1.1 200 OK\r\n")  # part of the head: the first wait goes on
+        clock.advance(1)
+        self.assertEqual(fired, ["due"])
+        conn, t = connection()
+        conn.send(b"GET / HTTP/1.1\r\n\r\n", Recorder())
+        conn.arm(clock, 5, lambda: fired.append("idle"), 3)
+        clock.advance(4)
+        conn.dataReceived(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nab")
+        clock.advance(2.5)
+        conn.dataReceived(b"c")
+        clock.advance(2.5)
+        self.assertEqual(fired, ["due"])
+        clock.advance(0.5)
+        self.assertEqual(fired, ["due", "idle"])
+
+    def test_finishing_read_moves_no_timer(self) -> None:
+        """
+        The read that finishes the response leaves the armed time as it was
+        (the handler disarms it as it ends).
+        """
+        clock = Clock()
+        conn, t = connection()
+        fired: list[str] = []
+        conn.send(b"GET / HTTP/1.1\r\n\r\n", Recorder())
+        conn.arm(clock, 5, lambda: fired.append("due"), 30)
+        conn.dataReceived(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        clock.advance(5)
+        self.assertEqual(fired, ["due"])
+
     def test_sooner_is_a_new_timer(self) -> None:
         """
         Armed for sooner than its timer is due, the connection calls at the

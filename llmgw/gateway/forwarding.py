@@ -87,7 +87,7 @@ def forwarded_head(request: FrontRequest, body_length: int, forwarded: str = "x-
             for name, value in headers:
                 if name not in _DROP_FORWARDED and name not in options:
                     parts += (name, b": ", value, b"\r\n")
-    key = (request.client_host, host, forwarded)
+    key = (request.channel.peer_host, host, forwarded)  # request.client_host, without the property's call
     block = _FORWARDING_BLOCKS.get(key)
     if block is None:
         block = _forwarding_block(*key)

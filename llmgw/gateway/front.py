@@ -51,7 +51,7 @@ head is L{llmgw.gateway.httphead}.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, ClassVar, Final
+from typing import Any, ClassVar
 
 from mypy_extensions import mypyc_attr
 from twisted.internet.interfaces import IPushProducer
@@ -77,11 +77,9 @@ from llmgw.gateway.frontflow import (
     Outflow,
 )
 from llmgw.gateway.frontrequest import REASONS, FrontRequest
-from llmgw.gateway.httphead import HeadRefused, parse_head
+from llmgw.gateway.httphead import MAX_HEAD, HeadRefused, head_so_far, parse_head
 from llmgw.gateway.wire import after_sent, send_now
 
-#: The most a request line and its headers may take.
-MAX_HEAD: Final = 64 * 1024
 _HEAD, _BODY, _CHUNKED = range(3)
 # What the connection's timer watches: nothing (a request is with its
 # handler), the wait for a request, a head arriving, a body arriving, the
@@ -278,7 +276,14 @@ class HTTPFront(Protocol):
                         return
                     head = bytes(buf[pos:end])
                     pos = end + 4
-                    self._head(head)
+                    request = self._head(head)
+                    if request is not None and size - pos >= self._remaining:
+                        # The whole body came with its head (the common case): no pieces to join.
+                        n = self._remaining
+                        request.body = bytes(buf[pos : pos + n])
+                        pos += n
+                        self._remaining = 0
+                        self._dispatch()
                 elif state == _BODY:
                     n = self._remaining
                     left = size - pos
@@ -337,68 +342,56 @@ class HTTPFront(Protocol):
 
     def _head_so_far(self, buf: bytes | bytearray, pos: int, size: int) -> bool:
         """
-        An incomplete head from C{pos}: check only the bytes not seen
-        before (a bare CR or LF cannot be part of a valid head, so it is
-        refused now rather than at the head timeout), and remember where
-        the next search starts. Returns C{False} when it refused.
+        An incomplete head from C{pos}: refused now if it must be
+        (L{httphead.head_so_far}), else the next search starts where this
+        one ended. Returns C{False} when it refused.
         """
-        seen = pos + self._scan
-        if size - pos > MAX_HEAD:
-            self._refuse(431, f"The request head is over {MAX_HEAD} bytes", "head_too_large")
+        refusal = head_so_far(buf, pos, size, pos + self._scan)
+        if refusal is not None:
+            self._refuse(*refusal)
             return False
-        i = buf.find(b"\n", seen)
-        while i >= 0:
-            if i == pos or buf[i - 1] != 13:
-                self._refuse(400, "The request head has a bare LF (lines must end in CRLF)", "bad_request")
-                return False
-            i = buf.find(b"\n", i + 1)
-        i = buf.find(b"\r", seen)
-        while 0 <= i < size - 1:
-            if buf[i + 1] != 10:
-                self._refuse(400, "The request head has a bare CR (lines must end in CRLF)", "bad_request")
-                return False
-            i = buf.find(b"\r", i + 1)
         # The terminator may straddle this read and the next.
         self._scan = max(0, size - pos - 3)
         return True
 
-    def _head(self, head: bytes) -> None:
+    def _head(self, head: bytes) -> FrontRequest | None:
+        # Returns the request when its body (by Content-Length) is to be read next.
         try:
             method, uri, http10, headers, length, chunked, keep_alive, expect = parse_head(head)
         except HeadRefused as e:
             self._refuse(e.status, e.message, e.code)
-            return
+            return None
         request = FrontRequest(self, method, uri, http10, headers, keep_alive)
         self._reading = request
-        self._parts = []
         self._received = 0
+        digits = length.lstrip(b"0") if length is not None else b""
         screen = self.factory.screen
         if screen is not None and not screen(request):
             # Refused on its head: answered now, before a byte of its body
             # is read (and none is: the connection closes after the answer).
-            if chunked or (length is not None and length.lstrip(b"0")):
+            if chunked or digits:
                 self._unread(request)
             else:
                 self._dispatch()
-            return
+            return None
         if chunked:
             self._decoder = ChunkedDecoder()
             self._state = _CHUNKED
-        elif length is not None and length.lstrip(b"0"):
-            digits = length.lstrip(b"0")
+        elif digits:
             n = int(digits) if len(digits) <= 18 else self.max_body + 1
             if n > self.max_body:
                 # Refused before a byte of the body is read (and never
                 # read: the connection closes after the answer).
                 self._too_large(request)
-                return
+                return None
             self._remaining = n
             self._state = _BODY
         else:
             self._dispatch()
-            return
+            return None
         if expect and not http10:
             self.send(b"HTTP/1.1 100 Continue\r\n\r\n")
+        return request if self._state == _BODY else None
 
     def _too_large(self, request: FrontRequest) -> None:
         """
@@ -470,10 +463,11 @@ class HTTPFront(Protocol):
         self._reading = None
         self._state = _HEAD
         parts = self._parts
-        if parts and not request.too_large:
-            body = parts[0] if len(parts) == 1 else b"".join(parts)
-            request.body = body if type(body) is bytes else bytes(body)
-        self._parts = []
+        if parts:
+            if not request.too_large:
+                body = parts[0] if len(parts) == 1 else b"".join(parts)
+                request.body = body if type(body) is bytes else bytes(body)
+            self._parts = []
         self._busy = True
         self._watching = _W_NONE
         self._request = request
@@ -499,9 +493,11 @@ class HTTPFront(Protocol):
         if self._buf:
             self._consume(self._buf)
         else:
-            if self.flow.reading_paused or self.paused or self.flow.stalled:
+            flow = self.flow
+            if flow.reading_paused or self.paused or flow.stalled:
                 self._update_reading()
-            self._watch(self.factory.keep_alive_timeout, _W_IDLE)
+            self._watching = _W_IDLE  # _watch, inline: once a request
+            self._deadline.set(self.factory.keep_alive_timeout)
 
     # holding back while the answers wait (see llmgw.gateway.frontflow)
 

@@ -129,28 +129,31 @@ class FrontRequest:
         self.started = True
         channel = self.channel
         no_body = self.method == b"HEAD" or status in (204, 304) or status < 200
-        parts = [b"HTTP/1.1 %d %s%s\r\n" % (status, reason or REASONS.get(status, b"Unknown"), block)]
-        for name, value in headers:
-            parts += (name, b": ", value, b"\r\n")
-        if length is not None:
-            parts.append(b"Content-Length: %d\r\n" % length)
-        elif not no_body:
-            if self.http10:
-                self.keep_alive = False
-            else:
-                self._chunked = True
-                parts.append(b"Transfer-Encoding: chunked\r\n")
-        if not self.keep_alive:
-            parts.append(b"Connection: close\r\n")
-        elif self.http10:
-            parts.append(b"Connection: keep-alive\r\n")
-        parts.append(channel.factory.date_line())
-        parts.append(b"\r\n")
-        self._no_body = no_body
-        if hold:
-            self._held = b"".join(parts)
-        else:
+        head = b"HTTP/1.1 %d %s%s\r\n" % (status, reason or REASONS.get(status, b"Unknown"), block)
+        if headers:
+            parts = [head]
+            for name, value in headers:
+                parts += (name, b": ", value, b"\r\n")
             head = b"".join(parts)
+        if length is not None:
+            framing = b"Content-Length: %d\r\n" % length
+        elif no_body:
+            framing = b""
+        elif self.http10:
+            self.keep_alive = False
+            framing = b""
+        else:
+            self._chunked = True
+            framing = b"Transfer-Encoding: chunked\r\n"
+        if not self.keep_alive:
+            framing += b"Connection: close\r\n"
+        elif self.http10:
+            framing += b"Connection: keep-alive\r\n"
+        self._no_body = no_body
+        head = b"%s%s%s\r\n" % (head, framing, channel.factory.date_line())
+        if hold:
+            self._held = head
+        else:
             channel.flow.written += len(head)
             channel.send(head)
 

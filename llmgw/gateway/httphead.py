@@ -9,8 +9,11 @@ build the request, or raises L{HeadRefused} with the answer to give.
 
 from __future__ import annotations
 
+import re
 from typing import Final, TypeAlias
 
+#: The most a request line and its headers may take.
+MAX_HEAD: Final = 64 * 1024
 #: The most header lines a request may have.
 MAX_HEADERS: Final = 100
 #: tchar (RFC 9110 §5.6.2): what header names and methods are made of.
@@ -18,6 +21,23 @@ _TCHAR: Final = b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijk
 #: The bytes a head may hold: visible ASCII, obs-text, space and HTAB in
 #: values, and CRLF between lines; anything else is a control character.
 _HEAD_BYTES: Final = bytes(range(0x20, 0x7F)) + bytes(range(0x80, 0x100)) + b"\t\r\n"
+#: A head whose lines all end in CRLF, with no control byte (but HTAB),
+#: whose request line is a token (the method), a target and a version
+#: separated by single spaces (its three parts are the groups), and whose
+#: header lines are a token, a colon and a value: what the per-line checks
+#: of L{parse_head} would accept (possessive: nothing to backtrack into).
+_WELL_FORMED: Final = re.compile(
+    rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]++) ([\x21-\x7e\x80-\xff]++) ([\x21-\x7e\x80-\xff]*+)"
+    rb"(?:\r\n[!#$%&'*+\-.^_`|~0-9A-Za-z]++:[\t\x20-\x7e\x80-\xff]*+)*+"
+)
+#: In a well-formed head, each header's name and its value less the
+#: blanks around it.
+_FIELD: Final = re.compile(rb"\r\n([^:]++):[ \t]*+((?:[^\r]*[^\r \t])?)")
+#: The header names L{parse_head} reads (all others are only passed on).
+_SPECIAL: Final = frozenset(
+    {b"host", b"content-length", b"transfer-encoding", b"authorization", b"connection", b"expect"}
+)
+_CRLF: Final = b"\r\n"
 #: How much of a client's string a refusal quotes.
 _QUOTE: Final = 80
 
@@ -70,15 +90,29 @@ def parse_head(head: bytes) -> Head:
     @raise HeadRefused: with the status (400, 431, 501, 505) and message
         to answer with.
     """
-    lines = head.split(b"\r\n")
-    if head.count(b"\n") != len(lines) - 1 or head.count(b"\r") != len(lines) - 1:
-        raise HeadRefused(400, "The request head has a bare CR or LF", "bad_request")
-    if head.translate(None, _HEAD_BYTES):
-        raise HeadRefused(400, "The request head has a control character", "bad_request")
-    parts = lines[0].split(b" ")
-    if len(parts) != 3 or not parts[0] or parts[0].translate(None, _TCHAR) or not parts[1] or lines[0].find(b"\t") >= 0:
-        raise HeadRefused(400, f"Malformed request line {_quote(lines[0])}", "bad_request")
-    method, uri, version = parts
+    fields: list[tuple[bytes, bytes]] | None = None
+    well_formed = _WELL_FORMED.fullmatch(head)
+    if well_formed is not None:
+        # The common case: its lines checked, and its request line split, in
+        # one C scan, its fields read in another (names still to lower,
+        # values without their blanks).
+        method, uri, version = well_formed.group(1, 2, 3)
+        fields = _FIELD.findall(head, well_formed.end(3))
+        lines: list[bytes] = []
+        count = len(fields)
+    else:
+        lines = head.split(b"\r\n")
+        count = len(lines) - 1
+        if head.count(b"\n") != count or head.count(b"\r") != count:
+            raise HeadRefused(400, "The request head has a bare CR or LF", "bad_request")
+        if head.translate(None, _HEAD_BYTES):
+            raise HeadRefused(400, "The request head has a control character", "bad_request")
+        first = lines[0]
+        parts = first.split(b" ")
+        if (len(parts) != 3 or not parts[0] or parts[0].translate(None, _TCHAR) or not parts[1]
+                or first.find(b"\t") >= 0):
+            raise HeadRefused(400, f"Malformed request line {_quote(first)}", "bad_request")
+        method, uri, version = parts
     if version == b"HTTP/1.1":
         http10 = False
     elif version == b"HTTP/1.0":
@@ -86,25 +120,35 @@ def parse_head(head: bytes) -> Head:
     elif version.startswith(b"HTTP/"):
         raise HeadRefused(505, f"HTTP version {version[:20]!r} is not supported", "bad_request")
     else:
-        raise HeadRefused(400, f"Malformed request line {_quote(lines[0])}", "bad_request")
-    if len(lines) > MAX_HEADERS + 1:
+        raise HeadRefused(400, f"Malformed request line {_quote(head.partition(_CRLF)[0])}", "bad_request")
+    if count > MAX_HEADERS:
         raise HeadRefused(431, f"The request has over {MAX_HEADERS} header lines", "too_many_headers")
-    headers: list[tuple[bytes, bytes]] = []
+    headers: list[tuple[bytes, bytes]]
+    # The first malformed header line, refused after the lines before it.
+    bad: bytes | None = None
+    if fields is None:
+        headers = []
+        for line in lines[1:]:
+            name, sep, value = line.partition(b":")
+            if not sep or not name or name.translate(None, _TCHAR):
+                bad = line
+                break
+            headers.append((name.lower(), value.strip(b" \t")))
+    else:
+        headers = [(name.lower(), value) for name, value in fields]
     length: bytes | None = None
     chunked = False
     connection: bytes | None = None
     expect = False
     hosts = 0
     authorizations = 0
-    for line in lines[1:]:
-        name, sep, value = line.partition(b":")
-        if not sep or not name or name.translate(None, _TCHAR):
-            # Also an obs-fold line (it starts with a blank) and a
-            # blank before the colon, which smuggling relies on.
-            raise HeadRefused(400, f"Malformed header line {_quote(line)}: the name must be a token", "bad_request")
-        name = name.lower()
-        value = value.strip(b" \t")
-        if name == b"content-length":
+    for name, value in headers:
+        if name not in _SPECIAL:
+            # Most headers: one set lookup, not six comparisons.
+            continue
+        if name == b"host":
+            hosts += 1
+        elif name == b"content-length":
             if not value.isdigit() or (length is not None and value != length):
                 raise HeadRefused(400, f"Bad Content-Length {_quote(value)}", "bad_request")
             length = value
@@ -114,15 +158,16 @@ def parse_head(head: bytes) -> Head:
                     501, f"Transfer-Encoding {_quote(value)} is not supported (only chunked)", "bad_request"
                 )
             chunked = True
-        elif name == b"host":
-            hosts += 1
         elif name == b"authorization":
             authorizations += 1
         elif name == b"connection":
             connection = value.lower()
-        elif name == b"expect":
+        else:
             expect = value.lower() == b"100-continue"
-        headers.append((name, value))
+    if bad is not None:
+        # Also an obs-fold line (it starts with a blank) and a blank
+        # before the colon, which smuggling relies on.
+        raise HeadRefused(400, f"Malformed header line {_quote(bad)}: the name must be a token", "bad_request")
     if chunked and length is not None:
         raise HeadRefused(400, "A request cannot have both Content-Length and Transfer-Encoding", "bad_request")
     if hosts > 1 or (hosts == 0 and not http10):
@@ -182,3 +227,26 @@ def _absolute_form(uri: bytes) -> tuple[bytes, bytes]:
     if path[:1] != b"/":
         path = b"/" + path
     return path, authority
+
+
+def head_so_far(buf: bytes | bytearray, pos: int, size: int, seen: int) -> tuple[int, str, str] | None:
+    """
+    The refusal (status, message, code) that the incomplete head in
+    C{buf[pos:size]} earns now, C{None} when there is none yet: over
+    L{MAX_HEAD} bytes, or a bare CR or LF, which cannot be part of a valid
+    head, so that it is refused at once rather than at the head timeout.
+    Only the bytes from C{seen} on are looked at (those before it were).
+    """
+    if size - pos > MAX_HEAD:
+        return 431, f"The request head is over {MAX_HEAD} bytes", "head_too_large"
+    i = buf.find(b"\n", seen)
+    while i >= 0:
+        if i == pos or buf[i - 1] != 13:
+            return 400, "The request head has a bare LF (lines must end in CRLF)", "bad_request"
+        i = buf.find(b"\n", i + 1)
+    i = buf.find(b"\r", seen)
+    while 0 <= i < size - 1:
+        if buf[i + 1] != 10:
+            return 400, "The request head has a bare CR (lines must end in CRLF)", "bad_request"
+        i = buf.find(b"\r", i + 1)
+    return None

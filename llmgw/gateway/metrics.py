@@ -219,6 +219,28 @@ class GatewayMetrics:
         series[bisect_left(LATENCY_BOUNDS, seconds)] += 1
         series[-1] += seconds
 
+    def answered(self, model: str, path: str, status: int, seconds: float) -> None:
+        """
+        L{count} and L{observe} in one call: a request answered with
+        C{status} after C{seconds}.
+        """
+        key = (model, path, status)
+        labels = self._request_keys.get(key)
+        if labels is None:
+            labels = (self.model_label(model), path, str(status))
+            if len(self._request_keys) < 4 * self.max_models:
+                self._request_keys[key] = labels
+        counts = self.requests.counts
+        counts[labels] = counts.get(labels, 0) + 1
+        series = self._latency_children.get(model)
+        if series is None:
+            label = self.model_label(model)
+            series = self.latency.new_series(label)
+            if label == model:
+                self._latency_children[model] = series
+        series[bisect_left(LATENCY_BOUNDS, seconds)] += 1
+        series[-1] += seconds
+
     def first_byte(self, model: str, seconds: float) -> None:
         series = self._ttfb_children.get(model)
         if series is None:

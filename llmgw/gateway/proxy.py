@@ -290,7 +290,7 @@ class ProxyCall:
         self.gw.router.begin(route.replica_id)
         self.counted = True
         if conn is not None:
-            self._send(conn, reused=True)
+            self._send(conn, True)
             return
         try:
             d = self.gw.pool.connect(route.address)
@@ -305,7 +305,7 @@ class ProxyCall:
         if self.done:
             conn.abort()
             return
-        self._send(conn, reused=False)
+        self._send(conn, False)
 
     def _connect_failed(self, reason: Failure) -> None:
         self.connecting = None
@@ -340,13 +340,14 @@ class ProxyCall:
             # and before the first-byte time, it waits out the rest.
             config, reactor = gw.config, gw.reactor
             self.sent_at = reactor.seconds()
-            conn.arm(reactor, min(config.first_byte_timeout, config.idle_timeout), self._timed_out)
+            idle = config.idle_timeout
+            conn.arm(reactor, min(config.first_byte_timeout, idle), self._timed_out, idle)
             self.armed = conn
 
     # ResponseHandler
 
     def response_started(self, status: int, reason: bytes, headers: list[tuple[bytes, bytes]]) -> None:
-        if self.done or self.sent_headers and self._continued(status):
+        if self.done or self.sent_headers and continued(self, status):
             return
         assert self.route is not None
         self.gw.router.succeeded(self.route.replica_id)
@@ -399,7 +400,7 @@ class ProxyCall:
         # response_started for a head in the common shape (see
         # llmgw.gateway.upstream.ResponseHandler): its header lines go on
         # to the client as they came, without the hop's own.
-        if self.done or self.sent_headers and self._continued(status):
+        if self.done or self.sent_headers and continued(self, status):
             return
         gw, replica_id = self.gw, self.route.replica_id  # type: ignore[union-attr]
         gw.router.succeeded(replica_id)
@@ -409,7 +410,8 @@ class ProxyCall:
             unstarted.on_answer(replica_id, self)
         framed: int | None = length
         meter = self.meter
-        if meter is not None and 200 <= status < 300 and _EVENT_STREAM in block:
+        # find, not in: bytes' in tries its operand as a number first (a TypeError made and dropped).
+        if meter is not None and 200 <= status < 300 and block.find(_EVENT_STREAM) >= 0:
             meter.stream = True
             if meter.asked:
                 # A chunk may be taken out: the length no longer holds.
@@ -418,18 +420,17 @@ class ProxyCall:
         self.status = status
         self.sent_headers = True
         request = self.request
-        request.start_response(status, (), framed, reason or None, hold=True,
-                               block=block + forwarding.replica_line(replica_id))
-        request.set_producer(self)
+        request.start_response(  # hold, block by position: keywords cost the call more
+            status, (), framed, reason or None, True, block + forwarding.replica_line(replica_id))
+        request.producer = self  # request.set_producer(self), inline
+        if request.channel.paused:
+            self.pauseProducing()
         gw.metrics.first_byte(self.model, time.monotonic() - self.started)
 
     def response_data(self, data: bytes) -> None:
         if self.done:
             return
-        armed = self.armed
-        if armed is not None:
-            # Later than it is due (see _send): cheap.
-            armed.later(self.gw.config.idle_timeout)
+        # The connection puts the idle timer later as bytes arrive (see _send).
         if self.resume is not None:
             data = self.resume.feed(data)
         meter = self.meter
@@ -445,15 +446,19 @@ class ProxyCall:
             return
         self.done = True
         self.conn = None
-        self._cancel_timer()
+        armed = self.armed
+        if armed is not None:  # self._cancel_timer(), inline
+            self.armed = None
+            armed.disarm(self._timed_out)
         self._end_attempt()
         meter = self.meter
         rest = self.resume.flush() if self.resume is not None else b""
-        if meter is not None:
+        if meter is not None and (rest or meter.held):  # else the meter's flush has nothing
             rest = (meter.feed(rest) if rest else rest) + meter.flush()
+        request = self.request
         if rest:
-            self.request.write(rest)
-        self.request.finish()
+            request.write(rest)
+        request.finish()
         if meter is not None:
             meter.finish(self.status)
         self._record(self.status)
@@ -474,7 +479,7 @@ class ProxyCall:
                 reason=reason.getErrorMessage(),
             )
             self.gw.router.failed(route.replica_id)
-            self._break(502)
+            break_off(self, 502)  # or a continuation elsewhere (llmgw.gateway.resume)
             return
         if reason.check(UpstreamProtocolError):
             # The replica answered, but not in HTTP that can be passed on:
@@ -573,7 +578,7 @@ class ProxyCall:
         if not self.sent_headers and self.conn is not None:
             left = self.sent_at + self.gw.config.first_byte_timeout - self.gw.reactor.seconds()
             if left > 0.001:  # not clock rounding
-                self.conn.arm(self.gw.reactor, left, self._timed_out)
+                self.conn.arm(self.gw.reactor, left, self._timed_out, self.gw.config.idle_timeout)
                 self.armed = self.conn
                 return
         route = self.route
@@ -590,7 +595,7 @@ class ProxyCall:
                 model=self.model,
                 idle=self.gw.config.idle_timeout,
             )
-            self._break(504)
+            break_off(self, 504)
             return
         self.gw.router.failed(route.replica_id)
         self._end_attempt()
@@ -613,14 +618,6 @@ class ProxyCall:
         request.on_lost = None
         send_error(request, err)
         self._record(err.status)
-
-    # streams continued elsewhere (llmgw.gateway.resume)
-
-    def _continued(self, status: int) -> bool:
-        return continued(self, status)
-
-    def _break(self, status: int) -> None:
-        break_off(self, status)
 
     def _abort_client(self, status: int) -> None:
         self.done = True
@@ -688,11 +685,10 @@ class ProxyCall:
             conn.disarm(self._timed_out)
 
     def _record(self, status: int) -> None:
-        m = self.gw.metrics
-        m.count(self.model, self.path_label, status)
-        m.observe(self.model, time.monotonic() - self.started)
+        gw = self.gw
+        gw.metrics.answered(self.model, self.path_label, status, time.monotonic() - self.started)
         # The call is over: its capacity may go to a waiting request.
-        self.gw.admission.ended(self.model)
+        gw.admission.ended(self.model)
 
 
 # Not @implementer (setup.py's rules for compiled classes).

@@ -41,7 +41,7 @@ from llmgw.gateway.proxy import Gateway, ProxyCall, send_error
 from llmgw.gateway.usage import UsageMeter
 from llmgw.memceiling import MemoryCeiling
 from llmgw.routing import IRoutingTable
-from llmgw.untrusted import JSONInputError, clip, load_json
+from llmgw.untrusted import MAX_JSON_DEPTH, JSONInputError, clip, load_json
 
 PROXIED: Final = {
     b"/v1/chat/completions": "/v1/chat/completions",
@@ -55,6 +55,8 @@ MODELS: Final = b"/v1/models"
 MODELS_PREFIX: Final = b"/v1/models/"
 HEALTH: Final = b"/health"
 _JSON: Final = [(b"Content-Type", b"application/json")]
+#: The top-level keys a body may name once.
+_UNIQUE: Final = ("model",)
 
 
 class GatewayResource:
@@ -161,7 +163,7 @@ class GatewayResource:
             self._parse_later(request, label, started, key_name, body)
             return
         try:
-            obj = load_json(body, unique=("model",))
+            obj = load_json(body, MAX_JSON_DEPTH, _UNIQUE)  # by position: keywords cost the call more
         except JSONInputError as e:
             raise errors.bad_request(f"The request body is refused: {e}", e.code) from None
         self._route(request, label, started, key_name, body, obj)
@@ -221,7 +223,11 @@ class GatewayResource:
             elif not routes and not table.knows_model(model):
                 raise errors.model_not_found(model)
         admission = gw.admission
-        state = capacity(routes, gw.router.cooling, gw.reactor.seconds(), gw.config.policy, admission.asleep)
+        router = gw.router
+        if router.all_free(routes):
+            state = FREE  # capacity's answer, at a glance
+        else:
+            state = capacity(routes, router.cooling, gw.reactor.seconds(), gw.config.policy, admission.asleep)
         if state != FREE and admission.waker is not None:
             # The queue's own look, which wakes a sleeping replica if one would take it.
             state = admission.capacity(model)

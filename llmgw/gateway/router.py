@@ -59,6 +59,9 @@ class Router:
         self._ring_routes: Sequence[Route] | None = None
         #: The last routes found with no replica asleep (see pick).
         self._awake_routes: Sequence[Route] | None = None
+        #: The routes last picked among, and whether they are plain (see pick).
+        self._seen_routes: Sequence[Route] | None = None
+        self._plain = False
         self._ring_last: Ring | None = None
         #: affinity key (less its mark) -> the replica its last request went to
         self._homes: OrderedDict[bytes, str] = OrderedDict()
@@ -166,6 +169,16 @@ class Router:
 
     # the decision
 
+    def all_free(self, routes: Sequence[Route]) -> bool:
+        """
+        Whether every one of C{routes} may take a request now as far as the
+        router can tell at a glance: they are the routes it last picked
+        among, none draining and none with engine signals (so none asleep
+        or saturated), and no replica is cooling down. C{False} when it
+        cannot tell (then ask L{llmgw.gateway.admission.capacity}).
+        """
+        return routes is self._seen_routes and self._plain and not self._cool_until
+
     def ring(self, routes: Sequence[Route]) -> Ring:
         """
         The consistent-hash ring of C{routes}' replica ids (all of them,
@@ -203,14 +216,23 @@ class Router:
         if not routes:
             return None
         cool = self._cool_until
-        candidates = [
-            r
-            for r in routes
-            if not r.draining
-            and not (exclude and r.replica_id in exclude)
-            and not (cool and r.replica_id in cool and self.cooling(r.replica_id))
-        ]
-        if routes is not self._awake_routes and self.asleep is not None:
+        if routes is not self._seen_routes:
+            self._seen_routes = routes
+            # An immutable sequence of frozen routes, none draining and none
+            # with engine signals (so none asleep), is known again by identity.
+            self._plain = isinstance(routes, tuple) and all(not r.draining and r.signals is None for r in routes)
+        plain = self._plain
+        if plain and not exclude and not cool:
+            candidates = list(routes)
+        else:
+            candidates = [
+                r
+                for r in routes
+                if not r.draining
+                and not (exclude and r.replica_id in exclude)
+                and not (cool and r.replica_id in cool and self.cooling(r.replica_id))
+            ]
+        if not plain and routes is not self._awake_routes and self.asleep is not None:
             asleep = self.asleep
             for r in routes:
                 s = r.signals
@@ -232,9 +254,9 @@ class Router:
             return candidates[0]
         turn = self._turn
         self._turn += 1
-        at_sample = {}
+        at_sample: dict[str, int] = {}
         seen = self._at_sample
-        for r in candidates:
+        for r in () if plain else candidates:
             s = r.signals
             if s is None:
                 continue
@@ -269,7 +291,8 @@ class Router:
             recent = None
             ring: Ring | None
             if window > 0:
-                ring = self.ring(routes)
+                # self.ring(routes), its common case inline
+                ring = self._ring_last if routes is self._ring_routes else self.ring(routes)
                 recent = {}
                 since = now - window
                 for r in candidates:

@@ -130,6 +130,8 @@ class UpstreamConnection(Protocol):
         #: the next, and what it calls when it comes due.
         self._deadline: Deadline | None = None
         self._on_due: Callable[[], None] | None = None
+        #: The wait between reads of a response, while armed (see L{arm}).
+        self._idle = 0.0
 
     def _write_unconnected(self, data: bytes) -> None:
         self.transport.write(data)
@@ -159,7 +161,7 @@ class UpstreamConnection(Protocol):
         self._keep_alive = True
         self._write(data)
 
-    def arm(self, clock: IReactorTime, delay: float, callback: Callable[[], None]) -> None:
+    def arm(self, clock: IReactorTime, delay: float, callback: Callable[[], None], idle: float = 0.0) -> None:
         """
         Call C{callback} in C{delay} seconds unless L{disarm}ed first: the
         handler's timeout, on the connection's one L{Deadline}. A timer
@@ -167,10 +169,14 @@ class UpstreamConnection(Protocol):
         the rest of the timeout handling; this one stays while the
         connection idles (coming due then, it does nothing), and the next
         response's deadline, later, only changes a number. The handler puts
-        it later with L{later} while armed. (The connection's deadline
-        keeps the clock of its first arming: one pool, one reactor.)
+        it later with L{later} while armed; with C{idle}, each read after
+        the response's head that leaves the response unfinished puts it
+        C{idle} seconds from then (the wait between bytes), and one that
+        finishes it, as most do, touches no timer. (The connection's
+        deadline keeps the clock of its first arming: one pool, one reactor.)
         """
         self._on_due = callback
+        self._idle = idle
         deadline = self._deadline
         if deadline is None:
             deadline = self._deadline = Deadline(clock, self._came_due)
@@ -237,6 +243,12 @@ class UpstreamConnection(Protocol):
             self._parse(data)
         except UpstreamProtocolError as e:
             self._fail(Failure(e))
+            return
+        if self.handler is not None and self._idle and self._state != _HEAD:
+            # More of the response to come: the wait for it starts now (see arm).
+            deadline = self._deadline
+            if deadline is not None and deadline.armed:
+                deadline.set(self._idle)
 
     def connectionLost(self, reason: Failure = None) -> None:  # type: ignore[assignment]
         self.connected_ = False

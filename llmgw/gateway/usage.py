@@ -203,7 +203,8 @@ def find_usage(tail: bytes, start: int = 0) -> tuple[int, int] | None:
     object's own fields, up to its end or its first nested object (the
     details, which follow the counts).
     """
-    start = max(start, 0)
+    if start < 0:
+        start = 0
     i = tail.rfind(b'"usage"', start)
     while i >= 0:
         j = i - 1
@@ -213,8 +214,9 @@ def find_usage(tail: bytes, start: int = 0) -> tuple[int, int] | None:
             # Nearly every server writes the prompt's count first.
             m = _USUAL.match(tail, i)
             if m is not None:
-                counts = (int(m.group(1)), int(m.group(2)))
-                return None if max(counts) >= MAX_TOKENS else counts
+                prompt_digits, completion_digits = m.group(1, 2)
+                prompt, completion = int(prompt_digits), int(completion_digits)
+                return None if prompt >= MAX_TOKENS or completion >= MAX_TOKENS else (prompt, completion)
             m = _USAGE_AT.match(tail, i)
             if m is None:
                 return None
@@ -249,8 +251,10 @@ def ask_for_usage(body: bytes) -> bytes | None:
     refuses C{stream_options} on a request that does not stream.
     """
     # Literal searches first: regular expressions that start with a class
-    # try every position, ten times slower over a large body.
-    if _OPTIONS_KEY in body:
+    # try every position, ten times slower over a large body. (find, not
+    # in: bytes' in tries its operand as a number first, a TypeError made
+    # and dropped.)
+    if body.find(_OPTIONS_KEY) >= 0:
         return None
     opened = _OPEN.match(body)
     if opened is None:
