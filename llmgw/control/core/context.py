@@ -128,6 +128,8 @@ class DeploymentState:
         of each of C{variants} (a variant since dropped from the catalog
         no longer counts).
         """
+        if not self.variant_backoff:  # no variant has failed (most deployments: none has variants)
+            return self.backoff.failures
         return self.backoff.failures + sum(self.variant_backoff[p].failures
                                            for p in variants if p in self.variant_backoff)
 
@@ -231,6 +233,14 @@ class Context:
 
     def profile(self, name: str) -> Profile | None:
         return self.catalog.profiles.get(name)
+
+    def short_of_room(self) -> bool:
+        """
+        Whether placement last found no room for some deployment (its
+        C{unplaceable} or C{unplaceable_since} is set): only then can a
+        swap have room to make.
+        """
+        return any(s.unplaceable or s.unplaceable_since is not None for s in self.deps.values())
 
     def startup_timeout(self, profile_name: str) -> float:
         p = self.profile(profile_name)

@@ -82,11 +82,11 @@ def reconcile(ctx: Context, now: float, placer: Placer, sync: Callable[[], bool]
         state = ctx.deps[model]
         active = st.active[model]
         ready = st.ready[model]
-        variants = variants_of(ctx, model)
+        variants = variants_of(ctx, model) if dep.variants else ()
         if state.failures(variants):
             forgive(ctx, model, variants, now, out)
         blocked = state.blocked(now, variants)
-        if ctx.rollouts.owns(model):
+        if ctx.rollouts.rollouts and ctx.rollouts.owns(model):
             # A rollout decides its deployment's replicas until it is done.
             unfinished = rolling.step(
                 ctx, ctx.rollouts.rollouts[model], desired, now, placing, blocked,
