@@ -65,6 +65,8 @@ class Rules:
 class DeploymentState:
     backoff: Backoff = field(default_factory=Backoff)
     last_failure: ShardFailure | None = None
+    #: Why placement last found no room for it ("": it had room); the
+    #: deployments with one set are L{Context.unplaceable}, kept with it.
     unplaceable: str = ""
     #: When placement first found no room for a replica this deployment
     #: wants (C{None}: it has room, or wants none): among deployments of
@@ -218,10 +220,13 @@ class Context:
         #: Model -> seconds its waiting requests may be kept past their
         #: queue timeout while room is made for it (L{llmgw.control.core.swapping}).
         self.room: dict[str, float] = {}
+        #: The deployments whose C{unplaceable} is set (L{short_of_room}).
+        self.unplaceable: set[str] = set()
         #: Rollouts, and the spec each replica was placed from.
         self.rollouts = RolloutBook()
         self.set_epoch(epoch)
         self._ids = 0
+        self._by_priority: tuple[Catalog | None, tuple[str, ...]] = (None, ())
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -238,9 +243,23 @@ class Context:
         """
         Whether placement last found no room for some deployment (its
         C{unplaceable} or C{unplaceable_since} is set): only then can a
-        swap have room to make.
+        swap have room to make, or the order of C{placing.waiting_order}
+        differ from L{by_priority}.
         """
-        return any(s.unplaceable or s.unplaceable_since is not None for s in self.deps.values())
+        # A deployment's unplaceable_since is set only with its unplaceable.
+        return bool(self.unplaceable)
+
+    def by_priority(self) -> tuple[str, ...]:
+        """
+        The catalog's deployments, the higher C{multiplex.priority} first,
+        then by name; worked out once per catalog.
+        """
+        catalog, order = self._by_priority
+        if catalog is not self.catalog:
+            deps = self.catalog.deployments
+            order = tuple(sorted(deps, key=lambda m: (-deps[m].multiplex.priority, m)))
+            self._by_priority = (self.catalog, order)
+        return order
 
     def startup_timeout(self, profile_name: str) -> float:
         p = self.profile(profile_name)
