@@ -192,6 +192,8 @@ class FleetState:
         #: Nodes whose capacity or eligibility may have changed since
         #: placement last saw them (L{sync_placer}).
         self.cap_dirty: set[str] = set()
+        #: Of those, the ones that now hold fewer shards of some deployment.
+        self.cap_fewer: set[str] = set()
 
     # -- nodes -----------------------------------------------------------------------
 
@@ -398,6 +400,7 @@ class FleetState:
                 del rep.shards[shard.rank]
             spread = self.spread.get(rep.model)
             if spread is not None:
+                self.cap_fewer.add(shard.node_id)
                 n = spread.get(shard.node_id, 0) - 1
                 if n > 0:
                     spread[shard.node_id] = n
@@ -569,7 +572,9 @@ class FleetState:
             for _ in range(min(len(dirty), 128)):
                 node_id = dirty.pop()
                 cap = self.node_capacity(inventory, node_id) if self.eligible(node_id, connected) else None
-                placer.update(node_id, cap)
+                fewer = node_id in self.cap_fewer
+                self.cap_fewer.discard(node_id)
+                placer.update(node_id, cap, fewer)
             if dirty and over is not None and over():
                 return False
         return True

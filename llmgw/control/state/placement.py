@@ -272,17 +272,23 @@ class Placer:
         for fabric in node.fabrics:
             self._by_fabric.setdefault(fabric, {})[node_id] = None
 
-    def update(self, node_id: str, node: NodeCapacity | None) -> None:
+    def update(self, node_id: str, node: NodeCapacity | None, fewer: bool = True) -> None:
         """
         C{node_id} changed: it can now give C{node}, or takes no work
-        (C{None}).
+        (C{None}). C{fewer=False}: it holds no fewer shards of any group
+        than when it was last updated (the caller keeps count), so its
+        live entries sort no later than they should.
         """
+        # One the placer did not have may hold fewer than its old entries say.
+        fewer = fewer or node_id not in self._nodes
         self._set(node_id, node)
         node = self._nodes.get(node_id)
         if node is None:
             return
         spread, extras = self._spread, self._extra
         for gkey, members in self._members.items():
+            if not fewer and node_id in members and not gkey[4] and not gkey[6]:
+                continue  # as below, without looking further (most groups, most updates)
             group, fabric, gpus, mem, weights, types, prefer = gkey
             live_tier = self._member_tiers[gkey].get(node_id)
             plain = not weights and not prefer
