@@ -29,7 +29,8 @@ With C{--before DIR}, the same benchmark also runs against the llmgw
 package in DIR (an export of main, say) in a subprocess, and both are
 reported. With C{--rounds N} as well, before and after each run N times,
 interleaved (before, after, before, ...), each in a fresh subprocess, and
-the median of each figure over the rounds is reported beside the rounds.
+the median and the least of each figure over the rounds are reported
+beside the rounds.
 
 With C{--autoscaled}, the ten deployments autoscale (bounds pinned at the
 same count, so nothing changes) and the autoscaling decision runs on every
@@ -50,6 +51,7 @@ import subprocess
 import sys
 import time
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 
 from twisted.internet.task import Clock
@@ -262,12 +264,12 @@ def raw_run(llmgw_dir: str, args: argparse.Namespace) -> dict[str, object]:
     return result
 
 
-def medians(runs: list[dict[str, object]]) -> list[dict[str, float]]:
+def over_rounds(runs: list[dict[str, object]], pick: Callable[[list[float]], float]) -> list[dict[str, float]]:
     """
-    Each size's figures, the median over C{runs}.
+    Each size's figures, C{pick} (the median, the least) of each over C{runs}.
     """
     per_size = zip(*(run["results"] for run in runs), strict=True)  # type: ignore[call-overload]
-    return [{k: round(statistics.median(r[k] for r in rows), 3) for k in rows[0] if rows[0][k] is not None}
+    return [{k: round(pick([r[k] for r in rows]), 3) for k in rows[0] if rows[0][k] is not None}
             for rows in per_size]
 
 
@@ -281,7 +283,8 @@ def interleaved(args: argparse.Namespace) -> dict[str, object]:
     for _ in range(args.rounds):
         before.append(raw_run(args.before, args))
         after.append(raw_run(here, args))
-    return {"median": {"before": medians(before), "after": medians(after)},
+    return {"median": {"before": over_rounds(before, statistics.median), "after": over_rounds(after, statistics.median)},
+            "best": {"before": over_rounds(before, min), "after": over_rounds(after, min)},
             "rounds": {"before": [r["results"] for r in before], "after": [r["results"] for r in after]}}
 
 
