@@ -18,7 +18,7 @@ from llmgw.control.core.commands import start_command
 from llmgw.control.state.fleetstate import FleetState, ReplicaRec, ShardRec
 from llmgw.control.state.interfaces import ShardCommand
 from llmgw.control.state.inventory import Inventory
-from llmgw.control.state.placement import PortBook
+from llmgw.control.state.placement import NodeCapacity, Placer, PortBook, Request
 from llmgw.states import ShardState
 from llmgw.testing.simfleet import sim_node
 from tests.reconciler_harness import ONE_GPU, Fleet, catalog
@@ -143,3 +143,31 @@ class GPUNameTests(SynchronousTestCase):
         assert b is not None
         self.assertEqual((b.names, st.node_capacity(inv, "a").names),  # type: ignore[union-attr]
                          ({0: "SimGPU", 1: "H100"}, {0: "SimGPU", 1: "SimGPU"}))
+
+
+class FewerShardsTests(SynchronousTestCase):
+    def test_node_back_with_fewer(self) -> None:
+        """
+        A node told to a kept placer as holding no fewer shards (C{fewer}
+        false) is still looked at afresh when the placer had dropped it
+        meanwhile: it went away with two shards of the group and comes
+        back with none, and the next replica goes to it, not to the node
+        that holds one.
+        """
+        spread: dict[str, dict[str, int]] = {"m": {}}
+        caps = {n: NodeCapacity(n, n, {}, [(80, i) for i in range(4)]) for n in ("a", "b")}
+        placer = Placer(caps.values(), spread, PortBook(), live_spread=True)
+
+        def place() -> str:
+            [slot] = placer.place(Request("m", gpu_memory_mb=1)) or []
+            spread["m"][slot.node_id] = spread["m"].get(slot.node_id, 0) + 1
+            return slot.node_id
+
+        first, second, third = place(), place(), place()
+        self.assertEqual({first, second}, {"a", "b"})
+        other = "a" if third == "b" else "b"
+        placer.update(third, None)
+        del spread["m"][third]
+        placer.update(third, caps[third], fewer=False)
+        self.assertEqual(place(), third)
+        self.assertEqual(spread["m"], {third: 1, other: 1})
