@@ -294,7 +294,7 @@ class FleetState:
         self.shard_counts[state] += 1
         shard.state = state
         shard.since = now
-        if state != ShardState.FETCHING:
+        if shard.fetch is not None and state != ShardState.FETCHING:
             shard.fetch = None
         if state in (ShardState.PENDING, ShardState.STARTING) and not shard.stopping:
             self.unsettled.add(shard.id)
