@@ -27,14 +27,17 @@ also reports its collections and the longest one.
 
 With C{--before DIR}, the same benchmark also runs against the llmgw
 package in DIR (an export of main, say) in a subprocess, and both are
-reported.
+reported. With C{--rounds N} as well, before and after each run N times,
+interleaved (before, after, before, ...), each in a fresh subprocess, and
+the median and the least of each figure over the rounds are reported
+beside the rounds.
 
 With C{--autoscaled}, the ten deployments autoscale (bounds pinned at the
 same count, so nothing changes) and the autoscaling decision runs on every
 pass: what it costs. It applies to this tree only, not to
 C{--before}.
 
-Run: PYTHONPATH=. python bench/reconcile.py [--sizes 100,1000,10000] [--before DIR] [--autoscaled]
+Run: PYTHONPATH=. python bench/reconcile.py [--sizes 100,1000,10000] [--before DIR [--rounds N]] [--autoscaled]
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ import subprocess
 import sys
 import time
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 
 from twisted.internet.task import Clock
@@ -106,17 +110,19 @@ def make_ready(rec: Reconciler, clock: Clock, dispatcher: FakeDispatcher) -> Non
     dispatcher.clear()
 
 
-def passes_until_done(rec: Reconciler) -> tuple[float, list[float]]:
+def passes_until_done(rec: Reconciler, cpu: list[float] | None = None) -> tuple[float, list[float]]:
     """
     Run passes back to back until one finishes its work; returns the wall
-    time and each pass's duration.
+    time and each pass's duration, and appends the CPU time to C{cpu}.
     """
-    started = time.perf_counter()
+    started, started_cpu = time.perf_counter(), time.process_time()
     durations = []
     while True:
         rec.run_pass()
         durations.append(rec.last_pass_duration)
         if not getattr(rec, "pass_unfinished", False):
+            if cpu is not None:
+                cpu.append(time.process_time() - started_cpu)
             return time.perf_counter() - started, durations
 
 
@@ -148,7 +154,8 @@ def run(nodes: int, steady_passes: int, autoscaled: bool = False) -> dict[str, o
 
     # Cold fill: half the GPUs.
     clock.advance(1)
-    fill_s, fill_passes = passes_until_done(rec)
+    cpu: list[float] = []
+    fill_s, fill_passes = passes_until_done(rec, cpu)
     placed_fill = len(dispatcher.starts)
     make_ready(rec, clock, dispatcher)
 
@@ -170,7 +177,7 @@ def run(nodes: int, steady_passes: int, autoscaled: bool = False) -> dict[str, o
     clock.advance(1)
     for node_id in ids:
         inv.touch(node_id, clock.seconds())
-    place_s, place_passes = passes_until_done(rec)
+    place_s, place_passes = passes_until_done(rec, cpu)
     placed = len(dispatcher.starts)
 
     base = statistics.median(baseline(inv) for _ in range(5))
@@ -180,6 +187,7 @@ def run(nodes: int, steady_passes: int, autoscaled: bool = False) -> dict[str, o
         "gpus": nodes * 8,
         "replicas_ready": placed_fill,
         "fill_wall_s": round(fill_s, 3),
+        "fill_cpu_s": round(cpu[0], 3),
         "fill_passes": len(fill_passes),
         "fill_pass_ms_max": round(max(fill_passes) * 1000, 2),
         "steady_pass_ms_median": round(steady * 1000, 3),
@@ -187,6 +195,7 @@ def run(nodes: int, steady_passes: int, autoscaled: bool = False) -> dict[str, o
         "steady_pass_ms_max": round(max(durations) * 1000, 3),
         "place_replicas": placed,
         "place_wall_ms": round(place_s * 1000, 2),
+        "place_cpu_ms": round(cpu[1] * 1000, 2),
         "place_passes": len(place_passes),
         "place_pass_ms_max": round(max(place_passes) * 1000, 2),
         "reactor_hold_ms_max": round(max(fill_passes + durations + place_passes) * 1000, 2),
@@ -240,6 +249,45 @@ def measure(sizes: list[int], steady_passes: int, gc_threshold: int, autoscaled:
     return out
 
 
+def raw_run(llmgw_dir: str, args: argparse.Namespace) -> dict[str, object]:
+    """
+    One run of this script in a subprocess against the llmgw package in
+    C{llmgw_dir}.
+    """
+    env = dict(os.environ, PYTHONPATH=llmgw_dir)
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--raw", "--sizes", args.sizes,
+         "--steady-passes", str(args.steady_passes), "--gc-threshold", str(args.gc_threshold)],
+        env=env, capture_output=True, text=True, check=True,
+    )
+    result: dict[str, object] = json.loads(proc.stdout)
+    return result
+
+
+def over_rounds(runs: list[dict[str, object]], pick: Callable[[list[float]], float]) -> list[dict[str, float]]:
+    """
+    Each size's figures, C{pick} (the median, the least) of each over C{runs}.
+    """
+    per_size = zip(*(run["results"] for run in runs), strict=True)  # type: ignore[call-overload]
+    return [{k: round(pick([r[k] for r in rows]), 3) for k in rows[0] if rows[0][k] is not None}
+            for rows in per_size]
+
+
+def interleaved(args: argparse.Namespace) -> dict[str, object]:
+    """
+    C{args.rounds} rounds of before then after, each a fresh subprocess.
+    """
+    here = str(Path(__file__).resolve().parent.parent)
+    before: list[dict[str, object]] = []
+    after: list[dict[str, object]] = []
+    for _ in range(args.rounds):
+        before.append(raw_run(args.before, args))
+        after.append(raw_run(here, args))
+    return {"median": {"before": over_rounds(before, statistics.median), "after": over_rounds(after, statistics.median)},
+            "best": {"before": over_rounds(before, min), "after": over_rounds(after, min)},
+            "rounds": {"before": [r["results"] for r in before], "after": [r["results"] for r in after]}}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     parser.add_argument("--sizes", default="100,1000,10000")
@@ -247,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gc-threshold", type=int, default=50_000,
                         help="the collector's young threshold, as the control plane sets it (0: Python's)")
     parser.add_argument("--before", default="", help="run against the llmgw package in this directory too")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="with --before: this many rounds of before and after, interleaved, each a subprocess")
     parser.add_argument("--raw", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--autoscaled", action="store_true",
                         help="the ten deployments autoscale (at a fixed count), after only: what the decision costs")
@@ -256,16 +306,15 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(measure(sizes, args.steady_passes, args.gc_threshold)))
         return 0
     out: dict[str, object] = {"benchmark": "reconcile", "python": sys.version.split()[0]}
+    out["gc_threshold"] = args.gc_threshold
+    if args.before and args.rounds > 1:
+        out.update(interleaved(args))
+        out["load"] = os.getloadavg()
+        print(json.dumps(out, indent=2))
+        return 0
     if args.before:
         # This script, with the other llmgw first on the path.
-        env = dict(os.environ, PYTHONPATH=args.before)
-        proc = subprocess.run(
-            [sys.executable, str(Path(__file__).resolve()), "--raw", "--sizes", args.sizes,
-             "--steady-passes", str(args.steady_passes), "--gc-threshold", str(args.gc_threshold)],
-            env=env, capture_output=True, text=True, check=True,
-        )
-        out["before"] = json.loads(proc.stdout)
-    out["gc_threshold"] = args.gc_threshold
+        out["before"] = raw_run(args.before, args)
     out["autoscaled"] = args.autoscaled
     out["after"] = measure(sizes, args.steady_passes, args.gc_threshold, args.autoscaled)
     out["load"] = os.getloadavg()

@@ -53,6 +53,8 @@ class AdapterLoading:
         """
         One pass: ask for the loads the demand calls for.
         """
+        if not ctx.catalog.adapters and not self.pending and not self.touched:
+            return  # the catalog has no adapters, and none was asked for
         runtime = [a for a in ctx.catalog.adapters.values()
                    if ADAPTER_ENGINES.get(self._engine(ctx, a.base)) == "runtime"]
         if not runtime:

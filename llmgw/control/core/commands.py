@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields
+from typing import Any
 
 from llmgw.control.core.catalog import Deployment, Profile, fill
 from llmgw.control.state.fleetstate import ReplicaRec, ShardRec, format_address
 from llmgw.control.state.interfaces import IDispatcher, NotConnected, NotKeepingUp, ShardCommand
 from llmgw.models.source import spec_key
+from llmgw.shards import ShardSpec
 from llmgw.sourcespec import ModelSource
 
 #: A deployment's weights' cache key ("" for none), worked out once per source.
@@ -144,9 +146,11 @@ def start_command(
         "host": shard.host,
         "leader_host": leader.host if leader is not None else "",
     }
-    launch = profile.launch(shard.rank, deployment)
-    spec = replace(
-        launch,
+    launch, kept = _launch(profile, shard.rank, deployment)
+    # One command built, not the launch spec copied twice: each copy
+    # costs every field of the spec.
+    return ShardCommand(
+        node_id=shard.node_id,
         shard_id=shard.id,
         replica_id=rep.id,
         model=rep.model,
@@ -157,5 +161,34 @@ def start_command(
         port=shard.port,
         world_size=rep.world_size,
         leader_address=leader_address,
+        **kept,
     )
-    return ShardCommand.to_node(shard.node_id, spec)
+
+
+#: The fields of a launch spec that L{start_command} fills in per shard.
+_FILLED = frozenset({"shard_id", "replica_id", "model", "profile", "argv", "env", "gpu_indices", "port",
+                     "world_size", "leader_address"})
+#: Launches worked out, by the identity of their profile, rank and
+#: deployment (catalog records never change once made): the spec and its
+#: fields that a start keeps as they are.
+_LAUNCHES: dict[tuple[int, int, int], tuple[Profile, Deployment | None, ShardSpec, dict[str, Any]]] = {}
+#: Enough for every profile, rank and deployment of a few catalogs.
+_LAUNCHES_KEPT = 256
+
+
+def _launch(profile: Profile, rank: int, deployment: Deployment | None) -> tuple[ShardSpec, dict[str, Any]]:
+    """
+    C{profile.launch(rank, deployment)}, and its fields other than those
+    a start fills in; worked out once per profile, rank and deployment.
+    """
+    key = (id(profile), rank, id(deployment))
+    hit = _LAUNCHES.get(key)
+    # The records themselves are kept with it, so neither id can be reused meanwhile.
+    if hit is not None and hit[0] is profile and hit[1] is deployment:
+        return hit[2], hit[3]
+    launch = profile.launch(rank, deployment)
+    kept = {f.name: getattr(launch, f.name) for f in fields(ShardSpec) if f.name not in _FILLED}
+    if len(_LAUNCHES) >= _LAUNCHES_KEPT:
+        _LAUNCHES.clear()
+    _LAUNCHES[key] = (profile, deployment, launch, kept)
+    return launch, kept

@@ -65,6 +65,8 @@ class Rules:
 class DeploymentState:
     backoff: Backoff = field(default_factory=Backoff)
     last_failure: ShardFailure | None = None
+    #: Why placement last found no room for it ("": it had room); the
+    #: deployments with one set are L{Context.unplaceable}, kept with it.
     unplaceable: str = ""
     #: When placement first found no room for a replica this deployment
     #: wants (C{None}: it has room, or wants none): among deployments of
@@ -128,6 +130,8 @@ class DeploymentState:
         of each of C{variants} (a variant since dropped from the catalog
         no longer counts).
         """
+        if not self.variant_backoff:  # no variant has failed (most deployments: none has variants)
+            return self.backoff.failures
         return self.backoff.failures + sum(self.variant_backoff[p].failures
                                            for p in variants if p in self.variant_backoff)
 
@@ -216,10 +220,13 @@ class Context:
         #: Model -> seconds its waiting requests may be kept past their
         #: queue timeout while room is made for it (L{llmgw.control.core.swapping}).
         self.room: dict[str, float] = {}
+        #: The deployments whose C{unplaceable} is set (L{short_of_room}).
+        self.unplaceable: set[str] = set()
         #: Rollouts, and the spec each replica was placed from.
         self.rollouts = RolloutBook()
         self.set_epoch(epoch)
         self._ids = 0
+        self._by_priority: tuple[Catalog | None, tuple[str, ...]] = (None, ())
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -231,6 +238,28 @@ class Context:
 
     def profile(self, name: str) -> Profile | None:
         return self.catalog.profiles.get(name)
+
+    def short_of_room(self) -> bool:
+        """
+        Whether placement last found no room for some deployment (its
+        C{unplaceable} or C{unplaceable_since} is set): only then can a
+        swap have room to make, or the order of C{placing.waiting_order}
+        differ from L{by_priority}.
+        """
+        # A deployment's unplaceable_since is set only with its unplaceable.
+        return bool(self.unplaceable)
+
+    def by_priority(self) -> tuple[str, ...]:
+        """
+        The catalog's deployments, the higher C{multiplex.priority} first,
+        then by name; worked out once per catalog.
+        """
+        catalog, order = self._by_priority
+        if catalog is not self.catalog:
+            deps = self.catalog.deployments
+            order = tuple(sorted(deps, key=lambda m: (-deps[m].multiplex.priority, m)))
+            self._by_priority = (self.catalog, order)
+        return order
 
     def startup_timeout(self, profile_name: str) -> float:
         p = self.profile(profile_name)

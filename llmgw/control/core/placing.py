@@ -15,7 +15,7 @@ L{Outcome}; it reads no clock, sends no command, touches no transport.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from llmgw.control.core import lending, lifecycle, rolling
 from llmgw.control.core.catalog import Deployment, Profile
@@ -79,17 +79,17 @@ def reconcile(ctx: Context, now: float, placer: Placer, sync: Callable[[], bool]
     deps = ctx.catalog.deployments
     # The more important first where room is short (DESIGN §22), then
     # the one that has found no room for longest.
-    for model in sorted(deps, key=lambda m: waiting_order(ctx, m, now)):
+    for model in in_waiting_order(ctx, now):
         dep = deps[model]
         desired = ctx.desired.get(model, dep.replicas)
         state = ctx.deps[model]
         active = st.active[model]
         ready = st.ready[model]
-        variants = variants_of(ctx, model)
-        if state.failures(variants):
+        variants = variants_of(ctx, model) if dep.variants else ()
+        if (state.backoff.failures or state.variant_backoff) and state.failures(variants):
             forgive(ctx, model, variants, now, out)
-        blocked = state.blocked(now, variants)
-        if ctx.rollouts.owns(model):
+        blocked = state.blocked(now, variants) if variants else state.backoff.blocked(now)
+        if ctx.rollouts.rollouts and ctx.rollouts.owns(model):
             # A rollout decides its deployment's replicas until it is done.
             unfinished = rolling.step(
                 ctx, ctx.rollouts.rollouts[model], desired, now, placing, blocked,
@@ -148,10 +148,12 @@ def reconcile(ctx: Context, now: float, placer: Placer, sync: Callable[[], bool]
                 state.unplaceable_since = now
             if state.unplaceable != why:
                 state.unplaceable = why
+                ctx.unplaceable.add(model)
                 out.event("unplaceable", level="warn", reason=f"deployment {model}: {why}")
         else:
             state.unplaceable = ""
             state.unplaceable_since = None
+            ctx.unplaceable.discard(model)
     return unfinished
 
 
@@ -181,6 +183,17 @@ def waiting_order(ctx: Context, model: str, now: float) -> tuple[int, float, str
     """
     since = ctx.deps[model].unplaceable_since
     return (-ctx.catalog.deployments[model].multiplex.priority, now if since is None else since, model)
+
+
+def in_waiting_order(ctx: Context, now: float) -> Sequence[str]:
+    """
+    The catalog's deployments in L{waiting_order}.
+    """
+    if not ctx.short_of_room():
+        # None has waited for room: by priority then name, as the catalog
+        # gives them until it changes.
+        return ctx.by_priority()
+    return sorted(ctx.catalog.deployments, key=lambda m: waiting_order(ctx, m, now))
 
 
 def deployment(ctx: Context, model: str) -> Deployment:

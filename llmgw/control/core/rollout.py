@@ -60,7 +60,9 @@ class LaunchSpec:
         return (self.profile, *self.variants)
 
     def profile_named(self, name: str) -> Profile | None:
-        for p in self.choices():
+        if self.profile.name == name:  # the one profile, without variants
+            return self.profile
+        for p in self.variants:
             if p.name == name:
                 return p
         return None

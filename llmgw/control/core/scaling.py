@@ -45,6 +45,11 @@ class ScaleStep:
     blocked: str = ""
 
 
+#: The step of a deployment at its count with nothing moved off: most
+#: deployments, most passes (a step is immutable, so one serves them all).
+AT_COUNT = ScaleStep(False, 0, 0)
+
+
 def scale_step(
     desired: int,
     active: int,
@@ -70,7 +75,7 @@ def scale_step(
     retire_evacuated = evacuating > 0 and fresh_ready >= desired
     surplus = active - desired
     if surplus >= 0:
-        return ScaleStep(retire_evacuated, surplus, 0)
+        return ScaleStep(retire_evacuated, surplus, 0) if surplus or retire_evacuated else AT_COUNT
     why = ("" if placing and not held and not backing_off
            else "held" if held else "backing off" if backing_off else "not placing")
     return ScaleStep(retire_evacuated, 0, 0 if why else -surplus, why)

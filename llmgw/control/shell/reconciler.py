@@ -505,12 +505,12 @@ class Reconciler(RolloutControl, ModelControl, Service):
         check_wedged(ctx, self.engine_signals, self.progress, now, out)
         self.autoscaling.tick(ctx, self.fleet_state, self.in_flight, now, out)
         self.adapter_loading.tick(ctx, lambda: self.autoscaling.demand(ctx, self.in_flight, now), now, out)
-        p = self._placing
-        placing_left = placing.reconcile(
-            ctx, now, p.placer, lambda: p.sync(ctx, self._connected_for(now), self._over_budget),
-            self._over_budget, out)
-        self.swapping.tick(ctx, self.autoscaling.scalers, lambda: self._connected_for(now), now, out)
-        prefetching.step(ctx, ctx.prefetch, lambda: self._connected_for(now), now, out)
+        p, connected = self._placing, lambda: self._connected_for(now)
+        placing_left = placing.reconcile(ctx, now, p.placer, lambda: p.sync(ctx, connected(), self._over_budget),
+                                         self._over_budget, out)
+        if self.swapping.pending or self.swapping.incoming or ctx.room or ctx.short_of_room():  # else idle
+            self.swapping.tick(ctx, self.autoscaling.scalers, connected, now, out)
+        prefetching.step(ctx, ctx.prefetch, connected, now, out)
         self.pass_unfinished = expiry_left or placing_left
 
     # -- IFleetAdmin ----------------------------------------------------------------

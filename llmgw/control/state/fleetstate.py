@@ -41,6 +41,9 @@ RETIRED_LIMIT = 100_000
 #: Shards that went missing while their node was away, kept so that their
 #: late final status (exit code, output) is still taken.
 MISSING_KEPT = 10_000
+#: Distinct GPU name maps kept for nodes to share: beyond it (a fleet of
+#: ever new GPUs, or agents naming them at will) they are made afresh.
+MAX_NAME_MAPS = 1024
 
 
 class Phase(StrEnum):
@@ -186,11 +189,16 @@ class FleetState:
         #: Shards each registering node listed and that were claimed.
         self.reported: dict[str, set[str]] = {}
         self.capacity: dict[str, NodeCapacity] = {}
-        #: Each node's GPU names by index, with the GPU list they came from.
-        self._gpu_names: dict[str, tuple[list[GPUInfo], dict[int, str]]] = {}
+        #: Each node's GPU names by index, and the GPU list they came from;
+        #: nodes with the same GPUs share one map (L{_name_map}).
+        self._gpu_names: dict[str, dict[int, str]] = {}
+        self._gpu_lists: dict[str, list[GPUInfo]] = {}
+        self._name_maps: dict[tuple[tuple[int, str], ...], dict[int, str]] = {}
         #: Nodes whose capacity or eligibility may have changed since
         #: placement last saw them (L{sync_placer}).
         self.cap_dirty: set[str] = set()
+        #: Of those, the ones that now hold fewer shards of some deployment.
+        self.cap_fewer: set[str] = set()
 
     # -- nodes -----------------------------------------------------------------------
 
@@ -239,6 +247,7 @@ class FleetState:
         self.known_since.pop(node_id, None)
         self.capacity.pop(node_id, None)
         self._gpu_names.pop(node_id, None)
+        self._gpu_lists.pop(node_id, None)
         self.reported.pop(node_id, None)
         for sid in list(self.reserved_by_node.get(node_id, ())):
             self.release_reserved(sid)
@@ -290,7 +299,7 @@ class FleetState:
         self.shard_counts[state] += 1
         shard.state = state
         shard.since = now
-        if state != ShardState.FETCHING:
+        if shard.fetch is not None and state != ShardState.FETCHING:
             shard.fetch = None
         if state in (ShardState.PENDING, ShardState.STARTING) and not shard.stopping:
             self.unsettled.add(shard.id)
@@ -400,6 +409,7 @@ class FleetState:
                 del rep.shards[shard.rank]
             spread = self.spread.get(rep.model)
             if spread is not None:
+                self.cap_fewer.add(shard.node_id)
                 n = spread.get(shard.node_id, 0) - 1
                 if n > 0:
                     spread[shard.node_id] = n
@@ -541,14 +551,25 @@ class FleetState:
             if not g.problems and g.index not in given
         ]
         # GPU names change only with a new Register (a new list of GPUs):
-        # the map is made once per Register, not per change of memory used.
-        kept = self._gpu_names.get(node_id)
-        if kept is None or kept[0] is not node.gpus:
-            kept = self._gpu_names[node_id] = (node.gpus, {g.index: g.name for g in node.gpus})
+        # the map is looked up once per Register, not per change of memory used.
+        if self._gpu_lists.get(node_id) is not node.gpus:
+            self._gpu_lists[node_id] = node.gpus
+            self._gpu_names[node_id] = self._name_map(node.gpus)
         return NodeCapacity(
             id=node_id, host=node.address or "127.0.0.1", fabrics=dict(node.fabrics), free=free,
-            names=kept[1],
+            names=self._gpu_names[node_id],
         )
+
+    def _name_map(self, gpus: list[GPUInfo]) -> dict[int, str]:
+        # One map per set of GPU names and indices seen (a fleet has few),
+        # shared by the nodes that have it and never changed.
+        layout = tuple((g.index, g.name) for g in gpus)
+        names = self._name_maps.get(layout)
+        if names is None:
+            if len(self._name_maps) >= MAX_NAME_MAPS:
+                self._name_maps.clear()
+            names = self._name_maps[layout] = dict(layout)
+        return names
 
     def eligible(self, node_id: str, connected: AbstractSet[str]) -> bool:
         """
@@ -576,7 +597,9 @@ class FleetState:
             for _ in range(min(len(dirty), 128)):
                 node_id = dirty.pop()
                 cap = self.node_capacity(inventory, node_id) if self.eligible(node_id, connected) else None
-                placer.update(node_id, cap)
+                fewer = node_id in self.cap_fewer
+                self.cap_fewer.discard(node_id)
+                placer.update(node_id, cap, fewer)
             if dirty and over is not None and over():
                 return False
         return True

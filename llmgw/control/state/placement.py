@@ -241,7 +241,10 @@ class Placer:
         #: the nodes with an entry there, and the ids still to gather for
         #: groups being gathered.
         self._groups: dict[GroupKey, dict[int, list[Entry]]] = {}
-        self._members: dict[GroupKey, dict[str, tuple[int, Entry]]] = {}
+        self._members: dict[GroupKey, dict[str, Entry]] = {}
+        #: The tier of each live entry (two maps, not one of pairs: a pair
+        #: per node and group would be as many objects more to collect).
+        self._member_tiers: dict[GroupKey, dict[str, int]] = {}
         self._gathering: dict[GroupKey, list[str]] = {}
         self._weights = weights
         self.ports = ports
@@ -273,11 +276,15 @@ class Placer:
         for fabric in node.fabrics:
             self._by_fabric.setdefault(fabric, {})[node_id] = None
 
-    def update(self, node_id: str, node: NodeCapacity | None) -> None:
+    def update(self, node_id: str, node: NodeCapacity | None, fewer: bool = True) -> None:
         """
         C{node_id} changed: it can now give C{node}, or takes no work
-        (C{None}).
+        (C{None}). C{fewer=False}: it holds no fewer shards of any group
+        than when it was last updated (the caller keeps count), so its
+        live entries sort no later than they should.
         """
+        # One the placer did not have may hold fewer than its old entries say.
+        fewer = fewer or node_id not in self._nodes
         self._set(node_id, node)
         if node is None:
             self.eligible.discard(node_id)
@@ -288,20 +295,22 @@ class Placer:
             return
         spread, extras = self._spread, self._extra
         for gkey, members in self._members.items():
+            if not fewer and node_id in members and not gkey[4] and not gkey[6]:
+                continue  # as below, without looking further (most groups, most updates)
             group, fabric, gpus, mem, weights, types, prefer = gkey
-            live = members.get(node_id)
+            live_tier = self._member_tiers[gkey].get(node_id)
             plain = not weights and not prefer
             # A live entry that sorts too early is put right when it comes
             # up; one that sorts too late (the node now holds fewer of the
             # group's shards) would let nodes that hold more be taken first.
             # One in tier 0 never does: the node's shards are not looked up.
-            if plain and live is not None and live[0] == 0:
+            if plain and live_tier == 0:
                 continue
             # self._count(group, node_id), inline: once per group per node changed
             base, extra = spread.get(group), extras.get(group)
             tier = ((base.get(node_id, 0) if base is not None else 0)
                     + (extra.get(node_id, 0) if extra is not None else 0))
-            if plain and live is not None and tier >= live[0]:
+            if plain and live_tier is not None and tier >= live_tier:
                 continue
             if fabric and fabric not in node.fabrics:
                 continue
@@ -309,12 +318,13 @@ class Placer:
                     is None or (not plain and self._refused(gkey, node_id))):
                 continue
             entry = self._keys[node_id] if plain else self._entry(gkey, node_id)
-            if live is not None and (tier > live[0] or (tier == live[0] and entry[:2] >= live[1][:2])):
+            if live_tier is not None and (
+                    tier > live_tier or (tier == live_tier and entry[:2] >= members[node_id][:2])):
                 # Its live entry comes up no later than the node now sorts
                 # (tier, preferred types and weights no better): put right
                 # lazily then.
                 continue
-            members[node_id] = (tier, entry)
+            members[node_id], self._member_tiers[gkey][node_id] = entry, tier
             heapq.heappush(self._groups[gkey].setdefault(tier, []), entry)
 
     def _entry(self, gkey: GroupKey, node_id: str) -> Entry:
@@ -370,7 +380,7 @@ class Placer:
         tiers = self._groups.get(gkey)
         if tiers is None:
             tiers = self._groups[gkey] = {}
-            self._members[gkey] = {}
+            self._members[gkey], self._member_tiers[gkey] = {}, {}
             fabric = gkey[1]
             ids = self._by_fabric.get(fabric, {}) if fabric else self._nodes
             self._gathering[gkey] = list(ids)
@@ -380,7 +390,7 @@ class Placer:
         # Gathered from the end, a chunk between looks at the clock (at
         # least one chunk a call, so every call makes progress); a node
         # that update() gave an entry meanwhile is not given another.
-        members = self._members[gkey]
+        members, member_tiers = self._members[gkey], self._member_tiers[gkey]
         # No weights and no preferred types (most groups): a node's entry is its key.
         plain = not gkey[4] and not gkey[6]
         keys = self._keys
@@ -394,7 +404,7 @@ class Placer:
                     continue
                 entry = keys[node_id] if plain else self._entry(gkey, node_id)
                 tier = self._count(req.group, node_id)
-                members[node_id] = (tier, entry)
+                members[node_id], member_tiers[node_id] = entry, tier
                 tiers.setdefault(tier, []).append(entry)
             if left and over is not None and over():
                 return None
@@ -415,7 +425,7 @@ class Placer:
         if tiers is None:
             return BUSY
         gkey = self._gkey(req)
-        members = self._members[gkey]
+        members, member_tiers = self._members[gkey], self._member_tiers[gkey]
         plain = not gkey[4] and not gkey[6]  # as in _tiers
         chosen: list[tuple[str, list[tuple[int, int]], int]] = []
         while len(chosen) < req.shards:
@@ -428,23 +438,23 @@ class Placer:
             key = heapq.heappop(heap)
             self.scanned += 1
             node_id = key[-1]
-            if members.get(node_id) != (tier, key):
+            if member_tiers.get(node_id) != tier or members[node_id] != key:
                 # A stale duplicate: the node's live entry is another.
                 continue
             if node_id not in self._keys:
-                del members[node_id]
+                del members[node_id], member_tiers[node_id]
                 continue
             current = self._keys[node_id] if plain else self._entry(gkey, node_id)
             count = self._count(req.group, node_id)
             if current != key or count != tier:
                 # Changed since it was pushed: back with what it is now.
-                members[node_id] = (count, current)
+                members[node_id], member_tiers[node_id] = current, count
                 heapq.heappush(tiers.setdefault(count, []), current)
                 continue
             gpus = self._fit(self._nodes[node_id], req)
             if gpus is None or (not plain and self._refused(gkey, node_id)):
                 # Until it changes again (update() pushes it then).
-                del members[node_id]
+                del members[node_id], member_tiers[node_id]
                 continue
             chosen.append((node_id, gpus, tier))
         slots: list[Slot] = []
@@ -460,7 +470,7 @@ class Placer:
                 slots = []
         if not slots:
             for node_id, _, tier in chosen:
-                heapq.heappush(tiers[tier], members[node_id][1])
+                heapq.heappush(tiers[tier], members[node_id])
             return None
         extra = self._extra.setdefault(req.group, {})
         for node_id, gpus, tier in chosen:
@@ -469,10 +479,10 @@ class Placer:
             self._take(node_id, gpus)
             if node_id in self._keys:
                 entry = self._keys[node_id] if plain else self._entry(gkey, node_id)
-                members[node_id] = (tier + 1, entry)
+                members[node_id], member_tiers[node_id] = entry, tier + 1
                 heapq.heappush(tiers.setdefault(tier + 1, []), entry)
             else:
-                del members[node_id]
+                del members[node_id], member_tiers[node_id]
         return slots
 
     def _take(self, node_id: str, gpus: list[tuple[int, int]]) -> None:
