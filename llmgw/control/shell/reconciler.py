@@ -495,8 +495,7 @@ class Reconciler(RolloutControl, ModelControl, Service):
 
     def _tick(self, ctx: Context, now: float, out: Outcome) -> None:
         nodes.inventory_changed(ctx, self.inventory.take_changed(), now, out)
-        # Checks left over (many nodes fell due at once) are the next
-        # pass's, which runs at once.
+        # Checks left over (many nodes fell due at once) are the next pass's, which runs at once.
         expiry_left = nodes.expire(ctx, now, out)
         self.pass_unfinished = expiry_left
         if self.dispatcher is None:
@@ -508,8 +507,9 @@ class Reconciler(RolloutControl, ModelControl, Service):
         p, connected = self._placing, lambda: self._connected_for(now)
         placing_left = placing.reconcile(ctx, now, p.placer, lambda: p.sync(ctx, connected(), self._over_budget),
                                          self._over_budget, out)
-        if self.swapping.pending or self.swapping.incoming or ctx.room or ctx.short_of_room():  # else idle
-            self.swapping.tick(ctx, self.autoscaling.scalers, connected, now, out)
+        sw = self.swapping  # idle unless room is short or being made, or a GPU is lent
+        if sw.pending or sw.incoming or ctx.room or ctx.short_of_room() or ctx.state.displaced:
+            sw.tick(ctx, self.autoscaling.scalers, connected, now, out)
         prefetching.step(ctx, ctx.prefetch, connected, now, out)
         self.pass_unfinished = expiry_left or placing_left
 
