@@ -6,8 +6,8 @@ supervisor, the GPU monitor, the newest control-plane epoch seen, and
 whether the last refusal was a configuration error. L{AgentStreamClient} is
 one connection: it sends C{Register} as soon as it is connected, waits for
 the C{Ack}, then sends heartbeats on a C{LoopingCall} and a C{ShardStatus}
-on every shard transition, and carries out C{StartShard}, C{StopShard} and
-C{DrainShard}.
+on every shard transition, and carries out C{StartShard}, C{StopShard},
+C{DrainShard} and C{SleepShard}.
 
 L{make_client_service} dials through a C{ClientService} whose retry
 policy counts failures itself: the backoff (jittered, capped at 30 s)
@@ -263,6 +263,8 @@ class AgentStreamClient(MessageStream[pb.ControlMessage]):
         elif kind == "drop":
             if self.core.accept_epoch("DropModel", msg.drop.pin, msg.drop.epoch):
                 self.core.prefetcher.drop(msg.drop)
+        elif kind == "sleep" and self.core.accept_epoch("SleepShard", msg.sleep.shard_id, msg.sleep.epoch):
+            self.core.sleep_shard(msg.sleep.shard_id)
         elif kind == "load_adapter" and self.core.accept_epoch("LoadAdapter", msg.load_adapter.shard_id, msg.load_adapter.epoch):
             self.core.supervisor.weights.adapters.load(self.core.supervisor, msg.load_adapter)
         elif kind == "certificate_issued" and self.core.renewal is not None:
@@ -396,9 +398,7 @@ class AgentCore(Factory):
         self.last_failure: str | None = None
         #: Connection attempts that failed since the last acknowledged Register.
         self.failures = 0
-        self._queued: collections.deque[pb.ShardStatus] = collections.deque(
-            maxlen=MAX_QUEUED_STATUSES
-        )
+        self._queued: collections.deque[pb.ShardStatus] = collections.deque(maxlen=MAX_QUEUED_STATUSES)
         #: Set while the agent shuts down: a closing stream is expected then.
         self.stopping = False
         #: The control plane's members this agent knows
@@ -415,6 +415,8 @@ class AgentCore(Factory):
         #: Renews the node's certificate over the stream
         #: (L{llmgw.agent.renewal.CertificateRenewal}), or None.
         self.renewal: Any = None
+        #: Puts a shard's engine to sleep now (L{llmgw.agent.sleep.Sleeper.sleep_now}).
+        self.sleep_shard: Callable[[str], object] = lambda shard_id: None
         #: Engine signals for heartbeats (L{llmgw.agent.scrape.Scraper}), or None.
         self.scraper = scraper
         if scraper is not None:
@@ -493,8 +495,7 @@ class AgentCore(Factory):
             self.log.critical(
                 "CONFIGURATION ERROR connecting to the control plane at {control}: {why}. "
                 "Retrying every {delay}s until it is fixed.",
-                control=self.config.control, why=why, delay=self.max_backoff,
-            )
+                control=self.config.control, why=why, delay=self.max_backoff)
         else:
             self.log.warn("connection to the control plane at {control} failed before "
                           "registering: {why}", control=self.config.control, why=why)
@@ -519,8 +520,7 @@ class AgentCore(Factory):
             self.log.warn(
                 "refusing {what} for shard {shard} from control plane epoch {epoch}: a newer "
                 "control plane (epoch {newest}) has spoken since",
-                what=what, shard=shard_id, epoch=epoch, newest=self.newest_epoch,
-            )
+                what=what, shard=shard_id, epoch=epoch, newest=self.newest_epoch)
             return False
         if epoch > self.newest_epoch:
             self.newest_epoch = epoch

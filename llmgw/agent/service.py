@@ -268,6 +268,7 @@ class NodeAgent(MultiService):
             model_cache=self.model_cache.cache,
         )
         self.sleeper.on_change = lambda shard_id: self.core.heartbeat_now()
+        self.core.sleep_shard = self.sleeper.sleep_now
         # tls_context: one made before the files existed (a node that joined).
         self.client_tls = AgentClientTLS(control_host, tls, context=tls_context)
         self.handle_sighup = owns_signals(reactor) if handle_sighup is None else handle_sighup

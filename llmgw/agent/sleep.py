@@ -251,3 +251,54 @@ class Sleeper(Service):
                           "the next idle period", shard=shard_id, why=f.getErrorMessage())
 
         self.call(b"POST", url, sleepmodes.sleep_body(engine)).addCallbacks(done, failed)
+
+    def sleep_now(self, shard_id: str) -> str | None:
+        """
+        Put C{shard_id}'s engine to sleep now, as the control plane asks
+        (C{SleepShard}) to make room, through the same call as an idle
+        sleep; C{None} when the call is made (or it sleeps already), else
+        why not, which is logged: an unknown shard, one that is not a ready
+        leader of an engine llmgw puts to sleep, or one busy (requests
+        running or waiting by the newest figures, or a call to its engine
+        under way). The control plane learns the outcome from the shard's
+        sleeping signal, in the heartbeat sent when it changes.
+        """
+        why = self._refusal(shard_id)
+        if why is not None:
+            self.log.warn("not putting shard {shard} to sleep as the control plane asked: {why}",
+                          shard=shard_id, why=why)
+            return why
+        return None
+
+    def _refusal(self, shard_id: str) -> str | None:
+        shard = self.supervisor.shards.get(shard_id)
+        if shard is None or shard.stopping:
+            return "no such shard runs here"
+        spec = shard.spec
+        mode = sleepmodes.mode(spec.engine)
+        if mode is None or not mode.sleep_path or spec.sleep_level <= 0 or spec.rank != 0:
+            return (f"its engine ({spec.engine}, rank {spec.rank}, sleep level {spec.sleep_level}) is not "
+                    "one llmgw puts to sleep: a leader of vLLM or SGLang with a sleep level")
+        if shard.state != ShardState.READY:
+            return f"it is {shard.state}, not ready"
+        now = self.clock.seconds()
+        st = self.states.get(shard_id)
+        if st is None:
+            st = self.states[shard_id] = SleepState(busy_at=now)
+        if st.sleeping:
+            return None
+        sample = self.scraper.samples.get(shard_id)
+        sig = sample.signals if sample is not None else None
+        if sig is None or sig.running is None:
+            return "busy: no figures of its requests in flight yet"
+        if (sig.running or 0) > 0 or (sig.waiting or 0) > 0:
+            return f"busy: {sig.running:g} request(s) running, {sig.waiting or 0:g} waiting"
+        if st.calling:
+            return "busy: a call to its engine is under way"
+        if st.sleeping is None:
+            # An engine that cannot say whether it sleeps starts awake.
+            st.sleeping = False
+        base = f"http://{format_address(self.host(), spec.port)}"
+        self._sleep(shard_id, spec.engine, base + mode.sleep_path.format(level=spec.sleep_level), st,
+                    now - st.busy_at)
+        return None

@@ -28,6 +28,8 @@ class FakeDispatcher:
     starts: list[ShardCommand] = field(default_factory=list)
     stops: list[tuple[str, str]] = field(default_factory=list)
     drains: list[tuple[str, str]] = field(default_factory=list)
+    #: (node, shard) of each SleepShard.
+    sleeps: list[tuple[str, str]] = field(default_factory=list)
     #: (node, source, peers, pin) of each PrefetchModel.
     prefetches: list[tuple[str, ModelSource, tuple[str, ...], str]] = field(default_factory=list)
     #: (node, key, pin) of each DropModel.
@@ -52,6 +54,10 @@ class FakeDispatcher:
     def drain_shard(self, node_id: str, shard_id: str) -> None:
         self._check(node_id)
         self.drains.append((node_id, shard_id))
+
+    def sleep_shard(self, node_id: str, shard_id: str) -> None:
+        self._check(node_id)
+        self.sleeps.append((node_id, shard_id))
 
     def prefetch_model(self, node_id: str, source: ModelSource, peers: Sequence[str], pin: str) -> None:
         self._check(node_id)

@@ -20,7 +20,7 @@ class AgentMessage(_message.Message):
     def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., shard: _Optional[_Union[ShardStatus, _Mapping]] = ..., certificate_request: _Optional[_Union[CertificateRequest, _Mapping]] = ...) -> None: ...
 
 class ControlMessage(_message.Message):
-    __slots__ = ("ack", "start", "stop", "drain", "prefetch", "drop", "certificate_issued", "load_adapter")
+    __slots__ = ("ack", "start", "stop", "drain", "prefetch", "drop", "certificate_issued", "load_adapter", "sleep")
     ACK_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class ControlMessage(_message.Message):
     DROP_FIELD_NUMBER: _ClassVar[int]
     CERTIFICATE_ISSUED_FIELD_NUMBER: _ClassVar[int]
     LOAD_ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    SLEEP_FIELD_NUMBER: _ClassVar[int]
     ack: Ack
     start: StartShard
     stop: StopShard
@@ -37,7 +38,8 @@ class ControlMessage(_message.Message):
     drop: DropModel
     certificate_issued: CertificateIssued
     load_adapter: LoadAdapter
-    def __init__(self, ack: _Optional[_Union[Ack, _Mapping]] = ..., start: _Optional[_Union[StartShard, _Mapping]] = ..., stop: _Optional[_Union[StopShard, _Mapping]] = ..., drain: _Optional[_Union[DrainShard, _Mapping]] = ..., prefetch: _Optional[_Union[PrefetchModel, _Mapping]] = ..., drop: _Optional[_Union[DropModel, _Mapping]] = ..., certificate_issued: _Optional[_Union[CertificateIssued, _Mapping]] = ..., load_adapter: _Optional[_Union[LoadAdapter, _Mapping]] = ...) -> None: ...
+    sleep: SleepShard
+    def __init__(self, ack: _Optional[_Union[Ack, _Mapping]] = ..., start: _Optional[_Union[StartShard, _Mapping]] = ..., stop: _Optional[_Union[StopShard, _Mapping]] = ..., drain: _Optional[_Union[DrainShard, _Mapping]] = ..., prefetch: _Optional[_Union[PrefetchModel, _Mapping]] = ..., drop: _Optional[_Union[DropModel, _Mapping]] = ..., certificate_issued: _Optional[_Union[CertificateIssued, _Mapping]] = ..., load_adapter: _Optional[_Union[LoadAdapter, _Mapping]] = ..., sleep: _Optional[_Union[SleepShard, _Mapping]] = ...) -> None: ...
 
 class Register(_message.Message):
     __slots__ = ("protocol_version", "node_id", "agent_version", "gpus", "fabrics", "running_shards", "certificate_not_after", "stray_processes", "advertise_address", "cached_models", "peer_address", "cache_capacity", "cache_free")
@@ -434,6 +436,14 @@ class StopShard(_message.Message):
     def __init__(self, shard_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class DrainShard(_message.Message):
+    __slots__ = ("shard_id", "epoch")
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    shard_id: str
+    epoch: int
+    def __init__(self, shard_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class SleepShard(_message.Message):
     __slots__ = ("shard_id", "epoch")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]

@@ -54,6 +54,16 @@ class Drain:
 
 
 @dataclass(frozen=True, slots=True)
+class Sleep:
+    """
+    Have C{node_id} put leader shard C{shard_id}'s engine to sleep now.
+    """
+
+    node_id: str
+    shard_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class Prefetch:
     """
     Have C{node_id} fetch C{source} into its cache and keep it under C{pin}
@@ -90,7 +100,7 @@ class LoadAdapter:
     source: ModelSource
 
 
-Command = Start | Stop | Drain | Prefetch | DropModel | LoadAdapter
+Command = Start | Stop | Drain | Sleep | Prefetch | DropModel | LoadAdapter
 
 
 def send(dispatcher: IDispatcher | None, cmd: Command) -> str | None:
@@ -106,6 +116,8 @@ def send(dispatcher: IDispatcher | None, cmd: Command) -> str | None:
             dispatcher.stop_shard(cmd.node_id, cmd.shard_id)
         elif isinstance(cmd, Drain):
             dispatcher.drain_shard(cmd.node_id, cmd.shard_id)
+        elif isinstance(cmd, Sleep):
+            dispatcher.sleep_shard(cmd.node_id, cmd.shard_id)
         elif isinstance(cmd, Prefetch):
             dispatcher.prefetch_model(cmd.node_id, cmd.source, cmd.peers, cmd.pin)
         elif isinstance(cmd, LoadAdapter):

@@ -54,19 +54,27 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 
-from llmgw import gputypes
+from llmgw import gputypes, sleepmodes
 from llmgw.control.core import lending, lifecycle
 from llmgw.control.core.autoscale import ScalerState
 from llmgw.control.core.catalog import Catalog, Deployment, Profile
+from llmgw.control.core.commands import Sleep
 from llmgw.control.core.context import Context
 from llmgw.control.core.outcome import Outcome
 from llmgw.control.core.placing import waiting_order
 from llmgw.control.core.sleeping import asleep
-from llmgw.control.state.fleetstate import Phase
+from llmgw.control.state.fleetstate import Phase, ReplicaRec
 from llmgw.routing import MAX_QUEUE_TIMEOUT_S, QueueLimits
 
 #: The event a replica taken for another model makes.
 SWAP = "swap"
+#: The events of a replica put to sleep to make room, and of one that was
+#: not heard asleep in time (a replica is taken instead).
+SWAP_SLEEP = "swap_sleep"
+SWAP_SLEEP_FAILED = "swap_sleep_failed"
+#: Seconds a replica put to sleep to make room has to be heard asleep and
+#: its GPUs lent, before swapping takes a replica instead.
+SLEEP_BOUND_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,6 +285,12 @@ class Swapping:
         self.incoming: set[str] = set()
         #: Replicas taken since the process started (for the benchmark).
         self.taken = 0
+        #: Per wanting model whose C{pending} replicas were put to sleep
+        #: rather than taken: when that gives way to taking.
+        self.sleeping: dict[str, float] = {}
+        #: Replicas not heard asleep in time when asked: taken, not asked
+        #: again, while they last.
+        self.unslept: set[str] = set()
 
     def tick(self, ctx: Context, scalers: dict[str, ScalerState], connected: Callable[[], set[str]],
              now: float, out: Outcome) -> None:
@@ -289,6 +303,12 @@ class Swapping:
         for model, rids in list(self.pending.items()):
             if not any(r in st.replicas for r in rids) or not ctx.deps[model].unplaceable:
                 del self.pending[model]
+        for model, deadline in list(self.sleeping.items()):
+            if model not in self.pending:
+                del self.sleeping[model]
+            elif now >= deadline:
+                self._sleep_failed(ctx, model, out)
+        self.unslept &= st.replicas.keys()
         wanting = [
             dep for model, dep in ctx.catalog.deployments.items()
             if ctx.deps[model].unplaceable and model not in self.pending
@@ -349,6 +369,8 @@ class Swapping:
         # A borrower shares its GPUs with a sleeping lender that keeps them:
         # taking it would give them back to the lender, not to this model.
         borrowing = {b for d in st.displaced for b in st.replicas[d].displaced_by}
+        if self._sleep_room(ctx, want, profile, free, scalers, borrowing, now, out):
+            return
         residents, spare = [], {}
         for dep in ctx.catalog.deployments.values():
             rules = dep.multiplex
@@ -392,6 +414,119 @@ class Swapping:
             scaler = scalers.get(r.model)
             if scaler is not None:
                 scalers[r.model] = replace(scaler, desired=lower, below_since=None, peak=0)
+
+    def _sleep_room(self, ctx: Context, want: Deployment, profile: Profile, free: Mapping[str, int],
+                    scalers: Mapping[str, ScalerState], borrowing: set[str], now: float, out: Outcome) -> bool:
+        """
+        Make room for C{want} by putting idle replicas to sleep, so that
+        lending places it on their GPUs, rather than by taking replicas;
+        whether it did. A replica slept stays one (its count is kept), one
+        wake away from its next request.
+        """
+        if not lending.borrower_allowed(want):
+            return False
+        st, priority = ctx.state, want.multiplex.priority
+        asked = borrowing.union(*self.pending.values())
+        residents: list[Resident] = []
+        for dep in ctx.catalog.deployments.values():
+            rules = dep.multiplex
+            scaler = scalers.get(dep.model)
+            # As for taking, no more important than the wanting model; as
+            # for lending, at least as important as its borrower.
+            if (dep.model == want.model or not rules.evictable or dep.autoscale is None
+                    or rules.priority != priority or rules.sleep_after_s <= 0
+                    or (scaler is not None and scaler.busy_at == now)):
+                continue
+            used = scaler.busy_at if scaler is not None and scaler.busy_at is not None else 0.0
+            for rid in sorted(st.ready.get(dep.model, ())):
+                rep = st.replicas[rid]
+                if (rid in self.unslept or rid in asked or not _may_sleep(ctx, rep, now)
+                        or now - (rep.ready_since or now) < rules.min_resident_s):
+                    continue
+                gpus = _lendable(ctx, rep, free, profile, want)
+                if gpus:
+                    residents.append(Resident(rid, dep.model, rep.shards[0].node_id, gpus, False,
+                                              rules.priority, used, rep.created_at))
+        spare = {r.model: len(residents) for r in residents}
+        chosen = choose(free, profile.gpus_per_shard, residents, spare, profile.shards)
+        if chosen is None:
+            return False
+        nodes, slept = chosen
+        where = f"node{'s' if len(nodes) > 1 else ''} {', '.join(nodes)}"
+        self.pending[want.model] = frozenset(r.id for r in slept)
+        self.sleeping[want.model] = now + SLEEP_BOUND_S
+        self.incoming.add(want.model)
+        for r in slept:
+            leader = st.replicas[r.id].shards[0]
+            out.event(SWAP_SLEEP, replica=r.id, node=r.node_id, reason=(
+                f"model {r.model} (priority {r.priority}, idle, no demand for {now - r.last_used:.0f}s) "
+                f"is put to sleep to lend its GPUs to model {want.model} (priority {priority}) on {where}, "
+                "whose requests wait; it stays a replica, woken by its next request once they are back"))
+            out.send(Sleep(leader.node_id, leader.id))
+        return True
+
+    def _sleep_failed(self, ctx: Context, model: str, out: Outcome) -> None:
+        """
+        The replicas put to sleep for C{model} were not heard asleep, or
+        their GPUs not lent, within L{SLEEP_BOUND_S}: take replicas instead
+        (those not asleep are not asked to sleep again).
+        """
+        rids = sorted(self.pending.pop(model, frozenset()))
+        del self.sleeping[model]
+        awake = [r for r in rids if r in ctx.state.replicas and asleep(ctx.state.replicas[r]) is not True]
+        self.unslept.update(awake)
+        out.event(SWAP_SLEEP_FAILED, level="warn", reason=(
+            f"model {model}: the replica(s) put to sleep to make room for it ({', '.join(rids)}) "
+            f"{'were not heard asleep' if awake else 'did not lend their GPUs'} within {SLEEP_BOUND_S:.0f}s; "
+            "replicas are taken instead"))
+
+
+def _may_sleep(ctx: Context, rep: ReplicaRec, now: float) -> bool:
+    """
+    Whether C{rep} may be put to sleep to make room: ready, awake by its
+    leader's newest figures with nothing running or waiting, not lent
+    out, and of a profile whose engine llmgw puts to sleep.
+    """
+    leader = rep.shards.get(0)
+    sig = leader.signals if leader is not None else None
+    profile = ctx.profile(rep.profile)
+    mode = sleepmodes.mode(profile.engine) if profile is not None else None
+    return (rep.phase == Phase.ACTIVE and rep.ready_since is not None and not rep.displaced_by
+            and profile is not None and profile.sleep_level > 0 and mode is not None and bool(mode.sleep_path)
+            and sig is not None and sig.sleeping is False and sig.running is not None
+            and sig.running <= 0 and (sig.waiting or 0) <= 0)
+
+
+def _lendable(ctx: Context, rep: ReplicaRec, free: Mapping[str, int], profile: Profile,
+              want: Deployment) -> dict[str, int]:
+    """
+    How many of C{rep}'s GPUs lending would give a replica of C{profile}
+    (for C{want}) once C{rep} sleeps, by node (of those in C{free}): of a
+    type and memory it takes, counting each holder's residual
+    (L{lending.residual_mb}), and held otherwise only by sleepers at least
+    as important as C{want}.
+    """
+    st, deps = ctx.state, ctx.catalog.deployments
+    out: dict[str, int] = {}
+    for shard in rep.shards.values():
+        node = ctx.inventory.peek(shard.node_id)
+        if shard.node_id not in free or node is None:
+            continue
+        info = {g.index: g for g in node.gpus}
+        for index in shard.gpus:
+            gpu = info.get(index)
+            holders = {st.shards[sid].replica_id for sid in st.node_shards.get(shard.node_id, ())
+                       if index in st.shards[sid].gpus} - {rep.id}
+            others = [st.replicas[h] for h in holders if h in st.replicas]
+            if (gpu is None or gpu.problems
+                    or (profile.gpu_types and not gputypes.matches(gpu.name, profile.gpu_types))
+                    or gpu.memory_total_mb - (1 + len(others)) * lending.residual_mb(gpu.memory_total_mb)
+                    < profile.gpu_memory_mb
+                    or not all(lending.sleeper(ctx, o) and o.model in deps and o.model != want.model
+                               and deps[o.model].multiplex.priority >= want.multiplex.priority for o in others)):
+                continue
+            out[shard.node_id] = out.get(shard.node_id, 0) + 1
+    return out
 
 
 def _fitting(ctx: Context, node_id: str, indices: Iterable[int], profile: Profile) -> int:

@@ -187,34 +187,33 @@ class FencedDispatcher:
         #: Commands refused because this member no longer leads.
         self.fenced = 0
 
-    def _check(self) -> None:
+    def _check(self) -> Any:
+        """The agent service, while this member may command; raises L{NotConnected} otherwise."""
         if not self.may_command():
             self.fenced += 1
             raise NotConnected("this control-plane member no longer leads: no command is sent")
+        return self.inner
 
     def start_shard(self, command: ShardCommand) -> None:
-        self._check()
-        self.inner.start_shard(command)
+        self._check().start_shard(command)
 
     def stop_shard(self, node_id: str, shard_id: str) -> None:
-        self._check()
-        self.inner.stop_shard(node_id, shard_id)
+        self._check().stop_shard(node_id, shard_id)
 
     def drain_shard(self, node_id: str, shard_id: str) -> None:
-        self._check()
-        self.inner.drain_shard(node_id, shard_id)
+        self._check().drain_shard(node_id, shard_id)
+
+    def sleep_shard(self, node_id: str, shard_id: str) -> None:
+        self._check().sleep_shard(node_id, shard_id)
 
     def prefetch_model(self, node_id: str, source: ModelSource, peers: Sequence[str], pin: str) -> None:
-        self._check()
-        self.inner.prefetch_model(node_id, source, peers, pin)
+        self._check().prefetch_model(node_id, source, peers, pin)
 
     def drop_model(self, node_id: str, key: str, pin: str) -> None:
-        self._check()
-        self.inner.drop_model(node_id, key, pin)
+        self._check().drop_model(node_id, key, pin)
 
     def load_adapter(self, node_id: str, shard_id: str, name: str, source: ModelSource) -> None:
-        self._check()
-        self.inner.load_adapter(node_id, shard_id, name, source)
+        self._check().load_adapter(node_id, shard_id, name, source)
 
     def connected_nodes(self) -> list[str]:
         return list(self.inner.connected_nodes()) if self.may_command() else []

@@ -250,6 +250,9 @@ class AgentService(ServerFactory):
             node_id, pb.ControlMessage(drain=pb.DrainShard(shard_id=shard_id, epoch=self.epoch))
         )
 
+    def sleep_shard(self, node_id: str, shard_id: str) -> None:
+        self._send(node_id, pb.ControlMessage(sleep=pb.SleepShard(shard_id=shard_id, epoch=self.epoch)))
+
     def prefetch_model(self, node_id: str, source: ModelSource, peers: Sequence[str], pin: str) -> None:
         self._send(node_id, prefetch_message(source, peers, pin, self.epoch))
 

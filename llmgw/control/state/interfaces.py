@@ -75,6 +75,11 @@ class IDispatcher(Interface):
         Send a C{DrainShard}. Raises like L{start_shard}.
         """
 
+    def sleep_shard(node_id: str, shard_id: str) -> None:
+        """
+        Send a C{SleepShard}. Raises like L{start_shard}.
+        """
+
     def prefetch_model(node_id: str, source: ModelSource, peers: Sequence[str], pin: str) -> None:
         """
         Send a C{PrefetchModel}: C{node_id} fetches C{source} into its cache

@@ -1,0 +1,154 @@
+"""
+Making room by sleep (DESIGN §22): when a model's requests wait and no GPU
+is free, an idle evictable replica whose engine sleeps is put to sleep
+(C{SleepShard}) rather than taken, and lending then places the model on
+its GPU; a replica not heard asleep in time, a busy one, or one whose
+engine llmgw cannot put to sleep is taken as before. The agent's side:
+L{llmgw.agent.sleep.Sleeper.sleep_now}.
+"""
+
+from __future__ import annotations
+
+import tomllib
+
+from twisted.internet import defer
+from twisted.internet.task import Clock
+from twisted.trial.unittest import SynchronousTestCase
+
+from llmgw.agent.client import AgentCore, AgentStreamClient
+from llmgw.agent.shard import READY, Shard
+from llmgw.agent.sleep import Sleeper
+from llmgw.api.v1 import agent_pb2 as pb
+from llmgw.control.core import swapping
+from llmgw.control.core.catalog import parse_catalog
+from llmgw.routing import Demand, EngineSignals
+from llmgw.wire import FrameError, decode
+from tests.reconciler_harness import ONE_GPU, Fleet
+
+SLEEPY = """
+[profiles.sleepy]
+gpus_per_shard = 1
+gpu_memory_mb = 1000
+engine = "vllm"
+sleep_level = 1
+command = ["x"]
+startup_timeout_s = 60
+drain_timeout_s = 10
+"""
+
+
+def catalog(a_profile: str = "sleepy", a_priority: int = 0) -> str:
+    text = ONE_GPU + SLEEPY
+    for model, profile, priority, extra in (("a", a_profile, a_priority, "sleep_after_s = 300\n" if a_profile == "sleepy" else ""),
+                                            ("want", "one", 0, "")):
+        text += (f'\n[[deployments]]\nmodel = "{model}"\nprofile = "{profile}"\nmin_replicas = 0\nmax_replicas = 1\n'
+                 f'scale_to_zero_after_s = 3600\nevictable = true\npriority = {priority}\nmin_resident_s = 0\n'
+                 + extra)
+    return text
+
+
+class SleepToMakeRoomTests(SynchronousTestCase):
+    def setup(self, running: float = 0.0, **kw: str | int) -> Fleet:
+        """One node of one GPU; a's replica ready, awake, C{running} requests by its figures."""
+        f = Fleet({}, nodes=1, gpus=1, grace=0, cat=parse_catalog(tomllib.loads(catalog(**kw))))  # type: ignore[arg-type]
+        f.step()
+        f.rec.report_demand("gw", {"a": Demand(1, 0)})
+        f.step()
+        f.make_ready()
+        f.step(passes=5)
+        [self.a] = f.ready_replicas("a")
+        self.signal(f, sleeping=False, running=running)
+        f.rec.report_demand("gw", {})
+        f.step(passes=5)
+        return f
+
+    def signal(self, f: Fleet, sleeping: bool, running: float = 0.0) -> None:
+        shard = f.rec.replica_recs[self.a].shards[0]
+        f.rec.record_engine_signals(shard.node_id, [pb.ShardSignals(
+            shard_id=shard.id, running=running, waiting=0.0, age_s=0.0, sleeping=sleeping, wake_path="/wake_up")])
+        f.clock.advance(0)
+
+    def want(self, f: Fleet, passes: int = 1) -> None:
+        for _ in range(passes):
+            f.rec.report_demand("gw", {"want": Demand(0, 3)})
+            f.step()
+
+    def events(self, f: Fleet, *kinds: str) -> list[tuple[str, str]]:
+        return [(e.kind, e.replica or "") for e in f.rec.event_log.since() if e.kind in kinds]
+
+    def test_slept_then_lent(self) -> None:
+        """
+        An idle replica whose engine sleeps is told to sleep, not drained:
+        its count stays, a C{swap_sleep} event says why; once its
+        heartbeat says it sleeps, lending places the wanted model on its
+        GPU, and nothing was taken.
+        """
+        f = self.setup()
+        shard = f.rec.replica_recs[self.a].shards[0]
+        self.want(f)
+        self.assertEqual(f.dispatcher.sleeps, [(shard.node_id, shard.id)])
+        self.assertEqual(self.events(f, "swap", "swap_sleep"), [("swap_sleep", self.a)])
+        self.assertEqual(f.rec.replica_recs[self.a].phase.value, "active")
+        self.assertEqual(f.rec.ctx.desired["a"], 1)
+        self.assertIn("want", f.rec.ctx.room)
+        # Not asleep yet: asked once, nothing else done.
+        self.want(f, passes=3)
+        self.assertEqual(len(f.dispatcher.sleeps), 1)
+        self.assertEqual([c for c in f.dispatcher.starts if c.model == "want"], [])
+        self.signal(f, sleeping=True)
+        self.want(f)
+        [start] = [c for c in f.dispatcher.starts if c.model == "want"]
+        self.assertEqual(tuple(start.gpu_indices), shard.gpus)
+        self.assertEqual(self.events(f, "gpu_lent", "replica_displaced"),
+                         [("gpu_lent", start.replica_id), ("replica_displaced", self.a)])
+        self.assertEqual(self.events(f, "swap", "swap_sleep_failed"), [])
+        self.assertEqual(f.dispatcher.drains, [])
+        self.assertEqual(f.rec.swapping.sleeping, {})
+
+    def test_not_asleep_in_time(self) -> None:
+        """
+        A replica not heard asleep within the bound (the agent refused, or
+        is too old to know the command) is taken instead, and not asked
+        to sleep again.
+        """
+        f = self.setup()
+        self.want(f)
+        self.assertEqual(len(f.dispatcher.sleeps), 1)
+        self.want(f, passes=int(swapping.SLEEP_BOUND_S) - 2)
+        self.assertEqual(self.events(f, "swap", "swap_sleep_failed"), [])
+        self.want(f, passes=3)
+        self.assertEqual(self.events(f, "swap", "swap_sleep_failed"),
+                         [("swap_sleep_failed", ""), ("swap", self.a)])
+        self.assertEqual(f.rec.replica_recs[self.a].phase.value, "draining")
+        self.assertEqual(len(f.dispatcher.sleeps), 1)
+        self.assertEqual(f.rec.ctx.desired["a"], 0)
+
+    def test_busy_is_taken(self) -> None:
+        """
+        A replica with requests running by its figures is not put to sleep
+        (a sleep would stall them): taken as before, once they drain.
+        """
+        f = self.setup(running=2.0)
+        self.want(f)
+        self.assertEqual(f.dispatcher.sleeps, [])
+        self.assertEqual(self.events(f, "swap", "swap_sleep"), [("swap", self.a)])
+
+    def test_engine_that_does_not_sleep(self) -> None:
+        """
+        A replica whose profile does not sleep is taken as before.
+        """
+        f = self.setup(a_profile="one")
+        self.want(f)
+        self.assertEqual(f.dispatcher.sleeps, [])
+        self.assertEqual(self.events(f, "swap", "swap_sleep"), [("swap", self.a)])
+
+    def test_less_important_is_taken(self) -> None:
+        """
+        A replica less important than the wanting model is taken, not
+        slept: lending gives a sleeper's GPU only to a borrower no more
+        important, so its sleep would make no room.
+        """
+        f = self.setup(a_priority=-1)
+        self.want(f)
+        self.assertEqual(f.dispatcher.sleeps, [])
+        self.assertEqual(self.events(f, "swap", "swap_sleep"), [("swap", self.a)])
