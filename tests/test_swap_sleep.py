@@ -9,21 +9,25 @@ L{llmgw.agent.sleep.Sleeper.sleep_now}.
 
 from __future__ import annotations
 
+import struct
 import tomllib
+from dataclasses import replace
 
 from twisted.internet import defer
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.agent.client import AgentCore, AgentStreamClient
+from llmgw.agent.scrape import Sample, Scraper
 from llmgw.agent.shard import READY, Shard
 from llmgw.agent.sleep import Sleeper
 from llmgw.api.v1 import agent_pb2 as pb
 from llmgw.control.core import swapping
 from llmgw.control.core.catalog import parse_catalog
 from llmgw.routing import Demand, EngineSignals
-from llmgw.wire import FrameError, decode
+from llmgw.wire import FrameError, ack, decode
 from tests.reconciler_harness import ONE_GPU, Fleet
+from tests.test_agent_client import Harness, frame
+from tests.test_sleep import FakeCall, FakeSupervisor
 
 SLEEPY = """
 [profiles.sleepy]
@@ -152,3 +156,99 @@ class SleepToMakeRoomTests(SynchronousTestCase):
         self.want(f)
         self.assertEqual(f.dispatcher.sleeps, [])
         self.assertEqual(self.events(f, "swap", "swap_sleep"), [("swap", self.a)])
+
+
+class AgentSleepNowTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.sup = FakeSupervisor()
+        self.scraper = Scraper(self.clock, self.sup, lambda url: defer.Deferred())  # type: ignore[arg-type]
+        self.call = FakeCall()
+        self.sleeper = Sleeper(self.clock, self.sup, self.scraper, self.call)  # type: ignore[arg-type]
+        self.changes: list[str] = []
+        self.sleeper.on_change = self.changes.append
+
+    def seen(self, running: float) -> None:
+        self.scraper.samples["s"] = Sample(EngineSignals(self.clock.seconds(), waiting=0.0, running=running))
+
+    def test_sleeps_at_once(self) -> None:
+        """
+        An idle vLLM leader asked to sleep is put to sleep at once at its
+        level, long before its own sleep_after_s, through the idle
+        sleeper's call, and the change is told at once (a heartbeat).
+        """
+        self.sup.add("vllm", level=1, after=300.0)
+        self.seen(0.0)
+        self.assertIsNone(self.sleeper.sleep_now("s"))
+        self.assertEqual(self.call.calls, [(b"POST", "http://127.0.0.1:8001/sleep?level=1", b"")])
+        self.call.answer()
+        self.assertEqual(self.sleeper.state_of("s"), (True, "/wake_up"))
+        self.assertTrue(self.sleeper.lends(self.sup.shards["s"]))
+        # Asked again while asleep: nothing more to do.
+        self.assertIsNone(self.sleeper.sleep_now("s"))
+        self.assertEqual(len(self.call.calls), 1)
+
+    def test_refusals(self) -> None:
+        """
+        An unknown shard, an engine llmgw cannot put to sleep (llama.cpp
+        sleeps by its own timer), a follower, a busy shard and one with no
+        figures yet are refused with a reason, and no call is made.
+        """
+        self.assertIn("no such shard", self.sleeper.sleep_now("s") or "")
+        self.sup.add("llamacpp")
+        self.seen(0.0)
+        self.assertIn("not one llmgw puts to sleep", self.sleeper.sleep_now("s") or "")
+        shard = self.sup.add("vllm")
+        self.sup.shards["s"] = Shard(replace(shard.spec, rank=1), READY)
+        self.assertIn("rank 1", self.sleeper.sleep_now("s") or "")
+        self.sup.add("sglang")
+        del self.scraper.samples["s"]
+        self.assertIn("no figures", self.sleeper.sleep_now("s") or "")
+        self.seen(2.0)
+        self.assertIn("2 request(s) running", self.sleeper.sleep_now("s") or "")
+        self.assertEqual(self.call.calls, [])
+
+    def test_failed_call(self) -> None:
+        """
+        A sleep call that fails leaves the shard awake (the control plane
+        then falls back to taking a replica).
+        """
+        self.sup.add("sglang")
+        self.seen(0.0)
+        self.assertIsNone(self.sleeper.sleep_now("s"))
+        self.call.pending.pop(0).errback(RuntimeError("503"))
+        self.assertEqual(self.sleeper.state_of("s"), (False, "/resume_memory_occupation"))
+        self.assertEqual(self.changes, [])
+
+
+class SleepShardStreamTests(SynchronousTestCase):
+    def test_dispatched(self) -> None:
+        """
+        A SleepShard from the current epoch reaches the agent's sleeper;
+        one from an older control plane is refused.
+        """
+        h = Harness(self)
+        asked: list[str] = []
+        h.core.sleep_shard = asked.append
+        proto, _ = h.connect()
+        proto.dataReceived(frame(ack("register")))
+        proto.dataReceived(frame(pb.ControlMessage(start=pb.StartShard(shard_id="x", epoch=10))))
+        proto.dataReceived(frame(pb.ControlMessage(sleep=pb.SleepShard(shard_id="s1", epoch=10))))
+        proto.dataReceived(frame(pb.ControlMessage(sleep=pb.SleepShard(shard_id="s2", epoch=9))))
+        self.assertEqual(asked, ["s1"])
+
+    def test_unknown_member_to_an_older_agent(self) -> None:
+        """
+        What an agent older than SleepShard makes of it: a member of the
+        oneof it does not know decodes as an empty message, refused as a
+        frame (logged) while the stream goes on.
+        """
+        # Field 99 (tag 99 << 3 | 2 as a varint), length 2, holding a string field 1 of length 0.
+        unknown = b"\x9a\x06\x02\x0a\x00"
+        self.assertRaises(FrameError, decode, pb.ControlMessage, unknown)
+        h = Harness(self)
+        proto, transport = h.connect()
+        proto.dataReceived(frame(ack("register")))
+        proto.dataReceived(struct.pack("!I", len(unknown)) + unknown)
+        self.assertFalse(transport.disconnecting)
+        self.assertTrue(proto.is_registered)
