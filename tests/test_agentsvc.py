@@ -535,15 +535,17 @@ class DispatcherTests(SynchronousTestCase):
 
     def test_commands_carry_epoch(self) -> None:
         """
-        Start, Stop and Drain reach the node with every field and the
-        control plane's epoch.
+        Start, Stop, Drain and Sleep reach the node with every field and
+        the control plane's epoch.
         """
         h = Harness(self)
         proto, transport = h.registered("node-a")
         h.service.start_shard(self.cmd)
         h.service.drain_shard("node-a", "s1")
         h.service.stop_shard("node-a", "s1")
-        start, drain, stop = transport.frames()
+        h.service.sleep_shard("node-a", "s1")
+        start, drain, stop, sleep = transport.frames()
+        self.assertEqual((sleep.sleep.shard_id, sleep.sleep.epoch), ("s1", 42))
         self.assertEqual(start.start.shard_id, "s1")
         self.assertEqual(list(start.start.argv), ["serve", "--port", "9000"])
         self.assertEqual(list(start.start.gpu_indices), [0, 1])

@@ -48,6 +48,9 @@ class ExpectingDispatcher:
     def drain_shard(self, node_id: str, shard_id: str) -> None:
         self._called("drain", shard_id)
 
+    def sleep_shard(self, node_id: str, shard_id: str) -> None:
+        self._called("sleep", shard_id)
+
     def connected_nodes(self) -> list[str]:
         return ["n1"]
 
@@ -60,15 +63,17 @@ class FencedDispatcherTests(SynchronousTestCase):
         reports no connected nodes.
         """
         leading = [True]
-        inner = ExpectingDispatcher(self, [("stop", "s1")])
+        inner = ExpectingDispatcher(self, [("stop", "s1"), ("sleep", "s1")])
         fenced = FencedDispatcher(inner, lambda: leading[0])
         fenced.stop_shard("n1", "s1")
+        fenced.sleep_shard("n1", "s1")
         self.assertEqual(fenced.connected_nodes(), ["n1"])
         leading[0] = False
         self.assertRaises(NotConnected, fenced.stop_shard, "n1", "s2")
         self.assertRaises(NotConnected, fenced.drain_shard, "n1", "s3")
+        self.assertRaises(NotConnected, fenced.sleep_shard, "n1", "s3")
         self.assertEqual(fenced.connected_nodes(), [])
-        self.assertEqual(fenced.fenced, 2)
+        self.assertEqual(fenced.fenced, 3)
         self.assertEqual(inner.expected, [])
 
 
