@@ -41,6 +41,11 @@ About once a second, for each ready leader that sleeps, L{Sleeper}:
 
 Waking is the gateway's (L{llmgw.gateway.waking}): a request that finds
 every replica asleep wakes one, and the next look here sees it awake.
+
+The control plane may ask for a sleep at once to make room for another
+model (C{SleepShard}, L{Sleeper.sleep_now}): the same call as an idle
+sleep, refused with a logged reason for a shard that is not a ready,
+idle leader of an engine llmgw puts to sleep.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ replicas sleep is read from their leaders' signals for the admin API,
 placement and eviction.
 
 The agent decides when an idle engine sleeps (L{llmgw.agent.sleep}) and
-a gateway wakes it (L{llmgw.gateway.waking}); the control plane only
-watches, so a sleep costs it no command and no round trip.
+a gateway wakes it (L{llmgw.gateway.waking}); the control plane watches,
+and asks for a sleep only to make room (L{llmgw.control.core.swapping}).
 """
 
 from __future__ import annotations

@@ -29,6 +29,20 @@ replica missing, placement found no room):
     not place them again until their own demand asks; W is placed as soon
     as the GPUs are free, and its queued requests go as soon as it is
     ready (the routing table's change pumps the gateways' queues);
+  - before any is taken, idle replicas may be put to sleep instead
+    (C{swap_sleep}, a C{SleepShard} to each leader's agent) when their
+    GPUs, once asleep, fit W by lending's rules
+    (L{llmgw.control.core.lending}): W may borrow (evictable), each is
+    of W's priority exactly (no more important, as for taking; no less,
+    as for lending), ready and past its C{min_resident_s}, its engine
+    one llmgw puts to sleep (vLLM, SGLang: C{sleep_level} and
+    C{sleep_after_s} set), awake with nothing running or waiting by its
+    leader's figures, and its deployment without demand this pass. Each
+    stays a replica (its count is kept), one wake away from its next
+    request; when its heartbeat says it sleeps, placement lends its GPUs
+    to W. Replicas not heard asleep, or whose GPUs were not lent, within
+    L{SLEEP_BOUND_S} give way to taking (C{swap_sleep_failed}), and those
+    not asleep are not asked again;
   - one swap at a time per wanting deployment, until its replica is
     placed or the taken replicas are gone;
   - among wanting deployments of one priority, the one that has found no
