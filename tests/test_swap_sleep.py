@@ -41,12 +41,13 @@ drain_timeout_s = 10
 """
 
 
-def catalog(a_profile: str = "sleepy", a_priority: int = 0) -> str:
+def catalog(a_profile: str = "sleepy", a_priority: int = 0, resident: float = 0) -> str:
     text = ONE_GPU + SLEEPY
     for model, profile, priority, extra in (("a", a_profile, a_priority, "sleep_after_s = 300\n" if a_profile == "sleepy" else ""),
                                             ("want", "one", 0, "")):
         text += (f'\n[[deployments]]\nmodel = "{model}"\nprofile = "{profile}"\nmin_replicas = 0\nmax_replicas = 1\n'
-                 f'scale_to_zero_after_s = 3600\nevictable = true\npriority = {priority}\nmin_resident_s = 0\n'
+                 f'scale_to_zero_after_s = 3600\nevictable = true\npriority = {priority}\n'
+                 f'min_resident_s = {resident}\n'
                  + extra)
     return text
 
@@ -145,6 +146,16 @@ class SleepToMakeRoomTests(SynchronousTestCase):
         self.want(f)
         self.assertEqual(f.dispatcher.sleeps, [])
         self.assertEqual(self.events(f, "swap", "swap_sleep"), [("swap", self.a)])
+
+    def test_min_resident(self) -> None:
+        """
+        A replica ready for less than its min_resident_s is neither put to
+        sleep nor taken.
+        """
+        f = self.setup(resident=1000)
+        self.want(f, passes=3)
+        self.assertEqual(f.dispatcher.sleeps, [])
+        self.assertEqual(self.events(f, "swap", "swap_sleep"), [])
 
     def test_less_important_is_taken(self) -> None:
         """
