@@ -54,7 +54,9 @@ While room is made for a model (a swap under way, its replica placed by a
 swap and starting, or its requests waiting for a replica that a swap may
 take once its stay is over), C{ctx.room} names it with the most its
 waiting requests may need past their queue timeout: its profile's startup
-timeout plus the longest drain of the replicas that may be taken. The
+timeout plus the longest drain of the replicas that may be taken (and
+L{SLEEP_BOUND_S} more once replicas were put to sleep for it, in case that
+gives way to taking). The
 gateways learn it with the queue limits (L{queue_limits}) and keep such
 requests waiting that much longer, so a request is not refused only
 because a drain and a cold start took longer than its queue timeout.
@@ -305,6 +307,9 @@ class Swapping:
         #: Replicas not heard asleep in time when asked: taken, not asked
         #: again, while they last.
         self.unslept: set[str] = set()
+        #: Models room was made for by sleep, until their replica is ready
+        #: or nothing of theirs is left to wait for.
+        self.slept_for: set[str] = set()
 
     def tick(self, ctx: Context, scalers: dict[str, ScalerState], connected: Callable[[], set[str]],
              now: float, out: Outcome) -> None:
@@ -350,6 +355,7 @@ class Swapping:
             active = st.active.get(model, ())
             if st.ready.get(model):
                 self.incoming.discard(model)
+                self.slept_for.discard(model)
                 continue
             profile = ctx.profile(dep.profile)
             drains = [drain for priority, drain in givers if priority <= dep.multiplex.priority]
@@ -358,7 +364,11 @@ class Swapping:
                        and len(active) < ctx.desired.get(model, dep.replicas))
             if model in self.incoming and not (active or waiting or model in self.pending):
                 self.incoming.discard(model)
+                self.slept_for.discard(model)
             seconds = ctx.startup_timeout(dep.profile) + max(drains, default=ctx.drain_timeout(dep.profile))
+            if model in self.slept_for:
+                # Its requests may have waited for a sleep that gave way to taking.
+                seconds += SLEEP_BOUND_S
             if (waiting or model in self.pending or model in self.incoming) and seconds > 0:
                 room[model] = min(seconds, MAX_QUEUE_TIMEOUT_S)
         ctx.room = room
@@ -470,6 +480,7 @@ class Swapping:
         self.pending[want.model] = frozenset(r.id for r in slept)
         self.sleeping[want.model] = now + SLEEP_BOUND_S
         self.incoming.add(want.model)
+        self.slept_for.add(want.model)
         for r in slept:
             leader = st.replicas[r.id].shards[0]
             out.event(SWAP_SLEEP, replica=r.id, node=r.node_id, reason=(
