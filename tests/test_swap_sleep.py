@@ -264,3 +264,67 @@ class SleepShardStreamTests(SynchronousTestCase):
         proto.dataReceived(struct.pack("!I", len(unknown)) + unknown)
         self.assertFalse(transport.disconnecting)
         self.assertTrue(proto.is_registered)
+
+
+PAIRS = """
+[profiles.pair]
+shards = 2
+gpus_per_shard = 1
+gpu_memory_mb = 1000
+fabric = "ib0"
+command = ["x"]
+startup_timeout_s = 60
+drain_timeout_s = 10
+
+[profiles.sleepy-pair]
+shards = 2
+gpus_per_shard = 1
+gpu_memory_mb = 1000
+fabric = "ib0"
+engine = "vllm"
+sleep_level = 1
+command = ["x"]
+startup_timeout_s = 60
+drain_timeout_s = 10
+"""
+
+
+class SleepSpreadTests(SynchronousTestCase):
+    def test_spread_replica_slept_then_lent(self) -> None:
+        """
+        A two-node replica whose engine sleeps is put to sleep through its
+        leader alone (one SleepShard), and once its leader says it sleeps
+        a two-shard model borrows its GPUs on both nodes.
+        """
+        text = ONE_GPU + PAIRS
+        for model, profile, extra in (("a", "sleepy-pair", "sleep_after_s = 300\n"), ("want", "pair", "")):
+            text += (f'\n[[deployments]]\nmodel = "{model}"\nprofile = "{profile}"\nmin_replicas = 0\n'
+                     f'max_replicas = 1\nscale_to_zero_after_s = 3600\nevictable = true\nmin_resident_s = 0\n'
+                     + extra)
+        f = Fleet({}, nodes=2, gpus=1, grace=0, cat=parse_catalog(tomllib.loads(text)))
+        f.step()
+        f.rec.report_demand("gw", {"a": Demand(1, 0)})
+        f.step()
+        f.make_ready()
+        f.step(passes=5)
+        [a] = f.ready_replicas("a")
+        leader = f.rec.replica_recs[a].shards[0]
+
+        def signal(sleeping: bool) -> None:
+            f.rec.record_engine_signals(leader.node_id, [pb.ShardSignals(
+                shard_id=leader.id, running=0.0, waiting=0.0, age_s=0.0, sleeping=sleeping, wake_path="/wake_up")])
+            f.clock.advance(0)
+
+        signal(False)
+        f.rec.report_demand("gw", {})
+        f.step(passes=5)
+        f.rec.report_demand("gw", {"want": Demand(0, 2)})
+        f.step()
+        self.assertEqual(f.dispatcher.sleeps, [(leader.node_id, leader.id)])
+        signal(True)
+        f.rec.report_demand("gw", {"want": Demand(0, 2)})
+        f.step()
+        placed = sorted((c.node_id, c.rank) for c in f.dispatcher.starts if c.model == "want")
+        self.assertEqual(len({node for node, _ in placed}), 2)
+        self.assertEqual([e.kind for e in f.rec.event_log.since() if e.kind in ("swap", "swap_sleep")],
+                         ["swap_sleep"])
