@@ -45,7 +45,7 @@ class GeneratedCodeTests(SynchronousTestCase):
         )
         self.assertEqual(
             [f.name for f in agent_pb2.ControlMessage.DESCRIPTOR.oneofs_by_name["msg"].fields],
-            ["ack", "start", "stop", "drain", "prefetch", "drop", "certificate_issued", "load_adapter"],
+            ["ack", "start", "stop", "drain", "prefetch", "drop", "certificate_issued", "load_adapter", "sleep"],
         )
         start = agent_pb2.StartShard.DESCRIPTOR.fields_by_name
         for name in ("shard_id", "replica_id", "model", "profile", "rank", "world_size",
