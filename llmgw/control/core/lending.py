@@ -14,6 +14,14 @@ uses its GPU.
     request wakes it and no gateway calls its wake path, since its memory
     is someone else's now. Of two replicas that hold one GPU the older is
     the lender, so this can be read from the fleet again after a restart.
+  - The borrower's start waits L{LEND_GRACE_S} (L{start_lent}): long
+    enough for every gateway to hold the routes without its lender, and
+    for a wake one sent just before to be heard. A lender heard awake
+    meanwhile cancels the lend (C{lend_cancelled}): the borrower, never
+    started, is forgotten (its deployment placed again, elsewhere or
+    later), the lender routed again (C{replica_restored}). The lender's
+    agent also asks its engine before it starts the borrower
+    (L{llmgw.agent.lendcheck}).
   - Requests for a model whose only replicas are displaced take the
     borrowers back (L{reclaim}, a C{swap} event each) by the swap rules:
     an evictable deployment no more important than the lender's, never
@@ -52,8 +60,19 @@ from llmgw.routing import MAX_QUEUE_TIMEOUT_S
 GPU_LENT = "gpu_lent"
 DISPLACED = "replica_displaced"
 RESTORED = "replica_restored"
+LEND_CANCELLED = "lend_cancelled"
+DISPLACED_AWAKE = "displaced_awake"
 #: What a borrower taken back makes (as swapping's).
 SWAP = "swap"
+
+#: Seconds a borrower's start waits after its lend. The routes without
+#: the lender go out as the pass that lends ends, and a gateway following
+#: them has them at once (its long-poll or watch stream answers); one
+#: whose last read just failed reads again after its follower's retry
+#: (L{llmgw.gateway.follower_service.FollowerService}: 2 s, plus up to a
+#: fifth of it as jitter). A wake sent just before is seen by the lender's
+#: agent within its sleep look (1 s) and heard here at once.
+LEND_GRACE_S = 3.0
 
 #: A sleeping engine's memory kept on each GPU, as a share of the GPU's
 #: memory, and at least this many MiB.
@@ -137,7 +156,8 @@ def lend(ctx: Context, dep: Deployment, profile: Profile, spec: LaunchSpec, req:
     """
     Place one replica of C{dep} on C{profile} with borrowed GPUs: its id,
     or C{None} when it may not borrow or nothing fits. The lenders are
-    displaced at once.
+    displaced at once; its shards' starts wait L{LEND_GRACE_S}
+    (L{start_lent}).
     """
     if not borrower_allowed(dep):
         return None
@@ -154,7 +174,9 @@ def lend(ctx: Context, dep: Deployment, profile: Profile, spec: LaunchSpec, req:
             placer.ports.release(s.host, s.port)
         return None
     st = ctx.state
-    rep = lifecycle.create_replica(ctx, dep.model, profile.name, profile.shards, slots, now, out, spec)
+    rep = lifecycle.create_replica(ctx, dep.model, profile.name, profile.shards, slots, now, out, spec,
+                                   start=False)
+    st.lend_starts[rep.id] = now + LEND_GRACE_S
     lent_by: dict[str, None] = {}
     for b in chosen:
         # The free GPUs it took are placement's no more this pass.
@@ -164,7 +186,8 @@ def lend(ctx: Context, dep: Deployment, profile: Profile, spec: LaunchSpec, req:
         out.event(GPU_LENT, replica=rep.id, node=b.node_id, reason=(
             f"model {dep.model} (priority {priority}) found no free GPU: "
             f"GPU {','.join(str(g.index) for g in b.lent)} lent by sleeping replica(s) {', '.join(holders)} "
-            f"(at least {min(g.free_mb for g in b.lent)} MiB left each, {profile.gpu_memory_mb} MiB needed)"))
+            f"(at least {min(g.free_mb for g in b.lent)} MiB left each, {profile.gpu_memory_mb} MiB needed); "
+            f"started in {LEND_GRACE_S:g}s unless a lender wakes first"))
     for lender in lent_by:
         lrep = st.replicas[lender]
         st.set_displaced(lrep, tuple(sorted({*lrep.displaced_by, rep.id})))
@@ -195,24 +218,89 @@ def borrowers(ctx: Context, rep: ReplicaRec) -> tuple[str, ...]:
     return tuple(sorted(found))
 
 
-def refresh(ctx: Context, now: float, out: Outcome) -> None:
+def lenders_of(ctx: Context, borrower: str) -> list[ReplicaRec]:
+    """The replicas displaced by C{borrower}: those that lent it GPUs."""
+    st = ctx.state
+    return [st.replicas[r] for r in sorted(st.displaced) if borrower in st.replicas[r].displaced_by]
+
+
+def start_lent(ctx: Context, now: float, out: Outcome) -> None:
     """
-    Restore each displaced replica whose borrowers are gone, and find
-    sleeping replicas that share a GPU with a newer one (as after a
-    restart), each change an event.
+    Send the starts of each borrower whose lend's grace is over, its
+    lenders all still asleep; cancel the lend of one with a lender not
+    heard asleep (L{cancel}). A borrower stopped meanwhile is not started.
     """
     st = ctx.state
-    for rid in sorted(st.displaced):
+    for rid, at in sorted(st.lend_starts.items()):
         rep = st.replicas[rid]
-        left = borrowers(ctx, rep)
-        if left:
-            st.set_displaced(rep, left)
-            continue
-        gone = ", ".join(rep.displaced_by)
-        st.set_displaced(rep, ())
-        out.event(RESTORED, replica=rid, reason=(
-            f"model {rep.model}: the replica(s) that borrowed its GPUs ({gone}) are gone; routed again, "
-            "woken on demand"))
+        awake = [r.id for r in lenders_of(ctx, rid) if asleep(r) is not True]
+        if awake:
+            cancel(ctx, rep, awake, now, out)
+        elif now >= at:
+            del st.lend_starts[rid]
+            for rank in sorted(rep.shards) if rep.phase == Phase.ACTIVE else ():
+                lifecycle.send_start(ctx, rep, rep.shards[rank], now, True, out)
+
+
+def cancel(ctx: Context, rep: ReplicaRec, awake: list[str], now: float, out: Outcome) -> None:
+    """
+    Cancel the lend to C{rep}, a borrower not started yet, whose lenders
+    C{awake} woke: it is forgotten (nothing was sent for it; its
+    deployment is placed again), its lenders routed again unless another
+    borrower holds their GPUs.
+    """
+    lent_by = lenders_of(ctx, rep.id)
+    out.event(LEND_CANCELLED, replica=rep.id, reason=(
+        f"model {rep.model}: sleeping replica(s) {', '.join(awake)} that lent it their GPUs woke before "
+        "its start went out; it was not started, and is placed again"))
+    ctx.state.remove_replica(rep, now)
+    for lender in lent_by:
+        restore(ctx, lender, out)
+
+
+def restore(ctx: Context, rep: ReplicaRec, out: Outcome) -> None:
+    """
+    Route displaced C{rep} again (an event) if its borrowers are gone, or
+    keep it displaced by those left.
+    """
+    st = ctx.state
+    left = borrowers(ctx, rep)
+    if left:
+        st.set_displaced(rep, left)
+        return
+    gone = ", ".join(rep.displaced_by)
+    st.set_displaced(rep, ())
+    out.event(RESTORED, replica=rep.id, reason=(
+        f"model {rep.model}: the replica(s) that borrowed its GPUs ({gone}) are gone; routed again, "
+        "woken on demand"))
+
+
+def heard_awake(ctx: Context, rep: ReplicaRec, node_id: str, now: float, out: Outcome) -> None:
+    """
+    Displaced C{rep} was heard awake: the lends to its borrowers not
+    started yet are cancelled; while a started one holds its GPUs, a
+    warning (two engines may be loaded on one GPU).
+    """
+    st = ctx.state
+    for b in [b for b in rep.displaced_by if b in st.lend_starts]:
+        cancel(ctx, st.replicas[b], [rep.id], now, out)
+    if rep.displaced_by:
+        out.event(DISPLACED_AWAKE, level="warn", replica=rep.id, node=node_id, reason=(
+            f"model {rep.model}: its engine says it is awake while its GPU memory is lent to "
+            f"{', '.join(rep.displaced_by)}; it stays out of the routes until they are gone"))
+
+
+def refresh(ctx: Context, now: float, out: Outcome) -> None:
+    """
+    Start or cancel the borrowers waiting out their lend's grace
+    (L{start_lent}), restore each displaced replica whose borrowers are
+    gone, and find sleeping replicas that share a GPU with a newer one (as
+    after a restart), each change an event.
+    """
+    st = ctx.state
+    start_lent(ctx, now, out)
+    for rid in sorted(st.displaced):
+        restore(ctx, st.replicas[rid], out)
     for rid in sorted(ctx.sleeping_since):
         sleeping = st.replicas.get(rid)
         if sleeping is not None:
