@@ -292,7 +292,8 @@ class LendingReconcilerTests(SynchronousTestCase):
         """
         A borrower is placed, its GPUs reserved and its lender displaced
         (out of the published table) at once, but its start goes out only
-        once the lend's grace is over: not a pass before.
+        once the lend's grace is over: not a pass before. A lender heard
+        awake after that is a warning, displaced_awake.
         """
         f = self.setup()
         f.rec.report_demand("gw", {"b": Demand(0, 2)})
@@ -309,6 +310,11 @@ class LendingReconcilerTests(SynchronousTestCase):
         [start] = self.b_starts(f)
         self.assertEqual(start.replica_id, b)
         self.assertEqual(f.rec.replica_recs[self.a].displaced_by, (b,))
+        # Once the borrower was sent its start, the lender heard awake is a
+        # warning; the lend stands.
+        self.sleep(f, self.a, False)
+        self.assertEqual(self.events(f, "lend_cancelled", "displaced_awake"), [("displaced_awake", self.a)])
+        self.assertIn(b, f.rec.replica_recs)
 
     def test_woken_during_the_grace(self) -> None:
         """

@@ -21,7 +21,7 @@ uses its GPU.
     started, is forgotten (its deployment placed again, elsewhere or
     later), the lender routed again (C{replica_restored}). The lender's
     agent also asks its engine before it starts the borrower
-    (L{llmgw.agent.lendcheck}).
+    (L{llmgw.agent.sleep.Sleeper.confirm}).
   - Requests for a model whose only replicas are displaced take the
     borrowers back (L{reclaim}, a C{swap} event each) by the swap rules:
     an evictable deployment no more important than the lender's, never
