@@ -20,7 +20,7 @@ from llmgw.agent import launch
 from llmgw.agent.shard import READY, Shard
 from llmgw.agent.sleep import SLEEP_INTERVAL, Sleeper, SleepState
 from llmgw.api.v1 import agent_pb2 as pb
-from llmgw.control.core import lending
+from llmgw.control.core import lending, lifecycle
 from llmgw.control.core.catalog import parse_catalog
 from llmgw.control.state.interfaces import ShardCommand
 from llmgw.control.state.lendable import Lender, LentGPU, choose
@@ -369,6 +369,23 @@ class LendingReconcilerTests(SynchronousTestCase):
         self.assertEqual(self.b_starts(f), [])
         f.step(seconds=lending.LEND_GRACE_S)
         self.assertEqual(len(self.b_starts(f)), 1)
+
+    def test_lender_stopped_during_the_grace(self) -> None:
+        """
+        A lender torn down during the grace still holds its GPU until its
+        stop is confirmed: the borrower's start waits for that, then goes
+        out (no cancel: the GPU is the borrower's now).
+        """
+        f = self.setup()
+        f.rec.report_demand("gw", {"b": Demand(0, 2)})
+        f.step()
+        f.rec._decide(lifecycle.teardown, f.rec.replica_recs[self.a], "scaled to zero", f.clock.seconds())
+        f.step(seconds=lending.LEND_GRACE_S, passes=2)
+        self.assertEqual(self.b_starts(f), [])
+        f.confirm_stops()
+        f.step()
+        self.assertEqual(len(self.b_starts(f)), 1)
+        self.assertEqual(self.events(f, "lend_cancelled"), [])
 
     def test_grace_covers_the_routes_reaching_gateways(self) -> None:
         """

@@ -228,15 +228,18 @@ def start_lent(ctx: Context, now: float, out: Outcome) -> None:
     """
     Send the starts of each borrower whose lend's grace is over, its
     lenders all still asleep; cancel the lend of one with a lender not
-    heard asleep (L{cancel}). A borrower stopped meanwhile is not started.
+    heard asleep (L{cancel}). A lender being stopped holds its GPUs until
+    it is gone: the start waits for that. A borrower stopped meanwhile is
+    not started.
     """
     st = ctx.state
     for rid, at in sorted(st.lend_starts.items()):
         rep = st.replicas[rid]
-        awake = [r.id for r in lenders_of(ctx, rid) if asleep(r) is not True]
+        lent_by = lenders_of(ctx, rid)
+        awake = [r.id for r in lent_by if r.phase == Phase.ACTIVE and asleep(r) is not True]
         if awake:
             cancel(ctx, rep, awake, now, out)
-        elif now >= at:
+        elif now >= at and all(r.phase == Phase.ACTIVE for r in lent_by):
             del st.lend_starts[rid]
             for rank in sorted(rep.shards) if rep.phase == Phase.ACTIVE else ():
                 lifecycle.send_start(ctx, rep, rep.shards[rank], now, True, out)
