@@ -387,6 +387,37 @@ class LendingReconcilerTests(SynchronousTestCase):
         self.assertEqual(len(self.b_starts(f)), 1)
         self.assertEqual(self.events(f, "lend_cancelled"), [])
 
+    def test_restored_lender_not_lent_again_before_its_wake(self) -> None:
+        """
+        A lender whose borrower was taken for its own waiting requests is
+        routed again once the borrower is gone and is not lent again, to a
+        third model waiting too, nor swapped out for it, before a gateway
+        can wake it; once heard awake (and asleep again) it lends again.
+        """
+        f = self.setup(resident=0, more=("c",))
+        start = self.lend(f)
+        f.make_ready([start])
+        f.step()
+        f.rec.report_demand("gw", {"a": Demand(0, 1), "c": Demand(0, 1)})
+        f.step()
+        self.assertEqual(self.events(f, "swap"), [("swap", start.replica_id)])
+        f.step(passes=12)
+        f.confirm_stops()
+        f.rec.report_demand("gw", {"a": Demand(0, 1), "c": Demand(0, 1)})
+        f.step()
+        self.assertEqual(self.events(f, "replica_restored"), [("replica_restored", self.a)])
+        self.assertEqual([k for k, _ in self.events(f, "gpu_lent")], ["gpu_lent"])
+        self.assertEqual([r.replica_id for r in f.rec.routing_table.routes("a")], [self.a])
+        # Nor swapped out for c while its requests wait to wake it.
+        self.assertEqual(self.events(f, "swap"), [("swap", start.replica_id)])
+        self.sleep(f, self.a, False)
+        f.rec.report_demand("gw", {"a": Demand(1, 0), "c": Demand(0, 0)})
+        f.step()
+        self.assertEqual(f.rec.state.called_back, {})
+        self.sleep(f, self.a, True)
+        got = lending.lenders(f.rec.ctx, set(f.ids), 0, now=f.clock.seconds())
+        self.assertEqual([g.holders for ln in got for g in ln.lent], [(self.a,)])
+
     def test_grace_covers_the_routes_reaching_gateways(self) -> None:
         """
         The grace outlasts a gateway's next read after a failed one (its

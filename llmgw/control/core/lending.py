@@ -27,7 +27,10 @@ uses its GPU.
     an evictable deployment no more important than the lender's, never
     below its C{min_replicas}, never before its C{min_resident_s}. Once
     the borrowers are gone the lender is restored (C{replica_restored}),
-    routed again, and the gateway wakes it as any sleeping replica.
+    routed again, and the gateway wakes it as any sleeping replica. Until
+    it is heard awake (at most its drains and startup timeout) it lends
+    nothing again, or the pass that restores it would lend it again
+    before any gateway could wake it.
 
 The memory check is conservative: a lent GPU gives a borrower its memory
 total, less the memory its node last reported in use, less a residual for
@@ -95,9 +98,13 @@ def asleep(rep: ReplicaRec) -> bool | None:
     return sig.sleeping if sig is not None else None
 
 
-def sleeper(ctx: Context, rep: ReplicaRec) -> bool:
-    """Whether C{rep} may lend its GPUs: active, ready, and its engine asleep."""
-    return rep.phase == Phase.ACTIVE and asleep(rep) is True and rep.id in ctx.state.ready.get(rep.model, ())
+def sleeper(ctx: Context, rep: ReplicaRec, now: float = 0.0) -> bool:
+    """
+    Whether C{rep} may lend its GPUs: active, ready, its engine asleep, and
+    not called back for its own requests (L{reclaim}) as of C{now}.
+    """
+    return (rep.phase == Phase.ACTIVE and asleep(rep) is True and rep.id in ctx.state.ready.get(rep.model, ())
+            and ctx.state.called_back.get(rep.id, -math.inf) <= now)
 
 
 def borrower_allowed(dep: Deployment) -> bool:
@@ -105,17 +112,19 @@ def borrower_allowed(dep: Deployment) -> bool:
     return dep.multiplex.evictable and dep.autoscale is not None
 
 
-def lenders(ctx: Context, eligible: set[str], priority: int, weights: str = "", model: str = "") -> list[Lender]:
+def lenders(ctx: Context, eligible: set[str], priority: int, weights: str = "", model: str = "",
+            now: float = 0.0) -> list[Lender]:
     """
     The eligible nodes with GPUs held only by sleeping replicas of
-    deployments of at least C{priority}, and those GPUs (see the module).
-    Replicas of C{model} lend it nothing: a request wakes them instead.
+    deployments of at least C{priority}, and those GPUs (see the module),
+    as of C{now}. Replicas of C{model} lend it nothing: a request wakes
+    them instead.
     """
     st, deps = ctx.state, ctx.catalog.deployments
     wanted: dict[str, set[int]] = {}
     for rid in sorted(ctx.sleeping_since):
         rep = st.replicas.get(rid)
-        if rep is None or rep.model == model or not sleeper(ctx, rep):
+        if rep is None or rep.model == model or not sleeper(ctx, rep, now):
             continue
         for shard in rep.shards.values():
             if shard.node_id in eligible:
@@ -138,7 +147,7 @@ def lenders(ctx: Context, eligible: set[str], priority: int, weights: str = "", 
             reps = list(holders.get(g, {}).values())
             gpu = info.get(g)
             if gpu is None or gpu.problems or not reps or not all(
-                    sleeper(ctx, r) and r.model in deps and r.model != model for r in reps):
+                    sleeper(ctx, r, now) and r.model in deps and r.model != model for r in reps):
                 continue
             least = min(deps[r.model].multiplex.priority for r in reps)
             if least < priority:
@@ -162,7 +171,7 @@ def lend(ctx: Context, dep: Deployment, profile: Profile, spec: LaunchSpec, req:
     if not borrower_allowed(dep):
         return None
     priority = dep.multiplex.priority
-    chosen = choose(lenders(ctx, placer.eligible, priority, req.weights, dep.model), req, priority)
+    chosen = choose(lenders(ctx, placer.eligible, priority, req.weights, dep.model, now), req, priority)
     if chosen is None:
         return None
     slots: list[Slot] = []
@@ -302,6 +311,9 @@ def refresh(ctx: Context, now: float, out: Outcome) -> None:
     """
     st = ctx.state
     start_lent(ctx, now, out)
+    for rid in [r for r, until in st.called_back.items() if until <= now or asleep(st.replicas[r]) is False]:
+        # Its requests' wake came, or the bound on it passed.
+        del st.called_back[rid]
     for rid in sorted(st.displaced):
         restore(ctx, st.replicas[rid], out)
     for rid in sorted(ctx.sleeping_since):
@@ -366,6 +378,7 @@ def reclaim(ctx: Context, scalers: dict[str, ScalerState], now: float, out: Outc
         if any(len(st.active.get(m, ())) - n < _min(deps[m]) for m, n in need.items()):
             continue
         served.add(model)
+        st.called_back[rid] = now + max(ctx.drain_timeout(b.profile) for b in held) + ctx.startup_timeout(rep.profile)
         for b in held:
             taken += 1
             bdep = deps[b.model]

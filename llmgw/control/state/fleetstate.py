@@ -163,6 +163,9 @@ class FleetState:
         #: Borrowers whose start waits out their lend's grace, with when it
         #: ends (L{llmgw.control.core.lending}).
         self.lend_starts: dict[str, float] = {}
+        #: Lenders whose borrowers were taken for their own waiting
+        #: requests, with until when they lend nothing (to be woken first).
+        self.called_back: dict[str, float] = {}
         self.retired: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.missing: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()
         self.shard_counts: collections.Counter[str] = collections.Counter()
@@ -438,6 +441,7 @@ class FleetState:
         self.incomplete.discard(rep.id)
         self.displaced.discard(rep.id)
         self.lend_starts.pop(rep.id, None)
+        self.called_back.pop(rep.id, None)
         self.routes_dirty.add(rep.model)
         self.retired[rep.id] = None
         if len(self.retired) > RETIRED_LIMIT:
