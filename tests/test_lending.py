@@ -292,7 +292,8 @@ class LendingReconcilerTests(SynchronousTestCase):
         """
         A borrower is placed, its GPUs reserved and its lender displaced
         (out of the published table) at once, but its start goes out only
-        once the lend's grace is over: not a pass before. A lender heard
+        once the lend's grace is over (less a pass's slack): not a pass
+        before. A lender heard
         awake after that is a warning, displaced_awake.
         """
         f = self.setup()
@@ -304,7 +305,7 @@ class LendingReconcilerTests(SynchronousTestCase):
         self.assertNotIn("a", f.rec.routing_table.models())
         self.assertEqual(f.rec.replica_recs[b].shards[0].gpus, f.rec.replica_recs[self.a].shards[0].gpus)
         f.step(seconds=lending.LEND_GRACE_S / 2, passes=1)
-        f.step(seconds=lending.LEND_GRACE_S / 2 - 0.01, passes=1)
+        f.step(seconds=lending.LEND_GRACE_S / 2 - lending.PASS_SLACK_S - 0.01, passes=1)
         self.assertEqual(self.b_starts(f), [])
         f.step(seconds=0.01)
         [start] = self.b_starts(f)
@@ -426,7 +427,7 @@ class LendingReconcilerTests(SynchronousTestCase):
         """
         params = inspect.signature(FollowerService).parameters
         retry, jitter, gap = (params[n].default for n in ("retry", "jitter", "min_gap"))
-        self.assertGreaterEqual(lending.LEND_GRACE_S, retry * (1 + jitter) + gap)
+        self.assertGreaterEqual(lending.LEND_GRACE_S - lending.PASS_SLACK_S, retry * (1 + jitter) + gap)
         self.assertGreaterEqual(lending.LEND_GRACE_S, SLEEP_INTERVAL)
 
     def test_every_shard_lends(self) -> None:

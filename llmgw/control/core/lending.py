@@ -76,6 +76,11 @@ SWAP = "swap"
 #: fifth of it as jitter). A wake sent just before is seen by the lender's
 #: agent within its sleep look (1 s) and heard here at once.
 LEND_GRACE_S = 3.0
+#: A borrower's start is sent by the first pass (once a second) no more
+#: than this before its grace ends: a pass may run a little late, and the
+#: one that lent as well, so an exact comparison would often wait a whole
+#: pass more. What is left of the grace still covers the routes' spread.
+PASS_SLACK_S = 0.25
 
 #: A sleeping engine's memory kept on each GPU, as a share of the GPU's
 #: memory, and at least this many MiB.
@@ -248,7 +253,7 @@ def start_lent(ctx: Context, now: float, out: Outcome) -> None:
         awake = [r.id for r in lent_by if r.phase == Phase.ACTIVE and asleep(r) is not True]
         if awake:
             cancel(ctx, rep, awake, now, out)
-        elif now >= at and all(r.phase == Phase.ACTIVE for r in lent_by):
+        elif now + PASS_SLACK_S >= at and all(r.phase == Phase.ACTIVE for r in lent_by):
             del st.lend_starts[rid]
             for rank in sorted(rep.shards) if rep.phase == Phase.ACTIVE else ():
                 lifecycle.send_start(ctx, rep, rep.shards[rank], now, True, out)
