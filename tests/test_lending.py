@@ -293,8 +293,8 @@ class LendingReconcilerTests(SynchronousTestCase):
         A borrower is placed, its GPUs reserved and its lender displaced
         (out of the published table) at once, but its start goes out only
         once the lend's grace is over (less a pass's slack): not a pass
-        before. A lender heard
-        awake after that is a warning, displaced_awake.
+        before. A lender heard awake after that is a warning,
+        displaced_awake.
         """
         f = self.setup()
         f.rec.report_demand("gw", {"b": Demand(0, 2)})
