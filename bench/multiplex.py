@@ -28,7 +28,9 @@ model had no replica at all ("no_replica", the bar's figure), while it had
 no ready awake one ("cold": none, starting or asleep), and of all; requests refused (any
 non-200); swaps per minute (C{swap} events); GPU-held share (GPU-seconds
 held by a replica) and GPU-busy share (GPU-seconds whose replica had
-requests running), both from the replicas view polled each second; the
+requests running), both from the replicas view polled each second, a GPU
+counted once however many replicas hold it (a sleeper's lent GPU is held
+by it and its borrower both); the
 records of the refused requests and of the five slowest.
 
 Wake bar: one replica that sleeps after 2 s idle; its engine's own wake
@@ -98,6 +100,23 @@ def catalog(mode: str, args: argparse.Namespace, models: list[str] | None = None
     return text
 
 
+def gpus_held(replicas: list[dict[str, Any]]) -> tuple[set[tuple[str, int]], set[tuple[str, int]]]:
+    """
+    The GPUs (node, index) the replicas view shows held by a replica
+    (awake or asleep), and those of them whose replica has requests
+    running or waiting: each GPU once, lent or not.
+    """
+    held: set[tuple[str, int]] = set()
+    busy: set[tuple[str, int]] = set()
+    for r in replicas:
+        gpus = {(s["node"], g) for s in r["shards"] for g in s.get("gpus") or ()}
+        held |= gpus
+        sig = r["shards"][0].get("signals") if r["shards"] else None
+        if sig and ((sig.get("running") or 0) > 0 or (sig.get("waiting") or 0) > 0):
+            busy |= gpus
+    return held, busy
+
+
 class Poller(threading.Thread):
     """
     The replicas view once a second: per model whether it has a ready,
@@ -125,21 +144,16 @@ class Poller(threading.Thread):
             if replicas is not None:
                 ready: dict[str, bool] = {}
                 placed: set[str] = set()
-                held = busy = 0
+                held, busy = gpus_held(replicas)
                 for r in replicas:
                     if r["state"] not in ("stopping", "stopped", "failed") and not r["draining"]:
                         placed.add(r["model"])
-                    gpus = sum(len(s.get("gpus") or []) for s in r["shards"])
-                    held += gpus
-                    sig = r["shards"][0].get("signals") if r["shards"] else None
-                    if sig and ((sig.get("running") or 0) > 0 or (sig.get("waiting") or 0) > 0):
-                        busy += gpus
                     if r["state"] == "ready" and not r["draining"] and not r.get("sleeping"):
                         ready[r["model"]] = True
                 self.ready, self.placed = ready, placed
                 dt = now - last
-                self.held += held * dt
-                self.busy += busy * dt
+                self.held += len(held) * dt
+                self.busy += len(busy) * dt
                 self.samples += 1
             last = now
             self.halt.wait(1.0)

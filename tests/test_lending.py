@@ -9,6 +9,7 @@ shard's GPU.
 
 from __future__ import annotations
 
+import inspect
 import tomllib
 
 from twisted.internet import defer
@@ -17,13 +18,15 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.agent import launch
 from llmgw.agent.shard import READY, Shard
-from llmgw.agent.sleep import Sleeper, SleepState
+from llmgw.agent.sleep import SLEEP_INTERVAL, Sleeper, SleepState
 from llmgw.api.v1 import agent_pb2 as pb
-from llmgw.control.core import lending
+from llmgw.control.core import lending, lifecycle
 from llmgw.control.core.catalog import parse_catalog
+from llmgw.control.state.interfaces import ShardCommand
 from llmgw.control.state.lendable import Lender, LentGPU, choose
 from llmgw.control.state.placement import NodeCapacity, Request
 from llmgw.ctl.render import render_replicas
+from llmgw.gateway.follower_service import FollowerService
 from llmgw.gateway.waking import Waker
 from llmgw.routing import Demand
 from tests.reconciler_harness import ONE_GPU, Fleet
@@ -124,6 +127,18 @@ class LendingReconcilerTests(SynchronousTestCase):
             shard_id=shard.id, running=0.0, age_s=0.0, sleeping=sleeping, wake_path="/wake_up")])
         f.clock.advance(0)
 
+    def lend(self, f: Fleet) -> ShardCommand:
+        """
+        Ask for b: it is lent a's GPU, and its start goes out only once the
+        lend's grace is over.
+        """
+        f.rec.report_demand("gw", {"b": Demand(0, 2)})
+        f.step()
+        self.assertEqual([c for c in f.dispatcher.starts if c.model == "b"], [])
+        f.step(seconds=lending.LEND_GRACE_S)
+        [start] = [c for c in f.dispatcher.starts if c.model == "b"]
+        return start
+
     def events(self, f: Fleet, *kinds: str) -> list[tuple[str, str]]:
         return [(e.kind, e.replica or "") for e in f.rec.event_log.since() if e.kind in kinds]
 
@@ -136,9 +151,7 @@ class LendingReconcilerTests(SynchronousTestCase):
         when the borrower has stopped the sleeper is routed again.
         """
         f = self.setup()
-        f.rec.report_demand("gw", {"b": Demand(0, 2)})
-        f.step()
-        [start] = [c for c in f.dispatcher.starts if c.model == "b"]
+        start = self.lend(f)
         a_gpus = f.rec.replica_recs[self.a].shards[0].gpus
         self.assertEqual(tuple(start.gpu_indices), a_gpus)
         b = start.replica_id
@@ -199,9 +212,7 @@ class LendingReconcilerTests(SynchronousTestCase):
         f.step()
         f.make_ready()
         f.step(passes=100)
-        f.rec.report_demand("gw", {"b": Demand(0, 2)})
-        f.step()
-        [start] = [c for c in f.dispatcher.starts if c.model == "b"]
+        start = self.lend(f)
         self.assertEqual(tuple(start.gpu_indices), f.rec.replica_recs[self.a].shards[0].gpus)
         self.assertEqual(self.events(f, "swap"), [])
         self.assertEqual(len(f.ready_replicas("c")), 1)
@@ -232,9 +243,7 @@ class LendingReconcilerTests(SynchronousTestCase):
         Taking a displaced replica would free no GPU: a swap passes it by.
         """
         f = self.setup(resident=0)
-        f.rec.report_demand("gw", {"b": Demand(0, 2)})
-        f.step()
-        [start] = [c for c in f.dispatcher.starts if c.model == "b"]
+        start = self.lend(f)
         f.make_ready([start])
         f.step(passes=3)
         self.assertEqual(self.events(f, "swap"), [])
@@ -246,9 +255,7 @@ class LendingReconcilerTests(SynchronousTestCase):
         does not take the borrower, which would free nothing for it.
         """
         f = self.setup(resident=0, more=("c",))
-        f.rec.report_demand("gw", {"b": Demand(0, 2)})
-        f.step()
-        [start] = [c for c in f.dispatcher.starts if c.model == "b"]
+        start = self.lend(f)
         f.make_ready([start])
         f.step(passes=3)
         f.rec.report_demand("gw", {"c": Demand(0, 2)})
@@ -265,9 +272,7 @@ class LendingReconcilerTests(SynchronousTestCase):
         replica heard awake is a warning.
         """
         f = self.setup()
-        f.rec.report_demand("gw", {"b": Demand(0, 2)})
-        f.step()
-        [b] = [r for r in f.rec.replica_recs if r.startswith("b")]
+        b = self.lend(f).replica_id
         rep = f.rec.replica_recs[self.a]
         f.rec.state.set_displaced(rep, ())
         # Adopted: the lender looks no older than its borrower.
@@ -279,6 +284,151 @@ class LendingReconcilerTests(SynchronousTestCase):
         self.sleep(f, self.a, False)
         self.assertEqual(self.events(f, "displaced_awake"), [("displaced_awake", self.a)])
         self.assertEqual(f.rec.routes("a"), [])
+
+    def b_starts(self, f: Fleet) -> list[ShardCommand]:
+        return [c for c in f.dispatcher.starts if c.model == "b"]
+
+    def test_start_waits_the_grace(self) -> None:
+        """
+        A borrower is placed, its GPUs reserved and its lender displaced
+        (out of the published table) at once, but its start goes out only
+        once the lend's grace is over (less a pass's slack): not a pass
+        before. A lender heard awake after that is a warning,
+        displaced_awake.
+        """
+        f = self.setup()
+        f.rec.report_demand("gw", {"b": Demand(0, 2)})
+        f.step()
+        [b] = [r for r in f.rec.replica_recs if r.startswith("b")]
+        self.assertEqual(self.events(f, "gpu_lent", "replica_displaced"),
+                         [("gpu_lent", b), ("replica_displaced", self.a)])
+        self.assertNotIn("a", f.rec.routing_table.models())
+        self.assertEqual(f.rec.replica_recs[b].shards[0].gpus, f.rec.replica_recs[self.a].shards[0].gpus)
+        f.step(seconds=lending.LEND_GRACE_S / 2, passes=1)
+        f.step(seconds=lending.LEND_GRACE_S / 2 - lending.PASS_SLACK_S - 0.01, passes=1)
+        self.assertEqual(self.b_starts(f), [])
+        f.step(seconds=0.01)
+        [start] = self.b_starts(f)
+        self.assertEqual(start.replica_id, b)
+        self.assertEqual(f.rec.replica_recs[self.a].displaced_by, (b,))
+        # Once the borrower was sent its start, the lender heard awake is a
+        # warning; the lend stands.
+        self.sleep(f, self.a, False)
+        self.assertEqual(self.events(f, "lend_cancelled", "displaced_awake"), [("displaced_awake", self.a)])
+        self.assertIn(b, f.rec.replica_recs)
+
+    def test_woken_during_the_grace(self) -> None:
+        """
+        A lender heard awake before its borrower's start went out cancels
+        the lend at once: the borrower is forgotten (no start, ever, on
+        that GPU; its GPU and port free again), the lender routed again,
+        events lend_cancelled and replica_restored and no displaced_awake.
+        """
+        f = self.setup()
+        f.rec.report_demand("gw", {"b": Demand(0, 2)})
+        f.step()
+        [b] = [r for r in f.rec.replica_recs if r.startswith("b")]
+        node = f.rec.replica_recs[b].shards[0].node_id
+        self.sleep(f, self.a, False)
+        self.assertEqual(self.events(f, "lend_cancelled", "replica_restored", "displaced_awake"),
+                         [("lend_cancelled", b), ("replica_restored", self.a)])
+        self.assertNotIn(b, f.rec.replica_recs)
+        self.assertEqual(f.rec.replica_recs[self.a].displaced_by, ())
+        self.assertEqual([r.replica_id for r in f.rec.routing_table.routes("a")], [self.a])
+        self.assertEqual(f.rec.state.gpus_given[node], set(f.rec.replica_recs[self.a].shards[0].gpus))
+        self.assertEqual(f.rec.state.lend_starts, {})
+        f.step(passes=5)
+        # a awake and within its min_resident_s: b waits, nothing lent.
+        self.assertEqual(self.b_starts(f), [])
+        self.assertEqual([k for k, _ in self.events(f, "gpu_lent")], ["gpu_lent"])
+
+    def test_not_heard_asleep_at_the_grace_end(self) -> None:
+        """
+        A lender whose sleep is no longer known when the grace ends (its
+        signals changed without a heartbeat's event) cancels the lend
+        rather than starting a borrower beside it.
+        """
+        f = self.setup()
+        f.rec.report_demand("gw", {"b": Demand(0, 2)})
+        f.step()
+        shard = f.rec.replica_recs[self.a].shards[0]
+        f.rec.state.set_signals(shard, None)
+        f.step(seconds=lending.LEND_GRACE_S)
+        self.assertEqual(self.b_starts(f), [])
+        self.assertEqual([k for k, _ in self.events(f, "lend_cancelled")], ["lend_cancelled"])
+
+    def test_register_during_the_grace(self) -> None:
+        """
+        The borrower's node registering during the grace (its shard not
+        listed: never sent) does not send its start early.
+        """
+        f = self.setup()
+        f.rec.report_demand("gw", {"b": Demand(0, 2)})
+        f.step()
+        node = f.rec.replica_recs[self.a].shards[0].node_id
+        f.register(node, [r for r in f.running(node) if r.model == "a"])
+        self.assertEqual(self.b_starts(f), [])
+        f.step(seconds=lending.LEND_GRACE_S)
+        self.assertEqual(len(self.b_starts(f)), 1)
+
+    def test_lender_stopped_during_the_grace(self) -> None:
+        """
+        A lender torn down during the grace still holds its GPU until its
+        stop is confirmed: the borrower's start waits for that, then goes
+        out (no cancel: the GPU is the borrower's now).
+        """
+        f = self.setup()
+        f.rec.report_demand("gw", {"b": Demand(0, 2)})
+        f.step()
+        f.rec._decide(lifecycle.teardown, f.rec.replica_recs[self.a], "scaled to zero", f.clock.seconds())
+        f.step(seconds=lending.LEND_GRACE_S, passes=2)
+        self.assertEqual(self.b_starts(f), [])
+        f.confirm_stops()
+        f.step()
+        self.assertEqual(len(self.b_starts(f)), 1)
+        self.assertEqual(self.events(f, "lend_cancelled"), [])
+
+    def test_restored_lender_not_lent_again_before_its_wake(self) -> None:
+        """
+        A lender whose borrower was taken for its own waiting requests is
+        routed again once the borrower is gone and is not lent again, to a
+        third model waiting too, nor swapped out for it, before a gateway
+        can wake it; once heard awake (and asleep again) it lends again.
+        """
+        f = self.setup(resident=0, more=("c",))
+        start = self.lend(f)
+        f.make_ready([start])
+        f.step()
+        f.rec.report_demand("gw", {"a": Demand(0, 1), "c": Demand(0, 1)})
+        f.step()
+        self.assertEqual(self.events(f, "swap"), [("swap", start.replica_id)])
+        f.step(passes=12)
+        f.confirm_stops()
+        f.rec.report_demand("gw", {"a": Demand(0, 1), "c": Demand(0, 1)})
+        f.step()
+        self.assertEqual(self.events(f, "replica_restored"), [("replica_restored", self.a)])
+        self.assertEqual([k for k, _ in self.events(f, "gpu_lent")], ["gpu_lent"])
+        self.assertEqual([r.replica_id for r in f.rec.routing_table.routes("a")], [self.a])
+        # Nor swapped out for c while its requests wait to wake it.
+        self.assertEqual(self.events(f, "swap"), [("swap", start.replica_id)])
+        self.sleep(f, self.a, False)
+        f.rec.report_demand("gw", {"a": Demand(1, 0), "c": Demand(0, 0)})
+        f.step()
+        self.assertEqual(f.rec.state.called_back, {})
+        self.sleep(f, self.a, True)
+        got = lending.lenders(f.rec.ctx, set(f.ids), 0, now=f.clock.seconds())
+        self.assertEqual([g.holders for ln in got for g in ln.lent], [(self.a,)])
+
+    def test_grace_covers_the_routes_reaching_gateways(self) -> None:
+        """
+        The grace outlasts a gateway's next read after a failed one (its
+        follower's retry with the most jitter, then the gap between
+        reads) and the agent's look at a sleeping engine.
+        """
+        params = inspect.signature(FollowerService).parameters
+        retry, jitter, gap = (params[n].default for n in ("retry", "jitter", "min_gap"))
+        self.assertGreaterEqual(lending.LEND_GRACE_S - lending.PASS_SLACK_S, retry * (1 + jitter) + gap)
+        self.assertGreaterEqual(lending.LEND_GRACE_S, SLEEP_INTERVAL)
 
     def test_every_shard_lends(self) -> None:
         """
@@ -305,8 +455,7 @@ class GatewayTests(SynchronousTestCase):
         """
         t = LendingReconcilerTests()
         f = t.setup(resident=0)
-        f.rec.report_demand("gw", {"b": Demand(0, 2)})
-        f.step()
+        t.lend(f)
         f.make_ready()
         f.step()
         posts: list[str] = []

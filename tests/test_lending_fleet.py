@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -78,3 +80,48 @@ class LendingFleetTests(SynchronousTestCase):
         self.assertIn(("replica_restored", a["id"]), seen)
         [a_after] = replicas("a")
         self.assertEqual((a_after["id"], a_after["displaced_by"]), (a["id"], []))
+
+    def test_lender_woken_during_the_lend(self) -> None:
+        """
+        The race a lend closes: model a's sleeping replica is woken (its
+        engine's wake called straight, as a gateway holding the routing
+        table from just before the lend would) right after its GPU is lent
+        to b. b's first replica never starts beside it: the lend is
+        cancelled while b's start waits (or, heard too late, b's agent
+        asks a's engine and refuses the start); once a sleeps again b is
+        lent the GPU and served.
+        """
+        sys.path.insert(0, str(ROOT))
+        from bench.multiplex import chat
+        from bench.survival import LocalFleet
+
+        directory = Path(self.mktemp()).resolve()
+        directory.mkdir(parents=True)
+        path = directory / "catalog.toml"
+        path.write_text(catalog())
+        fleet = LocalFleet(directory, path, agents=1, gpus="sim:1x24GiB")
+        self.addCleanup(fleet.close)
+
+        def events() -> list[dict[str, Any]]:
+            return fleet.admin("/api/v1/events?since=0")["events"]  # type: ignore[no-any-return]
+
+        status, _, _ = chat(fleet.gateway_port, "a", 90)
+        self.assertEqual(status, 200)
+        [a] = fleet.wait("a asleep", lambda: [r for r in fleet.admin("/api/v1/replicas")["replicas"]
+                                              if r["model"] == "a" and r.get("sleeping")], 30)
+        answers: list[int] = []
+        thread = threading.Thread(target=lambda: answers.append(chat(fleet.gateway_port, "b", 90)[0]))
+        thread.start()
+        self.addCleanup(thread.join, 100)
+        [lent] = fleet.wait("b lent a's GPU", lambda: [e for e in events() if e["kind"] == "gpu_lent"], 30)
+        first = lent["replica"]
+        woken = urllib.request.Request(f"http://{a['shards'][0]['address']}/wake_up", data=b"", method="POST")
+        with urllib.request.urlopen(woken, timeout=10) as response:
+            self.assertEqual(response.status, 200)
+        thread.join(100)
+        self.assertEqual(answers, [200])
+        seen = events()
+        stopped_it = [e for e in seen if e.get("replica") == first and (
+            e["kind"] == "lend_cancelled" or (e["kind"] == "shard_failed" and "awake" in e.get("reason", "")))]
+        self.assertTrue(stopped_it, [(e["kind"], e.get("replica"), e.get("reason")) for e in seen])
+        self.assertNotIn(("replica_ready", first), [(e["kind"], e.get("replica")) for e in seen])

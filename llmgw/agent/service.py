@@ -249,6 +249,8 @@ class NodeAgent(MultiService):
                                host=lambda: self.supervisor.probe_host)
         self.scraper.sleep_state = self.sleeper.state_of
         self.supervisor.lends = self.sleeper.lends
+        self.supervisor.confirm = self.sleeper.confirm
+        self.supervisor.add_listener(self.sleeper.reported)
         self.sleeper.setServiceParent(self)
         not_after = tls.cert.not_valid_after_utc
         self.core = AgentCore(

@@ -46,6 +46,15 @@ The control plane may ask for a sleep at once to make room for another
 model (C{SleepShard}, L{Sleeper.sleep_now}): the same call as an idle
 sleep, refused with a logged reason for a shard that is not a ready,
 idle leader of an engine llmgw puts to sleep.
+
+The control plane may lend a sleeping shard's GPUs to a new shard
+(L{llmgw.control.core.lending}). A gateway holding a routing table from
+just before the lend may still wake the sleeper, so a start on GPUs a
+sleeping leader here holds waits for its engine to say, asked there and
+then, that it still sleeps (L{Sleeper.confirm}), and is refused if it is
+awake or cannot say. A lender seen awake while a borrower holds its GPUs
+is logged as a warning (the control plane hears it at once and warns,
+C{displaced_awake}).
 """
 
 from __future__ import annotations
@@ -63,12 +72,16 @@ from twisted.python.failure import Failure
 from llmgw import sleepmodes
 from llmgw.addresses import format_address
 from llmgw.agent.scrape import Scraper
-from llmgw.agent.shard import Shard
+from llmgw.agent.shard import FAILED, STOPPED, Shard
+from llmgw.agent.state import ShardSpec
 from llmgw.agent.supervisor import Supervisor
 from llmgw.states import ShardState
 
 #: Seconds between looks.
 SLEEP_INTERVAL = 1.0
+#: Seconds a sleeping engine has to say whether it still sleeps before a
+#: start on its GPUs goes ahead; without an answer the start is refused.
+CONFIRM_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -113,6 +126,8 @@ class Sleeper(Service):
         self.states: dict[str, SleepState] = {}
         #: Called with a shard id when it fell asleep or woke.
         self.on_change: Callable[[str], None] = lambda shard_id: None
+        #: The starts waiting for their lenders' engines (L{confirm}).
+        self.confirming: dict[str, ShardSpec] = {}
         self._loop: LoopingCall | None = None
 
     def startService(self) -> None:
@@ -194,8 +209,7 @@ class Sleeper(Service):
             if st.sleeping is None:
                 # An engine that cannot say starts awake.
                 st.sleeping = False
-            elif st.sleeping and sig is not None and sig.sampled_at > st.slept_at and (
-                    busy or (sig.generated_tokens or 0) > (st.tokens_at_sleep or 0)):
+            elif self._woken(shard_id, st):
                 self._set(shard_id, st, False, now)
         idle = sig is not None and sig.running is not None and not busy
         if (mode.sleep_path and st.sleeping is False and after > 0 and idle
@@ -204,10 +218,24 @@ class Sleeper(Service):
         elif mode.status_path:
             self._ask(shard_id, engine, base + mode.status_path, st)
 
+    def _woken(self, shard_id: str, st: SleepState) -> bool:
+        """
+        Whether an engine that cannot say it sleeps (SGLang), asleep by the
+        agent's word, was woken: the scraper's newest figures, newer than
+        its sleep, show requests or tokens generated since.
+        """
+        sample = self.scraper.samples.get(shard_id)
+        sig = sample.signals if sample is not None else None
+        return bool(st.sleeping and sig is not None and sig.sampled_at > st.slept_at and (
+            (sig.running or 0) > 0 or (sig.waiting or 0) > 0
+            or (sig.generated_tokens or 0) > (st.tokens_at_sleep or 0)))
+
     def _set(self, shard_id: str, st: SleepState, sleeping: bool, now: float) -> None:
         if st.sleeping == sleeping:
             return
         was, st.sleeping = st.sleeping, sleeping
+        if was and not sleeping:
+            self._warn_if_lent(shard_id)
         if sleeping:
             st.slept_at = now
         else:
@@ -307,3 +335,102 @@ class Sleeper(Service):
         self._sleep(shard_id, spec.engine, base + mode.sleep_path.format(level=spec.sleep_level), st,
                     now - st.busy_at)
         return None
+
+    def confirm(self, spec: ShardSpec, held: list[Shard]) -> bool:
+        """
+        Before C{spec} starts on GPUs that a sleeping leader here holds
+        (lent by the control plane), ask that engine now whether it still
+        sleeps rather than trust the last look. True when the start waits
+        for the answers: the supervisor then starts it once every such
+        engine says it sleeps, or refuses it, with the reason, when one is
+        awake or cannot say (an error, no answer within
+        L{CONFIRM_TIMEOUT_S}). A start reported stopped meanwhile
+        (L{reported}) is not started. False: nothing to ask.
+        """
+        gpus = set(spec.gpu_indices)
+        lenders = [s for s in held
+                   if s.spec.rank == 0 and not gpus.isdisjoint(s.spec.gpu_indices) and self.lends(s)]
+        if not lenders:
+            return False
+        if spec.shard_id in self.confirming:
+            self.log.info("shard {shard}: its lenders' engines are being asked already", shard=spec.shard_id)
+            return True
+        self.confirming[spec.shard_id] = spec
+        self.log.info("shard {shard} shares GPUs with sleeping shard(s) {lenders}: asking whether they "
+                      "still sleep before it starts", shard=spec.shard_id,
+                      lenders=", ".join(s.shard_id for s in lenders))
+        d = defer.gatherResults([self._still_asleep(s, gpus) for s in lenders])
+        d.addCallback(self._confirmed, spec)
+        d.addErrback(lambda f: self.log.failure("confirming shard {shard}'s lenders failed", f,
+                                                shard=spec.shard_id))
+        return True
+
+    def reported(self, shard: Shard) -> None:
+        """
+        A supervisor's report: a start waiting for its lenders' engines and
+        reported stopped or failed meanwhile (a stop came) is dropped.
+        """
+        if shard.state in (STOPPED, FAILED) and self.confirming.pop(shard.shard_id, None) is not None:
+            self.log.info("shard {shard} is {state} before its lenders' engines answered; not started",
+                          shard=shard.shard_id, state=shard.state)
+
+    def _confirmed(self, problems: list[str | None], spec: ShardSpec) -> None:
+        if self.confirming.pop(spec.shard_id, None) is None:
+            return
+        problem = next((p for p in problems if p), None)
+        if problem is not None:
+            self.supervisor.refuse(spec, problem)
+        else:
+            self.supervisor.start(spec, confirmed=True)
+
+    def _still_asleep(self, lender: Shard, gpus: set[int]) -> defer.Deferred[str | None]:
+        """
+        Fires with why a start on C{gpus} may not go ahead beside sleeping
+        C{lender}, or C{None} when its engine says it still sleeps.
+        """
+        spec, sid = lender.spec, lender.shard_id
+        shared = ",".join(map(str, sorted(gpus & set(spec.gpu_indices))))
+        awake = (f"GPU {shared} is in use by shard {sid}, whose engine is awake (asked just now): a request "
+                 "woke it after the control plane lent its memory")
+        mode = sleepmodes.mode(spec.engine)
+        st = self.states.get(sid)
+        if mode is None or st is None:
+            return defer.succeed(f"GPU {shared} is in use by shard {sid}, not known to sleep")
+        if not mode.status_path:
+            # SGLang cannot say: the agent's own word, with its newest figures.
+            if self._woken(sid, st):
+                self._set(sid, st, False, self.clock.seconds())
+                return defer.succeed(awake)
+            return defer.succeed(None)
+        d = self.call(b"GET", f"http://{format_address(self.host(), spec.port)}{mode.status_path}", None)
+        d.addTimeout(CONFIRM_TIMEOUT_S, self.clock)
+
+        def answered(body: bytes) -> str | None:
+            if sleepmodes.read_status(spec.engine, body):
+                return None
+            self._set(sid, st, False, self.clock.seconds())
+            return awake
+
+        def failed(f: Failure) -> str:
+            why = (f"no answer within {CONFIRM_TIMEOUT_S:g}s" if f.check(defer.TimeoutError)
+                   else f.getErrorMessage())
+            return (f"GPU {shared} is in use by sleeping shard {sid}, whose engine could not say whether "
+                    f"it still sleeps ({why})")
+
+        return d.addCallback(answered).addErrback(failed)
+
+    def _warn_if_lent(self, shard_id: str) -> None:
+        """
+        C{shard_id} woke: a warning if another shard here runs on its GPUs
+        (a borrower), as two engines now share them.
+        """
+        record = self.supervisor.shards.get(shard_id)
+        if record is None:
+            return
+        gpus = set(record.spec.gpu_indices)
+        others = [s.shard_id for s in self.supervisor.live_shards()
+                  if s.shard_id != shard_id and not gpus.isdisjoint(s.spec.gpu_indices)]
+        if others:
+            self.log.warn("shard {shard} woke while its GPUs {gpus} are lent to shard(s) {others}: two "
+                          "engines share them, and one may run out of memory", shard=shard_id,
+                          gpus=",".join(map(str, sorted(gpus))), others=", ".join(others))

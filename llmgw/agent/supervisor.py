@@ -141,6 +141,8 @@ class Supervisor(Service):
         #: Whether a held shard's GPUs may go to a new shard as well: its
         #: engine sleeps (L{llmgw.agent.sleep.Sleeper.lends}).
         self.lends: Callable[[Shard], bool] = lambda shard: False
+        #: Asked of a start that passed its checks (L{llmgw.agent.sleep.Sleeper.confirm}).
+        self.confirm: Callable[[ShardSpec, list[Shard]], bool] = lambda spec, held: False
         self._listeners: list[Callable[[Shard], None]] = []
         self._loop: LoopingCall | None = None
         #: Set by L{stopService}: shards that end after it are not watched.
@@ -242,17 +244,16 @@ class Supervisor(Service):
 
     # -- commands ------------------------------------------------------------
 
-    def start(self, spec: ShardSpec) -> Shard:
+    def start(self, spec: ShardSpec, confirmed: bool = False) -> Shard | None:
         """
         Start a shard, or re-report it if it already runs. A start that
-        cannot be honoured is reported as failed with the reason.
+        cannot be honoured is reported as failed with the reason; C{None}
+        while L{confirm} has it.
         """
         existing = self.shards.get(spec.shard_id)
         if existing is not None and existing.held:
-            self.log.info(
-                "shard {shard} is already {state} (pid {pid}); starting nothing new",
-                shard=spec.shard_id, state=existing.state, pid=existing.pid,
-            )
+            self.log.info("shard {shard} is already {state} (pid {pid}); starting nothing new",
+                          shard=spec.shard_id, state=existing.state, pid=existing.pid)
             self._report(existing)
             return existing
         problem = launch.refusal(spec, self.gpu_indices, self.held_shards(),
@@ -263,13 +264,9 @@ class Supervisor(Service):
         if problem is None and launch.needs_fetch(spec):
             problem = self.weights.refusal()
         if problem is not None:
-            shard = Shard(spec, FAILED)
-            shard.error = problem
-            shard.crash_class = crash_class.value
-            self.log.error("refusing to start shard {shard}: {error}",
-                           shard=spec.shard_id, error=problem)
-            self._report(shard)
-            return shard
+            return self.refuse(spec, problem, crash_class)
+        if not confirmed and self.confirm(spec, self.held_shards()):
+            return None
         if launch.needs_fetch(spec):
             # No process and no record yet: it holds its GPUs and port, and
             # its startup timeout starts once its weights are here.
@@ -284,6 +281,14 @@ class Supervisor(Service):
         shard = Shard(spec)
         self._remember(shard)
         return self._launch(shard, launch.local_weights(spec))
+
+    def refuse(self, spec: ShardSpec, problem: str, crash_class: CrashClass = CrashClass.UNKNOWN) -> Shard:
+        """Report C{spec}'s start refused: failed, for C{problem}."""
+        shard = Shard(spec, FAILED)
+        shard.error, shard.crash_class = problem, crash_class.value
+        self.log.error("refusing to start shard {shard}: {error}", shard=spec.shard_id, error=problem)
+        self._report(shard)
+        return shard
 
     def _launch(self, shard: Shard, weights: str) -> Shard:
         """

@@ -14,12 +14,23 @@ uses its GPU.
     request wakes it and no gateway calls its wake path, since its memory
     is someone else's now. Of two replicas that hold one GPU the older is
     the lender, so this can be read from the fleet again after a restart.
+  - The borrower's start waits L{LEND_GRACE_S} (L{start_lent}): long
+    enough for every gateway to hold the routes without its lender, and
+    for a wake one sent just before to be heard. A lender heard awake
+    meanwhile cancels the lend (C{lend_cancelled}): the borrower, never
+    started, is forgotten (its deployment placed again, elsewhere or
+    later), the lender routed again (C{replica_restored}). The lender's
+    agent also asks its engine before it starts the borrower
+    (L{llmgw.agent.sleep.Sleeper.confirm}).
   - Requests for a model whose only replicas are displaced take the
     borrowers back (L{reclaim}, a C{swap} event each) by the swap rules:
     an evictable deployment no more important than the lender's, never
     below its C{min_replicas}, never before its C{min_resident_s}. Once
     the borrowers are gone the lender is restored (C{replica_restored}),
-    routed again, and the gateway wakes it as any sleeping replica.
+    routed again, and the gateway wakes it as any sleeping replica. Until
+    it is heard awake (at most its drains and startup timeout) it lends
+    nothing again, or the pass that restores it would lend it again
+    before any gateway could wake it.
 
 The memory check is conservative: a lent GPU gives a borrower its memory
 total, less the memory its node last reported in use, less a residual for
@@ -52,8 +63,24 @@ from llmgw.routing import MAX_QUEUE_TIMEOUT_S
 GPU_LENT = "gpu_lent"
 DISPLACED = "replica_displaced"
 RESTORED = "replica_restored"
+LEND_CANCELLED = "lend_cancelled"
+DISPLACED_AWAKE = "displaced_awake"
 #: What a borrower taken back makes (as swapping's).
 SWAP = "swap"
+
+#: Seconds a borrower's start waits after its lend. The routes without
+#: the lender go out as the pass that lends ends, and a gateway following
+#: them has them at once (its long-poll or watch stream answers); one
+#: whose last read just failed reads again after its follower's retry
+#: (L{llmgw.gateway.follower_service.FollowerService}: 2 s, plus up to a
+#: fifth of it as jitter). A wake sent just before is seen by the lender's
+#: agent within its sleep look (1 s) and heard here at once.
+LEND_GRACE_S = 3.0
+#: A borrower's start is sent by the first pass (once a second) no more
+#: than this before its grace ends: a pass may run a little late, and the
+#: one that lent as well, so an exact comparison would often wait a whole
+#: pass more. What is left of the grace still covers the routes' spread.
+PASS_SLACK_S = 0.25
 
 #: A sleeping engine's memory kept on each GPU, as a share of the GPU's
 #: memory, and at least this many MiB.
@@ -76,9 +103,13 @@ def asleep(rep: ReplicaRec) -> bool | None:
     return sig.sleeping if sig is not None else None
 
 
-def sleeper(ctx: Context, rep: ReplicaRec) -> bool:
-    """Whether C{rep} may lend its GPUs: active, ready, and its engine asleep."""
-    return rep.phase == Phase.ACTIVE and asleep(rep) is True and rep.id in ctx.state.ready.get(rep.model, ())
+def sleeper(ctx: Context, rep: ReplicaRec, now: float = 0.0) -> bool:
+    """
+    Whether C{rep} may lend its GPUs: active, ready, its engine asleep, and
+    not called back for its own requests (L{reclaim}) as of C{now}.
+    """
+    return (rep.phase == Phase.ACTIVE and asleep(rep) is True and rep.id in ctx.state.ready.get(rep.model, ())
+            and ctx.state.called_back.get(rep.id, -math.inf) <= now)
 
 
 def borrower_allowed(dep: Deployment) -> bool:
@@ -86,17 +117,19 @@ def borrower_allowed(dep: Deployment) -> bool:
     return dep.multiplex.evictable and dep.autoscale is not None
 
 
-def lenders(ctx: Context, eligible: set[str], priority: int, weights: str = "", model: str = "") -> list[Lender]:
+def lenders(ctx: Context, eligible: set[str], priority: int, weights: str = "", model: str = "",
+            now: float = 0.0) -> list[Lender]:
     """
     The eligible nodes with GPUs held only by sleeping replicas of
-    deployments of at least C{priority}, and those GPUs (see the module).
-    Replicas of C{model} lend it nothing: a request wakes them instead.
+    deployments of at least C{priority}, and those GPUs (see the module),
+    as of C{now}. Replicas of C{model} lend it nothing: a request wakes
+    them instead.
     """
     st, deps = ctx.state, ctx.catalog.deployments
     wanted: dict[str, set[int]] = {}
     for rid in sorted(ctx.sleeping_since):
         rep = st.replicas.get(rid)
-        if rep is None or rep.model == model or not sleeper(ctx, rep):
+        if rep is None or rep.model == model or not sleeper(ctx, rep, now):
             continue
         for shard in rep.shards.values():
             if shard.node_id in eligible:
@@ -119,7 +152,7 @@ def lenders(ctx: Context, eligible: set[str], priority: int, weights: str = "", 
             reps = list(holders.get(g, {}).values())
             gpu = info.get(g)
             if gpu is None or gpu.problems or not reps or not all(
-                    sleeper(ctx, r) and r.model in deps and r.model != model for r in reps):
+                    sleeper(ctx, r, now) and r.model in deps and r.model != model for r in reps):
                 continue
             least = min(deps[r.model].multiplex.priority for r in reps)
             if least < priority:
@@ -137,12 +170,13 @@ def lend(ctx: Context, dep: Deployment, profile: Profile, spec: LaunchSpec, req:
     """
     Place one replica of C{dep} on C{profile} with borrowed GPUs: its id,
     or C{None} when it may not borrow or nothing fits. The lenders are
-    displaced at once.
+    displaced at once; its shards' starts wait L{LEND_GRACE_S}
+    (L{start_lent}).
     """
     if not borrower_allowed(dep):
         return None
     priority = dep.multiplex.priority
-    chosen = choose(lenders(ctx, placer.eligible, priority, req.weights, dep.model), req, priority)
+    chosen = choose(lenders(ctx, placer.eligible, priority, req.weights, dep.model, now), req, priority)
     if chosen is None:
         return None
     slots: list[Slot] = []
@@ -154,7 +188,9 @@ def lend(ctx: Context, dep: Deployment, profile: Profile, spec: LaunchSpec, req:
             placer.ports.release(s.host, s.port)
         return None
     st = ctx.state
-    rep = lifecycle.create_replica(ctx, dep.model, profile.name, profile.shards, slots, now, out, spec)
+    rep = lifecycle.create_replica(ctx, dep.model, profile.name, profile.shards, slots, now, out, spec,
+                                   start=False)
+    st.lend_starts[rep.id] = now + LEND_GRACE_S
     lent_by: dict[str, None] = {}
     for b in chosen:
         # The free GPUs it took are placement's no more this pass.
@@ -164,7 +200,8 @@ def lend(ctx: Context, dep: Deployment, profile: Profile, spec: LaunchSpec, req:
         out.event(GPU_LENT, replica=rep.id, node=b.node_id, reason=(
             f"model {dep.model} (priority {priority}) found no free GPU: "
             f"GPU {','.join(str(g.index) for g in b.lent)} lent by sleeping replica(s) {', '.join(holders)} "
-            f"(at least {min(g.free_mb for g in b.lent)} MiB left each, {profile.gpu_memory_mb} MiB needed)"))
+            f"(at least {min(g.free_mb for g in b.lent)} MiB left each, {profile.gpu_memory_mb} MiB needed); "
+            f"started in {LEND_GRACE_S:g}s unless a lender wakes first"))
     for lender in lent_by:
         lrep = st.replicas[lender]
         st.set_displaced(lrep, tuple(sorted({*lrep.displaced_by, rep.id})))
@@ -195,24 +232,95 @@ def borrowers(ctx: Context, rep: ReplicaRec) -> tuple[str, ...]:
     return tuple(sorted(found))
 
 
-def refresh(ctx: Context, now: float, out: Outcome) -> None:
+def lenders_of(ctx: Context, borrower: str) -> list[ReplicaRec]:
+    """The replicas displaced by C{borrower}: those that lent it GPUs."""
+    st = ctx.state
+    return [st.replicas[r] for r in sorted(st.displaced) if borrower in st.replicas[r].displaced_by]
+
+
+def start_lent(ctx: Context, now: float, out: Outcome) -> None:
     """
-    Restore each displaced replica whose borrowers are gone, and find
-    sleeping replicas that share a GPU with a newer one (as after a
-    restart), each change an event.
+    Send the starts of each borrower whose lend's grace is over, its
+    lenders all still asleep; cancel the lend of one with a lender not
+    heard asleep (L{cancel}). A lender being stopped holds its GPUs until
+    it is gone: the start waits for that. A borrower stopped meanwhile is
+    not started.
     """
     st = ctx.state
-    for rid in sorted(st.displaced):
+    for rid, at in sorted(st.lend_starts.items()):
         rep = st.replicas[rid]
-        left = borrowers(ctx, rep)
-        if left:
-            st.set_displaced(rep, left)
-            continue
-        gone = ", ".join(rep.displaced_by)
-        st.set_displaced(rep, ())
-        out.event(RESTORED, replica=rid, reason=(
-            f"model {rep.model}: the replica(s) that borrowed its GPUs ({gone}) are gone; routed again, "
-            "woken on demand"))
+        lent_by = lenders_of(ctx, rid)
+        awake = [r.id for r in lent_by if r.phase == Phase.ACTIVE and asleep(r) is not True]
+        if awake:
+            cancel(ctx, rep, awake, now, out)
+        elif now + PASS_SLACK_S >= at and all(r.phase == Phase.ACTIVE for r in lent_by):
+            del st.lend_starts[rid]
+            for rank in sorted(rep.shards) if rep.phase == Phase.ACTIVE else ():
+                lifecycle.send_start(ctx, rep, rep.shards[rank], now, True, out)
+
+
+def cancel(ctx: Context, rep: ReplicaRec, awake: list[str], now: float, out: Outcome) -> None:
+    """
+    Cancel the lend to C{rep}, a borrower not started yet, whose lenders
+    C{awake} woke: it is forgotten (nothing was sent for it; its
+    deployment is placed again), its lenders routed again unless another
+    borrower holds their GPUs.
+    """
+    lent_by = lenders_of(ctx, rep.id)
+    out.event(LEND_CANCELLED, replica=rep.id, reason=(
+        f"model {rep.model}: sleeping replica(s) {', '.join(awake)} that lent it their GPUs woke before "
+        "its start went out; it was not started, and is placed again"))
+    ctx.state.remove_replica(rep, now)
+    for lender in lent_by:
+        restore(ctx, lender, out)
+
+
+def restore(ctx: Context, rep: ReplicaRec, out: Outcome) -> None:
+    """
+    Route displaced C{rep} again (an event) if its borrowers are gone, or
+    keep it displaced by those left.
+    """
+    st = ctx.state
+    left = borrowers(ctx, rep)
+    if left:
+        st.set_displaced(rep, left)
+        return
+    gone = ", ".join(rep.displaced_by)
+    st.set_displaced(rep, ())
+    out.event(RESTORED, replica=rep.id, reason=(
+        f"model {rep.model}: the replica(s) that borrowed its GPUs ({gone}) are gone; routed again, "
+        "woken on demand"))
+
+
+def heard_awake(ctx: Context, rep: ReplicaRec, node_id: str, now: float, out: Outcome) -> None:
+    """
+    Displaced C{rep} was heard awake: the lends to its borrowers not
+    started yet are cancelled; while a started one holds its GPUs, a
+    warning (two engines may be loaded on one GPU).
+    """
+    st = ctx.state
+    for b in [b for b in rep.displaced_by if b in st.lend_starts]:
+        cancel(ctx, st.replicas[b], [rep.id], now, out)
+    if rep.displaced_by:
+        out.event(DISPLACED_AWAKE, level="warn", replica=rep.id, node=node_id, reason=(
+            f"model {rep.model}: its engine says it is awake while its GPU memory is lent to "
+            f"{', '.join(rep.displaced_by)}; it stays out of the routes until they are gone"))
+
+
+def refresh(ctx: Context, now: float, out: Outcome) -> None:
+    """
+    Start or cancel the borrowers waiting out their lend's grace
+    (L{start_lent}), restore each displaced replica whose borrowers are
+    gone, and find sleeping replicas that share a GPU with a newer one (as
+    after a restart), each change an event.
+    """
+    st = ctx.state
+    start_lent(ctx, now, out)
+    for rid in [r for r, until in st.called_back.items() if until <= now or asleep(st.replicas[r]) is False]:
+        # Its requests' wake came, or the bound on it passed.
+        del st.called_back[rid]
+    for rid in sorted(st.displaced):
+        restore(ctx, st.replicas[rid], out)
     for rid in sorted(ctx.sleeping_since):
         sleeping = st.replicas.get(rid)
         if sleeping is not None:
@@ -275,6 +383,7 @@ def reclaim(ctx: Context, scalers: dict[str, ScalerState], now: float, out: Outc
         if any(len(st.active.get(m, ())) - n < _min(deps[m]) for m, n in need.items()):
             continue
         served.add(model)
+        st.called_back[rid] = now + max(ctx.drain_timeout(b.profile) for b in held) + ctx.startup_timeout(rep.profile)
         for b in held:
             taken += 1
             bdep = deps[b.model]

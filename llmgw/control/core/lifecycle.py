@@ -78,10 +78,11 @@ def send_start(ctx: Context, rep: ReplicaRec, shard: ShardRec, now: float, first
 
 def create_replica(ctx: Context, model: str, profile_name: str, world_size: int,
                    slots: Sequence[Slot], now: float, out: Outcome,
-                   spec: LaunchSpec | None = None) -> ReplicaRec:
+                   spec: LaunchSpec | None = None, start: bool = True) -> ReplicaRec:
     """
     A new replica of C{model} on the placed C{slots}, its shards started
-    from C{spec} (the catalog's profile C{profile_name} when C{None}).
+    from C{spec} (the catalog's profile C{profile_name} when C{None});
+    without C{start}, pending and not sent until the caller sends them.
     """
     rep = ReplicaRec(id=ctx.new_replica_id(model), model=model, profile=profile_name,
                      world_size=world_size, created_at=now)
@@ -113,7 +114,7 @@ def create_replica(ctx: Context, model: str, profile_name: str, world_size: int,
         reason=f"model {model} on "
         + ", ".join(f"{s.node_id} GPUs {list(s.gpu_indices)} port {s.port}" for s in slots),
     )
-    for rank in sorted(rep.shards):
+    for rank in sorted(rep.shards) if start else ():
         send_start(ctx, rep, rep.shards[rank], now, True, out)
     return rep
 

@@ -118,8 +118,10 @@ def registered(ctx: Context, node_id: str, now: float, out: Outcome) -> None:
         if shard.stopping or rep is None:
             st.drop_shard(shard, now)
         elif shard.state == ShardState.PENDING:
-            # Sent on an older stream and maybe lost with it: send again.
-            lifecycle.send_start(ctx, rep, shard, now, False, out)
+            # Sent on an older stream and maybe lost with it: send again
+            # (one never sent, a borrower waiting out its lend's grace, waits).
+            if shard.sends:
+                lifecycle.send_start(ctx, rep, shard, now, False, out)
         else:
             out.event("shard_missing", level="warn", node=node_id, replica=rep.id, shard=sid,
                       reason="the node registered without it")

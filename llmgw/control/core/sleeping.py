@@ -73,9 +73,7 @@ def record(ctx: Context, store: SignalStore, node_id: str, msgs: Iterable[Any], 
             since.setdefault(rep.id, now)
             lending.check(ctx, rep, out)
         if rep is not None and rep.displaced_by and now_asleep is False and was is not False:
-            out.event("displaced_awake", level="warn", replica=rep.id, node=node_id, reason=(
-                f"model {rep.model}: its engine says it is awake while its GPU memory is lent to "
-                f"{', '.join(rep.displaced_by)}; it stays out of the routes until they are gone"))
+            lending.heard_awake(ctx, rep, node_id, now, out)
         if was is None or now_asleep is None or was == now_asleep or rep is None:
             continue
         if now_asleep:

@@ -408,8 +408,10 @@ class Swapping:
             for rid in active:
                 rep = st.replicas[rid]
                 leader = rep.shards.get(0)
+                # One called back from lending for its own waiting requests
+                # (L{lending.reclaim}) is about to be woken for them.
                 if (rep.phase != Phase.ACTIVE or rep.ready_since is None or leader is None or rep.displaced_by
-                        or rid in borrowing or now - rep.ready_since < rules.min_resident_s):
+                        or rid in borrowing or rid in st.called_back or now - rep.ready_since < rules.min_resident_s):
                     continue
                 gpus: dict[str, int] = {}
                 for shard in rep.shards.values():

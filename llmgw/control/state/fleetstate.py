@@ -163,6 +163,12 @@ class FleetState:
         self.incomplete: set[str] = set()
         #: Replicas displaced by borrowers of their GPUs (L{set_displaced}).
         self.displaced: set[str] = set()
+        #: Borrowers whose start waits out their lend's grace, with when it
+        #: ends (L{llmgw.control.core.lending}).
+        self.lend_starts: dict[str, float] = {}
+        #: Lenders whose borrowers were taken for their own waiting
+        #: requests, with until when they lend nothing (to be woken first).
+        self.called_back: dict[str, float] = {}
         self.retired: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.missing: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()
         self.shard_counts: collections.Counter[str] = collections.Counter()
@@ -444,6 +450,8 @@ class FleetState:
         self.draining.discard(rep.id)
         self.incomplete.discard(rep.id)
         self.displaced.discard(rep.id)
+        self.lend_starts.pop(rep.id, None)
+        self.called_back.pop(rep.id, None)
         self.routes_dirty.add(rep.model)
         self.retired[rep.id] = None
         if len(self.retired) > RETIRED_LIMIT:
