@@ -21,7 +21,7 @@ from llmgw.agent.scrape import Sample, Scraper
 from llmgw.agent.shard import READY, Shard
 from llmgw.agent.sleep import Sleeper
 from llmgw.api.v1 import agent_pb2 as pb
-from llmgw.control.core import swapping
+from llmgw.control.core import lending, swapping
 from llmgw.control.core.catalog import parse_catalog
 from llmgw.routing import Demand, EngineSignals
 from llmgw.wire import FrameError, ack, decode
@@ -103,6 +103,7 @@ class SleepToMakeRoomTests(SynchronousTestCase):
         self.assertEqual([c for c in f.dispatcher.starts if c.model == "want"], [])
         self.signal(f, sleeping=True)
         self.want(f)
+        f.step(seconds=lending.LEND_GRACE_S)  # a lend's borrower starts after the grace
         [start] = [c for c in f.dispatcher.starts if c.model == "want"]
         self.assertEqual(tuple(start.gpu_indices), shard.gpus)
         self.assertEqual(self.events(f, "gpu_lent", "replica_displaced"),
@@ -324,6 +325,7 @@ class SleepSpreadTests(SynchronousTestCase):
         signal(True)
         f.rec.report_demand("gw", {"want": Demand(0, 2)})
         f.step()
+        f.step(seconds=lending.LEND_GRACE_S)  # a lend's borrower starts after the grace
         placed = sorted((c.node_id, c.rank) for c in f.dispatcher.starts if c.model == "want")
         self.assertEqual(len({node for node, _ in placed}), 2)
         self.assertEqual([e.kind for e in f.rec.event_log.since() if e.kind in ("swap", "swap_sleep")],
