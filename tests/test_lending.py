@@ -445,6 +445,10 @@ class LendingReconcilerTests(SynchronousTestCase):
         got = lending.lenders(f.rec.ctx, set(f.ids), 0)
         self.assertEqual([(ln.node.id, [g.index for g in ln.lent]) for ln in got],
                          [(n, [0, 1, 2, 3]) for n in sorted(f.ids)])
+        # With the leader's node not eligible, only it could say the engine
+        # sleeps: its followers lend nothing either.
+        leader = f.rec.replica_recs[rid].shards[0].node_id
+        self.assertEqual(lending.lenders(f.rec.ctx, set(f.ids) - {leader}, 0), [])
 
 
 class GatewayTests(SynchronousTestCase):

@@ -129,7 +129,12 @@ def lenders(ctx: Context, eligible: set[str], priority: int, weights: str = "", 
     wanted: dict[str, set[int]] = {}
     for rid in sorted(ctx.sleeping_since):
         rep = st.replicas.get(rid)
+        leader = rep.shards.get(0) if rep is not None else None
         if rep is None or rep.model == model or not sleeper(ctx, rep, now):
+            continue
+        if leader is None or leader.node_id not in eligible:
+            # Only the leader's node can say the engine sleeps: with it away,
+            # its followers' GPUs are not lent on old news.
             continue
         for shard in rep.shards.values():
             if shard.node_id in eligible:
