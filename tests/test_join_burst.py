@@ -227,6 +227,24 @@ class GroupCommitTests(Base):
         self.assertIn("missing/issued.jsonl", event["error"])
         self.assertIn('"serial": "ab12"', event["error"])
 
+    def test_unappendable_line_logged_when_the_book_fails_too(self) -> None:
+        """A line that cannot be appended is logged even when the token book's write fails as well; the waiters fail."""
+        events: list[dict[str, Any]] = []
+        writes = self.writes()
+        writes.log = Logger(observer=events.append)
+
+        def full(text: str) -> None:
+            raise OSError(28, "No space left on device")
+
+        self.patch(self.tokens, "write", full)
+        writes.record(self.dir / "missing" / "issued.jsonl", '{"serial": "ef34"}\n')
+        writes.save()
+        d = writes.written()
+        self.threads.finish()
+        self.failureResultOf(d, OSError)
+        [event] = [e for e in events if e["log_level"] == LogLevel.error]
+        self.assertIn('"serial": "ef34"', event["error"])
+
     def test_join_answered_after_its_record(self) -> None:
         """A join's issued.jsonl line is on disk when its answer is sent, in the commit of its token's use."""
         factory = JoinFactory(self.authority(self.threads), self.clock)

@@ -132,7 +132,7 @@ class TokenWrites:
         if self.clock is not None:
             self._started = self.clock.seconds()
 
-        def commit() -> list[str]:
+        def commit() -> tuple[list[str], Exception | None]:
             unrecorded = []
             for path, batch in lines.items():
                 try:
@@ -142,8 +142,12 @@ class TokenWrites:
                     unrecorded.append(f"cannot record {len(batch)} issued certificates in {path} ({e}); "
                                       f"their lines: {''.join(batch).strip()}")
             if text is not None:
-                self.tokens.write(text)
-            return unrecorded
+                try:
+                    self.tokens.write(text)
+                except Exception as e:
+                    # Returned, not raised: the unrecorded lines are logged all the same.
+                    return unrecorded, e
+            return unrecorded, None
 
         if self.in_thread is None:
             d = maybeDeferred(commit)
@@ -151,14 +155,18 @@ class TokenWrites:
             d = self.in_thread(commit)
         d.addBoth(self._done, text is not None)
 
-    def _done(self, result: list[str] | Failure, had_book: bool) -> None:
+    def _done(self, outcome: tuple[list[str], Exception | None] | Failure, had_book: bool) -> None:
         waiting, self._current = self._current or [], None
         self.writes += 1
-        failed = isinstance(result, Failure)
-        if isinstance(result, list):
-            for error in result:
+        result: None | Failure = outcome if isinstance(outcome, Failure) else None
+        if isinstance(outcome, tuple):
+            unrecorded, book_error = outcome
+            for error in unrecorded:
                 # Not a reason to refuse the nodes.
                 self.log.error("{error}", error=error)
+            if book_error is not None:
+                result = Failure(book_error)
+        failed = result is not None
         if failed and had_book:
             self._dirty = True  # what it carried is not on disk
         for d in waiting:
