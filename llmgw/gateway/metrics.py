@@ -199,23 +199,31 @@ class GatewayMetrics:
     # Each caller's model maps to its series once (the label check, a
     # dictionary lookup on every later request).
 
+    def _labels(self, key: tuple[str, str, int]) -> tuple[str, str, str]:
+        # A request series' first sight: its labels, kept while they are few.
+        model, path, status = key
+        labels = (self.model_label(model), path, str(status))
+        if len(self._request_keys) < 4 * self.max_models:
+            self._request_keys[key] = labels
+        return labels
+
+    def _series(self, histogram: _Histograms, children: dict[str, list[float]], model: str) -> list[float]:
+        # A model's series of C{histogram} at its first sight (kept in
+        # C{children} unless it was counted as the unknown model).
+        label = self.model_label(model)
+        series = histogram.new_series(label)
+        if label == model:
+            children[model] = series
+        return series
+
     def count(self, model: str, path: str, status: int) -> None:
         key = (model, path, status)
-        labels = self._request_keys.get(key)
-        if labels is None:
-            labels = (self.model_label(model), path, str(status))
-            if len(self._request_keys) < 4 * self.max_models:
-                self._request_keys[key] = labels
+        labels = self._request_keys.get(key) or self._labels(key)
         counts = self.requests.counts
         counts[labels] = counts.get(labels, 0) + 1
 
     def observe(self, model: str, seconds: float) -> None:
-        series = self._latency_children.get(model)
-        if series is None:
-            label = self.model_label(model)
-            series = self.latency.new_series(label)
-            if label == model:
-                self._latency_children[model] = series
+        series = self._latency_children.get(model) or self._series(self.latency, self._latency_children, model)
         series[bisect_left(LATENCY_BOUNDS, seconds)] += 1
         series[-1] += seconds
 
@@ -225,29 +233,15 @@ class GatewayMetrics:
         C{status} after C{seconds}.
         """
         key = (model, path, status)
-        labels = self._request_keys.get(key)
-        if labels is None:
-            labels = (self.model_label(model), path, str(status))
-            if len(self._request_keys) < 4 * self.max_models:
-                self._request_keys[key] = labels
+        labels = self._request_keys.get(key) or self._labels(key)
         counts = self.requests.counts
         counts[labels] = counts.get(labels, 0) + 1
-        series = self._latency_children.get(model)
-        if series is None:
-            label = self.model_label(model)
-            series = self.latency.new_series(label)
-            if label == model:
-                self._latency_children[model] = series
+        series = self._latency_children.get(model) or self._series(self.latency, self._latency_children, model)
         series[bisect_left(LATENCY_BOUNDS, seconds)] += 1
         series[-1] += seconds
 
     def first_byte(self, model: str, seconds: float) -> None:
-        series = self._ttfb_children.get(model)
-        if series is None:
-            label = self.model_label(model)
-            series = self.ttfb.new_series(label)
-            if label == model:
-                self._ttfb_children[model] = series
+        series = self._ttfb_children.get(model) or self._series(self.ttfb, self._ttfb_children, model)
         series[bisect_left(LATENCY_BOUNDS, seconds)] += 1
         series[-1] += seconds
 
