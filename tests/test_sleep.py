@@ -186,7 +186,9 @@ class FakeCall:
         self.pending.pop(0).callback(body)
 
 
-class SleeperTests(SynchronousTestCase):
+class SleeperCase(SynchronousTestCase):
+    """A sleeper on a Clock, a fake supervisor, scraper samples set by hand and a fake engine call."""
+
     def setUp(self) -> None:
         self.clock = Clock()
         self.sup = FakeSupervisor()
@@ -195,6 +197,9 @@ class SleeperTests(SynchronousTestCase):
         self.sleeper = Sleeper(self.clock, self.sup, self.scraper, self.call)  # type: ignore[arg-type]
         self.changes: list[str] = []
         self.sleeper.on_change = self.changes.append
+
+
+class SleeperTests(SleeperCase):
 
     def seen(self, running: float) -> None:
         self.scraper.samples["s"] = Sample(EngineSignals(self.clock.seconds(), waiting=0.0, running=running,

@@ -13,13 +13,10 @@ import struct
 import tomllib
 from dataclasses import replace
 
-from twisted.internet import defer
-from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.agent.scrape import Sample, Scraper
+from llmgw.agent.scrape import Sample
 from llmgw.agent.shard import READY, Shard
-from llmgw.agent.sleep import Sleeper
 from llmgw.api.v1 import agent_pb2 as pb
 from llmgw.control.core import lending, swapping
 from llmgw.control.core.catalog import parse_catalog
@@ -27,7 +24,7 @@ from llmgw.routing import Demand, EngineSignals
 from llmgw.wire import FrameError, ack, decode
 from tests.reconciler_harness import ONE_GPU, Fleet
 from tests.test_agent_client import Harness, frame
-from tests.test_sleep import FakeCall, FakeSupervisor
+from tests.test_sleep import SleeperCase
 
 SLEEPY = """
 [profiles.sleepy]
@@ -171,16 +168,7 @@ class SleepToMakeRoomTests(SynchronousTestCase):
         self.assertEqual(self.events(f, "swap", "swap_sleep"), [("swap", self.a)])
 
 
-class AgentSleepNowTests(SynchronousTestCase):
-    def setUp(self) -> None:
-        self.clock = Clock()
-        self.sup = FakeSupervisor()
-        self.scraper = Scraper(self.clock, self.sup, lambda url: defer.Deferred())  # type: ignore[arg-type]
-        self.call = FakeCall()
-        self.sleeper = Sleeper(self.clock, self.sup, self.scraper, self.call)  # type: ignore[arg-type]
-        self.changes: list[str] = []
-        self.sleeper.on_change = self.changes.append
-
+class AgentSleepNowTests(SleeperCase):
     def seen(self, running: float) -> None:
         self.scraper.samples["s"] = Sample(EngineSignals(self.clock.seconds(), waiting=0.0, running=running))
 
