@@ -16,6 +16,7 @@ from llmgw.control.state.placement import (
     Placer,
     PortBook,
     Request,
+    Slot,
     place_all,
 )
 
@@ -221,6 +222,39 @@ steps = st.lists(
     ),
     max_size=40,
 )
+
+
+class KeptPlacerDuplicateTests(SynchronousTestCase):
+    def test_one_node_never_takes_two_shards(self) -> None:
+        """
+        A kept placer whose heap holds two equal entries for one node (a
+        node's entry that came back to an earlier value) still puts a
+        replica's shards on distinct nodes, taking no GPU twice: found by
+        the property below.
+        """
+        truth = {"n1": [(20, 0), (20, 1)], "n5": [(20, 0)]}
+        spread: dict[str, dict[str, int]] = {}
+
+        def cap(n: str) -> NodeCapacity:
+            return NodeCapacity(n, n, {"ib0": n}, sorted(truth[n]))
+
+        kept = Placer([cap(n) for n in truth], spread, PortBook(1, 100000), live_spread=True)
+
+        def place(shards: int, mb: int) -> list[Slot] | None:
+            slots = kept.place(Request("b", shards, 1, mb, fabric="ib0"))
+            for s in slots or ():
+                truth[s.node_id] = [(m, i) for m, i in truth[s.node_id] if i not in s.gpu_indices]
+                spread.setdefault("b", {})[s.node_id] = spread.get("b", {}).get(s.node_id, 0) + 1
+                kept.update(s.node_id, cap(s.node_id))
+            return slots
+
+        self.assertEqual(len(place(2, 0) or ()), 2)
+        spread["b"]["n1"] -= 1
+        truth["n1"] = [*truth["n1"], (80, 0)]
+        kept.update("n1", cap("n1"))
+        self.assertEqual([s.node_id for s in place(1, 40) or ()], ["n1"])
+        # Only n1 has a GPU left: two shards need two nodes.
+        self.assertIsNone(place(2, 0))
 
 
 class KeptPlacerProperties(SynchronousTestCase):

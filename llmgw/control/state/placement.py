@@ -441,6 +441,10 @@ class Placer:
             if member_tiers.get(node_id) != tier or members[node_id] != key:
                 # A stale duplicate: the node's live entry is another.
                 continue
+            if any(c[0] == node_id for c in chosen):
+                # A second copy of an entry already taken: shards go on
+                # distinct nodes, and the entry is pushed again once placed.
+                continue
             if node_id not in self._keys:
                 del members[node_id], member_tiers[node_id]
                 continue
