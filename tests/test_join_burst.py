@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from cryptography import x509
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
@@ -421,6 +422,31 @@ class RenewalQueueTests(Base):
         self.clock.advance(0)
         self.assertEqual(s.sent, [])
         self.assertFalse((self.dir / "issued.jsonl").exists() and "n1" in (self.dir / "issued.jsonl").read_text())
+
+    def test_issued_only_once_recorded(self) -> None:
+        """A renewed certificate is sent once its issued.jsonl line is on disk (so it can be revoked by name), not before."""
+        self.auth = self.authority(in_thread=self.threads)
+        self.service = Service(self.auth)
+        s = self.stream("n1")
+        self.ask(s)
+        issued = self.dir / "issued.jsonl"
+        self.assertEqual(s.sent, [])
+        self.assertFalse(issued.exists() and "CN=n1" in issued.read_text())
+        self.threads.finish()
+        [msg] = s.sent
+        serial = format(x509.load_pem_x509_certificate(msg.certificate_issued.certificate_pem).serial_number, "x")
+        self.assertIn(f'"serial": "{serial}"', issued.read_text())
+
+    def test_gone_while_recorded_not_sent(self) -> None:
+        """A stream replaced while its renewal's line was written gets nothing; the line stays (the certificate exists)."""
+        self.auth = self.authority(in_thread=self.threads)
+        self.service = Service(self.auth)
+        s = self.stream("n1")
+        self.ask(s)
+        self.stream("n1")
+        self.threads.finish()
+        self.assertEqual(s.sent, [])
+        self.assertIn("CN=n1", (self.dir / "issued.jsonl").read_text())
 
     def test_full_queue_turned_away(self) -> None:
         """Past the queue's bound a renewal gets a RESOURCE_EXHAUSTED Ack at once, to ask again later."""

@@ -33,6 +33,7 @@ showing one to an operator L{llmgw.tlsconf.describe}.
 from __future__ import annotations
 
 import json
+import os
 import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -482,8 +483,13 @@ class CertificateAuthority:
         return out
 
     def _record(self, cert: x509.Certificate, path: Path, kind: str) -> None:
+        # On disk before the certificate is handed out: revoking by name
+        # looks its serial up here. (The control plane batches its lines:
+        # llmgw.control.shell.tokenwrites.)
         with open(self.issued_path, "a") as f:
             f.write(issued_line(cert, path.name, kind))
+            f.flush()
+            os.fsync(f.fileno())
 
     @property
     def issued_path(self) -> Path:

@@ -108,9 +108,9 @@ class JoinAuthority:
     @param connected: whether a node id has a live stream.
     @param revoked: the serials the CRL in force lists.
     @param deliver: sends a renewal an operator approved to its node's stream.
-    @param in_thread: runs the token book's writes and a join's
-        C{issued.jsonl} line off the reactor, in group commits (see
-        L{TokenWrites}); without it they are done at once.
+    @param in_thread: runs the token book's writes and the
+        C{issued.jsonl} lines of what is signed off the reactor, in group
+        commits (see L{TokenWrites}); without it they are done at once.
     """
 
     log = Logger()
@@ -161,11 +161,12 @@ class JoinAuthority:
 
     # -- signing ------------------------------------------------------------
 
-    def _sign(self, csr: x509.CertificateSigningRequest, node_id: str, how: str,
-              with_writes: bool = False) -> pb.CertificateIssued:
+    def _sign(self, csr: x509.CertificateSigningRequest, node_id: str, how: str) -> pb.CertificateIssued:
         """
-        C{with_writes}: the certificate's record goes into L{writes}' next
-        commit (the caller waits for it) rather than being appended now.
+        The certificate for C{csr}. Its C{issued.jsonl} line goes into
+        L{writes}' next commit (appended and fsynced there, off the reactor
+        when a thread is given), which the caller waits for before the
+        certificate leaves: L{recorded}.
 
         @raise CAError: the CA cannot be loaded.
         """
@@ -179,17 +180,18 @@ class JoinAuthority:
                 "--tls`) before nodes can join or renew")
         now = datetime.datetime.fromtimestamp(self.clock.seconds(), datetime.UTC)
         cert = sign_request(csr, node_id, ca.key, ca.certificate, self.lifetime, now)
-        if with_writes:
-            self.writes.record(ca.issued_path, issued_line(cert, signed_file(how), "agent"))
-            return self._certificate(cert, ca)
-        try:
-            ca.record_signed(cert, how)
-        except OSError as e:
-            # The node is not refused for it, but revoking it by name will need its serial.
-            self.log.error("cannot record the certificate issued to node {node} (serial {serial}) in "
-                           "{dir}/issued.jsonl: {error}", node=node_id, serial=format(cert.serial_number, "x"),
-                           dir=str(self.signer_dir), error=str(e))
+        self.writes.record(ca.issued_path, issued_line(cert, signed_file(how), "agent"))
         return self._certificate(cert, ca)
+
+    def recorded(self) -> defer.Deferred[None]:
+        """
+        Fires once the C{issued.jsonl} lines of every certificate signed so
+        far are on disk (or, where that failed, in the log: L{TokenWrites}),
+        so that C{ctl cert revoke NODE} finds a certificate before its node
+        holds it. Never fails: a failed write of the token book is the
+        joins' to report, not a renewal's.
+        """
+        return self.writes.written().addErrback(lambda _: None)
 
     def _certificate(self, cert: x509.Certificate, ca: CertificateAuthority) -> pb.CertificateIssued:
         return pb.CertificateIssued(
@@ -321,7 +323,7 @@ class JoinAuthority:
             return pb.JoinResponse(status=Status.STATUS_PENDING, agent_port=self.agent_port)
         # Its record is in the commit that writes the token's use, which
         # the answer waits for.
-        issued = self._sign(csr, node_id, "joined", with_writes=True)
+        issued = self._sign(csr, node_id, "joined")
         book.use(req.token_id, node_id)
         self.writes.save()
         self.log.info("node {node} joined from {address} with token {token}",
@@ -352,6 +354,7 @@ class JoinAuthority:
             self._keep(Pending(node_id, csr, key_hash, address, now, "join", req.token_id))
             return pb.JoinResponse(status=Status.STATUS_PENDING, agent_port=self.agent_port)
         issued = self._sign(csr, node_id, "joined")
+        await self.recorded()
         self.log.info("node {node} joined from {address} with token {token} (kept in etcd)",
                       node=node_id, address=address, token=req.token_id)
         return self._issued(issued)
@@ -375,6 +378,8 @@ class JoinAuthority:
         csr = check_request(csr_pem, node_id)
         if self.signer_dir is not None:
             issued = self._sign(csr, node_id, "renewed")
+            # Started now; the stream's answer waits for it (L{recorded}).
+            self.recorded()
             self.log.info("renewed the certificate of node {node} ({address})", node=node_id, address=address)
             self._renewed(node_id, issued)
             return issued
@@ -610,7 +615,13 @@ def certificate_requested(proto: Any, req: pb.CertificateRequest) -> None:
         if issued is None:
             proto.send_message(ack("certificate", ok=True, error="waiting for an operator's approval"))
             return
-        proto.send_command(pb.ControlMessage(certificate_issued=issued), force=True)
+
+        def send(_: None) -> None:
+            # A stream gone meanwhile: its node asks again on its next one.
+            if proto.factory.stream(proto.node_id) is proto:
+                proto.send_command(pb.ControlMessage(certificate_issued=issued), force=True)
+
+        authority.recorded().addCallback(send)
 
     if not authority.queue.submit(handle):
         proto.log.warn("certificate renewal of node {node} ({peer}) turned away: {count} requests wait already",

@@ -8,7 +8,8 @@ next: a burst of joins costs a few commits rather than one each, and a lone
 join is written at once.
 
 A join's answer waits for L{TokenWrites.written}: a node is told it joined
-only once its token's use and its certificate's record are on disk.
+only once its token's use and its certificate's record are on disk. A
+renewal's certificate waits the same way for its record.
 """
 
 from __future__ import annotations
