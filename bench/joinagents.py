@@ -21,6 +21,14 @@ also takes C{join_port} and reports, per agent, when its join finished
 (C{joined_ns}), how many join requests it sent (C{join_asks}) and the
 errors a join met.
 
+With C{--floor} (and C{--certs}) the agents are instead pre-issued ones
+that open the join's connection and nothing more: at its dial time each
+dials the join listener with the joiner's TLS context, checks the chain
+against the token's CA hash as a join does, and closes without sending a
+request (C{joined_ns}: when that connection closed); then it dials the agent
+port and registers. No join on a connection of its own can cost less than
+this: what a join adds to a registration beyond it is the request itself.
+
 Run by L{bench.join}; not meant to be started by hand.
 """
 
@@ -33,12 +41,16 @@ from pathlib import Path
 from typing import Any
 
 from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IHandshakeListener
+from twisted.internet.protocol import ClientFactory, Protocol
 from twisted.internet.stdio import StandardIO
+from twisted.protocols.tls import TLSMemoryBIOFactory
 from twisted.python.failure import Failure
+from zope.interface import implementer
 
 from bench.common import ControlChannel, raise_nofile
-from bench.simagents import Fleet, SimNode, register_message
-from llmgw.agent.join import Joiner
+from bench.simagents import Fleet, SimNode, load_nodes, register_message
+from llmgw.agent.join import Joiner, _UnverifiedTLS, check_chain, join_context
 from llmgw.api.v1 import agent_pb2 as pb
 from llmgw.tlsconf.jointoken import ParsedToken, parse_token
 from llmgw.tlsconf.options import AgentClientTLS, TLSFiles
@@ -120,10 +132,92 @@ class JoinFleet(Fleet):
         return super().op_storm(req).addCallback(more)
 
 
+@implementer(IHandshakeListener)
+class Touch(Protocol):
+    """The join's connection without the join: handshake, the chain checked, closed."""
+
+    transport: Any
+
+    def __init__(self, fleet: FloorFleet, node: SimNode) -> None:
+        self.fleet = fleet
+        self.node = node
+        self.error = ""
+
+    def handshakeCompleted(self) -> None:
+        chain = self.transport.getHandle().get_peer_cert_chain() or []
+        try:
+            check_chain([c.to_cryptography() for c in chain], self.fleet.host, self.fleet.token.ca_hash)
+        except Exception as e:
+            self.error = str(e)[:120]
+        self.transport.loseConnection()
+
+    def connectionLost(self, reason: Failure = Failure(ConnectionError())) -> None:  # noqa: B008
+        self.fleet.touched(self.node, self.error)
+
+
+class TouchFactory(ClientFactory):
+    def __init__(self, fleet: FloorFleet, node: SimNode) -> None:
+        self.fleet = fleet
+        self.node = node
+
+    def buildProtocol(self, addr: Any) -> Touch:
+        return Touch(self.fleet, self.node)
+
+    def clientConnectionFailed(self, connector: Any, reason: Failure) -> None:
+        self.fleet.touched(self.node, reason.getErrorMessage()[:120])
+
+
+class FloorFleet(Fleet):
+    """Pre-issued agents that open (and close) a join connection before their first dial."""
+
+    def __init__(self, reactor: Any, nodes: list[SimNode], heartbeat_interval: float,
+                 token: ParsedToken) -> None:
+        super().__init__(reactor, nodes, heartbeat_interval)
+        self.token = token
+        self.join_port = 0
+        self.join_errors: dict[str, int] = {}
+        # One context for the fleet: a joiner makes its own when it starts.
+        self.context = join_context()
+        self._touched: dict[str, int] = {}
+
+    def dial(self, node: SimNode) -> None:
+        if node.node_id in self._touched or self.closing:
+            super().dial(node)
+            return
+        self._touched[node.node_id] = 0
+        if not node.dial_ns:
+            node.dial_ns = time.monotonic_ns()
+        factory = TLSMemoryBIOFactory(_UnverifiedTLS(self.host, self.context), True, TouchFactory(self, node))
+        self.reactor.connectTCP(self.host, self.join_port, factory, timeout=30)
+
+    def touched(self, node: SimNode, error: str) -> None:
+        if self._touched.get(node.node_id):
+            return
+        self._touched[node.node_id] = time.monotonic_ns()
+        if error:
+            self.join_errors[error] = self.join_errors.get(error, 0) + 1
+        super().dial(node)
+
+    def op_storm(self, req: dict[str, Any]) -> Deferred[dict[str, Any]]:
+        self.join_port = int(req["join_port"])
+        self.join_errors = {}
+        self._touched = {}
+
+        def more(report: dict[str, Any]) -> dict[str, Any]:
+            report["joined_ns"] = [self._touched.get(n.node_id, 0) for n in self.nodes]
+            report["join_asks"] = [0 for _ in self.nodes]
+            report["join_errors"] = self.join_errors
+            return report
+
+        return super().op_storm(req).addCallback(more)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[1])
-    p.add_argument("--nodes-dir", type=Path, required=True,
-                   help="each agent's state directory is NODES_DIR/NODE")
+    p.add_argument("--nodes-dir", type=Path, help="each agent's state directory is NODES_DIR/NODE")
+    p.add_argument("--floor", action="store_true",
+                   help="pre-issued agents (from --certs) that open and close a join connection first")
+    p.add_argument("--certs", type=Path, help="with --floor: the pre-issued certificates")
     p.add_argument("--token", required=True)
     p.add_argument("--prefix", default="join-")
     p.add_argument("--first", type=int, required=True)
@@ -140,8 +234,13 @@ def main(argv: list[str] | None = None) -> None:
     ids = [f"{args.prefix}{i:05d}" for i in range(args.first, args.first + args.count)]
     token = parse_token(args.token)
     # The join listener's address is known at the storm: port 0 until then.
-    nodes = [JoinNode(i, CountingJoiner(reactor, "127.0.0.1", 0, token, i, args.nodes_dir / i)) for i in ids]
-    fleet = JoinFleet(reactor, nodes, args.heartbeat_interval, token)
+    fleet: Fleet
+    if args.floor:
+        fleet = FloorFleet(reactor, load_nodes(args.certs, ids), args.heartbeat_interval, token)
+    else:
+        nodes = [JoinNode(i, CountingJoiner(reactor, "127.0.0.1", 0, token, i, args.nodes_dir / i))
+                 for i in ids]
+        fleet = JoinFleet(reactor, nodes, args.heartbeat_interval, token)
 
     def stop() -> None:
         if reactor.running:
