@@ -5,12 +5,16 @@ Tests for L{llmgw.control.core.kept}: what an operator set, kept beside the cata
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+from unittest import mock
 
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.control.core.catalog import Deployment
-from llmgw.control.core.kept import KeptState
+from llmgw.control.core.jointokens import TokenFile
+from llmgw.control.core.kept import KeptState, write_atomically
+from llmgw.control.core.users import UserFile
 
 
 class KeptStateTests(SynchronousTestCase):
@@ -111,3 +115,51 @@ class KeptStateTests(SynchronousTestCase):
         self.assertEqual(state.overrides, {})
         self.assertRaises(OSError, state.set_nodes, {"gpu-1", "gpu-2"}, ())
         self.assertEqual(path.read_text(), before)
+
+
+class WriteModeTests(SynchronousTestCase):
+    """A file written with a mode has it from the moment it exists, under any umask."""
+
+    def modes_seen(self, write: object) -> list[int]:
+        # The mode of each temporary file as it is renamed into place: what
+        # another user could have opened before then.
+        seen: list[int] = []
+        real = os.replace
+
+        def replace(src: object, dst: object) -> None:
+            seen.append(os.stat(src).st_mode & 0o777)  # type: ignore[arg-type]
+            real(src, dst)  # type: ignore[arg-type]
+
+        old = os.umask(0)
+        try:
+            with mock.patch("llmgw.control.core.kept.os.replace", replace):
+                write()  # type: ignore[operator]
+        finally:
+            os.umask(old)
+        return seen
+
+    def dir(self) -> Path:
+        d = Path(self.mktemp())
+        d.mkdir()
+        return d
+
+    def test_mode_from_creation(self) -> None:
+        path = self.dir() / "f"
+        self.assertEqual(self.modes_seen(lambda: write_atomically(path, "x", mode=0o600)), [0o600])
+        self.assertEqual(path.stat().st_mode & 0o777, 0o600)
+
+    def test_mode_despite_umask_taking_owner_bits(self) -> None:
+        path = self.dir() / "f"
+        old = os.umask(0o277)
+        try:
+            write_atomically(path, "x", mode=0o600)
+        finally:
+            os.umask(old)
+        self.assertEqual(path.stat().st_mode & 0o777, 0o600)
+
+    def test_token_and_user_files_never_readable_by_others(self) -> None:
+        tokens = TokenFile(self.dir() / "join-tokens.json")
+        tokens.book.create(0.0, 3600, uses=1)
+        self.assertEqual(self.modes_seen(tokens.save), [0o600])
+        users = UserFile(self.dir() / "users.json")
+        self.assertEqual(set(self.modes_seen(users.save)), {0o600})

@@ -236,6 +236,5 @@ class TokenFile:
         """Keep C{text} (from L{text}) as the file, atomically; safe in a thread."""
         if self.path is None:
             return
-        write_atomically(self.path, text)
-        self.path.chmod(0o600)
+        write_atomically(self.path, text, mode=0o600)
         self._seen = self.path.stat().st_mtime_ns

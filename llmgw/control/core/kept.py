@@ -284,20 +284,24 @@ class KeptState:
 
 
 
-def write_atomically(path: Path, text: str | bytes, keep_mode: bool = False) -> None:
+def write_atomically(path: Path, text: str | bytes, keep_mode: bool = False, mode: int | None = None) -> None:
     """
     Replace C{path} with C{text}: written to C{path.tmp}, flushed to disk,
     then renamed over C{path}, so a reader (or a crash) sees the old file or
     the new one, never part of one. The temporary file is removed on failure.
-    With C{keep_mode}, the new file has the old one's permissions.
+    With C{keep_mode}, the new file has the old one's permissions; with
+    C{mode}, exactly those, whatever the umask, from the moment it is made
+    (a secret's file is never readable by others, not even before a chmod).
     """
     data = text.encode("utf-8") if isinstance(text, str) else text
     tmp = path.with_name(path.name + ".tmp")
-    mode = os.stat(path).st_mode & 0o7777 if keep_mode else 0o666
+    create = mode if mode is not None else os.stat(path).st_mode & 0o7777 if keep_mode else 0o666
     try:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()  # a crash's leftover, maybe with other permissions
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "wb") as fh:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, create), "wb") as fh:
+            if mode is not None:
+                os.fchmod(fh.fileno(), mode)  # the umask may have taken bits the owner needs
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())

@@ -287,11 +287,7 @@ class UserFile:
     def save(self) -> None:
         if self.path is None:
             return
-        # Written unreadable to others from the start, not only after a chmod.
-        old = os.umask(0o077)
-        try:
-            write_atomically(self.path, json.dumps(self.book.to_data(), sort_keys=True, indent=1))
-        finally:
-            os.umask(old)
-        self.path.chmod(0o600)
+        # Unreadable to others from the start. (Not by setting the umask:
+        # that is the whole process's, threads writing files included.)
+        write_atomically(self.path, json.dumps(self.book.to_data(), sort_keys=True, indent=1), mode=0o600)
         self._seen = self.path.stat().st_mtime_ns
