@@ -161,6 +161,22 @@ class ListenerBoundTests(Base):
         self.assertIn("could not record", answer.error)
         self.flushLoggedErrors()
 
+    def test_answers_counted_as_sent(self) -> None:
+        """Each answer the listener sends is counted by its outcome, once sent: a join refused after its write failed counts as refused."""
+        auth = self.authority(self.threads)
+        factory = JoinFactory(auth, self.clock)
+        ok, bad, failed = (self.connect(factory) for _ in range(3))
+        ok[0].dataReceived(frame(self.request("n1")))
+        bad[0].dataReceived(frame(pb.JoinRequest(token_id=self.token.id, token_secret="wrong", node_id="n2",
+                                                 csr_pem=new_request("n2")[1])))
+        self.assertEqual(auth.answers, {("join", "refused"): 1})
+        self.threads.finish()
+        self.clock.advance(1)  # past the group commit's window
+        failed[0].dataReceived(frame(self.request("n3")))
+        self.threads.finish(fail=True)
+        self.assertEqual(auth.answers, {("join", "issued"): 1, ("join", "refused"): 2})
+        self.flushLoggedErrors()
+
 
 class GroupCommitTests(Base):
     """Token uses and issued.jsonl lines written together, at most one commit per window."""
@@ -432,7 +448,9 @@ class RenewalQueueTests(Base):
         issued = self.dir / "issued.jsonl"
         self.assertEqual(s.sent, [])
         self.assertFalse(issued.exists() and "CN=n1" in issued.read_text())
+        self.assertEqual(self.auth.answers, {})
         self.threads.finish()
+        self.assertEqual(self.auth.answers, {("renewal", "issued"): 1})
         [msg] = s.sent
         serial = format(x509.load_pem_x509_certificate(msg.certificate_issued.certificate_pem).serial_number, "x")
         self.assertIn(f'"serial": "{serial}"', issued.read_text())
@@ -458,6 +476,7 @@ class RenewalQueueTests(Base):
         [ack] = b.sent
         self.assertEqual(ack.ack.code, pb.Ack.CODE_RESOURCE_EXHAUSTED)
         self.assertFalse(ack.ack.ok)
+        self.assertEqual(self.auth.answers, {("renewal", "refused"): 1})
 
 
 class SignerCacheTests(Base):

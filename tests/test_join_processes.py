@@ -190,6 +190,11 @@ class JoinProcessTests(JoinProcessCase):
         clash = self.agent("node-3", self.token(), state=self.dir / "state-clash")
         self.assertEqual(await clash.exit_status(STEP), 2)
         self.assertIn("node 'node-3' is connected now: another node holds that name", clash.out.text())
+        response = await treq.get(f"http://127.0.0.1:{self.admin_port}/metrics",
+                                  pool=HTTPConnectionPool(reactor, persistent=False))
+        metrics = (await response.content()).decode()
+        self.assertIn('llmgw_certificate_requests_total{kind="join",outcome="issued"} 10.0', metrics)
+        self.assertIn('llmgw_certificate_requests_total{kind="join",outcome="refused"} 2.0', metrics)
 
         # A second run with the same state directory: its certificate, no join.
         listed = json.loads(ctl("token", "list", "--certs", str(self.certs), "--json"))

@@ -79,6 +79,31 @@ class MetricTests(SynchronousTestCase):
         self.assertEqual(left, {"a": DAY, "b": -10.0})
 
 
+    def test_certificate_requests(self) -> None:
+        """Answers to certificate requests by kind and outcome (every series there from the start), and the requests waiting."""
+        auth = JoinAuthority(Clock(), TokenFile(None), list, lambda n: False)
+        registry = make_registry()
+        registry.register(ControlCollector(FakeAgents([]), None, joining=lambda: auth))
+        for outcome in ("issued", "issued", "refused"):
+            auth.count("join", outcome)
+        auth.count("renewal", "pending")
+        auth.renew("n1", 7, new_request("n1")[1], "10.0.0.1:5")  # no signer: it waits
+        families = scrape(registry)
+        samples = {(s.labels["kind"], s.labels["outcome"]): s.value
+                   for s in families["llmgw_certificate_requests"].samples
+                   if s.name == "llmgw_certificate_requests_total"}
+        self.assertEqual(samples, {
+            ("join", "issued"): 2, ("join", "pending"): 0, ("join", "refused"): 1,
+            ("renewal", "issued"): 0, ("renewal", "pending"): 1, ("renewal", "refused"): 0})
+        [waiting] = families["llmgw_certificate_requests_waiting"].samples
+        self.assertEqual(waiting.value, 1)
+
+    def test_no_join_authority_no_series(self) -> None:
+        registry = make_registry()
+        registry.register(ControlCollector(FakeAgents([]), None, joining=lambda: None))
+        self.assertNotIn("llmgw_certificate_requests", scrape(registry))
+
+
 class InventoryTests(SynchronousTestCase):
     def setUp(self) -> None:
         self.dir = Path(self.mktemp())

@@ -419,7 +419,7 @@ class ControlPlane(MultiService):
         self.registry = make_registry()
         self.metrics = register_control_metrics(
             self.registry, self.agents, lambda: self.fleet, self.tls_expiry_snapshot,
-            limiter=lambda: getattr(self, "limiter", None),
+            limiter=lambda: getattr(self, "limiter", None), joining=lambda: getattr(self, "joining", None),
         )
         # engines: engine signals per shard, with their age
         from llmgw.control.state.signals import EngineSignalsCollector

@@ -142,6 +142,11 @@ class JoinAuthority:
         #: Told of each renewal issued or approved (the node's new expiry).
         self.on_renewed = on_renewed
         self.pending: dict[str, Pending] = {}
+        #: Answers sent since start, by kind (C{join}: by the join listener;
+        #: C{renewal}: over a stream) and outcome (C{issued}, C{pending},
+        #: C{refused}): what C{/metrics} counts. A node that waits for an
+        #: operator is answered C{pending} each time it asks.
+        self.answers: dict[tuple[str, str], int] = {}
         #: HA: the join tokens in etcd (an
         #: L{llmgw.control.ha.sharedtokens.SharedTokens}, whose C{check} and
         #: C{spend} return Deferreds), in place of L{tokens}; None standalone.
@@ -359,6 +364,10 @@ class JoinAuthority:
                       node=node_id, address=address, token=req.token_id)
         return self._issued(issued)
 
+    def count(self, kind: str, outcome: str) -> None:
+        """One more answer of C{kind} with C{outcome} (L{answers})."""
+        self.answers[kind, outcome] = self.answers.get((kind, outcome), 0) + 1
+
     def _issued(self, issued: pb.CertificateIssued) -> pb.JoinResponse:
         return pb.JoinResponse(status=Status.STATUS_ISSUED, issued=issued, agent_port=self.agent_port)
 
@@ -414,6 +423,7 @@ class JoinAuthority:
         self._renewed(node_id, issued)
         if self.deliver is not None:
             self.deliver(node_id, issued)
+            self.count("renewal", "issued")
 
     def _renewed(self, node_id: str, issued: pb.CertificateIssued) -> None:
         if self.on_renewed is not None:
@@ -523,6 +533,7 @@ class JoinProtocol(MessageStream[pb.JoinRequest]):
     def _answer(self, answer: pb.JoinResponse) -> None:
         if self not in self.factory.serving or self.transport.disconnecting:
             return  # closed (or timed out) while its write was under way
+        self.factory.authority.count("join", _OUTCOMES.get(answer.status, "refused"))
         self.send_message(answer)
         self.transport.loseConnection()
 
@@ -530,6 +541,9 @@ class JoinProtocol(MessageStream[pb.JoinRequest]):
         self.log.warn("join connection from {peer} closed: {reason}", peer=self.peer_name(), reason=reason)
         self.transport.abortConnection()
 
+
+#: A join answer's status, as L{JoinAuthority.answers} counts it.
+_OUTCOMES = {Status.STATUS_ISSUED: "issued", Status.STATUS_PENDING: "pending"}
 
 #: What L{JoinFactory.opened} says of a new connection.
 SERVE, WAIT, REFUSE = "serve", "wait", "refuse"
@@ -610,15 +624,18 @@ def certificate_requested(proto: Any, req: pb.CertificateRequest) -> None:
         except (RequestRefused, CAError) as e:
             proto.log.warn("certificate renewal of node {node} ({peer}) refused: {error}",
                            node=proto.node_id, peer=proto.peer_name(), error=str(e))
+            authority.count("renewal", "refused")
             proto.send_message(ack("certificate", ok=False, code=pb.Ack.CODE_PERMISSION_DENIED, error=str(e)))
             return
         if issued is None:
+            authority.count("renewal", "pending")
             proto.send_message(ack("certificate", ok=True, error="waiting for an operator's approval"))
             return
 
         def send(_: None) -> None:
             # A stream gone meanwhile: its node asks again on its next one.
             if proto.factory.stream(proto.node_id) is proto:
+                authority.count("renewal", "issued")
                 proto.send_command(pb.ControlMessage(certificate_issued=issued), force=True)
 
         authority.recorded().addCallback(send)
@@ -626,5 +643,6 @@ def certificate_requested(proto: Any, req: pb.CertificateRequest) -> None:
     if not authority.queue.submit(handle):
         proto.log.warn("certificate renewal of node {node} ({peer}) turned away: {count} requests wait already",
                        node=proto.node_id, peer=proto.peer_name(), count=len(authority.queue))
+        authority.count("renewal", "refused")
         proto.send_message(ack("certificate", ok=False, code=pb.Ack.CODE_RESOURCE_EXHAUSTED,
                                error=f"{len(authority.queue)} certificate requests wait already; ask again later"))

@@ -114,6 +114,7 @@ class ControlCollector(Collector):
         tls: Callable[[], dict[str, Any]] | None = None,
         clock: Callable[[], float] = time.time,
         limiter: Callable[[], Any] | None = None,
+        joining: Callable[[], Any] | None = None,
     ):
         self.agents = agents
         self.fleet = fleet if fleet is not None else (lambda: None)
@@ -122,12 +123,16 @@ class ControlCollector(Collector):
         #: Returns the agent port's L{ConnectionLimiter} (C{refused},
         #: C{registering}, C{paused}, C{pauses}), or C{None}.
         self.limiter = limiter
+        #: Returns the join authority (C{answers}, C{pending}), or C{None}
+        #: where this control plane issues no certificates.
+        self.joining = joining
 
     def collect(self) -> Iterable[Metric]:
         yield from self._agent_metrics()
         yield from self._fleet_metrics()
         yield from self._tls_metrics()
         yield from self._limit_metrics()
+        yield from self._join_metrics()
         yield from self._frame_metrics()
         yield from self._stray_metrics()
         yield from self._deployment_metrics()
@@ -293,6 +298,26 @@ class ControlCollector(Collector):
             value=limiter.pauses,
         )
 
+    def _join_metrics(self) -> Iterable[Metric]:
+        authority = self.joining() if self.joining is not None else None
+        if authority is None:
+            return
+        answers = CounterMetricFamily(
+            "llmgw_certificate_requests",
+            "Answers to nodes' certificate requests since start, by kind (join, renewal) and outcome "
+            "(issued, pending: waits for an operator, refused).",
+            labels=["kind", "outcome"],
+        )
+        for kind in ("join", "renewal"):
+            for outcome in ("issued", "pending", "refused"):
+                answers.add_metric([kind, outcome], authority.answers.get((kind, outcome), 0))
+        yield answers
+        yield GaugeMetricFamily(
+            "llmgw_certificate_requests_waiting",
+            "Certificate requests (joins and renewals) waiting for an operator (`llmgw ctl csr list`).",
+            value=len(authority.pending),
+        )
+
     def _tls_metrics(self) -> Iterable[Metric]:
         if self.tls is None:
             return
@@ -439,13 +464,14 @@ def register_control_metrics(
     fleet: Callable[[], Any] | None = None,
     tls: Callable[[], dict[str, Any]] | None = None,
     limiter: Callable[[], Any] | None = None,
+    joining: Callable[[], Any] | None = None,
 ) -> ControlCollector:
     """
     Register a L{ControlCollector} for C{agents}, C{fleet}, the TLS expiry
-    snapshot C{tls} and the agent port's C{limiter} on C{registry} and
-    return it.
+    snapshot C{tls}, the agent port's C{limiter} and the join authority
+    C{joining} on C{registry} and return it.
     """
-    collector = ControlCollector(agents, fleet, tls, limiter=limiter)
+    collector = ControlCollector(agents, fleet, tls, limiter=limiter, joining=joining)
     registry.register(collector)
     # Each node's GPU memory, as the console's curves have it.
     registry.register(NodeMemoryCollector(lambda: getattr(agents, "inventory", None)))
