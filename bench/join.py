@@ -236,6 +236,9 @@ def join_bars(pre: dict[str, Any], joining: dict[str, Any]) -> dict[str, Any]:
             "ratio": round(got / pre["all_registered_s"], 3) if pre["all_registered_s"] else None,
             "cpu_ratio": round(joining["total_cpu_ms_per_agent"] / pre["total_cpu_ms_per_agent"], 2)
             if pre["total_cpu_ms_per_agent"] else None,
+            # What bounds a storm where the nodes are other machines.
+            "server_cpu_ratio": round(joining["server_cpu_ms_per_agent"] / pre["server_cpu_ms_per_agent"], 2)
+            if pre["server_cpu_ms_per_agent"] else None,
             "ok": ok}
 
 
