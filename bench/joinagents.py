@@ -142,8 +142,10 @@ class Touch(Protocol):
         self.fleet = fleet
         self.node = node
         self.error = ""
+        self.shaken = False
 
     def handshakeCompleted(self) -> None:
+        self.shaken = True
         chain = self.transport.getHandle().get_peer_cert_chain() or []
         try:
             check_chain([c.to_cryptography() for c in chain], self.fleet.host, self.fleet.token.ca_hash)
@@ -152,6 +154,8 @@ class Touch(Protocol):
         self.transport.loseConnection()
 
     def connectionLost(self, reason: Failure = Failure(ConnectionError())) -> None:  # noqa: B008
+        if not self.shaken and not self.error:
+            self.error = f"closed before the handshake was done: {reason.getErrorMessage()[:80]}"
         self.fleet.touched(self.node, self.error)
 
 
