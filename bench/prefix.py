@@ -54,7 +54,15 @@ from typing import Any, Final
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.routing import MODEL, free_ports, llama_health, llama_text, wait_port  # noqa: E402
+from bench.routing import (  # noqa: E402
+    MODEL,
+    free_ports,
+    interleaved_pick_costs,
+    llama_health,
+    llama_text,
+    median_of,
+    wait_port,
+)
 
 VENV = ROOT / ".venv-bench"
 
@@ -286,18 +294,8 @@ def pick_cost(baseline: str, rounds: int, picks: int, words: int) -> dict[str, A
     prompts, over 2 and 4 replicas), this tree against C{baseline} (another
     checkout), in interleaved rounds; medians.
     """
-    trees = {"branch": ROOT, "baseline": Path(baseline)}
-    per: dict[str, dict[int, list[float]]] = {t: {2: [], 4: []} for t in trees}
-    for _ in range(rounds):
-        for replicas in (2, 4):
-            for name, tree in trees.items():
-                proc = subprocess.run([sys.executable, "-c", PICK_COST_CHILD, str(picks), str(replicas), str(words)],
-                                      capture_output=True, text=True, check=True,
-                                      env=dict(os.environ, PYTHONPATH=str(tree)))
-                per[name][replicas].append(float(proc.stdout.strip()))
-
-    def med(xs: list[float]) -> float:
-        return round(sorted(xs)[len(xs) // 2], 2)
+    per = interleaved_pick_costs(PICK_COST_CHILD, picks, rounds, baseline, str(words))
+    med = median_of
 
     return {
         "bench": "prefix-pick-cost", "policy": "cache_aware", "system_prompt_words": words,

@@ -786,6 +786,30 @@ print(json.dumps((time.process_time() - t0) / n * 1e6))
 """
 
 
+def interleaved_pick_costs(child: str, picks: int, rounds: int, baseline: str | Path,
+                           last: str) -> dict[str, dict[int, list[float]]]:
+    """
+    Run C{child} (a script that prints CPU microseconds a pick, given
+    C{picks}, a replica count and C{last}) over 2 and 4 replicas with this
+    tree and with C{baseline} on C{PYTHONPATH}, in interleaved rounds: each
+    tree's runs, by replica count.
+    """
+    trees = {"branch": ROOT, "baseline": Path(baseline)}
+    per: dict[str, dict[int, list[float]]] = {t: {2: [], 4: []} for t in trees}
+    for _ in range(rounds):
+        for replicas in (2, 4):
+            for name, tree in trees.items():
+                proc = subprocess.run([sys.executable, "-c", child, str(picks), str(replicas), last],
+                                      capture_output=True, text=True, check=True,
+                                      env=dict(os.environ, PYTHONPATH=str(tree)))
+                per[name][replicas].append(float(proc.stdout.strip()))
+    return per
+
+
+def median_of(xs: list[float]) -> float:
+    return round(sorted(xs)[len(xs) // 2], 2)
+
+
 def pick_cost(args: argparse.Namespace) -> dict[str, Any]:
     """
     CPU microseconds per C{prefix} routing decision (affinity key of a chat
@@ -794,20 +818,8 @@ def pick_cost(args: argparse.Namespace) -> dict[str, Any]:
     tree against C{--baseline} (another checkout), in interleaved rounds;
     medians.
     """
-    trees = {"branch": ROOT, "baseline": Path(args.baseline)}
-    per: dict[str, dict[int, list[float]]] = {t: {2: [], 4: []} for t in trees}
-    for _ in range(args.rounds):
-        for replicas in (2, 4):
-            for name, tree in trees.items():
-                proc = subprocess.run([sys.executable, "-c", PICK_COST_CHILD, str(args.picks), str(replicas),
-                                       args.pick_kind],
-                                      capture_output=True, text=True, check=True,
-                                      env=dict(os.environ, PYTHONPATH=str(tree)))
-                per[name][replicas].append(float(proc.stdout.strip()))
-
-    def med(xs: list[float]) -> float:
-        return round(sorted(xs)[len(xs) // 2], 2)
-
+    per = interleaved_pick_costs(PICK_COST_CHILD, args.picks, args.rounds, args.baseline, args.pick_kind)
+    med = median_of
     return {
         "bench": "routing-pick-cost", "picks_per_run": args.picks, "rounds": args.rounds,
         "turn": args.pick_kind,
