@@ -37,13 +37,8 @@ def catalog() -> str:
 
 
 class LendingFleetTests(SynchronousTestCase):
-    def test_b_on_a_sleeping_gpu_then_a_back(self) -> None:
-        """
-        On one simulated GPU: model a's replica serves, then sleeps; a
-        request for b places b on a's GPU (a's process kept, a displaced:
-        no route); a request for a then takes b back, a is restored and
-        woken by the gateway, and answered by the same replica.
-        """
+    def fleet(self) -> tuple[Any, Any]:
+        """A local fleet of one agent with one simulated GPU on L{catalog}, and the chat call to ask it."""
         sys.path.insert(0, str(ROOT))
         from bench.multiplex import chat
         from bench.survival import LocalFleet
@@ -54,6 +49,15 @@ class LendingFleetTests(SynchronousTestCase):
         path.write_text(catalog())
         fleet = LocalFleet(directory, path, agents=1, gpus="sim:1x24GiB")
         self.addCleanup(fleet.close)
+        return fleet, chat
+    def test_b_on_a_sleeping_gpu_then_a_back(self) -> None:
+        """
+        On one simulated GPU: model a's replica serves, then sleeps; a
+        request for b places b on a's GPU (a's process kept, a displaced:
+        no route); a request for a then takes b back, a is restored and
+        woken by the gateway, and answered by the same replica.
+        """
+        fleet, chat = self.fleet()
 
         def replicas(model: str) -> list[dict[str, Any]]:
             return [r for r in fleet.admin("/api/v1/replicas")["replicas"] if r["model"] == model]
@@ -91,16 +95,7 @@ class LendingFleetTests(SynchronousTestCase):
         asks a's engine and refuses the start); once a sleeps again b is
         lent the GPU and served.
         """
-        sys.path.insert(0, str(ROOT))
-        from bench.multiplex import chat
-        from bench.survival import LocalFleet
-
-        directory = Path(self.mktemp()).resolve()
-        directory.mkdir(parents=True)
-        path = directory / "catalog.toml"
-        path.write_text(catalog())
-        fleet = LocalFleet(directory, path, agents=1, gpus="sim:1x24GiB")
-        self.addCleanup(fleet.close)
+        fleet, chat = self.fleet()
 
         def events() -> list[dict[str, Any]]:
             return fleet.admin("/api/v1/events?since=0")["events"]  # type: ignore[no-any-return]
