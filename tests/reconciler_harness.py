@@ -16,6 +16,7 @@ from llmgw.control.core.kept import KeptState
 from llmgw.control.shell.reconciler import Reconciler
 from llmgw.control.state.interfaces import ReportedShard, ShardCommand, ShardReport
 from llmgw.control.state.inventory import Inventory
+from llmgw.routing import Demand
 from llmgw.testing.simfleet import FakeDispatcher, sim_fleet
 
 ONE_GPU = """
@@ -166,3 +167,13 @@ class Fleet:
 
     def ready_replicas(self, model: str) -> list[str]:
         return [r.replica_id for r in self.rec.routes(model) if not r.draining]
+
+    def bring_up(self, model: str) -> str:
+        """Ask for C{model} (a gateway's demand), report its one replica ready: its id."""
+        self.step()
+        self.rec.report_demand("gw", {model: Demand(1, 0)})
+        self.step()
+        self.make_ready()
+        self.step(passes=5)
+        [rid] = self.ready_replicas(model)
+        return rid

@@ -112,12 +112,7 @@ class LendingReconcilerTests(SynchronousTestCase):
     def setup(self, gpus: int = 1, **kw: object) -> Fleet:
         """One node; a's replica placed, ready and asleep."""
         f = Fleet({}, nodes=1, gpus=gpus, grace=0, cat=parse_catalog(tomllib.loads(fleet_catalog(**kw))))  # type: ignore[arg-type]
-        f.step()
-        f.rec.report_demand("gw", {"a": Demand(1, 0)})
-        f.step()
-        f.make_ready()
-        f.step(passes=5)
-        [self.a] = f.ready_replicas("a")
+        self.a = f.bring_up("a")
         self.sleep(f, self.a, True)
         return f
 

@@ -53,12 +53,7 @@ class SleepToMakeRoomTests(SynchronousTestCase):
     def setup(self, running: float = 0.0, **kw: str | int) -> Fleet:
         """One node of one GPU; a's replica ready, awake, C{running} requests by its figures."""
         f = Fleet({}, nodes=1, gpus=1, grace=0, cat=parse_catalog(tomllib.loads(catalog(**kw))))  # type: ignore[arg-type]
-        f.step()
-        f.rec.report_demand("gw", {"a": Demand(1, 0)})
-        f.step()
-        f.make_ready()
-        f.step(passes=5)
-        [self.a] = f.ready_replicas("a")
+        self.a = f.bring_up("a")
         self.signal(f, sleeping=False, running=running)
         f.rec.report_demand("gw", {})
         f.step(passes=5)
@@ -291,12 +286,7 @@ class SleepSpreadTests(SynchronousTestCase):
                      f'max_replicas = 1\nscale_to_zero_after_s = 3600\nevictable = true\nmin_resident_s = 0\n'
                      + extra)
         f = Fleet({}, nodes=2, gpus=1, grace=0, cat=parse_catalog(tomllib.loads(text)))
-        f.step()
-        f.rec.report_demand("gw", {"a": Demand(1, 0)})
-        f.step()
-        f.make_ready()
-        f.step(passes=5)
-        [a] = f.ready_replicas("a")
+        a = f.bring_up("a")
         leader = f.rec.replica_recs[a].shards[0]
 
         def signal(sleeping: bool) -> None:
