@@ -328,6 +328,9 @@ class SleeperTests(SleeperCase):
         self.sleeper.tick()
         self.assertEqual(len(self.call.calls), 1)
         self.assertEqual(self.sleeper.state_of("s"), (False, "/resume_memory_occupation"))
+        # An idle sleep nobody asked for: nothing for the control plane.
+        self.assertEqual(self.changes, [])
+        self.assertEqual(self.sleeper.take_refusal("s"), "")
 
 
 def route(rid: str, sleeping: bool | None, wake: str = "/wake_up", at: float = 0.0) -> Route:

@@ -281,6 +281,9 @@ class Scraper(Service):
         #: Whether a shard sleeps and the path that wakes it, for heartbeats
         #: (L{llmgw.agent.sleep.Sleeper.state_of}).
         self.sleep_state: Callable[[str], tuple[bool | None, str]] = lambda shard_id: (None, "")
+        #: Why a sleep the control plane asked of a shard did not happen,
+        #: told once (L{llmgw.agent.sleep.Sleeper.take_refusal}).
+        self.sleep_refused: Callable[[str], str] = lambda shard_id: ""
         self._in_flight: set[str] = set()
         self._loop: LoopingCall | None = None
         #: One-off checks due when a standstill would reach its threshold
@@ -427,6 +430,7 @@ class Scraper(Service):
             sleeping, wake_path = self.sleep_state(shard_id)
             if sleeping is not None:
                 msg.sleeping, msg.wake_path = sleeping, wake_path
+            msg.sleep_refused = self.sleep_refused(shard_id)
             if sample.signals is not None:
                 msg.age_s = sample.signals.age(now)
                 for name in SIGNALS:

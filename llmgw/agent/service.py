@@ -248,6 +248,7 @@ class NodeAgent(MultiService):
         self.sleeper = Sleeper(reactor, self.supervisor, self.scraper, self.fetcher.call,
                                host=lambda: self.supervisor.probe_host)
         self.scraper.sleep_state = self.sleeper.state_of
+        self.scraper.sleep_refused = self.sleeper.take_refusal
         self.supervisor.lends = self.sleeper.lends
         self.supervisor.confirm = self.sleeper.confirm
         self.supervisor.add_listener(self.sleeper.reported)

@@ -45,7 +45,10 @@ every replica asleep wakes one, and the next look here sees it awake.
 The control plane may ask for a sleep at once to make room for another
 model (C{SleepShard}, L{Sleeper.sleep_now}): the same call as an idle
 sleep, refused with a logged reason for a shard that is not a ready,
-idle leader of an engine llmgw puts to sleep.
+idle leader of an engine llmgw puts to sleep. A refusal, or a sleep call
+that fails, is also sent at once in the shard's next heartbeat signals
+(C{sleep_refused}, L{Sleeper.take_refusal}), so that the control plane
+makes room another way at once rather than when its wait runs out.
 
 The control plane may lend a sleeping shard's GPUs to a new shard
 (L{llmgw.control.core.lending}). A gateway holding a routing table from
@@ -124,8 +127,12 @@ class Sleeper(Service):
         self.host = host
         self.interval = interval
         self.states: dict[str, SleepState] = {}
-        #: Called with a shard id when it fell asleep or woke.
+        #: Called with a shard id when it fell asleep or woke, or a sleep
+        #: the control plane asked for was refused or failed.
         self.on_change: Callable[[str], None] = lambda shard_id: None
+        #: Why a sleep the control plane asked for did not happen, by
+        #: shard, until a heartbeat takes it (L{take_refusal}).
+        self.refused: dict[str, str] = {}
         #: The starts waiting for their lenders' engines (L{confirm}).
         self.confirming: dict[str, ShardSpec] = {}
         self._loop: LoopingCall | None = None
@@ -194,6 +201,8 @@ class Sleeper(Service):
             self._look(spec.shard_id, spec.port, spec.engine, spec.sleep_level, spec.sleep_after_s, mode, st, now)
         for gone in [s for s in self.states if s not in seen]:
             del self.states[gone]
+        for gone in [s for s in self.refused if s not in self.supervisor.shards]:
+            del self.refused[gone]
 
     def _look(self, shard_id: str, port: int, engine: str, level: int, after: float,
               mode: sleepmodes.SleepMode, st: SleepState, now: float) -> None:
@@ -264,7 +273,8 @@ class Sleeper(Service):
 
         self.call(b"GET", url, None).addCallbacks(answered, failed)
 
-    def _sleep(self, shard_id: str, engine: str, url: str, st: SleepState, idle_for: float) -> None:
+    def _sleep(self, shard_id: str, engine: str, url: str, st: SleepState, idle_for: float,
+               asked: bool = False) -> None:
         st.calling = True
         sample = self.scraper.samples.get(shard_id)
         tokens = sample.signals.generated_tokens if sample is not None and sample.signals is not None else None
@@ -282,6 +292,8 @@ class Sleeper(Service):
             st.busy_at = self.clock.seconds()
             self.log.warn("shard {shard}: putting its engine to sleep failed: {why}; tried again after "
                           "the next idle period", shard=shard_id, why=f.getErrorMessage())
+            if asked:
+                self._refuse(shard_id, f"its engine's sleep call failed: {f.getErrorMessage()}")
 
         self.call(b"POST", url, sleepmodes.sleep_body(engine)).addCallbacks(done, failed)
 
@@ -294,14 +306,30 @@ class Sleeper(Service):
         leader of an engine llmgw puts to sleep, or one busy (requests
         running or waiting by the newest figures, or a call to its engine
         under way). The control plane learns the outcome from the shard's
-        sleeping signal, in the heartbeat sent when it changes.
+        signals in the heartbeat sent at once: asleep, or why not
+        (L{take_refusal}), a failed call to its engine included.
         """
         why = self._refusal(shard_id)
         if why is not None:
             self.log.warn("not putting shard {shard} to sleep as the control plane asked: {why}",
                           shard=shard_id, why=why)
+            if shard_id in self.supervisor.shards:
+                # (Of a shard that does not run here its status says more.)
+                self._refuse(shard_id, why)
             return why
         return None
+
+    def _refuse(self, shard_id: str, why: str) -> None:
+        self.refused[shard_id] = why
+        self.on_change(shard_id)
+
+    def take_refusal(self, shard_id: str) -> str:
+        """
+        Why the sleep the control plane last asked of C{shard_id} did not
+        happen, once (the heartbeat that carries it takes it); "" when
+        nothing is to be told.
+        """
+        return self.refused.pop(shard_id, "")
 
     def _refusal(self, shard_id: str) -> str | None:
         shard = self.supervisor.shards.get(shard_id)
@@ -333,7 +361,7 @@ class Sleeper(Service):
             st.sleeping = False
         base = f"http://{format_address(self.host(), spec.port)}"
         self._sleep(shard_id, spec.engine, base + mode.sleep_path.format(level=spec.sleep_level), st,
-                    now - st.busy_at)
+                    now - st.busy_at, asked=True)
         return None
 
     def confirm(self, spec: ShardSpec, held: list[Shard]) -> bool:

@@ -188,7 +188,7 @@ class FetchProgress(_message.Message):
     def __init__(self, shard_id: _Optional[str] = ..., done: _Optional[int] = ..., total: _Optional[int] = ..., rate: _Optional[float] = ...) -> None: ...
 
 class ShardSignals(_message.Message):
-    __slots__ = ("shard_id", "waiting", "running", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "age_s", "error", "generated_tokens", "flat_for_s", "adapters", "sleeping", "wake_path")
+    __slots__ = ("shard_id", "waiting", "running", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "age_s", "error", "generated_tokens", "flat_for_s", "adapters", "sleeping", "wake_path", "sleep_refused")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -202,6 +202,7 @@ class ShardSignals(_message.Message):
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     SLEEPING_FIELD_NUMBER: _ClassVar[int]
     WAKE_PATH_FIELD_NUMBER: _ClassVar[int]
+    SLEEP_REFUSED_FIELD_NUMBER: _ClassVar[int]
     shard_id: str
     waiting: float
     running: float
@@ -215,7 +216,8 @@ class ShardSignals(_message.Message):
     adapters: _containers.RepeatedScalarFieldContainer[str]
     sleeping: bool
     wake_path: str
-    def __init__(self, shard_id: _Optional[str] = ..., waiting: _Optional[float] = ..., running: _Optional[float] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[float] = ..., prefix_cache_hits: _Optional[float] = ..., age_s: _Optional[float] = ..., error: _Optional[str] = ..., generated_tokens: _Optional[float] = ..., flat_for_s: _Optional[float] = ..., adapters: _Optional[_Iterable[str]] = ..., sleeping: _Optional[bool] = ..., wake_path: _Optional[str] = ...) -> None: ...
+    sleep_refused: str
+    def __init__(self, shard_id: _Optional[str] = ..., waiting: _Optional[float] = ..., running: _Optional[float] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[float] = ..., prefix_cache_hits: _Optional[float] = ..., age_s: _Optional[float] = ..., error: _Optional[str] = ..., generated_tokens: _Optional[float] = ..., flat_for_s: _Optional[float] = ..., adapters: _Optional[_Iterable[str]] = ..., sleeping: _Optional[bool] = ..., wake_path: _Optional[str] = ..., sleep_refused: _Optional[str] = ...) -> None: ...
 
 class GPUProblem(_message.Message):
     __slots__ = ("gpu_index", "problem")
