@@ -25,20 +25,33 @@ COMMAND = [
 ]
 
 
-def catalog() -> str:
-    text = (f'[profiles.sim]\nengine = "vllm"\ngpus_per_shard = 1\ngpu_memory_mb = 1000\n'
-            f"command = {json.dumps(COMMAND)}\nenv = {{ PYTHONPATH = {json.dumps(str(ROOT))} }}\n"
+#: An SGLang-shaped engine without its sleep endpoints, as SGLang started
+#: without its memory saver: asked to sleep, the call fails.
+NO_SLEEP = [
+    "{python}", "-m", "llmgw.testing.fakemodel", "--metrics", "sglang", "--port", "{port}", "--model", "{model}",
+    "--host", "{host}", "--engine-sim", "--startup-delay", "0.5", "--tokens", "4",
+]
+
+
+def profile(name: str, engine: str, command: list[str]) -> str:
+    return (f'[profiles.{name}]\nengine = "{engine}"\ngpus_per_shard = 1\ngpu_memory_mb = 1000\n'
+            f"command = {json.dumps(command)}\nenv = {{ PYTHONPATH = {json.dumps(str(ROOT))} }}\n"
             "startup_timeout_s = 60\ndrain_timeout_s = 5\nstop_grace_s = 2\nsleep_level = 1\n")
-    for model, sleep_after in (("a", 2), ("b", 0)):
-        text += (f'\n[[deployments]]\nmodel = "{model}"\nprofile = "sim"\nmin_replicas = 0\nmax_replicas = 1\n'
+
+
+def catalog(a_profile: str = "sim", a_sleep_after: int = 2) -> str:
+    text = profile("sim", "vllm", COMMAND) + profile("nosleep", "sglang", NO_SLEEP)
+    for model, sleep_after in (("a", a_sleep_after), ("b", 0)):
+        text += (f'\n[[deployments]]\nmodel = "{model}"\nprofile = "{a_profile if model == "a" else "sim"}"\n'
+                 f"min_replicas = 0\nmax_replicas = 1\n"
                  f"scale_to_zero_after_s = 3600\nstabilization_s = 0\nevictable = true\nmin_resident_s = 1\n"
                  f"queue_timeout_s = 60\n" + (f"sleep_after_s = {sleep_after}\n" if sleep_after else ""))
     return text
 
 
 class LendingFleetTests(SynchronousTestCase):
-    def fleet(self) -> tuple[Any, Any]:
-        """A local fleet of one agent with one simulated GPU on L{catalog}, and the chat call to ask it."""
+    def fleet(self, text: str | None = None) -> tuple[Any, Any]:
+        """A local fleet of one agent with one simulated GPU on C{text} (L{catalog}), and the chat call to ask it."""
         sys.path.insert(0, str(ROOT))
         from bench.multiplex import chat
         from bench.survival import LocalFleet
@@ -46,7 +59,7 @@ class LendingFleetTests(SynchronousTestCase):
         directory = Path(self.mktemp()).resolve()
         directory.mkdir(parents=True)
         path = directory / "catalog.toml"
-        path.write_text(catalog())
+        path.write_text(text if text is not None else catalog())
         fleet = LocalFleet(directory, path, agents=1, gpus="sim:1x24GiB")
         self.addCleanup(fleet.close)
         return fleet, chat
@@ -84,6 +97,30 @@ class LendingFleetTests(SynchronousTestCase):
         self.assertIn(("replica_restored", a["id"]), seen)
         [a_after] = replicas("a")
         self.assertEqual((a_after["id"], a_after["displaced_by"]), (a["id"], []))
+
+    def test_refused_sleep_gives_way_at_once(self) -> None:
+        """
+        Model a's idle replica is asked to sleep to make room for b, and
+        its engine's sleep call fails (an SGLang without its memory
+        saver): the agent says so in its next heartbeat and the control
+        plane takes a at once, the agent's reason in its event, rather
+        than waiting out its bound; b is placed and answered.
+        """
+        fleet, chat = self.fleet(catalog(a_profile="nosleep", a_sleep_after=600))
+
+        def events() -> list[dict[str, Any]]:
+            return fleet.admin("/api/v1/events?since=0")["events"]  # type: ignore[no-any-return]
+
+        status, _, _ = chat(fleet.gateway_port, "a", 90)
+        self.assertEqual(status, 200)
+        status, _, _ = chat(fleet.gateway_port, "b", 90)
+        self.assertEqual(status, 200)
+        seen = [(e["kind"], e.get("replica") or "", e.get("reason", "")) for e in events()]
+        kinds = [k for k, _, _ in seen if k in ("swap_sleep", "swap_sleep_failed", "swap")]
+        self.assertEqual(kinds, ["swap_sleep", "swap_sleep_failed", "swap"], seen)
+        [failed] = [reason for kind, _, reason in seen if kind == "swap_sleep_failed"]
+        self.assertIn("were not put to sleep by their agents", failed)
+        self.assertIn("sleep call failed", failed)
 
     def test_lender_woken_during_the_lend(self) -> None:
         """

@@ -122,6 +122,59 @@ class SleepToMakeRoomTests(SynchronousTestCase):
         self.assertEqual(len(f.dispatcher.sleeps), 1)
         self.assertEqual(f.rec.ctx.desired["a"], 0)
 
+    def refused(self, f: Fleet, why: str) -> None:
+        shard = f.rec.replica_recs[self.a].shards[0]
+        f.rec.record_engine_signals(shard.node_id, [pb.ShardSignals(
+            shard_id=shard.id, running=0.0, waiting=0.0, age_s=0.0, sleeping=False, wake_path="/wake_up",
+            sleep_refused=why)])
+        f.clock.advance(0)
+
+    def test_refused_at_once(self) -> None:
+        """
+        A replica whose agent says it will not sleep it is taken at the
+        next pass, not at the bound, the agent's reason in the event, and
+        it is not asked to sleep again.
+        """
+        f = self.setup()
+        self.want(f)
+        self.assertEqual(len(f.dispatcher.sleeps), 1)
+        self.refused(f, "busy: 1 request(s) running, 0 waiting")
+        self.want(f)
+        self.assertEqual(self.events(f, "swap", "swap_sleep_failed"),
+                         [("swap_sleep_failed", ""), ("swap", self.a)])
+        [failed] = [e for e in f.rec.event_log.since() if e.kind == "swap_sleep_failed"]
+        self.assertIn(f"{self.a}: busy: 1 request(s) running", failed.reason)
+        self.assertNotIn("within", failed.reason)
+        self.assertEqual(f.rec.replica_recs[self.a].phase.value, "draining")
+        self.assertEqual(len(f.dispatcher.sleeps), 1)
+        self.assertEqual(f.rec.ctx.sleep_refused, {})
+
+    def test_late_refusal_forgotten(self) -> None:
+        """
+        A refusal heard while no sleep of that replica is waited for (it
+        came after the bound, or from an earlier ask) fails nothing later:
+        the next swap by sleep waits for its own answer.
+        """
+        f = self.setup()
+        self.refused(f, "busy: 1 request(s) running, 0 waiting")
+        self.want(f)
+        self.assertEqual(len(f.dispatcher.sleeps), 1)
+        self.want(f, passes=3)
+        self.assertEqual(self.events(f, "swap", "swap_sleep_failed"), [])
+        self.assertEqual(f.rec.replica_recs[self.a].phase.value, "active")
+
+    def test_refusal_of_another_node_ignored(self) -> None:
+        """
+        A node speaks only for its own shards: a refusal it sends for a
+        shard on another node changes nothing.
+        """
+        f = self.setup()
+        self.want(f)
+        shard = f.rec.replica_recs[self.a].shards[0]
+        f.rec.record_engine_signals("someone-else", [pb.ShardSignals(shard_id=shard.id, sleep_refused="no")])
+        self.want(f, passes=2)
+        self.assertEqual(self.events(f, "swap", "swap_sleep_failed"), [])
+
     def test_busy_is_taken(self) -> None:
         """
         A replica with requests running by its figures is not put to sleep
@@ -188,12 +241,18 @@ class AgentSleepNowTests(SleeperCase):
         """
         An unknown shard, an engine llmgw cannot put to sleep (llama.cpp
         sleeps by its own timer), a follower, a busy shard and one with no
-        figures yet are refused with a reason, and no call is made.
+        figures yet are refused with a reason, and no call is made. Each
+        refusal of a shard that runs here is told at once (a heartbeat),
+        its reason once.
         """
         self.assertIn("no such shard", self.sleeper.sleep_now("s") or "")
+        self.assertEqual((self.changes, self.sleeper.take_refusal("s")), ([], ""))
         self.sup.add("llamacpp")
         self.seen(0.0)
         self.assertIn("not one llmgw puts to sleep", self.sleeper.sleep_now("s") or "")
+        self.assertEqual(self.changes, ["s"])
+        self.assertIn("not one llmgw puts to sleep", self.sleeper.take_refusal("s"))
+        self.assertEqual(self.sleeper.take_refusal("s"), "")
         shard = self.sup.add("vllm")
         self.sup.shards["s"] = Shard(replace(shard.spec, rank=1), READY)
         self.assertIn("rank 1", self.sleeper.sleep_now("s") or "")
@@ -203,18 +262,41 @@ class AgentSleepNowTests(SleeperCase):
         self.seen(2.0)
         self.assertIn("2 request(s) running", self.sleeper.sleep_now("s") or "")
         self.assertEqual(self.call.calls, [])
+        self.assertEqual(self.changes, ["s"] * 4)
+        # The newest reason is the one told.
+        self.assertIn("2 request(s) running", self.sleeper.take_refusal("s"))
+
+    def test_refusal_in_heartbeat(self) -> None:
+        """
+        A refusal goes out in the shard's signals of the next heartbeat
+        only; one kept for a shard that is gone is forgotten.
+        """
+        self.scraper.sleep_refused = self.sleeper.take_refusal
+        self.sup.add("vllm", level=1)
+        self.seen(3.0)
+        self.sleeper.sleep_now("s")
+        [msg] = self.scraper.heartbeat_signals()
+        self.assertIn("3 request(s) running", msg.sleep_refused)
+        [msg] = self.scraper.heartbeat_signals()
+        self.assertEqual(msg.sleep_refused, "")
+        self.sleeper.sleep_now("s")
+        del self.sup.shards["s"]
+        self.sleeper.tick()
+        self.assertEqual(self.sleeper.refused, {})
 
     def test_failed_call(self) -> None:
         """
-        A sleep call that fails leaves the shard awake (the control plane
-        then falls back to taking a replica).
+        A sleep call that fails leaves the shard awake, and the control
+        plane is told why at once (it then falls back to taking a replica).
         """
         self.sup.add("sglang")
         self.seen(0.0)
         self.assertIsNone(self.sleeper.sleep_now("s"))
+        self.assertEqual(self.changes, [])
         self.call.pending.pop(0).errback(RuntimeError("503"))
         self.assertEqual(self.sleeper.state_of("s"), (False, "/resume_memory_occupation"))
-        self.assertEqual(self.changes, [])
+        self.assertEqual(self.changes, ["s"])
+        self.assertEqual(self.sleeper.take_refusal("s"), "its engine's sleep call failed: 503")
 
 
 class SleepShardStreamTests(SynchronousTestCase):

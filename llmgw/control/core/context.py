@@ -217,6 +217,9 @@ class Context:
         self.prefetch = PrefetchState()
         #: Replica -> since when its engine sleeps (L{llmgw.control.core.sleeping}).
         self.sleeping_since: dict[str, float] = {}
+        #: Replica -> why its agent did not put it to sleep when asked, as
+        #: its leader's heartbeat said, until the next swapping pass reads it.
+        self.sleep_refused: dict[str, str] = {}
         #: Model -> seconds its waiting requests may be kept past their
         #: queue timeout while room is made for it (L{llmgw.control.core.swapping}).
         self.room: dict[str, float] = {}

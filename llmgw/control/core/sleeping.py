@@ -21,6 +21,9 @@ from llmgw.control.core.outcome import Outcome
 from llmgw.control.state.fleetstate import ReplicaRec
 from llmgw.control.state.signals import SignalStore
 
+#: How much of an agent's reason for not sleeping a replica is kept.
+REFUSAL_CHARS = 300
+
 
 def asleep(rep: ReplicaRec) -> bool | None:
     """
@@ -52,12 +55,20 @@ def record(ctx: Context, store: SignalStore, node_id: str, msgs: Iterable[Any], 
            out: Outcome) -> None:
     """
     Keep a heartbeat's engine signals (L{reports.engine_signals}), with an
-    event for each of the node's replicas that fell asleep or woke.
+    event for each of the node's replicas that fell asleep or woke, and
+    note why a leader's agent did not sleep it when asked
+    (C{ctx.sleep_refused}, for L{llmgw.control.core.swapping}).
     """
     st = ctx.state
     leaders = [st.shards[sid] for sid in st.node_shards.get(node_id, ()) if st.shards[sid].rank == 0]
     before = {s.replica_id: (s.signals.sleeping if s.signals is not None else None) for s in leaders}
+    msgs = list(msgs)
     reports.engine_signals(ctx, store, node_id, msgs, now)
+    for m in msgs:
+        shard = st.shards.get(m.shard_id) if m.sleep_refused else None
+        if shard is not None and shard.node_id == node_id and shard.rank == 0:
+            # The agent's words, bounded: they go into an event.
+            ctx.sleep_refused[shard.replica_id] = m.sleep_refused[:REFUSAL_CHARS]
     for gone in [r for r in ctx.sleeping_since if r not in st.replicas]:
         del ctx.sleeping_since[gone]
     for shard in leaders:

@@ -42,7 +42,9 @@ replica missing, placement found no room):
     request; when its heartbeat says it sleeps, placement lends its GPUs
     to W. Replicas not heard asleep, or whose GPUs were not lent, within
     L{SLEEP_BOUND_S} give way to taking (C{swap_sleep_failed}), and those
-    not asleep are not asked again;
+    not asleep are not asked again; so does a replica whose agent says
+    at once that it will not sleep it (busy, say) or that its engine's
+    sleep call failed, without waiting for the bound;
   - one swap at a time per wanting deployment, until its replica is
     placed or the taken replicas are gone;
   - among wanting deployments of one priority, the one that has found no
@@ -325,8 +327,11 @@ class Swapping:
         for model, deadline in list(self.sleeping.items()):
             if model not in self.pending:
                 del self.sleeping[model]
-            elif now >= deadline:
+            elif now >= deadline or not ctx.sleep_refused.keys().isdisjoint(self.pending[model]):
                 self._sleep_failed(ctx, model, out)
+        # A refusal heard for no sleep still waited for (one that came after
+        # the bound) says nothing of the next ask.
+        ctx.sleep_refused.clear()
         self.unslept &= st.replicas.keys()
         wanting = [
             dep for model, dep in ctx.catalog.deployments.items()
@@ -495,17 +500,23 @@ class Swapping:
     def _sleep_failed(self, ctx: Context, model: str, out: Outcome) -> None:
         """
         The replicas put to sleep for C{model} were not heard asleep, or
-        their GPUs not lent, within L{SLEEP_BOUND_S}: take replicas instead
+        their GPUs not lent, within L{SLEEP_BOUND_S}, or an agent said it
+        would not sleep one (C{ctx.sleep_refused}): take replicas instead
         (those not asleep are not asked to sleep again).
         """
         rids = sorted(self.pending.pop(model, frozenset()))
         del self.sleeping[model]
         awake = [r for r in rids if r in ctx.state.replicas and asleep(ctx.state.replicas[r]) is not True]
         self.unslept.update(awake)
+        refused = [f"{r}: {ctx.sleep_refused[r]}" for r in rids if r in ctx.sleep_refused]
+        if refused:
+            what = f"were not put to sleep by their agents ({'; '.join(refused)})"
+        else:
+            what = (f"{'were not heard asleep' if awake else 'did not lend their GPUs'} "
+                    f"within {SLEEP_BOUND_S:.0f}s")
         out.event(SWAP_SLEEP_FAILED, level="warn", reason=(
             f"model {model}: the replica(s) put to sleep to make room for it ({', '.join(rids)}) "
-            f"{'were not heard asleep' if awake else 'did not lend their GPUs'} within {SLEEP_BOUND_S:.0f}s; "
-            "replicas are taken instead"))
+            f"{what}; replicas are taken instead"))
 
 
 def _may_sleep(ctx: Context, rep: ReplicaRec, now: float) -> bool:
