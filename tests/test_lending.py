@@ -82,6 +82,37 @@ class ChooseTests(SynchronousTestCase):
         [b] = choose([Lender(typed, (lent(0), lent(1)))], Request("m", gpu_memory_mb=1000, gpu_types=("H100",)), 0)  # type: ignore[misc]
         self.assertEqual(b.gpus, (1,))
 
+    def test_preferred_types(self) -> None:
+        """
+        A profile's C{prefer_gpu_types} are weighed: on a node, a lent GPU
+        of a preferred type before a less important lender's of another;
+        among nodes, the one whose GPUs taken are of a more preferred
+        type, before the least important lenders.
+        """
+        req = Request("m", gpu_memory_mb=1000, prefer_gpu_types=("H100", "A100"))
+        typed = NodeCapacity("a", names={0: "NVIDIA L4", 1: "NVIDIA H100 80GB HBM3"})
+        [b] = choose([Lender(typed, (lent(0, priority=1), lent(1, priority=5)))], req, 0)  # type: ignore[misc]
+        self.assertEqual(b.gpus, (1,))
+        l4, a100 = NodeCapacity("a", names={0: "NVIDIA L4"}), NodeCapacity("b", names={0: "NVIDIA A100-SXM4-80GB"})
+        [b] = choose([Lender(l4, (lent(0, priority=1),)), Lender(a100, (lent(0, priority=5),))], req, 0)  # type: ignore[misc]
+        self.assertEqual(b.node_id, "b")
+        # Without a preference the least important lender's node wins.
+        [b] = choose([Lender(l4, (lent(0, priority=1),)), Lender(a100, (lent(0, priority=5),))],  # type: ignore[misc]
+                     Request("m", gpu_memory_mb=1000), 0)
+        self.assertEqual(b.node_id, "a")
+
+    def test_spread(self) -> None:
+        """
+        As placement spreads a deployment's replicas, a borrower goes to
+        the node with the fewest of its shards before the one that lends
+        fewer GPUs or has less important lenders.
+        """
+        a, b = NodeCapacity("a"), NodeCapacity("b")
+        lenders = [Lender(a, (lent(0, priority=1),)), Lender(b, (lent(0, priority=5),))]
+        req = Request("m", gpu_memory_mb=1000)
+        self.assertEqual([x.node_id for x in choose(lenders, req, 0) or ()], ["a"])
+        self.assertEqual([x.node_id for x in choose(lenders, req, 0, {"a": 1}) or ()], ["b"])
+
     def test_residual(self) -> None:
         """
         A sleeping holder is counted to keep a tenth of its GPU, at least

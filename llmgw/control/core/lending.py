@@ -181,7 +181,8 @@ def lend(ctx: Context, dep: Deployment, profile: Profile, spec: LaunchSpec, req:
     if not borrower_allowed(dep):
         return None
     priority = dep.multiplex.priority
-    chosen = choose(lenders(ctx, placer.eligible, priority, req.weights, dep.model, now), req, priority)
+    chosen = choose(lenders(ctx, placer.eligible, priority, req.weights, dep.model, now), req, priority,
+                    ctx.state.spread.get(req.group, {}))
     if chosen is None:
         return None
     slots: list[Slot] = []
