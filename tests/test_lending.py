@@ -331,11 +331,19 @@ class LendingReconcilerTests(SynchronousTestCase):
         self.assertNotIn("a", f.rec.routing_table.models())
         self.assertEqual(f.rec.replica_recs[b].shards[0].gpus, f.rec.replica_recs[self.a].shards[0].gpus)
         f.step(seconds=lending.LEND_GRACE_S / 2, passes=1)
+        # The views say what it waits for, not only "pending".
+        view = {r["id"]: r for r in f.rec.replicas()}
+        self.assertEqual((view[b]["borrowing_from"], view[b]["starts_in"]), ([self.a], lending.LEND_GRACE_S / 2))
+        self.assertEqual((view[self.a]["borrowing_from"], view[self.a]["starts_in"]), ([], None))
+        self.assertIn(f"(borrowing from {self.a}) (starts in {lending.LEND_GRACE_S / 2:g}s)",
+                      render_replicas(f.rec.replicas()))
         f.step(seconds=lending.LEND_GRACE_S / 2 - lending.PASS_SLACK_S - 0.01, passes=1)
         self.assertEqual(self.b_starts(f), [])
         f.step(seconds=0.01)
         [start] = self.b_starts(f)
         self.assertEqual(start.replica_id, b)
+        view = {r["id"]: r for r in f.rec.replicas()}
+        self.assertEqual((view[b]["borrowing_from"], view[b]["starts_in"]), ([self.a], None))
         self.assertEqual(f.rec.replica_recs[self.a].displaced_by, (b,))
         # Once the borrower was sent its start, the lender heard awake is a
         # warning; the lend stands.

@@ -289,6 +289,12 @@ def render_replicas(replicas: list[dict[str, Any]]) -> str:
         lent_to = r.get("displaced_by")
         if isinstance(lent_to, list) and lent_to:
             state += f" (displaced by {', '.join(map(str, lent_to))})"
+        lent_by = r.get("borrowing_from")
+        if isinstance(lent_by, list) and lent_by:
+            state += f" (borrowing from {', '.join(map(str, lent_by))})"
+        starts_in = r.get("starts_in")
+        if isinstance(starts_in, int | float) and not isinstance(starts_in, bool):
+            state += f" (starts in {starts_in:g}s)"
         fetching = [s["fetch"] for s in shards if isinstance(s.get("fetch"), dict)]
         if fetching:
             # The shard furthest from having its weights says how far off the replica is.

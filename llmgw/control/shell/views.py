@@ -179,8 +179,13 @@ def replicas(rec: Reconciler) -> list[dict[str, Any]]:
     st = rec.state
     now = rec.clock.seconds()
     out = []
+    lenders: dict[str, list[str]] = {}
+    for rid in sorted(st.replicas):
+        for borrower in st.replicas[rid].displaced_by:
+            lenders.setdefault(borrower, []).append(rid)
     for rid in sorted(st.replicas):
         rep = st.replicas[rid]
+        start_at = st.lend_starts.get(rid)
         out.append(
             {
                 "id": rid,
@@ -198,6 +203,10 @@ def replicas(rec: Reconciler) -> list[dict[str, Any]]:
                 # The replicas that borrowed its GPUs while it sleeps: while
                 # any do it is displaced, out of the routes and never woken.
                 "displaced_by": list(rep.displaced_by),
+                # The sleepers whose GPUs it borrows, and (in the lend's
+                # grace, its shards not started yet) seconds until they start.
+                "borrowing_from": lenders.get(rid, []),
+                "starts_in": max(0.0, round(start_at - now, 1)) if start_at is not None else None,
                 "shards": [
                     {
                         "id": s.id,
