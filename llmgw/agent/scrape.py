@@ -27,12 +27,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from twisted.application.service import Service
 from twisted.internet import defer, error
 from twisted.internet.endpoints import HostnameEndpoint, TCP4ClientEndpoint, TCP6ClientEndpoint
 from twisted.internet.interfaces import IDelayedCall
 from twisted.internet.protocol import Protocol
-from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.iweb import IAgentEndpointFactory
@@ -42,6 +40,7 @@ from llmgw.agent.shard import DRAINING, READY, Shard
 from llmgw.agent.supervisor import Supervisor
 from llmgw.api.v1 import agent_pb2 as pb
 from llmgw.engines import SIGNALS, MetricsError, normalise
+from llmgw.periodic import Periodic
 from llmgw.routing import EngineSignals
 
 #: Seconds between scrapes of one shard.
@@ -253,7 +252,7 @@ def _describe(failure: Failure) -> str:
     return str(e) or type(e).__name__
 
 
-class Scraper(Service):
+class Scraper(Periodic):
     """
     Scrapes the supervisor's ready shards. C{host()} is the address to dial
     (the one the agent advertises); C{fetch(url)} returns a Deferred of the
@@ -285,31 +284,16 @@ class Scraper(Service):
         #: told once (L{llmgw.agent.sleep.Sleeper.take_refusal}).
         self.sleep_refused: Callable[[str], str] = lambda shard_id: ""
         self._in_flight: set[str] = set()
-        self._loop: LoopingCall | None = None
         #: One-off checks due when a standstill would reach its threshold
         #: between two scrapes.
         self._checks: dict[str, IDelayedCall] = {}
 
-    def startService(self) -> None:
-        super().startService()
-        self._loop = LoopingCall(self._tick_safely)
-        self._loop.clock = self.clock
-        self._loop.start(self.interval, now=False)
-
     def stopService(self) -> Any:
-        super().stopService()
-        if self._loop is not None and self._loop.running:
-            self._loop.stop()
         for check in self._checks.values():
             if check.active():
                 check.cancel()
         self._checks.clear()
-
-    def _tick_safely(self) -> None:
-        try:
-            self.tick()
-        except Exception:
-            self.log.failure("an engine scrape pass failed; the next one goes on")
+        return super().stopService()
 
     def tick(self) -> None:
         """

@@ -66,9 +66,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from twisted.application.service import Service
 from twisted.internet import defer
-from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
@@ -78,6 +76,7 @@ from llmgw.agent.scrape import Scraper
 from llmgw.agent.shard import FAILED, STOPPED, Shard
 from llmgw.agent.state import ShardSpec
 from llmgw.agent.supervisor import Supervisor
+from llmgw.periodic import Periodic
 from llmgw.states import ShardState
 
 #: Seconds between looks.
@@ -102,7 +101,7 @@ class SleepState:
     slept_at: float = 0.0
 
 
-class Sleeper(Service):
+class Sleeper(Periodic):
     """
     Watches and sleeps the supervisor's sleeping-capable shards (see the
     module). C{call(method, url, body)} makes an HTTP call and fires with
@@ -110,6 +109,7 @@ class Sleeper(Service):
     """
 
     log = Logger()
+    failed = "a pass over the sleeping engines failed; the next one goes on"
 
     def __init__(
         self,
@@ -135,19 +135,6 @@ class Sleeper(Service):
         self.refused: dict[str, str] = {}
         #: The starts waiting for their lenders' engines (L{confirm}).
         self.confirming: dict[str, ShardSpec] = {}
-        self._loop: LoopingCall | None = None
-
-    def startService(self) -> None:
-        super().startService()
-        self._loop = LoopingCall(self._tick_safely)
-        self._loop.clock = self.clock
-        self._loop.start(self.interval, now=False)
-
-    def stopService(self) -> Any:
-        super().stopService()
-        if self._loop is not None and self._loop.running:
-            self._loop.stop()
-        return None
 
     def state_of(self, shard_id: str) -> tuple[bool | None, str]:
         """
@@ -176,12 +163,6 @@ class Sleeper(Service):
             return True
         st = self.states.get(spec.shard_id)
         return st is not None and st.sleeping is True
-
-    def _tick_safely(self) -> None:
-        try:
-            self.tick()
-        except Exception:
-            self.log.failure("a pass over the sleeping engines failed; the next one goes on")
 
     def tick(self) -> None:
         now = self.clock.seconds()

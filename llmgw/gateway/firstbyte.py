@@ -27,10 +27,10 @@ from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter
 from twisted.application.service import Service
-from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
 from llmgw.gateway.unstarted import Unstarted
+from llmgw.periodic import Periodic
 
 #: The fewest waiting requests that make a replica stalled.
 DEFAULT_COUNT = 3
@@ -152,7 +152,7 @@ class FirstByteWatch:
         self.unstarted.move(replica_id)
 
 
-class _Checks(Service):
+class _Checks(Periodic):
     """
     Runs C{check} every C{interval} seconds on C{clock} while running. Unlike
     Twisted's C{TimerService}, stopping it when it never started (its
@@ -160,30 +160,15 @@ class _Checks(Service):
     """
 
     log = Logger(namespace="llmgw.gateway.firstbyte")
+    failed = "checking for stalled replicas failed; the next check runs as usual"
 
     def __init__(self, interval: float, check: Any, clock: Any):
         self.interval = interval
         self.check = check
         self.clock = clock
-        self._loop: LoopingCall | None = None
 
-    def _safely(self) -> None:
-        try:
-            self.check()
-        except Exception:
-            self.log.failure("checking for stalled replicas failed; the next check runs as usual")
-
-    def startService(self) -> None:
-        super().startService()
-        loop = self._loop = LoopingCall(self._safely)
-        loop.clock = self.clock
-        loop.start(self.interval, now=False)
-
-    def stopService(self) -> Any:
-        loop, self._loop = self._loop, None
-        if loop is not None and loop.running:
-            loop.stop()
-        return super().stopService()
+    def tick(self) -> None:
+        self.check()
 
 
 def watch_service(watch: FirstByteWatch, clock: Any) -> Service:
