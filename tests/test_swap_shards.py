@@ -312,7 +312,8 @@ class SwapShardsReconcilerTests(SynchronousTestCase):
         """
         When only one node's worth may be taken (the other node holds a
         more important model), no replica is taken at all: half the room
-        would serve nobody.
+        would serve nobody. Nor are the gateways told to keep its
+        requests for room (room_s) that no set of replicas could make.
         """
         f = fleet({"a": ("one", 0), "b": ("one", 9), "want": ("pair", 5)})
         self.fill(f, "a", "b")
@@ -322,6 +323,26 @@ class SwapShardsReconcilerTests(SynchronousTestCase):
         self.assertEqual(self.swaps(f), [])
         self.assertEqual(len(f.ready_replicas("a")), 1)
         self.assertTrue(f.rec.ctx.deps["want"].unplaceable)
+        self.assertEqual(f.rec.ctx.room, {})
+        limits = f.rec.routing_table.queue_limits("want")
+        self.assertFalse(limits is not None and limits.room_s)
+
+    def test_room_while_a_stay_runs_for_spread_model(self) -> None:
+        """
+        A two-shard model whose only set is replicas still within their
+        min_resident_s: nothing is taken yet, its requests are told of
+        room, and once the stays are over the set is taken.
+        """
+        f = fleet({"a": ("one", 0), "b": ("one", 0), "want": ("pair", 5)}, resident=600)
+        self.fill(f, "a", "b")
+        f.rec.report_demand("gw", {"want": Demand(0, 1)})
+        f.step()
+        self.assertEqual(self.swaps(f), [])
+        self.assertEqual(f.rec.ctx.room, {"want": 70.0})
+        f.step(seconds=600)
+        f.rec.report_demand("gw", {"want": Demand(0, 1)})
+        f.step()
+        self.assertEqual(len(self.swaps(f)), 2)
 
 
 class SpreadSleepTests(SynchronousTestCase):

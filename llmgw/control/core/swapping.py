@@ -58,7 +58,9 @@ take once its stay is over), C{ctx.room} names it with the most its
 waiting requests may need past their queue timeout: its profile's startup
 timeout plus the longest drain of the replicas that may be taken (and
 L{SLEEP_BOUND_S} more once replicas were put to sleep for it, in case that
-gives way to taking). The
+gives way to taking); none for a model no set of replicas could make room
+for even once every stay is over (a two-node model with only one node's
+worth of takeable replicas, say). The
 gateways learn it with the queue limits (L{queue_limits}) and keep such
 requests waiting that much longer, so a request is not refused only
 because a drain and a cold start took longer than its queue timeout.
@@ -312,6 +314,9 @@ class Swapping:
         #: Models room was made for by sleep, until their replica is ready
         #: or nothing of theirs is left to wait for.
         self.slept_for: set[str] = set()
+        #: Wanting models no set of replicas could make room for, even once
+        #: every stay is over: their requests gain nothing by waiting longer.
+        self.no_set: set[str] = set()
 
     def tick(self, ctx: Context, scalers: dict[str, ScalerState], connected: Callable[[], set[str]],
              now: float, out: Outcome) -> None:
@@ -333,6 +338,7 @@ class Swapping:
         # the bound) says nothing of the next ask.
         ctx.sleep_refused.clear()
         self.unslept &= st.replicas.keys()
+        self.no_set = {m for m in self.no_set if m in ctx.deps and ctx.deps[m].unplaceable}
         wanting = [
             dep for model, dep in ctx.catalog.deployments.items()
             if ctx.deps[model].unplaceable and model not in self.pending
@@ -365,6 +371,7 @@ class Swapping:
             profile = ctx.profile(dep.profile)
             drains = [drain for priority, drain in givers if priority <= dep.multiplex.priority]
             waiting = (ctx.deps[model].unplaceable_since is not None and bool(drains)
+                       and model not in self.no_set
                        and profile is not None and (profile.shards == 1 or bool(profile.fabric))
                        and len(active) < ctx.desired.get(model, dep.replicas))
             if model in self.incoming and not (active or waiting or model in self.pending):
@@ -400,7 +407,11 @@ class Swapping:
         borrowing = {b for d in st.displaced for b in st.replicas[d].displaced_by}
         if self._sleep_room(ctx, want, profile, free, scalers, borrowing, now, out):
             return
-        residents, spare = [], {}
+        # residents: those that may be taken now; later: those too, and
+        # those that may be once ready and past their stay.
+        residents: list[Resident] = []
+        later: list[Resident] = []
+        spare = {}
         for dep in ctx.catalog.deployments.values():
             rules = dep.multiplex
             if (dep.model == want.model or not rules.evictable or dep.autoscale is None
@@ -415,19 +426,29 @@ class Swapping:
                 leader = rep.shards.get(0)
                 # One called back from lending for its own waiting requests
                 # (L{lending.reclaim}) is about to be woken for them.
-                if (rep.phase != Phase.ACTIVE or rep.ready_since is None or leader is None or rep.displaced_by
-                        or rid in borrowing or rid in st.called_back or now - rep.ready_since < rules.min_resident_s):
+                if (rep.phase != Phase.ACTIVE or leader is None or rep.displaced_by
+                        or rid in borrowing or rid in st.called_back):
                     continue
                 gpus: dict[str, int] = {}
                 for shard in rep.shards.values():
                     if shard.node_id in free:
                         gpus[shard.node_id] = gpus.get(shard.node_id, 0) + _fitting(ctx, shard.node_id, shard.gpus,
                                                                                     profile)
-                residents.append(Resident(rid, dep.model, leader.node_id, gpus, bool(asleep(rep)),
-                                          rules.priority, used, rep.created_at))
+                resident = Resident(rid, dep.model, leader.node_id, gpus, bool(asleep(rep)),
+                                    rules.priority, used, rep.created_at)
+                later.append(resident)
+                if rep.ready_since is not None and now - rep.ready_since >= rules.min_resident_s:
+                    residents.append(resident)
         chosen = choose(free, profile.gpus_per_shard, residents, spare, profile.shards)
         if chosen is None:
+            if len(later) == len(residents) or choose(free, profile.gpus_per_shard, later, spare,
+                                                      profile.shards) is None:
+                # No room_s for it (L{_note_room}): waiting would not help.
+                self.no_set.add(want.model)
+            else:
+                self.no_set.discard(want.model)
             return
+        self.no_set.discard(want.model)
         nodes, taken = chosen
         where = f"node{'s' if len(nodes) > 1 else ''} {', '.join(nodes)}"
         self.pending[want.model] = frozenset(r.id for r in taken)
