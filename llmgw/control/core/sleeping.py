@@ -71,6 +71,8 @@ def record(ctx: Context, store: SignalStore, node_id: str, msgs: Iterable[Any], 
             ctx.sleep_refused[shard.replica_id] = m.sleep_refused[:REFUSAL_CHARS]
     for gone in [r for r in ctx.sleeping_since if r not in st.replicas]:
         del ctx.sleeping_since[gone]
+    for gone in [r for r in ctx.sleep_refused if r not in st.replicas]:
+        del ctx.sleep_refused[gone]
     for shard in leaders:
         sig = shard.signals
         now_asleep = sig.sleeping if sig is not None else None

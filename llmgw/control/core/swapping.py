@@ -338,7 +338,7 @@ class Swapping:
         # the bound) says nothing of the next ask.
         ctx.sleep_refused.clear()
         self.unslept &= st.replicas.keys()
-        self.no_set = {m for m in self.no_set if m in ctx.deps and ctx.deps[m].unplaceable}
+        self.no_set = {m for m in self.no_set if m in ctx.catalog.deployments and ctx.deps[m].unplaceable}
         wanting = [
             dep for model, dep in ctx.catalog.deployments.items()
             if ctx.deps[model].unplaceable and model not in self.pending
