@@ -22,15 +22,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
-from typing import Any, Final
+from typing import Final
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
-from twisted.application.service import Service
 from twisted.internet.interfaces import IReactorTime
-from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
+
+from llmgw.periodic import Periodic
 
 #: Where Linux tells a process its memory, in pages: size, resident, ...
 STATM: Final = "/proc/self/statm"
@@ -77,7 +77,7 @@ def check_readable(path: str = STATM) -> None:
         ) from None
 
 
-class MemoryCeiling(Service):
+class MemoryCeiling(Periodic):
     """
     Whether a process is over its memory ceiling: C{shedding} turns C{True}
     when the RSS reaches C{high} of C{limit} bytes, and C{False} again under
@@ -90,6 +90,7 @@ class MemoryCeiling(Service):
     """
 
     log = Logger()
+    at_start = True
 
     def __init__(
         self,
@@ -119,7 +120,6 @@ class MemoryCeiling(Service):
         self.shed = 0
         self._shed_now = 0
         self._read_failed = False
-        self._loop: LoopingCall | None = None
 
     def refused(self) -> None:
         """
@@ -159,18 +159,8 @@ class MemoryCeiling(Service):
                 what=self.what, rss=rss // _MIB, low=self.low // _MIB, shed=self._shed_now,
             )
 
-    def startService(self) -> None:
-        super().startService()
-        loop = self._loop = LoopingCall(self.poll)
-        loop.clock = self.clock
-        # poll() handles its own failures, so the loop never stops on one.
-        loop.start(self.interval, now=True)
-
-    def stopService(self) -> Any:
-        if self._loop is not None and self._loop.running:
-            self._loop.stop()
-        self._loop = None
-        return super().stopService()
+    def tick(self) -> None:
+        self.poll()
 
     def register(self, registry: CollectorRegistry, prefix: str = "llmgw_gateway") -> None:
         """

@@ -16,14 +16,13 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Final
 
-from twisted.application.service import Service
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
-from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
 from llmgw.memceiling import read_rss
+from llmgw.periodic import Periodic
 
 #: A burst smaller than this is not worth a trim (its memory is reused).
 TRIM_THRESHOLD: Final = 16 * 1024 * 1024
@@ -109,7 +108,7 @@ WATCH_INTERVAL: Final = 10.0
 WATCH_GROWTH: Final = 32 * 1024 * 1024
 
 
-class GrowthTrimmer(Service):
+class GrowthTrimmer(Periodic):
     """
     Trims after any burst, not only the queue's: every C{interval}
     seconds it reads the process's resident memory, and when that is
@@ -120,6 +119,7 @@ class GrowthTrimmer(Service):
     """
 
     log = Logger()
+    at_start = True
 
     def __init__(
         self,
@@ -136,7 +136,6 @@ class GrowthTrimmer(Service):
         self.growth = growth
         self.trims = 0
         self.floor: int | None = None
-        self._loop: LoopingCall | None = None
 
     def look(self) -> None:
         """
@@ -159,17 +158,8 @@ class GrowthTrimmer(Service):
             self.log.failure("returning freed memory to the system failed")
             self.floor = rss
 
-    def startService(self) -> None:
-        super().startService()
-        loop = self._loop = LoopingCall(self.look)
-        loop.clock = self.clock
-        loop.start(self.interval, now=True)
-
-    def stopService(self) -> Any:
-        loop, self._loop = self._loop, None
-        if loop is not None and loop.running:
-            loop.stop()
-        return super().stopService()
+    def tick(self) -> None:
+        self.look()
 
 
 def growth_trimmer(clock: IReactorTime) -> GrowthTrimmer | None:

@@ -15,8 +15,8 @@ from twisted.logger import Logger
 class Periodic(Service):
     """
     Calls L{tick} every C{interval} seconds on C{clock} (both set by the
-    subclass before it starts), the first an interval after it starts. A
-    tick that raises is logged with L{failed} and the next one runs as
+    subclass before it starts), the first an interval after it starts, or
+    as it starts with L{at_start}. A tick that raises is logged with L{failed} and the next one runs as
     usual: a bare C{LoopingCall} would stop at its first failure.
     """
 
@@ -25,6 +25,8 @@ class Periodic(Service):
     interval: float
     #: The log line of a failed tick.
     failed = "a periodic pass failed; the next one goes on"
+    #: Whether the first tick runs as the service starts.
+    at_start = False
     _loop: LoopingCall | None = None
 
     def tick(self) -> None:
@@ -40,7 +42,7 @@ class Periodic(Service):
         super().startService()
         loop = self._loop = LoopingCall(self._tick_safely)
         loop.clock = self.clock
-        loop.start(self.interval, now=False)
+        loop.start(self.interval, now=self.at_start)
 
     def stopService(self) -> Any:
         loop, self._loop = self._loop, None

@@ -1,6 +1,6 @@
 """
-L{llmgw.periodic.Periodic}: the loop the agent's scraper and sleeper and
-the gateway's first-byte checks run on.
+L{llmgw.periodic.Periodic}: the loop the agent's scraper and sleeper, the
+gateway's first-byte checks and the memory ceiling and trimmer run on.
 """
 
 from __future__ import annotations
@@ -41,6 +41,18 @@ class PeriodicTests(SynchronousTestCase):
         s.stopService()
         clock.advance(10.0)
         self.assertEqual((s.ticks, s.running), (2, 0))
+
+    def test_at_start(self) -> None:
+        """
+        With C{at_start}, the first tick runs as the service starts.
+        """
+        clock = Clock()
+        s = Counting(clock, 2.0)
+        s.at_start = True
+        s.startService()
+        self.assertEqual(s.ticks, 1)
+        clock.advance(2.0)
+        self.assertEqual(s.ticks, 2)
 
     def test_failure_logged_and_goes_on(self) -> None:
         """
