@@ -339,8 +339,9 @@ def main(argv: list[str] | None = None) -> int:
                     one["floor"] = run_fleet(f"floor-{r}", args, certs, workdir, floor)
                     for c in floor:
                         c.stop()
-                    one["bar"]["floor_ratio"] = join_bars(one["preissued"], one["floor"])["ratio"]
-                    one["bar"]["floor_cpu_ratio"] = join_bars(one["preissued"], one["floor"])["cpu_ratio"]
+                    floor_bar = join_bars(one["preissued"], one["floor"])
+                    one["bar"]["floor_ratio"] = floor_bar["ratio"]
+                    one["bar"]["floor_cpu_ratio"] = floor_bar["cpu_ratio"]
                 rounds.append(one)
             result["rounds"] = rounds
             median = statistics.median(r["bar"]["ratio"] or float("inf") for r in rounds)

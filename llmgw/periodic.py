@@ -16,8 +16,9 @@ class Periodic(Service):
     """
     Calls L{tick} every C{interval} seconds on C{clock} (both set by the
     subclass before it starts), the first an interval after it starts, or
-    as it starts with L{at_start}. A tick that raises is logged with L{failed} and the next one runs as
-    usual: a bare C{LoopingCall} would stop at its first failure.
+    as it starts with L{at_start}. A tick that raises is logged with
+    L{failed} and the next one runs as usual: a bare C{LoopingCall} would
+    stop at its first failure.
     """
 
     log = Logger()

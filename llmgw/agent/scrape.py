@@ -260,6 +260,7 @@ class Scraper(Periodic):
     """
 
     log = Logger()
+    failed = "an engine scrape pass failed; the next one goes on"
 
     def __init__(
         self,
